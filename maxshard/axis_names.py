@@ -1,0 +1,32 @@
+"""Logical axis names, defined once. Layers name dimensions with these; `logical_axis_rules` maps them to mesh axes.
+
+Parameter dimensions and activation dimensions have separate names, because a weight and the activation it
+produces are often laid out differently (FSDP shards a kernel's "embed" dimension but not the activation's).
+"""
+
+# ---- parameter dimensions
+LAYERS = "layers"  # leading axis of scanned layer stacks
+CIRCULAR_REPEATS = "circular_repeats"  # leading axis of a circular pipeline's repeats
+VOCAB = "vocab"
+EMBED = "embed"
+MLP = "mlp"
+HEADS = "heads"
+KV_HEADS = "kv_heads"
+KV = "kv"  # head_dim
+NORM = "norm"
+EXP = "exp"  # experts
+
+# ---- activation dimensions
+BATCH = "activation_batch"
+BATCH_NO_EXP = "activation_batch_no_exp"  # batch where the expert axis already holds experts
+EMBED_AND_LOGITS_BATCH = "activation_embed_and_logits_batch"  # batch outside the pipeline (may use stage too)
+LENGTH = "activation_length"
+NORM_LENGTH = "activation_norm_length"
+ACT_EMBED = "activation_embed"
+ACT_HEADS = "activation_heads"
+ACT_KV_HEADS = "activation_kv_heads"
+ACT_KV = "activation_kv"
+ACT_MLP = "activation_mlp"
+ACT_VOCAB = "activation_vocab"
+ACT_EXP = "activation_exp"
+ACT_STAGE = "activation_stage"

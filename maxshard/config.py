@@ -1,0 +1,386 @@
+"""YAML files + `key=value` overrides -> one frozen, validated `Config`.
+
+Why a frozen dataclass and not pydantic: it is in the standard library (no new dependency), the field types read as
+documentation, and freezing it means no code can mutate configuration behind another module's back. The schema
+lives in `maxshard/config_schema.py`; this module only loads, merges, coerces and derives.
+
+Precedence, lowest first: the `base_config:` chain of YAML files (root first, the file on the command line last),
+the model preset (`model_name` -> `models/NAME.yml` beside a file of the chain), then `key=value` overrides. `mesh_rules` are applied last, for keys the command line did not set.
+Every user mistake raises `ConfigError` with one line that names the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import re
+import typing
+from collections.abc import Sequence
+from typing import Any
+
+import yaml
+
+from maxshard.config_schema import MESH_AXES, Config, ConfigError, knob_name
+
+__all__ = ["Config", "ConfigError", "MESH_AXES", "knob_name", "load", "parse", "finalize", "user_keys"]
+
+_HINTS = typing.get_type_hints(Config)
+_FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+
+
+def user_keys() -> tuple[str, ...]:
+    """Keys a user may set (derived fields are computed, never set)."""
+    return tuple(name for name, f in _FIELDS.items() if not f.metadata.get("derived"))
+
+
+# --------------------------------------------------------------------------------------------- YAML files
+
+
+def _read_yaml(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or type(e).__name__
+        raise ConfigError(f"invalid YAML in {path}{where}: {problem}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read config file {path}: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of key: value, not {type(data).__name__}")
+    return data
+
+
+def _file_chain(path: str) -> list[tuple[str, dict[str, Any]]]:
+    """The file and its `base_config:` ancestors, root first."""
+    chain: list[tuple[str, dict[str, Any]]] = []
+    seen: set[str] = set()
+    current: str | None = path
+    while current is not None:
+        real = os.path.realpath(current)
+        if real in seen:
+            raise ConfigError(f"base_config cycle: {current} is its own ancestor")
+        seen.add(real)
+        data = _read_yaml(current)
+        parent = data.pop("base_config", None)
+        chain.append((current, data))
+        if parent is None:
+            current = None
+        elif not isinstance(parent, str):
+            raise ConfigError(f"base_config in {current} must be a file path")
+        else:
+            current = os.path.join(os.path.dirname(current), parent)
+    return list(reversed(chain))
+
+
+def _model_file(model_name: str, chain: list[tuple[str, dict[str, Any]]]) -> str:
+    """`configs/models/NAME.yml` next to any file of the chain (nearest to the command line first), or a path."""
+    if model_name.endswith((".yml", ".yaml")):
+        return model_name
+    for path, _ in reversed(chain):
+        candidate = os.path.join(os.path.dirname(path), "models", f"{model_name}.yml")
+        if os.path.isfile(candidate):
+            return candidate
+    presets = sorted(
+        {name[:-4] for path, _ in chain for name in _listdir(os.path.join(os.path.dirname(path), "models"))}
+    )
+    raise ConfigError(f"model_name={model_name!r} has no preset; available: {', '.join(presets) or 'none'}")
+
+
+def _listdir(path: str) -> list[str]:
+    return [n for n in os.listdir(path) if n.endswith(".yml")] if os.path.isdir(path) else []
+
+
+# --------------------------------------------------------------------------------------------- coercion
+
+
+def _unknown_key(key: str, source: str) -> ConfigError:
+    close = difflib.get_close_matches(key, user_keys(), n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(close)}?" if close else "; see configs/base.yml for every key"
+    if key in _FIELDS:
+        return ConfigError(f"{key} is derived and cannot be set (from {source})")
+    return ConfigError(f"unknown key {key!r} (from {source}){hint}")
+
+
+def _type_name(hint: Any) -> str:
+    if typing.get_origin(hint) is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
+    return getattr(hint, "__name__", str(hint))
+
+
+def _coerce(key: str, value: Any, source: str) -> Any:
+    """Checks `value` against the declared type of `key` and converts where that loses nothing."""
+    hint = _HINTS[key]
+    special = _SPECIAL_PARSERS.get(key)
+    if special is not None:
+        return special(value, source)
+    result = _coerce_scalar(hint, value)
+    if result is _INVALID:
+        raise ConfigError(f"{key} expects {_type_name(hint)}, got {value!r} (from {source})")
+    return result
+
+
+_INVALID = object()
+
+
+def _coerce_scalar(hint: Any, value: Any) -> Any:
+    if typing.get_origin(hint) is typing.Literal:
+        return value if value in typing.get_args(hint) and not isinstance(value, bool) else _INVALID
+    if hint is bool:
+        return value if isinstance(value, bool) else _INVALID
+    if hint is int:
+        if isinstance(value, bool):
+            return _INVALID
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        return value if isinstance(value, int) else _INVALID
+    if hint is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
+            try:
+                value = float(value)
+            except ValueError:
+                return _INVALID
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return _INVALID
+        return float(value)
+    if hint is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        return _INVALID
+    raise TypeError(f"unsupported config type {hint}")
+
+
+def _parse_logical_rules(value: Any, source: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """`[[logical_name, mesh_axis | [mesh_axes] | null], ...]` -> ((name, (axes...)), ...)."""
+    where = f"logical_axis_rules (from {source})"
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{where} must be a list of [logical_name, mesh_axes] pairs")
+    rules = []
+    for i, rule in enumerate(value):
+        if not isinstance(rule, (list, tuple)) or len(rule) != 2 or not isinstance(rule[0], str):
+            raise ConfigError(f"{where}: rule {i} must be [logical_name, mesh_axes], got {rule!r}")
+        name, axes = rule
+        if axes is None:
+            axes = ()
+        elif isinstance(axes, str):
+            axes = (axes,)
+        elif not isinstance(axes, (list, tuple)) or not all(isinstance(a, str) for a in axes):
+            raise ConfigError(f"{where}: rule {name!r} must map to a mesh axis, a list of them or null, got {axes!r}")
+        for axis in axes:
+            if axis not in MESH_AXES:
+                raise ConfigError(f"{where}: rule {name!r} names unknown mesh axis {axis!r}; mesh axes: {', '.join(MESH_AXES)}")
+        dups = sorted({a for a in axes if axes.count(a) > 1})
+        if dups:
+            raise ConfigError(f"{where}: rule {name!r} uses mesh axis {dups[0]!r} twice")
+        rules.append((name, tuple(axes)))
+    return tuple(rules)
+
+
+def _parse_mesh_rules(value: Any, source: str) -> tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]:
+    """`[[regex, {key: value, ...}], ...]`; each override is checked like any other key."""
+    where = f"mesh_rules (from {source})"
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{where} must be a list of [regex, {{key: value}}] pairs")
+    rules = []
+    for i, rule in enumerate(value):
+        if not isinstance(rule, (list, tuple)) or len(rule) != 2 or not isinstance(rule[0], str):
+            raise ConfigError(f"{where}: rule {i} must be [regex, {{key: value}}], got {rule!r}")
+        pattern, overrides = rule
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ConfigError(f"{where}: rule {i} has an invalid regex {pattern!r}: {e}") from None
+        if not isinstance(overrides, dict):
+            raise ConfigError(f"{where}: rule {i} ({pattern!r}) must map to {{key: value}}")
+        checked = []
+        for key, val in overrides.items():
+            if key in ("mesh_rules", "mesh_selector", "model_name") or key not in user_keys():
+                raise ConfigError(f"{where}: rule {pattern!r} cannot set {key!r}")
+            checked.append((key, _coerce(key, val, f"mesh_rules {pattern!r}")))
+        rules.append((pattern, tuple(checked)))
+    return tuple(rules)
+
+
+_SPECIAL_PARSERS = {"logical_axis_rules": _parse_logical_rules, "mesh_rules": _parse_mesh_rules}
+
+
+def _parse_override(token: str) -> tuple[str, Any]:
+    if "=" not in token:
+        raise ConfigError(f"expected key=value after the config file, got {token!r}")
+    key, raw = token.split("=", 1)
+    key = key.strip()
+    if key not in user_keys():
+        raise _unknown_key(key, "command line")
+    hint = _HINTS[key]
+    if hint is str:  # keep text exactly as typed: run_name=007 stays "007"
+        return key, raw
+    try:
+        value = yaml.safe_load(raw)
+    except Exception as e:  # noqa: BLE001 - any YAML failure is a user mistake
+        raise ConfigError(f"{key}={raw!r} is not a valid YAML value: {type(e).__name__}") from None
+    return key, value
+
+
+# --------------------------------------------------------------------------------------------- load
+
+
+def parse(argv: Sequence[str]) -> Config:
+    """`[path.yml, key=value, ...]` -> Config with user keys set and derived fields still empty."""
+    if not argv:
+        raise ConfigError("usage: python -m maxshard.train CONFIG.yml [key=value ...]")
+    path, tokens = argv[0], argv[1:]
+    overrides: dict[str, Any] = {}
+    for token in tokens:
+        key, value = _parse_override(token)
+        if key in overrides:
+            raise ConfigError(f"{key} is given twice on the command line")
+        overrides[key] = value
+
+    chain = _file_chain(path)
+    values: dict[str, Any] = {}
+    for file_path, data in chain:
+        _merge_file(values, data, file_path)
+    model_name = overrides.get("model_name", values.get("model_name", ""))
+    if model_name:
+        model_path = _model_file(str(model_name), chain)
+        model_values: dict[str, Any] = {}
+        _merge_file(model_values, _read_yaml(model_path), model_path)
+        values.update(model_values)
+        allow = overrides.get("override_model_config", values.get("override_model_config", False)) is True
+        if not allow:
+            _check_model_conflicts(model_values, overrides, model_path)
+    for key, value in overrides.items():
+        values[key] = _coerce(key, value, "command line")
+    values["explicit_keys"] = tuple(sorted(overrides))
+    return _check_ranges(Config(**values))
+
+
+def _merge_file(values: dict[str, Any], data: dict[str, Any], path: str) -> None:
+    for key, value in data.items():
+        if key not in user_keys():
+            raise _unknown_key(str(key), path)
+        values[key] = _coerce(key, value, path)
+
+
+def _check_model_conflicts(model_values: dict[str, Any], overrides: dict[str, Any], model_path: str) -> None:
+    for key, value in overrides.items():
+        if key in model_values and _coerce(key, value, "command line") != model_values[key]:
+            raise ConfigError(
+                f"{key} is set by model preset {model_path} ({model_values[key]!r}) and on the command line "
+                f"({value!r}); add override_model_config=true to let the command line win"
+            )
+
+
+def finalize(cfg: Config, num_devices: int, device_kind: str = "cpu", num_processes: int = 1) -> Config:
+    """Applies `mesh_rules` for this hardware and computes the derived fields."""
+    cfg = _apply_mesh_rules(cfg, f"{device_kind}-{num_devices}")
+    global_batch = cfg.per_device_batch_size * num_devices
+    if not math.isclose(global_batch, round(global_batch)) or round(global_batch) < 1:
+        raise ConfigError(
+            f"per_device_batch_size={cfg.per_device_batch_size} x {num_devices} devices = {global_batch:g} "
+            "is not a whole global batch of at least 1"
+        )
+    schedule_steps = cfg.learning_rate_schedule_steps if cfg.learning_rate_schedule_steps > 0 else cfg.steps
+    run_dir = os.path.join(cfg.base_output_directory, cfg.run_name)
+    return dataclasses.replace(
+        cfg,
+        num_devices=num_devices,
+        num_processes=num_processes,
+        device_kind=device_kind,
+        global_batch_size=int(round(global_batch)),
+        schedule_steps=schedule_steps,
+        warmup_steps=int(cfg.warmup_steps_fraction * schedule_steps),
+        run_dir=run_dir,
+        checkpoint_dir=os.path.join(run_dir, "checkpoints"),
+        tensorboard_dir=os.path.join(run_dir, "tensorboard"),
+    )
+
+
+def _apply_mesh_rules(cfg: Config, detected: str) -> Config:
+    selector = cfg.mesh_selector or detected
+    for pattern, overrides in cfg.mesh_rules:
+        if re.search(pattern, selector):
+            chosen = {k: v for k, v in overrides if k not in cfg.explicit_keys}
+            return _check_ranges(dataclasses.replace(cfg, **chosen, mesh_rule_applied=pattern))
+    return cfg
+
+
+def load(argv: Sequence[str], num_devices: int | None = None, device_kind: str | None = None) -> Config:
+    """parse + finalize. Without `num_devices`, asks JAX (after applying `cpu_device_count`)."""
+    cfg = parse(argv)
+    if num_devices is None:
+        import jax  # deferred: parsing alone must not start a backend
+
+        if cfg.cpu_device_count > 0:
+            _simulate_cpu_devices(jax, cfg.cpu_device_count)
+        num_devices = jax.device_count()
+        device_kind = jax.devices()[0].device_kind
+        return finalize(cfg, num_devices, device_kind, jax.process_count())
+    return finalize(cfg, num_devices, device_kind or "cpu")
+
+
+def _simulate_cpu_devices(jax: Any, count: int) -> None:
+    """Applies `cpu_device_count`; it only works before JAX starts a backend."""
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError:
+        if jax.devices()[0].platform == "cpu" and jax.device_count() != count:
+            raise ConfigError(
+                f"cpu_device_count={count} cannot take effect: JAX already started with {jax.device_count()} devices"
+            ) from None
+
+
+# --------------------------------------------------------------------------------------------- ranges
+
+
+def _check_ranges(cfg: Config) -> Config:
+    """Values that type-check but make no sense; each message names the key and the allowed range."""
+    for key, low in _POSITIVE_INTS.items():
+        value = getattr(cfg, key)
+        if value < low:
+            raise ConfigError(f"{key} must be >= {low}, got {value}")
+    for key in _FINITE_FLOATS:
+        value = getattr(cfg, key)
+        if not math.isfinite(value):
+            raise ConfigError(f"{key} must be a finite number, got {value}")
+    if not cfg.per_device_batch_size > 0:
+        raise ConfigError(f"per_device_batch_size must be > 0, got {cfg.per_device_batch_size}")
+    if not 0 <= cfg.warmup_steps_fraction <= 1:
+        raise ConfigError(f"warmup_steps_fraction must be in [0, 1], got {cfg.warmup_steps_fraction}")
+    if not cfg.run_name or "/" in cfg.run_name:
+        raise ConfigError(f"run_name must be a non-empty name without '/', got {cfg.run_name!r}")
+    for axis in MESH_AXES:
+        for family in ("ici", "dcn"):
+            value = getattr(cfg, knob_name(family, axis))
+            if value == 0 or value < -1:
+                raise ConfigError(f"{knob_name(family, axis)} must be a positive size or -1 (fill), got {value}")
+    return cfg
+
+
+_POSITIVE_INTS = {
+    "steps": 1,
+    "log_period": 1,
+    "num_slices": 1,
+    "cpu_device_count": 0,
+    "gradient_accumulation_steps": 1,
+    "eval_period": 0,
+    "eval_steps": 1,
+    "emb_dim": 1,
+    "num_layers": 1,
+    "num_heads": 1,
+    "num_kv_heads": 1,
+    "head_dim": 1,
+    "mlp_dim": 1,
+    "max_target_length": 1,
+    "vocab_size": 0,
+    "vocab_size_multiple": 1,
+}
+_FINITE_FLOATS = ("learning_rate", "weight_decay", "max_grad_norm", "adam_b1", "adam_b2", "adam_eps",
+                  "per_device_batch_size", "cosine_final_fraction")

@@ -1,0 +1,134 @@
+"""The Config type: every key's type and default, in one place.
+
+`configs/base.yml` repeats every user key with a one-line comment; `tests/test_config.py` checks that the two agree
+(same keys, same defaults), so this file stays the single source of truth for types and defaults. Fields marked
+`derived` are computed by `config.finalize` and can never be set by a user.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+# Mesh axes, outermost first. `stage` holds pipeline stages; its knobs are spelled `*_pipeline_parallelism`.
+MESH_AXES = (
+    "data",
+    "stage",
+    "fsdp",
+    "fsdp_transpose",
+    "sequence",
+    "tensor",
+    "tensor_sequence",
+    "expert",
+    "autoregressive",
+)
+
+RematPolicy = Literal["none", "minimal", "full", "save_qkv_proj", "save_out_proj", "save_qkv_out_proj"]
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+LogicalRules = tuple[tuple[str, tuple[str, ...]], ...]
+MeshRules = tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]
+
+
+class ConfigError(ValueError):
+    """A user mistake in the configuration: one line that names the key and what is allowed."""
+
+
+def knob_name(family: str, axis: str) -> str:
+    """`ici`/`dcn` knob of a mesh axis: ("ici", "fsdp") -> "ici_fsdp_parallelism"."""
+    return f"{family}_{'pipeline' if axis == 'stage' else axis}_parallelism"
+
+
+def _derived(default: Any) -> Any:
+    return dataclasses.field(default=default, metadata={"derived": True})
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    # ---- run
+    run_name: str = "default"
+    base_output_directory: str = "runs"
+    steps: int = 300
+    seed: int = 0
+    log_period: int = 10
+    eval_period: int = 100
+    eval_steps: int = 4
+
+    # ---- devices and mesh
+    cpu_device_count: int = 0
+    num_slices: int = 1
+    mesh_selector: str = ""
+    mesh_rules: MeshRules = ()
+    ici_data_parallelism: int = 1
+    ici_pipeline_parallelism: int = 1
+    ici_fsdp_parallelism: int = -1
+    ici_fsdp_transpose_parallelism: int = 1
+    ici_sequence_parallelism: int = 1
+    ici_tensor_parallelism: int = 1
+    ici_tensor_sequence_parallelism: int = 1
+    ici_expert_parallelism: int = 1
+    ici_autoregressive_parallelism: int = 1
+    dcn_data_parallelism: int = -1
+    dcn_pipeline_parallelism: int = 1
+    dcn_fsdp_parallelism: int = 1
+    dcn_fsdp_transpose_parallelism: int = 1
+    dcn_sequence_parallelism: int = 1
+    dcn_tensor_parallelism: int = 1
+    dcn_tensor_sequence_parallelism: int = 1
+    dcn_expert_parallelism: int = 1
+    dcn_autoregressive_parallelism: int = 1
+    logical_axis_rules: LogicalRules = ()
+    check_sharding: bool = False
+    max_replicated_fraction: float = 0.02
+
+    # ---- model
+    model_name: str = ""
+    override_model_config: bool = False
+    vocab_size: int = 0
+    vocab_size_multiple: int = 128
+    emb_dim: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 4
+    head_dim: int = 32
+    mlp_dim: int = 512
+    max_target_length: int = 128
+    logits_via_embedding: bool = False
+    norm_epsilon: float = 1e-6
+    rope_max_timescale: float = 10000.0
+    dtype: DType = "auto"
+    weight_dtype: DType = "float32"
+    scan_layers: bool = True
+    remat_policy: RematPolicy = "full"
+
+    # ---- training
+    per_device_batch_size: float = 2.0
+    gradient_accumulation_steps: int = 1
+    learning_rate: float = 3e-3
+    warmup_steps_fraction: float = 0.05
+    learning_rate_schedule_steps: int = -1
+    cosine_final_fraction: float = 0.1
+    adam_b1: float = 0.9
+    adam_b2: float = 0.95
+    adam_eps: float = 1e-8
+    weight_decay: float = 0.1
+    max_grad_norm: float = 1.0
+
+    # ---- data
+    dataset_type: Literal["text", "array_record", "synthetic"] = "synthetic"
+
+    # ---- derived (set by config.finalize)
+    explicit_keys: tuple[str, ...] = _derived(())
+    mesh_rule_applied: str = _derived("")
+    num_devices: int = _derived(0)
+    num_processes: int = _derived(1)
+    device_kind: str = _derived("")
+    global_batch_size: int = _derived(0)
+    schedule_steps: int = _derived(0)
+    warmup_steps: int = _derived(0)
+    run_dir: str = _derived("")
+    checkpoint_dir: str = _derived("")
+    tensorboard_dir: str = _derived("")
+
+    def parallelism(self, family: str, axis: str) -> int:
+        """The `ici`/`dcn` knob of a mesh axis."""
+        return getattr(self, knob_name(family, axis))
