@@ -30,3 +30,6 @@ ACT_MLP = "activation_mlp"
 ACT_VOCAB = "activation_vocab"
 ACT_EXP = "activation_exp"
 ACT_STAGE = "activation_stage"
+
+# ---- the input batch [batch, length]: sharded like the activations outside the pipeline
+INPUT_AXES = (EMBED_AND_LOGITS_BATCH, LENGTH)

@@ -114,7 +114,20 @@ class Config:
     max_grad_norm: float = 1.0
 
     # ---- data
-    dataset_type: Literal["text", "array_record", "synthetic"] = "synthetic"
+    dataset_type: Literal["text", "array_record", "synthetic"] = "text"
+    dataset_path: str = ""
+    tokenizer_path: str = ""
+    packing: bool = True
+    data_shuffle_seed: int = 0
+    eval_fraction: float = 0.02
+    grain_worker_count: int = 0
+    grain_prefetch: int = 2
+
+    # ---- metrics
+    enable_tensorboard: bool = True
+    profiler: Literal["", "xplane"] = ""
+    profile_start: int = 5
+    profile_steps: int = 3
 
     # ---- derived (set by config.finalize)
     explicit_keys: tuple[str, ...] = _derived(())

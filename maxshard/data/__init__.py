@@ -1,0 +1,50 @@
+"""Input pipelines. Every source yields the same batch: a dict of global jax.Arrays [batch, length]:
+
+    inputs        int32  token ids fed to the model
+    targets       int32  the next token of each input
+    segment_ids   int32  document number inside a packed row (0: padding); attention stays inside a segment
+    positions     int32  position of each token inside its document (RoPE)
+    loss_weights  float32 1 where the target counts in the loss, 0 for padding and document boundaries
+
+Iterators also have `get_state()` / `set_state()` so a checkpoint can resume the exact batch sequence.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+
+from maxshard import axis_names, sharding
+from maxshard.config import Config, ConfigError
+from maxshard.data.synthetic import SyntheticIterator
+
+__all__ = ["InputIterator", "batch_sharding", "make_input"]
+
+
+class InputIterator(Protocol):
+    def __next__(self) -> dict[str, jax.Array]: ...
+
+    def get_state(self) -> dict[str, Any]: ...
+
+    def set_state(self, state: dict[str, Any]) -> None: ...
+
+
+def batch_sharding(cfg: Config, mesh: Mesh, batch_size: int | None = None) -> NamedSharding:
+    """Sharding of an input batch [batch, length]; errors if the batch does not divide over its mesh axes."""
+    shape = (batch_size or cfg.global_batch_size, cfg.max_target_length)
+    spec = sharding.logical_to_spec(
+        axis_names.INPUT_AXES, sharding.flax_rules(cfg), dict(mesh.shape), shape, "input batch [batch, length]"
+    )
+    return NamedSharding(mesh, spec)
+
+
+def make_input(cfg: Config, mesh: Mesh, split: str = "train", batch_size: int | None = None) -> InputIterator:
+    """The iterator for `cfg.dataset_type`; `split` is "train" or "eval"."""
+    batch_size = batch_size or cfg.global_batch_size
+    if cfg.dataset_type == "synthetic":
+        seed = cfg.seed if split == "train" else cfg.seed + 1_000_003
+        return SyntheticIterator(seed, batch_size, cfg.max_target_length, cfg.vocab_size,
+                                 batch_sharding(cfg, mesh, batch_size))
+    raise ConfigError(f"dataset_type={cfg.dataset_type!r} is not available yet")

@@ -1,0 +1,63 @@
+"""DenseGeneral whose kernel is created in its full, multi-dimensional shape.
+
+Flax's `nn.DenseGeneral` creates a flattened 2-D kernel and reshapes it, which breaks logically partitioned
+initialisers for kernels such as [embed, heads, head_dim] under a mesh (see NOTES.md). Here the initialiser sees the
+real shape, so a kernel is born sharded by its logical names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+__all__ = ["DenseGeneral", "default_kernel_init"]
+
+
+def default_kernel_init(num_in: int) -> nn.initializers.Initializer:
+    """Truncated-normal fan-in scaling over the first `num_in` (contracted) dimensions."""
+
+    def init(key: jax.Array, shape: Sequence[int], dtype: jnp.dtype = jnp.float32) -> jax.Array:
+        in_axes = tuple(range(num_in))
+        out_axes = tuple(range(num_in, len(shape)))
+        return nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axes, out_axes)(
+            key, shape, dtype
+        )
+
+    return init
+
+
+class DenseGeneral(nn.Module):
+    """y[..., *features] = x[..., *in] @ kernel[*in, *features], contracting the trailing `num_in` input dims.
+
+    Attributes:
+      features: output feature dims, e.g. (heads, head_dim).
+      kernel_axes: logical names of the kernel, input dims first, e.g. ("embed", "heads", "kv").
+      num_in: how many trailing dims of x are contracted (1 for [.., embed]; 2 for [.., heads, head_dim]).
+    """
+
+    features: tuple[int, ...]
+    kernel_axes: tuple[str, ...]
+    num_in: int = 1
+    dtype: jnp.dtype = jnp.float32
+    weight_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        in_shape = x.shape[-self.num_in :]
+        shape = tuple(in_shape) + tuple(self.features)
+        if len(self.kernel_axes) != len(shape):
+            raise ValueError(f"{self.name}: kernel_axes {self.kernel_axes} do not name a kernel of shape {shape}")
+        kernel = self.param(
+            "kernel",
+            nn.with_logical_partitioning(default_kernel_init(self.num_in), self.kernel_axes),
+            shape,
+            self.weight_dtype,
+        )
+        kernel = jnp.asarray(kernel, self.dtype)
+        x = jnp.asarray(x, self.dtype)
+        batch_dims = x.ndim - self.num_in
+        contract = (tuple(range(batch_dims, x.ndim)), tuple(range(self.num_in)))
+        return jax.lax.dot_general(x, kernel, (contract, ((), ())))

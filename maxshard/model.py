@@ -1,0 +1,88 @@
+"""The decoder-only Transformer, assembled from layers, plus its parameter and FLOP counts.
+
+    inputs [batch, length] -> embed [batch, length, embed] -> decoder blocks -> final RMSNorm
+        -> logits [batch, length, vocab] (float32), through a separate head or the tied embedding.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from maxshard import axis_names as ax
+from maxshard.config import Config
+from maxshard.layers.decoder import Decoder
+from maxshard.layers.embeddings import Embed
+from maxshard.layers.linears import DenseGeneral
+from maxshard.layers.norms import RMSNorm
+from maxshard.sharding import constrain
+
+__all__ = ["Transformer", "compute_dtype", "param_count", "flops_per_token", "abstract_params"]
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def compute_dtype(name: str, platform: str | None = None) -> jnp.dtype:
+    """'auto' is bfloat16 on accelerators and float32 on CPU (where bfloat16 matmuls are emulated and slow)."""
+    if name == "auto":
+        platform = platform or jax.default_backend()
+        return jnp.float32 if platform == "cpu" else jnp.bfloat16
+    return _DTYPES[name]
+
+
+class Transformer(nn.Module):
+    cfg: Config
+
+    @nn.compact
+    def __call__(self, inputs: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        dt, wdt = compute_dtype(cfg.dtype), compute_dtype(cfg.weight_dtype)
+        embed = Embed(cfg.vocab_size, cfg.emb_dim, dt, wdt, name="token_embed")
+        x = constrain(embed(inputs), (ax.EMBED_AND_LOGITS_BATCH, ax.LENGTH, ax.ACT_EMBED))
+        x = Decoder(cfg, dt, wdt, name="decoder")(x, segment_ids, positions)
+        x = RMSNorm(cfg.norm_epsilon, dt, wdt, name="final_norm")(x)
+        if cfg.logits_via_embedding:
+            logits = embed.attend(x)
+        else:
+            logits = DenseGeneral((cfg.vocab_size,), (ax.EMBED, ax.VOCAB), 1, dt, wdt, name="logits")(x)
+        logits = constrain(logits, (ax.EMBED_AND_LOGITS_BATCH, ax.LENGTH, ax.ACT_VOCAB))
+        return jnp.asarray(logits, jnp.float32)
+
+
+def dummy_batch(cfg: Config, batch: int = 1) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Shapes for init: (inputs, segment_ids, positions) of [batch, max_target_length]."""
+    shape = (batch, cfg.max_target_length)
+    return jnp.zeros(shape, jnp.int32), jnp.ones(shape, jnp.int32), jnp.zeros(shape, jnp.int32)
+
+
+def abstract_params(cfg: Config) -> Any:
+    """Boxed (nn.Partitioned) parameter shapes without allocating anything."""
+    model = Transformer(cfg)
+    return jax.eval_shape(lambda: model.init(jax.random.key(0), *dummy_batch(cfg)))["params"]
+
+
+def param_count(cfg: Config) -> int:
+    """Total number of parameters."""
+    leaves = jax.tree.leaves(nn.unbox(abstract_params(cfg)))
+    return sum(math.prod(leaf.shape) for leaf in leaves)
+
+
+def matmul_params(cfg: Config) -> int:
+    """Parameters that take part in a matmul per token: every kernel, plus the output head (tied or not)."""
+    attn = cfg.emb_dim * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+    mlp = 3 * cfg.emb_dim * cfg.mlp_dim
+    return cfg.num_layers * (attn + mlp) + cfg.emb_dim * cfg.vocab_size
+
+
+def flops_per_token(cfg: Config) -> float:
+    """Training FLOPs per token: 6 x matmul params (forward 2, backward 4) + attention scores and values.
+
+    Attention per layer and token: q.k and p.v are each 2 x length x heads x head_dim FLOPs forward; the causal
+    mask halves them, and training triples the forward: 3 x 2 x 2 x length x heads x head_dim / 2.
+    """
+    attention = 6 * cfg.num_layers * cfg.max_target_length * cfg.num_heads * cfg.head_dim
+    return 6 * matmul_params(cfg) + attention

@@ -1,0 +1,122 @@
+"""The layout report: how every parameter, optimizer moment and the input batch lie on the mesh.
+
+Built from `jax.eval_shape` alone, so it works for a mesh of any size without its devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from maxshard import axis_names
+from maxshard.config import Config
+from maxshard.sharding import FlaxRules, ParamLayout, array_layout, flax_rules, layout
+from maxshard.step import abstract_state
+
+__all__ = ["Report", "build_report", "format_report"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    mesh: dict[str, int]
+    params: list[ParamLayout]
+    batch: ParamLayout
+    param_bytes_per_device: int
+    optimizer_bytes_per_device: int
+    gradient_bytes_per_device: int
+    replicated_fraction: float  # share of parameter bytes held whole by every device
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "mesh": self.mesh,
+            "params": [p.as_json() for p in self.params],
+            "batch": self.batch.as_json(),
+            "totals": {
+                "param_bytes_per_device": self.param_bytes_per_device,
+                "optimizer_bytes_per_device": self.optimizer_bytes_per_device,
+                "gradient_bytes_per_device": self.gradient_bytes_per_device,
+                "replicated_fraction": self.replicated_fraction,
+            },
+        }
+
+
+def _replicated_fraction(rows: list[ParamLayout], num_devices: int) -> float:
+    total = sum(math.prod(r.global_shape) * np.dtype(r.dtype).itemsize for r in rows)
+    replicated = sum(
+        math.prod(r.global_shape) * np.dtype(r.dtype).itemsize for r in rows if r.replication == num_devices > 1
+    )
+    return replicated / total if total else 0.0
+
+
+def build_report(cfg: Config, mesh_sizes: Mapping[str, int], rules: FlaxRules | None = None) -> Report:
+    """Layout of the train state and the input batch of `cfg` on a mesh of `mesh_sizes`."""
+    rules = flax_rules(cfg) if rules is None else rules
+    state = abstract_state(cfg)
+    params = [dataclasses.replace(p, name=f"params/{p.name}") for p in layout(state.params, rules, mesh_sizes)]
+    optimizer = layout(state.opt_state, rules, mesh_sizes)
+    batch_shape = (cfg.global_batch_size, cfg.max_target_length)
+    batch = array_layout("input batch", axis_names.INPUT_AXES, batch_shape, np.int32, rules, mesh_sizes)
+    param_bytes = sum(p.bytes_per_device for p in params)
+    return Report(
+        mesh=dict(mesh_sizes),
+        params=params,
+        batch=batch,
+        param_bytes_per_device=param_bytes,
+        optimizer_bytes_per_device=sum(p.bytes_per_device for p in optimizer),
+        gradient_bytes_per_device=param_bytes,
+        replicated_fraction=_replicated_fraction(params, math.prod(mesh_sizes.values())),
+    )
+
+
+def _spec_text(spec: Any) -> str:
+    parts = []
+    for entry in spec:
+        if entry is None:
+            parts.append("-")
+        elif isinstance(entry, str):
+            parts.append(entry)
+        else:
+            parts.append("*".join(entry) if entry else "-")
+    return "(" + ", ".join(parts) + ")"
+
+
+def _row(p: ParamLayout) -> list[str]:
+    return [
+        p.name,
+        "(" + ", ".join(a or "-" for a in p.logical_axes) + ")",
+        _spec_text(p.spec),
+        "x".join(map(str, p.global_shape)),
+        "x".join(map(str, p.local_shape)),
+        f"{p.bytes_per_device:,}",
+        str(p.replication),
+    ]
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def format_report(report: Report) -> str:
+    """A fixed-width table, one row per array, then the totals."""
+    header = ["name", "logical axes", "spec", "global", "per device", "bytes/device", "replicas"]
+    rows = [header] + [_row(p) for p in report.params] + [_row(report.batch)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["mesh: " + " ".join(f"{k}={v}" for k, v in report.mesh.items())]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+    total = report.param_bytes_per_device + report.optimizer_bytes_per_device + report.gradient_bytes_per_device
+    lines.append(
+        f"per device: params {human_bytes(report.param_bytes_per_device)}, "
+        f"optimizer {human_bytes(report.optimizer_bytes_per_device)}, "
+        f"gradients {human_bytes(report.gradient_bytes_per_device)}, total {human_bytes(total)}; "
+        f"replicated share of parameter bytes {report.replicated_fraction:.1%}"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,178 @@
+"""The sharded train state and the jitted train/eval steps.
+
+The state is never materialised whole on one device: its shardings come from `jax.eval_shape` of the boxed init
+plus the logical rules, and the init itself runs under `jax.jit(out_shardings=...)`, so every parameter and
+optimizer moment is born in its final layout.
+
+Loss: next-token cross-entropy in float32, weighted by `loss_weights` (padding and document boundaries weigh 0).
+Gradient accumulation splits the batch into k microbatches and sums weighted losses and gradients before one
+division by the total weight, so k microbatches give exactly the gradient of the whole batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from maxshard import axis_names as ax
+from maxshard import sharding
+from maxshard.config import Config, ConfigError
+from maxshard.model import Transformer, dummy_batch
+from maxshard.optim import learning_rate_schedule, make_optimizer
+
+__all__ = ["TrainState", "Trainer", "mesh_context", "loss_sums", "boxed_state", "abstract_state"]
+
+Batch = dict[str, jax.Array]
+
+
+@struct.dataclass
+class TrainState:
+    """Everything a step changes. The model and optimizer are not stored here: they are code, not state."""
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+
+@contextlib.contextmanager
+def mesh_context(mesh: Mesh, rules: sharding.FlaxRules) -> Iterator[None]:
+    """The mesh and logical rules every trace needs, so `nn.with_logical_constraint` takes effect."""
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        yield
+
+
+def loss_sums(logits: jax.Array, batch: Batch) -> tuple[jax.Array, jax.Array]:
+    """(sum of weighted cross-entropy, sum of weights) over [batch, length]."""
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    weights = batch["loss_weights"].astype(jnp.float32)
+    return jnp.sum(ce * weights), jnp.sum(weights)
+
+
+def boxed_state(cfg: Config, rng: jax.Array) -> TrainState:
+    """A fresh train state whose leaves are still boxed with their logical axis names."""
+    params = Transformer(cfg).init(rng, *dummy_batch(cfg))["params"]
+    opt_state = make_optimizer(cfg).init(params)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
+
+
+def abstract_state(cfg: Config) -> TrainState:
+    """Shapes, dtypes and logical names of the whole train state; allocates nothing, needs no devices."""
+    return jax.eval_shape(lambda: boxed_state(cfg, jax.random.key(0)))
+
+
+@dataclasses.dataclass
+class Trainer:
+    """Model + optimizer + mesh: builds the sharded state and the jitted steps."""
+
+    cfg: Config
+    mesh: Mesh
+
+    def __post_init__(self) -> None:
+        self.rules = sharding.flax_rules(self.cfg)
+        self.model = Transformer(self.cfg)
+        self.tx = make_optimizer(self.cfg)
+        self.schedule = learning_rate_schedule(self.cfg)
+        self.abstract_state = abstract_state(self.cfg)
+        self.state_shardings = sharding.tree_shardings(self.abstract_state, self.mesh, self.rules)
+
+    # ------------------------------------------------------------------ state
+
+    def init_state(self, seed: int | None = None) -> TrainState:
+        """A fresh state, created directly in its sharded layout."""
+        rng = jax.random.key(self.cfg.seed if seed is None else seed)
+        init = jax.jit(lambda r: nn.unbox(boxed_state(self.cfg, r)), out_shardings=self.state_shardings)
+        with mesh_context(self.mesh, self.rules):
+            return init(rng)
+
+    # ------------------------------------------------------------------ steps
+
+    def _loss(self, params: Any, batch: Batch) -> tuple[jax.Array, jax.Array]:
+        logits = self.model.apply({"params": params}, batch["inputs"], batch["segment_ids"], batch["positions"])
+        return loss_sums(logits, batch)
+
+    def _grads(self, params: Any, batch: Batch) -> tuple[Any, jax.Array, jax.Array]:
+        """(sum of gradients, loss sum, weight sum) over the batch, in `gradient_accumulation_steps` pieces."""
+        grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+        k = self.cfg.gradient_accumulation_steps
+        if k == 1:
+            (loss_sum, weight_sum), grads = grad_fn(params, batch)
+            return grads, loss_sum, weight_sum
+
+        def micro(carry: tuple[Any, jax.Array, jax.Array], mb: Batch) -> tuple[tuple[Any, Any, Any], None]:
+            mb = {key: sharding.constrain(v, ax.INPUT_AXES) for key, v in mb.items()}
+            (loss_sum, weight_sum), grads = grad_fn(params, mb)
+            acc_grads, acc_loss, acc_weight = carry
+            return (jax.tree.map(jnp.add, acc_grads, grads), acc_loss + loss_sum, acc_weight + weight_sum), None
+
+        # Row r of microbatch i is row r*k + i of the batch: every microbatch stays spread over all devices.
+        micro_batches = {key: v.reshape(-1, k, *v.shape[1:]).swapaxes(0, 1) for key, v in batch.items()}
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        (grads, loss_sum, weight_sum), _ = jax.lax.scan(micro, (zeros, 0.0, 0.0), micro_batches)
+        return grads, loss_sum, weight_sum
+
+    def _train_step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+        grads, loss_sum, weight_sum = self._grads(state.params, batch)
+        grads = jax.tree.map(lambda g: g / jnp.maximum(weight_sum, 1.0), grads)
+        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+        new_state = TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state)
+        metrics = {
+            "loss": loss_sum / jnp.maximum(weight_sum, 1.0),
+            "tokens": weight_sum,
+            "grad_norm": optax.global_norm(grads),
+            "param_norm": optax.global_norm(new_state.params),
+            "learning_rate": self.schedule(state.step),
+        }
+        return new_state, metrics
+
+    def _eval_step(self, params: Any, batch: Batch) -> dict[str, jax.Array]:
+        loss_sum, weight_sum = self._loss(params, batch)
+        return {"loss_sum": loss_sum, "weight_sum": weight_sum}
+
+    def batch_shardings(self, batch_sharding: NamedSharding) -> dict[str, NamedSharding]:
+        return {k: batch_sharding for k in ("inputs", "targets", "segment_ids", "positions", "loss_weights")}
+
+    def jit_train_step(self, batch_sharding: NamedSharding) -> Callable[[TrainState, Batch], Any]:
+        """The train step, jitted with explicit shardings and the state donated."""
+        if self.cfg.global_batch_size % self.cfg.gradient_accumulation_steps:
+            raise ConfigError(
+                f"gradient_accumulation_steps={self.cfg.gradient_accumulation_steps} does not divide "
+                f"the global batch of {self.cfg.global_batch_size}"
+            )
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        step = jax.jit(
+            self._train_step,
+            in_shardings=(self.state_shardings, self.batch_shardings(batch_sharding)),
+            out_shardings=(self.state_shardings, replicated),
+            donate_argnums=0,
+        )
+        return self._in_context(step)
+
+    def jit_eval_step(self, batch_sharding: NamedSharding) -> Callable[[Any, Batch], Any]:
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        step = jax.jit(
+            self._eval_step,
+            in_shardings=(self.state_shardings.params, self.batch_shardings(batch_sharding)),
+            out_shardings=replicated,
+        )
+        return self._in_context(step)
+
+    def _in_context(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any) -> Any:
+            with mesh_context(self.mesh, self.rules):
+                return fn(*args)
+
+        call.lower = lambda *args: self._lower(fn, *args)  # type: ignore[attr-defined]
+        return call
+
+    def _lower(self, fn: Any, *args: Any) -> Any:
+        with mesh_context(self.mesh, self.rules):
+            return fn.lower(*args)
