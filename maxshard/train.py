@@ -7,17 +7,17 @@ Every user mistake surfaces as one line and exit code 2, before anything is comp
 from __future__ import annotations
 
 import sys
-import time
 import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 
-from maxshard import config, data, mesh, model
+from maxshard import config, data, mesh, metrics, model, perf
 from maxshard.config import Config, ConfigError
 from maxshard.data.tokenizer import resolve_vocab
-from maxshard.report import build_report, human_bytes
+from maxshard.profiling import Profiler
+from maxshard.report import build_report
 from maxshard.step import Trainer, TrainState
 
 __all__ = ["main", "setup"]
@@ -43,15 +43,16 @@ def check_layout(cfg: Config, trainer: Trainer) -> Any:
 
 
 def print_startup(cfg: Config, trainer: Trainer, report: Any) -> None:
-    params = model.param_count(cfg)
-    total = report.param_bytes_per_device + report.optimizer_bytes_per_device + report.gradient_bytes_per_device
-    print(f"mesh: {mesh.describe(trainer.mesh)} over {cfg.num_devices} devices ({cfg.device_kind})")
-    print(f"model: {params / 1e6:.2f}M parameters, {model.flops_per_token(cfg) / 1e6:.1f} MFLOP per token")
-    print(
-        f"memory per device: params {human_bytes(report.param_bytes_per_device)}, optimizer "
-        f"{human_bytes(report.optimizer_bytes_per_device)}, gradients {human_bytes(report.gradient_bytes_per_device)}"
-        f" (total {human_bytes(total)})"
+    """The mesh, the model size and the per-device memory estimate, before anything compiles."""
+    per_device = {
+        "params": report.param_bytes_per_device,
+        "opt_state": report.optimizer_bytes_per_device,
+        "grads": report.gradient_bytes_per_device,
+    }
+    summary = metrics.format_startup_summary(
+        dict(trainer.mesh.shape), model.param_count(cfg), per_device, cfg.device_kind, perf.peak_flops(cfg.device_kind)
     )
+    print(summary)
     print(f"batch: {cfg.global_batch_size} x {cfg.max_target_length} tokens, {cfg.steps} steps", flush=True)
 
 
@@ -66,32 +67,63 @@ def evaluate(cfg: Config, trainer: Trainer, params: Any, eval_step: Any) -> floa
     return loss_sum / max(weight_sum, 1.0)
 
 
-def train_loop(cfg: Config, trainer: Trainer, state: TrainState) -> TrainState:
-    """Runs steps `state.step .. cfg.steps - 1`, logging every `log_period` steps."""
+class StepLogger:
+    """Turns each finished step's values into throughput figures; prints and records every `log_period` steps."""
+
+    def __init__(self, cfg: Config, writer: metrics.MetricsWriter) -> None:
+        self.cfg, self.writer = cfg, writer
+        self.tokens_per_step = cfg.global_batch_size * cfg.max_target_length
+        self.flops_per_step = model.flops_per_token(cfg) * self.tokens_per_step
+        self.peak = perf.peak_flops(cfg.device_kind)
+        self.last: metrics.StepValues | None = None  # the previous logged (or first) step
+
+    def restart(self) -> None:
+        """Forget the timing reference, e.g. after an evaluation that would otherwise count as step time."""
+        self.last = None
+
+    def __call__(self, done: metrics.StepValues | None) -> None:
+        if done is None:
+            return
+        step = done.step + 1  # steps are counted from 1 in logs
+        if self.last is None:  # the first step includes compilation: time from its end on
+            self.last = done
+        if step % self.cfg.log_period and step != self.cfg.steps or done is self.last:
+            return
+        step_time = (done.ready_time - self.last.ready_time) / (done.step - self.last.step)
+        self.last = done
+        figures = perf.step_perf(self.tokens_per_step, self.flops_per_step, step_time, self.cfg.num_devices, self.peak)
+        record = {**done.values, "step_time": step_time, **figures, **(metrics.memory_stats() or {})}
+        self.writer.write(step, record)
+        eta = (self.cfg.steps - step) * step_time
+        print(
+            metrics.format_progress(
+                step, self.cfg.steps, record["loss"], step_time, figures["tokens_per_sec_per_device"],
+                figures["mfu"], eta, tflops=figures["tflops_per_device"],
+            ),
+            flush=True,
+        )
+
+
+def train_loop(cfg: Config, trainer: Trainer, state: TrainState, writer: metrics.MetricsWriter) -> TrainState:
+    """Runs steps `state.step .. cfg.steps - 1`; metrics are fetched one step late so the device never waits."""
     batch_sharding = data.batch_sharding(cfg, trainer.mesh)
     train_step = trainer.jit_train_step(batch_sharding)
     eval_step = trainer.jit_eval_step(batch_sharding) if cfg.eval_period else None
     batches = data.make_input(cfg, trainer.mesh, "train")
-    tokens_per_step = cfg.global_batch_size * cfg.max_target_length
-    flops_per_step = model.flops_per_token(cfg) * tokens_per_step
-    start = int(state.step)
-    last_time, last_step = time.perf_counter(), start
-    for step in range(start, cfg.steps):
-        state, metrics = train_step(state, next(batches))
-        if (step + 1) % cfg.log_period == 0 or step + 1 == cfg.steps:
-            loss = float(metrics["loss"])  # blocks until this step is done
-            now = time.perf_counter()
-            step_time = (now - last_time) / (step + 1 - last_step)  # the first interval includes compilation
-            last_time, last_step = now, step + 1
-            tokens_per_sec = tokens_per_step / step_time / cfg.num_devices
-            tflops = flops_per_step / step_time / cfg.num_devices / 1e12
-            print(
-                f"step {step + 1}/{cfg.steps} | loss {loss:.4f} | {step_time:.3f} s/step | "
-                f"{tokens_per_sec:,.0f} tok/s/dev | {tflops:.3f} TFLOP/s/dev",
-                flush=True,
-            )
+    profiler = Profiler.from_config(cfg, is_primary=jax.process_index() == 0)
+    deferred, log = metrics.DeferredMetrics(), StepLogger(cfg, writer)
+    for step in range(int(state.step), cfg.steps):
+        with profiler.step(step):
+            state, step_metrics = train_step(state, next(batches))
+        log(deferred.push(step, step_metrics))
         if eval_step is not None and (step + 1) % cfg.eval_period == 0:
-            print(f"eval step {step + 1}: loss {evaluate(cfg, trainer, state.params, eval_step):.4f}", flush=True)
+            log(deferred.flush())
+            eval_loss = evaluate(cfg, trainer, state.params, eval_step)
+            writer.write(step + 1, {"eval_loss": eval_loss})
+            print(f"eval at step {step + 1}: loss {eval_loss:.4f}", flush=True)
+            log.restart()
+    log(deferred.flush())
+    profiler.close()
     return state
 
 
@@ -100,8 +132,10 @@ def run(argv: Sequence[str]) -> int:
     trainer = Trainer(cfg, mesh.build(cfg))
     report = check_layout(cfg, trainer)
     print_startup(cfg, trainer, report)
-    state = trainer.init_state()
-    train_loop(cfg, trainer, state)
+    with metrics.MetricsWriter.from_config(cfg, is_primary=jax.process_index() == 0) as writer:
+        writer.write_config(cfg)
+        state = trainer.init_state()
+        train_loop(cfg, trainer, state, writer)
     return 0
 
 
