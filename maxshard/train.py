@@ -16,6 +16,7 @@ import jax
 from maxshard import config, data, mesh, metrics, model, perf
 from maxshard.config import Config, ConfigError
 from maxshard.data.tokenizer import resolve_vocab
+from maxshard.launch import distributed
 from maxshard.profiling import Profiler
 from maxshard.report import build_report
 from maxshard.step import Trainer, TrainState
@@ -24,7 +25,8 @@ __all__ = ["main", "setup"]
 
 
 def setup(argv: Sequence[str]) -> Config:
-    """Parses the config, applies device simulation, derives device-dependent values and the vocabulary."""
+    """Parses the config, joins the other processes (multi-host), then derives device-dependent values."""
+    distributed.initialize(config.parse(argv))  # must precede every device query
     return resolve_vocab(config.load(argv))
 
 

@@ -6,7 +6,11 @@
     positions     int32  position of each token inside its document (RoPE)
     loss_weights  float32 1 where the target counts in the loss, 0 for padding and document boundaries
 
-Iterators also have `get_state()` / `set_state()` so a checkpoint can resume the exact batch sequence.
+Iterators also have `get_state()` / `set_state()` so a checkpoint can resume the exact batch sequence. States are
+JSON-serializable dicts and per process: each process saves and restores its own.
+
+Modules: `sources` (text files, default corpus, train/eval split, process sharding), `records` (ArrayRecord shards),
+`tokenizer`, `packing` (documents -> rows), `pipeline` (the grain graph and the global-batch iterator), `synthetic`.
 """
 
 from __future__ import annotations
@@ -41,10 +45,21 @@ def batch_sharding(cfg: Config, mesh: Mesh, batch_size: int | None = None) -> Na
 
 
 def make_input(cfg: Config, mesh: Mesh, split: str = "train", batch_size: int | None = None) -> InputIterator:
-    """The iterator for `cfg.dataset_type`; `split` is "train" or "eval"."""
+    """The iterator for `cfg.dataset_type`; `split` is "train" or "eval".
+
+    text / array_record (`pipeline.make_grain_input`): each process reads its share of the split's documents and
+    yields its rows of the global batch; the iterator assembles them into global arrays. Both splits repeat
+    forever; train is reshuffled every epoch (`data_shuffle_seed`), eval keeps corpus order, so a fresh eval
+    iterator always yields the same batches. Bad paths and files raise ConfigError here or at the first batch.
+    """
     batch_size = batch_size or cfg.global_batch_size
     if cfg.dataset_type == "synthetic":
         seed = cfg.seed if split == "train" else cfg.seed + 1_000_003
         return SyntheticIterator(seed, batch_size, cfg.max_target_length, cfg.vocab_size,
                                  batch_sharding(cfg, mesh, batch_size))
-    raise ConfigError(f"dataset_type={cfg.dataset_type!r} is not available yet")
+    if cfg.dataset_type in ("text", "array_record"):
+        from maxshard.data import pipeline  # deferred: grain is only needed for real data
+
+        return pipeline.make_grain_input(cfg, batch_sharding(cfg, mesh, batch_size), split, batch_size,
+                                         jax.process_index(), jax.process_count())
+    raise ConfigError(f"dataset_type={cfg.dataset_type!r} is not available")

@@ -126,8 +126,7 @@ def load_sentencepiece(path: str) -> SentencePieceTokenizer:
 
 def make_tokenizer(cfg: Config) -> ByteTokenizer | SentencePieceTokenizer:
     """The tokenizer the config asks for: SentencePiece when `tokenizer_path` is set, else bytes."""
-    path = getattr(cfg, "tokenizer_path", "")
-    return load_sentencepiece(path) if path else ByteTokenizer()
+    return load_sentencepiece(cfg.tokenizer_path) if cfg.tokenizer_path else ByteTokenizer()
 
 
 def model_vocab_size(tokenizer_vocab: int, multiple: int) -> int:

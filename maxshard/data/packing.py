@@ -1,0 +1,76 @@
+"""Token documents -> rows of `length` tokens in the batch format of `maxshard.data`.
+
+Each document becomes a pair of equally long streams before packing:
+
+    tokens    BOS t1 t2 ... tn EOS
+    inputs    BOS t1 ... tn          (every token but the last)
+    targets    t1 t2 ... EOS         (every token but the first)
+
+so a target is always the next token of the *same* document, wherever a row boundary later falls: packing cuts
+inputs and targets at the same place. Nothing ever has to be masked for "the target crosses into the next
+document"; `loss_weights` is 0 only on padding.
+
+Packing (grain's `ConcatThenSplitIterDataset`) concatenates the pairs and cuts the stream every `length` tokens. A
+document that does not fit is split: its first part ends the row, the rest starts the next one (with positions
+restarting at 0 there, as a new segment). Worked example, length 6, documents A = a1 a2 a3, B = b1, C = c1 c2 c3 c4
+(BOS/EOS written <, >):
+
+    row 0   inputs       <  a1 a2 a3 <  b1        row 1   inputs       <  c1 c2 c3 c4 ...
+            targets      a1 a2 a3 >  b1 >                 targets      c1 c2 c3 c4 >  ...
+            segment_ids  1  1  1  1  2  2                 segment_ids  1  1  1  1  1  ...
+            positions    0  1  2  3  0  1                 positions    0  1  2  3  4  ...
+
+`packing: false` puts one document per row instead, truncated to `length` or padded with PAD (segment 0, weight 0).
+"""
+
+from __future__ import annotations
+
+import grain
+import numpy as np
+from grain.experimental import ConcatThenSplitIterDataset
+
+__all__ = ["document_pair", "pack", "pad_to_length", "FIELDS"]
+
+FIELDS = ("inputs", "targets", "segment_ids", "positions", "loss_weights")
+
+
+def document_pair(tokens: np.ndarray, bos_id: int, eos_id: int) -> dict[str, np.ndarray]:
+    """int32 [n] -> {"inputs": [n + 1], "targets": [n + 1]}: BOS/EOS added, shifted by one (see module doc)."""
+    full = np.concatenate([[bos_id], np.asarray(tokens, np.int32), [eos_id]]).astype(np.int32)
+    return {"inputs": full[:-1], "targets": full[1:]}
+
+
+def pack(pairs: grain.IterDataset, length: int) -> grain.IterDataset:
+    """Concatenates document pairs and cuts them into rows of `length` (see the worked example above)."""
+    packed = ConcatThenSplitIterDataset(pairs, length_struct={"inputs": length, "targets": length})
+    return packed.map(_packed_row)
+
+
+def _packed_row(element: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    segment_ids = element["inputs_segment_ids"].astype(np.int32)
+    return {
+        "inputs": element["inputs"],
+        "targets": element["targets"],
+        "segment_ids": segment_ids,
+        "positions": element["inputs_positions"].astype(np.int32),
+        "loss_weights": (segment_ids > 0).astype(np.float32),
+    }
+
+
+def pad_to_length(pair: dict[str, np.ndarray], length: int, pad_id: int = 0) -> dict[str, np.ndarray]:
+    """One document per row: the pair truncated to `length`, or padded with `pad_id` (segment 0, weight 0)."""
+    n = min(len(pair["inputs"]), length)
+    real = np.arange(length) < n
+    return {
+        "inputs": _fit(pair["inputs"], length, pad_id),
+        "targets": _fit(pair["targets"], length, pad_id),
+        "segment_ids": real.astype(np.int32),
+        "positions": np.where(real, np.arange(length), 0).astype(np.int32),
+        "loss_weights": real.astype(np.float32),
+    }
+
+
+def _fit(x: np.ndarray, length: int, pad_id: int) -> np.ndarray:
+    out = np.full(length, pad_id, np.int32)
+    out[: min(len(x), length)] = x[:length]
+    return out

@@ -1,0 +1,230 @@
+"""The grain pipeline: documents -> tokens -> packed rows -> local batches -> global jax.Arrays.
+
+    split + shard (indices)  ->  MapDataset: shuffle(seed) . repeat()  .  read + tokenize
+        ->  IterDataset: pack (or pad) . batch(local rows)  ->  prefetch (thread, or `grain_worker_count` processes)
+        ->  GlobalBatchIterator: jax.make_array_from_process_local_data
+
+Shuffling and repeating happen on document indices in a MapDataset, where grain derives each epoch's order from
+the seed and the epoch number, so the stream is a pure function of (config, process) and an iterator state is small:
+grain's own position counters, not buffered data. Each process reads only its documents (`sources.shard_indices`) and
+builds its own rows; together the processes' rows form the global batch.
+
+With worker processes each worker packs its own slice of the document stream, so the batches differ from the
+in-process ones (still deterministic): a state saved with one `grain_worker_count` cannot be restored into another,
+and `set_state` says so. So is a state from another process count, split, length, batch or corpus.
+
+Edge cases, by design: a split with no documents, or a process with none of its own, is a ConfigError (never an
+endless wait for rows). With `packing: false`, documents shorter than `max_target_length` are padded (loss weight
+0), however short they all are: that is what unpacked rows mean, not an error. An empty file is still a document
+(BOS -> EOS).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import grain
+import jax
+import numpy as np
+from absl import flags
+from grain.experimental import ThreadPrefetchIterDataset
+from jax.sharding import NamedSharding
+
+from maxshard.config import Config, ConfigError
+from maxshard.data import packing, records, sources
+from maxshard.data.tokenizer import Tokenizer, make_tokenizer
+
+__all__ = ["PipelineOptions", "local_batches", "GlobalBatchIterator", "load_corpus", "make_grain_input"]
+
+_READ_THREADS = 2  # documents read and tokenized in parallel inside one process (the machine may have 2 cores)
+_READ_BUFFER = 32  # documents read ahead of packing
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineOptions:
+    """Everything that shapes the local batch stream (all of it must match for a state to be restored)."""
+
+    length: int
+    local_batch: int
+    packing: bool = True
+    shuffle_seed: int | None = 0  # None: documents in corpus order (eval)
+    worker_count: int = 0
+    prefetch: int = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class _LoadPair:
+    """Document index -> {inputs, targets} of that document (picklable: runs in grain workers)."""
+
+    documents: Sequence[str | np.ndarray]
+    tokenizer: Tokenizer
+
+    def __call__(self, index: int) -> dict[str, np.ndarray]:
+        document = self.documents[int(index)]
+        tokens = document if isinstance(document, np.ndarray) else self.tokenizer.encode_array(document)
+        return packing.document_pair(tokens, self.tokenizer.bos_id, self.tokenizer.eos_id)
+
+
+def local_batches(
+    documents: Sequence[str | np.ndarray], indices: np.ndarray, tokenizer: Tokenizer, opts: PipelineOptions
+) -> grain.IterDataset:
+    """An endless IterDataset of this process's batches: {field: [local_batch, length]} numpy arrays."""
+    ds = grain.MapDataset.source(np.asarray(indices, np.int64))
+    if opts.shuffle_seed is not None:
+        ds = ds.shuffle(seed=opts.shuffle_seed)
+    ds = ds.repeat(None).map(_LoadPair(documents, tokenizer))
+    pairs = ds.to_iter_dataset(grain.ReadOptions(num_threads=_READ_THREADS, prefetch_buffer_size=_READ_BUFFER))
+    if opts.packing:
+        rows = packing.pack(pairs, opts.length)
+    else:
+        rows = pairs.map(functools.partial(packing.pad_to_length, length=opts.length, pad_id=tokenizer.pad_id))
+    batches = rows.batch(opts.local_batch, drop_remainder=True)
+    if opts.worker_count > 0:
+        _absl_flags_parsed()
+        options = grain.MultiprocessingOptions(num_workers=opts.worker_count,
+                                               per_worker_buffer_size=max(opts.prefetch, 1))
+        return batches.mp_prefetch(options)
+    if opts.prefetch > 0:
+        return ThreadPrefetchIterDataset(batches, prefetch_buffer_size=opts.prefetch)
+    return batches
+
+
+def _absl_flags_parsed() -> None:
+    """grain's worker processes read absl flags; a program that never called absl.app has not parsed them."""
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+
+
+class GlobalBatchIterator:
+    """Local numpy batches -> global jax.Arrays in `sharding`; get_state/set_state give JSON-able resume points."""
+
+    def __init__(self, batches: grain.IterDataset, sharding: NamedSharding, identity: dict[str, Any]) -> None:
+        self._held = [iter(batches)]  # the grain iterator; a list so that closing can drop it
+        self._sharding = sharding
+        self._identity = identity
+        # Close and drop grain's iterators before interpreter shutdown tears down the modules their __del__ uses.
+        self._finalizer = weakref.finalize(self, _close, self._held)
+
+    @property
+    def _iter(self) -> Any:
+        if not self._held:
+            raise RuntimeError("the data iterator is closed")
+        return self._held[0]
+
+    def __iter__(self) -> "GlobalBatchIterator":
+        return self
+
+    def __next__(self) -> dict[str, jax.Array]:
+        local = next(self._iter)
+        # Copy: from workers the rows arrive in shared memory, which a CPU jax.Array would alias and keep alive.
+        return {k: jax.make_array_from_process_local_data(self._sharding, np.array(local[k])) for k in packing.FIELDS}
+
+    def get_state(self) -> dict[str, Any]:
+        """This process's position; each process saves its own (they read different documents)."""
+        return {"identity": dict(self._identity), "grain": _to_json(self._iter.get_state())}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        saved = state.get("identity", {})
+        changed = sorted(k for k in set(saved) | set(self._identity) if saved.get(k) != self._identity.get(k))
+        if changed:
+            diffs = ", ".join(f"{k}: {saved.get(k)!r} -> {self._identity.get(k)!r}" for k in changed)
+            raise ConfigError(f"the data iterator state was saved by a different input pipeline ({diffs})")
+        self._iter.set_state(_from_json(state["grain"]))
+
+    def close(self) -> None:
+        """Stops worker processes and prefetch threads (also done on garbage collection and at exit)."""
+        self._finalizer()
+
+
+def _close(held: list[Any]) -> None:
+    while held:
+        iterator = held.pop()
+        close = getattr(iterator, "close", None)
+        if close is not None:
+            close()
+
+
+def _to_json(x: Any) -> Any:
+    """grain states hold tuples, which JSON would turn into lists that grain no longer recognizes: tag them."""
+    if isinstance(x, dict):
+        return {str(k): _to_json(v) for k, v in x.items()}
+    if isinstance(x, tuple):
+        return {"__tuple__": [_to_json(v) for v in x]}
+    if isinstance(x, list):
+        return [_to_json(v) for v in x]
+    if isinstance(x, np.generic):
+        return x.item()
+    return x
+
+
+def _from_json(x: Any) -> Any:
+    if isinstance(x, dict):
+        if set(x) == {"__tuple__"}:
+            return tuple(_from_json(v) for v in x["__tuple__"])
+        return {k: _from_json(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_from_json(v) for v in x]
+    return x
+
+
+# --------------------------------------------------------------------------------------------- from a config
+
+
+def load_corpus(cfg: Config, tokenizer: Tokenizer) -> sources.Corpus:
+    """The documents `dataset_type` and `dataset_path` name."""
+    if cfg.dataset_type == "array_record":
+        return records.array_record_corpus(cfg.dataset_path, tokenizer.fingerprint())
+    return sources.text_corpus(cfg.dataset_path) if cfg.dataset_path else sources.default_corpus()
+
+
+def _check_keys(cfg: Config, split: str, batch_size: int, process_count: int) -> None:
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    if not 0 <= cfg.eval_fraction < 1:
+        raise ConfigError(f"eval_fraction must be in [0, 1), got {cfg.eval_fraction}")
+    if not 0 <= cfg.data_shuffle_seed < 2**32:
+        raise ConfigError(f"data_shuffle_seed must be in [0, 2**32), got {cfg.data_shuffle_seed}")
+    if cfg.grain_worker_count < 0 or cfg.grain_prefetch < 0:
+        raise ConfigError(f"grain_worker_count and grain_prefetch must be >= 0, got {cfg.grain_worker_count} "
+                          f"and {cfg.grain_prefetch}")
+    if batch_size % process_count:
+        raise ConfigError(f"the global batch of {batch_size} rows does not divide over {process_count} processes "
+                          "(per_device_batch_size)")
+
+
+def _indices(corpus: sources.Corpus, cfg: Config, split: str, process_index: int, process_count: int) -> np.ndarray:
+    in_split = sources.split_indices(corpus.keys, split, cfg.eval_fraction)
+    if len(in_split) == 0:
+        raise ConfigError(f"{corpus.where}: the {split} split is empty ({len(corpus)} documents, "
+                          f"eval_fraction={cfg.eval_fraction})")
+    mine = sources.shard_indices(in_split, process_index, process_count)
+    if len(mine) == 0:
+        raise ConfigError(f"{corpus.where}: the {split} split has {len(in_split)} documents, fewer than the "
+                          f"{process_count} processes that each need some")
+    return mine
+
+
+def make_grain_input(
+    cfg: Config, sharding: NamedSharding, split: str, batch_size: int, process_index: int, process_count: int
+) -> GlobalBatchIterator:
+    """The text / array_record iterator of `maxshard.data.make_input`."""
+    _check_keys(cfg, split, batch_size, process_count)
+    tokenizer = make_tokenizer(cfg)
+    corpus = load_corpus(cfg, tokenizer)
+    indices = _indices(corpus, cfg, split, process_index, process_count)
+    opts = PipelineOptions(
+        length=cfg.max_target_length,
+        local_batch=batch_size // process_count,
+        packing=cfg.packing,
+        shuffle_seed=cfg.data_shuffle_seed if split == "train" else None,
+        worker_count=cfg.grain_worker_count,
+        prefetch=cfg.grain_prefetch,
+    )
+    identity = {"where": corpus.where, "split": split, "documents": int(len(indices)), "tokenizer":
+                tokenizer.fingerprint(), "process": f"{process_index}/{process_count}", **dataclasses.asdict(opts)}
+    del identity["prefetch"]  # prefetching depth does not change the stream
+    return GlobalBatchIterator(local_batches(corpus.documents, indices, tokenizer, opts), sharding, identity)

@@ -1,0 +1,193 @@
+"""Documents on disk -> random-access sequences of documents, split into train/eval and sharded over processes.
+
+A corpus of text files is a sequence of paths that reads one file (one document) per `__getitem__`; only paths cross
+into grain's worker processes, never text. The train/eval split hashes each document's name (its path relative to
+the corpus root, or its record number in ArrayRecord shards), so it does not depend on listing order, machine or
+process count, and adding a document never moves another one across the split.
+
+Errors are found before the first batch where that is cheap: a missing path, a pattern matching nothing, a file whose
+first 4 KiB are not UTF-8 text. A file that turns bad later in its body fails when it is read, still as a ConfigError
+naming the file.
+"""
+
+from __future__ import annotations
+
+import codecs
+import dataclasses
+import glob
+import hashlib
+import os
+import sysconfig
+from collections.abc import Sequence
+
+import numpy as np
+
+from maxshard.config import ConfigError
+
+__all__ = [
+    "Corpus",
+    "TextDocuments",
+    "default_corpus",
+    "text_corpus",
+    "name_keys",
+    "index_keys",
+    "split_indices",
+    "shard_indices",
+]
+
+_HEAD_BYTES = 4096
+_SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    """Random-access documents (str or int32 token arrays) and one uint64 split key per document."""
+
+    documents: Sequence[str | np.ndarray]
+    keys: np.ndarray  # uint64 [documents]
+    where: str  # "dataset_path=..." for messages
+
+    def __len__(self) -> int:
+        return len(self.documents)
+
+
+@dataclasses.dataclass(frozen=True)
+class TextDocuments(Sequence):
+    """Text files as a sequence of documents; reading happens on access (in a grain worker, when there are any)."""
+
+    paths: tuple[str, ...]
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int) -> str:  # type: ignore[override]
+        return read_text(self.paths[index])
+
+
+def read_text(path: str) -> str:
+    """The whole file as text; NUL bytes or invalid UTF-8 mean it is not a text document."""
+    with open(path, "rb") as f:
+        data = f.read()
+    return _decode(data, path, final=True)
+
+
+def _decode(data: bytes, path: str, final: bool) -> str:
+    if b"\0" in data:
+        raise ConfigError(f"dataset_path: {path} is not a text file (it contains NUL bytes)")
+    try:
+        return codecs.getincrementaldecoder("utf-8")().decode(data, final=final)
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"dataset_path: {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+
+
+def _check_head(path: str) -> None:
+    with open(path, "rb") as f:
+        _decode(f.read(_HEAD_BYTES), path, final=False)
+
+
+# --------------------------------------------------------------------------------------------- listing
+
+
+def default_corpus() -> Corpus:
+    """Python's own standard library `.py` files: real text on every machine, no download.
+
+    Installed packages (site-packages) are left out, and so are the few stdlib files that are deliberately not UTF-8
+    (encoding tests): the default must always load.
+    """
+    root = sysconfig.get_paths()["stdlib"]
+    paths = [p for p in _walk(root, suffix=".py", skip=_SKIPPED_DIRS) if _is_utf8(p)]
+    if not paths:
+        raise ConfigError(f'dataset_path="" (the stdlib at {root}) holds no .py files; set dataset_path')
+    return _text_corpus(root, paths, f'dataset_path="" (stdlib {root})')
+
+
+def text_corpus(dataset_path: str) -> Corpus:
+    """Every file under a directory (dot-files and dot-directories skipped), or every file a glob matches."""
+    if not _has_magic(dataset_path):
+        if not os.path.exists(dataset_path):
+            raise ConfigError(f"dataset_path={dataset_path}: no such file or directory")
+        root = dataset_path if os.path.isdir(dataset_path) else os.path.dirname(dataset_path)
+        paths = _walk(dataset_path, suffix="", skip=frozenset()) if os.path.isdir(dataset_path) else [dataset_path]
+    else:
+        root = _glob_root(dataset_path)
+        paths = sorted(p for p in glob.glob(dataset_path, recursive=True) if os.path.isfile(p))
+    if not paths:
+        raise ConfigError(f"dataset_path={dataset_path} matches no files (empty corpus)")
+    for path in paths:
+        _check_head(path)
+    return _text_corpus(root, paths, f"dataset_path={dataset_path}")
+
+
+def _text_corpus(root: str, paths: list[str], where: str) -> Corpus:
+    names = [os.path.relpath(p, root) if root else p for p in paths]
+    return Corpus(TextDocuments(tuple(paths)), name_keys(names), where)
+
+
+def _walk(root: str, suffix: str, skip: frozenset[str]) -> list[str]:
+    found = []
+    for directory, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in skip and not d.startswith("."))
+        found += [os.path.join(directory, f) for f in sorted(files) if f.endswith(suffix) and not f.startswith(".")]
+    return found
+
+
+def _is_utf8(path: str) -> bool:
+    try:
+        read_text(path)
+    except (ConfigError, OSError):
+        return False
+    return True
+
+
+def _has_magic(pattern: str) -> bool:
+    return any(c in pattern for c in "*?[")
+
+
+def _glob_root(pattern: str) -> str:
+    """The directory part of a glob before its first wildcard: names are taken relative to it."""
+    parts = pattern.split(os.sep)
+    fixed = []
+    for part in parts[:-1]:
+        if _has_magic(part):
+            break
+        fixed.append(part)
+    return os.sep.join(fixed) if fixed else ""
+
+
+# --------------------------------------------------------------------------------------------- split and shard
+
+
+def name_keys(names: Sequence[str]) -> np.ndarray:
+    """uint64 [documents]: a stable hash of each document's name."""
+    digests = [hashlib.sha256(n.encode("utf-8")).digest()[:8] for n in names]
+    return np.frombuffer(b"".join(digests), dtype="<u8").copy() if digests else np.zeros(0, np.uint64)
+
+
+def index_keys(count: int) -> np.ndarray:
+    """uint64 [count]: splitmix64 of the record number, vectorized (shards hold millions of records)."""
+    z = np.arange(count, dtype=np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+    with np.errstate(over="ignore"):
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def split_indices(keys: np.ndarray, split: str, eval_fraction: float) -> np.ndarray:
+    """int64 indices of the documents in `split` ("train" or "eval").
+
+    A document is in eval when its key, read as a fraction of 2**64, is below `eval_fraction`. If that leaves eval
+    empty although eval_fraction > 0 and there are at least two documents, the lowest key goes to eval, so a small
+    corpus still has something to evaluate on.
+    """
+    in_eval = keys.astype(np.float64) / 2.0**64 < eval_fraction
+    if eval_fraction > 0 and not in_eval.any() and len(keys) >= 2:
+        in_eval[np.argmin(keys)] = True
+    chosen = in_eval if split == "eval" else ~in_eval
+    return np.flatnonzero(chosen)
+
+
+def shard_indices(indices: np.ndarray, process_index: int, process_count: int) -> np.ndarray:
+    """This process's documents: every `process_count`-th, so shares are disjoint, complete and differ by at most 1."""
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index {process_index} is not in [0, {process_count})")
+    return indices[process_index::process_count]

@@ -1,0 +1,26 @@
+"""`python -m maxshard.launch COMMAND ...`; one command today: `xpk` (see maxshard/launch/xpk.py)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from maxshard.launch import xpk
+
+COMMANDS = {"xpk": xpk.main}
+USAGE = "usage: python -m maxshard.launch xpk --help  (commands: " + ", ".join(COMMANDS) + ")"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in COMMANDS:
+        return COMMANDS[argv[0]](argv[1:])
+    if argv and argv[0] not in ("-h", "--help"):
+        print(f"maxshard: error: unknown command {argv[0]!r}; {USAGE}", file=sys.stderr)
+        return 2
+    print(USAGE, file=sys.stderr)
+    return 0 if argv else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""What a target device type holds: chips per slice, hosts, and the `device_kind` JAX reports on it.
+
+The launcher validates a trainer config for hardware it is not running on, so it needs the same two numbers the
+trainer would read from JAX there: the device count and the device kind (which `mesh_rules` and the peak-FLOPs table
+in `maxshard/perf.py` match). A JAX device is one chip on TPU v4 and later (megacore) and one GPU on NVIDIA.
+
+TPU names count differently per generation, as Cloud TPU and XPK spell them:
+
+    v4-N, v5p-N              N counts TensorCores, 2 per chip: v5p-256 = 128 chips = 32 hosts of 4 chips
+    v5litepod-N (v5e-N), v6e-N   N counts chips; a slice of up to 8 chips is one host (the 1-, 4- and 8-chip
+                             machine types), larger slices use hosts of 4 chips: v5litepod-16 = 4 hosts
+
+A GPU "slice" is one node of 8 GPUs; `--num-slices` then counts nodes, and each node is one JAX process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Literal
+
+from maxshard.config import ConfigError
+
+__all__ = ["Target", "TpuFamily", "GpuType", "TPU_FAMILIES", "GPU_TYPES", "parse", "accepted_forms"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuFamily:
+    """One TPU generation: how its names count and what JAX calls its chips."""
+
+    names: tuple[str, ...]  # first one is XPK's spelling, the others are accepted aliases
+    device_kind: str  # jax.Device.device_kind on this chip
+    cores_per_unit: int  # TensorCores per unit of N in the name (2: N counts cores; 1: N counts chips)
+    chips_per_host: int  # chips of one host in a multi-host slice
+    one_host_up_to: int  # slices of at most this many chips fit on one host
+    sizes: tuple[int, ...] = ()  # accepted N ((): any multiple of 8)
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuType:
+    device_kind: str  # the CUDA device name JAX reports
+    gpus_per_node: int
+
+
+TPU_FAMILIES: tuple[TpuFamily, ...] = (
+    TpuFamily(("v4",), "TPU v4", cores_per_unit=2, chips_per_host=4, one_host_up_to=4),
+    TpuFamily(("v5p",), "TPU v5", cores_per_unit=2, chips_per_host=4, one_host_up_to=4),  # JAX says "TPU v5"
+    TpuFamily(("v5litepod", "v5e"), "TPU v5 lite", 1, 4, 8, sizes=(1, 4, 8, 16, 32, 64, 128, 256)),
+    TpuFamily(("v6e",), "TPU v6 lite", 1, 4, 8, sizes=(1, 4, 8, 16, 32, 64, 128, 256)),
+)
+
+GPU_TYPES: dict[str, GpuType] = {
+    "h100-80gb-8": GpuType("NVIDIA H100 80GB HBM3", 8),  # A3 High
+    "h100-mega-80gb-8": GpuType("NVIDIA H100 80GB HBM3", 8),  # A3 Mega
+    "h200-141gb-8": GpuType("NVIDIA H200", 8),  # A3 Ultra
+    "a100-40gb-8": GpuType("NVIDIA A100-SXM4-40GB", 8),  # A2
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """`num_slices` slices (TPU) or nodes (GPU) of one device type, as the trainer will see them."""
+
+    name: str  # XPK's --device-type value
+    accelerator: Literal["tpu", "gpu"]
+    device_kind: str
+    chips_per_slice: int
+    hosts_per_slice: int
+    num_slices: int
+
+    @property
+    def chips_per_host(self) -> int:
+        return self.chips_per_slice // self.hosts_per_slice
+
+    @property
+    def num_devices(self) -> int:
+        return self.chips_per_slice * self.num_slices
+
+    @property
+    def num_hosts(self) -> int:
+        """JAX processes of the run: one per host."""
+        return self.hosts_per_slice * self.num_slices
+
+
+def accepted_forms() -> str:
+    """The accepted device types, for error messages."""
+    tpu = ", ".join(
+        f"{'/'.join(n + '-N' for n in f.names)} ({'N cores' if f.cores_per_unit > 1 else 'N chips'}: "
+        f"{', '.join(map(str, f.sizes)) if f.sizes else 'a multiple of 8'})"
+        for f in TPU_FAMILIES
+    )
+    return f"{tpu}; GPU nodes: {', '.join(GPU_TYPES)}"
+
+
+def _tpu(family: TpuFamily, n: int, num_slices: int, text: str) -> Target:
+    valid = n in family.sizes if family.sizes else n >= 8 and n % 8 == 0
+    if not valid:
+        raise ConfigError(f"device type {text!r}: N={n} is not a {family.names[0]} slice size; {accepted_forms()}")
+    chips = n // family.cores_per_unit
+    hosts = 1 if chips <= family.one_host_up_to else chips // family.chips_per_host
+    return Target(f"{family.names[0]}-{n}", "tpu", family.device_kind, chips, hosts, num_slices)
+
+
+def parse(device_type: str, num_slices: int = 1) -> Target:
+    """'v5p-256', 2 -> Target(128 chips and 32 hosts per slice, 2 slices); ConfigError listing accepted forms."""
+    if num_slices < 1:
+        raise ConfigError(f"--num-slices must be >= 1, got {num_slices}")
+    text = device_type.strip().lower()
+    if text in GPU_TYPES:
+        gpu = GPU_TYPES[text]
+        return Target(text, "gpu", gpu.device_kind, gpu.gpus_per_node, 1, num_slices)
+    match = re.fullmatch(r"([a-z0-9]+)-(\d+)", text)
+    if match:
+        for family in TPU_FAMILIES:
+            if match.group(1) in family.names:
+                return _tpu(family, int(match.group(2)), num_slices, device_type)
+    raise ConfigError(f"unknown device type {device_type!r}; accepted: {accepted_forms()}")

@@ -1,0 +1,99 @@
+"""Text files -> tokenized ArrayRecord shards that `dataset_type=array_record` reads.
+
+    python tools/prepare_data.py OUT_DIR [--dataset_path DIR_OR_GLOB] [--tokenizer_path M.model] [--shards 4] [--text]
+    python -m maxshard.train configs/base.yml dataset_type=array_record dataset_path='OUT_DIR/*.arecord'
+
+Tokenizing ahead of time moves the tokenizer's cost out of training. Document i goes to shard i % shards, so
+shards are balanced and the record order is the corpus order. `--text` stores the text itself (the run tokenizes it).
+`OUT_DIR/maxshard_data.json` records which tokenizer made the ids; a run with another tokenizer refuses the shards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+from array_record.python import array_record_module
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from maxshard.config import ConfigError  # noqa: E402
+from maxshard.data import records, sources, tokenizer as tokenizers  # noqa: E402
+
+
+class Progress:
+    """One `\\r`-rewritten line on stderr: documents done, tokens, rate. Redrawn at most 5 times a second."""
+
+    def __init__(self, total: int, stream=sys.stderr) -> None:
+        self.total, self.stream = total, stream
+        self.start = self.last = time.perf_counter()
+
+    def update(self, done: int, tokens: int, final: bool = False) -> None:
+        now = time.perf_counter()
+        if not final and now - self.last < 0.2:
+            return
+        self.last = now
+        rate = tokens / max(now - self.start, 1e-9)
+        self.stream.write(f"\r[prepare_data] {done}/{self.total} documents, {tokens:,} tokens, {rate:,.0f} tokens/s")
+        if final:
+            self.stream.write("\n")
+        self.stream.flush()
+
+
+def shard_paths(out_dir: str, shards: int) -> list[str]:
+    return [os.path.join(out_dir, f"data-{i:05d}-of-{shards:05d}.arecord") for i in range(shards)]
+
+
+def prepare(dataset_path: str, tokenizer_path: str, out_dir: str, shards: int = 4, as_text: bool = False) -> dict:
+    """Writes the shards and `maxshard_data.json`; returns that metadata (documents, tokens, shard paths)."""
+    corpus = sources.text_corpus(dataset_path) if dataset_path else sources.default_corpus()
+    tok = tokenizers.load_sentencepiece(tokenizer_path) if tokenizer_path else tokenizers.ByteTokenizer()
+    os.makedirs(out_dir, exist_ok=True)
+    paths = shard_paths(out_dir, min(shards, len(corpus)))
+    writers = [array_record_module.ArrayRecordWriter(p, "group_size:1") for p in paths]
+    progress, tokens = Progress(len(corpus)), 0
+    try:
+        for i in range(len(corpus)):
+            text = corpus.documents[i]
+            ids = tok.encode_array(text)
+            tokens += len(ids)
+            writers[i % len(writers)].write(text.encode("utf-8") if as_text else records.encode_tokens(ids))
+            progress.update(i + 1, tokens)
+    finally:
+        for w in writers:
+            w.close()
+    progress.update(len(corpus), tokens, final=True)
+    meta = {"tokenizer": tokenizer_path or "byte", "tokenizer_id": tok.fingerprint(), "vocab_size": tok.vocab_size,
+            "records": "text" if as_text else "tokens", "documents": len(corpus), "tokens": tokens,
+            "source": corpus.where, "shards": [os.path.basename(p) for p in paths]}
+    with open(os.path.join(out_dir, records.METADATA_FILE), "w", encoding="utf-8") as f:
+        json.dump(meta, f, indent=1)
+    return meta
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", help="directory for the shards and maxshard_data.json")
+    parser.add_argument("--dataset_path", default="", help='directory or glob of text files ("": stdlib .py files)')
+    parser.add_argument("--tokenizer_path", default="", help='SentencePiece model ("": byte-level)')
+    parser.add_argument("--shards", type=int, default=4, help="number of ArrayRecord files")
+    parser.add_argument("--text", action="store_true", help="store text records instead of token ids")
+    args = parser.parse_args(argv)
+    if args.shards < 1:
+        parser.error("--shards must be >= 1")
+    try:
+        meta = prepare(args.dataset_path, args.tokenizer_path, args.out_dir, args.shards, args.text)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {meta['documents']} documents ({meta['tokens']:,} tokens) to {len(meta['shards'])} shards "
+          f"in {args.out_dir}; train with dataset_type=array_record dataset_path='{args.out_dir}/*.arecord'")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
