@@ -124,7 +124,12 @@ def _coerce(key: str, value: Any, source: str) -> Any:
     result = _coerce_scalar(hint, value)
     if result is _INVALID:
         raise ConfigError(f"{key} expects {_type_name(hint)}, got {value!r} (from {source})")
+    if hint is int and not _INT64_MIN <= result <= _INT64_MAX:  # YAML ints are unbounded; steps etc. meet floats
+        raise ConfigError(f"{key} must fit in a signed 64-bit integer, got {result} (from {source})")
     return result
+
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 _INVALID = object()
@@ -149,7 +154,10 @@ def _coerce_scalar(hint: Any, value: Any) -> Any:
                 return _INVALID
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             return _INVALID
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an int too large for a float
+            return _INVALID
     if hint is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
@@ -219,13 +227,18 @@ def _parse_override(token: str) -> tuple[str, Any]:
     if key not in user_keys():
         raise _unknown_key(key, "command line")
     hint = _HINTS[key]
-    if hint is str:  # keep text exactly as typed: run_name=007 stays "007"
+    if hint is str or _is_text_choice(hint):  # keep text exactly as typed: run_name=007 stays "007", profiler= is ""
         return key, raw
     try:
         value = yaml.safe_load(raw)
     except Exception as e:  # noqa: BLE001 - any YAML failure is a user mistake
         raise ConfigError(f"{key}={raw!r} is not a valid YAML value: {type(e).__name__}") from None
     return key, value
+
+
+def _is_text_choice(hint: Any) -> bool:
+    """A Literal of strings only (dtype, profiler, ...)."""
+    return typing.get_origin(hint) is typing.Literal and all(isinstance(a, str) for a in typing.get_args(hint))
 
 
 # --------------------------------------------------------------------------------------------- load
@@ -282,7 +295,8 @@ def finalize(cfg: Config, num_devices: int, device_kind: str = "cpu", num_proces
     """Applies `mesh_rules` for this hardware and computes the derived fields."""
     cfg = _apply_mesh_rules(cfg, f"{device_kind}-{num_devices}")
     global_batch = cfg.per_device_batch_size * num_devices
-    if not math.isclose(global_batch, round(global_batch)) or round(global_batch) < 1:
+    whole = math.isfinite(global_batch) and math.isclose(global_batch, round(global_batch))
+    if not whole or round(global_batch) < 1:
         raise ConfigError(
             f"per_device_batch_size={cfg.per_device_batch_size} x {num_devices} devices = {global_batch:g} "
             "is not a whole global batch of at least 1"
@@ -382,5 +396,4 @@ _POSITIVE_INTS = {
     "vocab_size": 0,
     "vocab_size_multiple": 1,
 }
-_FINITE_FLOATS = ("learning_rate", "weight_decay", "max_grad_norm", "adam_b1", "adam_b2", "adam_eps",
-                  "per_device_batch_size", "cosine_final_fraction")
+_FINITE_FLOATS = tuple(key for key, hint in _HINTS.items() if hint is float)  # every float key: nan/inf never help

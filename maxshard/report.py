@@ -57,7 +57,7 @@ def build_report(cfg: Config, mesh_sizes: Mapping[str, int], rules: FlaxRules | 
     """Layout of the train state and the input batch of `cfg` on a mesh of `mesh_sizes`."""
     rules = flax_rules(cfg) if rules is None else rules
     state = abstract_state(cfg)
-    params = [dataclasses.replace(p, name=f"params/{p.name}") for p in layout(state.params, rules, mesh_sizes)]
+    params = layout({"params": state.params}, rules, mesh_sizes)  # names and errors read "params/...", as in train
     optimizer = layout(state.opt_state, rules, mesh_sizes)
     batch_shape = (cfg.global_batch_size, cfg.max_target_length)
     batch = array_layout("input batch", axis_names.INPUT_AXES, batch_shape, np.int32, rules, mesh_sizes)
@@ -73,23 +73,23 @@ def build_report(cfg: Config, mesh_sizes: Mapping[str, int], rules: FlaxRules | 
     )
 
 
-def _spec_text(spec: Any) -> str:
+def _spec_text(spec: Any, mesh_sizes: Mapping[str, int]) -> str:
+    """'(fsdp, tensor)': per dimension the mesh axes that really split it (size > 1), '-' when none does.
+
+    The full spec (axes of size 1 included) is in the JSON report; the table stays readable.
+    """
     parts = []
     for entry in spec:
-        if entry is None:
-            parts.append("-")
-        elif isinstance(entry, str):
-            parts.append(entry)
-        else:
-            parts.append("*".join(entry) if entry else "-")
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+        parts.append("*".join(a for a in axes if mesh_sizes.get(a, 1) > 1) or "-")
     return "(" + ", ".join(parts) + ")"
 
 
-def _row(p: ParamLayout) -> list[str]:
+def _row(p: ParamLayout, mesh_sizes: Mapping[str, int]) -> list[str]:
     return [
         p.name,
         "(" + ", ".join(a or "-" for a in p.logical_axes) + ")",
-        _spec_text(p.spec),
+        _spec_text(p.spec, mesh_sizes),
         "x".join(map(str, p.global_shape)),
         "x".join(map(str, p.local_shape)),
         f"{p.bytes_per_device:,}",
@@ -108,9 +108,10 @@ def human_bytes(n: float) -> str:
 def format_report(report: Report) -> str:
     """A fixed-width table, one row per array, then the totals."""
     header = ["name", "logical axes", "spec", "global", "per device", "bytes/device", "replicas"]
-    rows = [header] + [_row(p) for p in report.params] + [_row(report.batch)]
+    rows = [header] + [_row(p, report.mesh) for p in report.params] + [_row(report.batch, report.mesh)]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = ["mesh: " + " ".join(f"{k}={v}" for k, v in report.mesh.items())]
+    split = " ".join(f"{k}={v}" for k, v in report.mesh.items() if v > 1) or "single device"
+    lines = [f"mesh: {split} ({math.prod(report.mesh.values())} devices; axes of size 1 left out of specs)"]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
     total = report.param_bytes_per_device + report.optimizer_bytes_per_device + report.gradient_bytes_per_device
     lines.append(

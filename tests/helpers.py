@@ -1,0 +1,66 @@
+"""Shared test helpers: tiny configs, meshes over a subset of devices, and tree comparisons."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from maxshard import config, mesh
+from maxshard.data import tokenizer
+
+# A model small enough to compile in seconds, with 8 heads so tensor=8 divides them.
+TINY = (
+    "dataset_type=synthetic",
+    "emb_dim=64",
+    "num_layers=2",
+    "num_heads=8",
+    "num_kv_heads=8",
+    "head_dim=8",
+    "mlp_dim=128",
+    "max_target_length=32",
+    "warmup_steps_fraction=0.0",
+    "learning_rate=1e-2",
+    "eval_period=0",
+    "weight_decay=0.1",
+)
+
+
+def tiny_config(*overrides: str, num_devices: int = 8, global_batch: int = 16) -> config.Config:
+    """A finalized tiny config for `num_devices` with a fixed global batch, whatever the device count."""
+    per_device = f"per_device_batch_size={global_batch / num_devices}"
+    merged = {item.split("=", 1)[0]: item for item in (*TINY, per_device, *overrides)}  # later wins
+    cfg = config.finalize(config.parse(["configs/base.yml", *merged.values()]), num_devices)
+    return tokenizer.resolve_vocab(cfg)
+
+
+def mesh_for(cfg: config.Config) -> jax.sharding.Mesh:
+    return mesh.build(cfg, jax.devices()[: cfg.num_devices])
+
+
+def max_relative_difference(a: Any, b: Any) -> float:
+    """Largest, over leaves, of max|a - b| / max|b|: the error relative to each array's own scale."""
+
+    def leaf(x: Any, y: Any) -> float:
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        return float(np.max(np.abs(x - y)) / max(np.max(np.abs(y)), 1e-12))
+
+    return max(jax.tree.leaves(jax.tree.map(leaf, jax.device_get(a), jax.device_get(b))))
+
+
+def layout_overrides(layout: Sequence[str]) -> tuple[str, ...]:
+    """A layout's knobs with every other ici knob pinned to 1 (base.yml fills fsdp with -1)."""
+    explicit = {item.split("=")[0] for item in layout}
+    fsdp = () if "ici_fsdp_parallelism" in explicit else ("ici_fsdp_parallelism=1",)
+    return tuple(layout) + fsdp
+
+
+def loss_and_grads(trainer: Any, params: Any, batch: Any) -> tuple[float, Any]:
+    """(mean loss, gradient sums) of one batch, jitted on the trainer's mesh; gradients stay un-normalised."""
+    from maxshard.step import mesh_context
+
+    with mesh_context(trainer.mesh, trainer.rules):
+        grads, sums = jax.jit(trainer._grads)(params, batch)
+    return float(sums["loss_sum"] / sums["weight_sum"]), jax.device_get(grads)
