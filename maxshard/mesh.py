@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -75,20 +76,28 @@ def axis_sizes(cfg: Config, num_devices: int | None = None, num_slices: int | No
     return resolve_shape(cfg, num_devices, num_slices).sizes
 
 
+def _slice_key(devices: list[jax.Device], num_slices: int) -> Any:
+    """How to tell a device's slice: `slice_index` when it separates slices, else the process, else the position.
+
+    Multi-process CPU runs report `slice_index == 0` everywhere, so one distinct value means "not informative".
+    """
+    slice_ids = {getattr(d, "slice_index", None) for d in devices} - {None}
+    if len(slice_ids) > 1:
+        return lambda d: d.slice_index
+    processes = sorted({d.process_index for d in devices})
+    if len(processes) > 1:
+        if len(processes) % num_slices:
+            raise ConfigError(f"num_slices={num_slices} does not divide {len(processes)} processes")
+        per_slice = len(processes) // num_slices
+        return lambda d: processes.index(d.process_index) // per_slice
+    position = {d.id: i for i, d in enumerate(devices)}
+    return lambda d: position[d.id] // (len(devices) // num_slices)
+
+
 def device_slices(devices: Sequence[jax.Device], num_slices: int) -> list[list[jax.Device]]:
-    """Groups devices into slices: by `slice_index` when devices have it, else by process, else evenly by id."""
+    """Groups devices into slices: by `slice_index` on multi-slice hardware, else by process, else evenly by id."""
     devices = sorted(devices, key=lambda d: (getattr(d, "slice_index", 0) or 0, d.process_index, d.id))
-    if hasattr(devices[0], "slice_index") and devices[0].slice_index is not None:
-        key = lambda d: d.slice_index  # noqa: E731
-    elif len({d.process_index for d in devices}) > 1:
-        num_processes = len({d.process_index for d in devices})
-        if num_processes % num_slices:
-            raise ConfigError(f"num_slices={num_slices} does not divide {num_processes} processes")
-        per_slice = num_processes // num_slices
-        key = lambda d: d.process_index // per_slice  # noqa: E731
-    else:
-        per_slice = len(devices) // num_slices
-        key = lambda d: devices.index(d) // per_slice  # noqa: E731
+    key = _slice_key(devices, num_slices)
     groups: dict[int, list[jax.Device]] = {}
     for d in devices:
         groups.setdefault(key(d), []).append(d)

@@ -202,12 +202,17 @@ def _use_gloo_on_cpu(jax: object) -> None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # type: ignore[attr-defined]
 
 
+_MAX_HEARTBEAT_S = 100
+
+
 def _join(jax: object, chosen: Plan) -> None:
     jax.distributed.initialize(  # type: ignore[attr-defined]
         coordinator_address=chosen.coordinator_address,
         num_processes=chosen.num_processes,
         process_id=chosen.process_id,
         initialization_timeout=chosen.timeout_s + _JAX_GRACE_S,
+        # A dead peer is noticed after this long; then every survivor stops instead of waiting in a collective.
+        heartbeat_timeout_seconds=min(chosen.timeout_s, _MAX_HEARTBEAT_S),
     )
 
 
