@@ -366,8 +366,10 @@ def _check_ranges(cfg: Config) -> Config:
             raise ConfigError(f"{key} must be a finite number, got {value}")
     if not cfg.per_device_batch_size > 0:
         raise ConfigError(f"per_device_batch_size must be > 0, got {cfg.per_device_batch_size}")
-    if not 0 <= cfg.warmup_steps_fraction <= 1:
-        raise ConfigError(f"warmup_steps_fraction must be in [0, 1], got {cfg.warmup_steps_fraction}")
+    for key, (low, high, closed) in _UNIT_INTERVALS.items():
+        value = getattr(cfg, key)
+        if not (low <= value <= high if closed else low <= value < high):
+            raise ConfigError(f"{key} must be in [{low:g}, {high:g}{']' if closed else ')'}, got {value}")
     if not cfg.run_name or "/" in cfg.run_name:
         raise ConfigError(f"run_name must be a non-empty name without '/', got {cfg.run_name!r}")
     for axis in MESH_AXES:
@@ -395,5 +397,20 @@ _POSITIVE_INTS = {
     "max_target_length": 1,
     "vocab_size": 0,
     "vocab_size_multiple": 1,
+    "checkpoint_period": 1,
+    "max_checkpoints_to_keep": 0,
+    "profile_start": 0,
+    "profile_steps": 1,
+    "distributed_timeout": 1,
+    "process_count": 0,
+    "process_id": -1,
+    "grain_worker_count": 0,
+    "grain_prefetch": 0,
+    "data_shuffle_seed": 0,
+}
+_UNIT_INTERVALS = {  # key: (low, high, high included)
+    "warmup_steps_fraction": (0.0, 1.0, True),
+    "eval_fraction": (0.0, 1.0, False),
+    "cosine_final_fraction": (0.0, 1.0, True),
 }
 _FINITE_FLOATS = tuple(key for key, hint in _HINTS.items() if hint is float)  # every float key: nan/inf never help
