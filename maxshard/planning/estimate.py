@@ -1,0 +1,160 @@
+"""A plan for a config on a target: memory per device, collectives per mesh axis, pipeline bubble, roofline time.
+
+Roofline. Compute time = hardware FLOPs per device / peak, where hardware FLOPs = model FLOPs (`model.py`,
+forward + backward) x 4/3 when the remat policy recomputes the forward (full and the save_* policies; an upper bound
+for save_*), divided by (1 - bubble) under a pipeline. A collective over a group of n = n_ici x n_dcn devices
+(ici and dcn parts of its mesh axes) with full-buffer bytes B moves, per device, with a ring inside each level:
+
+    over ICI:  f x (n_ici - 1) / n_ici x B            at the ICI bandwidth of one device
+    over DCN:  f x (n_dcn - 1) / n_dcn x B / n_ici    at the DCN bandwidth of one device (hierarchical: the ICI
+                                                      level has already split B into n_ici pieces)
+
+with f = 2 for all-reduce (reduce-scatter + all-gather) and 1 otherwise; a permute sends B once (over DCN if its
+axis crosses slices). Times add up per group of axes; the step estimate is max(compute, slowest group), i.e.
+perfect overlap, and the no-overlap bound compute + every group is printed beside it. Both ignore latency, link
+contention and collective efficiency (`hardware.py`), so they are lower bounds on a real step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from maxshard import mesh, model, perf
+from maxshard.config import Config
+from maxshard.launch.topologies import Target
+from maxshard.planning import hardware, memory, traffic
+from maxshard.planning.traffic import Collective
+from maxshard.report import build_report
+
+__all__ = ["AxisTime", "Plan", "make_plan", "collective_seconds", "by_kind"]
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisTime:
+    ici_s: float
+    dcn_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.ici_s + self.dcn_s
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    cfg: Config
+    target: Target | None
+    ici: dict[str, int]
+    dcn: dict[str, int]
+    param_count: int
+    params: int  # bytes per device
+    optimizer: int
+    gradients: int
+    activations: int
+    collectives: list[Collective]
+    bubble: float
+    model_flops: float  # per device per step
+    hardware_flops: float
+    peak: float | None
+    link: hardware.Interconnect | None
+    axis_times: dict[str, AxisTime]  # "fsdp", "data", "fsdp+sequence", ...
+
+    @property
+    def mesh(self) -> dict[str, int]:
+        return {a: self.ici[a] * self.dcn[a] for a in self.ici}
+
+    @property
+    def compute_s(self) -> float | None:
+        return None if self.peak is None else self.hardware_flops / self.peak / (1 - self.bubble)
+
+    @property
+    def step_s(self) -> float | None:
+        """max(compute, slowest axis group): perfect overlap."""
+        if self.compute_s is None:
+            return None
+        return max([self.compute_s, *(t.total_s for t in self.axis_times.values())])
+
+    @property
+    def serial_s(self) -> float | None:
+        """compute + every axis group: no overlap."""
+        if self.compute_s is None:
+            return None
+        return self.compute_s + sum(t.total_s for t in self.axis_times.values())
+
+
+def by_kind(collectives: list[Collective]) -> dict[str, float]:
+    """{kind: bytes} summed over axes: what `collectives.count_collectives` measures from HLO."""
+    out: dict[str, float] = {}
+    for c in collectives:
+        out[c.kind] = out.get(c.kind, 0.0) + c.bytes
+    return out
+
+
+def collective_seconds(
+    c: Collective, ici: dict[str, int], dcn: dict[str, int], link: hardware.Interconnect
+) -> AxisTime:
+    """Ring time of one collective, split into its ICI and DCN parts (module docstring)."""
+    n_ici = math.prod(ici[a] for a in c.axes)
+    n_dcn = math.prod(dcn[a] for a in c.axes)
+    if c.kind == "collective-permute":
+        return AxisTime(0.0, c.bytes / link.dcn_bw) if n_dcn > 1 else AxisTime(c.bytes / link.ici_bw, 0.0)
+    f = 2 if c.kind == "all-reduce" else 1
+    over_ici = f * (n_ici - 1) / n_ici * c.bytes
+    over_dcn = f * (n_dcn - 1) / n_dcn * c.bytes / n_ici
+    return AxisTime(over_ici / link.ici_bw, over_dcn / link.dcn_bw)
+
+
+def _axis_times(collectives: list[Collective], ici: dict, dcn: dict, link: hardware.Interconnect | None) -> dict:
+    if link is None:
+        return {}
+    times: dict[str, AxisTime] = {}
+    for c in collectives:
+        t, label = collective_seconds(c, ici, dcn, link), "+".join(c.axes)
+        old = times.get(label, AxisTime(0.0, 0.0))
+        times[label] = AxisTime(old.ici_s + t.ici_s, old.dcn_s + t.dcn_s)
+    return times
+
+
+def _remat_factor(policy: str) -> float:
+    """Hardware / model FLOPs: a recomputed forward adds 2 of the 6 FLOPs per parameter and token."""
+    return 1.0 if policy in ("none", "minimal") else 4 / 3
+
+
+def _bubble(geo: traffic.Geometry) -> float:
+    """(S - 1) / (M x R + S - 1): the share of stage-iterations that idle (layers/pipeline.py)."""
+    return 0.0 if geo.stages == 1 else (geo.stages - 1) / geo.iterations
+
+
+def make_plan(cfg: Config, target: Target | None = None) -> Plan:
+    """The plan of a finalized config (vocab resolved) on `target` (None: memory and bytes only, no times)."""
+    shape = mesh.resolve_shape(cfg)
+    ici = dict(zip(shape.sizes, shape.ici))
+    dcn = dict(zip(shape.sizes, shape.dcn))
+    sizes = shape.sizes
+    report = build_report(cfg, sizes)
+    platform = target.accelerator if target is not None else "cpu"
+    itemsize = np.dtype(model.compute_dtype(cfg.dtype, platform)).itemsize
+    geo = traffic.geometry(cfg, sizes, itemsize)
+    collectives = traffic.planned_collectives(cfg, report, sizes, geo)
+    link = hardware.interconnect(target.name) if target is not None else None
+    model_flops = model.flops_per_token(cfg) * cfg.global_batch_size * cfg.max_target_length / cfg.num_devices
+    return Plan(
+        cfg=cfg,
+        target=target,
+        ici=ici,
+        dcn=dcn,
+        param_count=model.param_count(cfg),
+        params=report.param_bytes_per_device,
+        optimizer=report.optimizer_bytes_per_device,
+        gradients=report.gradient_bytes_per_device,
+        activations=memory.activation_bytes(cfg, sizes, geo),
+        collectives=collectives,
+        bubble=_bubble(geo),
+        model_flops=model_flops,
+        hardware_flops=model_flops * _remat_factor(cfg.remat_policy),
+        peak=perf.peak_flops(cfg.device_kind),
+        link=link,
+        axis_times=_axis_times(collectives, ici, dcn, link),
+    )

@@ -1,0 +1,144 @@
+"""The planner's printout: a few fixed-width blocks a person reads top to bottom, and the same as JSON."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from maxshard.planning.estimate import AxisTime, Plan
+from maxshard.planning.memory import widths
+from maxshard.report import human_bytes
+
+__all__ = ["format_plan", "plan_json"]
+
+_ACTIVATION_RULE = {
+    "none": "every intermediate of every layer",
+    "minimal": "matmul outputs of every layer + one layer's intermediates",
+    "full": "one [batch, length, embed] per layer + one layer's intermediates",
+}
+
+
+def _mesh_line(plan: Plan) -> str:
+    parts = []
+    for axis, size in plan.mesh.items():
+        if size > 1:
+            where = [f"{n} {level}" for n, level in ((plan.ici[axis], "ici"), (plan.dcn[axis], "dcn")) if n > 1]
+            parts.append(f"{axis}={size} ({' x '.join(where)})")
+    return "mesh: " + (" ".join(parts) or "single device")
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'s' if n != 1 else ''}"
+
+
+def _count(n: int) -> str:
+    """8.03B, 125.1M, 181,504."""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"
+
+
+def _header(plan: Plan) -> list[str]:
+    cfg, t = plan.cfg, plan.target
+    where = "no target (memory and bytes only)"
+    if t is not None:
+        unit = "slice" if t.accelerator == "tpu" else "node"
+        where = (f"{t.name} x {_plural(t.num_slices, unit)} = {t.num_devices} devices ({t.device_kind!r}, "
+                 f"{t.chips_per_slice} per {unit}, {_plural(t.num_hosts, 'host')})")
+    return [
+        f"target: {where}",
+        _mesh_line(plan),
+        f"model: {_count(plan.param_count)} parameters; batch {cfg.global_batch_size} x {cfg.max_target_length} "
+        f"tokens; remat_policy={cfg.remat_policy}; gradient_accumulation_steps={cfg.gradient_accumulation_steps}",
+    ]
+
+
+def _memory(plan: Plan) -> list[str]:
+    total = plan.params + plan.optimizer + plan.gradients + plan.activations
+    hbm = plan.link.hbm if plan.link is not None else None
+    fits = "" if hbm is None else f" of {human_bytes(hbm)} HBM ({total / hbm:.0%})"
+    rule = _ACTIVATION_RULE.get(plan.cfg.remat_policy, "saved projections per layer + one layer's intermediates")
+    w = widths(plan.cfg, plan.mesh)
+    return [
+        "memory per device:",
+        f"  parameters       {human_bytes(plan.params):>11}",
+        f"  optimizer state  {human_bytes(plan.optimizer):>11}",
+        f"  gradients        {human_bytes(plan.gradients):>11}",
+        f"  activations      {human_bytes(plan.activations):>11}  estimate: {rule},",
+        f"  {'':>28}  logits and their gradient; attention scores [{w.scores // plan.cfg.max_target_length} heads, "
+        "length, length] are materialised",
+        f"  total            {human_bytes(total):>11}{fits}",
+    ]
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms"
+
+
+def _time_text(t: AxisTime | None) -> str:
+    if t is None:
+        return ""
+    parts = [f"ICI {_ms(t.ici_s)}" if t.ici_s else "", f"DCN {_ms(t.dcn_s)}" if t.dcn_s else ""]
+    return ", ".join(p for p in parts if p) or "0 ms"
+
+
+def _collectives(plan: Plan) -> list[str]:
+    sizes: dict[tuple[str, str], float] = {}
+    whats: dict[tuple[str, str], set[str]] = {}
+    for c in plan.collectives:
+        key = ("+".join(c.axes), c.kind)
+        sizes[key] = sizes.get(key, 0.0) + c.bytes
+        whats.setdefault(key, set()).add(c.what)
+    lines = ["collectives per device per step (full-buffer bytes; ring time at peak bandwidth):"]
+    if not sizes:
+        lines.append("  none (a single device, or nothing sharded)")
+    for (axes, kind), size in sorted(sizes.items()):
+        lines.append(f"  {axes:<16} {kind:<19} {human_bytes(size):>11}   {'; '.join(sorted(whats[axes, kind]))}")
+    for axes, t in sorted(plan.axis_times.items()):
+        lines.append(f"  time on {axes}: {_time_text(t)}")
+    return lines
+
+
+def _roofline(plan: Plan) -> list[str]:
+    cfg = plan.cfg
+    stages = plan.mesh.get("stage", 1)
+    lines = [f"pipeline bubble: {plan.bubble:.1%} ((S-1)/(M*R+S-1), S={stages})" if stages > 1 else
+             "pipeline bubble: none (stage=1)"]
+    if plan.peak is None or plan.compute_s is None:
+        return lines + [f"roofline: no peak FLOP/s known for device kind {cfg.device_kind!r}"]
+    slowest = max(plan.axis_times.items(), key=lambda kv: kv[1].total_s, default=None)
+    comm = "no communication" if slowest is None else f"slowest axis {slowest[0]} {_ms(slowest[1].total_s)}"
+    mfu = plan.model_flops / plan.step_s / plan.peak  # type: ignore[operator]
+    lines += [
+        f"roofline: compute {plan.compute_s:.4g} s ({plan.hardware_flops:.3g} FLOPs per device at "
+        f"{plan.peak / 1e12:.0f} TFLOP/s; model FLOPs x {plan.hardware_flops / plan.model_flops:.3g} for remat); "
+        f"{comm}",
+        f"step time >= {plan.step_s:.4g} s (perfect overlap), {plan.serial_s:.4g} s without overlap; "
+        f"MFU <= {mfu:.1%}; {cfg.global_batch_size * cfg.max_target_length / plan.step_s:,.0f} tokens/s at best",
+    ]
+    if plan.link is not None:
+        lines.append(f"bandwidths: ICI {plan.link.ici_bw / 1e9:.0f} GB/s, DCN {plan.link.dcn_bw / 1e9:.2f} GB/s per "
+                     f"device ({plan.link.source}; see maxshard/planning/hardware.py)")
+    return lines
+
+
+def format_plan(plan: Plan) -> str:
+    return "\n".join(_header(plan) + _memory(plan) + _collectives(plan) + _roofline(plan))
+
+
+def plan_json(plan: Plan) -> dict[str, Any]:
+    """Every number of the printout, machine-readable."""
+    return {
+        "target": None if plan.target is None else plan.target.name,
+        "num_slices": None if plan.target is None else plan.target.num_slices,
+        "mesh": plan.mesh,
+        "ici": plan.ici,
+        "dcn": plan.dcn,
+        "param_count": plan.param_count,
+        "bytes_per_device": {"params": plan.params, "optimizer": plan.optimizer, "gradients": plan.gradients,
+                             "activations": plan.activations},
+        "collectives": [{"kind": c.kind, "axes": list(c.axes), "bytes": c.bytes, "what": c.what}
+                        for c in plan.collectives],
+        "bubble": plan.bubble,
+        "flops_per_device": {"model": plan.model_flops, "hardware": plan.hardware_flops},
+        "peak_flops": plan.peak,
+        "seconds": {"compute": plan.compute_s, "step": plan.step_s, "serial": plan.serial_s,
+                    "axes": {k: {"ici": v.ici_s, "dcn": v.dcn_s} for k, v in plan.axis_times.items()}},
+    }

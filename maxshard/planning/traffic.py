@@ -1,0 +1,248 @@
+"""The collectives one train step needs, per mesh axis, from the layout alone (no devices, no compile).
+
+Bytes are *full-buffer bytes per device* (see `collectives.py`: the gathered result of an all-gather, the operand
+of a reduce-scatter, all-reduce, all-to-all or permute), summed over one step. Notation: k =
+`gradient_accumulation_steps`; "tokens" = the [batch, length] positions one device holds between layers
+(global batch / batch shards x length / sequence shards); E = emb_dim; a layer count is per pipeline stage.
+
+Weights (per parameter, from its PartitionSpec). A parameter dimension sharded over a mesh axis that also splits
+the batch (fsdp, fsdp_transpose, sequence, expert for non-expert weights: the *gather axes*) must be whole where
+it meets the activations:
+  all-gather      stacked layer weights twice per microbatch (forward, and again in the backward pass: the
+                  SPMD partitioner inserts gathers after autodiff, so the saved residual is the shard, whatever
+                  the remat policy), other matmul weights (the output head) once; in the compute dtype (the cast
+                  to `dtype` is elementwise, so it runs on the shard before the gather). Bytes = shard x gather.
+  reduce-scatter  their gradients over the same axes, once per microbatch, in the compute dtype: the partial sums
+                  come out of the matmul in `dtype` and are reduced before the cast back to the weight dtype (seen
+                  in an XLA:TPU ahead-of-time compile: a bfloat16 reduction of float32 weights' gradients).
+  all-reduce      gradients over batch axes the parameter is *not* sharded on (data parallelism; the replicated
+                  norm scales, reduced in float32), once per microbatch, shard bytes.
+  The token embedding is a lookup, not a matmul: XLA keeps the table sharded and moves the looked-up rows with an
+  all-to-all ([tokens, E], forward in the compute dtype, backward in the table's dtype); its gradient needs no
+  reduction over the gather axes.
+  A pipeline (stage > 1) runs each stage's weights once per iteration: stacked gathers and their gradient
+  reduce-scatters x (M*R + S - 1) / R (XLA keeps the per-repeat gather inside the schedule loop: a 4-layer,
+  2-stage, 4-microbatch compile on XLA:CPU gathered 4% more than this plan, and reduced 7% more).
+Activations:
+  tensor (axes of activation_heads / activation_mlp)  Megatron: all-reduce [tokens, E] after the attention output
+                  and MLP output projections (2 per layer forward), 2 per layer backward (input gradients of the
+                  q/k/v and wi projections, summed before the reduction as XLA's AllReduceReassociate does on
+                  TPU/GPU), and the recomputed forward's again under remat (2 for full, 1 when out_proj is saved);
+                  plus the embedding lookup (forward, in the table's dtype: the cast follows the lookup) and
+                  the output head's input gradient (backward), both [tokens, E], when the vocabulary is sharded;
+                  and when the table is sharded over vocabulary *and* gather axes, XLA all-reduces its gradient,
+                  [vocab, E / gather shards], over the vocabulary axes (seen on XLA:CPU and XLA:TPU alike).
+  sequence        attention needs every key and value: all-gather K and V ([batch, length, kv_heads, head_dim],
+                  whole length) per layer forward (and in the recompute), reduce-scatter their gradients backward.
+  stage           collective-permute of [microbatch, length, E] per pipeline iteration, forward and backward:
+                  2 x (M*R + S - 1) x k. (XLA:CPU lowers the backward roll as two permutes, and moves small
+                  position and segment-id slices too: 2.3x this in the compile above.)
+  expert          MoE dispatch and combine all-to-all, [tokens x top-k x capacity_factor, E] each, 2 per MoE
+                  layer forward, 2 backward (+2 in a full-remat recompute); only when the config has experts.
+Small reductions (loss sums, the cross-entropy max and sum over a sharded vocabulary, gradient norms) are left out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+
+from maxshard import axis_names as ax
+from maxshard.config import Config
+from maxshard.report import Report
+from maxshard.sharding import ParamLayout
+
+__all__ = ["Collective", "Geometry", "geometry", "planned_collectives", "rule_axes", "pipeline_sizes"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    kind: str  # all-gather, reduce-scatter, all-reduce, all-to-all, collective-permute
+    axes: tuple[str, ...]  # the mesh axes of the device group (sizes > 1 only)
+    bytes: float  # full-buffer bytes per device, summed over the step
+    what: str  # why it happens, for the printout
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """What one device holds between layers, and the schedule sizes the counts need."""
+
+    tokens: int  # [batch, length] positions per device in the decoder, summed over accumulation microbatches
+    outer_tokens: int  # the same for the embedding and the output head (batch may also split over `stage`)
+    layers: int  # stacked units one device runs (num_layers, or per stage)
+    accumulation: int  # k
+    stages: int  # S
+    microbatches: int  # M (1 without a pipeline)
+    repeats: int  # R (1 without a pipeline)
+    compute_itemsize: int
+    moe_layers: int  # MoE layers one device runs
+
+    @property
+    def iterations(self) -> int:
+        return self.microbatches * self.repeats + self.stages - 1
+
+
+def rule_axes(cfg: Config, logical: str, sizes: Mapping[str, int]) -> tuple[str, ...]:
+    """Mesh axes (size > 1) of the first rule for `logical`; () when it has none."""
+    for name, axes in cfg.logical_axis_rules:
+        if name == logical:
+            return tuple(a for a in axes if sizes.get(a, 1) > 1)
+    return ()
+
+
+def _shards(axes: Iterable[str], sizes: Mapping[str, int]) -> int:
+    return math.prod(sizes[a] for a in axes)
+
+
+def pipeline_sizes(cfg: Config, stages: int) -> tuple[int, int]:
+    """(M, R) with -1 derived as in layers/pipeline.py: M = S, R = units / (S x layers per stage)."""
+    units = cfg.num_layers // max(getattr(cfg, "moe_layer_interval", 1), 1) if _experts(cfg) > 1 else cfg.num_layers
+    per_stage = getattr(cfg, "num_layers_per_pipeline_stage", 1)
+    microbatches = getattr(cfg, "num_pipeline_microbatches", -1)
+    repeats = getattr(cfg, "num_pipeline_repeats", -1)
+    microbatches = stages if microbatches == -1 else microbatches
+    repeats = max(units // (stages * per_stage), 1) if repeats == -1 else repeats
+    return microbatches, repeats
+
+
+def _experts(cfg: Config) -> int:
+    return getattr(cfg, "num_experts", 1)
+
+
+def geometry(cfg: Config, sizes: Mapping[str, int], compute_itemsize: int) -> Geometry:
+    """Token and layer counts per device for `cfg` on a mesh of `sizes`."""
+    length = cfg.max_target_length // _shards(rule_axes(cfg, ax.LENGTH, sizes), sizes)
+    batch = cfg.global_batch_size // _shards(rule_axes(cfg, ax.BATCH, sizes), sizes)
+    outer = cfg.global_batch_size // _shards(rule_axes(cfg, ax.EMBED_AND_LOGITS_BATCH, sizes), sizes)
+    stages = sizes.get("stage", 1)
+    microbatches, repeats = pipeline_sizes(cfg, stages) if stages > 1 else (1, 1)
+    interval = max(getattr(cfg, "moe_layer_interval", 1), 1)
+    moe_layers = cfg.num_layers // interval if _experts(cfg) > 1 else 0
+    return Geometry(
+        tokens=batch * length,
+        outer_tokens=outer * length,
+        layers=cfg.num_layers // stages,
+        accumulation=cfg.gradient_accumulation_steps,
+        stages=stages,
+        microbatches=microbatches,
+        repeats=repeats,
+        compute_itemsize=compute_itemsize,
+        moe_layers=moe_layers // stages,
+    )
+
+
+# --------------------------------------------------------------------------------------------- weights
+
+
+def _dim_axes(p: ParamLayout, sizes: Mapping[str, int]) -> list[tuple[str | None, tuple[str, ...]]]:
+    """(logical name, mesh axes of size > 1) per dimension of a parameter."""
+    out = []
+    for i, logical in enumerate(p.logical_axes):
+        entry = p.spec[i] if i < len(p.spec) else None
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        out.append((logical, tuple(a for a in axes if sizes.get(a, 1) > 1)))
+    return out
+
+
+def _weight_collectives(cfg: Config, p: ParamLayout, sizes: Mapping[str, int], geo: Geometry) -> list[Collective]:
+    """Gathers and gradient reductions of one parameter (see the module docstring)."""
+    dims = _dim_axes(p, sizes)
+    stacked = any(logical == ax.LAYERS for logical, _ in dims)
+    owned = {a for logical, axes in dims if logical in (ax.EXP, ax.LAYERS) for a in axes}
+    sharded = {a for _, axes in dims for a in axes}
+    batch_rule = ax.BATCH if stacked else ax.EMBED_AND_LOGITS_BATCH
+    batch = set(rule_axes(cfg, batch_rule, sizes)) | set(rule_axes(cfg, ax.LENGTH, sizes))
+    gather = tuple(a for a in sizes if a in sharded and a in batch and a not in owned)
+    reduce_only = tuple(a for a in sizes if a in batch and a not in sharded)
+    lookup = p.name.endswith("token_embed/embedding") and not cfg.logits_via_embedding
+    k, shard = geo.accumulation, p.bytes_per_device * _grad_itemsize(p, lookup, geo) / np.dtype(p.dtype).itemsize
+    out = []
+    if gather and lookup:
+        rows = geo.outer_tokens * cfg.emb_dim * (geo.compute_itemsize + np.dtype(p.dtype).itemsize)
+        out.append(Collective("all-to-all", gather, rows, "embedding rows, forward and backward"))
+        vocab = tuple(a for logical, axes in dims if logical == ax.VOCAB for a in axes)
+        if vocab:  # XLA scatters into the whole vocabulary, then all-reduces it over the vocabulary axes
+            whole = p.bytes_per_device * _shards(vocab, sizes)
+            out.append(Collective("all-reduce", vocab, k * whole, "embedding gradient over the vocabulary"))
+    elif gather:
+        passes = 2 * k * geo.iterations / geo.repeats if stacked else k
+        gathered = p.bytes_per_device * _shards(gather, sizes) * geo.compute_itemsize / np.dtype(p.dtype).itemsize
+        out.append(Collective("all-gather", gather, passes * gathered, "weights" if stacked else "head weights"))
+        scatters = passes / 2 if stacked else k  # the gradient of each forward gather
+        out.append(Collective("reduce-scatter", gather, scatters * shard * _shards(gather, sizes), "weight gradients"))
+    if reduce_only:
+        out.append(Collective("all-reduce", reduce_only, k * shard, "weight gradients"))
+    return out
+
+
+def _grad_itemsize(p: ParamLayout, lookup: bool, geo: Geometry) -> int:
+    """Bytes per gradient element where it is reduced: at the matmul's output, in the compute dtype; norm scales
+    (applied in float32) and the embedding table (a float32 lookup, cast afterwards) in their own dtype."""
+    if lookup or ax.NORM in p.logical_axes:
+        return np.dtype(p.dtype).itemsize
+    return geo.compute_itemsize
+
+
+# --------------------------------------------------------------------------------------------- activations
+
+
+def _recompute_count(policy: str) -> int:
+    """Tensor-parallel all-reduces (of 2 per layer) that a remat policy recomputes in the backward pass."""
+    return {"none": 0, "minimal": 0, "save_out_proj": 1, "save_qkv_out_proj": 1}.get(policy, 2)
+
+
+def _tensor(cfg: Config, report: Report, sizes: Mapping[str, int], geo: Geometry) -> list[Collective]:
+    model_axes = set(rule_axes(cfg, ax.ACT_HEADS, sizes)) | set(rule_axes(cfg, ax.ACT_MLP, sizes))
+    axes = tuple(a for a in sizes if a in model_axes)
+    if not axes:
+        return []
+    act = geo.tokens * cfg.emb_dim * geo.compute_itemsize
+    per_layer = 4 + _recompute_count(cfg.remat_policy)
+    out = [Collective("all-reduce", axes, per_layer * geo.layers * act, f"layer activations ({per_layer} per layer)")]
+    vocab = {a for p in report.params for logical, dim in _dim_axes(p, sizes) if logical == ax.VOCAB for a in dim}
+    vocab_axes = tuple(a for a in sizes if a in vocab)
+    if vocab_axes:
+        table = next(p for p in report.params if p.name.endswith("token_embed/embedding"))
+        rows = geo.outer_tokens * cfg.emb_dim * (np.dtype(table.dtype).itemsize + geo.compute_itemsize)
+        out.append(Collective("all-reduce", vocab_axes, rows, "embedding output, head input gradient"))
+    return out
+
+
+def _sequence(cfg: Config, sizes: Mapping[str, int], geo: Geometry) -> list[Collective]:
+    axes = rule_axes(cfg, ax.LENGTH, sizes)
+    if not axes:
+        return []
+    kv_local = cfg.num_kv_heads // _shards(rule_axes(cfg, ax.ACT_KV_HEADS, sizes), sizes)
+    kv = 2 * geo.tokens * _shards(axes, sizes) * kv_local * cfg.head_dim * geo.compute_itemsize  # K and V, whole length
+    gathers = 1 + (_recompute_count(cfg.remat_policy) > 0)
+    return [
+        Collective("all-gather", axes, gathers * geo.layers * kv, "keys and values"),
+        Collective("reduce-scatter", axes, geo.layers * kv, "key and value gradients"),
+    ]
+
+
+def _stage(cfg: Config, sizes: Mapping[str, int], geo: Geometry) -> list[Collective]:
+    if geo.stages == 1:
+        return []
+    microbatch = geo.tokens // (geo.accumulation * geo.microbatches) * cfg.emb_dim * geo.compute_itemsize
+    count = 2 * geo.iterations * geo.accumulation
+    return [Collective("collective-permute", ("stage",), count * microbatch, f"stage shift ({count} per step)")]
+
+
+def _expert(cfg: Config, sizes: Mapping[str, int], geo: Geometry) -> list[Collective]:
+    if _experts(cfg) == 1 or sizes.get("expert", 1) == 1 or geo.moe_layers == 0:
+        return []
+    factor = cfg.capacity_factor if cfg.capacity_factor > 0 else 1.0
+    routed = geo.tokens * cfg.num_experts_per_tok * factor * cfg.emb_dim * geo.compute_itemsize
+    per_layer = 4 + 2 * (cfg.remat_policy == "full")
+    return [Collective("all-to-all", ("expert",), per_layer * geo.moe_layers * routed, "MoE dispatch and combine")]
+
+
+def planned_collectives(cfg: Config, report: Report, sizes: Mapping[str, int], geo: Geometry) -> list[Collective]:
+    """Every collective of one train step (see the module docstring for the model)."""
+    out = [c for p in report.params for c in _weight_collectives(cfg, p, sizes, geo)]
+    out += _tensor(cfg, report, sizes, geo) + _sequence(cfg, sizes, geo)
+    return out + _stage(cfg, sizes, geo) + _expert(cfg, sizes, geo)
