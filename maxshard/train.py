@@ -6,14 +6,18 @@ Every user mistake surfaces as one line and exit code 2, before anything is comp
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import sys
+import threading
+import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
 
-from maxshard import config, data, mesh, metrics, model, perf
+from maxshard import checkpoint, config, data, mesh, metrics, model, perf
 from maxshard.config import Config, ConfigError
 from maxshard.data.tokenizer import resolve_vocab
 from maxshard.launch import distributed
@@ -70,48 +74,114 @@ def evaluate(cfg: Config, trainer: Trainer, params: Any, eval_step: Any) -> floa
 
 
 class StepLogger:
-    """Turns each finished step's values into throughput figures; prints and records every `log_period` steps."""
+    """Turns each finished step's values into throughput figures; prints and records every `log_period` steps.
+
+    Step time is measured between the ends of two steps, so the first step (which includes compilation) is logged
+    with its loss and a `compile_time` (time from the loop's start to its end) but no throughput.
+    """
 
     def __init__(self, cfg: Config, writer: metrics.MetricsWriter) -> None:
         self.cfg, self.writer = cfg, writer
         self.tokens_per_step = cfg.global_batch_size * cfg.max_target_length
         self.flops_per_step = model.flops_per_token(cfg) * self.tokens_per_step
         self.peak = perf.peak_flops(cfg.device_kind)
-        self.last: metrics.StepValues | None = None  # the previous logged (or first) step
+        self.started = time.perf_counter()
+        self.compiled = False
+        self.reference: metrics.StepValues | None = None  # timing reference: the last logged (or first) step
 
     def restart(self) -> None:
         """Forget the timing reference, e.g. after an evaluation that would otherwise count as step time."""
-        self.last = None
+        self.reference = None
 
     def __call__(self, done: metrics.StepValues | None) -> None:
         if done is None:
             return
         step = done.step + 1  # steps are counted from 1 in logs
-        if self.last is None:  # the first step includes compilation: time from its end on
-            self.last = done
-        if step % self.cfg.log_period and step != self.cfg.steps or done is self.last:
+        if not self.compiled:
+            self.compiled = True
+            self.reference = done
+            self._write(step, {**done.values, "compile_time": done.ready_time - self.started}, None)
             return
-        step_time = (done.ready_time - self.last.ready_time) / (done.step - self.last.step)
-        self.last = done
+        if self.reference is None:
+            self.reference = done
+            return
+        if step % self.cfg.log_period and step != self.cfg.steps:
+            return
+        step_time = (done.ready_time - self.reference.ready_time) / (done.step - self.reference.step)
+        self.reference = done
+        self._write(step, dict(done.values), step_time)
+
+    def _write(self, step: int, record: dict[str, Any], step_time: float | None) -> None:
+        if step_time is None:
+            self.writer.write(step, record)
+            line = f"step {step}/{self.cfg.steps} | loss {record['loss']:.3f} | compiled and ran in "
+            print(line + f"{record['compile_time']:.1f}s", flush=True)
+            return
         figures = perf.step_perf(self.tokens_per_step, self.flops_per_step, step_time, self.cfg.num_devices, self.peak)
-        record = {**done.values, "step_time": step_time, **figures, **(metrics.memory_stats() or {})}
+        record.update({"step_time": step_time, **figures, **(metrics.memory_stats() or {})})
         self.writer.write(step, record)
         eta = (self.cfg.steps - step) * step_time
-        print(
-            metrics.format_progress(
-                step, self.cfg.steps, record["loss"], step_time, figures["tokens_per_sec_per_device"],
-                figures["mfu"], eta, tflops=figures["tflops_per_device"],
-            ),
-            flush=True,
+        progress = metrics.format_progress(
+            step, self.cfg.steps, record["loss"], step_time, figures["tokens_per_sec_per_device"], figures["mfu"],
+            eta, tflops=figures["tflops_per_device"],
         )
+        print(progress, flush=True)
 
 
-def train_loop(cfg: Config, trainer: Trainer, state: TrainState, writer: metrics.MetricsWriter) -> TrainState:
+@contextlib.contextmanager
+def catch_sigterm() -> Iterator[threading.Event]:
+    """SIGTERM (GKE's preemption notice) sets an event instead of killing: the loop saves and exits 0.
+
+    With several processes JAX's own preemption notifier holds SIGTERM and agrees on the stop step
+    (`checkpoint.preemption_reached`); a Python handler would replace it, so none is installed there.
+    """
+    event = threading.Event()
+    if jax.process_count() > 1 or threading.current_thread() is not threading.main_thread():
+        yield event
+        return
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: event.set())
+    try:
+        yield event
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def start(cfg: Config, trainer: Trainer, ckpt: checkpoint.Checkpoints) -> tuple[TrainState, data.InputIterator]:
+    """The state to train from (resumed, seeded or fresh) and the train batches, positioned where it left off."""
+    state, data_state = ckpt.restore_or_init()
+    batches = data.make_input(cfg, trainer.mesh, "train")
+    if data_state is not None:
+        batches.set_state(data_state)
+    return state, batches
+
+
+def end_of_step(
+    step: int, state: TrainState, batches: data.InputIterator, ckpt: checkpoint.Checkpoints, sigterm: threading.Event
+) -> bool:
+    """Saves when due after `step` steps; True when a preemption notice says to stop here."""
+    preempted = checkpoint.preemption_reached(step, sigterm)
+    if ckpt.due(step, preempted):
+        ckpt.save(step, state, batches.get_state())
+    if preempted:
+        ckpt.wait()
+        saved = "saved" if ckpt.manager is not None else "not saved (enable_checkpointing is off)"
+        print(f"preempted: stopping after step {step}, checkpoint {saved}", flush=True)
+    return preempted
+
+
+def train_loop(
+    cfg: Config,
+    trainer: Trainer,
+    state: TrainState,
+    batches: data.InputIterator,
+    writer: metrics.MetricsWriter,
+    ckpt: checkpoint.Checkpoints,
+    sigterm: threading.Event,
+) -> TrainState:
     """Runs steps `state.step .. cfg.steps - 1`; metrics are fetched one step late so the device never waits."""
     batch_sharding = data.batch_sharding(cfg, trainer.mesh)
     train_step = trainer.jit_train_step(batch_sharding)
     eval_step = trainer.jit_eval_step(batch_sharding) if cfg.eval_period else None
-    batches = data.make_input(cfg, trainer.mesh, "train")
     profiler = Profiler.from_config(cfg, is_primary=jax.process_index() == 0)
     deferred, log = metrics.DeferredMetrics(), StepLogger(cfg, writer)
     for step in range(int(state.step), cfg.steps):
@@ -124,6 +194,8 @@ def train_loop(cfg: Config, trainer: Trainer, state: TrainState, writer: metrics
             writer.write(step + 1, {"eval_loss": eval_loss})
             print(f"eval at step {step + 1}: loss {eval_loss:.4f}", flush=True)
             log.restart()
+        if end_of_step(step + 1, state, batches, ckpt, sigterm):
+            break
     log(deferred.flush())
     profiler.close()
     return state
@@ -134,10 +206,18 @@ def run(argv: Sequence[str]) -> int:
     trainer = Trainer(cfg, mesh.build(cfg))
     report = check_layout(cfg, trainer)
     print_startup(cfg, trainer, report)
-    with metrics.MetricsWriter.from_config(cfg, is_primary=jax.process_index() == 0) as writer:
+    # Exits run inner first: the last save is committed, then metrics are flushed, then SIGTERM is given back.
+    with (
+        catch_sigterm() as sigterm,
+        metrics.MetricsWriter.from_config(cfg, is_primary=jax.process_index() == 0) as writer,
+        checkpoint.Checkpoints(cfg, trainer) as ckpt,
+    ):
         writer.write_config(cfg)
-        state = trainer.init_state()
-        train_loop(cfg, trainer, state, writer)
+        state, batches = start(cfg, trainer, ckpt)
+        if int(state.step) >= cfg.steps:
+            print(f"run already complete: step {int(state.step)} of steps={cfg.steps}; nothing to do", flush=True)
+            return 0
+        train_loop(cfg, trainer, state, batches, writer, ckpt, sigterm)
     return 0
 
 

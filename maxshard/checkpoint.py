@@ -1,0 +1,299 @@
+"""Checkpoints that lose nothing: async saves, exact resume, preemption saves, resharding on restore.
+
+A checkpoint is `checkpoint_dir/<step>/` with three orbax items:
+
+    state   the whole TrainState (step, params, opt_state) as sharded arrays
+    data    every process's input iterator state, {"process_<i>": state} (JSON): the batch stream resumes exactly
+    config  the Config that wrote it (JSON), for people and tools; never read back
+
+There is no other random state: parameters are initialised from `seed` once, the train step draws no randomness,
+and the data order lives in the iterator state.
+
+Why it is shaped this way:
+- Orbax writes a step into `<step>.orbax-checkpoint-tmp-*` and renames it when every item is written (on GCS a
+  commit_success.txt marks it instead), and deletes old steps only after that. A save killed halfway leaves a tmp
+  directory that `all_steps` never lists (and the next run's manager removes), so a good checkpoint is never
+  replaced by a bad one.
+- A committed checkpoint can still be damaged later (a file truncated or deleted). Resuming walks back from the
+  latest step; a step that fails to read is renamed `<step>.damaged` (kept for inspection, out of the next save's
+  way) and the one before it is tried. A run directory that has checkpoints never silently starts from scratch.
+- Shapes are compared with the checkpoint's metadata before reading any array, so a changed model is one
+  ConfigError naming the first differing parameter, never mistaken for damage.
+- The restore target carries this run's shardings: a checkpoint saved on one mesh loads onto any other layout.
+- The data states of all processes are gathered into one JSON item written by the primary process, so one set of
+  orbax items serves any process count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+from jax.experimental import multihost_utils
+
+from maxshard.config import Config, ConfigError
+from maxshard.step import Trainer, TrainState
+
+__all__ = ["Checkpoints", "target_state", "check_matches", "preemption_reached", "DAMAGED_SUFFIX"]
+
+DAMAGED_SUFFIX = ".damaged"
+
+
+def target_state(trainer: Trainer) -> TrainState:
+    """Shapes and dtypes of this model with the shardings of this mesh: restoring onto it reshards on load."""
+    return jax.tree.map(
+        lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+        nn.unbox(trainer.abstract_state),
+        trainer.state_shardings,
+    )
+
+
+def _key_name(key: Any) -> str:
+    """One path element as text, whatever pytree node made it (dict key, attribute, sequence index)."""
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+    """'params/decoder/.../kernel' -> shape; the same names for a live TrainState and orbax's metadata tree."""
+    leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return {"/".join(_key_name(k) for k in path): tuple(leaf.shape) for path, leaf in leaves}
+
+
+def check_matches(saved: Any, target: Any, where: str) -> None:
+    """One-line ConfigError naming the first array whose name or shape differs (dtypes are cast on restore)."""
+    have, want = _shapes(saved), _shapes(target)
+    for path, shape in want.items():
+        if path not in have:
+            raise ConfigError(f"{where} does not match the model: it has no {path} (shape {shape} in the model)")
+        if have[path] != shape:
+            raise ConfigError(f"{where} does not match the model: {path} has shape {have[path]} in the checkpoint, "
+                              f"{shape} in the model")
+    extra = [path for path in have if path not in want]
+    if extra:
+        raise ConfigError(f"{where} does not match the model: it has {extra[0]}, which the model lacks")
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:160] if text else ''}"
+
+
+def _all_processes(ok: bool) -> bool:
+    """True only if `ok` on every process: all must restore the same step or none."""
+    if jax.process_count() == 1:
+        return ok
+    return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
+
+
+def _gather_data_states(local: dict[str, Any]) -> dict[str, Any]:
+    """{"process_<i>": state} of every process (each reads its own documents), as JSON bytes through one allgather."""
+    if jax.process_count() == 1:
+        return {"process_0": local}
+    encoded = np.frombuffer(json.dumps(local).encode(), np.uint8)
+    sizes = multihost_utils.process_allgather(np.int32(encoded.size))
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[: encoded.size] = encoded
+    rows = multihost_utils.process_allgather(padded)
+    return {f"process_{i}": json.loads(bytes(row[:n]).decode()) for i, (row, n) in enumerate(zip(rows, sizes))}
+
+
+def _this_process(saved: dict[str, Any], where: str) -> dict[str, Any]:
+    """This process's iterator state; another process count is fine only if all saved states are the same."""
+    mine = saved.get(f"process_{jax.process_index()}")
+    if len(saved) == jax.process_count() and mine is not None:
+        return mine
+    states = list(saved.values())
+    if states and all(s == states[0] for s in states):
+        return states[0]
+    raise ConfigError(f"{where} holds the data iterator states of {len(saved)} processes; this run has "
+                      f"{jax.process_count()} (resume with the same process count)")
+
+
+def preemption_reached(step: int, sigterm: threading.Event) -> bool:
+    """True at the step boundary where every process stops to save for a preemption.
+
+    One process: the SIGTERM flag. Several: JAX's preemption sync point, which its coordination service agrees on
+    (it catches SIGTERM itself and picks the first step every process can still reach); it must be asked every step.
+    """
+    if jax.process_count() == 1:
+        return sigterm.is_set()
+    try:
+        return multihost_utils.reached_preemption_sync_point(step)
+    except RuntimeError:  # jax_enable_preemption_service is off: SIGTERM kills; resume from the last periodic save
+        return False
+
+
+def _state_dir(path: str, key: str) -> epath.Path:
+    state_dir = epath.Path(path) / "state"
+    if not state_dir.exists():
+        raise ConfigError(f"{key}={path} is not a checkpoint step directory (no state/ in it; e.g. "
+                          "runs/NAME/checkpoints/100)")
+    return state_dir
+
+
+def load_full_state(path: str, trainer: Trainer) -> TrainState:
+    """Step, params and optimizer state of another run's checkpoint, on this run's mesh."""
+    state_dir, target = _state_dir(path, "load_full_state_path"), target_state(trainer)
+    check_matches(ocp.PyTreeCheckpointHandler().metadata(state_dir).tree, target, f"load_full_state_path={path}")
+    return ocp.StandardCheckpointer().restore(state_dir, target)
+
+
+def load_parameters(path: str, trainer: Trainer) -> TrainState:
+    """A fresh state (step 0, new optimizer moments) whose params come from a checkpoint: fine-tuning."""
+    state_dir = _state_dir(path, "load_parameters_path")
+    target = {"params": target_state(trainer).params}
+    saved = ocp.PyTreeCheckpointHandler().metadata(state_dir).tree
+    check_matches({"params": saved["params"]}, target, f"load_parameters_path={path}")
+    args = ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                                  partial_restore=True)
+    params = ocp.PyTreeCheckpointer().restore(state_dir, args=args)["params"]
+    # Only the optimizer is initialised: a full init would hold a second, random copy of every parameter.
+    fresh = jax.jit(lambda p: TrainState(jnp.zeros((), jnp.int32), p, trainer.tx.init(p)),
+                    out_shardings=trainer.state_shardings)
+    return fresh(params)
+
+
+def _manager(cfg: Config) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=cfg.max_checkpoints_to_keep or None,
+        enable_async_checkpointing=cfg.async_checkpointing,
+        cleanup_tmp_directories=True,  # leftovers of saves that were killed halfway
+    )
+    # Handlers named up front: without them a fresh manager cannot read an item's metadata before its first save.
+    handlers = {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
+                "config": ocp.JsonCheckpointHandler()}
+    return ocp.CheckpointManager(epath.Path(cfg.checkpoint_dir), item_handlers=handlers, options=options)
+
+
+class Checkpoints:
+    """The run's CheckpointManager (none when `enable_checkpointing` is off) and the policy around it."""
+
+    def __init__(self, cfg: Config, trainer: Trainer) -> None:
+        self.cfg, self.trainer = cfg, trainer
+        self.manager = _manager(cfg) if cfg.enable_checkpointing else None
+
+    def __enter__(self) -> Checkpoints:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Waits for a save in flight: a run never exits with its last checkpoint half written."""
+        if self.manager is not None:
+            self.manager.close()
+            self.manager = None
+
+    # ------------------------------------------------------------------ restore
+
+    def restore_or_init(self) -> tuple[TrainState, dict[str, Any] | None]:
+        """(state, this process's data iterator state or None): own checkpoints first, then the load_* keys."""
+        cfg = self.cfg
+        if cfg.load_parameters_path and cfg.load_full_state_path:
+            raise ConfigError("set at most one of load_parameters_path and load_full_state_path")
+        if self.manager is not None and self.manager.all_steps():
+            return self._resume()
+        self._refuse_if_only_damaged()
+        if cfg.load_full_state_path:
+            state = load_full_state(cfg.load_full_state_path, self.trainer)
+            print(f"starting from step {int(state.step)}: full state of {cfg.load_full_state_path}", flush=True)
+            return state, None
+        if cfg.load_parameters_path:
+            print(f"starting from step 0 with the parameters of {cfg.load_parameters_path}", flush=True)
+            return load_parameters(cfg.load_parameters_path, self.trainer), None
+        where = f"no checkpoint in {cfg.checkpoint_dir}" if self.manager is not None else "enable_checkpointing is off"
+        print(f"starting from step 0 ({where})", flush=True)
+        return self.trainer.init_state(), None
+
+    def _refuse_if_only_damaged(self) -> None:
+        """Checkpoints set aside by an earlier start still mean this run has a history: never start it over silently."""
+        directory = epath.Path(self.cfg.checkpoint_dir)
+        damaged = sorted(p.name for p in directory.glob(f"*{DAMAGED_SUFFIX}*")) if self.manager is not None else []
+        if damaged:
+            raise ConfigError(f"{directory} holds only damaged checkpoints ({', '.join(damaged)}); "
+                              "move them away to start this run from scratch")
+
+    def _resume(self) -> tuple[TrainState, dict[str, Any]]:
+        target = target_state(self.trainer)
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            restored = self._try_restore(step, target)
+            if restored is not None:
+                print(f"resuming from step {step} ({self.cfg.checkpoint_dir})", flush=True)
+                return restored
+        raise ConfigError(f"no checkpoint in {self.cfg.checkpoint_dir} can be read (all set aside as *"
+                          f"{DAMAGED_SUFFIX}); move them away to start this run from scratch")
+
+    def _try_restore(self, step: int, target: TrainState) -> tuple[TrainState, dict[str, Any]] | None:
+        """The restored step, or None after setting a damaged step aside; a model mismatch raises instead."""
+        problem: BaseException | None = None
+        restored: Any = None
+        try:
+            saved = self.manager.item_metadata(step)["state"]
+            if saved is None or not jax.tree.leaves(saved.tree):
+                raise ValueError("the state metadata is missing")
+        except Exception as e:  # noqa: BLE001 - any failure to read is damage
+            problem = e
+        else:
+            check_matches(saved.tree, target, f"checkpoint step {step} in {self.cfg.checkpoint_dir}")
+            try:
+                args = ocp.args.Composite(state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore())
+                restored = self.manager.restore(step, args=args)
+            except Exception as e:  # noqa: BLE001
+                problem = e
+        aside = self._aside_name(step)  # chosen before the agreement: after it, process 0 may have renamed already
+        if not _all_processes(problem is None):
+            self._set_aside(step, aside, problem)
+            return None
+        return restored.state, _this_process(restored.data, f"checkpoint step {step}")
+
+    def _aside_name(self, step: int) -> str:
+        aside = epath.Path(self.cfg.checkpoint_dir) / f"{step}{DAMAGED_SUFFIX}"
+        while aside.exists():
+            aside = aside.with_name(aside.name + "_")
+        return aside.name
+
+    def _set_aside(self, step: int, aside: str, problem: BaseException | None) -> None:
+        """Renames a damaged step out of the manager's sight, so that the step can be saved again later."""
+        path = epath.Path(self.cfg.checkpoint_dir) / str(step)
+        reason = _one_line(problem) if problem is not None else "unreadable on another process"
+        print(f"checkpoint step {step} is damaged ({reason}); set aside as {aside}, trying the previous one",
+              flush=True)
+        if jax.process_index() == 0:
+            path.rename(path.with_name(aside))
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"maxshard set aside checkpoint {step}")
+        self.manager.reload()
+
+    # ------------------------------------------------------------------ save
+
+    def due(self, step: int, preempted: bool) -> bool:
+        """Every `checkpoint_period` steps, at the last step, and when a preemption notice arrived."""
+        if self.manager is None:
+            return False
+        return preempted or step % self.cfg.checkpoint_period == 0 or step == self.cfg.steps
+
+    def save(self, step: int, state: TrainState, data_state: dict[str, Any]) -> None:
+        """Returns once the state is copied to host memory (the next step may donate it); writing goes on behind."""
+        print(f"saving checkpoint at step {step}", flush=True)
+        args = ocp.args.Composite(
+            state=ocp.args.StandardSave(state),
+            data=ocp.args.JsonSave(_gather_data_states(data_state)),
+            config=ocp.args.JsonSave(json.loads(json.dumps(dataclasses.asdict(self.cfg), default=str))),
+        )
+        self.manager.save(step, args=args, force=True)
+
+    def wait(self) -> None:
+        """Blocks until the last save is committed (raises if writing it failed)."""
+        if self.manager is not None:
+            self.manager.wait_until_finished()

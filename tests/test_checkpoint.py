@@ -1,0 +1,312 @@
+"""Checkpoints lose nothing: exact resume, SIGKILL and SIGTERM mid-run, damaged files, resharding, mismatches.
+
+The training runs are subprocesses (`python -m maxshard.train`) on the real text corpus, so the data iterator state
+is part of every resume. They share one persistent compilation cache: the tiny model compiles once for the module,
+and later runs load the same executables. Losses are compared bit for bit through each run's metrics.jsonl (the
+last record of each step wins, since a resumed run appends to the file of the run it continues).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from maxshard import checkpoint, config
+from maxshard.config import ConfigError
+from maxshard.data.tokenizer import resolve_vocab
+from maxshard.step import Trainer
+
+from helpers import mesh_for, tiny_config
+
+REPO = Path(__file__).resolve().parent.parent
+BASE = str(REPO / "configs" / "base.yml")
+STEPS = 8
+RUN = (
+    "cpu_device_count=8", "dataset_type=text", "emb_dim=32", "num_layers=2", "num_heads=2", "num_kv_heads=2",
+    "head_dim=16", "mlp_dim=64", "max_target_length=32", "per_device_batch_size=1", "eval_period=0", "log_period=1",
+    f"learning_rate_schedule_steps={STEPS}", "checkpoint_period=4", "enable_tensorboard=false",
+)
+TIMEOUT = 240
+
+
+# --------------------------------------------------------------------------------------------- helpers
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    cache = tmp_path_factory.mktemp("jax_cache")
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(cache),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
+def argv(base: Path, *extra: str) -> list[str]:
+    keys = {item.split("=")[0]: item for item in (*RUN, f"base_output_directory={base}", f"steps={STEPS}", *extra)}
+    return [sys.executable, "-m", "maxshard.train", BASE, *keys.values()]  # a key given twice is an error: last wins
+
+
+def train(env: dict[str, str], base: Path, *extra: str) -> str:
+    """Runs a training subprocess to its end; returns its output (stdout and stderr)."""
+    done = subprocess.run(argv(base, *extra), cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def start(env: dict[str, str], base: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(argv(base, *extra), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def read_until(proc: subprocess.Popen, pattern: str) -> str:
+    """Output up to and including the first line matching `pattern` (fails if the process ends first)."""
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if re.search(pattern, line):
+            return "".join(seen)
+    proc.wait()
+    raise AssertionError(f"no line matched {pattern!r}:\n{''.join(seen)}")
+
+
+def losses(base: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (base / "default" / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def resumed_step(output: str) -> int:
+    found = re.search(r"resuming from step (\d+)", output)
+    assert found, output
+    return int(found.group(1))
+
+
+def step_dir(base: Path, step: int) -> Path:
+    return base / "default" / "checkpoints" / str(step)
+
+
+def saved_state(base: Path, step: int) -> Any:
+    """The train state of a checkpoint as numpy arrays (no mesh needed)."""
+    path = step_dir(base, step) / "state"
+    as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray),
+                            ocp.PyTreeCheckpointHandler().metadata(path).tree)
+    return ocp.PyTreeCheckpointer().restore(path, args=ocp.args.PyTreeRestore(restore_args=as_numpy))
+
+
+def assert_same_tree(a: Any, b: Any) -> None:
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.fixture(scope="module")
+def reference(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted run: STEPS steps straight, checkpoints at 4 and 8."""
+    base = tmp_path_factory.mktemp("reference")
+    train(env, base)
+    assert sorted(losses(base)) == list(range(1, STEPS + 1))
+    return base
+
+
+# --------------------------------------------------------------------------------------------- resume
+
+
+@pytest.mark.slow
+def test_stop_and_resume_is_exact(env, reference, tmp_path):
+    train(env, tmp_path, "steps=4")
+    output = train(env, tmp_path)
+    assert resumed_step(output) == 4
+    assert losses(tmp_path) == losses(reference)  # steps 1-4 from the first run, 5-8 from the resumed one
+    assert_same_tree(saved_state(tmp_path, STEPS), saved_state(reference, STEPS))
+    assert "run already complete" in train(env, tmp_path)
+
+
+def started_from(output: str) -> int:
+    found = re.search(r"resuming from step (\d+)|starting from step 0", output)
+    assert found, output
+    return int(found.group(1) or 0)
+
+
+@pytest.mark.slow
+def test_sigkill_during_save_and_at_random_then_resume(env, reference, tmp_path):
+    proc = start(env, tmp_path, "checkpoint_period=2")
+    read_until(proc, r"saving checkpoint at step 4")
+    proc.send_signal(signal.SIGKILL)  # the step-2 save may still be writing, the step-4 one is starting
+    proc.wait(timeout=30)
+    unfinished = tmp_path / "default" / "checkpoints" / "7.orbax-checkpoint-tmp" / "state"
+    unfinished.mkdir(parents=True)  # what a save killed halfway leaves, at a step later than any complete one
+    (unfinished / "_METADATA").write_text('{"tree_metadata": {')
+    proc = start(env, tmp_path, "checkpoint_period=2")
+    first = started_from(read_until(proc, r"resuming from step|starting from step 0"))
+    kill_after = random.Random(5).randint(first + 1, STEPS - 1)
+    read_until(proc, rf"^step {kill_after}/")
+    proc.send_signal(signal.SIGKILL)  # at a step boundary chosen at random (fixed seed), maybe mid-save
+    proc.wait(timeout=30)
+    output = train(env, tmp_path, "checkpoint_period=2")
+    last = started_from(output)
+    assert first in (0, 2, 4) and first <= last  # never the unfinished step 7
+    assert not list(unfinished.parent.parent.glob("*.orbax-checkpoint-tmp*"))
+    after = {step: loss for step, loss in losses(tmp_path).items() if step > last}
+    assert after == {step: loss for step, loss in losses(reference).items() if step > last}
+    assert_same_tree(saved_state(tmp_path, STEPS), saved_state(reference, STEPS))
+
+
+@pytest.mark.slow
+def test_sigterm_saves_exits_zero_and_resume_loses_no_step(env, reference, tmp_path):
+    proc = start(env, tmp_path)
+    read_until(proc, r"starting from step 0")  # the handler is installed from here on
+    proc.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    output = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, output
+    assert time.monotonic() - sent < 60
+    stopped = int(re.search(r"preempted: stopping after step (\d+), checkpoint saved", output).group(1))
+    assert stopped < STEPS
+    assert (tmp_path / "default" / "checkpoints" / str(stopped) / "state").is_dir()
+    assert resumed_step(train(env, tmp_path)) == stopped
+    assert losses(tmp_path) == losses(reference)
+
+
+@pytest.mark.slow
+def test_damaged_latest_checkpoint_falls_back_to_the_previous(env, reference, tmp_path):
+    shutil.copytree(reference / "default" / "checkpoints", tmp_path / "default" / "checkpoints")
+    latest = tmp_path / "default" / "checkpoints" / str(STEPS)
+    data_files = [p for p in (latest / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
+    assert data_files
+    for path in data_files:  # a copy cut short: every array file loses its second half
+        os.truncate(path, path.stat().st_size // 2)
+    output = train(env, tmp_path)
+    assert re.search(rf"checkpoint step {STEPS} is damaged \(.+\); set aside as {STEPS}.damaged", output), output
+    assert resumed_step(output) == 4
+    resumed = {step: loss for step, loss in losses(tmp_path).items()}
+    assert resumed == {step: loss for step, loss in losses(reference).items() if step > 4}
+    assert (latest.parent / f"{STEPS}.damaged").is_dir()
+    assert_same_tree(saved_state(tmp_path, STEPS), saved_state(reference, STEPS))
+
+
+# --------------------------------------------------------------------------------------------- in process
+
+
+def run_config(base: Path, *extra: str) -> config.Config:
+    """The config the subprocess runs use, finalized for the 8 simulated devices of this process."""
+    return resolve_vocab(config.finalize(config.parse([BASE, *RUN, f"base_output_directory={base}", *extra]), 8))
+
+
+@pytest.mark.slow
+def test_deleted_file_is_damage_and_all_damaged_never_starts_from_scratch(reference, tmp_path, capsys):
+    shutil.copytree(reference / "default" / "checkpoints", tmp_path / "default" / "checkpoints")
+    cfg = run_config(tmp_path)
+    trainer = Trainer(cfg, mesh_for(cfg))
+    (tmp_path / "default" / "checkpoints" / str(STEPS) / "state" / "_METADATA").unlink()
+    with checkpoint.Checkpoints(cfg, trainer) as ckpt:
+        state, data_state = ckpt.restore_or_init()
+    assert int(state.step) == 4 and data_state["identity"]["split"] == "train"
+    assert f"checkpoint step {STEPS} is damaged" in capsys.readouterr().out
+    (tmp_path / "default" / "checkpoints" / "4" / "data" / "metadata").unlink()
+    with checkpoint.Checkpoints(cfg, trainer) as ckpt, pytest.raises(ConfigError, match="can be read"):
+        ckpt.restore_or_init()
+    with checkpoint.Checkpoints(cfg, trainer) as ckpt, pytest.raises(ConfigError, match="only damaged checkpoints"):
+        ckpt.restore_or_init()  # the next start too: the steps set aside are still this run's history
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, Any]:
+    """A checkpoint at step 5 of the tiny model on fsdp=8, with optimizer moments that a fresh state lacks."""
+    base = tmp_path_factory.mktemp("saved")
+    cfg = tiny_config(f"base_output_directory={base}")
+    trainer = Trainer(cfg, mesh_for(cfg))
+    fresh = trainer.init_state()
+    plus_one = lambda tree: jax.tree.map(lambda x: x + 1, tree)  # noqa: E731 - no init ever gives these values
+    state = fresh.replace(step=fresh.step + 5, params=plus_one(fresh.params), opt_state=plus_one(fresh.opt_state))
+    host = jax.device_get(state)
+    with checkpoint.Checkpoints(cfg, trainer) as ckpt:
+        ckpt.save(5, state, {"step": 5})
+    return base, host, trainer.state_shardings
+
+
+@pytest.mark.parametrize(
+    ("layout", "num_devices"),
+    [(("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"), 8), (("ici_fsdp_parallelism=4",), 4)],
+    ids=["fsdp4xtensor2", "4devices"],
+)
+def test_restore_reshards_onto_another_layout(saved, layout, num_devices, capsys):
+    base, host, saved_shardings = saved
+    cfg = tiny_config(f"base_output_directory={base}", *layout, num_devices=num_devices)
+    trainer = Trainer(cfg, mesh_for(cfg))
+    with checkpoint.Checkpoints(cfg, trainer) as ckpt:
+        state, data_state = ckpt.restore_or_init()
+    assert "resuming from step 5" in capsys.readouterr().out
+    assert data_state == {"step": 5}
+    assert_same_tree(jax.device_get(state), host)
+    for leaf, want in zip(jax.tree.leaves(state), jax.tree.leaves(trainer.state_shardings)):
+        assert leaf.sharding == want
+    kernel = state.params["decoder"]["layers"]["mlp"]["wi_0"]["kernel"]
+    assert len(kernel.sharding.device_set) == num_devices
+    assert kernel.sharding != saved_shardings.params["decoder"]["layers"]["mlp"]["wi_0"]["kernel"]
+
+
+def test_model_mismatch_is_one_line_naming_the_parameter(saved):
+    base, _, _ = saved
+    cfg = tiny_config(f"base_output_directory={base}", "emb_dim=32")
+    with checkpoint.Checkpoints(cfg, Trainer(cfg, mesh_for(cfg))) as ckpt, pytest.raises(ConfigError) as error:
+        ckpt.restore_or_init()
+    message = str(error.value)
+    assert "\n" not in message
+    assert re.search(r"params/decoder/\S+ has shape \(\d+, 64, .*\) in the checkpoint, \(\d+, 32, .*\) in the model",
+                     message), message
+    assert (base / "default" / "checkpoints" / "5").is_dir()  # a mismatch is not damage: nothing set aside
+
+
+def test_load_parameters_path_seeds_params_only(saved, tmp_path):
+    base, host, _ = saved
+    cfg = tiny_config(f"base_output_directory={tmp_path}", f"load_parameters_path={step_dir(base, 5)}")
+    trainer = Trainer(cfg, mesh_for(cfg))
+    with checkpoint.Checkpoints(cfg, trainer) as ckpt:
+        state, data_state = ckpt.restore_or_init()
+    assert data_state is None and int(state.step) == 0
+    assert_same_tree(jax.device_get(state.params), host.params)
+    assert all(not np.any(leaf) for leaf in jax.tree.leaves(jax.device_get(state.opt_state)))  # fresh: zeros
+    assert jax.tree.structure(state.opt_state) == jax.tree.structure(host.opt_state)
+    for leaf, want in zip(jax.tree.leaves(state), jax.tree.leaves(trainer.state_shardings)):
+        assert leaf.sharding == want
+
+
+def test_load_full_state_path_takes_step_and_optimizer(saved, tmp_path):
+    base, host, _ = saved
+    cfg = tiny_config(f"base_output_directory={tmp_path}", f"load_full_state_path={step_dir(base, 5)}")
+    with checkpoint.Checkpoints(cfg, Trainer(cfg, mesh_for(cfg))) as ckpt:
+        state, data_state = ckpt.restore_or_init()
+    assert data_state is None
+    assert_same_tree(jax.device_get(state), host)
+
+
+def test_data_state_of_another_process_count():
+    same = {"process_0": {"step": 3}, "process_1": {"step": 3}}
+    assert checkpoint._this_process(same, "here") == {"step": 3}
+    with pytest.raises(ConfigError, match="2 processes; this run has 1"):
+        checkpoint._this_process({"process_0": {"a": 1}, "process_1": {"a": 2}}, "here")
+
+
+def test_sigterm_sets_the_flag_and_the_previous_handler_comes_back():
+    from maxshard import train
+
+    before = signal.getsignal(signal.SIGTERM)
+    with train.catch_sigterm() as sigterm:
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while not sigterm.is_set() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sigterm.is_set()
+        assert checkpoint.preemption_reached(3, sigterm)
+    assert signal.getsignal(signal.SIGTERM) is before
