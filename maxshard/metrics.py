@@ -301,7 +301,7 @@ def format_startup_summary(
     "grads": ..} from the sharding layout.
     """
     devices = math.prod(mesh_shape.values())
-    axes = " ".join(f"{name}={size}" for name, size in mesh_shape.items())
+    axes = " ".join(f"{name}={size}" for name, size in mesh_shape.items() if size > 1) or "one device"
     total = sum(bytes_per_device.values())
     parts = " + ".join(f"{name} {format_bytes(b)}" for name, b in bytes_per_device.items())
     lines = [

@@ -250,7 +250,7 @@ def test_startup_summary():
         device_kind="TPU v4", peak_flops=275e12,
     )
     assert text.splitlines() == [
-        "mesh: data=2 fsdp=4 tensor=1 (8 devices)",
+        "mesh: data=2 fsdp=4 (8 devices)",  # axes of size 1 are left out
         "parameters: 3.41M (3,407,872)",
         "per-device memory estimate: params 3.0 MiB + opt_state 6.0 MiB + grads 3.0 MiB = 12.0 MiB",
         "device: TPU v4, peak 275 TFLOP/s bf16",
