@@ -129,6 +129,33 @@ class Config:
     profile_start: int = 5
     profile_steps: int = 3
 
+    # ---- distributed
+    coordinator_address: str = ""
+    process_count: int = 0
+    process_id: int = -1
+    distributed_timeout: int = 300
+
+    # ---- moe
+    num_experts: int = 1
+    num_experts_per_tok: int = 1
+    capacity_factor: float = 1.25
+    moe_layer_interval: int = 1
+    load_balance_loss_weight: float = 0.01
+    router_z_loss_weight: float = 0.001
+
+    # ---- pipeline
+    num_layers_per_pipeline_stage: int = 1
+    num_pipeline_repeats: int = -1
+    num_pipeline_microbatches: int = -1
+
+    # ---- checkpoint
+    enable_checkpointing: bool = True
+    async_checkpointing: bool = True
+    checkpoint_period: int = 100
+    max_checkpoints_to_keep: int = 3
+    load_parameters_path: str = ""
+    load_full_state_path: str = ""
+
     # ---- derived (set by config.finalize)
     explicit_keys: tuple[str, ...] = _derived(())
     mesh_rule_applied: str = _derived("")

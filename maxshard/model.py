@@ -15,13 +15,14 @@ import jax.numpy as jnp
 
 from maxshard import axis_names as ax
 from maxshard.config import Config
+from maxshard.layers import moe
 from maxshard.layers.decoder import Decoder
 from maxshard.layers.embeddings import Embed
 from maxshard.layers.linears import DenseGeneral
 from maxshard.layers.norms import RMSNorm
 from maxshard.sharding import constrain
 
-__all__ = ["Transformer", "compute_dtype", "param_count", "flops_per_token", "abstract_params"]
+__all__ = ["Transformer", "compute_dtype", "param_count", "flops_per_token", "abstract_params", "apply_with_stats"]
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -53,6 +54,16 @@ class Transformer(nn.Module):
         return jnp.asarray(logits, jnp.float32)
 
 
+def apply_with_stats(
+    model: Transformer, params: Any, inputs: jax.Array, segment_ids: jax.Array, positions: jax.Array
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(logits, MoE router statistics per MoE layer); a dense model runs the plain apply and returns {}."""
+    if model.cfg.num_experts == 1:
+        return model.apply({"params": params}, inputs, segment_ids, positions), {}
+    logits, state = model.apply({"params": params}, inputs, segment_ids, positions, mutable=[moe.STATS_COLLECTION])
+    return logits, moe.collect_stats(state.get(moe.STATS_COLLECTION, {}))
+
+
 def dummy_batch(cfg: Config, batch: int = 1) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Shapes for init: (inputs, segment_ids, positions) of [batch, max_target_length]."""
     shape = (batch, cfg.max_target_length)
@@ -72,10 +83,14 @@ def param_count(cfg: Config) -> int:
 
 
 def matmul_params(cfg: Config) -> int:
-    """Parameters that take part in a matmul per token: every kernel, plus the output head (tied or not)."""
+    """Parameters that take part in a matmul per token: every kernel, plus the output head (tied or not).
+
+    An MoE layer counts the MLPs of the k experts a token is routed to, plus the router [embed, experts].
+    """
     attn = cfg.emb_dim * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
     mlp = 3 * cfg.emb_dim * cfg.mlp_dim
-    return cfg.num_layers * (attn + mlp) + cfg.emb_dim * cfg.vocab_size
+    moe_extra = (cfg.num_experts_per_tok - 1) * mlp + cfg.emb_dim * cfg.num_experts  # per MoE layer, beyond one MLP
+    return cfg.num_layers * (attn + mlp) + moe.num_moe_layers(cfg) * moe_extra + cfg.emb_dim * cfg.vocab_size
 
 
 def flops_per_token(cfg: Config) -> float:

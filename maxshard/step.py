@@ -7,6 +7,8 @@ optimizer moment is born in its final layout.
 Loss: next-token cross-entropy in float32, weighted by `loss_weights` (padding and document boundaries weigh 0).
 Gradient accumulation splits the batch into k microbatches and sums weighted losses and gradients before one
 division by the total weight, so k microbatches give exactly the gradient of the whole batch.
+MoE models add their router losses (weighted by `load_balance_loss_weight` / `router_z_loss_weight`, scaled by each
+microbatch's loss weight so the division yields token-weighted means) and report them with drop and load metrics.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from maxshard import axis_names as ax
 from maxshard import sharding
 from maxshard.config import Config, ConfigError
-from maxshard.model import Transformer, dummy_batch
+from maxshard.layers import moe
+from maxshard.model import Transformer, apply_with_stats, dummy_batch
 from maxshard.optim import learning_rate_schedule, make_optimizer
 
 __all__ = ["TrainState", "Trainer", "mesh_context", "loss_sums", "boxed_state", "abstract_state"]
@@ -95,32 +98,37 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
 
-    def _loss(self, params: Any, batch: Batch) -> tuple[jax.Array, jax.Array]:
-        logits = self.model.apply({"params": params}, batch["inputs"], batch["segment_ids"], batch["positions"])
-        return loss_sums(logits, batch)
+    def _loss(self, params: Any, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """(objective, sums): sums hold loss_sum and weight_sum (+ MoE sums); the objective adds router losses."""
+        inputs = (batch["inputs"], batch["segment_ids"], batch["positions"])
+        logits, stats = apply_with_stats(self.model, params, *inputs)
+        loss_sum, weight_sum = loss_sums(logits, batch)
+        sums = {"loss_sum": loss_sum, "weight_sum": weight_sum, **moe.loss_sums(stats, weight_sum)}
+        return loss_sum + moe.objective(sums, self.cfg), sums
 
-    def _grads(self, params: Any, batch: Batch) -> tuple[Any, jax.Array, jax.Array]:
-        """(sum of gradients, loss sum, weight sum) over the batch, in `gradient_accumulation_steps` pieces."""
+    def _grads(self, params: Any, batch: Batch) -> tuple[Any, dict[str, jax.Array]]:
+        """(sum of gradients, sums of `_loss`) over the batch, in `gradient_accumulation_steps` pieces."""
         grad_fn = jax.value_and_grad(self._loss, has_aux=True)
         k = self.cfg.gradient_accumulation_steps
         if k == 1:
-            (loss_sum, weight_sum), grads = grad_fn(params, batch)
-            return grads, loss_sum, weight_sum
+            (_, sums), grads = grad_fn(params, batch)
+            return grads, sums
 
-        def micro(carry: tuple[Any, jax.Array, jax.Array], mb: Batch) -> tuple[tuple[Any, Any, Any], None]:
+        def micro(carry: tuple[Any, Any], mb: Batch) -> tuple[tuple[Any, Any], None]:
             mb = {key: sharding.constrain(v, ax.INPUT_AXES) for key, v in mb.items()}
-            (loss_sum, weight_sum), grads = grad_fn(params, mb)
-            acc_grads, acc_loss, acc_weight = carry
-            return (jax.tree.map(jnp.add, acc_grads, grads), acc_loss + loss_sum, acc_weight + weight_sum), None
+            (_, sums), grads = grad_fn(params, mb)
+            return jax.tree.map(jnp.add, carry, (grads, sums)), None
 
         # Row r of microbatch i is row r*k + i of the batch: every microbatch stays spread over all devices.
         micro_batches = {key: v.reshape(-1, k, *v.shape[1:]).swapaxes(0, 1) for key, v in batch.items()}
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        (grads, loss_sum, weight_sum), _ = jax.lax.scan(micro, (zeros, 0.0, 0.0), micro_batches)
-        return grads, loss_sum, weight_sum
+        first = jax.tree.map(lambda v: v[0], micro_batches)
+        zeros = jax.tree.map(jnp.zeros_like, (params, jax.eval_shape(self._loss, params, first)[1]))
+        (grads, sums), _ = jax.lax.scan(micro, zeros, micro_batches)
+        return grads, sums
 
     def _train_step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
-        grads, loss_sum, weight_sum = self._grads(state.params, batch)
+        grads, sums = self._grads(state.params, batch)
+        loss_sum, weight_sum = sums["loss_sum"], sums["weight_sum"]
         grads = jax.tree.map(lambda g: g / jnp.maximum(weight_sum, 1.0), grads)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         new_state = TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state)
@@ -130,12 +138,13 @@ class Trainer:
             "grad_norm": optax.global_norm(grads),
             "param_norm": optax.global_norm(new_state.params),
             "learning_rate": self.schedule(state.step),
+            **moe.metrics(sums, weight_sum),
         }
         return new_state, metrics
 
     def _eval_step(self, params: Any, batch: Batch) -> dict[str, jax.Array]:
-        loss_sum, weight_sum = self._loss(params, batch)
-        return {"loss_sum": loss_sum, "weight_sum": weight_sum}
+        _, sums = self._loss(params, batch)
+        return {"loss_sum": sums["loss_sum"], "weight_sum": sums["weight_sum"]}
 
     def batch_shardings(self, batch_sharding: NamedSharding) -> dict[str, NamedSharding]:
         return {k: batch_sharding for k in ("inputs", "targets", "segment_ids", "positions", "loss_weights")}

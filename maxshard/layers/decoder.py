@@ -21,10 +21,12 @@ from maxshard import axis_names as ax
 from maxshard.config import Config
 from maxshard.layers.attention import Attention
 from maxshard.layers.mlp import MLP
+from maxshard.layers.moe import MoEBlock, check_config
 from maxshard.layers.norms import RMSNorm
+from maxshard.layers.pipeline import Pipeline, num_stages
 from maxshard.sharding import constrain
 
-__all__ = ["DecoderLayer", "Decoder", "remat_policy"]
+__all__ = ["DecoderLayer", "MoEDecoderBlock", "Decoder", "remat_policy", "stack_unit"]
 
 _SAVED_NAMES = {
     "save_qkv_proj": ("query_proj", "key_proj", "value_proj"),
@@ -43,11 +45,15 @@ def remat_policy(name: str) -> Any:
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)). Returns (x, None) so `nn.scan` can carry x."""
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)). Returns (x, None) so `nn.scan` can carry x.
+
+    With `use_moe` the MLP is a routed MoEBlock (params under "moe" instead of "mlp").
+    """
 
     cfg: Config
     dtype: jnp.dtype
     weight_dtype: jnp.dtype
+    use_moe: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> tuple[jax.Array, None]:
@@ -56,18 +62,52 @@ class DecoderLayer(nn.Module):
         h = RMSNorm(cfg.norm_epsilon, dt, wdt, name="attention_norm")(x)
         x = x + Attention(cfg, dt, wdt, name="attention")(h, segment_ids, positions)
         h = RMSNorm(cfg.norm_epsilon, dt, wdt, name="mlp_norm")(x)
-        x = x + MLP(cfg.mlp_dim, dt, wdt, name="mlp")(h)
+        if self.use_moe:
+            x = x + MoEBlock(cfg, dt, wdt, name="moe")(h, segment_ids)
+        else:
+            x = x + MLP(cfg.mlp_dim, dt, wdt, name="mlp")(h)
         return constrain(x, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED)), None
 
 
+class MoEDecoderBlock(nn.Module):
+    """The repeated unit of an MoE model: `moe_layer_interval` layers, `layer_0 ..`, the last one MoE.
+
+    nn.scan needs identical iterations, so a model that mixes dense and MoE layers scans over blocks of
+    `moe_layer_interval` layers (num_layers / interval iterations) rather than over single layers.
+    """
+
+    cfg: Config
+    dtype: jnp.dtype
+    weight_dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> tuple[jax.Array, None]:
+        n = self.cfg.moe_layer_interval
+        for i in range(n):
+            layer = DecoderLayer(self.cfg, self.dtype, self.weight_dtype, use_moe=i == n - 1, name=f"layer_{i}")
+            x, _ = layer(x, segment_ids, positions)
+        return x, None
+
+
+def stack_unit(cfg: Config) -> tuple[type[nn.Module], int]:
+    """(the module the stack repeats, how many times): DecoderLayer x num_layers for dense models,
+    MoEDecoderBlock x num_layers / moe_layer_interval for MoE models."""
+    check_config(cfg)
+    if cfg.num_experts == 1:
+        return DecoderLayer, cfg.num_layers
+    return MoEDecoderBlock, cfg.num_layers // cfg.moe_layer_interval
+
+
 def _layer_class(cfg: Config) -> type[nn.Module]:
+    unit, _ = stack_unit(cfg)
     if cfg.remat_policy == "none":
-        return DecoderLayer
-    return nn.remat(DecoderLayer, policy=remat_policy(cfg.remat_policy), prevent_cse=not cfg.scan_layers)
+        return unit
+    return nn.remat(unit, policy=remat_policy(cfg.remat_policy), prevent_cse=not cfg.scan_layers)
 
 
 class Decoder(nn.Module):
-    """`num_layers` blocks: one scanned block with a leading "layers" axis, or `layers_0 .. layers_{n-1}`."""
+    """`num_layers` blocks: one scanned block with a leading "layers" axis, or `layers_0 .. layers_{n-1}`, or with
+    more than one pipeline stage a circular pipeline (params under "pipeline", see layers/pipeline.py)."""
 
     cfg: Config
     dtype: jnp.dtype
@@ -76,17 +116,21 @@ class Decoder(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
         cfg, layer = self.cfg, _layer_class(self.cfg)
+        if num_stages(cfg) > 1:  # a circular pipeline over the `stage` mesh axis (layers/pipeline.py)
+            pipeline = Pipeline(cfg, stack_unit(cfg)[0], self.dtype, self.weight_dtype, remat_policy(cfg.remat_policy),
+                                name="pipeline")
+            return pipeline(x, segment_ids, positions)
         if cfg.scan_layers:
             stack = nn.scan(
                 layer,
-                variable_axes={"params": 0},
+                variable_axes={"params": 0, "intermediates": 0},
                 split_rngs={"params": True},
                 in_axes=(nn.broadcast, nn.broadcast),
-                length=cfg.num_layers,
+                length=stack_unit(cfg)[1],
                 metadata_params={nn.PARTITION_NAME: ax.LAYERS},
             )
             x, _ = stack(cfg, self.dtype, self.weight_dtype, name="layers")(x, segment_ids, positions)
             return x
-        for i in range(cfg.num_layers):
+        for i in range(stack_unit(cfg)[1]):
             x, _ = layer(cfg, self.dtype, self.weight_dtype, name=f"layers_{i}")(x, segment_ids, positions)
         return x
