@@ -21,6 +21,7 @@ from maxshard import checkpoint, config, data, mesh, metrics, model, perf
 from maxshard.config import Config, ConfigError
 from maxshard.data.tokenizer import resolve_vocab
 from maxshard.launch import distributed
+from maxshard.layers import pipeline
 from maxshard.profiling import Profiler
 from maxshard.report import build_report
 from maxshard.step import Trainer, TrainState
@@ -59,6 +60,12 @@ def print_startup(cfg: Config, trainer: Trainer, report: Any) -> None:
         dict(trainer.mesh.shape), model.param_count(cfg), per_device, cfg.device_kind, perf.peak_flops(cfg.device_kind)
     )
     print(summary)
+    shape = pipeline.validate_pipeline(cfg)
+    if shape is not None:
+        print(
+            f"pipeline: {shape.stages} stages x {shape.repeats} repeats x {shape.layers_per_stage} layers, "
+            f"{shape.microbatches} microbatches, bubble fraction {shape.bubble_fraction:.3f}"
+        )
     print(f"batch: {cfg.global_batch_size} x {cfg.max_target_length} tokens, {cfg.steps} steps", flush=True)
 
 
@@ -85,6 +92,8 @@ class StepLogger:
         self.tokens_per_step = cfg.global_batch_size * cfg.max_target_length
         self.flops_per_step = model.flops_per_token(cfg) * self.tokens_per_step
         self.peak = perf.peak_flops(cfg.device_kind)
+        bubble = pipeline.bubble_fraction(cfg)
+        self.constants = {"pipeline/bubble_fraction": bubble} if bubble else {}
         self.started = time.perf_counter()
         self.compiled = False
         self.reference: metrics.StepValues | None = None  # timing reference: the last logged (or first) step
@@ -118,13 +127,15 @@ class StepLogger:
             print(line + f"{record['compile_time']:.1f}s", flush=True)
             return
         figures = perf.step_perf(self.tokens_per_step, self.flops_per_step, step_time, self.cfg.num_devices, self.peak)
-        record.update({"step_time": step_time, **figures, **(metrics.memory_stats() or {})})
+        record.update({"step_time": step_time, **figures, **self.constants, **(metrics.memory_stats() or {})})
         self.writer.write(step, record)
         eta = (self.cfg.steps - step) * step_time
         progress = metrics.format_progress(
             step, self.cfg.steps, record["loss"], step_time, figures["tokens_per_sec_per_device"], figures["mfu"],
             eta, tflops=figures["tflops_per_device"],
         )
+        if "moe_dropped_fraction" in record:
+            progress += f" | dropped {record['moe_dropped_fraction']:.1%} | expert load max {record['moe_expert_load_max']:.2f}"
         print(progress, flush=True)
 
 
