@@ -22,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from maxshard.config_ranges import check_ranges
 from maxshard.config_schema import MESH_AXES, Config, ConfigError, knob_name
 
 __all__ = ["Config", "ConfigError", "MESH_AXES", "knob_name", "load", "parse", "finalize", "user_keys"]
@@ -272,7 +273,7 @@ def parse(argv: Sequence[str]) -> Config:
     for key, value in overrides.items():
         values[key] = _coerce(key, value, "command line")
     values["explicit_keys"] = tuple(sorted(overrides))
-    return _check_ranges(Config(**values))
+    return check_ranges(Config(**values))
 
 
 def _merge_file(values: dict[str, Any], data: dict[str, Any], path: str) -> None:
@@ -322,7 +323,7 @@ def _apply_mesh_rules(cfg: Config, detected: str) -> Config:
     for pattern, overrides in cfg.mesh_rules:
         if re.search(pattern, selector):
             chosen = {k: v for k, v in overrides if k not in cfg.explicit_keys}
-            return _check_ranges(dataclasses.replace(cfg, **chosen, mesh_rule_applied=pattern))
+            return check_ranges(dataclasses.replace(cfg, **chosen, mesh_rule_applied=pattern))
     return cfg
 
 
@@ -349,68 +350,3 @@ def _simulate_cpu_devices(jax: Any, count: int) -> None:
             raise ConfigError(
                 f"cpu_device_count={count} cannot take effect: JAX already started with {jax.device_count()} devices"
             ) from None
-
-
-# --------------------------------------------------------------------------------------------- ranges
-
-
-def _check_ranges(cfg: Config) -> Config:
-    """Values that type-check but make no sense; each message names the key and the allowed range."""
-    for key, low in _POSITIVE_INTS.items():
-        value = getattr(cfg, key)
-        if value < low:
-            raise ConfigError(f"{key} must be >= {low}, got {value}")
-    for key in _FINITE_FLOATS:
-        value = getattr(cfg, key)
-        if not math.isfinite(value):
-            raise ConfigError(f"{key} must be a finite number, got {value}")
-    if not cfg.per_device_batch_size > 0:
-        raise ConfigError(f"per_device_batch_size must be > 0, got {cfg.per_device_batch_size}")
-    for key, (low, high, closed) in _UNIT_INTERVALS.items():
-        value = getattr(cfg, key)
-        if not (low <= value <= high if closed else low <= value < high):
-            raise ConfigError(f"{key} must be in [{low:g}, {high:g}{']' if closed else ')'}, got {value}")
-    if not cfg.run_name or "/" in cfg.run_name:
-        raise ConfigError(f"run_name must be a non-empty name without '/', got {cfg.run_name!r}")
-    for axis in MESH_AXES:
-        for family in ("ici", "dcn"):
-            value = getattr(cfg, knob_name(family, axis))
-            if value == 0 or value < -1:
-                raise ConfigError(f"{knob_name(family, axis)} must be a positive size or -1 (fill), got {value}")
-    return cfg
-
-
-_POSITIVE_INTS = {
-    "steps": 1,
-    "log_period": 1,
-    "num_slices": 1,
-    "cpu_device_count": 0,
-    "gradient_accumulation_steps": 1,
-    "eval_period": 0,
-    "eval_steps": 1,
-    "emb_dim": 1,
-    "num_layers": 1,
-    "num_heads": 1,
-    "num_kv_heads": 1,
-    "head_dim": 1,
-    "mlp_dim": 1,
-    "max_target_length": 1,
-    "vocab_size": 0,
-    "vocab_size_multiple": 1,
-    "checkpoint_period": 1,
-    "max_checkpoints_to_keep": 0,
-    "profile_start": 0,
-    "profile_steps": 1,
-    "distributed_timeout": 1,
-    "process_count": 0,
-    "process_id": -1,
-    "grain_worker_count": 0,
-    "grain_prefetch": 0,
-    "data_shuffle_seed": 0,
-}
-_UNIT_INTERVALS = {  # key: (low, high, high included)
-    "warmup_steps_fraction": (0.0, 1.0, True),
-    "eval_fraction": (0.0, 1.0, False),
-    "cosine_final_fraction": (0.0, 1.0, True),
-}
-_FINITE_FLOATS = tuple(key for key, hint in _HINTS.items() if hint is float)  # every float key: nan/inf never help
