@@ -27,8 +27,7 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-from maxshard import config, data, mesh  # noqa: E402
-from maxshard.data.tokenizer import resolve_vocab  # noqa: E402
+from maxshard import config, data, loading, mesh  # noqa: E402
 from maxshard.step import Trainer  # noqa: E402
 
 BASE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "base.yml")
@@ -53,7 +52,7 @@ def abstract_inputs(trainer: Trainer, cfg: config.Config) -> tuple[Any, Any]:
 
 def measure(layers: int, extra: Sequence[str]) -> tuple[float, float]:
     """(lower seconds, compile seconds) of the train step of a fresh `layers`-deep model."""
-    cfg = resolve_vocab(config.load([BASE, *MODEL, *extra, f"num_layers={layers}"], num_devices=8))
+    cfg = loading.load_run([BASE, *MODEL, *extra, f"num_layers={layers}"], num_devices=8)
     trainer = Trainer(cfg, mesh.build(cfg))
     step = trainer.jit_train_step(data.batch_sharding(cfg, trainer.mesh))
     state, batch = abstract_inputs(trainer, cfg)

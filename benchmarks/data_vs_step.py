@@ -56,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               flush=True)
     c = step_cfgs[sizes[0]]
     print(f"model (base.yml): emb {c.emb_dim}, {c.num_layers} layers, {c.num_heads} heads, mlp {c.mlp_dim}, vocab "
-          f"{c.vocab_size}; mesh " + " ".join(f"{k}={v}" for k, v in mesh_lib.build(c).shape.items() if v > 1)
+          f"{c.vocab_size}; mesh " + mesh_lib.describe(mesh_lib.build(c))
           + f"; {os.cpu_count()} cores")
     print("| per_device_batch_size | global batch | pipeline tokens/s | step ms | step tokens/s | pipeline / step |")
     print("|---:|---|---:|---:|---:|---:|")

@@ -22,8 +22,7 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)  # before the first device query
 
-from maxshard import config, data, mesh  # noqa: E402
-from maxshard.data.tokenizer import resolve_vocab  # noqa: E402
+from maxshard import data, loading, mesh  # noqa: E402
 from maxshard.step import Trainer  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,7 +57,7 @@ class Runner:
     """One layout's trainer, state and batches, ready to step; `run(n)` returns seconds per step."""
 
     def __init__(self, argv: Sequence[str]) -> None:
-        self.cfg = resolve_vocab(config.load(argv, num_devices=8))
+        self.cfg = loading.load_run(argv, num_devices=8)
         trainer = Trainer(self.cfg, mesh.build(self.cfg))
         self.step_fn = trainer.jit_train_step(data.batch_sharding(self.cfg, trainer.mesh))
         self.state = trainer.init_state()
@@ -100,7 +99,7 @@ def format_table(runners: dict[str, Runner], seconds: dict[str, float], compile_
     for name, runner in runners.items():
         s = seconds[name]
         tps = runner.tokens_per_step / s
-        axes = " ".join(f"{k}={v}" for k, v in mesh.build(runner.cfg).shape.items() if v > 1)
+        axes = mesh.describe(mesh.build(runner.cfg))
         lines.append(
             f"| {name} | {axes} | {compile_s[name]:.1f} | {s * 1e3:.0f} | {tps:,.0f} | {tps / 8:,.0f} | "
             f"{best / s:.2f} |"

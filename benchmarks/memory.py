@@ -28,8 +28,7 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-from maxshard import config, data, mesh, model  # noqa: E402
-from maxshard.data.tokenizer import resolve_vocab  # noqa: E402
+from maxshard import config, data, loading, mesh, model  # noqa: E402
 from maxshard.step import Trainer  # noqa: E402
 
 BASE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "base.yml")
@@ -100,13 +99,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides")
     args = parser.parse_args(argv)
-    cfg = resolve_vocab(config.load([BASE, *MODEL, *args.overrides], num_devices=8))
+    cfg = loading.load_run([BASE, *MODEL, *args.overrides], num_devices=8)
     trainer = Trainer(cfg, mesh.build(cfg))
     state = trainer.init_state()
     live = live_bytes(state)
     compiled = compiled_bytes(trainer, cfg, state)
     print(f"mesh: {dict(trainer.mesh.shape)}")
-    print(report(model.param_count(cfg), live, compiled))
+    print(report(model.param_count(cfg.model), live, compiled))
     return 0
 
 

@@ -30,7 +30,7 @@ from layouts import LAYOUTS, Runner, layout_argv  # noqa: E402  (sets 8 CPU devi
 import jax  # noqa: E402
 
 from maxshard import metrics  # noqa: E402
-from maxshard.train import StepLogger  # noqa: E402
+from maxshard.console import StepLogger  # noqa: E402
 
 
 class MetricsRun:

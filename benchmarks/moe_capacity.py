@@ -23,8 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from maxshard import config, data, mesh
-from maxshard.data.tokenizer import resolve_vocab
+from maxshard import config, data, loading, mesh
 from maxshard.layers import moe
 from maxshard.step import Trainer
 
@@ -51,7 +50,7 @@ class Run:
 
 
 def prepare(name: str, overrides: Sequence[str], factor: float, warmup: int) -> Run:
-    cfg = resolve_vocab(config.load(["configs/base.yml", *overrides, f"capacity_factor={factor}"]))
+    cfg = loading.load_run(["configs/base.yml", *overrides, f"capacity_factor={factor}"])
     trainer = Trainer(cfg, mesh.build(cfg))
     run = Run(name, cfg, trainer.jit_train_step(data.batch_sharding(cfg, trainer.mesh)), trainer.init_state(),
               data.make_input(cfg, trainer.mesh))
@@ -90,7 +89,7 @@ def table(rows: list[tuple[str, dict[str, float]]]) -> str:
     for name, r in rows:
         lines.append(
             f"{name:>15} {r['slots']:>12d} {r['step_time'] * 1e3:>8.1f} {r['tokens_per_s']:>8.0f} "
-            f"{r['moe_dropped_fraction']:>8.2%} {r['moe_expert_load_max']:>8.2f} {r['moe_expert_load_cv']:>8.3f}"
+            f"{r['moe/dropped_fraction']:>8.2%} {r['moe/expert_load_max']:>8.2f} {r['moe/expert_load_cv']:>8.3f}"
         )
     return "\n".join(lines)
 

@@ -18,9 +18,7 @@ from collections.abc import Sequence
 
 import jax
 
-from maxshard import config, data, mesh
-from maxshard.data.tokenizer import resolve_vocab
-from maxshard.layers.pipeline import bubble_fraction
+from maxshard import data, loading, mesh
 from maxshard.step import Trainer
 
 MODEL = ("dataset_type=synthetic", "emb_dim=128", "mlp_dim=256", "num_heads=4", "num_kv_heads=4", "head_dim=32",
@@ -32,7 +30,7 @@ class Run:
     """One compiled configuration, ready to time: its train step, state and batch iterator."""
 
     def __init__(self, overrides: Sequence[str]) -> None:
-        self.cfg = resolve_vocab(config.load(["configs/base.yml", *MODEL, *overrides]))
+        self.cfg = loading.load_run(["configs/base.yml", *MODEL, *overrides])
         trainer = Trainer(self.cfg, mesh.build(self.cfg))
         self.step = trainer.jit_train_step(data.batch_sharding(self.cfg, trainer.mesh))
         self.batches = data.make_input(self.cfg, trainer.mesh)
@@ -66,7 +64,11 @@ def main() -> None:
     best = [float("inf")] * len(runs)
     for _ in range(args.rounds):  # round-robin, so a change in machine load hits every configuration alike
         best = [min(b, run.seconds_per_step(args.steps)) for b, run in zip(best, runs)]
-    print_table([(n, bubble_fraction(run.cfg), b) for n, run, b in zip(names, runs, best)])
+    print_table([(n, _bubble(run.cfg), b) for n, run, b in zip(names, runs, best)])
+
+
+def _bubble(cfg) -> float:
+    return 0.0 if cfg.model.pipeline is None else cfg.model.pipeline.bubble_fraction
 
 
 def print_table(rows: list[tuple[str, float, float]]) -> None:

@@ -23,9 +23,10 @@ from typing import Any
 import yaml
 
 from maxshard.config_ranges import check_ranges
-from maxshard.config_schema import MESH_AXES, Config, ConfigError, knob_name
+from maxshard.config_schema import MESH_AXES, Config, ConfigError, knob_name, path_keys
 
-__all__ = ["Config", "ConfigError", "MESH_AXES", "knob_name", "load", "parse", "finalize", "user_keys"]
+__all__ = ["Config", "ConfigError", "MESH_AXES", "knob_name", "load", "parse", "finalize", "user_keys", "resolve_path",
+           "resolve_paths", "load_parsed"]
 
 _HINTS = typing.get_type_hints(Config)
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
@@ -303,6 +304,7 @@ def finalize(cfg: Config, num_devices: int, device_kind: str = "cpu", num_proces
             "is not a whole global batch of at least 1"
         )
     schedule_steps = cfg.learning_rate_schedule_steps if cfg.learning_rate_schedule_steps > 0 else cfg.steps
+    cfg = resolve_paths(cfg)
     run_dir = os.path.join(cfg.base_output_directory, cfg.run_name)
     return dataclasses.replace(
         cfg,
@@ -318,6 +320,21 @@ def finalize(cfg: Config, num_devices: int, device_kind: str = "cpu", num_proces
     )
 
 
+def resolve_path(path: str) -> str:
+    """A relative local path made absolute against the working directory; "" and URLs (gs://...) unchanged.
+
+    Orbax and grain workers need absolute paths, and a path resolved once here means the same file wherever the
+    process later changes directory."""
+    if not path or "://" in path:
+        return path
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def resolve_paths(cfg: Config) -> Config:
+    """Every path key (`config_schema.path_keys`) resolved with `resolve_path`."""
+    return dataclasses.replace(cfg, **{key: resolve_path(getattr(cfg, key)) for key in path_keys()})
+
+
 def _apply_mesh_rules(cfg: Config, detected: str) -> Config:
     selector = cfg.mesh_selector or detected
     for pattern, overrides in cfg.mesh_rules:
@@ -329,7 +346,11 @@ def _apply_mesh_rules(cfg: Config, detected: str) -> Config:
 
 def load(argv: Sequence[str], num_devices: int | None = None, device_kind: str | None = None) -> Config:
     """parse + finalize. Without `num_devices`, asks JAX (after applying `cpu_device_count`)."""
-    cfg = parse(argv)
+    return load_parsed(parse(argv), num_devices, device_kind)
+
+
+def load_parsed(cfg: Config, num_devices: int | None = None, device_kind: str | None = None) -> Config:
+    """finalize a parsed config; without `num_devices`, asks JAX (after applying `cpu_device_count`)."""
     if num_devices is None:
         import jax  # deferred: parsing alone must not start a backend
 

@@ -36,7 +36,23 @@ def check_ranges(cfg: Config) -> Config:
             value = getattr(cfg, knob_name(family, axis))
             if value == 0 or value < -1:
                 raise ConfigError(f"{knob_name(family, axis)} must be a positive size or -1 (fill), got {value}")
+    _check_moe(cfg)
     return cfg
+
+
+def _check_moe(cfg: Config) -> None:
+    """MoE keys that type-check but make no sense."""
+    if cfg.num_experts < 1:
+        raise ConfigError(f"num_experts must be >= 1 (1: dense), got {cfg.num_experts}")
+    if not 1 <= cfg.num_experts_per_tok <= cfg.num_experts:
+        raise ConfigError(f"num_experts_per_tok must be in [1, num_experts={cfg.num_experts}], "
+                          f"got {cfg.num_experts_per_tok}")
+    if cfg.moe_layer_interval < 1 or cfg.num_layers % cfg.moe_layer_interval:
+        raise ConfigError(f"moe_layer_interval={cfg.moe_layer_interval} must be >= 1 and divide "
+                          f"num_layers={cfg.num_layers}")
+    for key in ("load_balance_loss_weight", "router_z_loss_weight"):
+        if not getattr(cfg, key) >= 0:
+            raise ConfigError(f"{key} must be >= 0, got {getattr(cfg, key)}")
 
 
 _POSITIVE_INTS = {

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
+from maxshard.model_config import ModelConfig
+
 # Mesh axes, outermost first. `stage` holds pipeline stages; its knobs are spelled `*_pipeline_parallelism`.
 MESH_AXES = (
     "data",
@@ -42,11 +44,21 @@ def _derived(default: Any) -> Any:
     return dataclasses.field(default=default, metadata={"derived": True})
 
 
+def _path(default: str = "") -> Any:
+    """A filesystem path: `config.finalize` resolves a relative one against the working directory, once."""
+    return dataclasses.field(default=default, metadata={"path": True})
+
+
+def path_keys() -> tuple[str, ...]:
+    """Keys that hold a local path or a remote URL (gs://...)."""
+    return tuple(f.name for f in dataclasses.fields(Config) if f.metadata.get("path"))
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     # ---- run
     run_name: str = "default"
-    base_output_directory: str = "runs"
+    base_output_directory: str = _path("runs")
     steps: int = 300
     seed: int = 0
     log_period: int = 10
@@ -115,8 +127,8 @@ class Config:
 
     # ---- data
     dataset_type: Literal["text", "array_record", "synthetic"] = "text"
-    dataset_path: str = ""
-    tokenizer_path: str = ""
+    dataset_path: str = _path()
+    tokenizer_path: str = _path()
     packing: bool = True
     data_shuffle_seed: int = 0
     eval_fraction: float = 0.02
@@ -153,8 +165,8 @@ class Config:
     async_checkpointing: bool = True
     checkpoint_period: int = 100
     max_checkpoints_to_keep: int = 3
-    load_parameters_path: str = ""
-    load_full_state_path: str = ""
+    load_parameters_path: str = _path()
+    load_full_state_path: str = _path()
 
     # ---- derived (set by config.finalize)
     explicit_keys: tuple[str, ...] = _derived(())
@@ -168,6 +180,7 @@ class Config:
     run_dir: str = _derived("")
     checkpoint_dir: str = _derived("")
     tensorboard_dir: str = _derived("")
+    model: ModelConfig | None = _derived(None)  # the network, derived once when a run is loaded (maxshard.loading)
 
     def parallelism(self, family: str, axis: str) -> int:
         """The `ici`/`dcn` knob of a mesh axis."""

@@ -115,6 +115,15 @@ class MetricsWriter:
         else:
             self._tb.add_scalar(tag, float(value), step)
 
+    def write_startup(self, figures: Mapping[str, Any]) -> None:
+        """The run's startup figures (console.startup_figures) as one `{"step": 0, "startup": {...}}` JSON line.
+
+        Written at every start, so a resumed run's file holds one such record per start; tools take the last."""
+        if not self.is_primary:
+            return
+        record = {"step": 0, "time": time.time(), "startup": json.loads(json.dumps(figures, default=_json_value))}
+        self._jsonl.write(json.dumps(record) + "\n")
+
     def write_config(self, config: Any) -> None:
         """The run's config as YAML text under the `config` tag, so a TensorBoard page says what it shows."""
         if not self.is_primary or self._tb is None:
@@ -224,92 +233,3 @@ def memory_stats(device: Any = None) -> dict[str, int] | None:
         return None
     keys = ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")
     return {k: int(stats[k]) for k in keys if k in stats}
-
-
-# --------------------------------------------------------------------------------------------- console
-
-
-def format_count(value: float) -> str:
-    """14100 -> '14.1k', 2.5e6 -> '2.50M'; three significant figures are enough to compare runs."""
-    for scale, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(value) >= scale:
-            return f"{format_sig3(value / scale)}{suffix}"
-    return format_sig3(value)
-
-
-def format_sig3(value: float) -> str:
-    """About three significant figures without switching to exponent notation: 3.21, 14.1, 291."""
-    magnitude = abs(value)
-    decimals = 0 if magnitude >= 100 else 1 if magnitude >= 10 else 2
-    return f"{value:.{decimals}f}"
-
-
-def format_duration(seconds: float) -> str:
-    """52 -> '52s', 185 -> '3m05s', 3720 -> '1h02m'."""
-    seconds = max(0, int(round(seconds)))
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-
-
-def format_bytes(n: float) -> str:
-    """Binary units, as device memory is quoted in."""
-    for scale, suffix in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-        if abs(n) >= scale:
-            return f"{n / scale:.1f} {suffix}"
-    return f"{int(n)} B"
-
-
-def format_progress(
-    step: int,
-    total_steps: int,
-    loss: float,
-    step_time: float,
-    tokens_per_sec: float,
-    mfu: float | None,
-    eta_seconds: float | None,
-    tflops: float | None = None,
-) -> str:
-    """One compact console line; MFU, TFLOP/s and ETA are left out when unknown (never guessed)."""
-    parts = [
-        f"step {step}/{total_steps}",
-        f"loss {loss:.3f}",
-        f"{step_time:.3f} s/step",
-        f"{format_count(tokens_per_sec)} tok/s/dev",
-    ]
-    if tflops is not None:
-        parts.append(f"{format_sig3(tflops)} TFLOP/s/dev")
-    if mfu is not None:
-        parts.append(f"MFU {100 * mfu:.1f}%")
-    if eta_seconds is not None:
-        parts.append(f"ETA {format_duration(eta_seconds)}")
-    return " | ".join(parts)
-
-
-def format_startup_summary(
-    mesh_shape: Mapping[str, int],
-    param_count: int,
-    bytes_per_device: Mapping[str, int],
-    device_kind: str | None = None,
-    peak_flops: float | None = None,
-) -> str:
-    """Printed once before training: the mesh, the model size and what each device must hold.
-
-    `mesh_shape` is `Mesh.shape` (axis name -> size); `bytes_per_device` e.g. {"params": .., "opt_state": ..,
-    "grads": ..} from the sharding layout.
-    """
-    devices = math.prod(mesh_shape.values())
-    axes = " ".join(f"{name}={size}" for name, size in mesh_shape.items() if size > 1) or "one device"
-    total = sum(bytes_per_device.values())
-    parts = " + ".join(f"{name} {format_bytes(b)}" for name, b in bytes_per_device.items())
-    lines = [
-        f"mesh: {axes} ({devices} devices)",
-        f"parameters: {format_count(param_count)} ({param_count:,})",
-        f"per-device memory estimate: {parts} = {format_bytes(total)}",
-    ]
-    if device_kind is not None:
-        peak = f"peak {peak_flops / 1e12:.0f} TFLOP/s bf16" if peak_flops else "peak unknown: MFU not reported"
-        lines.append(f"device: {device_kind}, {peak}")
-    return "\n".join(lines)

@@ -14,34 +14,26 @@ import jax
 import jax.numpy as jnp
 
 from maxshard import axis_names as ax
-from maxshard.config import Config
 from maxshard.layers import moe
 from maxshard.layers.decoder import Decoder
 from maxshard.layers.embeddings import Embed
 from maxshard.layers.linears import DenseGeneral
 from maxshard.layers.norms import RMSNorm
+from maxshard.model_config import ModelConfig
 from maxshard.sharding import constrain
 
-__all__ = ["Transformer", "compute_dtype", "param_count", "flops_per_token", "abstract_params", "apply_with_stats"]
-
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-
-
-def compute_dtype(name: str, platform: str | None = None) -> jnp.dtype:
-    """'auto' is bfloat16 on accelerators and float32 on CPU (where bfloat16 matmuls are emulated and slow)."""
-    if name == "auto":
-        platform = platform or jax.default_backend()
-        return jnp.float32 if platform == "cpu" else jnp.bfloat16
-    return _DTYPES[name]
+__all__ = ["Transformer", "count_params", "param_count", "flops_per_token", "abstract_params", "apply_with_stats"]
 
 
 class Transformer(nn.Module):
-    cfg: Config
+    """The whole network, built from a `ModelConfig` alone."""
+
+    cfg: ModelConfig
 
     @nn.compact
     def __call__(self, inputs: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
         cfg = self.cfg
-        dt, wdt = compute_dtype(cfg.dtype), compute_dtype(cfg.weight_dtype)
+        dt, wdt = cfg.compute_dtype, cfg.param_dtype
         embed = Embed(cfg.vocab_size, cfg.emb_dim, dt, wdt, name="token_embed")
         x = constrain(embed(inputs), (ax.EMBED_AND_LOGITS_BATCH, ax.LENGTH, ax.ACT_EMBED))
         x = Decoder(cfg, dt, wdt, name="decoder")(x, segment_ids, positions)
@@ -58,31 +50,35 @@ def apply_with_stats(
     model: Transformer, params: Any, inputs: jax.Array, segment_ids: jax.Array, positions: jax.Array
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(logits, MoE router statistics per MoE layer); a dense model runs the plain apply and returns {}."""
-    if model.cfg.num_experts == 1:
+    if not model.cfg.is_moe:
         return model.apply({"params": params}, inputs, segment_ids, positions), {}
     logits, state = model.apply({"params": params}, inputs, segment_ids, positions, mutable=[moe.STATS_COLLECTION])
     return logits, moe.collect_stats(state.get(moe.STATS_COLLECTION, {}))
 
 
-def dummy_batch(cfg: Config, batch: int = 1) -> tuple[jax.Array, jax.Array, jax.Array]:
+def dummy_batch(cfg: ModelConfig, batch: int = 1) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Shapes for init: (inputs, segment_ids, positions) of [batch, max_target_length]."""
     shape = (batch, cfg.max_target_length)
     return jnp.zeros(shape, jnp.int32), jnp.ones(shape, jnp.int32), jnp.zeros(shape, jnp.int32)
 
 
-def abstract_params(cfg: Config) -> Any:
+def abstract_params(cfg: ModelConfig) -> Any:
     """Boxed (nn.Partitioned) parameter shapes without allocating anything."""
     model = Transformer(cfg)
     return jax.eval_shape(lambda: model.init(jax.random.key(0), *dummy_batch(cfg)))["params"]
 
 
-def param_count(cfg: Config) -> int:
-    """Total number of parameters."""
-    leaves = jax.tree.leaves(nn.unbox(abstract_params(cfg)))
-    return sum(math.prod(leaf.shape) for leaf in leaves)
+def count_params(params: Any) -> int:
+    """Number of parameters in a (boxed or plain, abstract or concrete) parameter tree."""
+    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(nn.unbox(params)))
 
 
-def matmul_params(cfg: Config) -> int:
+def param_count(cfg: ModelConfig) -> int:
+    """Total number of parameters of the model (traces it; a run counts the abstract state it already holds)."""
+    return count_params(abstract_params(cfg))
+
+
+def matmul_params(cfg: ModelConfig) -> int:
     """Parameters that take part in a matmul per token: every kernel, plus the output head (tied or not).
 
     An MoE layer counts the MLPs of the k experts a token is routed to, plus the router [embed, experts].
@@ -90,10 +86,10 @@ def matmul_params(cfg: Config) -> int:
     attn = cfg.emb_dim * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
     mlp = 3 * cfg.emb_dim * cfg.mlp_dim
     moe_extra = (cfg.num_experts_per_tok - 1) * mlp + cfg.emb_dim * cfg.num_experts  # per MoE layer, beyond one MLP
-    return cfg.num_layers * (attn + mlp) + moe.num_moe_layers(cfg) * moe_extra + cfg.emb_dim * cfg.vocab_size
+    return cfg.num_layers * (attn + mlp) + cfg.num_moe_layers * moe_extra + cfg.emb_dim * cfg.vocab_size
 
 
-def flops_per_token(cfg: Config) -> float:
+def flops_per_token(cfg: ModelConfig) -> float:
     """Training FLOPs per token: 6 x matmul params (forward 2, backward 4) + attention scores and values.
 
     Attention per layer and token: q.k and p.v are each 2 x length x heads x head_dim FLOPs forward; the causal

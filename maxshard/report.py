@@ -10,13 +10,14 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-import jax
 import numpy as np
 
 from maxshard import axis_names
 from maxshard.config import Config
+from maxshard.mesh import describe
 from maxshard.sharding import FlaxRules, ParamLayout, array_layout, flax_rules, layout
 from maxshard.step import abstract_state
+from maxshard.units import format_bytes
 
 __all__ = ["Report", "build_report", "format_report"]
 
@@ -53,10 +54,15 @@ def _replicated_fraction(rows: list[ParamLayout], num_devices: int) -> float:
     return replicated / total if total else 0.0
 
 
-def build_report(cfg: Config, mesh_sizes: Mapping[str, int], rules: FlaxRules | None = None) -> Report:
-    """Layout of the train state and the input batch of `cfg` on a mesh of `mesh_sizes`."""
+def build_report(
+    cfg: Config, mesh_sizes: Mapping[str, int], rules: FlaxRules | None = None, state: Any = None
+) -> Report:
+    """Layout of the train state and the input batch of `cfg` on a mesh of `mesh_sizes`.
+
+    `state` is the boxed abstract train state when the caller already holds one (a Trainer does); else traced here.
+    """
     rules = flax_rules(cfg) if rules is None else rules
-    state = abstract_state(cfg)
+    state = abstract_state(cfg) if state is None else state
     params = layout({"params": state.params}, rules, mesh_sizes)  # names and errors read "params/...", as in train
     optimizer = layout(state.opt_state, rules, mesh_sizes)
     batch_shape = (cfg.global_batch_size, cfg.max_target_length)
@@ -97,27 +103,18 @@ def _row(p: ParamLayout, mesh_sizes: Mapping[str, int]) -> list[str]:
     ]
 
 
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
 def format_report(report: Report) -> str:
     """A fixed-width table, one row per array, then the totals."""
     header = ["name", "logical axes", "spec", "global", "per device", "bytes/device", "replicas"]
     rows = [header] + [_row(p, report.mesh) for p in report.params] + [_row(report.batch, report.mesh)]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    split = " ".join(f"{k}={v}" for k, v in report.mesh.items() if v > 1) or "single device"
-    lines = [f"mesh: {split} ({math.prod(report.mesh.values())} devices; axes of size 1 left out of specs)"]
+    lines = [f"mesh: {describe(report.mesh)} ({math.prod(report.mesh.values())} devices; axes of size 1 left out of specs)"]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
     total = report.param_bytes_per_device + report.optimizer_bytes_per_device + report.gradient_bytes_per_device
     lines.append(
-        f"per device: params {human_bytes(report.param_bytes_per_device)}, "
-        f"optimizer {human_bytes(report.optimizer_bytes_per_device)}, "
-        f"gradients {human_bytes(report.gradient_bytes_per_device)}, total {human_bytes(total)}; "
+        f"per device: params {format_bytes(report.param_bytes_per_device)}, "
+        f"optimizer {format_bytes(report.optimizer_bytes_per_device)}, "
+        f"gradients {format_bytes(report.gradient_bytes_per_device)}, total {format_bytes(total)}; "
         f"replicated share of parameter bytes {report.replicated_fraction:.1%}"
     )
     return "\n".join(lines)

@@ -62,7 +62,7 @@ def loss_sums(logits: jax.Array, batch: Batch) -> tuple[jax.Array, jax.Array]:
 
 def boxed_state(cfg: Config, rng: jax.Array) -> TrainState:
     """A fresh train state whose leaves are still boxed with their logical axis names."""
-    params = Transformer(cfg).init(rng, *dummy_batch(cfg))["params"]
+    params = Transformer(cfg.model).init(rng, *dummy_batch(cfg.model))["params"]
     opt_state = make_optimizer(cfg).init(params)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
 
@@ -80,8 +80,10 @@ class Trainer:
     mesh: Mesh
 
     def __post_init__(self) -> None:
+        if self.cfg.model is None:
+            raise ValueError("Trainer needs a complete config with its model derived (maxshard.loading.load_run)")
         self.rules = sharding.flax_rules(self.cfg)
-        self.model = Transformer(self.cfg)
+        self.model = Transformer(self.cfg.model)
         self.tx = make_optimizer(self.cfg)
         self.schedule = learning_rate_schedule(self.cfg)
         self.abstract_state = abstract_state(self.cfg)
@@ -104,7 +106,8 @@ class Trainer:
         logits, stats = apply_with_stats(self.model, params, *inputs)
         loss_sum, weight_sum = loss_sums(logits, batch)
         sums = {"loss_sum": loss_sum, "weight_sum": weight_sum, **moe.loss_sums(stats, weight_sum)}
-        return loss_sum + moe.objective(sums, self.cfg), sums
+        balance, z = self.cfg.load_balance_loss_weight, self.cfg.router_z_loss_weight
+        return loss_sum + moe.objective(sums, balance, z), sums
 
     def _grads(self, params: Any, batch: Batch) -> tuple[Any, dict[str, jax.Array]]:
         """(sum of gradients, sums of `_loss`) over the batch, in `gradient_accumulation_steps` pieces."""
@@ -135,8 +138,8 @@ class Trainer:
         metrics = {
             "loss": loss_sum / jnp.maximum(weight_sum, 1.0),
             "tokens": weight_sum,
-            "grad_norm": optax.global_norm(grads),
-            "param_norm": optax.global_norm(new_state.params),
+            "grad_norm": optax.tree.norm(grads),
+            "param_norm": optax.tree.norm(new_state.params),
             "learning_rate": self.schedule(state.step),
             **moe.metrics(sums, weight_sum),
         }

@@ -1,6 +1,6 @@
 """The entry point: `python -m maxshard.train configs/base.yml key=value ...`.
 
-`main` reads like a table of contents: configure, build the mesh and the sharded state, then loop over steps.
+`main` reads like a table of contents: load the run, build the mesh and the sharded state, then loop over steps.
 Every user mistake surfaces as one line and exit code 2, before anything is compiled.
 """
 
@@ -10,34 +10,36 @@ import contextlib
 import signal
 import sys
 import threading
-import time
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
 
-from maxshard import checkpoint, config, data, mesh, metrics, model, perf
+from maxshard import checkpoint, console, data, loading, mesh, metrics
 from maxshard.config import Config, ConfigError
-from maxshard.data.tokenizer import resolve_vocab
-from maxshard.launch import distributed
-from maxshard.layers import pipeline
+from maxshard.model import count_params
 from maxshard.profiling import Profiler
-from maxshard.report import build_report
+from maxshard.report import Report, build_report
 from maxshard.step import Trainer, TrainState
 
-__all__ = ["main", "setup"]
+__all__ = ["main", "run", "USAGE"]
+
+USAGE = """usage: python -m maxshard.train CONFIG.yml [key=value ...]
+
+Trains the model CONFIG.yml describes; any key of configs/base.yml (every key is listed there with a one-line
+comment) can be overridden as key=value, e.g. `model_name=tiny steps=100 cpu_device_count=8`.
+Outputs go to base_output_directory/run_name/; running the same command again resumes the run.
+
+Other entry points:
+  python -m maxshard.launch xpk ...       submit the same config to a GKE cluster through XPK
+  python tools/plan.py CONFIG.yml ...      plan memory and step time for a target topology
+  python tools/sharding_report.py ...      show how every parameter is laid out on the mesh"""
 
 
-def setup(argv: Sequence[str]) -> Config:
-    """Parses the config, joins the other processes (multi-host), then derives device-dependent values."""
-    distributed.initialize(config.parse(argv))  # must precede every device query
-    return resolve_vocab(config.load(argv))
-
-
-def check_layout(cfg: Config, trainer: Trainer) -> Any:
+def check_layout(cfg: Config, trainer: Trainer) -> Report:
     """Builds the layout report; warns (or fails with check_sharding) when too many parameter bytes are replicated."""
-    report = build_report(cfg, dict(trainer.mesh.shape), trainer.rules)
+    report = build_report(cfg, dict(trainer.mesh.shape), trainer.rules, trainer.abstract_state)
     if report.replicated_fraction > cfg.max_replicated_fraction:
         message = (
             f"{report.replicated_fraction:.1%} of parameter bytes are replicated on every device "
@@ -49,26 +51,6 @@ def check_layout(cfg: Config, trainer: Trainer) -> Any:
     return report
 
 
-def print_startup(cfg: Config, trainer: Trainer, report: Any) -> None:
-    """The mesh, the model size and the per-device memory estimate, before anything compiles."""
-    per_device = {
-        "params": report.param_bytes_per_device,
-        "opt_state": report.optimizer_bytes_per_device,
-        "grads": report.gradient_bytes_per_device,
-    }
-    summary = metrics.format_startup_summary(
-        dict(trainer.mesh.shape), model.param_count(cfg), per_device, cfg.device_kind, perf.peak_flops(cfg.device_kind)
-    )
-    print(summary)
-    shape = pipeline.validate_pipeline(cfg)
-    if shape is not None:
-        print(
-            f"pipeline: {shape.stages} stages x {shape.repeats} repeats x {shape.layers_per_stage} layers, "
-            f"{shape.microbatches} microbatches, bubble fraction {shape.bubble_fraction:.3f}"
-        )
-    print(f"batch: {cfg.global_batch_size} x {cfg.max_target_length} tokens, {cfg.steps} steps", flush=True)
-
-
 def evaluate(cfg: Config, trainer: Trainer, params: Any, eval_step: Any) -> float:
     """Mean loss over `eval_steps` batches of the eval split (the same batches every time)."""
     batches = data.make_input(cfg, trainer.mesh, "eval")
@@ -78,65 +60,6 @@ def evaluate(cfg: Config, trainer: Trainer, params: Any, eval_step: Any) -> floa
         loss_sum += float(out["loss_sum"])
         weight_sum += float(out["weight_sum"])
     return loss_sum / max(weight_sum, 1.0)
-
-
-class StepLogger:
-    """Turns each finished step's values into throughput figures; prints and records every `log_period` steps.
-
-    Step time is measured between the ends of two steps, so the first step (which includes compilation) is logged
-    with its loss and a `compile_time` (time from the loop's start to its end) but no throughput.
-    """
-
-    def __init__(self, cfg: Config, writer: metrics.MetricsWriter) -> None:
-        self.cfg, self.writer = cfg, writer
-        self.tokens_per_step = cfg.global_batch_size * cfg.max_target_length
-        self.flops_per_step = model.flops_per_token(cfg) * self.tokens_per_step
-        self.peak = perf.peak_flops(cfg.device_kind)
-        bubble = pipeline.bubble_fraction(cfg)
-        self.constants = {"pipeline/bubble_fraction": bubble} if bubble else {}
-        self.started = time.perf_counter()
-        self.compiled = False
-        self.reference: metrics.StepValues | None = None  # timing reference: the last logged (or first) step
-
-    def restart(self) -> None:
-        """Forget the timing reference, e.g. after an evaluation that would otherwise count as step time."""
-        self.reference = None
-
-    def __call__(self, done: metrics.StepValues | None) -> None:
-        if done is None:
-            return
-        step = done.step + 1  # steps are counted from 1 in logs
-        if not self.compiled:
-            self.compiled = True
-            self.reference = done
-            self._write(step, {**done.values, "compile_time": done.ready_time - self.started}, None)
-            return
-        if self.reference is None:
-            self.reference = done
-            return
-        if step % self.cfg.log_period and step != self.cfg.steps:
-            return
-        step_time = (done.ready_time - self.reference.ready_time) / (done.step - self.reference.step)
-        self.reference = done
-        self._write(step, dict(done.values), step_time)
-
-    def _write(self, step: int, record: dict[str, Any], step_time: float | None) -> None:
-        if step_time is None:
-            self.writer.write(step, record)
-            line = f"step {step}/{self.cfg.steps} | loss {record['loss']:.3f} | compiled and ran in "
-            print(line + f"{record['compile_time']:.1f}s", flush=True)
-            return
-        figures = perf.step_perf(self.tokens_per_step, self.flops_per_step, step_time, self.cfg.num_devices, self.peak)
-        record.update({"step_time": step_time, **figures, **self.constants, **(metrics.memory_stats() or {})})
-        self.writer.write(step, record)
-        eta = (self.cfg.steps - step) * step_time
-        progress = metrics.format_progress(
-            step, self.cfg.steps, record["loss"], step_time, figures["tokens_per_sec_per_device"], figures["mfu"],
-            eta, tflops=figures["tflops_per_device"],
-        )
-        if "moe_dropped_fraction" in record:
-            progress += f" | dropped {record['moe_dropped_fraction']:.1%} | expert load max {record['moe_expert_load_max']:.2f}"
-        print(progress, flush=True)
 
 
 @contextlib.contextmanager
@@ -194,7 +117,7 @@ def train_loop(
     train_step = trainer.jit_train_step(batch_sharding)
     eval_step = trainer.jit_eval_step(batch_sharding) if cfg.eval_period else None
     profiler = Profiler.from_config(cfg, is_primary=jax.process_index() == 0)
-    deferred, log = metrics.DeferredMetrics(), StepLogger(cfg, writer)
+    deferred, log = metrics.DeferredMetrics(), console.StepLogger(cfg, writer)
     for step in range(int(state.step), cfg.steps):
         with profiler.step(step):
             state, step_metrics = train_step(state, next(batches))
@@ -213,16 +136,18 @@ def train_loop(
 
 
 def run(argv: Sequence[str]) -> int:
-    cfg = setup(argv)
+    cfg = loading.load_run(argv, join_processes=True)
     trainer = Trainer(cfg, mesh.build(cfg))
     report = check_layout(cfg, trainer)
-    print_startup(cfg, trainer, report)
+    figures = console.startup_figures(cfg, dict(trainer.mesh.shape), count_params(trainer.abstract_state.params),
+                                      report)
     # Exits run inner first: the last save is committed, then metrics are flushed, then SIGTERM is given back.
     with (
         catch_sigterm() as sigterm,
         metrics.MetricsWriter.from_config(cfg, is_primary=jax.process_index() == 0) as writer,
         checkpoint.Checkpoints(cfg, trainer) as ckpt,
     ):
+        console.print_startup(figures, writer)
         writer.write_config(cfg)
         state, batches = start(cfg, trainer, ckpt)
         if int(state.step) >= cfg.steps:
@@ -234,6 +159,9 @@ def run(argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE, file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
     try:
         return run(argv)
     except ConfigError as e:

@@ -8,8 +8,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from maxshard import config, mesh
-from maxshard.data import tokenizer
+from maxshard import config, loading, mesh
 
 # A model small enough to compile in seconds, with 8 heads so tensor=8 divides them.
 TINY = (
@@ -32,8 +31,7 @@ def tiny_config(*overrides: str, num_devices: int = 8, global_batch: int = 16) -
     """A finalized tiny config for `num_devices` with a fixed global batch, whatever the device count."""
     per_device = f"per_device_batch_size={global_batch / num_devices}"
     merged = {item.split("=", 1)[0]: item for item in (*TINY, per_device, *overrides)}  # later wins
-    cfg = config.finalize(config.parse(["configs/base.yml", *merged.values()]), num_devices)
-    return tokenizer.resolve_vocab(cfg)
+    return loading.complete(config.finalize(config.parse(["configs/base.yml", *merged.values()]), num_devices))
 
 
 def mesh_for(cfg: config.Config) -> jax.sharding.Mesh:

@@ -25,9 +25,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from maxshard import checkpoint, config
+from maxshard import checkpoint, config, loading
 from maxshard.config import ConfigError
-from maxshard.data.tokenizer import resolve_vocab
 from maxshard.step import Trainer
 
 from helpers import mesh_for, tiny_config
@@ -200,7 +199,7 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous(env, reference, tm
 
 def run_config(base: Path, *extra: str) -> config.Config:
     """The config the subprocess runs use, finalized for the 8 simulated devices of this process."""
-    return resolve_vocab(config.finalize(config.parse([BASE, *RUN, f"base_output_directory={base}", *extra]), 8))
+    return loading.complete(config.finalize(config.parse([BASE, *RUN, f"base_output_directory={base}", *extra]), 8))
 
 
 @pytest.mark.slow

@@ -19,9 +19,8 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from maxshard import config, model
+from maxshard import config, config_schema, loading, model
 from maxshard.config import Config, ConfigError
-from maxshard.data.tokenizer import resolve_vocab
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = str(REPO / "configs" / "base.yml")
@@ -122,8 +121,22 @@ def test_finalize_derives_batch_schedule_and_directories() -> None:
     cfg = load("per_device_batch_size=0.5", "steps=200", "warmup_steps_fraction=0.1", "run_name=r")
     assert (cfg.num_devices, cfg.global_batch_size) == (8, 4)
     assert (cfg.schedule_steps, cfg.warmup_steps) == (200, 20)
-    assert cfg.run_dir == os.path.join("runs", "r")
-    assert cfg.checkpoint_dir == os.path.join("runs", "r", "checkpoints")
+    assert cfg.run_dir == os.path.join(os.getcwd(), "runs", "r")  # base_output_directory: runs, made absolute
+    assert cfg.checkpoint_dir == os.path.join(os.getcwd(), "runs", "r", "checkpoints")
+
+
+@pytest.mark.parametrize("key", config_schema.path_keys())
+def test_every_path_key_resolves_a_relative_path_against_the_working_directory(key, tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert set(config_schema.path_keys()) >= {"base_output_directory", "dataset_path", "tokenizer_path",
+                                                "load_parameters_path", "load_full_state_path"}
+    relative = config.finalize(config.parse([BASE, f"{key}=some/dir"]), 8)
+    assert getattr(relative, key) == str(tmp_path / "some" / "dir")
+    remote = config.finalize(config.parse([BASE, f"{key}=gs://bucket/dir"]), 8)
+    assert getattr(remote, key) == "gs://bucket/dir"  # URLs untouched
+    if key == "base_output_directory":
+        assert remote.run_dir == "gs://bucket/dir/default"
+        assert relative.checkpoint_dir == str(tmp_path / "some" / "dir" / "default" / "checkpoints")
 
 
 @pytest.mark.parametrize(
@@ -258,9 +271,9 @@ def test_model_preset_with_an_unknown_key(tmp_path: Path) -> None:
     [("tiny", 1.5e5, 2.5e5), ("125m", 1.1e8, 1.7e8), ("1b", 0.9e9, 1.3e9), ("8b", 7.9e9, 8.1e9)],
 )
 def test_model_presets_load_with_the_expected_size(name: str, low: float, high: float) -> None:
-    cfg = resolve_vocab(load(f"model_name={name}"))
+    cfg = loading.complete(load(f"model_name={name}"))
     assert cfg.model_name == name
-    assert low <= model.param_count(cfg) <= high  # eval_shape only: nothing is allocated, even for 8B
+    assert low <= model.param_count(cfg.model) <= high  # eval_shape only: nothing is allocated, even for 8B
 
 
 @pytest.mark.parametrize("name", ["tiny", "125m", "1b", "8b"])

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
 
-from maxshard import config, metrics, perf
+from maxshard import config, console, metrics, perf, units
 from maxshard.profiling import Profiler
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -228,35 +228,59 @@ def test_memory_stats():
 
 
 def test_format_progress():
-    line = metrics.format_progress(120, 300, 2.3141, 0.2913, 14100.0, 0.4123, 52.4, tflops=3.21)
+    line = console.format_progress(120, 300, 2.3141, 0.2913, 14100.0, 0.4123, 52.4, flops_per_sec=3.21e12)
     assert line == "step 120/300 | loss 2.314 | 0.291 s/step | 14.1k tok/s/dev | 3.21 TFLOP/s/dev | MFU 41.2% | ETA 52s"
-    line = metrics.format_progress(5, 300, 9.0, 1.5, 950.0, None, 3725.0)
+    line = console.format_progress(5, 300, 9.0, 1.5, 950.0, None, 3725.0)
     assert line == "step 5/300 | loss 9.000 | 1.500 s/step | 950 tok/s/dev | ETA 1h02m"
+
+
+def test_a_cpu_flop_rate_shows_in_a_unit_that_shows_it():
+    line = console.format_progress(10, 300, 3.2, 0.982, 261.0, None, 285.0, flops_per_sec=4.12e9)
+    assert "4.12 GFLOP/s/dev" in line  # was "0.00 TFLOP/s/dev"
+    assert [units.format_flops(v) for v in (9.89e14, 1.5e15, 512.0)] == ["989 TFLOP/s", "1.50 PFLOP/s", "512 FLOP/s"]
 
 
 @pytest.mark.parametrize("value, text", [(999.96, "1000"), (1234.0, "1.23k"), (2.5e6, "2.50M"), (12.0, "12.0")])
 def test_format_count(value, text):
-    assert metrics.format_count(value) == text
+    assert units.format_count(value) == text
 
 
 def test_format_duration():
-    assert [metrics.format_duration(s) for s in (0, 59.6, 185, 3720)] == ["0s", "1m00s", "3m05s", "1h02m"]
+    assert [units.format_duration(s) for s in (0, 59.6, 185, 3720)] == ["0s", "1m00s", "3m05s", "1h02m"]
+
+
+def _figures(**changes):
+    figures = {
+        "run_dir": "/abs/runs/default", "devices": 8, "processes": 1, "mesh": {"data": 2, "fsdp": 4, "tensor": 1},
+        "param_count": 3_407_872, "memory_per_device": {"params": 3 * 2**20, "opt_state": 6 * 2**20,
+                                                        "grads": 3 * 2**20},
+        "device_kind": "TPU v4", "peak_flops": 275e12, "pipeline": None, "global_batch_size": 16,
+        "max_target_length": 128, "steps": 300,
+    }
+    return {**figures, **changes}
 
 
 def test_startup_summary():
-    text = metrics.format_startup_summary(
-        {"data": 2, "fsdp": 4, "tensor": 1}, 3_407_872,
-        {"params": 3 * 2**20, "opt_state": 6 * 2**20, "grads": 3 * 2**20},
-        device_kind="TPU v4", peak_flops=275e12,
-    )
+    text = console.format_startup_summary(_figures())
     assert text.splitlines() == [
+        "run: /abs/runs/default",
         "mesh: data=2 fsdp=4 (8 devices)",  # axes of size 1 are left out
         "parameters: 3.41M (3,407,872)",
         "per-device memory estimate: params 3.0 MiB + opt_state 6.0 MiB + grads 3.0 MiB = 12.0 MiB",
         "device: TPU v4, peak 275 TFLOP/s bf16",
+        "batch: 16 x 128 tokens, 300 steps",
     ]
-    cpu = metrics.format_startup_summary({"fsdp": 8}, 10, {"params": 40}, device_kind="cpu", peak_flops=None)
-    assert cpu.splitlines()[-1] == "device: cpu, peak unknown: MFU not reported"
+    cpu = console.format_startup_summary(_figures(device_kind="cpu", peak_flops=None))
+    assert cpu.splitlines()[-2] == "device: cpu, peak unknown: MFU not reported"
+
+
+def test_startup_figures_are_the_first_metrics_record(tmp_path):
+    with metrics.MetricsWriter(str(tmp_path), str(tmp_path / "tb"), is_primary=True, enable_tensorboard=False) as w:
+        console.print_startup(_figures(), w)
+        w.write(1, {"loss": 2.0})
+    first, second = [json.loads(line) for line in (tmp_path / metrics.METRICS_FILE).read_text().splitlines()]
+    assert first["step"] == 0 and first["startup"] == _figures()
+    assert second["loss"] == 2.0
 
 
 # --------------------------------------------------------------------------------------------- profiler

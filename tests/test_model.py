@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from maxshard import data, model
+from maxshard import data, loading, model
 from maxshard.step import Trainer
 from tests.helpers import loss_and_grads, max_relative_difference, mesh_for, tiny_config
 
@@ -21,7 +21,7 @@ def test_flops_per_token_by_hand():
     head = 64 * 384  # 24576
     matmul = 2 * (attention_kernels + mlp_kernels) + head  # 98304
     attention = 6 * 2 * 32 * 4 * 16 / 2 * 2  # 3 (fwd+bwd) x 2 matmuls x 2 FLOP x L x H x D / 2 (causal), per layer
-    assert model.flops_per_token(cfg) == 6 * matmul + attention == 614400
+    assert model.flops_per_token(cfg.model) == 6 * matmul + attention == 614400
 
 
 def test_matmul_params_are_the_kernels_of_the_real_model():
@@ -29,9 +29,9 @@ def test_matmul_params_are_the_kernels_of_the_real_model():
     cfg = tiny_config("num_kv_heads=2")
     embedding = cfg.vocab_size * cfg.emb_dim
     norms = (2 * cfg.num_layers + 1) * cfg.emb_dim
-    assert model.param_count(cfg) == model.matmul_params(cfg) + embedding + norms
-    tied = dataclasses.replace(cfg, logits_via_embedding=True)
-    assert model.param_count(tied) == model.param_count(cfg) - cfg.emb_dim * cfg.vocab_size
+    assert model.param_count(cfg.model) == model.matmul_params(cfg.model) + embedding + norms
+    tied = dataclasses.replace(cfg.model, logits_via_embedding=True)
+    assert model.param_count(tied) == model.param_count(cfg.model) - cfg.emb_dim * cfg.vocab_size
 
 
 def _loss_and_grads(cfg, params, batch):
@@ -56,7 +56,7 @@ def _unstack(tree, num_layers):
 
 def test_unrolled_layers_equal_scanned(scanned):
     cfg, params, batch, loss, grads = scanned
-    unrolled_cfg = dataclasses.replace(cfg, scan_layers=False)
+    unrolled_cfg = loading.replace(cfg, scan_layers=False)
     unrolled_params = _unstack(params, cfg.num_layers)
     unrolled_loss, unrolled_grads = _loss_and_grads(unrolled_cfg, unrolled_params, batch)
     np.testing.assert_allclose(unrolled_loss, loss, rtol=1e-6)
@@ -66,6 +66,6 @@ def test_unrolled_layers_equal_scanned(scanned):
 @pytest.mark.parametrize("policy", ["minimal", "full", "save_qkv_proj", "save_out_proj", "save_qkv_out_proj"])
 def test_remat_policy_changes_nothing_numerically(scanned, policy):
     cfg, params, batch, loss, grads = scanned
-    remat_loss, remat_grads = _loss_and_grads(dataclasses.replace(cfg, remat_policy=policy), params, batch)
+    remat_loss, remat_grads = _loss_and_grads(loading.replace(cfg, remat_policy=policy), params, batch)
     np.testing.assert_allclose(remat_loss, loss, rtol=1e-6)
     assert max_relative_difference(remat_grads, grads) < 1e-5

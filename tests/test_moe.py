@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxshard import config, data, model
+from maxshard import config, data, loading, metrics, model
 from maxshard.config import ConfigError
 from maxshard.layers import moe
 from maxshard.step import Trainer, mesh_context
@@ -46,7 +46,7 @@ def _grads_and_sums(cfg: config.Config, params, batch) -> tuple[dict, dict]:
 
 def _params_and_batch(cfg: config.Config) -> tuple[dict, dict]:
     """Initial parameters (host) and a random batch whose rows end in 0-4 padding tokens."""
-    params = jax.jit(lambda r: nn.unbox(model.Transformer(cfg).init(r, *model.dummy_batch(cfg))["params"]))
+    params = jax.jit(lambda r: nn.unbox(model.Transformer(cfg.model).init(r, *model.dummy_batch(cfg.model))["params"]))
     rng = np.random.default_rng(0)
     shape = (cfg.global_batch_size, cfg.max_target_length)
     real = np.arange(shape[1])[None, :] < shape[1] - rng.integers(0, 5, (shape[0], 1))  # [batch, length]
@@ -106,7 +106,7 @@ def test_padding_takes_no_slot():
 
 def _identity_router_block(capacity_factor: float, k: int = 2) -> tuple[moe.MoEBlock, dict]:
     """An MoEBlock of width 2 whose router kernel is the identity, so the router logits are the input itself."""
-    cfg = dataclasses.replace(tiny_config(*MOE, num_devices=1), emb_dim=2, mlp_dim=8, num_experts=2,
+    cfg = dataclasses.replace(tiny_config(*MOE, num_devices=1).model, emb_dim=2, mlp_dim=8, num_experts=2,
                               num_experts_per_tok=k, capacity_factor=capacity_factor)
     block = moe.MoEBlock(cfg, jnp.float32, jnp.float32)
     x = jnp.zeros((1, 4, 2))
@@ -166,7 +166,7 @@ def test_dropping_equals_dropless_when_nothing_drops(moe_reference):
     params, batch = moe_reference[:2]
     roomy = tiny_config(*MOE, "capacity_factor=8.0", num_devices=1)
     grads, sums = _grads_and_sums(roomy, params, batch)
-    ref_grads, ref_sums = _grads_and_sums(dataclasses.replace(roomy, capacity_factor=-1.0), params, batch)
+    ref_grads, ref_sums = _grads_and_sums(loading.replace(roomy, capacity_factor=-1.0), params, batch)
     assert float(sums["moe_dropped"]) == 0
     assert float(sums["moe_assigned"]) == 2 * batch["segment_ids"].sum()  # k = 2 per real token, padding none
     assert max_relative_difference(grads, ref_grads) < 1e-5
@@ -215,8 +215,8 @@ def _metric_keys(cfg: config.Config) -> set[str]:
         return set(jax.eval_shape(trainer._train_step, state, batch)[1])
 
 
-MOE_METRICS = {"moe_lb_loss", "moe_z_loss", "moe_dropped_fraction", "moe_expert_load_min", "moe_expert_load_max",
-               "moe_expert_load_cv"}
+MOE_METRICS = {"moe/lb_loss", "moe/z_loss", "moe/dropped_fraction", "moe/expert_load_min", "moe/expert_load_max",
+               "moe/expert_load_cv"}
 
 
 def test_metrics_keys_and_dense_models_unchanged():
@@ -224,26 +224,27 @@ def test_metrics_keys_and_dense_models_unchanged():
     dense_keys = _metric_keys(dense)
     assert dense_keys == {"loss", "tokens", "grad_norm", "param_norm", "learning_rate"}
     assert _metric_keys(tiny_config(*MOE)) == dense_keys | MOE_METRICS
+    assert {metrics.tag_for(key) for key in MOE_METRICS} == MOE_METRICS  # grouped under moe/ in TensorBoard
     assert _metric_keys(tiny_config(*MOE, "gradient_accumulation_steps=2")) == dense_keys | MOE_METRICS
-    paths = [str(path) for path, _ in jax.tree_util.tree_flatten_with_path(model.abstract_params(dense))[0]]
+    paths = [str(path) for path, _ in jax.tree_util.tree_flatten_with_path(model.abstract_params(dense.model))[0]]
     assert paths and not any("moe" in path or "layer_0" in path for path in paths)
 
 
 def test_flops_and_params_of_tiny_moe_by_hand():
     """tiny_moe: 4 layers of width 64 (4 heads of 16), every 2nd MoE with 8 experts of 128, top-2; vocab 384."""
     preset = config.finalize(config.parse(["configs/base.yml", "model_name=tiny_moe"]), 8)
-    cfg = dataclasses.replace(preset, vocab_size=384)
+    cfg = loading.complete(dataclasses.replace(preset, vocab_size=384))
     attention = 64 * 16 * (4 + 4 + 4 + 4)  # q, k, v, out kernels: 16384
     mlp = 3 * 64 * 128  # one SwiGLU: 24576
     dense_layers = 2 * (attention + mlp)
     moe_layers = 2 * (attention + 2 * mlp + 64 * 8)  # 2 experts per token + the router
     matmul = dense_layers + moe_layers + 64 * 384  # 238592
-    assert model.matmul_params(cfg) == matmul == 238592
+    assert model.matmul_params(cfg.model) == matmul == 238592
     scores = 6 * 4 * 64 * 4 * 16  # attention scores and values, as for dense models
-    assert model.flops_per_token(cfg) == 6 * matmul + scores
+    assert model.flops_per_token(cfg.model) == 6 * matmul + scores
     idle_experts = 2 * (8 - 2) * mlp  # parameters that exist but a token does not use
     norms = (2 * 4 + 1) * 64
-    assert model.param_count(cfg) == matmul + idle_experts + 384 * 64 + norms
+    assert model.param_count(cfg.model) == matmul + idle_experts + 384 * 64 + norms
 
 
 @pytest.mark.parametrize(
@@ -252,9 +253,8 @@ def test_flops_and_params_of_tiny_moe_by_hand():
      ("num_experts=0", "num_experts")],
 )
 def test_bad_moe_keys_name_the_key(override, message):
-    cfg = tiny_config(*MOE, override)
     with pytest.raises(ConfigError, match=message):
-        model.abstract_params(cfg)
+        tiny_config(*MOE, override)
 
 
 # --------------------------------------------------------------------------------------------- end to end

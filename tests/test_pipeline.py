@@ -112,9 +112,9 @@ SLOW_PARITY = {
 def _check_parity(reference, overrides: list[str]) -> None:
     ref_cfg, params, batch, ref_loss, ref_grads = reference
     cfg = small_config(*overrides)
-    shape = pipeline.validate_pipeline(cfg)
+    shape = cfg.model.pipeline
     assert shape is not None and shape.stages * shape.layers_per_stage * shape.repeats == cfg.num_layers
-    loss, grads = loss_and_grads(cfg, pipeline.from_scanned(params, cfg), batch)
+    loss, grads = loss_and_grads(cfg, pipeline.from_scanned(params, cfg.model.pipeline), batch)
     np.testing.assert_allclose(loss, ref_loss, rtol=TOLERANCE)
     assert max_relative_difference(pipeline.to_scanned(grads), ref_grads) < TOLERANCE
 
@@ -145,7 +145,7 @@ def test_two_training_steps_across_two_slices_equal_the_scanned_model(reference)
     slice_of = {d: i for i, group in enumerate(device_slices(jax.devices(), 2)) for d in group}
     stage_slices = [{slice_of[d] for d in devices.take(s, axis=1).flat} for s in range(4)]
     assert stage_slices == [{0}, {0}, {1}, {1}]  # stages 0-1 on slice 0, stages 2-3 on slice 1
-    finals = [_train_two_steps(c, p, batch) for c, p in ((ref_cfg, params), (cfg, pipeline.from_scanned(params, cfg)))]
+    finals = [_train_two_steps(c, p, batch) for c, p in ((ref_cfg, params), (cfg, pipeline.from_scanned(params, cfg.model.pipeline)))]
     (ref_losses, ref_params), (losses, pipelined) = finals
     np.testing.assert_allclose(losses, ref_losses, rtol=TOLERANCE)
     assert max_relative_difference(pipeline.to_scanned(pipelined), ref_params) < 2e-3
@@ -179,7 +179,7 @@ def test_moe_pipeline_equals_gradient_accumulation_over_its_microbatches():
     params, batch = random_params(trainer), packed_batch(ref_cfg, trainer.mesh)
     cfg = small_config(*moe, "ici_pipeline_parallelism=2", "num_pipeline_microbatches=4")  # 4 blocks: R=2
     (ref_sums, ref_grads), (sums, grads) = [
-        sums_and_grads(c, p, batch) for c, p in ((ref_cfg, params), (cfg, pipeline.from_scanned(params, cfg)))
+        sums_and_grads(c, p, batch) for c, p in ((ref_cfg, params), (cfg, pipeline.from_scanned(params, cfg.model.pipeline)))
     ]
     for key in ("loss_sum", "weight_sum", "moe_lb_loss", "moe_z_loss", "moe_assigned", "moe_dropped"):
         np.testing.assert_allclose(sums[key], ref_sums[key], rtol=TOLERANCE, err_msg=key)
@@ -201,10 +201,10 @@ def test_nan_in_bubble_slots_reaches_neither_outputs_nor_gradients(monkeypatch):
     x = jax.random.normal(jax.random.key(1), (16, 16, 32))
     segment_ids, positions = jnp.ones((16, 16), jnp.int32), jnp.broadcast_to(jnp.arange(16), (16, 16))
     cotangent = jax.random.normal(jax.random.key(2), x.shape)
-    reference = Decoder(flat_cfg, jnp.float32, jnp.float32)
+    reference = Decoder(flat_cfg.model, jnp.float32, jnp.float32)
     params = nn.unbox(reference.init(jax.random.key(0), x, segment_ids, positions))["params"]
-    piped = pipeline.Pipeline(cfg, DecoderLayer, jnp.float32, jnp.float32, bubble_fill=float("nan"))
-    piped_params = pipeline.from_scanned({"decoder": params}, cfg)["decoder"]["pipeline"]
+    piped = pipeline.Pipeline(cfg.model, DecoderLayer, jnp.float32, jnp.float32, bubble_fill=float("nan"))
+    piped_params = pipeline.from_scanned({"decoder": params}, cfg.model.pipeline)["decoder"]["pipeline"]
 
     def grads(module, p, mesh_cfg):
         objective = lambda p, x: jnp.sum(module.apply({"params": p}, x, segment_ids, positions) * cotangent)
@@ -227,12 +227,12 @@ def test_nan_in_bubble_slots_reaches_neither_outputs_nor_gradients(monkeypatch):
 
 
 def test_bubble_fraction_follows_the_formula():
-    assert pipeline.bubble_fraction(small_config()) == 0.0
+    assert small_config().model.pipeline is None
     cfg = small_config("ici_pipeline_parallelism=4", "ici_fsdp_parallelism=2", "num_pipeline_microbatches=8")
-    shape = pipeline.validate_pipeline(cfg)
+    shape = cfg.model.pipeline
     assert (shape.stages, shape.layers_per_stage, shape.repeats, shape.microbatches) == (4, 1, 2, 8)
     assert shape.iterations == 8 * 2 + 4 - 1
-    assert pipeline.bubble_fraction(cfg) == pytest.approx(3 / 19)
+    assert shape.bubble_fraction == pytest.approx(3 / 19)
 
 
 def test_without_stages_the_parameter_tree_is_unchanged():
@@ -271,12 +271,9 @@ def test_pipelined_weights_are_born_stage_sharded():
     ],
 )
 def test_pipeline_mistakes_are_one_line_config_errors(overrides, fragment):
-    cfg = small_config(*overrides)
-    with pytest.raises(ConfigError, match=re.escape(fragment)) as error:
-        pipeline.validate_pipeline(cfg)
+    with pytest.raises(ConfigError, match=re.escape(fragment)) as error:  # when the run is loaded, before compiling
+        small_config(*overrides)
     assert "\n" not in str(error.value)
-    with pytest.raises(ConfigError, match=re.escape(fragment)):  # also before compiling, when the model is built
-        Trainer(cfg, mesh_for(cfg))
 
 
 # --------------------------------------------------------------------------------------------- the CLI

@@ -21,7 +21,7 @@ def _packed_row(first_doc: list[int], second_doc: list[int], length: int) -> tup
 
 def test_editing_one_document_leaves_the_other_alone():
     cfg = tiny_config()
-    model = Transformer(cfg)
+    model = Transformer(cfg.model)
     rng = np.random.default_rng(0)
     doc_a, doc_b = rng.integers(3, 259, 12).tolist(), rng.integers(3, 259, 14).tolist()
     edited_a = [t + 1 for t in doc_a]
@@ -38,7 +38,7 @@ def test_editing_one_document_leaves_the_other_alone():
 def test_document_logits_do_not_depend_on_where_it_is_packed():
     """Positions restart per document, so a document's logits are the same at the start or the middle of a row."""
     cfg = tiny_config()
-    model = Transformer(cfg)
+    model = Transformer(cfg.model)
     rng = np.random.default_rng(1)
     doc_a, doc_b = rng.integers(3, 259, 10).tolist(), rng.integers(3, 259, 8).tolist()
     params = model.init(jax.random.key(0), *_packed_row(doc_a, doc_b, cfg.max_target_length))["params"]

@@ -23,9 +23,8 @@ try:
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from maxshard import config
+from maxshard import config, loading
 from maxshard.config import Config, ConfigError
-from maxshard.data.tokenizer import resolve_vocab
 from maxshard.launch import topologies, xpk
 from maxshard.launch.topologies import Target
 from maxshard.planning.estimate import Plan, make_plan
@@ -41,7 +40,7 @@ def load_for_target(config_argv: Sequence[str], target: Target) -> Config:
     xpk.check_tokens(config_argv)
     parsed = config.parse(config_argv)
     argv = xpk.prepare_trainer_argv(config_argv, parsed, target, workload="plan")
-    return resolve_vocab(xpk.validate_for_target(argv, target))
+    return loading.complete(xpk.validate_for_target(argv, target))
 
 
 def plan_for(config_argv: Sequence[str], topology: str, num_slices: int = 1) -> Plan:

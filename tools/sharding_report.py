@@ -22,9 +22,8 @@ try:
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from maxshard import config, mesh, report
+from maxshard import loading, mesh, report
 from maxshard.config import Config, ConfigError
-from maxshard.data.tokenizer import resolve_vocab
 
 __all__ = ["load_config", "make_report", "main"]
 
@@ -33,11 +32,7 @@ PROG = "sharding_report"
 
 def load_config(config_argv: Sequence[str], num_devices: int | None = None) -> Config:
     """`[CONFIG, key=value, ...]` -> finalized Config with the vocabulary resolved; plans for `num_devices` if given."""
-    if num_devices is None:
-        cfg = config.load(config_argv)
-    else:
-        cfg = config.finalize(config.parse(config_argv), num_devices)
-    return resolve_vocab(cfg)
+    return loading.load_run(config_argv, num_devices=num_devices)
 
 
 def make_report(cfg: Config) -> report.Report:

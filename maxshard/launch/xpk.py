@@ -25,7 +25,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-from maxshard import config, mesh
+from maxshard import config, mesh, stages
 from maxshard.config import Config, ConfigError
 from maxshard.launch import topologies
 from maxshard.launch.topologies import Target
@@ -137,7 +137,7 @@ def validate_for_target(trainer_argv: Sequence[str], target: Target) -> Config:
     cfg = config.parse(trainer_argv)
     try:
         cfg = config.finalize(cfg, target.num_devices, target.device_kind, target.num_hosts)
-        mesh.resolve_shape(cfg)
+        stages.resolve(cfg, mesh.axis_sizes(cfg))  # the pipeline's shape and batch split on the target's mesh
     except ConfigError as e:
         where = f"target {target.name} x {target.num_slices} {_unit(target)}: {target.num_devices} devices"
         raise ConfigError(f"{e} ({where})") from None

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from maxshard import axis_names as ax
-from maxshard.config import Config
+from maxshard.model_config import ModelConfig
 from maxshard.layers.embeddings import apply_rope
 from maxshard.layers.linears import DenseGeneral
 from maxshard.sharding import constrain
@@ -29,7 +29,7 @@ def attention_mask(segment_ids: jax.Array) -> jax.Array:
 
 
 class Attention(nn.Module):
-    cfg: Config
+    cfg: ModelConfig
     dtype: jnp.dtype
     weight_dtype: jnp.dtype
 

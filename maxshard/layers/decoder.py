@@ -18,12 +18,12 @@ import jax
 import jax.numpy as jnp
 
 from maxshard import axis_names as ax
-from maxshard.config import Config
+from maxshard.model_config import ModelConfig
 from maxshard.layers.attention import Attention
 from maxshard.layers.mlp import MLP
-from maxshard.layers.moe import MoEBlock, check_config
+from maxshard.layers.moe import MoEBlock
 from maxshard.layers.norms import RMSNorm
-from maxshard.layers.pipeline import Pipeline, num_stages
+from maxshard.layers.pipeline import Pipeline
 from maxshard.sharding import constrain
 
 __all__ = ["DecoderLayer", "MoEDecoderBlock", "Decoder", "remat_policy", "stack_unit"]
@@ -50,7 +50,7 @@ class DecoderLayer(nn.Module):
     With `use_moe` the MLP is a routed MoEBlock (params under "moe" instead of "mlp").
     """
 
-    cfg: Config
+    cfg: ModelConfig
     dtype: jnp.dtype
     weight_dtype: jnp.dtype
     use_moe: bool = False
@@ -76,7 +76,7 @@ class MoEDecoderBlock(nn.Module):
     `moe_layer_interval` layers (num_layers / interval iterations) rather than over single layers.
     """
 
-    cfg: Config
+    cfg: ModelConfig
     dtype: jnp.dtype
     weight_dtype: jnp.dtype
 
@@ -89,17 +89,14 @@ class MoEDecoderBlock(nn.Module):
         return x, None
 
 
-def stack_unit(cfg: Config) -> tuple[type[nn.Module], int]:
-    """(the module the stack repeats, how many times): DecoderLayer x num_layers for dense models,
-    MoEDecoderBlock x num_layers / moe_layer_interval for MoE models."""
-    check_config(cfg)
-    if cfg.num_experts == 1:
-        return DecoderLayer, cfg.num_layers
-    return MoEDecoderBlock, cfg.num_layers // cfg.moe_layer_interval
+def stack_unit(cfg: ModelConfig) -> type[nn.Module]:
+    """The module the stack repeats `cfg.num_units` times: DecoderLayer for dense models, MoEDecoderBlock (a block
+    of `moe_layer_interval` layers) for MoE models."""
+    return MoEDecoderBlock if cfg.is_moe else DecoderLayer
 
 
-def _layer_class(cfg: Config) -> type[nn.Module]:
-    unit, _ = stack_unit(cfg)
+def _layer_class(cfg: ModelConfig) -> type[nn.Module]:
+    unit = stack_unit(cfg)
     if cfg.remat_policy == "none":
         return unit
     return nn.remat(unit, policy=remat_policy(cfg.remat_policy), prevent_cse=not cfg.scan_layers)
@@ -109,15 +106,15 @@ class Decoder(nn.Module):
     """`num_layers` blocks: one scanned block with a leading "layers" axis, or `layers_0 .. layers_{n-1}`, or with
     more than one pipeline stage a circular pipeline (params under "pipeline", see layers/pipeline.py)."""
 
-    cfg: Config
+    cfg: ModelConfig
     dtype: jnp.dtype
     weight_dtype: jnp.dtype
 
     @nn.compact
     def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
         cfg, layer = self.cfg, _layer_class(self.cfg)
-        if num_stages(cfg) > 1:  # a circular pipeline over the `stage` mesh axis (layers/pipeline.py)
-            pipeline = Pipeline(cfg, stack_unit(cfg)[0], self.dtype, self.weight_dtype, remat_policy(cfg.remat_policy),
+        if cfg.pipeline is not None:  # a circular pipeline over the `stage` mesh axis (layers/pipeline.py)
+            pipeline = Pipeline(cfg, stack_unit(cfg), self.dtype, self.weight_dtype, remat_policy(cfg.remat_policy),
                                 name="pipeline")
             return pipeline(x, segment_ids, positions)
         if cfg.scan_layers:
@@ -126,11 +123,11 @@ class Decoder(nn.Module):
                 variable_axes={"params": 0, "intermediates": 0},
                 split_rngs={"params": True},
                 in_axes=(nn.broadcast, nn.broadcast),
-                length=stack_unit(cfg)[1],
+                length=cfg.num_units,
                 metadata_params={nn.PARTITION_NAME: ax.LAYERS},
             )
             x, _ = stack(cfg, self.dtype, self.weight_dtype, name="layers")(x, segment_ids, positions)
             return x
-        for i in range(stack_unit(cfg)[1]):
+        for i in range(cfg.num_units):
             x, _ = layer(cfg, self.dtype, self.weight_dtype, name=f"layers_{i}")(x, segment_ids, positions)
         return x

@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 
 from maxshard import axis_names as ax
-from maxshard.config import Config, ConfigError
+from maxshard.model_config import ModelConfig
 from maxshard.layers.linears import DenseGeneral
 from maxshard.sharding import constrain
 
@@ -62,8 +62,6 @@ __all__ = [
     "capacity",
     "route",
     "router_losses",
-    "check_config",
-    "num_moe_layers",
     "collect_stats",
     "loss_sums",
     "objective",
@@ -76,29 +74,7 @@ _STATS_NAME = "moe_stats"
 _LOAD_STAT = "load"  # the one per-expert statistic: [experts]; the others are scalars
 
 
-# --------------------------------------------------------------------------------------------- config
-
-
-def check_config(cfg: Config) -> None:
-    """MoE keys that type-check but make no sense; one line naming the key."""
-    if cfg.num_experts < 1:
-        raise ConfigError(f"num_experts must be >= 1 (1: dense), got {cfg.num_experts}")
-    if not 1 <= cfg.num_experts_per_tok <= cfg.num_experts:
-        raise ConfigError(f"num_experts_per_tok must be in [1, num_experts={cfg.num_experts}], "
-                          f"got {cfg.num_experts_per_tok}")
-    if cfg.moe_layer_interval < 1 or cfg.num_layers % cfg.moe_layer_interval:
-        raise ConfigError(f"moe_layer_interval={cfg.moe_layer_interval} must be >= 1 and divide "
-                          f"num_layers={cfg.num_layers}")
-    if not math.isfinite(cfg.capacity_factor):
-        raise ConfigError(f"capacity_factor must be a finite number (<= 0: dropless), got {cfg.capacity_factor}")
-    for key in ("load_balance_loss_weight", "router_z_loss_weight"):
-        if not getattr(cfg, key) >= 0:
-            raise ConfigError(f"{key} must be >= 0, got {getattr(cfg, key)}")
-
-
-def num_moe_layers(cfg: Config) -> int:
-    """Layers whose MLP is an MoE block: every `moe_layer_interval`-th (the last of each group of that many)."""
-    return cfg.num_layers // cfg.moe_layer_interval if cfg.num_experts > 1 else 0
+# --------------------------------------------------------------------------------------------- capacity
 
 
 def capacity(tokens: int, k: int, experts: int, factor: float) -> int:
@@ -188,7 +164,7 @@ def _expert_init(key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype = jnp.
 class MoEBlock(nn.Module):
     """Routed SwiGLU experts replacing the MLP: x [batch, length, embed], segment_ids [batch, length]."""
 
-    cfg: Config
+    cfg: ModelConfig
     dtype: jnp.dtype
     weight_dtype: jnp.dtype
 
@@ -281,15 +257,16 @@ def loss_sums(stats: Mapping[str, jax.Array], weight_sum: jax.Array) -> dict[str
     }
 
 
-def objective(sums: Mapping[str, jax.Array], cfg: Config) -> jax.Array | float:
-    """The router losses' share of the summed training objective (0.0 for dense models)."""
+def objective(sums: Mapping[str, jax.Array], balance_weight: float, z_weight: float) -> jax.Array | float:
+    """The router losses' share of the summed training objective (0.0 for dense models); the weights are the run's
+    `load_balance_loss_weight` and `router_z_loss_weight`."""
     if "moe_lb_loss" not in sums:
         return 0.0
-    return cfg.load_balance_loss_weight * sums["moe_lb_loss"] + cfg.router_z_loss_weight * sums["moe_z_loss"]
+    return balance_weight * sums["moe_lb_loss"] + z_weight * sums["moe_z_loss"]
 
 
 def metrics(sums: Mapping[str, jax.Array], weight_sum: jax.Array) -> dict[str, jax.Array]:
-    """MoE entries of the metrics dict (none for dense models).
+    """MoE entries of the metrics dict (none for dense models), keyed `moe/...` so TensorBoard groups them.
 
     Expert load is measured per layer as routed assignments over their mean (1.0: balanced); min and max are
     over all MoE layers and experts, cv (std / mean over experts) is averaged over layers.
@@ -300,10 +277,10 @@ def metrics(sums: Mapping[str, jax.Array], weight_sum: jax.Array) -> dict[str, j
     mean = jnp.maximum(jnp.mean(load, axis=-1, keepdims=True), 1e-9)
     relative = load / mean
     return {
-        "moe_lb_loss": sums["moe_lb_loss"] / jnp.maximum(weight_sum, 1.0),
-        "moe_z_loss": sums["moe_z_loss"] / jnp.maximum(weight_sum, 1.0),
-        "moe_dropped_fraction": sums["moe_dropped"] / jnp.maximum(sums["moe_assigned"], 1.0),
-        "moe_expert_load_min": jnp.min(relative),
-        "moe_expert_load_max": jnp.max(relative),
-        "moe_expert_load_cv": jnp.mean(jnp.std(relative, axis=-1)),
+        "moe/lb_loss": sums["moe_lb_loss"] / jnp.maximum(weight_sum, 1.0),
+        "moe/z_loss": sums["moe_z_loss"] / jnp.maximum(weight_sum, 1.0),
+        "moe/dropped_fraction": sums["moe_dropped"] / jnp.maximum(sums["moe_assigned"], 1.0),
+        "moe/expert_load_min": jnp.min(relative),
+        "moe/expert_load_max": jnp.max(relative),
+        "moe/expert_load_cv": jnp.mean(jnp.std(relative, axis=-1)),
     }

@@ -54,9 +54,7 @@ policy saves, and never a per-iteration copy of the weights; layers inside a sta
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 from typing import Any
 
 import flax.linen as nn
@@ -65,124 +63,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxshard import axis_names as ax
-from maxshard.config import Config, ConfigError
-from maxshard.sharding import constrain, flax_rules
+from maxshard.model_config import ModelConfig, PipelineShape
+from maxshard.sharding import constrain
 
-__all__ = [
-    "PipelineShape",
-    "num_stages",
-    "pipeline_shape",
-    "validate_pipeline",
-    "bubble_fraction",
-    "to_scanned",
-    "from_scanned",
-    "Pipeline",
-]
+__all__ = ["to_scanned", "from_scanned", "Pipeline"]
 
 _SOWN = "intermediates"  # collection the layers sow into (MoE router statistics); carried out for valid slots
 _STATE_AXES = (ax.ACT_STAGE, ax.BATCH, ax.LENGTH, ax.ACT_EMBED)  # [stages, microbatch, length, embed]
 _BUFFER_AXES = (ax.ACT_STAGE, None, ax.BATCH, ax.LENGTH, ax.ACT_EMBED)  # [stages, M, microbatch, length, embed]
-
-
-@dataclasses.dataclass(frozen=True)
-class PipelineShape:
-    """Resolved pipeline sizes (no -1 left)."""
-
-    stages: int
-    layers_per_stage: int
-    repeats: int
-    microbatches: int
-
-    @property
-    def iterations(self) -> int:
-        return self.microbatches * self.repeats + self.stages - 1
-
-    @property
-    def bubble_fraction(self) -> float:
-        return (self.stages - 1) / self.iterations
-
-
-# --------------------------------------------------------------------------------------------- config
-
-
-def num_stages(cfg: Config) -> int:
-    """Size of the `stage` mesh axis; resolves a -1 pipeline knob only when it has to (it needs the device count)."""
-    ici, dcn = cfg.ici_pipeline_parallelism, cfg.dcn_pipeline_parallelism
-    if ici > 0 and dcn > 0:
-        return ici * dcn
-    from maxshard import mesh  # deferred: only a -1 pipeline knob needs the mesh arithmetic
-
-    return mesh.axis_sizes(cfg)["stage"]
-
-
-def _num_units(cfg: Config) -> int:
-    """Stacked units of the decoder: layers, or blocks of `moe_layer_interval` layers in an MoE model."""
-    return cfg.num_layers // cfg.moe_layer_interval if cfg.num_experts > 1 else cfg.num_layers
-
-
-def pipeline_shape(cfg: Config) -> PipelineShape:
-    """The pipeline sizes with -1 knobs derived: R = layers / (S x L), M = S. Validates as it goes."""
-    stages, per_stage = num_stages(cfg), cfg.num_layers_per_pipeline_stage
-    units = _num_units(cfg)
-    what = f"num_layers={units}" if units == cfg.num_layers else f"num_layers / moe_layer_interval = {units} blocks"
-    if per_stage < 1:
-        raise ConfigError(f"num_layers_per_pipeline_stage must be >= 1, got {per_stage}")
-    for key in ("num_pipeline_repeats", "num_pipeline_microbatches"):
-        if getattr(cfg, key) == 0 or getattr(cfg, key) < -1:
-            raise ConfigError(f"{key} must be >= 1 or -1 (derived), got {getattr(cfg, key)}")
-    if cfg.num_pipeline_repeats == -1:
-        if units % (stages * per_stage):
-            raise ConfigError(f"{what} is not divisible by pipeline stages x num_layers_per_pipeline_stage = "
-                              f"{stages} x {per_stage}")
-        repeats = units // (stages * per_stage)
-    else:
-        repeats = cfg.num_pipeline_repeats
-        if units != stages * per_stage * repeats:
-            raise ConfigError(f"{what} must equal pipeline stages x num_layers_per_pipeline_stage x "
-                              f"num_pipeline_repeats = {stages} x {per_stage} x {repeats}")
-    microbatches = stages if cfg.num_pipeline_microbatches == -1 else cfg.num_pipeline_microbatches
-    if microbatches % stages:
-        raise ConfigError(f"num_pipeline_microbatches={microbatches} must be a multiple of the {stages} pipeline "
-                          "stages (a finished microbatch waits for stage 0 to come round again)")
-    return PipelineShape(stages, per_stage, repeats, microbatches)
-
-
-def validate_pipeline(cfg: Config) -> PipelineShape | None:
-    """Every pipeline mistake as one-line ConfigError before compiling; None when there is no pipeline (S == 1).
-
-    Call at startup with a finalized config (the batch checks need `global_batch_size`).
-    """
-    if num_stages(cfg) == 1:
-        return None
-    if not cfg.scan_layers:
-        raise ConfigError("pipeline parallelism needs scan_layers=true (each stage scans its layers)")
-    shape = pipeline_shape(cfg)
-    if cfg.global_batch_size:
-        _check_batch(cfg, cfg.global_batch_size // cfg.gradient_accumulation_steps, shape)
-    return shape
-
-
-def _check_batch(cfg: Config, batch: int, shape: PipelineShape) -> None:
-    """The batch one model call sees must split into M microbatches that divide over the batch mesh axes."""
-    m = shape.microbatches
-    if batch % m:
-        raise ConfigError(f"the batch of {batch} sequences per model call (global batch / "
-                          f"gradient_accumulation_steps) is not divisible by num_pipeline_microbatches={m}")
-    from maxshard import mesh  # deferred: needs the device count, which only a finalized config has
-
-    sizes = mesh.axis_sizes(cfg) if cfg.num_devices else {}
-    entry = nn.logical_to_mesh_axes((ax.BATCH,), flax_rules(cfg))[0] or ()
-    batch_axes = {a: sizes.get(a, 1) for a in ((entry,) if isinstance(entry, str) else entry)}
-    shards = math.prod(batch_axes.values())
-    if (batch // m) % shards:
-        raise ConfigError(f"a pipeline microbatch of {batch // m} sequences ({batch} / num_pipeline_microbatches="
-                          f"{m}) is not divisible by the {shards} batch shards ({mesh.describe(batch_axes)})")
-
-
-def bubble_fraction(cfg: Config) -> float:
-    """Share of stage-iterations that idle in the pipeline bubble: (S-1)/(M*R + S-1); 0.0 without a pipeline."""
-    shape = validate_pipeline(cfg)
-    return 0.0 if shape is None else shape.bubble_fraction
 
 
 # --------------------------------------------------------------------------------------------- parameter layout
@@ -199,9 +87,8 @@ def to_scanned(params: Any) -> Any:
     return {**params, "decoder": decoder}
 
 
-def from_scanned(params: Any, cfg: Config) -> Any:
-    """Inverse of `to_scanned`, for `cfg`'s pipeline shape."""
-    shape = pipeline_shape(cfg)
+def from_scanned(params: Any, shape: PipelineShape) -> Any:
+    """Inverse of `to_scanned`, for a pipeline of `shape`."""
     lead = (shape.repeats, shape.stages, shape.layers_per_stage)
     decoder = dict(params["decoder"])
     flat = decoder.pop("layers")
@@ -304,7 +191,7 @@ class Pipeline(nn.Module):
       bubble_fill: value of the stage slots before the first microbatch arrives (tests fill them with NaN).
     """
 
-    cfg: Config
+    cfg: ModelConfig
     unit: type[nn.Module]
     dtype: jnp.dtype
     weight_dtype: jnp.dtype
@@ -313,12 +200,13 @@ class Pipeline(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
-        shape = validate_pipeline(self.cfg) or pipeline_shape(self.cfg)
+        shape = self.cfg.pipeline
         stack = _stacked_class(self.unit, shape)(self.cfg, self.dtype, self.weight_dtype, name="layers")
         if self.is_initializing():  # init only creates the weights; one microbatch row is enough for shapes
             stack(x[:1], segment_ids[:1], positions[:1])
             return x
-        _check_batch(self.cfg, x.shape[0], shape)
+        if x.shape[0] % shape.microbatches:  # the loader checks the run's batch; this guards direct callers
+            raise ValueError(f"a batch of {x.shape[0]} does not split into {shape.microbatches} microbatches")
         weights = nn.unbox(self.variables["params"]["layers"])
         collect = self.is_mutable_collection(_SOWN)
         y, sown = self._run(weights, x, segment_ids, positions, shape, collect)
@@ -357,7 +245,7 @@ class Pipeline(nn.Module):
 
         With `collect`, also returns what the layers sowed into "intermediates", [stages, L, ...]."""
         stage_weights = jax.tree.map(lambda w: _select_repeat(w, repeat), weights)  # [S, L, ...]
-        layer = _stage_class(self.unit, self.cfg.num_layers_per_pipeline_stage)(
+        layer = _stage_class(self.unit, self.cfg.pipeline.layers_per_stage)(
             self.cfg, self.dtype, self.weight_dtype, parent=None
         )
 

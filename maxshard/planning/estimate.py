@@ -28,6 +28,7 @@ from maxshard.launch.topologies import Target
 from maxshard.planning import hardware, memory, traffic
 from maxshard.planning.traffic import Collective
 from maxshard.report import build_report
+from maxshard.step import abstract_state
 
 __all__ = ["AxisTime", "Plan", "make_plan", "collective_seconds", "by_kind"]
 
@@ -122,36 +123,31 @@ def _remat_factor(policy: str) -> float:
     return 1.0 if policy in ("none", "minimal") else 4 / 3
 
 
-def _bubble(geo: traffic.Geometry) -> float:
-    """(S - 1) / (M x R + S - 1): the share of stage-iterations that idle (layers/pipeline.py)."""
-    return 0.0 if geo.stages == 1 else (geo.stages - 1) / geo.iterations
-
-
 def make_plan(cfg: Config, target: Target | None = None) -> Plan:
     """The plan of a finalized config (vocab resolved) on `target` (None: memory and bytes only, no times)."""
     shape = mesh.resolve_shape(cfg)
     ici = dict(zip(shape.sizes, shape.ici))
     dcn = dict(zip(shape.sizes, shape.dcn))
     sizes = shape.sizes
-    report = build_report(cfg, sizes)
-    platform = target.accelerator if target is not None else "cpu"
-    itemsize = np.dtype(model.compute_dtype(cfg.dtype, platform)).itemsize
+    state = abstract_state(cfg)
+    report = build_report(cfg, sizes, state=state)
+    itemsize = np.dtype(cfg.model.compute_dtype).itemsize
     geo = traffic.geometry(cfg, sizes, itemsize)
     collectives = traffic.planned_collectives(cfg, report, sizes, geo)
     link = hardware.interconnect(target.name) if target is not None else None
-    model_flops = model.flops_per_token(cfg) * cfg.global_batch_size * cfg.max_target_length / cfg.num_devices
+    model_flops = model.flops_per_token(cfg.model) * cfg.global_batch_size * cfg.max_target_length / cfg.num_devices
     return Plan(
         cfg=cfg,
         target=target,
         ici=ici,
         dcn=dcn,
-        param_count=model.param_count(cfg),
+        param_count=model.count_params(state.params),
         params=report.param_bytes_per_device,
         optimizer=report.optimizer_bytes_per_device,
         gradients=report.gradient_bytes_per_device,
         activations=memory.activation_bytes(cfg, sizes, geo),
         collectives=collectives,
-        bubble=_bubble(geo),
+        bubble=geo.bubble_fraction,
         model_flops=model_flops,
         hardware_flops=model_flops * _remat_factor(cfg.remat_policy),
         peak=perf.peak_flops(cfg.device_kind),

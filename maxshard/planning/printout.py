@@ -6,7 +6,7 @@ from typing import Any
 
 from maxshard.planning.estimate import AxisTime, Plan
 from maxshard.planning.memory import widths
-from maxshard.report import human_bytes
+from maxshard.units import format_bytes
 
 __all__ = ["format_plan", "plan_json"]
 
@@ -53,18 +53,18 @@ def _header(plan: Plan) -> list[str]:
 def _memory(plan: Plan) -> list[str]:
     total = plan.params + plan.optimizer + plan.gradients + plan.activations
     hbm = plan.link.hbm if plan.link is not None else None
-    fits = "" if hbm is None else f" of {human_bytes(hbm)} HBM ({total / hbm:.0%})"
+    fits = "" if hbm is None else f" of {format_bytes(hbm)} HBM ({total / hbm:.0%})"
     rule = _ACTIVATION_RULE.get(plan.cfg.remat_policy, "saved projections per layer + one layer's intermediates")
     w = widths(plan.cfg, plan.mesh)
     return [
         "memory per device:",
-        f"  parameters       {human_bytes(plan.params):>11}",
-        f"  optimizer state  {human_bytes(plan.optimizer):>11}",
-        f"  gradients        {human_bytes(plan.gradients):>11}",
-        f"  activations      {human_bytes(plan.activations):>11}  estimate: {rule},",
+        f"  parameters       {format_bytes(plan.params):>11}",
+        f"  optimizer state  {format_bytes(plan.optimizer):>11}",
+        f"  gradients        {format_bytes(plan.gradients):>11}",
+        f"  activations      {format_bytes(plan.activations):>11}  estimate: {rule},",
         f"  {'':>28}  logits and their gradient; attention scores [{w.scores // plan.cfg.max_target_length} heads, "
         "length, length] are materialised",
-        f"  total            {human_bytes(total):>11}{fits}",
+        f"  total            {format_bytes(total):>11}{fits}",
     ]
 
 
@@ -90,7 +90,7 @@ def _collectives(plan: Plan) -> list[str]:
     if not sizes:
         lines.append("  none (a single device, or nothing sharded)")
     for (axes, kind), size in sorted(sizes.items()):
-        lines.append(f"  {axes:<16} {kind:<19} {human_bytes(size):>11}   {'; '.join(sorted(whats[axes, kind]))}")
+        lines.append(f"  {axes:<16} {kind:<19} {format_bytes(size):>11}   {'; '.join(sorted(whats[axes, kind]))}")
     for axes, t in sorted(plan.axis_times.items()):
         lines.append(f"  time on {axes}: {_time_text(t)}")
     return lines

@@ -55,7 +55,7 @@ from maxshard.config import Config
 from maxshard.report import Report
 from maxshard.sharding import ParamLayout
 
-__all__ = ["Collective", "Geometry", "geometry", "planned_collectives", "rule_axes", "pipeline_sizes"]
+__all__ = ["Collective", "Geometry", "geometry", "planned_collectives", "rule_axes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,10 +79,8 @@ class Geometry:
     repeats: int  # R (1 without a pipeline)
     compute_itemsize: int
     moe_layers: int  # MoE layers one device runs
-
-    @property
-    def iterations(self) -> int:
-        return self.microbatches * self.repeats + self.stages - 1
+    iterations: int  # pipeline iterations, M x R + S - 1 (1 without a pipeline)
+    bubble_fraction: float  # 0.0 without a pipeline
 
 
 def rule_axes(cfg: Config, logical: str, sizes: Mapping[str, int]) -> tuple[str, ...]:
@@ -97,30 +95,16 @@ def _shards(axes: Iterable[str], sizes: Mapping[str, int]) -> int:
     return math.prod(sizes[a] for a in axes)
 
 
-def pipeline_sizes(cfg: Config, stages: int) -> tuple[int, int]:
-    """(M, R) with -1 derived as in layers/pipeline.py: M = S, R = units / (S x layers per stage)."""
-    units = cfg.num_layers // max(getattr(cfg, "moe_layer_interval", 1), 1) if _experts(cfg) > 1 else cfg.num_layers
-    per_stage = getattr(cfg, "num_layers_per_pipeline_stage", 1)
-    microbatches = getattr(cfg, "num_pipeline_microbatches", -1)
-    repeats = getattr(cfg, "num_pipeline_repeats", -1)
-    microbatches = stages if microbatches == -1 else microbatches
-    repeats = max(units // (stages * per_stage), 1) if repeats == -1 else repeats
-    return microbatches, repeats
-
-
-def _experts(cfg: Config) -> int:
-    return getattr(cfg, "num_experts", 1)
-
-
 def geometry(cfg: Config, sizes: Mapping[str, int], compute_itemsize: int) -> Geometry:
     """Token and layer counts per device for `cfg` on a mesh of `sizes`."""
     length = cfg.max_target_length // _shards(rule_axes(cfg, ax.LENGTH, sizes), sizes)
     batch = cfg.global_batch_size // _shards(rule_axes(cfg, ax.BATCH, sizes), sizes)
     outer = cfg.global_batch_size // _shards(rule_axes(cfg, ax.EMBED_AND_LOGITS_BATCH, sizes), sizes)
     stages = sizes.get("stage", 1)
-    microbatches, repeats = pipeline_sizes(cfg, stages) if stages > 1 else (1, 1)
-    interval = max(getattr(cfg, "moe_layer_interval", 1), 1)
-    moe_layers = cfg.num_layers // interval if _experts(cfg) > 1 else 0
+    pipe = cfg.model.pipeline
+    microbatches, repeats = (pipe.microbatches, pipe.repeats) if pipe is not None else (1, 1)
+    iterations, bubble = (pipe.iterations, pipe.bubble_fraction) if pipe is not None else (1, 0.0)
+    moe_layers = cfg.model.num_moe_layers
     return Geometry(
         tokens=batch * length,
         outer_tokens=outer * length,
@@ -131,6 +115,8 @@ def geometry(cfg: Config, sizes: Mapping[str, int], compute_itemsize: int) -> Ge
         repeats=repeats,
         compute_itemsize=compute_itemsize,
         moe_layers=moe_layers // stages,
+        iterations=iterations,
+        bubble_fraction=bubble,
     )
 
 
@@ -233,7 +219,7 @@ def _stage(cfg: Config, sizes: Mapping[str, int], geo: Geometry) -> list[Collect
 
 
 def _expert(cfg: Config, sizes: Mapping[str, int], geo: Geometry) -> list[Collective]:
-    if _experts(cfg) == 1 or sizes.get("expert", 1) == 1 or geo.moe_layers == 0:
+    if not cfg.model.is_moe or sizes.get("expert", 1) == 1 or geo.moe_layers == 0:
         return []
     factor = cfg.capacity_factor if cfg.capacity_factor > 0 else 1.0
     routed = geo.tokens * cfg.num_experts_per_tok * factor * cfg.emb_dim * geo.compute_itemsize

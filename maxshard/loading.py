@@ -1,0 +1,57 @@
+"""One way to load a run: parse, join the other processes, finalize for the devices, resolve the vocabulary,
+derive the model. Train, generate, the tools and the benchmarks all start here, so a config means the same
+thing everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from maxshard import config, mesh, stages
+from maxshard.config import Config
+from maxshard.data.tokenizer import resolve_vocab
+from maxshard.model_config import ModelConfig, model_fields, resolve_dtype
+
+__all__ = ["load_run", "complete", "model_config", "replace"]
+
+
+def model_config(cfg: Config, mesh_sizes: dict[str, int] | None = None) -> ModelConfig:
+    """The network of a finalized config (vocabulary resolved), with its pipeline shape on a mesh of `mesh_sizes`."""
+    sizes = mesh.axis_sizes(cfg) if mesh_sizes is None else mesh_sizes
+    platform = "cpu" if cfg.device_kind.lower() in ("cpu", "") else "accelerator"
+    values = {key: getattr(cfg, key) for key in model_fields()}
+    values["dtype"] = resolve_dtype(cfg.dtype, platform)
+    values["weight_dtype"] = resolve_dtype(cfg.weight_dtype, platform)
+    return ModelConfig(**values, pipeline=stages.resolve(cfg, sizes))
+
+
+def complete(cfg: Config) -> Config:
+    """A finalized config with its vocabulary resolved and its `model` derived."""
+    cfg = resolve_vocab(cfg)
+    return dataclasses.replace(cfg, model=model_config(cfg))
+
+
+def replace(cfg: Config, **changes: object) -> Config:
+    """A complete config with some keys changed and its model derived again (a plain `dataclasses.replace` would
+    leave `cfg.model` describing the old keys)."""
+    return complete(dataclasses.replace(cfg, model=None, **changes))
+
+
+def load_run(
+    argv: Sequence[str],
+    num_devices: int | None = None,
+    device_kind: str | None = None,
+    join_processes: bool = False,
+) -> Config:
+    """`[CONFIG.yml, key=value, ...]` -> the run's complete Config.
+
+    Without `num_devices` JAX is asked (after `cpu_device_count` is applied); with `join_processes` this process
+    first joins the others (multi-host), which must precede every device query.
+    """
+    parsed = config.parse(argv)
+    if join_processes:
+        from maxshard.launch import distributed  # deferred: only the CLI entry points join processes
+
+        distributed.initialize(parsed)
+    return complete(config.load_parsed(parsed, num_devices, device_kind))
