@@ -123,7 +123,8 @@ def arrange(slices: list[list[jax.Device]], shape: MeshShape) -> np.ndarray:
 
 
 def build(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """The training mesh, with Auto axis types so Linen's logical constraints apply (see NOTES.md)."""
+    """The training mesh, with Auto axis types: under Explicit axes (`jax.make_mesh`'s default) Linen's
+    `nn.with_logical_constraint` fails, so logical constraints would not apply."""
     devices = list(jax.devices() if devices is None else devices)
     shape = resolve_shape(cfg, len(devices))
     array = arrange(device_slices(devices, cfg.num_slices), shape)

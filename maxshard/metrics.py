@@ -1,7 +1,7 @@
 """What a run records about itself: TensorBoard scalars, one JSON line per logged step, and the console line.
 
 Three rules shape this module:
-- Every figure that is printed is also written (DESIGN.md), to TensorBoard for people and to `metrics.jsonl` for
+- Every figure that is printed is also written, to TensorBoard for people and to `metrics.jsonl` for
   tools (`tools/plot_metrics.py`, benchmarks) that should not need TensorBoard to read a run.
 - Only the primary process writes; on the others the writer is a no-op, so the training loop needs no `if`.
 - Reading a metric must never stall the device: `DeferredMetrics` turns step N's device arrays into Python floats

@@ -197,7 +197,8 @@ def initialize(cfg: Config, environ: Mapping[str, str] | None = None) -> Plan | 
 
 
 def _use_gloo_on_cpu(jax: object) -> None:
-    """Cross-process CPU collectives need gloo (NOTES.md); the setting only affects the CPU client."""
+    """Cross-process CPU collectives need gloo (the default CPU client has none across processes); the setting only
+    affects the CPU client."""
     if jax.config.jax_cpu_collectives_implementation != "mpi":  # type: ignore[attr-defined]
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # type: ignore[attr-defined]
 

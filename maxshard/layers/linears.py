@@ -1,7 +1,8 @@
 """DenseGeneral whose kernel is created in its full, multi-dimensional shape.
 
 Flax's `nn.DenseGeneral` creates a flattened 2-D kernel and reshapes it, which breaks logically partitioned
-initialisers for kernels such as [embed, heads, head_dim] under a mesh (see NOTES.md). Here the initialiser sees the
+initialisers for kernels such as [embed, heads, head_dim] under a mesh (the initialiser is called with the flattened
+2-D shape and fails: "only valid for values of rank at least 3"). Here the initialiser sees the
 real shape, so a kernel is born sharded by its logical names.
 """
 
