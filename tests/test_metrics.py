@@ -350,3 +350,18 @@ def test_plot_series_skips_null_loss():
     records = [{"step": 1, "loss": 2.0}, {"step": 2, "loss": None}, {"step": 3}, {"step": 4, "loss": 1.0}]
     assert plot_metrics.series(records, "loss") == ([1, 4], [2.0, 1.0])
     assert plot_metrics.run_labels(["x/a", "y/a", "z/b"]) == ["x/a", "y/a", "b"]
+
+
+def test_plot_shows_a_run_that_logged_throughput_once():
+    """A short run logs tokens/s at one step only: its point must still be drawn (a marker, not a bare line)."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    try:
+        import plot_metrics
+    finally:
+        sys.path.pop(0)
+    records = [{"step": 0, "startup": {"devices": 8}}, {"step": 1, "loss": 6.8, "compile_time": 20.0},
+               {"step": 2, "loss": 5.1, "tokens_per_sec_per_device": 180.0}]
+    fig = plot_metrics.figure({"short": records})
+    throughput = fig.axes[1].get_lines()[0]
+    assert list(throughput.get_xdata()) == [2] and list(throughput.get_ydata()) == [180.0]
+    assert throughput.get_marker() not in (None, "None", "", " ")

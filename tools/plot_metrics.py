@@ -36,7 +36,9 @@ def series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[flo
     return [s for s, _ in points], [v for _, v in points]
 
 
-def plot(runs: dict[str, list[dict[str, Any]]], out: str) -> None:
+def figure(runs: dict[str, list[dict[str, Any]]]) -> Any:
+    """One panel per entry of PANELS, one line per run. Points carry markers: a run that logged throughput once
+    (a short run logs it at its last step only) would otherwise draw an invisible one-point line."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only; no display on training machines
@@ -46,12 +48,19 @@ def plot(runs: dict[str, list[dict[str, Any]]], out: str) -> None:
     for ax, (key, label) in zip(axes, PANELS):
         for name, records in runs.items():
             steps, values = series(records, key)
-            ax.plot(steps, values, label=name)
+            ax.plot(steps, values, label=name, marker="o", markersize=3)
         ax.set_xlabel("step")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
+    return fig
+
+
+def plot(runs: dict[str, list[dict[str, Any]]], out: str) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = figure(runs)
     fig.savefig(out, dpi=100)
     plt.close(fig)
 
