@@ -31,12 +31,27 @@ def check_ranges(cfg: Config) -> Config:
             raise ConfigError(f"{key} must be in [{low:g}, {high:g}{']' if closed else ')'}, got {value}")
     if not cfg.run_name or "/" in cfg.run_name:
         raise ConfigError(f"run_name must be a non-empty name without '/', got {cfg.run_name!r}")
+    _check_data(cfg)
     for axis in MESH_AXES:
         for family in ("ici", "dcn"):
             value = getattr(cfg, knob_name(family, axis))
             if value == 0 or value < -1:
                 raise ConfigError(f"{knob_name(family, axis)} must be a positive size or -1 (fill), got {value}")
     return cfg
+
+
+def _check_data(cfg: Config) -> None:
+    """The data keys that can be judged without reading a file (paths are checked when the input is built)."""
+    if not cfg.text_field:
+        raise ConfigError("text_field must name a field or column, got an empty string")
+    if cfg.dataset_mixture:
+        if cfg.dataset_type == "synthetic":
+            raise ConfigError("dataset_mixture needs real data; dataset_type=synthetic makes its own")
+        if cfg.dataset_path:
+            raise ConfigError("dataset_path and dataset_mixture are both set; set only one (a mixture lists its paths)")
+        from maxshard.data.catalog import parse_mixture  # deferred: config must not import the data package early
+
+        parse_mixture(cfg.dataset_mixture)
 
 
 _POSITIVE_INTS = {

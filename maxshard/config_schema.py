@@ -114,8 +114,12 @@ class Config:
     max_grad_norm: float = 1.0
 
     # ---- data
-    dataset_type: Literal["text", "array_record", "synthetic"] = "text"
+    dataset_type: Literal["text", "jsonl", "parquet", "hf", "array_record", "synthetic"] = "text"
     dataset_path: str = ""
+    dataset_mixture: str = ""
+    text_field: str = "text"
+    hf_split: str = "train"
+    data_cache_dir: str = ""
     tokenizer_path: str = ""
     packing: bool = True
     data_shuffle_seed: int = 0
