@@ -89,18 +89,22 @@ def source_specs(cfg: Config) -> list[SourceSpec]:
     return specs
 
 
-def open_corpus(spec: SourceSpec, cfg: Config, tokenizer_id: str) -> Corpus:
-    """The documents of one source (listing files and reading indexes and footers; no document is read yet)."""
+def open_corpus(spec: SourceSpec, tokenizer_id: str, text_field: str = "text", hf_split: str = "train",
+                cache_dir: str = "") -> Corpus:
+    """The documents of one source (listing files and reading indexes and footers; no document is read yet).
+
+    `text_field`, `hf_split`, `cache_dir`: the config keys of the same names (`data_cache_dir`).
+    """
     from maxshard.data import records, sources  # deferred: records imports grain
 
     if spec.kind == "jsonl":
-        return jsonl.jsonl_corpus(spec.path, cfg.text_field, cfg.data_cache_dir, spec.key)
+        return jsonl.jsonl_corpus(spec.path, text_field, cache_dir, spec.key)
     if spec.kind == "parquet":
-        return parquet.parquet_corpus(spec.path, cfg.text_field, spec.key)
+        return parquet.parquet_corpus(spec.path, text_field, spec.key)
     if spec.kind == "hf":
         from maxshard.data import hf  # deferred: `datasets` is optional
 
-        return hf.hf_corpus(spec.path, cfg.hf_split, cfg.text_field, spec.key)
+        return hf.hf_corpus(spec.path, hf_split, text_field, spec.key)
     if spec.kind == "array_record":
         return records.array_record_corpus(spec.path, tokenizer_id)
     if spec.kind == "text":

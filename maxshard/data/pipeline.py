@@ -178,7 +178,10 @@ class GlobalBatchIterator:
         return self
 
     def __next__(self) -> dict[str, jax.Array]:
-        local = next(self._iter)
+        try:
+            local = next(self._iter)
+        except ConfigError as e:  # grain appends notes about its traceback filtering: keep the one-line message
+            raise ConfigError(str(e).splitlines()[0]) from None
         real = local["segment_ids"] > 0
         self._tokens += np.bincount(local[SOURCE][real].astype(np.int64), minlength=len(self._labels))
         self._skipped += int(local[SKIPPED].sum())
@@ -280,7 +283,7 @@ def make_grain_input(
     specs = catalog.source_specs(cfg)
     streams = []
     for spec in specs:
-        corpus = catalog.open_corpus(spec, cfg, tokenizer.fingerprint())
+        corpus = catalog.open_corpus(spec, tokenizer.fingerprint(), cfg.text_field, cfg.hf_split, cfg.data_cache_dir)
         mine = _indices(corpus, cfg, split, process_index, process_count)
         blocks = None if corpus.blocks is None else corpus.blocks[mine]
         streams.append(SourceStream(corpus.documents, mine, spec.weight, corpus.where, blocks))

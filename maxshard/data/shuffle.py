@@ -48,11 +48,12 @@ class BlockShuffleMapDataset(grain.MapDataset):
     def epoch_order(self, epoch: int) -> np.ndarray:
         """int64 [len]: the indices in epoch `epoch`'s order (the last two epochs are kept: threads straddle one)."""
         with self._lock:
-            if epoch not in self._orders:
-                self._orders[epoch] = self._order(epoch)
+            order = self._orders.get(epoch)
+            if order is None:
+                order = self._orders[epoch] = self._order(epoch)
                 for old in sorted(self._orders)[:-2]:
                     del self._orders[old]
-            return self._orders[epoch]
+            return order
 
     def _order(self, epoch: int) -> np.ndarray:
         rng = np.random.default_rng([self._seed, epoch])
