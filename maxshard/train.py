@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -87,8 +87,10 @@ class StepLogger:
     with its loss and a `compile_time` (time from the loop's start to its end) but no throughput.
     """
 
-    def __init__(self, cfg: Config, writer: metrics.MetricsWriter) -> None:
+    def __init__(self, cfg: Config, writer: metrics.MetricsWriter,
+                 data_stats: Callable[[], dict[str, int]] | None = None) -> None:
         self.cfg, self.writer = cfg, writer
+        self.data_stats = data_stats or dict  # the input iterator's counters (tokens per source, skipped records)
         self.tokens_per_step = cfg.global_batch_size * cfg.max_target_length
         self.flops_per_step = model.flops_per_token(cfg) * self.tokens_per_step
         self.peak = perf.peak_flops(cfg.device_kind)
@@ -127,7 +129,8 @@ class StepLogger:
             print(line + f"{record['compile_time']:.1f}s", flush=True)
             return
         figures = perf.step_perf(self.tokens_per_step, self.flops_per_step, step_time, self.cfg.num_devices, self.peak)
-        record.update({"step_time": step_time, **figures, **self.constants, **(metrics.memory_stats() or {})})
+        record.update({"step_time": step_time, **figures, **self.constants, **(metrics.memory_stats() or {}),
+                       **self.data_stats()})
         self.writer.write(step, record)
         eta = (self.cfg.steps - step) * step_time
         progress = metrics.format_progress(
@@ -194,7 +197,7 @@ def train_loop(
     train_step = trainer.jit_train_step(batch_sharding)
     eval_step = trainer.jit_eval_step(batch_sharding) if cfg.eval_period else None
     profiler = Profiler.from_config(cfg, is_primary=jax.process_index() == 0)
-    deferred, log = metrics.DeferredMetrics(), StepLogger(cfg, writer)
+    deferred, log = metrics.DeferredMetrics(), StepLogger(cfg, writer, getattr(batches, "stats", None))
     for step in range(int(state.step), cfg.steps):
         with profiler.step(step):
             state, step_metrics = train_step(state, next(batches))
