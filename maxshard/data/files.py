@@ -31,7 +31,7 @@ def list_files(dataset_path: str, suffixes: Sequence[str], key: str = "dataset_p
     Raises ConfigError naming `key` when the path does not exist or names no file.
     """
     if is_remote(dataset_path):
-        paths = _list_remote(dataset_path, suffixes)
+        paths = _list_remote(dataset_path, suffixes, key)
     elif has_magic(dataset_path):
         paths = sorted(p for p in glob.glob(dataset_path, recursive=True) if os.path.isfile(p))
     elif os.path.isdir(dataset_path):
@@ -85,7 +85,7 @@ def _walk(root: str, suffixes: tuple[str, ...]) -> list[str]:
     return found
 
 
-def _list_remote(dataset_path: str, suffixes: Sequence[str]) -> list[str]:
+def _list_remote(dataset_path: str, suffixes: Sequence[str], key: str) -> list[str]:
     from etils import epath
 
     if has_magic(dataset_path):
@@ -98,4 +98,4 @@ def _list_remote(dataset_path: str, suffixes: Sequence[str]) -> list[str]:
         return sorted(str(p) for p in path.rglob("*") if p.is_file() and str(p).endswith(tuple(suffixes)))
     if path.exists():
         return [dataset_path]
-    raise ConfigError(f"dataset_path={dataset_path}: no such file or directory")
+    raise ConfigError(f"{key}={dataset_path}: no such file or directory")
