@@ -26,6 +26,28 @@ from data_throughput import measure  # noqa: E402
 from maxshard import config, mesh as mesh_lib  # noqa: E402
 
 
+def step_seconds(argvs: dict[str, Sequence[str]], steps: int, rounds: int, warmup: int = 2
+                 ) -> tuple[dict[str, Runner], dict[str, float]]:
+    """Train-step seconds (median of `rounds`) per named config (synthetic batches), compiled and warmed up first.
+
+    Rounds are interleaved between the configs so a drift of a shared machine hits all alike. Returns the runners
+    (for their configs and tokens per step) and {name: median seconds per step}.
+    """
+    runners: dict[str, Runner] = {}
+    for name, argv in argvs.items():
+        runners[name] = Runner([*argv, "dataset_type=synthetic", "eval_period=0"])
+        runners[name].run(1)  # compile
+        if warmup:
+            runners[name].run(warmup)
+    times: dict[str, list[float]] = {name: [] for name in argvs}
+    for r in range(rounds):
+        for name, runner in runners.items():
+            times[name].append(runner.run(steps))
+        print(f"round {r + 1}/{rounds}: " + ", ".join(f"{n} {t[-1] * 1e3:.0f} ms" for n, t in times.items()),
+              flush=True)
+    return runners, {name: statistics.median(t) for name, t in times.items()}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for both")
@@ -36,24 +58,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sizes = args.batch_sizes.split(",")
     pipeline: dict[str, dict[str, float]] = {}
-    step_cfgs = {}
     for pdbs in sizes:
         cfg = config.load([BASE, *args.overrides, f"per_device_batch_size={pdbs}"], num_devices=8)
         pipeline[pdbs] = measure(cfg, mesh_lib.build(cfg), args.batches)
         print(f"pipeline pdbs={pdbs}: {pipeline[pdbs]['tokens_per_s']:,.0f} tokens/s", flush=True)
-    runners: dict[str, Runner] = {}
-    for pdbs in sizes:
-        runners[pdbs] = Runner([BASE, *args.overrides, "dataset_type=synthetic", "eval_period=0",
-                                f"per_device_batch_size={pdbs}"])
-        runners[pdbs].run(1)  # compile
-        runners[pdbs].run(2)  # warm up
-        step_cfgs[pdbs] = runners[pdbs].cfg
-    times: dict[str, list[float]] = {p: [] for p in sizes}
-    for r in range(args.rounds):
-        for pdbs, runner in runners.items():
-            times[pdbs].append(runner.run(args.steps))
-        print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"pdbs={p} {t[-1] * 1e3:.0f} ms" for p, t in times.items()),
-              flush=True)
+    runners, seconds_of = step_seconds(
+        {p: [BASE, *args.overrides, f"per_device_batch_size={p}"] for p in sizes}, args.steps, args.rounds)
+    step_cfgs = {p: runners[p].cfg for p in sizes}
     c = step_cfgs[sizes[0]]
     print(f"model (base.yml): emb {c.emb_dim}, {c.num_layers} layers, {c.num_heads} heads, mlp {c.mlp_dim}, vocab "
           f"{c.vocab_size}; mesh " + mesh_lib.describe(mesh_lib.build(c))
@@ -61,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("| per_device_batch_size | global batch | pipeline tokens/s | step ms | step tokens/s | pipeline / step |")
     print("|---:|---|---:|---:|---:|---:|")
     for pdbs in sizes:
-        cfg, seconds = step_cfgs[pdbs], statistics.median(times[pdbs])
+        cfg, seconds = step_cfgs[pdbs], seconds_of[pdbs]
         step_tps = runners[pdbs].tokens_per_step / seconds
         pipe_tps = pipeline[pdbs]["tokens_per_s"]
         print(f"| {pdbs} | {cfg.global_batch_size} x {cfg.max_target_length} | {pipe_tps:,.0f} | {seconds * 1e3:.0f} | "

@@ -218,7 +218,35 @@ def _parse_mesh_rules(value: Any, source: str) -> tuple[tuple[str, tuple[tuple[s
     return tuple(rules)
 
 
-_SPECIAL_PARSERS = {"logical_axis_rules": _parse_logical_rules, "mesh_rules": _parse_mesh_rules}
+def _parse_mixture(value: Any, source: str) -> tuple[tuple[str, float], ...]:
+    """`[[source, weight], ...]` -> ((source, weight), ...); weights are positive token shares (normalised later).
+
+    Which reader a source needs (its extension, or `hf:NAME`) is judged by the data package when the input is built.
+    """
+    if isinstance(value, str) and value.strip():  # written as a quoted YAML list
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError:
+            pass
+    if value in ("", None):
+        return ()
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"dataset_mixture must be a list [[source, weight], ...] with weights > 0, got {value!r} "
+                          f"(from {source})")
+    pairs = []
+    for i, item in enumerate(value):
+        if not (isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], str) and item[0]):
+            raise ConfigError(f"dataset_mixture[{i}] must be [source, weight], got {item!r} (from {source})")
+        weight = item[1]
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < math.inf:
+            raise ConfigError(f"dataset_mixture[{i}] ({item[0]}): the weight must be a number > 0, got {weight!r} "
+                              f"(from {source})")
+        pairs.append((item[0], float(weight)))
+    return tuple(pairs)
+
+
+_SPECIAL_PARSERS = {"logical_axis_rules": _parse_logical_rules, "mesh_rules": _parse_mesh_rules,
+                    "dataset_mixture": _parse_mixture}
 
 
 def _parse_override(token: str) -> tuple[str, Any]:
@@ -331,8 +359,11 @@ def resolve_path(path: str) -> str:
 
 
 def resolve_paths(cfg: Config) -> Config:
-    """Every path key (`config_schema.path_keys`) resolved with `resolve_path`."""
-    return dataclasses.replace(cfg, **{key: resolve_path(getattr(cfg, key)) for key in path_keys()})
+    """Every path key (`config_schema.path_keys`) and every mixture source resolved with `resolve_path`
+    (`hf:NAME` sources name a dataset, not necessarily a path, and stay as written)."""
+    mixture = tuple((s if s.startswith("hf:") else resolve_path(s), w) for s, w in cfg.dataset_mixture)
+    return dataclasses.replace(cfg, dataset_mixture=mixture, **{key: resolve_path(getattr(cfg, key))
+                                                                 for key in path_keys()})
 
 
 def _apply_mesh_rules(cfg: Config, detected: str) -> Config:

@@ -31,6 +31,7 @@ def check_ranges(cfg: Config) -> Config:
             raise ConfigError(f"{key} must be in [{low:g}, {high:g}{']' if closed else ')'}, got {value}")
     if not cfg.run_name or "/" in cfg.run_name:
         raise ConfigError(f"run_name must be a non-empty name without '/', got {cfg.run_name!r}")
+    _check_data(cfg)
     for axis in MESH_AXES:
         for family in ("ici", "dcn"):
             value = getattr(cfg, knob_name(family, axis))
@@ -53,6 +54,17 @@ def _check_moe(cfg: Config) -> None:
     for key in ("load_balance_loss_weight", "router_z_loss_weight"):
         if not getattr(cfg, key) >= 0:
             raise ConfigError(f"{key} must be >= 0, got {getattr(cfg, key)}")
+
+
+def _check_data(cfg: Config) -> None:
+    """The data keys that can be judged without reading a file (paths are checked when the input is built)."""
+    if not cfg.text_field:
+        raise ConfigError("text_field must name a field or column, got an empty string")
+    if cfg.dataset_mixture:
+        if cfg.dataset_type == "synthetic":
+            raise ConfigError("dataset_mixture needs real data; dataset_type=synthetic makes its own")
+        if cfg.dataset_path:
+            raise ConfigError("dataset_path and dataset_mixture are both set; set only one (a mixture lists its paths)")
 
 
 _POSITIVE_INTS = {

@@ -29,6 +29,7 @@ RematPolicy = Literal["none", "minimal", "full", "save_qkv_proj", "save_out_proj
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 LogicalRules = tuple[tuple[str, tuple[str, ...]], ...]
 MeshRules = tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]
+Mixture = tuple[tuple[str, float], ...]  # dataset_mixture: (source, weight) pairs
 
 
 class ConfigError(ValueError):
@@ -126,8 +127,12 @@ class Config:
     max_grad_norm: float = 1.0
 
     # ---- data
-    dataset_type: Literal["text", "array_record", "synthetic"] = "text"
+    dataset_type: Literal["text", "jsonl", "parquet", "hf", "array_record", "synthetic"] = "text"
     dataset_path: str = _path()
+    dataset_mixture: Mixture = ()
+    text_field: str = "text"
+    hf_split: str = "train"
+    data_cache_dir: str = _path()
     tokenizer_path: str = _path()
     packing: bool = True
     data_shuffle_seed: int = 0

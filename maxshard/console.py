@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from maxshard import mesh as mesh_lib
@@ -112,8 +112,9 @@ class StepLogger:
     with its loss and a `compile_time` (time from the loop's start to its end) but no throughput.
     """
 
-    def __init__(self, cfg: Config, writer: MetricsWriter) -> None:
+    def __init__(self, cfg: Config, writer: MetricsWriter, data_stats: Callable[[], dict[str, int]] | None = None):
         self.cfg, self.writer = cfg, writer
+        self.data_stats = data_stats or dict  # the input iterator's counters (tokens per source, skipped records)
         self.tokens_per_step = cfg.global_batch_size * cfg.max_target_length
         self.flops_per_step = flops_per_token(cfg.model) * self.tokens_per_step
         self.peak = perf.peak_flops(cfg.device_kind)
@@ -152,7 +153,8 @@ class StepLogger:
 
     def _write(self, step: int, record: dict[str, Any], step_time: float) -> None:
         figures = perf.step_perf(self.tokens_per_step, self.flops_per_step, step_time, self.cfg.num_devices, self.peak)
-        record.update({"step_time": step_time, **figures, **self.constants, **(memory_stats() or {})})
+        record.update({"step_time": step_time, **figures, **self.constants, **(memory_stats() or {}),
+                       **self.data_stats()})
         self.writer.write(step, record)
         eta = (self.cfg.steps - step) * step_time
         progress = format_progress(

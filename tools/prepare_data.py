@@ -1,10 +1,14 @@
-"""Text files -> tokenized ArrayRecord shards that `dataset_type=array_record` reads.
+"""Documents (text files, JSONL, Parquet, a Hugging Face dataset) -> tokenized ArrayRecord shards.
 
-    python tools/prepare_data.py OUT_DIR [--dataset_path DIR_OR_GLOB] [--tokenizer_path M.model] [--shards 4] [--text]
+    python tools/prepare_data.py OUT_DIR [--dataset_type text|jsonl|parquet|hf] [--dataset_path PATH_DIR_OR_GLOB]
+        [--text_field text] [--hf_split train] [--data_cache_dir DIR] [--tokenizer_path M.model] [--shards 4] [--text]
     python -m maxshard.train configs/base.yml dataset_type=array_record dataset_path='OUT_DIR/*.arecord'
 
+The source options mean what the training config keys of the same names mean, and are read by the same readers.
 Tokenizing ahead of time moves the tokenizer's cost out of training. Document i goes to shard i % shards, so
 shards are balanced and the record order is the corpus order. `--text` stores the text itself (the run tokenizes it).
+Bad records (missing field, not a string, invalid UTF-8, empty) are skipped and counted. To mix several sources,
+prepare each into its own directory and list them in `dataset_mixture` (`.arecord` globs are mixture sources).
 `OUT_DIR/maxshard_data.json` records which tokenizer made the ids; a run with another tokenizer refuses the shards.
 """
 
@@ -22,7 +26,8 @@ from array_record.python import array_record_module
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from maxshard.config import ConfigError  # noqa: E402
-from maxshard.data import records, sources, tokenizer as tokenizers  # noqa: E402
+from maxshard.data import catalog, records, tokenizer as tokenizers  # noqa: E402
+from maxshard.data.sources import BadRecord  # noqa: E402
 
 
 class Progress:
@@ -48,37 +53,58 @@ def shard_paths(out_dir: str, shards: int) -> list[str]:
     return [os.path.join(out_dir, f"data-{i:05d}-of-{shards:05d}.arecord") for i in range(shards)]
 
 
-def prepare(dataset_path: str, tokenizer_path: str, out_dir: str, shards: int = 4, as_text: bool = False) -> dict:
+def prepare(dataset_path: str, tokenizer_path: str, out_dir: str, shards: int = 4, as_text: bool = False,
+            dataset_type: str = "text", text_field: str = "text", hf_split: str = "train",
+            data_cache_dir: str = "") -> dict:
     """Writes the shards and `maxshard_data.json`; returns that metadata (documents, tokens, shard paths)."""
-    corpus = sources.text_corpus(dataset_path) if dataset_path else sources.default_corpus()
     tok = tokenizers.load_sentencepiece(tokenizer_path) if tokenizer_path else tokenizers.ByteTokenizer()
+    spec = catalog.SourceSpec(dataset_type, dataset_path, 1.0, "dataset_path", dataset_type)
+    corpus = catalog.open_corpus(spec, tok.fingerprint(), text_field, hf_split, data_cache_dir)
     os.makedirs(out_dir, exist_ok=True)
     paths = shard_paths(out_dir, min(shards, len(corpus)))
     writers = [array_record_module.ArrayRecordWriter(p, "group_size:1") for p in paths]
-    progress, tokens = Progress(len(corpus)), 0
+    progress, tokens, written, skipped = Progress(len(corpus)), 0, 0, 0
     try:
         for i in range(len(corpus)):
             text = corpus.documents[i]
-            ids = tok.encode_array(text)
+            ids = None if isinstance(text, BadRecord) else _encode(tok, text)
+            if ids is None:
+                skipped += 1
+                continue
             tokens += len(ids)
-            writers[i % len(writers)].write(text.encode("utf-8") if as_text else records.encode_tokens(ids))
+            writers[written % len(writers)].write(text.encode("utf-8") if as_text else records.encode_tokens(ids))
+            written += 1
             progress.update(i + 1, tokens)
     finally:
         for w in writers:
             w.close()
     progress.update(len(corpus), tokens, final=True)
     meta = {"tokenizer": tokenizer_path or "byte", "tokenizer_id": tok.fingerprint(), "vocab_size": tok.vocab_size,
-            "records": "text" if as_text else "tokens", "documents": len(corpus), "tokens": tokens,
-            "source": corpus.where, "shards": [os.path.basename(p) for p in paths]}
+            "records": "text" if as_text else "tokens", "documents": written, "skipped_records": skipped,
+            "tokens": tokens, "source": corpus.where, "shards": [os.path.basename(p) for p in paths]}
     with open(os.path.join(out_dir, records.METADATA_FILE), "w", encoding="utf-8") as f:
         json.dump(meta, f, indent=1)
     return meta
 
 
+def _encode(tok, text: str):
+    """int32 ids, or None for text that is not UTF-8 (a lone surrogate from JSON)."""
+    try:
+        return tok.encode_array(text)
+    except UnicodeEncodeError:
+        return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", help="directory for the shards and maxshard_data.json")
-    parser.add_argument("--dataset_path", default="", help='directory or glob of text files ("": stdlib .py files)')
+    parser.add_argument("--dataset_type", default="text", choices=("text", "jsonl", "parquet", "hf"),
+                        help="reader of --dataset_path, as the config key")
+    parser.add_argument("--dataset_path", default="",
+                        help='file, directory or glob (text "": stdlib .py files; hf: saved dataset, files or name)')
+    parser.add_argument("--text_field", default="text", help="jsonl/parquet/hf: the field holding the text")
+    parser.add_argument("--hf_split", default="train", help="hf: the split to read")
+    parser.add_argument("--data_cache_dir", default="", help='where .gz/.zst JSONL is decompressed ("": temp dir)')
     parser.add_argument("--tokenizer_path", default="", help='SentencePiece model ("": byte-level)')
     parser.add_argument("--shards", type=int, default=4, help="number of ArrayRecord files")
     parser.add_argument("--text", action="store_true", help="store text records instead of token ids")
@@ -86,11 +112,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.shards < 1:
         parser.error("--shards must be >= 1")
     try:
-        meta = prepare(args.dataset_path, args.tokenizer_path, args.out_dir, args.shards, args.text)
+        meta = prepare(args.dataset_path, args.tokenizer_path, args.out_dir, args.shards, args.text,
+                       args.dataset_type, args.text_field, args.hf_split, args.data_cache_dir)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {meta['documents']} documents ({meta['tokens']:,} tokens) to {len(meta['shards'])} shards "
+    skipped = f", skipped {meta['skipped_records']} bad records" if meta["skipped_records"] else ""
+    print(f"wrote {meta['documents']} documents ({meta['tokens']:,} tokens{skipped}) to {len(meta['shards'])} shards "
           f"in {args.out_dir}; train with dataset_type=array_record dataset_path='{args.out_dir}/*.arecord'")
     return 0
 

@@ -7,9 +7,12 @@
     loss_weights  float32 1 where the target counts in the loss, 0 for padding and document boundaries
 
 Iterators also have `get_state()` / `set_state()` so a checkpoint can resume the exact batch sequence. States are
-JSON-serializable dicts and per process: each process saves and restores its own.
+JSON-serializable dicts and per process: each process saves and restores its own. `stats()` gives metrics about the
+data delivered so far (tokens per source, skipped bad records).
 
 Modules: `sources` (text files, default corpus, train/eval split, process sharding), `records` (ArrayRecord shards),
+`jsonl`, `parquet`, `hf` (Hugging Face datasets), `files` (listing local and remote paths), `catalog` (which sources a
+config names, mixtures), `shuffle` (block-wise shuffle), `mixture` (token-weighted interleave, bad-record skipping),
 `tokenizer`, `packing` (documents -> rows), `pipeline` (the grain graph and the global-batch iterator), `synthetic`.
 """
 
@@ -34,6 +37,8 @@ class InputIterator(Protocol):
 
     def set_state(self, state: dict[str, Any]) -> None: ...
 
+    def stats(self) -> dict[str, int]: ...
+
 
 def batch_sharding(cfg: Config, mesh: Mesh, batch_size: int | None = None) -> NamedSharding:
     """Sharding of an input batch [batch, length]; errors if the batch does not divide over its mesh axes."""
@@ -47,9 +52,9 @@ def batch_sharding(cfg: Config, mesh: Mesh, batch_size: int | None = None) -> Na
 def make_input(cfg: Config, mesh: Mesh, split: str = "train", batch_size: int | None = None) -> InputIterator:
     """The iterator for `cfg.dataset_type`; `split` is "train" or "eval".
 
-    text / array_record (`pipeline.make_grain_input`): each process reads its share of the split's documents and
-    yields its rows of the global batch; the iterator assembles them into global arrays. Both splits repeat
-    forever; train is reshuffled every epoch (`data_shuffle_seed`), eval keeps corpus order, so a fresh eval
+    text / jsonl / parquet / hf / array_record and `dataset_mixture` (`pipeline.make_grain_input`): each process
+    reads its share of the split's documents of every source and yields its rows of the global batch; the iterator
+    assembles them into global arrays. Both splits repeat forever; train is reshuffled every epoch (`data_shuffle_seed`), eval keeps corpus order, so a fresh eval
     iterator always yields the same batches. Bad paths and files raise ConfigError here or at the first batch.
     """
     batch_size = batch_size or cfg.global_batch_size
@@ -57,7 +62,7 @@ def make_input(cfg: Config, mesh: Mesh, split: str = "train", batch_size: int | 
         seed = cfg.seed if split == "train" else cfg.seed + 1_000_003
         return SyntheticIterator(seed, batch_size, cfg.max_target_length, cfg.vocab_size,
                                  batch_sharding(cfg, mesh, batch_size))
-    if cfg.dataset_type in ("text", "array_record"):
+    if cfg.dataset_type in ("text", "jsonl", "parquet", "hf", "array_record") or cfg.dataset_mixture:
         from maxshard.data import pipeline  # deferred: grain is only needed for real data
 
         return pipeline.make_grain_input(cfg, batch_sharding(cfg, mesh, batch_size), split, batch_size,

@@ -21,9 +21,14 @@ restarting at 0 there, as a new segment). Worked example, length 6, documents A 
             positions    0  1  2  3  0  1                 positions    0  1  2  3  4  ...
 
 `packing: false` puts one document per row instead, truncated to `length` or padded with PAD (segment 0, weight 0).
+
+Features beyond inputs/targets (`extra`: per-token bookkeeping such as which source a token came from) are cut and
+padded (with 0) exactly like the tokens, so they stay aligned with them.
 """
 
 from __future__ import annotations
+
+import functools
 
 import grain
 import numpy as np
@@ -40,13 +45,14 @@ def document_pair(tokens: np.ndarray, bos_id: int, eos_id: int) -> dict[str, np.
     return {"inputs": full[:-1], "targets": full[1:]}
 
 
-def pack(pairs: grain.IterDataset, length: int) -> grain.IterDataset:
+def pack(pairs: grain.IterDataset, length: int, extra: tuple[str, ...] = ()) -> grain.IterDataset:
     """Concatenates document pairs and cuts them into rows of `length` (see the worked example above)."""
-    packed = ConcatThenSplitIterDataset(pairs, length_struct={"inputs": length, "targets": length})
-    return packed.map(_packed_row)
+    features = ("inputs", "targets", *extra)
+    packed = ConcatThenSplitIterDataset(pairs, length_struct={k: length for k in features})
+    return packed.map(functools.partial(_packed_row, extra=extra))
 
 
-def _packed_row(element: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def _packed_row(element: dict[str, np.ndarray], extra: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
     segment_ids = element["inputs_segment_ids"].astype(np.int32)
     return {
         "inputs": element["inputs"],
@@ -54,10 +60,12 @@ def _packed_row(element: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         "segment_ids": segment_ids,
         "positions": element["inputs_positions"].astype(np.int32),
         "loss_weights": (segment_ids > 0).astype(np.float32),
+        **{k: element[k] for k in extra},
     }
 
 
-def pad_to_length(pair: dict[str, np.ndarray], length: int, pad_id: int = 0) -> dict[str, np.ndarray]:
+def pad_to_length(pair: dict[str, np.ndarray], length: int, pad_id: int = 0,
+                  extra: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
     """One document per row: the pair truncated to `length`, or padded with `pad_id` (segment 0, weight 0)."""
     n = min(len(pair["inputs"]), length)
     real = np.arange(length) < n
@@ -67,10 +75,11 @@ def pad_to_length(pair: dict[str, np.ndarray], length: int, pad_id: int = 0) -> 
         "segment_ids": real.astype(np.int32),
         "positions": np.where(real, np.arange(length), 0).astype(np.int32),
         "loss_weights": real.astype(np.float32),
+        **{k: _fit(pair[k], length, 0, pair[k].dtype) for k in extra},
     }
 
 
-def _fit(x: np.ndarray, length: int, pad_id: int) -> np.ndarray:
-    out = np.full(length, pad_id, np.int32)
+def _fit(x: np.ndarray, length: int, pad_id: int, dtype: np.dtype = np.int32) -> np.ndarray:
+    out = np.full(length, pad_id, dtype)
     out[: min(len(x), length)] = x[:length]
     return out

@@ -1,8 +1,12 @@
 """The grain pipeline: documents -> tokens -> packed rows -> local batches -> global jax.Arrays.
 
-    split + shard (indices)  ->  MapDataset: shuffle(seed) . repeat()  .  read + tokenize
-        ->  IterDataset: pack (or pad) . batch(local rows)  ->  prefetch (thread, or `grain_worker_count` processes)
-        ->  GlobalBatchIterator: jax.make_array_from_process_local_data
+    per source: split + shard (indices)  ->  MapDataset: shuffle(seed) . repeat()  .  read + tokenize
+        ->  IterDataset: mix sources by token weight, drop bad records (`mixture`)  .  pack (or pad)
+        .  batch(local rows)  ->  prefetch (thread, or `grain_worker_count` processes)
+        ->  GlobalBatchIterator: jax.make_array_from_process_local_data, per-source token and skip counters
+
+A single source is a mixture of one. Sources whose documents are read a block at a time (Parquet row groups) are
+shuffled block-wise (`shuffle.BlockShuffleMapDataset`) instead of globally.
 
 Shuffling and repeating happen on document indices in a MapDataset, where grain derives each epoch's order from
 the seed and the epoch number, so the stream is a pure function of (config, process) and an iterator state is small:
@@ -35,10 +39,15 @@ from grain.experimental import ThreadPrefetchIterDataset
 from jax.sharding import NamedSharding
 
 from maxshard.config import Config, ConfigError
-from maxshard.data import packing, records, sources
+from maxshard.data import catalog, packing, sources
+from maxshard.data.mixture import SKIPPED, SOURCE, TokenMixIterDataset
+from maxshard.data.shuffle import BlockShuffleMapDataset
+from maxshard.data.sources import BadRecord
 from maxshard.data.tokenizer import Tokenizer, make_tokenizer
 
-__all__ = ["PipelineOptions", "local_batches", "GlobalBatchIterator", "load_corpus", "make_grain_input"]
+__all__ = ["PipelineOptions", "SourceStream", "local_batches", "mixed_batches", "GlobalBatchIterator",
+           "make_grain_input"]
+_STATE_FORMAT = 2  # 2: sources mixed by TokenMixIterDataset, counters in the state
 
 _READ_THREADS = 2  # documents read and tokenized in parallel inside one process (the machine may have 2 cores)
 _READ_BUFFER = 32  # documents read ahead of packing
@@ -57,31 +66,55 @@ class PipelineOptions:
 
 
 @dataclasses.dataclass(frozen=True)
-class _LoadPair:
-    """Document index -> {inputs, targets} of that document (picklable: runs in grain workers)."""
+class SourceStream:
+    """One source as this process reads it: its documents, its share of their indices, its weight."""
 
-    documents: Sequence[str | np.ndarray]
+    documents: Sequence[str | np.ndarray | BadRecord]
+    indices: np.ndarray  # int64: this process's documents of the split
+    weight: float = 1.0
+    name: str = "documents"  # for messages
+    blocks: np.ndarray | None = None  # block of each of `indices` (None: shuffle globally)
+
+
+@dataclasses.dataclass(frozen=True)
+class _LoadPair:
+    """Document index -> {inputs, targets} of that document, or its BadRecord (picklable: runs in grain workers)."""
+
+    documents: Sequence[str | np.ndarray | BadRecord]
     tokenizer: Tokenizer
 
-    def __call__(self, index: int) -> dict[str, np.ndarray]:
+    def __call__(self, index: int) -> dict[str, np.ndarray] | BadRecord:
         document = self.documents[int(index)]
-        tokens = document if isinstance(document, np.ndarray) else self.tokenizer.encode_array(document)
+        if isinstance(document, BadRecord):
+            return document
+        if isinstance(document, np.ndarray):
+            tokens = document
+        else:
+            try:
+                tokens = self.tokenizer.encode_array(document)
+            except UnicodeEncodeError:  # a lone surrogate ("\ud800" in JSON) is no UTF-8 text
+                return BadRecord("invalid UTF-8", f"document {int(index)}")
         return packing.document_pair(tokens, self.tokenizer.bos_id, self.tokenizer.eos_id)
 
 
 def local_batches(
     documents: Sequence[str | np.ndarray], indices: np.ndarray, tokenizer: Tokenizer, opts: PipelineOptions
 ) -> grain.IterDataset:
-    """An endless IterDataset of this process's batches: {field: [local_batch, length]} numpy arrays."""
-    ds = grain.MapDataset.source(np.asarray(indices, np.int64))
-    if opts.shuffle_seed is not None:
-        ds = ds.shuffle(seed=opts.shuffle_seed)
-    ds = ds.repeat(None).map(_LoadPair(documents, tokenizer))
-    pairs = ds.to_iter_dataset(grain.ReadOptions(num_threads=_READ_THREADS, prefetch_buffer_size=_READ_BUFFER))
+    """An endless IterDataset of this process's batches of one source: {field: [local_batch, length]} arrays."""
+    return mixed_batches([SourceStream(documents, np.asarray(indices, np.int64))], tokenizer, opts)
+
+
+def mixed_batches(streams: Sequence[SourceStream], tokenizer: Tokenizer, opts: PipelineOptions) -> grain.IterDataset:
+    """An endless IterDataset of batches of several sources mixed by token weight; rows also carry SOURCE/SKIPPED."""
+    parents = [_source_pairs(s, tokenizer, _source_seed(opts.shuffle_seed, i)) for i, s in enumerate(streams)]
+    pairs = TokenMixIterDataset(parents, [s.weight for s in streams], [len(s.indices) for s in streams],
+                                [s.name for s in streams], token_cap=None if opts.packing else opts.length)
+    extra = (SOURCE, SKIPPED)
     if opts.packing:
-        rows = packing.pack(pairs, opts.length)
+        rows = packing.pack(pairs, opts.length, extra)
     else:
-        rows = pairs.map(functools.partial(packing.pad_to_length, length=opts.length, pad_id=tokenizer.pad_id))
+        rows = pairs.map(functools.partial(packing.pad_to_length, length=opts.length, pad_id=tokenizer.pad_id,
+                                           extra=extra))
     batches = rows.batch(opts.local_batch, drop_remainder=True)
     if opts.worker_count > 0:
         _absl_flags_parsed()
@@ -93,6 +126,23 @@ def local_batches(
     return batches
 
 
+def _source_pairs(stream: SourceStream, tokenizer: Tokenizer, seed: int | None) -> grain.IterDataset:
+    """One source's endless stream of document pairs (or BadRecords), read ahead by a few threads."""
+    if seed is None:
+        ds = grain.MapDataset.source(stream.indices)
+    elif stream.blocks is None:
+        ds = grain.MapDataset.source(stream.indices).shuffle(seed=seed)
+    else:
+        ds = BlockShuffleMapDataset(stream.indices, stream.blocks, seed)
+    ds = ds.repeat(None).map(_LoadPair(stream.documents, tokenizer))
+    return ds.to_iter_dataset(grain.ReadOptions(num_threads=_READ_THREADS, prefetch_buffer_size=_READ_BUFFER))
+
+
+def _source_seed(seed: int | None, source: int) -> int | None:
+    """Each source its own shuffle seed; source 0 keeps `data_shuffle_seed` itself."""
+    return None if seed is None else (seed + source * 0x9E3779B1) % 2**32
+
+
 def _absl_flags_parsed() -> None:
     """grain's worker processes read absl flags; a program that never called absl.app has not parsed them."""
     if not flags.FLAGS.is_parsed():
@@ -100,12 +150,21 @@ def _absl_flags_parsed() -> None:
 
 
 class GlobalBatchIterator:
-    """Local numpy batches -> global jax.Arrays in `sharding`; get_state/set_state give JSON-able resume points."""
+    """Local numpy batches -> global jax.Arrays in `sharding`; get_state/set_state give JSON-able resume points.
 
-    def __init__(self, batches: grain.IterDataset, sharding: NamedSharding, identity: dict[str, Any]) -> None:
+    It also counts, for the rows it has delivered, the tokens taken from each source (`labels`) and the bad records
+    skipped to fill them: `stats()`. The counts are this process's own (each process reads its own documents) and
+    are saved with the position, so a resumed run continues them.
+    """
+
+    def __init__(self, batches: grain.IterDataset, sharding: NamedSharding, identity: dict[str, Any],
+                 labels: Sequence[str] = ("documents",)) -> None:
         self._held = [iter(batches)]  # the grain iterator; a list so that closing can drop it
         self._sharding = sharding
-        self._identity = identity
+        self._identity = {**identity, "format": _STATE_FORMAT}
+        self._labels = list(labels)
+        self._tokens = np.zeros(len(self._labels), np.int64)  # tokens per source in delivered rows
+        self._skipped = 0  # bad records dropped to fill the delivered rows
         # Close and drop grain's iterators before interpreter shutdown tears down the modules their __del__ uses.
         self._finalizer = weakref.finalize(self, _close, self._held)
 
@@ -119,13 +178,25 @@ class GlobalBatchIterator:
         return self
 
     def __next__(self) -> dict[str, jax.Array]:
-        local = next(self._iter)
+        try:
+            local = next(self._iter)
+        except ConfigError as e:  # grain appends notes about its traceback filtering: keep the one-line message
+            raise ConfigError(str(e).splitlines()[0]) from None
+        real = local["segment_ids"] > 0
+        self._tokens += np.bincount(local[SOURCE][real].astype(np.int64), minlength=len(self._labels))
+        self._skipped += int(local[SKIPPED].sum())
         # Copy: from workers the rows arrive in shared memory, which a CPU jax.Array would alias and keep alive.
         return {k: jax.make_array_from_process_local_data(self._sharding, np.array(local[k])) for k in packing.FIELDS}
 
+    def stats(self) -> dict[str, int]:
+        """Metrics: `data/tokens/<source>` (tokens delivered so far) and `data/skipped_records`, this process."""
+        counts = {f"data/tokens/{label}": int(n) for label, n in zip(self._labels, self._tokens)}
+        return {**counts, "data/skipped_records": self._skipped}
+
     def get_state(self) -> dict[str, Any]:
         """This process's position; each process saves its own (they read different documents)."""
-        return {"identity": dict(self._identity), "grain": _to_json(self._iter.get_state())}
+        return {"identity": dict(self._identity), "grain": _to_json(self._iter.get_state()),
+                "stats": {"tokens": self._tokens.tolist(), "skipped": self._skipped}}
 
     def set_state(self, state: dict[str, Any]) -> None:
         saved = state.get("identity", {})
@@ -134,6 +205,8 @@ class GlobalBatchIterator:
             diffs = ", ".join(f"{k}: {saved.get(k)!r} -> {self._identity.get(k)!r}" for k in changed)
             raise ConfigError(f"the data iterator state was saved by a different input pipeline ({diffs})")
         self._iter.set_state(_from_json(state["grain"]))
+        self._tokens = np.asarray(state["stats"]["tokens"], np.int64)
+        self._skipped = int(state["stats"]["skipped"])
 
     def close(self) -> None:
         """Stops worker processes and prefetch threads (also done on garbage collection and at exit)."""
@@ -174,13 +247,6 @@ def _from_json(x: Any) -> Any:
 # --------------------------------------------------------------------------------------------- from a config
 
 
-def load_corpus(cfg: Config, tokenizer: Tokenizer) -> sources.Corpus:
-    """The documents `dataset_type` and `dataset_path` name."""
-    if cfg.dataset_type == "array_record":
-        return records.array_record_corpus(cfg.dataset_path, tokenizer.fingerprint())
-    return sources.text_corpus(cfg.dataset_path) if cfg.dataset_path else sources.default_corpus()
-
-
 def _check_keys(cfg: Config, split: str, batch_size: int, process_count: int) -> None:
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
@@ -211,11 +277,16 @@ def _indices(corpus: sources.Corpus, cfg: Config, split: str, process_index: int
 def make_grain_input(
     cfg: Config, sharding: NamedSharding, split: str, batch_size: int, process_index: int, process_count: int
 ) -> GlobalBatchIterator:
-    """The text / array_record iterator of `maxshard.data.make_input`."""
+    """The iterator of `maxshard.data.make_input` for every real-data source and for mixtures."""
     _check_keys(cfg, split, batch_size, process_count)
     tokenizer = make_tokenizer(cfg)
-    corpus = load_corpus(cfg, tokenizer)
-    indices = _indices(corpus, cfg, split, process_index, process_count)
+    specs = catalog.source_specs(cfg)
+    streams = []
+    for spec in specs:
+        corpus = catalog.open_corpus(spec, tokenizer.fingerprint(), cfg.text_field, cfg.hf_split, cfg.data_cache_dir)
+        mine = _indices(corpus, cfg, split, process_index, process_count)
+        blocks = None if corpus.blocks is None else corpus.blocks[mine]
+        streams.append(SourceStream(corpus.documents, mine, spec.weight, corpus.where, blocks))
     opts = PipelineOptions(
         length=cfg.max_target_length,
         local_batch=batch_size // process_count,
@@ -224,7 +295,9 @@ def make_grain_input(
         worker_count=cfg.grain_worker_count,
         prefetch=cfg.grain_prefetch,
     )
-    identity = {"where": corpus.where, "split": split, "documents": int(len(indices)), "tokenizer":
-                tokenizer.fingerprint(), "process": f"{process_index}/{process_count}", **dataclasses.asdict(opts)}
+    identity = {"where": [s.name for s in streams], "weights": [s.weight for s in streams], "split": split,
+                "documents": [int(len(s.indices)) for s in streams], "tokenizer": tokenizer.fingerprint(),
+                "text_field": cfg.text_field, "process": f"{process_index}/{process_count}",
+                **dataclasses.asdict(opts)}
     del identity["prefetch"]  # prefetching depth does not change the stream
-    return GlobalBatchIterator(local_batches(corpus.documents, indices, tokenizer, opts), sharding, identity)
+    return GlobalBatchIterator(mixed_batches(streams, tokenizer, opts), sharding, identity, [s.label for s in specs])

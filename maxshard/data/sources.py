@@ -25,12 +25,14 @@ import numpy as np
 from maxshard.config import ConfigError
 
 __all__ = [
+    "BadRecord",
     "Corpus",
     "TextDocuments",
     "default_corpus",
     "text_corpus",
     "name_keys",
     "index_keys",
+    "row_keys",
     "split_indices",
     "shard_indices",
 ]
@@ -40,12 +42,31 @@ _SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 
 
 @dataclasses.dataclass(frozen=True)
-class Corpus:
-    """Random-access documents (str or int32 token arrays) and one uint64 split key per document."""
+class BadRecord:
+    """A record that is not a usable document (missing field, not a string, invalid UTF-8, empty).
 
-    documents: Sequence[str | np.ndarray]
+    Readers of JSONL, Parquet and Hugging Face data return it instead of raising: one bad line in a billion must not
+    stop a run. The pipeline drops it and counts it (`data/skipped_records`).
+    """
+
+    reason: str  # short and fixed ("missing field", "not a string", ...), so it can be counted by kind
+    where: str  # file and record number, for the log
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    """Random-access documents and one uint64 split key per document.
+
+    A document is text, int32 token ids, or a `BadRecord`. `blocks` (int64 [documents], nondecreasing) groups
+    documents that are cheap to read together (a Parquet row group): shuffling then keeps each block's documents
+    near each other in the stream so a reader decodes a block once, not once per document. None: every document is
+    cheap to read alone.
+    """
+
+    documents: Sequence[str | np.ndarray | BadRecord]
     keys: np.ndarray  # uint64 [documents]
     where: str  # "dataset_path=..." for messages
+    blocks: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.documents)
@@ -165,8 +186,21 @@ def name_keys(names: Sequence[str]) -> np.ndarray:
 
 def index_keys(count: int) -> np.ndarray:
     """uint64 [count]: splitmix64 of the record number, vectorized (shards hold millions of records)."""
-    z = np.arange(count, dtype=np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+    return _splitmix64(np.arange(count, dtype=np.uint64))
+
+
+def row_keys(name: str, count: int) -> np.ndarray:
+    """uint64 [count]: keys of the rows (lines, records) of one named file: its name's hash plus the row number.
+
+    A row keeps its split side when other files are added or removed; only rewriting its own file moves it.
+    """
     with np.errstate(over="ignore"):
+        return _splitmix64(name_keys([name])[0] + np.arange(count, dtype=np.uint64))
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        z = x + np.uint64(0x9E3779B97F4A7C15)
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return z ^ (z >> np.uint64(31))

@@ -42,6 +42,10 @@ class SyntheticIterator:
     def set_state(self, state: dict[str, Any]) -> None:
         self._step = int(state["step"])
 
+    def stats(self) -> dict[str, int]:
+        """No data metrics: nothing is read."""
+        return {}
+
 
 def _progressions(key: jax.Array, batch: int, length: int, period: int) -> dict[str, jax.Array]:
     start_key, stride_key = jax.random.split(key)

@@ -1,0 +1,243 @@
+"""JSON Lines documents: one JSON object per line, the text in `text_field`; plain, `.gz` or `.zst`; local or remote.
+
+Random access comes from an index of where each line starts: one int64 per line, found by one sequential numpy pass
+over the bytes (a 10 M-line corpus costs 80 MB of index). A plain local file is then read where it lies, one
+`os.pread` per document, so documents can be shuffled freely.
+
+Compressed and remote files cannot be read at an offset cheaply: gzip and zstd streams can only be decoded from their
+start. They are therefore decompressed (or copied) once, streaming, into `cache_dir` and read from there like plain
+files. Why not keep them in memory: a corpus is often larger than RAM, while local disk is cheap; why not decode from
+the start for each document: that is quadratic. The cache entry is named by a hash of the source's path, size and
+modification time, written under a temporary name and renamed, so concurrent processes and later runs reuse it safely.
+
+Every line is a record (its line number, counted from 0, names it in the split hash and in messages). A line that is
+blank, not JSON, not an object, lacks `text_field`, holds a non-string or an empty string there, or is not UTF-8 is a
+`BadRecord`: skipped and counted, never a crash.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import shutil
+import threading
+from collections.abc import Sequence
+from typing import IO, Any
+
+import numpy as np
+
+from maxshard.config import ConfigError
+from maxshard.data import files
+from maxshard.data.sources import BadRecord, Corpus, row_keys
+
+__all__ = ["SUFFIXES", "JsonlDocuments", "jsonl_corpus", "parse_record", "line_bounds"]
+
+SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".ndjson", ".ndjson.gz", ".ndjson.zst")
+_CHUNK_BYTES = 16 << 20  # read/scan granularity: bounded memory whatever the file size
+_SAMPLE_LINES_PER_FILE = 8  # lines per file looked at before the first batch, to catch a wrong text_field
+_SAMPLE_LINES = 256
+
+
+def parse_record(line: bytes, text_field: str, where: str) -> str | BadRecord:
+    """One line -> its text, or a BadRecord saying why not."""
+    line = line.rstrip(b"\r\n")
+    if not line.strip():
+        return BadRecord("empty line", where)
+    try:
+        record = json.loads(line)
+    except UnicodeDecodeError:
+        return BadRecord("invalid UTF-8", where)
+    except ValueError:
+        return BadRecord("invalid JSON", where)
+    if not isinstance(record, dict):
+        return BadRecord("not an object", where)
+    if text_field not in record:
+        return BadRecord("missing field", where)
+    text = record[text_field]
+    if not isinstance(text, str):
+        return BadRecord("not a string", where)
+    return text if text else BadRecord("empty text", where)
+
+
+def line_bounds(path: str) -> np.ndarray:
+    """int64 [lines + 1]: byte offset where each line starts, then the file size (a final newline adds no line)."""
+    starts = [np.zeros(1, np.int64)]
+    offset = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK_BYTES):
+            newlines = np.flatnonzero(np.frombuffer(chunk, np.uint8) == 10)
+            starts.append(newlines.astype(np.int64) + (offset + 1))
+            offset += len(chunk)
+    bounds = np.concatenate([*starts, np.array([offset], np.int64)])
+    if len(bounds) >= 2 and bounds[-2] == offset:  # the last "line" would start at the end: no such line
+        bounds = bounds[:-1]
+    return bounds
+
+
+class JsonlDocuments(Sequence):
+    """Plain local JSONL files as one sequence of records; file descriptors open lazily (again in each worker)."""
+
+    def __init__(self, paths: Sequence[str], names: Sequence[str], bounds: Sequence[np.ndarray], text_field: str):
+        self.paths, self.names, self.text_field = tuple(paths), tuple(names), text_field
+        self._bounds = list(bounds)
+        self._ends = np.cumsum([len(b) - 1 for b in bounds]).astype(np.int64)
+        self._fds: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return int(self._ends[-1]) if len(self._ends) else 0
+
+    def __getitem__(self, index: int) -> str | BadRecord:  # type: ignore[override]
+        return parse_record(self.raw(index), self.text_field, self.where(index))
+
+    def raw(self, index: int) -> bytes:
+        """The bytes of line `index` (with its newline)."""
+        file, line = self._locate(index)
+        start, end = int(self._bounds[file][line]), int(self._bounds[file][line + 1])
+        return os.pread(self._fd(file), end - start, start)
+
+    def where(self, index: int) -> str:
+        file, line = self._locate(index)
+        return f"{self.names[file]} line {line + 1}"
+
+    def sample(self, per_file: int, total: int) -> list[int]:
+        """Indices of the first `per_file` lines of each file, at most `total` in all."""
+        chosen: list[int] = []
+        first = 0
+        for end in self._ends.tolist():
+            chosen += range(first, min(first + per_file, end))
+            first = end
+            if len(chosen) >= total:
+                break
+        return chosen[:total]
+
+    def _locate(self, index: int) -> tuple[int, int]:
+        file = int(np.searchsorted(self._ends, index, side="right"))
+        return file, index - (int(self._ends[file - 1]) if file else 0)
+
+    def _fd(self, file: int) -> int:
+        with self._lock:
+            if file not in self._fds:
+                self._fds[file] = os.open(self.paths[file], os.O_RDONLY)
+            return self._fds[file]
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_fds"], state["_lock"] = {}, None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def __del__(self) -> None:
+        for fd in getattr(self, "_fds", {}).values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def jsonl_corpus(dataset_path: str, text_field: str, cache_dir: str, key: str = "dataset_path") -> Corpus:
+    """Every JSONL file `dataset_path` names (a file, a directory's `*.jsonl[.gz|.zst]`, a glob), sorted."""
+    sources = files.list_files(dataset_path, SUFFIXES, key)
+    local = [_plain_local_copy(p, cache_dir, key) for p in sources]
+    names = [files.relative_name(p, dataset_path) for p in sources]
+    bounds = [line_bounds(p) for p in local]
+    documents = JsonlDocuments(local, names, bounds, text_field)
+    if len(documents) == 0:
+        raise ConfigError(f"{key}={dataset_path}: the files hold no lines (empty corpus)")
+    _check_text_field(documents, text_field, f"{key}={dataset_path}")
+    keys = np.concatenate([row_keys(n, len(b) - 1) for n, b in zip(names, bounds)])
+    return Corpus(documents, keys, f"{key}={dataset_path}")
+
+
+def _check_text_field(documents: JsonlDocuments, text_field: str, where: str) -> None:
+    """ConfigError when the first lines of the files hold JSON objects but none has `text_field` (a wrong name)."""
+    fields: set[str] = set()
+    for index in documents.sample(_SAMPLE_LINES_PER_FILE, _SAMPLE_LINES):
+        try:
+            record = json.loads(documents.raw(index))
+        except ValueError:  # invalid JSON or UTF-8: a bad record, counted later
+            continue
+        if isinstance(record, dict):
+            if text_field in record:
+                return
+            fields.update(record)
+    if fields:
+        shown = ", ".join(sorted(fields)[:12])
+        raise ConfigError(f"text_field={text_field}: no record of {where} has that field "
+                          f"(fields of its first records: {shown})")
+
+
+# --------------------------------------------------------------------------------------------- compressed, remote
+
+
+def _plain_local_copy(path: str, cache_dir: str, key: str) -> str:
+    """`path` itself when it is a plain local file, else its decompressed local copy in `cache_dir`."""
+    compression = _compression(path)
+    if not compression and not files.is_remote(path):
+        return path
+    target = os.path.join(_cache_root(cache_dir), f"{_fingerprint(path)}-{_plain_name(path)}")
+    if os.path.isfile(target):
+        return target
+    tmp = f"{target}.tmp-{os.getpid()}-{threading.get_ident()}"
+    try:
+        with files.open_binary(path) as raw, open(tmp, "wb") as out:
+            shutil.copyfileobj(_decompressed(raw, compression), out, _CHUNK_BYTES)
+        os.replace(tmp, target)
+    except Exception as e:  # noqa: BLE001 - OSError, EOFError, gzip.BadGzipFile, zstandard.ZstdError: a bad file
+        _remove(tmp)
+        raise ConfigError(f"{key}: cannot read {path} ({type(e).__name__}: {e})") from None
+    return target
+
+
+def _compression(path: str) -> str:
+    return ".gz" if path.endswith(".gz") else ".zst" if path.endswith(".zst") else ""
+
+
+def _decompressed(raw: IO[bytes], compression: str) -> IO[bytes]:
+    if compression == ".gz":
+        return gzip.GzipFile(fileobj=raw)
+    if compression == ".zst":
+        import zstandard  # deferred: only .zst files need it
+
+        return zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
+    return raw
+
+
+def _cache_root(cache_dir: str) -> str:
+    import tempfile
+
+    root = cache_dir or os.path.join(tempfile.gettempdir(), "maxshard-data-cache")
+    os.makedirs(root, exist_ok=True)
+    return root
+
+
+def _fingerprint(path: str) -> str:
+    """Path, size and modification time: a changed source gets a new cache entry."""
+    if files.is_remote(path):
+        from etils import epath
+
+        stat = epath.Path(path).stat()
+        size, mtime = stat.length, stat.mtime
+    else:
+        stat = os.stat(path)
+        size, mtime = stat.st_size, stat.st_mtime_ns
+    where = path if files.is_remote(path) else os.path.abspath(path)
+    return hashlib.sha256(f"{where}|{size}|{mtime}".encode()).hexdigest()[:16]
+
+
+def _plain_name(path: str) -> str:
+    name = path.rstrip("/").rsplit("/", 1)[-1]
+    compression = _compression(name)
+    return name[: -len(compression)] if compression else name
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass

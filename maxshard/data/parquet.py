@@ -1,0 +1,137 @@
+"""Parquet documents: the `text_field` column of every row, read one row group at a time.
+
+A document index maps to (file, row group, row). Reading a document decodes only its row group's text column
+(`ParquetFile.read_row_group(i, columns=[text_field])`), and the reader keeps the last few decoded row groups, so a
+shard is never held in memory whole. For that cache to hit, the pipeline shuffles Parquet documents block-wise
+(`maxshard.data.shuffle`): each row group is one block of the corpus (`Corpus.blocks`).
+
+Startup reads only the files' footers (row counts and schemas). A row whose field is null, not a string (or bytes
+that are not UTF-8), or empty is a `BadRecord`; so is every row of a file that lacks the column. Only when no file
+has the column at all is it a ConfigError (a wrong `text_field`), before the first batch.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from maxshard.config import ConfigError
+from maxshard.data import files
+from maxshard.data.sources import BadRecord, Corpus, row_keys
+
+__all__ = ["SUFFIXES", "ParquetDocuments", "parquet_corpus"]
+
+SUFFIXES = (".parquet", ".pq")
+_CACHED_ROW_GROUPS = 4  # decoded row groups kept per reader: the block being read, the next one, read-ahead threads
+_TEXT_TYPES = ("string", "large_string", "string_view", "binary", "large_binary", "binary_view")
+
+
+class ParquetDocuments(Sequence):
+    """The rows of several Parquet files as one sequence; decoded row groups are cached per process."""
+
+    def __init__(self, paths: Sequence[str], names: Sequence[str], rows: Sequence[Sequence[int]], text_field: str):
+        """`rows[f][g]`: the number of rows of row group g of file f."""
+        self.paths, self.names, self.text_field = tuple(paths), tuple(names), text_field
+        self._groups = [(f, g) for f, counts in enumerate(rows) for g in range(len(counts))]  # (file, row group)
+        self._ends = np.cumsum([n for counts in rows for n in counts]).astype(np.int64)
+        self._cache: collections.OrderedDict[int, Any] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return int(self._ends[-1]) if len(self._ends) else 0
+
+    def blocks(self) -> np.ndarray:
+        """int64 [rows]: the row group of every row (numbered over all files)."""
+        sizes = np.diff(np.concatenate([[0], self._ends]))
+        return np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
+
+    def __getitem__(self, index: int) -> str | BadRecord:  # type: ignore[override]
+        group = int(np.searchsorted(self._ends, index, side="right"))
+        row = index - (int(self._ends[group - 1]) if group else 0)
+        column = self._row_group(group)
+        file, number = self._groups[group]
+        where = f"{self.names[file]} row group {number} row {row}"
+        if column is None or not column[row].is_valid:
+            return BadRecord("missing field", where)
+        return _text(column[row].as_py(), where)
+
+    def _row_group(self, group: int) -> Any:
+        """The decoded text column of one row group (None: the file has no such column); LRU-cached."""
+        with self._lock:
+            if group in self._cache:
+                self._cache.move_to_end(group)
+                return self._cache[group]
+            file, number = self._groups[group]
+            column = _read_column(self.paths[file], number, self.text_field)
+            self._cache[group] = column
+            while len(self._cache) > _CACHED_ROW_GROUPS:
+                self._cache.popitem(last=False)
+            return column
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_cache"], state["_lock"] = collections.OrderedDict(), None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+
+def _text(value: Any, where: str) -> str | BadRecord:
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError:
+            return BadRecord("invalid UTF-8", where)
+    if not isinstance(value, str):
+        return BadRecord("not a string", where)
+    return value if value else BadRecord("empty text", where)
+
+
+def _open(path: str) -> Any:
+    import pyarrow.parquet as pq  # deferred: only Parquet corpora need pyarrow
+
+    return pq.ParquetFile(files.open_binary(path) if files.is_remote(path) else path)
+
+
+def _read_column(path: str, row_group: int, text_field: str) -> Any:
+    parquet_file = _open(path)
+    if text_field not in parquet_file.schema_arrow.names:
+        return None
+    table = parquet_file.read_row_group(row_group, columns=[text_field])
+    return table.column(0).combine_chunks()
+
+
+def parquet_corpus(dataset_path: str, text_field: str, key: str = "dataset_path") -> Corpus:
+    """Every Parquet file `dataset_path` names (a file, a directory's `*.parquet`, a glob), sorted; footers only."""
+    paths = files.list_files(dataset_path, SUFFIXES, key)
+    rows: list[list[int]] = []
+    kinds: dict[str, str] = {}  # file -> type of its text_field column, for files that have one
+    first_columns = ""
+    for path in paths:
+        try:
+            parquet_file = _open(path)
+            metadata, schema = parquet_file.metadata, parquet_file.schema_arrow
+        except Exception as e:  # noqa: BLE001 - pyarrow raises ArrowInvalid, OSError, ...: not a Parquet file
+            raise ConfigError(f"{key}: {path} is not a readable Parquet file ({type(e).__name__}: {e})") from None
+        rows.append([metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)])
+        if text_field in schema.names:
+            kinds[path] = str(schema.field(text_field).type)
+        first_columns = first_columns or ", ".join(schema.names[:12])
+    where = f"{key}={dataset_path}"
+    if not kinds:
+        raise ConfigError(f"text_field={text_field}: no file of {where} has that column (columns: {first_columns})")
+    if not any(kind in _TEXT_TYPES for kind in kinds.values()):
+        path, kind = next(iter(kinds.items()))
+        raise ConfigError(f"text_field={text_field}: the column is {kind} in {path}, not a string column")
+    names = [files.relative_name(p, dataset_path) for p in paths]
+    documents = ParquetDocuments(paths, names, rows, text_field)
+    if len(documents) == 0:
+        raise ConfigError(f"{where}: the files hold no rows (empty corpus)")
+    keys = np.concatenate([row_keys(n, sum(r)) for n, r in zip(names, rows)])
+    return Corpus(documents, keys, where, blocks=documents.blocks())
