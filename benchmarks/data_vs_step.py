@@ -18,12 +18,11 @@ import statistics
 import sys
 from collections.abc import Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # first: 8 simulated CPU devices before any device query; the repo on sys.path
+from data_throughput import measure
+from layouts import Runner
 
-from layouts import BASE, Runner  # noqa: E402  (sets 8 CPU devices before any device query)
-
-from data_throughput import measure  # noqa: E402
-from maxshard import config, mesh as mesh_lib  # noqa: E402
+from maxshard import mesh as mesh_lib
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -38,13 +37,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     pipeline: dict[str, dict[str, float]] = {}
     step_cfgs = {}
     for pdbs in sizes:
-        cfg = config.load([BASE, *args.overrides, f"per_device_batch_size={pdbs}"], num_devices=8)
+        cfg = common.load([common.BASE, *args.overrides, f"per_device_batch_size={pdbs}"])
         pipeline[pdbs] = measure(cfg, mesh_lib.build(cfg), args.batches)
         print(f"pipeline pdbs={pdbs}: {pipeline[pdbs]['tokens_per_s']:,.0f} tokens/s", flush=True)
     runners: dict[str, Runner] = {}
     for pdbs in sizes:
-        runners[pdbs] = Runner([BASE, *args.overrides, "dataset_type=synthetic", "eval_period=0",
-                                f"per_device_batch_size={pdbs}"])
+        runners[pdbs] = Runner([common.BASE, *args.overrides, *common.STEP_ONLY, f"per_device_batch_size={pdbs}"])
         runners[pdbs].run(1)  # compile
         runners[pdbs].run(2)  # warm up
         step_cfgs[pdbs] = runners[pdbs].cfg
