@@ -14,29 +14,21 @@ repeat and the median per depth is reported, so a slow minute on the shared mach
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-import flax.linen as nn  # noqa: E402
-import jax  # noqa: E402
+import common  # first: 8 simulated CPU devices before any device query; the repo on sys.path
+import flax.linen as nn
+import jax
 
-jax.config.update("jax_num_cpu_devices", 8)
+from maxshard import config, data, mesh
+from maxshard.step import Trainer
 
-from maxshard import config, data, loading, mesh  # noqa: E402
-from maxshard.step import Trainer  # noqa: E402
-
-BASE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "base.yml")
-# The 256-wide model of NOTES.md's timings, fsdp=8; only num_layers changes between measurements.
-MODEL = (
-    "dataset_type=synthetic", "emb_dim=256", "num_heads=8", "num_kv_heads=8", "head_dim=32", "mlp_dim=1024",
-    "max_target_length=128", "per_device_batch_size=2", "scan_layers=true", "remat_policy=full",
-    "ici_fsdp_parallelism=8", "eval_period=0",
-)  # fmt: skip
+# The 256-wide model, scanned and fully rematerialized, fsdp=8; only num_layers changes between measurements.
+MODEL = (*common.WIDE_MODEL, "scan_layers=true", "remat_policy=full", "ici_fsdp_parallelism=8")
 
 
 def abstract_inputs(trainer: Trainer, cfg: config.Config) -> tuple[Any, Any]:
@@ -52,7 +44,7 @@ def abstract_inputs(trainer: Trainer, cfg: config.Config) -> tuple[Any, Any]:
 
 def measure(layers: int, extra: Sequence[str]) -> tuple[float, float]:
     """(lower seconds, compile seconds) of the train step of a fresh `layers`-deep model."""
-    cfg = loading.load_run([BASE, *MODEL, *extra, f"num_layers={layers}"], num_devices=8)
+    cfg = common.load([common.BASE, *MODEL, *extra, f"num_layers={layers}"])
     trainer = Trainer(cfg, mesh.build(cfg))
     step = trainer.jit_train_step(data.batch_sharding(cfg, trainer.mesh))
     state, batch = abstract_inputs(trainer, cfg)

@@ -19,20 +19,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+
 import sys
 import tempfile
 from collections.abc import Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # first: 8 simulated CPU devices before any device query; the repo on sys.path
+import numpy as np
+from data_throughput import measure
+from data_vs_step import step_seconds
 
-from data_vs_step import step_seconds  # noqa: E402  (through layouts: 8 CPU devices before any device query)
-from layouts import BASE  # noqa: E402
+from maxshard import config, mesh as mesh_lib
 
-import numpy as np  # noqa: E402
-
-from data_throughput import measure  # noqa: E402
-from maxshard import config, mesh as mesh_lib  # noqa: E402
+BASE = common.BASE
 
 
 def write_corpus(root: str, megabytes: float, seed: int = 0) -> tuple[str, str]:

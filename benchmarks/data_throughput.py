@@ -5,7 +5,8 @@
 Defaults to configs/base.yml: the stdlib corpus, byte tokenizer, packing. Each row builds a fresh iterator, times
 the first batch (listing, worker start-up) apart, then `--batches` more. "tokens/s" counts every position of the
 batch; "loss tokens/s" only those with loss weight (they differ by padding). The train step's consumption is
-compared elsewhere; here the pipeline alone is measured, with nothing else competing for the cores.
+compared elsewhere; here the pipeline alone is measured, with nothing else competing for the cores. Like every
+benchmark here it runs on 8 simulated CPU devices, so the global batch is 8 x per_device_batch_size.
 """
 
 from __future__ import annotations
@@ -16,12 +17,10 @@ import sys
 import time
 from collections.abc import Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import common  # first: 8 simulated CPU devices before any device query; the repo on sys.path
 
-from maxshard import config, mesh as mesh_lib  # noqa: E402
-from maxshard.data import make_input  # noqa: E402
-
-_BASE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "base.yml")
+from maxshard import config, mesh as mesh_lib
+from maxshard.data import make_input
 
 
 def measure(cfg: config.Config, mesh, batches: int) -> dict[str, float]:
@@ -49,15 +48,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, default=200, help="timed batches per row")
     parser.add_argument("--workers", default="0,1,2", help="comma-separated grain_worker_count values")
     args = parser.parse_args(argv)
-    cfg_argv = args.config if args.config and args.config[0].endswith((".yml", ".yaml")) else [_BASE, *args.config]
+    has_yml = args.config and args.config[0].endswith((".yml", ".yaml"))
+    cfg_argv = args.config if has_yml else [common.BASE, *args.config]
     cfg_argv = [a for a in cfg_argv if not a.startswith("grain_worker_count=")]  # set per row below
-    base = config.load(cfg_argv)
+    base = common.load(cfg_argv)
     mesh = mesh_lib.build(base)
     print(f"{base.dataset_type} data ({base.dataset_path or 'stdlib'}), batch {base.global_batch_size} x "
           f"{base.max_target_length}, packing={base.packing}, {args.batches} batches per row, {os.cpu_count()} cores")
     print(f"{'workers':>7} {'startup s':>10} {'tokens/s':>12} {'loss tokens/s':>14}")
     for workers in (int(w) for w in args.workers.split(",")):
-        cfg = config.load([*cfg_argv, f"grain_worker_count={workers}"])
+        cfg = common.load([*cfg_argv, f"grain_worker_count={workers}"])
         row = measure(cfg, mesh, args.batches)
         rates = f"{row['tokens_per_s']:>12,.0f} {row['loss_tokens_per_s']:>14,.0f}"
         print(f"{workers:>7} {row['startup_s']:>10.2f} {rates}", flush=True)

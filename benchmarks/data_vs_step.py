@@ -18,12 +18,11 @@ import statistics
 import sys
 from collections.abc import Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # first: 8 simulated CPU devices before any device query; the repo on sys.path
+from data_throughput import measure
+from layouts import Runner
 
-from layouts import BASE, Runner  # noqa: E402  (sets 8 CPU devices before any device query)
-
-from data_throughput import measure  # noqa: E402
-from maxshard import config, mesh as mesh_lib  # noqa: E402
+from maxshard import mesh as mesh_lib
 
 
 def step_seconds(argvs: dict[str, Sequence[str]], steps: int, rounds: int, warmup: int = 2
@@ -35,7 +34,7 @@ def step_seconds(argvs: dict[str, Sequence[str]], steps: int, rounds: int, warmu
     """
     runners: dict[str, Runner] = {}
     for name, argv in argvs.items():
-        runners[name] = Runner([*argv, "dataset_type=synthetic", "eval_period=0"])
+        runners[name] = Runner([*argv, *common.STEP_ONLY])
         runners[name].run(1)  # compile
         if warmup:
             runners[name].run(warmup)
@@ -59,11 +58,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     sizes = args.batch_sizes.split(",")
     pipeline: dict[str, dict[str, float]] = {}
     for pdbs in sizes:
-        cfg = config.load([BASE, *args.overrides, f"per_device_batch_size={pdbs}"], num_devices=8)
+        cfg = common.load([common.BASE, *args.overrides, f"per_device_batch_size={pdbs}"])
         pipeline[pdbs] = measure(cfg, mesh_lib.build(cfg), args.batches)
         print(f"pipeline pdbs={pdbs}: {pipeline[pdbs]['tokens_per_s']:,.0f} tokens/s", flush=True)
     runners, seconds_of = step_seconds(
-        {p: [BASE, *args.overrides, f"per_device_batch_size={p}"] for p in sizes}, args.steps, args.rounds)
+        {p: [common.BASE, *args.overrides, f"per_device_batch_size={p}"] for p in sizes}, args.steps, args.rounds)
     step_cfgs = {p: runners[p].cfg for p in sizes}
     c = step_cfgs[sizes[0]]
     print(f"model (base.yml): emb {c.emb_dim}, {c.num_layers} layers, {c.num_heads} heads, mlp {c.mlp_dim}, vocab "

@@ -17,16 +17,12 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-import jax  # noqa: E402
 
-jax.config.update("jax_num_cpu_devices", 8)  # before the first device query
+import common  # first: 8 simulated CPU devices before any device query; the repo on sys.path
+import jax
 
-from maxshard import data, loading, mesh  # noqa: E402
-from maxshard.step import Trainer  # noqa: E402
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BASE = os.path.join(REPO, "configs", "base.yml")
+from maxshard import data, mesh
+from maxshard.step import Trainer
 
 # The layouts of tests/test_parity.py; every other ici knob is pinned to 1 (base.yml fills fsdp with -1).
 LAYOUTS: dict[str, tuple[str, ...]] = {
@@ -40,24 +36,18 @@ LAYOUTS: dict[str, tuple[str, ...]] = {
     "expert2xfsdp4": ("ici_expert_parallelism=2", "ici_fsdp_parallelism=4"),
 }
 
-# Small enough to compile in seconds on 2 cores, 8 heads so tensor=8 divides them; global batch 16 x 128.
-MODEL = (
-    "dataset_type=synthetic", "emb_dim=128", "num_layers=2", "num_heads=8", "num_kv_heads=8", "head_dim=16",
-    "mlp_dim=512", "max_target_length=128", "per_device_batch_size=2", "eval_period=0", "enable_tensorboard=false",
-)  # fmt: skip
-
 
 def layout_argv(layout: Sequence[str], extra: Sequence[str] = ()) -> list[str]:
-    """base.yml + the model + the layout, with fsdp pinned to 1 unless the layout sets it."""
+    """base.yml + the small model (8 heads, so tensor=8 divides them) + the layout, fsdp pinned to 1 unless set."""
     pin = () if any(k.startswith("ici_fsdp_parallelism=") for k in layout) else ("ici_fsdp_parallelism=1",)
-    return [BASE, *MODEL, *extra, *layout, *pin]
+    return [common.BASE, *common.SMALL_MODEL, *extra, *layout, *pin]
 
 
 class Runner:
     """One layout's trainer, state and batches, ready to step; `run(n)` returns seconds per step."""
 
     def __init__(self, argv: Sequence[str]) -> None:
-        self.cfg = loading.load_run(argv, num_devices=8)
+        self.cfg = common.load(argv)
         trainer = Trainer(self.cfg, mesh.build(self.cfg))
         self.step_fn = trainer.jit_train_step(data.batch_sharding(self.cfg, trainer.mesh))
         self.state = trainer.init_state()

@@ -38,7 +38,7 @@ WARMUP_STEPS = 2  # steps left out of the median on both sides
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    """The model, batch and mesh both sides train (the 256-wide model of NOTES.md's timings)."""
+    """The model, batch and mesh both sides train: the 256-wide model of compile_time.py and memory.py."""
 
     emb: int = 256
     layers: int = 4

@@ -18,25 +18,18 @@ and dimensions that do not divide by 8 (padded shards). The model is sized so th
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-import jax  # noqa: E402
+import common  # first: 8 simulated CPU devices before any device query; the repo on sys.path
+import jax
 
-jax.config.update("jax_num_cpu_devices", 8)
+from maxshard import config, data, mesh, model
+from maxshard.step import Trainer
 
-from maxshard import config, data, loading, mesh, model  # noqa: E402
-from maxshard.step import Trainer  # noqa: E402
-
-BASE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "base.yml")
-MODEL = (
-    "dataset_type=synthetic", "emb_dim=256", "num_layers=4", "num_heads=8", "num_kv_heads=8", "head_dim=32",
-    "mlp_dim=1024", "max_target_length=128", "per_device_batch_size=2", "ici_fsdp_parallelism=8",
-    "weight_dtype=float32", "eval_period=0",
-)  # fmt: skip
+# The 256-wide model, 4 layers, float32 weights (so 12 B per parameter with AdamW), fsdp=8.
+MODEL = (*common.WIDE_MODEL, "num_layers=4", "ici_fsdp_parallelism=8", "weight_dtype=float32")
 BYTES_PER_PARAM = 12  # float32 param + mu + nu
 
 
@@ -99,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides")
     args = parser.parse_args(argv)
-    cfg = loading.load_run([BASE, *MODEL, *args.overrides], num_devices=8)
+    cfg = common.load([common.BASE, *MODEL, *args.overrides])
     trainer = Trainer(cfg, mesh.build(cfg))
     state = trainer.init_state()
     live = live_bytes(state)

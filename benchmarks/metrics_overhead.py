@@ -23,14 +23,12 @@ import tempfile
 import time
 from collections.abc import Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: F401  (first: 8 simulated CPU devices before any device query)
+import jax
+from layouts import LAYOUTS, Runner, layout_argv
 
-from layouts import LAYOUTS, Runner, layout_argv  # noqa: E402  (sets 8 CPU devices before any device query)
-
-import jax  # noqa: E402
-
-from maxshard import metrics  # noqa: E402
-from maxshard.console import StepLogger  # noqa: E402
+from maxshard import metrics
+from maxshard.console import StepLogger
 
 
 class MetricsRun:

@@ -20,19 +20,20 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import common  # first: 8 simulated CPU devices before any device query; the repo on sys.path
 import jax
 import numpy as np
 
-from maxshard import config, data, loading, mesh
+from maxshard import config, data, mesh
 from maxshard.layers import moe
 from maxshard.step import Trainer
 
 MODEL = (
-    "dataset_type=synthetic", "emb_dim=128", "num_layers=4", "num_heads=4", "num_kv_heads=4", "head_dim=32",
+    *common.STEP_ONLY, "emb_dim=128", "num_layers=4", "num_heads=4", "num_kv_heads=4", "head_dim=32",
     "mlp_dim=256", "max_target_length=128", "num_experts=8", "num_experts_per_tok=2", "moe_layer_interval=1",
-    "per_device_batch_size=2", "eval_period=0", "enable_tensorboard=false",
-)
-LAYOUT = ("cpu_device_count=8", "ici_expert_parallelism=4", "ici_fsdp_parallelism=2")
+    "per_device_batch_size=2", "enable_tensorboard=false",
+)  # fmt: skip
+LAYOUT = ("ici_expert_parallelism=4", "ici_fsdp_parallelism=2")
 FACTORS = (("1.0", 1.0), ("1.25", 1.25), ("2.0", 2.0), ("dropless", -1.0))
 
 
@@ -50,7 +51,7 @@ class Run:
 
 
 def prepare(name: str, overrides: Sequence[str], factor: float, warmup: int) -> Run:
-    cfg = loading.load_run(["configs/base.yml", *overrides, f"capacity_factor={factor}"])
+    cfg = common.load([common.BASE, *overrides, f"capacity_factor={factor}"])
     trainer = Trainer(cfg, mesh.build(cfg))
     run = Run(name, cfg, trainer.jit_train_step(data.batch_sharding(cfg, trainer.mesh)), trainer.init_state(),
               data.make_input(cfg, trainer.mesh))

@@ -16,13 +16,14 @@ import argparse
 import time
 from collections.abc import Sequence
 
+import common  # first: 8 simulated CPU devices before any device query; the repo on sys.path
 import jax
 
-from maxshard import data, loading, mesh
+from maxshard import data, mesh
 from maxshard.step import Trainer
 
-MODEL = ("dataset_type=synthetic", "emb_dim=128", "mlp_dim=256", "num_heads=4", "num_kv_heads=4", "head_dim=32",
-         "max_target_length=64", "num_layers=16", "per_device_batch_size=4", "eval_period=0", "cpu_device_count=8")
+MODEL = (*common.STEP_ONLY, "emb_dim=128", "mlp_dim=256", "num_heads=4", "num_kv_heads=4", "head_dim=32",
+         "max_target_length=64", "num_layers=16", "per_device_batch_size=4")
 STAGES = 4
 
 
@@ -30,7 +31,7 @@ class Run:
     """One compiled configuration, ready to time: its train step, state and batch iterator."""
 
     def __init__(self, overrides: Sequence[str]) -> None:
-        self.cfg = loading.load_run(["configs/base.yml", *MODEL, *overrides])
+        self.cfg = common.load([common.BASE, *MODEL, *overrides])
         trainer = Trainer(self.cfg, mesh.build(self.cfg))
         self.step = trainer.jit_train_step(data.batch_sharding(self.cfg, trainer.mesh))
         self.batches = data.make_input(self.cfg, trainer.mesh)

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from benchmarks import sweep
+from benchmarks import sweep, sweep_report, sweep_run, sweep_spec
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SWEEP = """
@@ -59,7 +59,7 @@ def local_results(sweep_file, tmp_path_factory) -> str:
 
 def test_points_cross_the_grid_and_merge_keys_in_order():
     grid = {"per_device_batch_size": [1, 2]}
-    points = sweep.expand_points(grid, [{"name": "a", "steps": 5}, {"ici_tensor_parallelism": 2}])
+    points = sweep_spec.expand_points(grid, [{"name": "a", "steps": 5}, {"ici_tensor_parallelism": 2}])
     assert [p.name for p in points] == ["a-pdbs=1", "a-pdbs=2", "tensor2-pdbs=1", "tensor2-pdbs=2"]
     assert points[1].overrides == {"per_device_batch_size": 2, "steps": 5}
     assert [p.index for p in points] == [0, 1, 2, 3]
@@ -67,16 +67,38 @@ def test_points_cross_the_grid_and_merge_keys_in_order():
 
 def test_repeats_keep_the_run_with_the_median_step_time():
     runs = [{"status": "ok", "step_time_s": t, "run": i} for i, t in enumerate((0.3, 0.1, 0.2))]
-    assert sweep.pick_median(runs) == {"status": "ok", "step_time_s": 0.2, "run": 2, "repeats": 3}
+    assert sweep_run.pick_median(runs) == {"status": "ok", "step_time_s": 0.2, "run": 2, "repeats": 3}
     skipped = [{"status": "skipped", "error": "maxshard: error: x"}]
-    assert sweep.pick_median(skipped)["status"] == "skipped"
+    assert sweep_run.pick_median(skipped)["status"] == "skipped"
+
+
+def startup(devices: int, memory: dict[str, int]) -> dict:
+    """A startup record as the trainer writes it (only the keys the sweep reads carry meaning here)."""
+    figures = {"run_dir": "/tmp/run", "devices": devices, "processes": 1, "mesh": {"fsdp": devices},
+               "param_count": 1000, "memory_per_device": memory, "device_kind": "cpu", "peak_flops": None,
+               "pipeline": None, "global_batch_size": 2, "max_target_length": 16, "steps": 3}  # fmt: skip
+    return {"step": 0, "time": 0.0, "startup": figures}
+
+
+def test_startup_figures_come_from_the_startup_record_not_the_console():
+    steps = [{"step": s, "step_time": 0.1, "loss": 5.0, "tokens_per_sec_per_device": 100.0} for s in (2, 3)]
+    first = startup(8, {"params": 1, "opt_state": 2, "grads": 3})
+    last = startup(2, {"params": 100, "opt_state": 200, "grads": 100})  # a resumed run: its last start counts
+    everything = [first, {"step": 1, "loss": 5.5, "compile_time": 4.0}, *steps, last]
+    point = sweep_spec.Point(0, "p", {})
+    row = sweep_run.summarize(point, 3, sweep_run.Launch(0, [], 1.0), everything)  # no console line at all
+    assert row["status"] == "ok"
+    assert row["devices"] == 2 and row["est_bytes_per_device"] == 400
+    assert row["tokens_per_sec"] == 200.0
+    assert row["compile_s"] == pytest.approx(3.9) and row["compile_from"] == "trainer"
+    assert row["startup_s"] is None  # a timing: only the console lines' arrival says when startup ended
 
 
 @pytest.mark.slow
 def test_local_sweep_writes_rows_for_every_point(local_results):
     with open(os.path.join(local_results, "results.csv"), newline="") as f:
         reader = csv.DictReader(f)
-        assert tuple(reader.fieldnames) == sweep.COLUMNS
+        assert tuple(reader.fieldnames) == sweep_report.COLUMNS
         rows = {row["name"]: row for row in reader}
     assert list(rows) == ["fsdp", "tp2", "bad"]
     for name in ("fsdp", "tp2"):
