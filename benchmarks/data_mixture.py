@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
-
+import os
 import sys
 import tempfile
 from collections.abc import Sequence
