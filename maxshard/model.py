@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -14,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from maxshard import axis_names as ax
-from maxshard.layers import moe
+from maxshard.layers import moe, pipeline
 from maxshard.layers.decoder import Decoder
 from maxshard.layers.embeddings import Embed
 from maxshard.layers.linears import DenseGeneral
@@ -22,7 +23,8 @@ from maxshard.layers.norms import RMSNorm
 from maxshard.model_config import ModelConfig
 from maxshard.sharding import constrain
 
-__all__ = ["Transformer", "count_params", "param_count", "flops_per_token", "abstract_params", "apply_with_stats"]
+__all__ = ["Transformer", "init_params", "count_params", "param_count", "flops_per_token", "abstract_params",
+           "apply_with_stats"]
 
 
 class Transformer(nn.Module):
@@ -62,10 +64,21 @@ def dummy_batch(cfg: ModelConfig, batch: int = 1) -> tuple[jax.Array, jax.Array,
     return jnp.zeros(shape, jnp.int32), jnp.ones(shape, jnp.int32), jnp.zeros(shape, jnp.int32)
 
 
+def init_params(cfg: ModelConfig, rng: jax.Array) -> Any:
+    """Boxed parameters drawn from `rng`, the same values in every layout.
+
+    A pipelined model is initialised as the scanned model (one stack of `num_units`) and regrouped into its
+    [repeats, stages, layers per stage, ...] layout, so a seed gives the same network with or without a pipeline;
+    sharding never changes values (threefry random bits do not depend on how an array is partitioned).
+    """
+    canonical = dataclasses.replace(cfg, pipeline=None)
+    params = Transformer(canonical).init(rng, *dummy_batch(canonical))["params"]
+    return params if cfg.pipeline is None else pipeline.from_scanned(params, cfg.pipeline)
+
+
 def abstract_params(cfg: ModelConfig) -> Any:
     """Boxed (nn.Partitioned) parameter shapes without allocating anything."""
-    model = Transformer(cfg)
-    return jax.eval_shape(lambda: model.init(jax.random.key(0), *dummy_batch(cfg)))["params"]
+    return jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
 
 
 def count_params(params: Any) -> int:

@@ -29,7 +29,7 @@ from maxshard import axis_names as ax
 from maxshard import sharding
 from maxshard.config import Config, ConfigError
 from maxshard.layers import moe
-from maxshard.model import Transformer, apply_with_stats, dummy_batch
+from maxshard.model import Transformer, apply_with_stats, init_params
 from maxshard.optim import learning_rate_schedule, make_optimizer
 
 __all__ = ["TrainState", "Trainer", "mesh_context", "loss_sums", "boxed_state", "abstract_state"]
@@ -62,7 +62,7 @@ def loss_sums(logits: jax.Array, batch: Batch) -> tuple[jax.Array, jax.Array]:
 
 def boxed_state(cfg: Config, rng: jax.Array) -> TrainState:
     """A fresh train state whose leaves are still boxed with their logical axis names."""
-    params = Transformer(cfg.model).init(rng, *dummy_batch(cfg.model))["params"]
+    params = init_params(cfg.model, rng)
     opt_state = make_optimizer(cfg).init(params)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
 

@@ -76,6 +76,21 @@ _BUFFER_AXES = (ax.ACT_STAGE, None, ax.BATCH, ax.LENGTH, ax.ACT_EMBED)  # [stage
 # --------------------------------------------------------------------------------------------- parameter layout
 
 
+_PIPELINE_LEAD = (ax.CIRCULAR_REPEATS, ax.LAYERS, ax.LAYERS_PER_STAGE)
+
+
+def _map_stacked(fn: Any, tree: Any, names: Any) -> Any:
+    """`fn` on every array of a stack; a leaf boxed with logical names (nn.Partitioned) keeps its box, renamed by
+    `names(old_names)`, so the same conversion serves plain arrays and boxed init trees."""
+
+    def leaf(w: Any) -> Any:
+        if isinstance(w, nn.Partitioned):
+            return w.replace(value=fn(w.value), names=names(w.names))
+        return fn(w)
+
+    return jax.tree.map(leaf, tree, is_leaf=lambda w: isinstance(w, nn.Partitioned))
+
+
 def to_scanned(params: Any) -> Any:
     """Pipelined params (decoder/pipeline/layers: [R, S, L, ...]) -> scanned ones (decoder/layers: [R*S*L, ...]).
 
@@ -83,7 +98,8 @@ def to_scanned(params: Any) -> Any:
     """
     decoder = dict(params["decoder"])
     stacked = decoder.pop("pipeline")["layers"]
-    decoder["layers"] = jax.tree.map(lambda w: w.reshape(-1, *w.shape[3:]), stacked)
+    decoder["layers"] = _map_stacked(lambda w: w.reshape(-1, *w.shape[3:]), stacked,
+                                     lambda names: (ax.LAYERS, *names[3:]))
     return {**params, "decoder": decoder}
 
 
@@ -92,7 +108,8 @@ def from_scanned(params: Any, shape: PipelineShape) -> Any:
     lead = (shape.repeats, shape.stages, shape.layers_per_stage)
     decoder = dict(params["decoder"])
     flat = decoder.pop("layers")
-    decoder["pipeline"] = {"layers": jax.tree.map(lambda w: w.reshape(*lead, *w.shape[1:]), flat)}
+    decoder["pipeline"] = {"layers": _map_stacked(lambda w: w.reshape(*lead, *w.shape[1:]), flat,
+                                                  lambda names: (*_PIPELINE_LEAD, *names[1:]))}
     return {**params, "decoder": decoder}
 
 
