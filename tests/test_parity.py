@@ -26,6 +26,7 @@ LAYOUTS = {
     "seq2_fsdp4": ["ici_sequence_parallelism=2", "ici_fsdp_parallelism=4"],
     "fsdpT2_fsdp4": ["ici_fsdp_transpose_parallelism=2", "ici_fsdp_parallelism=4"],
     "expert2_fsdp4": ["ici_expert_parallelism=2", "ici_fsdp_parallelism=4"],
+    "tseq2_fsdp4": ["ici_tensor_sequence_parallelism=2", "ici_fsdp_parallelism=4"],
 }
 STEPS = 3
 
@@ -91,3 +92,21 @@ def test_gradient_accumulation_equals_one_big_batch(reference):
     assert max_relative_difference(grads4, grads1) < 1e-5
     assert max_relative_difference(final4, final1) < 5e-4
     assert max_relative_difference(final1, params) > 1e-3  # one step moved the parameters
+
+
+def test_tensor_sequence_shards_the_norms_length():
+    """`tensor_sequence` splits heads like `tensor` and also the length of every RMSNorm (activation_norm_length)."""
+    import jax.numpy as jnp
+
+    from maxshard import sharding
+    from maxshard.layers.decoder import norm
+    from maxshard.layers.norms import RMSNorm
+    from maxshard.step import mesh_context
+
+    cfg = tiny_config(*layout_overrides(LAYOUTS["tseq2_fsdp4"]))
+    layer, x = RMSNorm(), jnp.ones((8, cfg.max_target_length, cfg.emb_dim))
+    params = layer.init(jax.random.key(0), x)
+    with mesh_context(mesh_for(cfg), sharding.flax_rules(cfg)):
+        out = jax.jit(lambda p, x: norm(layer.bind(p), x))(params, x)
+    length_axes = out.sharding.spec[1]
+    assert "tensor_sequence" in ((length_axes,) if isinstance(length_axes, str) else length_axes)

@@ -26,7 +26,7 @@ from maxshard.layers.norms import RMSNorm
 from maxshard.layers.pipeline import Pipeline
 from maxshard.sharding import constrain
 
-__all__ = ["DecoderLayer", "MoEDecoderBlock", "Decoder", "remat_policy", "stack_unit"]
+__all__ = ["DecoderLayer", "MoEDecoderBlock", "Decoder", "norm", "remat_policy", "stack_unit"]
 
 _SAVED_NAMES = {
     "save_qkv_proj": ("query_proj", "key_proj", "value_proj"),
@@ -44,6 +44,13 @@ def remat_policy(name: str) -> Any:
     return None
 
 
+def norm(layer: nn.Module, x: jax.Array) -> jax.Array:
+    """An RMSNorm computed with its length dimension sharded by "activation_norm_length" (the `tensor_sequence`
+    axis): the norm is elementwise over length, so its devices split the positions instead of repeating them."""
+    spec = (ax.BATCH, ax.NORM_LENGTH, ax.ACT_EMBED)
+    return constrain(layer(constrain(x, spec)), spec)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)). Returns (x, None) so `nn.scan` can carry x.
 
@@ -59,9 +66,9 @@ class DecoderLayer(nn.Module):
     def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> tuple[jax.Array, None]:
         cfg, dt, wdt = self.cfg, self.dtype, self.weight_dtype
         x = constrain(x, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))
-        h = RMSNorm(cfg.norm_epsilon, dt, wdt, name="attention_norm")(x)
+        h = norm(RMSNorm(cfg.norm_epsilon, dt, wdt, name="attention_norm"), x)
         x = x + Attention(cfg, dt, wdt, name="attention")(h, segment_ids, positions)
-        h = RMSNorm(cfg.norm_epsilon, dt, wdt, name="mlp_norm")(x)
+        h = norm(RMSNorm(cfg.norm_epsilon, dt, wdt, name="mlp_norm"), x)
         if self.use_moe:
             x = x + MoEBlock(cfg, dt, wdt, name="moe")(h, segment_ids)
         else:
