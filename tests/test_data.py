@@ -7,6 +7,7 @@ import json
 import os
 import pickle
 import re
+from pathlib import Path
 
 import grain
 import jax
@@ -288,7 +289,7 @@ def test_default_corpus_yields_global_batches_in_batch_sharding():
     segments = np.asarray(batch["segment_ids"])
     same = segments[:, 1:] == segments[:, :-1]
     np.testing.assert_array_equal(targets[:, :-1][same], inputs[:, 1:][same])
-    files = [open(p, "rb").read() for p in sources.default_corpus().documents.paths]
+    files = [Path(p).read_bytes() for p in sources.default_corpus().documents.paths]
     for seg in set(segments[0][segments[0] > 0].tolist()):
         piece = bytes(t - 3 for t in inputs[0][segments[0] == seg].tolist() if t >= 3)  # byte ids, BOS dropped
         assert any(piece in f for f in files), piece
