@@ -45,6 +45,7 @@ from maxshard.step import Trainer, TrainState
 __all__ = ["Checkpoints", "target_state", "check_matches", "preemption_reached", "DAMAGED_SUFFIX"]
 
 DAMAGED_SUFFIX = ".damaged"
+_PREEMPTION_SERVICE_OFF = "Preemption sync manager has not been initialized"  # jax's RuntimeError when it is off
 
 
 def target_state(trainer: Trainer) -> TrainState:
@@ -130,8 +131,12 @@ def preemption_reached(step: int, sigterm: threading.Event) -> bool:
         return sigterm.is_set()
     try:
         return multihost_utils.reached_preemption_sync_point(step)
-    except RuntimeError:  # jax_enable_preemption_service is off: SIGTERM kills; resume from the last periodic save
-        return False
+    except RuntimeError as e:
+        # Only "jax_enable_preemption_service is off" (SIGTERM kills; resume from the last periodic save) is expected.
+        # Any other failure of the sync point would silently turn off saving on SIGTERM: let it stop the run.
+        if _PREEMPTION_SERVICE_OFF in str(e):
+            return False
+        raise
 
 
 def _state_dir(path: str, key: str) -> epath.Path:
