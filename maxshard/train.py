@@ -239,6 +239,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"maxshard: error: {e}", file=sys.stderr)
         return 2
+    except checkpoint.CheckpointError as e:  # a checkpoint unreadable for a reason other than damage
+        print(f"maxshard: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Two processes x 4 CPU devices on loopback train exactly like one process with 8 devices.
+"""Two processes x 4 CPU devices on loopback train exactly like one process with 8 devices, and resume together.
 
 Each process is a slice (`num_slices=2`); a DCN axis spans them. The synthetic batches are the same global arrays
 in both runs, so the losses must agree (to 1e-5: the collectives sum in another order across processes). All runs
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import re
 import signal
 import socket
 import subprocess
@@ -103,3 +105,28 @@ def test_survivor_exits_when_a_peer_dies(env, tmp_path):
     assert procs[0].returncode != 0
     assert time.time() - start < 120
 
+
+def _run_two(env: dict[str, str], tmp_path: Path, layout: list[str]) -> list[str]:
+    """Both processes' outputs after they ran to their end (both must exit 0)."""
+    with _killed_on_exit(_two_processes(env, tmp_path, layout)) as procs:
+        outputs = [p.communicate(timeout=240)[0] for p in procs]
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out[-3000:]
+    return outputs
+
+
+def test_damage_only_one_process_sees_makes_both_fall_back(env, tmp_path):
+    """Process 1 alone reads the shards in its own data files: truncate one and only it sees the damage."""
+    layout = ["dcn_data_parallelism=1", "dcn_fsdp_parallelism=2", "ici_fsdp_parallelism=4", "checkpoint_period=2",
+              "enable_tensorboard=false"]
+    _run_two(env, tmp_path, layout)
+    first = _losses(tmp_path / "multi")
+    checkpoints = tmp_path / "multi" / "checkpoints"
+    shard = max((checkpoints / "4" / "state" / "ocdbt.process_1" / "d").iterdir(), key=lambda p: p.stat().st_size)
+    os.truncate(shard, shard.stat().st_size // 2)
+    outputs = _run_two(env, tmp_path, layout)
+    assert re.search(r"checkpoint step 4 is damaged \(ValueError: [A-Z_]+: .+\); set aside as 4.damaged", outputs[1])
+    assert "checkpoint step 4 is damaged (unreadable on another process); set aside as 4.damaged" in outputs[0]
+    assert all("resuming from step 2" in out for out in outputs)
+    assert _losses(tmp_path / "multi") == first + first[2:]  # steps 3 and 4 again, bit for bit
+    assert (checkpoints / "4.damaged").is_dir() and (checkpoints / "4" / "state").is_dir()
