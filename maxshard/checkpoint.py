@@ -20,6 +20,8 @@ Why it is shaped this way:
   and touches nothing (`checkpoint_health`). A run directory with checkpoints never silently starts from scratch.
 - Each process reads a step with orbax's handlers directly, outside the barriers of `CheckpointManager.restore`,
   then all agree: damage only some processes see makes all fall back together instead of deadlocking.
+- A save's background commit can fail: the loop asks at every step boundary (`raise_if_save_failed`, never
+  blocking) and stops with one line naming the step, instead of training on believing it saved.
 - Shapes are compared with the checkpoint's metadata before reading any array, so a changed model is one
   ConfigError naming the first differing parameter, never mistaken for damage.
 - The restore target carries this run's shardings: a checkpoint saved on one mesh loads onto any other layout.
@@ -32,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -42,11 +45,12 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from maxshard.checkpoint_health import CheckpointError, Damaged, Outcome, QuietBackground, agree, outcome_of, reason
+from maxshard.checkpoint_health import (CheckpointError, Damaged, Outcome, QuietBackground, SaveFailed, agree,
+                                        outcome_of, reason)
 from maxshard.config import Config, ConfigError
 from maxshard.step import Trainer, TrainState
 
-__all__ = ["Checkpoints", "CheckpointError", "target_state", "check_matches", "preemption_reached",
+__all__ = ["Checkpoints", "CheckpointError", "SaveFailed", "target_state", "check_matches", "preemption_reached",
            "DAMAGED_SUFFIX"]
 
 DAMAGED_SUFFIX = ".damaged"
@@ -180,22 +184,30 @@ class Checkpoints:
     def __init__(self, cfg: Config, trainer: Trainer) -> None:
         self.cfg, self.trainer = cfg, trainer
         self.manager = _manager(cfg) if cfg.enable_checkpointing else None
+        self._pending: int | None = None  # the step of the last save not yet known to be committed
         self._quiet = QuietBackground().__enter__()
 
     def __enter__(self) -> Checkpoints:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        try:
+            self.close()
+        except CheckpointError:
+            if exc_type is None:  # else the error on its way out is the story; a second one would only hide it
+                raise
 
     def close(self) -> None:
-        """Waits for a save in flight: a run never exits with its last checkpoint half written."""
+        """Waits for a save in flight: a run never exits with its last checkpoint half written (raises SaveFailed)."""
         try:
-            if self.manager is not None:
-                self.manager.close()
-                self.manager = None
+            self.wait()
         finally:
-            self._quiet.__exit__()
+            manager, self.manager = self.manager, None
+            try:
+                if manager is not None:
+                    manager.close()
+            finally:
+                self._quiet.__exit__()
 
     # ------------------------------------------------------------------ restore
 
@@ -297,15 +309,36 @@ class Checkpoints:
 
     def save(self, step: int, state: TrainState, data_state: dict[str, Any]) -> None:
         """Returns once the state is copied to host memory (the next step may donate it); writing goes on behind."""
+        self.wait()  # orbax would wait for the previous save anyway; this names its step if it failed
         print(f"saving checkpoint at step {step}", flush=True)
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(state),
             data=ocp.args.JsonSave(_gather_data_states(data_state)),
             config=ocp.args.JsonSave(json.loads(json.dumps(dataclasses.asdict(self.cfg), default=str))),
         )
-        self.manager.save(step, args=args, force=True)
+        self._pending = step
+        self._finish(lambda: self.manager.save(step, args=args, force=True))
+
+    def raise_if_save_failed(self) -> None:
+        """Raises SaveFailed once the last save's background commit has failed; never waits for one still writing.
+
+        Called at every step boundary, so a failed save stops the run within a step of failing.
+        """
+        if self._pending is not None and not self.manager.is_saving_in_progress():
+            self.wait()  # the commit is over: this returns at once, or raises its error
 
     def wait(self) -> None:
-        """Blocks until the last save is committed (raises if writing it failed)."""
-        if self.manager is not None:
-            self.manager.wait_until_finished()
+        """Blocks until the last save is committed; raises SaveFailed naming its step if writing it failed."""
+        if self.manager is not None and self._pending is not None:
+            self._finish(self.manager.wait_until_finished)
+
+    def _finish(self, call: Callable[[], object]) -> None:
+        """Runs a manager call that may surface a save's failure; clears the pending step once it is settled."""
+        step = self._pending
+        try:
+            call()
+        except Exception as e:  # noqa: BLE001 - whatever broke the save, the run must stop naming it
+            self._pending = None
+            raise SaveFailed(step, e) from e
+        if not self.manager.is_saving_in_progress():
+            self._pending = None

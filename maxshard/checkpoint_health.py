@@ -24,12 +24,20 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-__all__ = ["CheckpointError", "Damaged", "Outcome", "is_damage", "reason", "outcome_of", "agree",
+__all__ = ["CheckpointError", "SaveFailed", "Damaged", "Outcome", "is_damage", "reason", "outcome_of", "agree",
            "one_line", "QuietBackground"]
 
 
 class CheckpointError(Exception):
-    """A checkpoint could not be read for a reason other than damage: the run stops (exit 1)."""
+    """A checkpoint could not be written or read for a reason other than damage: the run stops (exit 1)."""
+
+
+class SaveFailed(CheckpointError):
+    """A save (usually its background commit) failed: the run must not train on believing it is saved."""
+
+    def __init__(self, step: int, cause: BaseException) -> None:
+        super().__init__(f"checkpoint save at step {step} failed: {one_line(cause)}")
+        self.step = step
 
 
 class Damaged(Exception):
@@ -111,8 +119,8 @@ def agree(mine: Outcome) -> Outcome:
 class QuietBackground(logging.Filter):
     """Keeps the tracebacks of orbax's background work off the console while a run's checkpoints are open.
 
-    - orbax's error records (it logs through absl): every failure they describe reaches the run as an exception
-      that `Checkpoints` reports in one line (CheckpointError, damage).
+    - orbax's error records (it logs through absl) from its save threads: every failure they describe reaches
+      the run as an exception that `Checkpoints` reports in one line (SaveFailed, CheckpointError, damage).
     - "Event loop is closed" from tensorstore reads still in flight when a failed read has already ended orbax's
       event loop: they finish into nothing (Python reports them as unraisable), whatever the checkpoint holds.
     """

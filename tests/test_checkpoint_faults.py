@@ -1,6 +1,7 @@
-"""Checkpoint faults: only damage is set aside, other read errors stop the run; the preemption sync point.
+"""Checkpoint faults: a failed save stops the run in one line; only damage is set aside; the preemption sync point.
 
-Read faults are injected into orbax's restore, next to real damage (a truncated file).
+A save's background commit is refused by tests/failing_commit.py (the rename that commits it raises EACCES, as in an
+unwritable directory). Read faults are injected into orbax's restore, next to real damage (a truncated file).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import inspect
 import os
 import re
 import shutil
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -25,6 +28,28 @@ from maxshard.config import ConfigError
 from maxshard.step import Trainer
 
 from helpers import mesh_for, tiny_config
+from training_runs import BASE, REPO, TIMEOUT, keys
+
+
+# --------------------------------------------------------------------------------------------- failed saves
+
+
+@pytest.mark.slow
+def test_failed_commit_stops_the_run_within_a_step_in_one_line(env, tmp_path):
+    command = [sys.executable, str(REPO / "tests" / "failing_commit.py"), BASE, *keys(tmp_path, "checkpoint_period=2")]
+    done = subprocess.run(command, cwd=REPO, env={**env, "FAIL_STEP": "2"}, capture_output=True, text=True,
+                          timeout=TIMEOUT)
+    assert done.returncode == 1, done.stdout + done.stderr
+    problems = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(problems) == 1, done.stderr  # no traceback from orbax's threads, no absl error records
+    assert re.fullmatch(r"maxshard: error: checkpoint save at step 2 failed: PermissionError: \[Errno 13\] "
+                        r"Permission denied: '\S+/checkpoints/2'", problems[0]), problems[0]
+    lines = done.stdout.splitlines()
+    failed_at = next(i for i, line in enumerate(lines) if line.startswith("injected:"))
+    trained_on = [line for line in lines[failed_at + 1:] if re.match(r"step \d+/", line)]
+    assert len(trained_on) <= 1, done.stdout  # stopped at the first step boundary after the failure
+    assert "Traceback" not in done.stdout
+    assert not (tmp_path / "default" / "checkpoints" / "2").exists()
 
 
 # --------------------------------------------------------------------------------------------- damage or not
