@@ -7,7 +7,6 @@ the data iterator state is part of every resume. Losses are compared bit for bit
 from __future__ import annotations
 
 import os
-import random
 import re
 import shutil
 import signal
@@ -25,7 +24,8 @@ from maxshard.data.tokenizer import resolve_vocab
 from maxshard.step import Trainer
 
 from helpers import mesh_for, tiny_config
-from training_runs import (BASE, RUN, STEPS, assert_same_tree, losses, read_until, resumed_step, saved_state,
+from benchmarks import crash_resume
+from training_runs import (BASE, RUN, STEPS, argv, assert_same_tree, losses, read_until, resumed_step, saved_state,
                            started, started_from, step_dir, train)
 
 
@@ -43,26 +43,22 @@ def test_stop_and_resume_is_exact(env, reference, tmp_path):
 
 
 @pytest.mark.slow
-def test_sigkill_during_save_and_at_random_then_resume(env, reference, tmp_path):
-    with started(env, tmp_path, "checkpoint_period=2") as proc:
-        read_until(proc, r"saving checkpoint at step 4")
-        proc.send_signal(signal.SIGKILL)  # the step-2 save may still be writing, the step-4 one is starting
-        proc.wait(timeout=30)
-    unfinished = tmp_path / "default" / "checkpoints" / "7.orbax-checkpoint-tmp" / "state"
+def test_sigkill_at_five_seeded_points_and_a_half_written_save_then_resume_is_exact(env, reference, tmp_path):
+    """benchmarks/crash_resume.py's chain: each start is SIGKILLed past where it resumed, some kills mid-save."""
+    command = argv(tmp_path, "checkpoint_period=1")
+    chain = crash_resume.kill_chain(command, env, kills=1, steps=STEPS, seed=3)
+    unfinished = tmp_path / "default" / "checkpoints" / f"{STEPS - 1}.orbax-checkpoint-tmp" / "state"
     unfinished.mkdir(parents=True)  # what a save killed halfway leaves, at a step later than any complete one
     (unfinished / "_METADATA").write_text('{"tree_metadata": {')
-    with started(env, tmp_path, "checkpoint_period=2") as proc:
-        first = started_from(read_until(proc, r"resuming from step|starting from step 0"))
-        kill_after = random.Random(5).randint(first + 1, STEPS - 1)
-        read_until(proc, rf"^step {kill_after}/")
-        proc.send_signal(signal.SIGKILL)  # at a step boundary chosen at random (fixed seed), maybe mid-save
-        proc.wait(timeout=30)
-    output = train(env, tmp_path, "checkpoint_period=2")
-    last = started_from(output)
-    assert first in (0, 2, 4) and first <= last  # never the unfinished step 7
+    chain += crash_resume.kill_chain(command, env, kills=4, steps=STEPS, seed=4)
+    last = started_from(train(env, tmp_path, "checkpoint_period=1"))
+    resumed = [r for _, r in chain[1:]] + [last]
+    for (kill, _), after in zip(chain, resumed):
+        assert after >= kill.step - 1, chain  # a kill loses at most the save in flight, never the one before it
+    assert resumed[0] < STEPS - 1  # never the half-written step, which that start removed
     assert not list(unfinished.parent.parent.glob("*.orbax-checkpoint-tmp*"))
-    after = {step: loss for step, loss in losses(tmp_path).items() if step > last}
-    assert after == {step: loss for step, loss in losses(reference).items() if step > last}
+    logged = crash_resume.logged_losses(tmp_path / "default")  # every start's records, each compared on its own
+    assert crash_resume.differences(losses(reference), logged, STEPS) == []
     assert_same_tree(saved_state(tmp_path, STEPS), saved_state(reference, STEPS))
 
 
