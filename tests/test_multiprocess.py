@@ -118,7 +118,7 @@ def _run_two(env: dict[str, str], tmp_path: Path, layout: list[str]) -> list[str
 def test_damage_only_one_process_sees_makes_both_fall_back(env, tmp_path):
     """Process 1 alone reads the shards in its own data files: truncate one and only it sees the damage."""
     layout = ["dcn_data_parallelism=1", "dcn_fsdp_parallelism=2", "ici_fsdp_parallelism=4", "checkpoint_period=2",
-              "enable_tensorboard=false"]
+              "enable_tensorboard=false", "distributed_timeout=120"]  # 4 process starts: slack for a loaded machine
     _run_two(env, tmp_path, layout)
     first = _losses(tmp_path / "multi")
     checkpoints = tmp_path / "multi" / "checkpoints"
