@@ -15,8 +15,13 @@ Why it is shaped this way:
   directory that `all_steps` never lists (and the next run's manager removes), so a good checkpoint is never
   replaced by a bad one.
 - A committed checkpoint can still be damaged later (a file truncated or deleted). Resuming walks back from the
-  latest step; a step that fails to read is renamed `<step>.damaged` (kept for inspection, out of the next save's
-  way) and the one before it is tried. A run directory that has checkpoints never silently starts from scratch.
+  latest step; a step whose bytes are missing or corrupt is renamed `<step>.damaged` (kept for inspection, out of
+  the next save's way) and the one before it is tried. Any other read error (permissions, I/O, memory) stops the run
+  and touches nothing (`checkpoint_health`). A run directory with checkpoints never silently starts from scratch.
+- Each process reads a step with orbax's handlers directly, outside the barriers of `CheckpointManager.restore`,
+  then all agree: damage only some processes see makes all fall back together instead of deadlocking.
+- A save's background commit can fail: the loop asks at every step boundary (`raise_if_save_failed`, never
+  blocking) and stops with one line naming the step, instead of training on believing it saved.
 - Shapes are compared with the checkpoint's metadata before reading any array, so a changed model is one
   ConfigError naming the first differing parameter, never mistaken for damage.
 - The restore target carries this run's shardings: a checkpoint saved on one mesh loads onto any other layout.
@@ -29,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -39,12 +45,16 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
+from maxshard.checkpoint_health import (CheckpointError, Damaged, Outcome, QuietBackground, SaveFailed, agree,
+                                        outcome_of, reason)
 from maxshard.config import Config, ConfigError
 from maxshard.step import Trainer, TrainState
 
-__all__ = ["Checkpoints", "target_state", "check_matches", "preemption_reached", "DAMAGED_SUFFIX"]
+__all__ = ["Checkpoints", "CheckpointError", "SaveFailed", "target_state", "check_matches", "preemption_reached",
+           "DAMAGED_SUFFIX"]
 
 DAMAGED_SUFFIX = ".damaged"
+_PREEMPTION_SERVICE_OFF = "Preemption sync manager has not been initialized"  # jax's RuntimeError when it is off
 
 
 def target_state(trainer: Trainer) -> TrainState:
@@ -84,18 +94,6 @@ def check_matches(saved: Any, target: Any, where: str) -> None:
         raise ConfigError(f"{where} does not match the model: it has {extra[0]}, which the model lacks")
 
 
-def _one_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0][:160] if text else ''}"
-
-
-def _all_processes(ok: bool) -> bool:
-    """True only if `ok` on every process: all must restore the same step or none."""
-    if jax.process_count() == 1:
-        return ok
-    return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
-
-
 def _gather_data_states(local: dict[str, Any]) -> dict[str, Any]:
     """{"process_<i>": state} of every process (each reads its own documents), as JSON bytes through one allgather."""
     if jax.process_count() == 1:
@@ -130,8 +128,12 @@ def preemption_reached(step: int, sigterm: threading.Event) -> bool:
         return sigterm.is_set()
     try:
         return multihost_utils.reached_preemption_sync_point(step)
-    except RuntimeError:  # jax_enable_preemption_service is off: SIGTERM kills; resume from the last periodic save
-        return False
+    except RuntimeError as e:
+        # Only "jax_enable_preemption_service is off" (SIGTERM kills; resume from the last periodic save) is expected.
+        # Any other failure of the sync point would silently turn off saving on SIGTERM: let it stop the run.
+        if _PREEMPTION_SERVICE_OFF in str(e):
+            return False
+        raise
 
 
 def _state_dir(path: str, key: str) -> epath.Path:
@@ -182,18 +184,30 @@ class Checkpoints:
     def __init__(self, cfg: Config, trainer: Trainer) -> None:
         self.cfg, self.trainer = cfg, trainer
         self.manager = _manager(cfg) if cfg.enable_checkpointing else None
+        self._pending: int | None = None  # the step of the last save not yet known to be committed
+        self._quiet = QuietBackground().__enter__()
 
     def __enter__(self) -> Checkpoints:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        try:
+            self.close()
+        except CheckpointError:
+            if exc_type is None:  # else the error on its way out is the story; a second one would only hide it
+                raise
 
     def close(self) -> None:
-        """Waits for a save in flight: a run never exits with its last checkpoint half written."""
-        if self.manager is not None:
-            self.manager.close()
-            self.manager = None
+        """Waits for a save in flight: a run never exits with its last checkpoint half written (raises SaveFailed)."""
+        try:
+            self.wait()
+        finally:
+            manager, self.manager = self.manager, None
+            try:
+                if manager is not None:
+                    manager.close()
+            finally:
+                self._quiet.__exit__()
 
     # ------------------------------------------------------------------ restore
 
@@ -235,27 +249,37 @@ class Checkpoints:
                           f"{DAMAGED_SUFFIX}); move them away to start this run from scratch")
 
     def _try_restore(self, step: int, target: TrainState) -> tuple[TrainState, dict[str, Any]] | None:
-        """The restored step, or None after setting a damaged step aside; a model mismatch raises instead."""
-        problem: BaseException | None = None
-        restored: Any = None
-        try:
-            saved = self.manager.item_metadata(step)["state"]
-            if saved is None or not jax.tree.leaves(saved.tree):
-                raise ValueError("the state metadata is missing")
-        except Exception as e:  # noqa: BLE001 - any failure to read is damage
-            problem = e
-        else:
-            check_matches(saved.tree, target, f"checkpoint step {step} in {self.cfg.checkpoint_dir}")
-            try:
-                args = ocp.args.Composite(state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore())
-                restored = self.manager.restore(step, args=args)
-            except Exception as e:  # noqa: BLE001
-                problem = e
+        """The restored step, or None after all processes set a damaged step aside; any other failure raises."""
+        where = f"checkpoint step {step} in {self.cfg.checkpoint_dir}"
         aside = self._aside_name(step)  # chosen before the agreement: after it, process 0 may have renamed already
-        if not _all_processes(problem is None):
+        restored, problem = None, None
+        try:
+            restored = self._read(step, target, where)
+        except Exception as e:  # noqa: BLE001 - classified below, after every process has tried
+            problem = e
+        mine = Outcome.FAILED if isinstance(problem, ConfigError) else outcome_of(problem)
+        agreed = agree(mine)
+        if agreed is Outcome.FAILED:
+            if isinstance(problem, ConfigError):
+                raise problem
+            cause = reason(problem) if mine is Outcome.FAILED else "it failed to read on another process"
+            raise CheckpointError(f"{where} could not be read ({cause}); that is not damage, so nothing was set "
+                                  "aside: fix the cause and start the run again") from problem
+        if agreed is Outcome.DAMAGED:
             self._set_aside(step, aside, problem)
             return None
-        return restored.state, _this_process(restored.data, f"checkpoint step {step}")
+        return restored
+
+    def _read(self, step: int, target: TrainState, where: str) -> tuple[TrainState, dict[str, Any]]:
+        """This process's own read of one step: orbax's handlers, unlike the manager's restore, hold no barrier."""
+        step_dir = epath.Path(self.cfg.checkpoint_dir) / str(step)
+        saved = ocp.PyTreeCheckpointHandler().metadata(step_dir / "state").tree
+        if saved is None or not jax.tree.leaves(saved):
+            raise Damaged("the state metadata is empty")
+        check_matches(saved, target, where)
+        state = ocp.StandardCheckpointHandler().restore(step_dir / "state", args=ocp.args.StandardRestore(target))
+        data = ocp.JsonCheckpointHandler().restore(step_dir / "data")
+        return jax.block_until_ready(state), _this_process(data, f"checkpoint step {step}")
 
     def _aside_name(self, step: int) -> str:
         aside = epath.Path(self.cfg.checkpoint_dir) / f"{step}{DAMAGED_SUFFIX}"
@@ -266,8 +290,8 @@ class Checkpoints:
     def _set_aside(self, step: int, aside: str, problem: BaseException | None) -> None:
         """Renames a damaged step out of the manager's sight, so that the step can be saved again later."""
         path = epath.Path(self.cfg.checkpoint_dir) / str(step)
-        reason = _one_line(problem) if problem is not None else "unreadable on another process"
-        print(f"checkpoint step {step} is damaged ({reason}); set aside as {aside}, trying the previous one",
+        why = reason(problem) if problem is not None else "unreadable on another process"
+        print(f"checkpoint step {step} is damaged ({why}); set aside as {aside}, trying the previous one",
               flush=True)
         if jax.process_index() == 0:
             path.rename(path.with_name(aside))
@@ -285,15 +309,36 @@ class Checkpoints:
 
     def save(self, step: int, state: TrainState, data_state: dict[str, Any]) -> None:
         """Returns once the state is copied to host memory (the next step may donate it); writing goes on behind."""
+        self.wait()  # orbax would wait for the previous save anyway; this names its step if it failed
         print(f"saving checkpoint at step {step}", flush=True)
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(state),
             data=ocp.args.JsonSave(_gather_data_states(data_state)),
             config=ocp.args.JsonSave(json.loads(json.dumps(dataclasses.asdict(self.cfg), default=str))),
         )
-        self.manager.save(step, args=args, force=True)
+        self._pending = step
+        self._finish(lambda: self.manager.save(step, args=args, force=True))
+
+    def raise_if_save_failed(self) -> None:
+        """Raises SaveFailed once the last save's background commit has failed; never waits for one still writing.
+
+        Called at every step boundary, so a failed save stops the run within a step of failing.
+        """
+        if self._pending is not None and not self.manager.is_saving_in_progress():
+            self.wait()  # the commit is over: this returns at once, or raises its error
 
     def wait(self) -> None:
-        """Blocks until the last save is committed (raises if writing it failed)."""
-        if self.manager is not None:
-            self.manager.wait_until_finished()
+        """Blocks until the last save is committed; raises SaveFailed naming its step if writing it failed."""
+        if self.manager is not None and self._pending is not None:
+            self._finish(self.manager.wait_until_finished)
+
+    def _finish(self, call: Callable[[], object]) -> None:
+        """Runs a manager call that may surface a save's failure; clears the pending step once it is settled."""
+        step = self._pending
+        try:
+            call()
+        except Exception as e:  # noqa: BLE001 - whatever broke the save, the run must stop naming it
+            self._pending = None
+            raise SaveFailed(step, e) from e
+        if not self.manager.is_saving_in_progress():
+            self._pending = None

@@ -93,6 +93,7 @@ def end_of_step(
     step: int, state: TrainState, batches: data.InputIterator, ckpt: checkpoint.Checkpoints, sigterm: threading.Event
 ) -> bool:
     """Saves when due after `step` steps; True when a preemption notice says to stop here."""
+    ckpt.raise_if_save_failed()
     preempted = checkpoint.preemption_reached(step, sigterm)
     if ckpt.due(step, preempted):
         ckpt.save(step, state, batches.get_state())
@@ -167,6 +168,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"maxshard: error: {e}", file=sys.stderr)
         return 2
+    except checkpoint.CheckpointError as e:  # a failed save, or a checkpoint unreadable for a reason other than damage
+        print(f"maxshard: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

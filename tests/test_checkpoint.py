@@ -1,28 +1,21 @@
 """Checkpoints lose nothing: exact resume, SIGKILL and SIGTERM mid-run, damaged files, resharding, mismatches.
 
-The training runs are subprocesses (`python -m maxshard.train`) on the real text corpus, so the data iterator state
-is part of every resume. They share one persistent compilation cache: the tiny model compiles once for the module,
-and later runs load the same executables. Losses are compared bit for bit through each run's metrics.jsonl (the
-last record of each step wins, since a resumed run appends to the file of the run it continues).
+The training runs are subprocesses (`python -m maxshard.train`, tests/training_runs.py) on the real text corpus, so
+the data iterator state is part of every resume. Losses are compared bit for bit through each run's metrics.jsonl.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import random
 import re
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 
 from maxshard import checkpoint, config, loading
@@ -30,92 +23,9 @@ from maxshard.config import ConfigError
 from maxshard.step import Trainer
 
 from helpers import mesh_for, tiny_config
-
-REPO = Path(__file__).resolve().parent.parent
-BASE = str(REPO / "configs" / "base.yml")
-STEPS = 8
-RUN = (
-    "cpu_device_count=8", "dataset_type=text", "emb_dim=32", "num_layers=2", "num_heads=2", "num_kv_heads=2",
-    "head_dim=16", "mlp_dim=64", "max_target_length=32", "per_device_batch_size=1", "eval_period=0", "log_period=1",
-    f"learning_rate_schedule_steps={STEPS}", "checkpoint_period=4", "enable_tensorboard=false",
-)
-TIMEOUT = 240
-
-
-# --------------------------------------------------------------------------------------------- helpers
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    cache = tmp_path_factory.mktemp("jax_cache")
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(cache),
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
-
-
-def argv(base: Path, *extra: str) -> list[str]:
-    keys = {item.split("=")[0]: item for item in (*RUN, f"base_output_directory={base}", f"steps={STEPS}", *extra)}
-    return [sys.executable, "-m", "maxshard.train", BASE, *keys.values()]  # a key given twice is an error: last wins
-
-
-def train(env: dict[str, str], base: Path, *extra: str) -> str:
-    """Runs a training subprocess to its end; returns its output (stdout and stderr)."""
-    done = subprocess.run(argv(base, *extra), cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout
-
-
-def start(env: dict[str, str], base: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen(argv(base, *extra), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-
-
-def read_until(proc: subprocess.Popen, pattern: str) -> str:
-    """Output up to and including the first line matching `pattern` (fails if the process ends first)."""
-    seen = []
-    for line in proc.stdout:
-        seen.append(line)
-        if re.search(pattern, line):
-            return "".join(seen)
-    proc.wait()
-    raise AssertionError(f"no line matched {pattern!r}:\n{''.join(seen)}")
-
-
-def losses(base: Path) -> dict[int, float]:
-    records = [json.loads(line) for line in (base / "default" / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records if "loss" in r}
-
-
-def resumed_step(output: str) -> int:
-    found = re.search(r"resuming from step (\d+)", output)
-    assert found, output
-    return int(found.group(1))
-
-
-def step_dir(base: Path, step: int) -> Path:
-    return base / "default" / "checkpoints" / str(step)
-
-
-def saved_state(base: Path, step: int) -> Any:
-    """The train state of a checkpoint as numpy arrays (no mesh needed)."""
-    path = step_dir(base, step) / "state"
-    as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray),
-                            ocp.PyTreeCheckpointHandler().metadata(path).tree)
-    return ocp.PyTreeCheckpointer().restore(path, args=ocp.args.PyTreeRestore(restore_args=as_numpy))
-
-
-def assert_same_tree(a: Any, b: Any) -> None:
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        np.testing.assert_array_equal(x, y)
-
-
-@pytest.fixture(scope="module")
-def reference(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The uninterrupted run: STEPS steps straight, checkpoints at 4 and 8."""
-    base = tmp_path_factory.mktemp("reference")
-    train(env, base)
-    assert sorted(losses(base)) == list(range(1, STEPS + 1))
-    return base
+from benchmarks import crash_resume
+from training_runs import (BASE, RUN, STEPS, argv, assert_same_tree, losses, read_until, resumed_step, saved_state,
+                           started, started_from, step_dir, train)
 
 
 # --------------------------------------------------------------------------------------------- resume
@@ -131,43 +41,33 @@ def test_stop_and_resume_is_exact(env, reference, tmp_path):
     assert "run already complete" in train(env, tmp_path)
 
 
-def started_from(output: str) -> int:
-    found = re.search(r"resuming from step (\d+)|starting from step 0", output)
-    assert found, output
-    return int(found.group(1) or 0)
-
-
 @pytest.mark.slow
-def test_sigkill_during_save_and_at_random_then_resume(env, reference, tmp_path):
-    proc = start(env, tmp_path, "checkpoint_period=2")
-    read_until(proc, r"saving checkpoint at step 4")
-    proc.send_signal(signal.SIGKILL)  # the step-2 save may still be writing, the step-4 one is starting
-    proc.wait(timeout=30)
-    unfinished = tmp_path / "default" / "checkpoints" / "7.orbax-checkpoint-tmp" / "state"
+def test_sigkill_at_five_seeded_points_and_a_half_written_save_then_resume_is_exact(env, reference, tmp_path):
+    """benchmarks/crash_resume.py's chain: each start is SIGKILLed past where it resumed, some kills mid-save."""
+    command = argv(tmp_path, "checkpoint_period=1")
+    chain = crash_resume.kill_chain(command, env, kills=1, steps=STEPS, seed=3)
+    unfinished = tmp_path / "default" / "checkpoints" / f"{STEPS - 1}.orbax-checkpoint-tmp" / "state"
     unfinished.mkdir(parents=True)  # what a save killed halfway leaves, at a step later than any complete one
     (unfinished / "_METADATA").write_text('{"tree_metadata": {')
-    proc = start(env, tmp_path, "checkpoint_period=2")
-    first = started_from(read_until(proc, r"resuming from step|starting from step 0"))
-    kill_after = random.Random(5).randint(first + 1, STEPS - 1)
-    read_until(proc, rf"^step {kill_after}/")
-    proc.send_signal(signal.SIGKILL)  # at a step boundary chosen at random (fixed seed), maybe mid-save
-    proc.wait(timeout=30)
-    output = train(env, tmp_path, "checkpoint_period=2")
-    last = started_from(output)
-    assert first in (0, 2, 4) and first <= last  # never the unfinished step 7
+    chain += crash_resume.kill_chain(command, env, kills=4, steps=STEPS, seed=4)
+    last = started_from(train(env, tmp_path, "checkpoint_period=1"))
+    resumed = [r for _, r in chain[1:]] + [last]
+    for (kill, _), after in zip(chain, resumed):
+        assert after >= kill.step - 1, chain  # a kill loses at most the save in flight, never the one before it
+    assert resumed[0] < STEPS - 1  # never the half-written step, which that start removed
     assert not list(unfinished.parent.parent.glob("*.orbax-checkpoint-tmp*"))
-    after = {step: loss for step, loss in losses(tmp_path).items() if step > last}
-    assert after == {step: loss for step, loss in losses(reference).items() if step > last}
+    logged = crash_resume.logged_losses(tmp_path / "default")  # every start's records, each compared on its own
+    assert crash_resume.differences(losses(reference), logged, STEPS) == []
     assert_same_tree(saved_state(tmp_path, STEPS), saved_state(reference, STEPS))
 
 
 @pytest.mark.slow
 def test_sigterm_saves_exits_zero_and_resume_loses_no_step(env, reference, tmp_path):
-    proc = start(env, tmp_path)
-    read_until(proc, r"starting from step 0")  # the handler is installed from here on
-    proc.send_signal(signal.SIGTERM)
-    sent = time.monotonic()
-    output = proc.communicate(timeout=120)[0]
+    with started(env, tmp_path) as proc:
+        read_until(proc, r"starting from step 0")  # the handler is installed from here on
+        proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        output = proc.communicate(timeout=120)[0]
     assert proc.returncode == 0, output
     assert time.monotonic() - sent < 60
     stopped = int(re.search(r"preempted: stopping after step (\d+), checkpoint saved", output).group(1))

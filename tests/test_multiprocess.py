@@ -1,18 +1,22 @@
-"""Two processes x 4 CPU devices on loopback train exactly like one process with 8 devices.
+"""Two processes x 4 CPU devices on loopback train exactly like one process with 8 devices, and resume together.
 
 Each process is a slice (`num_slices=2`); a DCN axis spans them. The synthetic batches are the same global arrays
-in both runs, so the losses must agree (to 1e-5: the collectives sum in another order across processes).
+in both runs, so the losses must agree (to 1e-5: the collectives sum in another order across processes). All runs
+share the session's persistent compilation cache (conftest.py's `env`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -33,16 +37,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
-    return env
-
-
-def _trainer(args: list[str], **kwargs) -> subprocess.Popen:
+def _trainer(env: dict[str, str], args: list[str], **kwargs) -> subprocess.Popen:
     overrides = {item.split("=", 1)[0]: item for item in (*TINY, *args)}  # later wins
     cmd = [sys.executable, "-m", "maxshard.train", "configs/base.yml", *overrides.values()]
-    return subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
+    env = {k: v for k, v in env.items() if k != "XLA_FLAGS"}
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
+
+
+@contextlib.contextmanager
+def _killed_on_exit(procs: list[subprocess.Popen]) -> Iterator[list[subprocess.Popen]]:
+    """The processes, SIGKILLed and reaped on the way out if still running: no test leaves one behind."""
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
 
 
 def _losses(run_dir: Path) -> list[float]:
@@ -50,11 +61,11 @@ def _losses(run_dir: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in lines if "loss" in json.loads(line)]
 
 
-def _two_processes(tmp_path: Path, layout: list[str]) -> list[subprocess.Popen]:
+def _two_processes(env: dict[str, str], tmp_path: Path, layout: list[str]) -> list[subprocess.Popen]:
     port = _free_port()
     common = [f"base_output_directory={tmp_path}", "run_name=multi", "cpu_device_count=4", "num_slices=2",
               f"coordinator_address=127.0.0.1:{port}", "process_count=2", *layout]
-    return [_trainer([*common, f"process_id={i}"]) for i in range(2)]
+    return [_trainer(env, [*common, f"process_id={i}"]) for i in range(2)]
 
 
 @pytest.mark.parametrize(
@@ -65,11 +76,12 @@ def _two_processes(tmp_path: Path, layout: list[str]) -> list[subprocess.Popen]:
     ],
     ids=["dcn_data", "dcn_fsdp"],
 )
-def test_two_processes_match_one_process(tmp_path, layout):
-    procs = _two_processes(tmp_path, layout)
-    single = _trainer([f"base_output_directory={tmp_path}", "run_name=single", "cpu_device_count=8",
+def test_two_processes_match_one_process(env, tmp_path, layout):
+    procs = _two_processes(env, tmp_path, layout)
+    single = _trainer(env, [f"base_output_directory={tmp_path}", "run_name=single", "cpu_device_count=8",
                        "ici_fsdp_parallelism=8"])
-    outputs = [p.communicate(timeout=240)[0] for p in [*procs, single]]
+    with _killed_on_exit([*procs, single]):
+        outputs = [p.communicate(timeout=240)[0] for p in [*procs, single]]
     for p, out in zip([*procs, single], outputs):
         assert p.returncode == 0, out[-3000:]
     multi_losses, single_losses = _losses(tmp_path / "multi"), _losses(tmp_path / "single")
@@ -77,20 +89,44 @@ def test_two_processes_match_one_process(tmp_path, layout):
     np.testing.assert_allclose(multi_losses, single_losses, rtol=1e-5)
 
 
-def test_survivor_exits_when_a_peer_dies(tmp_path):
-    procs = _two_processes(tmp_path, ["dcn_data_parallelism=2", "ici_fsdp_parallelism=4", "steps=100000",
+def test_survivor_exits_when_a_peer_dies(env, tmp_path):
+    procs = _two_processes(env, tmp_path, ["dcn_data_parallelism=2", "ici_fsdp_parallelism=4", "steps=100000",
                                      "distributed_timeout=15"])
-    deadline = time.time() + 180
-    metrics = tmp_path / "multi" / "metrics.jsonl"
-    while time.time() < deadline and not (metrics.exists() and metrics.read_text().strip()):
-        time.sleep(0.5)
-    assert metrics.exists(), "training never started: " + "".join(p.poll() is not None and p.stdout.read() or "" for p in procs)
-    procs[1].send_signal(signal.SIGKILL)
-    start = time.time()
-    try:
+    with _killed_on_exit(procs):
+        deadline = time.time() + 180
+        metrics = tmp_path / "multi" / "metrics.jsonl"
+        while time.time() < deadline and not (metrics.exists() and metrics.read_text().strip()):
+            time.sleep(0.5)
+        assert metrics.exists(), "training never started: " + "".join(
+            p.poll() is not None and p.stdout.read() or "" for p in procs)
+        procs[1].send_signal(signal.SIGKILL)
+        start = time.time()
         procs[0].wait(timeout=120)
-    finally:
-        for p in procs:
-            p.kill()
     assert procs[0].returncode != 0
     assert time.time() - start < 120
+
+
+def _run_two(env: dict[str, str], tmp_path: Path, layout: list[str]) -> list[str]:
+    """Both processes' outputs after they ran to their end (both must exit 0)."""
+    with _killed_on_exit(_two_processes(env, tmp_path, layout)) as procs:
+        outputs = [p.communicate(timeout=240)[0] for p in procs]
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out[-3000:]
+    return outputs
+
+
+def test_damage_only_one_process_sees_makes_both_fall_back(env, tmp_path):
+    """Process 1 alone reads the shards in its own data files: truncate one and only it sees the damage."""
+    layout = ["dcn_data_parallelism=1", "dcn_fsdp_parallelism=2", "ici_fsdp_parallelism=4", "checkpoint_period=2",
+              "enable_tensorboard=false", "distributed_timeout=120"]  # 4 process starts: slack for a loaded machine
+    _run_two(env, tmp_path, layout)
+    first = _losses(tmp_path / "multi")
+    checkpoints = tmp_path / "multi" / "checkpoints"
+    shard = max((checkpoints / "4" / "state" / "ocdbt.process_1" / "d").iterdir(), key=lambda p: p.stat().st_size)
+    os.truncate(shard, shard.stat().st_size // 2)
+    outputs = _run_two(env, tmp_path, layout)
+    assert re.search(r"checkpoint step 4 is damaged \(ValueError: [A-Z_]+: .+\); set aside as 4.damaged", outputs[1])
+    assert "checkpoint step 4 is damaged (unreadable on another process); set aside as 4.damaged" in outputs[0]
+    assert all("resuming from step 2" in out for out in outputs)
+    assert _losses(tmp_path / "multi") == first + first[2:]  # steps 3 and 4 again, bit for bit
+    assert (checkpoints / "4.damaged").is_dir() and (checkpoints / "4" / "state").is_dir()
