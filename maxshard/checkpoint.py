@@ -47,6 +47,8 @@ from jax.experimental import multihost_utils
 
 from maxshard.checkpoint_health import (CheckpointError, Damaged, Outcome, QuietBackground, SaveFailed, agree,
                                         outcome_of, reason)
+from maxshard import checkpoint_layout
+from maxshard.checkpoint_layout import check_matches
 from maxshard.config import Config, ConfigError
 from maxshard.step import Trainer, TrainState
 
@@ -64,34 +66,6 @@ def target_state(trainer: Trainer) -> TrainState:
         nn.unbox(trainer.abstract_state),
         trainer.state_shardings,
     )
-
-
-def _key_name(key: Any) -> str:
-    """One path element as text, whatever pytree node made it (dict key, attribute, sequence index)."""
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
-def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
-    """'params/decoder/.../kernel' -> shape; the same names for a live TrainState and orbax's metadata tree."""
-    leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return {"/".join(_key_name(k) for k in path): tuple(leaf.shape) for path, leaf in leaves}
-
-
-def check_matches(saved: Any, target: Any, where: str) -> None:
-    """One-line ConfigError naming the first array whose name or shape differs (dtypes are cast on restore)."""
-    have, want = _shapes(saved), _shapes(target)
-    for path, shape in want.items():
-        if path not in have:
-            raise ConfigError(f"{where} does not match the model: it has no {path} (shape {shape} in the model)")
-        if have[path] != shape:
-            raise ConfigError(f"{where} does not match the model: {path} has shape {have[path]} in the checkpoint, "
-                              f"{shape} in the model")
-    extra = [path for path in have if path not in want]
-    if extra:
-        raise ConfigError(f"{where} does not match the model: it has {extra[0]}, which the model lacks")
 
 
 def _gather_data_states(local: dict[str, Any]) -> dict[str, Any]:
@@ -144,22 +118,34 @@ def _state_dir(path: str, key: str) -> epath.Path:
     return state_dir
 
 
+def restore(state_dir: epath.Path, target: Any, saved: Any) -> Any:
+    """`target` (abstract arrays with this run's shardings) read from a state directory whose metadata tree is
+    `saved`: directly when both have the same layout, else through `checkpoint_layout` (pipelined <-> scanned)."""
+    handler = ocp.StandardCheckpointHandler()
+    if not checkpoint_layout.needs_relayout(saved, target):
+        return handler.restore(state_dir, args=ocp.args.StandardRestore(target))
+    read = checkpoint_layout.read_target(saved, target)
+    return checkpoint_layout.relayout(handler.restore(state_dir, args=ocp.args.StandardRestore(read)), target)
+
+
 def load_full_state(path: str, trainer: Trainer) -> TrainState:
-    """Step, params and optimizer state of another run's checkpoint, on this run's mesh."""
+    """Step, params and optimizer state of another run's checkpoint, on this run's mesh and layout."""
     state_dir, target = _state_dir(path, "load_full_state_path"), target_state(trainer)
-    check_matches(ocp.PyTreeCheckpointHandler().metadata(state_dir).tree, target, f"load_full_state_path={path}")
-    return ocp.StandardCheckpointer().restore(state_dir, target)
+    saved = ocp.PyTreeCheckpointHandler().metadata(state_dir).tree
+    check_matches(saved, target, f"load_full_state_path={path}")
+    return restore(state_dir, target, saved)
 
 
 def load_parameters(path: str, trainer: Trainer) -> TrainState:
     """A fresh state (step 0, new optimizer moments) whose params come from a checkpoint: fine-tuning."""
     state_dir = _state_dir(path, "load_parameters_path")
     target = {"params": target_state(trainer).params}
-    saved = ocp.PyTreeCheckpointHandler().metadata(state_dir).tree
-    check_matches({"params": saved["params"]}, target, f"load_parameters_path={path}")
-    args = ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+    saved = {"params": ocp.PyTreeCheckpointHandler().metadata(state_dir).tree["params"]}
+    check_matches(saved, target, f"load_parameters_path={path}")
+    read = checkpoint_layout.read_target(saved, target) if checkpoint_layout.needs_relayout(saved, target) else target
+    args = ocp.args.PyTreeRestore(item=read, restore_args=ocp.checkpoint_utils.construct_restore_args(read),
                                   partial_restore=True)
-    params = ocp.PyTreeCheckpointer().restore(state_dir, args=args)["params"]
+    params = checkpoint_layout.relayout(ocp.PyTreeCheckpointer().restore(state_dir, args=args), target)["params"]
     # Only the optimizer is initialised: a full init would hold a second, random copy of every parameter.
     fresh = jax.jit(lambda p: TrainState(jnp.zeros((), jnp.int32), p, trainer.tx.init(p)),
                     out_shardings=trainer.state_shardings)
@@ -277,7 +263,7 @@ class Checkpoints:
         if saved is None or not jax.tree.leaves(saved):
             raise Damaged("the state metadata is empty")
         check_matches(saved, target, where)
-        state = ocp.StandardCheckpointHandler().restore(step_dir / "state", args=ocp.args.StandardRestore(target))
+        state = restore(step_dir / "state", target, saved)
         data = ocp.JsonCheckpointHandler().restore(step_dir / "data")
         return jax.block_until_ready(state), _this_process(data, f"checkpoint step {step}")
 
