@@ -38,7 +38,7 @@ def ci_script() -> list[str]:
 
 
 def without_flags(command: str, flags: set[str]) -> list[str]:
-    return [token for token in shlex.split(command) if token not in flags]
+    return [token for token in shlex.split(command, comments=True) if token not in flags]
 
 
 def test_ci_runs_the_readme_setup_and_test_command():
