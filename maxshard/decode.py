@@ -11,8 +11,8 @@ Steps (both compiled once, ahead of the timed run):
     prefill  [batch, P] prompt -> cache slots 0..P-1 written; the logits at each sequence's last real token give
              its first new token
     decode   [batch] last tokens at positions [batch] (each sequence's own length so far) -> one new token each
-Cache length S = P + max_new_tokens. A sequence that emits end-of-sequence is done: from then on it emits PAD and
-the loop stops as soon as every sequence is done or max_new_tokens are generated.
+Cache length S = P + max_new_tokens. A sequence that emits end-of-sequence is done: from then on it emits PAD, and
+the loop stops once every sequence is done (checked every few steps) or max_new_tokens are generated.
 
 MoE models route dropless here (`decode_model`): with capacity-based dropping a token's output would depend on
 which other tokens share its sequence in this call, so a cached decode could not match the full forward pass.
@@ -41,6 +41,10 @@ from maxshard.sampling import Sampling, sample
 from maxshard.step import mesh_context
 
 __all__ = ["decode_model", "Engine", "Result", "batch_multiple"]
+
+# The host asks whether every sequence is done only every this many steps: in between it queues steps without
+# waiting for the device. A finished batch runs at most this many - 1 extra steps, which only emit PAD.
+_CHECK_DONE_EVERY = 8
 
 
 def decode_model(model: ModelConfig) -> ModelConfig:
@@ -101,16 +105,18 @@ class Engine:
         positions = jnp.broadcast_to(jnp.arange(prompts.shape[1], dtype=jnp.int32), prompts.shape)
         logits, cache = self._apply(params, cache, prompts, positions)
         last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [batch, vocab]
-        chosen = sample(last, self.allowed, key, *sampling)
+        chosen = sample(last, self.allowed, jax.random.fold_in(key, 0), *sampling)
         return chosen, last, cache, chosen == eos_pad[0], lengths
 
     def _decode(self, params: Any, cache: Any, tokens: jax.Array, positions: jax.Array, done: jax.Array,
-                key: jax.Array, eos_pad: jax.Array, sampling: tuple[jax.Array, ...]) -> Any:
+                key: jax.Array, index: jax.Array, eos_pad: jax.Array, sampling: tuple[jax.Array, ...]) -> Any:
         """tokens at positions [batch], done [batch] -> (next tokens, logits [batch, vocab], cache, done, positions
-        + 1); eos_pad = (eos, pad): a sequence that is done emits PAD."""
+        + 1); new token `index` draws with fold_in(key, index); eos_pad = (eos, pad): a finished sequence emits PAD.
+        """
         logits, cache = self._apply(params, cache, tokens[:, None], positions[:, None])
         logits = logits[:, 0]
-        chosen = jnp.where(done, eos_pad[1], sample(logits, self.allowed, key, *sampling))
+        chosen = sample(logits, self.allowed, jax.random.fold_in(key, index), *sampling)
+        chosen = jnp.where(done, eos_pad[1], chosen)
         return chosen, logits, cache, done | (chosen == eos_pad[0]), positions + 1
 
     # ------------------------------------------------------------------ shapes, shardings, compilation
@@ -143,14 +149,16 @@ class Engine:
             knobs = Sampling().arrays()
             step_out = (rows, rows, cache_shardings, rows, rows)  # tokens, logits, cache, done, positions
             scalars = (replicated, replicated, (replicated,) * 3)  # key, eos_pad, sampling
+            index = jax.ShapeDtypeStruct((), jnp.int32)
             prefill = jax.jit(self._prefill, donate_argnums=1, out_shardings=step_out,
                               in_shardings=(params_shardings, cache_shardings, rows, rows, *scalars))
             prefill = prefill.lower(self.params, zeros, jax.ShapeDtypeStruct((batch, prompt_length), jnp.int32),
                                     vector, key, pair, knobs).compile()
             decode = jax.jit(self._decode, donate_argnums=1, out_shardings=step_out,
-                             in_shardings=(params_shardings, cache_shardings, rows, rows, rows, *scalars))
+                             in_shardings=(params_shardings, cache_shardings, rows, rows, rows, replicated,
+                                           replicated, replicated, (replicated,) * 3))
             decode = decode.lower(self.params, zeros, vector, vector, jax.ShapeDtypeStruct((batch,), bool), key,
-                                  pair, knobs).compile()
+                                  index, pair, knobs).compile()
         self._compiled[shape] = (new_cache, prefill, decode)
         return self._compiled[shape]
 
@@ -192,19 +200,19 @@ class _Run:
         cache = jax.block_until_ready(self.new_cache())
         eos_pad = np.array([eos_id, pad_id], np.int32)
         started = time.perf_counter()
-        token, logits, cache, done, positions = self.prefill(params, cache, tokens, lengths,
-                                                             jax.random.fold_in(self.key, 0), eos_pad,
+        token, logits, cache, done, positions = self.prefill(params, cache, tokens, lengths, self.key, eos_pad,
                                                              self.sampling)
         jax.block_until_ready(done)
         prefill_seconds = time.perf_counter() - started
         generated, steps = [token], 0
         logits_kept.append(logits)
         started = time.perf_counter()
-        while steps + 1 < max_new_tokens and not bool(np.all(jax.device_get(done)[:real_rows])):
+        while steps + 1 < max_new_tokens:
+            if steps % _CHECK_DONE_EVERY == 0 and bool(np.all(jax.device_get(done)[:real_rows])):
+                break
             steps += 1
-            token, logits, cache, done, positions = self.decode(params, cache, token, positions, done,
-                                                                jax.random.fold_in(self.key, steps), eos_pad,
-                                                                self.sampling)
+            token, logits, cache, done, positions = self.decode(params, cache, token, positions, done, self.key,
+                                                                np.int32(steps), eos_pad, self.sampling)
             generated.append(token)
             if self.keep_logits:
                 logits_kept.append(logits)

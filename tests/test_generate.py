@@ -124,15 +124,24 @@ def test_every_decode_step_equals_the_full_forward_pass(model, dense):
 # --------------------------------------------------------------------------------------------- layouts
 
 
-@pytest.mark.parametrize("layout", [
-    ("ici_fsdp_parallelism=8",),
-    ("ici_tensor_parallelism=8",),
-    ("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"),
+def _shards(entry, mesh_shape) -> int:
+    axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+    return int(np.prod([mesh_shape[a] for a in axes]))
+
+
+@pytest.mark.parametrize(("layout", "batch_shards", "head_shards"), [
+    (("ici_fsdp_parallelism=8",), 8, 1),
+    (("ici_tensor_parallelism=8",), 1, 8),
+    (("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"), 4, 2),
 ], ids=["fsdp8", "tensor8", "fsdp4_tensor2"])
-def test_greedy_tokens_are_the_same_on_every_layout(layout, dense):
+def test_greedy_tokens_are_the_same_on_every_layout(layout, batch_shards, head_shards, dense):
     _, params, _, reference = dense
-    result = _generate(_engine(_config("dense", *layout), params))
-    assert result.tokens == reference.tokens
+    engine = _engine(_config("dense", *layout), params)
+    assert _generate(engine).tokens == reference.tokens
+    # ... and the cache [layers, batch, kv_heads, length, head_dim] really is split as the layout says
+    specs = sharding.tree_specs(engine.abstract_cache(8, 15), engine.rules, dict(engine.mesh.shape))
+    spec = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))[0]
+    assert (_shards(spec[1], engine.mesh.shape), _shards(spec[2], engine.mesh.shape)) == (batch_shards, head_shards)
 
 
 # --------------------------------------------------------------------------------------------- sampling
