@@ -21,7 +21,7 @@ from maxshard.decode import Engine, Result
 from maxshard.model import count_params
 from maxshard.sampling import Sampling, allowed_tokens
 
-__all__ = ["main", "run", "read_prompts", "encode_prompts", "USAGE"]
+__all__ = ["main", "run", "read_prompts", "encode_prompts", "completion_text", "USAGE"]
 
 USAGE = """usage: python -m maxshard.generate CONFIG.yml [key=value ...]
 
@@ -48,7 +48,9 @@ def read_prompts(cfg: Config) -> list[str]:
     return prompts
 
 
-def encode_prompts(prompts: Sequence[str], tokenizer: Tokenizer, max_length: int, max_new_tokens: int) -> list[list[int]]:
+def encode_prompts(
+    prompts: Sequence[str], tokenizer: Tokenizer, max_length: int, max_new_tokens: int
+) -> list[list[int]]:
     """BOS + tokens of each prompt (documents start with BOS in training); checks that prompt + max_new_tokens
     fits in the model's `max_target_length`, the longest sequence its positions were trained on."""
     encoded = [[tokenizer.bos_id, *tokenizer.encode(p)] for p in prompts]
@@ -64,6 +66,11 @@ def encode_prompts(prompts: Sequence[str], tokenizer: Tokenizer, max_length: int
     return encoded
 
 
+def completion_text(tokenizer: Tokenizer, ids: Sequence[int]) -> str:
+    """Generated ids -> text, without the end-of-sequence token (byte-level or SentencePiece alike)."""
+    return tokenizer.decode([int(t) for t in ids if t != tokenizer.eos_id])
+
+
 def _report(result: Result, real_rows: int) -> None:
     prefill_rate = result.prompt_tokens / max(result.prefill_seconds, 1e-9)
     decoded = result.decode_steps * real_rows
@@ -71,7 +78,8 @@ def _report(result: Result, real_rows: int) -> None:
     print(f"compiled prefill and decode in {result.compile_seconds:.1f}s", flush=True)
     print(f"prefill: {result.prompt_tokens} prompt tokens in {result.prefill_seconds * 1e3:.1f} ms "
           f"({prefill_rate:,.0f} tokens/s)", flush=True)
-    print(f"decode: {result.decode_steps} steps x {real_rows} sequences = {decoded} tokens in "
+    rows = f"{real_rows} sequence{'s' if real_rows > 1 else ''}"
+    print(f"decode: {result.decode_steps} steps x {rows} = {decoded} tokens in "
           f"{result.decode_seconds:.2f}s ({decode_rate:,.0f} tokens/s)", flush=True)
 
 
@@ -100,7 +108,7 @@ def run(argv: Sequence[str]) -> int:
     sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p)
     result = engine.generate(encoded, cfg.max_new_tokens, tokenizer.eos_id, tokenizer.pad_id, sampling, cfg.seed)
     _report(result, len(prompts))
-    completions = [tokenizer.decode([t for t in ids if t != tokenizer.eos_id]) for ids in result.tokens]
+    completions = [completion_text(tokenizer, ids) for ids in result.tokens]
     for i, (prompt, completion) in enumerate(zip(prompts, completions)):
         print(f"--- {i + 1}/{len(prompts)}\n{prompt}{completion}", flush=True)
     if cfg.generate_output:
