@@ -71,6 +71,14 @@ def completion_text(tokenizer: Tokenizer, ids: Sequence[int]) -> str:
     return tokenizer.decode([int(t) for t in ids if t != tokenizer.eos_id])
 
 
+def _shown(path: str) -> str:
+    """A local path below the working directory as a relative one (what the user typed), else unchanged."""
+    if "://" in path:
+        return path
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative
+
+
 def _report(result: Result, real_rows: int) -> None:
     prefill_rate = result.prompt_tokens / max(result.prefill_seconds, 1e-9)
     decoded = result.decode_steps * real_rows
@@ -101,7 +109,7 @@ def run(argv: Sequence[str]) -> int:
     encoded = encode_prompts(prompts, tokenizer, cfg.model.max_target_length, cfg.max_new_tokens)
     generation_mesh, rules = mesh.build(cfg), sharding.flax_rules(cfg)
     params = inference.restore_params(step_dir, cfg, generation_mesh, rules)
-    print(f"checkpoint: {step_dir} ({count_params(params) / 1e6:.2f}M parameters), mesh: "
+    print(f"checkpoint: {_shown(step_dir)} ({count_params(params) / 1e6:.2f}M parameters), mesh: "
           f"{mesh.describe(generation_mesh)}", flush=True)
     allowed = allowed_tokens(cfg.model.vocab_size, tokenizer.vocab_size, (tokenizer.pad_id, tokenizer.bos_id))
     engine = Engine(cfg.model, generation_mesh, rules, params, allowed)
