@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from maxshard import axis_names as ax
 from maxshard.sharding import constrain
 
-__all__ = ["COLLECTION", "CACHE_AXES", "KVCache", "decoding", "attend", "cache_length"]
+__all__ = ["COLLECTION", "CACHE_AXES", "KVCache", "decoding", "attend"]
 
 COLLECTION = "cache"
 CACHE_AXES = (ax.CACHE_BATCH, ax.CACHE_KV_HEADS, ax.CACHE_LENGTH, ax.CACHE_KV)  # [batch, kv_heads, length, head_dim]
@@ -41,11 +41,6 @@ def decoding(module: nn.Module) -> bool:
     """True when `module` runs for generation: the "cache" collection is mutable in an apply (never during init,
     where every collection is mutable and the training path must build the parameters)."""
     return module.is_mutable_collection(COLLECTION) and not module.is_initializing()
-
-
-def cache_length(cache: Any) -> int:
-    """max_length of a cache pytree (any layer's key, [..., batch, kv_heads, max_length, head_dim])."""
-    return jax.tree.leaves(cache)[0].shape[-2]
 
 
 def _zeros(shape: tuple[int, ...], dtype: Any) -> jax.Array:
