@@ -32,5 +32,11 @@ ACT_VOCAB = "activation_vocab"
 ACT_EXP = "activation_exp"
 ACT_STAGE = "activation_stage"
 
+# ---- the KV cache of generation [batch, kv_heads, max_length, head_dim] (layers/kv_cache.py)
+CACHE_BATCH = "cache_batch"
+CACHE_KV_HEADS = "cache_kv_heads"
+CACHE_LENGTH = "cache_length"
+CACHE_KV = "cache_kv"
+
 # ---- the input batch [batch, length]: sharded like the activations outside the pipeline
 INPUT_AXES = (EMBED_AND_LOGITS_BATCH, LENGTH)

@@ -136,16 +136,22 @@ def load_full_state(path: str, trainer: Trainer) -> TrainState:
     return restore(state_dir, target, saved)
 
 
-def load_parameters(path: str, trainer: Trainer) -> TrainState:
-    """A fresh state (step 0, new optimizer moments) whose params come from a checkpoint: fine-tuning."""
-    state_dir = _state_dir(path, "load_parameters_path")
-    target = {"params": target_state(trainer).params}
+def read_params(state_dir: epath.Path, target_params: Any, where: str) -> Any:
+    """Only the params of a checkpoint's state item (the optimizer moments are never read), onto `target_params`
+    (abstract arrays with shardings), whatever layout wrote them."""
+    target = {"params": target_params}
     saved = {"params": ocp.PyTreeCheckpointHandler().metadata(state_dir).tree["params"]}
-    check_matches(saved, target, f"load_parameters_path={path}")
+    check_matches(saved, target, where)
     read = checkpoint_layout.read_target(saved, target) if checkpoint_layout.needs_relayout(saved, target) else target
     args = ocp.args.PyTreeRestore(item=read, restore_args=ocp.checkpoint_utils.construct_restore_args(read),
                                   partial_restore=True)
-    params = checkpoint_layout.relayout(ocp.PyTreeCheckpointer().restore(state_dir, args=args), target)["params"]
+    return checkpoint_layout.relayout(ocp.PyTreeCheckpointer().restore(state_dir, args=args), target)["params"]
+
+
+def load_parameters(path: str, trainer: Trainer) -> TrainState:
+    """A fresh state (step 0, new optimizer moments) whose params come from a checkpoint: fine-tuning."""
+    state_dir = _state_dir(path, "load_parameters_path")
+    params = read_params(state_dir, target_state(trainer).params, f"load_parameters_path={path}")
     # Only the optimizer is initialised: a full init would hold a second, random copy of every parameter.
     fresh = jax.jit(lambda p: TrainState(jnp.zeros((), jnp.int32), p, trainer.tx.init(p)),
                     out_shardings=trainer.state_shardings)

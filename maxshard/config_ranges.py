@@ -38,7 +38,16 @@ def check_ranges(cfg: Config) -> Config:
             if value == 0 or value < -1:
                 raise ConfigError(f"{knob_name(family, axis)} must be a positive size or -1 (fill), got {value}")
     _check_moe(cfg)
+    _check_sampling(cfg)
     return cfg
+
+
+def _check_sampling(cfg: Config) -> None:
+    """Generation keys: a temperature of 0 means greedy; top_p is a probability mass in (0, 1]."""
+    if not cfg.temperature >= 0:
+        raise ConfigError(f"temperature must be >= 0 (0: greedy), got {cfg.temperature}")
+    if not 0 < cfg.top_p <= 1:
+        raise ConfigError(f"top_p must be in (0, 1] (1: off), got {cfg.top_p}")
 
 
 def _check_moe(cfg: Config) -> None:
@@ -94,6 +103,8 @@ _POSITIVE_INTS = {
     "grain_worker_count": 0,
     "grain_prefetch": 0,
     "data_shuffle_seed": 0,
+    "max_new_tokens": 1,
+    "top_k": 0,
 }
 _UNIT_INTERVALS = {  # key: (low, high, high included)
     "warmup_steps_fraction": (0.0, 1.0, True),

@@ -173,6 +173,15 @@ class Config:
     load_parameters_path: str = _path()
     load_full_state_path: str = _path()
 
+    # ---- generation (python -m maxshard.generate; see maxshard/generate.py)
+    prompt: str = ""
+    prompts_file: str = _path()
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    generate_output: str = _path()
+
     # ---- derived (set by config.finalize)
     explicit_keys: tuple[str, ...] = _derived(())
     mesh_rule_applied: str = _derived("")

@@ -13,7 +13,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "maxshard"
 
-CONFIG = ("maxshard.config", "maxshard.config_schema", "maxshard.config_ranges", "maxshard.model_config")
+CONFIG = ("maxshard.config", "maxshard.config_schema", "maxshard.config_ranges", "maxshard.config_structures",
+          "maxshard.model_config")
 LEAVES = ("maxshard.axis_names", "maxshard.units", "maxshard.perf", "maxshard.model_config")
 LAYER_DEPS = ("maxshard.axis_names", "maxshard.sharding", "maxshard.model_config", "maxshard.layers")
 
@@ -22,6 +23,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     **{leaf: () for leaf in LEAVES},
     "maxshard.config_schema": ("maxshard.model_config",),
     "maxshard.config_ranges": ("maxshard.config_schema", "maxshard.model_config"),
+    "maxshard.config_structures": ("maxshard.config_schema", "maxshard.model_config"),
     "maxshard.config": CONFIG,
     "maxshard.mesh": CONFIG,
     "maxshard.sharding": CONFIG,

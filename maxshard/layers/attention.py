@@ -2,6 +2,8 @@
 
 Shapes: x [batch, length, embed]; q [batch, length, heads, head_dim]; k, v [batch, length, kv_heads, head_dim].
 Query heads are grouped over kv heads: heads = kv_heads * group. Logits and softmax are float32.
+For generation (the "cache" collection mutable in an apply) k/v go to the KV cache and the queries attend over it
+(layers/kv_cache.py); otherwise, as in training, over this call's own k/v.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from maxshard import axis_names as ax
 from maxshard.model_config import ModelConfig
+from maxshard.layers import kv_cache
 from maxshard.layers.embeddings import apply_rope
 from maxshard.layers.linears import DenseGeneral
 from maxshard.sharding import constrain
@@ -49,6 +52,10 @@ class Attention(nn.Module):
         q = apply_rope(q, positions, cfg.rope_max_timescale) * (cfg.head_dim**-0.5)
         k = apply_rope(k, positions, cfg.rope_max_timescale)
 
+        if kv_cache.decoding(self):  # generation: this call's k/v join the cache; queries attend over it
+            keys, values, mask = kv_cache.KVCache(self.dtype, name="cache")(k, v, positions)
+            return self._output(kv_cache.attend(q, keys, values, mask, self.dtype))
+
         batch, length = q.shape[:2]
         q = q.reshape(batch, length, kv_heads, group, cfg.head_dim)  # [b, q, kv_heads, group, d]
         logits = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32)
@@ -56,6 +63,11 @@ class Attention(nn.Module):
         probs = jax.nn.softmax(logits, axis=-1)
         out = jnp.einsum("bhgqk,bkhd->bqhgd", jnp.asarray(probs, self.dtype), v)
         out = out.reshape(batch, length, cfg.num_heads, cfg.head_dim)
+        return self._output(out)
+
+    def _output(self, out: jax.Array) -> jax.Array:
+        """[batch, length, heads, head_dim] -> the output projection [batch, length, embed]."""
         out = constrain(out, (ax.BATCH, ax.LENGTH, ax.ACT_HEADS, ax.ACT_KV))
-        proj = DenseGeneral((cfg.emb_dim,), (ax.HEADS, ax.KV, ax.EMBED), 2, self.dtype, self.weight_dtype, name="out")
+        proj = DenseGeneral((self.cfg.emb_dim,), (ax.HEADS, ax.KV, ax.EMBED), 2, self.dtype, self.weight_dtype,
+                            name="out")
         return checkpoint_name(proj(out), "out_proj")

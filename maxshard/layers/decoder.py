@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from maxshard import axis_names as ax
 from maxshard.model_config import ModelConfig
+from maxshard.layers import kv_cache
 from maxshard.layers.attention import Attention
 from maxshard.layers.mlp import MLP
 from maxshard.layers.moe import MoEBlock
@@ -127,7 +128,7 @@ class Decoder(nn.Module):
         if cfg.scan_layers:
             stack = nn.scan(
                 layer,
-                variable_axes={"params": 0, "intermediates": 0},
+                variable_axes={"params": 0, "intermediates": 0, kv_cache.COLLECTION: 0},
                 split_rngs={"params": True},
                 in_axes=(nn.broadcast, nn.broadcast),
                 length=cfg.num_units,
