@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> None:
                          args.max_position_embeddings)
         print(f"wrote {r.num_tensors} tensors ({r.dtype}) to {args.hf_dir}: {', '.join(r.files)}, config.json")
         print(f"  config.json template: {r.template or 'none (defaults; see --template)'}")
-        print(f"  tokenizer: {', '.join(r.tokenizer_files) or 'none (the byte tokenizer has no Hugging Face file)'}")
+        print(f"  copied: {', '.join(r.tokenizer_files) or 'no tokenizer files found (the byte tokenizer has none)'}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
