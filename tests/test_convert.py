@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import jax
@@ -23,7 +24,8 @@ from safetensors import safe_open
 
 from maxshard import checkpoint, config, loading
 from maxshard.convert import __main__ as cli
-from maxshard.convert import hf_config, layout, orbax_io, safetensors_io
+from maxshard.config import ConfigError
+from maxshard.convert import hf_config, layout, orbax_io, safetensors_io, to_hf
 from maxshard.data.tokenizer import make_tokenizer, resolve_vocab
 from maxshard.model_config import model_fields
 from maxshard.step import Trainer, mesh_context
@@ -244,6 +246,35 @@ def test_unrepresentable_field_is_one_line_and_exit_2(tmp_path, capsys, change, 
     err = capsys.readouterr().err
     assert err.startswith(f"maxshard: error: config.json: {field}=") and err.count("\n") == 1, err
     assert not (tmp_path / "out").exists()  # nothing written
+
+
+@pytest.mark.parametrize(("fields", "want"), [
+    ({"rope_theta": 1e6, "rope_scaling": None}, {"rope_max_timescale": 1e6, "rope_scaling_type": "none"}),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}, {"rope_max_timescale": 1e6}),
+    ({}, {"rope_max_timescale": 10000.0, "rope_scaling_type": "none"}),
+    ({"rope_theta": 5e5, "rope_scaling": {"type": "llama3", "factor": 32, "low_freq_factor": 1, "high_freq_factor": 4,
+                                          "original_max_position_embeddings": 8192}},  # the older "type" key
+     {"rope_scaling_type": "llama3", "rope_scaling_factor": 32.0, "rope_original_max_position": 8192}),
+])
+def test_rope_settings_in_every_spelling(fields, want):
+    keys = hf_config.rope_keys(fields)
+    assert {k: keys[k] for k in want} == want
+
+
+def test_layers_are_found_in_every_decoder_layout():
+    """to_hf reads scanned [layers, ...], unrolled layers_<i> and pipelined [repeats, stages, per_stage, ...]."""
+    param = next(p for p in layout.params_of(layout.model_config(
+        {"vocab_size": 128, "num_layers": 4, "emb_dim": 64})) if p.path[-2] == "query")
+    query = ("attention", "query", "kernel")
+    fake = lambda arrays: SimpleNamespace(arrays=arrays)  # noqa: E731 - _locate consults only .arrays
+    shape = SimpleNamespace(shape=(2, 2, 1, 64, 4, 32))  # 2 repeats x 2 stages x 1 layer per stage
+    assert to_hf._locate(fake({("decoder", "layers", *query): None}), param, 3) == (("decoder", "layers", *query), (3,))
+    unrolled = ("decoder", "layers_3", *query)
+    assert to_hf._locate(fake({unrolled: None}), param, 3) == (unrolled, ())
+    piped = ("decoder", "pipeline", "layers", *query)
+    assert to_hf._locate(fake({piped: shape}), param, 3) == (piped, (1, 1, 0))  # layer 3 = repeat 1, stage 1
+    with pytest.raises(ConfigError, match="has no params/decoder/layers/attention/query/kernel for layer 3"):
+        to_hf._locate(fake({}), param, 3)
 
 
 def test_sliding_window_as_long_as_the_context_converts():

@@ -16,13 +16,16 @@ from typing import Any
 
 from maxshard.config import ConfigError
 
-__all__ = ["ARCHITECTURES", "MAX_TARGET_LENGTH", "read", "architecture", "model_keys", "rope_keys", "to_hf"]
+__all__ = ["ARCHITECTURES", "MAX_TARGET_LENGTH", "read", "architecture", "model_keys", "rope_keys", "to_hf",
+           "default_max_position"]
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"}
 MAX_TARGET_LENGTH = 2048  # the training length config.yml gets when the model allows more (a key to override)
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 _LLAMA3 = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_low_freq_factor",
-           "high_freq_factor": "rope_high_freq_factor", "original_max_position_embeddings": "rope_original_max_position"}
+           "high_freq_factor": "rope_high_freq_factor",
+           "original_max_position_embeddings": "rope_original_max_position"}
+_REPLACED = ("rope_parameters", "rope_scaling", "rope_theta", "torch_dtype", "dtype", "transformers_version")
 
 
 def read(directory: str) -> dict[str, Any]:
@@ -135,8 +138,7 @@ def to_hf(keys: Mapping[str, Any], dtype: str, template: Mapping[str, Any] | Non
           token_ids: Mapping[str, int] | None = None) -> dict[str, Any]:
     """config.json for maxshard model keys. Fields maxshard has no key for (max_position_embeddings, token ids,
     generation settings) come from `template` (the config.json the model was converted from) when given."""
-    out = {k: v for k, v in (template or {}).items()
-           if k not in ("rope_parameters", "rope_scaling", "rope_theta", "torch_dtype", "dtype", "transformers_version")}
+    out = {k: v for k, v in (template or {}).items() if k not in _REPLACED}
     name = architecture(out) if out.get("architectures") or out.get("model_type") else "LlamaForCausalLM"
     out.update({
         "architectures": [name],

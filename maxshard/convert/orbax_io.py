@@ -29,8 +29,8 @@ from etils import epath
 
 from maxshard.config import ConfigError
 
-__all__ = ["CHUNK_BYTES", "Leaf", "write_skeleton", "rows_per_chunk", "chunk_shape", "create_array", "write_rows", "write_config", "read_config",
-           "config_json", "Reader"]
+__all__ = ["CHUNK_BYTES", "Leaf", "write_skeleton", "rows_per_chunk", "chunk_shape", "create_array", "write_rows",
+           "write_config", "read_config", "config_json", "Reader"]
 
 CHUNK_BYTES = 4 * 2**20  # per zarr chunk = one block of rows read, rearranged and written at a time
 # One context for every array opened here, as orbax builds it: no data cache, a B-tree node cache for OCDBT.
@@ -113,7 +113,8 @@ def write_rows(store: ts.TensorStore, leaf: Leaf, index: tuple[int, ...], start:
 
 def write_config(step_dir: epath.Path, cfg_json: dict[str, Any]) -> None:
     """The `config` item that training checkpoints also carry: `to_hf` reads the model keys from it."""
-    ocp.Checkpointer(ocp.JsonCheckpointHandler()).save(epath.Path(step_dir) / "config", args=ocp.args.JsonSave(cfg_json))
+    item = epath.Path(step_dir) / "config"
+    ocp.Checkpointer(ocp.JsonCheckpointHandler()).save(item, args=ocp.args.JsonSave(cfg_json))
 
 
 def read_config(step_dir: str) -> dict[str, Any]:
