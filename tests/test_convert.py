@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors import safe_open
+from safetensors.numpy import load_file, save_file
 
 from maxshard import checkpoint, config, loading
 from maxshard.convert import __main__ as cli
@@ -152,7 +153,9 @@ def test_config_yml_is_a_training_config(converted):
 
 
 def read_all(directory: Path) -> dict[str, np.ndarray]:
-    return {name: safetensors_io.read(info) for name, info in safetensors_io.index(str(directory)).items()}
+    """Every tensor of a Hugging Face directory, through the converter's reader (index or single file)."""
+    with safetensors_io.Source(str(directory)) as source:
+        return {name: source.read(info) for name, info in source.tensors.items()}
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -166,9 +169,17 @@ def test_round_trip_is_bit_identical(converted, name, tmp_path):
         assert back[tensor].tobytes() == array.tobytes(), tensor
     shards = sorted(p.name for p in out.glob("*.safetensors"))
     assert len(shards) > 1 and (out / "model.safetensors.index.json").exists()  # 131 KB > 60 KB: sharded
-    for shard in shards:  # the reference reader agrees with ours on every header
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    whole = {}
+    for shard in shards:  # each shard is a whole safetensors file, with the header metadata transformers expects
         with safe_open(str(out / shard), "numpy") as f:
             assert f.metadata() == {"format": "pt"}
+        whole.update({name: (shard, array) for name, array in load_file(str(out / shard)).items()})
+    assert {name: shard for name, (shard, _) in whole.items()} == index["weight_map"]
+    assert index["metadata"]["total_size"] == sum(array.nbytes for _, array in whole.values())
+    for shard in shards:  # at most --max-shard-size of tensor bytes in a file (a larger tensor alone in its own)
+        held = [array.nbytes for file, array in whole.values() if file == shard]
+        assert sum(held) <= 60_000 or len(held) == 1, (shard, held)
     exported, original = json.loads((out / "config.json").read_text()), hf_config.read(str(FIXTURES / name))
     assert hf_config.model_keys(exported) == hf_config.model_keys(original)
     for field in ("architectures", "max_position_embeddings", "bos_token_id", "eos_token_id"):
@@ -300,9 +311,22 @@ def test_extra_or_missing_tensor_and_taken_out_dir(tmp_path, capsys):
     assert "already holds a converted model" in capsys.readouterr().err
 
 
+def test_unreadable_or_integer_safetensors_is_one_line(tmp_path, capsys):
+    source = broken_copy(tmp_path, {})
+    tensors = read_all(source)
+    data = (source / "model.safetensors").read_bytes()
+    (source / "model.safetensors").write_bytes(data[: len(data) // 2])  # truncated: the library refuses to open it
+    assert cli.main(["from_hf", str(source), str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err
+    assert "model.safetensors is not a readable safetensors file" in err and err.count("\n") == 1, err
+    write(source, {**tensors, "model.embed_tokens.weight": np.zeros((128, 64), np.int32)})
+    assert cli.main(["from_hf", str(source), str(tmp_path / "a")]) == 2
+    assert "tensor model.embed_tokens.weight has dtype I32" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists()
+
+
 def write(directory: Path, tensors: dict[str, np.ndarray]) -> None:
-    specs = [safetensors_io.TensorSpec(n, a.shape, a.dtype) for n, a in tensors.items()]
-    safetensors_io.write_checkpoint(str(directory), specs, lambda s: [tensors[s.name]], 2**40)
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
 
 
 def test_cli_exit_code_and_help(tmp_path):

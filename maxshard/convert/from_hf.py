@@ -7,9 +7,10 @@
                               that training uses, and the template `to_hf` exports back into
 
 Memory: one block of rows of one tensor at a time, at most `orbax_io.CHUNK_BYTES` (4 MiB) or one row if a row is
-larger: it is read from the file into a fresh buffer, rearranged as a view, and written as whole zarr chunks, which
-tensorstore compresses from a copy. So the peak is a few blocks above the fixed cost of jax + orbax, whatever the
-size of the largest tensor; benchmarks/convert_memory.py measures it.
+larger: `safe_open(...).get_slice(name)[rows]` copies it out of the mapped file, it is rearranged as a view and
+written as whole zarr chunks, which tensorstore compresses from a copy. So the process needs a few blocks above the
+fixed cost of jax + orbax, whatever the size of the largest tensor; the pages of the mapped source it has read are
+page cache on top (see safetensors_io.py); benchmarks/convert_memory.py measures both.
 The checkpoint is built under OUT_DIR/.partial and renamed into place last, so an interrupted conversion never
 leaves a checkpoint that looks complete.
 """
@@ -120,7 +121,8 @@ def _copy_hf_files(hf_dir: str, dest: str) -> str:
     return ""
 
 
-def _write_params(state_dir: epath.Path, plan: list[tuple[layout.Param, list[safetensors_io.TensorInfo]]]) -> None:
+def _write_params(state_dir: epath.Path, source: safetensors_io.Source,
+                  plan: list[tuple[layout.Param, list[safetensors_io.TensorInfo]]]) -> None:
     """Pass 1 (orbax skeleton), then pass 2: each parameter filled one block of rows at a time, read from its file
     (rows are contiguous there), rearranged as a view and written as whole chunks."""
     leaves = [orbax_io.Leaf(p.path, p.shape, infos[0].dtype, int(p.stacked), names.row_axis(p.entry))
@@ -134,7 +136,7 @@ def _write_params(state_dir: epath.Path, plan: list[tuple[layout.Param, list[saf
         for i, info in enumerate(infos):
             for start in range(0, size, step):
                 stop = min(start + step, size)
-                rows = safetensors_io.read(info, start * per_row, stop * per_row)
+                rows = source.read(info, start * per_row, stop * per_row)
                 block = names.to_maxshard(param.entry, rows, dims[:axis] + (stop - start,) + dims[axis + 1 :])
                 orbax_io.write_rows(store, leaf, (i,) if param.stacked else (), start, block)
 
@@ -144,26 +146,26 @@ def convert(hf_dir: str, out_dir: str, base_config: str | None = None) -> Result
     hf_dir, out_dir = os.path.abspath(hf_dir), os.path.abspath(out_dir)
     hf = hf_config.read(hf_dir)
     arch, keys = hf_config.architecture(hf), hf_config.model_keys(hf)
-    tensors = safetensors_io.index(hf_dir)
-    plan = _tensor_plan(layout.model_config(keys), tensors, hf_dir)
-    base = os.path.abspath(base_config or default_base_config())
-    if not os.path.isfile(base):
-        raise ConfigError(f"base config {base} not found; pass --base-config PATH_TO/configs/base.yml")
-    step_dir = os.path.join(out_dir, "checkpoints", STEP)
-    if os.path.exists(step_dir):
-        raise ConfigError(f"{out_dir} already holds a converted model ({step_dir}); choose another OUT_DIR")
+    with safetensors_io.Source(hf_dir) as source:
+        plan = _tensor_plan(layout.model_config(keys), source.tensors, hf_dir)
+        base = os.path.abspath(base_config or default_base_config())
+        if not os.path.isfile(base):
+            raise ConfigError(f"base config {base} not found; pass --base-config PATH_TO/configs/base.yml")
+        step_dir = os.path.join(out_dir, "checkpoints", STEP)
+        if os.path.exists(step_dir):
+            raise ConfigError(f"{out_dir} already holds a converted model ({step_dir}); choose another OUT_DIR")
 
-    tokenizer_path = _copy_hf_files(hf_dir, os.path.join(out_dir, "hf"))
-    config_path = os.path.join(out_dir, "config.yml")
-    with open(config_path, "w", encoding="utf-8") as f:
-        paths = {"base_config": base, "tokenizer_path": tokenizer_path, "load_parameters_path": step_dir}
-        f.write(_config_text(keys, paths, arch, hf_dir, hf.get("max_position_embeddings")))
-    cfg = config.parse([config_path])  # the file must be one that training accepts
+        tokenizer_path = _copy_hf_files(hf_dir, os.path.join(out_dir, "hf"))
+        config_path = os.path.join(out_dir, "config.yml")
+        with open(config_path, "w", encoding="utf-8") as f:
+            paths = {"base_config": base, "tokenizer_path": tokenizer_path, "load_parameters_path": step_dir}
+            f.write(_config_text(keys, paths, arch, hf_dir, hf.get("max_position_embeddings")))
+        cfg = config.parse([config_path])  # the file must be one that training accepts
 
-    partial = epath.Path(out_dir) / ".partial" / STEP
-    if partial.exists():
-        shutil.rmtree(partial)
-    _write_params(partial / "state", plan)
+        partial = epath.Path(out_dir) / ".partial" / STEP
+        if partial.exists():
+            shutil.rmtree(partial)
+        _write_params(partial / "state", source, plan)
     orbax_io.write_config(partial, orbax_io.config_json(cfg))
     os.makedirs(os.path.dirname(step_dir), exist_ok=True)
     os.rename(partial, step_dir)

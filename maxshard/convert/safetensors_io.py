@@ -1,60 +1,57 @@
-"""The safetensors format, read and written one tensor at a time with plain file reads and writes.
+"""Hugging Face safetensors checkpoints through the `safetensors` package: a directory read a block of rows at a
+time, written one shard at a time.
 
-A file is: 8 bytes (little-endian u64) header length N, N bytes of JSON
-`{name: {"dtype": "BF16", "shape": [...], "data_offsets": [begin, end]}, "__metadata__": {...}}`, then the tensors'
-raw little-endian bytes, offsets counted from the end of the header. A sharded checkpoint adds
-`model.safetensors.index.json` with a `weight_map` {name: file}.
+A checkpoint is `model.safetensors`, or numbered shards plus `model.safetensors.index.json` whose `weight_map` says
+which file holds each tensor. The package reads and writes the files; this module only adds what lies around them:
+the directory (single file or index), the grouping of tensors into shards under `--max-shard-size`, and the index.
 
-Why not `safetensors.safe_open` here: it memory-maps the whole file, and every page read through the map stays
-resident in the process until the file is closed, so reading a model through one handle grows resident memory to
-the size of the model (measured: 234 MB peak for a 192 MB file of 16 MB tensors), and reopening it per tensor still
-costs twice the tensor (the copy plus the mapped pages, 58 MB). `readinto` a fresh numpy buffer costs exactly the
-tensor. The `safetensors` package stays a test dependency that cross-checks these files.
+Reading: `safe_open(file, framework="numpy")`, one handle per file for the whole conversion, `get_slice(name)[a:b]`
+for a block of rows. The package memory-maps the file and copies the block into a fresh array, so the process holds
+one block of anonymous memory; the mapped pages it touched stay resident as file-backed page cache (RssFile) until
+the handle closes, which the kernel drops under pressure and never needs swap for (benchmarks/convert_memory.py
+measures the two apart).
+Writing: `safetensors.numpy.save_file` of one shard's tensors, assembled in memory: the peak is one shard,
+i.e. at most `--max-shard-size` or the largest tensor when that is larger.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import re
-import struct
-import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import ml_dtypes
 import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
 
 from maxshard.config import ConfigError
 
-__all__ = ["TensorInfo", "TensorSpec", "read_header", "index", "read", "parse_size", "write_checkpoint", "DTYPES"]
+__all__ = ["TensorInfo", "TensorSpec", "Source", "parse_size", "write_checkpoint", "DTYPES", "INDEX", "SINGLE"]
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+METADATA = {"format": "pt"}  # what transformers writes, and checks for, in every file's header
+# safetensors' dtype names (get_slice().get_dtype()) -> numpy, for the dtypes a Llama/Mistral checkpoint holds:
+# the orbax arrays are created with the right dtype before any data is read.
 DTYPES: dict[str, np.dtype] = {
-    "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype(ml_dtypes.bfloat16),
-    "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
-    "U8": np.dtype("u1"), "BOOL": np.dtype("?"),
+    "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
 }
-_CODES = {dtype: code for code, dtype in DTYPES.items()}
-
-if sys.byteorder != "little":  # bfloat16 has no byte-swapped numpy dtype; every supported host is little-endian
-    raise ImportError("maxshard.convert reads safetensors on little-endian hosts only")
 
 
 @dataclasses.dataclass(frozen=True)
 class TensorInfo:
-    """Where one tensor's bytes lie: file, absolute byte offset, dtype and shape."""
+    """One tensor of the source: its file, name, dtype and shape (from the header; no data read)."""
 
     file: str
-    offset: int
+    name: str
     dtype: np.dtype
     shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,76 +67,68 @@ class TensorSpec:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
 
-def read_header(path: str) -> dict[str, TensorInfo]:
-    """{name: TensorInfo} of one .safetensors file; reads only its header."""
-    with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        try:
-            header = json.loads(f.read(length))
-        except ValueError as e:
-            raise ConfigError(f"{path} is not a safetensors file (bad header: {e})") from None
-    start = 8 + length
-    tensors = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        if entry["dtype"] not in DTYPES:
-            raise ConfigError(f"{path}: tensor {name} has dtype {entry['dtype']}, which maxshard does not read")
-        begin, end = entry["data_offsets"]
-        info = TensorInfo(path, start + begin, DTYPES[entry["dtype"]], tuple(entry["shape"]))
-        if info.nbytes != end - begin:
-            raise ConfigError(f"{path}: tensor {name} has {end - begin} bytes for shape {info.shape}")
-        tensors[name] = info
-    return tensors
-
-
-def index(directory: str) -> dict[str, TensorInfo]:
-    """Every tensor of a Hugging Face checkpoint directory: `model.safetensors`, or the files its index names."""
+def _files(directory: str) -> tuple[list[str], dict[str, str] | None]:
+    """(safetensors file names, the index's weight_map or None for a single file)."""
     index_path = os.path.join(directory, INDEX)
     if os.path.isfile(index_path):
         with open(index_path, encoding="utf-8") as f:
             weight_map = json.load(f)["weight_map"]
-        files = sorted(set(weight_map.values()))
-    elif os.path.isfile(os.path.join(directory, SINGLE)):
-        weight_map, files = None, [SINGLE]
-    else:
-        raise ConfigError(f"{directory} has neither {SINGLE} nor {INDEX} (only safetensors checkpoints are read)")
-    tensors: dict[str, TensorInfo] = {}
-    for name in files:
-        tensors.update(read_header(os.path.join(directory, name)))
-    if weight_map is not None:
-        missing = sorted(set(weight_map) - set(tensors))
-        if missing:
-            raise ConfigError(f"{INDEX} lists {missing[0]}, which none of its files holds")
-    return tensors
+        return sorted(set(weight_map.values())), weight_map
+    if os.path.isfile(os.path.join(directory, SINGLE)):
+        return [SINGLE], None
+    raise ConfigError(f"{directory} has neither {SINGLE} nor {INDEX} (only safetensors checkpoints are read)")
 
 
-def read(info: TensorInfo, start: int = 0, stop: int | None = None) -> np.ndarray:
-    """Rows [start, stop) of the tensor (all by default) as a fresh numpy array; memory: exactly their bytes.
-    Rows are contiguous in the file (row-major), so a block of rows is one read."""
-    shape = info.shape or (1,)  # a scalar reads as one row
-    stop = shape[0] if stop is None else stop
-    row_bytes = info.nbytes // shape[0] if shape[0] else 0
-    out = np.empty((stop - start, *shape[1:]), info.dtype)
-    with open(info.file, "rb") as f:
-        f.seek(info.offset + start * row_bytes)
-        got = f.readinto(memoryview(out.reshape(-1).view(np.uint8)))
-    if got != out.nbytes:
-        raise ConfigError(f"{info.file} is truncated: tensor rows need {out.nbytes} bytes, got {got}")
-    return out if info.shape else out.reshape(())
+class Source:
+    """Every tensor of a Hugging Face checkpoint directory (`tensors`: {name: TensorInfo}), and their rows.
 
+    A context manager: the files stay open (one `safe_open` handle each) until it exits."""
 
-def _write_tensor(f: Any, spec: TensorSpec, blocks: Iterable[np.ndarray]) -> None:
-    """Appends one tensor's bytes from its row blocks, checking that they add up to the planned shape."""
-    rows = 0
-    for block in blocks:
-        block = np.ascontiguousarray(block, dtype=spec.dtype)
-        if block.shape[1:] != spec.shape[1:]:
-            raise ValueError(f"{spec.name}: a block of shape {block.shape} does not fit {spec.shape}")
-        f.write(memoryview(block.reshape(-1).view(np.uint8)))
-        rows += block.shape[0] if block.ndim else 1
-    if rows != (spec.shape[0] if spec.shape else 1):
-        raise ValueError(f"{spec.name}: produced {rows} rows, planned {spec.shape}")
+    def __init__(self, directory: str) -> None:
+        self._stack = contextlib.ExitStack()
+        self._handles: dict[str, Any] = {}
+        self.tensors: dict[str, TensorInfo] = {}
+        try:
+            files, weight_map = _files(directory)
+            for name in files:
+                self._open(os.path.join(directory, name))
+        except BaseException:
+            self.close()
+            raise
+        if weight_map is not None:
+            missing = sorted(set(weight_map) - set(self.tensors))
+            if missing:
+                self.close()
+                raise ConfigError(f"{INDEX} lists {missing[0]}, which none of its files holds")
+
+    def _open(self, path: str) -> None:
+        try:
+            handle = self._stack.enter_context(safe_open(path, framework="numpy"))
+        except (SafetensorError, OSError) as e:
+            raise ConfigError(f"{path} is not a readable safetensors file: {str(e).splitlines()[0][:160]}") from None
+        self._handles[path] = handle
+        for name in handle.keys():
+            piece = handle.get_slice(name)
+            code = piece.get_dtype()
+            if code not in DTYPES:
+                raise ConfigError(f"{path}: tensor {name} has dtype {code}, which maxshard does not convert")
+            self.tensors[name] = TensorInfo(path, name, DTYPES[code], tuple(piece.get_shape()))
+
+    def read(self, info: TensorInfo, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Rows [start, stop) of a tensor (all by default) as a numpy array of their own."""
+        handle = self._handles[info.file]
+        if not info.shape:
+            return handle.get_tensor(info.name)
+        return handle.get_slice(info.name)[start : info.shape[0] if stop is None else stop]
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def __enter__(self) -> Source:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -166,32 +155,36 @@ def _plan_shards(specs: list[TensorSpec], max_bytes: int) -> list[list[TensorSpe
     return shards
 
 
-def _header(specs: Iterable[TensorSpec]) -> bytes:
-    """The JSON header, padded with spaces to a multiple of 8 bytes as the reference writer does."""
-    entries: dict[str, object] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for spec in specs:
-        entries[spec.name] = {"dtype": _CODES[spec.dtype], "shape": list(spec.shape),
-                              "data_offsets": [offset, offset + spec.nbytes]}
-        offset += spec.nbytes
-    text = json.dumps(entries, separators=(",", ":")).encode()
-    return text + b" " * (-len(text) % 8)
+def _assemble(spec: TensorSpec, blocks: Iterable[np.ndarray]) -> np.ndarray:
+    """One tensor from its consecutive blocks of rows (or one whole block), checked against the planned shape."""
+    out = np.empty(spec.shape, spec.dtype)
+    if not spec.shape:
+        (only,) = list(blocks)
+        out[...] = only
+        return out
+    rows = 0
+    for block in blocks:
+        if block.shape[1:] != spec.shape[1:] or rows + block.shape[0] > spec.shape[0]:
+            raise ValueError(f"{spec.name}: a block of shape {block.shape} at row {rows} does not fit {spec.shape}")
+        out[rows : rows + block.shape[0]] = block
+        rows += block.shape[0]
+    if rows != spec.shape[0]:
+        raise ValueError(f"{spec.name}: produced {rows} rows, planned {spec.shape}")
+    return out
 
 
 def write_checkpoint(directory: str, specs: list[TensorSpec], produce: Callable[[TensorSpec], Iterable[np.ndarray]],
                      max_shard_bytes: int) -> list[str]:
     """Writes the tensors as `model.safetensors`, or as numbered shards plus the index when they exceed
-    `max_shard_bytes`. `produce(spec)` yields the tensor as consecutive blocks of rows (or whole), so memory stays
-    at one block."""
+    `max_shard_bytes`, each file with `safetensors.numpy.save_file`. `produce(spec)` yields the tensor as
+    consecutive blocks of rows (or whole); one shard's tensors are in memory at a time."""
     shards = _plan_shards(specs, max_shard_bytes)
     names = [SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                                                for i in range(len(shards))]
     for name, shard in zip(names, shards):
-        header = _header(shard)
-        with open(os.path.join(directory, name), "wb") as f:
-            f.write(struct.pack("<Q", len(header)) + header)
-            for spec in shard:
-                _write_tensor(f, spec, produce(spec))
+        tensors = {spec.name: _assemble(spec, produce(spec)) for spec in shard}
+        save_file(tensors, os.path.join(directory, name), metadata=METADATA)
+        del tensors
     if len(shards) > 1:
         weight_map = {spec.name: name for name, shard in zip(names, shards) for spec in shard}
         total = sum(spec.nbytes for spec in specs)

@@ -9,10 +9,11 @@
 The template is `--template`, else the `hf/` directory `from_hf` kept beside the converted checkpoint, beside the one a
 run started from (its load_parameters_path), or beside its tokenizer.
 Tensors are written in the checkpoint's dtype unless --dtype says otherwise, so a converted model goes back bit for
-bit. Memory: each tensor is read and written in blocks of rows of at most `orbax_io.CHUNK_BYTES`. Reading a block
-decodes the zarr chunks it touches: just that block for a converted checkpoint (from_hf chunks the same way), but
-a whole stacked array for a checkpoint the trainer saved (orbax stores an array as one chunk per shard), which is
-then the bound.
+bit. Memory: each output file is one `safetensors.numpy.save_file` of its tensors, assembled in memory from blocks
+of rows of at most `orbax_io.CHUNK_BYTES`; so the peak is one shard (--max-shard-size, or the largest tensor when
+that is larger) plus a block. Reading a block decodes the zarr chunks it touches: just that block for a converted
+checkpoint (from_hf chunks the same way), but a whole stacked array for a checkpoint the trainer saved (orbax
+stores an array as one chunk per shard), which is then added to the bound.
 """
 
 from __future__ import annotations
