@@ -38,7 +38,9 @@ def parser() -> argparse.ArgumentParser:
                                    "--max-shard-size) and the tokenizer files, loadable by transformers.")
     b.add_argument("step_dir", metavar="CHECKPOINT_STEP_DIR", help="e.g. runs/NAME/checkpoints/300")
     b.add_argument("hf_dir", metavar="HF_DIR")
-    b.add_argument("--max-shard-size", default="5GB", help="largest safetensors file before sharding (default 5GB)")
+    b.add_argument("--max-shard-size", default="5GB",
+                   help="largest safetensors file before sharding (default 5GB); one file is assembled in memory at "
+                        "a time, so this also bounds the memory export needs")
     b.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="tensor dtype to write (default: as stored in the checkpoint)")
     b.add_argument("--template", default=None,
@@ -87,9 +89,10 @@ def return_large_frees_to_the_os() -> None:
     """Pins glibc's mmap threshold at 1 MiB, so every freed block buffer goes straight back to the OS.
 
     By default glibc raises the threshold to the size of the first large buffer freed; later block-sized buffers
-    then come from the heap, and interleaved with tensorstore's own allocations they fragment it: converting a
-    311 MB model peaked 185-215 MB above the fixed cost with this off, 24 MB with it on (4 MiB blocks). Only the
-    command line does this; importing the package changes nothing. Without glibc, nothing to do.
+    then come from the heap, and interleaved with tensorstore's own allocations they fragment it: from_hf of a
+    311 MB model (4 MiB blocks read with safetensors' get_slice) peaked at 95 MiB of anonymous memory above the
+    fixed cost with this off, 24-36 MiB with it on (benchmarks/convert_memory.py). Only the command line does this;
+    importing the package changes nothing. Without glibc, nothing to do.
     """
     try:
         ctypes.CDLL("libc.so.6").mallopt(-3, 2**20)  # M_MMAP_THRESHOLD
