@@ -32,6 +32,7 @@ def check_ranges(cfg: Config) -> Config:
     if not cfg.run_name or "/" in cfg.run_name:
         raise ConfigError(f"run_name must be a non-empty name without '/', got {cfg.run_name!r}")
     _check_data(cfg)
+    _check_rope(cfg)
     for axis in MESH_AXES:
         for family in ("ici", "dcn"):
             value = getattr(cfg, knob_name(family, axis))
@@ -76,6 +77,17 @@ def _check_data(cfg: Config) -> None:
             raise ConfigError("dataset_path and dataset_mixture are both set; set only one (a mixture lists its paths)")
 
 
+def _check_rope(cfg: Config) -> None:
+    """RoPE base and Llama-3 scaling: the blend divides by (high - low), and a factor < 1 would shorten wavelengths."""
+    if not cfg.rope_max_timescale > 1:
+        raise ConfigError(f"rope_max_timescale must be > 1, got {cfg.rope_max_timescale}")
+    if not cfg.rope_scaling_factor >= 1:
+        raise ConfigError(f"rope_scaling_factor must be >= 1, got {cfg.rope_scaling_factor}")
+    if not 0 < cfg.rope_low_freq_factor < cfg.rope_high_freq_factor:
+        raise ConfigError(f"rope_low_freq_factor and rope_high_freq_factor must satisfy 0 < low < high, got "
+                          f"{cfg.rope_low_freq_factor} and {cfg.rope_high_freq_factor}")
+
+
 _POSITIVE_INTS = {
     "steps": 1,
     "log_period": 1,
@@ -91,6 +103,7 @@ _POSITIVE_INTS = {
     "head_dim": 1,
     "mlp_dim": 1,
     "max_target_length": 1,
+    "rope_original_max_position": 1,
     "vocab_size": 0,
     "vocab_size_multiple": 1,
     "checkpoint_period": 1,

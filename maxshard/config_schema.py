@@ -108,6 +108,11 @@ class Config:
     logits_via_embedding: bool = False
     norm_epsilon: float = 1e-6
     rope_max_timescale: float = 10000.0
+    rope_scaling_type: Literal["none", "llama3"] = "none"
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position: int = 8192
     dtype: DType = "auto"
     weight_dtype: DType = "float32"
     scan_layers: bool = True

@@ -79,6 +79,11 @@ class ModelConfig:
     logits_via_embedding: bool = False
     norm_epsilon: float = 1e-6
     rope_max_timescale: float = 10000.0
+    rope_scaling_type: str = "none"  # "none" or "llama3"; the five rope_* defaults equal config_schema's
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position: int = 8192
     dtype: str = "float32"
     weight_dtype: str = "float32"
     scan_layers: bool = True

@@ -1,15 +1,17 @@
 """Tokenizers. The default is byte-level: 256 byte values plus PAD, BOS and EOS, so no file is ever needed.
 
-`tokenizer_path` names a SentencePiece model instead (`tools/train_tokenizer.py` trains a small one). Both kinds have
-the same surface: `vocab_size`, `pad_id`/`bos_id`/`eos_id`, `encode`/`decode` on lists and `encode_array` for the
-input pipeline, which wants int32 arrays without a Python list per token. Both pickle, so grain worker processes get
-their own copy.
+`tokenizer_path` names a SentencePiece model instead (`tools/train_tokenizer.py` trains a small one), or a Hugging Face
+`tokenizer.json` (what Llama and Mistral checkpoints ship; `python -m maxshard.convert from_hf` points at it). All
+kinds have the same surface: `vocab_size`, `pad_id`/`bos_id`/`eos_id`, `encode`/`decode` on lists and `encode_array`
+for the input pipeline, which wants int32 arrays without a Python list per token. All pickle, so grain worker
+processes get their own copy.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 from typing import Any, Protocol
 
@@ -21,7 +23,9 @@ __all__ = [
     "Tokenizer",
     "ByteTokenizer",
     "SentencePieceTokenizer",
+    "HuggingFaceTokenizer",
     "load_sentencepiece",
+    "load_hf_tokenizer",
     "make_tokenizer",
     "model_vocab_size",
     "resolve_vocab",
@@ -124,9 +128,96 @@ def load_sentencepiece(path: str) -> SentencePieceTokenizer:
     return SentencePieceTokenizer(processor, path)
 
 
-def make_tokenizer(cfg: Config) -> ByteTokenizer | SentencePieceTokenizer:
-    """The tokenizer the config asks for: SentencePiece when `tokenizer_path` is set, else bytes."""
-    return load_sentencepiece(cfg.tokenizer_path) if cfg.tokenizer_path else ByteTokenizer()
+# Special-token names to fall back on when no tokenizer_config.json says which token is BOS/EOS/PAD.
+_KNOWN_SPECIALS = {
+    "bos_token": ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>"),
+    "eos_token": ("<|end_of_text|>", "</s>", "<eos>", "<|endoftext|>"),
+    "pad_token": ("<pad>", "<|finetune_right_pad_id|>", "<|pad|>"),
+}
+
+
+class HuggingFaceTokenizer:
+    """A Hugging Face `tokenizer.json` (the `tokenizers` package). BOS/EOS/PAD are the tokens named by the
+    `tokenizer_config.json` beside it (as transformers reads them), else well-known names; PAD falls back to 0.
+
+    Text is encoded without the tokenizer's own template (no BOS added by it): the pipeline adds BOS and EOS around
+    each document itself, as for every tokenizer. Decoding drops special tokens, like SentencePiece's.
+    """
+
+    def __init__(self, tokenizer: Any, path: str, special: dict[str, str]) -> None:
+        self.path = path
+        self._tok = tokenizer
+        ids = {field: tokenizer.token_to_id(token) for field, token in special.items()}
+        self.bos_id, self.eos_id = ids.get("bos_token"), ids.get("eos_token")
+        self.pad_id = ids.get("pad_token") if ids.get("pad_token") is not None else 0
+        if self.bos_id is None or self.eos_id is None:
+            raise ConfigError(f"tokenizer_path={path}: no BOS/EOS token found; put a tokenizer_config.json with "
+                              "bos_token and eos_token beside it")
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_array(self, text: str) -> np.ndarray:
+        return np.asarray(self.encode(text), np.int32)
+
+    def fingerprint(self) -> str:
+        ids = f"{self.bos_id},{self.eos_id},{self.pad_id}".encode()
+        return "hf-tokenizers:" + hashlib.sha256(self._tok.to_str().encode() + ids).hexdigest()[:16]
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+def _special_tokens(path: str, tokenizer: Any) -> dict[str, str]:
+    """{"bos_token": text, ...}: from tokenizer_config.json beside `path`, else the first known name present."""
+    config_path = os.path.join(os.path.dirname(path), "tokenizer_config.json")
+    named: dict[str, Any] = {}
+    if os.path.isfile(config_path):
+        try:
+            with open(config_path, encoding="utf-8") as f:
+                named = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"tokenizer_path={path}: cannot read {config_path}: {e}") from None
+    special = {}
+    for field, fallbacks in _KNOWN_SPECIALS.items():
+        value = named.get(field)
+        token = value.get("content") if isinstance(value, dict) else value
+        if token is None:
+            token = next((t for t in fallbacks if tokenizer.token_to_id(t) is not None), None)
+        if token is not None:
+            special[field] = token
+    return special
+
+
+def load_hf_tokenizer(path: str) -> HuggingFaceTokenizer:
+    """Loads a `tokenizer.json`; every failure is a ConfigError naming `tokenizer_path` and the file."""
+    try:
+        from tokenizers import Tokenizer as HFTokenizer  # optional: pip install "maxshard[tokenizer]"
+    except ImportError:
+        raise ConfigError(f"tokenizer_path={path} needs the tokenizers package: "
+                          'pip install "maxshard[tokenizer]"') from None
+    if not os.path.isfile(path):
+        raise ConfigError(f"tokenizer_path={path}: no such file")
+    try:
+        tokenizer = HFTokenizer.from_file(path)
+    except Exception as e:  # noqa: BLE001 - the Rust side raises plain Exception for any malformed file
+        raise ConfigError(f"tokenizer_path={path} is not a Hugging Face tokenizer.json: "
+                          f"{str(e).splitlines()[0][:160]}") from None
+    return HuggingFaceTokenizer(tokenizer, path, _special_tokens(path, tokenizer))
+
+
+def make_tokenizer(cfg: Config) -> ByteTokenizer | SentencePieceTokenizer | HuggingFaceTokenizer:
+    """The tokenizer the config asks for: a `.json` path is a Hugging Face tokenizer, another path SentencePiece,
+    none bytes."""
+    if not cfg.tokenizer_path:
+        return ByteTokenizer()
+    if cfg.tokenizer_path.endswith(".json"):
+        return load_hf_tokenizer(cfg.tokenizer_path)
+    return load_sentencepiece(cfg.tokenizer_path)
 
 
 def model_vocab_size(tokenizer_vocab: int, multiple: int) -> int:

@@ -14,9 +14,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from maxshard import axis_names as ax
+from maxshard.layers import kv_cache, rope
 from maxshard.model_config import ModelConfig
-from maxshard.layers import kv_cache
-from maxshard.layers.embeddings import apply_rope
 from maxshard.layers.linears import DenseGeneral
 from maxshard.sharding import constrain
 
@@ -49,8 +48,9 @@ class Attention(nn.Module):
         q = constrain(self._proj(x, cfg.num_heads, ax.HEADS, "query"), (ax.BATCH, ax.LENGTH, ax.ACT_HEADS, ax.ACT_KV))
         k = constrain(self._proj(x, kv_heads, ax.KV_HEADS, "key"), (ax.BATCH, ax.LENGTH, ax.ACT_KV_HEADS, ax.ACT_KV))
         v = constrain(self._proj(x, kv_heads, ax.KV_HEADS, "value"), (ax.BATCH, ax.LENGTH, ax.ACT_KV_HEADS, ax.ACT_KV))
-        q = apply_rope(q, positions, cfg.rope_max_timescale) * (cfg.head_dim**-0.5)
-        k = apply_rope(k, positions, cfg.rope_max_timescale)
+        inv_freq = rope.frequencies_for(cfg)
+        q = rope.apply_rope(q, positions, inv_freq) * (cfg.head_dim**-0.5)
+        k = rope.apply_rope(k, positions, inv_freq)
 
         if kv_cache.decoding(self):  # generation: this call's k/v join the cache; queries attend over it
             keys, values, mask = kv_cache.KVCache(self.dtype, name="cache")(k, v, positions)

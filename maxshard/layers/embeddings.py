@@ -1,4 +1,4 @@
-"""Token embedding [vocab, embed] (optionally reused as the output head) and rotary position embedding."""
+"""Token embedding [vocab, embed] (optionally reused as the output head). RoPE lives in layers/rope.py."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from maxshard import axis_names as ax
 
-__all__ = ["Embed", "apply_rope"]
+__all__ = ["Embed"]
 
 
 class Embed(nn.Module):
@@ -32,18 +32,3 @@ class Embed(nn.Module):
     def attend(self, x: jax.Array) -> jax.Array:
         """Tied output head: [batch, length, embed] -> logits [batch, length, vocab]."""
         return jnp.einsum("ble,ve->blv", x, jnp.asarray(self.embedding, self.dtype))
-
-
-def apply_rope(x: jax.Array, positions: jax.Array, max_timescale: float) -> jax.Array:
-    """Rotates pairs (first half, second half) of head_dim by position-dependent angles.
-
-    x: [batch, length, heads, head_dim]; positions: [batch, length].
-    """
-    half = x.shape[-1] // 2
-    fraction = jnp.arange(half, dtype=jnp.float32) / half
-    timescale = max_timescale**fraction  # [half]
-    angle = positions[..., None, None].astype(jnp.float32) / timescale  # [batch, length, 1, half]
-    sin, cos = jnp.sin(angle), jnp.cos(angle)
-    x1, x2 = jnp.split(jnp.asarray(x, jnp.float32), 2, axis=-1)
-    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return jnp.asarray(rotated, x.dtype)

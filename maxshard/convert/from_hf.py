@@ -1,0 +1,175 @@
+"""`from_hf`: a Hugging Face Llama/Mistral directory -> OUT_DIR with config.yml, checkpoints/0 and hf/.
+
+    OUT_DIR/config.yml        a CONFIG for `python -m maxshard.train` (base_config, the model keys, tokenizer_path,
+                              load_parameters_path), all paths absolute
+    OUT_DIR/checkpoints/0/    the parameters as an orbax step directory (state/ + config/), in the source dtype
+    OUT_DIR/hf/               the source's config.json, tokenizer and generation files, untouched: the tokenizer
+                              that training uses, and the template `to_hf` exports back into
+
+Memory: one block of rows of one tensor at a time, at most `orbax_io.CHUNK_BYTES` (4 MiB) or one row if a row is
+larger: `safe_open(...).get_slice(name)[rows]` copies it out of the mapped file, it is rearranged as a view and
+written as whole zarr chunks, which tensorstore compresses from a copy. So the process needs a few blocks above the
+fixed cost of jax + orbax, whatever the size of the largest tensor; the pages of the mapped source it has read are
+page cache on top (see safetensors_io.py); benchmarks/convert_memory.py measures both.
+The checkpoint is built under OUT_DIR/.partial and renamed into place last, so an interrupted conversion never
+leaves a checkpoint that looks complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import yaml
+from etils import epath
+
+import maxshard
+from maxshard import config
+from maxshard.config import ConfigError
+from maxshard.convert import hf_config, layout, names, orbax_io, safetensors_io
+from maxshard.model_config import ModelConfig
+
+__all__ = ["convert", "Result", "HF_FILES", "default_base_config"]
+
+HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+            "special_tokens_map.json", "tokenizer.model")
+STEP = "0"
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    config_path: str
+    step_dir: str
+    architecture: str
+    num_params: int
+    dtypes: tuple[str, ...]
+    tokenizer_path: str
+
+
+def default_base_config() -> str:
+    """configs/base.yml of the repository this package runs from (a source checkout or an editable install)."""
+    return str(epath.Path(maxshard.__file__).resolve().parent.parent / "configs" / "base.yml")
+
+
+def _tensor_plan(cfg: ModelConfig, tensors: Mapping[str, safetensors_io.TensorInfo], source: str
+                 ) -> list[tuple[layout.Param, list[safetensors_io.TensorInfo]]]:
+    """Each maxshard parameter with its Hugging Face tensors (one per layer when stacked), every name and shape
+    checked before anything is written."""
+    plan, used = [], set()
+    for param in layout.params_of(cfg):
+        layers = range(cfg.num_layers) if param.stacked else [None]
+        infos = []
+        for i in layers:
+            name = names.hf_name(param.entry, i)
+            if name not in tensors:
+                raise ConfigError(f"{source}: tensor {name} is missing (config.json describes a model that has it)")
+            info, want = tensors[name], names.hf_shape(param.entry, param.layer_shape)
+            if info.shape != want:
+                raise ConfigError(f"{source}: tensor {name} has shape {list(info.shape)}; config.json implies "
+                                  f"{list(want)}")
+            if info.dtype != tensors[names.hf_name(param.entry, 0 if param.stacked else None)].dtype:
+                raise ConfigError(f"{source}: tensor {name} is {info.dtype}, unlike layer 0's")
+            infos.append(info)
+            used.add(name)
+        plan.append((param, infos))
+    extra = sorted(n for n in tensors if n not in used and not names.IGNORED.fullmatch(n)
+                   and not (cfg.logits_via_embedding and n == names.HEAD.hf))
+    if extra:
+        raise ConfigError(f"{source}: tensor {extra[0]} has no place in maxshard's model (biases and extra modules "
+                          "do not convert)")
+    return plan
+
+
+def _scalar(value: Any) -> str:
+    """One YAML scalar as training's config loader reads it back (floats keep their dot and exponent)."""
+    return yaml.safe_dump(value, default_flow_style=True, default_style='"' if isinstance(value, str) else None
+                          ).strip().removesuffix("...").strip()
+
+
+def _config_text(keys: Mapping[str, Any], paths: Mapping[str, str], arch: str, hf_dir: str,
+                 max_position: Any) -> str:
+    """config.yml. Paths are absolute: tokenizer_path and load_parameters_path are read relative to the working
+    directory and base_config relative to this file, so absolute ones work wherever training is started."""
+    comments = {"max_target_length": f"training length; the model's max_position_embeddings is {max_position}"}
+    lines = [f"# Converted from {arch} in {hf_dir} by `python -m maxshard.convert from_hf`.",
+             "# Fine-tune on your own text: python -m maxshard.train THIS_FILE dataset_path=DIR_OR_GLOB run_name=NAME",
+             f"base_config: {_scalar(paths['base_config'])}", "", "# ---- model (from config.json)"]
+    for key, value in keys.items():
+        lines.append(f"{key}: {_scalar(value)}" + (f"  # {comments[key]}" if key in comments else ""))
+    lines += ["scan_layers: true  # the converted parameters are stacked [layers, ...]", "",
+              "# ---- data and parameters"]
+    tokenizer = paths["tokenizer_path"]
+    lines.append(f"tokenizer_path: {_scalar(tokenizer)}" + ("" if tokenizer else
+                                                            "  # the source has none: set one before training on text"))
+    lines.append(f"load_parameters_path: {_scalar(paths['load_parameters_path'])}")
+    return "\n".join(lines) + "\n"
+
+
+def _copy_hf_files(hf_dir: str, dest: str) -> str:
+    """Copies the non-weight files; returns the tokenizer path for config.yml ('' when the source has none)."""
+    os.makedirs(dest, exist_ok=True)
+    for name in HF_FILES:
+        if os.path.isfile(os.path.join(hf_dir, name)):
+            shutil.copyfile(os.path.join(hf_dir, name), os.path.join(dest, name))
+    for name in ("tokenizer.json", "tokenizer.model"):  # maxshard reads both kinds; the fast tokenizer first
+        if os.path.isfile(os.path.join(dest, name)):
+            return os.path.join(dest, name)
+    return ""
+
+
+def _write_params(state_dir: epath.Path, source: safetensors_io.Source,
+                  plan: list[tuple[layout.Param, list[safetensors_io.TensorInfo]]]) -> None:
+    """Pass 1 (orbax skeleton), then pass 2: each parameter filled one block of rows at a time, read from its file
+    (rows are contiguous there), rearranged as a view and written as whole chunks."""
+    leaves = [orbax_io.Leaf(p.path, p.shape, infos[0].dtype, int(p.stacked), names.row_axis(p.entry))
+              for p, infos in plan]
+    orbax_io.write_skeleton(state_dir, leaves)
+    for (param, infos), leaf in zip(plan, leaves):
+        store = orbax_io.create_array(state_dir, leaf)
+        axis, dims = leaf.row_axis, param.layer_shape
+        size, step = dims[axis], orbax_io.rows_per_chunk(leaf)
+        per_row = names.hf_rows_per_row(param.entry, dims)
+        for i, info in enumerate(infos):
+            for start in range(0, size, step):
+                stop = min(start + step, size)
+                rows = source.read(info, start * per_row, stop * per_row)
+                block = names.to_maxshard(param.entry, rows, dims[:axis] + (stop - start,) + dims[axis + 1 :])
+                orbax_io.write_rows(store, leaf, (i,) if param.stacked else (), start, block)
+
+
+def convert(hf_dir: str, out_dir: str, base_config: str | None = None) -> Result:
+    """Converts; every problem with the source is a ConfigError before anything is written."""
+    hf_dir, out_dir = os.path.abspath(hf_dir), os.path.abspath(out_dir)
+    hf = hf_config.read(hf_dir)
+    arch, keys = hf_config.architecture(hf), hf_config.model_keys(hf)
+    with safetensors_io.Source(hf_dir) as source:
+        plan = _tensor_plan(layout.model_config(keys), source.tensors, hf_dir)
+        base = os.path.abspath(base_config or default_base_config())
+        if not os.path.isfile(base):
+            raise ConfigError(f"base config {base} not found; pass --base-config PATH_TO/configs/base.yml")
+        step_dir = os.path.join(out_dir, "checkpoints", STEP)
+        if os.path.exists(step_dir):
+            raise ConfigError(f"{out_dir} already holds a converted model ({step_dir}); choose another OUT_DIR")
+
+        tokenizer_path = _copy_hf_files(hf_dir, os.path.join(out_dir, "hf"))
+        config_path = os.path.join(out_dir, "config.yml")
+        with open(config_path, "w", encoding="utf-8") as f:
+            paths = {"base_config": base, "tokenizer_path": tokenizer_path, "load_parameters_path": step_dir}
+            f.write(_config_text(keys, paths, arch, hf_dir, hf.get("max_position_embeddings")))
+        cfg = config.parse([config_path])  # the file must be one that training accepts
+
+        partial = epath.Path(out_dir) / ".partial" / STEP
+        if partial.exists():
+            shutil.rmtree(partial)
+        _write_params(partial / "state", source, plan)
+    orbax_io.write_config(partial, orbax_io.config_json(cfg))
+    os.makedirs(os.path.dirname(step_dir), exist_ok=True)
+    os.rename(partial, step_dir)
+    shutil.rmtree(partial.parent, ignore_errors=True)
+    num_params = sum(int(np.prod(p.shape)) for p, _ in plan)
+    dtypes = tuple(sorted({infos[0].dtype.name for _, infos in plan}))
+    return Result(config_path, step_dir, arch, num_params, dtypes, tokenizer_path)

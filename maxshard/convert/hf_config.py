@@ -1,0 +1,167 @@
+"""Hugging Face `config.json` <-> maxshard model keys, refusing whatever maxshard's model cannot compute.
+
+A converted model must compute exactly what it computed in transformers, so every field that would change the
+function and that maxshard has no key for (biases, a sliding window, another RoPE scaling, another activation,
+quantisation) is one ConfigError naming the field, never dropped. Both spellings of the RoPE settings are read:
+top-level `rope_theta` + `rope_scaling` (transformers 4.x, what most published checkpoints carry) and
+`rope_parameters` (transformers 5.x, `rope_theta` inside). Exports use the 4.x spelling, which both versions read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from maxshard.config import ConfigError
+
+__all__ = ["ARCHITECTURES", "MAX_TARGET_LENGTH", "read", "architecture", "model_keys", "rope_keys", "to_hf",
+           "default_max_position"]
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"}
+MAX_TARGET_LENGTH = 2048  # the training length config.yml gets when the model allows more (a key to override)
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_LLAMA3 = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_low_freq_factor",
+           "high_freq_factor": "rope_high_freq_factor",
+           "original_max_position_embeddings": "rope_original_max_position"}
+_REPLACED = ("rope_parameters", "rope_scaling", "rope_theta", "torch_dtype", "dtype", "transformers_version")
+
+
+def read(directory: str) -> dict[str, Any]:
+    """The parsed config.json of a Hugging Face model directory."""
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):
+        raise ConfigError(f"{directory} has no config.json (expected a Hugging Face model directory)")
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def architecture(hf: Mapping[str, Any]) -> str:
+    """The one supported class named by `architectures` (or `model_type` when that list is missing)."""
+    names = hf.get("architectures") or []
+    if not names:
+        by_type = {kind: name for name, kind in ARCHITECTURES.items()}
+        if hf.get("model_type") in by_type:
+            return by_type[hf["model_type"]]
+        raise ConfigError(f"config.json: model_type={hf.get('model_type')!r} is not supported "
+                          f"(maxshard converts {', '.join(ARCHITECTURES)})")
+    if len(names) != 1 or names[0] not in ARCHITECTURES:
+        raise ConfigError(f"config.json: architectures={names} is not supported "
+                          f"(maxshard converts {', '.join(ARCHITECTURES)})")
+    return names[0]
+
+
+def _refuse(field: str, value: Any, why: str) -> ConfigError:
+    return ConfigError(f"config.json: {field}={json.dumps(value)} is not supported: {why}")
+
+
+def _check_representable(hf: Mapping[str, Any]) -> None:
+    """Fields that change the function in ways maxshard's decoder cannot reproduce."""
+    for field in ("attention_bias", "mlp_bias"):
+        if hf.get(field):
+            raise _refuse(field, hf[field], "maxshard's projections have no biases")
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise _refuse("hidden_act", act, "maxshard's MLP is SwiGLU with silu")
+    window, max_position = hf.get("sliding_window"), hf.get("max_position_embeddings")
+    if window is not None and (max_position is None or window < max_position):
+        raise _refuse("sliding_window", window, f"maxshard attends over the whole context "
+                      f"(max_position_embeddings={max_position}); only null or >= max_position_embeddings converts")
+    if hf.get("quantization_config"):
+        raise _refuse("quantization_config", hf["quantization_config"].get("quant_method", "?"),
+                      "quantized checkpoints cannot be converted")
+    for field in _REQUIRED:
+        if not isinstance(hf.get(field), int):
+            raise ConfigError(f"config.json has no integer {field}")
+
+
+def rope_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """rope_max_timescale and the rope_scaling_* keys from either spelling of the RoPE settings."""
+    if hf.get("rope_parameters") is not None:
+        params, where = dict(hf["rope_parameters"]), "rope_parameters"
+        if any(isinstance(v, Mapping) for v in params.values()):
+            raise _refuse(where, sorted(params), "per-layer-type RoPE settings belong to other architectures")
+        theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    else:
+        params, where = dict(hf.get("rope_scaling") or {}), "rope_scaling"
+        theta = hf.get("rope_theta", 10000.0)
+    kind = params.get("rope_type", params.get("type", "default"))
+    keys: dict[str, Any] = {"rope_max_timescale": float(theta), "rope_scaling_type": "none"}
+    if kind == "default":
+        return keys
+    if kind != "llama3":
+        raise _refuse(f"{where}.rope_type", kind, "maxshard implements default and llama3 RoPE")
+    for field, key in _LLAMA3.items():
+        if field not in params:
+            raise ConfigError(f"config.json: {where} has rope_type llama3 but no {field}")
+        keys[key] = int(params[field]) if key == "rope_original_max_position" else float(params[field])
+    keys["rope_scaling_type"] = "llama3"
+    return keys
+
+
+def model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """The maxshard model keys of a Llama or Mistral config.json (ConfigError naming the field otherwise)."""
+    architecture(hf)
+    _check_representable(hf)
+    heads = hf["num_attention_heads"]
+    max_position = hf.get("max_position_embeddings") or MAX_TARGET_LENGTH
+    return {
+        "vocab_size": hf["vocab_size"],
+        "emb_dim": hf["hidden_size"],
+        "num_layers": hf["num_hidden_layers"],
+        "num_heads": heads,
+        "num_kv_heads": hf.get("num_key_value_heads") or heads,
+        "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads,
+        "mlp_dim": hf["intermediate_size"],
+        "max_target_length": min(max_position, MAX_TARGET_LENGTH),
+        "logits_via_embedding": bool(hf.get("tie_word_embeddings", False)),  # Llama/Mistral default: untied
+        "norm_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
+        **rope_keys(hf),
+    }
+
+
+def _rope_scaling(keys: Mapping[str, Any]) -> dict[str, Any] | None:
+    if keys.get("rope_scaling_type", "none") == "none":
+        return None
+    return {"rope_type": "llama3", **{field: keys[key] for field, key in _LLAMA3.items()}}
+
+
+def default_max_position(keys: Mapping[str, Any]) -> int:
+    """Without a template: the training length, or the scaled context a llama3-scaled model was built for."""
+    if keys.get("rope_scaling_type", "none") == "llama3":
+        return max(keys["max_target_length"], int(keys["rope_original_max_position"] * keys["rope_scaling_factor"]))
+    return keys["max_target_length"]
+
+
+def to_hf(keys: Mapping[str, Any], dtype: str, template: Mapping[str, Any] | None = None,
+          token_ids: Mapping[str, int] | None = None) -> dict[str, Any]:
+    """config.json for maxshard model keys. Fields maxshard has no key for (max_position_embeddings, token ids,
+    generation settings) come from `template` (the config.json the model was converted from) when given."""
+    out = {k: v for k, v in (template or {}).items() if k not in _REPLACED}
+    name = architecture(out) if out.get("architectures") or out.get("model_type") else "LlamaForCausalLM"
+    out.update({
+        "architectures": [name],
+        "model_type": ARCHITECTURES[name],
+        "vocab_size": keys["vocab_size"],
+        "hidden_size": keys["emb_dim"],
+        "intermediate_size": keys["mlp_dim"],
+        "num_hidden_layers": keys["num_layers"],
+        "num_attention_heads": keys["num_heads"],
+        "num_key_value_heads": keys["num_kv_heads"],
+        "head_dim": keys["head_dim"],
+        "hidden_act": "silu",
+        "rms_norm_eps": keys["norm_epsilon"],
+        "rope_theta": keys["rope_max_timescale"],
+        "rope_scaling": _rope_scaling(keys),
+        "tie_word_embeddings": keys["logits_via_embedding"],
+        "torch_dtype": dtype,
+    })
+    out.setdefault("max_position_embeddings", default_max_position(keys))
+    if name == "LlamaForCausalLM":
+        out.update(attention_bias=False, mlp_bias=False)
+    else:
+        out["sliding_window"] = None
+    for field, value in (token_ids or {}).items():
+        out.setdefault(field, value)
+    return out

@@ -1,0 +1,98 @@
+"""Which Hugging Face tensor is which maxshard parameter, and how its layout differs: the table as data.
+
+Hugging Face stores a linear layer as `weight[out_features, in_features]` (torch's y = x @ W.T); maxshard stores a
+`kernel[*in_dims, *out_dims]` contracted over its leading `num_in` dims (layers/linears.py), with heads split out:
+
+    q_proj  [heads * head_dim, embed]      -> attention/query/kernel  [embed, heads, head_dim]
+    k_proj  [kv_heads * head_dim, embed]   -> attention/key/kernel    [embed, kv_heads, head_dim]
+    o_proj  [embed, heads * head_dim]      -> attention/out/kernel    [heads, head_dim, embed]   (num_in = 2)
+    lm_head [vocab, embed]                 -> logits/kernel           [embed, vocab]
+
+so a linear weight maps by a transpose then a reshape, and back by a reshape then a transpose; embeddings and norm
+scales have the same layout on both sides. Rows of q/k need no permutation: Hugging Face's rotate-half RoPE pairs
+(i, i + head_dim/2) exactly as maxshard does (layers/rope.py). Per-layer tensors become one stacked parameter
+[layers, ...] under decoder/layers (scan_layers=true).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import numpy as np
+
+__all__ = ["Entry", "GLOBAL", "PER_LAYER", "HEAD", "IGNORED", "hf_name", "hf_shape", "row_axis", "hf_rows_per_row",
+           "to_maxshard", "to_hf"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One tensor: Hugging Face name ("{i}": layer index), maxshard path (below decoder/layers for per-layer
+    tensors), layout ("same" or "linear"), and for "linear" how many leading maxshard dims are inputs."""
+
+    hf: str
+    path: tuple[str, ...]
+    layout: str
+    num_in: int = 1
+
+
+GLOBAL = (
+    Entry("model.embed_tokens.weight", ("token_embed", "embedding"), "same"),
+    Entry("model.norm.weight", ("final_norm", "scale"), "same"),
+)
+HEAD = Entry("lm_head.weight", ("logits", "kernel"), "linear")  # absent with tie_word_embeddings
+PER_LAYER = (
+    Entry("model.layers.{i}.input_layernorm.weight", ("attention_norm", "scale"), "same"),
+    Entry("model.layers.{i}.self_attn.q_proj.weight", ("attention", "query", "kernel"), "linear"),
+    Entry("model.layers.{i}.self_attn.k_proj.weight", ("attention", "key", "kernel"), "linear"),
+    Entry("model.layers.{i}.self_attn.v_proj.weight", ("attention", "value", "kernel"), "linear"),
+    Entry("model.layers.{i}.self_attn.o_proj.weight", ("attention", "out", "kernel"), "linear", num_in=2),
+    Entry("model.layers.{i}.post_attention_layernorm.weight", ("mlp_norm", "scale"), "same"),
+    Entry("model.layers.{i}.mlp.gate_proj.weight", ("mlp", "wi_0", "kernel"), "linear"),
+    Entry("model.layers.{i}.mlp.up_proj.weight", ("mlp", "wi_1", "kernel"), "linear"),
+    Entry("model.layers.{i}.mlp.down_proj.weight", ("mlp", "wo", "kernel"), "linear"),
+)
+# Buffers some older checkpoints saved; recomputed from the config, never learned.
+IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+
+
+def hf_name(entry: Entry, layer: int | None = None) -> str:
+    return entry.hf.format(i=layer) if layer is not None else entry.hf
+
+
+def hf_shape(entry: Entry, maxshard_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The Hugging Face shape of a (per-layer) maxshard parameter shape."""
+    if entry.layout == "same":
+        return maxshard_shape
+    inputs, outputs = maxshard_shape[: entry.num_in], maxshard_shape[entry.num_in :]
+    return (math.prod(outputs), math.prod(inputs))
+
+
+def row_axis(entry: Entry) -> int:
+    """The maxshard dim along which Hugging Face's rows run: its first output dim (dim 0 for "same").
+
+    A block of maxshard rows along it is a contiguous block of Hugging Face rows (q_proj: whole heads; o_proj:
+    embed rows; lm_head: vocab rows), so both directions can stream a tensor in row blocks."""
+    return 0 if entry.layout == "same" else entry.num_in
+
+
+def hf_rows_per_row(entry: Entry, maxshard_shape: tuple[int, ...]) -> int:
+    """Hugging Face rows per maxshard row along `row_axis` (head_dim for q/k/v, 1 otherwise)."""
+    return math.prod(maxshard_shape[row_axis(entry) + 1 :]) if entry.layout == "linear" else 1
+
+
+def to_maxshard(entry: Entry, array: np.ndarray, maxshard_shape: tuple[int, ...]) -> np.ndarray:
+    """Hugging Face tensor (or a block of its rows) -> maxshard layout (or that block of rows along `row_axis`),
+    as a view."""
+    if entry.layout == "same":
+        return array.reshape(maxshard_shape)
+    return array.T.reshape(maxshard_shape)
+
+
+def to_hf(entry: Entry, array: np.ndarray) -> np.ndarray:
+    """maxshard (per-layer) parameter -> Hugging Face layout; the exact inverse of `to_maxshard`."""
+    if entry.layout == "same":
+        return array
+    inputs = math.prod(array.shape[: entry.num_in])
+    return array.reshape(inputs, -1).T

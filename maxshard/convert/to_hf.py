@@ -1,0 +1,179 @@
+"""`to_hf`: a maxshard checkpoint step directory -> a Hugging Face directory transformers loads.
+
+    HF_DIR/config.json                      model keys from the checkpoint's own saved config; everything else
+                                            (max_position_embeddings, token ids, ...) from the template config.json
+    HF_DIR/model.safetensors                or model-0000i-of-0000n.safetensors + model.safetensors.index.json
+                                            above --max-shard-size
+    HF_DIR/tokenizer.json, ...              the tokenizer files of the template directory
+
+The template is `--template`, else the `hf/` directory `from_hf` kept beside the converted checkpoint, beside the one a
+run started from (its load_parameters_path), or beside its tokenizer.
+Tensors are written in the checkpoint's dtype unless --dtype says otherwise, so a converted model goes back bit for
+bit. Memory: each output file is one `safetensors.numpy.save_file` of its tensors, assembled in memory from blocks
+of rows of at most `orbax_io.CHUNK_BYTES`; so the peak is one shard (--max-shard-size, or the largest tensor when
+that is larger) plus a block. Reading a block decodes the zarr chunks it touches: just that block for a converted
+checkpoint (from_hf chunks the same way), but a whole stacked array for a checkpoint the trainer saved (orbax
+stores an array as one chunk per shard), which is then added to the bound.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from maxshard.config import ConfigError
+from maxshard.convert import hf_config, layout, names, orbax_io, safetensors_io
+from maxshard.data import tokenizer as tokenizers
+
+__all__ = ["export", "Result", "DTYPES"]
+
+DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "generation_config.json")
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    files: tuple[str, ...]
+    num_tensors: int
+    dtype: str
+    template: str
+    tokenizer_files: tuple[str, ...]
+
+
+def _locate(reader: orbax_io.Reader, param: layout.Param, layer: int | None) -> tuple[tuple[str, ...], tuple]:
+    """(array path, index) of one layer of a parameter, whichever decoder layout the checkpoint was saved in:
+    scanned [layers, ...], unrolled layers_<i>, or pipelined [repeats, stages, layers_per_stage, ...]."""
+    if not param.stacked:
+        return param.path, ()
+    rest = param.path[2:]
+    candidates = [(("decoder", "layers", *rest), (layer,)), (("decoder", f"layers_{layer}", *rest), ())]
+    pipelined = ("decoder", "pipeline", "layers", *rest)
+    if pipelined in reader.arrays:
+        lead = tuple(reader.arrays[pipelined].shape[:3])
+        candidates.append((pipelined, tuple(int(i) for i in np.unravel_index(layer, lead))))
+    for path, index in candidates:
+        if path in reader.arrays:
+            return path, index
+    raise ConfigError(f"the checkpoint has no params/{'/'.join(param.path)} for layer {layer} "
+                      "(is it a maxshard model with these model keys?)")
+
+
+def _blocks(reader: orbax_io.Reader, path: tuple[str, ...], index: tuple, entry: names.Entry,
+            layer_shape: tuple[int, ...], target: np.dtype) -> Iterator[np.ndarray]:
+    """One Hugging Face tensor as blocks of its rows, each read from the checkpoint on its own.
+
+    Hugging Face's rows run along maxshard's first output dim (dim 0 for a "same" layout): a block of heads of
+    q_proj, of embed rows of o_proj, of vocab rows of lm_head. So memory is one block, not the tensor."""
+    axis = 0 if entry.layout == "same" else entry.num_in
+    if not layer_shape:
+        yield reader.read(path, index).astype(target)
+        return
+    size = layer_shape[axis]
+    row_bytes = int(np.prod(layer_shape)) // size * target.itemsize
+    step = max(1, orbax_io.CHUNK_BYTES // max(row_bytes, 1))
+    for start in range(0, size, step):
+        window = index + (slice(None),) * axis + (slice(start, min(start + step, size)),)
+        yield names.to_hf(entry, reader.read(path, window)).astype(target, copy=False)
+
+
+def _tensors(reader: orbax_io.Reader, params: list[layout.Param], dtype: str | None, num_layers: int
+             ) -> list[tuple[safetensors_io.TensorSpec, Callable[[], Iterator[np.ndarray]]]]:
+    """Every Hugging Face tensor, in Hugging Face's usual order, with a function that reads it when it is due."""
+    by_entry = {p.entry: p for p in params}
+    order = [(e, None) for e in names.GLOBAL[:1]] + [(e, i) for i in range(num_layers) for e in names.PER_LAYER]
+    order += [(e, None) for e in (*names.GLOBAL[1:], names.HEAD) if e in by_entry]
+    out = []
+    for entry, layer in order:
+        param = by_entry[entry]
+        path, index = _locate(reader, param, layer)
+        target = DTYPES[dtype] if dtype else np.dtype(reader.arrays[path].dtype)
+        spec = safetensors_io.TensorSpec(names.hf_name(entry, layer), names.hf_shape(entry, param.layer_shape), target)
+        produce = functools.partial(_blocks, reader, path, index, entry, param.layer_shape, target)
+        out.append((spec, produce))
+    return out
+
+
+def _template_dir(step_dir: str, saved: Mapping[str, Any], template: str | None) -> str:
+    """The Hugging Face directory whose config.json and tokenizer to reuse: --template, else the hf/ that from_hf
+    wrote beside this checkpoint (a converted model), beside the checkpoint this run started from
+    (load_parameters_path: a fine-tuned model), or beside the tokenizer; '' when there is none."""
+    if template:
+        if not os.path.isfile(os.path.join(template, "config.json")):
+            raise ConfigError(f"--template={template} has no config.json")
+        return template
+    candidates = [os.path.join(step_dir, os.pardir, os.pardir, "hf")]
+    if saved.get("load_parameters_path"):
+        candidates.append(os.path.join(saved["load_parameters_path"], os.pardir, os.pardir, "hf"))
+    if saved.get("tokenizer_path"):
+        candidates.append(os.path.dirname(saved["tokenizer_path"]))
+    found = [c for c in candidates if os.path.isfile(os.path.join(c, "config.json"))]
+    return os.path.normpath(found[0]) if found else ""
+
+
+def _copy_tokenizer(saved: Mapping[str, Any], template: str, hf_dir: str) -> tuple[str, ...]:
+    """The tokenizer files of the template, else the checkpoint's own tokenizer file; () for the byte tokenizer."""
+    source = template or os.path.dirname(saved.get("tokenizer_path") or "")
+    copied = []
+    for name in TOKENIZER_FILES:
+        if source and os.path.isfile(os.path.join(source, name)):
+            shutil.copyfile(os.path.join(source, name), os.path.join(hf_dir, name))
+            copied.append(name)
+    tok = saved.get("tokenizer_path") or ""
+    if not copied and tok and os.path.isfile(tok):
+        name = "tokenizer.json" if tok.endswith(".json") else "tokenizer.model"
+        shutil.copyfile(tok, os.path.join(hf_dir, name))
+        copied.append(name)
+    return tuple(copied)
+
+
+def _token_ids(saved: Mapping[str, Any]) -> dict[str, int]:
+    """bos/eos/pad ids of the checkpoint's tokenizer, for a config.json without a template."""
+    path = saved.get("tokenizer_path") or ""
+    if path and not os.path.isfile(path):
+        return {}
+    tok = tokenizers.make_tokenizer(_TokenizerKeys(path))
+    return {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
+
+
+@dataclasses.dataclass(frozen=True)
+class _TokenizerKeys:
+    tokenizer_path: str
+
+
+def export(step_dir: str, hf_dir: str, max_shard_size: str = "5GB", dtype: str | None = None,
+           template: str | None = None, max_position_embeddings: int | None = None) -> Result:
+    """Writes HF_DIR from a checkpoint step directory (converted or trained)."""
+    saved = orbax_io.read_config(step_dir)
+    keys = {k: saved[k] for k in layout.MODEL_KEYS if k in saved}
+    missing = [k for k in ("vocab_size", "emb_dim", "num_layers") if k not in keys]
+    if missing:
+        raise ConfigError(f"{step_dir}/config has no {missing[0]}: not a maxshard model config")
+    cfg = layout.model_config({**keys, "num_experts": saved.get("num_experts", 1)})
+    reader = orbax_io.Reader(step_dir)
+    tensors = _tensors(reader, layout.params_of(cfg), dtype, cfg.num_layers)
+    produce = {spec.name: fn for spec, fn in tensors}
+    os.makedirs(hf_dir, exist_ok=True)
+    files = safetensors_io.write_checkpoint(hf_dir, [spec for spec, _ in tensors], lambda s: produce[s.name](),
+                                            safetensors_io.parse_size(max_shard_size))
+
+    template = _template_dir(step_dir, saved, template)
+    base = hf_config.read(template) if template else None
+    written = sorted({spec.dtype.name for spec, _ in tensors})
+    config_json = hf_config.to_hf(keys, written[0] if len(written) == 1 else "float32", base,
+                                  None if base else _token_ids(saved))
+    if max_position_embeddings:
+        config_json["max_position_embeddings"] = max_position_embeddings
+    with open(os.path.join(hf_dir, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config_json, f, indent=2, sort_keys=True)
+        f.write("\n")
+    copied = _copy_tokenizer(saved, template, hf_dir)
+    return Result(tuple(files), len(tensors), "/".join(written), template, copied)

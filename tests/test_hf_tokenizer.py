@@ -1,0 +1,67 @@
+"""tokenizer_path = a Hugging Face tokenizer.json: same surface as the other tokenizers, in the input pipeline too."""
+
+from __future__ import annotations
+
+import pickle
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from maxshard import config, mesh
+from maxshard.config import ConfigError
+from maxshard.data import make_input
+from maxshard.data.tokenizer import ByteTokenizer, HuggingFaceTokenizer, load_hf_tokenizer, make_tokenizer
+from maxshard.data.tokenizer import resolve_vocab
+
+REPO = Path(__file__).resolve().parent.parent
+TOKENIZER = REPO / "tests" / "fixtures" / "hf" / "llama_gqa" / "tokenizer.json"
+TEXT = "the quick brown llama reads sharded arrays"
+
+
+def cfg_with(*overrides: str) -> config.Config:
+    return config.load([str(REPO / "configs" / "base.yml"), "per_device_batch_size=1", "max_target_length=16",
+                        *overrides])
+
+
+def test_ids_round_trip_and_specials_from_tokenizer_config():
+    tok = load_hf_tokenizer(str(TOKENIZER))
+    assert (tok.pad_id, tok.bos_id, tok.eos_id, tok.vocab_size) == (0, 1, 2, 128)  # <unk> doubles as pad: weight 0
+    ids = tok.encode(TEXT)
+    assert tok.bos_id not in ids and tok.eos_id not in ids  # the pipeline adds BOS/EOS itself, once
+    assert tok.decode(ids) == TEXT and tok.decode([tok.bos_id, *ids, tok.eos_id]) == TEXT
+    assert tok.encode_array(TEXT).dtype == np.int32 and tok.encode_array(TEXT).tolist() == ids
+    copy = pickle.loads(pickle.dumps(tok))  # grain workers get their own copy
+    assert copy.encode(TEXT) == ids and copy.fingerprint() == tok.fingerprint()
+    assert tok.fingerprint().startswith("hf-tokenizers:") and tok.fingerprint() != ByteTokenizer().fingerprint()
+
+
+def test_without_tokenizer_config_known_names_are_used(tmp_path):
+    shutil.copyfile(TOKENIZER, tmp_path / "tokenizer.json")  # no tokenizer_config.json beside it
+    tok = load_hf_tokenizer(str(tmp_path / "tokenizer.json"))
+    assert (tok.bos_id, tok.eos_id) == (1, 2)  # "<s>", "</s>"
+    (tmp_path / "tokenizer_config.json").write_text('{"bos_token": {"content": "</s>"}, "eos_token": "<unk>"}')
+    tok = load_hf_tokenizer(str(tmp_path / "tokenizer.json"))
+    assert (tok.bos_id, tok.eos_id) == (2, 0)  # the config wins, in either spelling
+
+
+def test_make_tokenizer_and_vocab_and_errors(tmp_path):
+    cfg = cfg_with(f"tokenizer_path={TOKENIZER}")
+    assert isinstance(make_tokenizer(cfg), HuggingFaceTokenizer)
+    assert resolve_vocab(cfg).vocab_size == 128
+    with pytest.raises(ConfigError, match="tokenizer.json: no such file"):
+        make_tokenizer(cfg_with(f"tokenizer_path={tmp_path}/tokenizer.json"))
+    (tmp_path / "bad.json").write_text('{"not": "a tokenizer"}')
+    with pytest.raises(ConfigError, match=r"bad\.json is not a Hugging Face tokenizer\.json"):
+        make_tokenizer(cfg_with(f"tokenizer_path={tmp_path}/bad.json"))
+
+
+def test_input_pipeline_reads_text_with_it(tmp_path):
+    (tmp_path / "a.txt").write_text(TEXT + "\n", encoding="utf-8")
+    (tmp_path / "b.txt").write_text("a tiny book about rotary embeddings\n", encoding="utf-8")
+    cfg = resolve_vocab(cfg_with(f"tokenizer_path={TOKENIZER}", f"dataset_path={tmp_path}/*.txt",
+                                 "eval_fraction=0.0"))
+    batch = {k: np.asarray(v) for k, v in next(make_input(cfg, mesh.build(cfg))).items()}
+    inputs = batch["inputs"][batch["segment_ids"] > 0]
+    assert inputs.max() < 128 and (inputs == 1).any()  # the model's own ids, documents start with its BOS
