@@ -156,3 +156,50 @@ def test_routing_groups_make_dispatch_memory_linear_in_length():
     grouped = temp(4096, 256) / temp(1024, 256)
     assert grouped <= 4.5, grouped
     assert temp(4096, 0) / temp(1024, 0) > 10  # the test can fail: without groups it is quadratic
+
+
+# --------------------------------------------------------------------------------------------- shared experts
+
+
+def test_shared_experts_are_one_dense_swiglu_beside_the_routed_ones(reference):
+    """num_shared_experts=2: params `shared/wi_0|wi_1|wo` of width 2 x mlp_dim with the dense MLP's logical axes,
+    and the output is the routed layer's plus that SwiGLU of the input."""
+    params, x, segments = reference[:3]
+    cfg = dataclasses.replace(LAYER, num_shared_experts=2)
+    boxed = jax.eval_shape(lambda: _block(cfg).init(jax.random.key(0), x, segments))["params"]["shared"]
+    assert boxed["wi_0"]["kernel"].names == ("embed", "mlp") and boxed["wo"]["kernel"].names == ("mlp", "embed")
+    assert boxed["wi_1"]["kernel"].value.shape == (LAYER.emb_dim, 2 * LAYER.mlp_dim)
+    shared = jax.tree.map(lambda a: jax.random.normal(jax.random.key(2), a.shape) * 0.1, nn.unbox(boxed))
+
+    def apply(c: ModelConfig, p: dict) -> jax.Array:
+        return _block(c).apply({"params": p}, x, segments, mutable=[moe.STATS_COLLECTION])[0]
+
+    both = jax.jit(lambda p: apply(cfg, p))({**params, "shared": shared})
+    routed = jax.jit(lambda p: apply(LAYER, p))(params)
+    k = {name: shared[name]["kernel"] for name in ("wi_0", "wi_1", "wo")}
+    dense = (nn.silu(x @ k["wi_0"]) * (x @ k["wi_1"])) @ k["wo"]
+    np.testing.assert_allclose(np.asarray(both), np.asarray(routed + dense), rtol=1e-5, atol=1e-5)
+
+
+def test_flops_count_shared_experts():
+    """Each MoE layer adds n x the dense MLP's matmul params (the tiny config: 2 layers, the second one MoE)."""
+    base = tiny_config("num_experts=8", "num_experts_per_tok=2", "moe_layer_interval=2", num_devices=1)
+    shared = tiny_config("num_experts=8", "num_experts_per_tok=2", "moe_layer_interval=2", "num_shared_experts=2",
+                         num_devices=1)
+    mlp = 3 * 64 * 128
+    assert model.matmul_params(shared.model) - model.matmul_params(base.model) == 1 * 2 * mlp  # 1 MoE layer of 2
+    assert model.flops_per_token(shared.model) - model.flops_per_token(base.model) == 6 * 2 * mlp
+
+
+@pytest.mark.parametrize("override, message", [
+    ("moe_group_size=24", "moe_group_size"), ("moe_group_size=-1", "moe_group_size"),
+    ("num_shared_experts=-1", "num_shared_experts"), ("moe_dropless_impl=fast", "moe_dropless_impl"),
+])
+def test_bad_new_moe_keys_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        tiny_config("num_experts=8", "num_experts_per_tok=2", override)
+
+
+def test_auto_impl_is_tiled_on_cpu_and_group_size_reaches_the_model():
+    cfg = tiny_config("num_experts=8", "moe_group_size=8")
+    assert cfg.model.moe_dropless_impl == "tiled" and cfg.model.moe_group_size == 8
