@@ -102,6 +102,16 @@ def test_grouped_dropless_equals_all_experts(experts_per_device, reference):
     assert float(jnp.max(jnp.abs(grads[0]["gate"]["kernel"]))) > 0  # the router learns through the weights
 
 
+def test_a_batch_the_mesh_does_not_divide_runs_unsharded(reference):
+    """Init traces the model with a batch of 1: under expert=4 x fsdp=2 it takes the unsharded computation."""
+    params, x, segments, ref_y, _ = reference
+    cfg = tiny_config(*layout_overrides(EXPERT_PARALLEL[4]))
+    apply = jax.jit(lambda p, x, s: _block(LAYER).apply({"params": p}, x, s, mutable=[moe.STATS_COLLECTION])[0])
+    with mesh_context(mesh_for(cfg), sharding.flax_rules(cfg)):
+        y = apply(params, x[:1], segments[:1])
+    assert max_relative_difference(y, ref_y[:1]) < 1e-5
+
+
 def test_ragged_dot_dropless_equals_all_experts(reference):
     """The accelerators' grouped matmul, on CPU lowered as a masked dense dot: same numbers, expert parallel 4."""
     params, x, segments, ref_y, ref_grads = reference

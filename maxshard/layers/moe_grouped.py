@@ -67,7 +67,7 @@ def tile_rows(rows: int, groups: int) -> int:
 
 
 class _Tiles(NamedTuple):
-    dest: jax.Array  # [rows] padded row of each sorted row; out of range for rows beyond sum(sizes)
+    dest: jax.Array  # [rows] padded row of each sorted row; distinct and out of range for rows past sum(sizes)
     group: jax.Array  # [tiles] expert of each tile
     count: int  # tiles (static)
     size: int  # rows per tile (static)
@@ -86,7 +86,8 @@ def _tiles(sizes: jax.Array, rows: int) -> _Tiles:
     row_group = jnp.sum(row[:, None] >= jnp.cumsum(sizes)[None, :], axis=1)  # [rows], `groups` past the end
     padded = (sizes + b - 1) // b * b
     g = jnp.minimum(row_group, groups - 1)
-    dest = jnp.where(row_group < groups, _exclusive_cumsum(padded)[g] + row - _exclusive_cumsum(sizes)[g], count * b)
+    inside = _exclusive_cumsum(padded)[g] + row - _exclusive_cumsum(sizes)[g]
+    dest = jnp.where(row_group < groups, inside, count * b + row)  # past the end: distinct, out of range
     tile_start = jnp.arange(count, dtype=sizes.dtype) * b
     tile_group = jnp.minimum(jnp.sum(tile_start[:, None] >= jnp.cumsum(padded)[None, :], axis=1), groups - 1)
     return _Tiles(dest, tile_group, count, b)
@@ -169,7 +170,7 @@ def _dropless_exchange(
     shard = jnp.minimum(sorted_ids // local, p - 1)
     starts = _exclusive_cumsum(jnp.sum(sizes.reshape(p, local), axis=1))  # [p] first sorted row per destination
     rank = jnp.arange(sorted_ids.shape[0], dtype=order.dtype)
-    dest = jnp.where(sorted_ids < p * local, shard * slots + rank - starts[shard], p * slots)  # [T * k]
+    dest = jnp.where(sorted_ids < p * local, shard * slots + rank - starts[shard], p * slots + rank)  # [T * k]
     send = jnp.zeros((p * slots, x.shape[1]), x.dtype).at[dest].set(x[order // k], mode="drop", unique_indices=True)
     recv = jax.lax.all_to_all(send.reshape(p, slots, -1), axis, 0, 0, tiled=True)  # [p sources, slots, embed]
     counts = jax.lax.all_to_all(sizes.reshape(p, local), axis, 0, 0, tiled=True)  # [p sources, E_l]
@@ -215,7 +216,8 @@ def dropless(x: jax.Array, experts: jax.Array, weights: jax.Array, kernels: Kern
     """x [batch, length, embed], experts and weights [batch, length, k] -> [batch, length, embed].
 
     Without a mesh (or logical rules) everything is local; with one, a shard_map manual over the token axes and the
-    expert axes, exchanging tokens when the experts are sharded.
+    expert axes, exchanging tokens when the experts are sharded. A batch that the token axes do not divide (init
+    runs a batch of 1) takes the local computation, left for XLA to partition.
     """
     mesh, rules = jax.sharding.get_abstract_mesh(), nn.get_logical_axis_rules()
     if mesh.empty or not rules:
@@ -227,9 +229,13 @@ def dropless(x: jax.Array, experts: jax.Array, weights: jax.Array, kernels: Kern
         raise ConfigError(f"dropless MoE: the expert mesh axes {expert_axes} must also split the tokens "
                           f"(activation_batch or activation_length rules)")
     manual = tuple(a for a in names if any(a in d for d in token_dims))
-    if not manual:  # nothing splits the tokens: every device runs the same local computation
+    shards = [math.prod(mesh.shape[a] for a in d) for d in token_dims]
+    if not manual or x.shape[0] % shards[0] or x.shape[1] % shards[1]:
+        # Nothing splits the tokens, or this batch does not split evenly (init's batch of 1, a small decode batch):
+        # one logical computation, partitioned by XLA.
         return _dropless_here(x, experts, weights, kernels, impl)
-    kernel_dims = [_resolve(n, rules, manual) for n in ((ax.EXP, ax.EMBED, ax.MLP),) * 2 + ((ax.EXP, ax.MLP, ax.EMBED),)]
+    kernel_names = ((ax.EXP, ax.EMBED, ax.MLP), (ax.EXP, ax.EMBED, ax.MLP), (ax.EXP, ax.MLP, ax.EMBED))
+    kernel_dims = [_resolve(n, rules, manual) for n in kernel_names]
     p = math.prod(mesh.shape[a] for a in expert_axes)
 
     def body(x: jax.Array, experts: jax.Array, weights: jax.Array, *kernels: jax.Array) -> jax.Array:
