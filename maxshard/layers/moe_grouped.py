@@ -13,7 +13,9 @@ Grouped matmul, `x [rows, embed] @ w[expert of the row]`, with rows sorted by ex
 
 Expert parallelism (the `exp` dimension of the kernels sharded over P devices, E_l = E / P experts each). The layer
 runs in `jax.shard_map`, manual over the mesh axes that split the tokens (the rules of activation_batch and
-activation_length) and the expert axes; tensor-like axes stay automatic. Each device routes its own T tokens and
+activation_length) and the expert axes (plus the stage axes inside the pipeline, whose vmap adds them); tensor-like
+axes stay automatic, and kernel dimensions sharded over manual axes (FSDP) are all-gathered in the body, their
+gradients reduce-scattered by its transpose. Each device routes its own T tokens and
 exchanges them with the devices holding their experts. `jax.lax.ragged_all_to_all` would move only the rows routed,
 but XLA:CPU cannot run it (jax 0.10.2: "HLO opcode `ragged-all-to-all` is not supported by XLA:CPU ThunkEmitter"),
 so the exchange is an `all_to_all` of a fixed buffer [P, slots, embed] with
@@ -228,12 +230,15 @@ def dropless(x: jax.Array, experts: jax.Array, weights: jax.Array, kernels: Kern
     if not set(expert_axes) <= {a for d in token_dims for a in d}:
         raise ConfigError(f"dropless MoE: the expert mesh axes {expert_axes} must also split the tokens "
                           f"(activation_batch or activation_length rules)")
-    manual = tuple(a for a in names if any(a in d for d in token_dims))
     shards = [math.prod(mesh.shape[a] for a in d) for d in token_dims]
-    if not manual or x.shape[0] % shards[0] or x.shape[1] % shards[1]:
+    if not any(token_dims) or x.shape[0] % shards[0] or x.shape[1] % shards[1]:
         # Nothing splits the tokens, or this batch does not split evenly (init's batch of 1, a small decode batch):
         # one logical computation, partitioned by XLA.
         return _dropless_here(x, experts, weights, kernels, impl)
+    # Inside the pipeline the layer is vmapped over stages with spmd_axis_name, which adds the stage axes to the
+    # shard_map's specs: they must be manual too (outside a pipeline they have size 1 and are left out).
+    stage_axes = _resolve((ax.ACT_STAGE,), rules, names)[0]
+    manual = tuple(a for a in names if any(a in d for d in token_dims) or a in stage_axes)
     kernel_names = ((ax.EXP, ax.EMBED, ax.MLP), (ax.EXP, ax.EMBED, ax.MLP), (ax.EXP, ax.MLP, ax.EMBED))
     kernel_dims = [_resolve(n, rules, manual) for n in kernel_names]
     p = math.prod(mesh.shape[a] for a in expert_axes)
