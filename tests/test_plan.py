@@ -15,6 +15,8 @@ Agreement measured on jax 0.10.2 (bytes per device, plan as XLA:CPU compiles it 
     fsdp=4 tensor=2   all-gather 376,832 / 379,904   reductions 763,136 / 764,896     all-to-all 65,536 / 65,536
     tensor=8                                         reductions 2,097,152 / 2,103,404
 Memory: exact in all four. XLA:TPU (the libtpu test below) needs neither translation.
+MoE (8 experts, top-2, expert=4 x fsdp=2), all-to-all bytes planned / measured: dropping, remat none 237,568 /
+237,568; grouped dropless, remat full 819,264 / 819,264 (exchange buffers, row counts and the embedding's rows).
 """
 
 from __future__ import annotations
