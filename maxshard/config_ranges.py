@@ -61,6 +61,11 @@ def _check_moe(cfg: Config) -> None:
     if cfg.moe_layer_interval < 1 or cfg.num_layers % cfg.moe_layer_interval:
         raise ConfigError(f"moe_layer_interval={cfg.moe_layer_interval} must be >= 1 and divide "
                           f"num_layers={cfg.num_layers}")
+    if cfg.moe_group_size < 0 or (cfg.moe_group_size and cfg.max_target_length % cfg.moe_group_size):
+        raise ConfigError(f"moe_group_size={cfg.moe_group_size} must be 0 (whole sequence) or divide "
+                          f"max_target_length={cfg.max_target_length}")
+    if cfg.num_shared_experts < 0:
+        raise ConfigError(f"num_shared_experts must be >= 0, got {cfg.num_shared_experts}")
     for key in ("load_balance_loss_weight", "router_z_loss_weight"):
         if not getattr(cfg, key) >= 0:
             raise ConfigError(f"{key} must be >= 0, got {getattr(cfg, key)}")

@@ -162,6 +162,9 @@ class Config:
     num_experts_per_tok: int = 1
     capacity_factor: float = 1.25
     moe_layer_interval: int = 1
+    moe_group_size: int = 0
+    moe_dropless_impl: Literal["auto", "ragged_dot", "tiled", "dense"] = "auto"
+    num_shared_experts: int = 0
     load_balance_loss_weight: float = 0.01
     router_z_loss_weight: float = 0.001
 

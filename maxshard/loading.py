@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from maxshard import config, mesh, stages
 from maxshard.config import Config
 from maxshard.data.tokenizer import resolve_vocab
-from maxshard.model_config import ModelConfig, model_fields, resolve_dtype
+from maxshard.model_config import ModelConfig, model_fields, resolve_dtype, resolve_moe_impl
 
 __all__ = ["load_run", "complete", "model_config", "replace"]
 
@@ -23,6 +23,7 @@ def model_config(cfg: Config, mesh_sizes: dict[str, int] | None = None) -> Model
     values = {key: getattr(cfg, key) for key in model_fields()}
     values["dtype"] = resolve_dtype(cfg.dtype, platform)
     values["weight_dtype"] = resolve_dtype(cfg.weight_dtype, platform)
+    values["moe_dropless_impl"] = resolve_moe_impl(cfg.moe_dropless_impl, platform)
     return ModelConfig(**values, pipeline=stages.resolve(cfg, sizes))
 
 

@@ -94,11 +94,13 @@ def param_count(cfg: ModelConfig) -> int:
 def matmul_params(cfg: ModelConfig) -> int:
     """Parameters that take part in a matmul per token: every kernel, plus the output head (tied or not).
 
-    An MoE layer counts the MLPs of the k experts a token is routed to, plus the router [embed, experts].
+    An MoE layer counts the MLPs of the k experts a token is routed to and of its shared experts, plus the router
+    [embed, experts].
     """
     attn = cfg.emb_dim * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
     mlp = 3 * cfg.emb_dim * cfg.mlp_dim
-    moe_extra = (cfg.num_experts_per_tok - 1) * mlp + cfg.emb_dim * cfg.num_experts  # per MoE layer, beyond one MLP
+    experts = cfg.num_experts_per_tok + cfg.num_shared_experts
+    moe_extra = (experts - 1) * mlp + cfg.emb_dim * cfg.num_experts  # per MoE layer, beyond one MLP
     return cfg.num_layers * (attn + mlp) + cfg.num_moe_layers * moe_extra + cfg.emb_dim * cfg.vocab_size
 
 

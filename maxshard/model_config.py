@@ -16,7 +16,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-__all__ = ["ModelConfig", "PipelineShape", "model_fields", "num_units", "resolve_dtype"]
+__all__ = ["ModelConfig", "PipelineShape", "model_fields", "num_units", "resolve_dtype", "resolve_moe_impl"]
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -25,6 +25,14 @@ def resolve_dtype(name: str, platform: str) -> str:
     """'auto' is bfloat16 on accelerators and float32 on CPU (where bfloat16 matmuls are emulated and slow)."""
     if name == "auto":
         return "float32" if platform == "cpu" else "bfloat16"
+    return name
+
+
+def resolve_moe_impl(name: str, platform: str) -> str:
+    """'auto' is XLA's ragged_dot on accelerators and the tiled grouped matmul on CPU, where jax lowers ragged_dot to
+    a masked dense dot over every expert (see `layers/moe_grouped.py`)."""
+    if name == "auto":
+        return "tiled" if platform == "cpu" else "ragged_dot"
     return name
 
 
@@ -92,6 +100,9 @@ class ModelConfig:
     num_experts_per_tok: int = 1
     capacity_factor: float = 1.25
     moe_layer_interval: int = 1
+    moe_group_size: int = 0
+    moe_dropless_impl: str = "tiled"
+    num_shared_experts: int = 0
     pipeline: PipelineShape | None = None
 
     @property

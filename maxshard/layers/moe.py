@@ -3,10 +3,15 @@
 Routing runs in float32. A router softmax over `num_experts` picks each token's top `k` experts; their
 probabilities are renormalised to sum to 1 and weigh the experts' outputs (drops do not renormalise again).
 
-Groups and capacity. A group is one sequence: each row of the batch [batch, length] routes on its own, so routing
-never depends on how the batch is sharded. Every expert takes at most C tokens per group:
+Groups and capacity. A group is `moe_group_size` consecutive tokens of one sequence (default 0: the whole
+sequence); each group routes on its own, so routing never depends on how the batch is sharded. Every expert takes
+at most C tokens per group of g tokens:
 
-    C = min(length, ceil(length * k / num_experts * capacity_factor))
+    C = min(g, ceil(g * k / num_experts * capacity_factor))
+
+The dispatch and combine masks are [groups, g, experts, C], so their size is length x g x k x capacity_factor per
+sequence: quadratic in the length with whole-sequence groups, linear with a fixed `moe_group_size`. Smaller groups
+balance over fewer tokens (a burst of tokens for one expert in one group drops where a whole sequence might not).
 
 Priority. Slots are filled choice-major, then in position order: every token's 1st choice is placed before any
 token's 2nd choice. A choice whose slot would be >= C is dropped: that token gets nothing from that expert (its
@@ -29,9 +34,15 @@ parallelism) and are processed sharded over experts; the constraints below make 
     hidden      [experts, group, capacity, mlp]      SwiGLU of each expert, local to its expert shard
     combined    [group, tokens, embed]               back to the batch layout
 
-Dropless (`capacity_factor <= 0`): every expert computes every token and the router weights (zero for experts a
-token did not choose) combine them. Exact and simple, but it costs num_experts / k times the expert FLOPs of the
-dropping path; `flops_per_token` counts model FLOPs (k experts), so MFU under dropless understates the work.
+Dropless (`capacity_factor <= 0`): by default (`moe_dropless_impl` auto, ragged_dot or tiled) grouped matmuls over
+the tokens sorted by expert, with expert parallelism by an all-to-all exchange in shard_map: see `moe_grouped.py`.
+`moe_dropless_impl=dense` keeps the reference: every expert computes every token and the router weights (zero for
+experts a token did not choose) combine them, num_experts / k times the expert FLOPs.
+
+Shared experts (`num_shared_experts` = n > 0): a dense SwiGLU every token passes through, beside the routed experts
+and added to their output (DeepSeek-style). The n shared experts are one MLP of width n x mlp_dim, params under
+"shared" with the dense MLP's logical axes: a SwiGLU of concatenated hidden units is exactly the sum of n separate
+SwiGLUs, and one wider matmul beats n narrow ones.
 
 Router losses, per MoE layer, over the non-padding tokens T:
     load balance  num_experts * sum_i f_i * P_i, f_i = share of the T * k assignments that chose expert i (before
@@ -53,13 +64,16 @@ import jax.numpy as jnp
 
 from maxshard import axis_names as ax
 from maxshard.model_config import ModelConfig
+from maxshard.layers import moe_grouped
 from maxshard.layers.linears import DenseGeneral
+from maxshard.layers.mlp import MLP
 from maxshard.sharding import constrain
 
 __all__ = [
     "MoEBlock",
     "Routing",
     "capacity",
+    "group_size",
     "route",
     "router_losses",
     "collect_stats",
@@ -82,6 +96,16 @@ def capacity(tokens: int, k: int, experts: int, factor: float) -> int:
     return max(1, min(tokens, math.ceil(tokens * k / experts * factor)))
 
 
+def group_size(tokens: int, moe_group_size: int) -> int:
+    """Tokens per routing group of a sequence of `tokens`: `moe_group_size`, or the whole sequence when that is 0
+    or not shorter (a short sequence, e.g. one decode step, is one group)."""
+    if moe_group_size <= 0 or moe_group_size >= tokens:
+        return tokens
+    if tokens % moe_group_size:
+        raise ValueError(f"moe_group_size={moe_group_size} must divide the sequence length {tokens}")
+    return moe_group_size
+
+
 # --------------------------------------------------------------------------------------------- routing
 
 
@@ -93,14 +117,19 @@ class Routing(NamedTuple):
     weights: jax.Array  # [group, tokens, experts] renormalised top-k weight, 0 for experts not chosen
     chosen: jax.Array  # [group, tokens, experts] 1 where a real token chose the expert (before drops)
     kept: jax.Array  # [group, tokens, experts] 1 where that choice got a slot
+    top_weights: jax.Array  # [group, tokens, k] renormalised weights of the k choices, 0 for padding
+    top_experts: jax.Array  # [group, tokens, k] int32 expert of each choice; num_experts (none) for padding
 
 
-def _top_k(probs: jax.Array, k: int, token_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Renormalised top-k weights [group, tokens, k] and one-hot choices [group, tokens, k, experts]."""
+def _top_k(probs: jax.Array, k: int, token_mask: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Renormalised top-k weights [group, tokens, k], their experts [group, tokens, k] (num_experts for padding)
+    and one-hot choices [group, tokens, k, experts]."""
     top_probs, top_experts = jax.lax.top_k(probs, k)  # [g, s, k]
     top_weights = top_probs / jnp.sum(top_probs, axis=-1, keepdims=True)
     choices = jax.nn.one_hot(top_experts, probs.shape[-1], dtype=jnp.int32)  # [g, s, k, e]
-    return top_weights, choices * token_mask[:, :, None, None].astype(jnp.int32)
+    real = token_mask[:, :, None]
+    top_experts = jnp.where(real, top_experts, probs.shape[-1]).astype(jnp.int32)
+    return top_weights * real, top_experts, choices * real[..., None].astype(jnp.int32)
 
 
 def _slots(choices: jax.Array) -> jax.Array:
@@ -114,7 +143,7 @@ def _slots(choices: jax.Array) -> jax.Array:
 def route(logits: jax.Array, k: int, slots_per_expert: int, token_mask: jax.Array) -> Routing:
     """Top-k routing of logits [group, tokens, experts] with `slots_per_expert` slots (dropless: tokens)."""
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    top_weights, choices = _top_k(probs, k, token_mask)  # [g, s, k], [g, s, k, e]
+    top_weights, top_experts, choices = _top_k(probs, k, token_mask)  # [g, s, k], [g, s, k], [g, s, k, e]
     slots = _slots(choices)  # [g, s, k, e]
     keep = choices * (slots < slots_per_expert)  # [g, s, k, e]
     # An expert appears at most once among a token's k choices, so summing over k loses nothing.
@@ -123,7 +152,7 @@ def route(logits: jax.Array, k: int, slots_per_expert: int, token_mask: jax.Arra
     weights = jnp.einsum("gsk,gske->gse", top_weights, choices.astype(jnp.float32))
     dispatch = jax.nn.one_hot(slot, slots_per_expert, dtype=jnp.float32) * kept[..., None]  # [g, s, e, c]
     chosen = jnp.sum(choices, axis=2).astype(jnp.float32)
-    return Routing(dispatch, dispatch * weights[..., None], weights, chosen, kept)
+    return Routing(dispatch, dispatch * weights[..., None], weights, chosen, kept, top_weights, top_experts)
 
 
 def router_losses(logits: jax.Array, chosen: jax.Array, token_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -172,13 +201,17 @@ class MoEBlock(nn.Module):
         init = nn.with_logical_partitioning(_expert_init, axes)
         return jnp.asarray(self.param(name, init, shape, self.weight_dtype), self.dtype)
 
-    def _experts(self, x: jax.Array, spec: str, token_axis: str | None) -> jax.Array:
-        """Every expert's SwiGLU. x is [experts, group, tokens, embed] ('egcm') or [group, tokens, embed] ('gcm',
-        shared by all experts); returns [experts, group, tokens, embed]."""
+    def _kernels(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """wi_0, wi_1 [experts, embed, mlp] and wo [experts, mlp, embed], in the compute dtype."""
         e, m, h = self.cfg.num_experts, self.cfg.emb_dim, self.cfg.mlp_dim
         wi_0 = self._kernel("wi_0", (e, m, h), (ax.EXP, ax.EMBED, ax.MLP))
         wi_1 = self._kernel("wi_1", (e, m, h), (ax.EXP, ax.EMBED, ax.MLP))
-        wo = self._kernel("wo", (e, h, m), (ax.EXP, ax.MLP, ax.EMBED))
+        return wi_0, wi_1, self._kernel("wo", (e, h, m), (ax.EXP, ax.MLP, ax.EMBED))
+
+    def _experts(self, x: jax.Array, spec: str, token_axis: str | None) -> jax.Array:
+        """Every expert's SwiGLU. x is [experts, group, tokens, embed] ('egcm') or [group, tokens, embed] ('gcm',
+        shared by all experts); returns [experts, group, tokens, embed]."""
+        wi_0, wi_1, wo = self._kernels()
         hidden_axes = (ax.ACT_EXP, ax.BATCH_NO_EXP, token_axis, ax.ACT_MLP)
         gate = constrain(jnp.einsum(f"{spec},emh->egch", x, wi_0), hidden_axes)
         up = constrain(jnp.einsum(f"{spec},emh->egch", x, wi_1), hidden_axes)
@@ -195,24 +228,39 @@ class MoEBlock(nn.Module):
         return jnp.einsum("egcm,gsec->gsm", out, combine)
 
     def _dropless(self, x: jax.Array, routing: Routing) -> jax.Array:
-        """Every expert on every token, weighted by the router (0 for experts not chosen)."""
+        """Grouped matmuls over the chosen experts (`moe_grouped`), or with `moe_dropless_impl=dense` every expert
+        on every token, weighted by the router (0 for experts not chosen)."""
+        if self.cfg.moe_dropless_impl != "dense":
+            return moe_grouped.dropless(x, routing.top_experts, routing.top_weights, self._kernels(),
+                                        self.cfg.moe_dropless_impl)
         x = constrain(x, (ax.BATCH_NO_EXP, ax.LENGTH, ax.ACT_EMBED))
         out = self._experts(x, "gcm", ax.LENGTH)  # [e, g, s, m]
         return jnp.einsum("egsm,gse->gsm", out, routing.weights.astype(self.dtype))
+
+    def _routed(self, x: jax.Array, logits: jax.Array, mask: jax.Array) -> jax.Array:
+        """The routed experts' output [batch, length, embed]; sows the router statistics."""
+        cfg, (batch, length, embed) = self.cfg, x.shape
+        if cfg.capacity_factor <= 0:
+            routing = route(logits, cfg.num_experts_per_tok, length, mask)
+            self.sow(STATS_COLLECTION, _STATS_NAME, _routing_stats(logits, routing, mask))
+            return self._dropless(x, routing)
+        g = group_size(length, cfg.moe_group_size)
+        groups = batch * length // g
+        x, logits, mask = x.reshape(groups, g, embed), logits.reshape(groups, g, -1), mask.reshape(groups, g)
+        routing = route(logits, cfg.num_experts_per_tok, capacity(g, cfg.num_experts_per_tok, cfg.num_experts,
+                                                                  cfg.capacity_factor), mask)
+        self.sow(STATS_COLLECTION, _STATS_NAME, _routing_stats(logits, routing, mask))
+        return self._dropping(x, routing).reshape(batch, length, embed)
 
     @nn.compact
     def __call__(self, x: jax.Array, segment_ids: jax.Array) -> jax.Array:
         cfg = self.cfg
         x = constrain(jnp.asarray(x, self.dtype), (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))
         router = DenseGeneral((cfg.num_experts,), (ax.EMBED, None), 1, jnp.float32, self.weight_dtype, name="gate")
-        logits = router(x.astype(jnp.float32))  # [g, s, e] float32
-        tokens, mask = x.shape[1], segment_ids != 0
-        dropless = cfg.capacity_factor <= 0
-        slots = tokens if dropless else capacity(tokens, cfg.num_experts_per_tok, cfg.num_experts,
-                                                 cfg.capacity_factor)
-        routing = route(logits, cfg.num_experts_per_tok, slots, mask)
-        self.sow(STATS_COLLECTION, _STATS_NAME, _routing_stats(logits, routing, mask))
-        y = self._dropless(x, routing) if dropless else self._dropping(x, routing)
+        logits = router(x.astype(jnp.float32))  # [batch, length, experts] float32
+        y = self._routed(x, logits, segment_ids != 0)
+        if cfg.num_shared_experts > 0:
+            y = y + MLP(cfg.num_shared_experts * cfg.mlp_dim, self.dtype, self.weight_dtype, name="shared")(x)
         return constrain(y, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))
 
 

@@ -19,8 +19,10 @@ several small collectives into one) count once, with the bytes of every element.
 
 Copies of one collective. XLA:TPU splits a collective into async-collective fusions and the text then shows the
 same instruction (same `channel_id`) in several of them; each channel counts once, at the largest multiplicity of
-its copies. (On XLA:CPU every collective has its own channel, so this changes nothing there.) Loops without
-`known_trip_count` (XLA:TPU drops it) run `i < N` from a constant start: N - start times.
+its copies. Collectives written by hand in `shard_map` may all carry one channel id (XLA:CPU numbers every one of
+them 1), so a copy is keyed by its channel *and* its rank among that channel's collectives in its computation: the
+n-th one in one fusion is a copy of the n-th in another, and distinct collectives of one computation stay distinct.
+Loops without `known_trip_count` (XLA:TPU drops it) run `i < N` from a constant start: N - start times.
 
 The HLO text names operands without their shapes, so each computation keeps a table `%name -> shape` of its
 instructions and parameters.
@@ -31,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections import Counter
 from collections.abc import Iterator
 
 __all__ = ["KINDS", "count_collectives", "shape_bytes"]
@@ -213,13 +216,15 @@ def count_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
         entry = comp.name if is_entry else entry
     seen: dict[object, tuple[str, int, int]] = {}  # channel -> (kind, runs, bytes)
     for name, times in _multiplicities(comps, entry).items():
-        comp = comps[name]
+        comp, ranks = comps[name], Counter()
         for instr in comp.instrs:
             kind = _kind(instr.op)
             if kind is None:
                 continue
             channel = _CHANNEL.search(instr.rest)
-            key = int(channel.group(1)) if channel else (name, instr.name)
+            if channel:
+                ranks[channel.group(1)] += 1
+            key = (int(channel.group(1)), ranks[channel.group(1)]) if channel else (name, instr.name)
             if key not in seen or times > seen[key][1]:
                 seen[key] = (kind, times, _bytes(instr, comp))
     result = {kind: {"count": 0, "bytes": 0} for kind in KINDS}

@@ -37,8 +37,16 @@ Activations:
   stage           collective-permute of [microbatch, length, E] per pipeline iteration, forward and backward:
                   2 x (M*R + S - 1) x k. (XLA:CPU lowers the backward roll as two permutes, and moves small
                   position and segment-id slices too: 2.3x this in the compile above.)
-  expert          MoE dispatch and combine all-to-all, [tokens x top-k x capacity_factor, E] each, 2 per MoE
-                  layer forward, 2 backward (+2 in a full-remat recompute); only when the config has experts.
+  expert          MoE all-to-alls, only when the config has experts (XLA:CPU compiles of expert=4 x fsdp=2 agree
+                  exactly on jax 0.10.2, see tests/test_plan.py). Dropping: dispatch and combine, each the
+                  [experts, groups, capacity, E] buffer, ~[tokens x top-k x capacity_factor, E]; 2 per MoE layer
+                  forward, 3 backward (the gradients to the experts and to the tokens, and the experts' output
+                  moved to the token layout for the router's gradient through the combine weights); a policy that
+                  recomputes the layer (full, save_*) moves dispatch and combine again and the backward reuses
+                  the second: 6. Dropless (grouped, `layers/moe_grouped.py`): the fixed exchange buffer
+                  [expert shards x tokens x min(top-k, experts per shard), E] there and back, 2 forward, 2 backward,
+                  +2 under any policy but none (dots_saveable keeps no all-to-all result); plus the int32 row
+                  counts [experts], once per forward and recompute. The all-experts reference (dense) has none.
 Small reductions (loss sums, the cross-entropy max and sum over a sharded vocabulary, gradient norms) are left out.
 """
 
@@ -52,6 +60,8 @@ import numpy as np
 
 from maxshard import axis_names as ax
 from maxshard.config import Config
+from maxshard.layers.moe import capacity, group_size
+from maxshard.layers.moe_grouped import exchange_slots
 from maxshard.report import Report
 from maxshard.sharding import ParamLayout
 
@@ -219,12 +229,24 @@ def _stage(cfg: Config, sizes: Mapping[str, int], geo: Geometry) -> list[Collect
 
 
 def _expert(cfg: Config, sizes: Mapping[str, int], geo: Geometry) -> list[Collective]:
-    if not cfg.model.is_moe or sizes.get("expert", 1) == 1 or geo.moe_layers == 0:
+    shards = sizes.get("expert", 1)
+    if not cfg.model.is_moe or shards == 1 or geo.moe_layers == 0:
         return []
-    factor = cfg.capacity_factor if cfg.capacity_factor > 0 else 1.0
-    routed = geo.tokens * cfg.num_experts_per_tok * factor * cfg.emb_dim * geo.compute_itemsize
-    per_layer = 4 + 2 * (cfg.remat_policy == "full")
-    return [Collective("all-to-all", ("expert",), per_layer * geo.moe_layers * routed, "MoE dispatch and combine")]
+    k, experts, row = cfg.num_experts_per_tok, cfg.num_experts, cfg.emb_dim * geo.compute_itemsize
+    if cfg.capacity_factor > 0:
+        g = group_size(cfg.max_target_length, cfg.moe_group_size)
+        rows = geo.tokens // g * experts * capacity(g, k, experts, cfg.capacity_factor)  # [experts, groups, C]
+        count = 5 if cfg.remat_policy in ("none", "minimal") else 6
+        return [Collective("all-to-all", ("expert",), count * geo.moe_layers * rows * row,
+                           f"MoE dispatch and combine ({count} per layer)")]
+    if cfg.moe_dropless_impl == "dense":
+        return []
+    rows = shards * exchange_slots(geo.tokens, k, experts // shards)  # summed over microbatches: linear in tokens
+    forwards = 1 if cfg.remat_policy == "none" else 2  # the forward, and its recompute
+    moves = 2 * forwards + 2  # there and back per forward, and the transposes of one pair backward
+    counts = forwards * geo.moe_layers * geo.accumulation * geo.microbatches * experts * 4  # int32 [experts]
+    return [Collective("all-to-all", ("expert",), moves * geo.moe_layers * rows * row + counts,
+                       f"MoE dropless exchange ({moves} per layer) and row counts")]
 
 
 def planned_collectives(cfg: Config, report: Report, sizes: Mapping[str, int], geo: Geometry) -> list[Collective]:

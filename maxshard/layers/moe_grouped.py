@@ -1,0 +1,258 @@
+"""Dropless MoE with grouped matmuls: each token's k assignments sorted by expert, every expert's SwiGLU run on its
+own rows only, results put back in token order and summed with the router weights. Expert FLOPs are those of the k
+chosen experts (the all-experts path, `moe_dropless_impl=dense`, computes num_experts / k times as many).
+
+Grouped matmul, `x [rows, embed] @ w[expert of the row]`, with rows sorted by expert and `sizes [experts]` rows each:
+  ragged_dot  `jax.lax.ragged_dot`: XLA's ragged-dot instruction on TPU and GPU. On CPU, jax lowers it to a dense dot
+              over every group with the other groups' rows masked to zero, so it costs experts x the FLOPs.
+  tiled       any backend, FLOPs close to the rows': every expert's rows are padded to whole tiles of b rows, and
+              each tile is one [b, embed] @ [embed, mlp] matmul against its expert's kernel (gathered per tile).
+              With rows R and E experts, sum_e ceil(n_e / b) <= (R + E (b - 1)) // b tiles, a static bound for any
+              routing; b ~ R / (5 E) keeps the padding <= ~1/5 of R and the gathered kernels ~6 x the experts'.
+`moe_dropless_impl=auto` takes ragged_dot on accelerators and tiled on CPU (`model_config.resolve_moe_impl`).
+
+Expert parallelism (the `exp` dimension of the kernels sharded over P devices, E_l = E / P experts each). The layer
+runs in `jax.shard_map`, manual over the mesh axes that split the tokens (the rules of activation_batch and
+activation_length) and the expert axes (plus the stage axes inside the pipeline, whose vmap adds them); tensor-like
+axes stay automatic, and kernel dimensions sharded over manual axes (FSDP) are all-gathered in the body, their
+gradients reduce-scattered by its transpose. Each device routes its own T tokens and
+exchanges them with the devices holding their experts. `jax.lax.ragged_all_to_all` would move only the rows routed,
+but XLA:CPU cannot run it (jax 0.10.2: "HLO opcode `ragged-all-to-all` is not supported by XLA:CPU ThunkEmitter"),
+so the exchange is an `all_to_all` of a fixed buffer [P, slots, embed] with
+
+    slots = T x min(k, E_l)
+
+which always suffices: a token's k choices are distinct experts, so at most min(k, E_l) of them live on one device.
+The padding travels too (P x min(k, E_l) / k times the routed rows), and a device's static receive buffer, P x slots
+rows, is what its grouped matmul runs over (empty rows are zero and add nothing): dropless with static shapes must
+budget for every token choosing one device's experts. A second, tiny all_to_all sends the row counts per expert.
+
+Worked example: one device of P = 2 holds T = 4 tokens; E = 4 experts (e0 e1 on shard 0, e2 e3 on shard 1), k = 2.
+
+    token            t0      t1      t2      t3
+    choices        e0 e2   e1 e0   e3 e2   e0 e1
+    sorted by expert: e0: t0 t1 t3 | e1: t1 t3 | e2: t0 t2 | e3: t2          sizes [3, 2, 2, 1]
+    send [2, 8]:  to shard 0: t0 t1 t3 t1 t3 - - -  counts [3, 2];  to shard 1: t0 t2 t2 - - - - -  counts [2, 1]
+    shard 1 sorts what every source sent by local expert (e2, e3), runs the grouped SwiGLU, and sends each row back
+    to the slot it came from; the sender puts rows back in assignment order and sums each token's two rows with
+    its router weights. Tiled with b = 2 rows, sizes [3, 2, 2, 1] pad to [4, 2, 2, 2]: 5 tiles (bound (8 + 4)//2 = 6).
+
+Padding tokens (segment_id 0) carry expert id E: sorted behind every expert, never sent, never computed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from maxshard import axis_names as ax
+from maxshard.config import ConfigError
+
+__all__ = ["IMPLS", "tile_rows", "grouped_swiglu", "dropless_local", "dropless", "exchange_slots"]
+
+IMPLS = ("ragged_dot", "tiled")
+Kernels = tuple[jax.Array, jax.Array, jax.Array]  # wi_0 [E, embed, mlp], wi_1 [E, embed, mlp], wo [E, mlp, embed]
+
+
+# --------------------------------------------------------------------------------------------- grouped matmul
+
+
+def tile_rows(rows: int, groups: int) -> int:
+    """Rows per tile: ~rows / (5 x groups), a multiple of 8, at least 8 (padding <= groups x (b - 1) rows)."""
+    return max(8, rows // (5 * groups) // 8 * 8)
+
+
+class _Tiles(NamedTuple):
+    dest: jax.Array  # [rows] padded row of each sorted row; distinct and out of range for rows past sum(sizes)
+    group: jax.Array  # [tiles] expert of each tile
+    count: int  # tiles (static)
+    size: int  # rows per tile (static)
+
+
+def _exclusive_cumsum(x: jax.Array) -> jax.Array:
+    return jnp.cumsum(x) - x
+
+
+def _tiles(sizes: jax.Array, rows: int) -> _Tiles:
+    """Where each sorted row goes when every group is padded to whole tiles."""
+    groups = sizes.shape[0]
+    b = tile_rows(rows, groups)
+    count = (rows + groups * (b - 1)) // b
+    row = jnp.arange(rows, dtype=sizes.dtype)
+    row_group = jnp.sum(row[:, None] >= jnp.cumsum(sizes)[None, :], axis=1)  # [rows], `groups` past the end
+    padded = (sizes + b - 1) // b * b
+    g = jnp.minimum(row_group, groups - 1)
+    inside = _exclusive_cumsum(padded)[g] + row - _exclusive_cumsum(sizes)[g]
+    dest = jnp.where(row_group < groups, inside, count * b + row)  # past the end: distinct, out of range
+    tile_start = jnp.arange(count, dtype=sizes.dtype) * b
+    tile_group = jnp.minimum(jnp.sum(tile_start[:, None] >= jnp.cumsum(padded)[None, :], axis=1), groups - 1)
+    return _Tiles(dest, tile_group, count, b)
+
+
+def _swiglu_tiled(x: jax.Array, sizes: jax.Array, kernels: Kernels) -> jax.Array:
+    """x [rows, embed] sorted by group -> [rows, embed]; each tile one matmul with its group's kernels."""
+    wi_0, wi_1, wo = kernels
+    t = _tiles(sizes, x.shape[0])
+    padded = jnp.zeros((t.count * t.size, x.shape[1]), x.dtype).at[t.dest].set(x, mode="drop", unique_indices=True)
+    tiles = padded.reshape(t.count, t.size, x.shape[1])  # [tiles, b, embed]; padding rows are zero
+    gate = jnp.einsum("tbm,tmh->tbh", tiles, wi_0[t.group])
+    up = jnp.einsum("tbm,tmh->tbh", tiles, wi_1[t.group])
+    out = jnp.einsum("tbh,thm->tbm", nn.silu(gate) * up, wo[t.group]).reshape(-1, x.shape[1])
+    return out.at[t.dest].get(mode="fill", fill_value=0, unique_indices=True)
+
+
+def _swiglu_ragged(x: jax.Array, sizes: jax.Array, kernels: Kernels) -> jax.Array:
+    wi_0, wi_1, wo = kernels
+    gate = jax.lax.ragged_dot(x, wi_0, sizes)
+    up = jax.lax.ragged_dot(x, wi_1, sizes)
+    return jax.lax.ragged_dot(nn.silu(gate) * up, wo, sizes)
+
+
+def grouped_swiglu(x: jax.Array, sizes: jax.Array, kernels: Kernels, impl: str) -> jax.Array:
+    """Every group's SwiGLU on its rows: x [rows, embed] sorted by group, sizes [groups] (sum <= rows; the rows
+    past the sum come out zero) -> [rows, embed]."""
+    if impl == "tiled":
+        return _swiglu_tiled(x, sizes, kernels)
+    if impl == "ragged_dot":
+        return _swiglu_ragged(x, sizes, kernels)
+    raise ValueError(f"grouped matmul impl must be one of {IMPLS}, got {impl!r}")
+
+
+# --------------------------------------------------------------------------------------------- one device
+
+
+def _sort(ids: jax.Array, groups: int) -> tuple[jax.Array, jax.Array]:
+    """(order [n] that sorts ids stably, sizes [groups]); ids >= groups sort last and count in no group."""
+    sizes = jnp.sum(ids[:, None] == jnp.arange(groups, dtype=ids.dtype)[None, :], axis=0, dtype=jnp.int32)
+    return jnp.argsort(ids, stable=True), sizes
+
+
+def _inverse(order: jax.Array) -> jax.Array:
+    """The permutation that undoes `order` (a scatter of positions: no second sort)."""
+    return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype), unique_indices=True)
+
+
+def _combine(y: jax.Array, weights: jax.Array) -> jax.Array:
+    """y [tokens * k, embed] in assignment order, weights [tokens, k] -> [tokens, embed]."""
+    tokens, k = weights.shape
+    return jnp.einsum("tkm,tk->tm", y.reshape(tokens, k, -1), weights.astype(y.dtype))
+
+
+def dropless_local(x: jax.Array, experts: jax.Array, weights: jax.Array, kernels: Kernels, impl: str) -> jax.Array:
+    """All experts on this device: x [tokens, embed], experts and weights [tokens, k] -> [tokens, embed]."""
+    k = experts.shape[1]
+    order, sizes = _sort(experts.reshape(-1), kernels[0].shape[0])
+    y = grouped_swiglu(x[order // k], sizes, kernels, impl)  # [tokens * k, embed], sorted by expert
+    return _combine(y[_inverse(order)], weights)
+
+
+# --------------------------------------------------------------------------------------------- expert parallelism
+
+
+def exchange_slots(tokens: int, k: int, local_experts: int) -> int:
+    """Rows one device reserves per destination: a token sends at most min(k, local experts) rows to one device."""
+    return tokens * min(k, local_experts)
+
+
+def _dropless_exchange(
+    x: jax.Array, experts: jax.Array, weights: jax.Array, kernels: Kernels, impl: str, axis: tuple[str, ...], p: int
+) -> jax.Array:
+    """Per device (inside shard_map): x [T, embed], experts/weights [T, k]; kernels hold E_l = E / p experts."""
+    tokens, k = experts.shape
+    local = kernels[0].shape[0]
+    slots = exchange_slots(tokens, k, local)
+    order, sizes = _sort(experts.reshape(-1), p * local)  # sizes [E]
+    sorted_ids = experts.reshape(-1)[order]
+    shard = jnp.minimum(sorted_ids // local, p - 1)
+    starts = _exclusive_cumsum(jnp.sum(sizes.reshape(p, local), axis=1))  # [p] first sorted row per destination
+    rank = jnp.arange(sorted_ids.shape[0], dtype=order.dtype)
+    dest = jnp.where(sorted_ids < p * local, shard * slots + rank - starts[shard], p * slots + rank)  # [T * k]
+    send = jnp.zeros((p * slots, x.shape[1]), x.dtype).at[dest].set(x[order // k], mode="drop", unique_indices=True)
+    recv = jax.lax.all_to_all(send.reshape(p, slots, -1), axis, 0, 0, tiled=True)  # [p sources, slots, embed]
+    counts = jax.lax.all_to_all(sizes.reshape(p, local), axis, 0, 0, tiled=True)  # [p sources, E_l]
+    slot = jnp.arange(slots, dtype=counts.dtype)
+    local_ids = jnp.sum(slot[None, :, None] >= jnp.cumsum(counts, axis=1)[:, None, :], axis=-1)  # E_l: empty
+    order2, local_sizes = _sort(local_ids.reshape(-1), local)
+    y = grouped_swiglu(recv.reshape(p * slots, -1)[order2], local_sizes, kernels, impl)
+    back = jax.lax.all_to_all(y[_inverse(order2)].reshape(p, slots, -1), axis, 0, 0, tiled=True)
+    y = back.reshape(p * slots, -1).at[dest].get(mode="fill", fill_value=0, unique_indices=True)  # [T * k, embed]
+    return _combine(y[_inverse(order)], weights)
+
+
+def _axes(entry: str | tuple[str, ...] | None, keep: Sequence[str]) -> tuple[str, ...]:
+    axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    return tuple(a for a in axes if a in keep)
+
+
+def _resolve(names: Sequence[str | None], rules: Sequence, keep: Sequence[str]) -> list[tuple[str, ...]]:
+    """Per dimension, the mesh axes (among `keep`) the active rules give these logical names."""
+    return [_axes(e, keep) for e in nn.logical_to_mesh_axes(tuple(names), rules)]
+
+
+def _spec(dims: list[tuple[str, ...]]) -> PartitionSpec:
+    return PartitionSpec(*[d if d else None for d in dims])
+
+
+def _gather(w: jax.Array, dims: list[tuple[str, ...]]) -> jax.Array:
+    """Whole non-expert dimensions of a local kernel: all-gather the manual axes that shard them (FSDP)."""
+    for d, axes in enumerate(dims[1:], start=1):
+        if axes:
+            w = jax.lax.all_gather(w, axes, axis=d, tiled=True)
+    return w
+
+
+def _dropless_here(x: jax.Array, experts: jax.Array, weights: jax.Array, kernels: Kernels, impl: str) -> jax.Array:
+    """`dropless_local` on [batch, length, ...] arrays."""
+    k, embed = experts.shape[-1], x.shape[-1]
+    flat = dropless_local(x.reshape(-1, embed), experts.reshape(-1, k), weights.reshape(-1, k), kernels, impl)
+    return flat.reshape(x.shape)
+
+
+def dropless(x: jax.Array, experts: jax.Array, weights: jax.Array, kernels: Kernels, impl: str) -> jax.Array:
+    """x [batch, length, embed], experts and weights [batch, length, k] -> [batch, length, embed].
+
+    Without a mesh (or logical rules) everything is local; with one, a shard_map manual over the token axes and the
+    expert axes, exchanging tokens when the experts are sharded. A batch that the token axes do not divide (init
+    runs a batch of 1) takes the local computation, left for XLA to partition.
+    """
+    mesh, rules = jax.sharding.get_abstract_mesh(), nn.get_logical_axis_rules()
+    if mesh.empty or not rules:
+        return _dropless_here(x, experts, weights, kernels, impl)
+    names = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
+    token_dims = _resolve((ax.BATCH, ax.LENGTH), rules, names)
+    expert_axes = _resolve((ax.EXP,), rules, names)[0]
+    if not set(expert_axes) <= {a for d in token_dims for a in d}:
+        raise ConfigError(f"dropless MoE: the expert mesh axes {expert_axes} must also split the tokens "
+                          f"(activation_batch or activation_length rules)")
+    shards = [math.prod(mesh.shape[a] for a in d) for d in token_dims]
+    if not any(token_dims) or x.shape[0] % shards[0] or x.shape[1] % shards[1]:
+        # Nothing splits the tokens, or this batch does not split evenly (init's batch of 1, a small decode batch):
+        # one logical computation, partitioned by XLA.
+        return _dropless_here(x, experts, weights, kernels, impl)
+    # Inside the pipeline the layer is vmapped over stages with spmd_axis_name, which adds the stage axes to the
+    # shard_map's specs: they must be manual too (outside a pipeline they have size 1 and are left out).
+    stage_axes = _resolve((ax.ACT_STAGE,), rules, names)[0]
+    manual = tuple(a for a in names if any(a in d for d in token_dims) or a in stage_axes)
+    kernel_names = ((ax.EXP, ax.EMBED, ax.MLP), (ax.EXP, ax.EMBED, ax.MLP), (ax.EXP, ax.MLP, ax.EMBED))
+    kernel_dims = [_resolve(n, rules, manual) for n in kernel_names]
+    p = math.prod(mesh.shape[a] for a in expert_axes)
+
+    def body(x: jax.Array, experts: jax.Array, weights: jax.Array, *kernels: jax.Array) -> jax.Array:
+        kernels = tuple(_gather(w, dims) for w, dims in zip(kernels, kernel_dims))
+        if p == 1:
+            return _dropless_here(x, experts, weights, kernels, impl)
+        k, embed = experts.shape[-1], x.shape[-1]
+        y = _dropless_exchange(x.reshape(-1, embed), experts.reshape(-1, k), weights.reshape(-1, k), kernels, impl,
+                               expert_axes, p)
+        return y.reshape(x.shape)
+
+    token_spec = _spec([*token_dims, ()])
+    run = jax.shard_map(body, in_specs=(token_spec,) * 3 + tuple(_spec(d) for d in kernel_dims),
+                        out_specs=token_spec, axis_names=frozenset(manual))
+    return run(x, experts, weights, *kernels)
