@@ -52,7 +52,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from maxshard import axis_names as ax
-from maxshard.config import ConfigError
+from maxshard.sharding import ConfigError  # layout mistakes surface as the config errors they are
 
 __all__ = ["IMPLS", "tile_rows", "grouped_swiglu", "dropless_local", "dropless", "exchange_slots"]
 
