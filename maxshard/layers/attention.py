@@ -1,7 +1,8 @@
 """Causal self-attention with grouped-query heads, RoPE and packed-document (segment) masking.
 
 Shapes: x [batch, length, embed]; q [batch, length, heads, head_dim]; k, v [batch, length, kv_heads, head_dim].
-Query heads are grouped over kv heads: heads = kv_heads * group. Logits and softmax are float32.
+Query heads are grouped over kv heads: heads = kv_heads * group. Logits and softmax are float32. The score,
+softmax and value math is `attention_ops.attend`, one of several implementations (the `attention` key).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from maxshard import axis_names as ax
 from maxshard.model_config import ModelConfig
+from maxshard.layers.attention_ops import attend
 from maxshard.layers.embeddings import apply_rope
 from maxshard.layers.linears import DenseGeneral
 from maxshard.sharding import constrain
@@ -42,20 +44,14 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
         cfg = self.cfg
-        kv_heads, group = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
+        kv_heads = cfg.num_kv_heads
         q = constrain(self._proj(x, cfg.num_heads, ax.HEADS, "query"), (ax.BATCH, ax.LENGTH, ax.ACT_HEADS, ax.ACT_KV))
         k = constrain(self._proj(x, kv_heads, ax.KV_HEADS, "key"), (ax.BATCH, ax.LENGTH, ax.ACT_KV_HEADS, ax.ACT_KV))
         v = constrain(self._proj(x, kv_heads, ax.KV_HEADS, "value"), (ax.BATCH, ax.LENGTH, ax.ACT_KV_HEADS, ax.ACT_KV))
         q = apply_rope(q, positions, cfg.rope_max_timescale) * (cfg.head_dim**-0.5)
         k = apply_rope(k, positions, cfg.rope_max_timescale)
 
-        batch, length = q.shape[:2]
-        q = q.reshape(batch, length, kv_heads, group, cfg.head_dim)  # [b, q, kv_heads, group, d]
-        logits = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32)
-        logits = jnp.where(attention_mask(segment_ids), logits, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(logits, axis=-1)
-        out = jnp.einsum("bhgqk,bkhd->bqhgd", jnp.asarray(probs, self.dtype), v)
-        out = out.reshape(batch, length, cfg.num_heads, cfg.head_dim)
+        out = attend(q, k, v, segment_ids, segment_ids, cfg.attention, cfg.attention_block_q, cfg.attention_block_kv)
         out = constrain(out, (ax.BATCH, ax.LENGTH, ax.ACT_HEADS, ax.ACT_KV))
         proj = DenseGeneral((cfg.emb_dim,), (ax.HEADS, ax.KV, ax.EMBED), 2, self.dtype, self.weight_dtype, name="out")
         return checkpoint_name(proj(out), "out_proj")
