@@ -4,8 +4,9 @@
 
     TPU           splash (the Pallas kernel), or blockwise when the length is not a multiple of the blocks
     NVIDIA GPU    cudnn when the compute dtype is bfloat16/float16 and head_dim suits cuDNN, else blockwise
-    CPU, other    blockwise from `CPU_BLOCKWISE_FROM` tokens, dot_product below (where its quadratic scores are
-                  small and it is faster; see benchmarks/attention_memory.py for the crossover)
+    CPU, other    blockwise when the length exceeds one block (max of attention_block_q/kv), dot_product up to
+                  one block, where both hold the same [length, length] scores (measured: equal temporaries at
+                  512 tokens with 512-token blocks, blockwise 3.3x smaller at 1024; benchmarks/README.md)
 
 An explicit choice that cannot work is a ConfigError here, before anything compiles, naming the key and what is
 allowed. Two layouts are checked too: sequence parallelism shards attention heads over `sequence` (with the tensor
@@ -21,9 +22,8 @@ from collections.abc import Mapping
 
 from maxshard.config_schema import Config, ConfigError
 
-__all__ = ["CPU_BLOCKWISE_FROM", "platform_of", "resolve"]
+__all__ = ["platform_of", "resolve"]
 
-CPU_BLOCKWISE_FROM = 1024  # tokens; measured crossover of compiled temporaries (benchmarks/README.md)
 _HEAD_AXES = ("tensor", "tensor_sequence", "autoregressive", "sequence")  # activation_attn_heads in base.yml
 
 
@@ -56,7 +56,8 @@ def _auto(cfg: Config, dtype: str, platform: str) -> str:
         return "splash" if _blocks_divide(cfg) else "blockwise"
     if platform == "nvidia":
         return "cudnn" if not _cudnn_problem(cfg, dtype) else "blockwise"
-    return "blockwise" if cfg.max_target_length >= CPU_BLOCKWISE_FROM else "dot_product"
+    one_block = max(cfg.attention_block_q, cfg.attention_block_kv)
+    return "blockwise" if cfg.max_target_length > one_block else "dot_product"
 
 
 def _check_explicit(cfg: Config, dtype: str, platform: str) -> None:

@@ -75,6 +75,7 @@ def test_cudnn_call_asks_for_the_cudnn_kernel(monkeypatch: pytest.MonkeyPatch) -
 
     monkeypatch.setattr(jax.nn, "dot_product_attention", fake)
     q, k, v, segments = _inputs(16)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     ops.attend(q, k, v, segments, segments, implementation="cudnn")
     assert seen["implementation"] == "cudnn" and seen["is_causal"] is True and seen["scale"] == 1.0
     assert seen["mask"].shape == (2, 1, 16, 16) and seen["k_shape"] == (2, 16, 2, 8)  # kv heads stay grouped

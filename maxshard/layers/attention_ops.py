@@ -71,14 +71,18 @@ def blockwise(q, k, v, q_segment_ids, kv_segment_ids, block_q: int = 512, block_
     return out.reshape(batch, q_len, heads, dim)
 
 
-def cudnn(q, k, v, q_segment_ids, kv_segment_ids, implementation: str = "cudnn") -> jax.Array:
+def cudnn(q, k, v, q_segment_ids, kv_segment_ids, implementation: str | None = None) -> jax.Array:
     """cuDNN flash attention through `jax.nn.dot_product_attention` (grouped heads are native there).
 
     Causal masking is cuDNN's own (`is_causal`, no mask tensor). Packed documents have no segment-id input in that
     API: the document mask goes in as a boolean `mask` [batch, 1, q, kv] (one copy for all heads, in the compute
     dtype inside cuDNN's bias path), quadratic in length but without the float32 scores of every head;
     `planning/memory.py` counts it. `implementation="xla"` runs the same call through XLA, which is how CPU tests
-    check this mapping."""
+    check this mapping. By default it is "cudnn" on a GPU backend and "xla" elsewhere: a config can only choose
+    cudnn for an NVIDIA device kind (attention_choice.py), so off a GPU this is the planner tracing a GPU run's
+    shapes on a CPU host (`jax.eval_shape`, nothing runs)."""
+    if implementation is None:
+        implementation = "cudnn" if jax.default_backend() == "gpu" else "xla"
     if q.shape[1] != k.shape[1]:
         raise ValueError("attention=cudnn needs q_len == kv_len (training); use dot_product or blockwise to decode")
     same_doc = (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :])[:, None]  # [batch, 1, q, kv]

@@ -105,16 +105,27 @@ def _prepare(q, k, v, q_seg, kv_seg, q_idx, kv_idx, block_q, block_kv):
     return (qb, q_segb, q_idxb), (kb, vb, kv_segb, kv_idxb)
 
 
+def _loop(n: int, body, init):
+    """`body(i, carry)` for i in range(n), as a `while_loop`. Not `scan` (nor fori_loop, which becomes a scan):
+    when a remat'd layer is differentiated, JAX partially evaluates the forward and a scan saves per-iteration
+    residuals of whatever depends only on integers (masks, skip predicates and, through `cond`, scores), which
+    stacks [q_blocks, kv_blocks, ...] of them, quadratic memory; a while loop cannot save residuals."""
+    return jax.lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, body(c[0], c[1])), (0, init))[1]
+
+
+def _at(x: jax.Array, i: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_index_in_dim(x, i, keepdims=False)
+
+
 def forward(q, k, v, q_seg, kv_seg, q_idx, kv_idx, block_q: int, block_kv: int) -> tuple[jax.Array, jax.Array]:
     """(out [b, q_len, h, g, d] in v's dtype, lse [b, h, g, q_len] float32); see the module docstring."""
-    (qb, q_segb, q_idxb), kv_blocks = _prepare(q, k, v, q_seg, kv_seg, q_idx, kv_idx, block_q, block_kv)
-    batch, bq, heads, group, dim = qb.shape[1:]
+    (qb, q_segb, q_idxb), (kb, vb, kv_segb, kv_idxb) = _prepare(q, k, v, q_seg, kv_seg, q_idx, kv_idx,
+                                                                block_q, block_kv)
+    n_q, batch, bq, heads, group, dim = qb.shape
 
-    def one_q_block(args):
-        qi, qsi, qii = args
-
-        def kv_step(carry, kv):
-            kj, vj, ksj, kij = kv
+    def one_q_block(qi, qsi, qii):
+        def kv_step(j, carry):
+            kj, vj, ksj, kij = _at(kb, j), _at(vb, j), _at(kv_segb, j), _at(kv_idxb, j)
 
             def compute(carry):
                 m, l, acc = carry
@@ -126,17 +137,22 @@ def forward(q, k, v, q_seg, kv_seg, q_idx, kv_idx, block_q: int, block_kv: int) 
                 pv = jnp.einsum("bhgqk,bkhd->bhgqd", p.astype(vj.dtype), vj, preferred_element_type=jnp.float32)
                 return m_new, l, acc * correction[..., None] + pv
 
-            return jax.lax.cond(_needed(qii, kij), compute, lambda c: c, carry), None
+            return jax.lax.cond(_needed(qii, kij), compute, lambda c: c, carry)
 
         stats = (batch, heads, group, bq)
         init = (jnp.full(stats, NEG), jnp.zeros(stats), jnp.zeros((*stats, dim)))
-        (m, l, acc), _ = jax.lax.scan(kv_step, init, kv_blocks)
+        m, l, acc = _loop(kb.shape[0], kv_step, init)
         l_safe = jnp.where(l == 0, 1.0, l)  # no key block visited: out 0, lse NEG
         out = jnp.einsum("bhgqd->bqhgd", acc / l_safe[..., None]).astype(v.dtype)
         lse = jnp.where(l == 0, NEG, m + jnp.log(l_safe))
         return out, lse
 
-    out, lse = jax.lax.map(one_q_block, (qb, q_segb, q_idxb))  # [nq, b, bq, h, g, d], [nq, b, h, g, bq]
+    def q_step(i, carry):
+        out_i, lse_i = one_q_block(_at(qb, i), _at(q_segb, i), _at(q_idxb, i))
+        return carry[0].at[i].set(out_i), carry[1].at[i].set(lse_i)
+
+    init = (jnp.zeros(qb.shape, v.dtype), jnp.zeros((n_q, batch, heads, group, bq), jnp.float32))
+    out, lse = _loop(n_q, q_step, init)  # [nq, b, bq, h, g, d], [nq, b, h, g, bq]
     q_len = q.shape[1]
     return _unblocks(out, 1)[:, :q_len], _unblocks(lse, 3)[..., :q_len]
 
