@@ -91,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 32768])
     parser.add_argument("--implementations", nargs="+", default=["dot_product", "blockwise"])
-    parser.add_argument("--skip-dot-product-from", type=int, default=32768,
+    parser.add_argument("--skip-dot-product-from", type=int, default=0,
                         help="lengths from which dot_product is not compiled (0: never skip)")
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides")
     args = parser.parse_args(argv)
