@@ -2,7 +2,8 @@
 
 `attention: auto` becomes, by the device kind the config was finalized for:
 
-    TPU           splash (the Pallas kernel), or blockwise when the length is not a multiple of the blocks
+    TPU           splash (the Pallas kernel), or blockwise when the blocks do not suit it (they must divide the
+                  length, and the key block must be a multiple of 128)
     NVIDIA GPU    cudnn when the compute dtype is bfloat16/float16 and head_dim suits cuDNN, else blockwise
     CPU, other    blockwise when the length exceeds one block (max of attention_block_q/kv), dot_product up to
                   one block, where both hold the same [length, length] scores (measured: equal temporaries at
@@ -37,9 +38,16 @@ def platform_of(device_kind: str) -> str:
     return "cpu"
 
 
-def _blocks_divide(cfg: Config) -> bool:
+def _splash_problem(cfg: Config) -> str:
+    """Why the splash kernel cannot take this config's blocks ('' when it can): the blocks (shrunk to the length)
+    must divide the length, and the key block must fill whole 128-lane vregs."""
     length = cfg.max_target_length
-    return all(length % min(b, length) == 0 for b in (cfg.attention_block_q, cfg.attention_block_kv))
+    if any(length % min(b, length) for b in (cfg.attention_block_q, cfg.attention_block_kv)):
+        return (f"max_target_length={length} to be a multiple of attention_block_q={cfg.attention_block_q} and "
+                f"attention_block_kv={cfg.attention_block_kv}")
+    if min(cfg.attention_block_kv, length) % 128:
+        return "a key block (attention_block_kv, or the length if shorter) that is a multiple of 128"
+    return ""
 
 
 def _cudnn_problem(cfg: Config, dtype: str) -> str:
@@ -53,7 +61,7 @@ def _cudnn_problem(cfg: Config, dtype: str) -> str:
 
 def _auto(cfg: Config, dtype: str, platform: str) -> str:
     if platform == "tpu":
-        return "splash" if _blocks_divide(cfg) else "blockwise"
+        return "splash" if not _splash_problem(cfg) else "blockwise"
     if platform == "nvidia":
         return "cudnn" if not _cudnn_problem(cfg, dtype) else "blockwise"
     one_block = max(cfg.attention_block_q, cfg.attention_block_kv)
@@ -72,12 +80,9 @@ def _check_explicit(cfg: Config, dtype: str, platform: str) -> None:
     if cfg.attention == "splash":
         if platform == "nvidia":
             raise ConfigError(f"attention=splash is a TPU kernel (device kind {kind!r}); use cudnn or auto")
-        if not _blocks_divide(cfg):
-            raise ConfigError(
-                f"attention=splash needs max_target_length={cfg.max_target_length} to be a multiple of "
-                f"attention_block_q={cfg.attention_block_q} and attention_block_kv={cfg.attention_block_kv}; "
-                "use attention=blockwise (pads any length) or change the blocks"
-            )
+        problem = _splash_problem(cfg)
+        if problem:
+            raise ConfigError(f"attention=splash needs {problem}; use attention=blockwise (any length) or auto")
 
 
 def _check_layout(cfg: Config, sizes: Mapping[str, int]) -> None:

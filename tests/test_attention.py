@@ -166,6 +166,7 @@ def _load(*overrides: str, device_kind: str = "cpu", num_devices: int = 8) -> co
 @pytest.mark.parametrize("device_kind,overrides,expected", [
     ("TPU v5 lite", (), "splash"),
     ("TPU v5 lite", ("max_target_length=1000",), "blockwise"),  # blocks do not divide: splash cannot
+    ("TPU v5 lite", ("max_target_length=64",), "blockwise"),  # a 64-token key block: splash needs 128 lanes
     ("NVIDIA H100 80GB HBM3", (), "cudnn"),
     ("NVIDIA H100 80GB HBM3", ("dtype=float32",), "blockwise"),  # cuDNN flash needs 16-bit inputs
     ("cpu", ("max_target_length=256",), "dot_product"),
@@ -179,6 +180,7 @@ def test_auto_resolves_once_for_the_device(device_kind: str, overrides: tuple[st
     (("attention=cudnn",), "cpu", "attention=cudnn needs an NVIDIA GPU"),
     (("attention=cudnn", "dtype=float32"), "NVIDIA H100 80GB HBM3", "attention=cudnn needs dtype bfloat16"),
     (("attention=splash", "max_target_length=1000"), "TPU v5 lite", "multiple of attention_block_q=512"),
+    (("attention=splash", "attention_block_kv=64"), "TPU v5 lite", "multiple of 128"),
     (("attention=splash",), "NVIDIA H100 80GB HBM3", "attention=splash is a TPU kernel"),
     (("ici_sequence_parallelism=8", "num_kv_heads=4", "ici_fsdp_parallelism=1"), "cpu",
      "which must divide num_heads=4 and num_kv_heads=4"),
