@@ -17,8 +17,9 @@ H = heads per device, and L = the whole length:
                                    dq in float32 and the stacked float32 dq parts of one key block
                      K x (4s + 8)  blocked k and v, their gradients stacked in float32 and cast back
                      12 H          float32 log-sum-exp, its blocked copy and the row sums D
-                     The [block_q, block_kv] scores of one block pair are not counted: XLA keeps them in the
-                     loop's fused buffers (measured: a constant under 1 MiB at 2k-32k tokens).
+                     plus, per device rather than per token, one float32 score block [rows, H, block_q,
+                     block_kv] (rows: the sequences a device holds; blocks shrunk to the length): the block
+                     pair the loop works on (the 1k-32k fit of benchmarks/attention_memory.py)
         cudnn        counted like blockwise, plus the packed-document mask cuDNN takes as a bias: L x s per token
         splash       counted like blockwise (the kernel keeps its output and log-sum-exp, no scores)
         context parallelism (ring attention) adds the K/V chunk in flight and the travelling float32 dK, dV:
@@ -66,6 +67,20 @@ class Widths:
     length: int  # the whole sequence length (keys one query can see)
     attention: str = "dot_product"  # resolved implementation
     context: int = 1  # context shards (ring attention)
+    block_q: int = 512
+    block_kv: int = 512
+
+    @property
+    def fused(self) -> bool:
+        """Whether attention runs a blockwise kernel (no [length, length] scores)."""
+        return self.attention != "dot_product" or self.context > 1
+
+    def block_bytes(self, rows: int) -> int:
+        """The float32 score block of the fused kernels, per device (module docstring); 0 for dot_product."""
+        if not self.fused:
+            return 0
+        length = self.length // self.context
+        return rows * self.heads * min(self.block_q, length) * min(self.block_kv, length) * 4
 
     @property
     def scores(self) -> int:
@@ -74,7 +89,7 @@ class Widths:
 
     def attention_bytes(self, itemsize: int) -> int:
         """The attention kernel's working set per token (module docstring)."""
-        if self.attention == "dot_product" and self.context == 1:
+        if not self.fused:
             return self.scores * (4 + 4 + itemsize)
         fused = self.q * (5 * itemsize + 8) + self.kv * (4 * itemsize + 8) + 12 * self.heads
         if self.attention == "cudnn":
@@ -94,7 +109,7 @@ class Widths:
         if policy == "none":
             return self.layer_bytes(itemsize)
         if policy == "minimal":
-            kernel = self.scores * 4 if self.attention == "dot_product" and self.context == 1 else 4 * self.heads
+            kernel = 4 * self.heads if self.fused else self.scores * 4
             return (3 * e + 2 * q + 2 * kv + 2 * f) * itemsize + kernel
         saved = {"save_qkv_out_proj": 2 * e + q + 2 * kv, "save_qkv_proj": e + q + 2 * kv, "save_out_proj": 2 * e}
         return saved.get(policy, e) * itemsize
@@ -122,6 +137,8 @@ def widths(cfg: Config, sizes: Mapping[str, int]) -> Widths:
         length=cfg.max_target_length,
         attention=cfg.model.attention if cfg.model is not None else "dot_product",
         context=context,
+        block_q=cfg.attention_block_q,
+        block_kv=cfg.attention_block_kv,
     )
 
 
@@ -133,4 +150,6 @@ def activation_bytes(cfg: Config, sizes: Mapping[str, int], geo: Geometry) -> in
     working = 0 if cfg.remat_policy == "none" else tokens * w.layer_bytes(size)
     vocab = _split(cfg.vocab_size, rule_axes(cfg, ax.ACT_VOCAB, sizes), sizes)
     head = 2 * (geo.outer_tokens // geo.accumulation) * vocab * 4
-    return layers + working + head
+    local_length = _split(cfg.max_target_length, rule_axes(cfg, ax.LENGTH, sizes), sizes)
+    block = w.block_bytes(max(tokens // local_length, 1))
+    return layers + working + head + block

@@ -68,7 +68,7 @@ def _memory(plan: Plan) -> list[str]:
 
 
 def _attention_text(w: Widths) -> str:
-    if w.attention == "dot_product" and w.context == 1:
+    if not w.fused:
         return f"attention=dot_product: scores [{w.heads} heads, length, length] are materialised"
     ring = f", ring over {w.context} context shards" if w.context > 1 else ""
     return f"attention={w.attention}: blockwise working set, linear in length{ring}"
