@@ -155,6 +155,25 @@ def test_balanced_order_pairs_an_early_and_a_late_chunk() -> None:
     assert order.tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
 
 
+def test_ring_gives_every_device_the_same_causal_work() -> None:
+    """Block pairs the blockwise kernel computes (not skipped as wholly in the future), summed over a 4-device
+    ring: equal on every device, and half of all pairs plus the diagonal overall."""
+    shards, length, block = 4, 128, 8
+    local = length // shards
+
+    def blocks(indices: np.ndarray) -> list[np.ndarray]:
+        return [indices[i : i + block] for i in range(0, local, block)]
+
+    work = []
+    for me in range(shards):
+        q_idx = np.asarray(ring_attention._chunk_indices(jnp.int32(me), local, shards))
+        kv = [np.asarray(ring_attention._chunk_indices(jnp.int32((me - s) % shards), local, shards))
+              for s in range(shards)]
+        work.append(sum(kv_b.min() <= q_b.max() for kv_idx in kv for q_b in blocks(q_idx) for kv_b in blocks(kv_idx)))
+    n = length // block
+    assert work == [work[0]] * shards and sum(work) == n * (n + 1) // 2
+
+
 # --------------------------------------------------------------------------------------------- the choice
 
 

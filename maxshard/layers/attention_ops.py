@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from maxshard import axis_names as ax
 from maxshard.layers import blockwise_attention as bw
+from maxshard.layers import ring_attention
 from maxshard.sharding import constrain
 
 __all__ = ["IMPLEMENTATIONS", "attend", "dot_product", "blockwise", "cudnn", "splash", "token_indices"]
@@ -144,8 +145,6 @@ def attend(
     axis in that layout it runs ring attention instead (layers/ring_attention.py)."""
     q, k, v = constrain(q, Q_AXES), constrain(k, KV_AXES), constrain(v, KV_AXES)
     q_segment_ids, kv_segment_ids = constrain(q_segment_ids, SEGMENT_AXES), constrain(kv_segment_ids, SEGMENT_AXES)
-    from maxshard.layers import ring_attention  # deferred: the ring imports this module's helpers
-
     if ring_attention.context_axes():
         out = ring_attention.ring_attend(q, k, v, q_segment_ids, kv_segment_ids, block_q, block_kv)
     elif implementation == "dot_product":

@@ -23,7 +23,8 @@ row and head). The backward revisits the blocks and recomputes p = exp(s - lse),
 D = rowsum(dout * out):  dv = p^T dout,  dp = dout v^T,  ds = p (dp - D),  dq = ds k,  dk = ds^T q. A cotangent
 on lse itself (ring attention merges partial results through it) adds p * dlse to ds, i.e. D becomes D - dlse.
 Outer loop over key blocks (dk, dv of the block are carried), inner loop over query blocks (dq contributions are
-stacked and summed into a full-size float32 dq): memory stays linear in the backward too.
+stacked and summed into a full-size float32 dq): memory stays linear in the backward too. The forward's loops are
+`while_loop`s, not scans (see `_loop`): under remat a scan would store per-block residuals, quadratic memory.
 
 Skipped blocks. A block pair whose every key comes after every query (min kv index > max q index) is skipped with
 `lax.cond`, so causal attention does about half the work. Lengths that are not a multiple of the block size are
