@@ -9,7 +9,10 @@ state, before the output head). Everything between is position-free except atten
 token's global index from its chunk numbers; RoPE reads the permuted `positions`; the loss is a sum over tokens, so
 the model's outputs come back in the original order and nothing outside it changes. (Permuting the data instead
 would save two reshuffles of [batch, length, embed] per step but leak the layout into the input pipeline, eval and
-generation.)
+generation.) One layer is order-dependent besides attention: an MoE block with a capacity drops the tokens that
+come last in its order, so under context parallelism a different set may be dropped (dropless MoE is unaffected).
+XLA lowers the reorder of a length-sharded array as an all-gather over `context` and a slice (the planner counts
+two per step); a ppermute-based reorder would move half as much and is left for later.
 
 The ring schedule. Each device keeps its queries and passes its K/V chunk pair to the next device each step
 (`ppermute`, c -> c+1); at step s it holds the pair of device j = c - s (mod C). Causality decides what is computed:
