@@ -21,9 +21,10 @@ from maxshard.config import ConfigError
 from maxshard.layers import attention_ops as ops
 from maxshard.layers import ring_attention
 from maxshard.step import Trainer
-from tests.helpers import layout_overrides, loss_and_grads, max_relative_difference, mesh_for, tiny_config
+from tests.helpers import layout_overrides, max_relative_difference, mesh_for, tiny_config
 
 TOLERANCE = 1e-5
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}  # same numbers
 
 
 def _inputs(length: int, heads: int = 4, kv_heads: int = 2, dim: int = 8, batch: int = 2, seed: int = 0):
@@ -43,7 +44,8 @@ def _value_and_grads(fn, q, k, v, segments):
         out = fn(q, k, v, segments, segments)
         return jnp.sum(out * jnp.cos(out)), out
 
-    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)).lower(q, k, v).compile(FAST_COMPILE)
+    (_, out), grads = fn(q, k, v)
     return out, grads
 
 
@@ -115,7 +117,17 @@ def reference():
     trainer = Trainer(cfg, mesh_for(cfg))
     params = jax.device_get(trainer.init_state().params)
     batch = _packed_batch(cfg.global_batch_size, cfg.max_target_length)
-    return params, batch, loss_and_grads(trainer, params, batch)
+    return params, batch, _loss_and_grads(trainer, params, batch)
+
+
+def _loss_and_grads(trainer: Trainer, params, batch) -> tuple[float, object]:
+    """`helpers.loss_and_grads`, compiled with less LLVM effort (the numbers are the same; compiling is faster)."""
+    from maxshard.step import mesh_context
+
+    with mesh_context(trainer.mesh, trainer.rules):
+        compiled = jax.jit(trainer._grads).lower(params, batch).compile(FAST_COMPILE)
+        grads, sums = compiled(params, batch)
+    return float(sums["loss_sum"] / sums["weight_sum"]), jax.device_get(grads)
 
 
 def _packed_batch(rows: int, length: int) -> dict[str, np.ndarray]:
@@ -144,7 +156,7 @@ def test_model_matches_dot_product(layout: str, reference, monkeypatch: pytest.M
     rings = []
     ring = ring_attention.ring_attend
     monkeypatch.setattr(ring_attention, "ring_attend", lambda *a: rings.append(1) or ring(*a))
-    loss, grads = loss_and_grads(trainer, params, batch)
+    loss, grads = _loss_and_grads(trainer, params, batch)
     assert bool(rings) == layout.startswith("context")  # the context layouts really run the ring
     assert loss == pytest.approx(ref_loss, rel=TOLERANCE)
     assert max_relative_difference(grads, ref_grads) < TOLERANCE
@@ -228,7 +240,7 @@ def _compiled_train_step(cfg: config.Config):
                                        sharding=batch_sharding)
              for key in ("inputs", "targets", "segment_ids", "positions", "loss_weights")}
     lowered = trainer.jit_train_step(batch_sharding).lower(state, batch)
-    return lowered.compile({"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True})
+    return lowered.compile(FAST_COMPILE)
 
 
 def _collective_shapes(hlo: str, kind: str) -> list[tuple[int, ...]]:
