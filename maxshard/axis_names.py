@@ -31,6 +31,11 @@ ACT_MLP = "activation_mlp"
 ACT_VOCAB = "activation_vocab"
 ACT_EXP = "activation_exp"
 ACT_STAGE = "activation_stage"
+# inside attention (layers/attention_ops.py): length whole or over `context` (ring attention), heads also over
+# `sequence`, so sequence parallelism turns into head parallelism there (an all-to-all each way, no K/V gather)
+ATTN_LENGTH = "activation_attn_length"
+ATTN_HEADS = "activation_attn_heads"
+ATTN_KV_HEADS = "activation_attn_kv_heads"
 
 # ---- the KV cache of generation [batch, kv_heads, max_length, head_dim] (layers/kv_cache.py)
 CACHE_BATCH = "cache_batch"

@@ -107,6 +107,8 @@ _POSITIVE_INTS = {
     "num_kv_heads": 1,
     "head_dim": 1,
     "mlp_dim": 1,
+    "attention_block_q": 1,
+    "attention_block_kv": 1,
     "max_target_length": 1,
     "rope_original_max_position": 1,
     "vocab_size": 0,

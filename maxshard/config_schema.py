@@ -13,18 +13,22 @@ from typing import Any, Literal
 from maxshard.model_config import ModelConfig
 
 # Mesh axes, outermost first. `stage` holds pipeline stages; its knobs are spelled `*_pipeline_parallelism`.
+# `context` splits the length for ring attention (layers/ring_attention.py); inner to `sequence` so a ring's
+# neighbours are close devices.
 MESH_AXES = (
     "data",
     "stage",
     "fsdp",
     "fsdp_transpose",
     "sequence",
+    "context",
     "tensor",
     "tensor_sequence",
     "expert",
     "autoregressive",
 )
 
+Attention = Literal["auto", "dot_product", "blockwise", "cudnn", "splash"]
 RematPolicy = Literal["none", "minimal", "full", "save_qkv_proj", "save_out_proj", "save_qkv_out_proj"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 LogicalRules = tuple[tuple[str, tuple[str, ...]], ...]
@@ -76,6 +80,7 @@ class Config:
     ici_fsdp_parallelism: int = -1
     ici_fsdp_transpose_parallelism: int = 1
     ici_sequence_parallelism: int = 1
+    ici_context_parallelism: int = 1
     ici_tensor_parallelism: int = 1
     ici_tensor_sequence_parallelism: int = 1
     ici_expert_parallelism: int = 1
@@ -85,6 +90,7 @@ class Config:
     dcn_fsdp_parallelism: int = 1
     dcn_fsdp_transpose_parallelism: int = 1
     dcn_sequence_parallelism: int = 1
+    dcn_context_parallelism: int = 1
     dcn_tensor_parallelism: int = 1
     dcn_tensor_sequence_parallelism: int = 1
     dcn_expert_parallelism: int = 1
@@ -117,6 +123,9 @@ class Config:
     weight_dtype: DType = "float32"
     scan_layers: bool = True
     remat_policy: RematPolicy = "full"
+    attention: Attention = "auto"
+    attention_block_q: int = 512
+    attention_block_kv: int = 512
 
     # ---- training
     per_device_batch_size: float = 2.0

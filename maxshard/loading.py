@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from maxshard import config, mesh, stages
+from maxshard import attention_choice, config, mesh, stages
 from maxshard.config import Config
 from maxshard.data.tokenizer import resolve_vocab
 from maxshard.model_config import ModelConfig, model_fields, resolve_dtype, resolve_moe_impl
@@ -24,6 +24,7 @@ def model_config(cfg: Config, mesh_sizes: dict[str, int] | None = None) -> Model
     values["dtype"] = resolve_dtype(cfg.dtype, platform)
     values["weight_dtype"] = resolve_dtype(cfg.weight_dtype, platform)
     values["moe_dropless_impl"] = resolve_moe_impl(cfg.moe_dropless_impl, platform)
+    values["attention"] = attention_choice.resolve(cfg, values["dtype"], sizes)
     return ModelConfig(**values, pipeline=stages.resolve(cfg, sizes))
 
 

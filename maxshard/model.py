@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from maxshard import axis_names as ax
-from maxshard.layers import moe, pipeline
+from maxshard.layers import moe, pipeline, ring_attention
 from maxshard.layers.decoder import Decoder
 from maxshard.layers.embeddings import Embed
 from maxshard.layers.linears import DenseGeneral
@@ -38,7 +38,10 @@ class Transformer(nn.Module):
         dt, wdt = cfg.compute_dtype, cfg.param_dtype
         embed = Embed(cfg.vocab_size, cfg.emb_dim, dt, wdt, name="token_embed")
         x = constrain(embed(inputs), (ax.EMBED_AND_LOGITS_BATCH, ax.LENGTH, ax.ACT_EMBED))
+        # context parallelism: one early and one late chunk of the sequence per device (layers/ring_attention.py)
+        x, segment_ids, positions = (ring_attention.to_balanced(a) for a in (x, segment_ids, positions))
         x = Decoder(cfg, dt, wdt, name="decoder")(x, segment_ids, positions)
+        x = ring_attention.from_balanced(x)
         x = RMSNorm(cfg.norm_epsilon, dt, wdt, name="final_norm")(x)
         if cfg.logits_via_embedding:
             logits = embed.attend(x)

@@ -72,7 +72,8 @@ class PipelineShape:
 class ModelConfig:
     """The network: dimensions, heads, vocabulary, norm and RoPE constants, MoE shape, dtypes, scan and remat.
 
-    `dtype` and `weight_dtype` are resolved names ('float32', 'bfloat16', 'float16'; never 'auto').
+    `dtype` and `weight_dtype` are resolved names ('float32', 'bfloat16', 'float16'; never 'auto'); so is
+    `attention` (see `maxshard/attention_choice.py`).
     `pipeline` is None without pipeline parallelism; otherwise the decoder runs as a circular pipeline of that shape.
     """
 
@@ -96,6 +97,9 @@ class ModelConfig:
     weight_dtype: str = "float32"
     scan_layers: bool = True
     remat_policy: str = "full"
+    attention: str = "dot_product"  # resolved: dot_product, blockwise, cudnn or splash (never auto)
+    attention_block_q: int = 512
+    attention_block_kv: int = 512
     num_experts: int = 1
     num_experts_per_tok: int = 1
     capacity_factor: float = 1.25

@@ -80,7 +80,7 @@ def test_base_yml_values_equal_the_schema_defaults() -> None:
 def test_logical_axis_rules_default_lives_only_in_base_yml() -> None:
     assert Config().logical_axis_rules == ()
     rules = config.parse([BASE]).logical_axis_rules
-    assert ("embed", ("fsdp", "fsdp_transpose", "sequence", "expert")) in rules
+    assert ("embed", ("fsdp", "fsdp_transpose", "sequence", "context", "expert")) in rules
     assert ("norm", ()) in rules  # null -> replicated
 
 

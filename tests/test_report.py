@@ -17,6 +17,7 @@ from types import ModuleType
 import pytest
 
 from maxshard import report
+from maxshard.config import MESH_AXES
 from maxshard.sharding import ParamLayout
 
 REPO = Path(__file__).resolve().parent.parent
@@ -141,7 +142,7 @@ def test_json_report(capsys: pytest.CaptureFixture[str]) -> None:
     assert (code, err) == (0, "")
     data = json.loads(out)
     assert set(data) == {"mesh", "params", "batch", "totals"}
-    assert shown(data["mesh"]) == {"fsdp": 4, "tensor": 2} and len(data["mesh"]) == 9
+    assert shown(data["mesh"]) == {"fsdp": 4, "tensor": 2} and len(data["mesh"]) == len(MESH_AXES)
     keys = {"name", "logical_axes", "spec", "global_shape", "local_shape", "bytes_per_device", "replication"}
     assert all(keys <= set(p) for p in data["params"])
     wi = next(p for p in data["params"] if p["name"] == "params/decoder/layers/mlp/wi_0/kernel")

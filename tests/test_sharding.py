@@ -70,7 +70,7 @@ def test_flax_rules_turn_empty_axes_into_none() -> None:
 def test_embed_sharded_over_fsdp_and_sequence() -> None:
     rows = layouts("ici_fsdp_parallelism=4", "ici_sequence_parallelism=2")
     w_in = rows["params/w_in"]
-    assert w_in.spec[0] == ("fsdp", "sequence", "expert")  # mlp took fsdp_transpose first (table order)
+    assert w_in.spec[0] == ("fsdp", "sequence", "context", "expert")  # mlp took fsdp_transpose first (table order)
     assert w_in.global_shape == (D, F) and w_in.local_shape == (D // 8, F)
     assert (w_in.replication, w_in.bytes_per_device) == (1, D // 8 * F * 4)
     w_out = rows["params/w_out"]
@@ -83,14 +83,14 @@ def test_fallback_embed_rule_when_mlp_holds_fsdp_transpose() -> None:
     rows = layouts("ici_fsdp_parallelism=4", "ici_fsdp_transpose_parallelism=2")
     w_out = rows["params/w_out"]  # ("mlp", "embed")
     assert split(w_out.spec[0])[0] == "fsdp_transpose"
-    assert w_out.spec[1] == ("fsdp", "sequence", "expert")  # the second embed rule: the first needs fsdp_transpose
+    assert w_out.spec[1] == ("fsdp", "sequence", "context", "expert")  # the second embed rule: the first needs fsdp_transpose
     assert w_out.local_shape == (F // 2, D // 4) and w_out.replication == 1
 
 
 def test_first_embed_rule_when_its_axes_are_free() -> None:
     _, sizes, rules = setup("ici_fsdp_parallelism=4", "ici_fsdp_transpose_parallelism=2")
     spec = sharding.logical_to_spec(("embed",), rules, sizes, (D,), "bias")
-    assert spec == P(("fsdp", "fsdp_transpose", "sequence", "expert"))
+    assert spec == P(("fsdp", "fsdp_transpose", "sequence", "context", "expert"))
 
 
 def test_rule_order_decides_and_a_mesh_axis_is_used_once() -> None:

@@ -1,7 +1,8 @@
 """Causal self-attention with grouped-query heads, RoPE and packed-document (segment) masking.
 
 Shapes: x [batch, length, embed]; q [batch, length, heads, head_dim]; k, v [batch, length, kv_heads, head_dim].
-Query heads are grouped over kv heads: heads = kv_heads * group. Logits and softmax are float32.
+Query heads are grouped over kv heads: heads = kv_heads * group. Logits and softmax are float32. The score,
+softmax and value math is `attention_ops.attend`, one of several implementations (the `attention` key).
 For generation (the "cache" collection mutable in an apply) k/v go to the KV cache and the queries attend over it
 (layers/kv_cache.py); otherwise, as in training, over this call's own k/v.
 """
@@ -16,18 +17,11 @@ from jax.ad_checkpoint import checkpoint_name
 from maxshard import axis_names as ax
 from maxshard.layers import kv_cache, rope
 from maxshard.model_config import ModelConfig
+from maxshard.layers.attention_ops import attend
 from maxshard.layers.linears import DenseGeneral
 from maxshard.sharding import constrain
 
-__all__ = ["Attention", "attention_mask"]
-
-
-def attention_mask(segment_ids: jax.Array) -> jax.Array:
-    """[batch, 1, 1, q_length, kv_length] bool: causal and inside the same document."""
-    length = segment_ids.shape[1]
-    causal = jnp.tril(jnp.ones((length, length), bool))
-    same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]  # [batch, q, kv]
-    return (causal[None] & same_doc)[:, None, None]
+__all__ = ["Attention"]
 
 
 class Attention(nn.Module):
@@ -44,7 +38,7 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
         cfg = self.cfg
-        kv_heads, group = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
+        kv_heads = cfg.num_kv_heads
         q = constrain(self._proj(x, cfg.num_heads, ax.HEADS, "query"), (ax.BATCH, ax.LENGTH, ax.ACT_HEADS, ax.ACT_KV))
         k = constrain(self._proj(x, kv_heads, ax.KV_HEADS, "key"), (ax.BATCH, ax.LENGTH, ax.ACT_KV_HEADS, ax.ACT_KV))
         v = constrain(self._proj(x, kv_heads, ax.KV_HEADS, "value"), (ax.BATCH, ax.LENGTH, ax.ACT_KV_HEADS, ax.ACT_KV))
@@ -56,13 +50,7 @@ class Attention(nn.Module):
             keys, values, mask = kv_cache.KVCache(self.dtype, name="cache")(k, v, positions)
             return self._output(kv_cache.attend(q, keys, values, mask, self.dtype))
 
-        batch, length = q.shape[:2]
-        q = q.reshape(batch, length, kv_heads, group, cfg.head_dim)  # [b, q, kv_heads, group, d]
-        logits = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32)
-        logits = jnp.where(attention_mask(segment_ids), logits, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(logits, axis=-1)
-        out = jnp.einsum("bhgqk,bkhd->bqhgd", jnp.asarray(probs, self.dtype), v)
-        out = out.reshape(batch, length, cfg.num_heads, cfg.head_dim)
+        out = attend(q, k, v, segment_ids, segment_ids, cfg.attention, cfg.attention_block_q, cfg.attention_block_kv)
         return self._output(out)
 
     def _output(self, out: jax.Array) -> jax.Array:

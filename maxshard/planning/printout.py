@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from maxshard.planning.estimate import AxisTime, Plan
-from maxshard.planning.memory import widths
+from maxshard.planning.memory import Widths, widths
 from maxshard.units import format_bytes
 
 __all__ = ["format_plan", "plan_json"]
@@ -62,10 +62,16 @@ def _memory(plan: Plan) -> list[str]:
         f"  optimizer state  {format_bytes(plan.optimizer):>11}",
         f"  gradients        {format_bytes(plan.gradients):>11}",
         f"  activations      {format_bytes(plan.activations):>11}  estimate: {rule},",
-        f"  {'':>28}  logits and their gradient; attention scores [{w.scores // plan.cfg.max_target_length} heads, "
-        "length, length] are materialised",
+        f"  {'':>28}  logits and their gradient; {_attention_text(w)}",
         f"  total            {format_bytes(total):>11}{fits}",
     ]
+
+
+def _attention_text(w: Widths) -> str:
+    if not w.fused:
+        return f"attention=dot_product: scores [{w.heads} heads, length, length] are materialised"
+    ring = f", ring over {w.context} context shards" if w.context > 1 else ""
+    return f"attention={w.attention}: blockwise working set, linear in length{ring}"
 
 
 def _ms(seconds: float) -> str:

@@ -32,8 +32,20 @@ Activations:
                   the output head's input gradient (backward), both [tokens, E], when the vocabulary is sharded;
                   and when the table is sharded over vocabulary *and* gather axes, XLA all-reduces its gradient,
                   [vocab, E / gather shards], over the vocabulary axes (seen on XLA:CPU and XLA:TPU alike).
-  sequence        attention needs every key and value: all-gather K and V ([batch, length, kv_heads, head_dim],
-                  whole length) per layer forward (and in the recompute), reduce-scatter their gradients backward.
+  sequence        outside attention the length is sharded over `sequence`, inside it the heads are
+                  (layers/attention_ops.py): all-to-all of q, k, v to head-sharded and of the output back, 2Q + 2K
+                  per token (Q, K: heads, kv heads x head_dim over the tensor axes), once forward, once backward
+                  (their transposes) and once more in a remat recompute (any policy but none/minimal); measured
+                  exactly on XLA:CPU for sequence=2 x fsdp=4 (393,216 B). The small all-gathers of the RoPE
+                  angles and segment ids over `sequence` are left out.
+  context         ring attention (layers/ring_attention.py): per layer, C - 1 collective-permutes of the local
+                  K and V chunks (+ int32 segment ids) forward, again in a remat recompute, again in the backward
+                  ring, which also passes the float32 dK and dV C times (they travel home). Measured for
+                  context=2 x fsdp=4 (tiny, XLA:CPU): 262,400 B against 329,216 planned, because at C = 2 XLA
+                  folds the two shifts of the first step's dK, dV (a permute applied twice is the identity) and
+                  hoists the segment-id permute out of the layer loop; the plan counts the general ring. The balanced
+                  chunk order is applied at model entry and exit with a gather along the length, which XLA
+                  lowers to an all-gather of [batch, length, embed] over context (2 per step, seen on XLA:CPU).
   stage           collective-permute of [microbatch, length, E] per pipeline iteration, forward and backward:
                   2 x (M*R + S - 1) x k. (XLA:CPU lowers the backward roll as two permutes, and moves small
                   position and segment-id slices too: 2.3x this in the compile above.)
@@ -208,16 +220,32 @@ def _tensor(cfg: Config, report: Report, sizes: Mapping[str, int], geo: Geometry
 
 
 def _sequence(cfg: Config, sizes: Mapping[str, int], geo: Geometry) -> list[Collective]:
-    axes = rule_axes(cfg, ax.LENGTH, sizes)
+    context = set(rule_axes(cfg, ax.ATTN_LENGTH, sizes))
+    axes = tuple(a for a in rule_axes(cfg, ax.LENGTH, sizes) if a not in context)
     if not axes:
         return []
-    kv_local = cfg.num_kv_heads // _shards(rule_axes(cfg, ax.ACT_KV_HEADS, sizes), sizes)
-    kv = 2 * geo.tokens * _shards(axes, sizes) * kv_local * cfg.head_dim * geo.compute_itemsize  # K and V, whole length
-    gathers = 1 + (_recompute_count(cfg.remat_policy) > 0)
-    return [
-        Collective("all-gather", axes, gathers * geo.layers * kv, "keys and values"),
-        Collective("reduce-scatter", axes, geo.layers * kv, "key and value gradients"),
-    ]
+    q_local = cfg.num_heads // _shards(rule_axes(cfg, ax.ACT_HEADS, sizes), sizes) * cfg.head_dim
+    kv_local = cfg.num_kv_heads // _shards(rule_axes(cfg, ax.ACT_KV_HEADS, sizes), sizes) * cfg.head_dim
+    per_pass = geo.tokens * (2 * q_local + 2 * kv_local) * geo.compute_itemsize
+    passes = 2 + (cfg.remat_policy not in ("none", "minimal"))
+    return [Collective("all-to-all", axes, passes * geo.layers * per_pass, "attention: length <-> heads")]
+
+
+def _context(cfg: Config, sizes: Mapping[str, int], geo: Geometry) -> list[Collective]:
+    axes = rule_axes(cfg, ax.ATTN_LENGTH, sizes)
+    if not axes:
+        return []
+    ring = _shards(axes, sizes)
+    sequence = _shards(rule_axes(cfg, ax.LENGTH, sizes), sizes) // ring
+    kv_local = cfg.num_kv_heads // _shards(rule_axes(cfg, ax.ACT_KV_HEADS, sizes), sizes) * cfg.head_dim
+    chunk = geo.tokens * kv_local * geo.compute_itemsize  # one of K, V on one device
+    step = 2 * chunk + geo.tokens * sequence * 4  # K, V and the int32 segment ids
+    passes = 2 + (cfg.remat_policy not in ("none", "minimal"))
+    grads = ring * 2 * geo.tokens * kv_local * 4  # float32 dK, dV, C shifts
+    total = geo.layers * (passes * (ring - 1) * step + grads)
+    embed = geo.tokens * sequence * ring * cfg.emb_dim * geo.compute_itemsize  # [batch, whole length, embed]
+    return [Collective("collective-permute", axes, total, "ring attention: K/V chunks and their gradients"),
+            Collective("all-gather", axes, 2 * embed, "balanced layout at model entry and exit")]
 
 
 def _stage(cfg: Config, sizes: Mapping[str, int], geo: Geometry) -> list[Collective]:
@@ -252,5 +280,5 @@ def _expert(cfg: Config, sizes: Mapping[str, int], geo: Geometry) -> list[Collec
 def planned_collectives(cfg: Config, report: Report, sizes: Mapping[str, int], geo: Geometry) -> list[Collective]:
     """Every collective of one train step (see the module docstring for the model)."""
     out = [c for p in report.params for c in _weight_collectives(cfg, p, sizes, geo)]
-    out += _tensor(cfg, report, sizes, geo) + _sequence(cfg, sizes, geo)
+    out += _tensor(cfg, report, sizes, geo) + _sequence(cfg, sizes, geo) + _context(cfg, sizes, geo)
     return out + _stage(cfg, sizes, geo) + _expert(cfg, sizes, geo)

@@ -1,0 +1,121 @@
+"""cuDNN flash attention vs dot_product on an NVIDIA GPU: the kernels alone (bfloat16), and the 1b preset at 8k.
+
+    python benchmarks/attention_gpu.py [--lengths 2048 8192] [--steps 10] [key=value ...]
+
+Needs a GPU (`pip install -e '.[cuda]'`); CI never runs it. Two parts:
+
+1. Kernel: forward + backward of `attention_ops.cudnn` and `attention_ops.dot_product` on bfloat16
+   q [1, L, 16, 128], k/v [1, L, 8, 128] with causal masking and two packed documents, median of --steps calls
+   after a warm-up, plus the largest difference of their outputs (bfloat16 tolerance, ~1e-2).
+2. Model: the 1b preset (`model_name=1b`, bfloat16, fsdp over every local GPU, per_device_batch_size=1) at 8k
+   tokens, attention=cudnn vs dot_product (which may not fit: an out-of-memory is reported, not raised):
+   median step time, tokens/s per device and MFU (model FLOPs of `maxshard.model.flops_per_token` against the
+   device's peak from `maxshard/perf.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from maxshard import data, loading, mesh, model, perf  # noqa: E402
+from maxshard.layers import attention_ops as ops  # noqa: E402
+from maxshard.step import Trainer  # noqa: E402
+
+BASE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "base.yml")
+
+
+def _median_seconds(fn: Callable[[], object], steps: int) -> float:
+    jax.block_until_ready(fn())  # compile and warm up
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def kernel_row(length: int, steps: int) -> str:
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (1, length, 16, 128), jnp.bfloat16) * 128**-0.5
+    k = jax.random.normal(keys[1], (1, length, 8, 128), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (1, length, 8, 128), jnp.bfloat16)
+    segments = (jnp.arange(length)[None] >= length // 3).astype(jnp.int32) + 1  # two documents
+
+    def timed(fn: Callable) -> tuple[float, jax.Array]:
+        loss = jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(fn(q, k, v, segments, segments).astype(jnp.float32)),
+                                          argnums=(0, 1, 2)))
+        out = jax.jit(fn)(q, k, v, segments, segments)
+        return _median_seconds(lambda: loss(q, k, v), steps), out
+
+    cudnn_s, cudnn_out = timed(ops.cudnn)
+    try:
+        dot_s, dot_out = timed(ops.dot_product)
+        diff = float(jnp.max(jnp.abs(cudnn_out.astype(jnp.float32) - dot_out.astype(jnp.float32))))
+        dot = f"{dot_s * 1e3:.2f} ms | {dot_s / cudnn_s:.2f}x | {diff:.3g}"
+    except Exception as e:  # noqa: BLE001 - out of memory at long lengths is a result, not a failure
+        dot = f"failed: {type(e).__name__} | | "
+    return f"| {length:,} | {cudnn_s * 1e3:.2f} ms | {dot} |"
+
+
+def model_row(attention: str, length: int, steps: int, overrides: Sequence[str]) -> str:
+    argv = [BASE, "model_name=1b", "override_model_config=true", "dataset_type=synthetic", "dtype=bfloat16",
+            f"max_target_length={length}", "per_device_batch_size=1", f"attention={attention}", "eval_period=0",
+            *overrides]
+    try:
+        cfg = loading.load_run(argv)
+        trainer = Trainer(cfg, mesh.build(cfg))
+        state = trainer.init_state()
+        batch_sharding = data.batch_sharding(cfg, trainer.mesh)
+        step = trainer.jit_train_step(batch_sharding)
+        batch = next(data.make_input(cfg, trainer.mesh))
+        holder = {"state": state}
+
+        def one() -> object:
+            holder["state"], metrics = step(holder["state"], batch)
+            return metrics["loss"]
+
+        seconds = _median_seconds(one, steps)
+    except Exception as e:  # noqa: BLE001 - dot_product may run out of memory at 8k
+        return f"| {attention} | failed: {type(e).__name__}: {str(e).splitlines()[0][:80]} | | |"
+    tokens = cfg.global_batch_size * cfg.max_target_length
+    flops = model.flops_per_token(cfg.model) * tokens
+    figures = perf.step_perf(tokens, flops, seconds, cfg.num_devices, perf.peak_flops(cfg.device_kind))
+    mfu = figures["mfu"]
+    return (f"| {cfg.model.attention} | {seconds * 1e3:.1f} ms | {figures['tokens_per_sec_per_device']:,.0f} | "
+            f"{'-' if mfu is None else f'{100 * mfu:.1f}%'} |")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 32768])
+    parser.add_argument("--model-length", type=int, default=8192)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("overrides", nargs="*", help="extra key=value overrides for the model part")
+    args = parser.parse_args(argv)
+    if jax.default_backend() != "gpu":
+        print("attention_gpu.py needs an NVIDIA GPU (jax.default_backend() is "
+              f"{jax.default_backend()!r}); nothing measured", file=sys.stderr)
+        return 2
+    print(f"device: {jax.devices()[0].device_kind} x {jax.device_count()}")
+    print("| length | cudnn fwd+bwd | dot_product fwd+bwd | dot / cudnn | max |out diff| |\n|---:|---:|---:|---:|---:|")
+    for length in args.lengths:
+        print(kernel_row(length, args.steps), flush=True)
+    print(f"\n1b preset, {args.model_length} tokens, batch 1 per device:")
+    print("| attention | step | tokens/s/device | MFU |\n|---|---:|---:|---:|")
+    for attention in ("cudnn", "dot_product"):
+        print(model_row(attention, args.model_length, args.steps, args.overrides), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

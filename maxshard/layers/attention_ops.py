@@ -1,0 +1,162 @@
+"""The attention kernels behind one function, `attend`: dot_product, blockwise, cudnn and splash.
+
+Inputs are post-RoPE and pre-scaled: q [batch, q_len, heads, head_dim] (already multiplied by 1/sqrt(head_dim)),
+k and v [batch, kv_len, kv_heads, head_dim], segment ids [batch, q_len] and [batch, kv_len]; the output is
+[batch, q_len, heads, head_dim] in v's dtype. Every implementation applies the same mask: causal (query t sees keys
+up to t; with kv_len > q_len the queries are the last q_len positions) and inside one document (equal segment ids).
+Grouped-query heads: heads = kv_heads x group, query head h reads kv head h // group.
+
+    dot_product  scores [batch, kv_heads, group, q_len, kv_len] in float32: the reference, memory quadratic
+    blockwise    online softmax over blocks, custom VJP (layers/blockwise_attention.py): linear memory, any backend
+    cudnn        jax.nn.dot_product_attention(implementation="cudnn"): NVIDIA GPUs (see `_cudnn` for the mask)
+    splash       the Pallas TPU splash kernel (interpret mode elsewhere, for tests); lengths a multiple of the blocks
+
+Sharding. Inside attention the activations take their own logical names (`activation_attn_*`): whole length
+(or `context` shards for ring attention, layers/ring_attention.py) and heads over the tensor axes *and* `sequence`.
+Outside, sequence parallelism shards the length; constraining q, k, v here makes XLA move them from length-sharded
+to head-sharded with one all-to-all each, and the output back, so no device gathers the whole K/V.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from maxshard import axis_names as ax
+from maxshard.layers import blockwise_attention as bw
+from maxshard.layers import ring_attention
+from maxshard.sharding import constrain
+
+__all__ = ["IMPLEMENTATIONS", "attend", "dot_product", "blockwise", "cudnn", "splash", "token_indices"]
+
+IMPLEMENTATIONS = ("dot_product", "blockwise", "cudnn", "splash")
+Q_AXES = (ax.BATCH, ax.ATTN_LENGTH, ax.ATTN_HEADS, ax.ACT_KV)
+KV_AXES = (ax.BATCH, ax.ATTN_LENGTH, ax.ATTN_KV_HEADS, ax.ACT_KV)
+SEGMENT_AXES = (ax.BATCH, ax.ATTN_LENGTH)
+
+
+def token_indices(q_len: int, kv_len: int) -> tuple[jax.Array, jax.Array]:
+    """Causal token indices ([q_len], [kv_len]): the queries are the last q_len of the kv_len positions."""
+    return jnp.arange(kv_len - q_len, kv_len, dtype=jnp.int32), jnp.arange(kv_len, dtype=jnp.int32)
+
+
+def _grouped(q: jax.Array, kv_heads: int) -> jax.Array:
+    """[b, q, heads, d] -> [b, q, kv_heads, group, d]."""
+    b, length, heads, dim = q.shape
+    return q.reshape(b, length, kv_heads, heads // kv_heads, dim)
+
+
+def dot_product(q, k, v, q_segment_ids, kv_segment_ids) -> jax.Array:
+    """The reference: float32 scores and softmax over the whole key length."""
+    batch, q_len, heads, dim = q.shape
+    q_idx, kv_idx = token_indices(q_len, k.shape[1])
+    causal = kv_idx[None, :] <= q_idx[:, None]  # [q, kv]
+    same_doc = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]  # [batch, q, kv]
+    mask = (causal[None] & same_doc)[:, None, None]  # [batch, 1, 1, q, kv]
+    logits = jnp.einsum("bqhgd,bkhd->bhgqk", _grouped(q, k.shape[2]), k, preferred_element_type=jnp.float32)
+    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", jnp.asarray(probs, v.dtype), v)
+    return out.reshape(batch, q_len, heads, dim)
+
+
+def blockwise(q, k, v, q_segment_ids, kv_segment_ids, block_q: int = 512, block_kv: int = 512) -> jax.Array:
+    """Online-softmax attention with linear memory (layers/blockwise_attention.py)."""
+    batch, q_len, heads, dim = q.shape
+    q_idx, kv_idx = token_indices(q_len, k.shape[1])
+    out = bw.blockwise_attention(_grouped(q, k.shape[2]), k, v, q_segment_ids, kv_segment_ids, q_idx, kv_idx,
+                                 block_q, block_kv)
+    return out.reshape(batch, q_len, heads, dim)
+
+
+def cudnn(q, k, v, q_segment_ids, kv_segment_ids, implementation: str | None = None) -> jax.Array:
+    """cuDNN flash attention through `jax.nn.dot_product_attention` (grouped heads are native there).
+
+    Causal masking is cuDNN's own (`is_causal`, no mask tensor). Packed documents have no segment-id input in that
+    API: the document mask goes in as a boolean `mask` [batch, 1, q, kv] (one copy for all heads, in the compute
+    dtype inside cuDNN's bias path), quadratic in length but without the float32 scores of every head;
+    `planning/memory.py` counts it. `implementation="xla"` runs the same call through XLA, which is how CPU tests
+    check this mapping. By default it is "cudnn" on a GPU backend and "xla" elsewhere: a config can only choose
+    cudnn for an NVIDIA device kind (attention_choice.py), so off a GPU this is the planner tracing a GPU run's
+    shapes on a CPU host (`jax.eval_shape`, nothing runs)."""
+    if implementation is None:
+        implementation = "cudnn" if jax.default_backend() == "gpu" else "xla"
+    if q.shape[1] != k.shape[1]:
+        raise ValueError("attention=cudnn needs q_len == kv_len (training); use dot_product or blockwise to decode")
+    same_doc = (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :])[:, None]  # [batch, 1, q, kv]
+    return jax.nn.dot_product_attention(q, k, v, mask=same_doc, scale=1.0, is_causal=True,
+                                        implementation=implementation)
+
+
+@functools.lru_cache(maxsize=16)
+def _splash_kernel(heads: int, q_len: int, kv_len: int, block_q: int, block_kv: int, interpret: bool) -> Callable:
+    """One splash MQA kernel (queries of one kv head against it), built once per shape."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    mask = splash.MultiHeadMask([splash.CausalMask((q_len, kv_len)) for _ in range(heads)])
+    sizes = splash.BlockSizes(block_q=block_q, block_kv=block_kv, block_kv_compute=block_kv, block_q_dkv=block_q,
+                              block_kv_dkv=block_kv, block_kv_dkv_compute=block_kv, block_q_dq=block_q,
+                              block_kv_dq=block_kv)
+    return splash.make_splash_mqa(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+
+
+def splash(q, k, v, q_segment_ids, kv_segment_ids, block_q: int = 512, block_kv: int = 512,
+           interpret: bool | None = None) -> jax.Array:
+    """The Pallas splash kernel, one MQA call per (batch row, kv head): its queries are that kv head's group.
+
+    Splash takes [heads, length, head_dim] per row and its own SegmentIds; block sizes must divide the lengths
+    (config_ranges checks max_target_length). `interpret` defaults to "not on TPU" (Pallas interpret mode: slow,
+    for tests)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
+
+    if interpret is None:
+        interpret = jax.devices()[0].platform != "tpu"
+    batch, q_len, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    kernel = _splash_kernel(heads // kv_heads, q_len, k.shape[1], min(block_q, q_len), min(block_kv, k.shape[1]),
+                            interpret)
+    qg = jnp.einsum("bqhgd->bhgqd", _grouped(q, kv_heads))  # [b, kv_heads, group, q, d]
+    kt, vt = jnp.einsum("bkhd->bhkd", k), jnp.einsum("bkhd->bhkd", v)  # [b, kv_heads, kv, d]
+
+    def row(qr, kr, vr, qs, ks):  # one batch row: [kv_heads, ...]
+        segments = SegmentIds(q=qs, kv=ks)
+        return jax.vmap(lambda qh, kh, vh: kernel(qh, kh, vh, segment_ids=segments))(qr, kr, vr)
+
+    out = jax.vmap(row)(qg, kt, vt, q_segment_ids, kv_segment_ids)  # [b, kv_heads, group, q, d]
+    return jnp.einsum("bhgqd->bqhgd", out).reshape(batch, q_len, heads, dim).astype(v.dtype)
+
+
+def attend(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_segment_ids: jax.Array,
+    kv_segment_ids: jax.Array,
+    implementation: str = "dot_product",
+    block_q: int = 512,
+    block_kv: int = 512,
+) -> jax.Array:
+    """Attention of pre-scaled, rotated q [b, q, heads, d] over k, v [b, kv, kv_heads, d] -> [b, q, heads, d].
+
+    Constrains its inputs and output to the attention-internal layout (module docstring); with a `context` mesh
+    axis in that layout it runs ring attention instead (layers/ring_attention.py)."""
+    q, k, v = constrain(q, Q_AXES), constrain(k, KV_AXES), constrain(v, KV_AXES)
+    q_segment_ids, kv_segment_ids = constrain(q_segment_ids, SEGMENT_AXES), constrain(kv_segment_ids, SEGMENT_AXES)
+    if ring_attention.context_axes():
+        out = ring_attention.ring_attend(q, k, v, q_segment_ids, kv_segment_ids, block_q, block_kv)
+    elif implementation == "dot_product":
+        out = dot_product(q, k, v, q_segment_ids, kv_segment_ids)
+    elif implementation == "blockwise":
+        out = blockwise(q, k, v, q_segment_ids, kv_segment_ids, block_q, block_kv)
+    elif implementation == "cudnn":
+        out = cudnn(q, k, v, q_segment_ids, kv_segment_ids)
+    elif implementation == "splash":
+        out = ring_attention.manual_over_batch_and_heads(
+            functools.partial(splash, block_q=block_q, block_kv=block_kv), q, k, v, q_segment_ids, kv_segment_ids
+        )
+    else:
+        raise ValueError(f"attention implementation {implementation!r}; expected one of {', '.join(IMPLEMENTATIONS)}")
+    return constrain(out, Q_AXES)
