@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from maxshard import inference, loading, mesh, sharding
+from maxshard import cli, inference, loading, mesh, sharding
 from maxshard.config import Config, ConfigError
 from maxshard.data.tokenizer import Tokenizer, make_tokenizer
 from maxshard.decode import Engine, Result
@@ -125,15 +125,7 @@ def run(argv: Sequence[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help", "help"):
-        print(USAGE, file=sys.stdout if argv else sys.stderr)
-        return 0 if argv else 2
-    try:
-        return run(argv)
-    except ConfigError as e:
-        print(f"maxshard: error: {e}", file=sys.stderr)
-        return 2
+    return cli.entry(argv, USAGE, run)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 
-from maxshard import checkpoint, console, data, loading, mesh, metrics
+from maxshard import checkpoint, cli, console, data, loading, mesh, metrics
 from maxshard.config import Config, ConfigError
 from maxshard.model import count_params
 from maxshard.profiling import Profiler
@@ -159,18 +159,7 @@ def run(argv: Sequence[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help", "help"):
-        print(USAGE, file=sys.stdout if argv else sys.stderr)
-        return 0 if argv else 2
-    try:
-        return run(argv)
-    except ConfigError as e:
-        print(f"maxshard: error: {e}", file=sys.stderr)
-        return 2
-    except checkpoint.CheckpointError as e:  # a failed save, or a checkpoint unreadable for a reason other than damage
-        print(f"maxshard: error: {e}", file=sys.stderr)
-        return 1
+    return cli.entry(argv, USAGE, run)
 
 
 if __name__ == "__main__":

@@ -56,11 +56,12 @@ def test_scaling_keys_reach_the_model_config_and_are_range_checked():
         parse(["configs/base.yml", "rope_scaling_factor=0.5"])
 
 
-def test_model_config_rope_defaults_equal_the_schema_defaults():
-    """A ModelConfig built by hand (conversion, tests) rotates like a run that leaves the rope keys at their
-    defaults."""
+def test_model_config_defaults_equal_the_schema_defaults():
+    """A ModelConfig built by hand (conversion, tests) is the network a run gets from the same keys left at their
+    defaults: every default but the ones a run resolves for its devices ('auto') is the schema's."""
     schema = {f.name: f.default for f in dataclasses.fields(Config)}
-    model = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
-    keys = [name for name in model if name.startswith("rope_")]
-    assert len(keys) == 6
-    assert {k: model[k] for k in keys} == {k: schema[k] for k in keys}
+    model = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name != "pipeline"}
+    resolved = {k for k in model if schema[k] == "auto"}
+    assert {k for k in model if k.startswith("rope_")} <= model.keys() - resolved
+    assert {k: v for k, v in model.items() if k not in resolved and k != "vocab_size"} == {
+        k: schema[k] for k in model if k not in resolved and k != "vocab_size"}
