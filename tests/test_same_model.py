@@ -16,7 +16,7 @@ from maxshard.layers import pipeline
 from maxshard.step import Trainer
 from tests.helpers import mesh_for, tiny_config
 
-SMALL = ("emb_dim=32", "num_heads=4", "num_kv_heads=2", "head_dim=8", "mlp_dim=64", "max_target_length=16",
+SMALL = ("emb_dim=32", "num_heads=8", "num_kv_heads=4", "head_dim=8", "mlp_dim=64", "max_target_length=16",
          "num_layers=8")
 MOE = ("num_experts=4", "num_experts_per_tok=2", "moe_layer_interval=2")
 PIPELINE = ("ici_pipeline_parallelism=4", "ici_fsdp_parallelism=2", "num_pipeline_repeats=2",
