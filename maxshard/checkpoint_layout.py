@@ -27,23 +27,12 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from maxshard.config import ConfigError
+from maxshard.sharding import path_name
 
 __all__ = ["canonical_path", "canonical_shapes", "check_matches", "needs_relayout", "read_target", "relayout"]
 
 _PIPELINED = "decoder/pipeline/layers/"
 _SCANNED = "decoder/layers/"
-
-
-def _key_name(key: Any) -> str:
-    """One path element as text, whatever pytree node made it (dict key, attribute, sequence index)."""
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
-def path_name(path: tuple) -> str:
-    return "/".join(_key_name(k) for k in path)
 
 
 def flat(tree: Any) -> dict[str, Any]:

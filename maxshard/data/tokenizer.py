@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib
 import json
 import os
 from typing import Any, Protocol
@@ -110,15 +111,22 @@ class SentencePieceTokenizer:
         return self._sp.decode([int(i) for i in ids])
 
 
-def load_sentencepiece(path: str) -> SentencePieceTokenizer:
-    """Loads a `.model` file; every failure is a ConfigError naming `tokenizer_path` and the file."""
+def _optional_package(name: str, path: str) -> Any:
+    """The optional package a tokenizer file needs (the `tokenizer` extra), once the file is known to exist;
+    ConfigError naming `tokenizer_path` otherwise."""
     try:
-        import sentencepiece as spm  # optional: pip install "maxshard[tokenizer]"
+        module = importlib.import_module(name)
     except ImportError:
-        raise ConfigError(f"tokenizer_path={path} needs the sentencepiece package: "
+        raise ConfigError(f"tokenizer_path={path} needs the {name} package: "
                           'pip install "maxshard[tokenizer]"') from None
     if not os.path.isfile(path):
         raise ConfigError(f"tokenizer_path={path}: no such file")
+    return module
+
+
+def load_sentencepiece(path: str) -> SentencePieceTokenizer:
+    """Loads a `.model` file; every failure is a ConfigError naming `tokenizer_path` and the file."""
+    spm = _optional_package("sentencepiece", path)
     processor = spm.SentencePieceProcessor()
     try:
         with open(path, "rb") as f:
@@ -195,15 +203,9 @@ def _special_tokens(path: str, tokenizer: Any) -> dict[str, str]:
 
 def load_hf_tokenizer(path: str) -> HuggingFaceTokenizer:
     """Loads a `tokenizer.json`; every failure is a ConfigError naming `tokenizer_path` and the file."""
+    tokenizers = _optional_package("tokenizers", path)
     try:
-        from tokenizers import Tokenizer as HFTokenizer  # optional: pip install "maxshard[tokenizer]"
-    except ImportError:
-        raise ConfigError(f"tokenizer_path={path} needs the tokenizers package: "
-                          'pip install "maxshard[tokenizer]"') from None
-    if not os.path.isfile(path):
-        raise ConfigError(f"tokenizer_path={path}: no such file")
-    try:
-        tokenizer = HFTokenizer.from_file(path)
+        tokenizer = tokenizers.Tokenizer.from_file(path)
     except Exception as e:  # noqa: BLE001 - the Rust side raises plain Exception for any malformed file
         raise ConfigError(f"tokenizer_path={path} is not a Hugging Face tokenizer.json: "
                           f"{str(e).splitlines()[0][:160]}") from None
