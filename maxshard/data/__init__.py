@@ -8,7 +8,7 @@
 
 Iterators also have `get_state()` / `set_state()` so a checkpoint can resume the exact batch sequence. States are
 JSON-serializable dicts and per process: each process saves and restores its own. `stats()` gives metrics about the
-data delivered so far (tokens per source, skipped bad records).
+data this process delivered so far (tokens per source, skipped bad records); the log sums them over processes.
 
 Modules: `sources` (text files, default corpus, train/eval split, process sharding), `records` (ArrayRecord shards),
 `jsonl`, `parquet`, `hf` (Hugging Face datasets), `hf_stream` (one read as a stream), `files` (listing local and remote paths), `catalog` (which sources a

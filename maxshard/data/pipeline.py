@@ -199,7 +199,8 @@ class GlobalBatchIterator:
 
     It also counts, for the rows it has delivered, the tokens taken from each source (`labels`) and the bad records
     skipped to fill them: `stats()`. The counts are this process's own (each process reads its own documents) and
-    are saved with the position, so a resumed run continues them.
+    are saved with the position, so a resumed run continues them; train.py logs their sum over all processes
+    (`metrics.summed_over_processes`).
     """
 
     def __init__(self, batches: grain.IterDataset, sharding: NamedSharding, identity: dict[str, Any],
