@@ -8,7 +8,8 @@ indices are kept here through the stream itself, with the `datasets` library doi
   `eval_fraction` (`InSplit`, applied with `IterableDataset.filter` before sharding). A stream has no row number
   that is independent of how it is sharded; the text is, so a document stays on its side whatever the process
   count, shard order or epoch, and exact duplicates never straddle the split. Bad records (no text to hash) go to
-  train, where they are counted.
+  train, where they are counted. The price: the eval iterator reads about 1 / eval_fraction documents of the stream
+  for each eval document it keeps (from the hub: over the network, at every evaluation).
 - Processes: `datasets.distributed.split_dataset_by_node(ds, rank, world_size)`. When the number of shards (files)
   divides by `world_size` each process reads whole shards, else every process reads the stream and keeps every
   `world_size`-th document; either way the shares are disjoint and complete. grain worker processes

@@ -41,7 +41,7 @@ from grain.experimental import ThreadPrefetchIterDataset, WindowShuffleIterDatas
 from jax.sharding import NamedSharding
 
 from maxshard.config import Config, ConfigError
-from maxshard.data import catalog, packing, sources
+from maxshard.data import catalog, hf_stream, packing, sources
 from maxshard.data.mixture import SKIPPED, SOURCE, TokenMixIterDataset
 from maxshard.data.shuffle import BlockShuffleMapDataset
 from maxshard.data.sources import BadRecord
@@ -85,7 +85,7 @@ class StreamedSource:
     documents: grain.IterDataset  # text or BadRecord: this process's share of the split (`hf_stream`)
     weight: float = 1.0
     name: str = "documents"  # for messages
-    shuffle_window: int = 1024  # documents per train shuffle window (`hf_stream.SHUFFLE_WINDOW`)
+    shuffle_window: int = hf_stream.SHUFFLE_WINDOW  # documents per train shuffle window
 
 
 def _document_pair(document: str | np.ndarray | BadRecord, tokenizer: Tokenizer,
@@ -332,8 +332,6 @@ def make_grain_input(
         corpus = catalog.open_corpus(spec, tokenizer.fingerprint(), cfg.text_field, cfg.hf_split, cfg.data_cache_dir,
                                      cfg.hf_streaming)
         if not isinstance(corpus, sources.Corpus):  # a streamed Hugging Face dataset
-            from maxshard.data import hf_stream  # deferred: only streamed sources need it
-
             documents = corpus.documents(split, cfg.eval_fraction, process_index, process_count)
             streams.append(StreamedSource(documents, spec.weight, corpus.where, hf_stream.SHUFFLE_WINDOW))
             continue
