@@ -146,6 +146,7 @@ class Config:
     dataset_mixture: Mixture = ()
     text_field: str = "text"
     hf_split: str = "train"
+    hf_streaming: Literal["auto", "always", "never"] = "auto"
     data_cache_dir: str = _path()
     tokenizer_path: str = _path()
     packing: bool = True

@@ -118,7 +118,11 @@ def train_loop(
     train_step = trainer.jit_train_step(batch_sharding)
     eval_step = trainer.jit_eval_step(batch_sharding) if cfg.eval_period else None
     profiler = Profiler.from_config(cfg, is_primary=jax.process_index() == 0)
-    deferred, log = metrics.DeferredMetrics(), console.StepLogger(cfg, writer, batches.stats)
+
+    def data_stats() -> dict[str, int]:  # each process counts its own share of the data; the log shows the run's
+        return metrics.summed_over_processes(batches.stats())
+
+    deferred, log = metrics.DeferredMetrics(), console.StepLogger(cfg, writer, data_stats)
     for step in range(int(state.step), cfg.steps):
         with profiler.step(step):
             state, step_metrics = train_step(state, next(batches))

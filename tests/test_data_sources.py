@@ -1,4 +1,5 @@
-"""Real corpora: JSONL (.gz/.zst), Parquet and Hugging Face sources, token-weighted mixtures, bad records.
+"""Real corpora: JSONL (.gz/.zst), Parquet and Hugging Face sources (also streamed), token-weighted mixtures, bad
+records.
 
 Every file is generated here, in tmp directories. Each document starts with its own tag ("a17 ..."), so rows can be
 traced back to the document they came from.
@@ -16,7 +17,7 @@ import pytest
 
 from maxshard import config, mesh as mesh_lib
 from maxshard.config import ConfigError
-from maxshard.data import catalog, jsonl, make_input, pipeline, shuffle
+from maxshard.data import catalog, hf, jsonl, make_input, pipeline, shuffle
 from maxshard.data.mixture import SKIPPED, SOURCE
 from maxshard.data.sources import BadRecord
 from maxshard.data.tokenizer import ByteTokenizer
@@ -326,6 +327,146 @@ def test_hf_split_and_data_files(corpora, tmp_path, monkeypatch):
     files_cfg = make_cfg("dataset_type=hf", f"dataset_path={corpora['jsonl']}/part1.jsonl")
     corpus = open_first(files_cfg)
     assert [corpus.documents[i] for i in range(len(corpus))] == corpora["texts"][30:]
+
+
+# --------------------------------------------------------------------------------------------- streamed HF datasets
+
+
+def stream_overrides(kind: str, corpora: dict) -> tuple[str, ...]:
+    """The same two JSONL or Parquet files as a streamed hf source (`load_dataset(builder, data_files=...,
+    streaming=True)`: the code path of a hub name, offline), or such a stream mixed with a Parquet corpus."""
+    if kind == "mixture":
+        mix = f"[[{corpora['parquet']}, 0.5], [hf:{corpora['jsonl']}/*.jsonl, 0.5]]"
+        return f"dataset_mixture={mix}", "hf_streaming=always"
+    suffix = "jsonl" if kind == "jsonl" else "parquet"
+    return "dataset_type=hf", f"dataset_path={corpora[suffix]}/*.{suffix}", "hf_streaming=always"
+
+
+def stream_epoch(documents) -> list:
+    """One epoch of a stream's documents: read until the iterator moves to epoch 1."""
+    it, seen = iter(documents), []
+    while True:
+        document = next(it)
+        if it.get_state()["epoch"] > 0:
+            return seen
+        seen.append(document)
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "mixture"])
+def test_streamed_hf_same_seed_same_batches_and_resume_is_exact(corpora, kind, monkeypatch):
+    """Windows of 7 documents start inside files, so a restore needs `datasets`' own position (state_dict)."""
+    from maxshard.data import hf_stream
+
+    monkeypatch.setattr(hf_stream, "SHUFFLE_WINDOW", 7)
+    cfg = make_cfg(*stream_overrides(kind, corpora), "eval_fraction=0.2")
+    mesh = mesh_lib.build(cfg)
+    for split in ("train", "eval"):
+        it = make_input(cfg, mesh, split)
+        batches, states, stats = [], [], []
+        for _ in range(6):  # ~48 train documents of ~40 tokens: 6 batches of 8 x 32 reach the second epoch
+            states.append(json.loads(json.dumps(it.get_state())))
+            stats.append(it.stats())
+            batches.append(take(it, 1)[0])
+        assert '"shard_example_idx": ' in json.dumps(states[4]), "the state holds datasets' position"
+        assert_same(take(make_input(cfg, mesh, split), 6), batches)
+        resumed = make_input(cfg, mesh, split)
+        resumed.set_state(states[4])
+        assert resumed.stats() == stats[4] and sum(stats[4].values()) > 0
+        assert_same(take(resumed, 2), batches[4:])
+    other = take(make_input(make_cfg(*stream_overrides(kind, corpora), "eval_fraction=0.2", "data_shuffle_seed=9"),
+                            mesh), 6)
+    assert any(not np.array_equal(a["inputs"], b["inputs"]) for a, b in zip(batches, other))
+
+
+def test_streamed_hf_splits_and_processes_partition_the_documents(corpora):
+    """Train and eval (by a hash of the text) and the shares of 2 processes (whole files), of 3 (every third
+    document) and of 2 processes x 2 grain workers are disjoint and together hold every document once."""
+    from maxshard.data import hf_stream
+
+    stream = hf_stream.open_stream(f"{corpora['jsonl']}/*.jsonl", "train", "text")
+    splits = {}
+    for split in ("train", "eval"):
+        for count in (1, 2, 3):
+            shares = [stream_epoch(stream.documents(split, 0.2, p, count)) for p in range(count)]
+            everything = [d for share in shares for d in share]
+            assert len(everything) == len(set(everything)) and all(shares), (split, count)
+            assert set(everything) == set(splits.setdefault(split, everything)), (split, count)
+        workers = []  # 2 processes x 2 grain workers: 4 readers, every second document of each file
+        for process, worker in np.ndindex(2, 2):
+            workers.append(stream.documents(split, 0.2, process, 2))
+            workers[-1].set_slice(slice(worker, None, 2))
+        shares = [stream_epoch(w) for w in workers]
+        assert sorted(d for share in shares for d in share) == sorted(splits[split]) and all(shares)
+    assert sorted(splits["train"] + splits["eval"]) == sorted(corpora["texts"])
+    assert 3 <= len(splits["eval"]) <= 24  # ~20% of 60
+    train_only = stream_epoch(stream.documents("train", 0.0, 0, 1))
+    assert train_only == corpora["texts"]  # no eval: stream order, nothing filtered
+
+
+def test_streamed_hf_bad_records_are_skipped_and_counted(tmp_path):
+    good = documents("g", 10)
+    bad = (b'{"text": ""}\n', b'{"body": "x"}\n', b'{"text": null}\n')
+    path = write_jsonl(tmp_path / "bad.jsonl", good[:6], bad)
+    with open(path, "ab") as f:
+        f.write(b"".join(json.dumps({"text": t}).encode() + b"\n" for t in good[6:]))
+    from maxshard.data import hf_stream
+
+    documents_ = hf_stream.open_stream(path, "train", "text").documents("train", 0.0, 0, 1)
+    opts = pipeline.PipelineOptions(length=64, local_batch=1, packing=False, shuffle_seed=None, prefetch=0)
+    it = iter(pipeline.mixed_batches([pipeline.StreamedSource(documents_)], ByteTokenizer(), opts))
+    rows = [next(it) for _ in range(10)]
+    assert row_tags(np.concatenate([r["inputs"][:, 1:] for r in rows])) == [f"g{i}" for i in range(10)]
+    assert [int(r[SKIPPED].sum()) for r in rows] == [0] * 6 + [3] + [0] * 3
+    binary = write_parquet(tmp_path / "bad.parquet", [b"ok one", b"\xff\xfe", None, b"", b"ok two"],
+                           column_type=pa.binary())
+    reasons = [d.reason for d in stream_epoch(hf_stream.open_stream(binary, "train", "text").documents(
+        "train", 0.0, 0, 1)) if isinstance(d, BadRecord)]
+    assert reasons == ["invalid UTF-8", "missing field", "empty text"]
+
+
+def test_streamed_hf_errors_are_one_line_naming_the_key(corpora, tmp_path):
+    only_bad = ("dataset_type=hf", f"dataset_path={corpora['parquet']}/*.parquet", "hf_streaming=always",
+                "text_field=id", "eval_fraction=0")
+    with pytest.raises(ConfigError) as info:
+        first_batch(*only_bad)
+    assert re.fullmatch(r"dataset_path=\S+ \(train split, process 0 of 1\): a whole epoch \(60 records\) held no "
+                        r"usable document; check text_field, eval_fraction and the data", str(info.value))
+    with pytest.raises(ConfigError, match=r"^text_field=body: dataset_path=\S+ has no such column \(columns: id, text\)$"):
+        first_batch(*stream_overrides("jsonl", corpora), "text_field=body")
+    (tmp_path / "broken.jsonl").write_bytes(b'{"text": "fine"}\n{broken\n')
+    with pytest.raises(ConfigError, match=r"^dataset_path=\S+broken.jsonl \(train split, process 0 of 1\): cannot "
+                                          r"read record 1 of epoch 0 \(ArrowInvalid: JSON parse error"):
+        first_batch("dataset_type=hf", f"dataset_path={tmp_path}/broken.jsonl", "hf_streaming=always")
+    with pytest.raises(ConfigError, match="^hf_streaming expects one of 'auto', 'always', 'never', got 'yes'"):
+        make_cfg("hf_streaming=yes")
+    with pytest.raises(ConfigError, match=f"^dataset_path={tmp_path}/gone: no such file or directory, and not a hub"):
+        first_batch("dataset_type=hf", f"dataset_path={tmp_path}/gone")
+
+
+def test_hub_names_stream_by_default(corpora, monkeypatch):
+    """A name that is no local path is a hub name: `hf_streaming=auto` calls load_dataset(NAME, split,
+    streaming=True) (offline here: the call is answered with the local files' stream); local data stays map-style."""
+    datasets = pytest.importorskip("datasets")
+    assert [hf.source_kind(p) for p in ("owner/name", "wikitext", corpora["hf"], f"{corpora['jsonl']}/*.jsonl",
+                                        corpora["jsonl"])] == ["hub", "hub", "saved", "files", "directory"]
+    for not_hub in ("/no/such/dir", "./rel/x", "a/b/c", "gs://bucket/dir"):
+        with pytest.raises(ConfigError, match="dataset_path="):
+            hf.source_kind(not_hub)
+    assert [hf.read_as_stream(p, m) for p, m in [("owner/name", "auto"), ("owner/name", "never"),
+                                                 (corpora["hf"], "auto"), (corpora["hf"], "always")]] == [
+        True, False, False, True]
+    calls = []
+    local = datasets.load_dataset
+
+    def offline_hub(path, *args, **kwargs):
+        calls.append((path, kwargs))
+        return local("json", data_files=f"{corpora['jsonl']}/*.jsonl", split=kwargs["split"], streaming=True)
+
+    monkeypatch.setattr(datasets, "load_dataset", offline_hub)
+    cfg = make_cfg("dataset_mixture=[[hf:someone/corpus, 1]]", "eval_fraction=0", "packing=false")
+    tags = row_tags(take(make_input(cfg, mesh_lib.build(cfg)), 1)[0]["inputs"][:, 1:])
+    assert calls == [("someone/corpus", {"split": "train", "streaming": True})]
+    assert len(tags) == 8 and all(re.fullmatch(r"d\d+", t) for t in tags), tags
 
 
 # --------------------------------------------------------------------------------------------- tools

@@ -169,8 +169,10 @@ def test_two_processes_see_eight_devices_and_sum_across_them():
     seen = []
     for code, out, err in results:
         assert code == 0, err[-2000:]
-        seen.append(json.loads(out.strip().splitlines()[-1]))
+        # gloo's C++ log lines ("[Gloo] Rank 0 is connected ...") share stdout and may land after the JSON line
+        seen.append(json.loads(next(line for line in reversed(out.splitlines()) if line.startswith("{"))))
     assert [s["process_index"] for s in seen] == [0, 1]
     for s in seen:
         assert s == {**s, "initialized": True, "process_count": 2, "device_count": 8, "local_device_count": 4}
         assert s["sum"] == 36.0  # 1 + 2 + ... + 8: half the values live in each process
+        assert s["counters"] == {"tokens": 9 * 2**31, "skipped": 1}  # the data counters' global sum, past 2**32

@@ -59,7 +59,8 @@ def prepare(dataset_path: str, tokenizer_path: str, out_dir: str, shards: int = 
     """Writes the shards and `maxshard_data.json`; returns that metadata (documents, tokens, shard paths)."""
     tok = tokenizers.load_sentencepiece(tokenizer_path) if tokenizer_path else tokenizers.ByteTokenizer()
     spec = catalog.SourceSpec(dataset_type, dataset_path, 1.0, "dataset_path", dataset_type)
-    corpus = catalog.open_corpus(spec, tok.fingerprint(), text_field, hf_split, data_cache_dir)
+    # hf_streaming=never: this tool counts and reads every document by index, which a stream cannot give
+    corpus = catalog.open_corpus(spec, tok.fingerprint(), text_field, hf_split, data_cache_dir, "never")
     os.makedirs(out_dir, exist_ok=True)
     paths = shard_paths(out_dir, min(shards, len(corpus)))
     writers = [array_record_module.ArrayRecordWriter(p, "group_size:1") for p in paths]

@@ -8,10 +8,10 @@
 
 Iterators also have `get_state()` / `set_state()` so a checkpoint can resume the exact batch sequence. States are
 JSON-serializable dicts and per process: each process saves and restores its own. `stats()` gives metrics about the
-data delivered so far (tokens per source, skipped bad records).
+data this process delivered so far (tokens per source, skipped bad records); the log sums them over processes.
 
 Modules: `sources` (text files, default corpus, train/eval split, process sharding), `records` (ArrayRecord shards),
-`jsonl`, `parquet`, `hf` (Hugging Face datasets), `files` (listing local and remote paths), `catalog` (which sources a
+`jsonl`, `parquet`, `hf` (Hugging Face datasets), `hf_stream` (one read as a stream), `files` (listing local and remote paths), `catalog` (which sources a
 config names, mixtures), `shuffle` (block-wise shuffle), `mixture` (token-weighted interleave, bad-record skipping),
 `tokenizer`, `packing` (documents -> rows), `pipeline` (the grain graph and the global-batch iterator), `synthetic`.
 """
@@ -54,8 +54,9 @@ def make_input(cfg: Config, mesh: Mesh, split: str = "train", batch_size: int | 
 
     text / jsonl / parquet / hf / array_record and `dataset_mixture` (`pipeline.make_grain_input`): each process
     reads its share of the split's documents of every source and yields its rows of the global batch; the iterator
-    assembles them into global arrays. Both splits repeat forever; train is reshuffled every epoch (`data_shuffle_seed`), eval keeps corpus order, so a fresh eval
-    iterator always yields the same batches. Bad paths and files raise ConfigError here or at the first batch.
+    assembles them into global arrays. Both splits repeat forever; train is reshuffled every epoch
+    (`data_shuffle_seed`; a streamed hf source: in windows, see `hf_stream`), eval keeps corpus order, so a fresh
+    eval iterator always yields the same batches. Bad paths and files raise ConfigError here or at the first batch.
     """
     batch_size = batch_size or cfg.global_batch_size
     if cfg.dataset_type == "synthetic":

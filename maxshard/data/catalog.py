@@ -6,7 +6,9 @@
 
 Each source is a path, directory or glob whose type follows from its extension (`.jsonl`, `.jsonl.gz`, `.jsonl.zst`,
 `.parquet`, `.arecord`, `.txt`; a directory: the one type of the files in it), or `hf:NAME` for a Hugging Face
-dataset. Weights are positive shares of tokens (normalized). `source_specs` tells each source's reader from its
+dataset (streamed or not by `hf_streaming`, as for `dataset_type: hf`: the mixture takes one document at a time
+from each source and saves each source's own position, so a stream mixes as exactly as a file). Weights are positive
+shares of tokens (normalized). `source_specs` tells each source's reader from its
 name (before any document is read, so before anything compiles); `open_corpus` does the I/O at `make_input`.
 """
 
@@ -15,11 +17,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-
+from typing import TYPE_CHECKING
 
 from maxshard.config import Config, ConfigError
 from maxshard.data import files, jsonl, parquet
 from maxshard.data.sources import Corpus
+
+if TYPE_CHECKING:
+    from maxshard.data.hf_stream import HfStream
 
 __all__ = ["SourceSpec", "kind_of", "source_specs", "open_corpus", "MIXTURE_KINDS"]
 
@@ -76,10 +81,11 @@ def source_specs(cfg: Config) -> list[SourceSpec]:
 
 
 def open_corpus(spec: SourceSpec, tokenizer_id: str, text_field: str = "text", hf_split: str = "train",
-                cache_dir: str = "") -> Corpus:
+                cache_dir: str = "", hf_streaming: str = "auto") -> Corpus | HfStream:
     """The documents of one source (listing files and reading indexes and footers; no document is read yet).
 
-    `text_field`, `hf_split`, `cache_dir`: the config keys of the same names (`data_cache_dir`).
+    `text_field`, `hf_split`, `cache_dir`, `hf_streaming`: the config keys of the same names (`data_cache_dir`).
+    A Hugging Face source that `hf_streaming` streams is an `hf_stream.HfStream`, not a Corpus: it has no indices.
     """
     from maxshard.data import records, sources  # deferred: records imports grain
 
@@ -90,6 +96,10 @@ def open_corpus(spec: SourceSpec, tokenizer_id: str, text_field: str = "text", h
     if spec.kind == "hf":
         from maxshard.data import hf  # deferred: `datasets` is optional
 
+        if hf.read_as_stream(spec.path, hf_streaming, spec.key):
+            from maxshard.data import hf_stream  # deferred: imports grain
+
+            return hf_stream.open_stream(spec.path, hf_split, text_field, spec.key)
         return hf.hf_corpus(spec.path, hf_split, text_field, spec.key)
     if spec.kind == "array_record":
         return records.array_record_corpus(spec.path, tokenizer_id)

@@ -37,10 +37,11 @@ MAX_SOURCES = 127  # SOURCE is int8
 class TokenMixIterDataset(grain.IterDataset):
     """Interleaves document pairs ({"inputs", "targets"}) of `parents` by token weight, dropping bad records."""
 
-    def __init__(self, parents: Sequence[grain.IterDataset], weights: Sequence[float], epoch_sizes: Sequence[int],
-                 names: Sequence[str], token_cap: int | None = None):
-        """`epoch_sizes[s]`: documents in one epoch of source s (a run of that many bad records is an error);
-        `token_cap`: count at most this many tokens per document (rows without packing truncate documents)."""
+    def __init__(self, parents: Sequence[grain.IterDataset], weights: Sequence[float],
+                 epoch_sizes: Sequence[int | None], names: Sequence[str], token_cap: int | None = None):
+        """`epoch_sizes[s]`: documents in one epoch of source s (a run of that many bad records is an error; None: a
+        stream of unknown length, which checks each of its epochs itself); `token_cap`: count at most this many
+        tokens per document (rows without packing truncate documents)."""
         super().__init__(list(parents))
         if not 0 < len(parents) <= MAX_SOURCES:
             raise ValueError(f"1 to {MAX_SOURCES} sources, got {len(parents)}")
@@ -57,7 +58,7 @@ class TokenMixIterDataset(grain.IterDataset):
 
 
 class _TokenMixIterator(grain.DatasetIterator):
-    def __init__(self, parents: list[grain.DatasetIterator], weights: list[float], epoch_sizes: list[int],
+    def __init__(self, parents: list[grain.DatasetIterator], weights: list[float], epoch_sizes: list[int | None],
                  names: list[str], token_cap: int | None):
         super().__init__(parents)
         self._weights, self._epoch_sizes, self._names, self._token_cap = weights, epoch_sizes, names, token_cap
@@ -83,7 +84,8 @@ class _TokenMixIterator(grain.DatasetIterator):
     def _skip(self, source: int, record: BadRecord) -> None:
         self._pending_skipped += 1
         self._bad_run[source] += 1
-        if self._bad_run[source] > self._epoch_sizes[source]:
+        epoch_size = self._epoch_sizes[source]
+        if epoch_size is not None and self._bad_run[source] > epoch_size:
             raise ConfigError(f"{self._names[source]}: every document of a whole epoch is a bad record "
                               f"(e.g. {record.where}: {record.reason}); check text_field and the files")
 

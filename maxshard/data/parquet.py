@@ -21,7 +21,7 @@ import numpy as np
 
 from maxshard.config import ConfigError
 from maxshard.data import files
-from maxshard.data.sources import BadRecord, Corpus, row_keys
+from maxshard.data.sources import BadRecord, Corpus, as_text, row_keys
 
 __all__ = ["SUFFIXES", "ParquetDocuments", "parquet_corpus"]
 
@@ -57,7 +57,7 @@ class ParquetDocuments(Sequence):
         where = f"{self.names[file]} row group {number} row {row}"
         if column is None or not column[row].is_valid:
             return BadRecord("missing field", where)
-        return _text(column[row].as_py(), where)
+        return as_text(column[row].as_py(), where)
 
     def _row_group(self, group: int) -> Any:
         """The decoded text column of one row group (None: the file has no such column); LRU-cached."""
@@ -81,16 +81,6 @@ class ParquetDocuments(Sequence):
         self.__dict__.update(state)
         self._lock = threading.Lock()
 
-
-def _text(value: Any, where: str) -> str | BadRecord:
-    if isinstance(value, bytes):
-        try:
-            value = value.decode("utf-8")
-        except UnicodeDecodeError:
-            return BadRecord("invalid UTF-8", where)
-    if not isinstance(value, str):
-        return BadRecord("not a string", where)
-    return value if value else BadRecord("empty text", where)
 
 
 def _open(path: str) -> Any:

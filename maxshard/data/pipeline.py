@@ -6,7 +6,9 @@
         ->  GlobalBatchIterator: jax.make_array_from_process_local_data, per-source token and skip counters
 
 A single source is a mixture of one. Sources whose documents are read a block at a time (Parquet row groups) are
-shuffled block-wise (`shuffle.BlockShuffleMapDataset`) instead of globally.
+shuffled block-wise (`shuffle.BlockShuffleMapDataset`) instead of globally. A streamed Hugging Face dataset
+(`hf_stream`) has no indices: it enters as an IterDataset of this process's documents, which grain's
+`WindowShuffleIterDataset` shuffles in windows (its state is the stream's position, see `hf_stream`).
 
 Shuffling and repeating happen on document indices in a MapDataset, where grain derives each epoch's order from
 the seed and the epoch number, so the stream is a pure function of (config, process) and an iterator state is small:
@@ -35,17 +37,17 @@ import grain
 import jax
 import numpy as np
 from absl import flags
-from grain.experimental import ThreadPrefetchIterDataset
+from grain.experimental import ThreadPrefetchIterDataset, WindowShuffleIterDataset
 from jax.sharding import NamedSharding
 
 from maxshard.config import Config, ConfigError
-from maxshard.data import catalog, packing, sources
+from maxshard.data import catalog, hf_stream, packing, sources
 from maxshard.data.mixture import SKIPPED, SOURCE, TokenMixIterDataset
 from maxshard.data.shuffle import BlockShuffleMapDataset
 from maxshard.data.sources import BadRecord
 from maxshard.data.tokenizer import Tokenizer, make_tokenizer
 
-__all__ = ["PipelineOptions", "SourceStream", "local_batches", "mixed_batches", "GlobalBatchIterator",
+__all__ = ["PipelineOptions", "SourceStream", "StreamedSource", "local_batches", "mixed_batches", "GlobalBatchIterator",
            "make_grain_input"]
 _STATE_FORMAT = 2  # 2: sources mixed by TokenMixIterDataset, counters in the state
 
@@ -77,6 +79,31 @@ class SourceStream:
 
 
 @dataclasses.dataclass(frozen=True)
+class StreamedSource:
+    """One streamed source as this process reads it: an endless IterDataset of its documents, its weight."""
+
+    documents: grain.IterDataset  # text or BadRecord: this process's share of the split (`hf_stream`)
+    weight: float = 1.0
+    name: str = "documents"  # for messages
+    shuffle_window: int = hf_stream.SHUFFLE_WINDOW  # documents per train shuffle window
+
+
+def _document_pair(document: str | np.ndarray | BadRecord, tokenizer: Tokenizer,
+                   where: str) -> dict[str, np.ndarray] | BadRecord:
+    """A document -> {inputs, targets}, or its BadRecord."""
+    if isinstance(document, BadRecord):
+        return document
+    if isinstance(document, np.ndarray):
+        tokens = document
+    else:
+        try:
+            tokens = tokenizer.encode_array(document)
+        except UnicodeEncodeError:  # a lone surrogate ("\ud800" in JSON) is no UTF-8 text
+            return BadRecord("invalid UTF-8", where)
+    return packing.document_pair(tokens, tokenizer.bos_id, tokenizer.eos_id)
+
+
+@dataclasses.dataclass(frozen=True)
 class _LoadPair:
     """Document index -> {inputs, targets} of that document, or its BadRecord (picklable: runs in grain workers)."""
 
@@ -84,17 +111,17 @@ class _LoadPair:
     tokenizer: Tokenizer
 
     def __call__(self, index: int) -> dict[str, np.ndarray] | BadRecord:
-        document = self.documents[int(index)]
-        if isinstance(document, BadRecord):
-            return document
-        if isinstance(document, np.ndarray):
-            tokens = document
-        else:
-            try:
-                tokens = self.tokenizer.encode_array(document)
-            except UnicodeEncodeError:  # a lone surrogate ("\ud800" in JSON) is no UTF-8 text
-                return BadRecord("invalid UTF-8", f"document {int(index)}")
-        return packing.document_pair(tokens, self.tokenizer.bos_id, self.tokenizer.eos_id)
+        return _document_pair(self.documents[int(index)], self.tokenizer, f"document {int(index)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _TokenizePair:
+    """A streamed document -> {inputs, targets}, or its BadRecord (picklable: runs in grain workers)."""
+
+    tokenizer: Tokenizer
+
+    def __call__(self, document: str | BadRecord) -> dict[str, np.ndarray] | BadRecord:
+        return _document_pair(document, self.tokenizer, "a streamed document")
 
 
 def local_batches(
@@ -104,10 +131,15 @@ def local_batches(
     return mixed_batches([SourceStream(documents, np.asarray(indices, np.int64))], tokenizer, opts)
 
 
-def mixed_batches(streams: Sequence[SourceStream], tokenizer: Tokenizer, opts: PipelineOptions) -> grain.IterDataset:
-    """An endless IterDataset of batches of several sources mixed by token weight; rows also carry SOURCE/SKIPPED."""
+def mixed_batches(streams: Sequence[SourceStream | StreamedSource], tokenizer: Tokenizer,
+                  opts: PipelineOptions) -> grain.IterDataset:
+    """An endless IterDataset of batches of several sources mixed by token weight; rows also carry SOURCE/SKIPPED.
+
+    The mixture asks one source at a time for its next document and keeps each source's iterator state, so a
+    stream mixes like any other source (it checks its own epochs for usable documents: epoch size None)."""
     parents = [_source_pairs(s, tokenizer, _source_seed(opts.shuffle_seed, i)) for i, s in enumerate(streams)]
-    pairs = TokenMixIterDataset(parents, [s.weight for s in streams], [len(s.indices) for s in streams],
+    epoch_sizes = [len(s.indices) if isinstance(s, SourceStream) else None for s in streams]
+    pairs = TokenMixIterDataset(parents, [s.weight for s in streams], epoch_sizes,
                                 [s.name for s in streams], token_cap=None if opts.packing else opts.length)
     extra = (SOURCE, SKIPPED)
     if opts.packing:
@@ -126,8 +158,10 @@ def mixed_batches(streams: Sequence[SourceStream], tokenizer: Tokenizer, opts: P
     return batches
 
 
-def _source_pairs(stream: SourceStream, tokenizer: Tokenizer, seed: int | None) -> grain.IterDataset:
+def _source_pairs(stream: SourceStream | StreamedSource, tokenizer: Tokenizer, seed: int | None) -> grain.IterDataset:
     """One source's endless stream of document pairs (or BadRecords), read ahead by a few threads."""
+    if isinstance(stream, StreamedSource):
+        return _streamed_pairs(stream, tokenizer, seed)
     if seed is None:
         ds = grain.MapDataset.source(stream.indices)
     elif stream.blocks is None:
@@ -136,6 +170,17 @@ def _source_pairs(stream: SourceStream, tokenizer: Tokenizer, seed: int | None) 
         ds = BlockShuffleMapDataset(stream.indices, stream.blocks, seed)
     ds = ds.repeat(None).map(_LoadPair(stream.documents, tokenizer))
     return ds.to_iter_dataset(grain.ReadOptions(num_threads=_READ_THREADS, prefetch_buffer_size=_READ_BUFFER))
+
+
+def _streamed_pairs(stream: StreamedSource, tokenizer: Tokenizer, seed: int | None) -> grain.IterDataset:
+    """A stream's document pairs: in stream order (eval), or shuffled in windows (train).
+
+    The window shuffle seeds window w with seed + w as a uint32: halving the seed leaves 2**31 windows before that
+    could overflow (2e12 documents at 1024 a window)."""
+    documents = stream.documents
+    if seed is not None:
+        documents = WindowShuffleIterDataset(documents, window_size=stream.shuffle_window, seed=seed >> 1)
+    return documents.map(_TokenizePair(tokenizer))
 
 
 def _source_seed(seed: int | None, source: int) -> int | None:
@@ -154,7 +199,8 @@ class GlobalBatchIterator:
 
     It also counts, for the rows it has delivered, the tokens taken from each source (`labels`) and the bad records
     skipped to fill them: `stats()`. The counts are this process's own (each process reads its own documents) and
-    are saved with the position, so a resumed run continues them.
+    are saved with the position, so a resumed run continues them; train.py logs their sum over all processes
+    (`metrics.summed_over_processes`).
     """
 
     def __init__(self, batches: grain.IterDataset, sharding: NamedSharding, identity: dict[str, Any],
@@ -281,9 +327,14 @@ def make_grain_input(
     _check_keys(cfg, split, batch_size, process_count)
     tokenizer = make_tokenizer(cfg)
     specs = catalog.source_specs(cfg)
-    streams = []
+    streams: list[SourceStream | StreamedSource] = []
     for spec in specs:
-        corpus = catalog.open_corpus(spec, tokenizer.fingerprint(), cfg.text_field, cfg.hf_split, cfg.data_cache_dir)
+        corpus = catalog.open_corpus(spec, tokenizer.fingerprint(), cfg.text_field, cfg.hf_split, cfg.data_cache_dir,
+                                     cfg.hf_streaming)
+        if not isinstance(corpus, sources.Corpus):  # a streamed Hugging Face dataset
+            documents = corpus.documents(split, cfg.eval_fraction, process_index, process_count)
+            streams.append(StreamedSource(documents, spec.weight, corpus.where, hf_stream.SHUFFLE_WINDOW))
+            continue
         mine = _indices(corpus, cfg, split, process_index, process_count)
         blocks = None if corpus.blocks is None else corpus.blocks[mine]
         streams.append(SourceStream(corpus.documents, mine, spec.weight, corpus.where, blocks))
@@ -296,7 +347,8 @@ def make_grain_input(
         prefetch=cfg.grain_prefetch,
     )
     identity = {"where": [s.name for s in streams], "weights": [s.weight for s in streams], "split": split,
-                "documents": [int(len(s.indices)) for s in streams], "tokenizer": tokenizer.fingerprint(),
+                "documents": [int(len(s.indices)) if isinstance(s, SourceStream) else "streamed" for s in streams],
+                "tokenizer": tokenizer.fingerprint(),
                 "text_field": cfg.text_field, "process": f"{process_index}/{process_count}",
                 **dataclasses.asdict(opts)}
     del identity["prefetch"]  # prefetching depth does not change the stream

@@ -26,6 +26,7 @@ from maxshard.config import ConfigError
 
 __all__ = [
     "BadRecord",
+    "as_text",
     "Corpus",
     "TextDocuments",
     "default_corpus",
@@ -51,6 +52,23 @@ class BadRecord:
 
     reason: str  # short and fixed ("missing field", "not a string", ...), so it can be counted by kind
     where: str  # file and record number, for the log
+
+
+def as_text(value: object, where: str) -> str | BadRecord:
+    """A record's field value -> its text, or a BadRecord saying why not; one rule for Parquet and HF sources.
+
+    Bytes are accepted when they are UTF-8 (binary columns often hold text); None means the field is absent.
+    """
+    if value is None:
+        return BadRecord("missing field", where)
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError:
+            return BadRecord("invalid UTF-8", where)
+    if not isinstance(value, str):
+        return BadRecord("not a string", where)
+    return value if value else BadRecord("empty text", where)
 
 
 @dataclasses.dataclass(frozen=True)
