@@ -96,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     length = args.prompt_length + args.new_tokens
     cfg = loading.load_run([BASE, "dataset_type=synthetic", f"max_target_length={length}", *args.overrides],
-                           num_devices=args.devices)
+                           num_devices=args.devices, check_fit=False)
     generation_mesh, rules = mesh.build(cfg, jax.devices()[: args.devices]), sharding.flax_rules(cfg)
     params = random_params(cfg, sharding.tree_shardings(abstract_params(cfg.model), generation_mesh, rules))
     allowed = allowed_tokens(cfg.model.vocab_size, 259, (PAD, 1))

@@ -23,6 +23,8 @@ def check_ranges(cfg: Config) -> Config:
         value = getattr(cfg, key)
         if not math.isfinite(value):
             raise ConfigError(f"{key} must be a finite number, got {value}")
+    if cfg.device_memory_gb < 0:
+        raise ConfigError(f"device_memory_gb must be >= 0 (0: detect), got {cfg.device_memory_gb}")
     if not cfg.per_device_batch_size > 0:
         raise ConfigError(f"per_device_batch_size must be > 0, got {cfg.per_device_batch_size}")
     for key, (low, high, closed) in _UNIT_INTERVALS.items():
@@ -130,5 +132,6 @@ _UNIT_INTERVALS = {  # key: (low, high, high included)
     "warmup_steps_fraction": (0.0, 1.0, True),
     "eval_fraction": (0.0, 1.0, False),
     "cosine_final_fraction": (0.0, 1.0, True),
+    "memory_headroom": (0.0, 1.0, False),
 }
 _FINITE_FLOATS = tuple(key for key, hint in typing.get_type_hints(Config).items() if hint is float)  # every float key: nan/inf never help

@@ -29,11 +29,28 @@ MESH_AXES = (
 )
 
 Attention = Literal["auto", "dot_product", "blockwise", "cudnn", "splash"]
-RematPolicy = Literal["none", "minimal", "full", "save_qkv_proj", "save_out_proj", "save_qkv_out_proj"]
+RematPolicy = Literal["auto", "none", "minimal", "full", "save_qkv_proj", "save_out_proj", "save_qkv_out_proj"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 LogicalRules = tuple[tuple[str, tuple[str, ...]], ...]
 MeshRules = tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]
 Mixture = tuple[tuple[str, float], ...]  # dataset_mixture: (source, weight) pairs
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryFit:
+    """Why a run uses its remat policy: the planned peak per device against the usable device memory
+    (maxshard/planning/fit.py decides; the startup summary and metrics.jsonl's first record show it)."""
+
+    requested: str  # the remat_policy key as given ("auto" or a policy)
+    policy: str  # the policy the run uses
+    planned_bytes: int  # planned peak per device under `policy`
+    usable_bytes: int  # capacity x (1 - memory_headroom)
+    capacity_bytes: int
+    capacity_source: str  # where the capacity comes from, for a person
+    fits: bool = True
+
+    def as_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
 
 class ConfigError(ValueError):
@@ -122,7 +139,9 @@ class Config:
     dtype: DType = "auto"
     weight_dtype: DType = "float32"
     scan_layers: bool = True
-    remat_policy: RematPolicy = "full"
+    remat_policy: RematPolicy = "auto"
+    memory_headroom: float = 0.1
+    device_memory_gb: float = 0.0
     attention: Attention = "auto"
     attention_block_q: int = 512
     attention_block_kv: int = 512
@@ -213,6 +232,7 @@ class Config:
     checkpoint_dir: str = _derived("")
     tensorboard_dir: str = _derived("")
     model: ModelConfig | None = _derived(None)  # the network, derived once when a run is loaded (maxshard.loading)
+    memory_fit: MemoryFit | None = _derived(None)  # the planned peak vs the device, when a run checked it
 
     def parallelism(self, family: str, axis: str) -> int:
         """The `ici`/`dcn` knob of a mesh axis."""

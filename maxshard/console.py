@@ -63,6 +63,8 @@ def format_startup_summary(figures: Mapping[str, Any]) -> str:
     peak = figures["peak_flops"]
     peak_text = f"peak {peak / 1e12:.0f} TFLOP/s bf16" if peak else "peak unknown: MFU not reported"
     lines.append(f"device: {figures['device_kind']}, {peak_text}")
+    if figures.get("memory_fit"):
+        lines.append(format_memory_fit(figures["memory_fit"]))
     pipe = figures["pipeline"]
     if pipe is not None:
         lines.append(f"pipeline: {pipe['stages']} stages x {pipe['repeats']} repeats x {pipe['layers_per_stage']} "
@@ -70,6 +72,15 @@ def format_startup_summary(figures: Mapping[str, Any]) -> str:
     lines.append(f"batch: {figures['global_batch_size']} x {figures['max_target_length']} tokens, "
                  f"{figures['steps']} steps")
     return "\n".join(lines)
+
+
+def format_memory_fit(fit: Mapping[str, Any]) -> str:
+    """Which remat policy runs and why: the planned peak per device against the usable memory."""
+    chosen = f"auto -> {fit['policy']}" if fit["requested"] == "auto" else f"{fit['policy']} (as set)"
+    why = "the least recompute that fits" if fit["requested"] == "auto" else "fits"
+    return (f"remat: {chosen}, {why}: planned peak {format_bytes(fit['planned_bytes'])} per device of "
+            f"{format_bytes(fit['usable_bytes'])} usable ({fit['capacity_source']}, "
+            f"{1 - fit['usable_bytes'] / fit['capacity_bytes']:.0%} headroom)")
 
 
 def startup_figures(cfg: Config, mesh_shape: Mapping[str, int], param_count: int, report: Any) -> dict[str, Any]:
@@ -93,6 +104,8 @@ def startup_figures(cfg: Config, mesh_shape: Mapping[str, int], param_count: int
         "device_kind": cfg.device_kind,
         "peak_flops": perf.peak_flops(cfg.device_kind),
         "pipeline": pipeline,
+        "remat_policy": cfg.remat_policy,
+        "memory_fit": None if cfg.memory_fit is None else cfg.memory_fit.as_json(),
         "global_batch_size": cfg.global_batch_size,
         "max_target_length": cfg.max_target_length,
         "steps": cfg.steps,

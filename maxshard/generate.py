@@ -100,7 +100,7 @@ def _write_output(path: str, prompts: Sequence[str], completions: Sequence[str],
 
 
 def run(argv: Sequence[str]) -> int:
-    cfg = loading.load_run(argv, join_processes=True)
+    cfg = loading.load_run(argv, join_processes=True, check_fit=False)  # inference: the train step never runs
     inference.refuse_pipeline(cfg)
     prompts = read_prompts(cfg)
     step_dir = inference.find_checkpoint(cfg)

@@ -12,8 +12,10 @@ from maxshard import attention_choice, config, mesh, stages
 from maxshard.config import Config
 from maxshard.data.tokenizer import resolve_vocab
 from maxshard.model_config import ModelConfig, model_fields, resolve_dtype, resolve_moe_impl
+from maxshard.planning import fit
+from maxshard.planning.fit import Capacity
 
-__all__ = ["load_run", "complete", "model_config", "replace"]
+__all__ = ["load_run", "complete", "check_memory", "model_config", "replace"]
 
 
 def model_config(cfg: Config, mesh_sizes: dict[str, int] | None = None) -> ModelConfig:
@@ -28,10 +30,29 @@ def model_config(cfg: Config, mesh_sizes: dict[str, int] | None = None) -> Model
     return ModelConfig(**values, pipeline=stages.resolve(cfg, sizes))
 
 
-def complete(cfg: Config) -> Config:
-    """A finalized config with its vocabulary resolved and its `model` derived."""
+def complete(cfg: Config, capacity: Capacity | None = None) -> Config:
+    """A finalized config with its vocabulary resolved, `remat_policy: auto` decided and its `model` derived.
+
+    `auto` becomes the least recomputation whose planned peak fits `capacity` (default: this machine's devices,
+    `planning/fit.py`); the decision is kept in `cfg.memory_fit`. When nothing fits, `full` with `fits` False:
+    `check_memory` (which `load_run` calls for runs) turns that into the error line.
+    """
     cfg = resolve_vocab(cfg)
+    if cfg.remat_policy == "auto":
+        provisional = dataclasses.replace(cfg, model=model_config(cfg))
+        decided = fit.decide(provisional, capacity or fit.local_capacity(cfg), strict=False)
+        cfg = dataclasses.replace(cfg, remat_policy=decided.policy, memory_fit=decided)
     return dataclasses.replace(cfg, model=model_config(cfg))
+
+
+def check_memory(cfg: Config, capacity: Capacity | None = None) -> Config:
+    """`cfg` with its fit recorded; ConfigError (one line) when its remat policy (explicit, or the `full` that
+    `auto` fell back to) would not fit: the shortfall and the cheapest policy that fits."""
+    if cfg.memory_fit is not None and cfg.memory_fit.fits:
+        return cfg
+    requested = cfg.memory_fit.requested if cfg.memory_fit is not None else cfg.remat_policy
+    decided = fit.decide(dataclasses.replace(cfg, remat_policy=requested), capacity or fit.local_capacity(cfg))
+    return dataclasses.replace(cfg, memory_fit=decided)
 
 
 def replace(cfg: Config, **changes: object) -> Config:
@@ -45,15 +66,18 @@ def load_run(
     num_devices: int | None = None,
     device_kind: str | None = None,
     join_processes: bool = False,
+    check_fit: bool = True,
 ) -> Config:
     """`[CONFIG.yml, key=value, ...]` -> the run's complete Config.
 
     Without `num_devices` JAX is asked (after `cpu_device_count` is applied); with `join_processes` this process
-    first joins the others (multi-host), which must precede every device query.
+    first joins the others (multi-host), which must precede every device query. With `check_fit` (a run that will
+    allocate its state) an explicit remat policy whose planned peak does not fit the devices is a ConfigError.
     """
     parsed = config.parse(argv)
     if join_processes:
         from maxshard.launch import distributed  # deferred: only the CLI entry points join processes
 
         distributed.initialize(parsed)
-    return complete(config.load_parsed(parsed, num_devices, device_kind))
+    cfg = complete(config.load_parsed(parsed, num_devices, device_kind))
+    return check_memory(cfg) if check_fit else cfg

@@ -32,7 +32,7 @@ PROG = "sharding_report"
 
 def load_config(config_argv: Sequence[str], num_devices: int | None = None) -> Config:
     """`[CONFIG, key=value, ...]` -> finalized Config with the vocabulary resolved; plans for `num_devices` if given."""
-    return loading.load_run(config_argv, num_devices=num_devices)
+    return loading.load_run(config_argv, num_devices=num_devices, check_fit=False)
 
 
 def make_report(cfg: Config) -> report.Report:

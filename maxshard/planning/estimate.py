@@ -30,7 +30,7 @@ from maxshard.planning.traffic import Collective
 from maxshard.report import build_report
 from maxshard.step import abstract_state
 
-__all__ = ["AxisTime", "Plan", "make_plan", "collective_seconds", "by_kind"]
+__all__ = ["AxisTime", "Plan", "make_plan", "activations_under", "collective_seconds", "by_kind"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +61,12 @@ class Plan:
     peak: float | None
     link: hardware.Interconnect | None
     axis_times: dict[str, AxisTime]  # "fsdp", "data", "fsdp+sequence", ...
+    activation_terms: memory.ActivationTerms | None = None
+
+    @property
+    def peak_bytes(self) -> int:
+        """Planned peak bytes per device: state, gradients and activations (what must fit the device)."""
+        return self.params + self.optimizer + self.gradients + self.activations
 
     @property
     def mesh(self) -> dict[str, int]:
@@ -135,6 +141,8 @@ def make_plan(cfg: Config, target: Target | None = None) -> Plan:
     geo = traffic.geometry(cfg, sizes, itemsize)
     collectives = traffic.planned_collectives(cfg, report, sizes, geo)
     link = hardware.interconnect(target.name) if target is not None else None
+    gathered, expert_gathered = traffic.gathered_unit_bytes(cfg, report, sizes, geo)
+    terms = memory.activation_terms(cfg, sizes, geo, gathered, expert_gathered, report.gradient_bytes_per_device)
     model_flops = model.flops_per_token(cfg.model) * cfg.global_batch_size * cfg.max_target_length / cfg.num_devices
     return Plan(
         cfg=cfg,
@@ -145,7 +153,8 @@ def make_plan(cfg: Config, target: Target | None = None) -> Plan:
         params=report.param_bytes_per_device,
         optimizer=report.optimizer_bytes_per_device,
         gradients=report.gradient_bytes_per_device,
-        activations=memory.activation_bytes(cfg, sizes, geo),
+        activations=terms.total,
+        activation_terms=terms,
         collectives=collectives,
         bubble=geo.bubble_fraction,
         model_flops=model_flops,
@@ -154,3 +163,11 @@ def make_plan(cfg: Config, target: Target | None = None) -> Plan:
         link=link,
         axis_times=_axis_times(collectives, ici, dcn, link),
     )
+
+
+def activations_under(plan: Plan, policy: str) -> memory.ActivationTerms:
+    """`plan`'s activation terms had the run used remat `policy`: only the per-layer terms change."""
+    cfg = dataclasses.replace(plan.cfg, remat_policy=policy)
+    geo = traffic.geometry(cfg, plan.mesh, np.dtype(cfg.model.compute_dtype).itemsize)
+    gathered = plan.activation_terms.gathered if plan.activation_terms is not None else 0.0
+    return memory.activation_terms(cfg, plan.mesh, geo, gathered, 0.0, plan.gradients)

@@ -1,46 +1,56 @@
-"""Activation memory of one train step per device, counted from the layer shapes under the `remat_policy`.
+"""Activation memory of one train step per device: what the compiled step holds besides parameters and optimizer
+state, counted from the layer shapes under the `remat_policy`, and checked against XLA.
 
-Per token (one [batch, length] position a device holds), in elements, with per-device widths E = emb_dim,
-Q = heads x head_dim, K = kv_heads x head_dim, F = mlp_dim (heads, kv_heads, mlp divided by their tensor shards)
-H = heads per device, and L = the whole length:
+Everything is per device. Per token (one [batch, length] position a device holds), with per-device widths
+E = emb_dim, Q = heads x head_dim, K = kv_heads x head_dim, F = mlp_dim (heads, kv heads and mlp divided by their
+tensor shards), H = query heads per device, A = H x L attention scores per query (L: the keys one query sees),
+s = the compute dtype's itemsize:
 
-    every intermediate of one layer (what `none` keeps, counted from layers/attention.py and layers/mlp.py):
-        6E   layer input, attention norm, attention output projection, residual, MLP norm, MLP output
-        3Q   queries, rotated queries, attention output [.., heads, head_dim]
-        3K   keys, rotated keys, values
-        3F   gate, up, silu(gate) x up
-        + the attention kernel's own working set, by `attention` (s = compute itemsize):
-        dot_product  A = H x L scores per query: float32 scores and probabilities and the probabilities in the
-                     compute dtype, (8 + s) x A bytes: quadratic in length
-        blockwise    what its backward holds (layers/blockwise_attention.py), linear in length:
-                     Q x (5s + 8)  blocked q, output buffer and its unblocked copy, blocked dout, the final dq;
-                                   dq in float32 and the stacked float32 dq parts of one key block
-                     K x (4s + 8)  blocked k and v, their gradients stacked in float32 and cast back
-                     12 H          float32 log-sum-exp, its blocked copy and the row sums D
-                     plus, per device rather than per token, one float32 score block [rows, H, block_q,
-                     block_kv] (rows: the sequences a device holds; blocks shrunk to the length): the block
-                     pair the loop works on (the 1k-32k fit of benchmarks/attention_memory.py)
-        cudnn        counted like blockwise, plus the packed-document mask cuDNN takes as a bias: L x s per token
-        splash       counted like blockwise (the kernel keeps its output and log-sum-exp, no scores)
-        context parallelism (ring attention) adds the K/V chunk in flight and the travelling float32 dK, dV:
-                     K x (4s + 8)
+    dense  = (7E + 3Q + K + 6F) x s   what one layer keeps for its backward without remat: the norms' outputs
+                                      and scales, the residual, rotated q, the grouped q, v, the attention output,
+                                      SwiGLU's gate, up, their product and silu's own residuals (the residuals
+                                      `jax.ad_checkpoint.saved_residuals` lists, as XLA deduplicates them)
+    attention, dot_product: 8 A bytes (float32 exponentials and probabilities); a fused kernel (blockwise, cudnn,
+                                      splash, ring) keeps its output and float32 log-sum-exp instead: Q x s + 4 H
 
-    what a policy saves per layer for the backward pass:
-        none               everything above
-        minimal            matmul outputs: 3E + 2Q + 2K + 2F + float32 scores A (dot_product) or
-                           the log-sum-exp 4H (the fused kernels)
-        save_qkv_out_proj  layer input + q, k, v + output projection: 2E + Q + 2K
-        save_qkv_proj      E + Q + 2K
-        save_out_proj      2E
-        full               E (the layer input only)
+    what a policy saves per layer and token:
+        none               dense + attention
+        minimal            matmul outputs: (2E + 2Q + 2K + 2F) x s + float32 scores 4 A (fused: log-sum-exp 4 H)
+        save_qkv_out_proj  layer input + q, k, v + output projection: (2E + Q + 2K) x s
+        save_qkv_proj      (E + Q + 2K) x s
+        save_out_proj      2E x s
+        full               E x s (the layer input)
 
-    activations = tokens x (layers x saved + one layer's intermediates while it is recomputed, unless `none`)
-                + the output head: logits [tokens, vocab / tensor] in float32, and their gradient.
+    the backward of one layer (its working set, while the layer is recomputed and differentiated) is measured, not
+    derived: XLA fuses and frees its pieces in an order no formula follows. WORKING holds, per policy, the fraction
+    of `dense` and the bytes per attention score it takes on XLA:CPU (jax 0.10.2), fitted on the widths and
+    lengths of tests/test_plan_memory.py; the fused kernels' backward is counted from layers/blockwise_attention.py
+    instead (block q, output, dq, stacked dk/dv in float32 and the log-sum-exp: Q(5s + 8) + K(4s + 8) + 12 H per
+    token, plus one float32 score block per sequence a device holds).
 
-With gradient accumulation only one microbatch's activations live at a time (tokens / k). With a pipeline a device
-runs num_layers / stages layers over all of its microbatches. An MoE layer is counted as its dense MLP (an
-estimate: the expert buffers add about top-k x capacity_factor x E per token). XLA's temporaries (gathered
-weights, fusion buffers) are not included: compare with `memory_analysis().temp_size_in_bytes` loosely.
+    activations = layers x tokens x saved + tokens x working + head + gathered + the MoE, pipeline and
+                  accumulation terms below
+
+    head        the logits [tokens, vocab / tensor] in float32 and their gradient
+    gathered    one stacked unit's weights after the fsdp all-gather, in the compute dtype (what the layer being
+                computed holds whole); an MoE unit's expert weights twice (their gradient is also whole until it
+                is reduce-scattered)
+    MoE layer   (kept per layer by none; by minimal only its matmul outputs, r (2E + 2F) x s)
+                with token dropping, per token: the dispatch and combine masks, 2 g k c float32 (g tokens per
+                group, c = capacity_factor), and the expert activations k c (2E + 3F) x s in place of the dense
+                MLP's; dropless (grouped matmuls), the rows each device computes, r = k, or p x min(k, experts per
+                device) with expert parallelism over p devices (the fixed exchange buffer), each held as sorted,
+                sent, received and returned copies and through the tiled SwiGLU: r (6E + 7F) x s (measured)
+    accumulation  with k > 1 microbatches, one microbatch's activations at a time (tokens / k in whole
+                sequences: a microbatch smaller than the batch shards still holds one per device) and one more
+                float32 gradient buffer (the running sum)
+    pipeline    per iteration (M x R + S - 1) the stage input of one microbatch [microbatch tokens, E], plus what
+                the policy saves of the stage's layers (none saves matmul outputs there: see layers/pipeline.py);
+                the working set is one stage's layers' on one microbatch; plus the circulation buffer of all
+                microbatches [tokens, E] and its gradient
+
+What the plan leaves out (a few % of XLA:CPU's temporaries in the 40-configuration check): the embedding's
+gradient buffers, loss reductions and XLA's fusion scratch.
 """
 
 from __future__ import annotations
@@ -48,11 +58,26 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+import numpy as np
+
 from maxshard import axis_names as ax
 from maxshard.config import Config
 from maxshard.planning.traffic import Geometry, rule_axes
 
-__all__ = ["Widths", "widths", "activation_bytes"]
+__all__ = ["Widths", "ActivationTerms", "widths", "activation_terms", "activation_bytes", "POLICIES_BY_MEMORY"]
+
+# Remat policies from the most memory (least recomputation) to the least.
+POLICIES_BY_MEMORY = ("none", "minimal", "save_qkv_out_proj", "save_qkv_proj", "save_out_proj", "full")
+
+# One layer's backward working set per token on XLA:CPU: (fraction of `dense`, bytes per dot-product score).
+WORKING = {
+    "none": (0.52, 10.0),
+    "minimal": (0.53, 9.3),
+    "save_qkv_out_proj": (0.79, 8.0),
+    "save_qkv_proj": (0.79, 13.3),
+    "save_out_proj": (0.84, 2.3),
+    "full": (0.79, 13.3),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,44 +100,72 @@ class Widths:
         """Whether attention runs a blockwise kernel (no [length, length] scores)."""
         return self.attention != "dot_product" or self.context > 1
 
-    def block_bytes(self, rows: int) -> int:
-        """The float32 score block of the fused kernels, per device (module docstring); 0 for dot_product."""
-        if not self.fused:
-            return 0
-        length = self.length // self.context
-        return rows * self.heads * min(self.block_q, length) * min(self.block_kv, length) * 4
-
     @property
     def scores(self) -> int:
         """Score elements per query of dot-product attention: heads x whole length."""
         return self.heads * self.length
 
-    def attention_bytes(self, itemsize: int) -> int:
-        """The attention kernel's working set per token (module docstring)."""
+    def block_bytes(self, rows: int) -> int:
+        """The float32 score block of the fused kernels, per device; 0 for dot_product."""
         if not self.fused:
-            return self.scores * (4 + 4 + itemsize)
+            return 0
+        length = self.length // self.context
+        return rows * self.heads * min(self.block_q, length) * min(self.block_kv, length) * 4
+
+    def dense_bytes(self, itemsize: int) -> int:
+        """What one layer keeps without remat, attention kernel aside (module docstring: `dense`)."""
+        return (7 * self.embed + 3 * self.q + self.kv + 6 * self.mlp) * itemsize
+
+    def kernel_saved_bytes(self, itemsize: int) -> int:
+        """What the attention kernel keeps for its backward without remat."""
+        return self.q * itemsize + 4 * self.heads if self.fused else 8 * self.scores
+
+    def kernel_working_bytes(self, itemsize: int, policy: str) -> float:
+        """The attention kernel's share of one layer's backward working set."""
+        if not self.fused:
+            return WORKING[policy][1] * self.scores
         fused = self.q * (5 * itemsize + 8) + self.kv * (4 * itemsize + 8) + 12 * self.heads
         if self.attention == "cudnn":
-            fused += self.length * itemsize
+            fused += self.length * itemsize  # the packed-document mask cuDNN takes as a bias
         if self.context > 1:
-            fused += self.kv * (4 * itemsize + 8)
+            fused += self.kv * (4 * itemsize + 8)  # the K/V chunk in flight and the travelling dK, dV
         return fused
-
-    def layer_bytes(self, itemsize: int) -> int:
-        """Every intermediate of one layer, per token."""
-        dense = 6 * self.embed + 3 * self.q + 3 * self.kv + 3 * self.mlp
-        return dense * itemsize + self.attention_bytes(itemsize)
 
     def saved_bytes(self, policy: str, itemsize: int) -> int:
         """What `policy` keeps per layer and token for the backward pass."""
         e, q, kv, f = self.embed, self.q, self.kv, self.mlp
         if policy == "none":
-            return self.layer_bytes(itemsize)
+            return self.dense_bytes(itemsize) + self.kernel_saved_bytes(itemsize)
         if policy == "minimal":
-            kernel = 4 * self.heads if self.fused else self.scores * 4
-            return (3 * e + 2 * q + 2 * kv + 2 * f) * itemsize + kernel
+            kernel = 4 * self.heads if self.fused else 4 * self.scores
+            return (2 * e + 2 * q + 2 * kv + 2 * f) * itemsize + kernel
         saved = {"save_qkv_out_proj": 2 * e + q + 2 * kv, "save_qkv_proj": e + q + 2 * kv, "save_out_proj": 2 * e}
         return saved.get(policy, e) * itemsize
+
+    def working_bytes(self, policy: str, itemsize: int) -> float:
+        """One layer's backward working set per token (module docstring)."""
+        return WORKING[policy][0] * self.dense_bytes(itemsize) + self.kernel_working_bytes(itemsize, policy)
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationTerms:
+    """The planned activation memory per device, by term (bytes); `total` is what the plan adds to the state."""
+
+    saved: float  # residuals every layer keeps for the backward pass
+    working: float  # one layer's (or pipeline iteration's) backward
+    head: float  # logits and their gradient
+    gathered: float  # one unit's weights after the fsdp all-gather
+    moe: float  # dispatch masks and expert activations beyond the dense MLP's
+    pipeline: float  # per-iteration stage inputs and the circulation buffer
+    accumulation: float  # the running gradient sum
+    block: float  # the fused attention kernels' score block
+
+    @property
+    def total(self) -> int:
+        return int(sum(dataclasses.astuple(self)))
+
+    def as_json(self) -> dict[str, int]:
+        return {k: int(v) for k, v in dataclasses.asdict(self).items()}
 
 
 def _split(n: int, axes: tuple[str, ...], sizes: Mapping[str, int]) -> int:
@@ -142,14 +195,101 @@ def widths(cfg: Config, sizes: Mapping[str, int]) -> Widths:
     )
 
 
-def activation_bytes(cfg: Config, sizes: Mapping[str, int], geo: Geometry) -> int:
-    """The estimate of the module docstring, in bytes per device."""
-    w, size = widths(cfg, sizes), geo.compute_itemsize
-    tokens = geo.tokens // geo.accumulation
-    layers = geo.layers * tokens * w.saved_bytes(cfg.remat_policy, size)
-    working = 0 if cfg.remat_policy == "none" else tokens * w.layer_bytes(size)
-    vocab = _split(cfg.vocab_size, rule_axes(cfg, ax.ACT_VOCAB, sizes), sizes)
-    head = 2 * (geo.outer_tokens // geo.accumulation) * vocab * 4
+def _moe_rows(cfg: Config, sizes: Mapping[str, int]) -> float:
+    """Expert rows per token one device computes in an MoE layer (module docstring)."""
+    k = cfg.num_experts_per_tok
+    if cfg.capacity_factor > 0:
+        return k * cfg.capacity_factor
+    if cfg.model.moe_dropless_impl == "dense":
+        return cfg.num_experts
+    p = 1
+    for axis in rule_axes(cfg, ax.ACT_EXP, sizes):
+        p *= sizes[axis]
+    return k if p == 1 else p * min(k, cfg.num_experts // p)
+
+
+def _moe_token_bytes(cfg: Config, w: Widths, sizes: Mapping[str, int], itemsize: int) -> float:
+    """Per token and MoE layer, beyond the dense MLP the layer formula counts."""
+    if not cfg.model.is_moe:
+        return 0.0
+    from maxshard.layers.moe import group_size
+
+    rows = _moe_rows(cfg, sizes)
+    expert = _split(cfg.mlp_dim, rule_axes(cfg, ax.ACT_MLP, sizes), sizes)
+    if cfg.capacity_factor <= 0 and cfg.model.moe_dropless_impl != "dense":
+        return rows * (6 * w.embed + 7 * expert) * itemsize  # sorted, sent, received, returned rows; SwiGLU
+    acts = rows * (2 * w.embed + 3 * expert) * itemsize
+    masks = 0.0
+    if cfg.capacity_factor > 0:
+        g = group_size(cfg.max_target_length, cfg.moe_group_size)
+        masks = 2 * g * cfg.num_experts_per_tok * cfg.capacity_factor * 4
+    return acts + masks
+
+
+def _microbatch_tokens(tokens: int, length: int, accumulation: int) -> int:
+    """Tokens of one accumulation microbatch on a device: whole sequences, so a microbatch smaller than the batch
+    shards still holds one sequence per device (XLA pads the uneven split)."""
+    sequences = max(tokens // length, 1)
+    return -(-sequences // accumulation) * length
+
+
+def _moe_matmul_bytes(cfg: Config, w: Widths, sizes: Mapping[str, int], itemsize: int) -> float:
+    """What `minimal` keeps of an MoE layer per token: the matmul outputs of its rows (dispatch, gate, up,
+    expert output)."""
+    if not cfg.model.is_moe:
+        return 0.0
+    expert = _split(cfg.mlp_dim, rule_axes(cfg, ax.ACT_MLP, sizes), sizes)
+    return _moe_rows(cfg, sizes) * (2 * w.embed + 2 * expert) * itemsize
+
+
+def activation_terms(cfg: Config, sizes: Mapping[str, int], geo: Geometry, gathered: float,
+                     expert_gathered: float, gradients: float) -> ActivationTerms:
+    """The terms of the module docstring. `gathered` and `expert_gathered`: bytes of one unit's weights after the
+    fsdp gather (all, and the experts' share); `gradients`: the gradient bytes per device (for accumulation)."""
+    w, size, policy = widths(cfg, sizes), geo.compute_itemsize, cfg.remat_policy
     local_length = _split(cfg.max_target_length, rule_axes(cfg, ax.LENGTH, sizes), sizes)
-    block = w.block_bytes(max(tokens // local_length, 1))
-    return layers + working + head + block
+    tokens = _microbatch_tokens(geo.tokens, local_length, geo.accumulation)
+    vocab = _split(cfg.vocab_size, rule_axes(cfg, ax.ACT_VOCAB, sizes), sizes)
+    head = 2 * _microbatch_tokens(geo.outer_tokens, local_length, geo.accumulation) * vocab * 4
+    moe_per_layer = _moe_token_bytes(cfg, w, sizes, size)
+    moe_share = geo.moe_layers / max(geo.layers, 1)  # MoE layers per unit run (a unit may hold several layers)
+    per_layer = cfg.num_layers // max(cfg.model.num_units, 1)  # layers in one stacked unit
+    accumulation = gradients if geo.accumulation > 1 else 0.0
+    common = dict(head=head, gathered=gathered + expert_gathered, accumulation=accumulation)
+    if geo.stages > 1 or geo.microbatches > 1:
+        return _pipeline_terms(cfg, w, geo, tokens, per_layer, moe_per_layer * moe_share, common)
+    saved_policy = w.saved_bytes(policy, size)
+    moe_saved = {"none": moe_per_layer, "minimal": _moe_matmul_bytes(cfg, w, sizes, size)}.get(policy, 0.0)
+    return ActivationTerms(
+        saved=geo.layers * tokens * saved_policy,
+        working=tokens * per_layer * w.working_bytes(policy, size),
+        moe=geo.moe_layers * tokens * moe_saved + tokens * moe_per_layer,
+        pipeline=0.0,
+        block=w.block_bytes(max(tokens // local_length, 1)),
+        **common,
+    )
+
+
+def _pipeline_terms(cfg: Config, w: Widths, geo: Geometry, tokens: int, per_layer: int, moe_per_layer: float,
+                    common: dict) -> ActivationTerms:
+    """A device runs `layers_per_stage` units per iteration on one microbatch, checkpointed per iteration."""
+    size, policy = geo.compute_itemsize, cfg.remat_policy
+    stage_policy = "minimal" if policy == "none" else policy  # layers/pipeline.py: none saves matmul outputs
+    microbatch = tokens // geo.microbatches
+    stage_layers = cfg.model.pipeline.layers_per_stage * per_layer
+    inside = 0 if stage_policy == "full" else stage_layers * w.saved_bytes(stage_policy, size)
+    local_length = cfg.max_target_length
+    return ActivationTerms(
+        saved=geo.iterations * microbatch * inside,
+        working=microbatch * stage_layers * w.working_bytes(stage_policy, size),
+        moe=microbatch * moe_per_layer * stage_layers,
+        pipeline=geo.iterations * microbatch * w.embed * size + 2 * tokens * w.embed * size,
+        block=w.block_bytes(max(microbatch // local_length, 1)),
+        **common,
+    )
+
+
+def activation_bytes(cfg: Config, sizes: Mapping[str, int], geo: Geometry, gathered: float = 0.0,
+                     expert_gathered: float = 0.0, gradients: float = 0.0) -> int:
+    """The total of `activation_terms`, in bytes per device."""
+    return activation_terms(cfg, sizes, geo, gathered, expert_gathered, gradients).total

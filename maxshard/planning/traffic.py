@@ -186,6 +186,28 @@ def _weight_collectives(cfg: Config, p: ParamLayout, sizes: Mapping[str, int], g
     return out
 
 
+def gathered_unit_bytes(cfg: Config, report: Report, sizes: Mapping[str, int], geo: Geometry) -> tuple[float, float]:
+    """Bytes of one stacked unit's weights after the fsdp all-gather, in the compute dtype: (all, experts' share).
+    What the layer being computed holds whole (planning/memory.py)."""
+    total = experts = 0.0
+    units = max(geo.layers * cfg.model.num_units // max(cfg.num_layers, 1), 1)  # units one device runs
+    for p in report.params:
+        dims = _dim_axes(p, sizes)
+        if not any(logical == ax.LAYERS for logical, _ in dims):
+            continue
+        owned = {a for logical, axes in dims if logical in (ax.EXP, ax.LAYERS) for a in axes}
+        sharded = {a for _, axes in dims for a in axes}
+        batch = set(rule_axes(cfg, ax.BATCH, sizes)) | set(rule_axes(cfg, ax.LENGTH, sizes))
+        gather = tuple(a for a in sizes if a in sharded and a in batch and a not in owned)
+        if not gather:
+            continue
+        whole = p.bytes_per_device * _shards(gather, sizes) * geo.compute_itemsize / np.dtype(p.dtype).itemsize
+        total += whole / units
+        if any(logical == ax.EXP for logical, _ in dims):
+            experts += whole / units
+    return total, experts
+
+
 def _grad_itemsize(p: ParamLayout, lookup: bool, geo: Geometry) -> int:
     """Bytes per gradient element where it is reduced: at the matmul's output, in the compute dtype; norm scales
     (applied in float32) and the embedding table (a float32 lookup, cast afterwards) in their own dtype."""

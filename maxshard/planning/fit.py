@@ -1,0 +1,116 @@
+"""Does the run fit its devices? The planned peak per device under each remat policy against the usable memory,
+and `remat_policy: auto`: the least recomputation that fits.
+
+Capacity per device, in order: `device_memory_gb` (GB = 1e9 bytes); an accelerator's own limit
+(`Device.memory_stats()["bytes_limit"]`, what the allocator may use); on CPU, the host's available memory
+(`MemAvailable` of /proc/meminfo) shared by the local devices. With several processes the smallest capacity of any
+process is used, so every process picks the same policy and compiles the same program.
+
+Usable = capacity x (1 - `memory_headroom`): the planner is checked within 15% of XLA's own buffer assignment
+(tests/test_plan_memory.py), and a device also holds what no step plan counts (allocator fragmentation, input
+prefetch, a checkpoint's device copy).
+
+The decision is made before anything is compiled: an explicit policy that would not fit is one error line naming
+the shortfall and the cheapest policy that fits (the one that recomputes least), and `auto` picks that policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from maxshard.config import Config, ConfigError
+from maxshard.config_schema import MemoryFit
+from maxshard.planning import estimate, memory
+from maxshard.units import format_bytes
+
+__all__ = ["Capacity", "local_capacity", "peaks_by_policy", "decide", "usable"]
+
+_GB = 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class Capacity:
+    bytes: int
+    source: str  # for a person: where the figure comes from
+
+
+def _host_available() -> int:
+    """MemAvailable of /proc/meminfo (what the kernel can give without swapping); the free pages elsewhere."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _agreed(value: int) -> int:
+    """The smallest `value` over processes (one process: itself)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return value
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return int(np.min(multihost_utils.process_allgather(np.array([value // 2**20], np.int32)))) * 2**20
+
+
+def local_capacity(cfg: Config) -> Capacity:
+    """The memory one device of this run has (module docstring)."""
+    if cfg.device_memory_gb > 0:
+        return Capacity(int(cfg.device_memory_gb * _GB), f"device_memory_gb={cfg.device_memory_gb:g}")
+    import jax
+
+    devices = jax.local_devices()
+    stats = devices[0].memory_stats() if devices[0].platform != "cpu" else None
+    if stats and stats.get("bytes_limit"):
+        return Capacity(_agreed(int(stats["bytes_limit"])), f"{devices[0].device_kind} allocator limit")
+    available = _host_available()
+    per_device = _agreed(available // len(devices))
+    return Capacity(per_device, f"host available memory {format_bytes(available)} / {len(devices)} devices")
+
+
+def usable(cfg: Config, capacity: Capacity) -> int:
+    return int(capacity.bytes * (1 - cfg.memory_headroom))
+
+
+def peaks_by_policy(cfg: Config) -> dict[str, int]:
+    """The planned peak bytes per device under every remat policy, most memory first. State, gradients and the
+    fsdp-gathered weights do not depend on the policy: they are planned once."""
+    base = estimate.make_plan(dataclasses.replace(cfg, remat_policy="full"))
+    state = base.params + base.optimizer + base.gradients
+    return {policy: state + estimate.activations_under(base, policy).total for policy in memory.POLICIES_BY_MEMORY}
+
+
+def decide(cfg: Config, capacity: Capacity, strict: bool = True) -> MemoryFit:
+    """The policy the run uses: `auto` -> the first of POLICIES_BY_MEMORY that fits; an explicit policy -> itself.
+    When it does not fit: ConfigError (one line) if `strict`, else the fit with `fits` False (`auto` -> full), for
+    tools that inspect a config this machine could not run."""
+    peaks, limit = peaks_by_policy(cfg), usable(cfg, capacity)
+    fitting = [p for p, b in peaks.items() if b <= limit]
+    policy = cfg.remat_policy
+    if policy == "auto":
+        policy = fitting[0] if fitting else "full"
+    fits = peaks[policy] <= limit
+    if strict and not fits:
+        raise ConfigError(_shortfall(cfg, peaks, limit, capacity, fitting))
+    return MemoryFit(cfg.remat_policy, policy, peaks[policy], limit, capacity.bytes, capacity.source, fits)
+
+
+def _shortfall(cfg: Config, peaks: dict[str, int], limit: int, capacity: Capacity, fitting: list[str]) -> str:
+    room = (f"the {format_bytes(limit)} usable per device ({capacity.source}, "
+            f"memory_headroom={cfg.memory_headroom:g})")
+    if fitting:
+        policy = cfg.remat_policy
+        return (f"remat_policy={policy} needs {format_bytes(peaks[policy])} per device (planned peak), "
+                f"{format_bytes(peaks[policy] - limit)} more than {room}; the cheapest policy that fits is "
+                f"remat_policy={fitting[0]} ({format_bytes(peaks[fitting[0]])})")
+    least = peaks["full"]
+    return (f"remat_policy={cfg.remat_policy}: no remat policy fits; even remat_policy=full needs "
+            f"{format_bytes(least)} per device (planned peak), {format_bytes(least - limit)} more than {room}; "
+            f"shard more (ici_fsdp_parallelism, ici_tensor_parallelism), lower per_device_batch_size or raise "
+            f"device_memory_gb")
