@@ -11,8 +11,10 @@ candidates.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
+import re
 from pathlib import Path
 from types import ModuleType
 
@@ -48,7 +50,10 @@ def _plan_tool() -> ModuleType:
 def result_8b() -> search.SearchResult:
     lines: list[str] = []
     result = search.search(BASE_8B, H100, progress=lines.append)
-    assert lines[-1].startswith(f"search: {result.considered}/{result.considered} layouts")
+    ends = [line for line in lines if re.search(r" (\d+)/\1;", line)]  # the last line of each round
+    rounds = [re.sub(r" \d+/\d+;.*", "", line) for line in ends]
+    assert rounds == ["search: meshes (remat_policy=full)", "search: other remat policies"]
+    assert sum(int(re.search(r"/(\d+);", line)[1]) for line in ends) == result.considered
     print(f"8b on h100-80gb-8: {result.considered} candidates, {result.planned} valid, {len(result.fitting)} fit, "
           f"{result.seconds:.1f} s")
     return result
@@ -84,6 +89,14 @@ def test_8b_layouts_that_fit_ranked_by_step_time(result_8b: search.SearchResult)
     assert search.planned_peak(heavy) > result_8b.capacity
     assert all(c.layout.remat_policy != "none" for c in fitting)
     assert result_8b.invalid and sum(result_8b.invalid.values()) + result_8b.planned == result_8b.considered
+
+    # The first round tries every mesh with remat_policy=full only and drops those that do not fit: sound when no
+    # policy plans less memory than full on the same mesh, as here on every mesh that fits.
+    assert result_8b.unrefined == 0  # and on one node every fitting mesh got every policy: exhaustive
+    full = {c.layout: c.peak for c in fitting if c.layout.remat_policy == "full"}
+    others = [c for c in fitting if c.layout.remat_policy != "full"]
+    assert others and {c.layout.remat_policy for c in others} >= {"save_out_proj", "save_qkv_proj"}
+    assert all(c.peak >= full[dataclasses.replace(c.layout, remat_policy="full")] for c in others)
 
 
 def test_8b_best_layout_compiles_under_capacity_on_8_devices(result_8b: search.SearchResult) -> None:
@@ -132,6 +145,21 @@ def test_overrides_reproduce_layouts_across_two_nodes() -> None:
         assert not any(o.startswith(("ici_tensor", "ici_pipeline", "remat_policy")) for o in c.overrides)
         cfg = loading.load_run([*argv, *c.overrides], num_devices=16, device_kind=target.device_kind)
         assert _layout_of(cfg) == _as_layout(c.layout), c.overrides
+
+
+def test_a_budget_refines_the_fastest_meshes_and_refuses_a_first_round_beyond_it() -> None:
+    argv = [*TINY_PINNED[:-1]]  # remat_policy free: 6 policies
+    whole = search.search(argv, H100)
+    meshes = [c for c in whole.fitting if c.layout.remat_policy == "full"]
+    assert whole.unrefined == 0 and len(whole.fitting) == 6 * len(meshes)  # the tiny model fits with every policy
+    first_round = whole.considered - 5 * len(meshes)
+    small = search.search(argv, H100, max_candidates=first_round + 2 * 5)  # room for 2 meshes x 5 more policies
+    assert small.unrefined == len(meshes) - 2
+    refined = {dataclasses.replace(c.layout, remat_policy="full") for c in small.fitting if c.layout.remat_policy
+               != "full"}
+    assert refined == {c.layout for c in meshes[:2]}  # the 2 fastest of the first round
+    with pytest.raises(config.ConfigError, match="candidate meshes \\(more than --max-candidates 3\\); pin"):
+        search.search(argv, H100, max_candidates=3)
 
 
 def test_nothing_fits_prints_one_line_and_exits_1(capsys: pytest.CaptureFixture[str]) -> None:

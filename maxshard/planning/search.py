@@ -8,18 +8,24 @@ A layout is what the search may change: the ici/dcn mesh knobs, `remat_policy` a
 on the command line stay too (the search varies the others), so the overrides of a suggestion can be appended to
 the user's own command without naming a key twice.
 
-Candidates, bounded so that a search takes seconds to minutes (see `MAX_CANDIDATES`):
+Candidates:
     ici (devices of one slice or node): every factorization over data, stage, fsdp, sequence, context, tensor, and
          expert for MoE models; the axes that split heads or length or layers (`SMALL_AXES`) at most
          `SMALL_AXIS_LIMIT` ways, and never sequence and context together (both split the length)
     dcn (across slices or nodes): over data, fsdp and stage only, whose traffic crosses the network once per step
          (data) or once per layer (fsdp), or as one activation per microbatch (stage); never per-layer
          activation traffic such as tensor's
+    num_pipeline_microbatches, with S > 1 stages: S, 2S and 4S (it must be a multiple of S)
     remat_policy: every policy of the schema (`config_schema.RematPolicy`) except `auto`, which is what a search
          resolves
-    num_pipeline_microbatches, with S > 1 stages: S, 2S and 4S (it must be a multiple of S)
 Not searched: fsdp_transpose and tensor_sequence (variants of fsdp and tensor), autoregressive (a decoding axis),
 gradient_accumulation_steps.
+
+Two rounds, so that the remat policies multiply only the meshes that can use them. First every mesh (with each of
+its microbatch counts) under `remat_policy=full`, which saves the least of all policies (only each layer's input):
+a mesh that does not fit with it fits with none, and is not tried again. Then the other policies for the meshes
+that fit, fastest first, while the budget (`max_candidates`) lasts; on one 8-GPU node it always lasts, so that
+search is exhaustive. A first round larger than the budget is refused with a hint to pin keys.
 
 Each candidate is loaded exactly as `tools/plan.py` loads a config (`load_for_target`: validated as the launcher
 validates it for the target). A ConfigError makes it invalid, counted by its reason; so does a dimension that would
@@ -58,7 +64,8 @@ __all__ = [
     "planned_peak",
     "capacity_bytes",
     "remat_policies",
-    "layouts",
+    "meshes",
+    "overrides",
     "search",
 ]
 
@@ -68,7 +75,8 @@ SMALL_AXES = ("stage", "sequence", "context", "tensor", "expert")
 SMALL_AXIS_LIMIT = 8  # past 8 ways, these axes' per-layer traffic outgrows what they save in memory
 MICROBATCH_MULTIPLES = (1, 2, 4)
 DEFAULT_HEADROOM = 0.1
-MAX_CANDIDATES = 3000  # ~0.05 s each: a few minutes at most
+MAX_CANDIDATES = 5000  # ~0.02-0.05 s each: a few minutes at most
+LEAST_MEMORY_POLICY = "full"  # the first round's policy (module docstring)
 PROGRESS_EVERY = 100
 _LAYOUT_KEYS = ("remat_policy", "num_pipeline_microbatches")
 
@@ -175,17 +183,16 @@ def _microbatch_choices(user: Config, stages: int, pinned: set[str]) -> list[int
     return [stages * m for m in MICROBATCH_MULTIPLES]
 
 
-def layouts(user: Config, target: Target, pinned: set[str]) -> list[Layout]:
-    """Every candidate layout of the module docstring for `user` (finalized for `target`, mesh not resolved)."""
+def meshes(user: Config, target: Target, pinned: set[str], policy: str) -> list[Layout]:
+    """Every mesh of the module docstring, with each of its microbatch counts, under one remat `policy`, for `user`
+    (finalized for `target`, its mesh not resolved)."""
     searched = ICI_AXES + (("expert",) if user.num_experts > 1 else ())
     ici = _family(user, "ici", target.chips_per_slice, searched, pinned)
     dcn = _family(user, "dcn", target.num_slices, DCN_AXES, pinned)
-    policies = [user.remat_policy] if "remat_policy" in pinned else list(remat_policies())
     out = []
     for i, d in itertools.product(ici, dcn):
         stages = i[MESH_AXES.index("stage")] * d[MESH_AXES.index("stage")]
-        for microbatches, policy in itertools.product(_microbatch_choices(user, stages, pinned), policies):
-            out.append(Layout(i, d, policy, microbatches))
+        out += [Layout(i, d, policy, m) for m in _microbatch_choices(user, stages, pinned)]
     return out
 
 
@@ -279,21 +286,15 @@ class SearchResult:
     capacity: float  # bytes per device
     fitting: list[Candidate]  # best first
     closest: Candidate | None  # when none fits: the one with the smallest planned peak
-    considered: int  # candidate layouts, valid or not
+    considered: int  # candidate layouts tried, valid or not
     planned: int  # the valid ones
     invalid: dict[str, int]  # reason (the first message of its group): candidates, most first
+    unrefined: int  # meshes that fit but were not tried with the other remat policies (the budget ran out)
     seconds: float
 
 
 def _rank(candidates: list[Candidate]) -> list[Candidate]:
     return sorted(candidates, key=lambda c: (c.step_s, c.peak, c.layout.name))
-
-
-def _evaluate(argv: Sequence[str], target: Target, layout: Layout, extra: tuple[str, ...]) -> Plan:
-    cfg = load_for_target([*argv, *extra], target)
-    _check_resolved(cfg, layout)
-    _check_even(cfg)
-    return make_plan(cfg, target)
 
 
 def _user_config(argv: Sequence[str], target: Target) -> tuple[Config, set[str]]:
@@ -306,6 +307,57 @@ def _user_config(argv: Sequence[str], target: Target) -> tuple[Config, set[str]]
     return user, set(parsed.explicit_keys)
 
 
+class _Planner:
+    """Plans candidates of one search, keeping the valid ones and counting the invalid ones by reason."""
+
+    def __init__(self, argv: Sequence[str], target: Target, user: Config, pinned: set[str], capacity: float,
+                 progress: Callable[[str], None] | None) -> None:
+        self.argv, self.target, self.user, self.pinned, self.capacity = argv, target, user, pinned, capacity
+        self.progress, self.start = progress, time.perf_counter()
+        self.planned: list[Candidate] = []
+        self.invalid: collections.Counter[str] = collections.Counter()
+        self.examples: dict[str, str] = {}
+        self.tried = 0
+
+    def plan(self, layout: Layout) -> Candidate | None:
+        """The candidate of `layout`, or None (counted) when it is invalid."""
+        extra = overrides(layout, self.user, self.pinned)
+        self.tried += 1
+        try:
+            cfg = load_for_target([*self.argv, *extra], self.target)
+            _check_resolved(cfg, layout)
+            _check_even(cfg)
+            candidate = Candidate(layout, extra, make_plan(cfg, self.target))
+        except ConfigError as e:
+            group, message = _reason(e)
+            self.invalid[group] += 1
+            self.examples.setdefault(group, message)
+            return None
+        self.planned.append(candidate)
+        return candidate
+
+    def round(self, what: str, layouts: list[Layout]) -> list[Candidate]:
+        """The valid candidates of `layouts`, with a progress line every `PROGRESS_EVERY` and at the end."""
+        out = []
+        for i, layout in enumerate(layouts, 1):
+            candidate = self.plan(layout)
+            if candidate is not None:
+                out.append(candidate)
+            if self.progress is not None and (i % PROGRESS_EVERY == 0 or i == len(layouts)):
+                fit = sum(c.peak <= self.capacity for c in self.planned)
+                self.progress(f"search: {what} {i}/{len(layouts)}; {len(self.planned)} valid, {fit} fit, "
+                              f"{time.perf_counter() - self.start:.0f} s")
+        return out
+
+    def result(self, headroom: float, unrefined: int) -> SearchResult:
+        fitting = _rank([c for c in self.planned if c.peak <= self.capacity])
+        misses = sorted((c for c in self.planned if c.peak > self.capacity), key=lambda c: (c.peak, c.step_s))
+        invalid = {self.examples[group]: n for group, n in self.invalid.most_common()}
+        closest = None if fitting or not misses else misses[0]
+        return SearchResult(self.target, headroom, self.capacity, fitting, closest, self.tried, len(self.planned),
+                            invalid, unrefined, time.perf_counter() - self.start)
+
+
 def search(
     argv: Sequence[str],
     target: Target,
@@ -313,36 +365,24 @@ def search(
     max_candidates: int = MAX_CANDIDATES,
     progress: Callable[[str], None] | None = None,
 ) -> SearchResult:
-    """Plans every candidate layout of `[CONFIG, key=value, ...]` on `target` (module docstring).
+    """Plans the candidate layouts of `[CONFIG, key=value, ...]` on `target` in two rounds (module docstring).
 
-    ConfigError for a mistake in the user's own config or flags, or for a search larger than `max_candidates`.
-    `progress` receives a line every `PROGRESS_EVERY` candidates."""
-    start = time.perf_counter()
+    ConfigError for a mistake in the user's own config or flags, or for a first round larger than
+    `max_candidates`. `progress` receives a line every `PROGRESS_EVERY` candidates and at the end of each round."""
     capacity = capacity_bytes(target, headroom)
     with config.reading_files_once():
         user, pinned = _user_config(argv, target)
-        todo = layouts(user, target, pinned)
-        if len(todo) > max_candidates:
-            raise ConfigError(f"{len(todo)} candidate layouts (more than --max-candidates {max_candidates}); pin "
-                              "some on the command line (e.g. remat_policy=full ici_tensor_parallelism=1) or raise "
-                              "--max-candidates")
-        planned: list[Candidate] = []
-        invalid: collections.Counter[str] = collections.Counter()
-        examples: dict[str, str] = {}
-        for i, layout in enumerate(todo, 1):
-            extra = overrides(layout, user, pinned)
-            try:
-                planned.append(Candidate(layout, extra, _evaluate(argv, target, layout, extra)))
-            except ConfigError as e:
-                group, message = _reason(e)
-                invalid[group] += 1
-                examples.setdefault(group, message)
-            if progress is not None and (i % PROGRESS_EVERY == 0 or i == len(todo)):
-                fit = sum(c.peak <= capacity for c in planned)
-                progress(f"search: {i}/{len(todo)} layouts, {len(planned)} valid, {fit} fit, "
-                         f"{time.perf_counter() - start:.0f} s")
-    fitting = _rank([c for c in planned if c.peak <= capacity])
-    misses = sorted((c for c in planned if c.peak > capacity), key=lambda c: (c.peak, c.step_s))
-    return SearchResult(target, headroom, capacity, fitting, None if fitting or not misses else misses[0],
-                        len(todo), len(planned), {examples[g]: n for g, n in invalid.most_common()},
-                        time.perf_counter() - start)
+        policy = user.remat_policy if "remat_policy" in pinned else LEAST_MEMORY_POLICY
+        others = [] if "remat_policy" in pinned else [p for p in remat_policies() if p != policy]
+        first = meshes(user, target, pinned, policy)
+        if len(first) > max_candidates:
+            raise ConfigError(f"{len(first)} candidate meshes (more than --max-candidates {max_candidates}); pin "
+                              "some knobs on the command line (e.g. ici_tensor_parallelism=1 dcn_data_parallelism=N) "
+                              "or raise --max-candidates")
+        planner = _Planner(argv, target, user, pinned, capacity, progress)
+        fit = _rank([c for c in planner.round(f"meshes (remat_policy={policy})", first) if c.peak <= capacity])
+        refined = fit[: (max_candidates - len(first)) // len(others)] if others else []
+        second = [dataclasses.replace(c.layout, remat_policy=p) for c in refined for p in others]
+        if second:
+            planner.round("other remat policies", second)
+    return planner.result(headroom, len(fit) - len(refined) if others else 0)

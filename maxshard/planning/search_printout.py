@@ -44,8 +44,8 @@ def _invalid_text(result: SearchResult) -> list[str]:
         return []
     shown = [f"  {n} x {why}" for why, n in list(result.invalid.items())[:_REASONS_SHOWN]]
     more = len(result.invalid) - _REASONS_SHOWN
-    return [f"invalid ({sum(result.invalid.values())}):", *shown] + ([f"  ... and {more} more reasons"] if more > 0
-                                                                     else [])
+    tail = [f"  ... and {more} more reason{'s' if more > 1 else ''}"] if more > 0 else []
+    return [f"invalid ({sum(result.invalid.values())}):", *shown, *tail]
 
 
 def _row(rank: int, c: Candidate, capacity: float) -> str:
@@ -59,9 +59,11 @@ def _row(rank: int, c: Candidate, capacity: float) -> str:
 def format_search(result: SearchResult, argv: Sequence[str], top: int) -> str:
     """The summary, the top layouts as a table, and for each the overrides to append to the user's command."""
     best = result.fitting[:top]
+    unrefined = (f"; {result.unrefined} meshes that fit were tried with remat_policy=full only (--max-candidates)"
+                 if result.unrefined else "")
     lines = [
         f"search: {result.considered} layouts for {_where(result)} in {result.seconds:.0f} s: {result.planned} "
-        f"valid, {len(result.fitting)} fit in {_capacity_text(result)}",
+        f"valid, {len(result.fitting)} fit in {_capacity_text(result)}{unrefined}",
         *_invalid_text(result),
         f"rank  {'step s':>8}  {'peak GiB':>8}  {'of cap':>7}  {'MFU':>6}  {'tokens/s':>10}  layout "
         "(step: roofline lower bound; MFU: at most)",
@@ -119,6 +121,7 @@ def search_json(result: SearchResult, top: int) -> dict[str, Any]:
         "valid": result.planned,
         "fitting": len(result.fitting),
         "invalid": result.invalid,
+        "unrefined": result.unrefined,
         "seconds": result.seconds,
         "candidates": [_candidate_json(i, c, result.capacity) for i, c in enumerate(result.fitting[:top], 1)],
         "closest": None if result.closest is None else _candidate_json(None, result.closest, result.capacity),
