@@ -78,7 +78,6 @@ DEFAULT_HEADROOM = 0.1
 MAX_CANDIDATES = 5000  # ~0.02-0.05 s each: a few minutes at most
 LEAST_MEMORY_POLICY = "full"  # the first round's policy (module docstring)
 PROGRESS_EVERY = 100
-_LAYOUT_KEYS = ("remat_policy", "num_pipeline_microbatches")
 
 
 def load_for_target(config_argv: Sequence[str], target: Target) -> Config:
