@@ -21,6 +21,11 @@ fixed < grid < point. Locally every point is its own trainer process; the runner
 from (the trainer's metrics.jsonl, its startup record included; only the start-up and compile timings from when
 its output lines arrive) is written down in `benchmarks/sweep_run.py`.
 
+The planner writes sweep files of its suggestions: `python tools/plan.py CONFIG key=value --search --topology T
+[--num-slices N] --sweep-out FILE.yml` puts the user's overrides under `fixed`, each of the `--top` layouts that fit
+as a point named by its layout (`fsdp4-tensor2-full`), and the target under `xpk:`; run it with `--xpk` on that
+target (or locally, when this machine is the target).
+
 The parts: `sweep_spec.py` reads the sweep file and names the points' runs, `sweep_run.py` runs them locally and
 collects their figures, `sweep_report.py` writes the results, `sweep_xpk.py` prints the XPK submissions.
 """

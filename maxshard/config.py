@@ -11,13 +11,15 @@ Every user mistake raises `ConfigError` with one line that names the key and wha
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 import difflib
 import math
 import os
 import re
 import typing
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import yaml
@@ -27,21 +29,51 @@ from maxshard.config_structures import parse_logical_rules, parse_mixture
 from maxshard.config_schema import MESH_AXES, Config, ConfigError, knob_name, path_keys
 
 __all__ = ["Config", "ConfigError", "MESH_AXES", "knob_name", "load", "parse", "finalize", "user_keys", "resolve_path",
-           "resolve_paths", "load_parsed"]
+           "resolve_paths", "load_parsed", "reading_files_once"]
 
 _HINTS = typing.get_type_hints(Config)
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+_USER_KEYS = tuple(name for name, f in _FIELDS.items() if not f.metadata.get("derived"))
+_USER_KEY_SET = frozenset(_USER_KEYS)  # every key of every file is looked up: a set, built once
 
 
 def user_keys() -> tuple[str, ...]:
     """Keys a user may set (derived fields are computed, never set)."""
-    return tuple(name for name, f in _FIELDS.items() if not f.metadata.get("derived"))
+    return _USER_KEYS
 
 
 # --------------------------------------------------------------------------------------------- YAML files
 
 
+_file_cache: dict[str, dict[str, Any]] | None = None  # a dict only inside `reading_files_once()`
+
+
+@contextlib.contextmanager
+def reading_files_once() -> Iterator[None]:
+    """Inside the block each config file is read from disk once; later parses get a copy of what was read.
+
+    For tools that parse the same files hundreds of times, as the planner's layout search does (YAML parsing is
+    most of what `parse` costs). Outside the block every parse reads the files again, so an edited file is seen.
+    """
+    global _file_cache
+    outer = _file_cache
+    _file_cache = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _file_cache = outer
+
+
 def _read_yaml(path: str) -> dict[str, Any]:
+    if _file_cache is None:
+        return _load_yaml(path)
+    key = os.path.realpath(path)
+    if key not in _file_cache:
+        _file_cache[key] = _load_yaml(path)
+    return copy.deepcopy(_file_cache[key])  # callers pop base_config from what they get
+
+
+def _load_yaml(path: str) -> dict[str, Any]:
     if not os.path.isfile(path):
         raise ConfigError(f"config file not found: {path}")
     try:
@@ -186,7 +218,7 @@ def _parse_mesh_rules(value: Any, source: str) -> tuple[tuple[str, tuple[tuple[s
             raise ConfigError(f"{where}: rule {i} ({pattern!r}) must map to {{key: value}}")
         checked = []
         for key, val in overrides.items():
-            if key in ("mesh_rules", "mesh_selector", "model_name") or key not in user_keys():
+            if key in ("mesh_rules", "mesh_selector", "model_name") or key not in _USER_KEY_SET:
                 raise ConfigError(f"{where}: rule {pattern!r} cannot set {key!r}")
             checked.append((key, _coerce(key, val, f"mesh_rules {pattern!r}")))
         rules.append((pattern, tuple(checked)))
@@ -202,7 +234,7 @@ def _parse_override(token: str) -> tuple[str, Any]:
         raise ConfigError(f"expected key=value after the config file, got {token!r}")
     key, raw = token.split("=", 1)
     key = key.strip()
-    if key not in user_keys():
+    if key not in _USER_KEY_SET:
         raise _unknown_key(key, "command line")
     hint = _HINTS[key]
     if hint is str or _is_text_choice(hint):  # keep text exactly as typed: run_name=007 stays "007", profiler= is ""
@@ -255,7 +287,7 @@ def parse(argv: Sequence[str]) -> Config:
 
 def _merge_file(values: dict[str, Any], data: dict[str, Any], path: str) -> None:
     for key, value in data.items():
-        if key not in user_keys():
+        if key not in _USER_KEY_SET:
             raise _unknown_key(str(key), path)
         values[key] = _coerce(key, value, path)
 

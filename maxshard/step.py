@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -27,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from maxshard import axis_names as ax
 from maxshard import sharding
-from maxshard.config import Config, ConfigError
+from maxshard.config import MESH_AXES, Config, ConfigError, knob_name
 from maxshard.layers import moe
 from maxshard.model import Transformer, apply_with_stats, init_params
 from maxshard.optim import learning_rate_schedule, make_optimizer
@@ -68,7 +69,26 @@ def boxed_state(cfg: Config, rng: jax.Array) -> TrainState:
 
 
 def abstract_state(cfg: Config) -> TrainState:
-    """Shapes, dtypes and logical names of the whole train state; allocates nothing, needs no devices."""
+    """Shapes, dtypes and logical names of the whole train state; allocates nothing, needs no devices.
+
+    Memoised on the config without its mesh knobs: they decide where the state lives, never its shapes (a pipeline's
+    stage count reaches the shapes through `cfg.model`, which stays in the key). The planner's layout search
+    (`maxshard/planning/search.py`) asks for one model's state once per layout, and tracing the init of the 8B
+    model takes ~0.3 s each time.
+    """
+    key = dataclasses.replace(cfg, explicit_keys=(), mesh_rule_applied="", **{k: 1 for k in _MESH_KNOBS})
+    try:
+        hash(key)
+    except TypeError:  # an unhashable value in some key: no memo
+        return _eval_state(cfg)
+    return _eval_state(key)
+
+
+_MESH_KNOBS = tuple(knob_name(family, axis) for family in ("ici", "dcn") for axis in MESH_AXES)
+
+
+@functools.lru_cache(maxsize=32)
+def _eval_state(cfg: Config) -> TrainState:
     return jax.eval_shape(lambda: boxed_state(cfg, jax.random.key(0)))
 
 

@@ -8,6 +8,19 @@ device kind and host count of `--topology` x `--num-slices` (TPU slices, or GPU 
 Then only `jax.eval_shape` runs: no mesh of that size is built and nothing is compiled, so an 8B model on 2048 chips
 plans in seconds on a laptop. A configuration mistake prints one line, `plan: error: ...`, and exits 2.
 The model behind every number is written out in `maxshard/planning/` (memory.py, traffic.py, estimate.py).
+
+`--search` asks that question for every sensible layout instead (`maxshard/planning/search.py`: mesh knobs,
+remat_policy, pipeline microbatches; never the model or the global batch), keeps those whose planned peak fits
+HBM x (1 - `--headroom`), and prints the `--top` K by planned step time, each with the `key=value` overrides to
+append to the same command (keys given on the command line are kept, so none is given twice):
+
+    python tools/plan.py configs/base.yml model_name=8b --search --topology h100-80gb-8
+    python tools/plan.py configs/base.yml model_name=8b --search --topology v5p-256 --json
+    python tools/plan.py configs/base.yml model_name=8b --search --topology h100-80gb-8 --num-slices 2 \
+        --sweep-out plan_8b.yml      # then: python benchmarks/sweep.py plan_8b.yml --xpk ...
+
+It exits 0 when some layout fits, 1 when none does (one line: the closest layout and by how much it misses), and 2
+for a mistake. A progress line goes to stderr every 100 candidates.
 """
 
 from __future__ import annotations
@@ -15,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 from collections.abc import Sequence
 
@@ -23,24 +37,18 @@ try:
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from maxshard import config, loading
-from maxshard.config import Config, ConfigError
-from maxshard.launch import topologies, xpk
-from maxshard.launch.topologies import Target
+from maxshard.config import ConfigError
+from maxshard.launch import topologies
+from maxshard.planning import search
 from maxshard.planning.estimate import Plan, make_plan
 from maxshard.planning.printout import format_plan, plan_json
+from maxshard.planning.search import load_for_target
+from maxshard.planning.search_printout import format_search, nothing_fits, search_json, sweep_yaml
 
 __all__ = ["load_for_target", "plan_for", "main"]
 
 PROG = "plan"
-
-
-def load_for_target(config_argv: Sequence[str], target: Target) -> Config:
-    """`[CONFIG, key=value, ...]` finalized as the trainer will see it on `target` (mesh resolved, vocab set)."""
-    xpk.check_tokens(config_argv)
-    parsed = config.parse(config_argv)
-    argv = xpk.prepare_trainer_argv(config_argv, parsed, target, workload="plan")
-    return loading.complete(xpk.validate_for_target(argv, target))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def plan_for(config_argv: Sequence[str], topology: str, num_slices: int = 1) -> Plan:
@@ -56,14 +64,56 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--topology", required=True, help="XPK device type: v5p-1024, v6e-256, h100-80gb-8, ...")
     parser.add_argument("--num-slices", type=int, default=1, help="TPU slices or GPU nodes (default 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    found = parser.add_argument_group("layout search")
+    found.add_argument("--search", action="store_true", help="rank every layout that fits by planned step time")
+    found.add_argument("--top", type=int, default=5, help="layouts to print (default 5)")
+    found.add_argument("--headroom", type=float, default=search.DEFAULT_HEADROOM,
+                       help="fraction of device memory a layout must leave free (default 0.1)")
+    found.add_argument("--max-candidates", type=int, default=search.MAX_CANDIDATES,
+                       help=f"refuse larger searches (default {search.MAX_CANDIDATES}); pin keys to narrow one")
+    found.add_argument("--sweep-out", metavar="FILE.yml", help="also write the top layouts as a sweep file for "
+                       "benchmarks/sweep.py")
     return parser
 
 
+def _base_config(path: str) -> str:
+    """The config path as a sweep file wants it: relative to the repository root when inside it."""
+    full = os.path.abspath(path)
+    inside = os.path.commonpath([full, REPO]) == REPO
+    return os.path.relpath(full, REPO) if inside else full
+
+
+def _search(args: argparse.Namespace, raw_argv: Sequence[str]) -> int:
+    """0 when some layout fits, 1 when none does (one line), ConfigError for a mistake."""
+    if args.top < 1:
+        raise ConfigError(f"--top must be >= 1, got {args.top}")
+    argv = [args.config, *args.overrides]
+    target = topologies.parse(args.topology, args.num_slices)
+    result = search.search(argv, target, args.headroom, args.max_candidates,
+                           progress=lambda line: print(line, file=sys.stderr, flush=True))
+    if args.sweep_out and result.fitting:
+        command = shlex.join(["python", "tools/plan.py", *raw_argv])
+        with open(args.sweep_out, "w", encoding="utf-8") as f:
+            f.write(sweep_yaml(result, _base_config(args.config), args.overrides, args.top, command))
+    if args.json:
+        print(json.dumps(search_json(result, args.top)))
+    elif not result.fitting:
+        print(nothing_fits(result))
+    else:
+        print(format_search(result, argv, args.top))
+    return 0 if result.fitting else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_intermixed_args(sys.argv[1:] if argv is None else list(argv))
+    raw_argv = sys.argv[1:] if argv is None else list(argv)
+    args = _parser().parse_intermixed_args(raw_argv)
     try:
+        if args.sweep_out and not args.search:
+            raise ConfigError("--sweep-out writes the layouts of --search; add --search")
+        if args.search:
+            return _search(args, raw_argv)
         plan = plan_for([args.config, *args.overrides], args.topology, args.num_slices)
-    except ConfigError as e:
+    except (ConfigError, OSError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(plan_json(plan)) if args.json else format_plan(plan))

@@ -1,0 +1,108 @@
+"""The layout search's suggestions against what XLA compiles: planned peak vs compiled peak per device.
+
+    python benchmarks/plan_search.py [--topology h100-80gb-8] [--top 3] [key=value ...]
+
+Searches the 8B preset (plus any key=value) on the target as `tools/plan.py --search` does, then compiles the top
+layouts, the best of each kind not among them (tensor, sequence, context, data, pipeline, another remat policy) and
+the one planned closest to the capacity, for the 8 simulated CPU devices: the train step is lowered from abstract
+sharded arguments and compiled, nothing is allocated (~15-40 s per 8B layout on 2 cores). Compiled peak =
+arguments + temporaries + outputs - aliased (`memory_analysis()`), per device. A target of more than 8 devices is
+not compiled: its layouts need its count.
+
+What differs between the plan and the compile: the compile runs on XLA:CPU, with attention=blockwise where an H100
+plan has cudnn (the planner counts cudnn as blockwise plus its mask) and dtype=bfloat16 as on the target; so the
+table shows the plan of that CPU config beside the target's. XLA:CPU's buffer assignment is not XLA:GPU's: this
+checks the order of magnitude and the fit, not the last 10%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import common  # first: 8 simulated CPU devices before any device query; the repo on sys.path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from maxshard import config, data, loading, mesh
+from maxshard.launch import topologies
+from maxshard.planning import estimate, search
+from maxshard.step import Trainer
+
+BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_weights")
+CPU_KEYS = ("dtype=bfloat16", "attention=blockwise")  # the target's compute dtype; no cuDNN or splash on CPU
+GIB = 2**30
+KINDS = {  # the best layout of each kind is compiled too, when not among the top
+    "tensor": lambda c: c.layout.sizes["tensor"] > 1,
+    "sequence": lambda c: c.layout.sizes["sequence"] > 1,
+    "context": lambda c: c.layout.sizes["context"] > 1,
+    "data": lambda c: c.layout.sizes["data"] > 1,
+    "pipeline": lambda c: c.layout.microbatches > 0,
+    "remat": lambda c: c.layout.remat_policy != "full",
+}
+
+
+def compiled_peak(cfg: config.Config) -> int:
+    """Per-device peak of the compiled train step: arguments + temporaries + outputs - the donated (aliased) state."""
+    trainer = Trainer(cfg, mesh.build(cfg, jax.devices()[: cfg.num_devices]))
+    batch_sharding = data.batch_sharding(cfg, trainer.mesh)
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                         nn.unbox(trainer.abstract_state), trainer.state_shardings)
+    shape = (cfg.global_batch_size, cfg.max_target_length)
+    batch = {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_weights" else jnp.int32,
+                                     sharding=batch_sharding) for k in BATCH_KEYS}
+    lowered = trainer.jit_train_step(batch_sharding).lower(state, batch)
+    stats = lowered.compile({"xla_backend_optimization_level": 0,
+                             "xla_llvm_disable_expensive_passes": True}).memory_analysis()
+    return (stats.argument_size_in_bytes + stats.temp_size_in_bytes + stats.output_size_in_bytes
+            - stats.alias_size_in_bytes)
+
+
+def chosen(result: search.SearchResult, top: int) -> list[tuple[int, search.Candidate]]:
+    """(rank, candidate): the top ones, the best of each kind in `KINDS` not already chosen, and the one planned
+    closest to the capacity (where an under-count would matter)."""
+    ranked = list(enumerate(result.fitting, 1))
+    picks = ranked[:top]
+    for test in KINDS.values():
+        best = next(((r, c) for r, c in ranked if test(c)), None)
+        if best is not None and best not in picks:
+            picks.append(best)
+    tightest = max(ranked, key=lambda rc: rc[1].peak, default=None)
+    if tightest is not None and tightest not in picks:
+        picks.append(tightest)
+    return picks
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("overrides", nargs="*", help="key=value for configs/base.yml model_name=8b")
+    parser.add_argument("--topology", default="h100-80gb-8")
+    parser.add_argument("--top", type=int, default=3)
+    args = parser.parse_args(argv)
+    target = topologies.parse(args.topology)
+    if target.num_devices != common.DEVICES:
+        parser.error(f"{args.topology} has {target.num_devices} devices; the compile has {common.DEVICES}")
+    user = [common.BASE, "model_name=8b", *args.overrides]
+    result = search.search(user, target, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print(f"{result.considered} layouts, {result.planned} valid, {len(result.fitting)} fit in "
+          f"{result.capacity / GIB:.1f} GiB per device; searched in {result.seconds:.1f} s\n")
+    columns = ("rank", "layout", "planned (target)", "planned (CPU config)", "compiled", "planned / compiled", "fits",
+               "compile s")
+    print(f"| {' | '.join(columns)} |\n|{'---|' * len(columns)}")
+    for rank, c in chosen(result, args.top):
+        cfg = loading.complete(config.finalize(config.parse([*user, *CPU_KEYS, *c.overrides]), common.DEVICES))
+        start = time.perf_counter()
+        compiled = compiled_peak(cfg)
+        seconds = time.perf_counter() - start
+        cpu_plan = search.planned_peak(estimate.make_plan(cfg))
+        fits = "yes" if compiled <= result.capacity else "**no**"
+        print(f"| {rank} | {c.layout.label} | {c.peak / GIB:.1f} GiB | {cpu_plan / GIB:.1f} GiB | "
+              f"{compiled / GIB:.1f} GiB | {c.peak / compiled:.2f} | {fits} | {seconds:.0f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
