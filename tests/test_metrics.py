@@ -293,6 +293,17 @@ def test_startup_summary():
     assert cpu.splitlines()[-2] == "device: cpu, peak unknown: MFU not reported"
 
 
+def test_startup_summary_says_which_remat_policy_runs_and_why():
+    fit = {"requested": "auto", "policy": "minimal", "planned_bytes": 3 * 2**30, "usable_bytes": 9 * 2**30,
+           "capacity_bytes": 10 * 2**30, "capacity_source": "host available memory 80.0 GiB / 8 devices",
+           "fits": True}
+    line = console.format_startup_summary(_figures(memory_fit=fit)).splitlines()[5]
+    assert line == ("remat: auto -> minimal, the least recompute that fits: planned peak 3.0 GiB per device of "
+                    "9.0 GiB usable (host available memory 80.0 GiB / 8 devices, 10% headroom)")
+    explicit = console.format_startup_summary(_figures(memory_fit={**fit, "requested": "full", "policy": "full"}))
+    assert "remat: full (as set), fits: planned peak 3.0 GiB" in explicit
+
+
 def test_startup_figures_are_the_first_metrics_record(tmp_path):
     with metrics.MetricsWriter(str(tmp_path), str(tmp_path / "tb"), is_primary=True, enable_tensorboard=False) as w:
         console.print_startup(_figures(), w)

@@ -34,7 +34,8 @@ TOOL = REPO / "tools" / "plan.py"
 H100 = topologies.parse("h100-80gb-8")
 BASE_8B = ["configs/base.yml", "model_name=8b"]
 # The tiny model with the tensor axis, the pipeline and remat pinned: fsdp x data x sequence x context remain.
-TINY_PINNED = ["configs/base.yml", *TINY, "ici_tensor_parallelism=1", "ici_pipeline_parallelism=1",
+TINY_PINNED = ["configs/base.yml", *(t for t in TINY if not t.startswith("remat_policy=")),
+               "ici_tensor_parallelism=1", "ici_pipeline_parallelism=1",
                "remat_policy=full"]
 
 
@@ -100,22 +101,25 @@ def test_8b_layouts_that_fit_ranked_by_step_time(result_8b: search.SearchResult)
 
 
 def test_8b_best_layout_compiles_under_capacity_on_8_devices(result_8b: search.SearchResult) -> None:
+    """The best layout compiled for 8 simulated CPU devices, in float32: XLA:CPU emulates bfloat16 through float32
+    temporaries (tests/test_plan_memory.py), so the CPU's own dtype is what its compile can check. The float32
+    twin's planned peak must be within 15% of its compiled peak, and that compiled peak, scaled to bfloat16 by the
+    plan's own ratio (the scaled capacity), must fit the node."""
     from test_plan import _compile
 
     best = result_8b.fitting[0]
-    argv = [*BASE_8B, "dtype=bfloat16", "attention=blockwise", *best.overrides]
+    argv = [*BASE_8B, "dtype=float32", "attention=blockwise", *best.overrides]
     cfg = loading.complete(config.finalize(config.parse(argv), 8))
     assert _as_layout(best.layout) == _layout_of(cfg)
     stats = _compile(cfg, mesh_for(cfg)).memory_analysis()
     compiled = (stats.argument_size_in_bytes + stats.temp_size_in_bytes + stats.output_size_in_bytes
                 - stats.alias_size_in_bytes)
-    planned_cpu = search.planned_peak(estimate.make_plan(cfg))
-    print(f"best {best.layout.label}: planned {format_bytes(best.peak)} (H100, cudnn), {format_bytes(planned_cpu)} "
-          f"(CPU config, blockwise); compiled {format_bytes(compiled)}; planned / compiled "
-          f"{best.peak / compiled:.2f}; capacity {format_bytes(result_8b.capacity)}")
-    assert compiled <= result_8b.capacity
-    # Loose: the memory model is being rewritten to be within 15%; this only catches a gross error.
-    assert 0.5 < best.peak / compiled < 2
+    planned = search.planned_peak(estimate.make_plan(cfg))
+    print(f"best {best.layout.label}: planned {format_bytes(best.peak)} (H100, bfloat16, cudnn); float32 on CPU "
+          f"(blockwise): planned {format_bytes(planned)}, compiled {format_bytes(compiled)}, planned / compiled "
+          f"{planned / compiled:.2f}; capacity {format_bytes(result_8b.capacity)}")
+    assert abs(planned / compiled - 1) <= 0.15
+    assert compiled * best.peak / planned <= result_8b.capacity
 
 
 def test_8b_pasted_overrides_load_as_that_layout_in_the_trainer(result_8b: search.SearchResult) -> None:
@@ -125,9 +129,11 @@ def test_8b_pasted_overrides_load_as_that_layout_in_the_trainer(result_8b: searc
     chosen = fitting[:5]
     chosen += [next(c for c in fitting if any(o.startswith("num_pipeline_microbatches=") for o in c.overrides))]
     chosen += [next(c for c in fitting if c.layout.remat_policy != "full")]
-    assert not chosen[0].overrides  # the best is the config as given: fsdp=8, remat=full
+    user = search.load_for_target(BASE_8B, H100)  # remat_policy: auto, decided for the node's HBM
+    assert chosen[0].layout.remat_policy == user.remat_policy == "save_qkv_out_proj"
+    assert chosen[0].overrides in ((), ("remat_policy=save_qkv_out_proj",))  # the mesh as given: fsdp=8
     for c in chosen:
-        cfg = loading.load_run([*BASE_8B, *c.overrides], num_devices=8, device_kind=H100.device_kind)
+        cfg = loading.load_run([*BASE_8B, *c.overrides], num_devices=8, device_kind=H100.device_kind, check_fit=False)
         assert _layout_of(cfg) == _as_layout(c.layout), c.overrides
 
 
@@ -143,7 +149,7 @@ def test_overrides_reproduce_layouts_across_two_nodes() -> None:
     assert across == {"data=2", "fsdp=2", "stage=2"}  # ici_pipeline is pinned, dcn_pipeline is not
     for c in result.fitting:
         assert not any(o.startswith(("ici_tensor", "ici_pipeline", "remat_policy")) for o in c.overrides)
-        cfg = loading.load_run([*argv, *c.overrides], num_devices=16, device_kind=target.device_kind)
+        cfg = loading.load_run([*argv, *c.overrides], num_devices=16, device_kind=target.device_kind, check_fit=False)
         assert _layout_of(cfg) == _as_layout(c.layout), c.overrides
 
 

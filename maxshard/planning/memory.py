@@ -9,7 +9,8 @@ s = the compute dtype's itemsize:
     dense  = (7E + 3Q + K + 6F) x s   what one layer keeps for its backward without remat: the norms' outputs
                                       and scales, the residual, rotated q, the grouped q, v, the attention output,
                                       SwiGLU's gate, up, their product and silu's own residuals (the residuals
-                                      `jax.ad_checkpoint.saved_residuals` lists, as XLA deduplicates them)
+                                      `jax.ad_checkpoint.saved_residuals` lists, as XLA deduplicates them);
+                                      + E x s under tensor parallelism (a partial sum before its reduction)
     attention, dot_product: 8 A bytes (float32 exponentials and probabilities); a fused kernel (blockwise, cudnn,
                                       splash, ring) keeps its output and float32 log-sum-exp instead: Q x s + 4 H
 
@@ -24,7 +25,8 @@ s = the compute dtype's itemsize:
     the backward of one layer (its working set, while the layer is recomputed and differentiated) is measured, not
     derived: XLA fuses and frees its pieces in an order no formula follows. WORKING holds, per policy, the fraction
     of `dense` and the bytes per attention score it takes on XLA:CPU (jax 0.10.2), fitted on the widths and
-    lengths of tests/test_plan_memory.py; the fused kernels' backward is counted from layers/blockwise_attention.py
+    lengths of tests/test_plan_memory.py, + 5E x s under tensor parallelism (the column-parallel projections'
+    input gradients before they are reduced); the fused kernels' backward is counted from layers/blockwise_attention.py
     instead (block q, output, dq, stacked dk/dv in float32 and the log-sum-exp: Q(5s + 8) + K(4s + 8) + 12 H per
     token, plus one float32 score block per sequence a device holds).
 
@@ -92,6 +94,7 @@ class Widths:
     length: int  # the whole sequence length (keys one query can see)
     attention: str = "dot_product"  # resolved implementation
     context: int = 1  # context shards (ring attention)
+    tensor: bool = False  # heads or mlp split over devices (tensor parallelism)
     block_q: int = 512
     block_kv: int = 512
 
@@ -114,7 +117,8 @@ class Widths:
 
     def dense_bytes(self, itemsize: int) -> int:
         """What one layer keeps without remat, attention kernel aside (module docstring: `dense`)."""
-        return (7 * self.embed + 3 * self.q + self.kv + 6 * self.mlp) * itemsize
+        partial = self.embed if self.tensor else 0  # a row-parallel projection's partial sum before its reduction
+        return (7 * self.embed + 3 * self.q + self.kv + 6 * self.mlp + partial) * itemsize
 
     def kernel_saved_bytes(self, itemsize: int) -> int:
         """What the attention kernel keeps for its backward without remat."""
@@ -144,7 +148,8 @@ class Widths:
 
     def working_bytes(self, policy: str, itemsize: int) -> float:
         """One layer's backward working set per token (module docstring)."""
-        return WORKING[policy][0] * self.dense_bytes(itemsize) + self.kernel_working_bytes(itemsize, policy)
+        partials = 5 * self.embed * itemsize if self.tensor else 0  # column-parallel input gradients, unreduced
+        return WORKING[policy][0] * self.dense_bytes(itemsize) + self.kernel_working_bytes(itemsize, policy) + partials
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +183,7 @@ def widths(cfg: Config, sizes: Mapping[str, int]) -> Widths:
     """Per-device widths: heads, kv heads and mlp split over their activation rules' mesh axes."""
     heads = _split(cfg.num_heads, rule_axes(cfg, ax.ACT_HEADS, sizes), sizes)
     kv_heads = _split(cfg.num_kv_heads, rule_axes(cfg, ax.ACT_KV_HEADS, sizes), sizes)
+    mlp = _split(cfg.mlp_dim, rule_axes(cfg, ax.ACT_MLP, sizes), sizes)
     context = 1
     for axis in rule_axes(cfg, ax.ATTN_LENGTH, sizes):
         context *= sizes[axis]
@@ -185,11 +191,12 @@ def widths(cfg: Config, sizes: Mapping[str, int]) -> Widths:
         embed=cfg.emb_dim,
         q=heads * cfg.head_dim,
         kv=kv_heads * cfg.head_dim,
-        mlp=_split(cfg.mlp_dim, rule_axes(cfg, ax.ACT_MLP, sizes), sizes),
+        mlp=mlp,
         heads=heads,
         length=cfg.max_target_length,
         attention=cfg.model.attention if cfg.model is not None else "dot_product",
         context=context,
+        tensor=heads < cfg.num_heads or mlp < cfg.mlp_dim,
         block_q=cfg.attention_block_q,
         block_kv=cfg.attention_block_kv,
     )

@@ -51,20 +51,30 @@ def _header(plan: Plan) -> list[str]:
 
 
 def _memory(plan: Plan) -> list[str]:
-    total = plan.params + plan.optimizer + plan.gradients + plan.activations
+    total = plan.peak_bytes
     hbm = plan.link.hbm if plan.link is not None else None
     fits = "" if hbm is None else f" of {format_bytes(hbm)} HBM ({total / hbm:.0%})"
     rule = _ACTIVATION_RULE.get(plan.cfg.remat_policy, "saved projections per layer + one layer's intermediates")
     w = widths(plan.cfg, plan.mesh)
-    return [
+    lines = [
         "memory per device:",
         f"  parameters       {format_bytes(plan.params):>11}",
         f"  optimizer state  {format_bytes(plan.optimizer):>11}",
         f"  gradients        {format_bytes(plan.gradients):>11}",
         f"  activations      {format_bytes(plan.activations):>11}  estimate: {rule},",
         f"  {'':>28}  logits and their gradient; {_attention_text(w)}",
-        f"  total            {format_bytes(total):>11}{fits}",
     ]
+    if plan.activation_terms is not None:
+        terms = [f"{k} {format_bytes(v)}" for k, v in plan.activation_terms.as_json().items() if v]
+        lines.append(f"  {'':>28}  = {' + '.join(terms)}")
+    lines.append(f"  total            {format_bytes(total):>11}{fits}")
+    fit = plan.cfg.memory_fit
+    if fit is not None:
+        chosen = f"auto chose {fit.policy}" if fit.requested == "auto" else f"{fit.policy} as set"
+        verdict = "fits" if fit.fits else "does NOT fit"
+        lines.append(f"  remat_policy: {chosen}; {verdict} the {format_bytes(fit.usable_bytes)} usable "
+                     f"({fit.capacity_source}, memory_headroom={plan.cfg.memory_headroom:g})")
+    return lines
 
 
 def _attention_text(w: Widths) -> str:
@@ -139,7 +149,10 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "dcn": plan.dcn,
         "param_count": plan.param_count,
         "bytes_per_device": {"params": plan.params, "optimizer": plan.optimizer, "gradients": plan.gradients,
-                             "activations": plan.activations},
+                             "activations": plan.activations, "peak": plan.peak_bytes},
+        "activation_terms": None if plan.activation_terms is None else plan.activation_terms.as_json(),
+        "remat_policy": plan.cfg.remat_policy,
+        "memory_fit": None if plan.cfg.memory_fit is None else plan.cfg.memory_fit.as_json(),
         "collectives": [{"kind": c.kind, "axes": list(c.axes), "bytes": c.bytes, "what": c.what}
                         for c in plan.collectives],
         "bubble": plan.bubble,

@@ -52,6 +52,7 @@ from maxshard.config import MESH_AXES, Config, ConfigError, knob_name
 from maxshard.config_schema import RematPolicy
 from maxshard.launch import xpk
 from maxshard.launch.topologies import Target
+from maxshard.planning.fit import Capacity
 from maxshard.planning import hardware
 from maxshard.planning.estimate import Plan, make_plan
 from maxshard.planning.traffic import rule_axes
@@ -81,18 +82,25 @@ PROGRESS_EVERY = 100
 
 
 def load_for_target(config_argv: Sequence[str], target: Target) -> Config:
-    """`[CONFIG, key=value, ...]` finalized as the trainer will see it on `target` (mesh resolved, vocab set)."""
+    """`[CONFIG, key=value, ...]` finalized as the trainer will see it on `target` (mesh resolved, vocab set,
+    `remat_policy: auto` decided against the target's device memory, not this machine's)."""
     xpk.check_tokens(config_argv)
     parsed = config.parse(config_argv)
     argv = xpk.prepare_trainer_argv(config_argv, parsed, target, workload="plan")
-    return loading.complete(xpk.validate_for_target(argv, target))
+    cfg = xpk.validate_for_target(argv, target)
+    return loading.complete(cfg, capacity=target_capacity(cfg, target))
+
+
+def target_capacity(cfg: Config, target: Target) -> Capacity:
+    """One device's memory on `target`: `device_memory_gb` when set, else the device type's HBM."""
+    if cfg.device_memory_gb > 0:
+        return Capacity(int(cfg.device_memory_gb * 1e9), f"device_memory_gb={cfg.device_memory_gb:g}")
+    return Capacity(int(hardware.interconnect(target.name).hbm), f"{target.name} HBM")
 
 
 def planned_peak(plan: Plan) -> int:
-    """Bytes per device at the step's peak, as planned: the state, its gradients and the activations.
-
-    One function, so that it can become the plan's own figure once the planner has one."""
-    return plan.params + plan.optimizer + plan.gradients + plan.activations
+    """Bytes per device at the step's peak, as planned: the state, its gradients and the activations."""
+    return plan.peak_bytes
 
 
 def capacity_bytes(target: Target, headroom: float = DEFAULT_HEADROOM) -> float:
