@@ -71,7 +71,8 @@ def local_capacity(cfg: Config) -> Capacity:
         return Capacity(_agreed(int(stats["bytes_limit"])), f"{devices[0].device_kind} allocator limit")
     available = _host_available()
     per_device = _agreed(available // len(devices))
-    return Capacity(per_device, f"host available memory {format_bytes(available)} / {len(devices)} devices")
+    shared = f" / {len(devices)} devices" if len(devices) > 1 else ""
+    return Capacity(per_device, f"host available memory {format_bytes(available)}{shared}")
 
 
 def usable(cfg: Config, capacity: Capacity) -> int:

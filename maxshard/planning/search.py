@@ -22,8 +22,10 @@ Not searched: fsdp_transpose and tensor_sequence (variants of fsdp and tensor), 
 gradient_accumulation_steps.
 
 Two rounds, so that the remat policies multiply only the meshes that can use them. First every mesh (with each of
-its microbatch counts) under `remat_policy=full`, which saves the least of all policies (only each layer's input):
-a mesh that does not fit with it fits with none, and is not tried again. Then the other policies for the meshes
+its microbatch counts) under `remat_policy=full`, which saves the least of all policies (only each layer's input);
+its backward holds more than `save_out_proj`'s, though (planning/memory.py: the whole layer is recomputed at
+once), which can plan a few % lower. So a mesh whose `full` peak exceeds the capacity by more than
+FIRST_ROUND_SLACK (10%) is not tried again; the others go to the second round (and `full` itself still has to fit). Then the other policies for the meshes
 that fit, fastest first, while the budget (`max_candidates`) lasts; on one 8-GPU node it always lasts, so that
 search is exhaustive. A first round larger than the budget is refused with a hint to pin keys.
 
@@ -79,6 +81,7 @@ DEFAULT_HEADROOM = 0.1
 MAX_CANDIDATES = 5000  # ~0.02-0.05 s each: a few minutes at most
 LEAST_MEMORY_POLICY = "full"  # the first round's policy (module docstring)
 PROGRESS_EVERY = 100
+FIRST_ROUND_SLACK = 1.1  # a `full` peak this much over the capacity may still fit under another policy
 
 
 def load_for_target(config_argv: Sequence[str], target: Target) -> Config:
@@ -387,7 +390,8 @@ def search(
                               "some knobs on the command line (e.g. ici_tensor_parallelism=1 dcn_data_parallelism=N) "
                               "or raise --max-candidates")
         planner = _Planner(argv, target, user, pinned, capacity, progress)
-        fit = _rank([c for c in planner.round(f"meshes (remat_policy={policy})", first) if c.peak <= capacity])
+        slack = capacity * (FIRST_ROUND_SLACK if others else 1)
+        fit = _rank([c for c in planner.round(f"meshes (remat_policy={policy})", first) if c.peak <= slack])
         refined = fit[: (max_candidates - len(first)) // len(others)] if others else []
         second = [dataclasses.replace(c.layout, remat_policy=p) for c in refined for p in others]
         if second:
