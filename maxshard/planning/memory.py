@@ -94,7 +94,7 @@ class Widths:
     length: int  # the whole sequence length (keys one query can see)
     attention: str = "dot_product"  # resolved implementation
     context: int = 1  # context shards (ring attention)
-    tensor: bool = False  # heads or mlp split over devices (tensor parallelism)
+    tensor: bool = False  # heads or mlp split over the `tensor` axis (tensor_sequence reduce-scatters instead)
     block_q: int = 512
     block_kv: int = 512
 
@@ -196,7 +196,7 @@ def widths(cfg: Config, sizes: Mapping[str, int]) -> Widths:
         length=cfg.max_target_length,
         attention=cfg.model.attention if cfg.model is not None else "dot_product",
         context=context,
-        tensor=heads < cfg.num_heads or mlp < cfg.mlp_dim,
+        tensor="tensor" in (*rule_axes(cfg, ax.ACT_HEADS, sizes), *rule_axes(cfg, ax.ACT_MLP, sizes)),
         block_q=cfg.attention_block_q,
         block_kv=cfg.attention_block_kv,
     )
