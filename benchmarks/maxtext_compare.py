@@ -45,6 +45,7 @@ import dataclasses
 import json
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -129,7 +130,11 @@ def run(python: str, argv: Sequence[str], env_extra: dict[str, str], log_path: s
     """Runs a trainer to completion and returns its output (also saved to `log_path`); raises on failure."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
            "PYTHONUNBUFFERED": "1", **env_extra}  # fmt: skip
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     done = subprocess.run([python, *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    print(f"  {argv[1]}: whole process {cpu:.0f} CPU s (start-up and compilation included)", flush=True)
     output = done.stdout + done.stderr
     with open(log_path, "w", encoding="utf-8") as f:
         f.write(output)
