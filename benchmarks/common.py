@@ -39,8 +39,8 @@ SMALL_MODEL = (
     "max_target_length=128", "per_device_batch_size=2", "enable_tensorboard=false",
 )  # fmt: skip
 
-# The 256-wide model of the compile-time and memory benchmarks (and of maxtext_compare.py's Shape); global batch
-# 16 x 128. The depth and the layout are each script's own.
+# The 256-wide model of the compile-time and memory benchmarks; global batch 16 x 128. The depth and the layout
+# are each script's own.
 WIDE_MODEL = (
     *STEP_ONLY, "emb_dim=256", "num_heads=8", "num_kv_heads=8", "head_dim=32", "mlp_dim=1024",
     "max_target_length=128", "per_device_batch_size=2",

@@ -1,21 +1,41 @@
-"""maxshard vs MaxText: steady-state tokens/s of the same model, batch and mesh (fsdp=8) on 8 simulated CPU devices.
+"""maxshard vs MaxText: steady-state tokens/s of the same model, batch and mesh (fsdp=8) on 8 simulated CPU devices,
+each trainer at its own default remat policy.
 
     python benchmarks/maxtext_compare.py [--venv /tmp/maxtext-venv] [--steps 12] [--repeats 1] [--same-jax]
+                                         [--maxshard-remat default|full|none|full,none,...]
 
 Optional: MaxText (PyPI `maxtext`) needs Python >= 3.12, so it lives in its own venv outside the repo
 (see docs in benchmarks/README.md). Without that venv this prints why and exits 0.
 
-Both trainers run as subprocesses, alternating (maxshard, MaxText, then MaxText, maxshard on a second repeat) so
-that a slow minute on the shared machine does not fall on one side only. The figure per run is the median step
-time over steps after the first two (warm-up), as each trainer reports it: maxshard's `step_time` from
-metrics.jsonl, MaxText's "completed step: N, seconds: S" log lines. tokens/s = global batch x length / step time.
+The shape is issue #21's: emb 256, 4 layers, 4 query / 4 kv heads x 64, mlp 1024 (SwiGLU), vocab 1024, length
+256, per-device batch 2 (global 16 x 256 = 4,096 tokens a step), fsdp=8 on 8 simulated CPU devices, scanned
+layers, AdamW with clipping, synthetic data, no checkpoints, no TensorBoard.
 
-What is held equal: shape (emb, layers, heads, kv heads, head_dim, mlp, vocab), global batch and length, mesh
-(fsdp=8), float32 compute and weights (maxshard's `dtype=auto` is float32 on CPU; MaxText defaults to bfloat16,
-which CPUs emulate slowly), full remat, scanned layers, AdamW with clipping, synthetic data, no checkpoints, no
-TensorBoard. What is not: the JAX version. maxshard runs in this repo's venv, MaxText in its own (newer JAX).
-`--same-jax` adds a third runner, maxshard under the MaxText venv's Python, to tell the frameworks apart from
-the JAX versions.
+Both sides compute in float32 with float32 weights: maxshard's `dtype=auto` is float32 on CPU already, but
+MaxText's base.yml defaults to `dtype: bfloat16`, which CPUs emulate slowly (converting around every matmul), so
+MaxText is given `dtype=float32` to compare the frameworks rather than bf16 emulation.
+
+Remat: each trainer runs at its own default. MaxText's base.yml says `remat_policy: 'full'` (printed from the
+venv's base.yml at start). maxshard gets no `remat_policy` key unless `--maxshard-remat` names one: its default
+(configs/base.yml) is what a user gets, `auto` once that lands (the least recompute whose planned peak fits the
+device; on CPU the capacity is host memory or `device_memory_gb`). `--maxshard-remat` takes a comma list of
+policies, `default` meaning no key, and runs one maxshard variant per entry, interleaved with MaxText: e.g.
+`--maxshard-remat full` reproduces the equal-footing baseline (both full recompute), `full,none,default` measures
+what skipping recompute buys. For each maxshard run the policy it ran with is printed from the first record of
+its metrics.jsonl (the startup record) if that record carries a `remat_policy` field, else 'n/a'.
+
+Attention is left at each side's default too: maxshard's `attention: auto` is dot_product on CPU up to one block
+(512 tokens; maxshard/attention_choice.py), MaxText's `autoselected` is dot_product on CPU
+(layers/attention_op.py), so both run plain dot-product attention at length 256.
+
+All runners run as subprocesses, alternating (A, B, C, then C, B, A on the next repeat) so that a slow minute on
+the shared machine does not fall on one side only. The figure per run is the median step time over steps after
+the first two (warm-up), as each trainer reports it: maxshard's `step_time` from metrics.jsonl, the interval
+between MaxText's "completed step: N, seconds: S" log lines. tokens/s = global batch x length / step time.
+
+What is not held equal: the JAX version. maxshard runs in this repo's venv, MaxText in its own (newer JAX).
+`--same-jax` adds, for every maxshard variant, a runner of it under the MaxText venv's Python, to tell the
+frameworks apart from the JAX versions.
 """
 
 from __future__ import annotations
@@ -25,6 +45,7 @@ import dataclasses
 import json
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -38,16 +59,16 @@ WARMUP_STEPS = 2  # steps left out of the median on both sides
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    """The model, batch and mesh both sides train: the 256-wide model of compile_time.py and memory.py."""
+    """The model, batch and mesh both sides train: issue #21's side-by-side shape."""
 
     emb: int = 256
     layers: int = 4
-    heads: int = 8
-    kv_heads: int = 8
-    head_dim: int = 32
+    heads: int = 4
+    kv_heads: int = 4
+    head_dim: int = 64
     mlp: int = 1024
-    vocab: int = 512
-    length: int = 128
+    vocab: int = 1024
+    length: int = 256
     per_device_batch: int = 2
     devices: int = 8
 
@@ -56,15 +77,18 @@ class Shape:
         return self.per_device_batch * self.devices * self.length
 
 
-def maxshard_argv(shape: Shape, steps: int, out: str, run: str) -> list[str]:
+def maxshard_argv(shape: Shape, steps: int, out: str, run: str, remat: str | None = None) -> list[str]:
+    """The trainer's command line; `remat` None leaves `remat_policy` at maxshard's default (no key)."""
     keys = {
         "dataset_type": "synthetic", "cpu_device_count": shape.devices, "ici_fsdp_parallelism": shape.devices,
         "emb_dim": shape.emb, "num_layers": shape.layers, "num_heads": shape.heads, "num_kv_heads": shape.kv_heads,
         "head_dim": shape.head_dim, "mlp_dim": shape.mlp, "vocab_size": shape.vocab, "max_target_length": shape.length,
         "per_device_batch_size": shape.per_device_batch, "steps": steps, "log_period": 1, "eval_period": 0,
-        "dtype": "float32", "weight_dtype": "float32", "remat_policy": "full", "scan_layers": "true",
+        "dtype": "float32", "weight_dtype": "float32", "scan_layers": "true",
         "enable_checkpointing": "false", "enable_tensorboard": "false", "run_name": run, "base_output_directory": out,
     }  # fmt: skip
+    if remat is not None:
+        keys["remat_policy"] = remat
     return ["-m", "maxshard.train", os.path.join(REPO, "configs", "base.yml"), *(f"{k}={v}" for k, v in keys.items())]
 
 
@@ -75,7 +99,7 @@ def maxtext_argv(shape: Shape, steps: int, out: str, run: str, base_yml: str) ->
         "base_num_query_heads": shape.heads, "base_num_kv_heads": shape.kv_heads, "head_dim": shape.head_dim,
         "base_mlp_dim": shape.mlp, "vocab_size": shape.vocab, "max_target_length": shape.length,
         "per_device_batch_size": shape.per_device_batch, "steps": steps, "dtype": "float32",
-        "weight_dtype": "float32", "remat_policy": "full", "scan_layers": "True", "attention": "dot_product",
+        "weight_dtype": "float32", "scan_layers": "True",
         "enable_checkpointing": "False", "enable_tensorboard": "False", "run_name": run,
         "base_output_directory": out,
     }  # fmt: skip
@@ -95,11 +119,22 @@ def find_maxtext(venv: str) -> tuple[str, str] | str:
     return (python, base) if os.path.exists(base) else f"MaxText's base.yml not found at {base}"
 
 
+def maxtext_default(base_yml: str, key: str) -> str:
+    """A top-level key's value as MaxText's base.yml states it (read as text: the yml is only shown, not used)."""
+    with open(base_yml, encoding="utf-8") as f:
+        found = re.search(rf"^{re.escape(key)}:\s*['\"]?([^'\"#\s]+)", f.read(), re.M)
+    return found.group(1) if found else "?"
+
+
 def run(python: str, argv: Sequence[str], env_extra: dict[str, str], log_path: str, timeout_s: float) -> str:
     """Runs a trainer to completion and returns its output (also saved to `log_path`); raises on failure."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
            "PYTHONUNBUFFERED": "1", **env_extra}  # fmt: skip
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     done = subprocess.run([python, *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    print(f"  {argv[1]}: whole process {cpu:.0f} CPU s (start-up and compilation included)", flush=True)
     output = done.stdout + done.stderr
     with open(log_path, "w", encoding="utf-8") as f:
         f.write(output)
@@ -113,6 +148,34 @@ def maxshard_step_times(run_dir: str) -> list[float]:
     with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
         records = [json.loads(line) for line in f if line.strip()]
     return [r["step_time"] for r in records if "step_time" in r and r["step"] > WARMUP_STEPS]
+
+
+def _find_key(value: object, key: str) -> object:
+    """The first value under `key` anywhere in nested dicts/lists (depth first), or None."""
+    if isinstance(value, dict):
+        if key in value:
+            return value[key]
+        value = list(value.values())
+    if isinstance(value, list):
+        for item in value:
+            found = _find_key(item, key)
+            if found is not None:
+                return found
+    return None
+
+
+def maxshard_remat_chosen(run_dir: str) -> str:
+    """The remat policy the run reports in its first metrics.jsonl record (the startup record), or 'n/a'.
+
+    Read defensively: the field may sit at the top level or inside `startup`, and older trainers do not write it.
+    """
+    try:
+        with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
+            first = json.loads(next(line for line in f if line.strip()))
+    except (OSError, StopIteration, ValueError):
+        return "n/a"
+    found = _find_key(first, "remat_policy")
+    return "n/a" if found is None else str(found)
 
 
 def maxtext_step_times(output: str) -> list[float]:
@@ -140,15 +203,20 @@ class Runner:
     python: str
     env: dict[str, str]
     is_maxtext: bool = False
+    remat: str | None = None  # maxshard's remat_policy key; None: not passed (the trainer's default)
+    chosen: list[str] = dataclasses.field(default_factory=list)  # per run: the policy maxshard reports using
 
     def step_time(self, shape: Shape, steps: int, out: str, index: int, base_yml: str, timeout_s: float) -> float:
         name = f"{re.sub(r'[^a-z0-9]+', '-', self.label.lower()).strip('-')}-{index}"
         if self.is_maxtext:
             argv = maxtext_argv(shape, steps, out, name, base_yml)
         else:
-            argv = maxshard_argv(shape, steps, out, name)
+            argv = maxshard_argv(shape, steps, out, name, self.remat)
         output = run(self.python, argv, self.env, os.path.join(out, f"{name}.log"), timeout_s)
         times = maxtext_step_times(output) if self.is_maxtext else maxshard_step_times(os.path.join(out, name))
+        if not self.is_maxtext:
+            self.chosen.append(maxshard_remat_chosen(os.path.join(out, name)))
+            print(f"  {self.label}: remat policy reported by the run: {self.chosen[-1]}", flush=True)
         if self.is_maxtext and maxtext_reported(output):
             print(f"  MaxText's own 'seconds:' median {statistics.median(maxtext_reported(output)) * 1e3:.0f} ms",
                   flush=True)  # fmt: skip
@@ -169,18 +237,33 @@ def compare(runners: list[Runner], shape: Shape, steps: int, repeats: int, base_
     return seconds
 
 
-def table(seconds: dict[str, list[float]], shape: Shape) -> str:
+def table(seconds: dict[str, list[float]], shape: Shape, remat: dict[str, str]) -> str:
     """Markdown rows per runner and the maxshard / MaxText ratio of tokens/s (> 1: maxshard is faster)."""
-    lines = ["| trainer | ms/step (median of runs) | tokens/s | tokens/s/device |", "|---|---:|---:|---:|"]
+    lines = ["| trainer | remat policy | ms/step (median of runs) | runs (ms) | tokens/s | tokens/s/device |",
+             "|---|---|---:|---|---:|---:|"]  # fmt: skip
     for label, runs in seconds.items():
         s = statistics.median(runs)
-        lines.append(f"| {label} | {s * 1e3:.0f} | {shape.tokens_per_step / s:,.0f} | "
-                     f"{shape.tokens_per_step / s / shape.devices:,.0f} |")  # fmt: skip
+        each = ", ".join(f"{r * 1e3:.0f}" for r in runs)
+        lines.append(f"| {label} | {remat.get(label, '?')} | {s * 1e3:.0f} | {each} | "
+                     f"{shape.tokens_per_step / s:,.0f} | {shape.tokens_per_step / s / shape.devices:,.0f} |")
     mt = statistics.median(seconds["MaxText"])
     for label, runs in seconds.items():
         if label != "MaxText":
             lines.append(f"ratio {label} / MaxText (tokens/s): {mt / statistics.median(runs):.2f}x")
     return "\n".join(lines)
+
+
+def maxshard_runner(variant: str, python: str, env: dict[str, str], suffix: str) -> Runner:
+    """A maxshard runner for one `--maxshard-remat` entry ('default': no remat_policy key)."""
+    remat = None if variant == "default" else variant
+    label = "maxshard (default remat)" if remat is None else f"maxshard remat={remat}"
+    return Runner(label + suffix, python, env, remat=remat)
+
+
+def remat_cell(runner: Runner) -> str:
+    """What the table says of a maxshard runner's policy: as passed, and as the run reported it."""
+    reported = ", ".join(sorted(set(runner.chosen))) or "n/a"
+    return f"{runner.remat or 'default'}; run reports: {reported}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -190,20 +273,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1, help="runs per trainer, alternating")
     parser.add_argument("--same-jax", action="store_true", help="also run maxshard with the MaxText venv's JAX")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
+    parser.add_argument("--maxshard-remat", default="default",
+                        help="comma list of maxshard remat policies to run, one variant each; 'default' passes no "
+                             "remat_policy key (the trainer's own default), e.g. 'full' or 'full,none,default'")
     args = parser.parse_args(argv)
     found = find_maxtext(args.venv)
     if isinstance(found, str):
         print(f"maxtext_compare: skipped: {found}")
         return 0
     python, base_yml = found
-    runners = [Runner("maxshard", sys.executable, {}), Runner("MaxText", python, {}, is_maxtext=True)]
+    variants = [v.strip() for v in args.maxshard_remat.split(",") if v.strip()] or ["default"]
+    runners = [maxshard_runner(v, sys.executable, {}, "") for v in variants]
+    runners.insert(min(1, len(runners)), Runner("MaxText", python, {}, is_maxtext=True))
     if args.same_jax:
-        runners.append(Runner("maxshard (MaxText's JAX)", python, {"PYTHONPATH": REPO}))
+        runners += [maxshard_runner(v, python, {"PYTHONPATH": REPO}, " (MaxText's JAX)") for v in variants]
     shape = Shape()
+    mt_remat = maxtext_default(base_yml, "remat_policy")
     print(f"shape: {shape}; {args.steps} steps per run, {args.repeats} run(s) each; {os.cpu_count()} cores", flush=True)
+    print(f"MaxText's base.yml defaults: remat_policy={mt_remat}, attention={maxtext_default(base_yml, 'attention')}, "
+          f"dtype={maxtext_default(base_yml, 'dtype')} (overridden to float32)", flush=True)  # fmt: skip
     out = tempfile.mkdtemp(prefix="maxtext-compare-")
     seconds = compare(runners, shape, args.steps, args.repeats, base_yml, out, args.timeout)
-    print(table(seconds, shape))
+    remat = {r.label: f"{mt_remat} (default)" if r.is_maxtext else remat_cell(r) for r in runners}
+    print(table(seconds, shape, remat))
     print(f"logs: {out}")
     return 0
 
