@@ -56,6 +56,10 @@ def dot_product(q, k, v, q_segment_ids, kv_segment_ids) -> jax.Array:
     causal = kv_idx[None, :] <= q_idx[:, None]  # [q, kv]
     same_doc = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]  # [batch, q, kv]
     mask = (causal[None] & same_doc)[:, None, None]  # [batch, 1, 1, q, kv]
+    if k.shape[2] == heads:  # no grouping: 4-D einsums (the group axis of size 1 costs XLA:CPU transposes)
+        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+        probs = jax.nn.softmax(jnp.where(mask[:, :, 0], logits, jnp.finfo(jnp.float32).min), axis=-1)
+        return jnp.einsum("bhqk,bkhd->bqhd", jnp.asarray(probs, v.dtype), v)
     logits = jnp.einsum("bqhgd,bkhd->bhgqk", _grouped(q, k.shape[2]), k, preferred_element_type=jnp.float32)
     logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1)
