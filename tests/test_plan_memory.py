@@ -1,6 +1,6 @@
 """The planner's per-device peak against XLA's, and `remat_policy: auto` (maxshard/planning/memory.py, fit.py).
 
-For 26 configurations (dense and MoE; data, fsdp, tensor, sequence, context, tensor_sequence, pipeline and expert
+For 24 configurations (dense and MoE; data, fsdp, tensor, sequence, context, tensor_sequence, pipeline and expert
 parallelism, gradient accumulation; every remat policy; dot-product and blockwise attention) the train step is
 compiled from abstract inputs on the 8 simulated CPU devices and its peak per device,
 
@@ -43,18 +43,13 @@ BLOCKWISE = ("attention=blockwise", "attention_block_q=16", "attention_block_kv=
 CASES: dict[str, tuple[str, ...]] = {
     **{f"fsdp8 {p}": (*NARROW, *FSDP8, f"remat_policy={p}") for p in memory.POLICIES_BY_MEMORY},
     "dp8 none": (*NARROW, *DP8, "remat_policy=none"),
-    "dp8 full": (*NARROW, *DP8, "remat_policy=full"),
     "fsdp4 tp2 minimal": (*NARROW, *FSDP4_TP2, "remat_policy=minimal"),
-    "fsdp4 tp2 save_out_proj": (*NARROW, *FSDP4_TP2, "remat_policy=save_out_proj"),
     "tp4 dp2 none": (*NARROW, *TP4_DP2, "remat_policy=none"),
-    "tp4 dp2 save_qkv_out_proj": (*NARROW, *TP4_DP2, "remat_policy=save_qkv_out_proj"),
     "sequence2 fsdp4 none": (*NARROW, "ici_fsdp_parallelism=4", "ici_sequence_parallelism=2", "remat_policy=none"),
     "context2 fsdp4 full": (*NARROW, "ici_fsdp_parallelism=4", "ici_context_parallelism=2", "remat_policy=full"),
-    "pipeline2 fsdp4 M4 none": (*NARROW, *PIPE2, "num_pipeline_microbatches=4", "remat_policy=none"),
     "pipeline2 fsdp4 M4 full": (*NARROW, *PIPE2, "num_pipeline_microbatches=4", "remat_policy=full"),
     "fsdp8 blockwise full": (*NARROW, *FSDP8, *BLOCKWISE, "remat_policy=full"),
     "fsdp8 accumulate2 none": (*NARROW, *FSDP8, "gradient_accumulation_steps=2", "remat_policy=none"),
-    "moe fsdp8 dropping none": (*NARROW, *FSDP8, *MOE, "remat_policy=none"),
     "moe expert4 fsdp2 dropping full": (*NARROW, *EP4, *MOE, "remat_policy=full"),
     "moe expert4 fsdp2 dropless none": (*NARROW, *EP4, *MOE, "capacity_factor=-1", "remat_policy=none"),
     "wide fsdp4 tp2 save_qkv_proj": (*WIDE, *FSDP4_TP2, "remat_policy=save_qkv_proj"),

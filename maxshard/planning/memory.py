@@ -24,8 +24,8 @@ s = the compute dtype's itemsize:
 
     the backward of one layer (its working set, while the layer is recomputed and differentiated) is measured, not
     derived: XLA fuses and frees its pieces in an order no formula follows. WORKING holds, per policy, the fraction
-    of `dense` and the bytes per attention score it takes on XLA:CPU (jax 0.10.2), fitted on the widths and
-    lengths of tests/test_plan_memory.py, + 5E x s under tensor parallelism (the column-parallel projections'
+    of `dense`, the bytes per attention score and the mlp widths it takes on XLA:CPU (jax 0.10.2), fitted on the widths and
+    lengths of tests/test_plan_memory.py, + 3E x s under tensor parallelism (the column-parallel projections'
     input gradients before they are reduced); the fused kernels' backward is counted from layers/blockwise_attention.py
     instead (block q, output, dq, stacked dk/dv in float32 and the log-sum-exp: Q(5s + 8) + K(4s + 8) + 12 H per
     token, plus one float32 score block per sequence a device holds).
@@ -49,9 +49,9 @@ s = the compute dtype's itemsize:
     pipeline    per iteration (M x R + S - 1) the stage input of one microbatch [microbatch tokens, E], plus what
                 the policy saves of the stage's layers (none saves matmul outputs there: see layers/pipeline.py);
                 the working set is one stage's layers' on one microbatch; plus the circulation buffer of all
-                microbatches [tokens, E] and its gradient
+                microbatches [tokens, E]
 
-What the plan leaves out (a few % of XLA:CPU's temporaries in the 40-configuration check): the embedding's
+What the plan leaves out (a few % of XLA:CPU's temporaries in the 24-configuration check of tests/test_plan_memory.py): the embedding's
 gradient buffers, loss reductions and XLA's fusion scratch.
 """
 
@@ -71,14 +71,15 @@ __all__ = ["Widths", "ActivationTerms", "widths", "activation_terms", "activatio
 # Remat policies from the most memory (least recomputation) to the least.
 POLICIES_BY_MEMORY = ("none", "minimal", "save_qkv_out_proj", "save_qkv_proj", "save_out_proj", "full")
 
-# One layer's backward working set per token on XLA:CPU: (fraction of `dense`, bytes per dot-product score).
+# One layer's backward working set per token on XLA:CPU: (fraction of `dense`, bytes per dot-product score, mlp
+# widths F in the compute dtype: the gate and up projections' stacked [2, F] output and its slices).
 WORKING = {
-    "none": (0.52, 10.0),
-    "minimal": (0.53, 9.3),
-    "save_qkv_out_proj": (0.79, 8.0),
-    "save_qkv_proj": (0.79, 13.3),
-    "save_out_proj": (0.84, 2.3),
-    "full": (0.79, 13.3),
+    "none": (0.52, 10.0, 2.75),
+    "minimal": (0.53, 9.3, 3.0),
+    "save_qkv_out_proj": (0.79, 8.0, 1.5),
+    "save_qkv_proj": (0.79, 13.3, 1.0),
+    "save_out_proj": (0.84, 2.3, 1.5),
+    "full": (0.79, 13.3, 1.0),
 }
 
 
@@ -148,8 +149,10 @@ class Widths:
 
     def working_bytes(self, policy: str, itemsize: int) -> float:
         """One layer's backward working set per token (module docstring)."""
-        partials = 5 * self.embed * itemsize if self.tensor else 0  # column-parallel input gradients, unreduced
-        return WORKING[policy][0] * self.dense_bytes(itemsize) + self.kernel_working_bytes(itemsize, policy) + partials
+        partials = 3 * self.embed * itemsize if self.tensor else 0  # column-parallel input gradients, unreduced
+        dense, _, mlp = WORKING[policy]
+        return (dense * self.dense_bytes(itemsize) + self.kernel_working_bytes(itemsize, policy)
+                + mlp * self.mlp * itemsize + partials)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,7 +293,7 @@ def _pipeline_terms(cfg: Config, w: Widths, geo: Geometry, tokens: int, per_laye
         saved=geo.iterations * microbatch * inside,
         working=microbatch * stage_layers * w.working_bytes(stage_policy, size),
         moe=microbatch * moe_per_layer * stage_layers,
-        pipeline=geo.iterations * microbatch * w.embed * size + 2 * tokens * w.embed * size,
+        pipeline=geo.iterations * microbatch * w.embed * size + tokens * w.embed * size,
         block=w.block_bytes(max(microbatch // local_length, 1)),
         **common,
     )
