@@ -7,7 +7,7 @@ compiled from abstract inputs on the 8 simulated CPU devices and its peak per de
     arguments + temporaries + outputs - aliased (the donated state is updated in place)
 
 is compared with the plan's params + optimizer + gradients + activations. Bound: 15%. Measured on jax 0.10.2:
-largest deviation 11% (a pipeline with 2 microbatches, over), most within 5%. float32 only: XLA:CPU emulates
+largest deviation +12% (a pipeline with 2 microbatches, over), most within 5%. float32 only: XLA:CPU emulates
 bfloat16 through float32 temporaries (a bfloat16 run without remat compiles to 1.4x the plan), which no
 accelerator does.
 """
