@@ -26,17 +26,13 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-import flax.linen as nn  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 
-from maxshard import config, data, loading, mesh  # noqa: E402
-from maxshard.planning import estimate  # noqa: E402
-from maxshard.step import Trainer  # noqa: E402
+from maxshard import config, loading, mesh  # noqa: E402
+from maxshard.planning import compiled, estimate  # noqa: E402
 
 BASE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "base.yml")
 MODEL = ("model_name=tiny", "override_model_config=true", "dataset_type=synthetic", "per_device_batch_size=1",
          "ici_fsdp_parallelism=8", "remat_policy=full", "eval_period=0")
-BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_weights")
 MIB = 2**20
 
 
@@ -47,16 +43,7 @@ def load(length: int, attention: str, *overrides: str) -> config.Config:
 
 def compiled_temp_bytes(cfg: config.Config) -> int:
     """Temporaries per device of the compiled train step, lowered from abstract sharded arguments."""
-    trainer = Trainer(cfg, mesh.build(cfg, jax.devices()[: cfg.num_devices]))
-    batch_sharding = data.batch_sharding(cfg, trainer.mesh)
-    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                         nn.unbox(trainer.abstract_state), trainer.state_shardings)
-    shape = (cfg.global_batch_size, cfg.max_target_length)
-    batch = {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_weights" else jnp.int32,
-                                     sharding=batch_sharding) for k in BATCH_KEYS}
-    lowered = trainer.jit_train_step(batch_sharding).lower(state, batch)
-    compiled = lowered.compile({"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True})
-    return compiled.memory_analysis().temp_size_in_bytes
+    return compiled.compile_train_step(cfg, mesh.build(cfg, jax.devices()[: cfg.num_devices])).memory_analysis().temp_size_in_bytes
 
 
 def measure(length: int, attention: str, *overrides: str) -> dict[str, float]:

@@ -25,16 +25,12 @@ import time
 
 import common  # first: 8 simulated CPU devices before any device query; the repo on sys.path
 
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
 
-from maxshard import config, data, loading, mesh
+from maxshard import config, loading, mesh
 from maxshard.launch import topologies
-from maxshard.planning import estimate, search
-from maxshard.step import Trainer
+from maxshard.planning import compiled, estimate, search
 
-BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_weights")
 CPU_KEYS = ("dtype=float32", "attention=blockwise")  # the CPU's own dtype; no cuDNN or splash on CPU
 GIB = 2**30
 KINDS = {  # the best layout of each kind is compiled too, when not among the top
@@ -48,19 +44,8 @@ KINDS = {  # the best layout of each kind is compiled too, when not among the to
 
 
 def compiled_peak(cfg: config.Config) -> int:
-    """Per-device peak of the compiled train step: arguments + temporaries + outputs - the donated (aliased) state."""
-    trainer = Trainer(cfg, mesh.build(cfg, jax.devices()[: cfg.num_devices]))
-    batch_sharding = data.batch_sharding(cfg, trainer.mesh)
-    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                         nn.unbox(trainer.abstract_state), trainer.state_shardings)
-    shape = (cfg.global_batch_size, cfg.max_target_length)
-    batch = {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_weights" else jnp.int32,
-                                     sharding=batch_sharding) for k in BATCH_KEYS}
-    lowered = trainer.jit_train_step(batch_sharding).lower(state, batch)
-    stats = lowered.compile({"xla_backend_optimization_level": 0,
-                             "xla_llvm_disable_expensive_passes": True}).memory_analysis()
-    return (stats.argument_size_in_bytes + stats.temp_size_in_bytes + stats.output_size_in_bytes
-            - stats.alias_size_in_bytes)
+    """Per-device peak of the compiled train step (maxshard/planning/compiled.py)."""
+    return compiled.peak_bytes(compiled.compile_train_step(cfg, mesh.build(cfg, jax.devices()[: cfg.num_devices])).memory_analysis())
 
 
 def chosen(result: search.SearchResult, top: int) -> list[tuple[int, search.Candidate]]:
@@ -97,12 +82,12 @@ def main(argv: list[str]) -> int:
     for rank, c in chosen(result, args.top):
         cfg = loading.complete(config.finalize(config.parse([*user, *CPU_KEYS, *c.overrides]), common.DEVICES))
         start = time.perf_counter()
-        compiled = compiled_peak(cfg)
+        peak = compiled_peak(cfg)
         seconds = time.perf_counter() - start
-        cpu_plan = search.planned_peak(estimate.make_plan(cfg))
-        fits = "yes" if compiled * c.peak / cpu_plan <= result.capacity else "**no**"
+        cpu_plan = estimate.make_plan(cfg).peak_bytes
+        fits = "yes" if peak * c.peak / cpu_plan <= result.capacity else "**no**"
         print(f"| {rank} | {c.layout.label} | {c.peak / GIB:.1f} GiB | {cpu_plan / GIB:.1f} GiB | "
-              f"{compiled / GIB:.1f} GiB | {cpu_plan / compiled:.2f} | {fits} | {seconds:.0f} |", flush=True)
+              f"{peak / GIB:.1f} GiB | {cpu_plan / peak:.2f} | {fits} | {seconds:.0f} |", flush=True)
     return 0
 
 

@@ -30,18 +30,14 @@ import time
 from pathlib import Path
 from types import ModuleType
 
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import pytest
 
 from helpers import layout_overrides, mesh_for, tiny_config
 from maxshard import axis_names as ax
-from maxshard import data
-from maxshard.planning import estimate
+from maxshard.planning import compiled, estimate
 from maxshard.planning.collectives import count_collectives
 from maxshard.planning.traffic import rule_axes
-from maxshard.step import Trainer
 
 REPO = Path(__file__).resolve().parent.parent
 TOOL = REPO / "tools" / "plan.py"
@@ -52,7 +48,6 @@ LAYOUTS = {
     "fsdp=4 tensor=2": ("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"),
     "tensor=8": ("ici_tensor_parallelism=8",),
 }
-BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_weights")
 GATHER_TOLERANCE = 0.01  # unplanned: the token ids the embedding lookup gathers (<= 0.8% here)
 REDUCTION_TOLERANCE = 0.01  # unplanned: loss sums, gradient norms, the cross-entropy max and sum (<= 0.3% here)
 
@@ -67,19 +62,7 @@ def _plan_tool() -> ModuleType:
 
 def _compile(cfg: object, mesh: jax.sharding.Mesh | None = None) -> object:
     """The compiled train step of `cfg` (default: on the simulated devices), lowered from abstract sharded inputs."""
-    trainer = Trainer(cfg, mesh_for(cfg) if mesh is None else mesh)
-    batch_sharding = data.batch_sharding(cfg, trainer.mesh)
-    state = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        nn.unbox(trainer.abstract_state),
-        trainer.state_shardings,
-    )
-    shape = (cfg.global_batch_size, cfg.max_target_length)
-    batch = {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_weights" else jnp.int32,
-                                     sharding=batch_sharding) for k in BATCH_KEYS}
-    lowered = trainer.jit_train_step(batch_sharding).lower(state, batch)
-    # Lower LLVM effort only: the collectives are placed by HLO passes that run before code generation.
-    return lowered.compile({"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True})
+    return compiled.compile_train_step(cfg, mesh_for(cfg) if mesh is None else mesh)
 
 
 def as_cpu_compiles(plan: estimate.Plan) -> dict[str, float]:
@@ -174,15 +157,15 @@ ENTRY %main (a: f32[4,8]) -> f32[4,8] {
 def test_plan_matches_compiled_train_step(layout: str) -> None:
     cfg = tiny_config(*layout_overrides(LAYOUTS[layout]), "remat_policy=none")
     plan = estimate.make_plan(cfg)
-    compiled = _compile(cfg)
+    step = _compile(cfg)
 
-    stats = compiled.memory_analysis()
+    stats = step.memory_analysis()
     step_counter = 4  # int32
     assert plan.params + plan.optimizer + step_counter == stats.alias_size_in_bytes  # the donated train state
     batch_shard = 5 * cfg.global_batch_size * cfg.max_target_length * 4 // plan_batch_shards(plan)
     assert stats.argument_size_in_bytes == stats.alias_size_in_bytes + batch_shard
 
-    measured = count_collectives(compiled.as_text())
+    measured = count_collectives(step.as_text())
     planned = as_cpu_compiles(plan)
     gathers = measured["all-gather"]["bytes"]
     assert planned["all-gather"] <= gathers <= planned["all-gather"] + GATHER_TOLERANCE * gathers
@@ -191,8 +174,7 @@ def test_plan_matches_compiled_train_step(layout: str) -> None:
     assert measured["all-to-all"]["bytes"] == planned["all-to-all"]
     assert measured["collective-permute"]["bytes"] <= 1024  # token ids moved between layouts; none planned
 
-    peak = stats.argument_size_in_bytes + stats.temp_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
-    assert abs(plan.peak_bytes / peak - 1) <= 0.15  # the 26-configuration check: tests/test_plan_memory.py
+    assert abs(plan.peak_bytes / compiled.peak_bytes(stats) - 1) <= 0.15  # the 26-configuration check: tests/test_plan_memory.py
 
 
 def plan_batch_shards(plan: estimate.Plan) -> int:

@@ -23,7 +23,7 @@ import pytest
 from helpers import layout_overrides, tiny_config
 from maxshard import loading
 from maxshard.config import ConfigError
-from maxshard.planning import estimate, fit, memory
+from maxshard.planning import compiled, estimate, fit, memory
 from test_plan import _compile
 
 BOUND = 0.15
@@ -79,9 +79,7 @@ def config_of(name: str) -> object:
 
 def compiled_peak(cfg: object) -> int:
     """What one device holds at the compiled step's peak (module docstring)."""
-    stats = _compile(cfg).memory_analysis()
-    return (stats.argument_size_in_bytes + stats.temp_size_in_bytes + stats.output_size_in_bytes
-            - stats.alias_size_in_bytes)
+    return compiled.peak_bytes(_compile(cfg).memory_analysis())
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +87,8 @@ def peaks() -> dict[str, tuple[int, int]]:
     """{case: (planned, compiled)}; two compiles at a time (XLA compiles outside the GIL)."""
     configs = {name: config_of(name) for name in CASES}
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        compiled = dict(zip(configs, pool.map(compiled_peak, configs.values())))
-    return {name: (estimate.make_plan(cfg).peak_bytes, compiled[name]) for name, cfg in configs.items()}
+        measured = dict(zip(configs, pool.map(compiled_peak, configs.values())))
+    return {name: (estimate.make_plan(cfg).peak_bytes, measured[name]) for name, cfg in configs.items()}
 
 
 def test_the_grid_covers_every_policy_layout_and_block() -> None:

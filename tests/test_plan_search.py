@@ -12,11 +12,9 @@ candidates.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import re
 from pathlib import Path
-from types import ModuleType
 
 import flax.linen as nn
 import jax
@@ -27,24 +25,17 @@ from helpers import TINY, mesh_for, tiny_config
 from maxshard import config, loading, mesh
 from maxshard.launch import topologies
 from maxshard.planning import estimate, search
+from maxshard.planning.compiled import peak_bytes
+from test_plan import _compile, _plan_tool
 from maxshard.units import format_bytes
 
 REPO = Path(__file__).resolve().parent.parent
-TOOL = REPO / "tools" / "plan.py"
 H100 = topologies.parse("h100-80gb-8")
 BASE_8B = ["configs/base.yml", "model_name=8b"]
 # The tiny model with the tensor axis, the pipeline and remat pinned: fsdp x data x sequence x context remain.
 TINY_PINNED = ["configs/base.yml", *(t for t in TINY if not t.startswith("remat_policy=")),
                "ici_tensor_parallelism=1", "ici_pipeline_parallelism=1",
                "remat_policy=full"]
-
-
-def _plan_tool() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("plan_tool", TOOL)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +78,7 @@ def test_8b_layouts_that_fit_ranked_by_step_time(result_8b: search.SearchResult)
     # A layout that was planned but does not fit is left out: saving every activation of 32 layers of 2 x 8192
     # tokens needs more than 80 GB.
     heavy = _plan_tool().plan_for([*BASE_8B, "remat_policy=none"], "h100-80gb-8")
-    assert search.planned_peak(heavy) > result_8b.capacity
+    assert heavy.peak_bytes > result_8b.capacity
     assert all(c.layout.remat_policy != "none" for c in fitting)
     assert result_8b.invalid and sum(result_8b.invalid.values()) + result_8b.planned == result_8b.considered
 
@@ -105,16 +96,12 @@ def test_8b_best_layout_compiles_under_capacity_on_8_devices(result_8b: search.S
     temporaries (tests/test_plan_memory.py), so the CPU's own dtype is what its compile can check. The float32
     twin's planned peak must be within 15% of its compiled peak, and that compiled peak, scaled to bfloat16 by the
     plan's own ratio (the scaled capacity), must fit the node."""
-    from test_plan import _compile
-
     best = result_8b.fitting[0]
     argv = [*BASE_8B, "dtype=float32", "attention=blockwise", *best.overrides]
     cfg = loading.complete(config.finalize(config.parse(argv), 8))
     assert _as_layout(best.layout) == _layout_of(cfg)
-    stats = _compile(cfg, mesh_for(cfg)).memory_analysis()
-    compiled = (stats.argument_size_in_bytes + stats.temp_size_in_bytes + stats.output_size_in_bytes
-                - stats.alias_size_in_bytes)
-    planned = search.planned_peak(estimate.make_plan(cfg))
+    compiled = peak_bytes(_compile(cfg, mesh_for(cfg)).memory_analysis())
+    planned = estimate.make_plan(cfg).peak_bytes
     print(f"best {best.layout.label}: planned {format_bytes(best.peak)} (H100, bfloat16, cudnn); float32 on CPU "
           f"(blockwise): planned {format_bytes(planned)}, compiled {format_bytes(compiled)}, planned / compiled "
           f"{planned / compiled:.2f}; capacity {format_bytes(result_8b.capacity)}")

@@ -156,8 +156,8 @@ def make_plan(cfg: Config, target: Target | None = None) -> Plan:
     geo = traffic.geometry(cfg, sizes, itemsize)
     collectives = traffic.planned_collectives(cfg, report, sizes, geo)
     link = hardware.interconnect(target.name) if target is not None else None
-    gathered, expert_gathered = traffic.gathered_unit_bytes(cfg, report, sizes, geo)
-    terms = memory.activation_terms(cfg, sizes, geo, gathered, expert_gathered, report.gradient_bytes_per_device)
+    gathered = traffic.gathered_unit_bytes(cfg, report, sizes, geo)
+    terms = memory.activation_terms(cfg, sizes, geo, gathered, report.gradient_bytes_per_device)
     model_flops = model.flops_per_token(cfg.model) * cfg.global_batch_size * cfg.max_target_length / cfg.num_devices
     return Plan(
         cfg=cfg,
@@ -185,4 +185,4 @@ def activations_under(plan: Plan, policy: str) -> memory.ActivationTerms:
     cfg = dataclasses.replace(plan.cfg, remat_policy=policy)
     geo = traffic.geometry(cfg, plan.mesh, np.dtype(cfg.model.compute_dtype).itemsize)
     gathered = plan.activation_terms.gathered if plan.activation_terms is not None else 0.0
-    return memory.activation_terms(cfg, plan.mesh, geo, gathered, 0.0, plan.gradients)
+    return memory.activation_terms(cfg, plan.mesh, geo, gathered, plan.gradients)

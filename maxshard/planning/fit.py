@@ -19,12 +19,16 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
 from maxshard.config import Config, ConfigError
 from maxshard.config_schema import MemoryFit
 from maxshard.planning import estimate, memory
 from maxshard.units import format_bytes
 
-__all__ = ["Capacity", "local_capacity", "peaks_by_policy", "decide", "usable"]
+__all__ = ["Capacity", "configured_capacity", "local_capacity", "peaks_by_policy", "decide", "usable"]
 
 _GB = 1e9
 
@@ -49,22 +53,23 @@ def _host_available() -> int:
 
 def _agreed(value: int) -> int:
     """The smallest `value` over processes (one process: itself)."""
-    import jax
-
     if jax.process_count() == 1:
         return value
-    import numpy as np
-    from jax.experimental import multihost_utils
-
     return int(np.min(multihost_utils.process_allgather(np.array([value // 2**20], np.int32)))) * 2**20
+
+
+def configured_capacity(cfg: Config) -> Capacity | None:
+    """`device_memory_gb` when set (it overrides whatever a device reports)."""
+    if cfg.device_memory_gb > 0:
+        return Capacity(int(cfg.device_memory_gb * _GB), f"device_memory_gb={cfg.device_memory_gb:g}")
+    return None
 
 
 def local_capacity(cfg: Config) -> Capacity:
     """The memory one device of this run has (module docstring)."""
-    if cfg.device_memory_gb > 0:
-        return Capacity(int(cfg.device_memory_gb * _GB), f"device_memory_gb={cfg.device_memory_gb:g}")
-    import jax
-
+    configured = configured_capacity(cfg)
+    if configured is not None:
+        return configured
     devices = jax.local_devices()
     stats = devices[0].memory_stats() if devices[0].platform != "cpu" else None
     if stats and stats.get("bytes_limit"):

@@ -60,13 +60,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-import numpy as np
 
 from maxshard import axis_names as ax
 from maxshard.config import Config
+from maxshard.layers.moe import group_size
 from maxshard.planning.traffic import Geometry, rule_axes
 
-__all__ = ["Widths", "ActivationTerms", "widths", "activation_terms", "activation_bytes", "POLICIES_BY_MEMORY"]
+__all__ = ["Widths", "ActivationTerms", "widths", "activation_terms", "POLICIES_BY_MEMORY"]
 
 # Remat policies from the most memory (least recomputation) to the least.
 POLICIES_BY_MEMORY = ("none", "minimal", "save_qkv_out_proj", "save_qkv_proj", "save_out_proj", "full")
@@ -222,8 +222,6 @@ def _moe_token_bytes(cfg: Config, w: Widths, sizes: Mapping[str, int], itemsize:
     """Per token and MoE layer, beyond the dense MLP the layer formula counts."""
     if not cfg.model.is_moe:
         return 0.0
-    from maxshard.layers.moe import group_size
-
     rows = _moe_rows(cfg, sizes)
     expert = _split(cfg.mlp_dim, rule_axes(cfg, ax.ACT_MLP, sizes), sizes)
     if cfg.capacity_factor <= 0 and cfg.model.moe_dropless_impl != "dense":
@@ -253,9 +251,9 @@ def _moe_matmul_bytes(cfg: Config, w: Widths, sizes: Mapping[str, int], itemsize
 
 
 def activation_terms(cfg: Config, sizes: Mapping[str, int], geo: Geometry, gathered: float,
-                     expert_gathered: float, gradients: float) -> ActivationTerms:
-    """The terms of the module docstring. `gathered` and `expert_gathered`: bytes of one unit's weights after the
-    fsdp gather (all, and the experts' share); `gradients`: the gradient bytes per device (for accumulation)."""
+                     gradients: float) -> ActivationTerms:
+    """The terms of the module docstring. `gathered`: what the fsdp gather of one unit holds
+    (`traffic.gathered_unit_bytes`); `gradients`: the gradient bytes per device (for accumulation)."""
     w, size, policy = widths(cfg, sizes), geo.compute_itemsize, cfg.remat_policy
     local_length = _split(cfg.max_target_length, rule_axes(cfg, ax.LENGTH, sizes), sizes)
     tokens = _microbatch_tokens(geo.tokens, local_length, geo.accumulation)
@@ -265,7 +263,7 @@ def activation_terms(cfg: Config, sizes: Mapping[str, int], geo: Geometry, gathe
     moe_share = geo.moe_layers / max(geo.layers, 1)  # MoE layers per unit run (a unit may hold several layers)
     per_layer = cfg.num_layers // max(cfg.model.num_units, 1)  # layers in one stacked unit
     accumulation = gradients if geo.accumulation > 1 else 0.0
-    common = dict(head=head, gathered=gathered + expert_gathered, accumulation=accumulation)
+    common = dict(head=head, gathered=gathered, accumulation=accumulation)
     if geo.stages > 1 or geo.microbatches > 1:
         return _pipeline_terms(cfg, w, geo, tokens, per_layer, moe_per_layer * moe_share, common)
     saved_policy = w.saved_bytes(policy, size)
@@ -297,9 +295,3 @@ def _pipeline_terms(cfg: Config, w: Widths, geo: Geometry, tokens: int, per_laye
         block=w.block_bytes(max(microbatch // local_length, 1)),
         **common,
     )
-
-
-def activation_bytes(cfg: Config, sizes: Mapping[str, int], geo: Geometry, gathered: float = 0.0,
-                     expert_gathered: float = 0.0, gradients: float = 0.0) -> int:
-    """The total of `activation_terms`, in bytes per device."""
-    return activation_terms(cfg, sizes, geo, gathered, expert_gathered, gradients).total

@@ -32,7 +32,7 @@ search is exhaustive. A first round larger than the budget is refused with a hin
 Each candidate is loaded exactly as `tools/plan.py` loads a config (`load_for_target`: validated as the launcher
 validates it for the target). A ConfigError makes it invalid, counted by its reason; so does a dimension that would
 not split evenly over its mesh axes (heads, batch, length, ...: the planner's bytes assume even shards). Then
-`make_plan`. A candidate fits when its planned peak (`planned_peak`) is at most the capacity, HBM x (1 - headroom);
+`make_plan`. A candidate fits when its planned peak (`Plan.peak_bytes`) is at most the capacity, HBM x (1 - headroom);
 the fitting ones are ranked by `Plan.step_s`, then by planned peak (many layouts share a compute-bound step time,
 and the one with more memory left is the safer pick).
 """
@@ -54,8 +54,8 @@ from maxshard.config import MESH_AXES, Config, ConfigError, knob_name
 from maxshard.config_schema import RematPolicy
 from maxshard.launch import xpk
 from maxshard.launch.topologies import Target
+from maxshard.planning import fit, hardware
 from maxshard.planning.fit import Capacity
-from maxshard.planning import hardware
 from maxshard.planning.estimate import Plan, make_plan
 from maxshard.planning.traffic import rule_axes
 
@@ -64,7 +64,6 @@ __all__ = [
     "Candidate",
     "SearchResult",
     "load_for_target",
-    "planned_peak",
     "capacity_bytes",
     "remat_policies",
     "meshes",
@@ -96,14 +95,7 @@ def load_for_target(config_argv: Sequence[str], target: Target) -> Config:
 
 def target_capacity(cfg: Config, target: Target) -> Capacity:
     """One device's memory on `target`: `device_memory_gb` when set, else the device type's HBM."""
-    if cfg.device_memory_gb > 0:
-        return Capacity(int(cfg.device_memory_gb * 1e9), f"device_memory_gb={cfg.device_memory_gb:g}")
-    return Capacity(int(hardware.interconnect(target.name).hbm), f"{target.name} HBM")
-
-
-def planned_peak(plan: Plan) -> int:
-    """Bytes per device at the step's peak, as planned: the state, its gradients and the activations."""
-    return plan.peak_bytes
+    return fit.configured_capacity(cfg) or Capacity(int(hardware.interconnect(target.name).hbm), f"{target.name} HBM")
 
 
 def capacity_bytes(target: Target, headroom: float = DEFAULT_HEADROOM) -> float:
@@ -281,7 +273,7 @@ class Candidate:
 
     @property
     def peak(self) -> int:
-        return planned_peak(self.plan)
+        return self.plan.peak_bytes
 
     @property
     def step_s(self) -> float:

@@ -186,10 +186,11 @@ def _weight_collectives(cfg: Config, p: ParamLayout, sizes: Mapping[str, int], g
     return out
 
 
-def gathered_unit_bytes(cfg: Config, report: Report, sizes: Mapping[str, int], geo: Geometry) -> tuple[float, float]:
-    """Bytes of one stacked unit's weights after the fsdp all-gather, in the compute dtype: (all, experts' share).
-    What the layer being computed holds whole (planning/memory.py)."""
-    total = experts = 0.0
+def gathered_unit_bytes(cfg: Config, report: Report, sizes: Mapping[str, int], geo: Geometry) -> float:
+    """Bytes of one stacked unit's weights after the fsdp all-gather, in the compute dtype: what the layer being
+    computed holds whole (planning/memory.py); an MoE unit's expert weights twice (their gradient is whole too
+    until it is reduce-scattered)."""
+    total = 0.0
     units = max(geo.layers * cfg.model.num_units // max(cfg.num_layers, 1), 1)  # units one device runs
     for p in report.params:
         dims = _dim_axes(p, sizes)
@@ -202,10 +203,9 @@ def gathered_unit_bytes(cfg: Config, report: Report, sizes: Mapping[str, int], g
         if not gather:
             continue
         whole = p.bytes_per_device * _shards(gather, sizes) * geo.compute_itemsize / np.dtype(p.dtype).itemsize
-        total += whole / units
-        if any(logical == ax.EXP for logical, _ in dims):
-            experts += whole / units
-    return total, experts
+        experts = any(logical == ax.EXP for logical, _ in dims)
+        total += whole / units * (2 if experts else 1)
+    return total
 
 
 def _grad_itemsize(p: ParamLayout, lookup: bool, geo: Geometry) -> int:
