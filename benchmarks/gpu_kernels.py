@@ -1,0 +1,136 @@
+"""Where one train step's device time goes: its kernels from a profiler trace, grouped by kind and by name.
+
+    python benchmarks/gpu_kernels.py [--steps 3] [--top 25] [key=value ...]
+
+Builds the run's config like the trainer (configs/base.yml + the overrides; the 1b preset at 8k tokens, bfloat16,
+by default), compiles and warms up the train step, then traces `--steps` steps with `jax.profiler.trace(...,
+create_perfetto_trace=True)` and reads the trace's complete events ("ph": "X") on the device's streams. Each kernel
+is put in one kind by its name (matmul, attention, collective, copy, other fusion) and the table gives each kind's
+share of the summed kernel time, then the `--top` kernels by time. The per-step device time is compared with the
+wall time of the same steps: a gap means the device waited (host, launch or input).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE = os.path.join(REPO, "configs", "base.yml")
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+MODEL = ("model_name=1b", "override_model_config=true", "dataset_type=synthetic", "dtype=bfloat16",
+         "max_target_length=8192", "per_device_batch_size=2", "eval_period=0", "enable_tensorboard=false")
+
+# First match wins; names as XLA:GPU and cuDNN/cuBLAS/NCCL call their kernels.
+KINDS = (
+    ("attention", r"cudnn|flash|fmha|attention|sdpa"),
+    ("collective", r"nccl|all-?reduce|all-?gather|reduce-?scatter|all-?to-?all|collective"),
+    ("matmul", r"gemm|nvjet|cublas|cutlass|sm\d+_xmma|dot|wgmma|matmul"),  # nvjet: cuBLAS's Hopper GEMMs
+    ("copy", r"memcpy|memset|copy|transpose"),
+)
+
+
+def kind_of(name: str) -> str:
+    lowered = name.lower()
+    return next((kind for kind, pattern in KINDS if re.search(pattern, lowered)), "other fusion")
+
+
+def device_kernels(trace: dict, device_pattern: str) -> list[tuple[str, float]]:
+    """(name, microseconds) of every complete event on the kernel streams of a process whose name matches
+    `device_pattern`. A device's process also has derived lines ("XLA Ops", "XLA Modules", "Steps") that repeat the
+    same time; where threads named "Stream ..." exist only those are read."""
+    meta = [e for e in trace["traceEvents"] if e.get("ph") == "M"]
+    processes = {e["pid"]: e.get("args", {}).get("name", "") for e in meta if e.get("name") == "process_name"}
+    devices = {pid for pid, name in processes.items() if re.search(device_pattern, name, re.IGNORECASE)}
+    threads = {(e["pid"], e.get("tid")): e.get("args", {}).get("name", "") for e in meta
+               if e.get("name") == "thread_name" and e["pid"] in devices}
+    streams = {key for key, name in threads.items() if name.lower().startswith("stream")}
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("pid") in devices]
+    if streams:
+        events = [e for e in events if (e["pid"], e.get("tid")) in streams]
+    print(f"device lines read: {sorted({threads.get(k, '?') for k in (streams or threads)})[:8]}", file=sys.stderr)
+    return [(e["name"], float(e.get("dur", 0))) for e in events]
+
+
+def report(kernels: list[tuple[str, float]], steps: int, wall_s: float, top: int) -> str:
+    total = sum(d for _, d in kernels) or 1.0
+    by_kind: dict[str, float] = collections.Counter()
+    by_name: dict[str, float] = collections.Counter()
+    calls: dict[str, int] = collections.Counter()
+    for name, dur in kernels:
+        by_kind[kind_of(name)] += dur
+        by_name[name] += dur
+        calls[name] += 1
+    lines = [f"device kernel time per step {total / steps / 1e3:.1f} ms, wall time per step {wall_s / steps * 1e3:.1f} ms"
+             f" ({len(kernels) // max(steps, 1)} kernels per step)", "",
+             "| kind | ms per step | share |", "|---|---:|---:|"]
+    for kind, dur in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+        lines.append(f"| {kind} | {dur / steps / 1e3:.1f} | {100 * dur / total:.1f}% |")
+    lines += ["", "| kernel | kind | calls per step | ms per step | share |", "|---|---|---:|---:|---:|"]
+    for name, dur in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"| {name[:90]} | {kind_of(name)} | {calls[name] / steps:g} | {dur / steps / 1e3:.2f} | "
+                     f"{100 * dur / total:.1f}% |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--device-pattern", default=r"/device:(GPU|TPU)",
+                        help="regex of the trace's process names that are device streams")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+
+    import jax
+
+    from maxshard import data, loading, mesh
+    from maxshard.step import Trainer
+
+    given = {o.split("=", 1)[0] for o in args.overrides}
+    cfg = loading.load_run([BASE, *(o for o in MODEL if o.split("=", 1)[0] not in given), *args.overrides])
+    print(f"{cfg.device_kind}: remat {cfg.remat_policy}, attention {cfg.model.attention}, "
+          f"{cfg.global_batch_size} x {cfg.max_target_length} tokens per step", flush=True)
+    trainer = Trainer(cfg, mesh.build(cfg))
+    state = trainer.init_state()
+    batch_sharding = data.batch_sharding(cfg, trainer.mesh)
+    batch = next(data.make_input(cfg, trainer.mesh))
+    step = trainer.jit_train_step(batch_sharding)
+    for _ in range(2):  # compile and warm up
+        state, metrics = step(state, batch)
+    jax.block_until_ready(metrics)
+    with tempfile.TemporaryDirectory() as out:
+        start = time.perf_counter()
+        with jax.profiler.trace(out, create_perfetto_trace=True):
+            for _ in range(args.steps):
+                state, metrics = step(state, batch)
+            jax.block_until_ready(metrics)
+        wall = time.perf_counter() - start
+        found = glob.glob(os.path.join(out, "**", "perfetto_trace.json.gz"), recursive=True)
+        if not found:
+            print(f"no perfetto trace written under {out}", file=sys.stderr)
+            return 1
+        with gzip.open(found[0], "rt") as f:
+            trace = json.load(f)
+    kernels = device_kernels(trace, args.device_pattern)
+    if not kernels:
+        processes = sorted({e.get("args", {}).get("name", "") for e in trace["traceEvents"] if e.get("ph") == "M"})
+        print(f"no events on processes matching {args.device_pattern!r}; processes: {processes}", file=sys.stderr)
+        return 1
+    print(report(kernels, args.steps, wall, args.top))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

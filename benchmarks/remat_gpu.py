@@ -1,0 +1,150 @@
+"""Remat policies on one accelerator: the planner's peak against XLA's and the allocator's, and what each costs.
+
+    python benchmarks/remat_gpu.py [--model 1b] [--policies auto,none,...,full] [--steps 10] [key=value ...]
+
+The planner's memory model (maxshard/planning/memory.py) is calibrated on XLA:CPU, whose buffer assignment differs
+from a GPU's; this script checks it where it matters. For the 1b preset (bfloat16, 8k tokens, batch 2 by default)
+and each remat policy, in a fresh process each (so the allocator's peak is that policy's alone):
+
+- planned: `Plan.peak_bytes` under the policy, what `remat_policy: auto` compares with the device's memory;
+- compiled: `memory_analysis()` of the very program that is timed (arguments + temporaries + outputs - aliases);
+- allocator: `memory_stats()['peak_bytes_in_use']` after the timed steps (state, batch, step and all);
+- step time (median of --steps after a warm-up), tokens/s and MFU (model FLOPs, recompute not counted).
+
+`auto` shows which policy the run would choose against this device's allocator limit. A policy the planner says
+does not fit is reported as such (the run would refuse it), and an out-of-memory is a result, not a failure.
+Runs on CPU too (for the script's own check; the figures there mean nothing for a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE = os.path.join(REPO, "configs", "base.yml")
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+MODEL = ("override_model_config=true", "dataset_type=synthetic", "dtype=bfloat16",
+         "max_target_length=8192", "per_device_batch_size=2", "eval_period=0", "enable_tensorboard=false")
+POLICIES = ("auto", "none", "minimal", "save_qkv_out_proj", "save_qkv_proj", "save_out_proj", "full")
+MARK = "RESULT "
+
+
+def measure(policy: str, preset: str, steps: int, overrides: Sequence[str]) -> dict:
+    """One policy in this process: plan, compile, run (`steps` 0: compile only); the figures as a dict."""
+    import jax
+
+    from maxshard import data, loading, mesh, model, perf
+    from maxshard.config_schema import ConfigError
+    from maxshard.planning import compiled, estimate
+    from maxshard.step import Trainer
+
+    given = {o.split("=", 1)[0] for o in overrides}
+    defaults = [o for o in MODEL if o.split("=", 1)[0] not in given]  # the overrides win
+    try:
+        cfg = loading.load_run([BASE, f"model_name={preset}", *defaults, f"remat_policy={policy}", *overrides])
+    except ConfigError as e:
+        return {"policy": policy, "error": str(e)}
+    fit = cfg.memory_fit
+    row = {"policy": policy, "chosen": fit.policy, "planned": fit.planned_bytes, "usable": fit.usable_bytes,
+           "capacity_source": fit.capacity_source, "attention": cfg.model.attention, "device": cfg.device_kind}
+    plan = estimate.make_plan(cfg)
+    row["plan_state"] = plan.params + plan.optimizer + plan.gradients
+    row["plan_terms"] = plan.activation_terms.as_json()
+    try:
+        trainer = Trainer(cfg, mesh.build(cfg))
+        state = trainer.init_state()
+        batch_sharding = data.batch_sharding(cfg, trainer.mesh)
+        batch = next(data.make_input(cfg, trainer.mesh))
+        step = trainer.jit_train_step(batch_sharding).lower(state, batch).compile()
+        stats = step.memory_analysis()
+        row["compiled"] = compiled.peak_bytes(stats)
+        row["compiled_parts"] = {k: getattr(stats, f"{k}_size_in_bytes") for k in ("argument", "output", "alias", "temp")}
+        if steps == 0:
+            return row
+        holder = {"state": state}
+
+        def one() -> object:
+            holder["state"], metrics = step(holder["state"], batch)
+            return metrics["loss"]
+
+        jax.block_until_ready(one())
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            jax.block_until_ready(one())
+            times.append(time.perf_counter() - start)
+    except Exception as e:  # noqa: BLE001 - an out-of-memory is a result
+        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        return row
+    seconds = statistics.median(times)
+    stats = jax.local_devices()[0].memory_stats() or {}
+    row["allocator"] = stats.get("peak_bytes_in_use")
+    tokens = cfg.global_batch_size * cfg.max_target_length
+    figures = perf.step_perf(tokens, model.flops_per_token(cfg.model) * tokens, seconds, cfg.num_devices,
+                             perf.peak_flops(cfg.device_kind))
+    row.update(step_ms=seconds * 1e3, tokens_per_sec=figures["tokens_per_sec_per_device"], mfu=figures["mfu"])
+    return row
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f}"
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| policy | planned GiB | compiled GiB | planned / compiled | allocator peak GiB | step ms | tokens/s | MFU |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    full = next((r["step_ms"] for r in rows if r.get("policy") == "full" and "step_ms" in r), None)
+    for r in rows:
+        name = r["policy"] if r.get("chosen") in (None, r["policy"]) else f"{r['policy']} -> {r['chosen']}"
+        if "compiled" not in r:
+            lines.append(f"| {name} | {_gib(r.get('planned'))} | {r.get('error', '')} | | | | | |")
+            continue
+        ratio = f"{r['planned'] / r['compiled']:.2f}"
+        if "step_ms" not in r:
+            lines.append(f"| {name} | {_gib(r['planned'])} | {_gib(r['compiled'])} | {ratio} | {r.get('error', 'compile only')} | | | |")
+            continue
+        speed = f" ({full / r['step_ms']:.2f}x full)" if full else ""
+        mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+        lines.append(f"| {name} | {_gib(r['planned'])} | {_gib(r['compiled'])} | {ratio} | {_gib(r['allocator'])} | "
+                     f"{r['step_ms']:.1f}{speed} | {r['tokens_per_sec']:,.0f} | {mfu} |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--model", default="1b", help="model preset (configs/models/NAME.yml)")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure this policy in this process
+    parser.add_argument("overrides", nargs="*", help="key=value overrides of the model and layout")
+    args = parser.parse_args(argv)
+    if args.one:
+        print(MARK + json.dumps(measure(args.one, args.model, args.steps, args.overrides)), flush=True)
+        return 0
+    rows = []
+    for policy in args.policies.split(","):
+        cmd = [sys.executable, os.path.abspath(__file__), "--one", policy, "--steps", str(args.steps),
+               "--model", args.model, *args.overrides]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        found = [line[len(MARK):] for line in done.stdout.splitlines() if line.startswith(MARK)]
+        row = json.loads(found[-1]) if found else {"policy": policy, "error": f"exit {done.returncode}: "
+                                                   + (done.stderr.strip().splitlines() or [""])[-1][:120]}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    first = next((r for r in rows if "capacity_source" in r), {})
+    print(f"\n{first.get('device', '')}: usable {_gib(first.get('usable'))} GiB ({first.get('capacity_source', '')})")
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
