@@ -25,7 +25,7 @@ def model_config(cfg: Config, mesh_sizes: dict[str, int] | None = None) -> Model
     values = {key: getattr(cfg, key) for key in model_fields()}
     values["dtype"] = resolve_dtype(cfg.dtype, platform)
     values["weight_dtype"] = resolve_dtype(cfg.weight_dtype, platform)
-    values["moe_dropless_impl"] = resolve_moe_impl(cfg.moe_dropless_impl, platform)
+    values["moe_dropless_impl"] = resolve_moe_impl(cfg.moe_dropless_impl, cfg.device_kind)
     values["attention"] = attention_choice.resolve(cfg, values["dtype"], sizes)
     return ModelConfig(**values, pipeline=stages.resolve(cfg, sizes))
 

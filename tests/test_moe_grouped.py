@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxshard import model, sharding
+from maxshard import loading, model, sharding
 from maxshard.config import ConfigError
 from maxshard.layers import moe, moe_grouped
 from maxshard.model_config import ModelConfig
@@ -213,3 +213,12 @@ def test_bad_new_moe_keys_name_the_key(override, message):
 def test_auto_impl_is_tiled_on_cpu_and_group_size_reaches_the_model():
     cfg = tiny_config("num_experts=8", "moe_group_size=8")
     assert cfg.model.moe_dropless_impl == "tiled" and cfg.model.moe_group_size == 8
+
+
+@pytest.mark.parametrize("device_kind, impl", [("TPU v5p", "ragged_dot"), ("NVIDIA H100 80GB HBM3", "tiled")])
+def test_auto_impl_is_ragged_dot_on_tpu_only(device_kind, impl):
+    """On an H100 ragged_dot's kernels were dense GEMMs, 1.5-3.3x tiled's step time (benchmarks/README.md)."""
+    cfg = dataclasses.replace(tiny_config("num_experts=8", "capacity_factor=-1"), device_kind=device_kind)
+    assert loading.model_config(cfg).moe_dropless_impl == impl
+    explicit = dataclasses.replace(cfg, moe_dropless_impl="ragged_dot")
+    assert loading.model_config(explicit).moe_dropless_impl == "ragged_dot"  # an explicit choice is kept
