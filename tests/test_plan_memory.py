@@ -134,14 +134,22 @@ def test_peaks_fall_as_recomputation_grows(policy_peaks: dict[str, int]) -> None
 
 
 def test_auto_takes_the_least_recomputation_that_fits(policy_peaks: dict[str, int]) -> None:
+    """With room for all, none and minimal re-run no matmul (dot_product attention): the smaller, minimal, wins."""
     roomy = tiny_config(*AUTO, "remat_policy=auto", "device_memory_gb=100")
-    assert roomy.remat_policy == "none" and roomy.model.remat_policy == "none"
+    assert roomy.remat_policy == "minimal" and roomy.model.remat_policy == "minimal"
     assert roomy.memory_fit.requested == "auto" and roomy.memory_fit.fits
-    assert roomy.memory_fit.planned_bytes == policy_peaks["none"]
+    assert roomy.memory_fit.planned_bytes == policy_peaks["minimal"] < policy_peaks["none"]
 
     tight = tiny_config(*AUTO, "remat_policy=auto", f"device_memory_gb={_between(policy_peaks, 'minimal', 'none')}")
     assert tight.remat_policy == "minimal"  # none no longer fits, minimal does
     assert tight.memory_fit.planned_bytes <= tight.memory_fit.usable_bytes < policy_peaks["none"]
+
+
+def test_auto_keeps_everything_when_minimal_would_rerun_a_fused_attention() -> None:
+    """A fused attention kernel is no matmul that minimal keeps: minimal re-runs it, none re-runs nothing."""
+    fused = tiny_config(*AUTO, "remat_policy=auto", "device_memory_gb=100", "attention=blockwise")
+    assert fused.remat_policy == "none"
+    assert estimate.remat_factor(fused, "none") == 1 < estimate.remat_factor(fused, "minimal")
 
 
 def test_the_chosen_policy_compiles_under_the_capacity(policy_peaks: dict[str, int]) -> None:

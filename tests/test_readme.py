@@ -68,9 +68,9 @@ def test_the_readme_training_command_runs_as_written(tmp_path):
     first = run()
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
     assert f"run: {tmp_path / 'runs' / 'default'}" in first.stdout  # the resolved run directory is printed
-    assert "remat: auto -> none, the least recompute that fits: planned peak" in first.stdout  # the default
+    assert "remat: auto -> minimal, the least recompute that fits: planned peak" in first.stdout  # the default
     startup = json.loads((tmp_path / "runs" / "default" / "metrics.jsonl").read_text().splitlines()[0])["startup"]
-    assert startup["remat_policy"] == "none" and startup["memory_fit"]["requested"] == "auto"
+    assert startup["remat_policy"] == "minimal" and startup["memory_fit"]["requested"] == "auto"
     assert startup["memory_fit"]["planned_bytes"] < startup["memory_fit"]["usable_bytes"]
     checkpoints = tmp_path / "runs" / "default" / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["1", "2"]  # committed: no *.orbax-checkpoint-tmp

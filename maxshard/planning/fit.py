@@ -1,6 +1,12 @@
 """Does the run fit its devices? The planned peak per device under each remat policy against the usable memory,
 and `remat_policy: auto`: the least recomputation that fits.
 
+Recomputation is counted in FLOPs, as the planner prices a step (`estimate.remat_factor`): the forward matmuls and
+attention the backward re-runs. Of policies that recompute equally, the one with the smaller peak is taken: `none`
+and `minimal` both re-run no matmul, and `minimal` keeps only the matmul outputs instead of every intermediate, so
+it wins unless a fused attention kernel makes it re-run the attention. (On XLA:CPU at benchmarks/maxtext_compare.py's
+shape, `minimal` took 0.93x `none`'s CPU time and 0.93x its wall time.)
+
 Capacity per device, in order: `device_memory_gb` (GB = 1e9 bytes); an accelerator's own limit
 (`Device.memory_stats()["bytes_limit"]`, what the allocator may use); on CPU, the host's available memory
 (`MemAvailable` of /proc/meminfo) shared by the local devices. With several processes the smallest capacity of any
@@ -28,7 +34,7 @@ from maxshard.config_schema import MemoryFit
 from maxshard.planning import estimate, memory
 from maxshard.units import format_bytes
 
-__all__ = ["Capacity", "configured_capacity", "local_capacity", "peaks_by_policy", "decide", "usable"]
+__all__ = ["Capacity", "cheapest", "configured_capacity", "local_capacity", "peaks_by_policy", "decide", "usable"]
 
 _GB = 1e9
 
@@ -93,28 +99,33 @@ def peaks_by_policy(cfg: Config) -> dict[str, int]:
 
 
 def decide(cfg: Config, capacity: Capacity, strict: bool = True) -> MemoryFit:
-    """The policy the run uses: `auto` -> the first of POLICIES_BY_MEMORY that fits; an explicit policy -> itself.
+    """The policy the run uses: `auto` -> the least recompute that fits (`cheapest`); an explicit policy -> itself.
     When it does not fit: ConfigError (one line) if `strict`, else the fit with `fits` False (`auto` -> full), for
     tools that inspect a config this machine could not run."""
     peaks, limit = peaks_by_policy(cfg), usable(cfg, capacity)
     fitting = [p for p, b in peaks.items() if b <= limit]
     policy = cfg.remat_policy
     if policy == "auto":
-        policy = fitting[0] if fitting else "full"
+        policy = cheapest(cfg, fitting, peaks) if fitting else "full"
     fits = peaks[policy] <= limit
     if strict and not fits:
         raise ConfigError(_shortfall(cfg, peaks, limit, capacity, fitting))
     return MemoryFit(cfg.remat_policy, policy, peaks[policy], limit, capacity.bytes, capacity.source, fits)
 
 
+def cheapest(cfg: Config, fitting: list[str], peaks: dict[str, int]) -> str:
+    """Of the policies that fit, the one whose backward re-runs the fewest FLOPs; of equal ones, the smallest."""
+    return min(fitting, key=lambda policy: (estimate.remat_factor(cfg, policy), peaks[policy]))
+
+
 def _shortfall(cfg: Config, peaks: dict[str, int], limit: int, capacity: Capacity, fitting: list[str]) -> str:
     room = (f"the {format_bytes(limit)} usable per device ({capacity.source}, "
             f"memory_headroom={cfg.memory_headroom:g})")
     if fitting:
-        policy = cfg.remat_policy
+        policy, best = cfg.remat_policy, cheapest(cfg, fitting, peaks)
         return (f"remat_policy={policy} needs {format_bytes(peaks[policy])} per device (planned peak), "
                 f"{format_bytes(peaks[policy] - limit)} more than {room}; the cheapest policy that fits is "
-                f"remat_policy={fitting[0]} ({format_bytes(peaks[fitting[0]])})")
+                f"remat_policy={best} ({format_bytes(peaks[best])})")
     least = peaks["full"]
     return (f"remat_policy={cfg.remat_policy}: no remat policy fits; even remat_policy=full needs "
             f"{format_bytes(least)} per device (planned peak), {format_bytes(least - limit)} more than {room}; "
