@@ -2,8 +2,9 @@
 
 Roofline. Compute time = hardware FLOPs per device / peak, where hardware FLOPs = model FLOPs (`model.py`,
 forward + backward) x (1 + the share of forward FLOPs the remat policy recomputes / 3) (`remat_factor`: 4/3 for
-full, 1 for none and minimal), divided by (1 - bubble) under a pipeline. A collective over a group of n = n_ici x n_dcn devices
-(ici and dcn parts of its mesh axes) with full-buffer bytes B moves, per device, with a ring inside each level:
+full, 1 for none, and for minimal unless it re-runs a fused attention), divided by (1 - bubble) under a pipeline.
+A collective over a group of n = n_ici x n_dcn devices (ici and dcn parts of its mesh axes) with full-buffer bytes
+B moves, per device, with a ring inside each level:
 
     over ICI:  f x (n_ici - 1) / n_ici x B            at the ICI bandwidth of one device
     over DCN:  f x (n_dcn - 1) / n_dcn x B / n_ici    at the DCN bandwidth of one device (hierarchical: the ICI
