@@ -52,7 +52,10 @@ def main(argv: list[str]) -> int:
         "counters": metrics.summed_over_processes({"tokens": 3 * 2**31 * (jax.process_index() + 1),
                                                    "skipped": jax.process_index()}),
     }
-    print(json.dumps(result), flush=True)
+    # One write of the whole line (atomic on a pipe below PIPE_BUF): gloo's C++ log lines share this stdout, and
+    # print() writes the text and its newline separately, between which a gloo line once landed.
+    sys.stdout.write(json.dumps(result) + "\n")
+    sys.stdout.flush()
     return 0
 
 

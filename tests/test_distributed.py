@@ -169,8 +169,10 @@ def test_two_processes_see_eight_devices_and_sum_across_them():
     seen = []
     for code, out, err in results:
         assert code == 0, err[-2000:]
-        # gloo's C++ log lines ("[Gloo] Rank 0 is connected ...") share stdout and may land after the JSON line
-        seen.append(json.loads(next(line for line in reversed(out.splitlines()) if line.startswith("{"))))
+        # gloo's C++ log lines ("[Gloo] Rank 0 is connected ...") share stdout and may land after the JSON line,
+        # even on it: read the one JSON object the line starts with
+        line = next(line for line in reversed(out.splitlines()) if line.startswith("{"))
+        seen.append(json.JSONDecoder().raw_decode(line)[0])
     assert [s["process_index"] for s in seen] == [0, 1]
     for s in seen:
         assert s == {**s, "initialized": True, "process_count": 2, "device_count": 8, "local_device_count": 4}
