@@ -16,32 +16,17 @@ Needs a GPU (`pip install -e '.[cuda]'`); CI never runs it. Two parts:
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
 import sys
-import time
 from collections.abc import Callable, Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import accelerator  # benchmarks/ is the script's directory
+import jax
+import jax.numpy as jnp
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+from maxshard.layers import attention_ops as ops
 
-from maxshard import data, loading, mesh, model, perf  # noqa: E402
-from maxshard.layers import attention_ops as ops  # noqa: E402
-from maxshard.step import Trainer  # noqa: E402
-
-BASE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "base.yml")
-
-
-def _median_seconds(fn: Callable[[], object], steps: int) -> float:
-    jax.block_until_ready(fn())  # compile and warm up
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+MODEL = ("model_name=1b", "override_model_config=true", "dataset_type=synthetic", "dtype=bfloat16",
+         "per_device_batch_size=1", "eval_period=0")
 
 
 def kernel_row(length: int, steps: int) -> str:
@@ -55,7 +40,7 @@ def kernel_row(length: int, steps: int) -> str:
         loss = jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(fn(q, k, v, segments, segments).astype(jnp.float32)),
                                           argnums=(0, 1, 2)))
         out = jax.jit(fn)(q, k, v, segments, segments)
-        return _median_seconds(lambda: loss(q, k, v), steps), out
+        return accelerator.median_seconds(lambda: loss(q, k, v), steps), out
 
     cudnn_s, cudnn_out = timed(ops.cudnn)
     try:
@@ -68,31 +53,14 @@ def kernel_row(length: int, steps: int) -> str:
 
 
 def model_row(attention: str, length: int, steps: int, overrides: Sequence[str]) -> str:
-    argv = [BASE, "model_name=1b", "override_model_config=true", "dataset_type=synthetic", "dtype=bfloat16",
-            f"max_target_length={length}", "per_device_batch_size=1", f"attention={attention}", "eval_period=0",
-            *overrides]
     try:
-        cfg = loading.load_run(argv)
-        trainer = Trainer(cfg, mesh.build(cfg))
-        state = trainer.init_state()
-        batch_sharding = data.batch_sharding(cfg, trainer.mesh)
-        step = trainer.jit_train_step(batch_sharding)
-        batch = next(data.make_input(cfg, trainer.mesh))
-        holder = {"state": state}
-
-        def one() -> object:
-            holder["state"], metrics = step(holder["state"], batch)
-            return metrics["loss"]
-
-        seconds = _median_seconds(one, steps)
+        cfg = accelerator.load((*MODEL, f"max_target_length={length}", f"attention={attention}"), overrides)
+        seconds = accelerator.median_seconds(accelerator.compile_step(cfg).run, steps)
     except Exception as e:  # noqa: BLE001 - dot_product may run out of memory at 8k
         return f"| {attention} | failed: {type(e).__name__}: {str(e).splitlines()[0][:80]} | | |"
-    tokens = cfg.global_batch_size * cfg.max_target_length
-    flops = model.flops_per_token(cfg.model) * tokens
-    figures = perf.step_perf(tokens, flops, seconds, cfg.num_devices, perf.peak_flops(cfg.device_kind))
-    mfu = figures["mfu"]
-    return (f"| {cfg.model.attention} | {seconds * 1e3:.1f} ms | {figures['tokens_per_sec_per_device']:,.0f} | "
-            f"{'-' if mfu is None else f'{100 * mfu:.1f}%'} |")
+    speed = accelerator.throughput(cfg, seconds)
+    mfu = "-" if speed["mfu"] is None else f"{100 * speed['mfu']:.1f}%"
+    return f"| {cfg.model.attention} | {speed['step_ms']:.1f} ms | {speed['tokens_per_sec']:,.0f} | {mfu} |"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -24,10 +24,8 @@ import tempfile
 import time
 from collections.abc import Sequence
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BASE = os.path.join(REPO, "configs", "base.yml")
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+import accelerator  # benchmarks/ is the script's directory
+import jax
 
 MODEL = ("model_name=1b", "override_model_config=true", "dataset_type=synthetic", "dtype=bfloat16",
          "max_target_length=8192", "per_device_batch_size=2", "eval_period=0", "enable_tensorboard=false")
@@ -93,29 +91,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
 
-    import jax
-
-    from maxshard import data, loading, mesh
-    from maxshard.step import Trainer
-
-    given = {o.split("=", 1)[0] for o in args.overrides}
-    cfg = loading.load_run([BASE, *(o for o in MODEL if o.split("=", 1)[0] not in given), *args.overrides])
+    cfg = accelerator.load(MODEL, args.overrides)
     print(f"{cfg.device_kind}: remat {cfg.remat_policy}, attention {cfg.model.attention}, "
           f"{cfg.global_batch_size} x {cfg.max_target_length} tokens per step", flush=True)
-    trainer = Trainer(cfg, mesh.build(cfg))
-    state = trainer.init_state()
-    batch_sharding = data.batch_sharding(cfg, trainer.mesh)
-    batch = next(data.make_input(cfg, trainer.mesh))
-    step = trainer.jit_train_step(batch_sharding)
-    for _ in range(2):  # compile and warm up
-        state, metrics = step(state, batch)
-    jax.block_until_ready(metrics)
+    compiled_step = accelerator.compile_step(cfg)
+    for _ in range(2):  # warm up
+        jax.block_until_ready(compiled_step.run())
     with tempfile.TemporaryDirectory() as out:
         start = time.perf_counter()
         with jax.profiler.trace(out, create_perfetto_trace=True):
             for _ in range(args.steps):
-                state, metrics = step(state, batch)
-            jax.block_until_ready(metrics)
+                loss = compiled_step.run()
+            jax.block_until_ready(loss)
         wall = time.perf_counter() - start
         found = glob.glob(os.path.join(out, "**", "perfetto_trace.json.gz"), recursive=True)
         if not found:

@@ -21,78 +21,60 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BASE = os.path.join(REPO, "configs", "base.yml")
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
-
-MODEL = ("override_model_config=true", "dataset_type=synthetic", "dtype=bfloat16",
-         "max_target_length=8192", "per_device_batch_size=2", "eval_period=0", "enable_tensorboard=false")
+MODEL = ("override_model_config=true", "dataset_type=synthetic", "dtype=bfloat16", "max_target_length=8192",
+         "per_device_batch_size=2", "eval_period=0", "enable_tensorboard=false")
 POLICIES = ("auto", "none", "minimal", "save_qkv_out_proj", "save_qkv_proj", "save_out_proj", "full")
 MARK = "RESULT "
 
 
 def measure(policy: str, preset: str, steps: int, overrides: Sequence[str]) -> dict:
     """One policy in this process: plan, compile, run (`steps` 0: compile only); the figures as a dict."""
+    import accelerator  # benchmarks/ is the script's directory; imported here so that the parent starts no JAX
     import jax
 
-    from maxshard import data, loading, mesh, model, perf
     from maxshard.config_schema import ConfigError
-    from maxshard.planning import compiled, estimate
-    from maxshard.step import Trainer
 
-    given = {o.split("=", 1)[0] for o in overrides}
-    defaults = [o for o in MODEL if o.split("=", 1)[0] not in given]  # the overrides win
     try:
-        cfg = loading.load_run([BASE, f"model_name={preset}", *defaults, f"remat_policy={policy}", *overrides])
+        cfg = accelerator.load([f"model_name={preset}", *MODEL, f"remat_policy={policy}"], overrides)
     except ConfigError as e:
         return {"policy": policy, "error": str(e)}
-    fit = cfg.memory_fit
-    row = {"policy": policy, "chosen": fit.policy, "planned": fit.planned_bytes, "usable": fit.usable_bytes,
-           "capacity_source": fit.capacity_source, "attention": cfg.model.attention, "device": cfg.device_kind}
-    plan = estimate.make_plan(cfg)
-    row["plan_state"] = plan.params + plan.optimizer + plan.gradients
-    row["plan_terms"] = plan.activation_terms.as_json()
+    row = planned(cfg, policy)
     try:
-        trainer = Trainer(cfg, mesh.build(cfg))
-        state = trainer.init_state()
-        batch_sharding = data.batch_sharding(cfg, trainer.mesh)
-        batch = next(data.make_input(cfg, trainer.mesh))
-        step = trainer.jit_train_step(batch_sharding).lower(state, batch).compile()
-        stats = step.memory_analysis()
-        row["compiled"] = compiled.peak_bytes(stats)
-        row["compiled_parts"] = {k: getattr(stats, f"{k}_size_in_bytes") for k in ("argument", "output", "alias", "temp")}
+        compiled_step = accelerator.compile_step(cfg)
+        row.update(compiled_figures(compiled_step.step))
         if steps == 0:
             return row
-        holder = {"state": state}
-
-        def one() -> object:
-            holder["state"], metrics = step(holder["state"], batch)
-            return metrics["loss"]
-
-        jax.block_until_ready(one())
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            jax.block_until_ready(one())
-            times.append(time.perf_counter() - start)
+        seconds = accelerator.median_seconds(compiled_step.run, steps)
     except Exception as e:  # noqa: BLE001 - an out-of-memory is a result
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
         return row
-    seconds = statistics.median(times)
-    stats = jax.local_devices()[0].memory_stats() or {}
-    row["allocator"] = stats.get("peak_bytes_in_use")
-    tokens = cfg.global_batch_size * cfg.max_target_length
-    figures = perf.step_perf(tokens, model.flops_per_token(cfg.model) * tokens, seconds, cfg.num_devices,
-                             perf.peak_flops(cfg.device_kind))
-    row.update(step_ms=seconds * 1e3, tokens_per_sec=figures["tokens_per_sec_per_device"], mfu=figures["mfu"])
+    row["allocator"] = (jax.local_devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+    row.update(accelerator.throughput(cfg, seconds))
     return row
+
+
+def planned(cfg, policy: str) -> dict:
+    """What the planner says: the fit decision and the plan's state and activation terms."""
+    from maxshard.planning import estimate
+
+    fit, plan = cfg.memory_fit, estimate.make_plan(cfg)
+    return {"policy": policy, "chosen": fit.policy, "planned": fit.planned_bytes, "usable": fit.usable_bytes,
+            "capacity_source": fit.capacity_source, "attention": cfg.model.attention, "device": cfg.device_kind,
+            "plan_state": plan.params + plan.optimizer + plan.gradients,
+            "plan_terms": plan.activation_terms.as_json()}
+
+
+def compiled_figures(step) -> dict:
+    """The compiled step's peak per device and the parts of its memory analysis."""
+    from maxshard.planning import compiled
+
+    stats = step.memory_analysis()
+    parts = {k: getattr(stats, f"{k}_size_in_bytes") for k in ("argument", "output", "alias", "temp")}
+    return {"compiled": compiled.peak_bytes(stats), "compiled_parts": parts}
 
 
 def _gib(n: int | None) -> str:
