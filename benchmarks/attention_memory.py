@@ -43,7 +43,8 @@ def load(length: int, attention: str, *overrides: str) -> config.Config:
 
 def compiled_temp_bytes(cfg: config.Config) -> int:
     """Temporaries per device of the compiled train step, lowered from abstract sharded arguments."""
-    return compiled.compile_train_step(cfg, mesh.build(cfg, jax.devices()[: cfg.num_devices])).memory_analysis().temp_size_in_bytes
+    step = compiled.compile_train_step(cfg, mesh.build(cfg, jax.devices()[: cfg.num_devices]))
+    return step.memory_analysis().temp_size_in_bytes
 
 
 def measure(length: int, attention: str, *overrides: str) -> dict[str, float]:

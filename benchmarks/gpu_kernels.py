@@ -70,8 +70,8 @@ def report(kernels: list[tuple[str, float]], steps: int, wall_s: float, top: int
         by_kind[kind_of(name)] += dur
         by_name[name] += dur
         calls[name] += 1
-    lines = [f"device kernel time per step {total / steps / 1e3:.1f} ms, wall time per step {wall_s / steps * 1e3:.1f} ms"
-             f" ({len(kernels) // max(steps, 1)} kernels per step)", "",
+    lines = [f"device kernel time per step {total / steps / 1e3:.1f} ms, wall time per step "
+             f"{wall_s / steps * 1e3:.1f} ms ({len(kernels) // max(steps, 1)} kernels per step)", "",
              "| kind | ms per step | share |", "|---|---:|---:|"]
     for kind, dur in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         lines.append(f"| {kind} | {dur / steps / 1e3:.1f} | {100 * dur / total:.1f}% |")

@@ -45,7 +45,8 @@ KINDS = {  # the best layout of each kind is compiled too, when not among the to
 
 def compiled_peak(cfg: config.Config) -> int:
     """Per-device peak of the compiled train step (maxshard/planning/compiled.py)."""
-    return compiled.peak_bytes(compiled.compile_train_step(cfg, mesh.build(cfg, jax.devices()[: cfg.num_devices])).memory_analysis())
+    step = compiled.compile_train_step(cfg, mesh.build(cfg, jax.devices()[: cfg.num_devices]))
+    return compiled.peak_bytes(step.memory_analysis())
 
 
 def chosen(result: search.SearchResult, top: int) -> list[tuple[int, search.Candidate]]:

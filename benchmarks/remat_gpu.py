@@ -81,23 +81,30 @@ def _gib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**30:.2f}"
 
 
+COLUMNS = ("policy", "planned GiB", "compiled GiB", "planned / compiled", "allocator peak GiB", "step ms",
+           "tokens/s", "MFU")
+
+
+def row_cells(r: dict, full_ms: float | None) -> list[str]:
+    """One policy's cells; what a policy did not reach (refused, out of memory, compile only) says why instead."""
+    name = r["policy"] if r.get("chosen") in (None, r["policy"]) else f"{r['policy']} -> {r['chosen']}"
+    cells = [name, _gib(r.get("planned"))]
+    if "compiled" not in r:
+        return cells + [r.get("error", "")]
+    cells += [_gib(r["compiled"]), f"{r['planned'] / r['compiled']:.2f}"]
+    if "step_ms" not in r:
+        return cells + [r.get("error", "compile only")]
+    speed = f" ({full_ms / r['step_ms']:.2f}x full)" if full_ms else ""
+    mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+    return cells + [_gib(r["allocator"]), f"{r['step_ms']:.1f}{speed}", f"{r['tokens_per_sec']:,.0f}", mfu]
+
+
 def table(rows: list[dict]) -> str:
-    lines = ["| policy | planned GiB | compiled GiB | planned / compiled | allocator peak GiB | step ms | tokens/s | MFU |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    full = next((r["step_ms"] for r in rows if r.get("policy") == "full" and "step_ms" in r), None)
+    full_ms = next((r["step_ms"] for r in rows if r.get("policy") == "full" and "step_ms" in r), None)
+    lines = [f"| {' | '.join(COLUMNS)} |", "|---|" + "---:|" * (len(COLUMNS) - 1)]
     for r in rows:
-        name = r["policy"] if r.get("chosen") in (None, r["policy"]) else f"{r['policy']} -> {r['chosen']}"
-        if "compiled" not in r:
-            lines.append(f"| {name} | {_gib(r.get('planned'))} | {r.get('error', '')} | | | | | |")
-            continue
-        ratio = f"{r['planned'] / r['compiled']:.2f}"
-        if "step_ms" not in r:
-            lines.append(f"| {name} | {_gib(r['planned'])} | {_gib(r['compiled'])} | {ratio} | {r.get('error', 'compile only')} | | | |")
-            continue
-        speed = f" ({full / r['step_ms']:.2f}x full)" if full else ""
-        mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
-        lines.append(f"| {name} | {_gib(r['planned'])} | {_gib(r['compiled'])} | {ratio} | {_gib(r['allocator'])} | "
-                     f"{r['step_ms']:.1f}{speed} | {r['tokens_per_sec']:,.0f} | {mfu} |")
+        cells = row_cells(r, full_ms)
+        lines.append(f"| {' | '.join(cells + [''] * (len(COLUMNS) - len(cells)))} |")
     return "\n".join(lines)
 
 

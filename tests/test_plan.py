@@ -174,7 +174,8 @@ def test_plan_matches_compiled_train_step(layout: str) -> None:
     assert measured["all-to-all"]["bytes"] == planned["all-to-all"]
     assert measured["collective-permute"]["bytes"] <= 1024  # token ids moved between layouts; none planned
 
-    assert abs(plan.peak_bytes / compiled.peak_bytes(stats) - 1) <= 0.15  # the 26-configuration check: tests/test_plan_memory.py
+    # within 15%, as in the 24-configuration check of tests/test_plan_memory.py
+    assert abs(plan.peak_bytes / compiled.peak_bytes(stats) - 1) <= 0.15
 
 
 def plan_batch_shards(plan: estimate.Plan) -> int:

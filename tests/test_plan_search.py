@@ -26,8 +26,8 @@ from maxshard import config, loading, mesh
 from maxshard.launch import topologies
 from maxshard.planning import estimate, search
 from maxshard.planning.compiled import peak_bytes
-from test_plan import _compile, _plan_tool
 from maxshard.units import format_bytes
+from test_plan import _compile, _plan_tool
 
 REPO = Path(__file__).resolve().parent.parent
 H100 = topologies.parse("h100-80gb-8")

@@ -40,7 +40,8 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         emb = x.shape[-1]
-        kernels = [Kernel((emb, self.hidden), (ax.EMBED, ax.MLP), self.weight_dtype, name=n)() for n in ("wi_0", "wi_1")]
+        kernels = [Kernel((emb, self.hidden), (ax.EMBED, ax.MLP), self.weight_dtype, name=name)()
+                   for name in ("wi_0", "wi_1")]
         stacked = jnp.stack([jnp.asarray(k, self.dtype) for k in kernels], axis=1)  # [embed, 2, mlp]
         both = jnp.einsum("...e,ekf->...kf", jnp.asarray(x, self.dtype), stacked)
         both = constrain(both, (ax.BATCH, ax.LENGTH, None, ax.ACT_MLP))

@@ -1,7 +1,7 @@
 """A plan for a config on a target: memory per device, collectives per mesh axis, pipeline bubble, roofline time.
 
 Roofline. Compute time = hardware FLOPs per device / peak, where hardware FLOPs = model FLOPs (`model.py`,
-forward + backward) x (1 + the share of forward FLOPs the remat policy recomputes / 3) (`remat_factor`: 4/3 for
+forward + backward) x (1 + the share of forward FLOPs the remat policy recomputes / 3) (`remat_factors`: 4/3 for
 full, 1 for none, and for minimal unless it re-runs a fused attention), divided by (1 - bubble) under a pipeline.
 A collective over a group of n = n_ici x n_dcn devices (ici and dcn parts of its mesh axes) with full-buffer bytes
 B moves, per device, with a ring inside each level:
@@ -125,11 +125,11 @@ def _axis_times(collectives: list[Collective], ici: dict, dcn: dict, link: hardw
     return times
 
 
-def remat_factor(cfg: Config, policy: str) -> float:
-    """Hardware / model FLOPs: the backward pass re-runs the forward FLOPs a policy did not save, one third of
-    training FLOPs if it re-ran all of them (full). Per layer and token, forward: q/k/v projections 2E(Q + 2K),
-    output projection 2QE, attention 2LQ (causal q.k and p.v), MLP 6EF (dense MLP; an MoE layer's routed experts
-    count as k dense MLPs). Each policy recomputes what follows the last thing it saved:
+def remat_factors(cfg: Config) -> dict[str, float]:
+    """Hardware / model FLOPs of every remat policy: the backward pass re-runs the forward FLOPs a policy did not save,
+    one third of training FLOPs if it re-ran all of them (full). Per layer and token, forward: q/k/v projections
+    2E(Q + 2K), output projection 2QE, attention 2LQ (causal q.k and p.v), MLP 6EF (dense MLP; an MoE layer's routed
+    experts count as k dense MLPs). Each policy recomputes what follows the last thing it saved:
         none                 nothing
         minimal              elementwise work only (it keeps every matmul output), and the attention when a fused
                              kernel computes it (blockwise, cudnn, splash, ring: not matmuls that a policy keeps)
@@ -142,10 +142,10 @@ def remat_factor(cfg: Config, policy: str) -> float:
     mlp = 6 * e * cfg.mlp_dim * (cfg.num_experts_per_tok if cfg.model.is_moe else 1)
     qkv, out, attention = 2 * e * (q + 2 * kv), 2 * q * e, 2 * length * q
     fused = memory.widths(cfg, mesh.axis_sizes(cfg)).fused
-    recomputed = {"none": 0, "minimal": attention if fused else 0, "save_qkv_out_proj": attention + mlp,
-                  "save_qkv_proj": attention + out + mlp, "save_out_proj": qkv + attention + mlp}
     layer = qkv + out + attention + mlp
-    return 1 + recomputed.get(policy, layer) / layer / 3
+    recomputed = {"none": 0, "minimal": attention if fused else 0, "save_qkv_out_proj": attention + mlp,
+                  "save_qkv_proj": attention + out + mlp, "save_out_proj": qkv + attention + mlp, "full": layer}
+    return {policy: 1 + share / layer / 3 for policy, share in recomputed.items()}
 
 
 def make_plan(cfg: Config, target: Target | None = None) -> Plan:
@@ -177,7 +177,7 @@ def make_plan(cfg: Config, target: Target | None = None) -> Plan:
         collectives=collectives,
         bubble=geo.bubble_fraction,
         model_flops=model_flops,
-        hardware_flops=model_flops * remat_factor(cfg, cfg.remat_policy),
+        hardware_flops=model_flops * remat_factors(cfg)[cfg.remat_policy],
         peak=perf.peak_flops(cfg.device_kind),
         link=link,
         axis_times=_axis_times(collectives, ici, dcn, link),

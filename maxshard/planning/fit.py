@@ -1,7 +1,7 @@
 """Does the run fit its devices? The planned peak per device under each remat policy against the usable memory,
 and `remat_policy: auto`: the least recomputation that fits.
 
-Recomputation is counted in FLOPs, as the planner prices a step (`estimate.remat_factor`): the forward matmuls and
+Recomputation is counted in FLOPs, as the planner prices a step (`estimate.remat_factors`): the forward matmuls and
 attention the backward re-runs. Of policies that recompute equally, the one with the smaller peak is taken: `none`
 and `minimal` both re-run no matmul, and `minimal` keeps only the matmul outputs instead of every intermediate, so
 it wins unless a fused attention kernel makes it re-run the attention. (On XLA:CPU at benchmarks/maxtext_compare.py's
@@ -115,7 +115,8 @@ def decide(cfg: Config, capacity: Capacity, strict: bool = True) -> MemoryFit:
 
 def cheapest(cfg: Config, fitting: list[str], peaks: dict[str, int]) -> str:
     """Of the policies that fit, the one whose backward re-runs the fewest FLOPs; of equal ones, the smallest."""
-    return min(fitting, key=lambda policy: (estimate.remat_factor(cfg, policy), peaks[policy]))
+    factors = estimate.remat_factors(cfg)
+    return min(fitting, key=lambda policy: (factors[policy], peaks[policy]))
 
 
 def _shortfall(cfg: Config, peaks: dict[str, int], limit: int, capacity: Capacity, fitting: list[str]) -> str:

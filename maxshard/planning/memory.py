@@ -24,11 +24,11 @@ s = the compute dtype's itemsize:
 
     the backward of one layer (its working set, while the layer is recomputed and differentiated) is measured, not
     derived: XLA fuses and frees its pieces in an order no formula follows. WORKING holds, per policy, the fraction
-    of `dense`, the bytes per attention score and the mlp widths it takes on XLA:CPU (jax 0.10.2), fitted on the widths and
-    lengths of tests/test_plan_memory.py, + 3E x s under tensor parallelism (the column-parallel projections'
-    input gradients before they are reduced); the fused kernels' backward is counted from layers/blockwise_attention.py
-    instead (block q, output, dq, stacked dk/dv in float32 and the log-sum-exp: Q(5s + 8) + K(4s + 8) + 12 H per
-    token, plus one float32 score block per sequence a device holds).
+    of `dense`, the bytes per attention score and the mlp widths it takes on XLA:CPU (jax 0.10.2), fitted on the
+    widths and lengths of tests/test_plan_memory.py, + 3E x s under tensor parallelism (the column-parallel
+    projections' input gradients before they are reduced); the fused kernels' backward is counted from
+    layers/blockwise_attention.py instead (block q, output, dq, stacked dk/dv in float32 and the log-sum-exp:
+    Q(5s + 8) + K(4s + 8) + 12 H per token, plus one float32 score block per sequence a device holds).
 
     activations = layers x tokens x saved + tokens x working + head + gathered + the MoE, pipeline and
                   accumulation terms below
@@ -51,15 +51,14 @@ s = the compute dtype's itemsize:
                 the working set is one stage's layers' on one microbatch; plus the circulation buffer of all
                 microbatches [tokens, E]
 
-What the plan leaves out (a few % of XLA:CPU's temporaries in the 24-configuration check of tests/test_plan_memory.py): the embedding's
-gradient buffers, loss reductions and XLA's fusion scratch.
+What the plan leaves out (a few % of XLA:CPU's temporaries in the 24-configuration check of
+tests/test_plan_memory.py): the embedding's gradient buffers, loss reductions and XLA's fusion scratch.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-
 
 from maxshard import axis_names as ax
 from maxshard.config import Config
@@ -184,9 +183,10 @@ def _split(n: int, axes: tuple[str, ...], sizes: Mapping[str, int]) -> int:
 
 def widths(cfg: Config, sizes: Mapping[str, int]) -> Widths:
     """Per-device widths: heads, kv heads and mlp split over their activation rules' mesh axes."""
-    heads = _split(cfg.num_heads, rule_axes(cfg, ax.ACT_HEADS, sizes), sizes)
+    head_axes, mlp_axes = rule_axes(cfg, ax.ACT_HEADS, sizes), rule_axes(cfg, ax.ACT_MLP, sizes)
+    heads = _split(cfg.num_heads, head_axes, sizes)
     kv_heads = _split(cfg.num_kv_heads, rule_axes(cfg, ax.ACT_KV_HEADS, sizes), sizes)
-    mlp = _split(cfg.mlp_dim, rule_axes(cfg, ax.ACT_MLP, sizes), sizes)
+    mlp = _split(cfg.mlp_dim, mlp_axes, sizes)
     context = 1
     for axis in rule_axes(cfg, ax.ATTN_LENGTH, sizes):
         context *= sizes[axis]
@@ -199,7 +199,7 @@ def widths(cfg: Config, sizes: Mapping[str, int]) -> Widths:
         length=cfg.max_target_length,
         attention=cfg.model.attention if cfg.model is not None else "dot_product",
         context=context,
-        tensor="tensor" in (*rule_axes(cfg, ax.ACT_HEADS, sizes), *rule_axes(cfg, ax.ACT_MLP, sizes)),
+        tensor="tensor" in (*head_axes, *mlp_axes),
         block_q=cfg.attention_block_q,
         block_kv=cfg.attention_block_kv,
     )

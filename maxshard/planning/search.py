@@ -25,9 +25,10 @@ Two rounds, so that the remat policies multiply only the meshes that can use the
 its microbatch counts) under `remat_policy=full`, which saves the least of all policies (only each layer's input);
 its backward holds more than `save_out_proj`'s, though (planning/memory.py: the whole layer is recomputed at
 once), which can plan a few % lower. So a mesh whose `full` peak exceeds the capacity by more than
-FIRST_ROUND_SLACK (10%) is not tried again; the others go to the second round (and `full` itself still has to fit). Then the other policies for the meshes
-that fit, fastest first, while the budget (`max_candidates`) lasts; on one 8-GPU node it always lasts, so that
-search is exhaustive. A first round larger than the budget is refused with a hint to pin keys.
+FIRST_ROUND_SLACK (10%) is not tried again; the others go to the second round (and `full` itself still has to
+fit). Then the other policies for the meshes that fit, fastest first, while the budget (`max_candidates`)
+lasts; on one 8-GPU node it always lasts, so that search is exhaustive. A first round larger than the budget is
+refused with a hint to pin keys.
 
 Each candidate is loaded exactly as `tools/plan.py` loads a config (`load_for_target`: validated as the launcher
 validates it for the target). A ConfigError makes it invalid, counted by its reason; so does a dimension that would
