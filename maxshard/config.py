@@ -374,9 +374,15 @@ def load_parsed(cfg: Config, num_devices: int | None = None, device_kind: str | 
 
 
 def _simulate_cpu_devices(jax: Any, count: int) -> None:
-    """Applies `cpu_device_count`; it only works before JAX starts a backend."""
+    """Applies `cpu_device_count`; it only works before JAX starts a backend.
+
+    Simulated CPU devices make this a CPU run: unless JAX_PLATFORMS says otherwise, JAX is told so, and does not
+    probe an installed accelerator plugin first (libtpu, installed for ahead-of-time TPU compiles, prints a screen
+    of warnings when it finds no TPU)."""
     try:
         jax.config.update("jax_num_cpu_devices", count)
+        if not jax.config.jax_platforms:
+            jax.config.update("jax_platforms", "cpu")
     except RuntimeError:
         if jax.devices()[0].platform == "cpu" and jax.device_count() != count:
             raise ConfigError(

@@ -6,8 +6,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import flax.linen as nn
@@ -67,15 +69,30 @@ def dummy_batch(cfg: ModelConfig, batch: int = 1) -> tuple[jax.Array, jax.Array,
     return jnp.zeros(shape, jnp.int32), jnp.ones(shape, jnp.int32), jnp.zeros(shape, jnp.int32)
 
 
+@contextlib.contextmanager
+def without_layout() -> Iterator[None]:
+    """No mesh and no logical rules in context: every layer takes its plain whole-array path.
+
+    The layout's kernels (ring attention, splash, the dropless MoE exchange) run in `jax.shard_map`, which needs
+    every dimension it splits to divide evenly; init's dummy batch of one row does not, and need not: parameters
+    depend on shapes alone. Inside, activation constraints are no-ops and no kernel sees a mesh.
+    """
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())), nn.logical_axis_rules(()):
+        yield
+
+
 def init_params(cfg: ModelConfig, rng: jax.Array) -> Any:
     """Boxed parameters drawn from `rng`, the same values in every layout.
 
-    A pipelined model is initialised as the scanned model (one stack of `num_units`) and regrouped into its
-    [repeats, stages, layers per stage, ...] layout, so a seed gives the same network with or without a pipeline;
-    sharding never changes values (threefry random bits do not depend on how an array is partitioned).
+    The model is traced without a layout (`without_layout`), so init never runs a layout's kernels; the caller
+    places the result (`jax.jit(..., out_shardings=...)`, as `step.Trainer.init_state` does). A pipelined model is
+    initialised as the scanned model (one stack of `num_units`) and regrouped into its [repeats, stages, layers per
+    stage, ...] layout, so a seed gives the same network with or without a pipeline; sharding never changes values
+    (threefry random bits do not depend on how an array is partitioned).
     """
     canonical = dataclasses.replace(cfg, pipeline=None)
-    params = Transformer(canonical).init(rng, *dummy_batch(canonical))["params"]
+    with without_layout():
+        params = Transformer(canonical).init(rng, *dummy_batch(canonical))["params"]
     return params if cfg.pipeline is None else pipeline.from_scanned(params, cfg.pipeline)
 
 

@@ -43,6 +43,13 @@ def token_indices(q_len: int, kv_len: int) -> tuple[jax.Array, jax.Array]:
     return jnp.arange(kv_len - q_len, kv_len, dtype=jnp.int32), jnp.arange(kv_len, dtype=jnp.int32)
 
 
+def target_platform() -> str:
+    """The platform this trace compiles for: the active mesh's devices when a mesh is set (an ahead-of-time compile
+    for a TPU topology from a CPU host), else JAX's default backend."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return jax.default_backend() if mesh.empty else mesh.abstract_device.platform
+
+
 def _grouped(q: jax.Array, kv_heads: int) -> jax.Array:
     """[b, q, heads, d] -> [b, q, kv_heads, group, d]."""
     b, length, heads, dim = q.shape
@@ -112,12 +119,12 @@ def splash(q, k, v, q_segment_ids, kv_segment_ids, block_q: int = 512, block_kv:
     """The Pallas splash kernel, one MQA call per (batch row, kv head): its queries are that kv head's group.
 
     Splash takes [heads, length, head_dim] per row and its own SegmentIds; block sizes must divide the lengths
-    (config_ranges checks max_target_length). `interpret` defaults to "not on TPU" (Pallas interpret mode: slow,
-    for tests)."""
+    (config_ranges checks max_target_length). `interpret` defaults to "not compiling for a TPU"
+    (`target_platform`; Pallas interpret mode: slow, for tests)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
 
     if interpret is None:
-        interpret = jax.devices()[0].platform != "tpu"
+        interpret = target_platform() != "tpu"
     batch, q_len, heads, dim = q.shape
     kv_heads = k.shape[2]
     kernel = _splash_kernel(heads // kv_heads, q_len, k.shape[1], min(block_q, q_len), min(block_kv, k.shape[1]),
