@@ -56,7 +56,7 @@ def format_startup_summary(figures: Mapping[str, Any]) -> str:
     count = figures["param_count"]
     lines = [
         f"run: {figures['run_dir']}",
-        f"mesh: {mesh_lib.describe(figures['mesh'])} ({figures['devices']} devices)",
+        f"mesh: {mesh_lib.describe(figures['mesh'])} ({figures['devices']} device{'s' * (figures['devices'] != 1)})",
         f"parameters: {format_count(count)} ({count:,})",
         f"per-device memory estimate: {parts} = {format_bytes(sum(memory.values()))}",
     ]

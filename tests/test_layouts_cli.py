@@ -1,0 +1,108 @@
+"""Every mesh axis starts a fresh run through the real entry point and trains like one device.
+
+Each layout runs `maxshard.train.main` in this process (8 simulated devices): config loading, the mesh, the
+fresh-run init (`Trainer.init_state`, which once ran ring attention's shard_map on a one-row dummy batch and
+crashed under context parallelism), the input pipeline and four train steps. Its losses, read back from
+metrics.jsonl, must equal those of the same command on one device (a subprocess with `cpu_device_count=1`) within
+1e-5 in float32: parallel runs sum the same numbers in another order, a sharding mistake moves them far more. Every
+step after the first depends on the gradients and the optimizer update, so those are checked too.
+
+The dense model has 8 layers and 8 heads so that every axis can take all 8 devices alone (the pipeline needs a
+layer per stage, sequence and the tensor axes a head per device); the MoE model routes top-2 of 8 experts dropless,
+which computes the same function under any expert layout.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from maxshard import train
+
+REPO = Path(__file__).resolve().parent.parent
+BASE = str(REPO / "configs" / "base.yml")
+STEPS = 4
+GLOBAL_BATCH = 8
+RUN = (
+    "dataset_type=synthetic", f"steps={STEPS}", "log_period=1", "eval_period=0", "enable_checkpointing=false",
+    "enable_tensorboard=false", "warmup_steps_fraction=0", "learning_rate=1e-2", "max_target_length=32",
+    "emb_dim=32", "num_heads=8", "num_kv_heads=8", "head_dim=4", "mlp_dim=64", "ici_fsdp_parallelism=1",
+    "max_replicated_fraction=1",  # data parallelism replicates every parameter, as it should
+)
+MODELS = {
+    "dense": ("num_layers=8",),
+    "moe": ("num_layers=2", "num_experts=8", "num_experts_per_tok=2", "moe_layer_interval=2", "capacity_factor=-1"),
+}
+LAYOUTS = {  # name -> (model, knobs); every knob not named is 1
+    "data": ("dense", ["ici_data_parallelism=8"]),
+    "fsdp": ("dense", ["ici_fsdp_parallelism=8"]),
+    "fsdp_transpose": ("dense", ["ici_fsdp_transpose_parallelism=8"]),
+    "sequence": ("dense", ["ici_sequence_parallelism=8"]),
+    "context": ("dense", ["ici_context_parallelism=8"]),
+    "tensor": ("dense", ["ici_tensor_parallelism=8"]),
+    "tensor_sequence": ("dense", ["ici_tensor_sequence_parallelism=8"]),
+    "autoregressive": ("dense", ["ici_autoregressive_parallelism=8"]),
+    "stage": ("dense", ["ici_pipeline_parallelism=8"]),
+    "expert": ("moe", ["ici_expert_parallelism=8"]),
+    "sequence x tensor": ("dense", ["ici_sequence_parallelism=2", "ici_tensor_parallelism=4"]),
+    "context x tensor": ("dense", ["ici_context_parallelism=2", "ici_tensor_parallelism=2", "ici_fsdp_parallelism=2"]),
+    "context x fsdp": ("dense", ["ici_context_parallelism=2", "ici_fsdp_parallelism=4"]),
+    "expert x fsdp": ("moe", ["ici_expert_parallelism=4", "ici_fsdp_parallelism=2"]),
+    "pipeline x fsdp": ("dense", ["ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4"]),
+}
+
+
+def _keys(base: Path, name: str, model: str, devices: int, *layout: str) -> list[str]:
+    """The command's key=value arguments; the layout's knobs replace RUN's (the CLI refuses a key given twice)."""
+    per_device = f"per_device_batch_size={GLOBAL_BATCH // devices}"
+    items = [*RUN, *MODELS[model], f"cpu_device_count={devices}", per_device, f"base_output_directory={base}",
+             f"run_name={name}", *layout]
+    return list({item.split("=")[0]: item for item in items}.values())
+
+
+def _losses(base: Path, name: str) -> list[float]:
+    records = [json.loads(line) for line in (base / name / "metrics.jsonl").read_text().splitlines()]
+    losses = {r["step"]: r["loss"] for r in records if "loss" in r}
+    assert sorted(losses) == list(range(1, STEPS + 1)), losses
+    return [losses[s] for s in sorted(losses)]
+
+
+@pytest.fixture(scope="module")
+def one_device(env, tmp_path_factory) -> dict[str, list[float]]:
+    """Each model's losses from the CLI on one device; both subprocesses run side by side."""
+    base = tmp_path_factory.mktemp("one_device")
+    procs = {model: subprocess.Popen([sys.executable, "-m", "maxshard.train", BASE, *_keys(base, model, model, 1)],
+                                     cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for model in MODELS}
+    try:
+        outputs = {model: proc.communicate(timeout=300)[0] for model, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+    for model, proc in procs.items():
+        assert proc.returncode == 0, outputs[model][-3000:]
+        assert "mesh: single device (1 device)" in outputs[model], outputs[model][:2000]
+    losses = {model: _losses(base, model) for model in MODELS}
+    for model, values in losses.items():
+        assert values[-1] < values[0], (model, values)  # the steps really trained
+    return losses
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_fresh_run_through_the_cli_trains_like_one_device(name, one_device, tmp_path, capsys):
+    model, layout = LAYOUTS[name]
+    assert train.main([BASE, *_keys(tmp_path, "run", model, 8, *layout)]) == 0
+    out = capsys.readouterr().out
+    assert "starting from step 0" in out, out
+    for knob in layout:  # the mesh line names each axis the layout asked for, at its size
+        axis, size = knob.removeprefix("ici_").removesuffix(f"_parallelism={knob.split('=')[1]}"), knob.split("=")[1]
+        axis = "stage" if axis == "pipeline" else axis
+        assert f"{axis}={size}" in out.splitlines()[1], out
+    np.testing.assert_allclose(_losses(tmp_path, "run"), one_device[model], rtol=1e-5)
