@@ -37,7 +37,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from maxshard import data, mesh
 from maxshard.layers.linears import DenseGeneral
 from maxshard.layers.norms import RMSNorm
-from maxshard.step import Trainer, loss_sums, mesh_context
+from maxshard.loss import loss_sums
+from maxshard.step import Trainer, mesh_context
 
 SHAPE = (
     *common.STEP_ONLY, "emb_dim=256", "num_layers=4", "num_heads=4", "num_kv_heads=4", "head_dim=64", "mlp_dim=1024",

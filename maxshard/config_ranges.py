@@ -42,6 +42,9 @@ def check_ranges(cfg: Config) -> Config:
                 raise ConfigError(f"{knob_name(family, axis)} must be a positive size or -1 (fill), got {value}")
     _check_moe(cfg)
     _check_sampling(cfg)
+    if cfg.loss_chunks < 0 or (cfg.loss_chunks and cfg.max_target_length % cfg.loss_chunks):
+        raise ConfigError(f"loss_chunks={cfg.loss_chunks} must be 0 (auto) or divide "
+                          f"max_target_length={cfg.max_target_length}")
     return cfg
 
 

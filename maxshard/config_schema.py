@@ -145,6 +145,7 @@ class Config:
     attention: Attention = "auto"
     attention_block_q: int = 512
     attention_block_kv: int = 512
+    loss_chunks: int = 0
 
     # ---- training
     per_device_batch_size: float = 2.0

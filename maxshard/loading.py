@@ -12,7 +12,7 @@ from maxshard import attention_choice, config, mesh, stages
 from maxshard.config import Config
 from maxshard.data.tokenizer import resolve_vocab
 from maxshard.model_config import ModelConfig, model_fields, resolve_dtype, resolve_moe_impl
-from maxshard.planning import fit
+from maxshard.planning import fit, memory
 from maxshard.planning.fit import Capacity
 
 __all__ = ["load_run", "complete", "check_memory", "model_config", "replace"]
@@ -31,13 +31,17 @@ def model_config(cfg: Config, mesh_sizes: dict[str, int] | None = None) -> Model
 
 
 def complete(cfg: Config, capacity: Capacity | None = None) -> Config:
-    """A finalized config with its vocabulary resolved, `remat_policy: auto` decided and its `model` derived.
+    """A finalized config with its vocabulary resolved, `loss_chunks` and `remat_policy: auto` decided and its
+    `model` derived.
 
     `auto` becomes the least recomputation whose planned peak fits `capacity` (default: this machine's devices,
     `planning/fit.py`); the decision is kept in `cfg.memory_fit`. When nothing fits, `full` with `fits` False:
     `check_memory` (which `load_run` calls for runs) turns that into the error line.
     """
     cfg = resolve_vocab(cfg)
+    if cfg.loss_chunks == 0:
+        sized = dataclasses.replace(cfg, model=model_config(cfg))
+        cfg = dataclasses.replace(cfg, loss_chunks=memory.auto_loss_chunks(sized, mesh.axis_sizes(cfg)))
     if cfg.remat_policy == "auto":
         provisional = dataclasses.replace(cfg, model=model_config(cfg))
         decided = fit.decide(provisional, capacity or fit.local_capacity(cfg), strict=False)

@@ -30,37 +30,54 @@ __all__ = ["Transformer", "init_params", "count_params", "param_count", "flops_p
 
 
 class Transformer(nn.Module):
-    """The whole network, built from a `ModelConfig` alone."""
+    """The whole network, built from a `ModelConfig` alone.
+
+    Calling it gives the logits; `hidden` and `head` are its two halves, so a loss can run the output head over
+    pieces of the sequence (`maxshard/loss.py`) instead of holding [batch, length, vocab] float32 logits at once.
+    """
 
     cfg: ModelConfig
 
-    @nn.compact
-    def __call__(self, inputs: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
+    def setup(self) -> None:
         cfg = self.cfg
         dt, wdt = cfg.compute_dtype, cfg.param_dtype
-        embed = Embed(cfg.vocab_size, cfg.emb_dim, dt, wdt, name="token_embed")
-        x = constrain(embed(inputs), (ax.EMBED_AND_LOGITS_BATCH, ax.LENGTH, ax.ACT_EMBED))
+        self.token_embed = Embed(cfg.vocab_size, cfg.emb_dim, dt, wdt)
+        self.decoder = Decoder(cfg, dt, wdt)
+        self.final_norm = RMSNorm(cfg.norm_epsilon, dt, wdt)
+        if not cfg.logits_via_embedding:
+            self.logits = DenseGeneral((cfg.vocab_size,), (ax.EMBED, ax.VOCAB), 1, dt, wdt)
+
+    def __call__(self, inputs: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
+        """[batch, length] ids -> logits [batch, length, vocab] (float32)."""
+        return self.head(self.hidden(inputs, segment_ids, positions))
+
+    def hidden(self, inputs: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
+        """[batch, length] ids -> the normalised last residual stream [batch, length, embed] the head reads."""
+        x = constrain(self.token_embed(inputs), (ax.EMBED_AND_LOGITS_BATCH, ax.LENGTH, ax.ACT_EMBED))
         # context parallelism: one early and one late chunk of the sequence per device (layers/ring_attention.py)
         x, segment_ids, positions = (ring_attention.to_balanced(a) for a in (x, segment_ids, positions))
-        x = Decoder(cfg, dt, wdt, name="decoder")(x, segment_ids, positions)
-        x = ring_attention.from_balanced(x)
-        x = RMSNorm(cfg.norm_epsilon, dt, wdt, name="final_norm")(x)
-        if cfg.logits_via_embedding:
-            logits = embed.attend(x)
-        else:
-            logits = DenseGeneral((cfg.vocab_size,), (ax.EMBED, ax.VOCAB), 1, dt, wdt, name="logits")(x)
+        x = self.decoder(x, segment_ids, positions)
+        return self.final_norm(ring_attention.from_balanced(x))
+
+    def head(self, x: jax.Array) -> jax.Array:
+        """[batch, tokens, embed] -> logits [batch, tokens, vocab] (float32), through the head or the tied embedding."""
+        logits = self.token_embed.attend(x) if self.cfg.logits_via_embedding else self.logits(x)
         logits = constrain(logits, (ax.EMBED_AND_LOGITS_BATCH, ax.LENGTH, ax.ACT_VOCAB))
         return jnp.asarray(logits, jnp.float32)
 
 
 def apply_with_stats(
-    model: Transformer, params: Any, inputs: jax.Array, segment_ids: jax.Array, positions: jax.Array
+    model: Transformer, params: Any, inputs: jax.Array, segment_ids: jax.Array, positions: jax.Array,
+    method: Any = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """(logits, MoE router statistics per MoE layer); a dense model runs the plain apply and returns {}."""
+    """(the output of `method`, default the logits; MoE router statistics per MoE layer); a dense model runs the
+    plain apply and returns {}."""
+    method = method or Transformer.__call__
     if not model.cfg.is_moe:
-        return model.apply({"params": params}, inputs, segment_ids, positions), {}
-    logits, state = model.apply({"params": params}, inputs, segment_ids, positions, mutable=[moe.STATS_COLLECTION])
-    return logits, moe.collect_stats(state.get(moe.STATS_COLLECTION, {}))
+        return model.apply({"params": params}, inputs, segment_ids, positions, method=method), {}
+    out, state = model.apply({"params": params}, inputs, segment_ids, positions, method=method,
+                             mutable=[moe.STATS_COLLECTION])
+    return out, moe.collect_stats(state.get(moe.STATS_COLLECTION, {}))
 
 
 def dummy_batch(cfg: ModelConfig, batch: int = 1) -> tuple[jax.Array, jax.Array, jax.Array]:

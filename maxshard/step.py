@@ -30,10 +30,11 @@ from maxshard import axis_names as ax
 from maxshard import sharding
 from maxshard.config import MESH_AXES, Config, ConfigError, knob_name
 from maxshard.layers import moe
+from maxshard.loss import chunked_loss_sums, loss_sums
 from maxshard.model import Transformer, apply_with_stats, init_params
 from maxshard.optim import learning_rate_schedule, make_optimizer
 
-__all__ = ["TrainState", "Trainer", "mesh_context", "loss_sums", "boxed_state", "abstract_state"]
+__all__ = ["TrainState", "Trainer", "mesh_context", "boxed_state", "abstract_state"]
 
 Batch = dict[str, jax.Array]
 
@@ -52,13 +53,6 @@ def mesh_context(mesh: Mesh, rules: sharding.FlaxRules) -> Iterator[None]:
     """The mesh and logical rules every trace needs, so `nn.with_logical_constraint` takes effect."""
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         yield
-
-
-def loss_sums(logits: jax.Array, batch: Batch) -> tuple[jax.Array, jax.Array]:
-    """(sum of weighted cross-entropy, sum of weights) over [batch, length]."""
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-    weights = batch["loss_weights"].astype(jnp.float32)
-    return jnp.sum(ce * weights), jnp.sum(weights)
 
 
 def boxed_state(cfg: Config, rng: jax.Array) -> TrainState:
@@ -123,8 +117,13 @@ class Trainer:
     def _loss(self, params: Any, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
         """(objective, sums): sums hold loss_sum and weight_sum (+ MoE sums); the objective adds router losses."""
         inputs = (batch["inputs"], batch["segment_ids"], batch["positions"])
-        logits, stats = apply_with_stats(self.model, params, *inputs)
-        loss_sum, weight_sum = loss_sums(logits, batch)
+        if self.cfg.loss_chunks > 1:  # the head over pieces of the sequence (maxshard/loss.py)
+            hidden, stats = apply_with_stats(self.model, params, *inputs, method=Transformer.hidden)
+            head = functools.partial(self.model.apply, {"params": params}, method=Transformer.head)
+            loss_sum, weight_sum = chunked_loss_sums(head, hidden, batch, self.cfg.loss_chunks)
+        else:
+            logits, stats = apply_with_stats(self.model, params, *inputs)
+            loss_sum, weight_sum = loss_sums(logits, batch)
         sums = {"loss_sum": loss_sum, "weight_sum": weight_sum, **moe.loss_sums(stats, weight_sum)}
         balance, z = self.cfg.load_balance_loss_weight, self.cfg.router_z_loss_weight
         return loss_sum + moe.objective(sums, balance, z), sums

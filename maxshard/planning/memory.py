@@ -33,7 +33,7 @@ s = the compute dtype's itemsize:
     activations = layers x tokens x saved + tokens x working + head + gathered + the MoE, pipeline and
                   accumulation terms below
 
-    head        the logits [tokens, vocab / tensor] in float32 and their gradient
+    head        the logits [tokens, vocab / tensor] in float32 and their gradient, of one of `loss_chunks` pieces
     gathered    one stacked unit's weights after the fsdp all-gather, in the compute dtype (what the layer being
                 computed holds whole); an MoE unit's expert weights twice (their gradient is also whole until it
                 is reduce-scattered)
@@ -63,9 +63,13 @@ from collections.abc import Mapping
 from maxshard import axis_names as ax
 from maxshard.config import Config
 from maxshard.layers.moe import group_size
-from maxshard.planning.traffic import Geometry, rule_axes
+from maxshard.planning.traffic import Geometry, geometry, rule_axes
 
-__all__ = ["Widths", "ActivationTerms", "widths", "activation_terms", "POLICIES_BY_MEMORY"]
+__all__ = ["Widths", "ActivationTerms", "widths", "activation_terms", "POLICIES_BY_MEMORY", "logits_bytes",
+           "auto_loss_chunks"]
+
+# `loss_chunks: 0` (auto) splits the loss until one piece's float32 logits per device fit this (maxshard/loss.py).
+LOSS_PIECE_BYTES = 256 * 2**20
 
 # Remat policies from the most memory (least recomputation) to the least.
 POLICIES_BY_MEMORY = ("none", "minimal", "save_qkv_out_proj", "save_qkv_proj", "save_out_proj", "full")
@@ -181,6 +185,27 @@ def _split(n: int, axes: tuple[str, ...], sizes: Mapping[str, int]) -> int:
     return n
 
 
+def logits_bytes(cfg: Config, sizes: Mapping[str, int], geo: Geometry | None = None) -> int:
+    """The float32 logits of one microbatch on a device, [tokens, vocab / vocab shards] x 4 bytes, whole."""
+    geo = geo or geometry(cfg, sizes, 4)
+    local_length = _split(cfg.max_target_length, rule_axes(cfg, ax.LENGTH, sizes), sizes)
+    vocab = _split(cfg.vocab_size, rule_axes(cfg, ax.ACT_VOCAB, sizes), sizes)
+    return _microbatch_tokens(geo.outer_tokens, local_length, geo.accumulation) * vocab * 4
+
+
+def auto_loss_chunks(cfg: Config, sizes: Mapping[str, int]) -> int:
+    """The fewest pieces (a power of two) that bring one piece's logits within LOSS_PIECE_BYTES per device.
+
+    A piece count divides the device's share of the length, so every strided piece still spans all the length
+    shards (maxshard/loss.py); where the length allows no further split the count stops there."""
+    whole = logits_bytes(cfg, sizes)
+    local_length = _split(cfg.max_target_length, rule_axes(cfg, ax.LENGTH, sizes), sizes)
+    chunks = 1
+    while whole / chunks > LOSS_PIECE_BYTES and local_length % (2 * chunks) == 0:
+        chunks *= 2
+    return chunks
+
+
 def widths(cfg: Config, sizes: Mapping[str, int]) -> Widths:
     """Per-device widths: heads, kv heads and mlp split over their activation rules' mesh axes."""
     head_axes, mlp_axes = rule_axes(cfg, ax.ACT_HEADS, sizes), rule_axes(cfg, ax.ACT_MLP, sizes)
@@ -257,8 +282,7 @@ def activation_terms(cfg: Config, sizes: Mapping[str, int], geo: Geometry, gathe
     w, size, policy = widths(cfg, sizes), geo.compute_itemsize, cfg.remat_policy
     local_length = _split(cfg.max_target_length, rule_axes(cfg, ax.LENGTH, sizes), sizes)
     tokens = _microbatch_tokens(geo.tokens, local_length, geo.accumulation)
-    vocab = _split(cfg.vocab_size, rule_axes(cfg, ax.ACT_VOCAB, sizes), sizes)
-    head = 2 * _microbatch_tokens(geo.outer_tokens, local_length, geo.accumulation) * vocab * 4
+    head = 2 * logits_bytes(cfg, sizes, geo) / max(cfg.loss_chunks, 1)
     moe_per_layer = _moe_token_bytes(cfg, w, sizes, size)
     moe_share = geo.moe_layers / max(geo.layers, 1)  # MoE layers per unit run (a unit may hold several layers)
     per_layer = cfg.num_layers // max(cfg.model.num_units, 1)  # layers in one stacked unit
