@@ -148,6 +148,14 @@ def remat_factors(cfg: Config) -> dict[str, float]:
     return {policy: 1 + share / layer / 3 for policy, share in recomputed.items()}
 
 
+def loss_recompute_flops(cfg: Config) -> float:
+    """FLOPs per device that a chunked loss adds: each piece's head matmul (2 E V per token) runs again in the
+    backward pass (maxshard/loss.py)."""
+    if cfg.loss_chunks <= 1:
+        return 0.0
+    return 2.0 * cfg.emb_dim * cfg.vocab_size * cfg.global_batch_size * cfg.max_target_length / cfg.num_devices
+
+
 def make_plan(cfg: Config, target: Target | None = None) -> Plan:
     """The plan of a finalized config (vocab resolved) on `target` (None: memory and bytes only, no times)."""
     shape = mesh.resolve_shape(cfg)
@@ -177,7 +185,7 @@ def make_plan(cfg: Config, target: Target | None = None) -> Plan:
         collectives=collectives,
         bubble=geo.bubble_fraction,
         model_flops=model_flops,
-        hardware_flops=model_flops * remat_factors(cfg)[cfg.remat_policy],
+        hardware_flops=model_flops * remat_factors(cfg)[cfg.remat_policy] + loss_recompute_flops(cfg),
         peak=perf.peak_flops(cfg.device_kind),
         link=link,
         axis_times=_axis_times(collectives, ici, dcn, link),

@@ -124,7 +124,7 @@ def _roofline(plan: Plan) -> list[str]:
     mfu = plan.model_flops / plan.step_s / plan.peak  # type: ignore[operator]
     lines += [
         f"roofline: compute {plan.compute_s:.4g} s ({plan.hardware_flops:.3g} FLOPs per device at "
-        f"{plan.peak / 1e12:.0f} TFLOP/s; model FLOPs x {plan.hardware_flops / plan.model_flops:.3g} for remat); "
+        f"{plan.peak / 1e12:.0f} TFLOP/s; model FLOPs x {plan.hardware_flops / plan.model_flops:.3g} for recompute); "
         f"{comm}",
         f"step time >= {plan.step_s:.4g} s (perfect overlap), {plan.serial_s:.4g} s without overlap; "
         f"MFU <= {mfu:.1%}; {cfg.global_batch_size * cfg.max_target_length / plan.step_s:,.0f} tokens/s at best",
