@@ -121,12 +121,15 @@ def print_startup(figures: Mapping[str, Any], writer: MetricsWriter) -> None:
 class StepLogger:
     """Turns each finished step's values into throughput figures; prints and records every `log_period` steps.
 
-    Step time is measured between the ends of two steps, so the first step (which includes compilation) is logged
-    with its loss and a `compile_time` (time from the loop's start to its end) but no throughput.
+    Step time is measured between the ends of two steps, so the first step is logged with its loss and a
+    `compile_time` but no throughput: the compile before the loop (`compiled_seconds`) plus the time from the loop's
+    start to the first step's end (where JAX still compiles what the loop calls first, and the step runs).
     """
 
-    def __init__(self, cfg: Config, writer: MetricsWriter, data_stats: Callable[[], dict[str, int]] | None = None):
+    def __init__(self, cfg: Config, writer: MetricsWriter, data_stats: Callable[[], dict[str, int]] | None = None,
+                 compiled_seconds: float = 0.0):
         self.cfg, self.writer = cfg, writer
+        self.compiled_seconds = compiled_seconds
         self.data_stats = data_stats or dict  # the input iterator's counters (tokens per source, skipped records)
         self.tokens_per_step = cfg.global_batch_size * cfg.max_target_length
         self.flops_per_step = flops_per_token(cfg.model) * self.tokens_per_step
@@ -148,7 +151,8 @@ class StepLogger:
         if not self.compiled:
             self.compiled = True
             self.reference = done
-            self._write_first(step, {**done.values, "compile_time": done.ready_time - self.started})
+            compile_time = self.compiled_seconds + done.ready_time - self.started
+            self._write_first(step, {**done.values, "compile_time": compile_time})
             return
         if self.reference is None:
             self.reference = done

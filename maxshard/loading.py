@@ -51,7 +51,8 @@ def complete(cfg: Config, capacity: Capacity | None = None) -> Config:
 
 def check_memory(cfg: Config, capacity: Capacity | None = None) -> Config:
     """`cfg` with its fit recorded; ConfigError (one line) when its remat policy (explicit, or the `full` that
-    `auto` fell back to) would not fit: the shortfall and the cheapest policy that fits."""
+    `auto` fell back to) is planned over the usable memory by more than the plan's error (`fit.PLAN_ERROR`): the
+    shortfall and the cheapest policy that fits. Closer calls are left to the compiled step (compile_check.py)."""
     if cfg.memory_fit is not None and cfg.memory_fit.fits:
         return cfg
     requested = cfg.memory_fit.requested if cfg.memory_fit is not None else cfg.remat_policy

@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 
-from maxshard import checkpoint, cli, console, data, loading, mesh, metrics
+from maxshard import checkpoint, cli, compile_check, console, data, loading, mesh, metrics
 from maxshard.config import Config, ConfigError
 from maxshard.model import count_params
 from maxshard.profiling import Profiler
@@ -104,9 +104,18 @@ def end_of_step(
     return preempted
 
 
+def compiled_step(trainer: Trainer, writer: metrics.MetricsWriter) -> compile_check.CompiledStep:
+    """The train step compiled before the first step; XLA's peak per device confirms the remat policy or replaces
+    it (`compile_check`). Printed and recorded (`memory/compiled_peak_bytes` at step 0)."""
+    compiled = compile_check.compile_step(trainer, data.batch_sharding(trainer.cfg, trainer.mesh))
+    print(compiled.line(), flush=True)
+    if compiled.peak_bytes is not None:
+        writer.write(0, {"memory/compiled_peak_bytes": compiled.peak_bytes})
+    return compiled
+
+
 def train_loop(
-    cfg: Config,
-    trainer: Trainer,
+    compiled: compile_check.CompiledStep,
     state: TrainState,
     batches: data.InputIterator,
     writer: metrics.MetricsWriter,
@@ -114,15 +123,16 @@ def train_loop(
     sigterm: threading.Event,
 ) -> TrainState:
     """Runs steps `state.step .. cfg.steps - 1`; metrics are fetched one step late so the device never waits."""
+    trainer, train_step = compiled.trainer, compiled.step
+    cfg = trainer.cfg
     batch_sharding = data.batch_sharding(cfg, trainer.mesh)
-    train_step = trainer.jit_train_step(batch_sharding)
     eval_step = trainer.jit_eval_step(batch_sharding) if cfg.eval_period else None
     profiler = Profiler.from_config(cfg, is_primary=jax.process_index() == 0)
 
     def data_stats() -> dict[str, int]:  # each process counts its own share of the data; the log shows the run's
         return metrics.summed_over_processes(batches.stats())
 
-    deferred, log = metrics.DeferredMetrics(), console.StepLogger(cfg, writer, data_stats)
+    deferred, log = metrics.DeferredMetrics(), console.StepLogger(cfg, writer, data_stats, compiled.seconds)
     for step in range(int(state.step), cfg.steps):
         with profiler.step(step):
             state, step_metrics = train_step(state, next(batches))
@@ -158,7 +168,7 @@ def run(argv: Sequence[str]) -> int:
         if int(state.step) >= cfg.steps:
             print(f"run already complete: step {int(state.step)} of steps={cfg.steps}; nothing to do", flush=True)
             return 0
-        train_loop(cfg, trainer, state, batches, writer, ckpt, sigterm)
+        train_loop(compiled_step(trainer, writer), state, batches, writer, ckpt, sigterm)
     return 0
 
 

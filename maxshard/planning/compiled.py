@@ -19,21 +19,27 @@ from maxshard.config import Config
 from maxshard.data.packing import FIELDS
 from maxshard.step import Trainer
 
-__all__ = ["compile_train_step", "peak_bytes"]
+__all__ = ["abstract_inputs", "compile_train_step", "peak_bytes"]
 
 _FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def abstract_inputs(trainer: Trainer, batch_sharding: jax.sharding.NamedSharding) -> tuple[Any, Any]:
+    """(state, batch) of the train step as `jax.ShapeDtypeStruct`s with their shardings: nothing allocated."""
+    cfg = trainer.cfg
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                         nn.unbox(trainer.abstract_state), trainer.state_shardings)
+    shape = (cfg.global_batch_size, cfg.max_target_length)
+    batch = {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_weights" else jnp.int32,
+                                     sharding=batch_sharding) for k in FIELDS}
+    return state, batch
 
 
 def compile_train_step(cfg: Config, mesh: jax.sharding.Mesh) -> Any:
     """The compiled train step of `cfg` on `mesh`, lowered from abstract sharded state and batch."""
     trainer = Trainer(cfg, mesh)
     batch_sharding = data.batch_sharding(cfg, trainer.mesh)
-    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                         nn.unbox(trainer.abstract_state), trainer.state_shardings)
-    shape = (cfg.global_batch_size, cfg.max_target_length)
-    batch = {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_weights" else jnp.int32,
-                                     sharding=batch_sharding) for k in FIELDS}
-    return trainer.jit_train_step(batch_sharding).lower(state, batch).compile(_FAST)
+    return trainer.jit_train_step(batch_sharding).lower(*abstract_inputs(trainer, batch_sharding)).compile(_FAST)
 
 
 def peak_bytes(stats: Any) -> int:

@@ -16,8 +16,10 @@ Usable = capacity x (1 - `memory_headroom`): the planner is checked within 15% o
 (tests/test_plan_memory.py), and a device also holds what no step plan counts (allocator fragmentation, input
 prefetch, a checkpoint's device copy).
 
-The decision is made before anything is compiled: an explicit policy that would not fit is one error line naming
-the shortfall and the cheapest policy that fits (the one that recomputes least), and `auto` picks that policy.
+The plan decides before anything is compiled: `auto` picks the cheapest policy that fits (the one that recomputes
+least), and a policy planned more than PLAN_ERROR over the usable memory is one error line naming the shortfall and
+the cheapest policy that fits. Within PLAN_ERROR the compiled program has the last word (`maxshard/compile_check.py`:
+XLA's peak of the step that will run), so no policy is refused whose compiled program fits.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ from maxshard.units import format_bytes
 __all__ = ["Capacity", "cheapest", "configured_capacity", "local_capacity", "peaks_by_policy", "decide", "usable"]
 
 _GB = 1e9
+# How far over the usable memory a plan may be before it alone refuses a policy: the bound within which the planner
+# is checked against XLA (tests/test_plan_memory.py); closer calls are left to the compiled step.
+PLAN_ERROR = 0.15
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,15 +105,15 @@ def peaks_by_policy(cfg: Config) -> dict[str, int]:
 
 def decide(cfg: Config, capacity: Capacity, strict: bool = True) -> MemoryFit:
     """The policy the run uses: `auto` -> the least recompute that fits (`cheapest`); an explicit policy -> itself.
-    When it does not fit: ConfigError (one line) if `strict`, else the fit with `fits` False (`auto` -> full), for
-    tools that inspect a config this machine could not run."""
+    When it does not fit, the fit with `fits` False (`auto` -> full); with `strict`, a ConfigError (one line) when
+    it is planned more than PLAN_ERROR over, beyond what the compiled step could overturn."""
     peaks, limit = peaks_by_policy(cfg), usable(cfg, capacity)
     fitting = [p for p, b in peaks.items() if b <= limit]
     policy = cfg.remat_policy
     if policy == "auto":
         policy = cheapest(cfg, fitting, peaks) if fitting else "full"
     fits = peaks[policy] <= limit
-    if strict and not fits:
+    if strict and peaks[policy] > limit * (1 + PLAN_ERROR):
         raise ConfigError(_shortfall(cfg, peaks, limit, capacity, fitting))
     return MemoryFit(cfg.remat_policy, policy, peaks[policy], limit, capacity.bytes, capacity.source, fits)
 
