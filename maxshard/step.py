@@ -105,12 +105,14 @@ class Trainer:
 
     # ------------------------------------------------------------------ state
 
+    def jit_init(self) -> Callable[[jax.Array], TrainState]:
+        """key -> a fresh state, every leaf created in its sharding (the model is traced without a layout:
+        `model.init_params`)."""
+        return jax.jit(lambda r: nn.unbox(boxed_state(self.cfg, r)), out_shardings=self.state_shardings)
+
     def init_state(self, seed: int | None = None) -> TrainState:
         """A fresh state, created directly in its sharded layout."""
-        rng = jax.random.key(self.cfg.seed if seed is None else seed)
-        init = jax.jit(lambda r: nn.unbox(boxed_state(self.cfg, r)), out_shardings=self.state_shardings)
-        with mesh_context(self.mesh, self.rules):
-            return init(rng)
+        return self.jit_init()(jax.random.key(self.cfg.seed if seed is None else seed))
 
     # ------------------------------------------------------------------ steps
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 import subprocess
 import sys
 import time
@@ -291,3 +292,44 @@ def test_moe_all_to_all_matches_compiled_expert4_fsdp2(capacity_factor: str, rem
     moe_planned = sum(c.bytes for c in plan.collectives if c.kind == "all-to-all" and "MoE" in c.what)
     assert moe_planned > 0.8 * measured  # the MoE exchange dominates: the check below is about it
     assert abs(estimate.by_kind(plan.collectives)["all-to-all"] - measured) <= 0.10 * measured
+
+
+# --------------------------------------------------------------------------------------------- --compile (libtpu)
+
+TINY_TPU = ["configs/base.yml", "model_name=tiny", "--topology", "v5litepod-8", "--compile"]
+
+
+def test_compile_prints_the_tpu_programs_peaks_beside_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _plan_tool().main(TINY_TPU) == 0
+    out, err = capsys.readouterr()
+    assert "memory per device:" in out  # the plan first
+    line = out.strip().splitlines()[-1]
+    assert line.startswith("compiled with XLA:TPU for v5litepod-8: init peak ") and "x the plan" in line, line
+    assert "compiling the train step for v5litepod-8 with libtpu ..." in err  # progress on stderr
+
+
+def test_compile_reports_a_program_over_the_chip_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """remat none at 64 x 4096 tokens per chip: 37 GB of temporaries on a 16 GB v5e. Planning it also traces the
+    splash model twice, which once leaked a cached kernel's tracers (attention_ops._splash_kernel)."""
+    big = ["override_model_config=true", "per_device_batch_size=64", "max_target_length=4096", "mlp_dim=4096",
+           "remat_policy=none"]
+    assert _plan_tool().main([*TINY_TPU, *big]) == 1
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert re.fullmatch(r"compiled: no, XLA:TPU cannot fit the train step on v5litepod-8: RESOURCE_EXHAUSTED: .*"
+                        r"\(\d+\.\d+G\) exceeds available HBM \(\d+\.\d+G\)\.?", line), line
+
+
+def test_compile_needs_a_tpu_target_and_libtpu(capsys: pytest.CaptureFixture[str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    tool = _plan_tool()
+    assert tool.main(["configs/base.yml", "model_name=tiny", "--topology", "h100-80gb-8", "--compile"]) == 2
+    assert capsys.readouterr().err.strip() == ("plan: error: --compile compiles for TPU slices (XLA:TPU through "
+                                               "libtpu); h100-80gb-8 is a GPU node")
+    from maxshard.planning import tpu_compile
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(tpu_compile.importlib.util, "find_spec", lambda name: None if name == "libtpu" else real(name))
+    assert tool.main(TINY_TPU) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ('plan: error: compiling for a TPU needs libtpu, which is not installed: '
+                   'pip install -e ".[tpu-aot]"'), err

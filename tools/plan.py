@@ -21,6 +21,13 @@ append to the same command (keys given on the command line are kept, so none is 
 
 It exits 0 when some layout fits, 1 when none does (one line: the closest layout and by how much it misses), and 2
 for a mistake. A progress line goes to stderr every 100 candidates.
+
+`--compile` (TPU targets) also compiles the run's fresh-run init and train step for the target with XLA:TPU ahead
+of time, on this machine, no TPU needed (libtpu: `pip install -e ".[tpu-aot]"`; `maxshard/planning/tpu_compile.py`),
+and prints each program's compiled peak per device beside the plan; it exits 1 when XLA:TPU finds the train step
+over the chip's memory (one line, XLA's own figures). An 8B model on 256 chips compiles in about 3 minutes on 2 cores.
+
+    python tools/plan.py configs/base.yml model_name=8b per_device_batch_size=4 --topology v6e-256 --compile
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ import os
 import shlex
 import sys
 from collections.abc import Sequence
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # planning needs no accelerator (and an installed libtpu is not one)
 
 try:
     import maxshard  # noqa: F401 - installed (pip install -e .)
@@ -44,6 +53,8 @@ from maxshard.planning.estimate import Plan, make_plan
 from maxshard.planning.printout import format_plan, plan_json
 from maxshard.planning.search import load_for_target
 from maxshard.planning.search_printout import format_search, nothing_fits, search_json, sweep_yaml
+from maxshard.planning.tpu_compile import compile_run
+from maxshard.units import format_bytes
 
 __all__ = ["load_for_target", "plan_for", "main"]
 
@@ -64,6 +75,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--topology", required=True, help="XPK device type: v5p-1024, v6e-256, h100-80gb-8, ...")
     parser.add_argument("--num-slices", type=int, default=1, help="TPU slices or GPU nodes (default 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    parser.add_argument("--compile", action="store_true", help="also compile init and train step for the TPU target "
+                        "with libtpu (ahead of time, no TPU needed) and print their compiled peaks")
     found = parser.add_argument_group("layout search")
     found.add_argument("--search", action="store_true", help="rank every layout that fits by planned step time")
     found.add_argument("--top", type=int, default=5, help="layouts to print (default 5)")
@@ -112,11 +125,39 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError("--sweep-out writes the layouts of --search; add --search")
         if args.search:
             return _search(args, raw_argv)
+        if args.compile and args.search:
+            raise ConfigError("--compile compiles one layout; run it on a layout --search printed")
         plan = plan_for([args.config, *args.overrides], args.topology, args.num_slices)
+        if args.compile:
+            return _compiled(plan, args.json)
     except (ConfigError, OSError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(plan_json(plan)) if args.json else format_plan(plan))
+    return 0
+
+
+def _compiled(plan: Plan, as_json: bool) -> int:
+    """The plan, then XLA:TPU's compiled peaks beside it: 0 when the train step compiles within the chip's memory,
+    1 when XLA:TPU finds it over (one line with XLA's own figures)."""
+    if not as_json:
+        print(format_plan(plan), flush=True)
+    try:
+        run = compile_run(plan.cfg, plan.target, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    except ConfigError as e:
+        if "cannot fit" not in str(e):
+            raise
+        print(json.dumps({**plan_json(plan), "compiled": {"fits": False, "error": str(e)}}) if as_json else
+              f"compiled: no, {e}")
+        return 1
+    if as_json:
+        compiled = {"fits": True, **{k: v for k, v in vars(run).items()}}
+        print(json.dumps({**plan_json(plan), "compiled": compiled}))
+        return 0
+    print(f"compiled with XLA:TPU for {plan.target.name}: init peak {format_bytes(run.init_peak)} per device "
+          f"({run.init_seconds:.0f}s), train step peak {format_bytes(run.step_peak)} per device "
+          f"({run.step_seconds:.0f}s); planned {format_bytes(plan.peak_bytes)}, "
+          f"{run.step_peak / plan.peak_bytes:.2f}x the plan")
     return 0
 
 

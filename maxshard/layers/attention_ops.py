@@ -102,9 +102,13 @@ def cudnn(q, k, v, q_segment_ids, kv_segment_ids, implementation: str | None = N
                                         implementation=implementation)
 
 
-@functools.lru_cache(maxsize=16)
 def _splash_kernel(heads: int, q_len: int, kv_len: int, block_q: int, block_kv: int, interpret: bool) -> Callable:
-    """One splash MQA kernel (queries of one kv head against it), built once per shape."""
+    """One splash MQA kernel (queries of one kv head against it), built anew in every trace.
+
+    Not cached: the kernel's block-mask arrays are made with jnp inside the trace that asks for it (Flax's scan
+    traces its body through a partial-eval trace), so a kernel kept from one trace would leak that trace's tracers
+    into the next (seen as UnexpectedTracerError when the planner traced a remat_policy=none model twice). Building
+    it takes ~0.3 s at 8k tokens with 512-token blocks."""
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
     mask = splash.MultiHeadMask([splash.CausalMask((q_len, kv_len)) for _ in range(heads)])

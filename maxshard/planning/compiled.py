@@ -19,7 +19,7 @@ from maxshard.config import Config
 from maxshard.data.packing import FIELDS
 from maxshard.step import Trainer
 
-__all__ = ["abstract_inputs", "compile_train_step", "peak_bytes"]
+__all__ = ["abstract_inputs", "compile_init", "compile_train_step", "peak_bytes"]
 
 _FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
@@ -40,6 +40,12 @@ def compile_train_step(cfg: Config, mesh: jax.sharding.Mesh) -> Any:
     trainer = Trainer(cfg, mesh)
     batch_sharding = data.batch_sharding(cfg, trainer.mesh)
     return trainer.jit_train_step(batch_sharding).lower(*abstract_inputs(trainer, batch_sharding)).compile(_FAST)
+
+
+def compile_init(cfg: Config, mesh: jax.sharding.Mesh) -> Any:
+    """The compiled fresh-run init of `cfg` on `mesh` (`Trainer.jit_init`), lowered from an abstract key."""
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    return Trainer(cfg, mesh).jit_init().lower(key).compile(_FAST)
 
 
 def peak_bytes(stats: Any) -> int:
