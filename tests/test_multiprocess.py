@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -130,3 +131,65 @@ def test_damage_only_one_process_sees_makes_both_fall_back(env, tmp_path):
     assert all("resuming from step 2" in out for out in outputs)
     assert _losses(tmp_path / "multi") == first + first[2:]  # steps 3 and 4 again, bit for bit
     assert (checkpoints / "4.damaged").is_dir() and (checkpoints / "4" / "state").is_dir()
+
+
+def _reading(procs: list[subprocess.Popen]) -> list[Future[str]]:
+    """Each process's whole output, read in a thread from now on: a full pipe would stall its process mid-run."""
+    pool = ThreadPoolExecutor(len(procs))
+    readers = [pool.submit(p.stdout.read) for p in procs]
+    pool.shutdown(wait=False)
+    return readers
+
+
+def _outputs(procs: list[subprocess.Popen], readers: list[Future[str]], timeout: float) -> list[str]:
+    """The outputs once every process ended; any still running after `timeout` seconds is killed (exit -9), so a
+    hang fails the test showing what each process printed."""
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    return [r.result() for r in readers]
+
+
+def test_sigterm_to_one_process_stops_both_at_one_step_and_resume_is_exact(env, tmp_path):
+    """Real preemption: SIGTERM reaches process 1 only; JAX's preemption sync point makes both save step N and exit 0.
+
+    The restart resumes from N and logs the losses of an uninterrupted run, bit for bit (the same layout, so the
+    collectives sum in the same order). A fixed schedule length keeps the learning rate independent of `steps`.
+    """
+    layout = ["dcn_data_parallelism=1", "dcn_fsdp_parallelism=2", "ici_fsdp_parallelism=4", "steps=100000",
+              "learning_rate_schedule_steps=100", "checkpoint_period=100000", "enable_tensorboard=false",
+              "distributed_timeout=120"]
+    interrupted = tmp_path / "interrupted"
+    with _killed_on_exit(_two_processes(env, interrupted, layout)) as procs:
+        readers = _reading(procs)
+        metrics = interrupted / "multi" / "metrics.jsonl"
+        deadline = time.monotonic() + 180
+        while not (metrics.exists() and "loss" in metrics.read_text()):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                pytest.fail("training never started:\n" + "\n".join(_outputs(procs, readers, 0)))
+            time.sleep(0.2)
+        procs[1].send_signal(signal.SIGTERM)  # process 0 gets nothing: JAX's coordination service tells it
+        sent = time.monotonic()
+        outputs = _outputs(procs, readers, 120)
+    assert [p.returncode for p in procs] == [0, 0], "\n\n".join(out[-3000:] for out in outputs)
+    assert time.monotonic() - sent < 60
+    stops = [re.findall(r"preempted: stopping after step (\d+), checkpoint saved", out) for out in outputs]
+    assert len(stops[0]) == 1 and stops[0] == stops[1], stops  # the signalled process and the other, same step
+    stopped = int(stops[0][0])
+    checkpoints = interrupted / "multi" / "checkpoints"
+    assert [p.name for p in checkpoints.iterdir()] == [str(stopped)]  # the preemption save, no periodic one
+    assert (checkpoints / str(stopped) / "state").is_dir()
+    assert len(_losses(interrupted / "multi")) == stopped
+
+    # One two-process run at a time: under load, four processes on two cores can leave a peer more than gloo's fixed
+    # 30 s behind at the first collective ("Gloo context initialization failed: DEADLINE_EXCEEDED").
+    finish = [*layout, f"steps={stopped + 2}"]
+    assert all(f"resuming from step {stopped} " in out for out in _run_two(env, interrupted, finish))
+    straight = tmp_path / "straight"
+    _run_two(env, straight, finish)
+    assert len(_losses(straight / "multi")) == stopped + 2
+    assert _losses(interrupted / "multi") == _losses(straight / "multi")  # steps 1..N, then N+1 and N+2 resumed

@@ -303,9 +303,32 @@ def test_compile_prints_the_tpu_programs_peaks_beside_the_plan(capsys: pytest.Ca
     assert _plan_tool().main(TINY_TPU) == 0
     out, err = capsys.readouterr()
     assert "memory per device:" in out  # the plan first
-    line = out.strip().splitlines()[-1]
-    assert line.startswith("compiled with XLA:TPU for v5litepod-8: init peak ") and "x the plan" in line, line
+    peaks, verdict = out.strip().splitlines()[-2:]
+    assert peaks.startswith("compiled with XLA:TPU for v5litepod-8: init peak ") and "x the plan" in peaks, peaks
+    assert re.fullmatch(r"compiled: yes, fits the 13\.4 GiB usable \(v5litepod-8 HBM, memory_headroom=0\.1\): the "
+                        r"train step needs \d+% of 14\.9 GiB HBM", verdict), verdict
     assert "compiling the train step for v5litepod-8 with libtpu ..." in err  # progress on stderr
+    assert re.search(r"compiled the train step in \d+\.\ds", err), err
+
+
+def test_compile_verdict_is_the_trainers_check(capsys: pytest.CaptureFixture[str],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step that compiles (XLA:TPU finds it within the chip) but over HBM less memory_headroom fails the
+    trainer's compile check on the target (maxshard/compile_check.py): exit 1. Peaks faked: no compile here."""
+    from maxshard.planning.tpu_compile import CompiledRun
+
+    tool = _plan_tool()
+    usable = tool.plan_for(["configs/base.yml", "model_name=tiny"], "v5litepod-8").cfg.memory_fit.usable_bytes
+    for step_peak, code in ((usable, 0), (usable + 1, 1)):
+        monkeypatch.setattr(tool, "compile_run", lambda cfg, target, progress: CompiledRun(1, step_peak, 0.1, 0.2))
+        assert tool.main(TINY_TPU) == code
+        verdict = capsys.readouterr().out.strip().splitlines()[-1]
+        assert verdict.startswith("compiled: yes, fits the" if code == 0 else "compiled: no, does NOT fit the"), verdict
+        assert tool.main([*TINY_TPU, "--json"]) == code
+        compiled = json.loads(capsys.readouterr().out)["compiled"]
+        assert compiled == {"fits": code == 0, "usable_bytes": usable, "init_peak": 1, "step_peak": step_peak,
+                            "init_seconds": 0.1, "step_seconds": 0.2}
+    assert verdict.endswith("HBM; the trainer's compile check would not run remat_policy=none"), verdict
 
 
 def test_compile_reports_a_program_over_the_chip_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
@@ -323,13 +346,17 @@ def test_compile_needs_a_tpu_target_and_libtpu(capsys: pytest.CaptureFixture[str
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     tool = _plan_tool()
     assert tool.main(["configs/base.yml", "model_name=tiny", "--topology", "h100-80gb-8", "--compile"]) == 2
-    assert capsys.readouterr().err.strip() == ("plan: error: --compile compiles for TPU slices (XLA:TPU through "
-                                               "libtpu); h100-80gb-8 is a GPU node")
+    out, err = capsys.readouterr()
+    assert (out, err.strip()) == ("", "plan: error: --compile compiles for TPU slices (XLA:TPU through libtpu); "
+                                  "h100-80gb-8 is a GPU node")
+    assert tool.main([*TINY_TPU, "--search"]) == 2
+    assert capsys.readouterr().err.strip() == ("plan: error: --compile compiles one layout; run it on a layout "
+                                               "--search printed")
     from maxshard.planning import tpu_compile
 
     real = importlib.util.find_spec
     monkeypatch.setattr(tpu_compile.importlib.util, "find_spec", lambda name: None if name == "libtpu" else real(name))
     assert tool.main(TINY_TPU) == 2
-    err = capsys.readouterr().err.strip()
-    assert err == ('plan: error: compiling for a TPU needs libtpu, which is not installed: '
-                   'pip install -e ".[tpu-aot]"'), err
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip() == ('plan: error: compiling for a TPU needs libtpu, which is not installed: '
+                                         'pip install -e ".[tpu-aot]"'), err

@@ -6,7 +6,7 @@ as the trainer would load it there (`planning.search.load_for_target`): `attenti
 -> bfloat16, dropless MoE `auto` -> ragged_dot. XLA:TPU then compiles the real programs, Pallas kernels through
 Mosaic. This is where the splash init crash of the past showed (one dummy row in splash's shard_map); here it
 would fail to compile. Each layout also shows its kernels in the compiled program and an init that creates the
-state sharded (its peak far below the whole state's bytes).
+state sharded (its temporaries smaller than the largest leaf made whole would be).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from maxshard import mesh
 from maxshard.launch import topologies
 from maxshard.planning.compiled import compile_init, compile_train_step, peak_bytes
 from maxshard.planning.search import load_for_target
-from maxshard.planning.tpu_compile import INSTALL, abstract_devices
+from maxshard.planning.tpu_compile import INSTALL, abstract_devices, topology_name
 from maxshard.step import abstract_state
 
 if importlib.util.find_spec("libtpu") is None:  # a test dependency: missing means a broken install, not a skip
@@ -42,13 +42,27 @@ LAYOUTS = {
 }
 
 
-def _whole_state_bytes(cfg) -> int:
-    return sum(math.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(nn.unbox(abstract_state(cfg))))
+def _leaf_bytes(cfg) -> list[int]:
+    """Bytes of every leaf of the whole (unsharded) train state."""
+    return [math.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(nn.unbox(abstract_state(cfg)))]
 
 
 @pytest.fixture(scope="module")
 def devices():
     return abstract_devices(TARGET)
+
+
+@pytest.mark.parametrize("name, slices, topology, count", [
+    ("v5litepod-8", 1, "v5e:2x4", 8), ("v6e-256", 1, "v6e:16x16", 256), ("v5p-8", 1, "v5p:2x2x1", 4),
+    ("v5p-1024", 2, "v5p:8x8x8", 1024), ("v5p-12288", 1, "v5p:16x16x24", 6144), ("v4-8", 1, "v4:2x2x1", 4),
+    ("v6e-1", 1, "v6e:1x1", 1)])
+def test_every_slice_size_is_described_as_jax_sees_it(name, slices, topology, count):
+    """XPK's name -> libtpu's topology, with JAX's device count there: not only powers of two (v5p-12288), one
+    device per v4 chip (megacore; libtpu's default counts TensorCores), a 1-chip host for v6e-1."""
+    target = topologies.parse(name, slices)
+    assert topology_name(target) == topology
+    described = abstract_devices(target)
+    assert len(described) == count and described[0].device_kind == target.device_kind
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -60,8 +74,10 @@ def test_init_and_step_compile_for_a_v5e_slice_with_the_tpu_defaults(layout, dev
     assert run_mesh.devices.flat[0].device_kind == "TPU v5 lite"
 
     init = compile_init(cfg, run_mesh)
-    init_peak = peak_bytes(init.memory_analysis())
-    assert 0 < init_peak < _whole_state_bytes(cfg) / 2  # the state is born sharded, never whole on one chip
+    stats, leaves = init.memory_analysis(), _leaf_bytes(cfg)
+    init_peak = peak_bytes(stats)
+    assert 0 < init_peak and stats.output_size_in_bytes < sum(leaves) / 2  # the state is sharded ...
+    assert stats.temp_size_in_bytes < max(leaves)  # ... and born so: not even the largest leaf whole (measured: 0)
 
     step = compile_train_step(cfg, run_mesh)
     assert peak_bytes(step.memory_analysis()) > init_peak

@@ -6,8 +6,9 @@ programs, Pallas kernels through Mosaic included, and `memory_analysis()` is the
 the chip's memory fails at compile with RESOURCE_EXHAUSTED, which `compile_run` reports in one line.
 
 Topology names: v5e/v6e slices are 2-D (v6e-256 -> "v6e:16x16", v5litepod-8 -> "v5e:2x4"); v5p and v4 slices are
-3-D, in chips (v5p-1024 = 512 chips -> "v5p:8x8x8"). The shape is the most square one of that many chips; the
-compiled program depends on the device count and kind, and on the torus only through collective timing.
+3-D, in chips (v5p-1024 = 512 chips -> "v5p:8x8x8", v5p-12288 -> "v5p:16x16x24"). The shape is the most even one of
+that many chips; the compiled program depends on the device count and kind, and on the torus only through
+collective timing. v4 chips are described as one device each (megacore), as JAX sees them on a v4 VM.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import dataclasses
 import importlib.util
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from maxshard.config import Config, ConfigError
@@ -44,11 +45,22 @@ def topology_name(target: Target) -> str:
     if target.accelerator != "tpu":
         raise ConfigError(f"--compile compiles for TPU slices (XLA:TPU through libtpu); {target.name} is a GPU node")
     family = _NAMES[target.name.rsplit("-", 1)[0]]
-    dims = [1] * _DIMENSIONS[family]
-    while dims[0] * dims[1] * (dims[2] if len(dims) == 3 else 1) < target.chips_per_slice:
-        dims[dims.index(min(dims))] *= 2
-    shape = sorted(d for d in dims if d > 1) + [d for d in dims if d == 1]
-    return f"{family}:{'x'.join(map(str, shape))}"
+    return f"{family}:{'x'.join(map(str, _slice_shape(target.chips_per_slice, _DIMENSIONS[family])))}"
+
+
+def _slice_shape(chips: int, rank: int) -> tuple[int, ...]:
+    """The most even `rank`-D shape of `chips` chips, sides ascending and ones last as libtpu names them (2x2x1).
+    Not only powers of two: v5p-12288 is 16x16x24."""
+    def shapes(n: int, k: int) -> Iterator[tuple[int, ...]]:
+        if k == 1:
+            yield (n,)
+            return
+        for d in range(1, n + 1):
+            if n % d == 0:
+                yield from ((d, *rest) for rest in shapes(n // d, k - 1))
+
+    best = min((tuple(sorted(s)) for s in shapes(chips, rank)), key=lambda s: (s[-1] / s[0], s[-1]))
+    return tuple(d for d in best if d > 1) + tuple(d for d in best if d == 1)
 
 
 def abstract_devices(target: Target) -> list[Any]:
@@ -66,13 +78,25 @@ def abstract_devices(target: Target) -> list[Any]:
 
     name = topology_name(target)
     try:
-        devices = list(get_topology_desc(topology_name=name, platform="tpu", num_slices=target.num_slices).devices)
-    except Exception as e:  # libtpu's own words for a shape it does not know (e.g. 1 chip)
+        devices = list(get_topology_desc(topology_name=name, platform="tpu", num_slices=target.num_slices,
+                                         **_topology_options(target)).devices)
+    except Exception as e:  # libtpu's own words for a shape it does not know
         raise ConfigError(f"libtpu cannot describe {target.name} as {name!r}: {str(e).splitlines()[0]}") from None
     if len(devices) != target.num_devices:
         raise ConfigError(f"libtpu describes {name!r} with {len(devices)} devices, {target.name} x "
                           f"{target.num_slices} has {target.num_devices}")
     return devices
+
+
+def _topology_options(target: Target) -> dict[str, Any]:
+    """libtpu's options that make its devices JAX's on that slice: one per chip on v4 (libtpu's default there is
+    one per TensorCore, twice the count), and a 1-chip host for a 1-chip slice (its default host is 2x2)."""
+    options: dict[str, Any] = {}
+    if target.name.startswith("v4-"):
+        options["chip_config_name"] = "megacore"
+    if target.chips_per_slice == 1:
+        options["chips_per_host_bounds"] = (1, 1, 1)
+    return options
 
 
 def compile_run(cfg: Config, target: Target, progress: Callable[[str], None] = lambda line: None) -> CompiledRun:
