@@ -39,11 +39,12 @@ def complete(cfg: Config, capacity: Capacity | None = None) -> Config:
     `check_memory` (which `load_run` calls for runs) turns that into the error line.
     """
     cfg = resolve_vocab(cfg)
+    model = model_config(cfg)  # loss_chunks is no model key: the model stays valid when it is decided
     if cfg.loss_chunks == 0:
-        sized = dataclasses.replace(cfg, model=model_config(cfg))
+        sized = dataclasses.replace(cfg, model=model)
         cfg = dataclasses.replace(cfg, loss_chunks=memory.auto_loss_chunks(sized, mesh.axis_sizes(cfg)))
     if cfg.remat_policy == "auto":
-        provisional = dataclasses.replace(cfg, model=model_config(cfg))
+        provisional = dataclasses.replace(cfg, model=model)
         decided = fit.decide(provisional, capacity or fit.local_capacity(cfg), strict=False)
         cfg = dataclasses.replace(cfg, remat_policy=decided.policy, memory_fit=decided)
     return dataclasses.replace(cfg, model=model_config(cfg))

@@ -320,7 +320,7 @@ def test_compile_verdict_is_the_trainers_check(capsys: pytest.CaptureFixture[str
     tool = _plan_tool()
     usable = tool.plan_for(["configs/base.yml", "model_name=tiny"], "v5litepod-8").cfg.memory_fit.usable_bytes
     for step_peak, code in ((usable, 0), (usable + 1, 1)):
-        monkeypatch.setattr(tool, "compile_run", lambda cfg, target, progress: CompiledRun(1, step_peak, 0.1, 0.2))
+        monkeypatch.setattr(tool, "compile_run", lambda cfg, target, devices, progress: CompiledRun(1, step_peak, 0.1, 0.2))
         assert tool.main(TINY_TPU) == code
         verdict = capsys.readouterr().out.strip().splitlines()[-1]
         assert verdict.startswith("compiled: yes, fits the" if code == 0 else "compiled: no, does NOT fit the"), verdict

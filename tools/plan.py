@@ -55,7 +55,7 @@ from maxshard.planning.estimate import Plan, make_plan
 from maxshard.planning.printout import format_plan, plan_json
 from maxshard.planning.search import load_for_target
 from maxshard.planning.search_printout import format_search, nothing_fits, search_json, sweep_yaml
-from maxshard.planning.tpu_compile import abstract_devices, compile_run
+from maxshard.planning.tpu_compile import TpuOutOfMemory, abstract_devices, compile_run
 from maxshard.units import format_bytes
 
 __all__ = ["load_for_target", "plan_for", "main"]
@@ -143,14 +143,13 @@ def _compiled(plan: Plan, as_json: bool) -> int:
     """The plan, then XLA:TPU's compiled peaks beside it and a verdict: 0 when the train step's compiled peak fits
     the usable memory (the trainer's own check on the target, `maxshard/compile_check.py`), 1 when it does not or
     when XLA:TPU finds a program over the chip (one line with XLA's own figures)."""
-    abstract_devices(plan.target)  # a GPU target or no libtpu: one error line before anything is printed
+    devices = abstract_devices(plan.target)  # a GPU target or no libtpu: one error line before anything is printed
     if not as_json:
         print(format_plan(plan), flush=True)
     try:
-        run = compile_run(plan.cfg, plan.target, progress=lambda line: print(line, file=sys.stderr, flush=True))
-    except ConfigError as e:
-        if "cannot fit" not in str(e):
-            raise
+        run = compile_run(plan.cfg, plan.target, devices,
+                          progress=lambda line: print(line, file=sys.stderr, flush=True))
+    except TpuOutOfMemory as e:
         print(json.dumps({**plan_json(plan), "compiled": {"fits": False, "error": str(e)}}) if as_json else
               f"compiled: no, {e}")
         return 1

@@ -185,10 +185,15 @@ def _split(n: int, axes: tuple[str, ...], sizes: Mapping[str, int]) -> int:
     return n
 
 
+def _local_length(cfg: Config, sizes: Mapping[str, int]) -> int:
+    """The positions of a sequence one device holds: the length split over its activation rule's mesh axes."""
+    return _split(cfg.max_target_length, rule_axes(cfg, ax.LENGTH, sizes), sizes)
+
+
 def logits_bytes(cfg: Config, sizes: Mapping[str, int], geo: Geometry | None = None) -> int:
     """The float32 logits of one microbatch on a device, [tokens, vocab / vocab shards] x 4 bytes, whole."""
     geo = geo or geometry(cfg, sizes, 4)
-    local_length = _split(cfg.max_target_length, rule_axes(cfg, ax.LENGTH, sizes), sizes)
+    local_length = _local_length(cfg, sizes)
     vocab = _split(cfg.vocab_size, rule_axes(cfg, ax.ACT_VOCAB, sizes), sizes)
     return _microbatch_tokens(geo.outer_tokens, local_length, geo.accumulation) * vocab * 4
 
@@ -198,8 +203,7 @@ def auto_loss_chunks(cfg: Config, sizes: Mapping[str, int]) -> int:
 
     A piece count divides the device's share of the length, so every strided piece still spans all the length
     shards (maxshard/loss.py); where the length allows no further split the count stops there."""
-    whole = logits_bytes(cfg, sizes)
-    local_length = _split(cfg.max_target_length, rule_axes(cfg, ax.LENGTH, sizes), sizes)
+    whole, local_length = logits_bytes(cfg, sizes), _local_length(cfg, sizes)
     chunks = 1
     while whole / chunks > LOSS_PIECE_BYTES and local_length % (2 * chunks) == 0:
         chunks *= 2
@@ -280,7 +284,7 @@ def activation_terms(cfg: Config, sizes: Mapping[str, int], geo: Geometry, gathe
     """The terms of the module docstring. `gathered`: what the fsdp gather of one unit holds
     (`traffic.gathered_unit_bytes`); `gradients`: the gradient bytes per device (for accumulation)."""
     w, size, policy = widths(cfg, sizes), geo.compute_itemsize, cfg.remat_policy
-    local_length = _split(cfg.max_target_length, rule_axes(cfg, ax.LENGTH, sizes), sizes)
+    local_length = _local_length(cfg, sizes)
     tokens = _microbatch_tokens(geo.tokens, local_length, geo.accumulation)
     head = 2 * logits_bytes(cfg, sizes, geo) / max(cfg.loss_chunks, 1)
     moe_per_layer = _moe_token_bytes(cfg, w, sizes, size)

@@ -23,11 +23,15 @@ from typing import Any
 from maxshard.config import Config, ConfigError
 from maxshard.launch.topologies import Target
 
-__all__ = ["INSTALL", "CompiledRun", "topology_name", "abstract_devices", "compile_run"]
+__all__ = ["INSTALL", "CompiledRun", "TpuOutOfMemory", "topology_name", "abstract_devices", "compile_run"]
 
 INSTALL = 'pip install -e ".[tpu-aot]"'
 _NAMES = {"v5litepod": "v5e", "v6e": "v6e", "v5p": "v5p", "v4": "v4"}
 _DIMENSIONS = {"v5e": 2, "v6e": 2, "v5p": 3, "v4": 3}
+
+
+class TpuOutOfMemory(ConfigError):
+    """XLA:TPU found a program over the chip's memory: one line with XLA's own figures."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,13 +103,14 @@ def _topology_options(target: Target) -> dict[str, Any]:
     return options
 
 
-def compile_run(cfg: Config, target: Target, progress: Callable[[str], None] = lambda line: None) -> CompiledRun:
-    """The fresh-run init and the train step of `cfg` compiled for `target`; ConfigError (one line) when XLA:TPU
-    finds a program over the chip's memory."""
+def compile_run(cfg: Config, target: Target, devices: list[Any],
+                progress: Callable[[str], None] = lambda line: None) -> CompiledRun:
+    """The fresh-run init and the train step of `cfg` compiled for `target` on its `abstract_devices`;
+    TpuOutOfMemory (one line) when XLA:TPU finds a program over the chip's memory."""
     from maxshard import mesh
     from maxshard.planning.compiled import compile_init, compile_train_step, peak_bytes
 
-    run_mesh = mesh.build(cfg, abstract_devices(target))
+    run_mesh = mesh.build(cfg, devices)
     peaks, seconds = {}, {}
     for name, compile_one in (("init", compile_init), ("train step", compile_train_step)):
         progress(f"compiling the {name} for {target.name} with libtpu ...")
@@ -116,7 +121,7 @@ def compile_run(cfg: Config, target: Target, progress: Callable[[str], None] = l
             message = str(e)
             if "RESOURCE_EXHAUSTED" not in message:
                 raise
-            raise ConfigError(f"XLA:TPU cannot fit the {name} on {target.name}: {_first_oom_line(message)}") from None
+            raise TpuOutOfMemory(f"XLA:TPU cannot fit the {name} on {target.name}: {_first_oom_line(message)}") from None
         seconds[name] = time.perf_counter() - started
         peaks[name] = peak_bytes(compiled.memory_analysis())
         progress(f"compiled the {name} in {seconds[name]:.1f}s")
