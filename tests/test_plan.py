@@ -240,6 +240,22 @@ def test_8b_on_four_v5p_1024_slices_plans_in_seconds(capsys: pytest.CaptureFixtu
     assert 0 < plan.activations < 95 * 2**30
 
 
+def test_the_last_line_is_a_verdict_and_a_run_that_does_not_fit_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
+    """Against the allocatable HBM XLA:TPU reports for v6e (31.25 GiB, less memory_headroom 0.1 = 28.1 GiB): the
+    8b preset at 4 x 8192 per chip fits under auto (full), not with remat_policy=none, which names what would."""
+    tool, argv = _plan_tool(), ["configs/base.yml", "model_name=8b", "--topology", "v6e-256"]
+    assert tool.main([*argv, "per_device_batch_size=4"]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert re.fullmatch(r"fit: yes, \d+\.\d GiB of 28\.1 GiB usable \(full\)", last), last
+    assert tool.main([*argv, "per_device_batch_size=4", "remat_policy=none"]) == 1
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert re.fullmatch(r"fit: no, \d+\.\d GiB over the 28\.1 GiB usable \(none plans \d+\.\d GiB\); "
+                        r"remat_policy=full fits \(\d+\.\d GiB\)", last), last
+    assert tool.main([*argv, "per_device_batch_size=64", "--json"]) == 1
+    printed = json.loads(capsys.readouterr().out)
+    assert not printed["fit"]["fits"] and "no remat policy fits" in printed["fit"]["line"]
+
+
 def test_gpu_nodes_put_the_dcn_axis_on_the_network(capsys: pytest.CaptureFixture[str]) -> None:
     tool = _plan_tool()
     assert tool.main(["configs/base.yml", "model_name=8b", "--topology", "h100-80gb-8", "--num-slices", "2",
@@ -305,8 +321,8 @@ def test_compile_prints_the_tpu_programs_peaks_beside_the_plan(capsys: pytest.Ca
     assert "memory per device:" in out  # the plan first
     peaks, verdict = out.strip().splitlines()[-2:]
     assert peaks.startswith("compiled with XLA:TPU for v5litepod-8: init peak ") and "x the plan" in peaks, peaks
-    assert re.fullmatch(r"compiled: yes, fits the 13\.4 GiB usable \(v5litepod-8 HBM, memory_headroom=0\.1\): the "
-                        r"train step needs \d+% of 14\.9 GiB HBM", verdict), verdict
+    assert re.fullmatch(r"compiled: yes, fits the 14\.2 GiB usable \(v5litepod-8 HBM, memory_headroom=0\.1\): the "
+                        r"train step needs \d+% of 15\.8 GiB HBM", verdict), verdict
     assert "compiling the train step for v5litepod-8 with libtpu ..." in err  # progress on stderr
     assert re.search(r"compiled the train step in \d+\.\ds", err), err
 

@@ -6,7 +6,9 @@
 The config is validated as the launcher validates it for the target (`maxshard.launch.xpk`): the device count,
 device kind and host count of `--topology` x `--num-slices` (TPU slices, or GPU nodes), `num_slices` set to match.
 Then only `jax.eval_shape` runs: no mesh of that size is built and nothing is compiled, so an 8B model on 2048 chips
-plans in seconds on a laptop. A configuration mistake prints one line, `plan: error: ...`, and exits 2.
+plans in seconds on a laptop. The last line is the verdict against one device's usable memory (allocatable HBM less
+`memory_headroom`): `fit: yes, <planned> of <usable> (<policy>)`, or `fit: no, <by how much> ...; <what would fit>`
+with exit code 1. A configuration mistake prints one line, `plan: error: ...`, and exits 2.
 The model behind every number is written out in `maxshard/planning/` (memory.py, traffic.py, estimate.py).
 
 `--search` asks that question for every sensible layout instead (`maxshard/planning/search.py`: mesh knobs,
@@ -50,7 +52,7 @@ except ImportError:  # run from a checkout without installing
 
 from maxshard.config import ConfigError
 from maxshard.launch import topologies
-from maxshard.planning import search
+from maxshard.planning import fit, search
 from maxshard.planning.estimate import Plan, make_plan
 from maxshard.planning.printout import format_plan, plan_json
 from maxshard.planning.search import load_for_target
@@ -135,8 +137,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, OSError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(plan_json(plan)) if args.json else format_plan(plan))
-    return 0
+    return _verdict(plan, args.json)
+
+
+def _verdict(plan: Plan, as_json: bool) -> int:
+    """The plan and its one verdict line against the target's usable memory: 0 when it fits, 1 when not."""
+    fits, line = fit.verdict(plan.cfg, search.target_capacity(plan.cfg, plan.target))
+    print(json.dumps({**plan_json(plan), "fit": {"fits": fits, "line": line}}) if as_json else
+          f"{format_plan(plan)}\n{line}")
+    return 0 if fits else 1
 
 
 def _compiled(plan: Plan, as_json: bool) -> int:

@@ -36,7 +36,8 @@ from maxshard.config_schema import MemoryFit
 from maxshard.planning import estimate, memory
 from maxshard.units import format_bytes
 
-__all__ = ["Capacity", "cheapest", "configured_capacity", "local_capacity", "peaks_by_policy", "decide", "usable"]
+__all__ = ["Capacity", "cheapest", "configured_capacity", "local_capacity", "peaks_by_policy", "decide", "usable",
+           "verdict"]
 
 _GB = 1e9
 # How far over the usable memory a plan may be before it alone refuses a policy: the bound within which the planner
@@ -137,3 +138,23 @@ def _shortfall(cfg: Config, peaks: dict[str, int], limit: int, capacity: Capacit
             f"{format_bytes(least)} per device (planned peak), {format_bytes(least - limit)} more than {room}; "
             f"shard more (ici_fsdp_parallelism, ici_tensor_parallelism), lower per_device_batch_size or raise "
             f"device_memory_gb")
+
+
+def verdict(cfg: Config, capacity: Capacity) -> tuple[bool, str]:
+    """(fits, one line) for a planned run: `fit: yes, <planned> of <usable> (<policy>)`, or `fit: no, <by how much>,
+    <what would fit>`. `auto` is judged by the policy it chose (`cfg.memory_fit`), an explicit policy by itself."""
+    requested = cfg.memory_fit.requested if cfg.memory_fit is not None else cfg.remat_policy
+    decided = decide(dataclasses.replace(cfg, remat_policy=requested), capacity, strict=False)
+    planned, limit = format_bytes(decided.planned_bytes), format_bytes(decided.usable_bytes)
+    if decided.fits:
+        return True, f"fit: yes, {planned} of {limit} usable ({decided.policy})"
+    over = format_bytes(decided.planned_bytes - decided.usable_bytes)
+    peaks = peaks_by_policy(cfg)
+    fitting = [p for p, b in peaks.items() if b <= decided.usable_bytes]
+    if fitting:
+        best = cheapest(cfg, fitting, peaks)
+        instead = f"remat_policy={best} fits ({format_bytes(peaks[best])})"
+    else:
+        instead = ("no remat policy fits: shard more (ici_fsdp_parallelism, ici_tensor_parallelism) or lower "
+                   "per_device_batch_size")
+    return False, f"fit: no, {over} over the {limit} usable ({decided.policy} plans {planned}); {instead}"
