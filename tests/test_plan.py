@@ -310,6 +310,21 @@ def test_moe_all_to_all_matches_compiled_expert4_fsdp2(capacity_factor: str, rem
     assert abs(estimate.by_kind(plan.collectives)["all-to-all"] - measured) <= 0.10 * measured
 
 
+def test_moe_dropping_flops_match_what_xla_counts() -> None:
+    """What token dropping executes beyond the model's FLOPs (`estimate.moe_dropping_flops`: expert rows padded to
+    capacity, the dispatch and combine einsums): the step at capacity_factor 2 minus the step at 1, planned vs
+    XLA's cost analysis of the two compiled steps. Layers unrolled, since XLA counts a loop body once. Measured
+    on jax 0.10.2: 44,040,192 planned / 43,794,416 compiled (0.6%)."""
+    def flops(factor: str) -> tuple[float, float]:
+        cfg = tiny_config("num_experts=8", "num_experts_per_tok=2", f"capacity_factor={factor}", "remat_policy=none",
+                          "scan_layers=false", "ici_fsdp_parallelism=1", "loss_chunks=1", num_devices=1,
+                          global_batch=2)
+        return _compile(cfg).cost_analysis()["flops"], estimate.make_plan(cfg).hardware_flops
+
+    (compiled_1, planned_1), (compiled_2, planned_2) = flops("1.0"), flops("2.0")
+    assert planned_2 - planned_1 == pytest.approx(compiled_2 - compiled_1, rel=0.02)
+
+
 # --------------------------------------------------------------------------------------------- --compile (libtpu)
 
 TINY_TPU = ["configs/base.yml", "model_name=tiny", "--topology", "v5litepod-8", "--compile"]
