@@ -12,8 +12,8 @@ inputs and compiled, then
 Agreement measured on jax 0.10.2 (bytes per device, plan as XLA:CPU compiles it / measured):
     fsdp=8            all-gather 753,664 / 755,712   reductions 427,264 / 427,380     all-to-all 32,768 / 32,768
     data=8                                           reductions 525,568 / 525,576
-    fsdp=4 tensor=2   all-gather 376,832 / 379,904   reductions 697,600 / 699,360     all-to-all 65,536 / 65,536
-    tensor=8                                         reductions 1,835,008 / 1,841,260
+    fsdp=4 tensor=2   all-gather 884,736 / 887,808   reductions 697,600 / 700,640     all-to-all 65,536 / 65,536
+    tensor=8          all-gather 1,835,008 / 1,835,008   reductions 1,835,008 / 1,842,540
 Memory: exact in all four. XLA:TPU (the libtpu test below) needs neither translation.
 MoE (8 experts, top-2, expert=4 x fsdp=2), all-to-all bytes planned / measured: dropping, remat none 237,568 /
 237,568; grouped dropless, remat full 819,264 / 819,264 (exchange buffers, row counts and the embedding's rows).
@@ -76,14 +76,17 @@ def as_cpu_compiles(plan: estimate.Plan) -> dict[str, float]:
        column-parallel matmul (q, k, v and the stacked gate/up of layers/mlp.py: 4 per layer) before adding them,
        where XLA:TPU (see the libtpu test) and XLA:GPU (the pass is in its pipeline) add first and reduce twice.
        That is 2 more [tokens, embed] float32 all-reduces per layer under tensor parallelism.
+    3. With the residual stream's length split over `tensor` (layers/decoder.py), XLA:CPU gathers the
+       fsdp-sharded output head's weights a second time for the backward pass; XLA:TPU gathers them once.
     """
     cfg, kinds = plan.cfg, estimate.by_kind(plan.collectives)
+    head = sum(c.bytes for c in plan.collectives if c.what == "head weights")
     tensor = rule_axes(cfg, ax.ACT_HEADS, plan.mesh)
     batch_shards = math.prod(plan.mesh[a] for a in rule_axes(cfg, ax.BATCH, plan.mesh))
     tokens = cfg.global_batch_size // batch_shards * cfg.max_target_length
     extra = 2 * cfg.num_layers * tokens * cfg.emb_dim * 4 if tensor else 0
     reductions = kinds.get("reduce-scatter", 0.0) + kinds.get("all-reduce", 0.0) + extra
-    return {"all-gather": kinds.get("all-gather", 0.0), "reductions": reductions,
+    return {"all-gather": kinds.get("all-gather", 0.0) + (head if tensor else 0.0), "reductions": reductions,
             "all-to-all": kinds.get("all-to-all", 0.0)}
 
 
@@ -189,8 +192,8 @@ def test_plan_matches_an_xla_tpu_compile(monkeypatch: pytest.MonkeyPatch) -> Non
 
     XLA:TPU reassociates the tensor-parallel all-reduces, so the plan needs no translation; it too reduces these
     small gradients with all-reduce + slice rather than reduce-scatter. Measured on libtpu 0.0.42.1: all-gather
-    188,416 planned / 192,512 measured (the token ids of the lookup), reductions 312,576 / 313,936, all-to-all
-    49,152 / 49,152. Memory is not compared: TPU tiles pad this model's small arrays several-fold.
+    417,792 planned / 421,888 measured (the token ids of the lookup; the residual stream's gathers over tensor
+    included), reductions 312,576 / 313,936, all-to-all 49,152 / 49,152. Memory is not compared: TPU tiles pad this model's small arrays several-fold.
     """
     from jax.experimental.topologies import get_topology_desc
 

@@ -45,11 +45,18 @@ def remat_policy(name: str) -> Any:
     return None
 
 
+# The residual stream between attention and MLP, and the norms on it: length sharded by "activation_norm_length"
+# (the `tensor` and `tensor_sequence` axes besides context and sequence). The norms and the residual adds are
+# elementwise over length, so the devices of a tensor group split the positions instead of repeating them, and
+# what each layer saves for its backward is 1/tensor of the stream. Attention and the MLP gather the length back
+# before their column-parallel projections and reduce-scatter their row-parallel outputs onto it (the collectives
+# XLA derives from these constraints), as Megatron's sequence parallelism does.
+RESIDUAL = (ax.BATCH, ax.NORM_LENGTH, ax.ACT_EMBED)
+
+
 def norm(layer: nn.Module, x: jax.Array) -> jax.Array:
-    """An RMSNorm computed with its length dimension sharded by "activation_norm_length" (the `tensor_sequence`
-    axis): the norm is elementwise over length, so its devices split the positions instead of repeating them."""
-    spec = (ax.BATCH, ax.NORM_LENGTH, ax.ACT_EMBED)
-    return constrain(layer(constrain(x, spec)), spec)
+    """An RMSNorm computed on the residual stream's sharding (RESIDUAL)."""
+    return constrain(layer(constrain(x, RESIDUAL)), RESIDUAL)
 
 
 class DecoderLayer(nn.Module):
@@ -66,7 +73,7 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> tuple[jax.Array, None]:
         cfg, dt, wdt = self.cfg, self.dtype, self.weight_dtype
-        x = constrain(x, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))
+        x = constrain(x, RESIDUAL)
         h = norm(RMSNorm(cfg.norm_epsilon, dt, wdt, name="attention_norm"), x)
         x = x + Attention(cfg, dt, wdt, name="attention")(h, segment_ids, positions)
         h = norm(RMSNorm(cfg.norm_epsilon, dt, wdt, name="mlp_norm"), x)
@@ -74,7 +81,7 @@ class DecoderLayer(nn.Module):
             x = x + MoEBlock(cfg, dt, wdt, name="moe")(h, segment_ids)
         else:
             x = x + MLP(cfg.mlp_dim, dt, wdt, name="mlp")(h)
-        return constrain(x, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED)), None
+        return constrain(x, RESIDUAL), None
 
 
 class MoEDecoderBlock(nn.Module):

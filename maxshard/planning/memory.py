@@ -10,17 +10,19 @@ s = the compute dtype's itemsize:
                                       and scales, the residual, rotated q, the grouped q, v, the attention output,
                                       SwiGLU's gate, up, their product and silu's own residuals (the residuals
                                       `jax.ad_checkpoint.saved_residuals` lists, as XLA deduplicates them);
-                                      + E x s under tensor parallelism (a partial sum before its reduction)
+                                      + E x s under tensor parallelism (a partial sum before its reduction);
+                                      the 7E are the residual stream's, E / r with its length split r ways
+                                      beyond the activation length's (the tensor axes: layers/decoder.py)
     attention, dot_product: 8 A bytes (float32 exponentials and probabilities); a fused kernel (blockwise, cudnn,
                                       splash, ring) keeps its output and float32 log-sum-exp instead: Q x s + 4 H
 
     what a policy saves per layer and token:
         none               dense + attention
         minimal            matmul outputs: (2E + 2Q + 2K + 2F) x s + float32 scores 4 A (fused: log-sum-exp 4 H)
-        save_qkv_out_proj  layer input + q, k, v + output projection: (2E + Q + 2K) x s
-        save_qkv_proj      (E + Q + 2K) x s
-        save_out_proj      2E x s
-        full               E x s (the layer input)
+        save_qkv_out_proj  layer input + q, k, v + output projection: (E / r + E + Q + 2K) x s
+        save_qkv_proj      (E / r + Q + 2K) x s
+        save_out_proj      (E / r + E) x s
+        full               E / r x s (the layer input, a piece of the residual stream)
 
     the backward of one layer (its working set, while the layer is recomputed and differentiated) is measured, not
     derived: XLA fuses and frees its pieces in an order no formula follows. WORKING holds, per policy, the fraction
@@ -58,6 +60,7 @@ tests/test_plan_memory.py): the embedding's gradient buffers, loss reductions an
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 
 from maxshard import axis_names as ax
@@ -99,6 +102,7 @@ class Widths:
     attention: str = "dot_product"  # resolved implementation
     context: int = 1  # context shards (ring attention)
     tensor: bool = False  # heads or mlp split over the `tensor` axis (tensor_sequence reduce-scatters instead)
+    residual: int = 1  # shards of the residual stream's length beyond the activation length's (tensor axes)
     block_q: int = 512
     block_kv: int = 512
 
@@ -119,10 +123,15 @@ class Widths:
         length = self.length // self.context
         return rows * self.heads * min(self.block_q, length) * min(self.block_kv, length) * 4
 
+    @property
+    def stream(self) -> int:
+        """Per-device width of one token of the residual stream, [length / residual, embed] counted per token."""
+        return self.embed // self.residual
+
     def dense_bytes(self, itemsize: int) -> int:
         """What one layer keeps without remat, attention kernel aside (module docstring: `dense`)."""
         partial = self.embed if self.tensor else 0  # a row-parallel projection's partial sum before its reduction
-        return (7 * self.embed + 3 * self.q + self.kv + 6 * self.mlp + partial) * itemsize
+        return (7 * self.stream + 3 * self.q + self.kv + 6 * self.mlp + partial) * itemsize
 
     def kernel_saved_bytes(self, itemsize: int) -> int:
         """What the attention kernel keeps for its backward without remat."""
@@ -147,8 +156,9 @@ class Widths:
         if policy == "minimal":
             kernel = 4 * self.heads if self.fused else 4 * self.scores
             return (2 * e + 2 * q + 2 * kv + 2 * f) * itemsize + kernel
-        saved = {"save_qkv_out_proj": 2 * e + q + 2 * kv, "save_qkv_proj": e + q + 2 * kv, "save_out_proj": 2 * e}
-        return saved.get(policy, e) * itemsize
+        x = self.stream  # the layer input, a piece of the residual stream
+        saved = {"save_qkv_out_proj": x + e + q + 2 * kv, "save_qkv_proj": x + q + 2 * kv, "save_out_proj": x + e}
+        return saved.get(policy, x) * itemsize
 
     def working_bytes(self, policy: str, itemsize: int) -> float:
         """One layer's backward working set per token (module docstring)."""
@@ -210,6 +220,13 @@ def auto_loss_chunks(cfg: Config, sizes: Mapping[str, int]) -> int:
     return chunks
 
 
+def _shards_beyond(cfg: Config, sizes: Mapping[str, int]) -> int:
+    """How many more pieces the residual stream's length (activation_norm_length: the tensor axes too, see
+    layers/decoder.py) is cut into than the activation length's."""
+    length_axes = set(rule_axes(cfg, ax.LENGTH, sizes))
+    return math.prod(sizes[a] for a in rule_axes(cfg, ax.NORM_LENGTH, sizes) if a not in length_axes)
+
+
 def widths(cfg: Config, sizes: Mapping[str, int]) -> Widths:
     """Per-device widths: heads, kv heads and mlp split over their activation rules' mesh axes."""
     head_axes, mlp_axes = rule_axes(cfg, ax.ACT_HEADS, sizes), rule_axes(cfg, ax.ACT_MLP, sizes)
@@ -229,6 +246,7 @@ def widths(cfg: Config, sizes: Mapping[str, int]) -> Widths:
         attention=cfg.model.attention if cfg.model is not None else "dot_product",
         context=context,
         tensor="tensor" in (*head_axes, *mlp_axes),
+        residual=_shards_beyond(cfg, sizes),
         block_q=cfg.attention_block_q,
         block_kv=cfg.attention_block_kv,
     )

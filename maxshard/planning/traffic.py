@@ -24,7 +24,9 @@ it meets the activations:
   reduce-scatters x (M*R + S - 1) / R (XLA keeps the per-repeat gather inside the schedule loop: a 4-layer,
   2-stage, 4-microbatch compile on XLA:CPU gathered 4% more than this plan, and reduced 7% more).
 Activations:
-  tensor (axes of activation_heads / activation_mlp)  Megatron: all-reduce [tokens, E] after the attention output
+  tensor (axes of activation_heads / activation_mlp)  with the residual stream's length split over them (the
+                  default, layers/decoder.py): the measured counts of `_SP_REDUCES` and `_SP_GATHERS`. Otherwise
+                  Megatron: all-reduce [tokens, E] after the attention output
                   and MLP output projections (2 per layer forward), 2 per layer backward (input gradients of the
                   q/k/v and wi projections, summed before the reduction as XLA's AllReduceReassociate does on
                   TPU/GPU), and the recomputed forward's again under remat (2 for full, 1 when out_proj is saved);
@@ -224,14 +226,31 @@ def _recompute_count(policy: str) -> int:
     return {"none": 0, "minimal": 0, "save_out_proj": 1, "save_qkv_out_proj": 1}.get(policy, 2)
 
 
+# Under sequence-parallel residuals (layers/decoder.py), per layer and [tokens, E] of the compute dtype, as XLA:TPU
+# compiles a tiny model (libtpu 0.0.42.1, tensor=8 and fsdp=4 x tensor=2, 2 and 4 layers; XLA:CPU the same for
+# `none`): the reductions of the row-parallel outputs and column-parallel input gradients (a recompute adds the
+# attention output's, never the MLP's, whose output the backward does not need), and the gathers of the residual
+# stream before each projection, forward and backward, again in a recompute. Plus 2 gathers for the output head.
+_SP_REDUCES = {"save_qkv_proj": 5, "full": 5}  # others: 4
+_SP_GATHERS = {"full": 9}  # others: 6
+_SP_HEAD_GATHERS = 2
+
+
 def _tensor(cfg: Config, report: Report, sizes: Mapping[str, int], geo: Geometry) -> list[Collective]:
     model_axes = set(rule_axes(cfg, ax.ACT_HEADS, sizes)) | set(rule_axes(cfg, ax.ACT_MLP, sizes))
     axes = tuple(a for a in sizes if a in model_axes)
     if not axes:
         return []
     act = geo.tokens * cfg.emb_dim * geo.compute_itemsize
-    per_layer = 4 + _recompute_count(cfg.remat_policy)
-    out = [Collective("all-reduce", axes, per_layer * geo.layers * act, f"layer activations ({per_layer} per layer)")]
+    if model_axes <= set(rule_axes(cfg, ax.NORM_LENGTH, sizes)):  # the residual's length is split over them
+        reduces, gathers = _SP_REDUCES.get(cfg.remat_policy, 4), _SP_GATHERS.get(cfg.remat_policy, 6)
+        out = [Collective("all-reduce", axes, reduces * geo.layers * act, f"layer activations ({reduces} per layer)"),
+               Collective("all-gather", axes, (gathers * geo.layers + _SP_HEAD_GATHERS) * act,
+                          f"residual stream before projections ({gathers} per layer) and the head")]
+    else:
+        per_layer = 4 + _recompute_count(cfg.remat_policy)
+        out = [Collective("all-reduce", axes, per_layer * geo.layers * act,
+                          f"layer activations ({per_layer} per layer)")]
     vocab = {a for p in report.params for logical, dim in _dim_axes(p, sizes) if logical == ax.VOCAB for a in dim}
     vocab_axes = tuple(a for a in sizes if a in vocab)
     if vocab_axes:
