@@ -26,7 +26,7 @@ from safetensors.numpy import load_file, save_file
 from maxshard import checkpoint, config, loading
 from maxshard.convert import __main__ as cli
 from maxshard.config import ConfigError
-from maxshard.convert import hf_config, layout, orbax_io, safetensors_io, to_hf
+from maxshard.convert import families, hf_config, layout, orbax_io, safetensors_io, to_hf
 from maxshard.data.tokenizer import make_tokenizer, resolve_vocab
 from maxshard.model_config import model_fields
 from maxshard.step import Trainer, mesh_context
@@ -35,7 +35,7 @@ from helpers import mesh_for
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures" / "hf"
-NAMES = ("llama_gqa", "mistral", "llama_tied")
+NAMES = ("llama_gqa", "mistral", "llama_tied", "qwen3", "qwen3_moe", "mixtral")
 APPLY = ("dataset_type=synthetic", "dtype=float32", "weight_dtype=float32", "enable_tensorboard=false")
 TOLERANCE = 1e-4
 
@@ -275,7 +275,7 @@ def test_rope_settings_in_every_spelling(fields, want):
 def test_layers_are_found_in_every_decoder_layout():
     """to_hf reads scanned [layers, ...], unrolled layers_<i> and pipelined [repeats, stages, per_stage, ...]."""
     param = next(p for p in layout.params_of(layout.model_config(
-        {"vocab_size": 128, "num_layers": 4, "emb_dim": 64})) if p.path[-2] == "query")
+        {"vocab_size": 128, "num_layers": 4, "emb_dim": 64}), families.FAMILIES[0]) if p.path[-2] == "query")
     query = ("attention", "query", "kernel")
     fake = lambda arrays: SimpleNamespace(arrays=arrays)  # noqa: E731 - _locate consults only .arrays
     shape = SimpleNamespace(shape=(2, 2, 1, 64, 4, 32))  # 2 repeats x 2 stages x 1 layer per stage
