@@ -161,7 +161,8 @@ def _token_ids(saved: Mapping[str, Any]) -> dict[str, int]:
     if path and not os.path.isfile(path):
         return {}
     tok = tokenizers.make_tokenizer(_TokenizerKeys(path))
-    return {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
+    return {"bos_token_id": getattr(tok, "bos_token_id", tok.bos_id), "eos_token_id": tok.eos_id,
+            "pad_token_id": tok.pad_id}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -184,7 +184,7 @@ _KNOWN_SPECIALS = {
 class HuggingFaceTokenizer:
     """A Hugging Face `tokenizer.json` (the `tokenizers` package). EOS/PAD (and the BOS token) are the tokens named
     by the `tokenizer_config.json` beside it (as transformers reads them), else well-known names; PAD falls back
-    to EOS, then 0.
+    to 0.
 
     `bos_id` is what the tokenizer's template adds before a text (None when it adds nothing), found by encoding a
     probe text with and without special tokens; `encode` never applies the template (the pipeline adds `bos_id`
@@ -200,7 +200,8 @@ class HuggingFaceTokenizer:
         if self.eos_id is None:
             raise ConfigError(f"tokenizer_path={path}: no EOS token found; put a tokenizer_config.json with "
                               "eos_token beside it")
-        self.pad_id = next((ids[f] for f in ("pad_token", "eos_token") if ids.get(f) is not None), 0)
+        self.pad_id = ids.get("pad_token") if ids.get("pad_token") is not None else 0
+        self.bos_token_id = ids.get("bos_token")  # the tokenizer's BOS token, whether or not its template adds it
         self.bos_id = self._template_start(path)
         self.stop_ids = stop_ids or (self.eos_id,)
         self.never_generated: tuple[int, ...] = ()
