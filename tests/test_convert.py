@@ -226,6 +226,12 @@ def test_fine_tunes_an_imported_moe_dropless_with_expert_parallelism(converted, 
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     assert all(r["moe/dropped_fraction"] == 0 for r in steps)
     assert steps[-1]["loss"] < steps[0]["loss"]
+    exported = tmp_path / "hf"  # and the fine-tuned experts go back out as Qwen3-MoE tensors
+    assert cli.main(["to_hf", str(tmp_path / "ft" / "checkpoints" / "4"), str(exported), "--dtype", "bfloat16"]) == 0
+    back, source = read_all(exported), read_all(FIXTURES / "qwen3_moe")
+    assert sorted(back) == sorted(source) and json.loads((exported / "config.json").read_text())["architectures"] == [
+        "Qwen3MoeForCausalLM"]
+    assert any(back[n].tobytes() != source[n].tobytes() for n in source if ".experts." in n)  # trained, not copied
 
 
 def test_converted_keys_are_model_config_fields():
@@ -384,6 +390,41 @@ def test_layers_are_found_in_every_decoder_layout():
     assert to_hf._locate(fake({piped: shape}), param, 3) == (piped, (1, 1, 0))  # layer 3 = repeat 1, stage 1
     with pytest.raises(ConfigError, match="has no params/decoder/layers/attention/query/kernel for layer 3"):
         to_hf._locate(fake({}), param, 3)
+
+
+def family_copy(tmp_path: Path, name: str, change: dict[str, Any]) -> Path:
+    directory = tmp_path / name
+    shutil.copytree(FIXTURES / name, directory)
+    cfg = {**json.loads((directory / "config.json").read_text()), **change}
+    (directory / "config.json").write_text(json.dumps(cfg))
+    return directory
+
+
+@pytest.mark.parametrize(("name", "change", "field"), [
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 16}, "sliding_window"),
+    ("qwen3", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+    ("qwen3_moe", {"mlp_only_layers": [1]}, "mlp_only_layers"),
+    ("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step"),
+    ("mixtral", {"num_local_experts": 1}, "num_local_experts"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_family_fields_maxshard_cannot_compute_are_one_line(tmp_path, capsys, name, change, field):
+    assert cli.main(["from_hf", str(family_copy(tmp_path, name, change)), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"maxshard: error: config.json: {field}=") and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_qwen3_sliding_window_off_converts_and_families_export_without_a_template():
+    """Qwen3 carries a sliding_window that applies only with use_sliding_window; without a template, to_hf picks
+    the family that computes the model keys."""
+    qwen = hf_config.read(str(FIXTURES / "qwen3"))
+    keys = hf_config.model_keys({**qwen, "sliding_window": 4, "use_sliding_window": False})
+    assert keys["qk_norm"] and keys["logits_via_embedding"] and keys["head_dim"] == 16
+    for name in ("qwen3", "qwen3_moe", "mixtral", "llama_gqa"):
+        source = hf_config.read(str(FIXTURES / name))
+        keys = hf_config.model_keys(source)
+        exported = hf_config.to_hf(keys, "float32")
+        assert exported["architectures"] == source["architectures"] and hf_config.model_keys(exported) == keys
 
 
 def test_sliding_window_as_long_as_the_context_converts():

@@ -1,7 +1,7 @@
 """Tokenizers. The default is byte-level: 256 byte values plus PAD, BOS and EOS, so no file is ever needed.
 
 `tokenizer_path` names a SentencePiece model instead (`tools/train_tokenizer.py` trains a small one), or a Hugging Face
-`tokenizer.json` (what Llama and Mistral checkpoints ship; `python -m maxshard.convert from_hf` points at it). All
+`tokenizer.json` (what Hugging Face checkpoints ship; `python -m maxshard.convert from_hf` points at it). All
 kinds have the same surface: `vocab_size`, `pad_id`/`bos_id`/`eos_id`, `encode`/`decode` on lists and `encode_array`
 for the input pipeline, which wants int32 arrays without a Python list per token. All pickle, so grain worker
 processes get their own copy.
