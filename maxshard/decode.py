@@ -146,7 +146,8 @@ class Engine:
         with mesh_context(self.mesh, self.rules):
             new_cache = jax.jit(lambda: jax.tree.map(lambda z: jnp.zeros(z.shape, z.dtype), zeros),
                                 out_shardings=cache_shardings).lower().compile()
-            vector, pair = jax.ShapeDtypeStruct((batch,), jnp.int32), jax.ShapeDtypeStruct((1 + MAX_STOP_IDS,), jnp.int32)
+            vector = jax.ShapeDtypeStruct((batch,), jnp.int32)
+            pair = jax.ShapeDtypeStruct((1 + MAX_STOP_IDS,), jnp.int32)  # PAD, then the stop ids
             knobs = Sampling().arrays()
             step_out = (rows, rows, cache_shardings, rows, rows)  # tokens, logits, cache, done, positions
             scalars = (replicated, replicated, (replicated,) * 3)  # key, eos_pad, sampling

@@ -2,7 +2,7 @@
 
 Run once, by hand, in a venv of its own: torch and transformers are never dependencies of maxshard or its CI.
 
-    python3 -m venv /work/hfvenv && /work/hfvenv/bin/pip install torch==2.13.0 transformers safetensors tokenizers
+    python3 -m venv /work/hfvenv && /work/hfvenv/bin/pip install torch==2.13.0 transformers==5.23.0 safetensors tokenizers
     /work/hfvenv/bin/python tools/make_hf_fixtures.py
 
 Each fixture directory holds what `save_pretrained` writes plus `tokens.npy` (int32 [2, 12], fixed ids) and
@@ -147,8 +147,8 @@ def with_tokenizer(model: torch.nn.Module, tok: object, directory: pathlib.Path,
     """Saves the tokenizer and a generation_config.json naming the EOS ids, then the greedy reference, computed
     from the stored (possibly bfloat16-rounded) weights in float32."""
     tok.save_pretrained(directory)
-    model.generation_config = GenerationConfig(eos_token_id=eos if len(eos) > 1 else eos[0],
-                                               pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else eos[0],
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+    model.generation_config = GenerationConfig(eos_token_id=eos if len(eos) > 1 else eos[0], pad_token_id=pad,
                                                bos_token_id=tok.bos_token_id)
     model.generation_config.save_pretrained(directory)
     reloaded = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()

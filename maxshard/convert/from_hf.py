@@ -1,4 +1,5 @@
-"""`from_hf`: a Hugging Face directory of a supported family (families.py) -> OUT_DIR with config.yml, checkpoints/0 and hf/.
+"""`from_hf`: a Hugging Face directory of a supported family (families.py) -> OUT_DIR with config.yml,
+checkpoints/0 and hf/.
 
     OUT_DIR/config.yml        a CONFIG for `python -m maxshard.train` (base_config, the model keys, tokenizer_path,
                               load_parameters_path), all paths absolute

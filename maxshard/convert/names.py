@@ -33,7 +33,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Entry", "GLOBAL", "PER_LAYER", "HEAD", "IGNORED", "per_layer", "hf_name", "hf_shape", "row_axis", "hf_rows_per_row",
+__all__ = ["Entry", "GLOBAL", "PER_LAYER", "HEAD", "IGNORED", "QK_NORM", "per_layer", "hf_name", "hf_shape", "row_axis",
+           "hf_rows_per_row",
            "to_maxshard", "to_hf"]
 
 

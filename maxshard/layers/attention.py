@@ -1,8 +1,8 @@
 """Causal self-attention with grouped-query heads, RoPE and packed-document (segment) masking.
 
 Shapes: x [batch, length, embed]; q [batch, length, heads, head_dim]; k, v [batch, length, kv_heads, head_dim].
-Query heads are grouped over kv heads: heads = kv_heads * group. With `qk_norm` each
-query and key head is RMS-normalised over head_dim (one learned [head_dim] scale each) before RoPE. Logits and softmax are float32. The score,
+Query heads are grouped over kv heads: heads = kv_heads * group. With `qk_norm` (Qwen3) each query and key head is
+RMS-normalised over head_dim (one learned [head_dim] scale each) before RoPE. Logits and softmax are float32. The score,
 softmax and value math is `attention_ops.attend`, one of several implementations (the `attention` key).
 For generation (the "cache" collection mutable in an apply) k/v go to the KV cache and the queries attend over it
 (layers/kv_cache.py); otherwise, as in training, over this call's own k/v.
