@@ -130,6 +130,7 @@ class Config:
     max_target_length: int = 128
     logits_via_embedding: bool = False
     norm_epsilon: float = 1e-6
+    qk_norm: bool = False
     rope_max_timescale: float = 10000.0
     rope_scaling_type: Literal["none", "llama3"] = "none"
     rope_scaling_factor: float = 8.0
@@ -195,6 +196,7 @@ class Config:
     moe_group_size: int = 0
     moe_dropless_impl: Literal["auto", "ragged_dot", "tiled", "dense"] = "auto"
     num_shared_experts: int = 0
+    moe_renormalize_top_k: bool = True
     load_balance_loss_weight: float = 0.01
     router_z_loss_weight: float = 0.001
 

@@ -40,11 +40,12 @@ from maxshard.model_config import ModelConfig
 from maxshard.sampling import Sampling, sample
 from maxshard.step import mesh_context
 
-__all__ = ["decode_model", "Engine", "Result", "batch_multiple"]
+__all__ = ["decode_model", "Engine", "Result", "batch_multiple", "stop_tuple", "MAX_STOP_IDS"]
 
 # The host asks whether every sequence is done only every this many steps: in between it queues steps without
 # waiting for the device. A finished batch runs at most this many - 1 extra steps, which only emit PAD.
 _CHECK_DONE_EVERY = 8
+MAX_STOP_IDS = 8  # EOS ids one generation can stop at (generation_config.json lists up to a few)
 
 
 def decode_model(model: ModelConfig) -> ModelConfig:
@@ -106,18 +107,18 @@ class Engine:
         logits, cache = self._apply(params, cache, prompts, positions)
         last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [batch, vocab]
         chosen = sample(last, self.allowed, jax.random.fold_in(key, 0), *sampling)
-        return chosen, last, cache, chosen == eos_pad[0], lengths
+        return chosen, last, cache, _stopped(chosen, eos_pad), lengths
 
     def _decode(self, params: Any, cache: Any, tokens: jax.Array, positions: jax.Array, done: jax.Array,
                 key: jax.Array, index: jax.Array, eos_pad: jax.Array, sampling: tuple[jax.Array, ...]) -> Any:
         """tokens at positions [batch], done [batch] -> (next tokens, logits [batch, vocab], cache, done, positions
-        + 1); new token `index` draws with fold_in(key, index); eos_pad = (eos, pad): a finished sequence emits PAD.
-        """
+        + 1); new token `index` draws with fold_in(key, index); eos_pad = (pad, stop ids.., -1 ..): a finished
+        sequence emits PAD."""
         logits, cache = self._apply(params, cache, tokens[:, None], positions[:, None])
         logits = logits[:, 0]
         chosen = sample(logits, self.allowed, jax.random.fold_in(key, index), *sampling)
-        chosen = jnp.where(done, eos_pad[1], chosen)
-        return chosen, logits, cache, done | (chosen == eos_pad[0]), positions + 1
+        chosen = jnp.where(done, eos_pad[0], chosen)
+        return chosen, logits, cache, done | _stopped(chosen, eos_pad), positions + 1
 
     # ------------------------------------------------------------------ shapes, shardings, compilation
 
@@ -145,7 +146,8 @@ class Engine:
         with mesh_context(self.mesh, self.rules):
             new_cache = jax.jit(lambda: jax.tree.map(lambda z: jnp.zeros(z.shape, z.dtype), zeros),
                                 out_shardings=cache_shardings).lower().compile()
-            vector, pair = jax.ShapeDtypeStruct((batch,), jnp.int32), jax.ShapeDtypeStruct((2,), jnp.int32)
+            vector = jax.ShapeDtypeStruct((batch,), jnp.int32)
+            pair = jax.ShapeDtypeStruct((1 + MAX_STOP_IDS,), jnp.int32)  # PAD, then the stop ids
             knobs = Sampling().arrays()
             step_out = (rows, rows, cache_shardings, rows, rows)  # tokens, logits, cache, done, positions
             scalars = (replicated, replicated, (replicated,) * 3)  # key, eos_pad, sampling
@@ -164,9 +166,10 @@ class Engine:
 
     # ------------------------------------------------------------------ the loop
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_id: int, pad_id: int,
-                 sampling: Sampling = Sampling(), seed: int = 0, keep_logits: bool = False) -> Result:
-        """Each prompt (token ids, BOS included) continued by up to `max_new_tokens` tokens."""
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_id: int | Sequence[int],
+                 pad_id: int, sampling: Sampling = Sampling(), seed: int = 0, keep_logits: bool = False) -> Result:
+        """Each prompt (token ids, as the tokenizer starts them) continued by up to `max_new_tokens` tokens; a
+        sequence stops at the first of its EOS id(s) (`eos_id`: one id or several, e.g. Qwen's two)."""
         multiple = batch_multiple(self.mesh, self.rules)
         rows = -(-len(prompts) // multiple) * multiple
         padded = list(prompts) + [list(prompts[0][:1])] * (rows - len(prompts))  # dummy rows: a 1-token prompt
@@ -194,11 +197,12 @@ class _Run:
     sampling: tuple[np.ndarray, ...]
     keep_logits: bool
 
-    def __call__(self, tokens: np.ndarray, lengths: np.ndarray, max_new_tokens: int, eos_id: int, pad_id: int,
-                 real_rows: int, compile_seconds: float) -> Result:
+    def __call__(self, tokens: np.ndarray, lengths: np.ndarray, max_new_tokens: int, eos_id: int | Sequence[int],
+                 pad_id: int, real_rows: int, compile_seconds: float) -> Result:
         params, logits_kept = self.engine.params, []
         cache = jax.block_until_ready(self.new_cache())
-        eos_pad = np.array([eos_id, pad_id], np.int32)
+        stops = stop_tuple(eos_id)
+        eos_pad = np.array([pad_id, *stops, *[-1] * (MAX_STOP_IDS - len(stops))], np.int32)
         started = time.perf_counter()
         token, logits, cache, done, positions = self.prefill(params, cache, tokens, lengths, self.key, eos_pad,
                                                              self.sampling)
@@ -220,7 +224,7 @@ class _Run:
         decode_seconds = time.perf_counter() - started
         ids = np.stack(jax.device_get(generated), axis=1)[:real_rows]  # [real_rows, new tokens]
         return Result(
-            tokens=[_until_eos(row, eos_id) for row in ids.tolist()],
+            tokens=[_until_eos(row, stops) for row in ids.tolist()],
             prompt_tokens=int(lengths[:real_rows].sum()),
             prefill_seconds=prefill_seconds,
             decode_steps=steps,
@@ -230,6 +234,20 @@ class _Run:
         )
 
 
-def _until_eos(row: list[int], eos_id: int) -> list[int]:
-    """Generated ids up to and including the first EOS."""
-    return row[: row.index(eos_id) + 1] if eos_id in row else row
+def _until_eos(row: list[int], stops: tuple[int, ...]) -> list[int]:
+    """Generated ids up to and including the first EOS (any of `stops`)."""
+    ends = [i for i, t in enumerate(row) if t in stops]
+    return row[: ends[0] + 1] if ends else row
+
+
+def stop_tuple(eos_id: int | Sequence[int]) -> tuple[int, ...]:
+    """One EOS id or several as a tuple; more than MAX_STOP_IDS is a ValueError (the compiled steps hold that many)."""
+    stops = (int(eos_id),) if isinstance(eos_id, (int, np.integer)) else tuple(int(i) for i in eos_id)
+    if not 1 <= len(stops) <= MAX_STOP_IDS:
+        raise ValueError(f"{len(stops)} EOS ids; generation stops at 1 to {MAX_STOP_IDS}")
+    return stops
+
+
+def _stopped(chosen: jax.Array, eos_pad: jax.Array) -> jax.Array:
+    """[batch] bool: the chosen token is one of the stop ids (eos_pad[1:], -1 where unused)."""
+    return jnp.any(chosen[:, None] == eos_pad[None, 1:], axis=-1)

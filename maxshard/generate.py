@@ -51,24 +51,25 @@ def read_prompts(cfg: Config) -> list[str]:
 def encode_prompts(
     prompts: Sequence[str], tokenizer: Tokenizer, max_length: int, max_new_tokens: int
 ) -> list[list[int]]:
-    """BOS + tokens of each prompt (documents start with BOS in training); checks that prompt + max_new_tokens
-    fits in the model's `max_target_length`, the longest sequence its positions were trained on."""
-    encoded = [[tokenizer.bos_id, *tokenizer.encode(p)] for p in prompts]
+    """Each prompt as the tokenizer encodes it (`encode_prompt`: BOS first for byte-level and SentencePiece, the
+    tokenizer.json's own template for Hugging Face ones); checks that prompt + max_new_tokens fits in the model's
+    `max_target_length`, the longest sequence its positions were trained on."""
+    encoded = [tokenizer.encode_prompt(p) for p in prompts]
     longest = max(len(e) for e in encoded)
     if longest >= max_length:
         which = max(range(len(encoded)), key=lambda i: len(encoded[i]))
         where = "" if len(encoded) == 1 else f" (prompt {which + 1})"
-        raise ConfigError(f"prompt{where} is {longest} tokens with BOS; the model's max_target_length is "
+        raise ConfigError(f"prompt{where} is {longest} tokens as encoded; the model's max_target_length is "
                           f"{max_length}: shorten it to at most {max_length - 2} tokens")
     if longest + max_new_tokens > max_length:
         raise ConfigError(f"max_new_tokens={max_new_tokens} runs past the model's max_target_length={max_length} "
-                          f"after the longest prompt ({longest} tokens with BOS): at most {max_length - longest}")
+                          f"after the longest prompt ({longest} tokens as encoded): at most {max_length - longest}")
     return encoded
 
 
 def completion_text(tokenizer: Tokenizer, ids: Sequence[int]) -> str:
-    """Generated ids -> text, without the end-of-sequence token (byte-level or SentencePiece alike)."""
-    return tokenizer.decode([int(t) for t in ids if t != tokenizer.eos_id])
+    """Generated ids -> text, without the end-of-sequence token(s) (every tokenizer kind alike)."""
+    return tokenizer.decode([int(t) for t in ids if t not in tokenizer.stop_ids and t != tokenizer.eos_id])
 
 
 def _shown(path: str) -> str:
@@ -111,10 +112,10 @@ def run(argv: Sequence[str]) -> int:
     params = inference.restore_params(step_dir, cfg, generation_mesh, rules)
     print(f"checkpoint: {_shown(step_dir)} ({count_params(params) / 1e6:.2f}M parameters), mesh: "
           f"{mesh.describe(generation_mesh)}", flush=True)
-    allowed = allowed_tokens(cfg.model.vocab_size, tokenizer.vocab_size, (tokenizer.pad_id, tokenizer.bos_id))
+    allowed = allowed_tokens(cfg.model.vocab_size, tokenizer.vocab_size, tokenizer.never_generated)
     engine = Engine(cfg.model, generation_mesh, rules, params, allowed)
     sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p)
-    result = engine.generate(encoded, cfg.max_new_tokens, tokenizer.eos_id, tokenizer.pad_id, sampling, cfg.seed)
+    result = engine.generate(encoded, cfg.max_new_tokens, tokenizer.stop_ids, tokenizer.pad_id, sampling, cfg.seed)
     _report(result, len(prompts))
     completions = [completion_text(tokenizer, ids) for ids in result.tokens]
     for i, (prompt, completion) in enumerate(zip(prompts, completions)):

@@ -88,6 +88,7 @@ class ModelConfig:
     max_target_length: int = 128
     logits_via_embedding: bool = False
     norm_epsilon: float = 1e-6
+    qk_norm: bool = False  # RMSNorm over head_dim of each query and key head before RoPE (Qwen3)
     rope_max_timescale: float = 10000.0
     rope_scaling_type: str = "none"  # "none" or "llama3"; the five rope_* defaults equal config_schema's
     rope_scaling_factor: float = 8.0
@@ -108,6 +109,7 @@ class ModelConfig:
     moe_group_size: int = 0
     moe_dropless_impl: str = "tiled"
     num_shared_experts: int = 0
+    moe_renormalize_top_k: bool = True  # top-k router weights rescaled to sum to 1 (False: the softmax's own)
     pipeline: PipelineShape | None = None
 
     @property

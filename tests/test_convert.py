@@ -2,8 +2,11 @@
 
 The fixtures under tests/fixtures/hf/ were written by tools/make_hf_fixtures.py with transformers (never installed
 here): a Llama with grouped-query heads, head_dim != hidden / heads, Llama-3 RoPE scaling, bfloat16 and a sharded
-index; a float32 Mistral; a tied-embedding Llama whose config.json uses the transformers 4.x RoPE spelling. Each
-comes with the logits transformers computed in float32 for fixed token ids.
+index, whose tokenizer adds no BOS; a float32 Mistral; a tied-embedding Llama whose config.json uses the
+transformers 4.x RoPE spelling; a tied Qwen3 (q/k norms, no BOS, two EOS ids); a Qwen3-MoE (top-2 of 4 experts,
+norm_topk_prob false) and a Mixtral (top-2 of 4, a tokenizer that adds BOS). Each comes with the logits
+transformers computed in float32 for fixed token ids; those with a tokenizer also with transformers' greedy
+tokens for a prompt (generate.json).
 """
 
 from __future__ import annotations
@@ -23,11 +26,12 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from maxshard import checkpoint, config, loading
+from maxshard import checkpoint, config, generate, loading, train
 from maxshard.convert import __main__ as cli
 from maxshard.config import ConfigError
-from maxshard.convert import hf_config, layout, orbax_io, safetensors_io, to_hf
-from maxshard.data.tokenizer import make_tokenizer, resolve_vocab
+from maxshard.convert import families, hf_config, layout, orbax_io, safetensors_io, to_hf
+from maxshard.data import pipeline
+from maxshard.data.tokenizer import ByteTokenizer, load_hf_tokenizer, make_tokenizer, resolve_vocab
 from maxshard.model_config import model_fields
 from maxshard.step import Trainer, mesh_context
 
@@ -35,7 +39,8 @@ from helpers import mesh_for
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures" / "hf"
-NAMES = ("llama_gqa", "mistral", "llama_tied")
+NAMES = ("llama_gqa", "mistral", "llama_tied", "qwen3", "qwen3_moe", "mixtral")
+GENERATING = ("llama_gqa", "qwen3", "qwen3_moe", "mixtral")  # the fixtures with a tokenizer and generate.json
 APPLY = ("dataset_type=synthetic", "dtype=float32", "weight_dtype=float32", "enable_tensorboard=false")
 TOLERANCE = 1e-4
 
@@ -78,7 +83,8 @@ def reference(name: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 LAYOUTS = {"one_device": ((), 1), "fsdp8": (("ici_fsdp_parallelism=8",), 8),
-           "fsdp4xtensor2": (("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"), 8)}
+           "fsdp4xtensor2": (("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"), 8),
+           "expert4xfsdp2": (("ici_expert_parallelism=4", "ici_fsdp_parallelism=2"), 8)}
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +134,104 @@ def test_restores_sharded_with_the_same_logits(started, layout):
     tokens, want = reference("llama_gqa")
     got = apply(trainer, state.params, np.tile(tokens, (4, 1)))  # a batch of 8 divides every batch layout
     np.testing.assert_allclose(got, np.tile(want, (4, 1, 1)), rtol=0, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize(("name", "layout"), [("qwen3", "fsdp4xtensor2"), ("qwen3_moe", "fsdp4xtensor2"),
+                                              ("qwen3_moe", "expert4xfsdp2"), ("mixtral", "fsdp4xtensor2"),
+                                              ("mixtral", "expert4xfsdp2")])
+def test_families_restore_sharded_with_the_same_logits(started, name, layout):
+    """Imported Qwen3 / Qwen3-MoE / Mixtral under tensor and expert parallelism compute transformers' logits;
+    the experts arrive stacked on the dimension expert parallelism shards."""
+    trainer, state = started(name, layout)
+    assert trainer.cfg.capacity_factor == -1 or name == "qwen3"  # imported MoE routes dropless
+    layers = state.params["decoder"]["layers"]
+    if name != "qwen3":
+        wi_0 = layers["layer_0"]["moe"]["wi_0"]  # [layers, experts, embed, mlp]
+        assert wi_0.shape[:2] == (2, 4)
+        local = wi_0.addressable_shards[0].data.shape  # each device holds 1 of 4 experts under expert=4
+        assert local[1] == (1 if layout == "expert4xfsdp2" else 4) and wi_0.addressable_shards[0].data.size < wi_0.size
+    tokens, want = reference(name)
+    got = apply(trainer, state.params, np.tile(tokens, (4, 1)))
+    np.testing.assert_allclose(got, np.tile(want, (4, 1, 1)), rtol=0, atol=TOLERANCE)
+
+
+def test_qk_norm_and_router_weights_are_needed_for_those_logits(started):
+    """The fixtures are sensitive to what the new model keys switch: without q/k norms, or with the top-k weights
+    renormalised where Qwen3-MoE keeps the softmax's, the same weights give clearly different logits."""
+    trainer, state = started("qwen3_moe", "one_device")
+    tokens, want = reference("qwen3_moe")
+    renormalized = Trainer(loading.replace(trainer.cfg, moe_renormalize_top_k=True), trainer.mesh)
+    assert np.max(np.abs(apply(renormalized, state.params, tokens) - want)) > 100 * TOLERANCE
+    plain, plain_state = started("qwen3", "one_device")
+    params = dict(plain_state.params)
+    layers = dict(params["decoder"]["layers"])
+    attention = {k: v for k, v in layers["attention"].items() if not k.endswith("_norm")}
+    params["decoder"] = {**params["decoder"], "layers": {**layers, "attention": attention}}
+    no_norm = Trainer(loading.replace(plain.cfg, qk_norm=False), plain.mesh)
+    tokens, want = reference("qwen3")
+    assert np.max(np.abs(apply(no_norm, params, tokens) - want)) > 100 * TOLERANCE
+
+
+# --------------------------------------------------------------------------------------------- tokenizers
+
+
+@pytest.mark.parametrize(("name", "bos", "stops"), [("llama_gqa", None, (2,)), ("qwen3", None, (2, 0)),
+                                                    ("mixtral", 1, (2,))])
+def test_documents_and_prompts_start_as_the_tokenizer_says(name, bos, stops):
+    """BOS only where the tokenizer's template adds one, EOS ends every document, prompts as tokenizer(prompt)
+    encodes them, generation stops at every EOS id of generation_config.json."""
+    tok = load_hf_tokenizer(str(FIXTURES / name / "tokenizer.json"))
+    assert tok.bos_id == bos and tok.stop_ids == stops
+    want = json.loads((FIXTURES / name / "generate.json").read_text())
+    assert tok.encode_prompt(want["prompt"]) == want["input_ids"]  # what transformers' tokenizer(prompt) gave
+    text = "the lazy dog"
+    body = tok.encode(text)
+    pair = pipeline._document_pair(text, tok, "test")  # what the training pipeline makes of a document
+    start = [] if bos is None else [bos]
+    assert pair["inputs"].tolist() == start + body and pair["targets"].tolist() == (start + body)[1:] + [tok.eos_id]
+    assert ByteTokenizer().encode_prompt("a") == [ByteTokenizer().bos_id, ord("a") + 3]  # byte-level: as before
+
+
+@pytest.mark.parametrize("name", GENERATING)
+def test_greedy_generation_gives_transformers_tokens(converted, name, tmp_path):
+    """from_hf -> maxshard.generate temperature=0 gives the tokens of model.generate(tokenizer(prompt)), and
+    stops where transformers stopped (Mixtral's fixture ends at EOS before max_new_tokens)."""
+    want = json.loads((FIXTURES / name / "generate.json").read_text())
+    out = tmp_path / "out.jsonl"
+    argv = [str(converted[name] / "config.yml"), f"base_output_directory={tmp_path}", f"prompt={want['prompt']}",
+            f"max_new_tokens={want['max_new_tokens']}", "temperature=0", f"generate_output={out}"]
+    assert generate.main(argv) == 0
+    row = json.loads(out.read_text())
+    assert row["tokens"] == want["new_tokens"]
+    if name == "mixtral":
+        assert len(row["tokens"]) < want["max_new_tokens"] and row["tokens"][-1] == 2
+
+
+def test_fine_tunes_an_imported_moe_dropless_with_expert_parallelism(converted, tmp_path, capsys):
+    """A few steps of maxshard.train from the converted Qwen3-MoE, on text through its own tokenizer, with the
+    experts sharded over expert=4: the loss falls and nothing is dropped."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(8):
+        (data / f"doc{i}.txt").write_text("the quick brown fox jumps over the lazy dog. " * (i + 2))
+    argv = [str(converted["qwen3_moe"] / "config.yml"), f"dataset_path={data}", f"base_output_directory={tmp_path}",
+            "run_name=ft", "steps=4", "log_period=1", "eval_period=0", "max_target_length=32",
+            "per_device_batch_size=1", "ici_expert_parallelism=4", "ici_fsdp_parallelism=2", "learning_rate=1e-2",
+            "warmup_steps_fraction=0", "enable_tensorboard=false", "eval_fraction=0"]
+    assert train.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "expert=4" in out and "starting from step 0" in out
+    records = [json.loads(line) for line in (tmp_path / "ft" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r and "step" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert all(r["moe/dropped_fraction"] == 0 for r in steps)
+    assert steps[-1]["loss"] < steps[0]["loss"]
+    exported = tmp_path / "hf"  # and the fine-tuned experts go back out as Qwen3-MoE tensors
+    assert cli.main(["to_hf", str(tmp_path / "ft" / "checkpoints" / "4"), str(exported), "--dtype", "bfloat16"]) == 0
+    back, source = read_all(exported), read_all(FIXTURES / "qwen3_moe")
+    assert sorted(back) == sorted(source) and json.loads((exported / "config.json").read_text())["architectures"] == [
+        "Qwen3MoeForCausalLM"]
+    assert any(back[n].tobytes() != source[n].tobytes() for n in source if ".experts." in n)  # trained, not copied
 
 
 def test_converted_keys_are_model_config_fields():
@@ -275,7 +379,7 @@ def test_rope_settings_in_every_spelling(fields, want):
 def test_layers_are_found_in_every_decoder_layout():
     """to_hf reads scanned [layers, ...], unrolled layers_<i> and pipelined [repeats, stages, per_stage, ...]."""
     param = next(p for p in layout.params_of(layout.model_config(
-        {"vocab_size": 128, "num_layers": 4, "emb_dim": 64})) if p.path[-2] == "query")
+        {"vocab_size": 128, "num_layers": 4, "emb_dim": 64}), families.FAMILIES[0]) if p.path[-2] == "query")
     query = ("attention", "query", "kernel")
     fake = lambda arrays: SimpleNamespace(arrays=arrays)  # noqa: E731 - _locate consults only .arrays
     shape = SimpleNamespace(shape=(2, 2, 1, 64, 4, 32))  # 2 repeats x 2 stages x 1 layer per stage
@@ -286,6 +390,41 @@ def test_layers_are_found_in_every_decoder_layout():
     assert to_hf._locate(fake({piped: shape}), param, 3) == (piped, (1, 1, 0))  # layer 3 = repeat 1, stage 1
     with pytest.raises(ConfigError, match="has no params/decoder/layers/attention/query/kernel for layer 3"):
         to_hf._locate(fake({}), param, 3)
+
+
+def family_copy(tmp_path: Path, name: str, change: dict[str, Any]) -> Path:
+    directory = tmp_path / name
+    shutil.copytree(FIXTURES / name, directory)
+    cfg = {**json.loads((directory / "config.json").read_text()), **change}
+    (directory / "config.json").write_text(json.dumps(cfg))
+    return directory
+
+
+@pytest.mark.parametrize(("name", "change", "field"), [
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 16}, "sliding_window"),
+    ("qwen3", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+    ("qwen3_moe", {"mlp_only_layers": [1]}, "mlp_only_layers"),
+    ("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step"),
+    ("mixtral", {"num_local_experts": 1}, "num_local_experts"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_family_fields_maxshard_cannot_compute_are_one_line(tmp_path, capsys, name, change, field):
+    assert cli.main(["from_hf", str(family_copy(tmp_path, name, change)), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"maxshard: error: config.json: {field}=") and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_qwen3_sliding_window_off_converts_and_families_export_without_a_template():
+    """Qwen3 carries a sliding_window that applies only with use_sliding_window; without a template, to_hf picks
+    the family that computes the model keys."""
+    qwen = hf_config.read(str(FIXTURES / "qwen3"))
+    keys = hf_config.model_keys({**qwen, "sliding_window": 4, "use_sliding_window": False})
+    assert keys["qk_norm"] and keys["logits_via_embedding"] and keys["head_dim"] == 16
+    for name in ("qwen3", "qwen3_moe", "mixtral", "llama_gqa"):
+        source = hf_config.read(str(FIXTURES / name))
+        keys = hf_config.model_keys(source)
+        exported = hf_config.to_hf(keys, "float32")
+        assert exported["architectures"] == source["architectures"] and hf_config.model_keys(exported) == keys
 
 
 def test_sliding_window_as_long_as_the_context_converts():

@@ -121,6 +121,17 @@ def test_every_decode_step_equals_the_full_forward_pass(model, dense):
     assert np.abs(full).max() > 0.1  # the logits are not trivially zero
 
 
+def test_generation_stops_at_any_of_several_eos_ids(dense):
+    """Several EOS ids (Qwen's generation_config.json lists two): each sequence ends at the first of any of them."""
+    _, _, engine, reference = dense
+    stops = (reference.tokens[0][2], reference.tokens[1][1])  # tokens the greedy run chose, as stop ids
+    result = engine.generate(_prompts(259), NEW_TOKENS, stops, PAD)
+    for row, full in zip(result.tokens, reference.tokens):
+        ends = [i for i, t in enumerate(full) if t in stops]
+        assert row == (full[: ends[0] + 1] if ends else full)
+    assert len(result.tokens[0]) <= 3 and len(result.tokens[1]) <= 2
+
+
 # --------------------------------------------------------------------------------------------- layouts
 
 

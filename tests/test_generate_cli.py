@@ -82,7 +82,7 @@ def test_generates_from_the_checkpoints_model_and_writes_jsonl(base, tmp_path, c
 
 @pytest.mark.parametrize(("keys", "fragment"), [
     (("run_name=never_trained", "prompt=x"), "no checkpoint in "),
-    (("prompt=" + "x" * 31,), "prompt is 32 tokens with BOS; the model's max_target_length is 32"),
+    (("prompt=" + "x" * 31,), "prompt is 32 tokens as encoded; the model's max_target_length is 32"),
     (("prompt=abc", "max_new_tokens=29"), "max_new_tokens=29 runs past the model's max_target_length=32"),
     (("prompt=abc", "max_new_token=3"), "unknown key 'max_new_token' (from command line); did you mean max_new_tokens"),
     (("prompt=abc", "ici_pipeline_parallelism=2"), "generation runs unpipelined"),

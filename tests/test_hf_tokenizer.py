@@ -27,10 +27,12 @@ def cfg_with(*overrides: str) -> config.Config:
 
 def test_ids_round_trip_and_specials_from_tokenizer_config():
     tok = load_hf_tokenizer(str(TOKENIZER))
-    assert (tok.pad_id, tok.bos_id, tok.eos_id, tok.vocab_size) == (0, 1, 2, 128)  # <unk> doubles as pad: weight 0
+    assert (tok.pad_id, tok.bos_token_id, tok.eos_id, tok.vocab_size) == (0, 1, 2, 128)  # <unk> doubles as pad
+    assert tok.bos_id is None  # its tokenizer.json has no template: texts start without BOS
     ids = tok.encode(TEXT)
-    assert tok.bos_id not in ids and tok.eos_id not in ids  # the pipeline adds BOS/EOS itself, once
-    assert tok.decode(ids) == TEXT and tok.decode([tok.bos_id, *ids, tok.eos_id]) == TEXT
+    assert tok.bos_token_id not in ids and tok.eos_id not in ids  # the pipeline adds EOS (and BOS) itself, once
+    assert tok.encode_prompt(TEXT) == ids
+    assert tok.decode(ids) == TEXT and tok.decode([tok.bos_token_id, *ids, tok.eos_id]) == TEXT
     assert tok.encode_array(TEXT).dtype == np.int32 and tok.encode_array(TEXT).tolist() == ids
     copy = pickle.loads(pickle.dumps(tok))  # grain workers get their own copy
     assert copy.encode(TEXT) == ids and copy.fingerprint() == tok.fingerprint()
@@ -40,10 +42,10 @@ def test_ids_round_trip_and_specials_from_tokenizer_config():
 def test_without_tokenizer_config_known_names_are_used(tmp_path):
     shutil.copyfile(TOKENIZER, tmp_path / "tokenizer.json")  # no tokenizer_config.json beside it
     tok = load_hf_tokenizer(str(tmp_path / "tokenizer.json"))
-    assert (tok.bos_id, tok.eos_id) == (1, 2)  # "<s>", "</s>"
+    assert (tok.bos_token_id, tok.eos_id) == (1, 2)  # "<s>", "</s>"
     (tmp_path / "tokenizer_config.json").write_text('{"bos_token": {"content": "</s>"}, "eos_token": "<unk>"}')
     tok = load_hf_tokenizer(str(tmp_path / "tokenizer.json"))
-    assert (tok.bos_id, tok.eos_id) == (2, 0)  # the config wins, in either spelling
+    assert (tok.bos_token_id, tok.eos_id) == (2, 0)  # the config wins, in either spelling
 
 
 def test_make_tokenizer_and_vocab_and_errors(tmp_path):
@@ -57,11 +59,16 @@ def test_make_tokenizer_and_vocab_and_errors(tmp_path):
         make_tokenizer(cfg_with(f"tokenizer_path={tmp_path}/bad.json"))
 
 
-def test_input_pipeline_reads_text_with_it(tmp_path):
+@pytest.mark.parametrize(("fixture", "starts_with_bos"), [("llama_gqa", False), ("mixtral", True)])
+def test_input_pipeline_reads_text_with_it(tmp_path, fixture, starts_with_bos):
+    """Documents start with BOS exactly when the tokenizer's template adds one; EOS always ends them."""
     (tmp_path / "a.txt").write_text(TEXT + "\n", encoding="utf-8")
     (tmp_path / "b.txt").write_text("a tiny book about rotary embeddings\n", encoding="utf-8")
-    cfg = resolve_vocab(cfg_with(f"tokenizer_path={TOKENIZER}", f"dataset_path={tmp_path}/*.txt",
+    tokenizer = TOKENIZER.parent.parent / fixture / "tokenizer.json"
+    cfg = resolve_vocab(cfg_with(f"tokenizer_path={tokenizer}", f"dataset_path={tmp_path}/*.txt",
                                  "eval_fraction=0.0"))
     batch = {k: np.asarray(v) for k, v in next(make_input(cfg, mesh.build(cfg))).items()}
-    inputs = batch["inputs"][batch["segment_ids"] > 0]
-    assert inputs.max() < 128 and (inputs == 1).any()  # the model's own ids, documents start with its BOS
+    real = batch["segment_ids"] > 0
+    inputs, targets = batch["inputs"][real], batch["targets"][real]
+    assert inputs.max() < 128 and (targets == 2).any()  # the model's own ids; EOS ends documents
+    assert (inputs == 1).any() == starts_with_bos

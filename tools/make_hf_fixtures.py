@@ -2,7 +2,7 @@
 
 Run once, by hand, in a venv of its own: torch and transformers are never dependencies of maxshard or its CI.
 
-    python3 -m venv /work/hfvenv && /work/hfvenv/bin/pip install torch==2.13.0 transformers safetensors tokenizers
+    python3 -m venv /work/hfvenv && /work/hfvenv/bin/pip install torch==2.13.0 transformers==5.23.0 safetensors tokenizers
     /work/hfvenv/bin/python tools/make_hf_fixtures.py
 
 Each fixture directory holds what `save_pretrained` writes plus `tokens.npy` (int32 [2, 12], fixed ids) and
@@ -17,6 +17,17 @@ Each fixture directory holds what `save_pretrained` writes plus `tokens.npy` (in
                the transformers 4.x spelling (top-level `rope_theta` + `rope_scaling`) that published checkpoints
                carry; reloading it must give the same logits, which the script checks.
 
+  qwen3        Qwen3ForCausalLM: q/k RMSNorm per head, head_dim 16 (not hidden / heads), tied head, float32, with a
+               byte-level BPE Qwen2Tokenizer that adds no BOS and a generation_config.json with two EOS ids.
+  qwen3_moe    Qwen3MoeForCausalLM: 4 experts, top-2, norm_topk_prob false (the softmax's own weights), untied,
+               bfloat16, same tokenizer kind.
+  mixtral      MixtralForCausalLM: 4 experts, top-2 (softmax over the chosen logits), bfloat16, with a
+               Llama-style tokenizer whose template adds BOS.
+
+Every fixture with a tokenizer also gets `generate.json`: a prompt, `tokenizer(prompt)`'s ids and the tokens of
+`model.generate(..., do_sample=False, max_new_tokens=16)` (stopping at the model's EOS ids). llama_gqa's
+tokenizer has no template, so its prompts start without BOS.
+
 Weights are redrawn larger than transformers' default init (std 0.15, norms 1 +- 0.1), so attention patterns and
 RoPE matter for the logits; bfloat16 fixtures are rounded to bfloat16 before the reference forward pass, so the
 reference is exactly the stored model.
@@ -30,9 +41,11 @@ import shutil
 
 import numpy as np
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
-from transformers import PreTrainedTokenizerFast
+from transformers import MixtralConfig, MixtralForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Tokenizer
 
 OUT = pathlib.Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "hf"
 VOCAB = 128
@@ -61,7 +74,8 @@ def redraw(model: torch.nn.Module, seed: int, bf16: bool) -> None:
 
 def reference(model: torch.nn.Module, directory: pathlib.Path) -> np.ndarray:
     """Saves fixed token ids and transformers' float32 logits for them."""
-    tokens = np.random.default_rng(0).integers(0, VOCAB, size=(2, 12)).astype(np.int32)
+    vocab = model.config.vocab_size
+    tokens = np.random.default_rng(0).integers(0, vocab, size=(2, 12)).astype(np.int32)
     with torch.no_grad():
         logits = model(torch.from_numpy(tokens.astype(np.int64))).logits.float().numpy()
     np.save(directory / "tokens.npy", tokens)
@@ -92,6 +106,55 @@ def tokenizer(directory: pathlib.Path) -> None:
     fast.save_pretrained(directory)
 
 
+PROMPT = "the lazy dog reads"
+NEW_TOKENS = 16
+QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def qwen_tokenizer() -> Qwen2Tokenizer:
+    """Byte-level BPE as Qwen's: no BOS, <|endoftext|> ends documents and pads, no post-processor template."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(TEXTS, trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=QWEN_SPECIALS))
+    return Qwen2Tokenizer(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                          bos_token=None, unk_token=None)
+
+
+def llama_bos_tokenizer() -> PreTrainedTokenizerFast:
+    """A Metaspace BPE whose template adds <s> before every text, as Llama 2 / Mistral / Mixtral tokenizers do."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tok.train_from_iterator(TEXTS, trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<unk>", "<s>", "</s>"]))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def greedy(model: torch.nn.Module, tok: object, directory: pathlib.Path) -> None:
+    """generate.json: what transformers' greedy generate makes of tokenizer(PROMPT)."""
+    encoded = tok(PROMPT, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**encoded, max_new_tokens=NEW_TOKENS, do_sample=False,
+                             pad_token_id=model.generation_config.pad_token_id)
+    ids = encoded["input_ids"][0].tolist()
+    new = out[0, len(ids):].tolist()
+    record = {"prompt": PROMPT, "input_ids": ids, "new_tokens": new, "max_new_tokens": NEW_TOKENS}
+    (directory / "generate.json").write_text(json.dumps(record) + "\n")
+
+
+def with_tokenizer(model: torch.nn.Module, tok: object, directory: pathlib.Path, eos: list[int]) -> None:
+    """Saves the tokenizer and a generation_config.json naming the EOS ids, then the greedy reference, computed
+    from the stored (possibly bfloat16-rounded) weights in float32."""
+    tok.save_pretrained(directory)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+    model.generation_config = GenerationConfig(eos_token_id=eos if len(eos) > 1 else eos[0], pad_token_id=pad,
+                                               bos_token_id=tok.bos_token_id)
+    model.generation_config.save_pretrained(directory)
+    reloaded = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    greedy(reloaded, tok, directory)
+
+
 def to_4x_spelling(directory: pathlib.Path) -> None:
     """config.json as transformers 4.x wrote it: top-level rope_theta, rope_scaling without rope_theta."""
     path = directory / "config.json"
@@ -110,6 +173,8 @@ def main() -> None:
     gqa = save(llama, "llama_gqa", seed=1, bf16=True, max_shard_size="50KB")
     tokenizer(gqa)
     assert (gqa / "model.safetensors.index.json").exists(), "llama_gqa must be sharded"
+    greedy(AutoModelForCausalLM.from_pretrained(gqa, dtype=torch.float32).eval(),
+           PreTrainedTokenizerFast.from_pretrained(gqa), gqa)
 
     mistral = MistralForCausalLM(MistralConfig(**COMMON, intermediate_size=64, num_key_value_heads=2,
                                                sliding_window=None, rope_parameters={"rope_type": "default",
@@ -125,6 +190,28 @@ def main() -> None:
     with torch.no_grad():
         again = reloaded(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
     np.testing.assert_array_equal(again, np.load(tied / "logits.npy"))  # the 4.x spelling means the same model
+
+    qwen_tok = qwen_tokenizer()
+    qwen_vocab = len(qwen_tok)  # the model's vocabulary is the tokenizer's: nothing generated lies outside it
+    qwen_eos = [qwen_tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+    qwen_common = dict(COMMON, vocab_size=qwen_vocab, bos_token_id=None, eos_token_id=qwen_eos[1])
+    qwen3 = Qwen3ForCausalLM(Qwen3Config(**qwen_common, intermediate_size=96, num_key_value_heads=2, head_dim=16,
+                                         tie_word_embeddings=True, rms_norm_eps=1e-6,
+                                         rope_parameters={"rope_type": "default", "rope_theta": 1e6}))
+    with_tokenizer(qwen3, qwen_tok, save(qwen3, "qwen3", seed=4, bf16=False), qwen_eos)
+
+    moe = Qwen3MoeForCausalLM(Qwen3MoeConfig(**qwen_common, intermediate_size=96, moe_intermediate_size=32,
+                                             num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
+                                             num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+                                             rope_parameters={"rope_type": "default", "rope_theta": 1e6}))
+    with_tokenizer(moe, qwen_tok, save(moe, "qwen3_moe", seed=5, bf16=True), qwen_eos)
+
+    llama_tok = llama_bos_tokenizer()
+    mixtral = MixtralForCausalLM(MixtralConfig(**dict(COMMON, vocab_size=len(llama_tok)), intermediate_size=32,
+                                               num_local_experts=4, num_experts_per_tok=2, num_key_value_heads=2,
+                                               sliding_window=None,
+                                               rope_parameters={"rope_type": "default", "rope_theta": 1e6}))
+    with_tokenizer(mixtral, llama_tok, save(mixtral, "mixtral", seed=6, bf16=True), [2])
 
     total = sum(p.stat().st_size for p in OUT.rglob("*") if p.is_file())
     print(f"wrote {OUT}: {total / 1024:.0f} KiB")

@@ -23,10 +23,12 @@ __all__ = ["main", "parser"]
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m maxshard.convert",
-                                description="Convert Llama/Mistral checkpoints between Hugging Face and maxshard.")
+                                description="Convert Llama, Mistral, Qwen3, Qwen3-MoE and Mixtral checkpoints between "
+                                            "Hugging Face and maxshard.")
     sub = p.add_subparsers(dest="command", required=True)
     a = sub.add_parser("from_hf", help="Hugging Face directory -> OUT_DIR/config.yml + orbax checkpoint",
-                       description="Reads config.json and *.safetensors of a LlamaForCausalLM or MistralForCausalLM "
+                       description="Reads config.json and *.safetensors of a LlamaForCausalLM, MistralForCausalLM, "
+                                   "Qwen3ForCausalLM, Qwen3MoeForCausalLM or MixtralForCausalLM "
                                    "and writes OUT_DIR/config.yml (a CONFIG for maxshard.train), "
                                    "OUT_DIR/checkpoints/0 (the parameters) and OUT_DIR/hf (tokenizer, config).")
     a.add_argument("hf_dir", metavar="HF_DIR")

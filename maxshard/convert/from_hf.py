@@ -1,4 +1,5 @@
-"""`from_hf`: a Hugging Face Llama/Mistral directory -> OUT_DIR with config.yml, checkpoints/0 and hf/.
+"""`from_hf`: a Hugging Face directory of a supported family (families.py) -> OUT_DIR with config.yml,
+checkpoints/0 and hf/.
 
     OUT_DIR/config.yml        a CONFIG for `python -m maxshard.train` (base_config, the model keys, tokenizer_path,
                               load_parameters_path), all paths absolute
@@ -31,6 +32,7 @@ import maxshard
 from maxshard import config
 from maxshard.config import ConfigError
 from maxshard.convert import hf_config, layout, names, orbax_io, safetensors_io
+from maxshard.convert.families import Family
 from maxshard.model_config import ModelConfig
 
 __all__ = ["convert", "Result", "HF_FILES", "default_base_config"]
@@ -55,24 +57,25 @@ def default_base_config() -> str:
     return str(epath.Path(maxshard.__file__).resolve().parent.parent / "configs" / "base.yml")
 
 
-def _tensor_plan(cfg: ModelConfig, tensors: Mapping[str, safetensors_io.TensorInfo], source: str
+def _tensor_plan(cfg: ModelConfig, family: Family, tensors: Mapping[str, safetensors_io.TensorInfo], source: str
                  ) -> list[tuple[layout.Param, list[safetensors_io.TensorInfo]]]:
-    """Each maxshard parameter with its Hugging Face tensors (one per layer when stacked), every name and shape
-    checked before anything is written."""
+    """Each maxshard parameter with its Hugging Face tensors (one per layer, or per layer and expert, when
+    stacked), every name and shape checked before anything is written."""
     plan, used = [], set()
-    for param in layout.params_of(cfg):
-        layers = range(cfg.num_layers) if param.stacked else [None]
+    for param in layout.params_of(cfg, family):
         infos = []
-        for i in layers:
-            name = names.hf_name(param.entry, i)
+        indices = param.indices()
+        for index in indices:
+            name = names.hf_name(param.entry, index)
             if name not in tensors:
                 raise ConfigError(f"{source}: tensor {name} is missing (config.json describes a model that has it)")
             info, want = tensors[name], names.hf_shape(param.entry, param.layer_shape)
             if info.shape != want:
                 raise ConfigError(f"{source}: tensor {name} has shape {list(info.shape)}; config.json implies "
                                   f"{list(want)}")
-            if info.dtype != tensors[names.hf_name(param.entry, 0 if param.stacked else None)].dtype:
-                raise ConfigError(f"{source}: tensor {name} is {info.dtype}, unlike layer 0's")
+            first = names.hf_name(param.entry, indices[0])
+            if info.dtype != tensors[first].dtype:
+                raise ConfigError(f"{source}: tensor {name} is {info.dtype}, unlike {first}'s")
             infos.append(info)
             used.add(name)
         plan.append((param, infos))
@@ -94,7 +97,8 @@ def _config_text(keys: Mapping[str, Any], paths: Mapping[str, str], arch: str, h
                  max_position: Any) -> str:
     """config.yml. Paths are absolute: tokenizer_path and load_parameters_path are read relative to the working
     directory and base_config relative to this file, so absolute ones work wherever training is started."""
-    comments = {"max_target_length": f"training length; the model's max_position_embeddings is {max_position}"}
+    comments = {"max_target_length": f"training length; the model's max_position_embeddings is {max_position}",
+                "capacity_factor": "dropless routing: every token reaches its k experts, as in transformers"}
     lines = [f"# Converted from {arch} in {hf_dir} by `python -m maxshard.convert from_hf`.",
              "# Fine-tune on your own text: python -m maxshard.train THIS_FILE dataset_path=DIR_OR_GLOB run_name=NAME",
              f"base_config: {_scalar(paths['base_config'])}", "", "# ---- model (from config.json)"]
@@ -125,7 +129,7 @@ def _write_params(state_dir: epath.Path, source: safetensors_io.Source,
                   plan: list[tuple[layout.Param, list[safetensors_io.TensorInfo]]]) -> None:
     """Pass 1 (orbax skeleton), then pass 2: each parameter filled one block of rows at a time, read from its file
     (rows are contiguous there), rearranged as a view and written as whole chunks."""
-    leaves = [orbax_io.Leaf(p.path, p.shape, infos[0].dtype, int(p.stacked), names.row_axis(p.entry))
+    leaves = [orbax_io.Leaf(p.path, p.shape, infos[0].dtype, p.lead, names.row_axis(p.entry))
               for p, infos in plan]
     orbax_io.write_skeleton(state_dir, leaves)
     for (param, infos), leaf in zip(plan, leaves):
@@ -133,21 +137,21 @@ def _write_params(state_dir: epath.Path, source: safetensors_io.Source,
         axis, dims = leaf.row_axis, param.layer_shape
         size, step = dims[axis], orbax_io.rows_per_chunk(leaf)
         per_row = names.hf_rows_per_row(param.entry, dims)
-        for i, info in enumerate(infos):
+        for index, info in zip(param.indices(), infos):
             for start in range(0, size, step):
                 stop = min(start + step, size)
                 rows = source.read(info, start * per_row, stop * per_row)
                 block = names.to_maxshard(param.entry, rows, dims[:axis] + (stop - start,) + dims[axis + 1 :])
-                orbax_io.write_rows(store, leaf, (i,) if param.stacked else (), start, block)
+                orbax_io.write_rows(store, leaf, index, start, block)
 
 
 def convert(hf_dir: str, out_dir: str, base_config: str | None = None) -> Result:
     """Converts; every problem with the source is a ConfigError before anything is written."""
     hf_dir, out_dir = os.path.abspath(hf_dir), os.path.abspath(out_dir)
     hf = hf_config.read(hf_dir)
-    arch, keys = hf_config.architecture(hf), hf_config.model_keys(hf)
+    arch, family, keys = hf_config.architecture(hf), hf_config.family(hf), hf_config.model_keys(hf)
     with safetensors_io.Source(hf_dir) as source:
-        plan = _tensor_plan(layout.model_config(keys), source.tensors, hf_dir)
+        plan = _tensor_plan(layout.model_config(keys), family, source.tensors, hf_dir)
         base = os.path.abspath(base_config or default_base_config())
         if not os.path.isfile(base):
             raise ConfigError(f"base config {base} not found; pass --base-config PATH_TO/configs/base.yml")

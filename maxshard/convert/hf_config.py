@@ -15,11 +15,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from maxshard.config import ConfigError
+from maxshard.convert.families import FAMILIES, Family, by_architecture
 
-__all__ = ["ARCHITECTURES", "MAX_TARGET_LENGTH", "read", "architecture", "model_keys", "rope_keys", "to_hf",
-           "default_max_position"]
+__all__ = ["ARCHITECTURES", "MAX_TARGET_LENGTH", "read", "architecture", "family", "model_keys", "rope_keys",
+           "to_hf", "default_max_position", "family_of_keys"]
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"}
+ARCHITECTURES = {f.architecture: f.model_type for f in FAMILIES}
 MAX_TARGET_LENGTH = 2048  # the training length config.yml gets when the model allows more (a key to override)
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 _LLAMA3 = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_low_freq_factor",
@@ -52,11 +53,28 @@ def architecture(hf: Mapping[str, Any]) -> str:
     return names[0]
 
 
+def family(hf: Mapping[str, Any]) -> Family:
+    """The family row of a config.json (ConfigError naming `architectures` when maxshard has none)."""
+    found = by_architecture(architecture(hf))
+    assert found is not None  # architecture() only returns names of rows
+    return found
+
+
 def _refuse(field: str, value: Any, why: str) -> ConfigError:
     return ConfigError(f"config.json: {field}={json.dumps(value)} is not supported: {why}")
 
 
-def _check_representable(hf: Mapping[str, Any]) -> None:
+def _check_window(hf: Mapping[str, Any], fam: Family) -> None:
+    """A sliding window shorter than the context changes attention; maxshard attends over the whole context."""
+    if fam.window_switch is not None and not hf.get(fam.window_switch):
+        return  # Qwen3 carries a sliding_window that applies only with use_sliding_window
+    window, max_position = hf.get("sliding_window"), hf.get("max_position_embeddings")
+    if window is not None and (max_position is None or window < max_position):
+        raise _refuse("sliding_window", window, f"maxshard attends over the whole context "
+                      f"(max_position_embeddings={max_position}); only null or >= max_position_embeddings converts")
+
+
+def _check_representable(hf: Mapping[str, Any], fam: Family) -> None:
     """Fields that change the function in ways maxshard's decoder cannot reproduce."""
     for field in ("attention_bias", "mlp_bias"):
         if hf.get(field):
@@ -64,10 +82,13 @@ def _check_representable(hf: Mapping[str, Any]) -> None:
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise _refuse("hidden_act", act, "maxshard's MLP is SwiGLU with silu")
-    window, max_position = hf.get("sliding_window"), hf.get("max_position_embeddings")
-    if window is not None and (max_position is None or window < max_position):
-        raise _refuse("sliding_window", window, f"maxshard attends over the whole context "
-                      f"(max_position_embeddings={max_position}); only null or >= max_position_embeddings converts")
+    _check_window(hf, fam)
+    kinds = sorted(set(hf.get("layer_types") or ["full_attention"]) - {"full_attention"})
+    if kinds:
+        raise _refuse("layer_types", kinds, "maxshard attends over the whole context in every layer")
+    for field, value in fam.must_equal.items():
+        if field in hf and hf[field] != value:
+            raise _refuse(field, hf[field], f"maxshard converts {fam.architecture} only with {field}={value}")
     if hf.get("quantization_config"):
         raise _refuse("quantization_config", hf["quantization_config"].get("quant_method", "?"),
                       "quantized checkpoints cannot be converted")
@@ -100,10 +121,27 @@ def rope_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
     return keys
 
 
+def _moe_keys(hf: Mapping[str, Any], fam: Family) -> dict[str, Any]:
+    """Routed experts in every layer, dropless (capacity_factor -1), so the model computes what transformers does."""
+    field = next((f for f in fam.experts_fields if f in hf), fam.experts_fields[0])
+    experts, k = hf.get(field), hf.get("num_experts_per_tok")
+    if not isinstance(experts, int) or experts < 2:
+        raise ConfigError(f"config.json: {field}={json.dumps(experts)} is not supported: an MoE model needs >= 2 "
+                          "experts")
+    if not isinstance(k, int) or not 1 <= k <= experts:
+        raise ConfigError(f"config.json: num_experts_per_tok={json.dumps(k)} is not supported: needs 1..{experts}")
+    renormalize = (fam.renormalize_default if fam.renormalize_field is None
+                   else bool(hf.get(fam.renormalize_field, fam.renormalize_default)))
+    return {"num_experts": experts, "num_experts_per_tok": k, "capacity_factor": -1.0, "moe_layer_interval": 1,
+            "num_shared_experts": 0, "moe_renormalize_top_k": renormalize}
+
+
 def model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
-    """The maxshard model keys of a Llama or Mistral config.json (ConfigError naming the field otherwise)."""
-    architecture(hf)
-    _check_representable(hf)
+    """The maxshard model keys of a config.json of a supported family (ConfigError naming the field otherwise)."""
+    fam = family(hf)
+    _check_representable(hf, fam)
+    if fam.is_moe and not isinstance(hf.get(fam.expert_width_field), int):
+        raise ConfigError(f"config.json has no integer {fam.expert_width_field}")
     heads = hf["num_attention_heads"]
     max_position = hf.get("max_position_embeddings") or MAX_TARGET_LENGTH
     return {
@@ -113,11 +151,13 @@ def model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
         "num_heads": heads,
         "num_kv_heads": hf.get("num_key_value_heads") or heads,
         "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads,
-        "mlp_dim": hf["intermediate_size"],
+        "mlp_dim": hf[fam.expert_width_field] if fam.is_moe else hf["intermediate_size"],
         "max_target_length": min(max_position, MAX_TARGET_LENGTH),
         "logits_via_embedding": bool(hf.get("tie_word_embeddings", False)),  # Llama/Mistral default: untied
         "norm_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
+        "qk_norm": fam.qk_norm,
         **rope_keys(hf),
+        **(_moe_keys(hf, fam) if fam.is_moe else {}),
     }
 
 
@@ -134,18 +174,52 @@ def default_max_position(keys: Mapping[str, Any]) -> int:
     return keys["max_target_length"]
 
 
+def family_of_keys(keys: Mapping[str, Any]) -> Family:
+    """The family to export as when there is no template: the plainest row that computes these model keys."""
+    moe, qk_norm = keys.get("num_experts", 1) > 1, bool(keys.get("qk_norm", False))
+    if not moe:
+        return by_architecture("Qwen3ForCausalLM" if qk_norm else "LlamaForCausalLM")
+    return by_architecture("Qwen3MoeForCausalLM" if qk_norm else "MixtralForCausalLM")
+
+
+def _check_family(keys: Mapping[str, Any], fam: Family) -> None:
+    """The model keys must be what the family computes; otherwise transformers would load a different function."""
+    experts = keys.get("num_experts", 1)
+    wants = {"qk_norm": (bool(keys.get("qk_norm", False)), fam.qk_norm), "num_experts > 1": (experts > 1, fam.is_moe)}
+    if fam.is_moe:
+        wants["moe_layer_interval"] = (keys.get("moe_layer_interval", 1), 1)
+        wants["num_shared_experts"] = (keys.get("num_shared_experts", 0), 0)
+        if fam.renormalize_field is None:
+            wants["moe_renormalize_top_k"] = (bool(keys.get("moe_renormalize_top_k", True)), fam.renormalize_default)
+    for key, (have, need) in wants.items():
+        if have != need:
+            raise ConfigError(f"{key}={have} cannot be written as {fam.architecture} (which has {key}={need})")
+
+
+def _moe_fields(keys: Mapping[str, Any], fam: Family, template: Mapping[str, Any]) -> dict[str, Any]:
+    """The MoE fields of config.json, in the spelling the template uses (its experts field, if it has one)."""
+    field = next((f for f in fam.experts_fields if f in template), fam.experts_fields[0])
+    out = {field: keys["num_experts"], "num_experts_per_tok": keys["num_experts_per_tok"],
+           fam.expert_width_field: keys["mlp_dim"]}
+    if fam.renormalize_field is not None:
+        out[fam.renormalize_field] = bool(keys.get("moe_renormalize_top_k", True))
+    if fam.expert_width_field != "intermediate_size":
+        out.setdefault("intermediate_size", template.get("intermediate_size", keys["mlp_dim"]))
+    return out
+
+
 def to_hf(keys: Mapping[str, Any], dtype: str, template: Mapping[str, Any] | None = None,
           token_ids: Mapping[str, int] | None = None) -> dict[str, Any]:
     """config.json for maxshard model keys. Fields maxshard has no key for (max_position_embeddings, token ids,
     generation settings) come from `template` (the config.json the model was converted from) when given."""
     out = {k: v for k, v in (template or {}).items() if k not in _REPLACED}
-    name = architecture(out) if out.get("architectures") or out.get("model_type") else "LlamaForCausalLM"
+    fam = family(out) if out.get("architectures") or out.get("model_type") else family_of_keys(keys)
+    _check_family(keys, fam)
     out.update({
-        "architectures": [name],
-        "model_type": ARCHITECTURES[name],
+        "architectures": [fam.architecture],
+        "model_type": fam.model_type,
         "vocab_size": keys["vocab_size"],
         "hidden_size": keys["emb_dim"],
-        "intermediate_size": keys["mlp_dim"],
         "num_hidden_layers": keys["num_layers"],
         "num_attention_heads": keys["num_heads"],
         "num_key_value_heads": keys["num_kv_heads"],
@@ -158,10 +232,11 @@ def to_hf(keys: Mapping[str, Any], dtype: str, template: Mapping[str, Any] | Non
         "torch_dtype": dtype,
     })
     out.setdefault("max_position_embeddings", default_max_position(keys))
-    if name == "LlamaForCausalLM":
-        out.update(attention_bias=False, mlp_bias=False)
+    out.update(fam.export)
+    if fam.is_moe:
+        out.update(_moe_fields(keys, fam, out))
     else:
-        out["sliding_window"] = None
+        out["intermediate_size"] = keys["mlp_dim"]
     for field, value in (token_ids or {}).items():
         out.setdefault(field, value)
     return out

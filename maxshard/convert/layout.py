@@ -7,6 +7,7 @@ tree that `Transformer` builds and `load_parameters` checks, and a change to the
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,22 +17,28 @@ import jax
 from maxshard import model
 from maxshard.config import ConfigError
 from maxshard.convert import names
+from maxshard.convert.families import Family
 from maxshard.model_config import ModelConfig
 
 __all__ = ["MODEL_KEYS", "model_config", "Param", "params_of"]
 
 MODEL_KEYS = ("vocab_size", "emb_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
-              "max_target_length", "logits_via_embedding", "norm_epsilon", "rope_max_timescale", "rope_scaling_type",
-              "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position")
+              "max_target_length", "logits_via_embedding", "norm_epsilon", "qk_norm", "rope_max_timescale",
+              "rope_scaling_type", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+              "rope_original_max_position", "num_experts", "num_experts_per_tok", "capacity_factor",
+              "moe_layer_interval", "num_shared_experts", "moe_renormalize_top_k")
 _STACK = ("decoder", "layers")
+_MOE_LAYER = "layer_0"  # an MoE model's repeated unit is a block of moe_layer_interval (here 1) layers
 
 
 def model_config(keys: Mapping[str, Any]) -> ModelConfig:
     """The network of these model keys (scanned layers, no pipeline, every other field at its default): all the
     converter needs to know the parameter tree, with no run, mesh or devices."""
-    if keys.get("num_experts", 1) != 1:
-        raise ConfigError(f"num_experts={keys['num_experts']}: Llama and Mistral are dense; MoE models do not convert")
-    return ModelConfig(**{k: keys[k] for k in MODEL_KEYS if k in keys}, scan_layers=True)
+    cfg = ModelConfig(**{k: keys[k] for k in MODEL_KEYS if k in keys}, scan_layers=True)
+    if cfg.is_moe and (cfg.moe_layer_interval != 1 or cfg.num_shared_experts):
+        raise ConfigError(f"moe_layer_interval={cfg.moe_layer_interval}, num_shared_experts={cfg.num_shared_experts}:"
+                          " the converted MoE families route in every layer and have no shared experts")
+    return cfg
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,26 +51,36 @@ class Param:
     stacked: bool
 
     @property
+    def lead(self) -> int:
+        """Leading dims that index Hugging Face tensors: 0 (global), 1 (layers) or 2 (layers, experts)."""
+        return int(self.stacked) + int(self.entry.per_expert)
+
+    @property
     def layer_shape(self) -> tuple[int, ...]:
-        """The shape of one layer's slice (the whole shape for a global parameter)."""
-        return self.shape[1:] if self.stacked else self.shape
+        """The shape of one Hugging Face tensor's slice (the whole shape for a global parameter)."""
+        return self.shape[self.lead :]
+
+    def indices(self) -> list[tuple[int, ...]]:
+        """Every Hugging Face tensor's index: [()] for a global one, (layer,) or (layer, expert) in file order."""
+        return list(itertools.product(*(range(n) for n in self.shape[: self.lead])))
 
 
 def _key(entry: Any) -> str:
     return str(getattr(entry, "key", entry))
 
 
-def params_of(cfg: ModelConfig) -> list[Param]:
-    """Every parameter of the model in tree order; a leaf the table does not know is a bug, so it raises."""
+def params_of(cfg: ModelConfig, family: Family) -> list[Param]:
+    """Every parameter of the model in tree order; a leaf the family's table does not know is an error."""
     by_path = {e.path: e for e in (*names.GLOBAL, names.HEAD)}
-    per_layer = {e.path: e for e in names.PER_LAYER}
+    per_layer = {e.path: e for e in names.per_layer(family)}
     leaves, _ = jax.tree_util.tree_flatten_with_path(nn.unbox(model.abstract_params(cfg)))
     out = []
     for key_path, leaf in leaves:
         path = tuple(_key(k) for k in key_path)
         stacked = path[:2] == _STACK
-        entry = per_layer.get(path[2:]) if stacked else by_path.get(path)
+        inner = path[3:] if cfg.is_moe and path[2:3] == (_MOE_LAYER,) else path[2:]
+        entry = per_layer.get(inner) if stacked else by_path.get(path)
         if entry is None:
-            raise RuntimeError(f"maxshard.convert has no Hugging Face name for parameter {'/'.join(path)}")
+            raise ConfigError(f"parameter {'/'.join(path)} has no tensor in {family.architecture}")
         out.append(Param(path, tuple(leaf.shape), entry, stacked))
     return out

@@ -12,6 +12,16 @@ so a linear weight maps by a transpose then a reshape, and back by a reshape the
 scales have the same layout on both sides. Rows of q/k need no permutation: Hugging Face's rotate-half RoPE pairs
 (i, i + head_dim/2) exactly as maxshard does (layers/rope.py). Per-layer tensors become one stacked parameter
 [layers, ...] under decoder/layers (scan_layers=true).
+
+MoE families store each expert's projections as their own tensors ("{e}": expert index); maxshard stacks them
+[layers, experts, ...] under decoder/layers/layer_0/moe, the `exp` dimension that expert parallelism shards:
+
+    experts.{e}.gate_proj [mlp, embed]  -> moe/wi_0 [layers, experts, embed, mlp]   (w1 in Mixtral; up: w3 -> wi_1)
+    experts.{e}.down_proj [embed, mlp]  -> moe/wo   [layers, experts, mlp, embed]   (w2 in Mixtral)
+    gate [experts, embed]               -> moe/gate/kernel [layers, embed, experts] (the router)
+
+The table of a family is `per_layer(family)`: Llama's rows, plus q/k norms with `qk_norm`, with the MLP replaced
+by the router and experts in MoE families.
 """
 
 from __future__ import annotations
@@ -19,10 +29,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from typing import Any
 
 import numpy as np
 
-__all__ = ["Entry", "GLOBAL", "PER_LAYER", "HEAD", "IGNORED", "hf_name", "hf_shape", "row_axis", "hf_rows_per_row",
+__all__ = ["Entry", "GLOBAL", "PER_LAYER", "HEAD", "IGNORED", "QK_NORM", "per_layer", "hf_name", "hf_shape", "row_axis",
+           "hf_rows_per_row",
            "to_maxshard", "to_hf"]
 
 
@@ -35,6 +47,7 @@ class Entry:
     path: tuple[str, ...]
     layout: str
     num_in: int = 1
+    per_expert: bool = False  # one Hugging Face tensor per expert ("{e}"), stacked along maxshard's experts dim
 
 
 GLOBAL = (
@@ -53,12 +66,41 @@ PER_LAYER = (
     Entry("model.layers.{i}.mlp.up_proj.weight", ("mlp", "wi_1", "kernel"), "linear"),
     Entry("model.layers.{i}.mlp.down_proj.weight", ("mlp", "wo", "kernel"), "linear"),
 )
+QK_NORM = (
+    Entry("model.layers.{i}.self_attn.q_norm.weight", ("attention", "query_norm", "scale"), "same"),
+    Entry("model.layers.{i}.self_attn.k_norm.weight", ("attention", "key_norm", "scale"), "same"),
+)
+
+
+def _moe(prefix: str, projections: tuple[str, str, str]) -> tuple[Entry, ...]:
+    gate, up, down = projections
+    experts = f"model.layers.{{i}}.{prefix}.experts.{{e}}"
+    return (
+        Entry(f"model.layers.{{i}}.{prefix}.gate.weight", ("moe", "gate", "kernel"), "linear"),
+        Entry(f"{experts}.{gate}.weight", ("moe", "wi_0"), "linear", per_expert=True),
+        Entry(f"{experts}.{up}.weight", ("moe", "wi_1"), "linear", per_expert=True),
+        Entry(f"{experts}.{down}.weight", ("moe", "wo"), "linear", per_expert=True),
+    )
+
+
+def per_layer(family: Any) -> tuple[Entry, ...]:
+    """The per-layer rows of a family (`families.Family`): attention, its q/k norms, then the MLP or the MoE."""
+    attention, mlp = PER_LAYER[:6], PER_LAYER[6:]
+    if family.qk_norm:
+        attention = attention[:5] + QK_NORM + attention[5:]
+    return attention + (_moe(family.moe_prefix, family.expert_projections) if family.is_moe else mlp)
+
+
 # Buffers some older checkpoints saved; recomputed from the config, never learned.
 IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
 
-def hf_name(entry: Entry, layer: int | None = None) -> str:
-    return entry.hf.format(i=layer) if layer is not None else entry.hf
+def hf_name(entry: Entry, index: tuple[int, ...] | int | None = None) -> str:
+    """The tensor's name at `index`: () or None for a global tensor, (layer,) or (layer, expert)."""
+    if index is None or index == ():
+        return entry.hf
+    index = (index,) if isinstance(index, int) else index
+    return entry.hf.format(i=index[0], e=index[1] if len(index) > 1 else None)
 
 
 def hf_shape(entry: Entry, maxshard_shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -36,7 +36,7 @@ __all__ = ["TensorInfo", "TensorSpec", "Source", "parse_size", "write_checkpoint
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 METADATA = {"format": "pt"}  # what transformers writes, and checks for, in every file's header
-# safetensors' dtype names (get_slice().get_dtype()) -> numpy, for the dtypes a Llama/Mistral checkpoint holds:
+# safetensors' dtype names (get_slice().get_dtype()) -> numpy, for the dtypes a converted checkpoint holds:
 # the orbax arrays are created with the right dtype before any data is read.
 DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),

@@ -31,6 +31,7 @@ import numpy as np
 
 from maxshard.config import ConfigError
 from maxshard.convert import hf_config, layout, names, orbax_io, safetensors_io
+from maxshard.convert.families import Family
 from maxshard.data import tokenizer as tokenizers
 
 __all__ = ["export", "Result", "DTYPES"]
@@ -49,11 +50,20 @@ class Result:
     tokenizer_files: tuple[str, ...]
 
 
-def _locate(reader: orbax_io.Reader, param: layout.Param, layer: int | None) -> tuple[tuple[str, ...], tuple]:
-    """(array path, index) of one layer of a parameter, whichever decoder layout the checkpoint was saved in:
-    scanned [layers, ...], unrolled layers_<i>, or pipelined [repeats, stages, layers_per_stage, ...]."""
+def _locate(reader: orbax_io.Reader, param: layout.Param, at: tuple[int, ...] | int | None
+            ) -> tuple[tuple[str, ...], tuple]:
+    """(array path, index) of one Hugging Face tensor of a parameter (`at`: (layer,) or (layer, expert)),
+    whichever decoder layout the checkpoint was saved in: scanned [layers, ...], unrolled layers_<i>, or pipelined
+    [repeats, stages, layers_per_stage, ...]; an expert's index follows the layer's."""
     if not param.stacked:
         return param.path, ()
+    at = (at,) if isinstance(at, int) else tuple(at)
+    layer, expert = at[0], at[1:]
+    path, index = _locate_layer(reader, param, layer)
+    return path, index + expert
+
+
+def _locate_layer(reader: orbax_io.Reader, param: layout.Param, layer: int) -> tuple[tuple[str, ...], tuple]:
     rest = param.path[2:]
     candidates = [(("decoder", "layers", *rest), (layer,)), (("decoder", f"layers_{layer}", *rest), ())]
     pipelined = ("decoder", "pipeline", "layers", *rest)
@@ -85,18 +95,28 @@ def _blocks(reader: orbax_io.Reader, path: tuple[str, ...], index: tuple, entry:
         yield names.to_hf(entry, reader.read(path, window)).astype(target, copy=False)
 
 
-def _tensors(reader: orbax_io.Reader, params: list[layout.Param], dtype: str | None, num_layers: int
-             ) -> list[tuple[safetensors_io.TensorSpec, Callable[[], Iterator[np.ndarray]]]]:
-    """Every Hugging Face tensor, in Hugging Face's usual order, with a function that reads it when it is due."""
+def _order(params: list[layout.Param], family: Family, num_layers: int
+           ) -> list[tuple[layout.Param, tuple[int, ...]]]:
+    """Every Hugging Face tensor as (parameter, index), in Hugging Face's usual order: embeddings, each layer's
+    tensors (each expert's inside its layer), final norm, head."""
     by_entry = {p.entry: p for p in params}
-    order = [(e, None) for e in names.GLOBAL[:1]] + [(e, i) for i in range(num_layers) for e in names.PER_LAYER]
-    order += [(e, None) for e in (*names.GLOBAL[1:], names.HEAD) if e in by_entry]
+    order = [(by_entry[e], ()) for e in names.GLOBAL[:1]]
+    for i in range(num_layers):
+        for entry in names.per_layer(family):
+            param = by_entry[entry]
+            order += [(param, (i, e)) for e in range(param.shape[1])] if entry.per_expert else [(param, (i,))]
+    return order + [(by_entry[e], ()) for e in (*names.GLOBAL[1:], names.HEAD) if e in by_entry]
+
+
+def _tensors(reader: orbax_io.Reader, params: list[layout.Param], family: Family, dtype: str | None,
+             num_layers: int) -> list[tuple[safetensors_io.TensorSpec, Callable[[], Iterator[np.ndarray]]]]:
+    """Every Hugging Face tensor, in Hugging Face's usual order, with a function that reads it when it is due."""
     out = []
-    for entry, layer in order:
-        param = by_entry[entry]
-        path, index = _locate(reader, param, layer)
+    for param, at in _order(params, family, num_layers):
+        entry = param.entry
+        path, index = _locate(reader, param, at)
         target = DTYPES[dtype] if dtype else np.dtype(reader.arrays[path].dtype)
-        spec = safetensors_io.TensorSpec(names.hf_name(entry, layer), names.hf_shape(entry, param.layer_shape), target)
+        spec = safetensors_io.TensorSpec(names.hf_name(entry, at), names.hf_shape(entry, param.layer_shape), target)
         produce = functools.partial(_blocks, reader, path, index, entry, param.layer_shape, target)
         out.append((spec, produce))
     return out
@@ -141,7 +161,8 @@ def _token_ids(saved: Mapping[str, Any]) -> dict[str, int]:
     if path and not os.path.isfile(path):
         return {}
     tok = tokenizers.make_tokenizer(_TokenizerKeys(path))
-    return {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
+    return {"bos_token_id": getattr(tok, "bos_token_id", tok.bos_id), "eos_token_id": tok.eos_id,
+            "pad_token_id": tok.pad_id}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,16 +178,18 @@ def export(step_dir: str, hf_dir: str, max_shard_size: str = "5GB", dtype: str |
     missing = [k for k in ("vocab_size", "emb_dim", "num_layers") if k not in keys]
     if missing:
         raise ConfigError(f"{step_dir}/config has no {missing[0]}: not a maxshard model config")
-    cfg = layout.model_config({**keys, "num_experts": saved.get("num_experts", 1)})
+    cfg = layout.model_config(keys)
+    template = _template_dir(step_dir, saved, template)
+    base = hf_config.read(template) if template else None
+    family = hf_config.family(base) if base else hf_config.family_of_keys(keys)
+    hf_config.to_hf(keys, "float32", base)  # the model keys must be what the family computes, before writing
     reader = orbax_io.Reader(step_dir)
-    tensors = _tensors(reader, layout.params_of(cfg), dtype, cfg.num_layers)
+    tensors = _tensors(reader, layout.params_of(cfg, family), family, dtype, cfg.num_layers)
     produce = {spec.name: fn for spec, fn in tensors}
     os.makedirs(hf_dir, exist_ok=True)
     files = safetensors_io.write_checkpoint(hf_dir, [spec for spec, _ in tensors], lambda s: produce[s.name](),
                                             safetensors_io.parse_size(max_shard_size))
 
-    template = _template_dir(step_dir, saved, template)
-    base = hf_config.read(template) if template else None
     written = sorted({spec.dtype.name for spec, _ in tensors})
     config_json = hf_config.to_hf(keys, written[0] if len(written) == 1 else "float32", base,
                                   None if base else _token_ids(saved))

@@ -2,7 +2,7 @@
 
 Each document becomes a pair of equally long streams before packing:
 
-    tokens    BOS t1 t2 ... tn EOS
+    tokens    BOS t1 t2 ... tn EOS   (BOS only where the tokenizer adds one: data/tokenizer.py)
     inputs    BOS t1 ... tn          (every token but the last)
     targets    t1 t2 ... EOS         (every token but the first)
 
@@ -39,9 +39,13 @@ __all__ = ["document_pair", "pack", "pad_to_length", "FIELDS"]
 FIELDS = ("inputs", "targets", "segment_ids", "positions", "loss_weights")
 
 
-def document_pair(tokens: np.ndarray, bos_id: int, eos_id: int) -> dict[str, np.ndarray]:
-    """int32 [n] -> {"inputs": [n + 1], "targets": [n + 1]}: BOS/EOS added, shifted by one (see module doc)."""
-    full = np.concatenate([[bos_id], np.asarray(tokens, np.int32), [eos_id]]).astype(np.int32)
+def document_pair(tokens: np.ndarray, bos_id: int | None, eos_id: int) -> dict[str, np.ndarray]:
+    """int32 [n] -> {"inputs": [n + 1], "targets": [n + 1]}: BOS/EOS added, shifted by one (see module doc).
+
+    Without a BOS (bos_id None: a tokenizer whose template adds none, e.g. Qwen's) the pair is [n] long and the
+    document's first token is context only, as it is for that model."""
+    start = [] if bos_id is None else [bos_id]
+    full = np.concatenate([start, np.asarray(tokens, np.int32), [eos_id]]).astype(np.int32)
     return {"inputs": full[:-1], "targets": full[1:]}
 
 

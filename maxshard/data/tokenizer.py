@@ -1,10 +1,18 @@
 """Tokenizers. The default is byte-level: 256 byte values plus PAD, BOS and EOS, so no file is ever needed.
 
 `tokenizer_path` names a SentencePiece model instead (`tools/train_tokenizer.py` trains a small one), or a Hugging Face
-`tokenizer.json` (what Llama and Mistral checkpoints ship; `python -m maxshard.convert from_hf` points at it). All
+`tokenizer.json` (what Hugging Face checkpoints ship; `python -m maxshard.convert from_hf` points at it). All
 kinds have the same surface: `vocab_size`, `pad_id`/`bos_id`/`eos_id`, `encode`/`decode` on lists and `encode_array`
 for the input pipeline, which wants int32 arrays without a Python list per token. All pickle, so grain worker
 processes get their own copy.
+
+Where texts start and end follows the tokenizer. Byte-level and SentencePiece: every document and prompt starts
+with BOS. A Hugging Face tokenizer.json decides by its own template (post-processor): `bos_id` is the token the
+template puts before a text, None where it puts none (Qwen has no BOS at all; a tokenizer.json without a template
+adds none either), so training documents start as `tokenizer(text)` starts them, and prompts are encoded exactly as
+`tokenizer(prompt)` encodes them (`encode_prompt`). EOS ends every training document (the separator the model
+learns to stop at). Generation stops at `stop_ids`: for a Hugging Face model the EOS ids its generation_config.json
+lists (several for Qwen), as transformers' generate does.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ __all__ = [
     "HuggingFaceTokenizer",
     "load_sentencepiece",
     "load_hf_tokenizer",
+    "stop_ids",
     "make_tokenizer",
     "model_vocab_size",
     "resolve_vocab",
@@ -34,11 +43,15 @@ __all__ = [
 
 
 class Tokenizer(Protocol):
-    """What the input pipeline needs from a tokenizer."""
+    """What the input pipeline and generation need from a tokenizer."""
 
     pad_id: int
-    bos_id: int
+    bos_id: int | None  # the id every document and prompt starts with; None: the tokenizer adds none
     eos_id: int
+    stop_ids: tuple[int, ...]  # generation stops at any of these
+    never_generated: tuple[int, ...]  # ids generation never samples (PAD, BOS for byte-level and SentencePiece)
+
+    def encode_prompt(self, text: str) -> list[int]: ...
 
     @property
     def vocab_size(self) -> int: ...
@@ -65,8 +78,20 @@ class ByteTokenizer:
     def vocab_size(self) -> int:
         return 256 + self.offset
 
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return (self.eos_id,)
+
+    @property
+    def never_generated(self) -> tuple[int, ...]:
+        return (self.pad_id, self.bos_id)
+
     def encode(self, text: str) -> list[int]:
         return [b + self.offset for b in text.encode("utf-8")]
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """BOS + the text's tokens: prompts start as training documents do."""
+        return [self.bos_id, *self.encode(text)]
 
     def encode_array(self, text: str) -> np.ndarray:
         """`encode` as int32 [tokens], without a Python int per byte (the pipeline's hot path)."""
@@ -98,8 +123,20 @@ class SentencePieceTokenizer:
     def vocab_size(self) -> int:
         return self._sp.vocab_size()
 
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return (self.eos_id,)
+
+    @property
+    def never_generated(self) -> tuple[int, ...]:
+        return (self.pad_id, self.bos_id)
+
     def encode(self, text: str) -> list[int]:
         return self._sp.encode(text)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """BOS + the text's tokens: prompts start as training documents do."""
+        return [self.bos_id, *self.encode(text)]
 
     def encode_array(self, text: str) -> np.ndarray:
         return np.asarray(self._sp.encode(text), np.int32)
@@ -145,22 +182,47 @@ _KNOWN_SPECIALS = {
 
 
 class HuggingFaceTokenizer:
-    """A Hugging Face `tokenizer.json` (the `tokenizers` package). BOS/EOS/PAD are the tokens named by the
-    `tokenizer_config.json` beside it (as transformers reads them), else well-known names; PAD falls back to 0.
+    """A Hugging Face `tokenizer.json` (the `tokenizers` package). EOS/PAD (and the BOS token) are the tokens named
+    by the `tokenizer_config.json` beside it (as transformers reads them), else well-known names; PAD falls back
+    to 0.
 
-    Text is encoded without the tokenizer's own template (no BOS added by it): the pipeline adds BOS and EOS around
-    each document itself, as for every tokenizer. Decoding drops special tokens, like SentencePiece's.
+    `bos_id` is what the tokenizer's template adds before a text (None when it adds nothing), found by encoding a
+    probe text with and without special tokens; `encode` never applies the template (the pipeline adds `bos_id`
+    and EOS around each document), `encode_prompt` does. Decoding drops special tokens. Nothing is masked when
+    generating (transformers masks nothing either).
     """
 
-    def __init__(self, tokenizer: Any, path: str, special: dict[str, str]) -> None:
+    def __init__(self, tokenizer: Any, path: str, special: dict[str, str], stop_ids: tuple[int, ...] = ()) -> None:
         self.path = path
         self._tok = tokenizer
         ids = {field: tokenizer.token_to_id(token) for field, token in special.items()}
-        self.bos_id, self.eos_id = ids.get("bos_token"), ids.get("eos_token")
+        self.eos_id = ids.get("eos_token")
+        if self.eos_id is None:
+            raise ConfigError(f"tokenizer_path={path}: no EOS token found; put a tokenizer_config.json with "
+                              "eos_token beside it")
         self.pad_id = ids.get("pad_token") if ids.get("pad_token") is not None else 0
-        if self.bos_id is None or self.eos_id is None:
-            raise ConfigError(f"tokenizer_path={path}: no BOS/EOS token found; put a tokenizer_config.json with "
-                              "bos_token and eos_token beside it")
+        self.bos_token_id = ids.get("bos_token")  # the tokenizer's BOS token, whether or not its template adds it
+        self.bos_id = self._template_start(path)
+        self.stop_ids = stop_ids or (self.eos_id,)
+        self.never_generated: tuple[int, ...] = ()
+
+    def _template_start(self, path: str) -> int | None:
+        """The id the post-processor puts before a text, or None; a template that adds more is refused.
+
+        Found as where the plain encoding of a probe text sits inside the templated one (the first probe that the
+        vocabulary can encode)."""
+        start, full = 0, []
+        for probe in ("a", "the", "0", " "):
+            plain = self._tok.encode(probe, add_special_tokens=False).ids
+            full = self._tok.encode(probe, add_special_tokens=True).ids
+            if plain:
+                starts = [i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain]
+                start = starts[0] if starts else 0
+                break
+        if start > 1:
+            raise ConfigError(f"tokenizer_path={path}: its template puts {start} tokens before a text; maxshard's "
+                              "documents start with at most one (BOS)")
+        return full[0] if start == 1 else None
 
     @property
     def vocab_size(self) -> int:
@@ -168,6 +230,10 @@ class HuggingFaceTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """As `tokenizer(text)` encodes it: the tokenizer's own template decides BOS (and anything else)."""
+        return self._tok.encode(text, add_special_tokens=True).ids
 
     def encode_array(self, text: str) -> np.ndarray:
         return np.asarray(self.encode(text), np.int32)
@@ -180,16 +246,31 @@ class HuggingFaceTokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
 
+def _json_beside(path: str, name: str) -> dict[str, Any]:
+    """A JSON file in the tokenizer's directory ({} when absent); unreadable is a ConfigError naming it."""
+    other = os.path.join(os.path.dirname(path), name)
+    if not os.path.isfile(other):
+        return {}
+    try:
+        with open(other, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"tokenizer_path={path}: cannot read {other}: {e}") from None
+
+
+def stop_ids(path: str) -> tuple[int, ...]:
+    """The EOS id(s) transformers' generate stops at: generation_config.json's eos_token_id (an id or a list),
+    else config.json's, beside the tokenizer; () when neither names one."""
+    for name in ("generation_config.json", "config.json"):
+        eos = _json_beside(path, name).get("eos_token_id")
+        if eos is not None:
+            return tuple(int(i) for i in (eos if isinstance(eos, list) else [eos]))
+    return ()
+
+
 def _special_tokens(path: str, tokenizer: Any) -> dict[str, str]:
     """{"bos_token": text, ...}: from tokenizer_config.json beside `path`, else the first known name present."""
-    config_path = os.path.join(os.path.dirname(path), "tokenizer_config.json")
-    named: dict[str, Any] = {}
-    if os.path.isfile(config_path):
-        try:
-            with open(config_path, encoding="utf-8") as f:
-                named = json.load(f)
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"tokenizer_path={path}: cannot read {config_path}: {e}") from None
+    named = _json_beside(path, "tokenizer_config.json")
     special = {}
     for field, fallbacks in _KNOWN_SPECIALS.items():
         value = named.get(field)
@@ -209,7 +290,7 @@ def load_hf_tokenizer(path: str) -> HuggingFaceTokenizer:
     except Exception as e:  # noqa: BLE001 - the Rust side raises plain Exception for any malformed file
         raise ConfigError(f"tokenizer_path={path} is not a Hugging Face tokenizer.json: "
                           f"{str(e).splitlines()[0][:160]}") from None
-    return HuggingFaceTokenizer(tokenizer, path, _special_tokens(path, tokenizer))
+    return HuggingFaceTokenizer(tokenizer, path, _special_tokens(path, tokenizer), stop_ids(path))
 
 
 def make_tokenizer(cfg: Config) -> ByteTokenizer | SentencePieceTokenizer | HuggingFaceTokenizer:

@@ -1,7 +1,8 @@
 """Causal self-attention with grouped-query heads, RoPE and packed-document (segment) masking.
 
 Shapes: x [batch, length, embed]; q [batch, length, heads, head_dim]; k, v [batch, length, kv_heads, head_dim].
-Query heads are grouped over kv heads: heads = kv_heads * group. Logits and softmax are float32. The score,
+Query heads are grouped over kv heads: heads = kv_heads * group. With `qk_norm` (Qwen3) each query and key head is
+RMS-normalised over head_dim (one learned [head_dim] scale each) before RoPE. Logits and softmax are float32. The score,
 softmax and value math is `attention_ops.attend`, one of several implementations (the `attention` key).
 For generation (the "cache" collection mutable in an apply) k/v go to the KV cache and the queries attend over it
 (layers/kv_cache.py); otherwise, as in training, over this call's own k/v.
@@ -19,6 +20,7 @@ from maxshard.layers import kv_cache, rope
 from maxshard.model_config import ModelConfig
 from maxshard.layers.attention_ops import attend
 from maxshard.layers.linears import DenseGeneral
+from maxshard.layers.norms import RMSNorm
 from maxshard.sharding import constrain
 
 __all__ = ["Attention"]
@@ -42,6 +44,9 @@ class Attention(nn.Module):
         q = constrain(self._proj(x, cfg.num_heads, ax.HEADS, "query"), (ax.BATCH, ax.LENGTH, ax.ACT_HEADS, ax.ACT_KV))
         k = constrain(self._proj(x, kv_heads, ax.KV_HEADS, "key"), (ax.BATCH, ax.LENGTH, ax.ACT_KV_HEADS, ax.ACT_KV))
         v = constrain(self._proj(x, kv_heads, ax.KV_HEADS, "value"), (ax.BATCH, ax.LENGTH, ax.ACT_KV_HEADS, ax.ACT_KV))
+        if cfg.qk_norm:  # Qwen3: each head normalised over head_dim, before RoPE
+            q = RMSNorm(cfg.norm_epsilon, self.dtype, self.weight_dtype, name="query_norm")(q)
+            k = RMSNorm(cfg.norm_epsilon, self.dtype, self.weight_dtype, name="key_norm")(k)
         inv_freq = rope.frequencies_for(cfg)
         q = rope.apply_rope(q, positions, inv_freq) * (cfg.head_dim**-0.5)
         k = rope.apply_rope(k, positions, inv_freq)

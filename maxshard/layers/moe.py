@@ -1,7 +1,9 @@
 """Mixture of Experts: top-k routing with per-expert capacity (token dropping), expert parallelism, router losses.
 
 Routing runs in float32. A router softmax over `num_experts` picks each token's top `k` experts; their
-probabilities are renormalised to sum to 1 and weigh the experts' outputs (drops do not renormalise again).
+probabilities are renormalised to sum to 1 (Mixtral's softmax over the top-k logits is the same function; with
+`moe_renormalize_top_k: false` they keep their softmax values, as Qwen3-MoE without norm_topk_prob) and weigh the
+experts' outputs (drops do not renormalise again).
 
 Groups and capacity. A group is `moe_group_size` consecutive tokens of one sequence (default 0: the whole
 sequence); each group routes on its own, so routing never depends on how the batch is sharded. Every expert takes
@@ -121,11 +123,12 @@ class Routing(NamedTuple):
     top_experts: jax.Array  # [group, tokens, k] int32 expert of each choice; num_experts (none) for padding
 
 
-def _top_k(probs: jax.Array, k: int, token_mask: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Renormalised top-k weights [group, tokens, k], their experts [group, tokens, k] (num_experts for padding)
-    and one-hot choices [group, tokens, k, experts]."""
+def _top_k(probs: jax.Array, k: int, token_mask: jax.Array, renormalize: bool = True
+           ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Top-k weights [group, tokens, k] (renormalised to sum to 1, or the softmax's own probabilities), their
+    experts [group, tokens, k] (num_experts for padding) and one-hot choices [group, tokens, k, experts]."""
     top_probs, top_experts = jax.lax.top_k(probs, k)  # [g, s, k]
-    top_weights = top_probs / jnp.sum(top_probs, axis=-1, keepdims=True)
+    top_weights = top_probs / jnp.sum(top_probs, axis=-1, keepdims=True) if renormalize else top_probs
     choices = jax.nn.one_hot(top_experts, probs.shape[-1], dtype=jnp.int32)  # [g, s, k, e]
     real = token_mask[:, :, None]
     top_experts = jnp.where(real, top_experts, probs.shape[-1]).astype(jnp.int32)
@@ -140,10 +143,11 @@ def _slots(choices: jax.Array) -> jax.Array:
     return slots.reshape(g, k, s, e).transpose(0, 2, 1, 3)
 
 
-def route(logits: jax.Array, k: int, slots_per_expert: int, token_mask: jax.Array) -> Routing:
+def route(logits: jax.Array, k: int, slots_per_expert: int, token_mask: jax.Array, renormalize: bool = True
+          ) -> Routing:
     """Top-k routing of logits [group, tokens, experts] with `slots_per_expert` slots (dropless: tokens)."""
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    top_weights, top_experts, choices = _top_k(probs, k, token_mask)  # [g, s, k], [g, s, k], [g, s, k, e]
+    top_weights, top_experts, choices = _top_k(probs, k, token_mask, renormalize)  # [g, s, k], [g, s, k], [g, s, k, e]
     slots = _slots(choices)  # [g, s, k, e]
     keep = choices * (slots < slots_per_expert)  # [g, s, k, e]
     # An expert appears at most once among a token's k choices, so summing over k loses nothing.
@@ -241,14 +245,15 @@ class MoEBlock(nn.Module):
         """The routed experts' output [batch, length, embed]; sows the router statistics."""
         cfg, (batch, length, embed) = self.cfg, x.shape
         if cfg.capacity_factor <= 0:
-            routing = route(logits, cfg.num_experts_per_tok, length, mask)
+            routing = route(logits, cfg.num_experts_per_tok, length, mask, cfg.moe_renormalize_top_k)
             self.sow(STATS_COLLECTION, _STATS_NAME, _routing_stats(logits, routing, mask))
             return self._dropless(x, routing)
         g = group_size(length, cfg.moe_group_size)
         groups = batch * length // g
         x, logits, mask = x.reshape(groups, g, embed), logits.reshape(groups, g, -1), mask.reshape(groups, g)
         routing = route(logits, cfg.num_experts_per_tok, capacity(g, cfg.num_experts_per_tok, cfg.num_experts,
-                                                                  cfg.capacity_factor), mask)
+                                                                  cfg.capacity_factor), mask,
+                        cfg.moe_renormalize_top_k)
         self.sow(STATS_COLLECTION, _STATS_NAME, _routing_stats(logits, routing, mask))
         return self._dropping(x, routing).reshape(batch, length, embed)
 
