@@ -172,27 +172,6 @@ def test_eval_split_is_fixed_and_disjoint_from_train(corpus_dir):
 # --------------------------------------------------------------------------------------------- process sharding
 
 
-def test_shard_indices_disjoint_and_complete():
-    indices = np.arange(0, 23 * 3, 3)
-    shares = [sources.shard_indices(indices, i, 2) for i in range(2)]
-    assert set(shares[0]).isdisjoint(shares[1])
-    assert sorted(np.concatenate(shares)) == list(indices)
-    assert abs(len(shares[0]) - len(shares[1])) <= 1
-
-
-def test_two_processes_read_disjoint_complete_documents():
-    """One epoch of each process's local batches (unpacked: one document per row) covers its share exactly."""
-    docs = [np.full(3, 100 + i, np.int32) for i in range(21)]
-    seen = []
-    for process in range(2):
-        mine = sources.shard_indices(np.arange(21), process, 2)
-        opts = pipeline.PipelineOptions(length=8, local_batch=1, packing=False, shuffle_seed=3, prefetch=0)
-        it = iter(pipeline.local_batches(docs, mine, ByteTokenizer(), opts))
-        seen.append({int(next(it)["inputs"][0, 1]) - 100 for _ in range(len(mine))})
-        assert len(seen[-1]) == len(mine), "one epoch visits each of its documents once"
-    assert seen[0].isdisjoint(seen[1]) and seen[0] | seen[1] == set(range(21))
-
-
 # --------------------------------------------------------------------------------------------- tokenizers
 
 
