@@ -31,7 +31,7 @@ from etils import epath
 
 from maxshard.config import Config, ConfigError
 
-__all__ = ["SavedLayout", "saved_layout", "keep_global_batch", "accumulation_choices", "describe"]
+__all__ = ["SavedLayout", "saved_layout", "keep_global_batch", "accumulation_choices", "changed", "describe"]
 
 _STEP_NAME = re.compile(r"\d+")
 
@@ -44,6 +44,7 @@ class SavedLayout:
     global_batch: int
     devices: int
     processes: int
+    accumulation: int
 
 
 def saved_layout(checkpoint_dir: str) -> SavedLayout | None:
@@ -59,7 +60,7 @@ def saved_layout(checkpoint_dir: str) -> SavedLayout | None:
         saved = _read_config(directory / str(step) / "config")
         if saved is not None:
             return SavedLayout(step, int(saved["global_batch_size"]), int(saved["num_devices"]),
-                               int(saved.get("num_processes", 1)))
+                               int(saved.get("num_processes", 1)), int(saved.get("gradient_accumulation_steps", 1)))
     return None
 
 
@@ -110,8 +111,14 @@ def accumulation_choices(cfg: Config) -> Iterator[Config]:
         yield dataclasses.replace(cfg, gradient_accumulation_steps=steps)
 
 
+def changed(cfg: Config, saved: SavedLayout) -> bool:
+    """Whether `cfg` runs the checkpoint's steps on another layout or batch split (then `describe` says how)."""
+    now = (cfg.num_devices, cfg.num_processes, cfg.global_batch_size, cfg.gradient_accumulation_steps)
+    return now != (saved.devices, saved.processes, saved.global_batch, saved.accumulation)
+
+
 def describe(cfg: Config, saved: SavedLayout) -> str:
-    """The one line a resumed run prints when its layout or batch differs from its checkpoint's."""
+    """The one line a resumed run prints when its layout or batch split differs from its checkpoint's."""
     was = f"{saved.devices}" if saved.processes == cfg.num_processes else _layout(saved.devices, saved.processes)
     now = f"{cfg.num_devices} devices" if saved.processes == cfg.num_processes else _layout(cfg.num_devices,
                                                                                           cfg.num_processes)

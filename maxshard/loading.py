@@ -81,7 +81,7 @@ def resume_layout(cfg: Config, capacity: Capacity | None = None) -> Config:
             done = complete(candidate, capacity)
             if _fits(done, capacity):
                 break
-    if saved is not None and _changed(done, saved):
+    if saved is not None and elastic.changed(done, saved):
         print(elastic.describe(done, saved), flush=True)
         _check_agreed(done)
     return done
@@ -90,11 +90,6 @@ def resume_layout(cfg: Config, capacity: Capacity | None = None) -> Config:
 def _fits(cfg: Config, capacity: Capacity | None) -> bool:
     decided = cfg.memory_fit or fit.decide(cfg, capacity or fit.local_capacity(cfg), strict=False)
     return decided.fits
-
-
-def _changed(cfg: Config, saved: elastic.SavedLayout) -> bool:
-    return (cfg.num_devices, cfg.num_processes, cfg.global_batch_size) != (saved.devices, saved.processes,
-                                                                          saved.global_batch)
 
 
 def _check_agreed(cfg: Config) -> None:
