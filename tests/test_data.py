@@ -155,6 +155,22 @@ def test_state_from_another_pipeline_is_refused(corpus_dir):
         other.set_state(state)
 
 
+def test_state_of_one_process_before_the_global_stream_still_restores(corpus_dir):
+    """A format-2 state of a single process is the global stream's position (the same rows, batched alike); one of
+    several processes was a stream of its own and stays refused."""
+    cfg = make_cfg(f"dataset_path={corpus_dir}")
+    mesh = mesh_lib.build(cfg)
+    it = make_input(cfg, mesh)
+    take(it, 3)
+    state = json.loads(json.dumps(it.get_state()))
+    identity = {**state["identity"], "format": 2, "local_batch": cfg.global_batch_size}
+    resumed = make_input(cfg, mesh)
+    resumed.set_state({**state, "identity": {**identity, "process": "0/1"}})
+    assert_same(take(resumed, 2), take(it, 2))
+    with pytest.raises(ConfigError, match="different input pipeline"):
+        make_input(cfg, mesh).set_state({**state, "identity": {**identity, "process": "0/2"}})
+
+
 def test_eval_split_is_fixed_and_disjoint_from_train(corpus_dir):
     corpus = sources.text_corpus(corpus_dir)
     train = sources.split_indices(corpus.keys, "train", 0.2)

@@ -1,8 +1,9 @@
 """Elastic restarts: a run resumed on fewer (or more) devices or processes trains as if it had never moved.
 
-The runs go through the real entry point: a fresh run of 3 steps on the 8 devices of this process
-(`maxshard.train.main`), then the same command resumed on 4 devices to step 6 and on 2 devices to step 9 (subprocesses:
-a process's device count is fixed once JAX starts). Their losses, read back from metrics.jsonl, must equal those of
+The runs go through the real entry point: the uninterrupted run on the 8 devices of this process
+(`maxshard.train.main`) saves at step 3; a run holding only that checkpoint (as if it had stopped there) is resumed
+by the same command on 4 devices to step 6 and on 2 devices to step 9 (subprocesses: a process's device count is
+fixed once JAX starts). Their losses, read back from metrics.jsonl, must equal those of
 the uninterrupted 8-device run within 1e-5 (float32: the devices sum in another order), for a text corpus and for a
 mixture of two. The multi-process test does the same as an XPK restart on fewer slices sees it: the trainer's
 arguments come from the launcher for 2 slices (2 processes x 4 devices), then 1 slice, then 2 again. A data-level
@@ -14,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -33,7 +35,7 @@ from maxshard.planning import fit
 REPO = Path(__file__).resolve().parent.parent
 BASE = str(REPO / "configs" / "base.yml")
 RUN = ("model_name=tiny", "learning_rate_schedule_steps=9", "eval_period=0", "log_period=1",
-       "enable_tensorboard=false", "checkpoint_period=100")
+       "enable_tensorboard=false")
 
 
 def _corpus(root: Path, name: str, count: int, max_words: int = 31) -> str:
@@ -77,6 +79,14 @@ def _losses(run_dir: Path) -> list[float]:
     return [records[s]["loss"] for s in range(1, 10)]
 
 
+def _stopped_at(straight: Path, run: Path, step: int) -> None:
+    """`run` as if it had stopped after `step`: the uninterrupted run's checkpoint of that step (a periodic save,
+    bit for bit what a run stopped there saves) and its metrics up to it."""
+    shutil.copytree(straight / "checkpoints" / str(step), run / "checkpoints" / str(step))
+    lines = (straight / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (run / "metrics.jsonl").write_text("".join(line for line in lines if json.loads(line)["step"] <= step))
+
+
 @pytest.fixture(scope="module")
 def runs(env, tmp_path_factory):
     """For text and a mixture: the uninterrupted 8-device run ("straight-KIND") and the one stopped after 3 steps
@@ -86,8 +96,9 @@ def runs(env, tmp_path_factory):
     data = {"text": f"dataset_path={web}", "mixture": f"dataset_mixture=[[{web}, 0.7], [{code}, 0.3]]"}
     args = {kind: [*RUN, source, f"base_output_directory={base}"] for kind, source in data.items()}
     for kind in data:
-        assert train.main([BASE, *args[kind], "cpu_device_count=8", f"run_name=straight-{kind}", "steps=9"]) == 0
-        assert train.main([BASE, *args[kind], "cpu_device_count=8", f"run_name={kind}", "steps=3"]) == 0
+        straight = [BASE, *args[kind], "cpu_device_count=8", f"run_name=straight-{kind}", "steps=9"]
+        assert train.main([*straight, "checkpoint_period=3"]) == 0
+        _stopped_at(base / f"straight-{kind}", base / kind, 3)
     outputs = {}
     for devices, steps in ((4, 6), (2, 9)):  # both kinds side by side
         procs = [_trainer(env, [*args[kind], f"cpu_device_count={devices}", f"run_name={kind}", f"steps={steps}"])
