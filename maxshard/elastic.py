@@ -85,15 +85,15 @@ def keep_global_batch(cfg: Config, saved: SavedLayout) -> Config | None:
                           "elastic=true to resume with the same global batch")
     if cfg.global_batch_size == saved.global_batch:
         return None
-    if "per_device_batch_size" in cfg.explicit_keys:
+    explicit = "per_device_batch_size" in cfg.explicit_keys
+    if explicit or not cfg.elastic:  # the user asked for this batch: change it only when told it may change
         if cfg.elastic_allow_batch_change:
             return None
+        hint = "drop it (the batch is derived again)" if explicit else "set elastic=true to keep the checkpoint's"
         raise ConfigError(
             f"per_device_batch_size={cfg.per_device_batch_size:g} makes a global batch of {cfg.global_batch_size}, "
-            f"but checkpoint step {saved.step} was trained with {saved.global_batch}; drop it (the batch is "
-            "derived again) or set elastic_allow_batch_change=true")
-    if not cfg.elastic:
-        return None  # the data iterator's state then says what changed, as before elastic restarts
+            f"but checkpoint step {saved.step} was trained with {saved.global_batch}; {hint} or set "
+            "elastic_allow_batch_change=true")
     return dataclasses.replace(cfg, per_device_batch_size=saved.global_batch / cfg.num_devices,
                                global_batch_size=saved.global_batch)
 

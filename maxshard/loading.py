@@ -83,7 +83,7 @@ def resume_layout(cfg: Config, capacity: Capacity | None = None) -> Config:
                 break
     if saved is not None and elastic.changed(done, saved):
         print(elastic.describe(done, saved), flush=True)
-        _check_agreed(done)
+    _check_agreed(done, saved)
     return done
 
 
@@ -92,12 +92,14 @@ def _fits(cfg: Config, capacity: Capacity | None) -> bool:
     return decided.fits
 
 
-def _check_agreed(cfg: Config) -> None:
-    """Every process derived the same batch split (else they would compile different programs and hang)."""
+def _check_agreed(cfg: Config, saved: elastic.SavedLayout | None) -> None:
+    """Every process found the same checkpoint and derived the same batch split (else they would compile different
+    programs, or restore different steps, and hang); every process calls this at the same point."""
     if cfg.num_processes > 1:
         from jax.experimental import multihost_utils  # deferred: one process never needs it
 
-        decided = (cfg.global_batch_size, cfg.per_device_batch_size, cfg.gradient_accumulation_steps)
+        step = -1 if saved is None else saved.step
+        decided = (step, cfg.global_batch_size, cfg.per_device_batch_size, cfg.gradient_accumulation_steps)
         multihost_utils.assert_equal(decided, "the processes derived different batch splits for the resume")
 
 

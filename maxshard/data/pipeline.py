@@ -73,7 +73,8 @@ _READ_BUFFER = 32  # documents read ahead of packing
 
 @dataclasses.dataclass(frozen=True)
 class PipelineOptions:
-    """Everything that shapes the global batch stream (all of it must match for a state to be restored)."""
+    """Everything that shapes the global batch stream (all but `batch` and `prefetch` must match for a state to be
+    restored: grain's position counts rows)."""
 
     length: int
     batch: int  # rows of a global batch
@@ -85,7 +86,7 @@ class PipelineOptions:
 
 @dataclasses.dataclass(frozen=True)
 class SourceStream:
-    """One source of the global stream: its documents, the indices of the split's, its weight."""
+    """One source of the global stream: its documents, the indices of those in the split, its weight."""
 
     documents: Sequence[str | np.ndarray | BadRecord]
     indices: np.ndarray  # int64: the documents of the split
