@@ -87,10 +87,27 @@ def _stopped_at(straight: Path, run: Path, step: int) -> None:
     (run / "metrics.jsonl").write_text("".join(line for line in lines if json.loads(line)["step"] <= step))
 
 
+def _holds_half_the_rows(finalized: config.Config) -> int:
+    """Device bytes that hold the 16 rows on 2 devices as 2 accumulated microbatches of 4 rows per device but not as
+    one of 8: between the planned peaks (under the remat policy with the least memory for each)."""
+    def least(accumulation: int) -> int:
+        split = dataclasses.replace(finalized, per_device_batch_size=8, global_batch_size=16,
+                                    gradient_accumulation_steps=accumulation)
+        return min(fit.peaks_by_policy(loading.complete(split)).values())
+
+    whole, halves = least(1), least(2)
+    assert halves < whole
+    usable = halves + 3 * (whole - halves) // 4  # room for the compiled peak of 2 microbatches above the plan's
+    return int(usable / (1 - finalized.memory_headroom)) + 1
+
+
 @pytest.fixture(scope="module")
 def runs(env, tmp_path_factory):
     """For text and a mixture: the uninterrupted 8-device run ("straight-KIND") and the one stopped after 3 steps
-    and resumed on 4 devices to step 6, then on 2 to step 9 ("KIND"). The outputs of the resumed commands."""
+    and resumed on 4 devices to step 6, then on 2 to step 9 ("KIND"). The outputs of the resumed commands.
+
+    The mixture's 2 devices are given too little memory for 8 rows each (`device_memory_gb`), so that resume also
+    takes the accumulation path."""
     base = tmp_path_factory.mktemp("elastic")
     web, code = _corpus(base, "web", 60), _corpus(base, "code", 30)
     data = {"text": f"dataset_path={web}", "mixture": f"dataset_mixture=[[{web}, 0.7], [{code}, 0.3]]"}
@@ -99,19 +116,22 @@ def runs(env, tmp_path_factory):
         straight = [BASE, *args[kind], "cpu_device_count=8", f"run_name=straight-{kind}", "steps=9"]
         assert train.main([*straight, "checkpoint_period=3"]) == 0
         _stopped_at(base / f"straight-{kind}", base / kind, 3)
+    small = _holds_half_the_rows(config.load([BASE, *args["mixture"], "run_name=mixture"], num_devices=2))
+    memory = {("text", 4): [], ("text", 2): [], ("mixture", 4): [], ("mixture", 2): [f"device_memory_gb={small / 1e9}"]}
     outputs = {}
     for devices, steps in ((4, 6), (2, 9)):  # both kinds side by side
-        procs = [_trainer(env, [*args[kind], f"cpu_device_count={devices}", f"run_name={kind}", f"steps={steps}"])
-                 for kind in data]
+        procs = [_trainer(env, [*args[kind], f"cpu_device_count={devices}", f"run_name={kind}", f"steps={steps}",
+                                *memory[kind, devices]]) for kind in data]
         outputs.update(zip([(kind, devices) for kind in data], _finished(procs)))
     return base, args, outputs
 
 
-@pytest.mark.parametrize("kind", ["text", "mixture"])
-def test_resumed_on_fewer_devices_logs_the_uninterrupted_losses(runs, kind):
+@pytest.mark.parametrize("kind, accumulation", [("text", 1), ("mixture", 2)])
+def test_resumed_on_fewer_devices_logs_the_uninterrupted_losses(runs, kind, accumulation):
     base, _, outputs = runs
     assert "resuming step 3 on 4 devices (was 8): per-device batch 4, accumulation 1" in outputs[kind, 4]
-    assert "resuming step 6 on 2 devices (was 4): per-device batch 8, accumulation 1" in outputs[kind, 2]
+    line = f"resuming step 6 on 2 devices (was 4): per-device batch 8, accumulation {accumulation}"
+    assert line in outputs[kind, 2]
     assert re.search(r"mesh: fsdp=2 \(2 devices\)", outputs[kind, 2])  # the -1 knob filled for the new count
     np.testing.assert_allclose(_losses(base / kind), _losses(base / f"straight-{kind}"), rtol=0, atol=1e-5)
     # The data counters went on from the checkpoint: the same tokens per source as the uninterrupted run.
@@ -147,19 +167,13 @@ def test_a_resume_that_would_change_the_global_batch_is_refused(runs, capsys):
 
 
 def test_accumulation_steps_grow_where_the_devices_cannot_hold_the_batch(runs, capsys):
-    """On 2 devices the 16 rows are 8 per device; a device that holds 4 (planned under full remat) but not 8 gets
-    them as 2 accumulated microbatches, and the global batch stays 16."""
+    """On 2 devices the 16 rows are 8 per device; a device that holds 4 but not 8 (planned peaks) gets them as 2
+    accumulated microbatches, and the global batch stays 16. (The mixture run above does it through the CLI.)"""
     base, args, _ = runs
     finalized = config.load([BASE, *args["text"], "run_name=text"], num_devices=2)
     saved = elastic.saved_layout(finalized.checkpoint_dir)
     assert saved == elastic.SavedLayout(step=9, global_batch=16, devices=2, processes=1, accumulation=1)
-    whole, halves = (fit.peaks_by_policy(loading.complete(dataclasses.replace(finalized, per_device_batch_size=8,
-                                                                              global_batch_size=16,
-                                                                              gradient_accumulation_steps=k)))["full"]
-                     for k in (1, 2))
-    assert halves < whole
-    usable = (whole + halves) // 2
-    capacity = fit.Capacity(int(usable / (1 - finalized.memory_headroom)) + 1, "test")
+    capacity = fit.Capacity(_holds_half_the_rows(finalized), "test")
     cfg = loading.resume_layout(finalized, capacity)
     assert (cfg.global_batch_size, cfg.per_device_batch_size, cfg.gradient_accumulation_steps) == (16, 8, 2)
     assert cfg.memory_fit.fits
