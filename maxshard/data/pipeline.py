@@ -13,12 +13,12 @@ process count and any batch sharding can resume, with no document repeated or sk
 batch (and so the loss) never depends on the layout. Worked example, global batch 4, rows r0 r1 r2 ... of the stream:
 
     batch 0 = r0 r1 r2 r3      2 processes x 2 devices (batch over 4 devices): process 0 keeps r0 r1, process 1 r2 r3
-    batch 1 = r4 r5 r6 r7      stop after batch 1: the state is "2 batches of the global stream taken"
+    batch 1 = r4 r5 r6 r7      stop after batch 1: the state is "8 rows of the global stream taken"
     batch 2 = r8 r9 r10 r11    resumed on 1 process x 2 devices: it builds batch 2 and keeps all four rows
 
-The price is that every process reads and tokenizes the whole global batch's documents (P times the input work of
-a per-process split); the rows themselves are cheap next to a train step, and byte or SentencePiece tokenizing is
-far cheaper than the model. A mixture is part of the stream (its interleave state is in grain's), and so is a
+The price is that every process reads and tokenizes the whole global batch's documents: P processes do P times the
+input work of a per-process split (not measured at cluster scale; ArrayRecord shards of tokens from
+`tools/prepare_data.py` reduce it to reading). A mixture is part of the stream (its interleave state is in grain's), and so is a
 streamed Hugging Face dataset, which every process reads whole (`hf_stream`).
 
 A single source is a mixture of one. Sources whose documents are read a block at a time (Parquet row groups) are
