@@ -3,7 +3,7 @@
 A checkpoint is `checkpoint_dir/<step>/` with three orbax items:
 
     state   the whole TrainState (step, params, opt_state) as sharded arrays
-    data    every process's input iterator state, {"process_<i>": state} (JSON): the batch stream resumes exactly
+    data    the input iterator state of every process, {"process_<i>": state} (JSON): the batch stream resumes exactly
     config  the Config that wrote it (JSON), for people and tools; never read back
 
 There is no other random state: parameters are initialised from `seed` once, the train step draws no randomness,
@@ -25,8 +25,9 @@ Why it is shaped this way:
 - Shapes are compared with the checkpoint's metadata before reading any array, so a changed model is one
   ConfigError naming the first differing parameter, never mistaken for damage.
 - The restore target carries this run's shardings: a checkpoint saved on one mesh loads onto any other layout.
-- The data states of all processes are gathered into one JSON item written by the primary process, so one set of
-  orbax items serves any process count.
+- The data states of all processes are gathered into one JSON item written by the primary process. They are one
+  position in one global stream (`data/pipeline.py`), the same in every process, and a save checks that they are:
+  any process count resumes from them (elastic restarts, `elastic.py`).
 """
 
 from __future__ import annotations
@@ -69,9 +70,19 @@ def target_state(trainer: Trainer) -> TrainState:
 
 
 def _gather_data_states(local: dict[str, Any]) -> dict[str, Any]:
-    """{"process_<i>": state} of every process (each reads its own documents), as JSON bytes through one allgather."""
+    """{"process_<i>": state} of every process, as JSON bytes through one allgather; they must agree (one global
+    stream), else a resume on another process count could not pick one."""
     if jax.process_count() == 1:
         return {"process_0": local}
+    gathered = _allgather_json(local)
+    first = gathered["process_0"]
+    if any(state != first for state in gathered.values()):
+        raise RuntimeError("the processes' data iterator states differ; they must be one position of the global "
+                           "stream (maxshard/data/pipeline.py)")
+    return gathered
+
+
+def _allgather_json(local: dict[str, Any]) -> dict[str, Any]:
     encoded = np.frombuffer(json.dumps(local).encode(), np.uint8)
     sizes = multihost_utils.process_allgather(np.int32(encoded.size))
     padded = np.zeros(int(sizes.max()), np.uint8)

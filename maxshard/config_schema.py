@@ -151,6 +151,8 @@ class Config:
     # ---- training
     per_device_batch_size: float = 2.0
     gradient_accumulation_steps: int = 1
+    elastic: bool = True
+    elastic_allow_batch_change: bool = False
     learning_rate: float = 3e-3
     warmup_steps_fraction: float = 0.05
     learning_rate_schedule_steps: int = -1

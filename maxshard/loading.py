@@ -8,14 +8,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from maxshard import attention_choice, config, mesh, stages
+from maxshard import attention_choice, config, elastic, mesh, stages
 from maxshard.config import Config
 from maxshard.data.tokenizer import resolve_vocab
 from maxshard.model_config import ModelConfig, model_fields, resolve_dtype, resolve_moe_impl
 from maxshard.planning import fit, memory
 from maxshard.planning.fit import Capacity
 
-__all__ = ["load_run", "complete", "check_memory", "model_config", "replace"]
+__all__ = ["load_run", "complete", "check_memory", "model_config", "replace", "resume_layout"]
 
 
 def model_config(cfg: Config, mesh_sizes: dict[str, int] | None = None) -> ModelConfig:
@@ -67,23 +67,62 @@ def replace(cfg: Config, **changes: object) -> Config:
     return complete(dataclasses.replace(cfg, model=None, **changes))
 
 
+def resume_layout(cfg: Config, capacity: Capacity | None = None) -> Config:
+    """`complete(cfg)`, for a run that may resume from its checkpoints on other devices (`elastic.py`): the
+    checkpoint's global batch kept, the per-device batch derived again and the fewest accumulation steps whose
+    planned peak fits; one line says what changed. All processes read the same checkpoint and agree on the memory
+    capacity (`fit.local_capacity`), so they decide alike; with several processes that is checked."""
+    saved = elastic.saved_layout(cfg.checkpoint_dir) if cfg.enable_checkpointing else None
+    kept = elastic.keep_global_batch(cfg, saved) if saved is not None else None
+    if kept is None:
+        done = complete(cfg, capacity)
+    else:
+        for candidate in elastic.accumulation_choices(kept):
+            done = complete(candidate, capacity)
+            if _fits(done, capacity):
+                break
+    if saved is not None and elastic.changed(done, saved):
+        print(elastic.describe(done, saved), flush=True)
+    _check_agreed(done, saved)
+    return done
+
+
+def _fits(cfg: Config, capacity: Capacity | None) -> bool:
+    decided = cfg.memory_fit or fit.decide(cfg, capacity or fit.local_capacity(cfg), strict=False)
+    return decided.fits
+
+
+def _check_agreed(cfg: Config, saved: elastic.SavedLayout | None) -> None:
+    """Every process found the same checkpoint and derived the same batch split (else they would compile different
+    programs, or restore different steps, and hang); every process calls this at the same point."""
+    if cfg.num_processes > 1:
+        from jax.experimental import multihost_utils  # deferred: one process never needs it
+
+        step = -1 if saved is None else saved.step
+        decided = (step, cfg.global_batch_size, cfg.per_device_batch_size, cfg.gradient_accumulation_steps)
+        multihost_utils.assert_equal(decided, "the processes derived different batch splits for the resume")
+
+
 def load_run(
     argv: Sequence[str],
     num_devices: int | None = None,
     device_kind: str | None = None,
     join_processes: bool = False,
     check_fit: bool = True,
+    resume: bool = False,
 ) -> Config:
     """`[CONFIG.yml, key=value, ...]` -> the run's complete Config.
 
     Without `num_devices` JAX is asked (after `cpu_device_count` is applied); with `join_processes` this process
     first joins the others (multi-host), which must precede every device query. With `check_fit` (a run that will
-    allocate its state) an explicit remat policy whose planned peak does not fit the devices is a ConfigError.
+    allocate its state) an explicit remat policy whose planned peak does not fit the devices is a ConfigError. With
+    `resume` (training) a run with checkpoints keeps their global batch on any device count (`resume_layout`).
     """
     parsed = config.parse(argv)
     if join_processes:
         from maxshard.launch import distributed  # deferred: only the CLI entry points join processes
 
         distributed.initialize(parsed)
-    cfg = complete(config.load_parsed(parsed, num_devices, device_kind))
+    finalized = config.load_parsed(parsed, num_devices, device_kind)
+    cfg = resume_layout(finalized) if resume else complete(finalized)
     return check_memory(cfg) if check_fit else cfg

@@ -18,13 +18,12 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 import yaml
-from jax.experimental import multihost_utils
 
 # JSON key -> TensorBoard tag. Keys not listed here that contain a "/" ("moe/dropped_fraction",
 # "pipeline/bubble_fraction") are used as their own tag; any other key goes under "misc/".
@@ -218,33 +217,6 @@ def _to_python(value: Any) -> Value:
     if array.ndim == 0:
         return int(array) if np.issubdtype(array.dtype, np.integer) else float(array)
     return [float(v) for v in array.reshape(-1)]
-
-
-# --------------------------------------------------------------------------------------------- host counters
-
-
-def summed_over_processes(counts: Mapping[str, int],
-                          gather: Callable[[np.ndarray], np.ndarray] | None = None) -> dict[str, int]:
-    """Counters that each process keeps for its own share (tokens per data source, skipped records), summed over
-    all processes: what the run as a whole did, which is what the primary process should log.
-
-    A collective: every process must call it at the same point with the same keys (the step logger does, at the
-    same logged steps). Called at log time only, it costs one small allgather per logged step. `gather` (the
-    processes' arrays stacked, [processes, n]) defaults to `process_allgather`; tests pass a fake. Each int64 goes
-    through as two int32 halves: without jax_enable_x64 an int64 array would be cut to int32 on the way, and token
-    counts pass 2**31 within hours.
-    """
-    if not counts:  # synthetic data counts nothing; the keys are the same on every process, so all return here
-        return {}
-    if gather is None:
-        if jax.process_count() == 1:
-            return dict(counts)
-        gather = multihost_utils.process_allgather
-    keys = list(counts)
-    halves = np.array([counts[k] for k in keys], "<i8").view("<i4")
-    rows = np.ascontiguousarray(np.asarray(gather(halves)), "<i4").reshape(-1, halves.size)
-    totals = rows.view("<i8").sum(axis=0)
-    return {k: int(v) for k, v in zip(keys, totals)}
 
 
 # --------------------------------------------------------------------------------------------- device memory

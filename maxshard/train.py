@@ -129,10 +129,8 @@ def train_loop(
     eval_step = trainer.jit_eval_step(batch_sharding) if cfg.eval_period else None
     profiler = Profiler.from_config(cfg, is_primary=jax.process_index() == 0)
 
-    def data_stats() -> dict[str, int]:  # each process counts its own share of the data; the log shows the run's
-        return metrics.summed_over_processes(batches.stats())
-
-    deferred, log = metrics.DeferredMetrics(), console.StepLogger(cfg, writer, data_stats, compiled.seconds)
+    # Every process sees every row of the global batch (data/pipeline.py): its counters are already the run's.
+    deferred, log = metrics.DeferredMetrics(), console.StepLogger(cfg, writer, batches.stats, compiled.seconds)
     for step in range(int(state.step), cfg.steps):
         with profiler.step(step):
             state, step_metrics = train_step(state, next(batches))
@@ -151,7 +149,7 @@ def train_loop(
 
 
 def run(argv: Sequence[str]) -> int:
-    cfg = loading.load_run(argv, join_processes=True)
+    cfg = loading.load_run(argv, join_processes=True, resume=True)
     trainer = Trainer(cfg, mesh.build(cfg))
     report = check_layout(cfg, trainer)
     figures = console.startup_figures(cfg, dict(trainer.mesh.shape), count_params(trainer.abstract_state.params),

@@ -1,8 +1,7 @@
 """One process of a multi-process test run (tests/test_distributed.py starts two of these, or one alone).
 
 Usage: python tests/distributed_worker.py key=value ...   (keys of configs/base.yml, e.g. process_id=1)
-Prints one JSON line: what this process sees after `distributed.initialize`, a sum over every process's data, and
-host counters summed over the processes as train.py logs them (`metrics.summed_over_processes`).
+Prints one JSON line: what this process sees after `distributed.initialize` and a sum over every process's data.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from maxshard import config, metrics  # noqa: E402
+from maxshard import config  # noqa: E402
 from maxshard.launch import distributed  # noqa: E402
 
 LOCAL_DEVICES = 4
@@ -49,8 +48,6 @@ def main(argv: list[str]) -> int:
         "device_count": jax.device_count(),
         "local_device_count": jax.local_device_count(),
         "sum": cross_process_sum(),
-        "counters": metrics.summed_over_processes({"tokens": 3 * 2**31 * (jax.process_index() + 1),
-                                                   "skipped": jax.process_index()}),
     }
     # One write of the whole line (atomic on a pipe below PIPE_BUF): gloo's C++ log lines share this stdout, and
     # print() writes the text and its newline separately, between which a gloo line once landed.

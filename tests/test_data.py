@@ -155,6 +155,22 @@ def test_state_from_another_pipeline_is_refused(corpus_dir):
         other.set_state(state)
 
 
+def test_state_of_one_process_before_the_global_stream_still_restores(corpus_dir):
+    """A format-2 state of a single process is the global stream's position (the same rows, batched alike); one of
+    several processes was a stream of its own and stays refused."""
+    cfg = make_cfg(f"dataset_path={corpus_dir}")
+    mesh = mesh_lib.build(cfg)
+    it = make_input(cfg, mesh)
+    take(it, 3)
+    state = json.loads(json.dumps(it.get_state()))
+    identity = {**state["identity"], "format": 2, "local_batch": cfg.global_batch_size}
+    resumed = make_input(cfg, mesh)
+    resumed.set_state({**state, "identity": {**identity, "process": "0/1"}})
+    assert_same(take(resumed, 2), take(it, 2))
+    with pytest.raises(ConfigError, match="different input pipeline"):
+        make_input(cfg, mesh).set_state({**state, "identity": {**identity, "process": "0/2"}})
+
+
 def test_eval_split_is_fixed_and_disjoint_from_train(corpus_dir):
     corpus = sources.text_corpus(corpus_dir)
     train = sources.split_indices(corpus.keys, "train", 0.2)
@@ -170,27 +186,6 @@ def test_eval_split_is_fixed_and_disjoint_from_train(corpus_dir):
 
 
 # --------------------------------------------------------------------------------------------- process sharding
-
-
-def test_shard_indices_disjoint_and_complete():
-    indices = np.arange(0, 23 * 3, 3)
-    shares = [sources.shard_indices(indices, i, 2) for i in range(2)]
-    assert set(shares[0]).isdisjoint(shares[1])
-    assert sorted(np.concatenate(shares)) == list(indices)
-    assert abs(len(shares[0]) - len(shares[1])) <= 1
-
-
-def test_two_processes_read_disjoint_complete_documents():
-    """One epoch of each process's local batches (unpacked: one document per row) covers its share exactly."""
-    docs = [np.full(3, 100 + i, np.int32) for i in range(21)]
-    seen = []
-    for process in range(2):
-        mine = sources.shard_indices(np.arange(21), process, 2)
-        opts = pipeline.PipelineOptions(length=8, local_batch=1, packing=False, shuffle_seed=3, prefetch=0)
-        it = iter(pipeline.local_batches(docs, mine, ByteTokenizer(), opts))
-        seen.append({int(next(it)["inputs"][0, 1]) - 100 for _ in range(len(mine))})
-        assert len(seen[-1]) == len(mine), "one epoch visits each of its documents once"
-    assert seen[0].isdisjoint(seen[1]) and seen[0] | seen[1] == set(range(21))
 
 
 # --------------------------------------------------------------------------------------------- tokenizers

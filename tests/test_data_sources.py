@@ -161,22 +161,18 @@ def row_tags(rows: np.ndarray) -> list[str]:
 
 
 @pytest.mark.parametrize("kind", ["parquet", "jsonl.zst"])
-def test_processes_read_disjoint_documents(corpora, kind, tmp_path):
-    """One epoch of each of 3 processes (unpacked rows: one document each) covers its share, and the shares
-    partition the train split."""
+def test_one_epoch_reads_every_train_document_once(corpora, kind, tmp_path):
+    """One epoch of the global stream (unpacked rows: one document each) reads the train split, each document once,
+    block-shuffled or not."""
     cfg = make_cfg(*type_overrides(kind, corpora), f"data_cache_dir={tmp_path}", "eval_fraction=0.1")
     corpus = open_first(cfg)
-    seen = []
-    for process in range(3):
-        mine = pipeline._indices(corpus, cfg, "train", process, 3)
-        blocks = None if corpus.blocks is None else corpus.blocks[mine]
-        stream = pipeline.SourceStream(corpus.documents, mine, blocks=blocks)
-        opts = pipeline.PipelineOptions(length=64, local_batch=1, packing=False, shuffle_seed=5, prefetch=0)
-        it = iter(pipeline.mixed_batches([stream], ByteTokenizer(), opts))
-        seen.append(row_tags(np.concatenate([next(it)["inputs"][:, 1:] for _ in range(len(mine))])))
-        assert len(set(seen[-1])) == len(mine), "one epoch reads each of its documents once"
-    train = pipeline._indices(corpus, cfg, "train", 0, 1)
-    assert sum(len(s) for s in seen) == len(train) and len(set().union(*map(set, seen))) == len(train)
+    train = pipeline.split_documents(corpus, cfg, "train")
+    blocks = None if corpus.blocks is None else corpus.blocks[train]
+    stream = pipeline.SourceStream(corpus.documents, train, blocks=blocks)
+    opts = pipeline.PipelineOptions(length=64, batch=1, packing=False, shuffle_seed=5, prefetch=0)
+    it = iter(pipeline.mixed_batches([stream], ByteTokenizer(), opts))
+    seen = row_tags(np.concatenate([next(it)["inputs"][:, 1:] for _ in range(len(train))]))
+    assert len(set(seen)) == len(train) < len(corpus)
 
 
 def test_block_shuffle_keeps_windows_of_blocks_together():
@@ -258,7 +254,7 @@ def test_bad_records_are_skipped_and_counted_exactly(tmp_path):
         f.write(b"".join(json.dumps({"text": t}).encode() + b"\n" for t in good[6:]))
     corpus = jsonl.jsonl_corpus(path, "text", str(tmp_path))
     assert len(corpus) == 10 + len(BAD_LINES)
-    opts = pipeline.PipelineOptions(length=64, local_batch=1, packing=False, shuffle_seed=None, prefetch=0)
+    opts = pipeline.PipelineOptions(length=64, batch=1, packing=False, shuffle_seed=None, prefetch=0)
     it = iter(pipeline.mixed_batches([pipeline.SourceStream(corpus.documents, np.arange(len(corpus)))],
                                      ByteTokenizer(), opts))
     rows = [next(it) for _ in range(10)]
@@ -412,7 +408,7 @@ def test_streamed_hf_bad_records_are_skipped_and_counted(tmp_path):
     from maxshard.data import hf_stream
 
     documents_ = hf_stream.open_stream(path, "train", "text").documents("train", 0.0, 0, 1)
-    opts = pipeline.PipelineOptions(length=64, local_batch=1, packing=False, shuffle_seed=None, prefetch=0)
+    opts = pipeline.PipelineOptions(length=64, batch=1, packing=False, shuffle_seed=None, prefetch=0)
     it = iter(pipeline.mixed_batches([pipeline.StreamedSource(documents_)], ByteTokenizer(), opts))
     rows = [next(it) for _ in range(10)]
     assert row_tags(np.concatenate([r["inputs"][:, 1:] for r in rows])) == [f"g{i}" for i in range(10)]

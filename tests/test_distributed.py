@@ -177,4 +177,3 @@ def test_two_processes_see_eight_devices_and_sum_across_them():
     for s in seen:
         assert s == {**s, "initialized": True, "process_count": 2, "device_count": 8, "local_device_count": 4}
         assert s["sum"] == 36.0  # 1 + 2 + ... + 8: half the values live in each process
-        assert s["counters"] == {"tokens": 9 * 2**31, "skipped": 1}  # the data counters' global sum, past 2**32

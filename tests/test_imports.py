@@ -27,6 +27,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "maxshard.config": CONFIG,
     "maxshard.mesh": CONFIG,
     "maxshard.sharding": CONFIG,
+    "maxshard.elastic": CONFIG,
     "maxshard.layers": LAYER_DEPS,
     "maxshard.model": LAYER_DEPS,
     "maxshard.data": (*CONFIG, "maxshard.axis_names", "maxshard.sharding", "maxshard.data"),

@@ -7,10 +7,10 @@
     loss_weights  float32 1 where the target counts in the loss, 0 for padding and document boundaries
 
 Iterators also have `get_state()` / `set_state()` so a checkpoint can resume the exact batch sequence. States are
-JSON-serializable dicts and per process: each process saves and restores its own. `stats()` gives metrics about the
-data this process delivered so far (tokens per source, skipped bad records); the log sums them over processes.
+JSON-serializable dicts, the same in every process (one global position, `pipeline`). `stats()` gives metrics about
+the data delivered so far (tokens per source, skipped bad records), the run's, not one process's.
 
-Modules: `sources` (text files, default corpus, train/eval split, process sharding), `records` (ArrayRecord shards),
+Modules: `sources` (text files, default corpus, train/eval split), `records` (ArrayRecord shards),
 `jsonl`, `parquet`, `hf` (Hugging Face datasets), `hf_stream` (one read as a stream), `files` (listing local and remote paths), `catalog` (which sources a
 config names, mixtures), `shuffle` (block-wise shuffle), `mixture` (token-weighted interleave, bad-record skipping),
 `tokenizer`, `packing` (documents -> rows), `pipeline` (the grain graph and the global-batch iterator), `synthetic`.
@@ -52,9 +52,9 @@ def batch_sharding(cfg: Config, mesh: Mesh, batch_size: int | None = None) -> Na
 def make_input(cfg: Config, mesh: Mesh, split: str = "train", batch_size: int | None = None) -> InputIterator:
     """The iterator for `cfg.dataset_type`; `split` is "train" or "eval".
 
-    text / jsonl / parquet / hf / array_record and `dataset_mixture` (`pipeline.make_grain_input`): each process
-    reads its share of the split's documents of every source and yields its rows of the global batch; the iterator
-    assembles them into global arrays. Both splits repeat forever; train is reshuffled every epoch
+    text / jsonl / parquet / hf / array_record and `dataset_mixture` (`pipeline.make_grain_input`): every process
+    builds the same stream of global batches from all the split's documents and hands JAX its devices' rows, so a
+    state resumes on any process count (elastic restarts). Both splits repeat forever; train is reshuffled every epoch
     (`data_shuffle_seed`; a streamed hf source: in windows, see `hf_stream`), eval keeps corpus order, so a fresh
     eval iterator always yields the same batches. Bad paths and files raise ConfigError here or at the first batch.
     """
@@ -66,6 +66,5 @@ def make_input(cfg: Config, mesh: Mesh, split: str = "train", batch_size: int | 
     if cfg.dataset_type in ("text", "jsonl", "parquet", "hf", "array_record") or cfg.dataset_mixture:
         from maxshard.data import pipeline  # deferred: grain is only needed for real data
 
-        return pipeline.make_grain_input(cfg, batch_sharding(cfg, mesh, batch_size), split, batch_size,
-                                         jax.process_index(), jax.process_count())
+        return pipeline.make_grain_input(cfg, batch_sharding(cfg, mesh, batch_size), split, batch_size)
     raise ConfigError(f"dataset_type={cfg.dataset_type!r} is not available")

@@ -10,7 +10,9 @@ indices are kept here through the stream itself, with the `datasets` library doi
   count, shard order or epoch, and exact duplicates never straddle the split. Bad records (no text to hash) go to
   train, where they are counted. The price: the eval iterator reads about 1 / eval_fraction documents of the stream
   for each eval document it keeps (from the hub: over the network, at every evaluation).
-- Processes: `datasets.distributed.split_dataset_by_node(ds, rank, world_size)`. When the number of shards (files)
+- Processes: the training pipeline reads the whole stream in every process (`documents(..., 0, 1)`: one global
+  stream whose position any process count resumes, see `pipeline`). A split by node is still available:
+  `datasets.distributed.split_dataset_by_node(ds, rank, world_size)`. When the number of shards (files)
   divides by `world_size` each process reads whole shards, else every process reads the stream and keeps every
   `world_size`-th document; either way the shares are disjoint and complete. grain worker processes
   (`grain_worker_count`) split once more (`StreamDocuments.set_slice`): `datasets` makes worker w of W in process

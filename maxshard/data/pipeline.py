@@ -1,28 +1,44 @@
-"""The grain pipeline: documents -> tokens -> packed rows -> local batches -> global jax.Arrays.
+"""The grain pipeline: documents -> tokens -> packed rows -> global batches -> global jax.Arrays.
 
-    per source: split + shard (indices)  ->  MapDataset: shuffle(seed) . repeat()  .  read + tokenize
+    per source: split (indices)  ->  MapDataset: shuffle(seed) . repeat()  .  read + tokenize
         ->  IterDataset: mix sources by token weight, drop bad records (`mixture`)  .  pack (or pad)
-        .  batch(local rows)  ->  prefetch (thread, or `grain_worker_count` processes)
-        ->  GlobalBatchIterator: jax.make_array_from_process_local_data, per-source token and skip counters
+        .  batch(global rows)  ->  prefetch (thread, or `grain_worker_count` processes)
+        ->  GlobalBatchIterator: each process's rows of the global batch -> jax.Arrays, token and skip counters
+
+One global stream, whatever the layout (elastic restarts). Every process builds the same stream of packed rows from
+all documents of the split, cuts it into global batches of `global_batch_size` rows, and hands JAX only the rows its
+own devices hold (`jax.make_array_from_callback`). Row r of global batch b is the same row on 1 process or 64, on 8
+devices or 2, so the iterator state is one global position (grain's counters over the global stream) that any
+process count and any batch sharding can resume, with no document repeated or skipped, and the order of rows in a
+batch (and so the loss) never depends on the layout. Worked example, global batch 4, rows r0 r1 r2 ... of the stream:
+
+    batch 0 = r0 r1 r2 r3      2 processes x 2 devices (batch over 4 devices): process 0 keeps r0 r1, process 1 r2 r3
+    batch 1 = r4 r5 r6 r7      stop after batch 1: the state is "8 rows of the global stream taken"
+    batch 2 = r8 r9 r10 r11    resumed on 1 process x 2 devices: it builds batch 2 and keeps all four rows
+
+The price is that every process reads and tokenizes the whole global batch's documents: P processes do P times the
+input work of a per-process split (not measured at cluster scale; ArrayRecord shards of tokens from
+`tools/prepare_data.py` reduce it to reading). A mixture is part of the stream (its interleave state is in grain's), and so is a
+streamed Hugging Face dataset, which every process reads whole (`hf_stream`).
 
 A single source is a mixture of one. Sources whose documents are read a block at a time (Parquet row groups) are
-shuffled block-wise (`shuffle.BlockShuffleMapDataset`) instead of globally. A streamed Hugging Face dataset
-(`hf_stream`) has no indices: it enters as an IterDataset of this process's documents, which grain's
-`WindowShuffleIterDataset` shuffles in windows (its state is the stream's position, see `hf_stream`).
+shuffled block-wise (`shuffle.BlockShuffleMapDataset`) instead of globally. A streamed Hugging Face dataset has no
+indices: it enters as an IterDataset of its documents, which grain's `WindowShuffleIterDataset` shuffles in windows
+(its state is the stream's position, see `hf_stream`).
 
 Shuffling and repeating happen on document indices in a MapDataset, where grain derives each epoch's order from
-the seed and the epoch number, so the stream is a pure function of (config, process) and an iterator state is small:
-grain's own position counters, not buffered data. Each process reads only its documents (`sources.shard_indices`) and
-builds its own rows; together the processes' rows form the global batch.
+the seed and the epoch number, so the stream is a pure function of the config and an iterator state is small:
+grain's own position counters, not buffered data.
 
 With worker processes each worker packs its own slice of the document stream, so the batches differ from the
 in-process ones (still deterministic): a state saved with one `grain_worker_count` cannot be restored into another,
-and `set_state` says so. So is a state from another process count, split, length, batch or corpus.
+and `set_state` says so. So is a state from another split, length or corpus. The global batch is not part of the
+state: grain's position counts rows, so a run that changes its global batch (`elastic_allow_batch_change`) goes on
+from the next row.
 
-Edge cases, by design: a split with no documents, or a process with none of its own, is a ConfigError (never an
-endless wait for rows). With `packing: false`, documents shorter than `max_target_length` are padded (loss weight
-0), however short they all are: that is what unpacked rows mean, not an error. An empty file is still a document
-(BOS -> EOS).
+Edge cases, by design: a split with no documents is a ConfigError (never an endless wait for rows). With
+`packing: false`, documents shorter than `max_target_length` are padded (loss weight 0), however short they all are:
+that is what unpacked rows mean, not an error. An empty file is still a document (BOS -> EOS).
 """
 
 from __future__ import annotations
@@ -49,7 +65,7 @@ from maxshard.data.tokenizer import Tokenizer, make_tokenizer
 
 __all__ = ["PipelineOptions", "SourceStream", "StreamedSource", "local_batches", "mixed_batches", "GlobalBatchIterator",
            "make_grain_input"]
-_STATE_FORMAT = 2  # 2: sources mixed by TokenMixIterDataset, counters in the state
+_STATE_FORMAT = 3  # 3: one global stream for every process (2: per-process streams, resumable only from 1 process)
 
 _READ_THREADS = 2  # documents read and tokenized in parallel inside one process (the machine may have 2 cores)
 _READ_BUFFER = 32  # documents read ahead of packing
@@ -57,10 +73,11 @@ _READ_BUFFER = 32  # documents read ahead of packing
 
 @dataclasses.dataclass(frozen=True)
 class PipelineOptions:
-    """Everything that shapes the local batch stream (all of it must match for a state to be restored)."""
+    """Everything that shapes the global batch stream (all but `batch` and `prefetch` must match for a state to be
+    restored: grain's position counts rows)."""
 
     length: int
-    local_batch: int
+    batch: int  # rows of a global batch
     packing: bool = True
     shuffle_seed: int | None = 0  # None: documents in corpus order (eval)
     worker_count: int = 0
@@ -69,10 +86,10 @@ class PipelineOptions:
 
 @dataclasses.dataclass(frozen=True)
 class SourceStream:
-    """One source as this process reads it: its documents, its share of their indices, its weight."""
+    """One source of the global stream: its documents, the indices of those in the split, its weight."""
 
     documents: Sequence[str | np.ndarray | BadRecord]
-    indices: np.ndarray  # int64: this process's documents of the split
+    indices: np.ndarray  # int64: the documents of the split
     weight: float = 1.0
     name: str = "documents"  # for messages
     blocks: np.ndarray | None = None  # block of each of `indices` (None: shuffle globally)
@@ -80,9 +97,9 @@ class SourceStream:
 
 @dataclasses.dataclass(frozen=True)
 class StreamedSource:
-    """One streamed source as this process reads it: an endless IterDataset of its documents, its weight."""
+    """One streamed source of the global stream: an endless IterDataset of its documents, its weight."""
 
-    documents: grain.IterDataset  # text or BadRecord: this process's share of the split (`hf_stream`)
+    documents: grain.IterDataset  # text or BadRecord: the whole split (`hf_stream`)
     weight: float = 1.0
     name: str = "documents"  # for messages
     shuffle_window: int = hf_stream.SHUFFLE_WINDOW  # documents per train shuffle window
@@ -127,7 +144,7 @@ class _TokenizePair:
 def local_batches(
     documents: Sequence[str | np.ndarray], indices: np.ndarray, tokenizer: Tokenizer, opts: PipelineOptions
 ) -> grain.IterDataset:
-    """An endless IterDataset of this process's batches of one source: {field: [local_batch, length]} arrays."""
+    """An endless IterDataset of global batches of one source: {field: [batch, length]} arrays."""
     return mixed_batches([SourceStream(documents, np.asarray(indices, np.int64))], tokenizer, opts)
 
 
@@ -147,7 +164,7 @@ def mixed_batches(streams: Sequence[SourceStream | StreamedSource], tokenizer: T
     else:
         rows = pairs.map(functools.partial(packing.pad_to_length, length=opts.length, pad_id=tokenizer.pad_id,
                                            extra=extra))
-    batches = rows.batch(opts.local_batch, drop_remainder=True)
+    batches = rows.batch(opts.batch, drop_remainder=True)
     if opts.worker_count > 0:
         _absl_flags_parsed()
         options = grain.MultiprocessingOptions(num_workers=opts.worker_count,
@@ -195,12 +212,13 @@ def _absl_flags_parsed() -> None:
 
 
 class GlobalBatchIterator:
-    """Local numpy batches -> global jax.Arrays in `sharding`; get_state/set_state give JSON-able resume points.
+    """Global numpy batches -> global jax.Arrays in `sharding`; get_state/set_state give JSON-able resume points.
 
-    It also counts, for the rows it has delivered, the tokens taken from each source (`labels`) and the bad records
-    skipped to fill them: `stats()`. The counts are this process's own (each process reads its own documents) and
-    are saved with the position, so a resumed run continues them; train.py logs their sum over all processes
-    (`metrics.summed_over_processes`).
+    Each process computes the whole global batch and gives JAX the rows its devices hold, so the state is the same
+    in every process and restores into any process count or batch sharding (module docstring). It also counts, for
+    the rows delivered, the tokens taken from each source (`labels`) and the bad records skipped to fill them:
+    `stats()`. The counts are the run's (every process sees every row), saved with the position, so a resumed run
+    continues them.
     """
 
     def __init__(self, batches: grain.IterDataset, sharding: NamedSharding, identity: dict[str, Any],
@@ -225,27 +243,26 @@ class GlobalBatchIterator:
 
     def __next__(self) -> dict[str, jax.Array]:
         try:
-            local = next(self._iter)
+            rows = next(self._iter)  # {field: [batch, length]}: the whole global batch
         except ConfigError as e:  # grain appends notes about its traceback filtering: keep the one-line message
             raise ConfigError(str(e).splitlines()[0]) from None
-        real = local["segment_ids"] > 0
-        self._tokens += np.bincount(local[SOURCE][real].astype(np.int64), minlength=len(self._labels))
-        self._skipped += int(local[SKIPPED].sum())
-        # Copy: from workers the rows arrive in shared memory, which a CPU jax.Array would alias and keep alive.
-        return {k: jax.make_array_from_process_local_data(self._sharding, np.array(local[k])) for k in packing.FIELDS}
+        real = rows["segment_ids"] > 0
+        self._tokens += np.bincount(rows[SOURCE][real].astype(np.int64), minlength=len(self._labels))
+        self._skipped += int(rows[SKIPPED].sum())
+        return {k: _global_array(np.asarray(rows[k]), self._sharding) for k in packing.FIELDS}
 
     def stats(self) -> dict[str, int]:
-        """Metrics: `data/tokens/<source>` (tokens delivered so far) and `data/skipped_records`, this process."""
+        """Metrics: `data/tokens/<source>` (tokens delivered so far) and `data/skipped_records`, of the run."""
         counts = {f"data/tokens/{label}": int(n) for label, n in zip(self._labels, self._tokens)}
         return {**counts, "data/skipped_records": self._skipped}
 
     def get_state(self) -> dict[str, Any]:
-        """This process's position; each process saves its own (they read different documents)."""
+        """The position in the global stream: the same in every process, restorable into any process count."""
         return {"identity": dict(self._identity), "grain": _to_json(self._iter.get_state()),
                 "stats": {"tokens": self._tokens.tolist(), "skipped": self._skipped}}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        saved = state.get("identity", {})
+        saved = _upgraded(state.get("identity", {}))
         changed = sorted(k for k in set(saved) | set(self._identity) if saved.get(k) != self._identity.get(k))
         if changed:
             diffs = ", ".join(f"{k}: {saved.get(k)!r} -> {self._identity.get(k)!r}" for k in changed)
@@ -257,6 +274,22 @@ class GlobalBatchIterator:
     def close(self) -> None:
         """Stops worker processes and prefetch threads (also done on garbage collection and at exit)."""
         self._finalizer()
+
+
+def _global_array(rows: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """[batch, length] rows of the global batch -> a jax.Array; only this process's devices' rows are copied.
+
+    Copied: from workers the rows arrive in shared memory, which a CPU jax.Array would alias and keep alive."""
+    return jax.make_array_from_callback(rows.shape, sharding, lambda index: np.array(rows[index]))
+
+
+def _upgraded(identity: dict[str, Any]) -> dict[str, Any]:
+    """A format-2 identity written by one process describes the global stream of format 3: the same rows, batched
+    by the same count; states of several processes were separate streams and stay refused."""
+    if identity.get("format") != 2 or identity.get("process") != "0/1":
+        return identity
+    upgraded = {k: v for k, v in identity.items() if k not in ("process", "local_batch")}
+    return {**upgraded, "format": _STATE_FORMAT}
 
 
 def _close(held: list[Any]) -> None:
@@ -293,7 +326,7 @@ def _from_json(x: Any) -> Any:
 # --------------------------------------------------------------------------------------------- from a config
 
 
-def _check_keys(cfg: Config, split: str, batch_size: int, process_count: int) -> None:
+def _check_keys(cfg: Config, split: str) -> None:
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     if not 0 <= cfg.eval_fraction < 1:
@@ -303,44 +336,37 @@ def _check_keys(cfg: Config, split: str, batch_size: int, process_count: int) ->
     if cfg.grain_worker_count < 0 or cfg.grain_prefetch < 0:
         raise ConfigError(f"grain_worker_count and grain_prefetch must be >= 0, got {cfg.grain_worker_count} "
                           f"and {cfg.grain_prefetch}")
-    if batch_size % process_count:
-        raise ConfigError(f"the global batch of {batch_size} rows does not divide over {process_count} processes "
-                          "(per_device_batch_size)")
 
 
-def _indices(corpus: sources.Corpus, cfg: Config, split: str, process_index: int, process_count: int) -> np.ndarray:
+def split_documents(corpus: sources.Corpus, cfg: Config, split: str) -> np.ndarray:
+    """int64 indices of the split's documents: what every process reads (module docstring)."""
     in_split = sources.split_indices(corpus.keys, split, cfg.eval_fraction)
     if len(in_split) == 0:
         raise ConfigError(f"{corpus.where}: the {split} split is empty ({len(corpus)} documents, "
                           f"eval_fraction={cfg.eval_fraction})")
-    mine = sources.shard_indices(in_split, process_index, process_count)
-    if len(mine) == 0:
-        raise ConfigError(f"{corpus.where}: the {split} split has {len(in_split)} documents, fewer than the "
-                          f"{process_count} processes that each need some")
-    return mine
+    return in_split
 
 
-def make_grain_input(
-    cfg: Config, sharding: NamedSharding, split: str, batch_size: int, process_index: int, process_count: int
-) -> GlobalBatchIterator:
-    """The iterator of `maxshard.data.make_input` for every real-data source and for mixtures."""
-    _check_keys(cfg, split, batch_size, process_count)
+def make_grain_input(cfg: Config, sharding: NamedSharding, split: str, batch_size: int) -> GlobalBatchIterator:
+    """The iterator of `maxshard.data.make_input` for every real-data source and for mixtures: global batches of
+    `batch_size` rows, the same stream in every process."""
+    _check_keys(cfg, split)
     tokenizer = make_tokenizer(cfg)
     specs = catalog.source_specs(cfg)
     streams: list[SourceStream | StreamedSource] = []
     for spec in specs:
         corpus = catalog.open_corpus(spec, tokenizer.fingerprint(), cfg.text_field, cfg.hf_split, cfg.data_cache_dir,
                                      cfg.hf_streaming)
-        if not isinstance(corpus, sources.Corpus):  # a streamed Hugging Face dataset
-            documents = corpus.documents(split, cfg.eval_fraction, process_index, process_count)
+        if not isinstance(corpus, sources.Corpus):  # a streamed Hugging Face dataset, read whole by every process
+            documents = corpus.documents(split, cfg.eval_fraction, 0, 1)
             streams.append(StreamedSource(documents, spec.weight, corpus.where, hf_stream.SHUFFLE_WINDOW))
             continue
-        mine = _indices(corpus, cfg, split, process_index, process_count)
-        blocks = None if corpus.blocks is None else corpus.blocks[mine]
-        streams.append(SourceStream(corpus.documents, mine, spec.weight, corpus.where, blocks))
+        indices = split_documents(corpus, cfg, split)
+        blocks = None if corpus.blocks is None else corpus.blocks[indices]
+        streams.append(SourceStream(corpus.documents, indices, spec.weight, corpus.where, blocks))
     opts = PipelineOptions(
         length=cfg.max_target_length,
-        local_batch=batch_size // process_count,
+        batch=batch_size,
         packing=cfg.packing,
         shuffle_seed=cfg.data_shuffle_seed if split == "train" else None,
         worker_count=cfg.grain_worker_count,
@@ -348,8 +374,7 @@ def make_grain_input(
     )
     identity = {"where": [s.name for s in streams], "weights": [s.weight for s in streams], "split": split,
                 "documents": [int(len(s.indices)) if isinstance(s, SourceStream) else "streamed" for s in streams],
-                "tokenizer": tokenizer.fingerprint(),
-                "text_field": cfg.text_field, "process": f"{process_index}/{process_count}",
-                **dataclasses.asdict(opts)}
+                "tokenizer": tokenizer.fingerprint(), "text_field": cfg.text_field, **dataclasses.asdict(opts)}
     del identity["prefetch"]  # prefetching depth does not change the stream
+    del identity["batch"]  # grain's position counts rows, not batches: a changed global batch goes on from the same row
     return GlobalBatchIterator(mixed_batches(streams, tokenizer, opts), sharding, identity, [s.label for s in specs])

@@ -1,4 +1,4 @@
-"""Documents on disk -> random-access sequences of documents, split into train/eval and sharded over processes.
+"""Documents on disk -> random-access sequences of documents, split into train/eval.
 
 A corpus of text files is a sequence of paths that reads one file (one document) per `__getitem__`; only paths cross
 into grain's worker processes, never text. The train/eval split hashes each document's name (its path relative to
@@ -35,7 +35,6 @@ __all__ = [
     "index_keys",
     "row_keys",
     "split_indices",
-    "shard_indices",
 ]
 
 _HEAD_BYTES = 4096
@@ -193,7 +192,7 @@ def _glob_root(pattern: str) -> str:
     return os.sep.join(fixed) if fixed else ""
 
 
-# --------------------------------------------------------------------------------------------- split and shard
+# --------------------------------------------------------------------------------------------- split
 
 
 def name_keys(names: Sequence[str]) -> np.ndarray:
@@ -236,10 +235,3 @@ def split_indices(keys: np.ndarray, split: str, eval_fraction: float) -> np.ndar
         in_eval[np.argmin(keys)] = True
     chosen = in_eval if split == "eval" else ~in_eval
     return np.flatnonzero(chosen)
-
-
-def shard_indices(indices: np.ndarray, process_index: int, process_count: int) -> np.ndarray:
-    """This process's documents: every `process_count`-th, so shares are disjoint, complete and differ by at most 1."""
-    if not 0 <= process_index < process_count:
-        raise ValueError(f"process_index {process_index} is not in [0, {process_count})")
-    return indices[process_index::process_count]
