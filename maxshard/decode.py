@@ -40,7 +40,7 @@ from maxshard.model_config import ModelConfig
 from maxshard.sampling import Sampling, sample
 from maxshard.step import mesh_context
 
-__all__ = ["decode_model", "Engine", "Result", "batch_multiple", "stop_tuple", "MAX_STOP_IDS"]
+__all__ = ["decode_model", "Engine", "Result", "batch_multiple", "stop_tuple", "whole_stream", "MAX_STOP_IDS"]
 
 # The host asks whether every sequence is done only every this many steps: in between it queues steps without
 # waiting for the device. A finished batch runs at most this many - 1 extra steps, which only emit PAD.
@@ -79,13 +79,21 @@ def _is_box(x: Any) -> bool:
     return isinstance(x, nn.Partitioned)
 
 
+def whole_stream(rules: sharding.FlaxRules) -> sharding.FlaxRules:
+    """`rules` with the residual stream's length split only as the activations' length is: training splits it
+    over the tensor axes too (layers/decoder.py), but a decode step holds one position per sequence, which such a
+    split would pad and gather back in every layer."""
+    length = dict(rules).get(ax.LENGTH)
+    return tuple((name, length if name == ax.NORM_LENGTH else axes) for name, axes in rules)
+
+
 class Engine:
     """A model's jitted prefill and decode steps on a mesh, compiled once per (batch, prompt length, cache length);
     the sampling parameters and the seed are arguments, so one compilation serves them all."""
 
     def __init__(self, model: ModelConfig, mesh: Mesh, rules: sharding.FlaxRules, params: Any, allowed: jax.Array
                  ) -> None:
-        self.cfg, self.mesh, self.rules, self.params = decode_model(model), mesh, rules, params
+        self.cfg, self.mesh, self.rules, self.params = decode_model(model), mesh, whole_stream(rules), params
         self.model = Transformer(self.cfg)
         self.allowed = jax.device_put(allowed, NamedSharding(mesh, PartitionSpec()))
         self._compiled: dict[tuple[int, int, int], tuple[Any, Any, Any]] = {}

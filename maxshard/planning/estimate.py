@@ -154,15 +154,17 @@ def moe_dropping_flops(cfg: Config) -> float:
     """FLOPs per device that token dropping executes beyond the model's (`moe.py`'s dispatch and combine). Each group
     of g tokens fills experts x C slots, C = capacity(g), padded or not: the expert MLPs run on experts x C / g rows
     per token where the model counts k (k x capacity_factor vs k), and the dispatch and combine einsums with the
-    one-hot [g, experts, C] masks cost 2 x experts x C x E each per token forward. Training triples the forward.
-    For Mixtral 8x7B at 4k tokens, whole-sequence groups, capacity_factor 1.25, this is +41% of the model's FLOPs."""
+    one-hot [g, experts, C] masks cost 2 x experts x C x E each per token forward. The backward differentiates the
+    dispatch only for its tokens (its mask is made of integers: 2x the forward in all), the combine also for its
+    router weights (3x).
+    For Mixtral 8x7B at 4k tokens, whole-sequence groups, capacity_factor 1.25, this is +38% of the model's FLOPs."""
     m = cfg.model
     if not m.is_moe or m.capacity_factor <= 0:
         return 0.0
     g = moe.group_size(cfg.max_target_length, m.moe_group_size)
     slots = m.num_experts * moe.capacity(g, m.num_experts_per_tok, m.num_experts, m.capacity_factor)  # per group
     padding = (slots / g - m.num_experts_per_tok) * 6 * 3 * m.emb_dim * m.mlp_dim  # per token, training
-    dispatch_combine = 3 * 2 * (2 * slots * m.emb_dim)
+    dispatch_combine = (2 + 3) * 2 * slots * m.emb_dim
     tokens = cfg.global_batch_size * cfg.max_target_length / cfg.num_devices
     return m.num_moe_layers * tokens * (padding + dispatch_combine)
 

@@ -108,15 +108,26 @@ def decide(cfg: Config, capacity: Capacity, strict: bool = True) -> MemoryFit:
     """The policy the run uses: `auto` -> the least recompute that fits (`cheapest`); an explicit policy -> itself.
     When it does not fit, the fit with `fits` False (`auto` -> full); with `strict`, a ConfigError (one line) when
     it is planned more than PLAN_ERROR over, beyond what the compiled step could overturn."""
-    peaks, limit = peaks_by_policy(cfg), usable(cfg, capacity)
-    fitting = [p for p, b in peaks.items() if b <= limit]
+    peaks = peaks_by_policy(cfg)
+    decided = _fit(cfg, peaks, capacity)
+    if strict and decided.planned_bytes > decided.usable_bytes * (1 + PLAN_ERROR):
+        raise ConfigError(_shortfall(cfg, peaks, decided.usable_bytes, capacity))
+    return decided
+
+
+def _fit(cfg: Config, peaks: dict[str, int], capacity: Capacity) -> MemoryFit:
+    """`decide` on peaks already planned."""
+    limit = usable(cfg, capacity)
     policy = cfg.remat_policy
     if policy == "auto":
+        fitting = _fitting(peaks, limit)
         policy = cheapest(cfg, fitting, peaks) if fitting else "full"
-    fits = peaks[policy] <= limit
-    if strict and peaks[policy] > limit * (1 + PLAN_ERROR):
-        raise ConfigError(_shortfall(cfg, peaks, limit, capacity, fitting))
-    return MemoryFit(cfg.remat_policy, policy, peaks[policy], limit, capacity.bytes, capacity.source, fits)
+    return MemoryFit(cfg.remat_policy, policy, peaks[policy], limit, capacity.bytes, capacity.source,
+                     peaks[policy] <= limit)
+
+
+def _fitting(peaks: dict[str, int], limit: int) -> list[str]:
+    return [p for p, b in peaks.items() if b <= limit]
 
 
 def cheapest(cfg: Config, fitting: list[str], peaks: dict[str, int]) -> str:
@@ -125,9 +136,13 @@ def cheapest(cfg: Config, fitting: list[str], peaks: dict[str, int]) -> str:
     return min(fitting, key=lambda policy: (factors[policy], peaks[policy]))
 
 
-def _shortfall(cfg: Config, peaks: dict[str, int], limit: int, capacity: Capacity, fitting: list[str]) -> str:
+_SHARD_MORE = "shard more (ici_fsdp_parallelism, ici_tensor_parallelism) or lower per_device_batch_size"
+
+
+def _shortfall(cfg: Config, peaks: dict[str, int], limit: int, capacity: Capacity) -> str:
     room = (f"the {format_bytes(limit)} usable per device ({capacity.source}, "
             f"memory_headroom={cfg.memory_headroom:g})")
+    fitting = _fitting(peaks, limit)
     if fitting:
         policy, best = cfg.remat_policy, cheapest(cfg, fitting, peaks)
         return (f"remat_policy={policy} needs {format_bytes(peaks[policy])} per device (planned peak), "
@@ -136,25 +151,21 @@ def _shortfall(cfg: Config, peaks: dict[str, int], limit: int, capacity: Capacit
     least = peaks["full"]
     return (f"remat_policy={cfg.remat_policy}: no remat policy fits; even remat_policy=full needs "
             f"{format_bytes(least)} per device (planned peak), {format_bytes(least - limit)} more than {room}; "
-            f"shard more (ici_fsdp_parallelism, ici_tensor_parallelism), lower per_device_batch_size or raise "
-            f"device_memory_gb")
+            f"{_SHARD_MORE} or raise device_memory_gb")
 
 
 def verdict(cfg: Config, capacity: Capacity) -> tuple[bool, str]:
     """(fits, one line) for a planned run: `fit: yes, <planned> of <usable> (<policy>)`, or `fit: no, <by how much>,
     <what would fit>`. `auto` is judged by the policy it chose (`cfg.memory_fit`), an explicit policy by itself."""
     requested = cfg.memory_fit.requested if cfg.memory_fit is not None else cfg.remat_policy
-    decided = decide(dataclasses.replace(cfg, remat_policy=requested), capacity, strict=False)
+    peaks = peaks_by_policy(cfg)
+    decided = _fit(dataclasses.replace(cfg, remat_policy=requested), peaks, capacity)
     planned, limit = format_bytes(decided.planned_bytes), format_bytes(decided.usable_bytes)
     if decided.fits:
         return True, f"fit: yes, {planned} of {limit} usable ({decided.policy})"
     over = format_bytes(decided.planned_bytes - decided.usable_bytes)
-    peaks = peaks_by_policy(cfg)
-    fitting = [p for p, b in peaks.items() if b <= decided.usable_bytes]
-    if fitting:
-        best = cheapest(cfg, fitting, peaks)
-        instead = f"remat_policy={best} fits ({format_bytes(peaks[best])})"
-    else:
-        instead = ("no remat policy fits: shard more (ici_fsdp_parallelism, ici_tensor_parallelism) or lower "
-                   "per_device_batch_size")
+    fitting = _fitting(peaks, decided.usable_bytes)
+    best = cheapest(cfg, fitting, peaks) if fitting else None
+    instead = (f"remat_policy={best} fits ({format_bytes(peaks[best])})" if best else
+               f"no remat policy fits: {_SHARD_MORE}")
     return False, f"fit: no, {over} over the {limit} usable ({decided.policy} plans {planned}); {instead}"

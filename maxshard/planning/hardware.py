@@ -39,15 +39,17 @@ the efficiency of real collectives (often 60-90% of these peaks). The times that
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from maxshard.config import ConfigError
 
-__all__ = ["Interconnect", "INTERCONNECTS", "interconnect"]
+__all__ = ["Interconnect", "INTERCONNECTS", "interconnect", "device_memory", "JAX_GPU_FRACTION"]
 
 _GB = 1e9  # bytes
 _GBIT = 1e9 / 8  # bytes per second in one Gbps
 _GIB = 2**30
 _MIB = 2**20
+JAX_GPU_FRACTION = 0.75  # the share of a GPU's memory JAX's allocator takes unless XLA_PYTHON_CLIENT_MEM_FRACTION says
 _GPU_RESERVE_MIB = 458  # the CUDA context's share of an H100 80GB that JAX's allocator cannot have (measured)
 
 
@@ -62,6 +64,7 @@ class Interconnect:
     dcn_bw: float  # bytes/s per device, one direction, across slices (or nodes)
     hbm: float  # bytes of device memory a program may allocate
     source: str  # where the figures come from (shown in the printout)
+    gpu: bool = False  # JAX's GPU allocator takes a share of `hbm` (`device_memory`)
 
 
 # Keyed by the family part of the XPK device type ("v5p" of "v5p-1024") or the whole GPU type name.
@@ -70,12 +73,16 @@ INTERCONNECTS: dict[str, Interconnect] = {
     "v5litepod": Interconnect(1600 * _GBIT, 2 * 100 * _GBIT / 8, 15.75 * _GIB, "Cloud TPU v5e/v6e docs"),
     "v5p": Interconnect(4800 * _GBIT, 50 * _GBIT, 95.74 * _GIB, "Cloud TPU v5p docs"),
     "v6e": Interconnect(3200 * _GBIT, 4 * 200 * _GBIT / 8, 31.25 * _GIB, "Cloud TPU v6e docs"),
-    "h100-80gb-8": Interconnect(450 * _GB, 1000 * _GBIT / 8, _gpu(81559), "NVIDIA H100 datasheet; GCE A3 High"),
-    "h100-mega-80gb-8": Interconnect(450 * _GB, 1600 * _GBIT / 8, _gpu(81559), "NVIDIA H100 datasheet; GCE A3 Mega"),
+    "h100-80gb-8": Interconnect(450 * _GB, 1000 * _GBIT / 8, _gpu(81559), "NVIDIA H100 datasheet; GCE A3 High", gpu=True),
+
+    "h100-mega-80gb-8": Interconnect(450 * _GB, 1600 * _GBIT / 8, _gpu(81559), "NVIDIA H100 datasheet; GCE A3 Mega", gpu=True),
+
     "h100-96gb-8": Interconnect(450 * _GB, 1600 * _GBIT / 8, _gpu(96 * 1024),
-                                "NVIDIA H100 datasheet; 8 x 200 Gbps NICs assumed"),
-    "h200-141gb-8": Interconnect(450 * _GB, 3200 * _GBIT / 8, _gpu(143771), "NVIDIA H200 datasheet; GCE A3 Ultra"),
-    "a100-40gb-8": Interconnect(300 * _GB, 100 * _GBIT / 8, _gpu(40960), "NVIDIA A100 datasheet; GCE A2"),
+                                "NVIDIA H100 datasheet; 8 x 200 Gbps NICs assumed", gpu=True),
+    "h200-141gb-8": Interconnect(450 * _GB, 3200 * _GBIT / 8, _gpu(143771), "NVIDIA H200 datasheet; GCE A3 Ultra", gpu=True),
+
+    "a100-40gb-8": Interconnect(300 * _GB, 100 * _GBIT / 8, _gpu(40960), "NVIDIA A100 datasheet; GCE A2", gpu=True),
+
 }
 
 
@@ -89,3 +96,18 @@ def interconnect(device_type: str) -> Interconnect:
     if family not in INTERCONNECTS:
         raise ConfigError(f"no interconnect figures for device type {device_type!r}; known: {', '.join(INTERCONNECTS)}")
     return INTERCONNECTS[family]
+
+
+def device_memory(device_type: str) -> tuple[float, str]:
+    """(bytes, where they come from) a program may allocate on one device of this type, as the trainer will find
+    it there: the allocatable HBM on TPUs; on GPUs the share of it JAX's allocator takes, XLA_PYTHON_CLIENT_MEM_FRACTION
+    of this process's environment (the job's, when planned with the same variables) or JAX's default 0.75."""
+    link = interconnect(device_type)
+    if not link.gpu:
+        return link.hbm, f"{device_type} HBM"
+    text = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "")
+    try:
+        fraction = float(text) if text else JAX_GPU_FRACTION
+    except ValueError:
+        raise ConfigError(f"XLA_PYTHON_CLIENT_MEM_FRACTION must be a fraction such as 0.9, got {text!r}") from None
+    return link.hbm * fraction, f"{device_type} HBM x {fraction:g} (JAX's share: XLA_PYTHON_CLIENT_MEM_FRACTION)"

@@ -96,14 +96,19 @@ def load_for_target(config_argv: Sequence[str], target: Target) -> Config:
 
 def target_capacity(cfg: Config, target: Target) -> Capacity:
     """One device's memory on `target`: `device_memory_gb` when set, else the device type's HBM."""
-    return fit.configured_capacity(cfg) or Capacity(int(hardware.interconnect(target.name).hbm), f"{target.name} HBM")
+    return fit.configured_capacity(cfg) or Capacity(*_pool(target))
+
+
+def _pool(target: Target) -> tuple[int, str]:
+    memory, source = hardware.device_memory(target.name)
+    return int(memory), source
 
 
 def capacity_bytes(target: Target, headroom: float = DEFAULT_HEADROOM) -> float:
     """Device memory a layout may plan to use: HBM less the fraction kept free (fragmentation, XLA's buffers)."""
     if not 0 <= headroom < 1:
         raise ConfigError(f"--headroom must be in [0, 1) (a fraction of device memory kept free), got {headroom}")
-    return hardware.interconnect(target.name).hbm * (1 - headroom)
+    return hardware.device_memory(target.name)[0] * (1 - headroom)
 
 
 def remat_policies() -> tuple[str, ...]:

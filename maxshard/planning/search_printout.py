@@ -25,8 +25,9 @@ def _where(result: SearchResult) -> str:
 
 
 def _capacity_text(result: SearchResult) -> str:
-    hbm = format_bytes(hardware.interconnect(result.target.name).hbm)
-    return f"{format_bytes(result.capacity)} per device ({hbm} HBM less {result.headroom * 100:g}% headroom)"
+    memory, source = hardware.device_memory(result.target.name)
+    return f"{format_bytes(result.capacity)} per device ({format_bytes(memory)}: {source}, less " \
+           f"{result.headroom * 100:g}% headroom)"
 
 
 def _mfu(c: Candidate) -> float | None:
