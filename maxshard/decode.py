@@ -81,7 +81,7 @@ def _is_box(x: Any) -> bool:
 
 def whole_stream(rules: sharding.FlaxRules) -> sharding.FlaxRules:
     """`rules` with the residual stream's length split only as the activations' length is: training splits it
-    over the tensor axes too (layers/decoder.py), but a decode step holds one position per sequence, which such a
+    over tensor_sequence too (layers/decoder.py), but a decode step holds one position per sequence, which such a
     split would pad and gather back in every layer."""
     length = dict(rules).get(ax.LENGTH)
     return tuple((name, length if name == ax.NORM_LENGTH else axes) for name, axes in rules)

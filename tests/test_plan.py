@@ -12,8 +12,9 @@ inputs and compiled, then
 Agreement measured on jax 0.10.2 (bytes per device, plan as XLA:CPU compiles it / measured):
     fsdp=8            all-gather 753,664 / 755,712   reductions 427,264 / 427,380     all-to-all 32,768 / 32,768
     data=8                                           reductions 525,568 / 525,576
-    fsdp=4 tensor=2   all-gather 884,736 / 887,808   reductions 697,600 / 700,640     all-to-all 65,536 / 65,536
-    tensor=8          all-gather 1,835,008 / 1,835,008   reductions 1,835,008 / 1,842,540
+    fsdp=4 tensor=2   all-gather 376,832 / 379,904   reductions 697,600 / 699,360     all-to-all 65,536 / 65,536
+    tensor=8                                         reductions 1,835,008 / 1,841,260
+    tensor_sequence=8 all-gather 1,835,008 / 1,835,008   reductions 1,835,008 / 1,842,540 (the residual stream split)
 Memory: exact in all four. XLA:TPU (the libtpu test below) needs neither translation.
 MoE (8 experts, top-2, expert=4 x fsdp=2), all-to-all bytes planned / measured: dropping, remat none 237,568 /
 237,568; grouped dropless, remat full 819,264 / 819,264 (exchange buffers, row counts and the embedding's rows).
@@ -48,6 +49,7 @@ LAYOUTS = {
     "data=8": ("ici_data_parallelism=8",),
     "fsdp=4 tensor=2": ("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"),
     "tensor=8": ("ici_tensor_parallelism=8",),
+    "tensor_sequence=8": ("ici_tensor_sequence_parallelism=8",),
 }
 GATHER_TOLERANCE = 0.01  # unplanned: the token ids the embedding lookup gathers (<= 0.8% here)
 REDUCTION_TOLERANCE = 0.01  # unplanned: loss sums, gradient norms, the cross-entropy max and sum (<= 0.3% here)
@@ -76,7 +78,7 @@ def as_cpu_compiles(plan: estimate.Plan) -> dict[str, float]:
        column-parallel matmul (q, k, v and the stacked gate/up of layers/mlp.py: 4 per layer) before adding them,
        where XLA:TPU (see the libtpu test) and XLA:GPU (the pass is in its pipeline) add first and reduce twice.
        That is 2 more [tokens, embed] float32 all-reduces per layer under tensor parallelism.
-    3. With the residual stream's length split over `tensor` (layers/decoder.py), XLA:CPU gathers the
+    3. With the residual stream's length split over `tensor_sequence` (layers/decoder.py), XLA:CPU gathers the
        fsdp-sharded output head's weights a second time for the backward pass; XLA:TPU gathers them once.
     """
     cfg, kinds = plan.cfg, estimate.by_kind(plan.collectives)
@@ -86,7 +88,8 @@ def as_cpu_compiles(plan: estimate.Plan) -> dict[str, float]:
     tokens = cfg.global_batch_size // batch_shards * cfg.max_target_length
     extra = 2 * cfg.num_layers * tokens * cfg.emb_dim * 4 if tensor else 0
     reductions = kinds.get("reduce-scatter", 0.0) + kinds.get("all-reduce", 0.0) + extra
-    return {"all-gather": kinds.get("all-gather", 0.0) + (head if tensor else 0.0), "reductions": reductions,
+    split = "tensor_sequence" in rule_axes(cfg, ax.NORM_LENGTH, plan.mesh)
+    return {"all-gather": kinds.get("all-gather", 0.0) + (head if split else 0.0), "reductions": reductions,
             "all-to-all": kinds.get("all-to-all", 0.0)}
 
 
@@ -192,8 +195,9 @@ def test_plan_matches_an_xla_tpu_compile(monkeypatch: pytest.MonkeyPatch) -> Non
 
     XLA:TPU reassociates the tensor-parallel all-reduces, so the plan needs no translation; it too reduces these
     small gradients with all-reduce + slice rather than reduce-scatter. Measured on libtpu 0.0.42.1: all-gather
-    417,792 planned / 421,888 measured (the token ids of the lookup; the residual stream's gathers over tensor
-    included), reductions 312,576 / 313,936, all-to-all 49,152 / 49,152. Memory is not compared: TPU tiles pad
+    188,416 planned / 192,512 measured (the token ids of the lookup), reductions 312,576 / 313,936, all-to-all
+    49,152 / 49,152. With tensor_sequence=2 instead (the residual stream split, layers/decoder.py) the same compile
+    gathers 421,888 (planned 417,792): the stream's gathers, 6 per layer + 2 for the head. Memory is not compared: TPU tiles pad
     this model's small arrays several-fold.
     """
     from jax.experimental.topologies import get_topology_desc

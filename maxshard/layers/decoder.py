@@ -46,11 +46,12 @@ def remat_policy(name: str) -> Any:
 
 
 # The residual stream between attention and MLP, and the norms on it: length sharded by "activation_norm_length"
-# (the `tensor` and `tensor_sequence` axes besides context and sequence). The norms and the residual adds are
-# elementwise over length, so the devices of a tensor group split the positions instead of repeating them, and
-# what each layer saves for its backward is 1/tensor of the stream. Attention and the MLP gather the length back
-# before their column-parallel projections and reduce-scatter their row-parallel outputs onto it (the collectives
-# XLA derives from these constraints), as Megatron's sequence parallelism does.
+# (the `tensor_sequence` axis besides context and sequence). The norms and the residual adds are elementwise over
+# length, so the devices of a tensor_sequence group split the positions instead of repeating them, and what each
+# layer saves for its backward is 1/tensor_sequence of the stream. Attention and the MLP gather the length back
+# before their column-parallel projections and reduce their row-parallel outputs onto it (the collectives XLA
+# derives from these constraints), as Megatron's sequence parallelism does. Plain `tensor` keeps the stream whole:
+# XLA moves 1.75x its activation bytes with the split (tests/test_plan.py), a price only memory can justify.
 RESIDUAL = (ax.BATCH, ax.NORM_LENGTH, ax.ACT_EMBED)
 
 

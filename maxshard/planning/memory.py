@@ -11,14 +11,15 @@ s = the compute dtype's itemsize:
                                       SwiGLU's gate, up, their product and silu's own residuals (the residuals
                                       `jax.ad_checkpoint.saved_residuals` lists, as XLA deduplicates them);
                                       + E x s under tensor parallelism (a partial sum before its reduction);
-                                      the 7E are the residual stream's, E / r with its length split r ways
-                                      beyond the activation length's (the tensor axes: layers/decoder.py)
+                                      with the residual stream's length split r ways beyond the activation
+                                      length's (tensor_sequence: layers/decoder.py), 5 of the 7E are E / r
+                                      and 2 stay whole (attention's and the MLP's inputs, gathered back)
     attention, dot_product: 8 A bytes (float32 exponentials and probabilities); a fused kernel (blockwise, cudnn,
                                       splash, ring) keeps its output and float32 log-sum-exp instead: Q x s + 4 H
 
     what a policy saves per layer and token:
         none               dense + attention
-        minimal            matmul outputs: (2E + 2Q + 2K + 2F) x s + float32 scores 4 A (fused: log-sum-exp 4 H)
+        minimal            matmul outputs: (2E / r + 2Q + 2K + 2F) x s + float32 scores 4 A (fused: log-sum-exp 4 H)
         save_qkv_out_proj  layer input + q, k, v + output projection: (E / r + E + Q + 2K) x s
         save_qkv_proj      (E / r + Q + 2K) x s
         save_out_proj      (E / r + E) x s
@@ -102,7 +103,7 @@ class Widths:
     attention: str = "dot_product"  # resolved implementation
     context: int = 1  # context shards (ring attention)
     tensor: bool = False  # heads or mlp split over the `tensor` axis (tensor_sequence reduce-scatters instead)
-    residual: int = 1  # shards of the residual stream's length beyond the activation length's (tensor axes)
+    residual: int = 1  # shards of the residual stream's length beyond the activation length's (tensor_sequence)
     block_q: int = 512
     block_kv: int = 512
 
@@ -131,7 +132,8 @@ class Widths:
     def dense_bytes(self, itemsize: int) -> int:
         """What one layer keeps without remat, attention kernel aside (module docstring: `dense`)."""
         partial = self.embed if self.tensor else 0  # a row-parallel projection's partial sum before its reduction
-        return (7 * self.stream + 3 * self.q + self.kv + 6 * self.mlp + partial) * itemsize
+        gathered = 2 * (self.embed - self.stream)  # attention's and the MLP's inputs, gathered back to full length
+        return (7 * self.stream + gathered + 3 * self.q + self.kv + 6 * self.mlp + partial) * itemsize
 
     def kernel_saved_bytes(self, itemsize: int) -> int:
         """What the attention kernel keeps for its backward without remat."""
@@ -155,7 +157,7 @@ class Widths:
             return self.dense_bytes(itemsize) + self.kernel_saved_bytes(itemsize)
         if policy == "minimal":
             kernel = 4 * self.heads if self.fused else 4 * self.scores
-            return (2 * e + 2 * q + 2 * kv + 2 * f) * itemsize + kernel
+            return (2 * self.stream + 2 * q + 2 * kv + 2 * f) * itemsize + kernel  # row-parallel outputs split
         x = self.stream  # the layer input, a piece of the residual stream
         saved = {"save_qkv_out_proj": x + e + q + 2 * kv, "save_qkv_proj": x + q + 2 * kv, "save_out_proj": x + e}
         return saved.get(policy, x) * itemsize
@@ -221,7 +223,7 @@ def auto_loss_chunks(cfg: Config, sizes: Mapping[str, int]) -> int:
 
 
 def _shards_beyond(cfg: Config, sizes: Mapping[str, int]) -> int:
-    """How many more pieces the residual stream's length (activation_norm_length: the tensor axes too, see
+    """How many more pieces the residual stream's length (activation_norm_length: tensor_sequence too, see
     layers/decoder.py) is cut into than the activation length's."""
     length_axes = set(rule_axes(cfg, ax.LENGTH, sizes))
     return math.prod(sizes[a] for a in rule_axes(cfg, ax.NORM_LENGTH, sizes) if a not in length_axes)

@@ -24,9 +24,9 @@ it meets the activations:
   reduce-scatters x (M*R + S - 1) / R (XLA keeps the per-repeat gather inside the schedule loop: a 4-layer,
   2-stage, 4-microbatch compile on XLA:CPU gathered 4% more than this plan, and reduced 7% more).
 Activations:
-  tensor (axes of activation_heads / activation_mlp)  with the residual stream's length split over them (the
-                  default, layers/decoder.py): the measured counts of `_SP_REDUCES` and `_SP_GATHERS`. Otherwise
-                  Megatron: all-reduce [tokens, E] after the attention output
+  tensor (axes of activation_heads / activation_mlp)  with the residual stream's length split over them
+                  (tensor_sequence, layers/decoder.py): the measured counts of `_SP_REDUCES` and `_SP_GATHERS`.
+                  Otherwise (tensor) Megatron: all-reduce [tokens, E] after the attention output
                   and MLP output projections (2 per layer forward), 2 per layer backward (input gradients of the
                   q/k/v and wi projections, summed before the reduction as XLA's AllReduceReassociate does on
                   TPU/GPU), and the recomputed forward's again under remat (2 for full, 1 when out_proj is saved);
@@ -227,8 +227,8 @@ def _recompute_count(policy: str) -> int:
 
 
 # Under sequence-parallel residuals (layers/decoder.py), per layer and [tokens, E] of the compute dtype, as XLA:TPU
-# compiles a tiny model (libtpu 0.0.42.1, tensor=8 and fsdp=4 x tensor=2, 2 and 4 layers; XLA:CPU the same for
-# `none`): the reductions of the row-parallel outputs and column-parallel input gradients (a recompute adds the
+# compiles a tiny model (libtpu 0.0.42.1, tensor_sequence=8 and fsdp=4 x tensor_sequence=2, 2 and 4 layers;
+# XLA:CPU the same for `none`): the reductions of the row-parallel outputs and column-parallel input gradients (a recompute adds the
 # attention output's, never the MLP's, whose output the backward does not need), and the gathers of the residual
 # stream before each projection, forward and backward, again in a recompute. Plus 2 gathers for the output head.
 _SP_REDUCES = {"save_qkv_proj": 5, "full": 5}  # others: 4
