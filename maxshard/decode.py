@@ -34,6 +34,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from maxshard import axis_names as ax
 from maxshard import sharding
+from maxshard.data.tokenizer import MAX_STOP_IDS
 from maxshard.layers import kv_cache
 from maxshard.model import Transformer
 from maxshard.model_config import ModelConfig
@@ -45,7 +46,6 @@ __all__ = ["decode_model", "Engine", "Result", "batch_multiple", "stop_tuple", "
 # The host asks whether every sequence is done only every this many steps: in between it queues steps without
 # waiting for the device. A finished batch runs at most this many - 1 extra steps, which only emit PAD.
 _CHECK_DONE_EVERY = 8
-MAX_STOP_IDS = 8  # EOS ids one generation can stop at (generation_config.json lists up to a few)
 
 
 def decode_model(model: ModelConfig) -> ModelConfig:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pickle
 import shutil
 from pathlib import Path
@@ -72,3 +73,25 @@ def test_input_pipeline_reads_text_with_it(tmp_path, fixture, starts_with_bos):
     inputs, targets = batch["inputs"][real], batch["targets"][real]
     assert inputs.max() < 128 and (targets == 2).any()  # the model's own ids; EOS ends documents
     assert (inputs == 1).any() == starts_with_bos
+
+
+def _beside(tmp_path: Path, fixture: str, **files: str) -> str:
+    """A copy of a fixture's tokenizer.json and tokenizer_config.json with `files` (name_json=text) beside it."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(TOKENIZER.parent.parent / fixture / name, tmp_path / name)
+    for name, text in files.items():
+        (tmp_path / name.replace("_json", ".json")).write_text(text)
+    return str(tmp_path / "tokenizer.json")
+
+
+def test_generation_also_stops_at_the_tokenizers_eos(tmp_path):
+    """generation_config.json naming only other ids (an instruct model's end of turn) still stops at the EOS every
+    fine-tuning document ends with; its own ids keep their order."""
+    tok = load_hf_tokenizer(_beside(tmp_path, "mixtral", generation_config_json='{"eos_token_id": [7, 5]}'))
+    assert tok.eos_id == 2 and tok.stop_ids == (7, 5, 2)
+    tok = load_hf_tokenizer(_beside(tmp_path, "mixtral", generation_config_json='{"eos_token_id": [2, 7]}'))
+    assert tok.stop_ids == (2, 7)
+    eight = json.dumps({"eos_token_id": [*range(3, 11)]})
+    with pytest.raises(ConfigError, match=r"generation_config\.json lists 9 EOS ids .* up to 8$"):
+        load_hf_tokenizer(_beside(tmp_path, "mixtral", generation_config_json=eight))
+

@@ -12,7 +12,8 @@ template puts before a text, None where it puts none (Qwen has no BOS at all; a 
 adds none either), so training documents start as `tokenizer(text)` starts them, and prompts are encoded exactly as
 `tokenizer(prompt)` encodes them (`encode_prompt`). EOS ends every training document (the separator the model
 learns to stop at). Generation stops at `stop_ids`: for a Hugging Face model the EOS ids its generation_config.json
-lists (several for Qwen), as transformers' generate does.
+lists (several for Qwen), as transformers' generate does, plus the tokenizer's own EOS, the one fine-tuning taught
+the model to end a document with.
 """
 
 from __future__ import annotations
@@ -39,7 +40,10 @@ __all__ = [
     "make_tokenizer",
     "model_vocab_size",
     "resolve_vocab",
+    "MAX_STOP_IDS",
 ]
+
+MAX_STOP_IDS = 8  # EOS ids one generation can stop at: the compiled decode steps hold that many
 
 
 class Tokenizer(Protocol):
@@ -192,7 +196,7 @@ class HuggingFaceTokenizer:
     generating (transformers masks nothing either).
     """
 
-    def __init__(self, tokenizer: Any, path: str, special: dict[str, str], stop_ids: tuple[int, ...] = ()) -> None:
+    def __init__(self, tokenizer: Any, path: str, special: dict[str, str]) -> None:
         self.path = path
         self._tok = tokenizer
         ids = {field: tokenizer.token_to_id(token) for field, token in special.items()}
@@ -203,7 +207,7 @@ class HuggingFaceTokenizer:
         self.pad_id = ids.get("pad_token") if ids.get("pad_token") is not None else 0
         self.bos_token_id = ids.get("bos_token")  # the tokenizer's BOS token, whether or not its template adds it
         self.bos_id = self._template_start(path)
-        self.stop_ids = stop_ids or (self.eos_id,)
+        self.stop_ids = stop_ids(path, self.eos_id)
         self.never_generated: tuple[int, ...] = ()
 
     def _template_start(self, path: str) -> int | None:
@@ -258,14 +262,20 @@ def _json_beside(path: str, name: str) -> dict[str, Any]:
         raise ConfigError(f"tokenizer_path={path}: cannot read {other}: {e}") from None
 
 
-def stop_ids(path: str) -> tuple[int, ...]:
-    """The EOS id(s) transformers' generate stops at: generation_config.json's eos_token_id (an id or a list),
-    else config.json's, beside the tokenizer; () when neither names one."""
+def stop_ids(path: str, eos_id: int) -> tuple[int, ...]:
+    """The EOS ids transformers' generate stops at (generation_config.json's eos_token_id, an id or a list, else
+    config.json's, beside the tokenizer), then `eos_id` where they lack it: every fine-tuning document ends with
+    the tokenizer's EOS, so a fine-tuned model stops there even when the list names only another id (an instruct
+    model's end of turn). More than MAX_STOP_IDS is a ConfigError naming the file."""
     for name in ("generation_config.json", "config.json"):
         eos = _json_beside(path, name).get("eos_token_id")
         if eos is not None:
-            return tuple(int(i) for i in (eos if isinstance(eos, list) else [eos]))
-    return ()
+            stops = tuple(dict.fromkeys((*(int(i) for i in (eos if isinstance(eos, list) else [eos])), eos_id)))
+            if len(stops) > MAX_STOP_IDS:
+                raise ConfigError(f"tokenizer_path={path}: {name} lists {len(stops)} EOS ids with the tokenizer's "
+                                  f"eos_token; generation stops at up to {MAX_STOP_IDS}")
+            return stops
+    return (eos_id,)
 
 
 def _special_tokens(path: str, tokenizer: Any) -> dict[str, str]:
@@ -290,7 +300,7 @@ def load_hf_tokenizer(path: str) -> HuggingFaceTokenizer:
     except Exception as e:  # noqa: BLE001 - the Rust side raises plain Exception for any malformed file
         raise ConfigError(f"tokenizer_path={path} is not a Hugging Face tokenizer.json: "
                           f"{str(e).splitlines()[0][:160]}") from None
-    return HuggingFaceTokenizer(tokenizer, path, _special_tokens(path, tokenizer), stop_ids(path))
+    return HuggingFaceTokenizer(tokenizer, path, _special_tokens(path, tokenizer))
 
 
 def make_tokenizer(cfg: Config) -> ByteTokenizer | SentencePieceTokenizer | HuggingFaceTokenizer:
