@@ -6,6 +6,7 @@ import json
 import pickle
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -95,3 +96,36 @@ def test_generation_also_stops_at_the_tokenizers_eos(tmp_path):
     with pytest.raises(ConfigError, match=r"generation_config\.json lists 9 EOS ids .* up to 8$"):
         load_hf_tokenizer(_beside(tmp_path, "mixtral", generation_config_json=eight))
 
+
+@pytest.mark.parametrize(("fixture", "flags", "error"), [
+    ("mixtral", '{"add_bos_token": true, "add_eos_token": false}', None),
+    ("qwen3", '{"add_bos_token": false}', None),
+    ("mixtral", '{"add_bos_token": false}', "add_bos_token=false but the template of tokenizer.json adds BOS"),
+    ("llama_gqa", '{"add_bos_token": true}', "add_bos_token=true but the template of tokenizer.json adds no BOS"),
+    ("mixtral", '{"add_eos_token": true}', "add_eos_token=true but the template of tokenizer.json adds no EOS"),
+])
+def test_add_bos_and_eos_token_must_agree_with_the_template(tmp_path, fixture, flags, error):
+    """transformers' Llama-style tokenizers rebuild the template from add_bos_token/add_eos_token: where they
+    disagree with tokenizer.json's template, what transformers encodes depends on the class, so it is refused."""
+    path = _beside(tmp_path, fixture)
+    named = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**named, **json.loads(flags)}))
+    if error is None:
+        load_hf_tokenizer(path)
+        return
+    with pytest.raises(ConfigError, match=error):
+        load_hf_tokenizer(path)
+
+
+def test_a_template_that_changes_the_texts_tokens_is_refused(tmp_path):
+    """Where the plain encoding is not inside the templated one, BOS cannot be told: refused, not guessed."""
+
+    class Changing:  # encodes "a" as [5] alone but [1, 6] with special tokens
+        def encode(self, text, add_special_tokens):
+            return SimpleNamespace(ids=[1, 6] if add_special_tokens else [5])
+
+        def token_to_id(self, token):
+            return {"</s>": 2}.get(token)
+
+    with pytest.raises(ConfigError, match=r"the template of tokenizer\.json changes a text's tokens"):
+        HuggingFaceTokenizer(Changing(), str(tmp_path / "tokenizer.json"), {"eos_token": "</s>"}, {})
