@@ -196,8 +196,8 @@ def _moe_fields(keys: Mapping[str, Any], fam: Family, template: Mapping[str, Any
            fam.expert_width_field: keys["mlp_dim"]}
     if fam.renormalize_field is not None:
         out[fam.renormalize_field] = bool(keys.get("moe_renormalize_top_k", True))
-    if fam.expert_width_field != "intermediate_size":
-        out.setdefault("intermediate_size", template.get("intermediate_size", keys["mlp_dim"]))
+    if fam.expert_width_field != "intermediate_size" and "intermediate_size" not in template:
+        out["intermediate_size"] = keys["mlp_dim"]  # unused (every layer routes): the expert width, not a default
     return out
 
 
