@@ -34,6 +34,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from maxshard import axis_names as ax
 from maxshard import sharding
+from maxshard.data.tokenizer import MAX_STOP_IDS
 from maxshard.layers import kv_cache
 from maxshard.model import Transformer
 from maxshard.model_config import ModelConfig
@@ -45,7 +46,6 @@ __all__ = ["decode_model", "Engine", "Result", "batch_multiple", "stop_tuple", "
 # The host asks whether every sequence is done only every this many steps: in between it queues steps without
 # waiting for the device. A finished batch runs at most this many - 1 extra steps, which only emit PAD.
 _CHECK_DONE_EVERY = 8
-MAX_STOP_IDS = 8  # EOS ids one generation can stop at (generation_config.json lists up to a few)
 
 
 def decode_model(model: ModelConfig) -> ModelConfig:
@@ -108,25 +108,25 @@ class Engine:
         return logits, state[kv_cache.COLLECTION]
 
     def _prefill(self, params: Any, cache: Any, prompts: jax.Array, lengths: jax.Array, key: jax.Array,
-                 eos_pad: jax.Array, sampling: tuple[jax.Array, ...]) -> Any:
+                 pad_stops: jax.Array, sampling: tuple[jax.Array, ...]) -> Any:
         """prompts [batch, P] right-padded, lengths [batch] -> the first step's (tokens, logits [batch, vocab],
         cache, done, positions): the new tokens go to positions `lengths`."""
         positions = jnp.broadcast_to(jnp.arange(prompts.shape[1], dtype=jnp.int32), prompts.shape)
         logits, cache = self._apply(params, cache, prompts, positions)
         last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [batch, vocab]
         chosen = sample(last, self.allowed, jax.random.fold_in(key, 0), *sampling)
-        return chosen, last, cache, _stopped(chosen, eos_pad), lengths
+        return chosen, last, cache, _stopped(chosen, pad_stops), lengths
 
     def _decode(self, params: Any, cache: Any, tokens: jax.Array, positions: jax.Array, done: jax.Array,
-                key: jax.Array, index: jax.Array, eos_pad: jax.Array, sampling: tuple[jax.Array, ...]) -> Any:
+                key: jax.Array, index: jax.Array, pad_stops: jax.Array, sampling: tuple[jax.Array, ...]) -> Any:
         """tokens at positions [batch], done [batch] -> (next tokens, logits [batch, vocab], cache, done, positions
-        + 1); new token `index` draws with fold_in(key, index); eos_pad = (pad, stop ids.., -1 ..): a finished
+        + 1); new token `index` draws with fold_in(key, index); pad_stops = (pad, stop ids.., -1 ..): a finished
         sequence emits PAD."""
         logits, cache = self._apply(params, cache, tokens[:, None], positions[:, None])
         logits = logits[:, 0]
         chosen = sample(logits, self.allowed, jax.random.fold_in(key, index), *sampling)
-        chosen = jnp.where(done, eos_pad[0], chosen)
-        return chosen, logits, cache, done | _stopped(chosen, eos_pad), positions + 1
+        chosen = jnp.where(done, pad_stops[0], chosen)
+        return chosen, logits, cache, done | _stopped(chosen, pad_stops), positions + 1
 
     # ------------------------------------------------------------------ shapes, shardings, compilation
 
@@ -158,7 +158,7 @@ class Engine:
             pair = jax.ShapeDtypeStruct((1 + MAX_STOP_IDS,), jnp.int32)  # PAD, then the stop ids
             knobs = Sampling().arrays()
             step_out = (rows, rows, cache_shardings, rows, rows)  # tokens, logits, cache, done, positions
-            scalars = (replicated, replicated, (replicated,) * 3)  # key, eos_pad, sampling
+            scalars = (replicated, replicated, (replicated,) * 3)  # key, pad_stops, sampling
             index = jax.ShapeDtypeStruct((), jnp.int32)
             prefill = jax.jit(self._prefill, donate_argnums=1, out_shardings=step_out,
                               in_shardings=(params_shardings, cache_shardings, rows, rows, *scalars))
@@ -210,9 +210,9 @@ class _Run:
         params, logits_kept = self.engine.params, []
         cache = jax.block_until_ready(self.new_cache())
         stops = stop_tuple(eos_id)
-        eos_pad = np.array([pad_id, *stops, *[-1] * (MAX_STOP_IDS - len(stops))], np.int32)
+        pad_stops = np.array([pad_id, *stops, *[-1] * (MAX_STOP_IDS - len(stops))], np.int32)
         started = time.perf_counter()
-        token, logits, cache, done, positions = self.prefill(params, cache, tokens, lengths, self.key, eos_pad,
+        token, logits, cache, done, positions = self.prefill(params, cache, tokens, lengths, self.key, pad_stops,
                                                              self.sampling)
         jax.block_until_ready(done)
         prefill_seconds = time.perf_counter() - started
@@ -224,7 +224,7 @@ class _Run:
                 break
             steps += 1
             token, logits, cache, done, positions = self.decode(params, cache, token, positions, done, self.key,
-                                                                np.int32(steps), eos_pad, self.sampling)
+                                                                np.int32(steps), pad_stops, self.sampling)
             generated.append(token)
             if self.keep_logits:
                 logits_kept.append(logits)
@@ -244,18 +244,19 @@ class _Run:
 
 def _until_eos(row: list[int], stops: tuple[int, ...]) -> list[int]:
     """Generated ids up to and including the first EOS (any of `stops`)."""
-    ends = [i for i, t in enumerate(row) if t in stops]
-    return row[: ends[0] + 1] if ends else row
+    end = next((i for i, t in enumerate(row) if t in stops), len(row) - 1)
+    return row[: end + 1]
 
 
 def stop_tuple(eos_id: int | Sequence[int]) -> tuple[int, ...]:
-    """One EOS id or several as a tuple; more than MAX_STOP_IDS is a ValueError (the compiled steps hold that many)."""
+    """One EOS id or several as a tuple; more than MAX_STOP_IDS is a ValueError (the compiled steps hold that many):
+    a caller's mistake, since a tokenizer refuses more when it loads (data/tokenizer.py)."""
     stops = (int(eos_id),) if isinstance(eos_id, (int, np.integer)) else tuple(int(i) for i in eos_id)
     if not 1 <= len(stops) <= MAX_STOP_IDS:
         raise ValueError(f"{len(stops)} EOS ids; generation stops at 1 to {MAX_STOP_IDS}")
     return stops
 
 
-def _stopped(chosen: jax.Array, eos_pad: jax.Array) -> jax.Array:
-    """[batch] bool: the chosen token is one of the stop ids (eos_pad[1:], -1 where unused)."""
-    return jnp.any(chosen[:, None] == eos_pad[None, 1:], axis=-1)
+def _stopped(chosen: jax.Array, pad_stops: jax.Array) -> jax.Array:
+    """[batch] bool: the chosen token is one of the stop ids (pad_stops[1:], -1 where unused)."""
+    return jnp.any(chosen[:, None] == pad_stops[None, 1:], axis=-1)

@@ -52,15 +52,20 @@ def encode_prompts(
     prompts: Sequence[str], tokenizer: Tokenizer, max_length: int, max_new_tokens: int
 ) -> list[list[int]]:
     """Each prompt as the tokenizer encodes it (`encode_prompt`: BOS first for byte-level and SentencePiece, the
-    tokenizer.json's own template for Hugging Face ones); checks that prompt + max_new_tokens fits in the model's
-    `max_target_length`, the longest sequence its positions were trained on."""
+    tokenizer.json's own template for Hugging Face ones); checks that each has a token (prefill predicts from the
+    last one: a tokenizer that adds no BOS encodes an empty prompt as none) and that prompt + max_new_tokens fits in
+    the model's `max_target_length`, the longest sequence its positions were trained on."""
     encoded = [tokenizer.encode_prompt(p) for p in prompts]
+    empty = next((i for i, e in enumerate(encoded) if not e), None)
+    if empty is not None:
+        where = "" if len(encoded) == 1 else f" {empty + 1}"
+        raise ConfigError(f"prompt{where} encodes to no tokens (this tokenizer adds no BOS): give it some text")
     longest = max(len(e) for e in encoded)
     if longest >= max_length:
         which = max(range(len(encoded)), key=lambda i: len(encoded[i]))
         where = "" if len(encoded) == 1 else f" (prompt {which + 1})"
         raise ConfigError(f"prompt{where} is {longest} tokens as encoded; the model's max_target_length is "
-                          f"{max_length}: shorten it to at most {max_length - 2} tokens")
+                          f"{max_length}: shorten it to at most {max_length - 1} tokens")
     if longest + max_new_tokens > max_length:
         raise ConfigError(f"max_new_tokens={max_new_tokens} runs past the model's max_target_length={max_length} "
                           f"after the longest prompt ({longest} tokens as encoded): at most {max_length - longest}")
@@ -68,8 +73,9 @@ def encode_prompts(
 
 
 def completion_text(tokenizer: Tokenizer, ids: Sequence[int]) -> str:
-    """Generated ids -> text, without the end-of-sequence token(s) (every tokenizer kind alike)."""
-    return tokenizer.decode([int(t) for t in ids if t not in tokenizer.stop_ids and t != tokenizer.eos_id])
+    """Generated ids -> text, without the stop token that ended them (`stop_ids` holds every tokenizer's EOS; a
+    Hugging Face stop id need not be a special token that decoding drops)."""
+    return tokenizer.decode([int(t) for t in ids if t not in tokenizer.stop_ids])
 
 
 def _shown(path: str) -> str:

@@ -305,6 +305,31 @@ def test_chunked_writes_round_trip(tmp_path, monkeypatch):
     assert all(back[name].tobytes() == array.tobytes() for name, array in source.items())
 
 
+
+def test_export_takes_the_family_from_the_config_it_writes_and_notes_dropping(converted, tmp_path, capsys,
+                                                                             monkeypatch):
+    """A template naming neither architectures nor model_type exports as the family the model keys pick (the family
+    of the tensors is the one config.json names); an MoE trained with token dropping exports with one note line on
+    stderr, since transformers' families route dropless."""
+    template = tmp_path / "template"
+    template.mkdir()
+    fields = hf_config.read(str(FIXTURES / "qwen3_moe"))
+    (template / "config.json").write_text(json.dumps({k: v for k, v in fields.items()
+                                                      if k not in ("architectures", "model_type")}))
+    step_dir = str(converted["qwen3_moe"] / "checkpoints" / "0")
+    assert cli.main(["to_hf", step_dir, str(tmp_path / "dropless"), "--template", str(template)]) == 0
+    assert "note:" not in capsys.readouterr().err  # converted: dropless already
+    assert json.loads((tmp_path / "dropless" / "config.json").read_text())["architectures"] == ["Qwen3MoeForCausalLM"]
+    source = read_all(FIXTURES / "qwen3_moe")
+    assert {n: a.tobytes() for n, a in read_all(tmp_path / "dropless").items()} == {
+        n: a.tobytes() for n, a in source.items()}
+    saved = orbax_io.read_config
+    monkeypatch.setattr(orbax_io, "read_config", lambda d: {**saved(d), "capacity_factor": 1.25})
+    assert cli.main(["to_hf", step_dir, str(tmp_path / "dropping")]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("note: trained with capacity_factor=1.25") and err[0].endswith(
+        "Qwen3MoeForCausalLM routes dropless, so the export computes dropless routing")
+
 def test_single_file_export_reads_with_safetensors(converted, tmp_path):
     out = tmp_path / "hf"
     assert cli.main(["to_hf", str(converted["mistral"] / "checkpoints" / "0"), str(out)]) == 0

@@ -22,7 +22,8 @@ import pytest
 
 from maxshard import generate, inference, loading, mesh, sharding
 from maxshard.checkpoint import Checkpoints
-from maxshard.data.tokenizer import ByteTokenizer, load_sentencepiece
+from maxshard.config import ConfigError
+from maxshard.data.tokenizer import ByteTokenizer, load_hf_tokenizer, load_sentencepiece
 from maxshard.layers.pipeline import to_scanned
 from maxshard.step import Trainer, TrainState
 
@@ -82,7 +83,8 @@ def test_generates_from_the_checkpoints_model_and_writes_jsonl(base, tmp_path, c
 
 @pytest.mark.parametrize(("keys", "fragment"), [
     (("run_name=never_trained", "prompt=x"), "no checkpoint in "),
-    (("prompt=" + "x" * 31,), "prompt is 32 tokens as encoded; the model's max_target_length is 32"),
+    (("prompt=" + "x" * 31,), "prompt is 32 tokens as encoded; the model's max_target_length is 32: shorten it to "
+                              "at most 31 tokens"),
     (("prompt=abc", "max_new_tokens=29"), "max_new_tokens=29 runs past the model's max_target_length=32"),
     (("prompt=abc", "max_new_token=3"), "unknown key 'max_new_token' (from command line); did you mean max_new_tokens"),
     (("prompt=abc", "ici_pipeline_parallelism=2"), "generation runs unpipelined"),
@@ -133,3 +135,13 @@ def test_both_tokenizers_decode_completions_to_text(tmp_path):
     train_tokenizer.train([text, "class A:\n    pass\n", "import os\n"] * 50, path, vocab_size=300)
     sp = load_sentencepiece(path)
     assert generate.completion_text(sp, [*sp.encode(text), sp.eos_id]) == text
+
+
+def test_a_prompt_that_encodes_to_no_tokens_is_refused():
+    """Qwen's tokenizer adds no BOS, so an empty prompt is no tokens: prefill would predict from position -1."""
+    qwen = load_hf_tokenizer(str(REPO / "tests" / "fixtures" / "hf" / "qwen3" / "tokenizer.json"))
+    with pytest.raises(ConfigError, match=r"^prompt encodes to no tokens"):
+        generate.encode_prompts([""], qwen, 32, 4)
+    with pytest.raises(ConfigError, match=r"^prompt 2 encodes to no tokens"):
+        generate.encode_prompts(["a", ""], qwen, 32, 4)
+    assert generate.encode_prompts([""], ByteTokenizer(), 32, 4) == [[ByteTokenizer().bos_id]]  # BOS: one token

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import pickle
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -72,3 +74,58 @@ def test_input_pipeline_reads_text_with_it(tmp_path, fixture, starts_with_bos):
     inputs, targets = batch["inputs"][real], batch["targets"][real]
     assert inputs.max() < 128 and (targets == 2).any()  # the model's own ids; EOS ends documents
     assert (inputs == 1).any() == starts_with_bos
+
+
+def _beside(tmp_path: Path, fixture: str, **files: str) -> str:
+    """A copy of a fixture's tokenizer.json and tokenizer_config.json with `files` (name_json=text) beside it."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(TOKENIZER.parent.parent / fixture / name, tmp_path / name)
+    for name, text in files.items():
+        (tmp_path / name.replace("_json", ".json")).write_text(text)
+    return str(tmp_path / "tokenizer.json")
+
+
+def test_generation_also_stops_at_the_tokenizers_eos(tmp_path):
+    """generation_config.json naming only other ids (an instruct model's end of turn) still stops at the EOS every
+    fine-tuning document ends with; its own ids keep their order."""
+    tok = load_hf_tokenizer(_beside(tmp_path, "mixtral", generation_config_json='{"eos_token_id": [7, 5]}'))
+    assert tok.eos_id == 2 and tok.stop_ids == (7, 5, 2)
+    tok = load_hf_tokenizer(_beside(tmp_path, "mixtral", generation_config_json='{"eos_token_id": [2, 7]}'))
+    assert tok.stop_ids == (2, 7)
+    eight = json.dumps({"eos_token_id": [*range(3, 11)]})
+    with pytest.raises(ConfigError, match=r"generation_config\.json lists 9 EOS ids .* up to 8$"):
+        load_hf_tokenizer(_beside(tmp_path, "mixtral", generation_config_json=eight))
+
+
+@pytest.mark.parametrize(("fixture", "flags", "error"), [
+    ("mixtral", '{"add_bos_token": true, "add_eos_token": false}', None),
+    ("qwen3", '{"add_bos_token": false}', None),
+    ("mixtral", '{"add_bos_token": false}', "add_bos_token=false but the template of tokenizer.json adds BOS"),
+    ("llama_gqa", '{"add_bos_token": true}', "add_bos_token=true but the template of tokenizer.json adds no BOS"),
+    ("mixtral", '{"add_eos_token": true}', "add_eos_token=true but the template of tokenizer.json adds no EOS"),
+])
+def test_add_bos_and_eos_token_must_agree_with_the_template(tmp_path, fixture, flags, error):
+    """transformers' Llama-style tokenizers rebuild the template from add_bos_token/add_eos_token: where they
+    disagree with tokenizer.json's template, what transformers encodes depends on the class, so it is refused."""
+    path = _beside(tmp_path, fixture)
+    named = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**named, **json.loads(flags)}))
+    if error is None:
+        load_hf_tokenizer(path)
+        return
+    with pytest.raises(ConfigError, match=error):
+        load_hf_tokenizer(path)
+
+
+def test_a_template_that_changes_the_texts_tokens_is_refused(tmp_path):
+    """Where the plain encoding is not inside the templated one, BOS cannot be told: refused, not guessed."""
+
+    class Changing:  # encodes "a" as [5] alone but [1, 6] with special tokens
+        def encode(self, text, add_special_tokens):
+            return SimpleNamespace(ids=[1, 6] if add_special_tokens else [5])
+
+        def token_to_id(self, token):
+            return {"</s>": 2}.get(token)
+
+    with pytest.raises(ConfigError, match=r"the template of tokenizer\.json changes a text's tokens"):
+        HuggingFaceTokenizer(Changing(), str(tmp_path / "tokenizer.json"), {"eos_token": "</s>"}, {})

@@ -149,7 +149,8 @@ def convert(hf_dir: str, out_dir: str, base_config: str | None = None) -> Result
     """Converts; every problem with the source is a ConfigError before anything is written."""
     hf_dir, out_dir = os.path.abspath(hf_dir), os.path.abspath(out_dir)
     hf = hf_config.read(hf_dir)
-    arch, family, keys = hf_config.architecture(hf), hf_config.family(hf), hf_config.model_keys(hf)
+    family, keys = hf_config.family(hf), hf_config.model_keys(hf)
+    arch = family.architecture
     with safetensors_io.Source(hf_dir) as source:
         plan = _tensor_plan(layout.model_config(keys), family, source.tensors, hf_dir)
         base = os.path.abspath(base_config or default_base_config())

@@ -15,12 +15,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from maxshard.config import ConfigError
-from maxshard.convert.families import FAMILIES, Family, by_architecture
+from maxshard.convert.families import FAMILIES, Family, by_architecture, by_model_type
 
-__all__ = ["ARCHITECTURES", "MAX_TARGET_LENGTH", "read", "architecture", "family", "model_keys", "rope_keys",
-           "to_hf", "default_max_position", "family_of_keys"]
+__all__ = ["MAX_TARGET_LENGTH", "read", "family", "model_keys", "rope_keys", "to_hf", "default_max_position",
+           "family_of_keys"]
 
-ARCHITECTURES = {f.architecture: f.model_type for f in FAMILIES}
 MAX_TARGET_LENGTH = 2048  # the training length config.yml gets when the model allows more (a key to override)
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 _LLAMA3 = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_low_freq_factor",
@@ -38,25 +37,19 @@ def read(directory: str) -> dict[str, Any]:
         return json.load(f)
 
 
-def architecture(hf: Mapping[str, Any]) -> str:
-    """The one supported class named by `architectures` (or `model_type` when that list is missing)."""
-    names = hf.get("architectures") or []
-    if not names:
-        by_type = {kind: name for name, kind in ARCHITECTURES.items()}
-        if hf.get("model_type") in by_type:
-            return by_type[hf["model_type"]]
-        raise ConfigError(f"config.json: model_type={hf.get('model_type')!r} is not supported "
-                          f"(maxshard converts {', '.join(ARCHITECTURES)})")
-    if len(names) != 1 or names[0] not in ARCHITECTURES:
-        raise ConfigError(f"config.json: architectures={names} is not supported "
-                          f"(maxshard converts {', '.join(ARCHITECTURES)})")
-    return names[0]
-
-
 def family(hf: Mapping[str, Any]) -> Family:
-    """The family row of a config.json (ConfigError naming `architectures` when maxshard has none)."""
-    found = by_architecture(architecture(hf))
-    assert found is not None  # architecture() only returns names of rows
+    """The family row of the one class a config.json's `architectures` names (its `model_type` when that list is
+    missing); a ConfigError naming the field when maxshard has no such row."""
+    names, supported = hf.get("architectures") or [], ", ".join(f.architecture for f in FAMILIES)
+    if not names:
+        found = by_model_type(hf.get("model_type"))
+        if found is None:
+            raise ConfigError(f"config.json: model_type={hf.get('model_type')!r} is not supported "
+                              f"(maxshard converts {supported})")
+        return found
+    found = by_architecture(names[0]) if len(names) == 1 else None
+    if found is None:
+        raise ConfigError(f"config.json: architectures={names} is not supported (maxshard converts {supported})")
     return found
 
 
@@ -203,8 +196,8 @@ def _moe_fields(keys: Mapping[str, Any], fam: Family, template: Mapping[str, Any
            fam.expert_width_field: keys["mlp_dim"]}
     if fam.renormalize_field is not None:
         out[fam.renormalize_field] = bool(keys.get("moe_renormalize_top_k", True))
-    if fam.expert_width_field != "intermediate_size":
-        out.setdefault("intermediate_size", template.get("intermediate_size", keys["mlp_dim"]))
+    if fam.expert_width_field != "intermediate_size" and "intermediate_size" not in template:
+        out["intermediate_size"] = keys["mlp_dim"]  # unused (every layer routes): the expert width, not a default
     return out
 
 

@@ -29,13 +29,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any
 
 import numpy as np
 
-__all__ = ["Entry", "GLOBAL", "PER_LAYER", "HEAD", "IGNORED", "QK_NORM", "per_layer", "hf_name", "hf_shape", "row_axis",
-           "hf_rows_per_row",
-           "to_maxshard", "to_hf"]
+from maxshard.convert.families import Family
+
+__all__ = ["Entry", "GLOBAL", "ATTENTION", "QK_NORM", "MLP_NORM", "MLP", "HEAD", "IGNORED", "per_layer", "hf_name",
+           "hf_shape", "row_axis", "hf_rows_per_row", "to_maxshard", "to_hf"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,20 +55,24 @@ GLOBAL = (
     Entry("model.norm.weight", ("final_norm", "scale"), "same"),
 )
 HEAD = Entry("lm_head.weight", ("logits", "kernel"), "linear")  # absent with tie_word_embeddings
-PER_LAYER = (
+# Each layer's rows, in Hugging Face's order: attention (with q/k norms in qk_norm families), then the MLP's norm
+# and the MLP (or the MoE).
+ATTENTION = (
     Entry("model.layers.{i}.input_layernorm.weight", ("attention_norm", "scale"), "same"),
     Entry("model.layers.{i}.self_attn.q_proj.weight", ("attention", "query", "kernel"), "linear"),
     Entry("model.layers.{i}.self_attn.k_proj.weight", ("attention", "key", "kernel"), "linear"),
     Entry("model.layers.{i}.self_attn.v_proj.weight", ("attention", "value", "kernel"), "linear"),
     Entry("model.layers.{i}.self_attn.o_proj.weight", ("attention", "out", "kernel"), "linear", num_in=2),
-    Entry("model.layers.{i}.post_attention_layernorm.weight", ("mlp_norm", "scale"), "same"),
-    Entry("model.layers.{i}.mlp.gate_proj.weight", ("mlp", "wi_0", "kernel"), "linear"),
-    Entry("model.layers.{i}.mlp.up_proj.weight", ("mlp", "wi_1", "kernel"), "linear"),
-    Entry("model.layers.{i}.mlp.down_proj.weight", ("mlp", "wo", "kernel"), "linear"),
 )
 QK_NORM = (
     Entry("model.layers.{i}.self_attn.q_norm.weight", ("attention", "query_norm", "scale"), "same"),
     Entry("model.layers.{i}.self_attn.k_norm.weight", ("attention", "key_norm", "scale"), "same"),
+)
+MLP_NORM = Entry("model.layers.{i}.post_attention_layernorm.weight", ("mlp_norm", "scale"), "same")
+MLP = (
+    Entry("model.layers.{i}.mlp.gate_proj.weight", ("mlp", "wi_0", "kernel"), "linear"),
+    Entry("model.layers.{i}.mlp.up_proj.weight", ("mlp", "wi_1", "kernel"), "linear"),
+    Entry("model.layers.{i}.mlp.down_proj.weight", ("mlp", "wo", "kernel"), "linear"),
 )
 
 
@@ -83,12 +87,10 @@ def _moe(prefix: str, projections: tuple[str, str, str]) -> tuple[Entry, ...]:
     )
 
 
-def per_layer(family: Any) -> tuple[Entry, ...]:
-    """The per-layer rows of a family (`families.Family`): attention, its q/k norms, then the MLP or the MoE."""
-    attention, mlp = PER_LAYER[:6], PER_LAYER[6:]
-    if family.qk_norm:
-        attention = attention[:5] + QK_NORM + attention[5:]
-    return attention + (_moe(family.moe_prefix, family.expert_projections) if family.is_moe else mlp)
+def per_layer(family: Family) -> tuple[Entry, ...]:
+    """The per-layer rows of a family: attention, its q/k norms, then the MLP's norm and the MLP or the MoE."""
+    mlp = _moe(family.moe_prefix, family.expert_projections) if family.is_moe else MLP
+    return (*ATTENTION, *(QK_NORM if family.qk_norm else ()), MLP_NORM, *mlp)
 
 
 # Buffers some older checkpoints saved; recomputed from the config, never learned.

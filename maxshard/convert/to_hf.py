@@ -23,6 +23,7 @@ import functools
 import json
 import os
 import shutil
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -181,20 +182,24 @@ def export(step_dir: str, hf_dir: str, max_shard_size: str = "5GB", dtype: str |
     cfg = layout.model_config(keys)
     template = _template_dir(step_dir, saved, template)
     base = hf_config.read(template) if template else None
-    family = hf_config.family(base) if base else hf_config.family_of_keys(keys)
-    hf_config.to_hf(keys, "float32", base)  # the model keys must be what the family computes, before writing
     reader = orbax_io.Reader(step_dir)
-    tensors = _tensors(reader, layout.params_of(cfg, family), family, dtype, cfg.num_layers)
-    produce = {spec.name: fn for spec, fn in tensors}
-    os.makedirs(hf_dir, exist_ok=True)
-    files = safetensors_io.write_checkpoint(hf_dir, [spec for spec, _ in tensors], lambda s: produce[s.name](),
-                                            safetensors_io.parse_size(max_shard_size))
-
-    written = sorted({spec.dtype.name for spec, _ in tensors})
+    # Every parameter is written (params_of refuses one the family has no tensor for), so the dtypes written are
+    # --dtype or the parameters' own, known before the family is; config.json, which picks the family, comes first
+    # and every refusal of it is raised before anything is written.
+    written = sorted({DTYPES[dtype].name} if dtype else {np.dtype(a.dtype).name for a in reader.arrays.values()})
     config_json = hf_config.to_hf(keys, written[0] if len(written) == 1 else "float32", base,
                                   None if base else _token_ids(saved))
     if max_position_embeddings:
         config_json["max_position_embeddings"] = max_position_embeddings
+    family = hf_config.family(config_json)
+    tensors = _tensors(reader, layout.params_of(cfg, family), family, dtype, cfg.num_layers)
+    if cfg.num_experts > 1 and cfg.capacity_factor > 0:
+        print(f"note: trained with capacity_factor={cfg.capacity_factor} (tokens over an expert's capacity dropped);"
+              f" {family.architecture} routes dropless, so the export computes dropless routing", file=sys.stderr)
+    produce = {spec.name: fn for spec, fn in tensors}
+    os.makedirs(hf_dir, exist_ok=True)
+    files = safetensors_io.write_checkpoint(hf_dir, [spec for spec, _ in tensors], lambda s: produce[s.name](),
+                                            safetensors_io.parse_size(max_shard_size))
     with open(os.path.join(hf_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(config_json, f, indent=2, sort_keys=True)
         f.write("\n")

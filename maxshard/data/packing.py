@@ -40,7 +40,8 @@ FIELDS = ("inputs", "targets", "segment_ids", "positions", "loss_weights")
 
 
 def document_pair(tokens: np.ndarray, bos_id: int | None, eos_id: int) -> dict[str, np.ndarray]:
-    """int32 [n] -> {"inputs": [n + 1], "targets": [n + 1]}: BOS/EOS added, shifted by one (see module doc).
+    """int32 [n] -> {"inputs", "targets"}: BOS (where the tokenizer adds one) and EOS added, shifted by one (see
+    module doc), each [n + 1] long with a BOS.
 
     Without a BOS (bos_id None: a tokenizer whose template adds none, e.g. Qwen's) the pair is [n] long and the
     document's first token is context only, as it is for that model."""

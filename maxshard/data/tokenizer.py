@@ -12,7 +12,8 @@ template puts before a text, None where it puts none (Qwen has no BOS at all; a 
 adds none either), so training documents start as `tokenizer(text)` starts them, and prompts are encoded exactly as
 `tokenizer(prompt)` encodes them (`encode_prompt`). EOS ends every training document (the separator the model
 learns to stop at). Generation stops at `stop_ids`: for a Hugging Face model the EOS ids its generation_config.json
-lists (several for Qwen), as transformers' generate does.
+lists (several for Qwen), as transformers' generate does, plus the tokenizer's own EOS, the one fine-tuning taught
+the model to end a document with.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import hashlib
 import importlib
 import json
 import os
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import numpy as np
@@ -39,7 +41,10 @@ __all__ = [
     "make_tokenizer",
     "model_vocab_size",
     "resolve_vocab",
+    "MAX_STOP_IDS",
 ]
+
+MAX_STOP_IDS = 8  # EOS ids one generation can stop at: the compiled decode steps hold that many
 
 
 class Tokenizer(Protocol):
@@ -188,11 +193,12 @@ class HuggingFaceTokenizer:
 
     `bos_id` is what the tokenizer's template adds before a text (None when it adds nothing), found by encoding a
     probe text with and without special tokens; `encode` never applies the template (the pipeline adds `bos_id`
-    and EOS around each document), `encode_prompt` does. Decoding drops special tokens. Nothing is masked when
-    generating (transformers masks nothing either).
+    and EOS around each document), `encode_prompt` does. tokenizer_config.json's add_bos_token/add_eos_token, where
+    set, must agree with the template. Decoding drops special tokens. Nothing is masked when generating
+    (transformers masks nothing either).
     """
 
-    def __init__(self, tokenizer: Any, path: str, special: dict[str, str], stop_ids: tuple[int, ...] = ()) -> None:
+    def __init__(self, tokenizer: Any, path: str, special: dict[str, str], flags: Mapping[str, Any]) -> None:
         self.path = path
         self._tok = tokenizer
         ids = {field: tokenizer.token_to_id(token) for field, token in special.items()}
@@ -202,27 +208,30 @@ class HuggingFaceTokenizer:
                               "eos_token beside it")
         self.pad_id = ids.get("pad_token") if ids.get("pad_token") is not None else 0
         self.bos_token_id = ids.get("bos_token")  # the tokenizer's BOS token, whether or not its template adds it
-        self.bos_id = self._template_start(path)
-        self.stop_ids = stop_ids or (self.eos_id,)
+        before, after = self._template(path)
+        if len(before) > 1:
+            raise ConfigError(f"tokenizer_path={path}: its template puts {len(before)} tokens before a text; "
+                              "maxshard's documents start with at most one (BOS)")
+        self.bos_id = before[0] if before else None
+        _check_flags(path, flags, {"BOS": bool(before), "EOS": after[-1:] == [self.eos_id]})
+        self.stop_ids = stop_ids(path, self.eos_id)
         self.never_generated: tuple[int, ...] = ()
 
-    def _template_start(self, path: str) -> int | None:
-        """The id the post-processor puts before a text, or None; a template that adds more is refused.
-
-        Found as where the plain encoding of a probe text sits inside the templated one (the first probe that the
-        vocabulary can encode)."""
-        start, full = 0, []
+    def _template(self, path: str) -> tuple[list[int], list[int]]:
+        """(ids the post-processor puts before a text, ids it puts after), found as where the plain encoding of a
+        probe text sits inside the templated one (the first probe the vocabulary can encode). A template that
+        changes the text's own tokens is refused: BOS cannot be told from it, and the pipeline would not encode
+        documents as transformers does."""
         for probe in ("a", "the", "0", " "):
             plain = self._tok.encode(probe, add_special_tokens=False).ids
             full = self._tok.encode(probe, add_special_tokens=True).ids
             if plain:
-                starts = [i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain]
-                start = starts[0] if starts else 0
-                break
-        if start > 1:
-            raise ConfigError(f"tokenizer_path={path}: its template puts {start} tokens before a text; maxshard's "
-                              "documents start with at most one (BOS)")
-        return full[0] if start == 1 else None
+                at = next((i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain), None)
+                if at is None:
+                    raise ConfigError(f"tokenizer_path={path}: the template of tokenizer.json changes a text's tokens "
+                                      f"({probe!r} is {plain} alone, {full} with special tokens)")
+                return full[:at], full[at + len(plain) :]
+        return [], []
 
     @property
     def vocab_size(self) -> int:
@@ -246,6 +255,18 @@ class HuggingFaceTokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
 
+def _check_flags(path: str, flags: Mapping[str, Any], adds: Mapping[str, bool]) -> None:
+    """tokenizer_config.json's add_bos_token/add_eos_token must say what the template does: transformers'
+    Llama-style tokenizers rebuild the template from them, others keep tokenizer.json's, so where the two
+    disagree transformers' encoding depends on the tokenizer class and version."""
+    for token, added in adds.items():
+        field = f"add_{token.lower()}_token"
+        if flags.get(field) is not None and bool(flags[field]) != added:
+            raise ConfigError(f"tokenizer_path={path}: tokenizer_config.json has {field}={json.dumps(flags[field])}"
+                              f" but the template of tokenizer.json {'adds' if added else 'adds no'} {token}; "
+                              "make them agree")
+
+
 def _json_beside(path: str, name: str) -> dict[str, Any]:
     """A JSON file in the tokenizer's directory ({} when absent); unreadable is a ConfigError naming it."""
     other = os.path.join(os.path.dirname(path), name)
@@ -258,19 +279,24 @@ def _json_beside(path: str, name: str) -> dict[str, Any]:
         raise ConfigError(f"tokenizer_path={path}: cannot read {other}: {e}") from None
 
 
-def stop_ids(path: str) -> tuple[int, ...]:
-    """The EOS id(s) transformers' generate stops at: generation_config.json's eos_token_id (an id or a list),
-    else config.json's, beside the tokenizer; () when neither names one."""
+def stop_ids(path: str, eos_id: int) -> tuple[int, ...]:
+    """The EOS ids transformers' generate stops at (generation_config.json's eos_token_id, an id or a list, else
+    config.json's, beside the tokenizer), then `eos_id` where they lack it: every fine-tuning document ends with
+    the tokenizer's EOS, so a fine-tuned model stops there even when the list names only another id (an instruct
+    model's end of turn). More than MAX_STOP_IDS is a ConfigError naming the file."""
     for name in ("generation_config.json", "config.json"):
         eos = _json_beside(path, name).get("eos_token_id")
         if eos is not None:
-            return tuple(int(i) for i in (eos if isinstance(eos, list) else [eos]))
-    return ()
+            stops = tuple(dict.fromkeys((*(int(i) for i in (eos if isinstance(eos, list) else [eos])), eos_id)))
+            if len(stops) > MAX_STOP_IDS:
+                raise ConfigError(f"tokenizer_path={path}: {name} lists {len(stops)} EOS ids with the tokenizer's "
+                                  f"eos_token; generation stops at up to {MAX_STOP_IDS}")
+            return stops
+    return (eos_id,)
 
 
-def _special_tokens(path: str, tokenizer: Any) -> dict[str, str]:
-    """{"bos_token": text, ...}: from tokenizer_config.json beside `path`, else the first known name present."""
-    named = _json_beside(path, "tokenizer_config.json")
+def _special_tokens(named: Mapping[str, Any], tokenizer: Any) -> dict[str, str]:
+    """{"bos_token": text, ...}: from tokenizer_config.json (`named`), else the first known name present."""
     special = {}
     for field, fallbacks in _KNOWN_SPECIALS.items():
         value = named.get(field)
@@ -290,7 +316,8 @@ def load_hf_tokenizer(path: str) -> HuggingFaceTokenizer:
     except Exception as e:  # noqa: BLE001 - the Rust side raises plain Exception for any malformed file
         raise ConfigError(f"tokenizer_path={path} is not a Hugging Face tokenizer.json: "
                           f"{str(e).splitlines()[0][:160]}") from None
-    return HuggingFaceTokenizer(tokenizer, path, _special_tokens(path, tokenizer), stop_ids(path))
+    named = _json_beside(path, "tokenizer_config.json")
+    return HuggingFaceTokenizer(tokenizer, path, _special_tokens(named, tokenizer), named)
 
 
 def make_tokenizer(cfg: Config) -> ByteTokenizer | SentencePieceTokenizer | HuggingFaceTokenizer:
