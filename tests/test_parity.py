@@ -95,7 +95,8 @@ def test_gradient_accumulation_equals_one_big_batch(reference):
 
 
 def test_tensor_sequence_shards_the_norms_length():
-    """`tensor_sequence` splits heads like `tensor` and also the length of every RMSNorm (activation_norm_length)."""
+    """`tensor_sequence` splits heads like `tensor` and also the length of the residual stream and its RMSNorms
+    (activation_norm_length)."""
     import jax.numpy as jnp
 
     from maxshard import sharding

@@ -32,9 +32,9 @@ from test_plan import _compile, _plan_tool
 REPO = Path(__file__).resolve().parent.parent
 H100 = topologies.parse("h100-80gb-8")
 BASE_8B = ["configs/base.yml", "model_name=8b"]
-# The tiny model with the tensor axis, the pipeline and remat pinned: fsdp x data x sequence x context remain.
+# The tiny model with the tensor axes, the pipeline and remat pinned: fsdp x data x sequence x context remain.
 TINY_PINNED = ["configs/base.yml", *(t for t in TINY if not t.startswith("remat_policy=")),
-               "ici_tensor_parallelism=1", "ici_pipeline_parallelism=1",
+               "ici_tensor_parallelism=1", "ici_tensor_sequence_parallelism=1", "ici_pipeline_parallelism=1",
                "remat_policy=full"]
 
 

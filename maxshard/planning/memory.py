@@ -102,7 +102,7 @@ class Widths:
     length: int  # the whole sequence length (keys one query can see)
     attention: str = "dot_product"  # resolved implementation
     context: int = 1  # context shards (ring attention)
-    tensor: bool = False  # heads or mlp split over the `tensor` axis (tensor_sequence reduce-scatters instead)
+    tensor: bool = False  # heads or mlp split over the `tensor` axis (partial sums before their reduction)
     residual: int = 1  # shards of the residual stream's length beyond the activation length's (tensor_sequence)
     block_q: int = 512
     block_kv: int = 512

@@ -9,16 +9,18 @@ on the command line stay too (the search varies the others), so the overrides of
 the user's own command without naming a key twice.
 
 Candidates:
-    ici (devices of one slice or node): every factorization over data, stage, fsdp, sequence, context, tensor, and
+    ici (devices of one slice or node): every factorization over data, stage, fsdp, sequence, context, tensor,
+         tensor_sequence (tensor parallelism that also splits the residual stream: less memory, more traffic), and
          expert for MoE models; the axes that split heads or length or layers (`SMALL_AXES`) at most
-         `SMALL_AXIS_LIMIT` ways, and never sequence and context together (both split the length)
+         `SMALL_AXIS_LIMIT` ways, and never two of an `EXCLUSIVE` pair together (sequence and context both split
+         the length, tensor and tensor_sequence the heads)
     dcn (across slices or nodes): over data, fsdp and stage only, whose traffic crosses the network once per step
          (data) or once per layer (fsdp), or as one activation per microbatch (stage); never per-layer
          activation traffic such as tensor's
     num_pipeline_microbatches, with S > 1 stages: S, 2S and 4S (it must be a multiple of S)
     remat_policy: every policy of the schema (`config_schema.RematPolicy`) except `auto`, which is what a search
          resolves
-Not searched: fsdp_transpose and tensor_sequence (variants of fsdp and tensor), autoregressive (a decoding axis),
+Not searched: fsdp_transpose (a variant of fsdp), autoregressive (a decoding axis),
 gradient_accumulation_steps.
 
 Two rounds, so that the remat policies multiply only the meshes that can use them. First every mesh (with each of
@@ -72,9 +74,11 @@ __all__ = [
     "search",
 ]
 
-ICI_AXES = ("data", "stage", "fsdp", "sequence", "context", "tensor")  # + expert for MoE models
+ICI_AXES = ("data", "stage", "fsdp", "sequence", "context", "tensor", "tensor_sequence")  # + expert for MoE models
 DCN_AXES = ("data", "stage", "fsdp")
-SMALL_AXES = ("stage", "sequence", "context", "tensor", "expert")
+SMALL_AXES = ("stage", "sequence", "context", "tensor", "tensor_sequence", "expert")
+# Axes that split the same dimension two ways: a layout uses one of each pair (unless the user pinned both).
+EXCLUSIVE = (("sequence", "context"), ("tensor", "tensor_sequence"))
 SMALL_AXIS_LIMIT = 8  # past 8 ways, these axes' per-layer traffic outgrows what they save in memory
 MICROBATCH_MULTIPLES = (1, 2, 4)
 DEFAULT_HEADROOM = 0.1
@@ -175,9 +179,8 @@ def _family(user: Config, family: str, total: int, searched: Sequence[str], pinn
     limits = {a: SMALL_AXIS_LIMIT for a in SMALL_AXES if not is_pinned[a]}
     out = []
     for sizes in _factorizations(total // math.prod(fixed.values()), free, limits):
-        if sizes.get("sequence", 1) > 1 and sizes.get("context", 1) > 1 and not (
-            is_pinned["sequence"] or is_pinned["context"]
-        ):
+        if any(sizes.get(a, 1) > 1 and sizes.get(b, 1) > 1 and not (is_pinned[a] or is_pinned[b])
+               for a, b in EXCLUSIVE):
             continue
         out.append(tuple(fixed.get(a) or sizes.get(a, 1) for a in MESH_AXES))
     return out
