@@ -141,6 +141,7 @@ def test_user_run_name_and_num_slices_are_kept(capsys):
         ("v5p-256", 1, ["run_name=a\nb"], r"newline"),
         ("v5p-255", 1, [], r"not a v5p slice size"),
         ("v5p-256", 0, [], r"--num-slices must be >= 1"),
+        ("h100-96gb-8", 1, [], r"h100-96gb-8 is a node type for planning.*not one XPK creates"),
     ],
 )
 def test_user_mistakes_exit_2_with_one_line(capsys, device_type, slices, tokens, message):

@@ -40,6 +40,7 @@ class TpuFamily:
 class GpuType:
     device_kind: str  # the CUDA device name JAX reports
     gpus_per_node: int
+    xpk: bool = True  # an XPK --device-type (False: a node type the planner knows, launched by other means)
 
 
 TPU_FAMILIES: tuple[TpuFamily, ...] = (
@@ -52,7 +53,7 @@ TPU_FAMILIES: tuple[TpuFamily, ...] = (
 GPU_TYPES: dict[str, GpuType] = {
     "h100-80gb-8": GpuType("NVIDIA H100 80GB HBM3", 8),  # A3 High
     "h100-mega-80gb-8": GpuType("NVIDIA H100 80GB HBM3", 8),  # A3 Mega
-    "h100-96gb-8": GpuType("NVIDIA H100 96GB HBM3", 8),  # nodes of the 96 GB H100 (not a GCE machine type)
+    "h100-96gb-8": GpuType("NVIDIA H100 96GB HBM3", 8, xpk=False),  # nodes of the 96 GB H100, outside GCE
     "h200-141gb-8": GpuType("NVIDIA H200", 8),  # A3 Ultra
     "a100-40gb-8": GpuType("NVIDIA A100-SXM4-40GB", 8),  # A2
 }

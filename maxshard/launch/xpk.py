@@ -209,6 +209,10 @@ def make_request(args: argparse.Namespace, trainer: Sequence[str], suffix: str |
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     target = topologies.parse(args.device_type, args.num_slices)
+    gpu = topologies.GPU_TYPES.get(target.name)
+    if gpu is not None and not gpu.xpk:
+        raise ConfigError(f"--device-type {target.name} is a node type for planning (tools/plan.py), not one XPK "
+                          f"creates; XPK's GPU types: {', '.join(n for n, g in topologies.GPU_TYPES.items() if g.xpk)}")
     check_tokens(trainer)
     cfg = config.parse(trainer)
     if args.workload is not None:
