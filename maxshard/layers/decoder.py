@@ -51,7 +51,8 @@ def remat_policy(name: str) -> Any:
 # layer saves for its backward is 1/tensor_sequence of the stream. Attention and the MLP gather the length back
 # before their column-parallel projections and reduce their row-parallel outputs onto it (the collectives XLA
 # derives from these constraints), as Megatron's sequence parallelism does. Plain `tensor` keeps the stream whole:
-# XLA moves 1.75x its activation bytes with the split (tests/test_plan.py), a price only memory can justify.
+# XLA moves twice the collective bytes with the split (benchmarks/tensor_sequence.py), a price only memory can
+# justify.
 RESIDUAL = (ax.BATCH, ax.NORM_LENGTH, ax.ACT_EMBED)
 
 

@@ -12,8 +12,8 @@ Candidates:
     ici (devices of one slice or node): every factorization over data, stage, fsdp, sequence, context, tensor,
          tensor_sequence (tensor parallelism that also splits the residual stream: less memory, more traffic), and
          expert for MoE models; the axes that split heads or length or layers (`SMALL_AXES`) at most
-         `SMALL_AXIS_LIMIT` ways, and never two of an `EXCLUSIVE` pair together (sequence and context both split
-         the length, tensor and tensor_sequence the heads)
+         `SMALL_AXIS_LIMIT` ways, and never two of an `EXCLUSIVE` pair together (sequence, context and
+         tensor_sequence all split the length, tensor and tensor_sequence the heads)
     dcn (across slices or nodes): over data, fsdp and stage only, whose traffic crosses the network once per step
          (data) or once per layer (fsdp), or as one activation per microbatch (stage); never per-layer
          activation traffic such as tensor's
@@ -78,7 +78,9 @@ ICI_AXES = ("data", "stage", "fsdp", "sequence", "context", "tensor", "tensor_se
 DCN_AXES = ("data", "stage", "fsdp")
 SMALL_AXES = ("stage", "sequence", "context", "tensor", "tensor_sequence", "expert")
 # Axes that split the same dimension two ways: a layout uses one of each pair (unless the user pinned both).
-EXCLUSIVE = (("sequence", "context"), ("tensor", "tensor_sequence"))
+# tensor_sequence with sequence or context: XLA gathers 12x the bytes of sequence x tensor (benchmarks/README.md).
+EXCLUSIVE = (("sequence", "context"), ("tensor", "tensor_sequence"), ("sequence", "tensor_sequence"),
+             ("context", "tensor_sequence"))
 SMALL_AXIS_LIMIT = 8  # past 8 ways, these axes' per-layer traffic outgrows what they save in memory
 MICROBATCH_MULTIPLES = (1, 2, 4)
 DEFAULT_HEADROOM = 0.1
