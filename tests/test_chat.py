@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import pickle
 from pathlib import Path
 
 import numpy as np
@@ -87,6 +88,8 @@ def test_unusable_records_are_bad_records_never_errors():
         assert isinstance(chat.as_conversation(value, "x"), BadRecord)
     pair = encoder(chat.Conversation(tuple(conversation(0))), "")
     assert pair["inputs"].shape == pair["targets"].shape == pair[chat.WEIGHT].shape
+    copied = pickle.loads(pickle.dumps(encoder))(chat.Conversation(tuple(conversation(0))), "")  # grain workers
+    assert all(np.array_equal(pair[k], copied[k]) for k in pair)
 
 
 def noise_conversations(count: int, seed: int) -> list[dict]:
