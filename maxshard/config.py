@@ -338,10 +338,16 @@ def resolve_path(path: str) -> str:
     return os.path.abspath(os.path.expanduser(path))
 
 
+def _resolve_source(source: str) -> str:
+    if source.startswith("chat:"):
+        return "chat:" + _resolve_source(source[5:])
+    return source if source.startswith("hf:") else resolve_path(source)
+
+
 def resolve_paths(cfg: Config) -> Config:
     """Every path key (`config_schema.path_keys`) and every mixture source resolved with `resolve_path`
-    (`hf:NAME` sources name a dataset, not necessarily a path, and stay as written)."""
-    mixture = tuple((s if s.startswith("hf:") else resolve_path(s), w) for s, w in cfg.dataset_mixture)
+    (`hf:NAME` sources name a dataset, not necessarily a path, and stay as written; a `chat:` prefix stays)."""
+    mixture = tuple((_resolve_source(s), w) for s, w in cfg.dataset_mixture)
     return dataclasses.replace(cfg, dataset_mixture=mixture, **{key: resolve_path(getattr(cfg, key))
                                                                  for key in path_keys()})
 

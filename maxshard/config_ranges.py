@@ -6,6 +6,7 @@ Kept apart from loading so `config.py` holds one idea: reading and merging YAML 
 from __future__ import annotations
 
 import math
+import os
 import typing
 
 from maxshard.config_schema import MESH_AXES, Config, ConfigError, knob_name
@@ -80,6 +81,10 @@ def _check_data(cfg: Config) -> None:
     """The data keys that can be judged without reading a file (paths are checked when the input is built)."""
     if not cfg.text_field:
         raise ConfigError("text_field must name a field or column, got an empty string")
+    if not cfg.messages_field:
+        raise ConfigError("messages_field must name a field or column, got an empty string")
+    if cfg.chat_template not in ("", "default") and not os.path.isfile(cfg.chat_template):
+        raise ConfigError(f"chat_template={cfg.chat_template}: no such file (\"\", default, or a .jinja file)")
     if cfg.dataset_mixture:
         if cfg.dataset_type == "synthetic":
             raise ConfigError("dataset_mixture needs real data; dataset_type=synthetic makes its own")

@@ -164,10 +164,12 @@ class Config:
     max_grad_norm: float = 1.0
 
     # ---- data
-    dataset_type: Literal["text", "jsonl", "parquet", "hf", "array_record", "synthetic"] = "text"
+    dataset_type: Literal["text", "jsonl", "parquet", "hf", "array_record", "chat", "synthetic"] = "text"
     dataset_path: str = _path()
     dataset_mixture: Mixture = ()
     text_field: str = "text"
+    messages_field: str = "messages"
+    chat_template: str = ""
     hf_split: str = "train"
     hf_streaming: Literal["auto", "always", "never"] = "auto"
     data_cache_dir: str = _path()

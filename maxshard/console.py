@@ -71,6 +71,10 @@ def format_startup_summary(figures: Mapping[str, Any]) -> str:
                      f"layers, {pipe['microbatches']} microbatches, bubble fraction {pipe['bubble_fraction']:.3f}")
     lines.append(f"batch: {figures['global_batch_size']} x {figures['max_target_length']} tokens, "
                  f"{figures['steps']} steps")
+    if figures.get("chat_template"):
+        template = figures["chat_template"]
+        lines.append(f"chat template: {template['name']} (sha256 {template['sha256']}); the loss counts assistant "
+                     "turns only (`tokens` per step)")
     return "\n".join(lines)
 
 

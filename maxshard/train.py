@@ -18,6 +18,7 @@ import jax
 
 from maxshard import checkpoint, cli, compile_check, console, data, loading, mesh, metrics
 from maxshard.config import Config, ConfigError
+from maxshard.data import chat
 from maxshard.model import count_params
 from maxshard.profiling import Profiler
 from maxshard.report import Report, build_report
@@ -154,6 +155,7 @@ def run(argv: Sequence[str]) -> int:
     report = check_layout(cfg, trainer)
     figures = console.startup_figures(cfg, dict(trainer.mesh.shape), count_params(trainer.abstract_state.params),
                                       report)
+    figures["chat_template"] = chat.describe(cfg)  # None unless the run reads chat sources
     # Exits run inner first: the last save is committed, then metrics are flushed, then SIGTERM is given back.
     with (
         catch_sigterm() as sigterm,

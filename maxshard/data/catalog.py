@@ -8,7 +8,9 @@ Each source is a path, directory or glob whose type follows from its extension (
 `.parquet`, `.arecord`, `.txt`; a directory: the one type of the files in it), or `hf:NAME` for a Hugging Face
 dataset (streamed or not by `hf_streaming`, as for `dataset_type: hf`: the mixture takes one document at a time
 from each source and saves each source's own position, so a stream mixes as exactly as a file). Weights are positive
-shares of tokens (normalized). `source_specs` tells each source's reader from its
+shares of tokens (normalized). A source prefixed `chat:` (`chat:sft/*.jsonl`, `chat:hf:owner/name`) holds
+conversations in `messages_field` (`data/chat.py`), like `dataset_type: chat`, and mixes with text sources.
+`source_specs` tells each source's reader from its
 name (before any document is read, so before anything compiles); `open_corpus` does the I/O at `make_input`.
 """
 
@@ -43,6 +45,7 @@ class SourceSpec:
     weight: float
     key: str  # the config key that named it: "dataset_path" or "dataset_mixture[i]"
     label: str  # metrics: data/tokens/<label>
+    chat: bool = False  # records are conversations (`data/chat.py`), read by `kind`'s reader
 
 
 def _kind_of_source(source: str, i: int) -> str:
@@ -69,26 +72,41 @@ def source_specs(cfg: Config) -> list[SourceSpec]:
     """The sources of `cfg`: its mixture, or the single `dataset_type` + `dataset_path`."""
     if not cfg.dataset_mixture:
         label = _label(cfg.dataset_path) or ("stdlib" if cfg.dataset_type == "text" else cfg.dataset_type)
+        if cfg.dataset_type == "chat":
+            return [SourceSpec(_chat_reader(cfg.dataset_path), cfg.dataset_path, 1.0, "dataset_path", label, True)]
         return [SourceSpec(cfg.dataset_type, cfg.dataset_path, 1.0, "dataset_path", label)]
     if cfg.dataset_path:
         raise ConfigError("dataset_path and dataset_mixture are both set; set only one (a mixture lists its paths)")
     specs = []
     for i, (source, weight) in enumerate(cfg.dataset_mixture):
+        chat = source.startswith("chat:")
+        source = source[5:] if chat else source
         kind = _kind_of_source(source, i)
         path = source[3:] if kind == "hf" else source
-        specs.append(SourceSpec(kind, path, weight, f"dataset_mixture[{i}]", f"{i}_{_label(path)}"))
+        if chat and kind not in ("jsonl", "hf"):
+            raise ConfigError(f"dataset_mixture[{i}]: chat sources are JSONL files or hf:NAME, got {source!r}")
+        specs.append(SourceSpec(kind, path, weight, f"dataset_mixture[{i}]", f"{i}_{_label(path)}", chat))
     return specs
 
 
+def _chat_reader(path: str) -> str:
+    """`dataset_type: chat` reads JSONL files itself and anything else through `datasets` (hf)."""
+    return "jsonl" if kind_of(path) == "jsonl" else "hf"
+
+
 def open_corpus(spec: SourceSpec, tokenizer_id: str, text_field: str = "text", hf_split: str = "train",
-                cache_dir: str = "", hf_streaming: str = "auto") -> Corpus | HfStream:
+                cache_dir: str = "", hf_streaming: str = "auto", messages_field: str = "messages"
+                ) -> Corpus | HfStream:
     """The documents of one source (listing files and reading indexes and footers; no document is read yet).
 
-    `text_field`, `hf_split`, `cache_dir`, `hf_streaming`: the config keys of the same names (`data_cache_dir`).
+    `text_field`, `hf_split`, `cache_dir`, `hf_streaming`, `messages_field`: the config keys of the same names
+    (`data_cache_dir`); a chat source reads `messages_field` instead of `text_field`.
     A Hugging Face source that `hf_streaming` streams is an `hf_stream.HfStream`, not a Corpus: it has no indices.
     """
     from maxshard.data import records, sources  # deferred: records imports grain
 
+    if spec.chat:
+        return _chat_corpus(spec, messages_field, hf_split, cache_dir, hf_streaming)
     if spec.kind == "jsonl":
         return jsonl.jsonl_corpus(spec.path, text_field, cache_dir, spec.key)
     if spec.kind == "parquet":
@@ -106,6 +124,18 @@ def open_corpus(spec: SourceSpec, tokenizer_id: str, text_field: str = "text", h
     if spec.kind == "text":
         return sources.text_corpus(spec.path) if spec.path else sources.default_corpus()
     raise ConfigError(f"dataset_type={spec.kind!r} has no document reader")
+
+
+def _chat_corpus(spec: SourceSpec, messages_field: str, hf_split: str, cache_dir: str, hf_streaming: str) -> Corpus:
+    """A source of conversations: JSONL, or a map-style Hugging Face dataset (chat sources are not streamed)."""
+    if spec.kind == "jsonl":
+        return jsonl.jsonl_corpus(spec.path, messages_field, cache_dir, spec.key, chat=True)
+    from maxshard.data import hf  # deferred: `datasets` is optional
+
+    if hf_streaming == "always" or (hf_streaming == "auto" and hf.source_kind(spec.path, spec.key) == "hub"):
+        raise ConfigError(f"{spec.key}={spec.path}: chat data is read map-style (downloaded first), not streamed; "
+                          "set hf_streaming=never")
+    return hf.hf_corpus(spec.path, hf_split, messages_field, spec.key, chat=True)
 
 
 def _directory_kind(path: str, i: int) -> str:

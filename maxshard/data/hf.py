@@ -35,6 +35,7 @@ import numpy as np
 
 from maxshard.config import ConfigError
 from maxshard.data import files
+from maxshard.data.chat import Conversation, as_conversation
 from maxshard.data.sources import BadRecord, Corpus, as_text, row_keys
 
 __all__ = ["HfDocuments", "hf_corpus", "load", "load_streamed", "source_kind", "read_as_stream", "check_text_field",
@@ -50,17 +51,20 @@ STREAMING_MODES = ("auto", "always", "never")
 class HfDocuments(Sequence):
     """The `text_field` column of a map-style `datasets.Dataset`; the Arrow column is looked up once per process."""
 
-    def __init__(self, dataset: Any, text_field: str, name: str) -> None:
-        self.dataset, self.text_field, self.name = dataset, text_field, name
+    def __init__(self, dataset: Any, text_field: str, name: str, chat: bool = False) -> None:
+        """`chat`: the column holds conversations (`messages_field`), not text."""
+        self.dataset, self.text_field, self.name, self.chat = dataset, text_field, name, chat
         self._column: Any = None
 
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, index: int) -> str | BadRecord:  # type: ignore[override]
+    def __getitem__(self, index: int) -> str | Conversation | BadRecord:  # type: ignore[override]
         if self._column is None:
             self._column = self.dataset.data.column(self.text_field)
         value = self._column[int(index)]
+        if self.chat:
+            return as_conversation(value.as_py() if value.is_valid else None, f"{self.name} row {index}")
         return as_text(value.as_py() if value.is_valid else None, f"{self.name} row {index}")
 
     def __getstate__(self) -> dict[str, Any]:
@@ -120,21 +124,23 @@ def load_streamed(path: str, split: str, key: str = "dataset_path") -> Any:
         return _load_dataset(datasets, path, kind, split, streaming=True)
 
 
-def check_text_field(columns: Sequence[str] | None, text_field: str, where: str) -> None:
+def check_text_field(columns: Sequence[str] | None, text_field: str, where: str, name: str = "text_field") -> None:
     """ConfigError when the dataset's columns are known and `text_field` is not one of them (a wrong name)."""
     if columns is not None and text_field not in columns:
-        raise ConfigError(f"text_field={text_field}: {where} has no such column (columns: {', '.join(columns[:12])})")
+        raise ConfigError(f"{name}={text_field}: {where} has no such column (columns: {', '.join(columns[:12])})")
 
 
-def hf_corpus(path: str, split: str, text_field: str, key: str = "dataset_path") -> Corpus:
-    """One Hugging Face dataset split as a corpus; split keys hash the dataset's path and the row number."""
+def hf_corpus(path: str, split: str, text_field: str, key: str = "dataset_path", chat: bool = False) -> Corpus:
+    """One Hugging Face dataset split as a corpus; split keys hash the dataset's path and the row number.
+
+    `chat`: the column `text_field` (`messages_field`) holds conversations."""
     dataset = load(path, split, key)
-    check_text_field(dataset.column_names, text_field, f"{key}={path}")
+    check_text_field(dataset.column_names, text_field, f"{key}={path}", "messages_field" if chat else "text_field")
     if len(dataset) == 0:
         raise ConfigError(f"{key}={path}: the {split} split has no rows (empty corpus)")
     name = os.path.basename(path.rstrip("/")) or path
     keys: np.ndarray = row_keys(f"{name}:{split}", len(dataset))
-    return Corpus(HfDocuments(dataset.select_columns([text_field]), text_field, name), keys, f"{key}={path}")
+    return Corpus(HfDocuments(dataset.select_columns([text_field]), text_field, name, chat), keys, f"{key}={path}")
 
 
 def _datasets(path: str, key: str) -> Any:

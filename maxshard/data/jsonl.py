@@ -30,6 +30,7 @@ import numpy as np
 
 from maxshard.config import ConfigError
 from maxshard.data import files
+from maxshard.data.chat import Conversation, as_conversation
 from maxshard.data.sources import BadRecord, Corpus, row_keys
 
 __all__ = ["SUFFIXES", "JsonlDocuments", "jsonl_corpus", "parse_record", "line_bounds"]
@@ -40,8 +41,8 @@ _SAMPLE_LINES_PER_FILE = 8  # lines per file looked at before the first batch, t
 _SAMPLE_LINES = 256
 
 
-def parse_record(line: bytes, text_field: str, where: str) -> str | BadRecord:
-    """One line -> its text, or a BadRecord saying why not."""
+def parse_record(line: bytes, text_field: str, where: str, chat: bool = False) -> str | Conversation | BadRecord:
+    """One line -> its text (chat: its conversation, `chat.as_conversation`), or a BadRecord saying why not."""
     line = line.rstrip(b"\r\n")
     if not line.strip():
         return BadRecord("empty line", where)
@@ -56,6 +57,8 @@ def parse_record(line: bytes, text_field: str, where: str) -> str | BadRecord:
     if text_field not in record:
         return BadRecord("missing field", where)
     text = record[text_field]
+    if chat:
+        return as_conversation(text, where)
     if not isinstance(text, str):
         return BadRecord("not a string", where)
     return text if text else BadRecord("empty text", where)
@@ -79,8 +82,10 @@ def line_bounds(path: str) -> np.ndarray:
 class JsonlDocuments(Sequence):
     """Plain local JSONL files as one sequence of records; file descriptors open lazily (again in each worker)."""
 
-    def __init__(self, paths: Sequence[str], names: Sequence[str], bounds: Sequence[np.ndarray], text_field: str):
-        self.paths, self.names, self.text_field = tuple(paths), tuple(names), text_field
+    def __init__(self, paths: Sequence[str], names: Sequence[str], bounds: Sequence[np.ndarray], text_field: str,
+                 chat: bool = False):
+        """`chat`: records are conversations in `text_field` (`messages_field`), not text."""
+        self.paths, self.names, self.text_field, self.chat = tuple(paths), tuple(names), text_field, chat
         self._bounds = list(bounds)
         self._ends = np.cumsum([len(b) - 1 for b in bounds]).astype(np.int64)
         self._fds: dict[int, int] = {}
@@ -89,8 +94,8 @@ class JsonlDocuments(Sequence):
     def __len__(self) -> int:
         return int(self._ends[-1]) if len(self._ends) else 0
 
-    def __getitem__(self, index: int) -> str | BadRecord:  # type: ignore[override]
-        return parse_record(self.raw(index), self.text_field, self.where(index))
+    def __getitem__(self, index: int) -> str | Conversation | BadRecord:  # type: ignore[override]
+        return parse_record(self.raw(index), self.text_field, self.where(index), self.chat)
 
     def raw(self, index: int) -> bytes:
         """The bytes of line `index` (with its newline)."""
@@ -140,21 +145,23 @@ class JsonlDocuments(Sequence):
                 pass
 
 
-def jsonl_corpus(dataset_path: str, text_field: str, cache_dir: str, key: str = "dataset_path") -> Corpus:
-    """Every JSONL file `dataset_path` names (a file, a directory's `*.jsonl[.gz|.zst]`, a glob), sorted."""
+def jsonl_corpus(dataset_path: str, text_field: str, cache_dir: str, key: str = "dataset_path",
+                 chat: bool = False) -> Corpus:
+    """Every JSONL file `dataset_path` names (a file, a directory's `*.jsonl[.gz|.zst]`, a glob), sorted; `chat`:
+    the records are conversations in the field `text_field` (`messages_field`)."""
     sources = files.list_files(dataset_path, SUFFIXES, key)
     local = [_plain_local_copy(p, cache_dir, key) for p in sources]
     names = [files.relative_name(p, dataset_path) for p in sources]
     bounds = [line_bounds(p) for p in local]
-    documents = JsonlDocuments(local, names, bounds, text_field)
+    documents = JsonlDocuments(local, names, bounds, text_field, chat)
     if len(documents) == 0:
         raise ConfigError(f"{key}={dataset_path}: the files hold no lines (empty corpus)")
-    _check_text_field(documents, text_field, f"{key}={dataset_path}")
+    _check_text_field(documents, text_field, f"{key}={dataset_path}", "messages_field" if chat else "text_field")
     keys = np.concatenate([row_keys(n, len(b) - 1) for n, b in zip(names, bounds)])
     return Corpus(documents, keys, f"{key}={dataset_path}")
 
 
-def _check_text_field(documents: JsonlDocuments, text_field: str, where: str) -> None:
+def _check_text_field(documents: JsonlDocuments, text_field: str, where: str, name: str = "text_field") -> None:
     """ConfigError when the first lines of the files hold JSON objects but none has `text_field` (a wrong name)."""
     fields: set[str] = set()
     for index in documents.sample(_SAMPLE_LINES_PER_FILE, _SAMPLE_LINES):
@@ -168,7 +175,7 @@ def _check_text_field(documents: JsonlDocuments, text_field: str, where: str) ->
             fields.update(record)
     if fields:
         shown = ", ".join(sorted(fields)[:12])
-        raise ConfigError(f"text_field={text_field}: no record of {where} has that field "
+        raise ConfigError(f"{name}={text_field}: no record of {where} has that field "
                           f"(fields of its first records: {shown})")
 
 

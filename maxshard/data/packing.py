@@ -34,6 +34,8 @@ import grain
 import numpy as np
 from grain.experimental import ConcatThenSplitIterDataset
 
+from maxshard.data.chat import WEIGHT  # an optional per-target loss weight of a pair (chat: assistant turns only)
+
 __all__ = ["document_pair", "pack", "pad_to_length", "FIELDS"]
 
 FIELDS = ("inputs", "targets", "segment_ids", "positions", "loss_weights")
@@ -64,7 +66,7 @@ def _packed_row(element: dict[str, np.ndarray], extra: tuple[str, ...] = ()) -> 
         "targets": element["targets"],
         "segment_ids": segment_ids,
         "positions": element["inputs_positions"].astype(np.int32),
-        "loss_weights": (segment_ids > 0).astype(np.float32),
+        "loss_weights": _weights(segment_ids > 0, element),
         **{k: element[k] for k in extra},
     }
 
@@ -79,9 +81,15 @@ def pad_to_length(pair: dict[str, np.ndarray], length: int, pad_id: int = 0,
         "targets": _fit(pair["targets"], length, pad_id),
         "segment_ids": real.astype(np.int32),
         "positions": np.where(real, np.arange(length), 0).astype(np.int32),
-        "loss_weights": real.astype(np.float32),
+        "loss_weights": _weights(real, {k: _fit(pair[k], length, 0, pair[k].dtype) for k in extra if k == WEIGHT}),
         **{k: _fit(pair[k], length, 0, pair[k].dtype) for k in extra},
     }
+
+
+def _weights(real: np.ndarray, element: dict[str, np.ndarray]) -> np.ndarray:
+    """1 on real tokens, times the pair's own WEIGHT where it carries one (padding then weighs 0 either way)."""
+    weights = real.astype(np.float32)
+    return weights * element[WEIGHT].astype(np.float32) if WEIGHT in element else weights
 
 
 def _fit(x: np.ndarray, length: int, pad_id: int, dtype: np.dtype = np.int32) -> np.ndarray:

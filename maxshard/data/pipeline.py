@@ -57,7 +57,7 @@ from grain.experimental import ThreadPrefetchIterDataset, WindowShuffleIterDatas
 from jax.sharding import NamedSharding
 
 from maxshard.config import Config, ConfigError
-from maxshard.data import catalog, hf_stream, packing, sources
+from maxshard.data import catalog, chat, hf_stream, packing, sources
 from maxshard.data.mixture import SKIPPED, SOURCE, TokenMixIterDataset
 from maxshard.data.shuffle import BlockShuffleMapDataset
 from maxshard.data.sources import BadRecord
@@ -93,6 +93,7 @@ class SourceStream:
     weight: float = 1.0
     name: str = "documents"  # for messages
     blocks: np.ndarray | None = None  # block of each of `indices` (None: shuffle globally)
+    encoder: chat.ChatEncoder | None = None  # a chat source: conversations -> pairs with loss weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,11 +106,14 @@ class StreamedSource:
     shuffle_window: int = hf_stream.SHUFFLE_WINDOW  # documents per train shuffle window
 
 
-def _document_pair(document: str | np.ndarray | BadRecord, tokenizer: Tokenizer,
-                   where: str) -> dict[str, np.ndarray] | BadRecord:
-    """A document -> {inputs, targets}, or its BadRecord."""
+def _document_pair(document: str | np.ndarray | chat.Conversation | BadRecord, tokenizer: Tokenizer,
+                   where: str, encoder: chat.ChatEncoder | None = None) -> dict[str, np.ndarray] | BadRecord:
+    """A document -> {inputs, targets} (a conversation: and its chat.WEIGHT), or its BadRecord."""
     if isinstance(document, BadRecord):
         return document
+    if isinstance(document, chat.Conversation):
+        assert encoder is not None, "a chat source without its encoder"
+        return encoder(document, where)
     if isinstance(document, np.ndarray):
         tokens = document
     else:
@@ -126,9 +130,10 @@ class _LoadPair:
 
     documents: Sequence[str | np.ndarray | BadRecord]
     tokenizer: Tokenizer
+    encoder: chat.ChatEncoder | None = None  # conversations -> pairs (chat sources)
 
     def __call__(self, index: int) -> dict[str, np.ndarray] | BadRecord:
-        return _document_pair(self.documents[int(index)], self.tokenizer, f"document {int(index)}")
+        return _document_pair(self.documents[int(index)], self.tokenizer, f"document {int(index)}", self.encoder)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,8 +162,9 @@ def mixed_batches(streams: Sequence[SourceStream | StreamedSource], tokenizer: T
     parents = [_source_pairs(s, tokenizer, _source_seed(opts.shuffle_seed, i)) for i, s in enumerate(streams)]
     epoch_sizes = [len(s.indices) if isinstance(s, SourceStream) else None for s in streams]
     pairs = TokenMixIterDataset(parents, [s.weight for s in streams], epoch_sizes,
-                                [s.name for s in streams], token_cap=None if opts.packing else opts.length)
-    extra = (SOURCE, SKIPPED)
+                                [s.name for s in streams], token_cap=None if opts.packing else opts.length,
+                                row_length=opts.length if opts.packing else None)
+    extra = (SOURCE, SKIPPED, chat.WEIGHT)
     if opts.packing:
         rows = packing.pack(pairs, opts.length, extra)
     else:
@@ -185,7 +191,7 @@ def _source_pairs(stream: SourceStream | StreamedSource, tokenizer: Tokenizer, s
         ds = grain.MapDataset.source(stream.indices).shuffle(seed=seed)
     else:
         ds = BlockShuffleMapDataset(stream.indices, stream.blocks, seed)
-    ds = ds.repeat(None).map(_LoadPair(stream.documents, tokenizer))
+    ds = ds.repeat(None).map(_LoadPair(stream.documents, tokenizer, stream.encoder))
     return ds.to_iter_dataset(grain.ReadOptions(num_threads=_READ_THREADS, prefetch_buffer_size=_READ_BUFFER))
 
 
@@ -353,17 +359,20 @@ def make_grain_input(cfg: Config, sharding: NamedSharding, split: str, batch_siz
     _check_keys(cfg, split)
     tokenizer = make_tokenizer(cfg)
     specs = catalog.source_specs(cfg)
+    template = chat.run_template(cfg)
+    encoder = None if template is None else chat.ChatEncoder(template, tokenizer, cfg.max_target_length)
     streams: list[SourceStream | StreamedSource] = []
     for spec in specs:
         corpus = catalog.open_corpus(spec, tokenizer.fingerprint(), cfg.text_field, cfg.hf_split, cfg.data_cache_dir,
-                                     cfg.hf_streaming)
+                                     cfg.hf_streaming, cfg.messages_field)
         if not isinstance(corpus, sources.Corpus):  # a streamed Hugging Face dataset, read whole by every process
             documents = corpus.documents(split, cfg.eval_fraction, 0, 1)
             streams.append(StreamedSource(documents, spec.weight, corpus.where, hf_stream.SHUFFLE_WINDOW))
             continue
         indices = split_documents(corpus, cfg, split)
         blocks = None if corpus.blocks is None else corpus.blocks[indices]
-        streams.append(SourceStream(corpus.documents, indices, spec.weight, corpus.where, blocks))
+        streams.append(SourceStream(corpus.documents, indices, spec.weight, corpus.where, blocks,
+                                    encoder if spec.chat else None))
     opts = PipelineOptions(
         length=cfg.max_target_length,
         batch=batch_size,
@@ -375,6 +384,8 @@ def make_grain_input(cfg: Config, sharding: NamedSharding, split: str, batch_siz
     identity = {"where": [s.name for s in streams], "weights": [s.weight for s in streams], "split": split,
                 "documents": [int(len(s.indices)) if isinstance(s, SourceStream) else "streamed" for s in streams],
                 "tokenizer": tokenizer.fingerprint(), "text_field": cfg.text_field, **dataclasses.asdict(opts)}
+    if template is not None:  # another template or field makes another stream
+        identity.update(chat_template=template.digest, messages_field=cfg.messages_field)
     del identity["prefetch"]  # prefetching depth does not change the stream
     del identity["batch"]  # grain's position counts rows, not batches: a changed global batch goes on from the same row
     return GlobalBatchIterator(mixed_batches(streams, tokenizer, opts), sharding, identity, [s.label for s in specs])

@@ -247,6 +247,11 @@ class HuggingFaceTokenizer:
     def encode_array(self, text: str) -> np.ndarray:
         return np.asarray(self.encode(text), np.int32)
 
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids and each token's character span, no template (chat templates write their own specials)."""
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
+
     def fingerprint(self) -> str:
         ids = f"{self.bos_id},{self.eos_id},{self.pad_id}".encode()
         return "hf-tokenizers:" + hashlib.sha256(self._tok.to_str().encode() + ids).hexdigest()[:16]
