@@ -1,6 +1,6 @@
 """The planner's per-device peak against XLA's, and `remat_policy: auto` (maxshard/planning/memory.py, fit.py).
 
-For 24 configurations (dense and MoE; data, fsdp, tensor, sequence, context, tensor_sequence, pipeline and expert
+For 25 configurations (dense and MoE; data, fsdp, tensor, sequence, context, tensor_sequence, pipeline and expert
 parallelism, gradient accumulation; every remat policy; dot-product and blockwise attention) the train step is
 compiled from abstract inputs on the 8 simulated CPU devices and its peak per device,
 
@@ -59,6 +59,8 @@ CASES: dict[str, tuple[str, ...]] = {
                                      "attention_block_kv=32", "remat_policy=minimal"),
     "wide tensor_sequence2 fsdp4 none": (*WIDE, "ici_fsdp_parallelism=4", "ici_tensor_sequence_parallelism=2",
                                          "remat_policy=none"),
+    "tensor_sequence4 dp2 save_qkv_proj": (*NARROW, "ici_tensor_sequence_parallelism=4", "ici_data_parallelism=2",
+                                           "remat_policy=save_qkv_proj"),
     "wide pipeline2 fsdp4 M2 save_qkv_out_proj": (*WIDE, *PIPE2, "num_layers=4", "num_pipeline_microbatches=2",
                                                   "remat_policy=save_qkv_out_proj"),
     "wide fsdp8 accumulate4 save_qkv_out_proj": (*WIDE, *FSDP8, "gradient_accumulation_steps=4",

@@ -54,7 +54,7 @@ s = the compute dtype's itemsize:
                 the working set is one stage's layers' on one microbatch; plus the circulation buffer of all
                 microbatches [tokens, E]
 
-What the plan leaves out (a few % of XLA:CPU's temporaries in the 24-configuration check of
+What the plan leaves out (a few % of XLA:CPU's temporaries in the 25-configuration check of
 tests/test_plan_memory.py): the embedding's gradient buffers, loss reductions and XLA's fusion scratch.
 """
 
