@@ -102,12 +102,8 @@ def load_for_target(config_argv: Sequence[str], target: Target) -> Config:
 
 def target_capacity(cfg: Config, target: Target) -> Capacity:
     """One device's memory on `target`: `device_memory_gb` when set, else the device type's HBM."""
-    return fit.configured_capacity(cfg) or Capacity(*_pool(target))
-
-
-def _pool(target: Target) -> tuple[int, str]:
     memory, source = hardware.device_memory(target.name)
-    return int(memory), source
+    return fit.configured_capacity(cfg) or Capacity(int(memory), source)
 
 
 def capacity_bytes(target: Target, headroom: float = DEFAULT_HEADROOM) -> float:
