@@ -101,7 +101,8 @@ def load_for_target(config_argv: Sequence[str], target: Target) -> Config:
 
 
 def target_capacity(cfg: Config, target: Target) -> Capacity:
-    """One device's memory on `target`: `device_memory_gb` when set, else the device type's HBM."""
+    """One device's memory on `target`: `device_memory_gb` when set, else what JAX can allocate there
+    (`hardware.device_memory`)."""
     memory, source = hardware.device_memory(target.name)
     return fit.configured_capacity(cfg) or Capacity(int(memory), source)
 
