@@ -54,6 +54,7 @@ LAYOUTS = {  # name -> (model, knobs); every knob not named is 1
     "context x fsdp": ("dense", ["ici_context_parallelism=2", "ici_fsdp_parallelism=4"]),
     "expert x fsdp": ("moe", ["ici_expert_parallelism=4", "ici_fsdp_parallelism=2"]),
     "pipeline x fsdp": ("dense", ["ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4"]),
+    "pipeline x tensor_sequence": ("dense", ["ici_pipeline_parallelism=2", "ici_tensor_sequence_parallelism=4"]),
 }
 
 

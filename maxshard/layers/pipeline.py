@@ -69,8 +69,10 @@ from maxshard.sharding import constrain
 __all__ = ["to_scanned", "from_scanned", "Pipeline"]
 
 _SOWN = "intermediates"  # collection the layers sow into (MoE router statistics); carried out for valid slots
-_STATE_AXES = (ax.ACT_STAGE, ax.BATCH, ax.LENGTH, ax.ACT_EMBED)  # [stages, microbatch, length, embed]
-_BUFFER_AXES = (ax.ACT_STAGE, None, ax.BATCH, ax.LENGTH, ax.ACT_EMBED)  # [stages, M, microbatch, length, embed]
+# The circulating stage inputs are the residual stream, split as the decoder splits it (layers/decoder.py), so
+# under tensor_sequence a stage hop moves each device's piece instead of gathering the stream.
+_STATE_AXES = (ax.ACT_STAGE, ax.BATCH, ax.NORM_LENGTH, ax.ACT_EMBED)  # [stages, microbatch, length, embed]
+_BUFFER_AXES = (ax.ACT_STAGE, None, ax.BATCH, ax.NORM_LENGTH, ax.ACT_EMBED)  # [stages, M, microbatch, length, embed]
 
 
 # --------------------------------------------------------------------------------------------- parameter layout

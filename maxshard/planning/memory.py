@@ -339,7 +339,7 @@ def _pipeline_terms(cfg: Config, w: Widths, geo: Geometry, tokens: int, per_laye
         saved=geo.iterations * microbatch * inside,
         working=microbatch * stage_layers * w.working_bytes(stage_policy, size),
         moe=microbatch * moe_per_layer * stage_layers,
-        pipeline=geo.iterations * microbatch * w.embed * size + tokens * w.embed * size,
+        pipeline=geo.iterations * microbatch * w.stream * size + tokens * w.stream * size,
         block=w.block_bytes(max(microbatch // local_length, 1)),
         **common,
     )
