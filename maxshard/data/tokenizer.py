@@ -70,8 +70,21 @@ class Tokenizer(Protocol):
     def decode(self, ids: list[int]) -> str: ...
 
 
+class _FixedSpecials:
+    """Generation's rule for a tokenizer whose BOS, EOS and PAD are fixed ids (byte-level, SentencePiece): stop at
+    EOS, never emit PAD or BOS."""
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return (self.eos_id,)  # type: ignore[attr-defined]
+
+    @property
+    def never_generated(self) -> tuple[int, ...]:
+        return (self.pad_id, self.bos_id)  # type: ignore[attr-defined]
+
+
 @dataclasses.dataclass(frozen=True)
-class ByteTokenizer:
+class ByteTokenizer(_FixedSpecials):
     """Token = byte value + 3; ids 0, 1, 2 are PAD, BOS, EOS."""
 
     pad_id: int = 0
@@ -82,14 +95,6 @@ class ByteTokenizer:
     @property
     def vocab_size(self) -> int:
         return 256 + self.offset
-
-    @property
-    def stop_ids(self) -> tuple[int, ...]:
-        return (self.eos_id,)
-
-    @property
-    def never_generated(self) -> tuple[int, ...]:
-        return (self.pad_id, self.bos_id)
 
     def encode(self, text: str) -> list[int]:
         return [b + self.offset for b in text.encode("utf-8")]
@@ -111,7 +116,7 @@ class ByteTokenizer:
         return data.decode("utf-8", errors="replace")
 
 
-class SentencePieceTokenizer:
+class SentencePieceTokenizer(_FixedSpecials):
     """A SentencePiece model. PAD falls back to 0 when the model has none: padded positions carry no loss."""
 
     def __init__(self, processor: Any, path: str) -> None:
@@ -127,14 +132,6 @@ class SentencePieceTokenizer:
     @property
     def vocab_size(self) -> int:
         return self._sp.vocab_size()
-
-    @property
-    def stop_ids(self) -> tuple[int, ...]:
-        return (self.eos_id,)
-
-    @property
-    def never_generated(self) -> tuple[int, ...]:
-        return (self.pad_id, self.bos_id)
 
     def encode(self, text: str) -> list[int]:
         return self._sp.encode(text)
