@@ -197,8 +197,8 @@ def test_plan_matches_an_xla_tpu_compile(monkeypatch: pytest.MonkeyPatch) -> Non
     small gradients with all-reduce + slice rather than reduce-scatter. Measured on libtpu 0.0.42.1: all-gather
     188,416 planned / 192,512 measured (the token ids of the lookup), reductions 312,576 / 313,936, all-to-all
     49,152 / 49,152. With tensor_sequence=2 instead (the residual stream split, layers/decoder.py) the same compile
-    gathers 421,888 (planned 417,792): the stream's gathers, 6 per layer + 2 for the head. Memory is not compared: TPU tiles pad
-    this model's small arrays several-fold.
+    gathers 421,888 (planned 417,792): the stream's gathers, 6 per layer + 2 for the head. Memory is not compared:
+    TPU tiles pad this model's small arrays several-fold.
     """
     from jax.experimental.topologies import get_topology_desc
 

@@ -18,8 +18,8 @@ batch (and so the loss) never depends on the layout. Worked example, global batc
 
 The price is that every process reads and tokenizes the whole global batch's documents: P processes do P times the
 input work of a per-process split (not measured at cluster scale; ArrayRecord shards of tokens from
-`tools/prepare_data.py` reduce it to reading). A mixture is part of the stream (its interleave state is in grain's), and so is a
-streamed Hugging Face dataset, which every process reads whole (`hf_stream`).
+`tools/prepare_data.py` reduce it to reading). A mixture is part of the stream (its interleave state is in grain's),
+and so is a streamed Hugging Face dataset, which every process reads whole (`hf_stream`).
 
 A single source is a mixture of one. Sources whose documents are read a block at a time (Parquet row groups) are
 shuffled block-wise (`shuffle.BlockShuffleMapDataset`) instead of globally. A streamed Hugging Face dataset has no

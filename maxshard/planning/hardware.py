@@ -73,16 +73,15 @@ INTERCONNECTS: dict[str, Interconnect] = {
     "v5litepod": Interconnect(1600 * _GBIT, 2 * 100 * _GBIT / 8, 15.75 * _GIB, "Cloud TPU v5e/v6e docs"),
     "v5p": Interconnect(4800 * _GBIT, 50 * _GBIT, 95.74 * _GIB, "Cloud TPU v5p docs"),
     "v6e": Interconnect(3200 * _GBIT, 4 * 200 * _GBIT / 8, 31.25 * _GIB, "Cloud TPU v6e docs"),
-    "h100-80gb-8": Interconnect(450 * _GB, 1000 * _GBIT / 8, _gpu(81559), "NVIDIA H100 datasheet; GCE A3 High", gpu=True),
-
-    "h100-mega-80gb-8": Interconnect(450 * _GB, 1600 * _GBIT / 8, _gpu(81559), "NVIDIA H100 datasheet; GCE A3 Mega", gpu=True),
-
+    "h100-80gb-8": Interconnect(450 * _GB, 1000 * _GBIT / 8, _gpu(81559), "NVIDIA H100 datasheet; GCE A3 High",
+                                gpu=True),
+    "h100-mega-80gb-8": Interconnect(450 * _GB, 1600 * _GBIT / 8, _gpu(81559), "NVIDIA H100 datasheet; GCE A3 Mega",
+                                     gpu=True),
     "h100-96gb-8": Interconnect(450 * _GB, 1600 * _GBIT / 8, _gpu(96 * 1024),
                                 "NVIDIA H100 datasheet; 8 x 200 Gbps NICs assumed", gpu=True),
-    "h200-141gb-8": Interconnect(450 * _GB, 3200 * _GBIT / 8, _gpu(143771), "NVIDIA H200 datasheet; GCE A3 Ultra", gpu=True),
-
+    "h200-141gb-8": Interconnect(450 * _GB, 3200 * _GBIT / 8, _gpu(143771), "NVIDIA H200 datasheet; GCE A3 Ultra",
+                                 gpu=True),
     "a100-40gb-8": Interconnect(300 * _GB, 100 * _GBIT / 8, _gpu(40960), "NVIDIA A100 datasheet; GCE A2", gpu=True),
-
 }
 
 

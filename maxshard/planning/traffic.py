@@ -228,9 +228,9 @@ def _recompute_count(policy: str) -> int:
 
 # Under sequence-parallel residuals (layers/decoder.py), per layer and [tokens, E] of the compute dtype, as XLA:TPU
 # compiles a tiny model (libtpu 0.0.42.1, tensor_sequence=8 and fsdp=4 x tensor_sequence=2, 2 and 4 layers;
-# XLA:CPU the same for `none`): the reductions of the row-parallel outputs and column-parallel input gradients (a recompute adds the
-# attention output's, never the MLP's, whose output the backward does not need), and the gathers of the residual
-# stream before each projection, forward and backward, again in a recompute. Plus 2 gathers for the output head.
+# XLA:CPU the same for `none`): the reductions of the row-parallel outputs and column-parallel input gradients (a
+# recompute adds the attention output's, never the MLP's, whose output the backward does not need), and the gathers
+# of the residual stream before each projection, forward and backward, again in a recompute. Plus 2 for the head.
 _SP_REDUCES = {"save_qkv_proj": 5, "full": 5}  # others: 4
 _SP_GATHERS = {"full": 9}  # others: 6
 _SP_HEAD_GATHERS = 2
