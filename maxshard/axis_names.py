@@ -16,6 +16,7 @@ KV_HEADS = "kv_heads"
 KV = "kv"  # head_dim
 NORM = "norm"
 EXP = "exp"  # experts
+LORA_RANK = "lora_rank"  # the inner dimension of a LoRA adapter pair (layers/lora.py): small, kept whole
 
 # ---- activation dimensions
 BATCH = "activation_batch"

@@ -2,7 +2,8 @@
 
 A checkpoint is `checkpoint_dir/<step>/` with three orbax items:
 
-    state   the whole TrainState (step, params, opt_state) as sharded arrays
+    state   the TrainState's trained part (step, params, opt_state) as sharded arrays: every parameter, or with
+            LoRA only the adapters (`saved_part`); the frozen base is read from `load_parameters_path` each start
     data    the input iterator state of every process, {"process_<i>": state} (JSON): the batch stream resumes exactly
     config  the Config that wrote it (JSON), for people and tools; never read back
 
@@ -40,7 +41,6 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
@@ -48,7 +48,7 @@ from jax.experimental import multihost_utils
 
 from maxshard.checkpoint_health import (CheckpointError, Damaged, Outcome, QuietBackground, SaveFailed, agree,
                                         outcome_of, reason)
-from maxshard import checkpoint_layout
+from maxshard import checkpoint_layout, trainable
 from maxshard.checkpoint_layout import check_matches
 from maxshard.config import Config, ConfigError
 from maxshard.step import Trainer, TrainState
@@ -67,6 +67,42 @@ def target_state(trainer: Trainer) -> TrainState:
         nn.unbox(trainer.abstract_state),
         trainer.state_shardings,
     )
+
+
+def saved_part(state: TrainState, trainer: Trainer) -> TrainState:
+    """What a checkpoint holds of `state` (or of its abstract target): all of it, or with LoRA the adapters, their
+    optimizer moments and the step; the frozen base would repeat `load_parameters_path` at every save."""
+    return state.replace(params=trainable.trainable_subset(state.params, trainer.cfg.model))
+
+
+def with_base(state: TrainState, trainer: Trainer) -> TrainState:
+    """A state read from a checkpoint (`saved_part`) made whole: with LoRA the frozen base joins it, read from the
+    run's `load_parameters_path` onto this mesh."""
+    cfg = trainer.cfg
+    if trainable.trains_everything(cfg.model):
+        return state
+    base = read_base(cfg.load_parameters_path, trainer)
+    return state.replace(params=trainable.merge(state.params, base))
+
+
+def read_base(path: str, trainer: Trainer) -> Any:
+    """The frozen parameters of a LoRA run from the checkpoint `path` (every parameter but the adapters)."""
+    target = trainable.frozen_subset(target_state(trainer).params, trainer.cfg.model)
+    return read_params(_state_dir(path, "load_parameters_path"), target, f"load_parameters_path={path}")
+
+
+def require_base(cfg: Config) -> None:
+    """LoRA trains adapters on a frozen base: without one it would fine-tune random weights. One line, before
+    anything is read or compiled."""
+    if trainable.trains_everything(cfg.model):
+        return
+    if not cfg.load_parameters_path:
+        raise ConfigError(f"lora_rank={cfg.lora_rank} trains adapters on a frozen base: set load_parameters_path "
+                          "to its checkpoint step directory (e.g. the parameters `python -m maxshard.convert "
+                          "from_hf` wrote)")
+    if cfg.load_full_state_path:
+        raise ConfigError("load_full_state_path is not supported with lora_rank > 0: resume a LoRA run from its own "
+                          "checkpoint_dir, or start it again from load_parameters_path")
 
 
 def _gather_data_states(local: dict[str, Any]) -> dict[str, Any]:
@@ -160,13 +196,15 @@ def read_params(state_dir: epath.Path, target_params: Any, where: str) -> Any:
 
 
 def load_parameters(path: str, trainer: Trainer) -> TrainState:
-    """A fresh state (step 0, new optimizer moments) whose params come from a checkpoint: fine-tuning."""
-    state_dir = _state_dir(path, "load_parameters_path")
-    params = read_params(state_dir, target_state(trainer).params, f"load_parameters_path={path}")
-    # Only the optimizer is initialised: a full init would hold a second, random copy of every parameter.
-    fresh = jax.jit(lambda p: TrainState(jnp.zeros((), jnp.int32), p, trainer.tx.init(p)),
-                    out_shardings=trainer.state_shardings)
-    return fresh(params)
+    """A fresh state (step 0, new optimizer moments) whose params come from a checkpoint: fine-tuning. With LoRA
+    the checkpoint gives the frozen base and the adapters start fresh."""
+    if trainable.trains_everything(trainer.cfg.model):
+        state_dir = _state_dir(path, "load_parameters_path")
+        params = read_params(state_dir, target_state(trainer).params, f"load_parameters_path={path}")
+    else:
+        params = read_base(path, trainer)
+    # No full init: it would hold a second, random copy of every parameter (`Trainer.state_from`).
+    return trainer.state_from(params)
 
 
 def _manager(cfg: Config) -> ocp.CheckpointManager:
@@ -217,6 +255,7 @@ class Checkpoints:
     def restore_or_init(self) -> tuple[TrainState, dict[str, Any] | None]:
         """(state, this process's data iterator state or None): own checkpoints first, then the load_* keys."""
         cfg = self.cfg
+        require_base(cfg)
         if cfg.load_parameters_path and cfg.load_full_state_path:
             raise ConfigError("set at most one of load_parameters_path and load_full_state_path")
         if self.manager is not None and self.manager.all_steps():
@@ -242,12 +281,13 @@ class Checkpoints:
                               "move them away to start this run from scratch")
 
     def _resume(self) -> tuple[TrainState, dict[str, Any]]:
-        target = target_state(self.trainer)
+        target = saved_part(target_state(self.trainer), self.trainer)
         for step in sorted(self.manager.all_steps(), reverse=True):
             restored = self._try_restore(step, target)
             if restored is not None:
                 print(f"resuming from step {step} ({self.cfg.checkpoint_dir})", flush=True)
-                return restored
+                state, data_state = restored
+                return with_base(state, self.trainer), data_state
         raise ConfigError(f"no checkpoint in {self.cfg.checkpoint_dir} can be read (all set aside as *"
                           f"{DAMAGED_SUFFIX}); move them away to start this run from scratch")
 
@@ -315,7 +355,7 @@ class Checkpoints:
         self.wait()  # orbax would wait for the previous save anyway; this names its step if it failed
         print(f"saving checkpoint at step {step}", flush=True)
         args = ocp.args.Composite(
-            state=ocp.args.StandardSave(state),
+            state=ocp.args.StandardSave(saved_part(state, self.trainer)),
             data=ocp.args.JsonSave(_gather_data_states(data_state)),
             config=ocp.args.JsonSave(json.loads(json.dumps(dataclasses.asdict(self.cfg), default=str))),
         )

@@ -225,8 +225,16 @@ def _parse_mesh_rules(value: Any, source: str) -> tuple[tuple[str, tuple[tuple[s
     return tuple(rules)
 
 
+def _parse_names(value: Any, source: str) -> tuple[str, ...]:
+    """lora_targets: a list of names, from YAML (`[q, v]`) or a command line (`q,v`)."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) and i.strip() for i in items):
+        raise ConfigError(f"lora_targets expects a list of names like [q, v] or q,v, got {value!r} (from {source})")
+    return tuple(i.strip() for i in items)
+
+
 _SPECIAL_PARSERS = {"logical_axis_rules": parse_logical_rules, "mesh_rules": _parse_mesh_rules,
-                    "dataset_mixture": parse_mixture}
+                    "dataset_mixture": parse_mixture, "lora_targets": _parse_names}
 
 
 def _parse_override(token: str) -> tuple[str, Any]:

@@ -10,6 +10,7 @@ import os
 import typing
 
 from maxshard.config_schema import MESH_AXES, Config, ConfigError, knob_name
+from maxshard.model_config import LORA_TARGETS
 
 __all__ = ["check_ranges"]
 
@@ -42,6 +43,7 @@ def check_ranges(cfg: Config) -> Config:
             if value == 0 or value < -1:
                 raise ConfigError(f"{knob_name(family, axis)} must be a positive size or -1 (fill), got {value}")
     _check_moe(cfg)
+    _check_lora(cfg)
     _check_sampling(cfg)
     if cfg.loss_chunks < 0 or (cfg.loss_chunks and cfg.max_target_length % cfg.loss_chunks):
         raise ConfigError(f"loss_chunks={cfg.loss_chunks} must be 0 (auto) or divide "
@@ -75,6 +77,22 @@ def _check_moe(cfg: Config) -> None:
     for key in ("load_balance_loss_weight", "router_z_loss_weight"):
         if not getattr(cfg, key) >= 0:
             raise ConfigError(f"{key} must be >= 0, got {getattr(cfg, key)}")
+
+
+def _check_lora(cfg: Config) -> None:
+    """LoRA keys: a rank >= 0, a positive alpha, known targets; adapters train on a base from load_parameters_path."""
+    if cfg.lora_rank < 0:
+        raise ConfigError(f"lora_rank must be >= 0 (0: no adapters, every parameter trains), got {cfg.lora_rank}")
+    unknown = [t for t in cfg.lora_targets if t not in LORA_TARGETS]
+    if unknown or not cfg.lora_targets:
+        raise ConfigError(f"lora_targets={list(cfg.lora_targets)}: names from {', '.join(LORA_TARGETS)}, at least one")
+    dense_mlps = cfg.num_experts == 1 or cfg.moe_layer_interval > 1
+    mlp_targets = [t for t in cfg.lora_targets if t in ("gate", "up", "down")]
+    if cfg.lora_rank and mlp_targets and not dense_mlps:
+        raise ConfigError(f"lora_targets={list(cfg.lora_targets)}: {', '.join(mlp_targets)} adapt dense MLPs, and "
+                          "every layer of this model is MoE (its experts take no adapters): target q, k, v, o")
+    if cfg.lora_rank and not cfg.lora_alpha > 0:
+        raise ConfigError(f"lora_alpha must be > 0, got {cfg.lora_alpha}")
 
 
 def _check_data(cfg: Config) -> None:

@@ -204,6 +204,11 @@ class Config:
     load_balance_loss_weight: float = 0.01
     router_z_loss_weight: float = 0.001
 
+    # ---- LoRA (maxshard/layers/lora.py): adapters train, the base parameters of load_parameters_path stay frozen
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = ("q", "k", "v", "o")
+
     # ---- pipeline
     num_layers_per_pipeline_stage: int = 1
     num_pipeline_repeats: int = -1

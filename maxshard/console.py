@@ -53,11 +53,15 @@ def format_startup_summary(figures: Mapping[str, Any]) -> str:
     """Printed once before training, from `startup_figures`: the mesh, the model size, what each device holds."""
     memory = figures["memory_per_device"]
     parts = " + ".join(f"{name} {format_bytes(b)}" for name, b in memory.items())
-    count = figures["param_count"]
+    count, trained = figures["param_count"], figures.get("trainable_param_count", figures["param_count"])
+    lora = figures.get("lora")
+    trains = ("all trainable" if trained == count else
+              f"{format_count(trained)} trainable ({trained:,}, {trained / count:.2%}: LoRA rank {lora['rank']} on "
+              f"{', '.join(lora['targets'])}; the rest frozen)")
     lines = [
         f"run: {figures['run_dir']}",
         f"mesh: {mesh_lib.describe(figures['mesh'])} ({figures['devices']} device{'s' * (figures['devices'] != 1)})",
-        f"parameters: {format_count(count)} ({count:,})",
+        f"parameters: {format_count(count)} ({count:,}), {trains}",
         f"per-device memory estimate: {parts} = {format_bytes(sum(memory.values()))}",
     ]
     peak = figures["peak_flops"]
@@ -87,8 +91,11 @@ def format_memory_fit(fit: Mapping[str, Any]) -> str:
             f"{1 - fit['usable_bytes'] / fit['capacity_bytes']:.0%} headroom)")
 
 
-def startup_figures(cfg: Config, mesh_shape: Mapping[str, int], param_count: int, report: Any) -> dict[str, Any]:
+def startup_figures(cfg: Config, mesh_shape: Mapping[str, int], param_count: int, report: Any,
+                    trainable_param_count: int | None = None) -> dict[str, Any]:
     """The run's startup figures as plain JSON values (one home: the console line and metrics.jsonl read them)."""
+    lora = None if not cfg.model.lora_rank else {
+        "rank": cfg.model.lora_rank, "alpha": cfg.model.lora_alpha, "targets": list(cfg.model.lora_targets)}
     shape = cfg.model.pipeline
     pipeline = None if shape is None else {
         "stages": shape.stages, "repeats": shape.repeats, "layers_per_stage": shape.layers_per_stage,
@@ -100,6 +107,8 @@ def startup_figures(cfg: Config, mesh_shape: Mapping[str, int], param_count: int
         "processes": cfg.num_processes,
         "mesh": dict(mesh_shape),
         "param_count": param_count,
+        "trainable_param_count": param_count if trainable_param_count is None else trainable_param_count,
+        "lora": lora,
         "memory_per_device": {
             "params": report.param_bytes_per_device,
             "opt_state": report.optimizer_bytes_per_device,

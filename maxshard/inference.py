@@ -5,6 +5,7 @@ scan_layers, ...) and the tokenizer come from there: the command line that train
 generation never needs the training command's model flags. A key named on the generation command line wins (say
 `dtype=bfloat16`); one that changes a shape fails with the checkpoint's one-line mismatch error.
 
+A LoRA run's checkpoint holds its adapters; the frozen base comes from the `load_parameters_path` its config names.
 Only `params` are read from the `state` item (orbax partial restore), directly onto the generation mesh with the
 generation layout's shardings: the optimizer moments (twice the parameters' bytes) are never loaded. Generation
 runs unpipelined; a checkpoint written by a pipelined run ([repeats, stages, layers per stage, ...] stacks) is
@@ -22,7 +23,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.sharding import Mesh
 
-from maxshard import checkpoint, loading, sharding
+from maxshard import checkpoint, loading, sharding, trainable
 from maxshard.config import Config, ConfigError
 from maxshard.model import abstract_params
 from maxshard.model_config import model_fields
@@ -57,8 +58,15 @@ def saved_config(step_dir: str) -> dict[str, Any]:
 
 def with_saved_model(cfg: Config, saved: dict[str, Any]) -> Config:
     """`cfg` with the model keys and tokenizer of the checkpoint's config, except keys given on the command line."""
-    changes = {key: saved[key] for key in _FROM_CHECKPOINT if key in saved and key not in cfg.explicit_keys}
+    keys = [key for key in _FROM_CHECKPOINT if key in saved and key not in cfg.explicit_keys]
+    changes = {key: _from_json(saved[key]) for key in keys}
     return loading.replace(cfg, **changes)
+
+
+def _from_json(value: Any) -> Any:
+    """A config value as JSON stored it, back in the Config's types: JSON has lists where the Config has tuples
+    (lora_targets), and a Config must stay hashable."""
+    return tuple(value) if isinstance(value, list) else value
 
 
 def refuse_pipeline(cfg: Config) -> None:
@@ -70,9 +78,19 @@ def refuse_pipeline(cfg: Config) -> None:
                           "loads unpipelined)")
 
 
-def restore_params(step_dir: str, cfg: Config, mesh: Mesh, rules: sharding.FlaxRules) -> Any:
-    """The checkpoint's params on `mesh`, laid out for the (unpipelined) model of `cfg`."""
-    boxed = abstract_params(dataclasses.replace(cfg.model, pipeline=None))
+def restore_params(step_dir: str, cfg: Config, mesh: Mesh, rules: sharding.FlaxRules, base_path: str = "") -> Any:
+    """The checkpoint's params on `mesh`, laid out for the (unpipelined) model of `cfg`. A LoRA run's checkpoint
+    holds its adapters; their frozen base is read from `base_path` (the run's load_parameters_path)."""
+    model = dataclasses.replace(cfg.model, pipeline=None)
+    boxed = abstract_params(model)
     shardings = sharding.tree_shardings(boxed, mesh, rules)
     target = jax.tree.map(lambda b, s: jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=s), nn.unbox(boxed), shardings)
-    return checkpoint.read_params(epath.Path(step_dir) / "state", target, f"checkpoint {step_dir}")
+    adapters, base = trainable.split(target, model)
+    params = checkpoint.read_params(epath.Path(step_dir) / "state", adapters, f"checkpoint {step_dir}")
+    if trainable.trains_everything(model):
+        return params
+    if not base_path:
+        raise ConfigError(f"{step_dir} holds LoRA adapters (lora_rank={model.lora_rank}) but its config names no "
+                          "load_parameters_path for their base")
+    where = f"the LoRA base load_parameters_path={base_path} of {step_dir}"
+    return trainable.merge(params, checkpoint.read_params(epath.Path(base_path) / "state", base, where))

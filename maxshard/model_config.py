@@ -16,7 +16,12 @@ from typing import Any
 
 import jax.numpy as jnp
 
-__all__ = ["ModelConfig", "PipelineShape", "model_fields", "num_units", "resolve_dtype", "resolve_moe_impl"]
+__all__ = ["LORA_TARGETS", "ModelConfig", "PipelineShape", "model_fields", "num_units", "resolve_dtype",
+           "resolve_moe_impl"]
+
+# The projections LoRA can adapt (`lora_targets`): attention's query, key, value and output, and a dense MLP's
+# gate (wi_0), up (wi_1) and down (wo). MoE experts take none.
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -110,6 +115,9 @@ class ModelConfig:
     moe_dropless_impl: str = "tiled"
     num_shared_experts: int = 0
     moe_renormalize_top_k: bool = True  # top-k router weights rescaled to sum to 1 (False: the softmax's own)
+    lora_rank: int = 0  # LoRA adapters of this rank on the `lora_targets` projections (0: none; layers/lora.py)
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = ("q", "k", "v", "o")
     pipeline: PipelineShape | None = None
 
     @property
@@ -128,6 +136,15 @@ class ModelConfig:
     def num_units(self) -> int:
         """Repeated units of the decoder stack (see `num_units`)."""
         return num_units(self.num_layers, self.num_experts, self.moe_layer_interval)
+
+    def lora_rank_of(self, target: str) -> int:
+        """The adapter rank of one projection ("q", "k", "v", "o", "gate", "up", "down"); 0 when it has none."""
+        return self.lora_rank if target in self.lora_targets else 0
+
+    @property
+    def lora_scale(self) -> float:
+        """LoRA's output scale alpha / rank (PEFT's convention), applied to x @ A @ B."""
+        return self.lora_alpha / self.lora_rank if self.lora_rank else 0.0
 
     @property
     def num_moe_layers(self) -> int:

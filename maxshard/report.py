@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from maxshard import axis_names
+from maxshard import axis_names, trainable
 from maxshard.config import Config
 from maxshard.mesh import describe
 from maxshard.sharding import FlaxRules, ParamLayout, array_layout, flax_rules, layout
@@ -68,13 +68,14 @@ def build_report(
     batch_shape = (cfg.global_batch_size, cfg.max_target_length)
     batch = array_layout("input batch", axis_names.INPUT_AXES, batch_shape, np.int32, rules, mesh_sizes)
     param_bytes = sum(p.bytes_per_device for p in params)
+    trained_bytes = sum(p.bytes_per_device for p in params if trainable.is_trainable(cfg.model, p.name))
     return Report(
         mesh=dict(mesh_sizes),
         params=params,
         batch=batch,
         param_bytes_per_device=param_bytes,
         optimizer_bytes_per_device=sum(p.bytes_per_device for p in optimizer),
-        gradient_bytes_per_device=param_bytes,
+        gradient_bytes_per_device=trained_bytes,  # gradients exist for what trains only (trainable.py)
         replicated_fraction=_replicated_fraction(params, math.prod(mesh_sizes.values())),
     )
 

@@ -27,7 +27,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from maxshard import axis_names as ax
-from maxshard import sharding
+from maxshard import sharding, trainable
 from maxshard.config import MESH_AXES, Config, ConfigError, knob_name
 from maxshard.layers import moe
 from maxshard.loss import chunked_loss_sums, loss_sums
@@ -41,7 +41,10 @@ Batch = dict[str, jax.Array]
 
 @struct.dataclass
 class TrainState:
-    """Everything a step changes. The model and optimizer are not stored here: they are code, not state."""
+    """Everything a step changes. The model and optimizer are not stored here: they are code, not state.
+
+    `params` is the whole network; `opt_state` holds moments for its trainable subset only (`trainable.py`: every
+    parameter, or LoRA's adapters)."""
 
     step: jax.Array
     params: Any
@@ -58,7 +61,7 @@ def mesh_context(mesh: Mesh, rules: sharding.FlaxRules) -> Iterator[None]:
 def boxed_state(cfg: Config, rng: jax.Array) -> TrainState:
     """A fresh train state whose leaves are still boxed with their logical axis names."""
     params = init_params(cfg.model, rng)
-    opt_state = make_optimizer(cfg).init(params)
+    opt_state = make_optimizer(cfg).init(trainable.trainable_subset(params, cfg.model))
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
 
 
@@ -74,7 +77,7 @@ def abstract_state(cfg: Config) -> TrainState:
     try:
         hash(key)
     except TypeError:  # an unhashable value in some key: no memo
-        return _eval_state(cfg)
+        return _eval_state.__wrapped__(cfg)
     return _eval_state(key)
 
 
@@ -114,10 +117,27 @@ class Trainer:
         """A fresh state, created directly in its sharded layout."""
         return self.jit_init()(jax.random.key(self.cfg.seed if seed is None else seed))
 
+    def state_from(self, params: Any, seed: int | None = None) -> TrainState:
+        """Step 0 with `params` (sharded like the state's): every parameter, or with LoRA the frozen base, whose
+        adapters are then drawn fresh from `seed` (the random base the same init would draw is never computed:
+        only the adapters leave the jitted function). Fresh optimizer moments for what trains."""
+        model = self.cfg.model
+
+        def fresh(loaded: Any, rng: jax.Array) -> TrainState:
+            drawn, _ = trainable.split(nn.unbox(init_params(model, rng)), model)
+            whole = loaded if trainable.trains_everything(model) else trainable.merge(drawn, loaded)
+            trained = trainable.trainable_subset(whole, model)
+            return TrainState(jnp.zeros((), jnp.int32), whole, self.tx.init(trained))
+
+        rng = jax.random.key(self.cfg.seed if seed is None else seed)
+        return jax.jit(fresh, out_shardings=self.state_shardings)(params, rng)
+
     # ------------------------------------------------------------------ steps
 
-    def _loss(self, params: Any, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """(objective, sums): sums hold loss_sum and weight_sum (+ MoE sums); the objective adds router losses."""
+    def _loss(self, trained: Any, batch: Batch, frozen: Any = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """(objective, sums) of the parameters `trained` + `frozen` (`trainable.split`): sums hold loss_sum and
+        weight_sum (+ MoE sums); the objective adds router losses."""
+        params = trainable.merge(trained, frozen or {})
         inputs = (batch["inputs"], batch["segment_ids"], batch["positions"])
         if self.cfg.loss_chunks > 1:  # the head over pieces of the sequence (maxshard/loss.py)
             hidden, stats = apply_with_stats(self.model, params, *inputs, method=Transformer.hidden)
@@ -130,32 +150,35 @@ class Trainer:
         balance, z = self.cfg.load_balance_loss_weight, self.cfg.router_z_loss_weight
         return loss_sum + moe.objective(sums, balance, z), sums
 
-    def _grads(self, params: Any, batch: Batch) -> tuple[Any, dict[str, jax.Array]]:
-        """(sum of gradients, sums of `_loss`) over the batch, in `gradient_accumulation_steps` pieces."""
+    def _grads(self, trained: Any, batch: Batch, frozen: Any = None) -> tuple[Any, dict[str, jax.Array]]:
+        """(sum of gradients of `trained`, sums of `_loss`) over the batch, in `gradient_accumulation_steps`
+        pieces; `frozen` gets none."""
         grad_fn = jax.value_and_grad(self._loss, has_aux=True)
         k = self.cfg.gradient_accumulation_steps
         if k == 1:
-            (_, sums), grads = grad_fn(params, batch)
+            (_, sums), grads = grad_fn(trained, batch, frozen)
             return grads, sums
 
         def micro(carry: tuple[Any, Any], mb: Batch) -> tuple[tuple[Any, Any], None]:
             mb = {key: sharding.constrain(v, ax.INPUT_AXES) for key, v in mb.items()}
-            (_, sums), grads = grad_fn(params, mb)
+            (_, sums), grads = grad_fn(trained, mb, frozen)
             return jax.tree.map(jnp.add, carry, (grads, sums)), None
 
         # Row r of microbatch i is row r*k + i of the batch: every microbatch stays spread over all devices.
         micro_batches = {key: v.reshape(-1, k, *v.shape[1:]).swapaxes(0, 1) for key, v in batch.items()}
         first = jax.tree.map(lambda v: v[0], micro_batches)
-        zeros = jax.tree.map(jnp.zeros_like, (params, jax.eval_shape(self._loss, params, first)[1]))
+        zeros = jax.tree.map(jnp.zeros_like, (trained, jax.eval_shape(self._loss, trained, first, frozen)[1]))
         (grads, sums), _ = jax.lax.scan(micro, zeros, micro_batches)
         return grads, sums
 
     def _train_step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
-        grads, sums = self._grads(state.params, batch)
+        trained, frozen = trainable.split(state.params, self.cfg.model)
+        grads, sums = self._grads(trained, batch, frozen)
         loss_sum, weight_sum = sums["loss_sum"], sums["weight_sum"]
         grads = jax.tree.map(lambda g: g / jnp.maximum(weight_sum, 1.0), grads)
-        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
-        new_state = TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state)
+        updates, opt_state = self.tx.update(grads, state.opt_state, trained)
+        params = trainable.merge(optax.apply_updates(trained, updates), frozen)
+        new_state = TrainState(state.step + 1, params, opt_state)
         metrics = {
             "loss": loss_sum / jnp.maximum(weight_sum, 1.0),
             "tokens": weight_sum,

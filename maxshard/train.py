@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 
-from maxshard import checkpoint, cli, compile_check, console, data, loading, mesh, metrics
+from maxshard import checkpoint, cli, compile_check, console, data, loading, mesh, metrics, trainable
 from maxshard.config import Config, ConfigError
 from maxshard.data import chat
 from maxshard.model import count_params
@@ -153,8 +153,9 @@ def run(argv: Sequence[str]) -> int:
     cfg = loading.load_run(argv, join_processes=True, resume=True)
     trainer = Trainer(cfg, mesh.build(cfg))
     report = check_layout(cfg, trainer)
-    figures = console.startup_figures(cfg, dict(trainer.mesh.shape), count_params(trainer.abstract_state.params),
-                                      report)
+    params = trainer.abstract_state.params
+    figures = console.startup_figures(cfg, dict(trainer.mesh.shape), count_params(params), report,
+                                      count_params(trainable.trainable_subset(params, cfg.model)))
     figures["chat_template"] = chat.describe(cfg)  # None unless the run reads chat sources
     # Exits run inner first: the last save is committed, then metrics are flushed, then SIGTERM is given back.
     with (

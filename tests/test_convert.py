@@ -30,6 +30,7 @@ from maxshard import checkpoint, config, generate, loading, train
 from maxshard.convert import __main__ as cli
 from maxshard.config import ConfigError
 from maxshard.convert import families, hf_config, layout, orbax_io, safetensors_io, to_hf
+from maxshard.convert.locate import locate
 from maxshard.data import pipeline
 from maxshard.data.tokenizer import ByteTokenizer, load_hf_tokenizer, make_tokenizer, resolve_vocab
 from maxshard.model_config import model_fields
@@ -406,15 +407,15 @@ def test_layers_are_found_in_every_decoder_layout():
     param = next(p for p in layout.params_of(layout.model_config(
         {"vocab_size": 128, "num_layers": 4, "emb_dim": 64}), families.FAMILIES[0]) if p.path[-2] == "query")
     query = ("attention", "query", "kernel")
-    fake = lambda arrays: SimpleNamespace(arrays=arrays)  # noqa: E731 - _locate consults only .arrays
+    fake = lambda arrays: SimpleNamespace(arrays=arrays)  # noqa: E731 - locate consults only .arrays
     shape = SimpleNamespace(shape=(2, 2, 1, 64, 4, 32))  # 2 repeats x 2 stages x 1 layer per stage
-    assert to_hf._locate(fake({("decoder", "layers", *query): None}), param, 3) == (("decoder", "layers", *query), (3,))
+    assert locate(fake({("decoder", "layers", *query): None}), param, 3) == (("decoder", "layers", *query), (3,))
     unrolled = ("decoder", "layers_3", *query)
-    assert to_hf._locate(fake({unrolled: None}), param, 3) == (unrolled, ())
+    assert locate(fake({unrolled: None}), param, 3) == (unrolled, ())
     piped = ("decoder", "pipeline", "layers", *query)
-    assert to_hf._locate(fake({piped: shape}), param, 3) == (piped, (1, 1, 0))  # layer 3 = repeat 1, stage 1
+    assert locate(fake({piped: shape}), param, 3) == (piped, (1, 1, 0))  # layer 3 = repeat 1, stage 1
     with pytest.raises(ConfigError, match="has no params/decoder/layers/attention/query/kernel for layer 3"):
-        to_hf._locate(fake({}), param, 3)
+        locate(fake({}), param, 3)
 
 
 def family_copy(tmp_path: Path, name: str, change: dict[str, Any]) -> Path:

@@ -50,6 +50,9 @@ def parser() -> argparse.ArgumentParser:
                         "directory from_hf wrote, found through the checkpoint's tokenizer_path)")
     b.add_argument("--max-position-embeddings", type=int, default=None,
                    help="override max_position_embeddings in config.json")
+    b.add_argument("--adapters-only", action="store_true",
+                   help="a LoRA run's checkpoint: write its adapters alone in PEFT's layout (adapter_model.safetensors"
+                        ", adapter_config.json) instead of the base's weights with the adapters merged")
     return p
 
 
@@ -70,8 +73,9 @@ def run(args: argparse.Namespace) -> None:
         from maxshard.convert import to_hf
 
         r = to_hf.export(args.step_dir, args.hf_dir, args.max_shard_size, args.dtype, args.template,
-                         args.max_position_embeddings)
-        print(f"wrote {r.num_tensors} tensors ({r.dtype}) to {args.hf_dir}: {', '.join(r.files)}, config.json")
+                         args.max_position_embeddings, args.adapters_only)
+        written = ", ".join(r.files) if args.adapters_only else f"{', '.join(r.files)}, config.json"
+        print(f"wrote {r.num_tensors} tensors ({r.dtype}) to {args.hf_dir}: {written}")
         print(f"  config.json template: {r.template or 'none (defaults; see --template)'}")
         print(f"  copied: {', '.join(r.tokenizer_files) or 'no tokenizer files found (the byte tokenizer has none)'}")
 

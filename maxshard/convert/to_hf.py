@@ -6,6 +6,9 @@
                                             above --max-shard-size
     HF_DIR/tokenizer.json, ...              the tokenizer files of the template directory
 
+A LoRA run's checkpoint (its adapters) is written merged into its base's weights, or with --adapters-only as PEFT's
+adapter_model.safetensors + adapter_config.json (`convert/lora.py`).
+
 The template is `--template`, else the `hf/` directory `from_hf` kept beside the converted checkpoint, beside the one a
 run started from (its load_parameters_path), or beside its tokenizer.
 Tensors are written in the checkpoint's dtype unless --dtype says otherwise, so a converted model goes back bit for
@@ -31,8 +34,9 @@ import ml_dtypes
 import numpy as np
 
 from maxshard.config import ConfigError
-from maxshard.convert import hf_config, layout, names, orbax_io, safetensors_io
+from maxshard.convert import hf_config, layout, lora, names, orbax_io, safetensors_io
 from maxshard.convert.families import Family
+from maxshard.convert.locate import locate
 from maxshard.data import tokenizer as tokenizers
 
 __all__ = ["export", "Result", "DTYPES"]
@@ -49,33 +53,6 @@ class Result:
     dtype: str
     template: str
     tokenizer_files: tuple[str, ...]
-
-
-def _locate(reader: orbax_io.Reader, param: layout.Param, at: tuple[int, ...] | int | None
-            ) -> tuple[tuple[str, ...], tuple]:
-    """(array path, index) of one Hugging Face tensor of a parameter (`at`: (layer,) or (layer, expert)),
-    whichever decoder layout the checkpoint was saved in: scanned [layers, ...], unrolled layers_<i>, or pipelined
-    [repeats, stages, layers_per_stage, ...]; an expert's index follows the layer's."""
-    if not param.stacked:
-        return param.path, ()
-    at = (at,) if isinstance(at, int) else tuple(at)
-    layer, expert = at[0], at[1:]
-    path, index = _locate_layer(reader, param, layer)
-    return path, index + expert
-
-
-def _locate_layer(reader: orbax_io.Reader, param: layout.Param, layer: int) -> tuple[tuple[str, ...], tuple]:
-    rest = param.path[2:]
-    candidates = [(("decoder", "layers", *rest), (layer,)), (("decoder", f"layers_{layer}", *rest), ())]
-    pipelined = ("decoder", "pipeline", "layers", *rest)
-    if pipelined in reader.arrays:
-        lead = tuple(reader.arrays[pipelined].shape[:3])
-        candidates.append((pipelined, tuple(int(i) for i in np.unravel_index(layer, lead))))
-    for path, index in candidates:
-        if path in reader.arrays:
-            return path, index
-    raise ConfigError(f"the checkpoint has no params/{'/'.join(param.path)} for layer {layer} "
-                      "(is it a maxshard model with these model keys?)")
 
 
 def _blocks(reader: orbax_io.Reader, path: tuple[str, ...], index: tuple, entry: names.Entry,
@@ -109,16 +86,29 @@ def _order(params: list[layout.Param], family: Family, num_layers: int
     return order + [(by_entry[e], ()) for e in (*names.GLOBAL[1:], names.HEAD) if e in by_entry]
 
 
+def _merged(reader: orbax_io.Reader, adapters: lora.Adapters, param: layout.Param, at: tuple[int, ...],
+            target: np.dtype) -> Iterator[np.ndarray]:
+    """One targeted projection of one layer with its LoRA update merged, read whole (one layer's tensor)."""
+    path, index = locate(reader, param, at)
+    kernel = lora.merged(reader.read(path, index), adapters.delta(param, at))
+    yield names.to_hf(param.entry, kernel).astype(target, copy=False)
+
+
 def _tensors(reader: orbax_io.Reader, params: list[layout.Param], family: Family, dtype: str | None,
-             num_layers: int) -> list[tuple[safetensors_io.TensorSpec, Callable[[], Iterator[np.ndarray]]]]:
-    """Every Hugging Face tensor, in Hugging Face's usual order, with a function that reads it when it is due."""
+             num_layers: int, adapters: lora.Adapters | None = None
+             ) -> list[tuple[safetensors_io.TensorSpec, Callable[[], Iterator[np.ndarray]]]]:
+    """Every Hugging Face tensor, in Hugging Face's usual order, with a function that reads it when it is due;
+    with `adapters` (a LoRA run) the targeted projections carry their merged update."""
     out = []
     for param, at in _order(params, family, num_layers):
         entry = param.entry
-        path, index = _locate(reader, param, at)
+        path, index = locate(reader, param, at)
         target = DTYPES[dtype] if dtype else np.dtype(reader.arrays[path].dtype)
         spec = safetensors_io.TensorSpec(names.hf_name(entry, at), names.hf_shape(entry, param.layer_shape), target)
-        produce = functools.partial(_blocks, reader, path, index, entry, param.layer_shape, target)
+        if adapters is not None and adapters.has(param):
+            produce = functools.partial(_merged, reader, adapters, param, at, target)
+        else:
+            produce = functools.partial(_blocks, reader, path, index, entry, param.layer_shape, target)
         out.append((spec, produce))
     return out
 
@@ -172,9 +162,14 @@ class _TokenizerKeys:
 
 
 def export(step_dir: str, hf_dir: str, max_shard_size: str = "5GB", dtype: str | None = None,
-           template: str | None = None, max_position_embeddings: int | None = None) -> Result:
-    """Writes HF_DIR from a checkpoint step directory (converted or trained)."""
+           template: str | None = None, max_position_embeddings: int | None = None,
+           adapters_only: bool = False) -> Result:
+    """Writes HF_DIR from a checkpoint step directory (converted or trained). A LoRA run's step is exported with
+    its adapters merged into the base's weights, or with `adapters_only` as PEFT's adapter files."""
     saved = orbax_io.read_config(step_dir)
+    adapters, weights_dir = lora.adapters_of(step_dir, saved)
+    if adapters_only and adapters is None:
+        raise ConfigError(f"--adapters-only: {step_dir} is not a LoRA run's checkpoint (its lora_rank is 0)")
     keys = {k: saved[k] for k in layout.MODEL_KEYS if k in saved}
     missing = [k for k in ("vocab_size", "emb_dim", "num_layers") if k not in keys]
     if missing:
@@ -182,7 +177,7 @@ def export(step_dir: str, hf_dir: str, max_shard_size: str = "5GB", dtype: str |
     cfg = layout.model_config(keys)
     template = _template_dir(step_dir, saved, template)
     base = hf_config.read(template) if template else None
-    reader = orbax_io.Reader(step_dir)
+    reader = orbax_io.Reader(weights_dir)
     # Every parameter is written (params_of refuses one the family has no tensor for), so the dtypes written are
     # --dtype or the parameters' own, known before the family is; config.json, which picks the family, comes first
     # and every refusal of it is raised before anything is written.
@@ -192,7 +187,12 @@ def export(step_dir: str, hf_dir: str, max_shard_size: str = "5GB", dtype: str |
     if max_position_embeddings:
         config_json["max_position_embeddings"] = max_position_embeddings
     family = hf_config.family(config_json)
-    tensors = _tensors(reader, layout.params_of(cfg, family), family, dtype, cfg.num_layers)
+    params = layout.params_of(cfg, family)
+    if adapters_only:
+        name, count = lora.export_adapters(adapters, params, family, cfg.num_layers, hf_dir, template)
+        copied = _copy_tokenizer(saved, template, hf_dir)
+        return Result((name, lora.ADAPTER_CONFIG), count, np.dtype(np.float32).name, template, copied)
+    tensors = _tensors(reader, params, family, dtype, cfg.num_layers, adapters)
     if cfg.num_experts > 1 and cfg.capacity_factor > 0:
         print(f"note: trained with capacity_factor={cfg.capacity_factor} (tokens over an expert's capacity dropped);"
               f" {family.architecture} routes dropless, so the export computes dropless routing", file=sys.stderr)

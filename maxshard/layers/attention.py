@@ -31,19 +31,20 @@ class Attention(nn.Module):
     dtype: jnp.dtype
     weight_dtype: jnp.dtype
 
-    def _proj(self, x: jax.Array, heads: int, heads_axis: str, name: str) -> jax.Array:
-        dense = DenseGeneral(
-            (heads, self.cfg.head_dim), (ax.EMBED, heads_axis, ax.KV), 1, self.dtype, self.weight_dtype, name=name
-        )
+    def _proj(self, x: jax.Array, heads: int, heads_axis: str, name: str, target: str) -> jax.Array:
+        """One of the q/k/v projections (`target`: its lora_targets name), named for the remat policies."""
+        dense = DenseGeneral((heads, self.cfg.head_dim), (ax.EMBED, heads_axis, ax.KV), 1, self.dtype,
+                             self.weight_dtype, self.cfg.lora_rank_of(target), self.cfg.lora_scale, name=name)
         return checkpoint_name(dense(x), f"{name}_proj")
 
     @nn.compact
     def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
         cfg = self.cfg
-        kv_heads = cfg.num_kv_heads
-        q = constrain(self._proj(x, cfg.num_heads, ax.HEADS, "query"), (ax.BATCH, ax.LENGTH, ax.ACT_HEADS, ax.ACT_KV))
-        k = constrain(self._proj(x, kv_heads, ax.KV_HEADS, "key"), (ax.BATCH, ax.LENGTH, ax.ACT_KV_HEADS, ax.ACT_KV))
-        v = constrain(self._proj(x, kv_heads, ax.KV_HEADS, "value"), (ax.BATCH, ax.LENGTH, ax.ACT_KV_HEADS, ax.ACT_KV))
+        kv_heads, q_axes = cfg.num_kv_heads, (ax.BATCH, ax.LENGTH, ax.ACT_HEADS, ax.ACT_KV)
+        kv_axes = (ax.BATCH, ax.LENGTH, ax.ACT_KV_HEADS, ax.ACT_KV)
+        q = constrain(self._proj(x, cfg.num_heads, ax.HEADS, "query", "q"), q_axes)
+        k = constrain(self._proj(x, kv_heads, ax.KV_HEADS, "key", "k"), kv_axes)
+        v = constrain(self._proj(x, kv_heads, ax.KV_HEADS, "value", "v"), kv_axes)
         if cfg.qk_norm:  # Qwen3: each head normalised over head_dim, before RoPE
             q = RMSNorm(cfg.norm_epsilon, self.dtype, self.weight_dtype, name="query_norm")(q)
             k = RMSNorm(cfg.norm_epsilon, self.dtype, self.weight_dtype, name="key_norm")(k)
@@ -62,5 +63,5 @@ class Attention(nn.Module):
         """[batch, length, heads, head_dim] -> the output projection [batch, length, embed]."""
         out = constrain(out, (ax.BATCH, ax.LENGTH, ax.ACT_HEADS, ax.ACT_KV))
         proj = DenseGeneral((self.cfg.emb_dim,), (ax.HEADS, ax.KV, ax.EMBED), 2, self.dtype, self.weight_dtype,
-                            name="out")
+                            self.cfg.lora_rank_of("o"), self.cfg.lora_scale, name="out")
         return checkpoint_name(proj(out), "out_proj")

@@ -82,7 +82,8 @@ class DecoderLayer(nn.Module):
         if self.use_moe:
             x = x + MoEBlock(cfg, dt, wdt, name="moe")(h, segment_ids)
         else:
-            x = x + MLP(cfg.mlp_dim, dt, wdt, name="mlp")(h)
+            ranks = (cfg.lora_rank_of("gate"), cfg.lora_rank_of("up"), cfg.lora_rank_of("down"))
+            x = x + MLP(cfg.mlp_dim, dt, wdt, ranks, cfg.lora_scale, name="mlp")(h)
         return constrain(x, RESIDUAL), None
 
 

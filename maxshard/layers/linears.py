@@ -8,26 +8,14 @@ real shape, so a kernel is born sharded by its logical names.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-__all__ = ["DenseGeneral", "default_kernel_init"]
+from maxshard.layers import lora
+from maxshard.layers.initializers import default_kernel_init
 
-
-def default_kernel_init(num_in: int) -> nn.initializers.Initializer:
-    """Truncated-normal fan-in scaling over the first `num_in` (contracted) dimensions."""
-
-    def init(key: jax.Array, shape: Sequence[int], dtype: jnp.dtype = jnp.float32) -> jax.Array:
-        in_axes = tuple(range(num_in))
-        out_axes = tuple(range(num_in, len(shape)))
-        return nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axes, out_axes)(
-            key, shape, dtype
-        )
-
-    return init
+__all__ = ["DenseGeneral", "default_kernel_init"]  # the initialiser lives in layers/initializers.py
 
 
 class DenseGeneral(nn.Module):
@@ -37,6 +25,7 @@ class DenseGeneral(nn.Module):
       features: output feature dims, e.g. (heads, head_dim).
       kernel_axes: logical names of the kernel, input dims first, e.g. ("embed", "heads", "kv").
       num_in: how many trailing dims of x are contracted (1 for [.., embed]; 2 for [.., heads, head_dim]).
+      lora_rank, lora_scale: a LoRA adapter pair of this rank beside the kernel (0: none; layers/lora.py).
     """
 
     features: tuple[int, ...]
@@ -44,6 +33,8 @@ class DenseGeneral(nn.Module):
     num_in: int = 1
     dtype: jnp.dtype = jnp.float32
     weight_dtype: jnp.dtype = jnp.float32
+    lora_rank: int = 0
+    lora_scale: float = 0.0
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -61,4 +52,9 @@ class DenseGeneral(nn.Module):
         x = jnp.asarray(x, self.dtype)
         batch_dims = x.ndim - self.num_in
         contract = (tuple(range(batch_dims, x.ndim)), tuple(range(self.num_in)))
-        return jax.lax.dot_general(x, kernel, (contract, ((), ())))
+        y = jax.lax.dot_general(x, kernel, (contract, ((), ())))
+        if self.lora_rank:
+            n = self.num_in
+            y = y + lora.adapter_output(self, x, self.kernel_axes[:n], self.kernel_axes[n:], self.features,
+                                        self.lora_rank, self.lora_scale, self.dtype, self.weight_dtype)
+        return y

@@ -1,0 +1,37 @@
+"""Where one Hugging Face tensor of a parameter lies in a checkpoint, whichever decoder layout saved it."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from maxshard.config import ConfigError
+from maxshard.convert import layout, orbax_io
+
+__all__ = ["locate", "locate_layer"]
+
+
+def locate(reader: orbax_io.Reader, param: layout.Param,
+           at: tuple[int, ...] | int | None) -> tuple[tuple[str, ...], tuple]:
+    """(array path, index) of one Hugging Face tensor of a parameter (`at`: (layer,) or (layer, expert)),
+    whichever decoder layout the checkpoint was saved in: scanned [layers, ...], unrolled layers_<i>, or pipelined
+    [repeats, stages, layers_per_stage, ...]; an expert's index follows the layer's."""
+    if not param.stacked:
+        return param.path, ()
+    at = (at,) if isinstance(at, int) else tuple(at)
+    layer, expert = at[0], at[1:]
+    path, index = locate_layer(reader, param, layer)
+    return path, index + expert
+
+
+def locate_layer(reader: orbax_io.Reader, param: layout.Param, layer: int) -> tuple[tuple[str, ...], tuple]:
+    rest = param.path[2:]
+    candidates = [(("decoder", "layers", *rest), (layer,)), (("decoder", f"layers_{layer}", *rest), ())]
+    pipelined = ("decoder", "pipeline", "layers", *rest)
+    if pipelined in reader.arrays:
+        lead = tuple(reader.arrays[pipelined].shape[:3])
+        candidates.append((pipelined, tuple(int(i) for i in np.unravel_index(layer, lead))))
+    for path, index in candidates:
+        if path in reader.arrays:
+            return path, index
+    raise ConfigError(f"the checkpoint has no params/{'/'.join(param.path)} for layer {layer} "
+                      "(is it a maxshard model with these model keys?)")

@@ -1,0 +1,124 @@
+"""LoRA checkpoints out to Hugging Face: merged into the base's weights, or the adapters alone in PEFT's layout.
+
+A LoRA run's checkpoint holds only its adapters (A [*in, rank], B [rank, *out] beside each targeted kernel); its
+config names the frozen base (`load_parameters_path`) and the scale alpha / rank. So:
+
+- merged (`to_hf` default): every tensor is read from the base, and a targeted projection's kernel gets
+  scale * A @ B added in float32 before the cast to the output dtype; every other tensor is the base's, bit for bit.
+- `--adapters-only`: `adapter_model.safetensors` + `adapter_config.json` as PEFT writes them, for
+  `PeftModel.from_pretrained(base, dir)`. A Hugging Face linear is W[out, in] applied as x @ W.T and PEFT adds
+  scale * (x @ lora_A.T) @ lora_B.T, so lora_A.weight = A flattened to [in, rank] and transposed, lora_B.weight
+  = B flattened to [rank, out] and transposed: B.T @ A.T is then exactly the merged update in Hugging Face's layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from safetensors.numpy import save_file
+
+from maxshard.config import ConfigError
+from maxshard.convert import layout, names, orbax_io
+from maxshard.convert.families import Family
+from maxshard.convert.locate import locate
+from maxshard.layers.lora import ADAPTER_PARAMS
+
+__all__ = ["Adapters", "adapters_of", "export_adapters", "ADAPTER_FILE", "ADAPTER_CONFIG"]
+
+ADAPTER_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+_PEFT_PREFIX = "base_model.model."  # PEFT's name for the wrapped causal LM
+
+
+@dataclasses.dataclass
+class Adapters:
+    """A LoRA run's adapters (`reader` on its own step directory) and their scale."""
+
+    reader: orbax_io.Reader
+    rank: int
+    alpha: float
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def has(self, param: layout.Param) -> bool:
+        return param.path[-1] == "kernel" and self._pair_path(param, ADAPTER_PARAMS[0]) is not None
+
+    def pair(self, param: layout.Param, at: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """(A, B) of one layer's projection, as saved ([*in, rank], [rank, *out])."""
+        a, b = (self._read(param, name, at) for name in ADAPTER_PARAMS)
+        return a, b
+
+    def delta(self, param: layout.Param, at: tuple[int, ...]) -> np.ndarray:
+        """scale * A @ B of one layer, in float32 and the kernel's maxshard shape."""
+        a, b = self.pair(param, at)
+        return self.scale * np.tensordot(a.astype(np.float32), b.astype(np.float32), axes=1)
+
+    def _read(self, param: layout.Param, name: str, at: tuple[int, ...]) -> np.ndarray:
+        path, index = locate(self.reader, self._pair_param(param, name), at)
+        return self.reader.read(path, index)
+
+    def _pair_param(self, param: layout.Param, name: str) -> layout.Param:
+        return dataclasses.replace(param, path=(*param.path[:-1], name))
+
+    def _pair_path(self, param: layout.Param, name: str) -> tuple[str, ...] | None:
+        try:
+            return locate(self.reader, self._pair_param(param, name), (0,) if param.stacked else ())[0]
+        except ConfigError:
+            return None
+
+
+def adapters_of(step_dir: str, saved: Mapping[str, Any]) -> tuple[Adapters | None, str]:
+    """(the adapters of a LoRA run's step directory, the base step directory to read every other tensor from), or
+    (None, step_dir) for a checkpoint that holds a whole model."""
+    rank = int(saved.get("lora_rank") or 0)
+    if not rank:
+        return None, step_dir
+    base = saved.get("load_parameters_path") or ""
+    if not base or not os.path.isdir(os.path.join(base, "state")):
+        raise ConfigError(f"{step_dir} holds LoRA adapters whose base load_parameters_path={base!r} is not a "
+                          "checkpoint step directory here")
+    return Adapters(orbax_io.Reader(step_dir), rank, float(saved["lora_alpha"])), base
+
+
+def merged(kernel: np.ndarray, delta: np.ndarray) -> np.ndarray:
+    """The base kernel with its adapters' update, computed in float32 and returned in the kernel's dtype."""
+    return (kernel.astype(np.float32) + delta).astype(kernel.dtype)
+
+
+def export_adapters(adapters: Adapters, params: list[layout.Param], family: Family, num_layers: int,
+                    hf_dir: str, base_name: str) -> tuple[str, int]:
+    """Writes PEFT's adapter_model.safetensors and adapter_config.json; (file name, tensors written)."""
+    tensors: dict[str, np.ndarray] = {}
+    modules = []
+    for param in params:
+        if not (param.stacked and adapters.has(param)):
+            continue
+        entry = param.entry
+        modules.append(entry.hf.split(".")[-2])
+        for layer in range(num_layers):
+            a, b = adapters.pair(param, (layer,))
+            stem = _PEFT_PREFIX + names.hf_name(entry, (layer,)).removesuffix(".weight")
+            tensors[f"{stem}.lora_A.weight"] = np.ascontiguousarray(a.reshape(-1, adapters.rank).T)
+            tensors[f"{stem}.lora_B.weight"] = np.ascontiguousarray(b.reshape(adapters.rank, -1).T)
+    if not tensors:
+        raise ConfigError("the checkpoint's adapters match no Hugging Face projection of "
+                          f"{family.architecture}")
+    os.makedirs(hf_dir, exist_ok=True)
+    save_file(tensors, os.path.join(hf_dir, ADAPTER_FILE), metadata={"format": "pt"})
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": adapters.rank, "lora_alpha": adapters.alpha,
+        "target_modules": sorted(set(modules)), "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+        "use_rslora": False, "init_lora_weights": True, "inference_mode": True,
+        "base_model_name_or_path": base_name, "modules_to_save": None,
+    }
+    with open(os.path.join(hf_dir, ADAPTER_CONFIG), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+        f.write("\n")
+    return ADAPTER_FILE, len(tensors)
