@@ -161,29 +161,48 @@ def exchange_slots(tokens: int, k: int, local_experts: int) -> int:
     return tokens * min(k, local_experts)
 
 
+class _Fixed(NamedTuple):
+    """What the way back of one device's fixed exchange needs."""
+
+    dest: jax.Array  # [T * k] row of each sorted assignment in the send buffer [p * slots]; past its end: padding
+    order: jax.Array  # [p * slots] sorts the received buffer by local expert
+    local_sizes: jax.Array  # [E_l] received rows per local expert
+
+
+def _fixed_there(sent: jax.Array, sorted_ids: jax.Array, sizes: jax.Array, local: int, slots: int,
+                 axis: tuple[str, ...], p: int) -> tuple[jax.Array, _Fixed]:
+    """Rows sorted by expert [T * k, embed] (their experts sorted_ids, sizes [E]) sent in the fixed buffer: what
+    arrives, [p * slots, embed] sorted by local expert (empty slots last, zero), and the way back."""
+    shard = jnp.minimum(sorted_ids // local, p - 1)
+    starts = _exclusive_cumsum(jnp.sum(sizes.reshape(p, local), axis=1))  # [p] first sorted row per destination
+    rank = jnp.arange(sorted_ids.shape[0], dtype=sorted_ids.dtype)
+    dest = jnp.where(sorted_ids < p * local, shard * slots + rank - starts[shard], p * slots + rank)  # [T * k]
+    send = jnp.zeros((p * slots, sent.shape[1]), sent.dtype).at[dest].set(sent, mode="drop", unique_indices=True)
+    recv = jax.lax.all_to_all(send.reshape(p, slots, -1), axis, 0, 0, tiled=True)  # [p sources, slots, embed]
+    counts = jax.lax.all_to_all(sizes.reshape(p, local), axis, 0, 0, tiled=True)  # [p sources, E_l]
+    slot = jnp.arange(slots, dtype=counts.dtype)
+    local_ids = jnp.sum(slot[None, :, None] >= jnp.cumsum(counts, axis=1)[:, None, :], axis=-1)  # E_l: empty
+    order, local_sizes = _sort(local_ids.reshape(-1), local)
+    return recv.reshape(p * slots, -1)[order], _Fixed(dest, order, local_sizes)
+
+
+def _fixed_back(y: jax.Array, fixed: _Fixed, axis: tuple[str, ...], p: int) -> jax.Array:
+    """The received rows' results [p * slots, embed] back to their senders: [T * k, embed] in sorted order."""
+    back = jax.lax.all_to_all(y[_inverse(fixed.order)].reshape(p, -1, y.shape[1]), axis, 0, 0, tiled=True)
+    return back.reshape(y.shape).at[fixed.dest].get(mode="fill", fill_value=0, unique_indices=True)
+
+
 def _dropless_exchange(
     x: jax.Array, experts: jax.Array, weights: jax.Array, kernels: Kernels, impl: str, axis: tuple[str, ...], p: int
 ) -> jax.Array:
     """Per device (inside shard_map): x [T, embed], experts/weights [T, k]; kernels hold E_l = E / p experts."""
     tokens, k = experts.shape
     local = kernels[0].shape[0]
-    slots = exchange_slots(tokens, k, local)
     order, sizes = _sort(experts.reshape(-1), p * local)  # sizes [E]
-    sorted_ids = experts.reshape(-1)[order]
-    shard = jnp.minimum(sorted_ids // local, p - 1)
-    starts = _exclusive_cumsum(jnp.sum(sizes.reshape(p, local), axis=1))  # [p] first sorted row per destination
-    rank = jnp.arange(sorted_ids.shape[0], dtype=order.dtype)
-    dest = jnp.where(sorted_ids < p * local, shard * slots + rank - starts[shard], p * slots + rank)  # [T * k]
-    send = jnp.zeros((p * slots, x.shape[1]), x.dtype).at[dest].set(x[order // k], mode="drop", unique_indices=True)
-    recv = jax.lax.all_to_all(send.reshape(p, slots, -1), axis, 0, 0, tiled=True)  # [p sources, slots, embed]
-    counts = jax.lax.all_to_all(sizes.reshape(p, local), axis, 0, 0, tiled=True)  # [p sources, E_l]
-    slot = jnp.arange(slots, dtype=counts.dtype)
-    local_ids = jnp.sum(slot[None, :, None] >= jnp.cumsum(counts, axis=1)[:, None, :], axis=-1)  # E_l: empty
-    order2, local_sizes = _sort(local_ids.reshape(-1), local)
-    y = grouped_swiglu(recv.reshape(p * slots, -1)[order2], local_sizes, kernels, impl)
-    back = jax.lax.all_to_all(y[_inverse(order2)].reshape(p, slots, -1), axis, 0, 0, tiled=True)
-    y = back.reshape(p * slots, -1).at[dest].get(mode="fill", fill_value=0, unique_indices=True)  # [T * k, embed]
-    return _combine(y[_inverse(order)], weights)
+    received, fixed = _fixed_there(x[order // k], experts.reshape(-1)[order], sizes, local,
+                                   exchange_slots(tokens, k, local), axis, p)
+    y = grouped_swiglu(received, fixed.local_sizes, kernels, impl)
+    return _combine(_fixed_back(y, fixed, axis, p)[_inverse(order)], weights)
 
 
 def _axes(entry: str | tuple[str, ...] | None, keep: Sequence[str]) -> tuple[str, ...]:
