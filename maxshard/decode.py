@@ -49,9 +49,11 @@ _CHECK_DONE_EVERY = 8
 
 
 def decode_model(model: ModelConfig) -> ModelConfig:
-    """The model as generation runs it: no remat (no backward pass), no pipeline, MoE routing dropless."""
+    """The model as generation runs it: no remat (no backward pass), no pipeline, MoE routing dropless, and a
+    ragged exchange with its worst-case buffer (`moe_ragged_buffer_factor` 0), which no routing overflows."""
     capacity = 0.0 if model.is_moe else model.capacity_factor
-    return dataclasses.replace(model, remat_policy="none", pipeline=None, capacity_factor=capacity)
+    return dataclasses.replace(model, remat_policy="none", pipeline=None, capacity_factor=capacity,
+                               moe_ragged_buffer_factor=0.0)
 
 
 def batch_multiple(mesh: Mesh, rules: sharding.FlaxRules) -> int:

@@ -9,9 +9,9 @@ import dataclasses
 from collections.abc import Sequence
 
 from maxshard import attention_choice, config, elastic, mesh, stages
-from maxshard.config import Config
+from maxshard.config import Config, ConfigError
 from maxshard.data.tokenizer import resolve_vocab
-from maxshard.model_config import ModelConfig, model_fields, resolve_dtype, resolve_moe_impl
+from maxshard.model_config import ModelConfig, model_fields, resolve_dtype, resolve_moe_exchange, resolve_moe_impl
 from maxshard.planning import fit, memory
 from maxshard.planning.fit import Capacity
 
@@ -26,8 +26,18 @@ def model_config(cfg: Config, mesh_sizes: dict[str, int] | None = None) -> Model
     values["dtype"] = resolve_dtype(cfg.dtype, platform)
     values["weight_dtype"] = resolve_dtype(cfg.weight_dtype, platform)
     values["moe_dropless_impl"] = resolve_moe_impl(cfg.moe_dropless_impl, cfg.device_kind)
+    values["moe_exchange"] = _moe_exchange(cfg)
     values["attention"] = attention_choice.resolve(cfg, values["dtype"], sizes)
     return ModelConfig(**values, pipeline=stages.resolve(cfg, sizes))
+
+
+def _moe_exchange(cfg: Config) -> str:
+    """`moe_exchange` for the config's device kind; ConfigError (one line) for `ragged` where XLA cannot run it."""
+    platform = attention_choice.platform_of(cfg.device_kind or "cpu")
+    if cfg.moe_exchange == "ragged" and platform == "cpu":
+        raise ConfigError(f"moe_exchange=ragged needs a TPU or an NVIDIA GPU (device kind {cfg.device_kind or 'cpu'!r}:"
+                          " XLA:CPU has no ragged all-to-all); use moe_exchange=auto or all_to_all")
+    return resolve_moe_exchange(cfg.moe_exchange, platform)
 
 
 def complete(cfg: Config, capacity: Capacity | None = None) -> Config:

@@ -17,7 +17,7 @@ from typing import Any
 import jax.numpy as jnp
 
 __all__ = ["LORA_TARGETS", "ModelConfig", "PipelineShape", "model_fields", "num_units", "resolve_dtype",
-           "resolve_moe_impl"]
+           "resolve_moe_impl", "resolve_moe_exchange"]
 
 # The projections LoRA can adapt (`lora_targets`): attention's query, key, value and output, and a dense MLP's
 # gate (wi_0), up (wi_1) and down (wo). MoE experts take none.
@@ -39,6 +39,15 @@ def resolve_moe_impl(name: str, device_kind: str) -> str:
     slower than tiled (benchmarks/README.md, "On one H100"; see `layers/moe_grouped.py`)."""
     if name == "auto":
         return "ragged_dot" if device_kind.strip().lower().startswith("tpu") else "tiled"
+    return name
+
+
+def resolve_moe_exchange(name: str, platform: str) -> str:
+    """'auto' is the ragged exchange on TPU and GPU (`platform` 'tpu' or 'nvidia'), the fixed all_to_all on CPU,
+    whose XLA has no ragged all-to-all (`layers/moe_ragged.py`): an explicit 'ragged' on CPU is refused at load
+    time (`loading.model_config`)."""
+    if name == "auto":
+        return "ragged" if platform in ("tpu", "nvidia") else "all_to_all"
     return name
 
 
@@ -113,6 +122,8 @@ class ModelConfig:
     moe_layer_interval: int = 1
     moe_group_size: int = 0
     moe_dropless_impl: str = "tiled"
+    moe_exchange: str = "all_to_all"  # resolved: all_to_all or ragged (never auto)
+    moe_ragged_buffer_factor: float = 1.5
     num_shared_experts: int = 0
     moe_renormalize_top_k: bool = True  # top-k router weights rescaled to sum to 1 (False: the softmax's own)
     lora_rank: int = 0  # LoRA adapters of this rank on the `lora_targets` projections (0: none; layers/lora.py)

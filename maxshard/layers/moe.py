@@ -38,6 +38,9 @@ parallelism) and are processed sharded over experts; the constraints below make 
 
 Dropless (`capacity_factor <= 0`): by default (`moe_dropless_impl` auto, ragged_dot or tiled) grouped matmuls over
 the tokens sorted by expert, with expert parallelism by an all-to-all exchange in shard_map: see `moe_grouped.py`.
+On TPU and GPU that exchange is ragged (`moe_exchange`, `moe_ragged.py`): its receive buffer holds
+`moe_ragged_buffer_factor` x the balanced share of rows, and the assignments a full buffer leaves home count as
+dropped (moe/dropped_fraction), so "dropless" there means "nothing dropped unless counted".
 `moe_dropless_impl=dense` keeps the reference: every expert computes every token and the router weights (zero for
 experts a token did not choose) combine them, num_experts / k times the expert FLOPs.
 
@@ -172,14 +175,17 @@ def router_losses(logits: jax.Array, chosen: jax.Array, token_mask: jax.Array) -
     return balance, z
 
 
-def _routing_stats(logits: jax.Array, routing: Routing, token_mask: jax.Array) -> dict[str, jax.Array]:
+def _routing_stats(logits: jax.Array, routing: Routing, token_mask: jax.Array, unsent: jax.Array | float = 0.0
+                   ) -> dict[str, jax.Array]:
+    """Router losses and counts; `unsent`: dropless assignments a full ragged exchange buffer dropped
+    (`moe_ragged.py`), counted with the capacity drops."""
     balance, z = router_losses(logits, routing.chosen, token_mask)
     assigned = jnp.sum(routing.chosen)
     return {
         "lb_loss": balance,
         "z_loss": z,
         "assigned": assigned,
-        "dropped": assigned - jnp.sum(routing.kept),
+        "dropped": assigned - jnp.sum(routing.kept) + unsent,
         _LOAD_STAT: jnp.sum(routing.chosen, axis=(0, 1)),  # [experts] routed assignments, before drops
     }
 
@@ -231,23 +237,26 @@ class MoEBlock(nn.Module):
         combine = constrain(routing.combine.astype(self.dtype), (ax.BATCH, ax.LENGTH, None, None))
         return jnp.einsum("egcm,gsec->gsm", out, combine)
 
-    def _dropless(self, x: jax.Array, routing: Routing) -> jax.Array:
-        """Grouped matmuls over the chosen experts (`moe_grouped`), or with `moe_dropless_impl=dense` every expert
-        on every token, weighted by the router (0 for experts not chosen)."""
-        if self.cfg.moe_dropless_impl != "dense":
+    def _dropless(self, x: jax.Array, routing: Routing) -> tuple[jax.Array, jax.Array | float]:
+        """(output, assignments dropped by a full ragged exchange buffer): grouped matmuls over the chosen experts
+        (`moe_grouped`), or with `moe_dropless_impl=dense` every expert on every token, weighted by the router
+        (0 for experts not chosen), which drops nothing."""
+        cfg = self.cfg
+        if cfg.moe_dropless_impl != "dense":
             return moe_grouped.dropless(x, routing.top_experts, routing.top_weights, self._kernels(),
-                                        self.cfg.moe_dropless_impl)
+                                        cfg.moe_dropless_impl, cfg.moe_exchange, cfg.moe_ragged_buffer_factor)
         x = constrain(x, (ax.BATCH_NO_EXP, ax.LENGTH, ax.ACT_EMBED))
         out = self._experts(x, "gcm", ax.LENGTH)  # [e, g, s, m]
-        return jnp.einsum("egsm,gse->gsm", out, routing.weights.astype(self.dtype))
+        return jnp.einsum("egsm,gse->gsm", out, routing.weights.astype(self.dtype)), 0.0
 
     def _routed(self, x: jax.Array, logits: jax.Array, mask: jax.Array) -> jax.Array:
         """The routed experts' output [batch, length, embed]; sows the router statistics."""
         cfg, (batch, length, embed) = self.cfg, x.shape
         if cfg.capacity_factor <= 0:
             routing = route(logits, cfg.num_experts_per_tok, length, mask, cfg.moe_renormalize_top_k)
-            self.sow(STATS_COLLECTION, _STATS_NAME, _routing_stats(logits, routing, mask))
-            return self._dropless(x, routing)
+            y, unsent = self._dropless(x, routing)
+            self.sow(STATS_COLLECTION, _STATS_NAME, _routing_stats(logits, routing, mask, unsent))
+            return y
         g = group_size(length, cfg.moe_group_size)
         groups = batch * length // g
         x, logits, mask = x.reshape(groups, g, embed), logits.reshape(groups, g, -1), mask.reshape(groups, g)

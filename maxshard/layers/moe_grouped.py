@@ -16,10 +16,15 @@ Expert parallelism (the `exp` dimension of the kernels sharded over P devices, E
 runs in `jax.shard_map`, manual over the mesh axes that split the tokens (the rules of activation_batch and
 activation_length) and the expert axes (plus the stage axes inside the pipeline, whose vmap adds them); tensor-like
 axes stay automatic, and kernel dimensions sharded over manual axes (FSDP) are all-gathered in the body, their
-gradients reduce-scattered by its transpose. Each device routes its own T tokens and
-exchanges them with the devices holding their experts. `jax.lax.ragged_all_to_all` would move only the rows routed,
-but XLA:CPU cannot run it (jax 0.10.2: "HLO opcode `ragged-all-to-all` is not supported by XLA:CPU ThunkEmitter"),
-so the exchange is an `all_to_all` of a fixed buffer [P, slots, embed] with
+gradients reduce-scattered by its transpose. Each device routes its own T tokens and exchanges them with the devices
+holding their experts, in one of two ways (`moe_exchange`, resolved by `model_config.resolve_moe_exchange`):
+
+  ragged      (TPU and GPU) `jax.lax.ragged_all_to_all` moves only the rows routed, and each device computes a
+              buffer of ~`moe_ragged_buffer_factor` x T x k rows; rows over it are dropped and counted: `moe_ragged.py`.
+  all_to_all  (CPU: jax 0.10.2's XLA:CPU has no ragged all-to-all, "HLO opcode `ragged-all-to-all` is not supported
+              by XLA:CPU ThunkEmitter") a fixed buffer, never overflowing, described below.
+
+The fixed exchange is an `all_to_all` of a buffer [P, slots, embed] with
 
     slots = T x min(k, E_l)
 
@@ -53,11 +58,13 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from maxshard import axis_names as ax
+from maxshard.layers import moe_ragged
 from maxshard.sharding import ConfigError  # layout mistakes surface as the config errors they are
 
-__all__ = ["IMPLS", "tile_rows", "grouped_swiglu", "dropless_local", "dropless", "exchange_slots"]
+__all__ = ["IMPLS", "EXCHANGES", "tile_rows", "grouped_swiglu", "dropless_local", "dropless", "exchange_slots"]
 
 IMPLS = ("ragged_dot", "tiled")
+EXCHANGES = ("all_to_all", "ragged")
 Kernels = tuple[jax.Array, jax.Array, jax.Array]  # wi_0 [E, embed, mlp], wi_1 [E, embed, mlp], wo [E, mlp, embed]
 
 
@@ -161,29 +168,62 @@ def exchange_slots(tokens: int, k: int, local_experts: int) -> int:
     return tokens * min(k, local_experts)
 
 
+class _Fixed(NamedTuple):
+    """What the way back of one device's fixed exchange needs."""
+
+    dest: jax.Array  # [T * k] row of each sorted assignment in the send buffer [p * slots]; past its end: padding
+    order: jax.Array  # [p * slots] sorts the received buffer by local expert
+    local_sizes: jax.Array  # [E_l] received rows per local expert
+
+
+def _fixed_there(sent: jax.Array, sorted_ids: jax.Array, sizes: jax.Array, local: int, slots: int,
+                 axis: tuple[str, ...], p: int) -> tuple[jax.Array, _Fixed]:
+    """Rows sorted by expert [T * k, embed] (their experts sorted_ids, sizes [E]) sent in the fixed buffer: what
+    arrives, [p * slots, embed] sorted by local expert (empty slots last, zero), and the way back."""
+    shard = jnp.minimum(sorted_ids // local, p - 1)
+    starts = _exclusive_cumsum(jnp.sum(sizes.reshape(p, local), axis=1))  # [p] first sorted row per destination
+    rank = jnp.arange(sorted_ids.shape[0], dtype=sorted_ids.dtype)
+    dest = jnp.where(sorted_ids < p * local, shard * slots + rank - starts[shard], p * slots + rank)  # [T * k]
+    send = jnp.zeros((p * slots, sent.shape[1]), sent.dtype).at[dest].set(sent, mode="drop", unique_indices=True)
+    recv = jax.lax.all_to_all(send.reshape(p, slots, -1), axis, 0, 0, tiled=True)  # [p sources, slots, embed]
+    counts = jax.lax.all_to_all(sizes.reshape(p, local), axis, 0, 0, tiled=True)  # [p sources, E_l]
+    slot = jnp.arange(slots, dtype=counts.dtype)
+    local_ids = jnp.sum(slot[None, :, None] >= jnp.cumsum(counts, axis=1)[:, None, :], axis=-1)  # E_l: empty
+    order, local_sizes = _sort(local_ids.reshape(-1), local)
+    return recv.reshape(p * slots, -1)[order], _Fixed(dest, order, local_sizes)
+
+
+def _fixed_back(y: jax.Array, fixed: _Fixed, axis: tuple[str, ...], p: int) -> jax.Array:
+    """The received rows' results [p * slots, embed] back to their senders: [T * k, embed] in sorted order."""
+    back = jax.lax.all_to_all(y[_inverse(fixed.order)].reshape(p, -1, y.shape[1]), axis, 0, 0, tiled=True)
+    return back.reshape(y.shape).at[fixed.dest].get(mode="fill", fill_value=0, unique_indices=True)
+
+
 def _dropless_exchange(
     x: jax.Array, experts: jax.Array, weights: jax.Array, kernels: Kernels, impl: str, axis: tuple[str, ...], p: int
 ) -> jax.Array:
     """Per device (inside shard_map): x [T, embed], experts/weights [T, k]; kernels hold E_l = E / p experts."""
     tokens, k = experts.shape
     local = kernels[0].shape[0]
-    slots = exchange_slots(tokens, k, local)
     order, sizes = _sort(experts.reshape(-1), p * local)  # sizes [E]
-    sorted_ids = experts.reshape(-1)[order]
-    shard = jnp.minimum(sorted_ids // local, p - 1)
-    starts = _exclusive_cumsum(jnp.sum(sizes.reshape(p, local), axis=1))  # [p] first sorted row per destination
-    rank = jnp.arange(sorted_ids.shape[0], dtype=order.dtype)
-    dest = jnp.where(sorted_ids < p * local, shard * slots + rank - starts[shard], p * slots + rank)  # [T * k]
-    send = jnp.zeros((p * slots, x.shape[1]), x.dtype).at[dest].set(x[order // k], mode="drop", unique_indices=True)
-    recv = jax.lax.all_to_all(send.reshape(p, slots, -1), axis, 0, 0, tiled=True)  # [p sources, slots, embed]
-    counts = jax.lax.all_to_all(sizes.reshape(p, local), axis, 0, 0, tiled=True)  # [p sources, E_l]
-    slot = jnp.arange(slots, dtype=counts.dtype)
-    local_ids = jnp.sum(slot[None, :, None] >= jnp.cumsum(counts, axis=1)[:, None, :], axis=-1)  # E_l: empty
-    order2, local_sizes = _sort(local_ids.reshape(-1), local)
-    y = grouped_swiglu(recv.reshape(p * slots, -1)[order2], local_sizes, kernels, impl)
-    back = jax.lax.all_to_all(y[_inverse(order2)].reshape(p, slots, -1), axis, 0, 0, tiled=True)
-    y = back.reshape(p * slots, -1).at[dest].get(mode="fill", fill_value=0, unique_indices=True)  # [T * k, embed]
-    return _combine(y[_inverse(order)], weights)
+    received, fixed = _fixed_there(x[order // k], experts.reshape(-1)[order], sizes, local,
+                                   exchange_slots(tokens, k, local), axis, p)
+    y = grouped_swiglu(received, fixed.local_sizes, kernels, impl)
+    return _combine(_fixed_back(y, fixed, axis, p)[_inverse(order)], weights)
+
+
+def _dropless_ragged(x: jax.Array, experts: jax.Array, weights: jax.Array, kernels: Kernels, impl: str,
+                     axis: tuple[str, ...], p: int, factor: float) -> tuple[jax.Array, jax.Array]:
+    """Per device (inside shard_map), the ragged exchange (`moe_ragged.py`): (y [T, embed], rows left home)."""
+    tokens, k = experts.shape
+    local = kernels[0].shape[0]
+    order, sizes = _sort(experts.reshape(-1), p * local)  # sizes [E]: this device's rows per expert, padding uncounted
+    rows = moe_ragged.buffer_rows(tokens, k, p * local, p, factor)
+    plan = moe_ragged.plan(jax.lax.all_gather(sizes, axis), jax.lax.axis_index(axis), rows)
+    received = moe_ragged.exchange(x[order // k], rows, plan.there, axis)  # [rows, embed], sorted by local expert
+    y = grouped_swiglu(received, plan.local_sizes, kernels, impl)
+    y = moe_ragged.exchange(y, tokens * k, plan.back, axis)  # [T * k, embed] in sorted order; rows not sent: zero
+    return _combine(y[_inverse(order)], weights), plan.unsent
 
 
 def _axes(entry: str | tuple[str, ...] | None, keep: Sequence[str]) -> tuple[str, ...]:
@@ -215,16 +255,25 @@ def _dropless_here(x: jax.Array, experts: jax.Array, weights: jax.Array, kernels
     return flat.reshape(x.shape)
 
 
-def dropless(x: jax.Array, experts: jax.Array, weights: jax.Array, kernels: Kernels, impl: str) -> jax.Array:
-    """x [batch, length, embed], experts and weights [batch, length, k] -> [batch, length, embed].
+def _none_dropped() -> jax.Array:
+    return jnp.zeros((), jnp.int32)
+
+
+def dropless(x: jax.Array, experts: jax.Array, weights: jax.Array, kernels: Kernels, impl: str,
+             exchange: str = "all_to_all", buffer_factor: float = 0.0) -> tuple[jax.Array, jax.Array]:
+    """x [batch, length, embed], experts and weights [batch, length, k] -> ([batch, length, embed], dropped), where
+    dropped (int32) counts the assignments a full ragged receive buffer left home (0 for any other path).
 
     Without a mesh (or logical rules) everything is local; with one, a shard_map manual over the token axes and the
-    expert axes, exchanging tokens when the experts are sharded. A batch that the token axes do not divide (init
+    expert axes, exchanging tokens when the experts are sharded (`exchange`: all_to_all or ragged, whose buffer is
+    `buffer_factor` x the balanced share, `moe_ragged.buffer_rows`). A batch that the token axes do not divide (init
     runs a batch of 1) takes the local computation, left for XLA to partition.
     """
+    if exchange not in EXCHANGES:
+        raise ValueError(f"dropless exchange must be one of {EXCHANGES}, got {exchange!r}")
     mesh, rules = jax.sharding.get_abstract_mesh(), nn.get_logical_axis_rules()
     if mesh.empty or not rules:
-        return _dropless_here(x, experts, weights, kernels, impl)
+        return _dropless_here(x, experts, weights, kernels, impl), _none_dropped()
     names = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
     token_dims = _resolve((ax.BATCH, ax.LENGTH), rules, names)
     expert_axes = _resolve((ax.EXP,), rules, names)[0]
@@ -235,7 +284,7 @@ def dropless(x: jax.Array, experts: jax.Array, weights: jax.Array, kernels: Kern
     if not any(token_dims) or x.shape[0] % shards[0] or x.shape[1] % shards[1]:
         # Nothing splits the tokens, or this batch does not split evenly (init's batch of 1, a small decode batch):
         # one logical computation, partitioned by XLA.
-        return _dropless_here(x, experts, weights, kernels, impl)
+        return _dropless_here(x, experts, weights, kernels, impl), _none_dropped()
     # Inside the pipeline the layer is vmapped over stages with spmd_axis_name, which adds the stage axes to the
     # shard_map's specs: they must be manual too (outside a pipeline they have size 1 and are left out).
     stage_axes = _resolve((ax.ACT_STAGE,), rules, names)[0]
@@ -244,16 +293,21 @@ def dropless(x: jax.Array, experts: jax.Array, weights: jax.Array, kernels: Kern
     kernel_dims = [_resolve(n, rules, manual) for n in kernel_names]
     p = math.prod(mesh.shape[a] for a in expert_axes)
 
-    def body(x: jax.Array, experts: jax.Array, weights: jax.Array, *kernels: jax.Array) -> jax.Array:
+    def body(x: jax.Array, experts: jax.Array, weights: jax.Array, *kernels: jax.Array
+             ) -> tuple[jax.Array, jax.Array]:
         kernels = tuple(_gather(w, dims) for w, dims in zip(kernels, kernel_dims))
         if p == 1:
-            return _dropless_here(x, experts, weights, kernels, impl)
+            return _dropless_here(x, experts, weights, kernels, impl), _none_dropped()[None]
         k, embed = experts.shape[-1], x.shape[-1]
-        y = _dropless_exchange(x.reshape(-1, embed), experts.reshape(-1, k), weights.reshape(-1, k), kernels, impl,
-                               expert_axes, p)
-        return y.reshape(x.shape)
+        flat = (x.reshape(-1, embed), experts.reshape(-1, k), weights.reshape(-1, k), kernels, impl, expert_axes, p)
+        if exchange == "ragged":
+            y, unsent = _dropless_ragged(*flat, buffer_factor)
+            return y.reshape(x.shape), unsent[None]
+        return _dropless_exchange(*flat).reshape(x.shape), _none_dropped()[None]
 
     token_spec = _spec([*token_dims, ()])
+    per_device = PartitionSpec(tuple(a for d in token_dims for a in d))  # one count per token shard
     run = jax.shard_map(body, in_specs=(token_spec,) * 3 + tuple(_spec(d) for d in kernel_dims),
-                        out_specs=token_spec, axis_names=frozenset(manual))
-    return run(x, experts, weights, *kernels)
+                        out_specs=(token_spec, per_device), axis_names=frozenset(manual))
+    y, unsent = run(x, experts, weights, *kernels)
+    return y, jnp.sum(unsent)

@@ -44,8 +44,9 @@ s = the compute dtype's itemsize:
                 with token dropping, per token: the dispatch and combine masks, 2 g k c float32 (g tokens per
                 group, c = capacity_factor), and the expert activations k c (2E + 3F) x s in place of the dense
                 MLP's; dropless (grouped matmuls), the rows each device computes, r = k, or p x min(k, experts per
-                device) with expert parallelism over p devices (the fixed exchange buffer), each held as sorted,
-                sent, received and returned copies and through the tiled SwiGLU: r (6E + 7F) x s (measured)
+                device) with expert parallelism over p devices (the fixed exchange buffer; the ragged one's is
+                min(that, k x moe_ragged_buffer_factor)), each held as sorted, sent, received and returned copies
+                and through the tiled SwiGLU: r (6E + 7F) x s (measured on the fixed exchange)
     accumulation  with k > 1 microbatches, one microbatch's activations at a time (tokens / k in whole
                 sequences: a microbatch smaller than the batch shards still holds one per device) and one more
                 float32 gradient buffer (the running sum)
@@ -264,7 +265,11 @@ def _moe_rows(cfg: Config, sizes: Mapping[str, int]) -> float:
     p = 1
     for axis in rule_axes(cfg, ax.ACT_EXP, sizes):
         p *= sizes[axis]
-    return k if p == 1 else p * min(k, cfg.num_experts // p)
+    if p == 1:
+        return k
+    worst = p * min(k, cfg.num_experts // p)
+    factor = cfg.model.moe_ragged_buffer_factor
+    return min(worst, k * factor) if cfg.model.moe_exchange == "ragged" and factor > 0 else worst
 
 
 def _moe_token_bytes(cfg: Config, w: Widths, sizes: Mapping[str, int], itemsize: int) -> float:

@@ -60,7 +60,9 @@ Activations:
                   the second: 6. Dropless (grouped, `layers/moe_grouped.py`): the fixed exchange buffer
                   [expert shards x tokens x min(top-k, experts per shard), E] there and back, 2 forward, 2 backward,
                   +2 under any policy but none (dots_saveable keeps no all-to-all result); plus the int32 row
-                  counts [experts], once per forward and recompute. The all-experts reference (dense) has none.
+                  counts [experts], once per forward and recompute. The ragged exchange (`moe_exchange: ragged`,
+                  TPU and GPU) moves only the rows routed, [tokens x top-k, E] when balanced, as often. The
+                  all-experts reference (dense) has none.
 Small reductions (loss sums, the cross-entropy max and sum over a sharded vocabulary, gradient norms) are left out.
 """
 
@@ -311,6 +313,8 @@ def _expert(cfg: Config, sizes: Mapping[str, int], geo: Geometry) -> list[Collec
     if cfg.moe_dropless_impl == "dense":
         return []
     rows = shards * exchange_slots(geo.tokens, k, experts // shards)  # summed over microbatches: linear in tokens
+    if cfg.model.moe_exchange == "ragged":
+        rows = geo.tokens * k  # what a balanced routing moves; the receive buffer's padding stays put
     forwards = 1 if cfg.remat_policy == "none" else 2  # the forward, and its recompute
     moves = 2 * forwards + 2  # there and back per forward, and the transposes of one pair backward
     counts = forwards * geo.moe_layers * geo.accumulation * geo.microbatches * experts * 4  # int32 [experts]
