@@ -200,7 +200,7 @@ class Config:
     moe_group_size: int = 0
     moe_dropless_impl: Literal["auto", "ragged_dot", "tiled", "dense"] = "auto"
     moe_exchange: Literal["auto", "all_to_all", "ragged"] = "auto"
-    moe_ragged_buffer_factor: float = 1.5
+    moe_ragged_buffer_factor: float = 0.0
     num_shared_experts: int = 0
     moe_renormalize_top_k: bool = True
     load_balance_loss_weight: float = 0.01

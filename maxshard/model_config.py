@@ -123,7 +123,7 @@ class ModelConfig:
     moe_group_size: int = 0
     moe_dropless_impl: str = "tiled"
     moe_exchange: str = "all_to_all"  # resolved: all_to_all or ragged (never auto)
-    moe_ragged_buffer_factor: float = 1.5
+    moe_ragged_buffer_factor: float = 0.0
     num_shared_experts: int = 0
     moe_renormalize_top_k: bool = True  # top-k router weights rescaled to sum to 1 (False: the softmax's own)
     lora_rank: int = 0  # LoRA adapters of this rank on the `lora_targets` projections (0: none; layers/lora.py)

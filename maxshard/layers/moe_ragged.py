@@ -25,7 +25,8 @@ into a zero buffer of T x k rows: a row that was not sent comes back zero.
 The buffer, static as XLA needs it. R = the balanced share T x k times `moe_ragged_buffer_factor`, rounded up to a
 multiple of 8, at most the worst case P x T x min(k, E_l) (a token's k choices are distinct experts, so at most
 min(k, E_l) of them sit on one device; MaxText sizes its buffer the same two ways, `ragged_buffer_factor`).
-A factor <= 0 takes the worst case, which no routing can overflow; generation always does (`decode.decode_model`).
+A factor <= 0 (the default) takes the worst case, which no routing can overflow; generation always does
+(`decode.decode_model`).
 
 Overflow, never silent. When the rows routed to a device exceed R, its blocks are taken source-major (all of source
 0's rows, then source 1's, ...) until R is full and the rest stay home: those assignments get nothing from that
