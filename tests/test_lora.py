@@ -136,11 +136,12 @@ def test_merged_export_computes_what_the_adapters_compute(lora_run, tmp_path):
     assert np.max(np.abs(base - with_adapters)) > 1e-2
 
 
-def test_adapters_only_export_is_peft_s_layout_of_the_same_update(lora_run, tmp_path):
+def test_adapters_only_export_is_peft_s_layout_of_the_same_update(lora_run, tmp_path, monkeypatch):
     """--adapters-only writes PEFT's files; lora_alpha / r * lora_B @ lora_A of every module equals the merged
-    export's change of that weight."""
+    export's change of that weight. (The merged export is given a relative step directory, as README's command.)"""
     root, _, _ = lora_run
-    assert convert_cli.main(["to_hf", str(_step_dir(root)), str(tmp_path / "merged")]) == 0
+    monkeypatch.chdir(root)
+    assert convert_cli.main(["to_hf", str(_step_dir(root).relative_to(root)), str(tmp_path / "merged")]) == 0
     assert convert_cli.main(["to_hf", str(_step_dir(root)), str(tmp_path / "peft"), "--adapters-only"]) == 0
     adapter_config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     assert adapter_config["peft_type"] == "LORA" and adapter_config["r"] == RANK

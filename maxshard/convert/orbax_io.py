@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -129,7 +130,8 @@ class Reader:
     """Reads slices of the parameter arrays of a checkpoint's `state/`, whichever orbax format wrote it."""
 
     def __init__(self, step_dir: str) -> None:
-        self.state_dir = epath.Path(step_dir) / "state"
+        local = "://" not in str(step_dir)  # orbax's OCDBT reader takes absolute paths only (a trainer's checkpoint)
+        self.state_dir = epath.Path(os.path.abspath(step_dir) if local else step_dir) / "state"
         metadata_file = self.state_dir / "_METADATA"
         meta = json.loads(metadata_file.read_text()) if metadata_file.exists() else {}
         self.use_zarr3 = bool(meta.get("use_zarr3", False))
