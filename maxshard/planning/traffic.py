@@ -75,6 +75,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 from maxshard import axis_names as ax
+from maxshard import trainable
 from maxshard.config import Config
 from maxshard.layers.moe import capacity, group_size
 from maxshard.layers.moe_grouped import exchange_slots
@@ -171,12 +172,13 @@ def _weight_collectives(cfg: Config, p: ParamLayout, sizes: Mapping[str, int], g
     reduce_only = tuple(a for a in sizes if a in batch and a not in sharded)
     lookup = p.name.endswith("token_embed/embedding") and not cfg.logits_via_embedding
     k, shard = geo.accumulation, p.bytes_per_device * _grad_itemsize(p, lookup, geo) / np.dtype(p.dtype).itemsize
+    trains = trainable.is_trainable(cfg.model, p.name)  # a frozen weight (LoRA's base) has no gradient to reduce
     out = []
     if gather and lookup:
         rows = geo.outer_tokens * cfg.emb_dim * (geo.compute_itemsize + np.dtype(p.dtype).itemsize)
         out.append(Collective("all-to-all", gather, rows, "embedding rows, forward and backward"))
         vocab = tuple(a for logical, axes in dims if logical == ax.VOCAB for a in axes)
-        if vocab:  # XLA scatters into the whole vocabulary, then all-reduces it over the vocabulary axes
+        if vocab and trains:  # XLA scatters into the whole vocabulary, then all-reduces it over the vocabulary axes
             whole = p.bytes_per_device * _shards(vocab, sizes)
             out.append(Collective("all-reduce", vocab, k * whole, "embedding gradient over the vocabulary"))
     elif gather:
@@ -184,8 +186,10 @@ def _weight_collectives(cfg: Config, p: ParamLayout, sizes: Mapping[str, int], g
         gathered = p.bytes_per_device * _shards(gather, sizes) * geo.compute_itemsize / np.dtype(p.dtype).itemsize
         out.append(Collective("all-gather", gather, passes * gathered, "weights" if stacked else "head weights"))
         scatters = passes / 2 if stacked else k  # the gradient of each forward gather
-        out.append(Collective("reduce-scatter", gather, scatters * shard * _shards(gather, sizes), "weight gradients"))
-    if reduce_only:
+        if trains:
+            out.append(Collective("reduce-scatter", gather, scatters * shard * _shards(gather, sizes),
+                                  "weight gradients"))
+    if reduce_only and trains:
         out.append(Collective("all-reduce", reduce_only, k * shard, "weight gradients"))
     return out
 
