@@ -51,6 +51,7 @@ from maxshard.checkpoint_health import (CheckpointError, Damaged, Outcome, Quiet
 from maxshard import checkpoint_layout, trainable
 from maxshard.checkpoint_layout import check_matches
 from maxshard.config import Config, ConfigError
+from maxshard.model_config import ModelConfig
 from maxshard.step import Trainer, TrainState
 
 __all__ = ["Checkpoints", "CheckpointError", "SaveFailed", "target_state", "check_matches", "preemption_reached",
@@ -81,19 +82,41 @@ def with_base(state: TrainState, trainer: Trainer) -> TrainState:
     cfg = trainer.cfg
     if trainable.trains_everything(cfg.model):
         return state
-    base = read_base(cfg.load_parameters_path, trainer)
+    base = read_base(cfg.load_parameters_path, target_state(trainer).params, cfg.model)
     return state.replace(params=trainable.merge(state.params, base))
 
 
-def read_base(path: str, trainer: Trainer) -> Any:
-    """The frozen parameters of a LoRA run from the checkpoint `path` (every parameter but the adapters)."""
-    target = trainable.frozen_subset(target_state(trainer).params, trainer.cfg.model)
-    return read_params(_state_dir(path, "load_parameters_path"), target, f"load_parameters_path={path}")
+def read_base(path: str, target_params: Any, model: ModelConfig, where: str = "") -> Any:
+    """The frozen parameters of a LoRA model (every parameter of `target_params` but the adapters) from the
+    checkpoint `path`; a LoRA run's own checkpoint, which holds adapters only, is refused naming its base."""
+    where = where or f"load_parameters_path={path}"
+    state_dir = _state_dir(path, "load_parameters_path")
+    saved = _saved_config(path)
+    if saved.get("lora_rank"):
+        raise ConfigError(f"{where} holds a LoRA run's adapters, not a whole model: its base is "
+                          f"{saved.get('load_parameters_path') or '(unknown)'}")
+    return read_params(state_dir, trainable.frozen_subset(target_params, model), where)
+
+
+def _saved_config(step_dir: str) -> dict[str, Any]:
+    """The config item of a checkpoint step ({} when it has none)."""
+    path = epath.Path(step_dir) / "config"
+    return ocp.JsonCheckpointHandler().restore(path) if path.exists() else {}
+
+
+def check_same_base(cfg: Config, step_dir: epath.Path) -> None:
+    """A LoRA run resumes its adapters on the base they were trained on: the step's config names it."""
+    if trainable.trains_everything(cfg.model):
+        return
+    saved = _saved_config(str(step_dir)).get("load_parameters_path")
+    if saved and saved != cfg.load_parameters_path:
+        raise ConfigError(f"load_parameters_path={cfg.load_parameters_path}: the LoRA adapters in {step_dir} were "
+                          f"trained on {saved}; resume with that base (or start a new run_name)")
 
 
 def require_base(cfg: Config) -> None:
-    """LoRA trains adapters on a frozen base: without one it would fine-tune random weights. One line, before
-    anything is read or compiled."""
+    """LoRA trains adapters on a frozen base: without one it would fine-tune random weights. One line, before any
+    checkpoint is read or the step compiled."""
     if trainable.trains_everything(cfg.model):
         return
     if not cfg.load_parameters_path:
@@ -202,7 +225,7 @@ def load_parameters(path: str, trainer: Trainer) -> TrainState:
         state_dir = _state_dir(path, "load_parameters_path")
         params = read_params(state_dir, target_state(trainer).params, f"load_parameters_path={path}")
     else:
-        params = read_base(path, trainer)
+        params = read_base(path, target_state(trainer).params, trainer.cfg.model)
     # No full init: it would hold a second, random copy of every parameter (`Trainer.state_from`).
     return trainer.state_from(params)
 
@@ -320,6 +343,7 @@ class Checkpoints:
         if saved is None or not jax.tree.leaves(saved):
             raise Damaged("the state metadata is empty")
         check_matches(saved, target, where)
+        check_same_base(self.cfg, step_dir)
         state = restore(step_dir / "state", target, saved)
         data = ocp.JsonCheckpointHandler().restore(step_dir / "data")
         return jax.block_until_ready(state), _this_process(data, f"checkpoint step {step}")

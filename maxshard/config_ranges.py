@@ -72,6 +72,9 @@ def _check_moe(cfg: Config) -> None:
     if cfg.moe_group_size < 0 or (cfg.moe_group_size and cfg.max_target_length % cfg.moe_group_size):
         raise ConfigError(f"moe_group_size={cfg.moe_group_size} must be 0 (whole sequence) or divide "
                           f"max_target_length={cfg.max_target_length}")
+    if cfg.moe_ragged_buffer_factor < 0:
+        raise ConfigError(f"moe_ragged_buffer_factor must be >= 0 (0: the buffer no routing overflows), got "
+                          f"{cfg.moe_ragged_buffer_factor}")
     if cfg.num_shared_experts < 0:
         raise ConfigError(f"num_shared_experts must be >= 0, got {cfg.num_shared_experts}")
     for key in ("load_balance_loss_weight", "router_z_loss_weight"):

@@ -34,17 +34,19 @@ _FROM_CHECKPOINT = (*model_fields(), "tokenizer_path")  # what defines the netwo
 
 
 def find_checkpoint(cfg: Config) -> str:
-    """`load_parameters_path`, else the latest committed step of this run (base_output_directory/run_name)."""
+    """`load_parameters_path`, else the latest committed step of this run (base_output_directory/run_name). A LoRA
+    run's load_parameters_path is its frozen base: its own latest step (the adapters) is what it samples from."""
     if cfg.load_parameters_path:
         if not (epath.Path(cfg.load_parameters_path) / "state").exists():
             raise ConfigError(f"load_parameters_path={cfg.load_parameters_path} is not a checkpoint step directory "
                               "(no state/ in it; e.g. runs/NAME/checkpoints/100)")
-        return cfg.load_parameters_path
+        if not (cfg.lora_rank and not saved_config(cfg.load_parameters_path).get("lora_rank")):
+            return cfg.load_parameters_path
     directory = epath.Path(cfg.checkpoint_dir)
     steps = [int(p.name) for p in directory.iterdir() if p.name.isdigit()] if directory.exists() else []
     if not steps:
         raise ConfigError(f"no checkpoint in {cfg.checkpoint_dir}: train run_name={cfg.run_name} first (python -m "
-                          "maxshard.train with the same arguments) or set load_parameters_path")
+                          "maxshard.train with the same arguments) or set load_parameters_path to a step")
     return str(directory / str(max(steps)))
 
 
@@ -85,12 +87,12 @@ def restore_params(step_dir: str, cfg: Config, mesh: Mesh, rules: sharding.FlaxR
     boxed = abstract_params(model)
     shardings = sharding.tree_shardings(boxed, mesh, rules)
     target = jax.tree.map(lambda b, s: jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=s), nn.unbox(boxed), shardings)
-    adapters, base = trainable.split(target, model)
-    params = checkpoint.read_params(epath.Path(step_dir) / "state", adapters, f"checkpoint {step_dir}")
+    trained = trainable.trainable_subset(target, model)
+    params = checkpoint.read_params(epath.Path(step_dir) / "state", trained, f"checkpoint {step_dir}")
     if trainable.trains_everything(model):
         return params
     if not base_path:
         raise ConfigError(f"{step_dir} holds LoRA adapters (lora_rank={model.lora_rank}) but its config names no "
                           "load_parameters_path for their base")
     where = f"the LoRA base load_parameters_path={base_path} of {step_dir}"
-    return trainable.merge(params, checkpoint.read_params(epath.Path(base_path) / "state", base, where))
+    return trainable.merge(params, checkpoint.read_base(base_path, target, model, where))

@@ -25,8 +25,8 @@ def trains_everything(model: ModelConfig) -> bool:
 
 
 def is_trainable(model: ModelConfig, name: str) -> bool:
-    """True for a parameter named by its path ("decoder/layers/attention/query/lora_a", or with "/" replaced by
-    any separator ending in the leaf name) that trains."""
+    """True for a parameter, named by its path with "/" or "." between keys ("params/decoder/.../query/lora_a"),
+    that trains."""
     return trains_everything(model) or name.replace(".", "/").split("/")[-1] in ADAPTER_PARAMS
 
 

@@ -186,15 +186,56 @@ def test_resume_reads_the_base_again_and_continues(lora_run, capsys):
 
 def test_lora_keys_fail_in_one_line(tmp_path):
     base = ["configs/base.yml", "dataset_type=synthetic"]
-    with pytest.raises(ConfigError, match=r"^lora_targets=\['q', 'x'\]: names from q, k, v, o, gate, up, down"):
-        config.load([*base, "lora_rank=4", "lora_targets=q,x"])
-    with pytest.raises(ConfigError, match="^lora_rank must be >= 0"):
-        config.load([*base, "lora_rank=-1"])
-    with pytest.raises(ConfigError, match="^lora_targets=.*gate.*MoE"):
-        config.load([*base, "lora_rank=4", "lora_targets=q,gate", "num_experts=4", "num_experts_per_tok=2"])
+    cases = [(["lora_rank=4", "lora_targets=q,x"], r"^lora_targets=\['q', 'x'\]: names from q, k, v, o, gate, up, down"),
+             (["lora_rank=-1"], "^lora_rank must be >= 0"),
+             (["lora_rank=4", "lora_targets=q,gate", "num_experts=4", "num_experts_per_tok=2"],
+              "^lora_targets=.*gate.*MoE")]
+    for overrides, message in cases:
+        with pytest.raises(ConfigError, match=message) as info:
+            config.load([*base, *overrides])
+        assert "\n" not in str(info.value)
     argv = [*base, "lora_rank=4", f"base_output_directory={tmp_path}", "steps=1", "model_name=tiny"]
     with pytest.raises(ConfigError, match="^lora_rank=4 trains adapters on a frozen base: set load_parameters_path"):
         train.run(argv)
+
+
+def test_the_base_is_the_one_the_adapters_were_trained_on(lora_run):
+    """Resuming on another base, or starting from a LoRA step as if it were a whole model: one line each."""
+    root, argv, _ = lora_run
+    other = f"load_parameters_path={_step_dir(root, 20)}"  # a LoRA step: adapters only
+    with pytest.raises(ConfigError, match="adapters in .* were trained on .*imported") as info:
+        train.run([*argv, other])
+    assert "\n" not in str(info.value)
+    fresh = [a for a in argv if not a.startswith("run_name=")] + ["run_name=lora_on_lora", other]
+    with pytest.raises(ConfigError, match="holds a LoRA run's adapters, not a whole model: its base is .*imported"):
+        train.run(fresh)
+
+
+def test_generation_with_the_training_command_samples_the_adapters(lora_run, tmp_path):
+    """The training command line names the base as load_parameters_path; generation takes the run's own latest
+    step (the adapters) on it, not the base alone."""
+    root, argv, _ = lora_run
+    prompt = template("chatml").render([{"role": "user", "content": "snarf"}], add_generation_prompt=True)
+    out = tmp_path / "out.jsonl"
+    assert generate.main([*argv, f"prompt={prompt}", "max_new_tokens=14", "temperature=0",
+                          f"generate_output={out}"]) == 0
+    assert json.loads(out.read_text())["completion"] == REPLY
+
+
+def test_an_untied_head_has_no_adapter_pair():
+    """The export asks each kernel whether the checkpoint holds its adapters: never the head (a global parameter
+    whose lora_a would be looked up at the top level)."""
+    from types import SimpleNamespace
+
+    from maxshard.convert import layout, names
+    from maxshard.convert.lora import Adapters
+
+    query = ("decoder", "layers", "attention", "query")
+    reader = SimpleNamespace(arrays={(*query, "lora_a"): None, (*query, "lora_b"): None})
+    adapters = Adapters(reader, rank=4, alpha=8.0)
+    entry = names.ATTENTION[1]
+    assert adapters.has(layout.Param((*query, "kernel"), (2, 64, 4, 16), entry, stacked=True))
+    assert not adapters.has(layout.Param(("logits", "kernel"), (64, 256), names.HEAD, stacked=False))
 
 
 # ---------------------------------------------------------------- layouts and memory, through the Trainer

@@ -209,5 +209,6 @@ def test_ragged_on_cpu_and_a_bad_value_are_one_line_naming_the_key():
 
 
 def test_generation_takes_the_buffer_no_routing_overflows():
-    model = tiny_config("num_experts=8", "capacity_factor=-1").model
-    assert model.moe_ragged_buffer_factor == 0 and decode.decode_model(model).moe_ragged_buffer_factor == 0
+    model = tiny_config("num_experts=8", "capacity_factor=-1", "moe_ragged_buffer_factor=1.5").model
+    assert model.moe_ragged_buffer_factor == 1.5 and decode.decode_model(model).moe_ragged_buffer_factor == 0
+    assert tiny_config("num_experts=8").model.moe_ragged_buffer_factor == 0  # the default never overflows

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+from etils import epath
 from safetensors.numpy import save_file
 
 from maxshard.config import ConfigError
@@ -48,6 +49,7 @@ class Adapters:
         return self.alpha / self.rank
 
     def has(self, param: layout.Param) -> bool:
+        """True for a kernel with an adapter pair in the checkpoint (the head, norms, embeddings never have one)."""
         return param.path[-1] == "kernel" and self._pair_path(param, ADAPTER_PARAMS[0]) is not None
 
     def pair(self, param: layout.Param, at: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
@@ -69,9 +71,10 @@ class Adapters:
 
     def _pair_path(self, param: layout.Param, name: str) -> tuple[str, ...] | None:
         try:
-            return locate(self.reader, self._pair_param(param, name), (0,) if param.stacked else ())[0]
+            path = locate(self.reader, self._pair_param(param, name), (0,) if param.stacked else ())[0]
         except ConfigError:
             return None
+        return path if path in self.reader.arrays else None
 
 
 def adapters_of(step_dir: str, saved: Mapping[str, Any]) -> tuple[Adapters | None, str]:
@@ -81,7 +84,7 @@ def adapters_of(step_dir: str, saved: Mapping[str, Any]) -> tuple[Adapters | Non
     if not rank:
         return None, step_dir
     base = saved.get("load_parameters_path") or ""
-    if not base or not os.path.isdir(os.path.join(base, "state")):
+    if not base or not (epath.Path(base) / "state").exists():
         raise ConfigError(f"{step_dir} holds LoRA adapters whose base load_parameters_path={base!r} is not a "
                           "checkpoint step directory here")
     return Adapters(orbax_io.Reader(step_dir), rank, float(saved["lora_alpha"])), base
@@ -93,8 +96,9 @@ def merged(kernel: np.ndarray, delta: np.ndarray) -> np.ndarray:
 
 
 def export_adapters(adapters: Adapters, params: list[layout.Param], family: Family, num_layers: int,
-                    hf_dir: str, base_name: str) -> tuple[str, int]:
-    """Writes PEFT's adapter_model.safetensors and adapter_config.json; (file name, tensors written)."""
+                    hf_dir: str, base_name: str, dtype: np.dtype | None = None) -> tuple[str, int, str]:
+    """Writes PEFT's adapter_model.safetensors and adapter_config.json in `dtype` (default: as saved);
+    (file name, tensors written, dtype written)."""
     tensors: dict[str, np.ndarray] = {}
     modules = []
     for param in params:
@@ -105,8 +109,8 @@ def export_adapters(adapters: Adapters, params: list[layout.Param], family: Fami
         for layer in range(num_layers):
             a, b = adapters.pair(param, (layer,))
             stem = _PEFT_PREFIX + names.hf_name(entry, (layer,)).removesuffix(".weight")
-            tensors[f"{stem}.lora_A.weight"] = np.ascontiguousarray(a.reshape(-1, adapters.rank).T)
-            tensors[f"{stem}.lora_B.weight"] = np.ascontiguousarray(b.reshape(adapters.rank, -1).T)
+            tensors[f"{stem}.lora_A.weight"] = np.ascontiguousarray(a.reshape(-1, adapters.rank).T, dtype or a.dtype)
+            tensors[f"{stem}.lora_B.weight"] = np.ascontiguousarray(b.reshape(adapters.rank, -1).T, dtype or b.dtype)
     if not tensors:
         raise ConfigError("the checkpoint's adapters match no Hugging Face projection of "
                           f"{family.architecture}")
@@ -121,4 +125,5 @@ def export_adapters(adapters: Adapters, params: list[layout.Param], family: Fami
     with open(os.path.join(hf_dir, ADAPTER_CONFIG), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2, sort_keys=True)
         f.write("\n")
-    return ADAPTER_FILE, len(tensors)
+    written = sorted({t.dtype.name for t in tensors.values()})
+    return ADAPTER_FILE, len(tensors), "/".join(written)

@@ -189,9 +189,10 @@ def export(step_dir: str, hf_dir: str, max_shard_size: str = "5GB", dtype: str |
     family = hf_config.family(config_json)
     params = layout.params_of(cfg, family)
     if adapters_only:
-        name, count = lora.export_adapters(adapters, params, family, cfg.num_layers, hf_dir, template)
+        name, count, written_dtype = lora.export_adapters(adapters, params, family, cfg.num_layers, hf_dir, template,
+                                                          DTYPES[dtype] if dtype else None)
         copied = _copy_tokenizer(saved, template, hf_dir)
-        return Result((name, lora.ADAPTER_CONFIG), count, np.dtype(np.float32).name, template, copied)
+        return Result((name, lora.ADAPTER_CONFIG), count, written_dtype, template, copied)
     tensors = _tensors(reader, params, family, dtype, cfg.num_layers, adapters)
     if cfg.num_experts > 1 and cfg.capacity_factor > 0:
         print(f"note: trained with capacity_factor={cfg.capacity_factor} (tokens over an expert's capacity dropped);"
