@@ -68,11 +68,11 @@ class Transformer(nn.Module):
 
 def apply_with_stats(
     model: Transformer, params: Any, inputs: jax.Array, segment_ids: jax.Array, positions: jax.Array,
-    method: Any = None,
+    method: str = "__call__",
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """(the output of `method`, default the logits; MoE router statistics per MoE layer); a dense model runs the
-    plain apply and returns {}."""
-    method = method or Transformer.__call__
+    """(the output of the method named `method`, default the logits; MoE router statistics per MoE layer); a dense
+    model runs the plain apply and returns {}. The method is named, not passed as `Transformer.hidden`: a name is
+    looked up on the model's own class, so a model that `quantization.quantize` wrapped runs its wrapped method."""
     if not model.cfg.is_moe:
         return model.apply({"params": params}, inputs, segment_ids, positions, method=method), {}
     out, state = model.apply({"params": params}, inputs, segment_ids, positions, method=method,

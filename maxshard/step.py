@@ -140,8 +140,8 @@ class Trainer:
         params = trainable.merge(trained, frozen or {})
         inputs = (batch["inputs"], batch["segment_ids"], batch["positions"])
         if self.cfg.loss_chunks > 1:  # the head over pieces of the sequence (maxshard/loss.py)
-            hidden, stats = apply_with_stats(self.model, params, *inputs, method=Transformer.hidden)
-            head = functools.partial(self.model.apply, {"params": params}, method=Transformer.head)
+            hidden, stats = apply_with_stats(self.model, params, *inputs, method="hidden")
+            head = functools.partial(self.model.apply, {"params": params}, method="head")
             loss_sum, weight_sum = chunked_loss_sums(head, hidden, batch, self.cfg.loss_chunks)
         else:
             logits, stats = apply_with_stats(self.model, params, *inputs)
