@@ -31,6 +31,7 @@ MESH_AXES = (
 Attention = Literal["auto", "dot_product", "blockwise", "cudnn", "splash"]
 RematPolicy = Literal["auto", "none", "minimal", "full", "save_qkv_proj", "save_out_proj", "save_qkv_out_proj"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+Quantization = Literal["none", "int8", "fp8"]  # maxshard/quantization.py
 LogicalRules = tuple[tuple[str, tuple[str, ...]], ...]
 MeshRules = tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]
 Mixture = tuple[tuple[str, float], ...]  # dataset_mixture: (source, weight) pairs
@@ -139,6 +140,7 @@ class Config:
     rope_original_max_position: int = 8192
     dtype: DType = "auto"
     weight_dtype: DType = "float32"
+    quantization: Quantization = "none"
     scan_layers: bool = True
     remat_policy: RematPolicy = "auto"
     memory_headroom: float = 0.1

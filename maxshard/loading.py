@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from maxshard import attention_choice, config, elastic, mesh, stages
+from maxshard import attention_choice, config, elastic, mesh, quantization, stages
 from maxshard.config import Config, ConfigError
 from maxshard.data.tokenizer import resolve_vocab
 from maxshard.model_config import ModelConfig, model_fields, resolve_dtype, resolve_moe_exchange, resolve_moe_impl
@@ -28,6 +28,7 @@ def model_config(cfg: Config, mesh_sizes: dict[str, int] | None = None) -> Model
     values["moe_dropless_impl"] = resolve_moe_impl(cfg.moe_dropless_impl, cfg.device_kind)
     values["moe_exchange"] = _moe_exchange(cfg)
     values["attention"] = attention_choice.resolve(cfg, values["dtype"], sizes)
+    quantization.check(cfg.quantization, values["dtype"])
     return ModelConfig(**values, pipeline=stages.resolve(cfg, sizes))
 
 

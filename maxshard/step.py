@@ -27,7 +27,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from maxshard import axis_names as ax
-from maxshard import sharding, trainable
+from maxshard import quantization, sharding, trainable
 from maxshard.config import MESH_AXES, Config, ConfigError, knob_name
 from maxshard.layers import moe
 from maxshard.loss import chunked_loss_sums, loss_sums
@@ -100,7 +100,7 @@ class Trainer:
         if self.cfg.model is None:
             raise ValueError("Trainer needs a complete config with its model derived (maxshard.loading.load_run)")
         self.rules = sharding.flax_rules(self.cfg)
-        self.model = Transformer(self.cfg.model)
+        self.model = quantization.quantize(Transformer(self.cfg.model), self.cfg.quantization)
         self.tx = make_optimizer(self.cfg)
         self.schedule = learning_rate_schedule(self.cfg)
         self.abstract_state = abstract_state(self.cfg)

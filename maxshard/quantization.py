@@ -1,0 +1,121 @@
+"""Quantized training (`quantization: int8 | fp8`): the matmuls of attention and the MLP in 8 bits, through qwix.
+
+Google's qwix (the library MaxText trains with) does the quantization; this module only says where and in which
+types. `quantize` hands the Transformer to `qwix.quantize_model` with a `QtProvider`: while the model's methods
+run, qwix intercepts `jax.lax.dot_general`, `jnp.einsum` and `jax.lax.ragged_dot`, and every op whose module path
+and name match a rule below becomes qwix's quantized-training dot. Both operands are quantized in the forward pass
+(absmax scales per channel of the non-contracted dimensions, computed from the values of this step: dynamic
+scaling, no state), the dot runs on the 8-bit values, and in the backward pass the incoming gradient is quantized
+too, so all three matmuls of a projection (forward, input gradient, weight gradient) take 8-bit operands. Gradients
+reach the float parameters straight through the rounding. The layers are untouched and never see the run config.
+
+What is quantized, by module path (scanned, unrolled and pipelined stacks alike; the stage of a pipeline is applied
+as its own root, so no rule names the decoder):
+
+    attention/{query,key,value,out}   the projections (DenseGeneral's dot_general)
+    mlp, mlp/wo                       the SwiGLU MLP: the stacked gate/up einsum and the down projection
+    moe/shared, moe/shared/wo         an MoE layer's shared experts (the same MLP)
+    moe (ragged_dot only)             the routed experts when they run as jax.lax.ragged_dot (dropless MoE with
+                                      `moe_dropless_impl` ragged_dot, which `auto` picks on TPU)
+
+and what is not: attention's scores and values (softmax is where 8 bits hurt most, and the fused kernels do their
+own math), the router, the embedding and the output head, and the routed experts of the dropping, tiled and dense
+MoE paths: those einsums share the `moe` module with the dispatch and combine einsums (one-hot masks and router
+weights), and a qwix rule, which matches module paths and op names, cannot tell them apart.
+
+Recipes (`RECIPES`):
+    int8   weights, activations and gradients int8 (MaxText's int8 recipe)
+    fp8    weights and activations float8_e4m3fn, gradients float8_e5m2: the wider exponent of e5m2 holds the
+           gradients' range (NVIDIA Transformer Engine's "hybrid" format; MaxText's fp8_full)
+
+The parameters are not changed (no new variables: dynamic scales keep no statistics), so a checkpoint trains on
+with or without quantization, and generation and checkpoint conversion run the model unquantized.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+from maxshard.config_schema import ConfigError
+from maxshard.model_config import ModelConfig
+
+__all__ = ["MODES", "Recipe", "RECIPES", "RULES", "check", "quantize", "rules", "quantized_matmul_params"]
+
+MODES = ("none", "int8", "fp8")
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """The 8-bit types of one mode: operands of the forward dots, and the incoming gradient of the backward ones."""
+
+    forward: Any
+    gradient: Any
+    peak: str  # which peak table of `perf` the quantized matmuls run at ("int8" or "fp8")
+
+
+RECIPES = {
+    "int8": Recipe(jnp.int8, jnp.int8, "int8"),
+    "fp8": Recipe(jnp.float8_e4m3fn, jnp.float8_e5m2, "fp8"),
+}
+
+# (module path regex, op names) of the quantized matmuls; qwix matches the path with re.fullmatch.
+RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (r"(.*/)?attention/(query|key|value|out)", ("dot_general",)),
+    (r"(.*/)?(mlp|shared)(/wo)?", ("dot_general", "einsum")),
+    (r"(.*/)?moe", ("ragged_dot",)),
+)
+
+
+def rules(mode: str) -> list[Any]:
+    """qwix's quantized-training rules of `mode` ('int8' or 'fp8')."""
+    import qwix  # deferred: only a quantized run needs it
+
+    recipe = RECIPES[mode]
+    return [qwix.QtRule(module_path=path, op_names=ops, weight_qtype=recipe.forward, act_qtype=recipe.forward,
+                        bwd_qtype=recipe.gradient)
+            for path, ops in RULES]
+
+
+def quantize(model: Any, mode: str) -> Any:
+    """The Transformer whose methods run under qwix's interception with the rules of `mode`; `model` itself for
+    'none'. Every entry point the step applies (`__call__`, `hidden`, `head`) is intercepted, so a loss over pieces
+    of the sequence (`loss_chunks`) quantizes exactly as the whole one."""
+    if mode == "none":
+        return model
+    import qwix
+
+    if mode not in RECIPES:
+        raise ValueError(f"quantization must be one of {', '.join(MODES)}, got {mode!r}")
+    return qwix.quantize_model(model, qwix.QtProvider(rules(mode)), methods=("__call__", "hidden", "head"))
+
+
+def quantized_matmul_params(cfg: ModelConfig) -> int:
+    """Parameters per token whose matmuls `RULES` quantize (the counterpart of `model.matmul_params`): every layer's
+    q/k/v/out projections, the dense layers' MLP, and in MoE layers the shared experts plus, when they run as
+    ragged_dot, the k routed experts a token visits. Not the head, the router or the embedding."""
+    attn = cfg.emb_dim * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+    mlp = 3 * cfg.emb_dim * cfg.mlp_dim
+    routed = cfg.num_experts_per_tok if _ragged_experts(cfg) else 0
+    moe = (routed + cfg.num_shared_experts) * mlp
+    return cfg.num_layers * attn + (cfg.num_layers - cfg.num_moe_layers) * mlp + cfg.num_moe_layers * moe
+
+
+def _ragged_experts(cfg: ModelConfig) -> bool:
+    """Whether the routed experts run as jax.lax.ragged_dot (dropless, ragged_dot implementation)."""
+    return cfg.is_moe and cfg.capacity_factor <= 0 and cfg.moe_dropless_impl == "ragged_dot"
+
+
+def check(mode: str, dtype: str) -> None:
+    """ConfigError (one line, before anything is traced) for a combination qwix cannot train: compute dtype float16.
+    qwix computes its scales in the compute dtype and takes a scale under sqrt(float16's smallest normal) ~ 0.0078
+    as 1, so int8 rounds weights of ordinary size to 0 (the tiny preset's loss after 40 steps: 4.14 against 2.44
+    unquantized) and fp8's dots fail to trace (float16 meets float32).
+    """
+    if mode == "none":
+        return
+    if dtype == "float16":
+        raise ConfigError(f"quantization={mode} needs dtype bfloat16 or float32 (got float16: qwix's scales in "
+                          "float16 round ordinary weights to 0); set dtype=bfloat16 or quantization=none")

@@ -1,0 +1,151 @@
+"""`quantization: int8 | fp8` (maxshard/quantization.py, through qwix): the matmuls it names really run on 8-bit
+operands in the train step, the others do not, training still learns and stays close to the unquantized run, and a
+combination qwix cannot train is one ConfigError line.
+
+The dots are read from the lowered StableHLO of the train step: every `stablehlo.dot_general` with its operand types
+and its location, whose name stack carries the Flax module path (`layers/attention/attention._proj/query/...`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+
+from helpers import mesh_for, tiny_config
+from maxshard import config, data, loading
+from maxshard.config import ConfigError
+from maxshard.planning.compiled import abstract_inputs
+from maxshard.step import Trainer, abstract_state
+
+# The projections by module path; the routed experts by qwix's QtProvider.ragged_dot in the call stack (jax lowers a
+# ragged_dot on CPU to a dense dot without the module's name).
+QUANTIZED = re.compile(
+    r"/attention/attention\._(proj|output)/(query|key|value|out)/|/(mlp|shared)/|QtProvider\.ragged_dot")
+EIGHT_BIT = {"int8": {"i8"}, "fp8": {"f8E4M3FN", "f8E5M2"}}
+
+
+def _element(type_text: str) -> str:
+    """'tensor<16x32x64xi8>' -> 'i8'."""
+    return re.fullmatch(r"tensor<(?:[\d?]+x)*(\w+)>", type_text).group(1)
+
+
+def _walk(operation: object) -> Iterator[object]:
+    for region in operation.regions:
+        for block in region.blocks:
+            for inner in block.operations:
+                yield inner
+                yield from _walk(inner.operation)
+
+
+def lowered_dots(*overrides: str) -> list[tuple[str, str, str]]:
+    """(lhs element type, rhs element type, location) of every dot_general and ragged_dot in the train step of the
+    tiny model with `overrides`, lowered on 8 CPU devices (fsdp)."""
+    cfg = tiny_config(*overrides)
+    trainer = Trainer(cfg, mesh_for(cfg))
+    batch_sharding = data.batch_sharding(cfg, trainer.mesh)
+    module = trainer.jit_train_step(batch_sharding).lower(*abstract_inputs(trainer, batch_sharding)).compiler_ir()
+    return [(_element(str(op.operands[0].type)), _element(str(op.operands[1].type)), str(op.location))
+            for op in _walk(module.operation) if op.operation.name in ("stablehlo.dot_general", "chlo.ragged_dot")]
+
+
+def split_by_rule(dots: list[tuple[str, str, str]]) -> tuple[list, list]:
+    """(the dots of the quantized matmuls, all the others), by the module path in their location."""
+    quantized = [d for d in dots if QUANTIZED.search(d[2])]
+    return quantized, [d for d in dots if not QUANTIZED.search(d[2])]
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_the_attention_and_mlp_matmuls_run_on_8_bit_operands_and_nothing_else_does(mode: str) -> None:
+    quantized, others = split_by_rule(lowered_dots(f"quantization={mode}"))
+    # q, k, v, out, the stacked gate/up and wo: each forward, recomputed under remat=full, and its two gradients
+    assert {re.search(r"/(query|key|value|out|mlp/wo|mlp/\.\.\.e,ekf)", d[2]).group(1) for d in quantized} == {
+        "query", "key", "value", "out", "mlp/wo", "mlp/...e,ekf"}
+    assert len(quantized) >= 6 * 3
+    assert all({lhs, rhs} <= EIGHT_BIT[mode] for lhs, rhs, _ in quantized), quantized
+    assert all("dot_general_qt" in where for _, _, where in quantized)  # qwix's quantized-training dot made them
+    if mode == "fp8":  # forward: e4m3 x e4m3; backward: the incoming gradient e5m2 x the e4m3 forward operand
+        backward = [d for d in quantized if "f8E5M2" in d[:2]]
+        assert len(backward) == 12 and all(sorted(d[:2]) == ["f8E4M3FN", "f8E5M2"] for d in backward)
+        assert all(d[:2] == ("f8E4M3FN", "f8E4M3FN") for d in quantized if d not in backward)
+    # the output head and attention's scores and values stay in the compute dtype
+    assert others and all(lhs == rhs == "f32" for lhs, rhs, _ in others), others
+    assert any("logits" in d[2] for d in others) and any("bqhd,bkhd->bhqk" in d[2] for d in others)
+
+
+def test_unquantized_runs_have_no_8_bit_dot() -> None:
+    assert all(lhs == rhs == "f32" for lhs, rhs, _ in lowered_dots())
+
+
+@pytest.mark.parametrize("overrides", [
+    ("loss_chunks=2",),  # the step applies Transformer.hidden and .head, not __call__
+    ("scan_layers=false",),
+    ("ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4", "num_layers=4"),  # stages applied as their own root
+    ("num_experts=4", "num_experts_per_tok=2", "capacity_factor=0", "moe_dropless_impl=ragged_dot",
+     "num_shared_experts=1"),
+], ids=["loss_chunks", "unrolled", "pipeline", "moe_ragged_dot"])
+def test_every_entry_point_and_stack_is_quantized(overrides: tuple[str, ...]) -> None:
+    dots = lowered_dots("quantization=int8", *overrides)
+    quantized, others = split_by_rule(dots)
+    assert len(quantized) >= 18 and all(lhs == rhs == "i8" for lhs, rhs, _ in quantized), quantized
+    assert all(lhs != "i8" and rhs != "i8" for lhs, rhs, _ in others), others
+    if "num_experts=4" in overrides:  # the routed experts (ragged_dot; a masked dense dot on CPU) and shared ones
+        assert any("/moe/shared/" in d[2] for d in quantized)
+        assert sum("QtProvider.ragged_dot" in d[2] for d in quantized) >= 9, dots  # 3 forward, 6 backward
+        assert any("/moe/gate/" in d[2] for d in others)  # the router stays float
+
+
+def _train(mode: str, steps: int) -> list[float]:
+    cfg = tiny_config(f"quantization={mode}", num_devices=1)
+    trainer = Trainer(cfg, mesh_for(cfg))
+    step = trainer.jit_train_step(data.batch_sharding(cfg, trainer.mesh))
+    state, batches, losses = trainer.init_state(), data.make_input(cfg, trainer.mesh), []
+    for _ in range(steps):
+        state, metrics = step(state, next(batches))
+        losses.append(metrics["loss"])
+    return [float(x) for x in jax.device_get(losses)]
+
+
+@pytest.fixture(scope="module")
+def unquantized_losses() -> list[float]:
+    return _train("none", 40)
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_quantized_training_learns_and_stays_close_to_the_unquantized_run(mode: str, unquantized_losses) -> None:
+    """40 steps of the tiny model on the synthetic progressions (one device), same seed and batches. Measured (jax
+    0.10.2, qwix 0.1.8): the loss falls 6.5 -> 1.0 in every mode; the mean of the last 10 steps is 0.05% (int8) and
+    0.5% (fp8) above the unquantized run's. Most of the ~20 s is compiling (init and step) on a busy CPU."""
+    losses = _train(mode, 40)
+    assert losses[-1] < 0.6 * losses[0]
+    tail, reference = np.mean(losses[-10:]), np.mean(unquantized_losses[-10:])
+    assert abs(tail / reference - 1) < 0.02, (tail, reference)
+    assert losses != unquantized_losses  # the 8-bit rounding is really there
+
+
+def test_the_parameters_are_the_same_so_checkpoints_carry_over() -> None:
+    """qwix's dynamic scales keep no state: a quantized run's train state is the unquantized one's, leaf for leaf."""
+    plain, quantized = (abstract_state(tiny_config(f"quantization={m}")) for m in ("none", "int8"))
+    assert jax.tree.structure(plain) == jax.tree.structure(quantized)
+    assert jax.tree.leaves(nn.unbox(plain)) == jax.tree.leaves(nn.unbox(quantized))
+
+
+def _load_error(*tokens: str, device_kind: str = "cpu") -> str:
+    with pytest.raises(ConfigError) as e:
+        loading.complete(config.finalize(config.parse(["configs/base.yml", *tokens]), 8, device_kind))
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+@pytest.mark.parametrize(("tokens", "device_kind", "fragment"), [
+    (("quantization=int4",), "cpu", "quantization expects one of 'none', 'int8', 'fp8', got 'int4'"),
+    (("quantization=int8", "dtype=float16"), "cpu", "quantization=int8 needs dtype bfloat16 or float32"),
+    (("quantization=fp8", "dtype=float16"), "TPU v5 lite", "quantization=fp8 needs dtype bfloat16 or float32"),
+])
+def test_a_bad_value_or_a_combination_qwix_cannot_train_is_one_config_error(tokens, device_kind, fragment) -> None:
+    assert fragment in _load_error(*tokens, device_kind=device_kind)
+
