@@ -23,7 +23,7 @@ if REPO not in sys.path:
 
 import jax  # noqa: E402
 
-from maxshard import data, loading, mesh, model, perf  # noqa: E402
+from maxshard import data, loading, mesh, model, perf, quantization  # noqa: E402
 from maxshard.config import Config  # noqa: E402
 from maxshard.step import Trainer  # noqa: E402
 
@@ -75,5 +75,5 @@ def throughput(cfg: Config, seconds: float) -> dict[str, Any]:
     known peak)."""
     tokens = cfg.global_batch_size * cfg.max_target_length
     figures = perf.step_perf(tokens, model.flops_per_token(cfg.model) * tokens, seconds, cfg.num_devices,
-                             perf.peak_flops(cfg.device_kind))
+                             quantization.peak_flops(cfg))
     return {"step_ms": seconds * 1e3, "tokens_per_sec": figures["tokens_per_sec_per_device"], "mfu": figures["mfu"]}

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from maxshard import mesh as mesh_lib
-from maxshard import perf
+from maxshard import perf, quantization
 from maxshard.config import Config
 from maxshard.metrics import MetricsWriter, StepValues, memory_stats
 from maxshard.model import flops_per_token
@@ -65,7 +65,8 @@ def format_startup_summary(figures: Mapping[str, Any]) -> str:
         f"per-device memory estimate: {parts} = {format_bytes(sum(memory.values()))}",
     ]
     peak = figures["peak_flops"]
-    peak_text = f"peak {peak / 1e12:.0f} TFLOP/s bf16" if peak else "peak unknown: MFU not reported"
+    precision = figures.get("peak_precision", "bf16")
+    peak_text = f"peak {peak / 1e12:.0f} TFLOP/s {precision}" if peak else "peak unknown: MFU not reported"
     lines.append(f"device: {figures['device_kind']}, {peak_text}")
     if figures.get("memory_fit"):
         lines.append(format_memory_fit(figures["memory_fit"]))
@@ -115,7 +116,9 @@ def startup_figures(cfg: Config, mesh_shape: Mapping[str, int], param_count: int
             "grads": report.gradient_bytes_per_device,
         },
         "device_kind": cfg.device_kind,
-        "peak_flops": perf.peak_flops(cfg.device_kind),
+        "peak_flops": quantization.peak_flops(cfg),
+        "peak_precision": quantization.peak_precision(cfg),
+        "quantization": cfg.quantization,
         "pipeline": pipeline,
         "remat_policy": cfg.remat_policy,
         "memory_fit": None if cfg.memory_fit is None else cfg.memory_fit.as_json(),
@@ -146,7 +149,7 @@ class StepLogger:
         self.data_stats = data_stats or dict  # the input iterator's counters (tokens per source, skipped records)
         self.tokens_per_step = cfg.global_batch_size * cfg.max_target_length
         self.flops_per_step = flops_per_token(cfg.model) * self.tokens_per_step
-        self.peak = perf.peak_flops(cfg.device_kind)
+        self.peak = quantization.peak_flops(cfg)  # the 8-bit peak's share for a quantized run
         shape = cfg.model.pipeline
         self.constants = {"pipeline/bubble_fraction": shape.bubble_fraction} if shape is not None else {}
         self.started = time.perf_counter()

@@ -28,7 +28,7 @@ def model_config(cfg: Config, mesh_sizes: dict[str, int] | None = None) -> Model
     values["moe_dropless_impl"] = resolve_moe_impl(cfg.moe_dropless_impl, cfg.device_kind)
     values["moe_exchange"] = _moe_exchange(cfg)
     values["attention"] = attention_choice.resolve(cfg, values["dtype"], sizes)
-    quantization.check(cfg.quantization, values["dtype"])
+    quantization.check(cfg.quantization, values["dtype"], cfg.device_kind)
     return ModelConfig(**values, pipeline=stages.resolve(cfg, sizes))
 
 

@@ -30,6 +30,12 @@ Recipes (`RECIPES`):
 
 The parameters are not changed (no new variables: dynamic scales keep no statistics), so a checkpoint trains on
 with or without quantization, and generation and checkpoint conversion run the model unquantized.
+
+Peaks. MFU and the planner's compute time (`peak_flops`) measure a quantized run against the chip's 8-bit peak for
+the quantized share of the FLOPs (`quantized_share`: 72% for the 125m preset at 2048 tokens) and its bf16 peak for
+the rest. A chip without a peak for the mode's type counts those matmuls at bf16: fp8 on TPU v4, v5e, v5p and v6e,
+whose programs XLA:TPU compiles (checked ahead of time with libtpu 0.0.42.1, the dots keep their e4m3/e5m2
+operands) but for which Google's tables give no fp8 rate. fp8 on an A100 (no fp8 tensor cores) is refused (`check`).
 """
 
 from __future__ import annotations
@@ -39,10 +45,14 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from maxshard.config_schema import ConfigError
+from maxshard import perf
+from maxshard.attention_choice import platform_of
+from maxshard.config_schema import Config, ConfigError
+from maxshard.model import flops_per_token
 from maxshard.model_config import ModelConfig
 
-__all__ = ["MODES", "Recipe", "RECIPES", "RULES", "check", "quantize", "rules", "quantized_matmul_params"]
+__all__ = ["MODES", "Recipe", "RECIPES", "RULES", "check", "quantize", "rules", "quantized_matmul_params",
+           "quantized_share", "peak_flops", "peak_precision"]
 
 MODES = ("none", "int8", "fp8")
 
@@ -108,14 +118,49 @@ def _ragged_experts(cfg: ModelConfig) -> bool:
     return cfg.is_moe and cfg.capacity_factor <= 0 and cfg.moe_dropless_impl == "ragged_dot"
 
 
-def check(mode: str, dtype: str) -> None:
-    """ConfigError (one line, before anything is traced) for a combination qwix cannot train: compute dtype float16.
-    qwix computes its scales in the compute dtype and takes a scale under sqrt(float16's smallest normal) ~ 0.0078
-    as 1, so int8 rounds weights of ordinary size to 0 (the tiny preset's loss after 40 steps: 4.14 against 2.44
-    unquantized) and fp8's dots fail to trace (float16 meets float32).
+def quantized_share(cfg: ModelConfig) -> float:
+    """The share of the model's training FLOPs (`model.flops_per_token`) that run in 8 bits: 6 x the quantized
+    matmul parameters per token, over all of them (the head, the router and attention's scores stay in bf16)."""
+    return 6 * quantized_matmul_params(cfg) / flops_per_token(cfg)
+
+
+def peak_flops(cfg: Config) -> float | None:
+    """The peak FLOP/s per device that this run's MFU and the planner's compute time are measured against: the bf16
+    peak, or for a quantized run the mix (`perf.mixed_peak`) of the chip's 8-bit peak for the quantized share of the
+    FLOPs and its bf16 peak for the rest. A chip with no peak for the mode's type (fp8 on TPU v4/v5e/v5p/v6e) counts
+    its 8-bit matmuls at the bf16 peak: no speedup is assumed that the tables cannot source."""
+    bf16 = perf.peak_flops(cfg.device_kind)
+    if cfg.quantization == "none" or bf16 is None:
+        return bf16
+    low = perf.peak_flops(cfg.device_kind, RECIPES[cfg.quantization].peak)
+    return perf.mixed_peak(bf16, low, quantized_share(cfg.model))
+
+
+def peak_precision(cfg: Config) -> str:
+    """What `peak_flops` is a peak of, for the startup line and the plan: 'bf16', or the quantized mix."""
+    if cfg.quantization == "none":
+        return "bf16"
+    kind = RECIPES[cfg.quantization].peak
+    if perf.peak_flops(cfg.device_kind, kind) is None:
+        return f"bf16 (no {kind} peak known for {cfg.device_kind or 'this device'}: its {kind} matmuls count at bf16)"
+    return f"{kind} for {quantized_share(cfg.model):.0%} of the FLOPs, bf16 for the rest"
+
+
+def check(mode: str, dtype: str, device_kind: str) -> None:
+    """ConfigError (one line, before anything is traced) for a combination qwix cannot train:
+
+    - compute dtype float16: qwix computes its scales in the compute dtype and takes a scale under sqrt(float16's
+      smallest normal) ~ 0.0078 as 1, so int8 rounds weights of ordinary size to 0 (the tiny model's loss after 40
+      steps: 4.14 against 2.44 unquantized) and fp8's dots fail to trace (float16 meets float32);
+    - fp8 on an NVIDIA GPU that the peak tables know without fp8 tensor cores (A100: fp8 matmuls need compute
+      capability 8.9, Ada or Hopper); int8 runs there.
     """
     if mode == "none":
         return
     if dtype == "float16":
         raise ConfigError(f"quantization={mode} needs dtype bfloat16 or float32 (got float16: qwix's scales in "
                           "float16 round ordinary weights to 0); set dtype=bfloat16 or quantization=none")
+    known = perf.peak_flops(device_kind) is not None
+    if mode == "fp8" and platform_of(device_kind) == "nvidia" and known and perf.peak_flops(device_kind, "fp8") is None:
+        raise ConfigError(f"quantization=fp8 needs fp8 tensor cores (H100, H200); {device_kind!r} has none: "
+                          "use quantization=int8 or none")

@@ -1,6 +1,6 @@
 """`quantization: int8 | fp8` (maxshard/quantization.py, through qwix): the matmuls it names really run on 8-bit
-operands in the train step, the others do not, training still learns and stays close to the unquantized run, and a
-combination qwix cannot train is one ConfigError line.
+operands in the train step, the others do not, training still learns and stays close to the unquantized run, a
+combination qwix cannot train is one ConfigError line, and the planner and MFU measure against the 8-bit peak.
 
 The dots are read from the lowered StableHLO of the train step: every `stablehlo.dot_general` with its operand types
 and its location, whose name stack carries the Flax module path (`layers/attention/attention._proj/query/...`).
@@ -17,9 +17,12 @@ import numpy as np
 import pytest
 
 from helpers import mesh_for, tiny_config
-from maxshard import config, data, loading
+from maxshard import config, console, data, loading, perf, quantization
 from maxshard.config import ConfigError
+from maxshard.launch import topologies
+from maxshard.planning import estimate, printout
 from maxshard.planning.compiled import abstract_inputs
+from maxshard.planning.search import load_for_target
 from maxshard.step import Trainer, abstract_state
 
 # The projections by module path; the routed experts by qwix's QtProvider.ragged_dot in the call stack (jax lowers a
@@ -145,7 +148,67 @@ def _load_error(*tokens: str, device_kind: str = "cpu") -> str:
     (("quantization=int4",), "cpu", "quantization expects one of 'none', 'int8', 'fp8', got 'int4'"),
     (("quantization=int8", "dtype=float16"), "cpu", "quantization=int8 needs dtype bfloat16 or float32"),
     (("quantization=fp8", "dtype=float16"), "TPU v5 lite", "quantization=fp8 needs dtype bfloat16 or float32"),
+    (("quantization=fp8",), "NVIDIA A100-SXM4-40GB", "quantization=fp8 needs fp8 tensor cores (H100, H200)"),
 ])
 def test_a_bad_value_or_a_combination_qwix_cannot_train_is_one_config_error(tokens, device_kind, fragment) -> None:
     assert fragment in _load_error(*tokens, device_kind=device_kind)
 
+
+def test_fp8_and_int8_load_where_they_can_run() -> None:
+    for kind, mode in (("NVIDIA A100-SXM4-40GB", "int8"), ("TPU v5 lite", "fp8"), ("NVIDIA H100 80GB HBM3", "fp8")):
+        cfg = loading.complete(config.finalize(config.parse(["configs/base.yml", f"quantization={mode}"]), 8, kind))
+        assert cfg.quantization == mode
+
+
+def test_the_peak_tables_have_the_8_bit_peaks_with_their_sources() -> None:
+    h100 = "NVIDIA H100 80GB HBM3"
+    assert perf.peak_flops(h100, "fp8") == perf.peak_flops(h100, "int8") == 1979e12  # twice bf16's 989 (989.5)
+    assert perf.peak_flops("NVIDIA H200", "int8") == 1979e12
+    assert perf.peak_flops("NVIDIA H100 PCIe", "fp8") == 1513e12
+    assert perf.peak_flops("TPU v5 lite", "int8") == 393e12
+    assert perf.peak_flops("TPU v5", "int8") == 918e12  # v5p
+    assert perf.peak_flops("TPU v6 lite", "int8") == 1836e12
+    assert perf.peak_flops("NVIDIA A100-SXM4-40GB", "int8") == 624e12
+    assert [perf.peak_flops(k, "fp8") for k in ("TPU v5 lite", "TPU v6 lite", "TPU v4", "NVIDIA A100-SXM4-40GB")] == [
+        None] * 4
+    assert perf.mixed_peak(100.0, 200.0, 0.5) == pytest.approx(1 / (0.5 / 200 + 0.5 / 100))
+    assert perf.mixed_peak(100.0, None, 0.5) == 100.0 and perf.mixed_peak(None, 200.0, 0.5) is None
+
+
+def _plan(target: str, *tokens: str) -> estimate.Plan:
+    parsed = topologies.parse(target)
+    return estimate.make_plan(load_for_target(["configs/base.yml", "model_name=125m", *tokens], parsed), parsed)
+
+
+def test_the_planner_and_mfu_measure_a_quantized_run_against_the_8_bit_peak() -> None:
+    """The 125m preset on an H100 node: 72% of its training FLOPs are quantized matmuls (the tied head and attention's
+    scores are the rest), so fp8 (and int8) plan at 1 / (0.72 / 1979 + 0.28 / 989) TFLOP/s, the compute time
+    shrinks by that ratio, and the run's MFU (console.StepLogger) divides by the same peak."""
+    plain, fp8, int8 = (_plan("h100-80gb-8", f"quantization={m}") for m in ("none", "fp8", "int8"))
+    share = quantization.quantized_share(fp8.cfg.model)
+    assert 0.7 < share < 0.75
+    assert plain.peak == 989e12
+    assert fp8.peak == int8.peak == pytest.approx(1 / (share / 1979e12 + (1 - share) / 989e12))
+    assert fp8.compute_s == pytest.approx(plain.compute_s * plain.peak / fp8.peak)
+    roofline = printout.format_plan(fp8)
+    assert f"at {fp8.peak / 1e12:.0f} TFLOP/s fp8 for 72% of the FLOPs, bf16 for the rest" in roofline
+    assert f"MFU <= {fp8.model_flops / fp8.step_s / fp8.peak:.1%}" in roofline
+    logger = console.StepLogger(fp8.cfg, writer=None)  # type: ignore[arg-type]
+    assert logger.peak == fp8.peak
+    figures = perf.step_perf(1.0, 1e15, 1.0, 1, logger.peak)
+    assert figures["mfu"] == pytest.approx(1e15 / fp8.peak)
+
+
+def test_a_chip_without_the_8_bit_peak_counts_the_quantized_matmuls_at_bf16() -> None:
+    """TPU v5e has an int8 peak (393 TOPs) but no fp8 one: fp8 there is planned at the bf16 peak, and says so."""
+    plain, int8, fp8 = (_plan("v5litepod-8", f"quantization={m}") for m in ("none", "int8", "fp8"))
+    assert plain.peak == fp8.peak == 197e12
+    share = quantization.quantized_share(int8.cfg.model)
+    assert int8.peak == pytest.approx(1 / (share / 393e12 + (1 - share) / 197e12))
+    assert "no fp8 peak known for TPU v5 lite: its fp8 matmuls count at bf16" in printout.format_plan(fp8)
+    figures = console.startup_figures(fp8.cfg, fp8.mesh, 1, _Report())
+    assert "peak 197 TFLOP/s bf16 (no fp8 peak known" in console.format_startup_summary(figures)
+
+
+class _Report:
+    param_bytes_per_device = optimizer_bytes_per_device = gradient_bytes_per_device = 0

@@ -3,7 +3,9 @@
 Roofline. Compute time = hardware FLOPs per device / peak, where hardware FLOPs = (model FLOPs (`model.py`, forward
 + backward) + what token dropping pads and dispatches (`moe_dropping_flops`)) x (1 + the share of forward FLOPs the
 remat policy recomputes / 3) (`remat_factors`: 4/3 for full, 1 for none, and for minimal unless it re-runs a fused
-attention), divided by (1 - bubble) under a pipeline.
+attention), divided by (1 - bubble) under a pipeline. The peak is the bf16 one, or for a quantized run
+(`quantization: int8 | fp8`) the mix of the chip's 8-bit peak for the quantized share of the FLOPs and its bf16 peak
+for the rest (`quantization.peak_flops`).
 A collective over a group of n = n_ici x n_dcn devices (ici and dcn parts of its mesh axes) with full-buffer bytes
 B moves, per device, with a ring inside each level:
 
@@ -24,7 +26,7 @@ import math
 
 import numpy as np
 
-from maxshard import mesh, model, perf
+from maxshard import mesh, model, quantization
 from maxshard.config import Config
 from maxshard.launch.topologies import Target
 from maxshard.layers import moe
@@ -208,7 +210,7 @@ def make_plan(cfg: Config, target: Target | None = None) -> Plan:
         model_flops=model_flops,
         hardware_flops=(model_flops + moe_dropping_flops(cfg)) * remat_factors(cfg)[cfg.remat_policy]
         + loss_recompute_flops(cfg),
-        peak=perf.peak_flops(cfg.device_kind),
+        peak=quantization.peak_flops(cfg),
         link=link,
         axis_times=_axis_times(collectives, ici, dcn, link),
     )

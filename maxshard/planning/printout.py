@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from maxshard import quantization
 from maxshard.planning.estimate import AxisTime, Plan
 from maxshard.planning.memory import Widths, widths
 from maxshard.units import format_bytes
@@ -122,10 +123,11 @@ def _roofline(plan: Plan) -> list[str]:
     slowest = max(plan.axis_times.items(), key=lambda kv: kv[1].total_s, default=None)
     comm = "no communication" if slowest is None else f"slowest axis {slowest[0]} {_ms(slowest[1].total_s)}"
     mfu = plan.model_flops / plan.step_s / plan.peak  # type: ignore[operator]
+    precision = "" if cfg.quantization == "none" else f" {quantization.peak_precision(cfg)}"
     lines += [
         f"roofline: compute {plan.compute_s:.4g} s ({plan.hardware_flops:.3g} FLOPs per device at "
-        f"{plan.peak / 1e12:.0f} TFLOP/s; model FLOPs x {plan.hardware_flops / plan.model_flops:.3g} for recompute); "
-        f"{comm}",
+        f"{plan.peak / 1e12:.0f} TFLOP/s{precision}; model FLOPs x {plan.hardware_flops / plan.model_flops:.3g} for "
+        f"recompute); {comm}",
         f"step time >= {plan.step_s:.4g} s (perfect overlap), {plan.serial_s:.4g} s without overlap; "
         f"MFU <= {mfu:.1%}; {cfg.global_batch_size * cfg.max_target_length / plan.step_s:,.0f} tokens/s at best",
     ]
