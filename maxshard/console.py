@@ -68,6 +68,9 @@ def format_startup_summary(figures: Mapping[str, Any]) -> str:
     precision = figures.get("peak_precision", "bf16")
     peak_text = f"peak {peak / 1e12:.0f} TFLOP/s {precision}" if peak else "peak unknown: MFU not reported"
     lines.append(f"device: {figures['device_kind']}, {peak_text}")
+    if figures.get("quantization", "none") != "none":
+        lines.append(f"quantization: {figures['quantization']} on the attention and MLP matmuls, forward and backward "
+                     "(qwix; maxshard/quantization.py)")
     if figures.get("memory_fit"):
         lines.append(format_memory_fit(figures["memory_fit"]))
     pipe = figures["pipeline"]

@@ -207,7 +207,9 @@ def test_a_chip_without_the_8_bit_peak_counts_the_quantized_matmuls_at_bf16() ->
     assert int8.peak == pytest.approx(1 / (share / 393e12 + (1 - share) / 197e12))
     assert "no fp8 peak known for TPU v5 lite: its fp8 matmuls count at bf16" in printout.format_plan(fp8)
     figures = console.startup_figures(fp8.cfg, fp8.mesh, 1, _Report())
-    assert "peak 197 TFLOP/s bf16 (no fp8 peak known" in console.format_startup_summary(figures)
+    summary = console.format_startup_summary(figures)
+    assert "peak 197 TFLOP/s bf16 (no fp8 peak known" in summary
+    assert "quantization: fp8 on the attention and MLP matmuls, forward and backward (qwix" in summary
 
 
 class _Report:
