@@ -43,11 +43,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import jax.numpy as jnp
+import qwix
+from qwix._src.utils import flax_util  # private: which parameter of the current module an operand is (as MaxText)
 
 from maxshard import perf
 from maxshard.attention_choice import platform_of
 from maxshard.config_schema import Config, ConfigError
+from maxshard.layers import lora
 from maxshard.model import flops_per_token
 from maxshard.model_config import ModelConfig
 
@@ -79,14 +83,26 @@ RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
-def rules(mode: str) -> list[Any]:
+def rules(mode: str) -> list[qwix.QtRule]:
     """qwix's quantized-training rules of `mode` ('int8' or 'fp8')."""
-    import qwix  # deferred: only a quantized run needs it
-
     recipe = RECIPES[mode]
     return [qwix.QtRule(module_path=path, op_names=ops, weight_qtype=recipe.forward, act_qtype=recipe.forward,
                         bwd_qtype=recipe.gradient)
             for path, ops in RULES]
+
+
+class FrozenBaseProvider(qwix.QtProvider):
+    """qwix's quantized training, less LoRA's adapter matmuls (layers/lora.py), which stay in the compute dtype.
+
+    An adapter's two thin matmuls run in the module of the projection they correct, so a rule (module path and op
+    name) would quantize them with the kernel's matmul. They are what trains under LoRA and run at rank r, where 8
+    bits save nothing and cost the adapters precision: QLoRA's split, the frozen base in 8 bits and the adapters not.
+    """
+
+    def dot_general(self, lhs: Any, rhs: Any, *args: Any, **kwargs: Any) -> jax.Array:
+        if any(flax_util.find_param(x) in lora.ADAPTER_PARAMS for x in (lhs, rhs)):
+            return jax.lax.dot_general(lhs, rhs, *args, **kwargs)  # not intercepted again inside the interceptor
+        return super().dot_general(lhs, rhs, *args, **kwargs)
 
 
 def quantize(model: Any, mode: str) -> Any:
@@ -95,11 +111,9 @@ def quantize(model: Any, mode: str) -> Any:
     of the sequence (`loss_chunks`) quantizes exactly as the whole one."""
     if mode == "none":
         return model
-    import qwix
-
     if mode not in RECIPES:
         raise ValueError(f"quantization must be one of {', '.join(MODES)}, got {mode!r}")
-    return qwix.quantize_model(model, qwix.QtProvider(rules(mode)), methods=("__call__", "hidden", "head"))
+    return qwix.quantize_model(model, FrozenBaseProvider(rules(mode)), methods=("__call__", "hidden", "head"))
 
 
 def quantized_matmul_params(cfg: ModelConfig) -> int:

@@ -45,15 +45,20 @@ def _walk(operation: object) -> Iterator[object]:
                 yield from _walk(inner.operation)
 
 
-def lowered_dots(*overrides: str) -> list[tuple[str, str, str]]:
-    """(lhs element type, rhs element type, location) of every dot_general and ragged_dot in the train step of the
-    tiny model with `overrides`, lowered on 8 CPU devices (fsdp)."""
+def lowered_dot_types(*overrides: str) -> list[tuple[str, str, str]]:
+    """(lhs type, rhs type, location) of every dot_general and ragged_dot in the train step of the tiny model with
+    `overrides`, lowered on 8 CPU devices (fsdp); types as MLIR prints them ('tensor<16x32x64xi8>')."""
     cfg = tiny_config(*overrides)
     trainer = Trainer(cfg, mesh_for(cfg))
     batch_sharding = data.batch_sharding(cfg, trainer.mesh)
     module = trainer.jit_train_step(batch_sharding).lower(*abstract_inputs(trainer, batch_sharding)).compiler_ir()
-    return [(_element(str(op.operands[0].type)), _element(str(op.operands[1].type)), str(op.location))
+    return [(str(op.operands[0].type), str(op.operands[1].type), str(op.location))
             for op in _walk(module.operation) if op.operation.name in ("stablehlo.dot_general", "chlo.ragged_dot")]
+
+
+def lowered_dots(*overrides: str) -> list[tuple[str, str, str]]:
+    """`lowered_dot_types` with element types only: (lhs, rhs, location), e.g. ('i8', 'i8', 'loc(...)')."""
+    return [(_element(lhs), _element(rhs), where) for lhs, rhs, where in lowered_dot_types(*overrides)]
 
 
 def split_by_rule(dots: list[tuple[str, str, str]]) -> tuple[list, list]:
@@ -100,6 +105,18 @@ def test_every_entry_point_and_stack_is_quantized(overrides: tuple[str, ...]) ->
         assert any("/moe/shared/" in d[2] for d in quantized)
         assert sum("QtProvider.ragged_dot" in d[2] for d in quantized) >= 9, dots  # 3 forward, 6 backward
         assert any("/moe/gate/" in d[2] for d in others)  # the router stays float
+
+
+def test_lora_adapters_stay_in_the_compute_dtype_beside_their_8_bit_kernels() -> None:
+    """Under LoRA the frozen kernels' matmuls are quantized and the adapters' thin ones (rank 3 here, a size no other
+    dimension has) are not, though they run in the same module (quantization.FrozenBaseProvider)."""
+    dots = lowered_dot_types("quantization=int8", "lora_rank=3", "lora_targets=[q,k,v,o,gate,up,down]")
+    adapter = re.compile(r"[<x]3x")  # a dimension of size 3: the adapter's rank
+    in_projections = [d for d in dots if QUANTIZED.search(d[2]) or "/mlp/wi_" in d[2]]
+    adapters = [d for d in in_projections if adapter.search(d[0]) or adapter.search(d[1])]
+    kernels = [d for d in in_projections if d not in adapters]
+    assert len(adapters) >= 2 * 7 and all(_element(lhs) == _element(rhs) == "f32" for lhs, rhs, _ in adapters)
+    assert len(kernels) >= 6 and all(_element(lhs) == _element(rhs) == "i8" for lhs, rhs, _ in kernels), kernels
 
 
 def _train(mode: str, steps: int) -> list[float]:
