@@ -18,10 +18,11 @@ as its own root, so no rule names the decoder):
     moe (ragged_dot only)             the routed experts when they run as jax.lax.ragged_dot (dropless MoE with
                                       `moe_dropless_impl` ragged_dot, which `auto` picks on TPU)
 
-and what is not: attention's scores and values (softmax is where 8 bits hurt most, and the fused kernels do their
+and what is not: attention's scores and values (MaxText's rules leave them out too, and the fused kernels do their
 own math), the router, the embedding and the output head, and the routed experts of the dropping, tiled and dense
 MoE paths: those einsums share the `moe` module with the dispatch and combine einsums (one-hot masks and router
-weights), and a qwix rule, which matches module paths and op names, cannot tell them apart.
+weights), and a qwix rule, which matches module paths and op names, cannot tell them apart. Under LoRA the frozen
+kernels are quantized and the adapters' matmuls are not (`FrozenBaseProvider`).
 
 Recipes (`RECIPES`):
     int8   weights, activations and gradients int8 (MaxText's int8 recipe)
