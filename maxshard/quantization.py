@@ -134,9 +134,12 @@ def _ragged_experts(cfg: ModelConfig) -> bool:
 
 
 def quantized_share(cfg: ModelConfig) -> float:
-    """The share of the model's training FLOPs (`model.flops_per_token`) that run in 8 bits: 6 x the quantized
-    matmul parameters per token, over all of them (the head, the router and attention's scores stay in bf16)."""
-    return 6 * quantized_matmul_params(cfg) / flops_per_token(cfg)
+    """The share of the model's training FLOPs (`model.flops_per_token`) that run in 8 bits: the quantized matmul
+    parameters per token x 6 (forward 2, backward 4), or x 4 under LoRA, whose frozen kernels get no weight gradient
+    (as `flops_per_token` counts them), over all of them. The head, the router, attention's scores and the LoRA
+    adapters stay in the compute dtype."""
+    per_param = 4 if cfg.lora_rank else 6
+    return per_param * quantized_matmul_params(cfg) / flops_per_token(cfg)
 
 
 def peak_flops(cfg: Config) -> float | None:

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from helpers import mesh_for, tiny_config
-from maxshard import config, console, data, loading, perf, quantization
+from maxshard import config, console, data, loading, model, perf, quantization
 from maxshard.config import ConfigError
 from maxshard.launch import topologies
 from maxshard.planning import estimate, printout
@@ -247,6 +247,16 @@ def test_the_planner_and_mfu_measure_a_quantized_run_against_the_8_bit_peak() ->
     assert logger.peak == fp8.peak
     figures = perf.step_perf(1.0, 1e15, 1.0, 1, logger.peak)
     assert figures["mfu"] == pytest.approx(1e15 / fp8.peak)
+
+
+def test_under_lora_the_quantized_share_counts_the_frozen_kernels_without_weight_gradients() -> None:
+    """flops_per_token counts LoRA's frozen kernels at 4 FLOPs per parameter (no weight gradient): so does the share."""
+    plain = _plan("h100-80gb-8", "quantization=int8").cfg.model
+    lora = _plan("h100-80gb-8", "quantization=int8", "lora_rank=8").cfg.model
+    quantized = quantization.quantized_matmul_params(plain)
+    assert quantization.quantized_matmul_params(lora) == quantized
+    assert quantization.quantized_share(lora) == pytest.approx(4 * quantized / model.flops_per_token(lora))
+    assert quantization.quantized_share(plain) == pytest.approx(6 * quantized / model.flops_per_token(plain))
 
 
 def test_a_chip_without_the_8_bit_peak_counts_the_quantized_matmuls_at_bf16() -> None:
