@@ -55,13 +55,13 @@ def format_startup_summary(figures: Mapping[str, Any]) -> str:
     parts = " + ".join(f"{name} {format_bytes(b)}" for name, b in memory.items())
     count, trained = figures["param_count"], figures.get("trainable_param_count", figures["param_count"])
     lora = figures.get("lora")
-    trains = ("all trainable" if trained == count else
-              f"{format_count(trained)} trainable ({trained:,}, {trained / count:.2%}: LoRA rank {lora['rank']} on "
-              f"{', '.join(lora['targets'])}; the rest frozen)")
+    trains = "" if trained == count else (
+        f", {format_count(trained)} trainable ({trained:,}, {trained / count:.2%}: LoRA rank {lora['rank']} on "
+        f"{', '.join(lora['targets'])}; the rest frozen)")
     lines = [
         f"run: {figures['run_dir']}",
         f"mesh: {mesh_lib.describe(figures['mesh'])} ({figures['devices']} device{'s' * (figures['devices'] != 1)})",
-        f"parameters: {format_count(count)} ({count:,}), {trains}",
+        f"parameters: {format_count(count)} ({count:,}){trains}",
         f"per-device memory estimate: {parts} = {format_bytes(sum(memory.values()))}",
     ]
     peak = figures["peak_flops"]

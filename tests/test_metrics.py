@@ -272,6 +272,10 @@ def test_startup_summary():
     ]
     cpu = console.format_startup_summary(_figures(device_kind="cpu", peak_flops=None))
     assert cpu.splitlines()[-2] == "device: cpu, peak unknown: MFU not reported"
+    lora = {"rank": 8, "alpha": 16.0, "targets": ["q", "v"]}
+    text = console.format_startup_summary(_figures(trainable_param_count=65_536, lora=lora))
+    assert text.splitlines()[2] == ("parameters: 3.41M (3,407,872), 65.5k trainable (65,536, 1.92%: LoRA rank 8 on "
+                                    "q, v; the rest frozen)")
 
 
 def test_startup_summary_says_which_remat_policy_runs_and_why():
