@@ -83,6 +83,57 @@ def test_cudnn_call_asks_for_the_cudnn_kernel(monkeypatch: pytest.MonkeyPatch) -
     assert seen["mask"].shape == (2, 1, 16, 16) and seen["k_shape"] == (2, 16, 2, 8)  # kv heads stay grouped
 
 
+def _many_documents(rows: int, length: int, documents: int, seed: int = 0) -> jnp.ndarray:
+    """Segment ids [rows, length]: `documents` ragged documents (ids 1..documents) per row, then padding (id 0)."""
+    rng = np.random.default_rng(seed)
+    segments = np.zeros((rows, length), np.int32)
+    for r in range(rows):
+        cuts = np.sort(rng.choice(np.arange(1, length - 8), size=documents, replace=False))  # starts 2..documents
+        ends = [*cuts[1:].tolist(), length - int(rng.integers(0, 8))]  # the last few tokens may be padding
+        for doc, (start, end) in enumerate(zip([0, *cuts[1:].tolist()], ends)):
+            segments[r, start:end] = doc + 1
+    return jnp.asarray(segments)
+
+
+def test_document_starts_are_the_first_position_of_each_run() -> None:
+    segments = jnp.asarray([[1, 1, 2, 2, 2, 3, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1]], jnp.int32)
+    assert ops.document_starts(segments).tolist() == [[0, 0, 2, 2, 2, 5, 6, 6], [0] * 8]
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_tokamax_matches_dot_product_through_its_xla_path(rows: int) -> None:
+    """24 packed documents per row, 4 query heads over 2 kv heads, causal: the offsets `tokamax` gives the library
+    mean the reference mask, checked through tokamax's XLA implementation (its Mosaic GPU kernel needs an H100)."""
+    q, k, v, _ = _inputs(128, batch=rows)
+    segments = _many_documents(rows, 128, 24)
+    assert [len(set(row.tolist()) - {0}) for row in segments] == [24] * rows
+    ref_out, ref_grads = _value_and_grads(ops.dot_product, q, k, v, segments)
+    out, grads = _value_and_grads(lambda *a: ops.tokamax(*a, implementation="xla"), q, k, v, segments)
+    assert max_relative_difference(out, ref_out) < TOLERANCE
+    assert max_relative_difference(grads, ref_grads) < TOLERANCE
+
+
+def test_tokamax_asks_the_gpu_kernel_for_offsets_not_a_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU backend the Mosaic GPU op gets per-query key offsets [batch, 1, q] and native causal masking (no
+    [q, kv] array), the kv heads still grouped, and the scale already in q."""
+    api, base = ops._tokamax_modules()
+    seen = {}
+
+    def fake(q, k, v, **kwargs):
+        seen.update(kwargs, k_shape=k.shape)
+        return q
+
+    monkeypatch.setattr(ops, "_tokamax_modules", lambda: (type("Api", (), {"IMPLEMENTATIONS": {"mosaic_gpu": fake}}),
+                                                          base))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    q, k, v, segments = _inputs(16)
+    ops.attend(q, k, v, segments, segments, implementation="tokamax")
+    mask = seen["mask"]
+    assert mask.is_causal and mask.bool_mask is None and mask.k_end is None and mask.q_start is None
+    assert mask.k_start.shape == (2, 1, 16) and mask.k_start.tolist() == ops.document_starts(segments)[:, None].tolist()
+    assert seen["logits_scale"] == 1.0 and seen["k_shape"] == (2, 16, 2, 8)
+
+
 def test_splash_in_interpret_mode_matches_dot_product() -> None:
     pytest.importorskip("jax.experimental.pallas.ops.tpu.splash_attention")
     inputs = _inputs(256, heads=2, kv_heads=1, batch=1, dim=128)

@@ -1,4 +1,4 @@
-"""The attention kernels behind one function, `attend`: dot_product, blockwise, cudnn and splash.
+"""The attention kernels behind one function, `attend`: dot_product, blockwise, cudnn, splash and tokamax.
 
 Inputs are post-RoPE and pre-scaled: q [batch, q_len, heads, head_dim] (already multiplied by 1/sqrt(head_dim)),
 k and v [batch, kv_len, kv_heads, head_dim], segment ids [batch, q_len] and [batch, kv_len]; the output is
@@ -10,6 +10,8 @@ Grouped-query heads: heads = kv_heads x group, query head h reads kv head h // g
     blockwise    online softmax over blocks, custom VJP (layers/blockwise_attention.py): linear memory, any backend
     cudnn        jax.nn.dot_product_attention(implementation="cudnn"): NVIDIA GPUs (see `_cudnn` for the mask)
     splash       the Pallas TPU splash kernel (interpret mode elsewhere, for tests); lengths a multiple of the blocks
+    tokamax      tokamax's Pallas Mosaic GPU FlashAttention (Hopper, Blackwell): the documents go in as per-query key
+                 offsets, not as a mask tensor (see `tokamax`); its XLA reference implementation off a GPU
 
 Sharding. Inside attention the activations take their own logical names (`activation_attn_*`): whole length
 (or `context` shards for ring attention, layers/ring_attention.py) and heads over the tensor axes *and* `sequence`.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from types import ModuleType
 
 import jax
 import jax.numpy as jnp
@@ -30,9 +33,10 @@ from maxshard.layers import blockwise_attention as bw
 from maxshard.layers import ring_attention
 from maxshard.sharding import constrain
 
-__all__ = ["IMPLEMENTATIONS", "attend", "dot_product", "blockwise", "cudnn", "splash", "token_indices"]
+__all__ = ["IMPLEMENTATIONS", "attend", "dot_product", "blockwise", "cudnn", "splash", "tokamax", "document_starts",
+           "token_indices"]
 
-IMPLEMENTATIONS = ("dot_product", "blockwise", "cudnn", "splash")
+IMPLEMENTATIONS = ("dot_product", "blockwise", "cudnn", "splash", "tokamax")
 Q_AXES = (ax.BATCH, ax.ATTN_LENGTH, ax.ATTN_HEADS, ax.ACT_KV)
 KV_AXES = (ax.BATCH, ax.ATTN_LENGTH, ax.ATTN_KV_HEADS, ax.ACT_KV)
 SEGMENT_AXES = (ax.BATCH, ax.ATTN_LENGTH)
@@ -144,6 +148,55 @@ def splash(q, k, v, q_segment_ids, kv_segment_ids, block_q: int = 512, block_kv:
     return jnp.einsum("bhgqd->bqhgd", out).reshape(batch, q_len, heads, dim).astype(v.dtype)
 
 
+def document_starts(segment_ids: jax.Array) -> jax.Array:
+    """[batch, length] -> the position where each token's document begins (int32), for kernels that take the
+    packed documents as ragged offsets rather than segment ids.
+
+    A document is a run of equal ids. That is what packing makes (data/packing.py numbers a row's documents 1, 2,
+    ... in order, padding 0 at the end), and there it is the same mask as equal ids; an id that came back after
+    another one would start a new document here, where `dot_product` would join the two."""
+    positions = jnp.arange(segment_ids.shape[1], dtype=jnp.int32)
+    first = jnp.ones_like(segment_ids[:, :1], dtype=bool)
+    starts_here = jnp.concatenate([first, segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    return jax.lax.cummax(jnp.where(starts_here, positions, 0), axis=1)
+
+
+@functools.cache
+def _tokamax_modules() -> tuple[ModuleType, ModuleType]:
+    """Tokamax's attention `api` (its registry of ops: "mosaic_gpu", "xla", ...) and `base` (its Mask), imported on
+    first use: only this implementation needs the library.
+
+    Tokamax reads its options through absl flags and, finding them unparsed, parses sys.argv as absl flags: our
+    key=value command line passes, but pytest's or a benchmark's --options fail as unknown flags. Marking them
+    parsed keeps every tokamax option at its default (heuristic kernel configs on an autotuning-cache miss)."""
+    from absl import flags
+    from tokamax._src.ops.attention import api, base
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+    return api, base
+
+
+def tokamax(q, k, v, q_segment_ids, kv_segment_ids, implementation: str | None = None) -> jax.Array:
+    """Tokamax's FlashAttention with the packed documents as ragged offsets: no [q, kv] mask or bias anywhere.
+
+    The public `tokamax.dot_product_attention` takes documents only as a dense mask, so this calls the library's
+    attention ops directly with its `Mask(k_start=..., is_causal=True)`: query t sees keys from its document's
+    start (`document_starts`) up to t. The Mosaic GPU kernel reads k_start per query row, skips the key blocks
+    before a query tile's earliest document start in its forward pass, and reads kv head h // group natively
+    (grouped-query heads). Each row takes the kv ids' offsets, as q and kv share ids in self-attention.
+    `implementation` is tokamax's: "mosaic_gpu" on a GPU backend by default (it needs sm90+ and 16-bit inputs:
+    attention_choice.py checks), "xla" (its quadratic reference) elsewhere, which is how CPU tests and the
+    planner's shape traces run it."""
+    if implementation is None:
+        implementation = "mosaic_gpu" if jax.default_backend() == "gpu" else "xla"
+    if q.shape[1] != k.shape[1]:
+        raise ValueError("attention=tokamax needs q_len == kv_len (training); use dot_product or blockwise to decode")
+    api, base = _tokamax_modules()
+    mask = base.Mask(k_start=document_starts(kv_segment_ids)[:, None, :], is_causal=True)  # [batch, 1 (heads), q]
+    return api.IMPLEMENTATIONS[implementation](q, k, v, mask=mask, logits_scale=1.0)
+
+
 def attend(
     q: jax.Array,
     k: jax.Array,
@@ -168,6 +221,8 @@ def attend(
         out = blockwise(q, k, v, q_segment_ids, kv_segment_ids, block_q, block_kv)
     elif implementation == "cudnn":
         out = cudnn(q, k, v, q_segment_ids, kv_segment_ids)
+    elif implementation == "tokamax":
+        out = ring_attention.manual_over_batch_and_heads(tokamax, q, k, v, q_segment_ids, kv_segment_ids)
     elif implementation == "splash":
         out = ring_attention.manual_over_batch_and_heads(
             functools.partial(splash, block_q=block_q, block_kv=block_kv), q, k, v, q_segment_ids, kv_segment_ids
