@@ -4,10 +4,17 @@
 
     TPU           splash (the Pallas kernel), or blockwise when the blocks do not suit it (they must divide the
                   length, and the key block must be a multiple of 128)
-    NVIDIA GPU    cudnn when the compute dtype is bfloat16/float16 and head_dim suits cuDNN, else blockwise
+    NVIDIA GPU    cudnn when the compute dtype is bfloat16/float16 and head_dim suits cuDNN, else blockwise.
+                  Never tokamax yet, though its Mosaic GPU kernel takes everything a packed batch needs (document
+                  offsets, causal, grouped heads): it has not been timed against cudnn on an H100
+                  (benchmarks/attention_gpu.py --tokamax), auto picks for speed, and the kernel is reached
+                  through tokamax's private modules (layers/attention_ops.py), pinned to one release
     CPU, other    blockwise when the length exceeds one block (max of attention_block_q/kv), dot_product up to
                   one block, where both hold the same [length, length] scores (measured: equal temporaries at
                   512 tokens with 512-token blocks, blockwise 3.3x smaller at 1024; benchmarks/README.md)
+
+`attention: tokamax` runs tokamax's Mosaic GPU kernel on Hopper/Blackwell GPUs and its XLA reference (quadratic
+memory, for checks) on CPU; it is refused on TPUs (splash is the TPU kernel).
 
 An explicit choice that cannot work is a ConfigError here, before anything compiles, naming the key and what is
 allowed. Two layouts are checked too: sequence parallelism shards attention heads over `sequence` (with the tensor
@@ -18,7 +25,9 @@ kernels take no ring offsets), and does not combine with a pipeline.
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import re
 from collections.abc import Mapping
 
 from maxshard.config_schema import Config, ConfigError
@@ -59,6 +68,23 @@ def _cudnn_problem(cfg: Config, dtype: str) -> str:
     return ""
 
 
+def _tokamax_problem(cfg: Config, dtype: str) -> str:
+    """Why tokamax's Mosaic GPU FlashAttention cannot run this config on an NVIDIA GPU ('' when it can), from its
+    source (tokamax 0.0.12, ops/attention/pallas_mosaic_gpu*.py): sm90/sm100 only; 16-bit inputs at default
+    precision; the forward kernel reduces the per-query key offsets over tiles of 2 x 64 queries (its heuristic
+    block), so the length must fill whole tiles; head_dim up to 256 keeps the heuristic blocks in shared memory."""
+    kind = (cfg.device_kind or "").lower()
+    if not re.search(r"\bg?[hb]\d{2,3}\b", kind):  # H100, H200, H800, GH200, B200, GB200
+        return f"a Hopper or Blackwell GPU (sm90/sm100; device kind {cfg.device_kind!r})"
+    if dtype not in ("bfloat16", "float16"):
+        return f"dtype bfloat16 or float16 (the compute dtype is {dtype})"
+    if cfg.max_target_length % 128:
+        return f"max_target_length a multiple of 128 (got {cfg.max_target_length})"
+    if cfg.head_dim > 256:
+        return f"head_dim at most 256 (got {cfg.head_dim})"
+    return ""
+
+
 def _auto(cfg: Config, dtype: str, platform: str) -> str:
     if platform == "tpu":
         return "splash" if not _splash_problem(cfg) else "blockwise"
@@ -70,6 +96,14 @@ def _auto(cfg: Config, dtype: str, platform: str) -> str:
 
 def _check_explicit(cfg: Config, dtype: str, platform: str) -> None:
     kind = cfg.device_kind or "cpu"
+    if cfg.attention == "tokamax":
+        if importlib.util.find_spec("tokamax") is None:
+            raise ConfigError("attention=tokamax needs the tokamax package: pip install -e '.[tokamax]'")
+        if platform == "tpu":
+            raise ConfigError(f"attention=tokamax is a GPU kernel (device kind {kind!r}); use splash or auto")
+        problem = _tokamax_problem(cfg, dtype) if platform == "nvidia" else ""
+        if problem:
+            raise ConfigError(f"attention=tokamax needs {problem}; use attention=cudnn or auto")
     if cfg.attention == "cudnn":
         if platform != "nvidia":
             raise ConfigError(f"attention=cudnn needs an NVIDIA GPU (device kind {kind!r}); "

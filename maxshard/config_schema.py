@@ -28,7 +28,7 @@ MESH_AXES = (
     "autoregressive",
 )
 
-Attention = Literal["auto", "dot_product", "blockwise", "cudnn", "splash"]
+Attention = Literal["auto", "dot_product", "blockwise", "cudnn", "splash", "tokamax"]
 RematPolicy = Literal["auto", "none", "minimal", "full", "save_qkv_proj", "save_out_proj", "save_qkv_out_proj"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 Quantization = Literal["none", "int8", "fp8"]  # maxshard/quantization.py

@@ -253,6 +253,9 @@ def _load(*overrides: str, device_kind: str = "cpu", num_devices: int = 8) -> co
     ("NVIDIA H100 80GB HBM3", ("dtype=float32",), "blockwise"),  # cuDNN flash needs 16-bit inputs
     ("cpu", ("max_target_length=256",), "dot_product"),
     ("cpu", ("max_target_length=2048",), "blockwise"),
+    ("NVIDIA H100 80GB HBM3", ("attention=tokamax",), "tokamax"),  # explicit only: auto stays cudnn until timed
+    ("NVIDIA GH200 480GB", ("attention=tokamax",), "tokamax"),
+    ("cpu", ("attention=tokamax",), "tokamax"),  # tokamax's XLA reference
 ])
 def test_auto_resolves_once_for_the_device(device_kind: str, overrides: tuple[str, ...], expected: str) -> None:
     assert _load(*overrides, device_kind=device_kind).model.attention == expected
@@ -269,10 +272,23 @@ def test_auto_resolves_once_for_the_device(device_kind: str, overrides: tuple[st
     (("ici_context_parallelism=8", "max_target_length=100", "ici_fsdp_parallelism=1"), "cpu",
      "multiple of 2 x 8"),
     (("attention_block_kv=0",), "cpu", "attention_block_kv must be >= 1"),
+    (("attention=tokamax",), "TPU v5 lite", "attention=tokamax is a GPU kernel"),
+    (("attention=tokamax",), "NVIDIA A100-SXM4-80GB", "attention=tokamax needs a Hopper or Blackwell GPU"),
+    (("attention=tokamax", "dtype=float32"), "NVIDIA H100 80GB HBM3", "attention=tokamax needs dtype bfloat16"),
+    (("attention=tokamax", "max_target_length=1000"), "NVIDIA H100 80GB HBM3", "a multiple of 128 (got 1000)"),
 ])
 def test_impossible_choices_are_one_config_error(overrides, device_kind: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         _load(*overrides, device_kind=device_kind)
+
+
+def test_tokamax_without_the_package_is_one_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tokamax" else find_spec(name, *a))
+    with pytest.raises(ConfigError, match=r"needs the tokamax package: pip install -e '\.\[tokamax\]'"):
+        _load("attention=tokamax", device_kind="NVIDIA H100 80GB HBM3")
 
 
 # --------------------------------------------------------------------------------------------- HLO and the planner
