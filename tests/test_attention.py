@@ -366,3 +366,13 @@ def test_8b_at_8k_fits_one_h100_node_with_auto_attention() -> None:
     assert plan.cfg.model.attention == "cudnn" and plan.cfg.max_target_length == 8192
     total = plan.params + plan.optimizer + plan.gradients + plan.activations
     assert total < plan.link.hbm
+
+
+@pytest.mark.parametrize("device_kind,fused", [("cpu", False), ("NVIDIA H100 80GB HBM3", True)])
+def test_planner_counts_tokamax_as_a_fused_kernel_only_on_a_gpu(device_kind: str, fused: bool) -> None:
+    """Off a GPU attention=tokamax runs tokamax's XLA reference, which holds whole score matrices."""
+    from maxshard import mesh
+    from maxshard.planning import memory
+
+    cfg = _load("attention=tokamax", device_kind=device_kind)
+    assert memory.widths(cfg, mesh.axis_sizes(cfg)).fused is fused

@@ -66,6 +66,7 @@ import math
 from collections.abc import Mapping
 
 from maxshard import axis_names as ax
+from maxshard.attention_choice import platform_of
 from maxshard.config import Config
 from maxshard.layers.moe import group_size
 from maxshard.planning.traffic import Geometry, geometry, rule_axes
@@ -239,6 +240,9 @@ def widths(cfg: Config, sizes: Mapping[str, int]) -> Widths:
     context = 1
     for axis in rule_axes(cfg, ax.ATTN_LENGTH, sizes):
         context *= sizes[axis]
+    attention = cfg.model.attention if cfg.model is not None else "dot_product"
+    if attention == "tokamax" and platform_of(cfg.device_kind or "cpu") != "nvidia":
+        attention = "dot_product"  # off a GPU tokamax runs its XLA reference, whole [length, length] scores
     return Widths(
         embed=cfg.emb_dim,
         q=heads * cfg.head_dim,
@@ -246,7 +250,7 @@ def widths(cfg: Config, sizes: Mapping[str, int]) -> Widths:
         mlp=mlp,
         heads=heads,
         length=cfg.max_target_length,
-        attention=cfg.model.attention if cfg.model is not None else "dot_product",
+        attention=attention,
         context=context,
         tensor="tensor" in (*head_axes, *mlp_axes),
         residual=_shards_beyond(cfg, sizes),
