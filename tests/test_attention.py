@@ -1,11 +1,13 @@
 """Every attention implementation against the dot-product reference, and how `attention` is chosen and refused.
 
 Kernel level (one device): outputs and gradients of blockwise, of the cudnn call mapping (run through XLA: there is
-no GPU here, so the cuDNN kernel itself never runs in CI) and of splash (Pallas interpret mode) against
+no GPU here, so the cuDNN kernel itself never runs in CI), of the tokamax document offsets (through tokamax's XLA
+implementation; its Mosaic GPU kernel never runs in CI either) and of splash (Pallas interpret mode) against
 dot_product, with causal masking, packed documents and grouped-query heads, at lengths that are and are not
 multiples of the blocks. Model level (8 simulated devices): loss and gradients of the tiny model with
 attention=blockwise under fsdp8, fsdp4 x tensor2, sequence2 x fsdp4, and ring attention under context2 x fsdp4
-(one slice and across two simulated DCN slices), against dot_product on one device. Tolerance 1e-5 relative
+(one slice and across two simulated DCN slices), and with attention=tokamax under fsdp4 x tensor2, against
+dot_product on one device; the CLI trains a fresh tiny run with attention=tokamax. Tolerance 1e-5 relative
 (float32): the same sums in another order.
 """
 
@@ -213,6 +215,20 @@ def test_model_matches_dot_product(layout: str, reference, monkeypatch: pytest.M
     assert max_relative_difference(grads, ref_grads) < TOLERANCE
 
 
+def test_model_with_tokamax_matches_dot_product(reference) -> None:
+    """attention=tokamax (its XLA path) in the model under fsdp4 x tensor2, each device's batch and heads under
+    shard_map: the loss and gradients of the one-device dot_product reference on the same packed batch."""
+    params, batch, (ref_loss, ref_grads) = reference
+    cfg = _model_config(*layout_overrides(LAYOUTS["fsdp4_tensor2"]), "attention=tokamax")
+    trainer = Trainer(cfg, mesh_for(cfg))
+    params = jax.device_put(params, trainer.state_shardings.params)
+    batch = jax.device_put(batch, trainer.batch_shardings(data.batch_sharding(cfg, trainer.mesh)))
+    loss, grads = _loss_and_grads(trainer, params, batch)
+    assert cfg.model.attention == "tokamax"
+    assert loss == pytest.approx(ref_loss, rel=TOLERANCE)
+    assert max_relative_difference(grads, ref_grads) < TOLERANCE
+
+
 def test_balanced_order_pairs_an_early_and_a_late_chunk() -> None:
     order = ring_attention.balanced_order(8, 2)  # 4 chunks of 2: device 0 gets chunks 0 and 3, device 1 gets 1, 2
     assert order.tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
@@ -376,3 +392,30 @@ def test_planner_counts_tokamax_as_a_fused_kernel_only_on_a_gpu(device_kind: str
 
     cfg = _load("attention=tokamax", device_kind=device_kind)
     assert memory.widths(cfg, mesh.axis_sizes(cfg)).fused is fused
+
+
+# --------------------------------------------------------------------------------------------- the CLI
+
+
+@pytest.mark.slow
+def test_cli_trains_with_tokamax_on_cpu(tmp_path) -> None:
+    """A fresh tiny run on the default corpus (packed documents) with attention=tokamax, fsdp4 x tensor2 (the
+    kernel runs per device under shard_map): the CLI's own main, with attention_ops.tokamax counted as it traces."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = ("import sys; from maxshard.layers import attention_ops as ops; from maxshard import train; calls = []; "
+              "real = ops.tokamax; ops.tokamax = lambda *a, **k: calls.append(1) or real(*a, **k); "
+              "code = train.main(sys.argv[1:]); print(f'tokamax traced {len(calls)} times'); sys.exit(code)")
+    cmd = [sys.executable, "-c", script, "configs/base.yml", "model_name=tiny", "cpu_device_count=8",
+           "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2", "attention=tokamax", "steps=6", "log_period=1",
+           "eval_period=0", "enable_checkpointing=false", f"base_output_directory={tmp_path}", "run_name=tokamax"]
+    result = subprocess.run(cmd, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "tokamax traced 0 times" not in result.stdout and "tokamax traced" in result.stdout
+    records = [json.loads(line) for line in (tmp_path / "tokamax" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert len(losses) == 6 and all(np.isfinite(losses)) and losses[-1] < losses[0] - 1.0, losses
