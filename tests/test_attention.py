@@ -301,8 +301,8 @@ def test_impossible_choices_are_one_config_error(overrides, device_kind: str, me
 def test_tokamax_without_the_package_is_one_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tokamax" else find_spec(name, *a))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tokamax" else real(name, *a))
     with pytest.raises(ConfigError, match=r"needs the tokamax package: pip install -e '\.\[tokamax\]'"):
         _load("attention=tokamax", device_kind="NVIDIA H100 80GB HBM3")
 
