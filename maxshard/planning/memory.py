@@ -37,9 +37,9 @@ s = the compute dtype's itemsize:
     Q(5s + 8) + K(4s + 8) + 12 H per token, plus one float32 score block per sequence a device holds).
 
     activations = layers x tokens x saved + tokens x working + head + gathered + the MoE, pipeline and
-                  accumulation terms below; a compiler's `FITTED` entry may take max(head, tokens x working +
-                  block) instead of their sum, add `cast` (the weights in the compute dtype), and count q, k, v as
-                  its tiled layout stores them (`Widths.stored`)
+                  accumulation terms below; on XLA:TPU (`FITTED`) max(head, tokens x working + block) instead of
+                  their sum, + `cast` (the weights in the compute dtype), and q, k, v as the tiled layout stores
+                  them (`Widths.stored`)
 
     head        the logits [tokens, vocab / tensor] in float32 and their gradient, of one of `loss_chunks` pieces
     gathered    one stacked unit's weights after the fsdp all-gather, in the compute dtype (what the layer being
@@ -132,10 +132,21 @@ class Fitted:
     tile: tuple[int, int] | None = None  # (rows, lanes) a value's two minor dimensions are padded to
 
 
-# By compiler: the additive model of the module docstring, its constants fitted on XLA:CPU. A compiler without an
-# entry takes XLA:CPU's.
+# By compiler. XLA:CPU: the additive model of the module docstring, its constants fitted there. XLA:TPU (libtpu
+# 0.0.42.1, ahead of time; benchmarks/README.md, tests/test_plan_tpu.py): the same working-set rows (its layer
+# backward agreed within 3% at 125m on v5e-8 once the rest was right), and three things its programs do that
+# XLA:CPU's do not: (1) the chunked loss and the decoder's backward run one after the other, never together (the
+# peak of 125m on v5e-8 under full stayed at 782 MiB from loss_chunks 4 to 16, and a dumped buffer assignment put
+# the peak inside the loss with no layer buffer live); (2) the stacked weights cast to bfloat16 once, before the
+# layer loop, beside their float32 shards (convert ops of every layer's weights live at the peak; 24 layers instead
+# of 12 added the state plus half the float32 weights plus the saved inputs); (3) the tiled layout pads a value's two
+# minor dimensions to tiles of 8 rows x 128 lanes (fewer rows take T(2,128) or T(4,128) tiles): q, k, v [.., 12
+# heads, 64] of 125m are stored as [.., 16, 128], 2.7x their size (the host buffers of offload_qkv_out_proj:
+# 720 MiB, this plan to the byte). A compiler without a row (XLA:GPU) takes XLA:CPU's (on an H100: within 25%,
+# compile_check.py's docstring).
 FITTED = {
     "xla:cpu": Fitted(XLA_CPU_WORKING),
+    "xla:tpu": Fitted(XLA_CPU_WORKING, head_apart=True, weight_cast=True, tile=(8, 128)),
 }
 
 
