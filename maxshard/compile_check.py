@@ -7,7 +7,8 @@ CPU; on an H100 it was 13-25% conservative for most policies and 4-6% low for `n
 to the allocator's peak to the byte) is exact, and the step compiles anyway, so it has the last word:
 
     remat_policy: auto   the plan's choice is compiled; if its peak exceeds the usable memory, the next policy with
-                         less memory (planning/memory.POLICIES_BY_MEMORY) is compiled instead, until one fits
+                         less memory (planning/memory.policies, as the compiler runs them) is compiled instead,
+                         until one fits
     an explicit policy   used as given when its compiled peak fits; otherwise one error line (exit 2) with the
                          compiled peak, before the first step
 
@@ -27,7 +28,7 @@ from maxshard import loading
 from maxshard.config import Config, ConfigError
 from maxshard.planning import fit
 from maxshard.planning.compiled import abstract_inputs, peak_bytes
-from maxshard.planning.memory import POLICIES_BY_MEMORY
+from maxshard.planning import memory
 from maxshard.step import Trainer
 from maxshard.units import format_bytes
 
@@ -62,7 +63,7 @@ def compile_step(trainer: Trainer, batch_sharding: NamedSharding) -> CompiledSte
         usable = trainer.cfg.memory_fit.usable_bytes if trainer.cfg.memory_fit is not None else None
         if peak is None or usable is None or peak <= usable:
             return CompiledStep(trainer, step, peak, time.perf_counter() - started)
-        following = _next_policy(trainer.cfg.remat_policy)
+        following = _next_policy(trainer.cfg)
         if requested != "auto" or following is None:
             raise ConfigError(_refusal(trainer.cfg, peak, usable))
         print(f"remat_policy={trainer.cfg.remat_policy} compiled to a peak of {format_bytes(peak)} per device, over "
@@ -78,10 +79,14 @@ def _compiled(trainer: Trainer, batch_sharding: NamedSharding) -> tuple[Any, int
     return executable, (peak_bytes(stats) if stats is not None else None)
 
 
-def _next_policy(policy: str) -> str | None:
-    """The policy after `policy` in order of memory (less saved, more recomputed); None after `full`."""
-    order = list(POLICIES_BY_MEMORY)
-    position = order.index(policy)
+def _next_policy(cfg: Config) -> str | None:
+    """The policy after the config's in order of device memory (less saved, more recomputed, as its compiler runs
+    them: `memory.policies`); None after the last, or for a policy outside that order (an offload policy on
+    XLA:CPU)."""
+    order = list(memory.policies(memory.compiler(cfg)))
+    if cfg.remat_policy not in order:
+        return None
+    position = order.index(cfg.remat_policy)
     return order[position + 1] if position + 1 < len(order) else None
 
 
@@ -94,7 +99,7 @@ def _with_policy(cfg: Config, policy: str) -> Config:
 
 
 def _refusal(cfg: Config, peak: int, usable: int) -> str:
-    following = _next_policy(cfg.remat_policy)
+    following = _next_policy(cfg)
     advice = (f"try remat_policy={following} or auto" if following is not None else
               "shard more (ici_fsdp_parallelism, ici_tensor_parallelism) or lower per_device_batch_size")
     return (f"remat_policy={cfg.remat_policy} compiles to a peak of {format_bytes(peak)} per device (XLA's memory "

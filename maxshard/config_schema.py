@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
+from maxshard import remat
 from maxshard.model_config import ModelConfig
 
 # Mesh axes, outermost first. `stage` holds pipeline stages; its knobs are spelled `*_pipeline_parallelism`.
@@ -29,7 +30,7 @@ MESH_AXES = (
 )
 
 Attention = Literal["auto", "dot_product", "blockwise", "cudnn", "splash", "tokamax"]
-RematPolicy = Literal["auto", "none", "minimal", "full", "save_qkv_proj", "save_out_proj", "save_qkv_out_proj"]
+RematPolicy = Literal[("auto", *remat.NAMES)]  # maxshard/remat.py: the table of policies
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 Quantization = Literal["none", "int8", "fp8"]  # maxshard/quantization.py
 LogicalRules = tuple[tuple[str, tuple[str, ...]], ...]

@@ -127,7 +127,8 @@ def load_run(
     Without `num_devices` JAX is asked (after `cpu_device_count` is applied); with `join_processes` this process
     first joins the others (multi-host), which must precede every device query. With `check_fit` (a run that will
     allocate its state) an explicit remat policy whose planned peak does not fit the devices is a ConfigError. With
-    `resume` (training) a run with checkpoints keeps their global batch on any device count (`resume_layout`).
+    `resume` (training) a run with checkpoints keeps their global batch on any device count (`resume_layout`). A
+    policy that offloads (maxshard/remat.py) on devices without host memory to offload to is a ConfigError too.
     """
     parsed = config.parse(argv)
     if join_processes:
@@ -136,4 +137,8 @@ def load_run(
         distributed.initialize(parsed)
     finalized = config.load_parsed(parsed, num_devices, device_kind)
     cfg = resume_layout(finalized) if resume else complete(finalized)
-    return check_memory(cfg) if check_fit else cfg
+    if not check_fit:
+        return cfg
+    if num_devices is None:  # this process's own devices: an offload policy needs their host memory
+        fit.check_host_memory(cfg)
+    return check_memory(cfg)

@@ -16,7 +16,7 @@ from maxshard import loading, train
 from maxshard.config import ConfigError
 from maxshard.planning import fit
 from maxshard.planning.compiled import compile_train_step, peak_bytes
-from maxshard.planning.memory import POLICIES_BY_MEMORY
+from maxshard.remat import NAMES
 from tests.helpers import mesh_for, tiny_config
 
 BASE = str(Path(__file__).resolve().parent.parent / "configs" / "base.yml")
@@ -39,7 +39,7 @@ def compiled_peaks() -> dict[str, int]:
 @pytest.fixture
 def plan_too_low(monkeypatch):
     """A plan that says every policy needs one byte: it lets everything through."""
-    monkeypatch.setattr(fit, "peaks_by_policy", lambda cfg: {policy: 1 for policy in POLICIES_BY_MEMORY})
+    monkeypatch.setattr(fit, "peaks_by_policy", lambda cfg: {policy: 1 for policy in NAMES})
 
 
 def _gb_for(usable_bytes: float) -> str:

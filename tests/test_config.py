@@ -268,7 +268,8 @@ def test_model_preset_with_an_unknown_key(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("name", "low", "high"),
-    [("tiny", 1.5e5, 2.5e5), ("125m", 1.1e8, 1.7e8), ("1b", 0.9e9, 1.3e9), ("8b", 7.9e9, 8.1e9)],
+    [("tiny", 1.5e5, 2.5e5), ("125m", 1.1e8, 1.7e8), ("1b", 0.9e9, 1.3e9), ("8b", 7.9e9, 8.1e9),
+     ("70b", 7.0e10, 7.1e10)],
 )
 def test_model_presets_load_with_the_expected_size(name: str, low: float, high: float) -> None:
     cfg = loading.complete(load(f"model_name={name}"))
@@ -276,7 +277,7 @@ def test_model_presets_load_with_the_expected_size(name: str, low: float, high: 
     assert low <= model.param_count(cfg.model) <= high  # eval_shape only: nothing is allocated, even for 8B
 
 
-@pytest.mark.parametrize("name", ["tiny", "125m", "1b", "8b"])
+@pytest.mark.parametrize("name", ["tiny", "125m", "1b", "8b", "70b"])
 def test_dense_presets_hold_only_model_keys(name: str) -> None:
     model_keys = {"emb_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim", "max_target_length",
                   "vocab_size", "logits_via_embedding", "rope_max_timescale", "norm_epsilon"}

@@ -14,14 +14,14 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "maxshard"
 
 CONFIG = ("maxshard.config", "maxshard.config_schema", "maxshard.config_ranges", "maxshard.config_structures",
-          "maxshard.model_config")
-LEAVES = ("maxshard.axis_names", "maxshard.units", "maxshard.perf", "maxshard.model_config")
-LAYER_DEPS = ("maxshard.axis_names", "maxshard.sharding", "maxshard.model_config", "maxshard.layers")
+          "maxshard.model_config", "maxshard.remat")
+LEAVES = ("maxshard.axis_names", "maxshard.units", "maxshard.perf", "maxshard.model_config", "maxshard.remat")
+LAYER_DEPS = ("maxshard.axis_names", "maxshard.sharding", "maxshard.model_config", "maxshard.remat", "maxshard.layers")
 
 # module (or package) -> the only maxshard modules it may import (prefixes). The most specific entry applies.
 ALLOWED: dict[str, tuple[str, ...]] = {
     **{leaf: () for leaf in LEAVES},
-    "maxshard.config_schema": ("maxshard.model_config",),
+    "maxshard.config_schema": ("maxshard.model_config", "maxshard.remat"),
     "maxshard.config_ranges": ("maxshard.config_schema", "maxshard.model_config"),
     "maxshard.config_structures": ("maxshard.config_schema", "maxshard.model_config"),
     "maxshard.config": CONFIG,

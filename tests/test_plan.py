@@ -383,7 +383,7 @@ def test_compile_verdict_is_the_trainers_check(capsys: pytest.CaptureFixture[str
         assert tool.main([*TINY_TPU, "--json"]) == code
         compiled = json.loads(capsys.readouterr().out)["compiled"]
         assert compiled == {"fits": code == 0, "usable_bytes": usable, "init_peak": 1, "step_peak": step_peak,
-                            "init_seconds": 0.1, "step_seconds": 0.2}
+                            "init_seconds": 0.1, "step_seconds": 0.2, "step_host": 0}
     assert verdict.endswith("HBM; the trainer's compile check would not run remat_policy=none"), verdict
 
 

@@ -167,10 +167,12 @@ def _compiled(plan: Plan, as_json: bool) -> int:
     if as_json:
         print(json.dumps({**plan_json(plan), "compiled": {"fits": fits, "usable_bytes": usable, **vars(run)}}))
         return 0 if fits else 1
+    host = (f"; host memory {format_bytes(run.step_host)} per device, planned {format_bytes(plan.host_bytes)}"
+            if run.step_host or plan.host_bytes else "")
     print(f"compiled with XLA:TPU for {plan.target.name}: init peak {format_bytes(run.init_peak)} per device "
           f"({run.init_seconds:.0f}s), train step peak {format_bytes(run.step_peak)} per device "
           f"({run.step_seconds:.0f}s); planned {format_bytes(plan.peak_bytes)}, "
-          f"{run.step_peak / plan.peak_bytes:.2f}x the plan")
+          f"{run.step_peak / plan.peak_bytes:.2f}x the plan{host}")
     verdict = "yes, fits" if fits else "no, does NOT fit"
     refused = "" if fits else f"; the trainer's compile check would not run remat_policy={plan.cfg.remat_policy}"
     print(f"compiled: {verdict} the {format_bytes(usable)} usable ({source}): the train step needs "

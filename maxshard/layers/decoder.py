@@ -1,12 +1,8 @@
 """The decoder block and the stack of blocks (scanned or unrolled, with a configurable remat policy).
 
-Remat policies (`remat_policy`), from most memory to least:
-  none               keep every activation for the backward pass (no recompute)
-  minimal            save every matmul output, recompute only elementwise work
-  save_qkv_out_proj  save the q/k/v and attention-output projections (named with `checkpoint_name`)
-  save_qkv_proj      save only the q/k/v projections
-  save_out_proj      save only the attention-output projection
-  full               save only each layer's input; recompute the whole layer
+Remat policies (`remat_policy`) are rows of `maxshard/remat.py`: what each keeps for the backward pass (every
+activation, the matmul outputs, or named values), and where (device or host memory). A layer names its input
+`layer_input`, so a policy can move it to host memory; the attention projections name theirs (layers/attention.py).
 """
 
 from __future__ import annotations
@@ -16,8 +12,10 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from maxshard import axis_names as ax
+from maxshard import remat
 from maxshard.model_config import ModelConfig
 from maxshard.layers import kv_cache
 from maxshard.layers.attention import Attention
@@ -29,19 +27,19 @@ from maxshard.sharding import constrain
 
 __all__ = ["DecoderLayer", "MoEDecoderBlock", "Decoder", "norm", "remat_policy", "stack_unit"]
 
-_SAVED_NAMES = {
-    "save_qkv_proj": ("query_proj", "key_proj", "value_proj"),
-    "save_out_proj": ("out_proj",),
-    "save_qkv_out_proj": ("query_proj", "key_proj", "value_proj", "out_proj"),
-}
-
 
 def remat_policy(name: str) -> Any:
-    """The `jax.checkpoint` policy for a `remat_policy` name (None: recompute everything)."""
-    if name == "minimal":
+    """The `jax.checkpoint` policy for a `remat_policy` name (None: recompute everything but the layer input; also
+    for `auto` not yet resolved, in a model built only for its parameter shapes)."""
+    p = remat.policy(name) if name in remat.NAMES else remat.policy("full")
+    if p.keeps == "dots":
         return jax.checkpoint_policies.dots_saveable
-    if name in _SAVED_NAMES:
-        return jax.checkpoint_policies.save_only_these_names(*_SAVED_NAMES[name])
+    if p.host:
+        return jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=p.device, names_which_can_be_offloaded=p.host, offload_src="device",
+            offload_dst="pinned_host")
+    if p.device:
+        return jax.checkpoint_policies.save_only_these_names(*p.device)
     return None
 
 
@@ -75,7 +73,7 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> tuple[jax.Array, None]:
         cfg, dt, wdt = self.cfg, self.dtype, self.weight_dtype
-        x = constrain(x, RESIDUAL)
+        x = checkpoint_name(constrain(x, RESIDUAL), remat.LAYER_INPUT)  # what an offload policy moves to host
         h = norm(RMSNorm(cfg.norm_epsilon, dt, wdt, name="attention_norm"), x)
         x = x + Attention(cfg, dt, wdt, name="attention")(h, segment_ids, positions)
         h = norm(RMSNorm(cfg.norm_epsilon, dt, wdt, name="mlp_norm"), x)

@@ -26,7 +26,7 @@ import math
 
 import numpy as np
 
-from maxshard import mesh, model, quantization
+from maxshard import mesh, model, quantization, remat
 from maxshard.config import Config
 from maxshard.launch.topologies import Target
 from maxshard.layers import moe
@@ -70,8 +70,15 @@ class Plan:
 
     @property
     def peak_bytes(self) -> int:
-        """Planned peak bytes per device: state, gradients and activations (what must fit the device)."""
+        """Planned peak bytes per device: state, gradients and activations (what must fit the device); what an
+        offload policy moves to host memory is not in it (`host_bytes`)."""
         return self.params + self.optimizer + self.gradients + self.activations
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory per device for the activations an offload policy moves there (0 for any other policy, and
+        on a compiler that keeps them on the device)."""
+        return 0 if self.activation_terms is None else int(self.activation_terms.host)
 
     @property
     def mesh(self) -> dict[str, int]:
@@ -133,23 +140,26 @@ def remat_factors(cfg: Config) -> dict[str, float]:
     """Hardware / model FLOPs of every remat policy: the backward pass re-runs the forward FLOPs a policy did not save,
     one third of training FLOPs if it re-ran all of them (full). Per layer and token, forward: q/k/v projections
     2E(Q + 2K), output projection 2QE, attention 2LQ (causal q.k and p.v), MLP 6EF (dense MLP; an MoE layer's routed
-    experts count as k dense MLPs). Each policy recomputes what follows the last thing it saved:
+    experts count as k dense MLPs). Each policy recomputes the parts of the layer its row of maxshard/remat.py names
+    (`recomputes`), and every policy but none re-runs a fused attention kernel (blockwise, cudnn, splash, ring: not a
+    matmul that a policy keeps):
         none                 nothing
-        minimal              elementwise work only (it keeps every matmul output), and the attention when a fused
-                             kernel computes it (blockwise, cudnn, splash, ring: not matmuls that a policy keeps)
-        save_qkv_out_proj    attention and MLP
-        save_qkv_proj        attention, output projection and MLP
+        minimal              elementwise work only (it keeps every matmul output), and a fused attention
+        save_qkv_out_proj    attention and MLP (offload_qkv_out_proj alike: where a value is kept costs no FLOPs)
+        save_qkv_proj        attention, output projection and MLP (offload_qkv_proj alike)
         save_out_proj        q/k/v projections, attention and MLP
-        full                 everything
+        full                 everything (offload_full alike)
     """
     e, q, kv, length = cfg.emb_dim, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.max_target_length
     mlp = 6 * e * cfg.mlp_dim * (cfg.num_experts_per_tok if cfg.model.is_moe else 1)
-    qkv, out, attention = 2 * e * (q + 2 * kv), 2 * q * e, 2 * length * q
+    flops = {"qkv": 2 * e * (q + 2 * kv), "out": 2 * q * e, "attention": 2 * length * q, "mlp": mlp}
     fused = memory.widths(cfg, mesh.axis_sizes(cfg)).fused
-    layer = qkv + out + attention + mlp
-    recomputed = {"none": 0, "minimal": attention if fused else 0, "save_qkv_out_proj": attention + mlp,
-                  "save_qkv_proj": attention + out + mlp, "save_out_proj": qkv + attention + mlp, "full": layer}
-    return {policy: 1 + share / layer / 3 for policy, share in recomputed.items()}
+    layer = sum(flops.values())
+    factors = {}
+    for p in remat.POLICIES:
+        parts = set(p.recomputes) | ({"attention"} if fused and p.keeps != "everything" else set())
+        factors[p.name] = 1 + sum(flops[part] for part in parts) / layer / 3
+    return factors
 
 
 def moe_dropping_flops(cfg: Config) -> float:
@@ -192,7 +202,8 @@ def make_plan(cfg: Config, target: Target | None = None) -> Plan:
     collectives = traffic.planned_collectives(cfg, report, sizes, geo)
     link = hardware.interconnect(target.name) if target is not None else None
     gathered = traffic.gathered_unit_bytes(cfg, report, sizes, geo)
-    terms = memory.activation_terms(cfg, sizes, geo, gathered, report.gradient_bytes_per_device)
+    terms = memory.activation_terms(cfg, sizes, geo, gathered, report.gradient_bytes_per_device,
+                                    report.param_bytes_per_device)
     model_flops = model.flops_per_token(cfg.model) * cfg.global_batch_size * cfg.max_target_length / cfg.num_devices
     return Plan(
         cfg=cfg,
@@ -221,4 +232,4 @@ def activations_under(plan: Plan, policy: str) -> memory.ActivationTerms:
     cfg = dataclasses.replace(plan.cfg, remat_policy=policy)
     geo = traffic.geometry(cfg, plan.mesh, np.dtype(cfg.model.compute_dtype).itemsize)
     gathered = plan.activation_terms.gathered if plan.activation_terms is not None else 0.0
-    return memory.activation_terms(cfg, plan.mesh, geo, gathered, plan.gradients)
+    return memory.activation_terms(cfg, plan.mesh, geo, gathered, plan.gradients, plan.params)

@@ -7,6 +7,13 @@ and `minimal` both re-run no matmul, and `minimal` keeps only the matmul outputs
 it wins unless a fused attention kernel makes it re-run the attention. (On XLA:CPU at benchmarks/maxtext_compare.py's
 shape, `minimal` took 0.93x `none`'s CPU time and 0.93x its wall time.)
 
+An offload policy (maxshard/remat.py) is the last resort, taken only when no policy that keeps everything on the
+device fits: it moves every layer's saved activations over the host link twice a step, a cost no FLOP count shows
+and no bandwidth figure of the planner prices. Offload policies are candidates only where the compiler moves values
+to host memory (XLA:TPU, XLA:GPU; `memory.policies`); on XLA:CPU each would be the policy it is `like`. Its host
+bytes must fit the host memory per device less `memory_headroom` (`Capacity.host`: the target's from
+`hardware.INTERCONNECTS`, or this host's available memory shared by its accelerators), where that is known.
+
 Capacity per device, in order: `device_memory_gb` (GB = 1e9 bytes); an accelerator's own limit
 (`Device.memory_stats()["bytes_limit"]`, what the allocator may use); on CPU, the host's available memory
 (`MemAvailable` of /proc/meminfo) shared by the local devices. With several processes the smallest capacity of any
@@ -31,13 +38,14 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from maxshard import remat
 from maxshard.config import Config, ConfigError
 from maxshard.config_schema import MemoryFit
 from maxshard.planning import estimate, memory
 from maxshard.units import format_bytes
 
 __all__ = ["Capacity", "cheapest", "configured_capacity", "local_capacity", "peaks_by_policy", "decide", "usable",
-           "verdict"]
+           "verdict", "check_host_memory", "host_by_policy"]
 
 _GB = 1e9
 # How far over the usable memory a plan may be before it alone refuses a policy: the bound within which the planner
@@ -49,6 +57,7 @@ PLAN_ERROR = 0.15
 class Capacity:
     bytes: int
     source: str  # for a person: where the figure comes from
+    host: int | None = None  # host memory per device for an offload policy (None: unknown, not checked)
 
 
 def _host_available() -> int:
@@ -84,10 +93,10 @@ def local_capacity(cfg: Config) -> Capacity:
         return configured
     devices = jax.local_devices()
     stats = devices[0].memory_stats() if devices[0].platform != "cpu" else None
-    if stats and stats.get("bytes_limit"):
-        return Capacity(_agreed(int(stats["bytes_limit"])), f"{devices[0].device_kind} allocator limit")
     available = _host_available()
     per_device = _agreed(available // len(devices))
+    if stats and stats.get("bytes_limit"):  # an accelerator: the host's memory is what offloading may use
+        return Capacity(_agreed(int(stats["bytes_limit"])), f"{devices[0].device_kind} allocator limit", per_device)
     shared = f" / {len(devices)} devices" if len(devices) > 1 else ""
     return Capacity(per_device, f"host available memory {format_bytes(available)}{shared}")
 
@@ -96,76 +105,156 @@ def usable(cfg: Config, capacity: Capacity) -> int:
     return int(capacity.bytes * (1 - cfg.memory_headroom))
 
 
+def usable_host(cfg: Config, capacity: Capacity) -> int | None:
+    """Host memory per device an offload policy may fill: the host's less `memory_headroom` (None: unknown)."""
+    return None if capacity.host is None else int(capacity.host * (1 - cfg.memory_headroom))
+
+
 def peaks_by_policy(cfg: Config) -> dict[str, int]:
-    """The planned peak bytes per device under every remat policy, most memory first. State, gradients and the
-    fsdp-gathered weights do not depend on the policy: they are planned once."""
+    """The planned device peak bytes per device under every remat policy the config's compiler runs as such
+    (`memory.policies`), most memory first, and the config's own policy if it is not one of them (an offload policy
+    on XLA:CPU). State, gradients and the fsdp-gathered weights do not depend on the policy: they are planned once."""
     base = estimate.make_plan(dataclasses.replace(cfg, remat_policy="full"))
     state = base.params + base.optimizer + base.gradients
-    return {policy: state + estimate.activations_under(base, policy).total for policy in memory.POLICIES_BY_MEMORY}
+    return {policy: state + estimate.activations_under(base, policy).total for policy in _planned_names(cfg)}
+
+
+def host_by_policy(cfg: Config) -> dict[str, int]:
+    """The host bytes per device an offload policy moves there, by policy as `peaks_by_policy` (0 for the rest, and
+    for every policy where the compiler offloads nothing)."""
+    names = _planned_names(cfg)
+    if not any(remat.policy(p).offloads for p in memory.policies(memory.compiler(cfg))):
+        return dict.fromkeys(names, 0)
+    base = estimate.make_plan(dataclasses.replace(cfg, remat_policy="full"))
+    return {policy: int(estimate.activations_under(base, policy).host) for policy in names}
+
+
+def _planned(cfg: Config) -> tuple[dict[str, int], dict[str, int]]:
+    """(device peaks, host bytes) per device by policy."""
+    return peaks_by_policy(cfg), host_by_policy(cfg)
+
+
+def _planned_names(cfg: Config) -> tuple[str, ...]:
+    """The compiler's policies (`memory.policies`), and the config's own if it is not one of them."""
+    names = memory.policies(memory.compiler(cfg))
+    if cfg.remat_policy in remat.NAMES and cfg.remat_policy not in names:
+        names += (cfg.remat_policy,)
+    return names
+
+
+def _candidates(cfg: Config, hosts: dict[str, int] | None = None, host_limit: int | None = None) -> tuple[str, ...]:
+    """The policies `auto` chooses from, most device memory first: the compiler's (`memory.policies`), less the
+    offload policies whose host bytes exceed `host_limit` (where known)."""
+    names = memory.policies(memory.compiler(cfg))
+    if hosts is None or host_limit is None:
+        return names
+    return tuple(p for p in names if hosts[p] <= host_limit)
 
 
 def decide(cfg: Config, capacity: Capacity, strict: bool = True) -> MemoryFit:
     """The policy the run uses: `auto` -> the least recompute that fits (`cheapest`); an explicit policy -> itself.
-    When it does not fit, the fit with `fits` False (`auto` -> full); with `strict`, a ConfigError (one line) when
-    it is planned more than PLAN_ERROR over, beyond what the compiled step could overturn."""
-    peaks = peaks_by_policy(cfg)
-    decided = _fit(cfg, peaks, capacity)
-    if strict and decided.planned_bytes > decided.usable_bytes * (1 + PLAN_ERROR):
-        raise ConfigError(_shortfall(cfg, peaks, decided.usable_bytes, capacity))
+    When it does not fit, the fit with `fits` False (`auto` -> the candidate with the least on the device: full, or
+    offload_full where the compiler offloads); with `strict`, a ConfigError (one line) when it is planned more than
+    PLAN_ERROR over the device's usable memory, beyond what the compiled step could overturn, or over the host's
+    (which no compiled step checks)."""
+    peaks, hosts = _planned(cfg)
+    decided = _fit(cfg, peaks, hosts, capacity)
+    host_limit = usable_host(cfg, capacity)
+    host_over = host_limit is not None and hosts[decided.policy] > host_limit
+    if strict and (host_over or decided.planned_bytes > decided.usable_bytes * (1 + PLAN_ERROR)):
+        raise ConfigError(_shortfall(cfg, peaks, hosts, capacity))
     return decided
 
 
-def _fit(cfg: Config, peaks: dict[str, int], capacity: Capacity) -> MemoryFit:
+def _fit(cfg: Config, peaks: dict[str, int], hosts: dict[str, int], capacity: Capacity) -> MemoryFit:
     """`decide` on peaks already planned."""
-    limit = usable(cfg, capacity)
+    limit, host_limit = usable(cfg, capacity), usable_host(cfg, capacity)
     policy = cfg.remat_policy
     if policy == "auto":
-        fitting = _fitting(peaks, limit)
-        policy = cheapest(cfg, fitting, peaks) if fitting else "full"
-    return MemoryFit(cfg.remat_policy, policy, peaks[policy], limit, capacity.bytes, capacity.source,
-                     peaks[policy] <= limit)
+        fitting = _fitting(cfg, peaks, hosts, limit, host_limit)
+        policy = cheapest(cfg, fitting, peaks) if fitting else _candidates(cfg)[-1]
+    fits = peaks[policy] <= limit and (host_limit is None or hosts[policy] <= host_limit)
+    return MemoryFit(cfg.remat_policy, policy, peaks[policy], limit, capacity.bytes, capacity.source, fits)
 
 
-def _fitting(peaks: dict[str, int], limit: int) -> list[str]:
-    return [p for p, b in peaks.items() if b <= limit]
+def _fitting(cfg: Config, peaks: dict[str, int], hosts: dict[str, int], limit: int,
+             host_limit: int | None) -> list[str]:
+    """The candidates (`_candidates`) planned within `limit` on the device and `host_limit` on the host."""
+    return [p for p in _candidates(cfg, hosts, host_limit) if peaks[p] <= limit]
 
 
 def cheapest(cfg: Config, fitting: list[str], peaks: dict[str, int]) -> str:
-    """Of the policies that fit, the one whose backward re-runs the fewest FLOPs; of equal ones, the smallest."""
+    """Of the policies that fit, one that keeps everything on the device if any does (module docstring), then the
+    one whose backward re-runs the fewest FLOPs; of equal ones, the smallest."""
     factors = estimate.remat_factors(cfg)
-    return min(fitting, key=lambda policy: (factors[policy], peaks[policy]))
+    return min(fitting, key=lambda policy: (remat.policy(policy).offloads, factors[policy], peaks[policy]))
 
 
 _SHARD_MORE = "shard more (ici_fsdp_parallelism, ici_tensor_parallelism) or lower per_device_batch_size"
 
 
-def _shortfall(cfg: Config, peaks: dict[str, int], limit: int, capacity: Capacity) -> str:
+def _shortfall(cfg: Config, peaks: dict[str, int], hosts: dict[str, int], capacity: Capacity) -> str:
+    limit, host_limit = usable(cfg, capacity), usable_host(cfg, capacity)
     room = (f"the {format_bytes(limit)} usable per device ({capacity.source}, "
             f"memory_headroom={cfg.memory_headroom:g})")
-    fitting = _fitting(peaks, limit)
+    fitting = _fitting(cfg, peaks, hosts, limit, host_limit)
+    best = f"the cheapest policy that fits is remat_policy={cheapest(cfg, fitting, peaks)}" if fitting else ""
+    policy = cfg.remat_policy
+    if host_limit is not None and policy in hosts and hosts[policy] > host_limit:
+        return (f"remat_policy={policy} moves {format_bytes(hosts[policy])} per device to host memory, "
+                f"{format_bytes(hosts[policy] - host_limit)} more than the {format_bytes(host_limit)} of host memory "
+                f"usable per device; {best or _SHARD_MORE}")
     if fitting:
-        policy, best = cfg.remat_policy, cheapest(cfg, fitting, peaks)
+        best_policy = cheapest(cfg, fitting, peaks)
         return (f"remat_policy={policy} needs {format_bytes(peaks[policy])} per device (planned peak), "
-                f"{format_bytes(peaks[policy] - limit)} more than {room}; the cheapest policy that fits is "
-                f"remat_policy={best} ({format_bytes(peaks[best])})")
-    least = peaks["full"]
-    return (f"remat_policy={cfg.remat_policy}: no remat policy fits; even remat_policy=full needs "
+                f"{format_bytes(peaks[policy] - limit)} more than {room}; {best} "
+                f"({format_bytes(peaks[best_policy])})")
+    smallest = _candidates(cfg)[-1]  # the policy that keeps the least on the device
+    least = peaks[smallest]
+    return (f"remat_policy={policy}: no remat policy fits; even remat_policy={smallest} needs "
             f"{format_bytes(least)} per device (planned peak), {format_bytes(least - limit)} more than {room}; "
             f"{_SHARD_MORE} or raise device_memory_gb")
 
 
 def verdict(cfg: Config, capacity: Capacity) -> tuple[bool, str]:
     """(fits, one line) for a planned run: `fit: yes, <planned> of <usable> (<policy>)`, or `fit: no, <by how much>,
-    <what would fit>`. `auto` is judged by the policy it chose (`cfg.memory_fit`), an explicit policy by itself."""
+    <what would fit>`. `auto` is judged by the policy it chose (`cfg.memory_fit`), an explicit policy by itself. An
+    offload policy also needs its host bytes within the host's usable memory, where the target's is known."""
     requested = cfg.memory_fit.requested if cfg.memory_fit is not None else cfg.remat_policy
-    peaks = peaks_by_policy(cfg)
-    decided = _fit(dataclasses.replace(cfg, remat_policy=requested), peaks, capacity)
+    peaks, hosts = _planned(cfg)
+    decided = _fit(dataclasses.replace(cfg, remat_policy=requested), peaks, hosts, capacity)
     planned, limit = format_bytes(decided.planned_bytes), format_bytes(decided.usable_bytes)
+    host_limit = usable_host(cfg, capacity)
+    host = (f", {format_bytes(hosts[decided.policy])} of {format_bytes(host_limit)} host memory"
+            if hosts[decided.policy] and host_limit is not None else "")
     if decided.fits:
-        return True, f"fit: yes, {planned} of {limit} usable ({decided.policy})"
-    over = format_bytes(decided.planned_bytes - decided.usable_bytes)
-    fitting = _fitting(peaks, decided.usable_bytes)
+        return True, f"fit: yes, {planned} of {limit} usable{host} ({decided.policy})"
+    fitting = _fitting(cfg, peaks, hosts, decided.usable_bytes, host_limit)
     best = cheapest(cfg, fitting, peaks) if fitting else None
     instead = (f"remat_policy={best} fits ({format_bytes(peaks[best])})" if best else
                f"no remat policy fits: {_SHARD_MORE}")
+    if decided.planned_bytes <= decided.usable_bytes:  # the device fits: the host does not
+        over = format_bytes(hosts[decided.policy] - host_limit)
+        return False, (f"fit: no, {over} over the {format_bytes(host_limit)} of host memory usable per device "
+                       f"({decided.policy} offloads {format_bytes(hosts[decided.policy])}); {instead}")
+    over = format_bytes(decided.planned_bytes - decided.usable_bytes)
     return False, f"fit: no, {over} over the {limit} usable ({decided.policy} plans {planned}); {instead}"
+
+
+def check_host_memory(cfg: Config, devices: list | None = None) -> None:
+    """A policy that offloads needs host memory its devices can move values to (the 'pinned_host' memory kind):
+    one error line naming remat_policy and what is allowed where they have none (default: this process's devices).
+    XLA:CPU's devices have one (and keep the values where they are: maxshard/remat.py)."""
+    policy = cfg.remat_policy
+    if policy not in remat.NAMES or not remat.policy(policy).offloads:
+        return
+    device = (devices or jax.local_devices())[0]
+    kinds = sorted({memory_space.kind for memory_space in device.addressable_memories()})
+    if "pinned_host" in kinds:
+        return
+    requested = cfg.memory_fit.requested if cfg.memory_fit is not None else policy
+    chose = f" chose {policy}, which" if requested != policy else ""
+    allowed = ", ".join(p.name for p in remat.POLICIES if not p.offloads)
+    raise ConfigError(f"remat_policy={requested}{chose} moves saved activations to host memory ('pinned_host'), "
+                      f"which the {device.platform} devices here do not have (memory kinds: {', '.join(kinds)}); "
+                      f"use one of {allowed}")

@@ -28,6 +28,12 @@ Sources (vendor documentation; "assumed" marks a figure no vendor page states fo
   GPU HBM  measured on an H100 80GB (nvidia-smi: 81559 MiB): JAX's allocator limit was 59.4 GiB at its default 75%,
            so 79.2 GiB allocatable, 458 MiB under the card's total. H200 (143771 MiB) and A100 40GB (40960 MiB)
            derived with the same reserve; H100 96GB assumed as 96 GiB less that reserve.
+  host     host memory (RAM of the VM) per device, for what an offload remat policy moves there: v5e "DRAM per host
+           512 GiB", 8 chips (cloud.google.com/tpu/docs/v6e, v5e column); v6e "RAM per VM" 720 GB for the 4-chip VMs
+           of multi-host slices and 1440 GB for the 8-chip one (the same page; its "DRAM per host 1536 GiB" is the
+           machine's); v5p "RAM (GB) (4-chip VM) 448" (cloud.google.com/tpu/docs/v5p); A3 High 1,872 GB for 8 GPUs
+           (cloud.google.com/compute/docs/accelerator-optimized-machines). None where no source was found (v4, the
+           other GPU VMs): their host memory is not checked.
   GPU DCN  cloud.google.com/compute/docs/gpus/gpu-network-bandwidth, per VM of 8 GPUs: A3 High up to 1,000 Gbps,
            A3 Mega 1,600 Gbps (8 x 200 Gbps GPUDirect-TCPXO NICs), A3 Ultra 3,200 Gbps (8 ConnectX-7 NICs for
            GPU traffic), A2 100 Gbps; divided evenly over the 8 GPUs (assumed: all GPUs send at once).
@@ -65,16 +71,18 @@ class Interconnect:
     hbm: float  # bytes of device memory a program may allocate
     source: str  # where the figures come from (shown in the printout)
     gpu: bool = False  # JAX's GPU allocator takes a share of `hbm` (`device_memory`)
+    host: float | None = None  # bytes of host memory per device (None: unknown, not checked)
 
 
 # Keyed by the family part of the XPK device type ("v5p" of "v5p-1024") or the whole GPU type name.
 INTERCONNECTS: dict[str, Interconnect] = {
     "v4": Interconnect(1.1e15 / 4096, 50 * _GBIT, 30.75 * _GIB, "Cloud TPU v4 docs (ICI derived, DCN assumed)"),
-    "v5litepod": Interconnect(1600 * _GBIT, 2 * 100 * _GBIT / 8, 15.75 * _GIB, "Cloud TPU v5e/v6e docs"),
-    "v5p": Interconnect(4800 * _GBIT, 50 * _GBIT, 95.74 * _GIB, "Cloud TPU v5p docs"),
-    "v6e": Interconnect(3200 * _GBIT, 4 * 200 * _GBIT / 8, 31.25 * _GIB, "Cloud TPU v6e docs"),
+    "v5litepod": Interconnect(1600 * _GBIT, 2 * 100 * _GBIT / 8, 15.75 * _GIB, "Cloud TPU v5e/v6e docs",
+                              host=512 * _GIB / 8),
+    "v5p": Interconnect(4800 * _GBIT, 50 * _GBIT, 95.74 * _GIB, "Cloud TPU v5p docs", host=448 * _GB / 4),
+    "v6e": Interconnect(3200 * _GBIT, 4 * 200 * _GBIT / 8, 31.25 * _GIB, "Cloud TPU v6e docs", host=720 * _GB / 4),
     "h100-80gb-8": Interconnect(450 * _GB, 1000 * _GBIT / 8, _gpu(81559), "NVIDIA H100 datasheet; GCE A3 High",
-                                gpu=True),
+                                gpu=True, host=1872 * _GB / 8),
     "h100-mega-80gb-8": Interconnect(450 * _GB, 1600 * _GBIT / 8, _gpu(81559), "NVIDIA H100 datasheet; GCE A3 Mega",
                                      gpu=True),
     "h100-96gb-8": Interconnect(450 * _GB, 1600 * _GBIT / 8, _gpu(96 * 1024),

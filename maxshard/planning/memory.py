@@ -17,24 +17,29 @@ s = the compute dtype's itemsize:
     attention, dot_product: 8 A bytes (float32 exponentials and probabilities); a fused kernel (blockwise, cudnn,
                                       splash, ring) keeps its output and float32 log-sum-exp instead: Q x s + 4 H
 
-    what a policy saves per layer and token:
+    what a policy saves per layer and token (maxshard/remat.py names what each keeps):
         none               dense + attention
         minimal            matmul outputs: (2E / r + 2Q + 2K + 2F) x s + float32 scores 4 A (fused: log-sum-exp 4 H)
         save_qkv_out_proj  layer input + q, k, v + output projection: (E / r + E + Q + 2K) x s
         save_qkv_proj      (E / r + Q + 2K) x s
         save_out_proj      (E / r + E) x s
         full               E / r x s (the layer input, a piece of the residual stream)
+        offload_*          nothing on the device; in host memory what the policy it is `like` saves (the layer
+                           input included), counted apart (`host`): not part of the device peak. Only where the
+                           compiler moves it (`OFFLOADING`): XLA:CPU keeps it on the device, as the `like` policy
 
     the backward of one layer (its working set, while the layer is recomputed and differentiated) is measured, not
-    derived: XLA fuses and frees its pieces in an order no formula follows. WORKING holds, per policy, the fraction
-    of `dense`, the bytes per attention score and the mlp widths it takes on XLA:CPU (jax 0.10.2), fitted on the
-    widths and lengths of tests/test_plan_memory.py, + 3E x s under tensor parallelism (the column-parallel
+    derived: XLA fuses and frees its pieces in an order no formula follows. XLA_CPU_WORKING holds, per policy, the
+    fraction of `dense`, the bytes per attention score and the mlp widths it takes on XLA:CPU (jax 0.10.2), fitted
+    on the widths and lengths of tests/test_plan_memory.py, + 3E x s under tensor parallelism (the column-parallel
     projections' input gradients before they are reduced); the fused kernels' backward is counted from
     layers/blockwise_attention.py instead (block q, output, dq, stacked dk/dv in float32 and the log-sum-exp:
     Q(5s + 8) + K(4s + 8) + 12 H per token, plus one float32 score block per sequence a device holds).
 
     activations = layers x tokens x saved + tokens x working + head + gathered + the MoE, pipeline and
-                  accumulation terms below
+                  accumulation terms below; on XLA:TPU (`FITTED`) max(head, tokens x working + block) instead of
+                  their sum, + `cast` (the weights in the compute dtype), and q, k, v as the tiled layout stores
+                  them (`Widths.stored`)
 
     head        the logits [tokens, vocab / tensor] in float32 and their gradient, of one of `loss_chunks` pieces
     gathered    one stacked unit's weights after the fsdp all-gather, in the compute dtype (what the layer being
@@ -65,24 +70,50 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
+import numpy as np
+
 from maxshard import axis_names as ax
+from maxshard import remat
 from maxshard.attention_choice import platform_of
 from maxshard.config import Config
 from maxshard.layers.moe import group_size
 from maxshard.planning.traffic import Geometry, geometry, rule_axes
 
-__all__ = ["Widths", "ActivationTerms", "widths", "activation_terms", "POLICIES_BY_MEMORY", "logits_bytes",
-           "auto_loss_chunks"]
+__all__ = ["Widths", "ActivationTerms", "widths", "activation_terms", "compiler", "policies", "effective_policy",
+           "logits_bytes", "auto_loss_chunks"]
 
 # `loss_chunks: 0` (auto) splits the loss until one piece's float32 logits per device fit this (maxshard/loss.py).
 LOSS_PIECE_BYTES = 256 * 2**20
 
-# Remat policies from the most memory (least recomputation) to the least.
-POLICIES_BY_MEMORY = ("none", "minimal", "save_qkv_out_proj", "save_qkv_proj", "save_out_proj", "full")
+# The compiler of a device kind (attention_choice.platform_of), whose measured constants the plan uses.
+_COMPILERS = {"tpu": "xla:tpu", "nvidia": "xla:gpu", "cpu": "xla:cpu"}
+# Compilers that move an offload policy's values to host memory. JAX lowers the transfer as nothing on XLA:CPU.
+OFFLOADING = ("xla:tpu", "xla:gpu")
 
-# One layer's backward working set per token on XLA:CPU: (fraction of `dense`, bytes per dot-product score, mlp
-# widths F in the compute dtype: the gate and up projections' stacked [2, F] output and its slices).
-WORKING = {
+
+def compiler(cfg: Config) -> str:
+    """'xla:tpu', 'xla:gpu' or 'xla:cpu': the compiler the config was finalized for (its device kind)."""
+    return _COMPILERS[platform_of(cfg.device_kind or "cpu")]
+
+
+def policies(compiler_name: str) -> tuple[str, ...]:
+    """Remat policies from the most device memory (least recomputation) to the least, as `compiler_name` runs them:
+    the offload policies only where it moves values to host memory (elsewhere each is its `like` policy)."""
+    return tuple(p.name for p in remat.POLICIES if compiler_name in OFFLOADING or not p.offloads)
+
+
+def effective_policy(name: str, compiler_name: str) -> remat.Policy:
+    """The policy `name` as `compiler_name` runs it: an offload policy keeps everything on the device where the
+    compiler moves nothing."""
+    p = remat.policy(name)
+    return p if compiler_name in OFFLOADING else remat.on_device(p)
+
+
+# One layer's backward working set per token, by policy: (fraction of `dense`, bytes per dot-product score, mlp widths
+# F in the compute dtype: the gate and up projections' stacked [2, F] output and its slices). Fitted on XLA:CPU
+# (jax 0.10.2) on the widths and lengths of tests/test_plan_memory.py. An offload policy takes the row of the policy
+# it is `like`.
+XLA_CPU_WORKING = {
     "none": (0.52, 10.0, 2.75),
     "minimal": (0.53, 9.3, 3.0),
     "save_qkv_out_proj": (0.79, 8.0, 1.5),
@@ -90,6 +121,43 @@ WORKING = {
     "save_out_proj": (0.84, 2.3, 1.5),
     "full": (0.79, 13.3, 1.0),
 }
+# XLA:TPU's rows: XLA:CPU's, but for save_out_proj, whose backward the 8b preset on v6e-256 (4 x 8192 tokens per chip)
+# compiled to 1.46 x `dense` at 16 and at 32 layers (the 16 more layers added their saved bytes, 1.07x the plan's):
+# 24.3 and 33.1 GiB where XLA:CPU's row planned 19.5 and 27.7. Measured on that one shape only.
+XLA_TPU_WORKING = {**XLA_CPU_WORKING, "save_out_proj": (1.46, 2.3, 1.5)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Fitted:
+    """What the plan takes from one compiler's programs, as measured there (module docstring, `FITTED`)."""
+
+    working: Mapping[str, tuple[float, float, float]]  # WORKING rows by policy
+    head_apart: bool = False  # the logits and one layer's backward are never live together: the peak has the larger
+    weight_cast: bool = False  # the sharded weights are also held cast to the compute dtype (the cast hoisted)
+    tile: tuple[int, int] | None = None  # (rows, lanes) a value's two minor dimensions are padded to
+
+
+# By compiler. XLA:CPU: the additive model of the module docstring, its constants fitted there. XLA:TPU (libtpu
+# 0.0.42.1, ahead of time; benchmarks/README.md, tests/test_plan_tpu.py): XLA_TPU_WORKING (XLA:CPU's rows but one;
+# under full its layer backward agreed within 3% at 125m on v5e-8 once the rest was right), and three things its
+# programs do that XLA:CPU's do not: (1) the chunked loss and the decoder's backward run one after the other, never
+# together (the peak of 125m on v5e-8 under full stayed at 782 MiB from loss_chunks 4 to 16, and a dumped buffer
+# assignment put the peak inside the loss with no layer buffer live); (2) the stacked weights cast to bfloat16 once,
+# before the layer loop, beside their float32 shards (convert ops of every layer's weights live at the peak; 24
+# layers instead of 12 added the state plus half the float32 weights plus the saved inputs); (3) the tiled layout
+# pads a value's two minor dimensions to tiles of 8 rows x 128 lanes (fewer rows take T(2,128) or T(4,128) tiles):
+# q, k, v [.., 12 heads, 64] of 125m are stored as [.., 16, 128], 2.7x their size (the host buffers of
+# offload_qkv_out_proj: 720 MiB, this plan to the byte). A compiler without an entry (XLA:GPU) takes XLA:CPU's (on
+# an H100: within 25%, compile_check.py's docstring).
+FITTED = {
+    "xla:cpu": Fitted(XLA_CPU_WORKING),
+    "xla:tpu": Fitted(XLA_TPU_WORKING, head_apart=True, weight_cast=True, tile=(8, 128)),
+}
+
+
+def fitted(compiler_name: str) -> Fitted:
+    """FITTED's entry for `compiler_name`, or XLA:CPU's."""
+    return FITTED.get(compiler_name, FITTED["xla:cpu"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +176,8 @@ class Widths:
     residual: int = 1  # shards of the residual stream's length beyond the activation length's (tensor_sequence)
     block_q: int = 512
     block_kv: int = 512
+    head_dim: int = 0  # for `tile`
+    tile: tuple[int, int] | None = None  # Fitted.tile of the compiler: how per-head values are stored
 
     @property
     def fused(self) -> bool:
@@ -141,10 +211,10 @@ class Widths:
         """What the attention kernel keeps for its backward without remat."""
         return self.q * itemsize + 4 * self.heads if self.fused else 8 * self.scores
 
-    def kernel_working_bytes(self, itemsize: int, policy: str) -> float:
-        """The attention kernel's share of one layer's backward working set."""
+    def kernel_working_bytes(self, itemsize: int, score_bytes: float) -> float:
+        """The attention kernel's share of one layer's backward working set (`score_bytes` per dot-product score)."""
         if not self.fused:
-            return WORKING[policy][1] * self.scores
+            return score_bytes * self.scores
         fused = self.q * (5 * itemsize + 8) + self.kv * (4 * itemsize + 8) + 12 * self.heads
         if self.attention == "cudnn":
             fused += self.length * itemsize  # the packed-document mask cuDNN takes as a bias
@@ -152,23 +222,44 @@ class Widths:
             fused += self.kv * (4 * itemsize + 8)  # the K/V chunk in flight and the travelling dK, dV
         return fused
 
-    def saved_bytes(self, policy: str, itemsize: int) -> int:
-        """What `policy` keeps per layer and token for the backward pass."""
-        e, q, kv, f = self.embed, self.q, self.kv, self.mlp
-        if policy == "none":
-            return self.dense_bytes(itemsize) + self.kernel_saved_bytes(itemsize)
-        if policy == "minimal":
-            kernel = 4 * self.heads if self.fused else 4 * self.scores
-            return (2 * self.stream + 2 * q + 2 * kv + 2 * f) * itemsize + kernel  # row-parallel outputs split
-        x = self.stream  # the layer input, a piece of the residual stream
-        saved = {"save_qkv_out_proj": x + e + q + 2 * kv, "save_qkv_proj": x + q + 2 * kv, "save_out_proj": x + e}
-        return saved.get(policy, x) * itemsize
+    def stored(self, width: int) -> int:
+        """Elements per token of a projection's per-head output (width = heads x head_dim, [.., heads, head_dim]) as
+        the compiler stores it (`tile`): head_dim padded to whole lanes, heads to whole rows (fewer than a tile's rows
+        take the smallest power of two that holds them, as XLA:TPU picks T(2,128) or T(4,128) tiles for them)."""
+        if self.tile is None or not self.head_dim:
+            return width
+        rows, lanes = self.tile
+        heads = width // self.head_dim
+        padded = 1 << (heads - 1).bit_length() if heads < rows else -(-heads // rows) * rows
+        return padded * -(-self.head_dim // lanes) * lanes
 
-    def working_bytes(self, policy: str, itemsize: int) -> float:
+    def name_width(self, name: str) -> int:
+        """Per-token elements of a value a policy names (maxshard/remat.py), as stored."""
+        widths = {remat.LAYER_INPUT: self.stream, "query_proj": self.stored(self.q), "key_proj": self.stored(self.kv),
+                  "value_proj": self.stored(self.kv), "out_proj": self.embed}
+        return widths[name]
+
+    def saved_bytes(self, policy: remat.Policy, itemsize: int) -> int:
+        """What `policy` keeps per layer and token in device memory for the backward pass."""
+        q, kv, f = self.q, self.stored(self.kv), self.mlp
+        if policy.keeps == "everything":
+            return self.dense_bytes(itemsize) + self.kernel_saved_bytes(itemsize)
+        if policy.keeps == "dots":  # the projections' q, k, v as stored, the attention output (not [.., heads, dim])
+            kernel = 4 * self.heads if self.fused else 4 * self.scores
+            matmuls = 2 * self.stream + self.stored(q) + q + 2 * kv + 2 * f  # row-parallel outputs split
+            return matmuls * itemsize + kernel
+        kept = (remat.LAYER_INPUT, *policy.device) if remat.LAYER_INPUT not in policy.host else policy.device
+        return sum(self.name_width(n) for n in kept) * itemsize
+
+    def host_bytes(self, policy: remat.Policy, itemsize: int) -> int:
+        """What `policy` moves to host memory per layer and token."""
+        return sum(self.name_width(n) for n in policy.host) * itemsize
+
+    def working_bytes(self, policy: remat.Policy, itemsize: int, compiler_name: str = "xla:cpu") -> float:
         """One layer's backward working set per token (module docstring)."""
         partials = 3 * self.embed * itemsize if self.tensor else 0  # column-parallel input gradients, unreduced
-        dense, _, mlp = WORKING[policy]
-        return (dense * self.dense_bytes(itemsize) + self.kernel_working_bytes(itemsize, policy)
+        dense, scores, mlp = fitted(compiler_name).working[remat.on_device(policy).name]
+        return (dense * self.dense_bytes(itemsize) + self.kernel_working_bytes(itemsize, scores)
                 + mlp * self.mlp * itemsize + partials)
 
 
@@ -184,13 +275,21 @@ class ActivationTerms:
     pipeline: float  # per-iteration stage inputs and the circulation buffer
     accumulation: float  # the running gradient sum
     block: float  # the fused attention kernels' score block
+    cast: float = 0.0  # the sharded weights cast to the compute dtype, where the compiler keeps them (Fitted)
+    host: float = 0.0  # what an offload policy moves to host memory: not device memory, not in `total`
+    head_apart: bool = False  # Fitted.head_apart: `head` and `working + block` are not live together
 
     @property
     def total(self) -> int:
-        return int(sum(dataclasses.astuple(self)))
+        """Device bytes: every term but `host`; with `head_apart`, the larger of `head` and `working + block`."""
+        device = sum(getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("host", "head_apart"))
+        if self.head_apart:
+            device -= min(self.head, self.working + self.block)
+        return int(device)
 
     def as_json(self) -> dict[str, int]:
-        return {k: int(v) for k, v in dataclasses.asdict(self).items()}
+        """The byte terms."""
+        return {k: int(v) for k, v in dataclasses.asdict(self).items() if k != "head_apart"}
 
 
 def _split(n: int, axes: tuple[str, ...], sizes: Mapping[str, int]) -> int:
@@ -256,6 +355,8 @@ def widths(cfg: Config, sizes: Mapping[str, int]) -> Widths:
         residual=_shards_beyond(cfg, sizes),
         block_q=cfg.attention_block_q,
         block_kv=cfg.attention_block_kv,
+        head_dim=cfg.head_dim,
+        tile=fitted(compiler(cfg)).tile,
     )
 
 
@@ -309,10 +410,12 @@ def _moe_matmul_bytes(cfg: Config, w: Widths, sizes: Mapping[str, int], itemsize
 
 
 def activation_terms(cfg: Config, sizes: Mapping[str, int], geo: Geometry, gathered: float,
-                     gradients: float) -> ActivationTerms:
+                     gradients: float, params: float = 0.0) -> ActivationTerms:
     """The terms of the module docstring. `gathered`: what the fsdp gather of one unit holds
-    (`traffic.gathered_unit_bytes`); `gradients`: the gradient bytes per device (for accumulation)."""
-    w, size, policy = widths(cfg, sizes), geo.compute_itemsize, cfg.remat_policy
+    (`traffic.gathered_unit_bytes`); `gradients`: the gradient bytes per device (for accumulation); `params`: the
+    parameter bytes per device (for the compute-dtype copy a compiler may keep, `Fitted.weight_cast`)."""
+    w, size, target = widths(cfg, sizes), geo.compute_itemsize, compiler(cfg)
+    policy = effective_policy(cfg.remat_policy, target)
     local_length = _local_length(cfg, sizes)
     tokens = _microbatch_tokens(geo.tokens, local_length, geo.accumulation)
     head = 2 * logits_bytes(cfg, sizes, geo) / max(cfg.loss_chunks, 1)
@@ -320,35 +423,48 @@ def activation_terms(cfg: Config, sizes: Mapping[str, int], geo: Geometry, gathe
     moe_share = geo.moe_layers / max(geo.layers, 1)  # MoE layers per unit run (a unit may hold several layers)
     per_layer = cfg.num_layers // max(cfg.model.num_units, 1)  # layers in one stacked unit
     accumulation = gradients if geo.accumulation > 1 else 0.0
-    common = dict(head=head, gathered=gathered, accumulation=accumulation)
+    common = dict(head=head, gathered=gathered, accumulation=accumulation, cast=_cast_bytes(cfg, params, size),
+                  head_apart=fitted(target).head_apart)
     if geo.stages > 1 or geo.microbatches > 1:
         return _pipeline_terms(cfg, w, geo, tokens, per_layer, moe_per_layer * moe_share, common)
-    saved_policy = w.saved_bytes(policy, size)
-    moe_saved = {"none": moe_per_layer, "minimal": _moe_matmul_bytes(cfg, w, sizes, size)}.get(policy, 0.0)
+    moe_saved = {"everything": moe_per_layer, "dots": _moe_matmul_bytes(cfg, w, sizes, size)}.get(policy.keeps, 0.0)
     return ActivationTerms(
-        saved=geo.layers * tokens * saved_policy,
-        working=tokens * per_layer * w.working_bytes(policy, size),
+        saved=geo.layers * tokens * w.saved_bytes(policy, size),
+        working=tokens * per_layer * w.working_bytes(policy, size, target),
         moe=geo.moe_layers * tokens * moe_saved + tokens * moe_per_layer,
         pipeline=0.0,
         block=w.block_bytes(max(tokens // local_length, 1)),
+        host=geo.layers * tokens * w.host_bytes(policy, size),
         **common,
     )
+
+
+def _cast_bytes(cfg: Config, params: float, itemsize: int) -> float:
+    """The compute-dtype copy of the sharded weights, where the compiler keeps one (`Fitted.weight_cast`) and the
+    dtypes differ."""
+    weight_itemsize = np.dtype(cfg.model.weight_dtype).itemsize
+    if not fitted(compiler(cfg)).weight_cast or weight_itemsize == itemsize:
+        return 0.0
+    return params * itemsize / weight_itemsize
 
 
 def _pipeline_terms(cfg: Config, w: Widths, geo: Geometry, tokens: int, per_layer: int, moe_per_layer: float,
                     common: dict) -> ActivationTerms:
     """A device runs `layers_per_stage` units per iteration on one microbatch, checkpointed per iteration."""
-    size, policy = geo.compute_itemsize, cfg.remat_policy
-    stage_policy = "minimal" if policy == "none" else policy  # layers/pipeline.py: none saves matmul outputs
+    size, target = geo.compute_itemsize, compiler(cfg)
+    policy = effective_policy(cfg.remat_policy, target)
+    if policy.keeps == "everything":  # layers/pipeline.py: none saves matmul outputs in a stage
+        policy = remat.policy("minimal")
     microbatch = tokens // geo.microbatches
     stage_layers = cfg.model.pipeline.layers_per_stage * per_layer
-    inside = 0 if stage_policy == "full" else stage_layers * w.saved_bytes(stage_policy, size)
+    inside = 0 if policy.name == "full" else stage_layers * w.saved_bytes(policy, size)
     local_length = cfg.max_target_length
     return ActivationTerms(
         saved=geo.iterations * microbatch * inside,
-        working=microbatch * stage_layers * w.working_bytes(stage_policy, size),
+        working=microbatch * stage_layers * w.working_bytes(policy, size, target),
         moe=microbatch * moe_per_layer * stage_layers,
         pipeline=geo.iterations * microbatch * w.stream * size + tokens * w.stream * size,
         block=w.block_bytes(max(microbatch // local_length, 1)),
+        host=geo.iterations * microbatch * stage_layers * w.host_bytes(policy, size),
         **common,
     )

@@ -4,18 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from maxshard import quantization
+from maxshard import quantization, remat
 from maxshard.planning.estimate import AxisTime, Plan
-from maxshard.planning.memory import Widths, widths
+from maxshard.planning.memory import ActivationTerms, Widths, compiler, effective_policy, widths
 from maxshard.units import format_bytes
 
 __all__ = ["format_plan", "plan_json"]
 
-_ACTIVATION_RULE = {
-    "none": "every intermediate of every layer",
-    "minimal": "matmul outputs of every layer + one layer's intermediates",
-    "full": "one [batch, length, embed] per layer + one layer's intermediates",
-}
+_NAME_TEXT = {remat.LAYER_INPUT: "input", "query_proj": "q", "key_proj": "k", "value_proj": "v",
+              "out_proj": "output projection"}
 
 
 def _mesh_line(plan: Plan) -> str:
@@ -55,7 +52,7 @@ def _memory(plan: Plan) -> list[str]:
     total = plan.peak_bytes
     hbm = plan.link.hbm if plan.link is not None else None
     fits = "" if hbm is None else f" of {format_bytes(hbm)} HBM ({total / hbm:.0%})"
-    rule = _ACTIVATION_RULE.get(plan.cfg.remat_policy, "saved projections per layer + one layer's intermediates")
+    rule = effective_policy(plan.cfg.remat_policy, compiler(plan.cfg)).summary
     w = widths(plan.cfg, plan.mesh)
     lines = [
         "memory per device:",
@@ -66,9 +63,9 @@ def _memory(plan: Plan) -> list[str]:
         f"  {'':>28}  logits and their gradient; {_attention_text(w)}",
     ]
     if plan.activation_terms is not None:
-        terms = [f"{k} {format_bytes(v)}" for k, v in plan.activation_terms.as_json().items() if v]
-        lines.append(f"  {'':>28}  = {' + '.join(terms)}")
+        lines.append(f"  {'':>28}  = {_terms_text(plan.activation_terms)}")
     lines.append(f"  total            {format_bytes(total):>11}{fits}")
+    lines += _host(plan)
     fit = plan.cfg.memory_fit
     if fit is not None:
         chosen = f"auto chose {fit.policy}" if fit.requested == "auto" else f"{fit.policy} as set"
@@ -76,6 +73,32 @@ def _memory(plan: Plan) -> list[str]:
         lines.append(f"  remat_policy: {chosen}; {verdict} the {format_bytes(fit.usable_bytes)} usable "
                      f"({fit.capacity_source}, memory_headroom={plan.cfg.memory_headroom:g})")
     return lines
+
+
+def _terms_text(terms: ActivationTerms) -> str:
+    """'saved 1 GiB + working ...' adding up to the activations; where the compiler never holds the logits and one
+    layer's backward together (`head_apart`), the larger of the two: 'max(head ..., working ... + block ...) + ...'."""
+    values = {k: v for k, v in terms.as_json().items() if v and k != "host"}
+    apart = [k for k in ("head", "working", "block") if k in values] if terms.head_apart else []
+    text = [f"{k} {format_bytes(v)}" for k, v in values.items() if k not in apart]
+    if apart:
+        layer = " + ".join(f"{k} {format_bytes(values[k])}" for k in apart if k != "head")
+        head = f"head {format_bytes(values['head'])}, " if "head" in values else ""
+        text.insert(0, f"max({head}{layer})")
+    return " + ".join(text)
+
+
+def _host(plan: Plan) -> list[str]:
+    """The host memory line of an offload policy: apart from the device total, and where it stays on the device."""
+    policy = remat.policy(plan.cfg.remat_policy)
+    if not policy.offloads:
+        return []
+    if not plan.host_bytes:
+        return [f"  host memory      {'none':>11}  {compiler(plan.cfg)} keeps what {policy.name} offloads on the "
+                f"device, as {policy.like} (counted above)"]
+    names = ", ".join(_NAME_TEXT[n] for n in policy.host)
+    return [f"  host memory      {format_bytes(plan.host_bytes):>11}  {policy.name} moves every layer's {names} there "
+            "(not in the total)"]
 
 
 def _attention_text(w: Widths) -> str:
@@ -151,7 +174,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "dcn": plan.dcn,
         "param_count": plan.param_count,
         "bytes_per_device": {"params": plan.params, "optimizer": plan.optimizer, "gradients": plan.gradients,
-                             "activations": plan.activations, "peak": plan.peak_bytes},
+                             "activations": plan.activations, "peak": plan.peak_bytes, "host": plan.host_bytes},
         "activation_terms": None if plan.activation_terms is None else plan.activation_terms.as_json(),
         "remat_policy": plan.cfg.remat_policy,
         "memory_fit": None if plan.cfg.memory_fit is None else plan.cfg.memory_fit.as_json(),

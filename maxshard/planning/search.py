@@ -18,8 +18,8 @@ Candidates:
          (data) or once per layer (fsdp), or as one activation per microbatch (stage); never per-layer
          activation traffic such as tensor's
     num_pipeline_microbatches, with S > 1 stages: S, 2S and 4S (it must be a multiple of S)
-    remat_policy: every policy of the schema (`config_schema.RematPolicy`) except `auto`, which is what a search
-         resolves
+    remat_policy: every policy of the schema (`config_schema.RematPolicy`, maxshard/remat.py) except `auto`, which
+         is what a search resolves; the offload policies only when nothing else fits (below)
 Not searched: fsdp_transpose (a variant of fsdp), autoregressive (a decoding axis),
 gradient_accumulation_steps.
 
@@ -31,6 +31,10 @@ FIRST_ROUND_SLACK (10%) is not tried again; the others go to the second round (a
 fit). Then the other policies for the meshes that fit, fastest first, while the budget (`max_candidates`)
 lasts; on one 8-GPU node it always lasts, so that search is exhaustive. A first round larger than the budget is
 refused with a hint to pin keys.
+
+The offload policies (maxshard/remat.py) are the last resort, as for `remat_policy: auto` (planning/fit.py: their
+host transfers are not priced): only when no layout fits under the others, and the target's compiler moves values
+to host memory (TPU, GPU: `memory.policies`), the two rounds run again with them, `offload_full` first.
 
 Each candidate is loaded exactly as `tools/plan.py` loads a config (`load_for_target`: validated as the launcher
 validates it for the target). A ConfigError makes it invalid, counted by its reason; so does a dimension that would
@@ -52,12 +56,12 @@ import typing
 from collections.abc import Callable, Iterator, Sequence
 
 from maxshard import axis_names as ax
-from maxshard import config, loading, mesh
+from maxshard import config, loading, mesh, remat
 from maxshard.config import MESH_AXES, Config, ConfigError, knob_name
 from maxshard.config_schema import RematPolicy
 from maxshard.launch import xpk
 from maxshard.launch.topologies import Target
-from maxshard.planning import fit, hardware
+from maxshard.planning import fit, hardware, memory
 from maxshard.planning.fit import Capacity
 from maxshard.planning.estimate import Plan, make_plan
 from maxshard.planning.traffic import rule_axes
@@ -86,6 +90,7 @@ MICROBATCH_MULTIPLES = (1, 2, 4)
 DEFAULT_HEADROOM = 0.1
 MAX_CANDIDATES = 5000  # ~0.02-0.05 s each: a few minutes at most
 LEAST_MEMORY_POLICY = "full"  # the first round's policy (module docstring)
+OFFLOAD_LEAST_MEMORY_POLICY = "offload_full"  # ... when the search turns to the offload policies
 PROGRESS_EVERY = 100
 FIRST_ROUND_SLACK = 1.1  # a `full` peak this much over the capacity may still fit under another policy
 
@@ -102,9 +107,13 @@ def load_for_target(config_argv: Sequence[str], target: Target) -> Config:
 
 def target_capacity(cfg: Config, target: Target) -> Capacity:
     """One device's memory on `target`: `device_memory_gb` when set, else what JAX can allocate there
-    (`hardware.device_memory`)."""
+    (`hardware.device_memory`); and the host memory per device where its figure is known (`hardware.INTERCONNECTS`)."""
     memory, source = hardware.device_memory(target.name)
-    return fit.configured_capacity(cfg) or Capacity(int(memory), source)
+    host = hardware.interconnect(target.name).host
+    configured = fit.configured_capacity(cfg)
+    if configured is not None:
+        return dataclasses.replace(configured, host=None if host is None else int(host))
+    return Capacity(int(memory), source, None if host is None else int(host))
 
 
 def capacity_bytes(target: Target, headroom: float = DEFAULT_HEADROOM) -> float:
@@ -117,6 +126,18 @@ def capacity_bytes(target: Target, headroom: float = DEFAULT_HEADROOM) -> float:
 def remat_policies() -> tuple[str, ...]:
     """The schema's remat policies, less `auto` (what a search resolves)."""
     return tuple(p for p in typing.get_args(RematPolicy) if p != "auto")
+
+
+def _policy_groups(user: Config) -> list[tuple[str, list[str]]]:
+    """(first-round policy, the others) of each search pass: the policies that keep everything on the device, then,
+    where the compiler offloads, the offload ones (module docstring)."""
+    runnable = memory.policies(memory.compiler(user))
+    groups = []
+    for offloads, first in ((False, LEAST_MEMORY_POLICY), (True, OFFLOAD_LEAST_MEMORY_POLICY)):
+        names = [p for p in remat_policies() if p in runnable and remat.policy(p).offloads == offloads]
+        if first in names:
+            groups.append((first, [p for p in names if p != first]))
+    return groups
 
 
 # --------------------------------------------------------------------------------------------- layouts
@@ -263,6 +284,13 @@ def _check_even(cfg: Config) -> None:
             raise ConfigError(f"{what}={size} does not split evenly over {mesh.describe({a: sizes[a] for a in axes})}")
 
 
+def _check_host(plan: Plan, host_capacity: float | None) -> None:
+    """An offload layout whose host bytes exceed the host memory per device (less the same headroom) is invalid."""
+    if host_capacity is not None and plan.host_bytes > host_capacity:
+        raise ConfigError(f"remat_policy={plan.cfg.remat_policy} moves {plan.host_bytes / 2**30:.0f} GiB per device "
+                          f"to host memory, over the {host_capacity / 2**30:.0f} GiB usable")
+
+
 def _reason(error: ConfigError) -> tuple[str, str]:
     """(group, message) of an invalid candidate: the target suffix dropped; messages that differ only in their
     numbers share a group, which is shown by its first message."""
@@ -323,6 +351,8 @@ class _Planner:
     def __init__(self, argv: Sequence[str], target: Target, user: Config, pinned: set[str], capacity: float,
                  progress: Callable[[str], None] | None) -> None:
         self.argv, self.target, self.user, self.pinned, self.capacity = argv, target, user, pinned, capacity
+        host = hardware.interconnect(target.name).host
+        self.host_capacity = None if host is None else host * capacity / hardware.device_memory(target.name)[0]
         self.progress, self.start = progress, time.perf_counter()
         self.planned: list[Candidate] = []
         self.invalid: collections.Counter[str] = collections.Counter()
@@ -338,6 +368,7 @@ class _Planner:
             _check_resolved(cfg, layout)
             _check_even(cfg)
             candidate = Candidate(layout, extra, make_plan(cfg, self.target))
+            _check_host(candidate.plan, self.host_capacity)
         except ConfigError as e:
             group, message = _reason(e)
             self.invalid[group] += 1
@@ -382,18 +413,28 @@ def search(
     capacity = capacity_bytes(target, headroom)
     with config.reading_files_once():
         user, pinned = _user_config(argv, target)
-        policy = user.remat_policy if "remat_policy" in pinned else LEAST_MEMORY_POLICY
-        others = [] if "remat_policy" in pinned else [p for p in remat_policies() if p != policy]
-        first = meshes(user, target, pinned, policy)
-        if len(first) > max_candidates:
-            raise ConfigError(f"{len(first)} candidate meshes (more than --max-candidates {max_candidates}); pin "
-                              "some knobs on the command line (e.g. ici_tensor_parallelism=1 dcn_data_parallelism=N) "
-                              "or raise --max-candidates")
         planner = _Planner(argv, target, user, pinned, capacity, progress)
-        slack = capacity * (FIRST_ROUND_SLACK if others else 1)
-        fit = _rank([c for c in planner.round(f"meshes (remat_policy={policy})", first) if c.peak <= slack])
-        refined = fit[: (max_candidates - len(first)) // len(others)] if others else []
-        second = [dataclasses.replace(c.layout, remat_policy=p) for c in refined for p in others]
-        if second:
-            planner.round("other remat policies", second)
-    return planner.result(headroom, len(fit) - len(refined) if others else 0)
+        groups = [(user.remat_policy, [])] if "remat_policy" in pinned else _policy_groups(user)
+        unrefined = 0
+        for policy, others in groups:
+            unrefined = _rounds(planner, policy, others, max_candidates)
+            if any(c.peak <= capacity for c in planner.planned):
+                break
+    return planner.result(headroom, unrefined)
+
+
+def _rounds(planner: _Planner, policy: str, others: list[str], max_candidates: int) -> int:
+    """The two rounds of the module docstring for one group of policies; the meshes that fit but were left
+    untried with `others` (the budget ran out)."""
+    first = meshes(planner.user, planner.target, planner.pinned, policy)
+    if len(first) > max_candidates:
+        raise ConfigError(f"{len(first)} candidate meshes (more than --max-candidates {max_candidates}); pin "
+                          "some knobs on the command line (e.g. ici_tensor_parallelism=1 dcn_data_parallelism=N) "
+                          "or raise --max-candidates")
+    slack = planner.capacity * (FIRST_ROUND_SLACK if others else 1)
+    fit = _rank([c for c in planner.round(f"meshes (remat_policy={policy})", first) if c.peak <= slack])
+    refined = fit[: (max_candidates - len(first)) // len(others)] if others else []
+    second = [dataclasses.replace(c.layout, remat_policy=p) for c in refined for p in others]
+    if second:
+        planner.round("other remat policies", second)
+    return len(fit) - len(refined) if others else 0

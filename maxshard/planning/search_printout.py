@@ -60,7 +60,7 @@ def _row(rank: int, c: Candidate, capacity: float) -> str:
 def format_search(result: SearchResult, argv: Sequence[str], top: int) -> str:
     """The summary, the top layouts as a table, and for each the overrides to append to the user's command."""
     best = result.fitting[:top]
-    unrefined = (f"; {result.unrefined} meshes that fit were tried with remat_policy=full only (--max-candidates)"
+    unrefined = (f"; {result.unrefined} meshes that fit were tried with the first-round policy only (--max-candidates)"
                  if result.unrefined else "")
     lines = [
         f"search: {result.considered} layouts for {_where(result)} in {result.seconds:.0f} s: {result.planned} "

@@ -42,6 +42,7 @@ class CompiledRun:
     step_peak: int
     init_seconds: float
     step_seconds: float
+    step_host: int = 0  # the train step's host memory buffers per device (what an offload policy moves there)
 
 
 def topology_name(target: Target) -> str:
@@ -123,9 +124,10 @@ def compile_run(cfg: Config, target: Target, devices: list[Any],
                 raise
             raise TpuOutOfMemory(f"XLA:TPU cannot fit the {name} on {target.name}: {_first_oom_line(message)}") from None
         seconds[name] = time.perf_counter() - started
-        peaks[name] = peak_bytes(compiled.memory_analysis())
+        stats = compiled.memory_analysis()
+        peaks[name], host = peak_bytes(stats), stats.host_temp_size_in_bytes
         progress(f"compiled the {name} in {seconds[name]:.1f}s")
-    return CompiledRun(peaks["init"], peaks["train step"], seconds["init"], seconds["train step"])
+    return CompiledRun(peaks["init"], peaks["train step"], seconds["init"], seconds["train step"], host)
 
 
 def _first_oom_line(message: str) -> str:

@@ -75,7 +75,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 from maxshard import axis_names as ax
-from maxshard import trainable
+from maxshard import remat, trainable
 from maxshard.config import Config
 from maxshard.layers.moe import capacity, group_size
 from maxshard.layers.moe_grouped import exchange_slots
@@ -228,8 +228,10 @@ def _grad_itemsize(p: ParamLayout, lookup: bool, geo: Geometry) -> int:
 
 
 def _recompute_count(policy: str) -> int:
-    """Tensor-parallel all-reduces (of 2 per layer) that a remat policy recomputes in the backward pass."""
-    return {"none": 0, "minimal": 0, "save_out_proj": 1, "save_qkv_out_proj": 1}.get(policy, 2)
+    """Tensor-parallel all-reduces (of 2 per layer: the attention output's and the MLP's) that a remat policy
+    recomputes in the backward pass: those of the parts it re-runs (maxshard/remat.py)."""
+    p = remat.policy(policy)
+    return ("out" in p.recomputes) + ("mlp" in p.recomputes)
 
 
 # Under sequence-parallel residuals (layers/decoder.py), per layer and [tokens, E] of the compute dtype, as XLA:TPU
@@ -237,9 +239,19 @@ def _recompute_count(policy: str) -> int:
 # XLA:CPU the same for `none`): the reductions of the row-parallel outputs and column-parallel input gradients (a
 # recompute adds the attention output's, never the MLP's, whose output the backward does not need), and the gathers
 # of the residual stream before each projection, forward and backward, again in a recompute. Plus 2 for the head.
-_SP_REDUCES = {"save_qkv_proj": 5, "full": 5}  # others: 4
-_SP_GATHERS = {"full": 9}  # others: 6
+# In remat.py's terms: 4 reduces, 5 when the output projection is recomputed (save_qkv_proj, full); 6 gathers, 9 when
+# the whole layer is (full). An offload policy counts as the policy it is `like`.
+_SP_REDUCES, _SP_REDUCES_RECOMPUTED_OUT = 4, 5
+_SP_GATHERS, _SP_GATHERS_RECOMPUTED_LAYER = 6, 9
 _SP_HEAD_GATHERS = 2
+
+
+def _sp_counts(policy: str) -> tuple[int, int]:
+    """(all-reduces, all-gathers) per layer under sequence-parallel residuals (the measured counts above)."""
+    p = remat.policy(policy)
+    reduces = _SP_REDUCES_RECOMPUTED_OUT if "out" in p.recomputes else _SP_REDUCES
+    gathers = _SP_GATHERS_RECOMPUTED_LAYER if set(p.recomputes) == set(remat.PARTS) else _SP_GATHERS
+    return reduces, gathers
 
 
 def _tensor(cfg: Config, report: Report, sizes: Mapping[str, int], geo: Geometry) -> list[Collective]:
@@ -249,7 +261,7 @@ def _tensor(cfg: Config, report: Report, sizes: Mapping[str, int], geo: Geometry
         return []
     act = geo.tokens * cfg.emb_dim * geo.compute_itemsize
     if model_axes <= set(rule_axes(cfg, ax.NORM_LENGTH, sizes)):  # the residual's length is split over them
-        reduces, gathers = _SP_REDUCES.get(cfg.remat_policy, 4), _SP_GATHERS.get(cfg.remat_policy, 6)
+        reduces, gathers = _sp_counts(cfg.remat_policy)
         out = [Collective("all-reduce", axes, reduces * geo.layers * act, f"layer activations ({reduces} per layer)"),
                Collective("all-gather", axes, (gathers * geo.layers + _SP_HEAD_GATHERS) * act,
                           f"residual stream before projections ({gathers} per layer) and the head")]
@@ -274,7 +286,7 @@ def _sequence(cfg: Config, sizes: Mapping[str, int], geo: Geometry) -> list[Coll
     q_local = cfg.num_heads // _shards(rule_axes(cfg, ax.ACT_HEADS, sizes), sizes) * cfg.head_dim
     kv_local = cfg.num_kv_heads // _shards(rule_axes(cfg, ax.ACT_KV_HEADS, sizes), sizes) * cfg.head_dim
     per_pass = geo.tokens * (2 * q_local + 2 * kv_local) * geo.compute_itemsize
-    passes = 2 + (cfg.remat_policy not in ("none", "minimal"))
+    passes = 2 + (not remat.policy(cfg.remat_policy).keeps_matmul_outputs)
     return [Collective("all-to-all", axes, passes * geo.layers * per_pass, "attention: length <-> heads")]
 
 
@@ -287,7 +299,7 @@ def _context(cfg: Config, sizes: Mapping[str, int], geo: Geometry) -> list[Colle
     kv_local = cfg.num_kv_heads // _shards(rule_axes(cfg, ax.ACT_KV_HEADS, sizes), sizes) * cfg.head_dim
     chunk = geo.tokens * kv_local * geo.compute_itemsize  # one of K, V on one device
     step = 2 * chunk + geo.tokens * sequence * 4  # K, V and the int32 segment ids
-    passes = 2 + (cfg.remat_policy not in ("none", "minimal"))
+    passes = 2 + (not remat.policy(cfg.remat_policy).keeps_matmul_outputs)
     grads = ring * 2 * geo.tokens * kv_local * 4  # float32 dK, dV, C shifts
     total = geo.layers * (passes * (ring - 1) * step + grads)
     embed = geo.tokens * sequence * ring * cfg.emb_dim * geo.compute_itemsize  # [batch, whole length, embed]
@@ -311,7 +323,7 @@ def _expert(cfg: Config, sizes: Mapping[str, int], geo: Geometry) -> list[Collec
     if cfg.capacity_factor > 0:
         g = group_size(cfg.max_target_length, cfg.moe_group_size)
         rows = geo.tokens // g * experts * capacity(g, k, experts, cfg.capacity_factor)  # [experts, groups, C]
-        count = 5 if cfg.remat_policy in ("none", "minimal") else 6
+        count = 5 if remat.policy(cfg.remat_policy).keeps_matmul_outputs else 6
         return [Collective("all-to-all", ("expert",), count * geo.moe_layers * rows * row,
                            f"MoE dispatch and combine ({count} per layer)")]
     if cfg.moe_dropless_impl == "dense":
@@ -319,7 +331,7 @@ def _expert(cfg: Config, sizes: Mapping[str, int], geo: Geometry) -> list[Collec
     rows = shards * exchange_slots(geo.tokens, k, experts // shards)  # summed over microbatches: linear in tokens
     if cfg.model.moe_exchange == "ragged":
         rows = geo.tokens * k  # what a balanced routing moves; the receive buffer's padding stays put
-    forwards = 1 if cfg.remat_policy == "none" else 2  # the forward, and its recompute
+    forwards = 1 if remat.policy(cfg.remat_policy).keeps == "everything" else 2  # the forward, and its recompute
     moves = 2 * forwards + 2  # there and back per forward, and the transposes of one pair backward
     counts = forwards * geo.moe_layers * geo.accumulation * geo.microbatches * experts * 4  # int32 [experts]
     return [Collective("all-to-all", ("expert",), moves * geo.moe_layers * rows * row + counts,
