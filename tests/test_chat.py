@@ -161,17 +161,23 @@ def test_chat_keys_fail_in_one_line(tmp_path):
         make_input(cfg, mesh_lib.build(cfg))
 
 
+def imported_sft_argv(root: Path, run_name: str, *keys: str) -> list[str]:
+    """The qwen3 fixture imported under `root` and the command that fine-tunes it on noise prompts with a fixed
+    reply (64 conversations, float32), plus `keys` (steps, learning rate, checkpoints, LoRA ...)."""
+    assert convert_cli.main(["from_hf", str(QWEN), str(root / "imported")]) == 0
+    data = write_jsonl(root / "sft.jsonl", noise_conversations(64, seed=2))
+    return [str(root / "imported" / "config.yml"), "dataset_type=chat", f"dataset_path={data}",
+            f"chat_template={CHAT / 'chatml.jinja'}", f"base_output_directory={root}", f"run_name={run_name}",
+            "log_period=1", "eval_period=0", "max_target_length=64", "per_device_batch_size=2",
+            "warmup_steps_fraction=0.1", "enable_tensorboard=false", "eval_fraction=0", "dtype=float32",
+            "weight_dtype=float32", *keys]
+
+
 @pytest.fixture(scope="module")
 def fine_tuned(tmp_path_factory):
     """The qwen3 fixture imported, then fine-tuned on noise prompts with a fixed reply: (run dir, metrics)."""
     root = tmp_path_factory.mktemp("sft")
-    assert convert_cli.main(["from_hf", str(QWEN), str(root / "imported")]) == 0
-    data = write_jsonl(root / "sft.jsonl", noise_conversations(64, seed=2))
-    argv = [str(root / "imported" / "config.yml"), "dataset_type=chat", f"dataset_path={data}",
-            f"chat_template={CHAT / 'chatml.jinja'}", f"base_output_directory={root}", "run_name=sft", "steps=30",
-            "log_period=1", "eval_period=0", "max_target_length=64", "per_device_batch_size=2", "learning_rate=1e-2",
-            "warmup_steps_fraction=0.1", "enable_tensorboard=false", "eval_fraction=0", "checkpoint_period=30",
-            "dtype=float32", "weight_dtype=float32"]
+    argv = imported_sft_argv(root, "sft", "steps=30", "learning_rate=1e-2", "checkpoint_period=30")
     assert train.main(argv) == 0
     lines = (root / "sft" / "metrics.jsonl").read_text().splitlines()
     return root, argv, [json.loads(line) for line in lines]

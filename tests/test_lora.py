@@ -31,7 +31,7 @@ from maxshard.report import build_report
 from maxshard.model import Transformer
 from maxshard.step import Trainer, mesh_context
 from tests.helpers import max_relative_difference, mesh_for, tiny_config
-from tests.test_chat import CHAT, QWEN, REPLY, noise_conversations, template, write_jsonl
+from tests.test_chat import QWEN, REPLY, imported_sft_argv, template
 
 RANK, ALPHA = 4, 8.0
 TARGETS = ("q", "v", "o", "gate", "up", "down")  # all but k: a projection without adapters stays the base's
@@ -43,14 +43,8 @@ STEPS = 30
 def lora_run(tmp_path_factory):
     """(root, argv, metrics records) of a LoRA fine-tune of the imported qwen3 fixture."""
     root = tmp_path_factory.mktemp("lora")
-    assert convert_cli.main(["from_hf", str(QWEN), str(root / "imported")]) == 0
-    chats = write_jsonl(root / "sft.jsonl", noise_conversations(64, seed=2))
-    argv = [str(root / "imported" / "config.yml"), "dataset_type=chat", f"dataset_path={chats}",
-            f"chat_template={CHAT / 'chatml.jinja'}", f"base_output_directory={root}", "run_name=lora",
-            f"steps={STEPS}", "log_period=1", "eval_period=0", "max_target_length=64", "per_device_batch_size=2",
-            "learning_rate=3e-2", "warmup_steps_fraction=0.1", "enable_tensorboard=false", "eval_fraction=0",
-            "checkpoint_period=20", "dtype=float32", "weight_dtype=float32", f"lora_rank={RANK}",
-            f"lora_alpha={ALPHA}", f"lora_targets={','.join(TARGETS)}"]
+    argv = imported_sft_argv(root, "lora", f"steps={STEPS}", "learning_rate=3e-2", "checkpoint_period=20",
+                             f"lora_rank={RANK}", f"lora_alpha={ALPHA}", f"lora_targets={','.join(TARGETS)}")
     assert train.main(argv) == 0
     records = [json.loads(line) for line in (root / "lora" / "metrics.jsonl").read_text().splitlines()]
     return root, argv, records
