@@ -39,7 +39,6 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import flax.linen as nn
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
@@ -50,8 +49,9 @@ from maxshard.checkpoint_health import (CheckpointError, Damaged, Outcome, Quiet
                                         outcome_of, reason)
 from maxshard import checkpoint_layout, trainable
 from maxshard.checkpoint_layout import check_matches
+from maxshard.checkpoint_params import (check_same_base, read_base, read_params, require_base, saved_part,
+                                        step_state_dir, target_state, with_base)
 from maxshard.config import Config, ConfigError
-from maxshard.model_config import ModelConfig
 from maxshard.step import Trainer, TrainState
 
 __all__ = ["Checkpoints", "CheckpointError", "SaveFailed", "target_state", "check_matches", "preemption_reached",
@@ -59,73 +59,6 @@ __all__ = ["Checkpoints", "CheckpointError", "SaveFailed", "target_state", "chec
 
 DAMAGED_SUFFIX = ".damaged"
 _PREEMPTION_SERVICE_OFF = "Preemption sync manager has not been initialized"  # jax's RuntimeError when it is off
-
-
-def target_state(trainer: Trainer) -> TrainState:
-    """Shapes and dtypes of this model with the shardings of this mesh: restoring onto it reshards on load."""
-    return jax.tree.map(
-        lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-        nn.unbox(trainer.abstract_state),
-        trainer.state_shardings,
-    )
-
-
-def saved_part(state: TrainState, trainer: Trainer) -> TrainState:
-    """What a checkpoint holds of `state` (or of its abstract target): all of it, or with LoRA the adapters, their
-    optimizer moments and the step; the frozen base would repeat `load_parameters_path` at every save."""
-    return state.replace(params=trainable.trainable_subset(state.params, trainer.cfg.model))
-
-
-def with_base(state: TrainState, trainer: Trainer) -> TrainState:
-    """A state read from a checkpoint (`saved_part`) made whole: with LoRA the frozen base joins it, read from the
-    run's `load_parameters_path` onto this mesh."""
-    cfg = trainer.cfg
-    if trainable.trains_everything(cfg.model):
-        return state
-    base = read_base(cfg.load_parameters_path, target_state(trainer).params, cfg.model)
-    return state.replace(params=trainable.merge(state.params, base))
-
-
-def read_base(path: str, target_params: Any, model: ModelConfig, where: str = "") -> Any:
-    """The frozen parameters of a LoRA model (every parameter of `target_params` but the adapters) from the
-    checkpoint `path`; a LoRA run's own checkpoint, which holds adapters only, is refused naming its base."""
-    where = where or f"load_parameters_path={path}"
-    state_dir = _state_dir(path, "load_parameters_path")
-    saved = _saved_config(path)
-    if saved.get("lora_rank"):
-        raise ConfigError(f"{where} holds a LoRA run's adapters, not a whole model: its base is "
-                          f"{saved.get('load_parameters_path') or '(unknown)'}")
-    return read_params(state_dir, trainable.frozen_subset(target_params, model), where)
-
-
-def _saved_config(step_dir: str) -> dict[str, Any]:
-    """The config item of a checkpoint step ({} when it has none)."""
-    path = epath.Path(step_dir) / "config"
-    return ocp.JsonCheckpointHandler().restore(path) if path.exists() else {}
-
-
-def check_same_base(cfg: Config, step_dir: epath.Path) -> None:
-    """A LoRA run resumes its adapters on the base they were trained on: the step's config names it."""
-    if trainable.trains_everything(cfg.model):
-        return
-    saved = _saved_config(str(step_dir)).get("load_parameters_path")
-    if saved and saved != cfg.load_parameters_path:
-        raise ConfigError(f"load_parameters_path={cfg.load_parameters_path}: the LoRA adapters in {step_dir} were "
-                          f"trained on {saved}; resume with that base (or start a new run_name)")
-
-
-def require_base(cfg: Config) -> None:
-    """LoRA trains adapters on a frozen base: without one it would fine-tune random weights. One line, before any
-    checkpoint is read or the step compiled."""
-    if trainable.trains_everything(cfg.model):
-        return
-    if not cfg.load_parameters_path:
-        raise ConfigError(f"lora_rank={cfg.lora_rank} trains adapters on a frozen base: set load_parameters_path "
-                          "to its checkpoint step directory (e.g. the parameters `python -m maxshard.convert "
-                          "from_hf` wrote)")
-    if cfg.load_full_state_path:
-        raise ConfigError("load_full_state_path is not supported with lora_rank > 0: resume a LoRA run from its own "
-                          "checkpoint_dir, or start it again from load_parameters_path")
 
 
 def _gather_data_states(local: dict[str, Any]) -> dict[str, Any]:
@@ -180,14 +113,6 @@ def preemption_reached(step: int, sigterm: threading.Event) -> bool:
         raise
 
 
-def _state_dir(path: str, key: str) -> epath.Path:
-    state_dir = epath.Path(path) / "state"
-    if not state_dir.exists():
-        raise ConfigError(f"{key}={path} is not a checkpoint step directory (no state/ in it; e.g. "
-                          "runs/NAME/checkpoints/100)")
-    return state_dir
-
-
 def restore(state_dir: epath.Path, target: Any, saved: Any) -> Any:
     """`target` (abstract arrays with this run's shardings) read from a state directory whose metadata tree is
     `saved`: directly when both have the same layout, else through `checkpoint_layout` (pipelined <-> scanned)."""
@@ -200,29 +125,17 @@ def restore(state_dir: epath.Path, target: Any, saved: Any) -> Any:
 
 def load_full_state(path: str, trainer: Trainer) -> TrainState:
     """Step, params and optimizer state of another run's checkpoint, on this run's mesh and layout."""
-    state_dir, target = _state_dir(path, "load_full_state_path"), target_state(trainer)
+    state_dir, target = step_state_dir(path, "load_full_state_path"), target_state(trainer)
     saved = ocp.PyTreeCheckpointHandler().metadata(state_dir).tree
     check_matches(saved, target, f"load_full_state_path={path}")
     return restore(state_dir, target, saved)
-
-
-def read_params(state_dir: epath.Path, target_params: Any, where: str) -> Any:
-    """Only the params of a checkpoint's state item (the optimizer moments are never read), onto `target_params`
-    (abstract arrays with shardings), whatever layout wrote them."""
-    target = {"params": target_params}
-    saved = {"params": ocp.PyTreeCheckpointHandler().metadata(state_dir).tree["params"]}
-    check_matches(saved, target, where)
-    read = checkpoint_layout.read_target(saved, target) if checkpoint_layout.needs_relayout(saved, target) else target
-    args = ocp.args.PyTreeRestore(item=read, restore_args=ocp.checkpoint_utils.construct_restore_args(read),
-                                  partial_restore=True)
-    return checkpoint_layout.relayout(ocp.PyTreeCheckpointer().restore(state_dir, args=args), target)["params"]
 
 
 def load_parameters(path: str, trainer: Trainer) -> TrainState:
     """A fresh state (step 0, new optimizer moments) whose params come from a checkpoint: fine-tuning. With LoRA
     the checkpoint gives the frozen base and the adapters start fresh."""
     if trainable.trains_everything(trainer.cfg.model):
-        state_dir = _state_dir(path, "load_parameters_path")
+        state_dir = step_state_dir(path, "load_parameters_path")
         params = read_params(state_dir, target_state(trainer).params, f"load_parameters_path={path}")
     else:
         params = read_base(path, target_state(trainer).params, trainer.cfg.model)

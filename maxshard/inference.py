@@ -19,11 +19,10 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import orbax.checkpoint as ocp
 from etils import epath
 from jax.sharding import Mesh
 
-from maxshard import checkpoint, loading, sharding, trainable
+from maxshard import checkpoint_params, loading, sharding, trainable
 from maxshard.config import Config, ConfigError
 from maxshard.model import abstract_params
 from maxshard.model_config import model_fields
@@ -52,10 +51,10 @@ def find_checkpoint(cfg: Config) -> str:
 
 def saved_config(step_dir: str) -> dict[str, Any]:
     """The JSON of the Config that wrote the checkpoint (its `config` item)."""
-    path = epath.Path(step_dir) / "config"
-    if not path.exists():
+    saved = checkpoint_params.saved_config(step_dir)
+    if not saved:
         raise ConfigError(f"{step_dir} has no config item: not a maxshard checkpoint")
-    return ocp.JsonCheckpointHandler().restore(path)
+    return saved
 
 
 def with_saved_model(cfg: Config, saved: dict[str, Any]) -> Config:
@@ -88,11 +87,11 @@ def restore_params(step_dir: str, cfg: Config, mesh: Mesh, rules: sharding.FlaxR
     shardings = sharding.tree_shardings(boxed, mesh, rules)
     target = jax.tree.map(lambda b, s: jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=s), nn.unbox(boxed), shardings)
     trained = trainable.trainable_subset(target, model)
-    params = checkpoint.read_params(epath.Path(step_dir) / "state", trained, f"checkpoint {step_dir}")
+    params = checkpoint_params.read_params(epath.Path(step_dir) / "state", trained, f"checkpoint {step_dir}")
     if trainable.trains_everything(model):
         return params
     if not base_path:
         raise ConfigError(f"{step_dir} holds LoRA adapters (lora_rank={model.lora_rank}) but its config names no "
                           "load_parameters_path for their base")
     where = f"the LoRA base load_parameters_path={base_path} of {step_dir}"
-    return trainable.merge(params, checkpoint.read_base(base_path, target, model, where))
+    return trainable.merge(params, checkpoint_params.read_base(base_path, target, model, where))

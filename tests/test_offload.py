@@ -77,7 +77,7 @@ def test_the_plan_counts_host_bytes_apart_from_the_device_peak():
     layer_inputs = 12 * 2 * 2048 * 768 * 2  # layers x sequences x length x embed x bfloat16, per chip
     assert full.activation_terms.saved == offload.host_bytes == layer_inputs and full.host_bytes == 0
     assert offload.activation_terms.saved == 0 and offload.peak_bytes < full.peak_bytes
-    padded = 16 * 128  # q, k, v [.., 12 heads, 64] as XLA:TPU stores them (memory.FITTED; tests/test_plan_tpu.py)
+    padded = 16 * 128  # q, k, v [.., 12 heads, 64] as XLA:TPU stores them (fitted.FITTED; tests/test_plan_tpu.py)
     assert plans["offload_qkv_proj"].host_bytes == 12 * 2 * 2048 * (768 + 3 * padded) * 2
     text = format_plan(offload)
     assert "host memory         72.0 MiB  offload_full moves every layer's input there (not in the total)" in text

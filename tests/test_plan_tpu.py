@@ -4,7 +4,7 @@ compiled train step's, and an offload policy's host bytes equal to the compiled 
 Three shapes of the presets on 8-chip slices (libtpu 0.0.42.1; maxshard/planning/tpu_compile.py), each compiled
 once for the module: 125m on v5e-8 under full and under offload_qkv_out_proj (its q, k, v [.., 12 heads, 64] stored
 padded to [.., 16, 128]: 2.7x), and 1b on v6e-8 with fsdp=4 x tensor=2 under offload_qkv_proj (4 sequences per chip:
-tensor does not split the batch). The constants the plan uses for XLA:TPU, and why, are `memory.FITTED["xla:tpu"]`.
+tensor does not split the batch). The constants the plan uses for XLA:TPU, and why, are `fitted.FITTED["xla:tpu"]` (maxshard/planning/fitted.py).
 Measured (planned / compiled device peak): 0.88, 0.91, 0.88; host bytes equal to the byte.
 """
 

@@ -1,0 +1,90 @@
+"""What each compiler does with a train step, as measured on its programs: the constants the memory plan takes
+(`memory.py`), kept as data by compiler ("xla:cpu", "xla:tpu"; XLA:GPU takes XLA:CPU's), and which remat policies
+a compiler really offloads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from maxshard import remat
+from maxshard.attention_choice import platform_of
+from maxshard.config import Config
+
+__all__ = ["OFFLOADING", "Fitted", "FITTED", "XLA_CPU_WORKING", "XLA_TPU_WORKING", "compiler", "policies",
+           "effective_policy", "fitted"]
+
+# The compiler of a device kind (attention_choice.platform_of), whose measured constants the plan uses.
+_COMPILERS = {"tpu": "xla:tpu", "nvidia": "xla:gpu", "cpu": "xla:cpu"}
+# Compilers that move an offload policy's values to host memory. JAX lowers the transfer as nothing on XLA:CPU.
+OFFLOADING = ("xla:tpu", "xla:gpu")
+
+
+def compiler(cfg: Config) -> str:
+    """'xla:tpu', 'xla:gpu' or 'xla:cpu': the compiler the config was finalized for (its device kind)."""
+    return _COMPILERS[platform_of(cfg.device_kind or "cpu")]
+
+
+def policies(compiler_name: str) -> tuple[str, ...]:
+    """Remat policies from the most device memory (least recomputation) to the least, as `compiler_name` runs them:
+    the offload policies only where it moves values to host memory (elsewhere each is its `like` policy)."""
+    return tuple(p.name for p in remat.POLICIES if compiler_name in OFFLOADING or not p.offloads)
+
+
+def effective_policy(name: str, compiler_name: str) -> remat.Policy:
+    """The policy `name` as `compiler_name` runs it: an offload policy keeps everything on the device where the
+    compiler moves nothing."""
+    p = remat.policy(name)
+    return p if compiler_name in OFFLOADING else remat.on_device(p)
+
+
+# One layer's backward working set per token, by policy: (fraction of `dense`, bytes per dot-product score, mlp widths
+# F in the compute dtype: the gate and up projections' stacked [2, F] output and its slices). Fitted on XLA:CPU
+# (jax 0.10.2) on the widths and lengths of tests/test_plan_memory.py. An offload policy takes the row of the policy
+# it is `like`.
+XLA_CPU_WORKING = {
+    "none": (0.52, 10.0, 2.75),
+    "minimal": (0.53, 9.3, 3.0),
+    "save_qkv_out_proj": (0.79, 8.0, 1.5),
+    "save_qkv_proj": (0.79, 13.3, 1.0),
+    "save_out_proj": (0.84, 2.3, 1.5),
+    "full": (0.79, 13.3, 1.0),
+}
+# XLA:TPU's rows: XLA:CPU's, but for save_out_proj, whose backward the 8b preset on v6e-256 (4 x 8192 tokens per chip)
+# compiled to 1.46 x `dense` at 16 and at 32 layers (the 16 more layers added their saved bytes, 1.07x the plan's):
+# 24.3 and 33.1 GiB where XLA:CPU's row planned 19.5 and 27.7. Measured on that one shape only.
+XLA_TPU_WORKING = {**XLA_CPU_WORKING, "save_out_proj": (1.46, 2.3, 1.5)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Fitted:
+    """What the plan takes from one compiler's programs, as measured there (`FITTED`)."""
+
+    working: Mapping[str, tuple[float, float, float]]  # WORKING rows by policy
+    head_apart: bool = False  # the logits and one layer's backward are never live together: the peak has the larger
+    weight_cast: bool = False  # the sharded weights are also held cast to the compute dtype (the cast hoisted)
+    tile: tuple[int, int] | None = None  # (rows, lanes) a value's two minor dimensions are padded to
+
+
+# By compiler. XLA:CPU: the additive model of memory.py's docstring, its constants fitted there. XLA:TPU (libtpu
+# 0.0.42.1, ahead of time; benchmarks/README.md, tests/test_plan_tpu.py): XLA_TPU_WORKING (XLA:CPU's rows but one;
+# under full its layer backward agreed within 3% at 125m on v5e-8 once the rest was right), and three things its
+# programs do that XLA:CPU's do not: (1) the chunked loss and the decoder's backward run one after the other, never
+# together (the peak of 125m on v5e-8 under full stayed at 782 MiB from loss_chunks 4 to 16, and a dumped buffer
+# assignment put the peak inside the loss with no layer buffer live); (2) the stacked weights cast to bfloat16 once,
+# before the layer loop, beside their float32 shards (convert ops of every layer's weights live at the peak; 24
+# layers instead of 12 added the state plus half the float32 weights plus the saved inputs); (3) the tiled layout
+# pads a value's two minor dimensions to tiles of 8 rows x 128 lanes (fewer rows take T(2,128) or T(4,128) tiles):
+# q, k, v [.., 12 heads, 64] of 125m are stored as [.., 16, 128], 2.7x their size (the host buffers of
+# offload_qkv_out_proj: 720 MiB, this plan to the byte). A compiler without an entry (XLA:GPU) takes XLA:CPU's (on
+# an H100: within 25%, compile_check.py's docstring).
+FITTED = {
+    "xla:cpu": Fitted(XLA_CPU_WORKING),
+    "xla:tpu": Fitted(XLA_TPU_WORKING, head_apart=True, weight_cast=True, tile=(8, 128)),
+}
+
+
+def fitted(compiler_name: str) -> Fitted:
+    """FITTED's entry for `compiler_name`, or XLA:CPU's."""
+    return FITTED.get(compiler_name, FITTED["xla:cpu"])
