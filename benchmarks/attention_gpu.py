@@ -10,8 +10,8 @@ Needs a GPU (`pip install -e '.[cuda]'`); CI never runs it. Two parts:
    (bfloat16 tolerance, ~1e-2).
 2. Model: the 1b preset (`model_name=1b`, bfloat16, fsdp over every local GPU, per_device_batch_size=1) at 8k
    tokens, attention=cudnn vs dot_product (which may not fit: an out-of-memory is reported, not raised):
-   median step time, tokens/s per device and MFU (model FLOPs of `maxshard.model.flops_per_token` against the
-   device's peak from `maxshard/perf.py`). Its synthetic rows are one document each.
+   median step time, tokens/s per device and MFU (model FLOPs of `maxshard.model.transformer.flops_per_token` against the
+   device's peak from `maxshard/observe/perf.py`). Its synthetic rows are one document each.
 
 --tokamax adds `attention_ops.tokamax` (tokamax's Mosaic GPU FlashAttention, documents as key offsets; Hopper or
 Blackwell, lengths a multiple of 128) to both parts, its time as a ratio to cudnn's; --documents 64 is where its
@@ -28,7 +28,7 @@ import accelerator  # benchmarks/ is the script's directory
 import jax
 import jax.numpy as jnp
 
-from maxshard.layers import attention_ops as ops
+from maxshard.model.layers import attention_ops as ops
 
 MODEL = ("model_name=1b", "override_model_config=true", "dataset_type=synthetic", "dtype=bfloat16",
          "per_device_batch_size=1", "eval_period=0")

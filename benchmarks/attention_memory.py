@@ -27,7 +27,13 @@ import jax  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 8)
 
 
-from maxshard import config, loading, mesh  # noqa: E402
+from maxshard import config  # noqa: E402
+
+
+from maxshard.run import loading
+
+
+from maxshard.parallel import mesh
 from maxshard.planning import compiled, estimate  # noqa: E402
 
 BASE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "base.yml")

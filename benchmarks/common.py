@@ -6,7 +6,7 @@ might query JAX's devices.
   simulated devices the numbers in benchmarks/README.md were taken on.
 - the repository on sys.path: the scripts run as `python benchmarks/NAME.py`, which puts only benchmarks/ there.
 - the models the scripts share, as key=value overrides of configs/base.yml, and `load`, so that every script
-  builds its config the way the trainer does (`maxshard.loading.load_run`) for the same 8 devices.
+  builds its config the way the trainer does (`maxshard.run.loading.load_run`) for the same 8 devices.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", DEVICES)  # before the first device query
 
-from maxshard import loading  # noqa: E402
+from maxshard.run import loading  # noqa: E402
 from maxshard.config import Config  # noqa: E402
 
 # Synthetic batches and no eval: only the train step (or the pipeline) is measured, never data or evaluation.

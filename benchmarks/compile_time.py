@@ -24,8 +24,10 @@ import common  # first: 8 simulated CPU devices before any device query; the rep
 import flax.linen as nn
 import jax
 
-from maxshard import config, data, mesh
-from maxshard.step import Trainer
+from maxshard import config, data
+
+from maxshard.parallel import mesh
+from maxshard.training.step import Trainer
 
 # The 256-wide model, scanned and fully rematerialized, fsdp=8; only num_layers changes between measurements.
 MODEL = (*common.WIDE_MODEL, "scan_layers=true", "remat_policy=full", "ici_fsdp_parallelism=8")

@@ -29,7 +29,9 @@ import numpy as np
 from data_throughput import measure
 from data_vs_step import step_seconds
 
-from maxshard import config, mesh as mesh_lib
+from maxshard import config
+
+from maxshard.parallel import mesh as mesh_lib
 
 BASE = common.BASE
 

@@ -19,7 +19,9 @@ from collections.abc import Sequence
 
 import common  # first: 8 simulated CPU devices before any device query; the repo on sys.path
 
-from maxshard import config, mesh as mesh_lib
+from maxshard import config
+
+from maxshard.parallel import mesh as mesh_lib
 from maxshard.data import make_input
 
 

@@ -22,7 +22,7 @@ import common  # first: 8 simulated CPU devices before any device query; the rep
 from data_throughput import measure
 from layouts import Runner
 
-from maxshard import mesh as mesh_lib
+from maxshard.parallel import mesh as mesh_lib
 
 
 def step_seconds(argvs: dict[str, Sequence[str]], steps: int, rounds: int, warmup: int = 2

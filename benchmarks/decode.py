@@ -2,7 +2,7 @@
 
     python benchmarks/decode.py [--new-tokens 256] [--batch 8] [--prompt-length 16] [--rounds 3] [--devices 8] [k=v ...]
 
-"cache" is maxshard.decode's Engine: one prefill, then one jitted decode step per token that writes one slot of
+"cache" is maxshard.generation.decode's Engine: one prefill, then one jitted decode step per token that writes one slot of
 the cache and attends over it. "recompute" is what generation without a cache does: every new token runs the
 training forward pass over a fixed [batch, prompt + new tokens] buffer (fixed so it compiles once; the causal mask
 makes the unfilled tail irrelevant) and reads the logits at each sequence's last position. Both produce the same
@@ -32,11 +32,15 @@ jax.config.update("jax_num_cpu_devices", 8)
 import flax.linen as nn  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from maxshard import loading, mesh, sharding  # noqa: E402
-from maxshard.decode import Engine, decode_model  # noqa: E402
-from maxshard.model import Transformer, abstract_params  # noqa: E402
-from maxshard.sampling import allowed_tokens  # noqa: E402
-from maxshard.step import mesh_context  # noqa: E402
+from maxshard.run import loading  # noqa: E402
+
+from maxshard.parallel import mesh
+
+from maxshard.parallel import sharding
+from maxshard.generation.decode import Engine, decode_model  # noqa: E402
+from maxshard.model.transformer import Transformer, abstract_params  # noqa: E402
+from maxshard.generation.sampling import allowed_tokens  # noqa: E402
+from maxshard.training.step import mesh_context  # noqa: E402
 
 BASE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "base.yml")
 NO_EOS, PAD = -1, 0

@@ -21,8 +21,10 @@ from collections.abc import Callable, Sequence
 import common  # first: 8 simulated CPU devices before any device query; the repo on sys.path
 import jax
 
-from maxshard import data, mesh
-from maxshard.step import Trainer
+from maxshard import data
+
+from maxshard.parallel import mesh
+from maxshard.training.step import Trainer
 
 # The layouts of tests/test_parity.py; every other ici knob is pinned to 1 (base.yml fills fsdp with -1).
 LAYOUTS: dict[str, tuple[str, ...]] = {

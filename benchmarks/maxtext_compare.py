@@ -25,7 +25,7 @@ what skipping recompute buys. For each maxshard run the policy it ran with is pr
 its metrics.jsonl (the startup record) if that record carries a `remat_policy` field, else 'n/a'.
 
 Attention is left at each side's default too: maxshard's `attention: auto` is dot_product on CPU up to one block
-(512 tokens; maxshard/attention_choice.py), MaxText's `autoselected` is dot_product on CPU
+(512 tokens; maxshard/model/attention_choice.py), MaxText's `autoselected` is dot_product on CPU
 (layers/attention_op.py), so both run plain dot-product attention at length 256.
 
 All runners run as subprocesses, alternating (A, B, C, then C, B, A on the next repeat) so that a slow minute on

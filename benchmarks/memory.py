@@ -25,8 +25,12 @@ from typing import Any
 import common  # first: 8 simulated CPU devices before any device query; the repo on sys.path
 import jax
 
-from maxshard import config, data, mesh, model
-from maxshard.step import Trainer
+from maxshard import config, data
+
+from maxshard.parallel import mesh
+
+from maxshard.model import transformer as model
+from maxshard.training.step import Trainer
 
 # The 256-wide model, 4 layers, float32 weights (so 12 B per parameter with AdamW), fsdp=8.
 MODEL = (*common.WIDE_MODEL, "num_layers=4", "ici_fsdp_parallelism=8", "weight_dtype=float32")

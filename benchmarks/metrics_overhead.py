@@ -27,8 +27,8 @@ import common  # noqa: F401  (first: 8 simulated CPU devices before any device q
 import jax
 from layouts import LAYOUTS, Runner, layout_argv
 
-from maxshard import metrics
-from maxshard.console import StepLogger
+from maxshard.observe import metrics
+from maxshard.observe.console import StepLogger
 
 
 class MetricsRun:

@@ -24,9 +24,11 @@ import common  # first: 8 simulated CPU devices before any device query; the rep
 import jax
 import numpy as np
 
-from maxshard import config, data, mesh
-from maxshard.layers import moe
-from maxshard.step import Trainer
+from maxshard import config, data
+
+from maxshard.parallel import mesh
+from maxshard.model.layers import moe
+from maxshard.training.step import Trainer
 
 MODEL = (
     *common.STEP_ONLY, "emb_dim=128", "num_layers=4", "num_heads=4", "num_kv_heads=4", "head_dim=32",

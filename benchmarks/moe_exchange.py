@@ -16,12 +16,12 @@ import argparse
 
 import common  # noqa: F401 - 8 simulated devices, before anything queries JAX
 
-from maxshard import mesh
+from maxshard.parallel import mesh
 from maxshard.config import Config
 from maxshard.launch import topologies
-from maxshard.layers import moe, moe_grouped, moe_ragged
+from maxshard.model.layers import moe, moe_grouped, moe_ragged
 from maxshard.planning import compiled
-from maxshard.planning.search import load_for_target
+from maxshard.run.search import load_for_target
 from maxshard.planning.tpu_compile import abstract_devices
 from maxshard.units import format_bytes
 

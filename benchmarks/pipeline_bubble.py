@@ -19,8 +19,10 @@ from collections.abc import Sequence
 import common  # first: 8 simulated CPU devices before any device query; the repo on sys.path
 import jax
 
-from maxshard import data, mesh
-from maxshard.step import Trainer
+from maxshard import data
+
+from maxshard.parallel import mesh
+from maxshard.training.step import Trainer
 
 MODEL = (*common.STEP_ONLY, "emb_dim=128", "mlp_dim=256", "num_heads=4", "num_kv_heads=4", "head_dim=32",
          "max_target_length=64", "num_layers=16", "per_device_batch_size=4")

@@ -2,7 +2,7 @@
 
     python benchmarks/plan_search.py [--topology h100-80gb-8] [--top 3] [key=value ...]
 
-Searches the 8B preset (plus any key=value) on the target as `tools/plan.py --search` does, then compiles the top
+Searches the 8B preset (plus any key=value) on the target as `python -m maxshard.plan --search` does, then compiles the top
 layouts, the best of each kind not among them (tensor, sequence, context, data, pipeline, another remat policy) and
 the one planned closest to the capacity, for the 8 simulated CPU devices: the train step is lowered from abstract
 sharded arguments and compiled, nothing is allocated (~15-40 s per 8B layout on 2 cores). Compiled peak =
@@ -27,9 +27,14 @@ import common  # first: 8 simulated CPU devices before any device query; the rep
 
 import jax
 
-from maxshard import config, loading, mesh
+from maxshard import config
+
+from maxshard.run import loading
+
+from maxshard.parallel import mesh
 from maxshard.launch import topologies
-from maxshard.planning import compiled, estimate, search
+from maxshard.planning import compiled, estimate
+from maxshard.run import search
 
 CPU_KEYS = ("dtype=float32", "attention=blockwise")  # the CPU's own dtype; no cuDNN or splash on CPU
 GIB = 2**30

@@ -25,9 +25,11 @@ import common  # first: 8 simulated CPU devices before any device query; the rep
 import jax
 import numpy as np
 
-from maxshard import data, mesh
+from maxshard import data
+
+from maxshard.parallel import mesh
 from maxshard.config import Config
-from maxshard.step import Trainer
+from maxshard.training.step import Trainer
 from maxshard.train import evaluate
 
 DEFAULTS = ("model_name=125m", "dtype=bfloat16", "eval_period=0", "enable_checkpointing=false",

@@ -36,7 +36,7 @@ def measure(policy: str, preset: str, steps: int, overrides: Sequence[str]) -> d
     import accelerator  # benchmarks/ is the script's directory; imported here so that the parent starts no JAX
     import jax
 
-    from maxshard.config_schema import ConfigError
+    from maxshard.errors import ConfigError
 
     try:
         cfg = accelerator.load([f"model_name={preset}", *MODEL, f"remat_policy={policy}"], overrides)

@@ -34,11 +34,13 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from maxshard import data, mesh
-from maxshard.layers.linears import DenseGeneral
-from maxshard.layers.norms import RMSNorm
-from maxshard.loss import loss_sums
-from maxshard.step import Trainer, mesh_context
+from maxshard import data
+
+from maxshard.parallel import mesh
+from maxshard.model.layers.linears import DenseGeneral
+from maxshard.model.layers.norms import RMSNorm
+from maxshard.training.loss import loss_sums
+from maxshard.training.step import Trainer, mesh_context
 
 SHAPE = (
     *common.STEP_ONLY, "emb_dim=256", "num_layers=4", "num_heads=4", "num_kv_heads=4", "head_dim=64", "mlp_dim=1024",

@@ -21,7 +21,7 @@ fixed < grid < point. Locally every point is its own trainer process; the runner
 from (the trainer's metrics.jsonl, its startup record included; only the start-up and compile timings from when
 its output lines arrive) is written down in `benchmarks/sweep_run.py`.
 
-The planner writes sweep files of its suggestions: `python tools/plan.py CONFIG key=value --search --topology T
+The planner writes sweep files of its suggestions: `python -m maxshard.plan CONFIG key=value --search --topology T
 [--num-slices N] --sweep-out FILE.yml` puts the user's overrides under `fixed`, each of the `--top` layouts that fit
 as a point named by its layout (`fsdp4-tensor2-full`), and the target under `xpk:`; run it with `--xpk` on that
 target (or locally, when this machine is the target).

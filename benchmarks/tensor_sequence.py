@@ -3,7 +3,7 @@
     python benchmarks/tensor_sequence.py [--tpu]
 
 Both axes split heads, MLP width and vocabulary; `tensor_sequence` also splits the residual stream's length between
-attention and MLP (maxshard/layers/decoder.py). For a small model on 8 devices, each layout's train step is
+attention and MLP (maxshard/model/layers/decoder.py). For a small model on 8 devices, each layout's train step is
 compiled (on the simulated CPU devices, or with `--tpu` for a v5e 2x4 slice through libtpu, ahead of time) and
 printed: the collectives' bytes per device by kind (`count_collectives` on the compiled HLO) and the compiled
 peak, for the pure tensor layouts and for sequence x tensor, where the two splits of the length meet.
@@ -15,7 +15,7 @@ import argparse
 
 import common  # noqa: F401 - 8 simulated devices, before anything queries JAX
 
-from maxshard import mesh
+from maxshard.parallel import mesh
 from maxshard.planning import compiled
 from maxshard.planning.collectives import count_collectives
 from maxshard.units import format_bytes

@@ -9,8 +9,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 
-from maxshard.checkpoint_health import CheckpointError
-from maxshard.config import ConfigError
+from maxshard.checkpoint.health import CheckpointError
+from maxshard.errors import ConfigError
 
 __all__ = ["entry"]
 

@@ -1,8 +1,8 @@
 """Sample from a trained run: `python -m maxshard.generate CONFIG.yml key=value ...`.
 
 The same command line that trained a run samples from it (plus `prompt=...`): the run's latest checkpoint (or
-`load_parameters_path`) gives the model and its tokenizer (maxshard/inference.py), the mesh knobs and logical rules
-lay out parameters and KV cache as in training, and maxshard/decode.py runs the jitted prefill and decode steps.
+`load_parameters_path`) gives the model and its tokenizer (maxshard/generation/inference.py), the mesh knobs and logical rules
+lay out parameters and KV cache as in training, and maxshard/generation/decode.py runs the jitted prefill and decode steps.
 Every user mistake (no checkpoint, a prompt too long for the model, an unknown key) is one line and exit code 2,
 before the parameters are read or anything is compiled.
 """
@@ -14,12 +14,21 @@ import os
 import sys
 from collections.abc import Sequence
 
-from maxshard import cli, inference, loading, mesh, sharding
-from maxshard.config import Config, ConfigError
+from maxshard import cli
+
+from maxshard.generation import inference
+
+from maxshard.run import loading
+
+from maxshard.parallel import mesh
+
+from maxshard.parallel import sharding
+from maxshard.config import Config
+from maxshard.errors import ConfigError
 from maxshard.data.tokenizer import Tokenizer, make_tokenizer
-from maxshard.decode import Engine, Result
-from maxshard.model import count_params
-from maxshard.sampling import Sampling, allowed_tokens
+from maxshard.generation.decode import Engine, Result
+from maxshard.model.transformer import count_params
+from maxshard.generation.sampling import Sampling, allowed_tokens
 
 __all__ = ["main", "run", "read_prompts", "encode_prompts", "completion_text", "USAGE"]
 

@@ -16,13 +16,28 @@ from typing import Any
 
 import jax
 
-from maxshard import checkpoint, cli, compile_check, console, data, loading, mesh, metrics, trainable
-from maxshard.config import Config, ConfigError
+from maxshard import cli, data
+
+from maxshard.checkpoint import manager as checkpoint
+
+from maxshard.run import compile_check
+
+from maxshard.observe import console
+
+from maxshard.run import loading
+
+from maxshard.parallel import mesh
+
+from maxshard.observe import metrics
+
+from maxshard.model import trainable
+from maxshard.config import Config
+from maxshard.errors import ConfigError
 from maxshard.data import chat
-from maxshard.model import count_params
-from maxshard.profiling import Profiler
-from maxshard.report import Report, build_report
-from maxshard.step import Trainer, TrainState
+from maxshard.model.transformer import count_params
+from maxshard.observe.profiling import Profiler
+from maxshard.observe.report import Report, build_report
+from maxshard.training.step import Trainer, TrainState
 
 __all__ = ["main", "run", "USAGE"]
 
@@ -34,7 +49,7 @@ Outputs go to base_output_directory/run_name/; running the same command again re
 
 Other entry points:
   python -m maxshard.launch xpk ...       submit the same config to a GKE cluster through XPK
-  python tools/plan.py CONFIG.yml ...      plan memory and step time for a target topology
+  python -m maxshard.plan CONFIG.yml ...      plan memory and step time for a target topology
   python tools/sharding_report.py ...      show how every parameter is laid out on the mesh"""
 
 

@@ -16,6 +16,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from maxshard import config  # noqa: E402
+from maxshard.errors import ConfigError
 from maxshard.launch import distributed  # noqa: E402
 
 LOCAL_DEVICES = 4
@@ -38,7 +39,7 @@ def main(argv: list[str]) -> int:
     try:
         cfg = config.parse(["configs/base.yml", *argv])
         chosen = distributed.initialize(cfg)
-    except config.ConfigError as e:
+    except ConfigError as e:
         print(f"maxshard: error: {e}", file=sys.stderr)
         return 2
     result = {

@@ -8,7 +8,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from maxshard import config, loading, mesh
+from maxshard import config
+
+from maxshard.run import loading
+
+from maxshard.parallel import mesh
 
 # A model small enough to compile in seconds, with 8 heads so tensor=8 divides them.
 TINY = (
@@ -58,7 +62,7 @@ def layout_overrides(layout: Sequence[str]) -> tuple[str, ...]:
 
 def loss_and_grads(trainer: Any, params: Any, batch: Any) -> tuple[float, Any]:
     """(mean loss, gradient sums) of one batch, jitted on the trainer's mesh; gradients stay un-normalised."""
-    from maxshard.step import mesh_context
+    from maxshard.training.step import mesh_context
 
     with mesh_context(trainer.mesh, trainer.rules):
         grads, sums = jax.jit(trainer._grads)(params, batch)

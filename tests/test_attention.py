@@ -18,11 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxshard import config, data, loading
-from maxshard.config import ConfigError
-from maxshard.layers import attention_ops as ops
-from maxshard.layers import ring_attention
-from maxshard.step import Trainer
+from maxshard import config, data
+
+from maxshard.run import loading
+from maxshard.errors import ConfigError
+from maxshard.model.layers import attention_ops as ops
+from maxshard.model.layers import ring_attention
+from maxshard.training.step import Trainer
 from tests.helpers import layout_overrides, max_relative_difference, mesh_for, tiny_config
 
 TOLERANCE = 1e-5
@@ -175,7 +177,7 @@ def reference():
 
 def _loss_and_grads(trainer: Trainer, params, batch) -> tuple[float, object]:
     """`helpers.loss_and_grads`, compiled with less LLVM effort (the numbers are the same; compiling is faster)."""
-    from maxshard.step import mesh_context
+    from maxshard.training.step import mesh_context
 
     with mesh_context(trainer.mesh, trainer.rules):
         compiled = jax.jit(trainer._grads).lower(params, batch).compile(FAST_COMPILE)
@@ -371,14 +373,9 @@ def test_planner_blockwise_activations_match_the_compiled_step() -> None:
 
 
 def test_8b_at_8k_fits_one_h100_node_with_auto_attention() -> None:
-    import importlib.util
-    from pathlib import Path
+    from maxshard import plan as plan_cli
 
-    path = Path(__file__).resolve().parent.parent / "tools" / "plan.py"
-    spec = importlib.util.spec_from_file_location("plan_tool", path)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    plan = tool.plan_for(["configs/base.yml", "model_name=8b"], "h100-80gb-8")
+    plan = plan_cli.plan_for(["configs/base.yml", "model_name=8b"], "h100-80gb-8")
     assert plan.cfg.model.attention == "cudnn" and plan.cfg.max_target_length == 8192
     total = plan.params + plan.optimizer + plan.gradients + plan.activations
     assert total < plan.link.hbm
@@ -387,7 +384,7 @@ def test_8b_at_8k_fits_one_h100_node_with_auto_attention() -> None:
 @pytest.mark.parametrize("device_kind,fused", [("cpu", False), ("NVIDIA H100 80GB HBM3", True)])
 def test_planner_counts_tokamax_as_a_fused_kernel_only_on_a_gpu(device_kind: str, fused: bool) -> None:
     """Off a GPU attention=tokamax runs tokamax's XLA reference, which holds whole score matrices."""
-    from maxshard import mesh
+    from maxshard.parallel import mesh
     from maxshard.planning import memory
 
     cfg = _load("attention=tokamax", device_kind=device_kind)
@@ -406,7 +403,7 @@ def test_cli_trains_with_tokamax_on_cpu(tmp_path) -> None:
     import subprocess
     import sys
 
-    script = ("import sys; from maxshard.layers import attention_ops as ops; from maxshard import train; calls = []; "
+    script = ("import sys; from maxshard.model.layers import attention_ops as ops; from maxshard import train; calls = []; "
               "real = ops.tokamax; ops.tokamax = lambda *a, **k: calls.append(1) or real(*a, **k); "
               "code = train.main(sys.argv[1:]); print(f'tokamax traced {len(calls)} times'); sys.exit(code)")
     cmd = [sys.executable, "-c", script, "configs/base.yml", "model_name=tiny", "cpu_device_count=8",

@@ -15,8 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from maxshard import config, generate, mesh as mesh_lib, train
-from maxshard.config import ConfigError
+from maxshard import config, generate, train
+
+from maxshard.parallel import mesh as mesh_lib
+from maxshard.errors import ConfigError
 from maxshard.convert import __main__ as convert_cli
 from maxshard.data import chat, make_input
 from maxshard.data.chat_template import DEFAULT_TEMPLATE

@@ -18,9 +18,13 @@ import jax
 import numpy as np
 import pytest
 
-from maxshard import checkpoint, config, loading
-from maxshard.config import ConfigError
-from maxshard.step import Trainer
+from maxshard import config
+
+from maxshard.checkpoint import manager as checkpoint
+
+from maxshard.run import loading
+from maxshard.errors import ConfigError
+from maxshard.training.step import Trainer
 
 from helpers import mesh_for, tiny_config
 from benchmarks import crash_resume

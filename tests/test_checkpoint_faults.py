@@ -22,10 +22,12 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.experimental import multihost_utils
 
-from maxshard import checkpoint, checkpoint_health
-from maxshard.checkpoint import CheckpointError
-from maxshard.config import ConfigError
-from maxshard.step import Trainer
+from maxshard.checkpoint import manager as checkpoint
+
+from maxshard.checkpoint import health as checkpoint_health
+from maxshard.checkpoint.manager import CheckpointError
+from maxshard.errors import ConfigError
+from maxshard.training.step import Trainer
 
 from helpers import mesh_for, tiny_config
 from training_runs import BASE, REPO, TIMEOUT, keys

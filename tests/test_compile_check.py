@@ -12,11 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from maxshard import loading, train
-from maxshard.config import ConfigError
+from maxshard import train
+
+from maxshard.run import loading
+from maxshard.errors import ConfigError
 from maxshard.planning import fit
 from maxshard.planning.compiled import compile_train_step, peak_bytes
-from maxshard.remat import NAMES
+from maxshard.model.remat import NAMES
 from tests.helpers import mesh_for, tiny_config
 
 BASE = str(Path(__file__).resolve().parent.parent / "configs" / "base.yml")

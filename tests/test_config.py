@@ -19,8 +19,15 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from maxshard import config, config_schema, loading, model
-from maxshard.config import Config, ConfigError
+from maxshard import config
+
+from maxshard.config import schema as config_schema
+
+from maxshard.run import loading
+
+from maxshard.model import transformer as model
+from maxshard.config import Config
+from maxshard.errors import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = str(REPO / "configs" / "base.yml")

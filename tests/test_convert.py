@@ -26,15 +26,20 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from maxshard import checkpoint, config, generate, loading, train
+from maxshard import config, generate, train
+
+from maxshard.checkpoint import manager as checkpoint
+
+from maxshard.run import loading
 from maxshard.convert import __main__ as cli
-from maxshard.config import ConfigError
-from maxshard.convert import families, hf_config, layout, orbax_io, safetensors_io, to_hf
+from maxshard.errors import ConfigError
+from maxshard.checkpoint import orbax_io
+from maxshard.convert import families, hf_config, layout, safetensors_io, to_hf
 from maxshard.convert.locate import locate
 from maxshard.data import pipeline
 from maxshard.data.tokenizer import ByteTokenizer, load_hf_tokenizer, make_tokenizer, resolve_vocab
-from maxshard.model_config import model_fields
-from maxshard.step import Trainer, mesh_context
+from maxshard.model.config import model_fields
+from maxshard.training.step import Trainer, mesh_context
 
 from helpers import mesh_for
 

@@ -14,8 +14,10 @@ import jax
 import numpy as np
 import pytest
 
-from maxshard import config, mesh as mesh_lib
-from maxshard.config import ConfigError
+from maxshard import config
+
+from maxshard.parallel import mesh as mesh_lib
+from maxshard.errors import ConfigError
 from maxshard.data import batch_sharding, make_input, packing, pipeline, sources
 from maxshard.data.tokenizer import ByteTokenizer, load_sentencepiece, make_tokenizer, resolve_vocab
 

@@ -14,7 +14,9 @@ from pathlib import Path
 import jax
 import pytest
 
-from maxshard.config import Config, ConfigError
+from maxshard.config import Config
+
+from maxshard.errors import ConfigError
 from maxshard.launch import distributed
 from maxshard.launch.distributed import Plan
 

@@ -25,8 +25,14 @@ import jax
 import numpy as np
 import pytest
 
-from maxshard import config, elastic, loading, mesh, train
-from maxshard.config import ConfigError
+from maxshard import config, train
+
+from maxshard.run import elastic
+
+from maxshard.run import loading
+
+from maxshard.parallel import mesh
+from maxshard.errors import ConfigError
 from maxshard.data import make_input, pipeline, sources
 from maxshard.data.tokenizer import make_tokenizer
 from maxshard.launch import topologies, xpk

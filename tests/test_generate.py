@@ -16,11 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxshard import sharding
-from maxshard.decode import Engine, Result, decode_model
-from maxshard.model import Transformer, abstract_params
-from maxshard.sampling import Sampling, allowed_tokens, sample
-from maxshard.step import mesh_context
+from maxshard.parallel import sharding
+from maxshard.generation.decode import Engine, Result, decode_model
+from maxshard.model.transformer import Transformer, abstract_params
+from maxshard.generation.sampling import Sampling, allowed_tokens, sample
+from maxshard.training.step import mesh_context
 from tests.helpers import layout_overrides, mesh_for, tiny_config
 
 PROMPT_LENGTHS = (3, 9, 5)  # BOS + tokens, one batch: right-padded to 9

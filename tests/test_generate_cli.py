@@ -20,12 +20,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxshard import generate, inference, loading, mesh, sharding
-from maxshard.checkpoint import Checkpoints
-from maxshard.config import ConfigError
+from maxshard import generate
+
+from maxshard.generation import inference
+
+from maxshard.run import loading
+
+from maxshard.parallel import mesh
+
+from maxshard.parallel import sharding
+from maxshard.checkpoint.manager import Checkpoints
+from maxshard.errors import ConfigError
 from maxshard.data.tokenizer import ByteTokenizer, load_hf_tokenizer, load_sentencepiece
-from maxshard.layers.pipeline import to_scanned
-from maxshard.step import Trainer, TrainState
+from maxshard.model.layers.pipeline import to_scanned
+from maxshard.training.step import Trainer, TrainState
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = str(REPO / "configs" / "base.yml")

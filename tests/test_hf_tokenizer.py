@@ -11,8 +11,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from maxshard import config, mesh
-from maxshard.config import ConfigError
+from maxshard import config
+
+from maxshard.parallel import mesh
+from maxshard.errors import ConfigError
 from maxshard.data import make_input
 from maxshard.data.tokenizer import ByteTokenizer, HuggingFaceTokenizer, load_hf_tokenizer, make_tokenizer
 from maxshard.data.tokenizer import resolve_vocab

@@ -1,5 +1,7 @@
-"""The one-way import rule, as a test: imports follow the data flow (config -> mesh -> sharding -> layers -> model
--> step -> train), so a layer never learns about meshes or runs and the config loader depends on nothing.
+"""The one-way import rule, as a test: packages sit on levels that follow the data flow (config -> parallel -> data
+-> layers -> model -> training -> checkpoint/observe -> planning -> run -> entry points), and a module imports only lower
+levels, so a layer never learns about runs, the config loader depends on no model code, and no two packages depend
+on each other.
 
 Imports are read from the source with `ast` (deferred imports inside functions count too).
 """
@@ -13,28 +15,46 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "maxshard"
 
-CONFIG = ("maxshard.config", "maxshard.config_schema", "maxshard.config_ranges", "maxshard.config_structures",
-          "maxshard.model_config", "maxshard.remat")
-LEAVES = ("maxshard.axis_names", "maxshard.units", "maxshard.perf", "maxshard.model_config", "maxshard.remat")
-LAYER_DEPS = ("maxshard.axis_names", "maxshard.sharding", "maxshard.model_config", "maxshard.remat", "maxshard.layers")
-
-# module (or package) -> the only maxshard modules it may import (prefixes). The most specific entry applies.
-ALLOWED: dict[str, tuple[str, ...]] = {
-    **{leaf: () for leaf in LEAVES},
-    "maxshard.config_schema": ("maxshard.model_config", "maxshard.remat"),
-    "maxshard.config_ranges": ("maxshard.config_schema", "maxshard.model_config"),
-    "maxshard.config_structures": ("maxshard.config_schema", "maxshard.model_config"),
-    "maxshard.config": CONFIG,
-    "maxshard.mesh": CONFIG,
-    "maxshard.sharding": CONFIG,
-    "maxshard.elastic": CONFIG,
-    "maxshard.layers": LAYER_DEPS,
-    "maxshard.model": LAYER_DEPS,
-    "maxshard.data": (*CONFIG, "maxshard.axis_names", "maxshard.sharding", "maxshard.data"),
-}
-
+# The packages in import order, lowest first: a module may import its own package and any package of a lower level,
+# never one of its own level or above. Where a package and one of its modules sit on different levels (the model
+# description that the run config reads, the layers below the rest of the model), the most specific name applies.
+LEVELS: tuple[tuple[str, ...], ...] = (
+    ("maxshard", "maxshard.errors", "maxshard.units"),
+    ("maxshard.model.config", "maxshard.model.remat", "maxshard.parallel.axis_names", "maxshard.observe.perf"),
+    ("maxshard.config",),
+    ("maxshard.parallel",),
+    ("maxshard.data", "maxshard.launch"),
+    ("maxshard.model.layers",),
+    ("maxshard.model",),
+    ("maxshard.training",),
+    ("maxshard.checkpoint", "maxshard.observe"),
+    ("maxshard.planning",),
+    ("maxshard.run",),
+    ("maxshard.generation", "maxshard.convert"),
+    ("maxshard.cli",),
+    ("maxshard.train", "maxshard.generate", "maxshard.plan"),
+)
+# Leaves import nothing of maxshard but the error type; layers never import the run config, not even through
+# another module (checked on the whole import closure below).
+LEAVES = LEVELS[0] + LEVELS[1]
+NO_RUN_CONFIG = ("maxshard.model.layers", "maxshard.model.config", "maxshard.model.remat")
 # Entry points: nothing of the package imports them (they wire everything together).
-ENTRY_POINTS = ("maxshard.train",)
+ENTRY_POINTS = ("maxshard.train", "maxshard.generate", "maxshard.plan", "maxshard.convert.__main__",
+                "maxshard.launch.__main__")
+
+
+def unit_of(module: str) -> str | None:
+    """The most specific LEVELS entry that names `module` or one of its packages (the root package names only its
+    own, empty, `__init__`)."""
+    names = [name for level in LEVELS for name in level
+             if module == name or (name != "maxshard" and module.startswith(name + "."))]
+    return max(names, key=len) if names else None
+
+
+def level_of(module: str) -> int:
+    unit = unit_of(module)
+    assert unit is not None, f"{module} is on no level of tests/test_imports.py"
+    return next(i for i, level in enumerate(LEVELS) if unit in level)
 
 
 def module_name(path: Path) -> str:
@@ -61,19 +81,20 @@ def imports_of(path: Path) -> set[str]:
     return found - {"maxshard"}
 
 
-def allowed_for(module: str) -> tuple[str, ...] | None:
-    """The most specific rule of ALLOWED for `module`, None when no rule names it."""
-    matches = [key for key in ALLOWED if module == key or module.startswith(key + ".")]
-    return ALLOWED[max(matches, key=len)] if matches else None
-
-
 def violations(module: str, imported: set[str]) -> list[str]:
+    """Upward or sideways imports of `module` (to another unit of its own level or a higher one), imports of an
+    entry point, and anything a leaf imports beyond the error type."""
     problems = [f"{module} imports the entry point {name}" for name in sorted(imported) if name in ENTRY_POINTS]
-    allowed = allowed_for(module)
-    if allowed is not None:
-        for name in sorted(imported):
-            if not any(name == ok or name.startswith(ok + ".") for ok in allowed):
-                problems.append(f"{module} imports {name}; it may import only {', '.join(allowed) or 'nothing'}")
+    own, mine = unit_of(module), level_of(module)
+    for name in sorted(imported):
+        if unit_of(name) == own or name in ENTRY_POINTS:
+            continue
+        if own in NO_RUN_CONFIG and (name == "maxshard.config" or name.startswith("maxshard.config.")):
+            problems.append(f"{module} imports the run config {name}")
+        elif own in LEAVES and name != "maxshard.errors":
+            problems.append(f"{module} is a leaf and imports {name}")
+        elif level_of(name) >= mine:
+            problems.append(f"{module} (level {mine}) imports {name} (level {level_of(name)})")
     return problems
 
 
@@ -85,14 +106,44 @@ def test_imports_follow_the_data_flow(path: Path) -> None:
     assert violations(module_name(path), imports_of(path)) == []
 
 
+def import_closure(module: str) -> set[str]:
+    """Every maxshard module `module` imports, directly or through others."""
+    paths = {module_name(p): p for p in MODULES}
+    seen, todo = set(), [module]
+    while todo:
+        for name in imports_of(paths[todo.pop()]) - seen:
+            if name in paths:
+                seen.add(name)
+                todo.append(name)
+    return seen
+
+
+@pytest.mark.parametrize("path", [p for p in MODULES if unit_of(module_name(p)) in NO_RUN_CONFIG],
+                         ids=lambda p: module_name(p))
+def test_layers_never_reach_the_run_config(path: Path) -> None:
+    reached = sorted(name for name in import_closure(module_name(path)) if name.startswith("maxshard.config"))
+    assert reached == []
+
+
+def test_every_module_has_a_level() -> None:
+    assert [name for name in map(module_name, MODULES) if unit_of(name) is None] == []
+
+
 def test_the_rule_table_bites() -> None:
-    """The rules name real modules, and a forbidden import is reported (a layer importing the mesh, the config
-    importing the model, data importing the model, anything importing train)."""
+    """The levels name real modules, and forbidden imports are reported: a layer importing the mesh or the config,
+    the config importing the model, data importing the model, the planner importing how a run loads, a checkpoint
+    importing the planner, anything importing an entry point, a leaf importing anything."""
     names = {module_name(p) for p in MODULES}
-    assert all(key in names for key in ALLOWED)
-    assert violations("maxshard.layers.attention", {"maxshard.mesh"})
-    assert violations("maxshard.layers.pipeline", {"maxshard.config"})
-    assert violations("maxshard.config", {"maxshard.model"})
-    assert violations("maxshard.data.sources", {"maxshard.model"})
-    assert violations("maxshard.checkpoint", {"maxshard.train"})
-    assert not violations("maxshard.layers.attention", {"maxshard.sharding", "maxshard.layers.linears"})
+    assert all(unit in names for level in LEVELS for unit in level)
+    assert violations("maxshard.model.layers.attention", {"maxshard.parallel.mesh"}) == []  # parallel is below
+    assert violations("maxshard.model.layers.pipeline", {"maxshard.config"})
+    assert violations("maxshard.model.layers.attention", {"maxshard.model.transformer"})
+    assert violations("maxshard.config.loader", {"maxshard.model.transformer"})
+    assert violations("maxshard.data.sources", {"maxshard.model.transformer"})
+    assert violations("maxshard.data.sources", {"maxshard.launch.xpk"})  # same level, another package
+    assert violations("maxshard.planning.fit", {"maxshard.run.loading"})
+    assert violations("maxshard.checkpoint.manager", {"maxshard.planning.memory"})
+    assert violations("maxshard.checkpoint.manager", {"maxshard.train"})
+    assert violations("maxshard.model.remat", {"maxshard.units"})
+    assert not violations("maxshard.model.remat", {"maxshard.errors"})
+    assert not violations("maxshard.run.loading", {"maxshard.planning.fit", "maxshard.training.step"})

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from maxshard import perf
-from maxshard.config import ConfigError
+from maxshard.observe import perf
+from maxshard.errors import ConfigError
 from maxshard.launch import topologies, xpk
 
 REPO = Path(__file__).resolve().parent.parent

@@ -8,8 +8,8 @@ import warnings
 import pytest
 
 from maxshard import train
-from maxshard.config import ConfigError
-from maxshard.step import Trainer
+from maxshard.errors import ConfigError
+from maxshard.training.step import Trainer
 from tests.helpers import layout_overrides, mesh_for, tiny_config
 
 

@@ -11,11 +11,13 @@ import jax
 import numpy as np
 import pytest
 
-from maxshard import data, loading
-from maxshard.config import ConfigError
+from maxshard import data
+
+from maxshard.run import loading
+from maxshard.errors import ConfigError
 from maxshard.planning import memory
 from maxshard.planning.compiled import compile_train_step
-from maxshard.step import Trainer
+from maxshard.training.step import Trainer
 from tests.helpers import loss_and_grads, max_relative_difference, mesh_for, tiny_config
 
 LAYOUTS = {

@@ -15,8 +15,11 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 
-from maxshard import config, mesh
-from maxshard.config import MESH_AXES, Config, ConfigError
+from maxshard import config
+
+from maxshard.parallel import mesh
+from maxshard.config import MESH_AXES, Config
+from maxshard.errors import ConfigError
 
 BASE = str(Path(__file__).resolve().parent.parent / "configs" / "base.yml")
 

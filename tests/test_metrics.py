@@ -16,8 +16,14 @@ import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
 
-from maxshard import config, console, metrics, perf, units
-from maxshard.profiling import Profiler
+from maxshard import config, units
+
+from maxshard.observe import console
+
+from maxshard.observe import metrics
+
+from maxshard.observe import perf
+from maxshard.observe.profiling import Profiler
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLOT_TOOL = os.path.join(REPO, "tools", "plot_metrics.py")

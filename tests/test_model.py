@@ -8,8 +8,14 @@ import jax
 import numpy as np
 import pytest
 
-from maxshard import data, loading, model, remat
-from maxshard.step import Trainer
+from maxshard import data
+
+from maxshard.run import loading
+
+from maxshard.model import transformer as model
+
+from maxshard.model import remat
+from maxshard.training.step import Trainer
 from tests.helpers import loss_and_grads, max_relative_difference, mesh_for, tiny_config
 
 
@@ -65,7 +71,7 @@ def test_unrolled_layers_equal_scanned(scanned):
 
 @pytest.mark.parametrize("policy", [p for p in remat.NAMES if p != "none"])
 def test_remat_policy_changes_nothing_numerically(scanned, policy):
-    """Every policy of maxshard/remat.py, the offload ones included (they compile and run on XLA:CPU, which keeps
+    """Every policy of maxshard/model/remat.py, the offload ones included (they compile and run on XLA:CPU, which keeps
     the offloaded values where they are)."""
     cfg, params, batch, loss, grads = scanned
     remat_loss, remat_grads = _loss_and_grads(loading.replace(cfg, remat_policy=policy), params, batch)

@@ -21,10 +21,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxshard import config, data, loading, metrics, model
-from maxshard.config import ConfigError
-from maxshard.layers import moe
-from maxshard.step import Trainer, mesh_context
+from maxshard import config, data
+
+from maxshard.run import loading
+
+from maxshard.observe import metrics
+
+from maxshard.model import transformer as model
+from maxshard.errors import ConfigError
+from maxshard.model.layers import moe
+from maxshard.training.step import Trainer, mesh_context
 from tests.helpers import layout_overrides, max_relative_difference, mesh_for, tiny_config
 
 route = jax.jit(moe.route, static_argnums=(1, 2))

@@ -1,4 +1,4 @@
-"""Dropless MoE with grouped matmuls (`maxshard/layers/moe_grouped.py`), routing groups and shared experts.
+"""Dropless MoE with grouped matmuls (`maxshard/model/layers/moe_grouped.py`), routing groups and shared experts.
 
 Parity: one MoE layer, forward output and gradients (of the kernels, the router and the input), grouped dropless
 against the all-experts computation (`moe_dropless_impl=dense`, no mesh), float32, each leaf's error relative to
@@ -17,11 +17,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxshard import loading, model, sharding
-from maxshard.config import ConfigError
-from maxshard.layers import moe, moe_grouped
-from maxshard.model_config import ModelConfig
-from maxshard.step import mesh_context
+from maxshard.run import loading
+
+from maxshard.model import transformer as model
+
+from maxshard.parallel import sharding
+from maxshard.errors import ConfigError
+from maxshard.model.layers import moe, moe_grouped
+from maxshard.model.config import ModelConfig
+from maxshard.training.step import mesh_context
 from tests.helpers import layout_overrides, max_relative_difference, mesh_for, tiny_config
 
 LAYER = ModelConfig(vocab_size=128, emb_dim=16, mlp_dim=32, num_experts=8, num_experts_per_tok=2,

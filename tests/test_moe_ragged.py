@@ -1,4 +1,4 @@
-"""The ragged expert-parallel exchange of dropless MoE (`maxshard/layers/moe_ragged.py`), in the pieces XLA:CPU runs.
+"""The ragged expert-parallel exchange of dropless MoE (`maxshard/model/layers/moe_ragged.py`), in the pieces XLA:CPU runs.
 
 XLA:CPU has no ragged all-to-all, so the collective itself never runs here: the full program is compiled for a TPU
 slice in tests/test_tpu_aot.py. What runs here is everything around it. The sizes and offsets each device computes
@@ -20,9 +20,11 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
-from maxshard import decode, loading
-from maxshard.config import ConfigError
-from maxshard.layers import moe_grouped, moe_ragged
+from maxshard.generation import decode
+
+from maxshard.run import loading
+from maxshard.errors import ConfigError
+from maxshard.model.layers import moe_grouped, moe_ragged
 from tests.helpers import tiny_config
 
 P_, E, K, TOKENS, WIDTH = 4, 8, 2, 16, 4  # expert shards, experts, top-k, tokens per device, embed

@@ -1,4 +1,4 @@
-"""Offload remat policies (maxshard/remat.py) on CPU: one table read everywhere, what XLA:CPU makes of an offload
+"""Offload remat policies (maxshard/model/remat.py) on CPU: one table read everywhere, what XLA:CPU makes of an offload
 policy, the planner's device and host bytes, `auto`'s last resort, and the error on devices without host memory.
 
 What XLA:TPU makes of them (the host buffers in `memory_analysis()`) is tests/test_plan_tpu.py's.
@@ -12,13 +12,14 @@ import types
 
 import pytest
 
-from maxshard import remat
-from maxshard.config import ConfigError
+from maxshard.model import remat
+from maxshard.errors import ConfigError
 from maxshard.launch import topologies
-from maxshard.planning import estimate, fit, memory, search, traffic
+from maxshard.planning import estimate, fit, memory, traffic
+from maxshard.run import search
 from maxshard.planning.compiled import peak_bytes
 from maxshard.planning.printout import format_plan, plan_json
-from maxshard.planning.search import load_for_target
+from maxshard.run.search import load_for_target
 from maxshard.units import format_bytes
 from tests.helpers import tiny_config
 from tests.test_plan import _compile

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from maxshard import data
-from maxshard.step import Trainer
+from maxshard.training.step import Trainer
 from tests.helpers import layout_overrides, loss_and_grads, max_relative_difference, mesh_for, tiny_config
 
 # Combinations of axes; every axis alone is tests/test_layouts_cli.py's (a fresh run through the CLI, losses 1e-5).
@@ -97,10 +97,10 @@ def test_tensor_sequence_shards_the_norms_length():
     (activation_norm_length)."""
     import jax.numpy as jnp
 
-    from maxshard import sharding
-    from maxshard.layers.decoder import norm
-    from maxshard.layers.norms import RMSNorm
-    from maxshard.step import mesh_context
+    from maxshard.parallel import sharding
+    from maxshard.model.layers.decoder import norm
+    from maxshard.model.layers.norms import RMSNorm
+    from maxshard.training.step import mesh_context
 
     cfg = tiny_config(*layout_overrides(LAYOUTS["tseq2_fsdp4"]))
     layer, x = RMSNorm(), jnp.ones((8, cfg.max_target_length, cfg.emb_dim))

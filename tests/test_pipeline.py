@@ -21,12 +21,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxshard import data, sharding
-from maxshard.config import ConfigError
-from maxshard.layers import pipeline
-from maxshard.layers.decoder import Decoder, DecoderLayer
-from maxshard.mesh import device_slices
-from maxshard.step import Trainer, TrainState, mesh_context
+from maxshard import data
+
+from maxshard.parallel import sharding
+from maxshard.errors import ConfigError
+from maxshard.model.layers import pipeline
+from maxshard.model.layers.decoder import Decoder, DecoderLayer
+from maxshard.parallel.mesh import device_slices
+from maxshard.training.step import Trainer, TrainState, mesh_context
 from tests.helpers import max_relative_difference, mesh_for, tiny_config
 
 SMALL = ("emb_dim=32", "num_heads=2", "num_kv_heads=2", "head_dim=16", "mlp_dim=64", "max_target_length=16",

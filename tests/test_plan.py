@@ -1,4 +1,4 @@
-"""The planner (`tools/plan.py`, `maxshard/planning/`) checked against what XLA compiles, and on a target we lack.
+"""The planner (`python -m maxshard.plan`, `maxshard/planning/`) checked against what XLA compiles, and on a target we lack.
 
 Measured: for four layouts of a tiny model on the 8 simulated CPU devices, the train step is lowered from abstract
 inputs and compiled, then
@@ -36,13 +36,13 @@ import jax
 import pytest
 
 from helpers import layout_overrides, mesh_for, tiny_config
-from maxshard import axis_names as ax
+from maxshard import plan as plan_cli
+from maxshard.parallel import axis_names as ax
 from maxshard.planning import compiled, estimate
 from maxshard.planning.collectives import count_collectives
 from maxshard.planning.traffic import rule_axes
 
 REPO = Path(__file__).resolve().parent.parent
-TOOL = REPO / "tools" / "plan.py"
 
 LAYOUTS = {
     "fsdp=8": ("ici_fsdp_parallelism=8",),
@@ -56,11 +56,7 @@ REDUCTION_TOLERANCE = 0.01  # unplanned: loss sums, gradient norms, the cross-en
 
 
 def _plan_tool() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("plan_tool", TOOL)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return plan_cli
 
 
 def _compile(cfg: object, mesh: jax.sharding.Mesh | None = None) -> object:
@@ -202,7 +198,7 @@ def test_plan_matches_an_xla_tpu_compile(monkeypatch: pytest.MonkeyPatch) -> Non
     """
     from jax.experimental.topologies import get_topology_desc
 
-    from maxshard import mesh
+    from maxshard.parallel import mesh
     from maxshard.launch import topologies
 
     monkeypatch.setenv("TPU_SKIP_MDS_QUERY", "1")
@@ -291,7 +287,7 @@ def test_pipeline_bubble_and_stage_shift() -> None:
 
 def test_a_mesh_that_does_not_fit_the_target_is_one_line_and_exit_2() -> None:
     result = subprocess.run(
-        [sys.executable, str(TOOL), "configs/base.yml", "model_name=8b", "ici_fsdp_parallelism=3",
+        [sys.executable, "-m", "maxshard.plan", "configs/base.yml", "model_name=8b", "ici_fsdp_parallelism=3",
          "--topology", "v5p-1024", "--num-slices", "4"],
         capture_output=True, text=True, cwd=REPO, timeout=120,
     )
@@ -370,7 +366,7 @@ def test_compile_prints_the_tpu_programs_peaks_beside_the_plan(capsys: pytest.Ca
 def test_compile_verdict_is_the_trainers_check(capsys: pytest.CaptureFixture[str],
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """A step that compiles (XLA:TPU finds it within the chip) but over HBM less memory_headroom fails the
-    trainer's compile check on the target (maxshard/compile_check.py): exit 1. Peaks faked: no compile here."""
+    trainer's compile check on the target (maxshard/run/compile_check.py): exit 1. Peaks faked: no compile here."""
     from maxshard.planning.tpu_compile import CompiledRun
 
     tool = _plan_tool()

@@ -21,8 +21,8 @@ import math
 import pytest
 
 from helpers import layout_overrides, tiny_config
-from maxshard import loading
-from maxshard.config import ConfigError
+from maxshard.run import loading
+from maxshard.errors import ConfigError
 from maxshard.planning import compiled, estimate, fit, memory
 from test_plan import _compile
 

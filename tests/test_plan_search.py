@@ -1,4 +1,4 @@
-"""`tools/plan.py --search`: the layouts it ranks fit, are ordered by planned step time, load as printed, and the
+"""`python -m maxshard.plan --search`: the layouts it ranks fit, are ordered by planned step time, load as printed, and the
 best one's planned peak holds up against a compile of that layout.
 
 The acceptance case is the 8B preset on one h100-80gb-8 node. Its best layout is compiled for the 8 simulated CPU
@@ -22,9 +22,13 @@ import pytest
 
 from benchmarks import sweep_spec
 from helpers import TINY, mesh_for, tiny_config
-from maxshard import config, loading, mesh
+from maxshard import config
+from maxshard.errors import ConfigError
+from maxshard.run import loading
+from maxshard.parallel import mesh
 from maxshard.launch import topologies
-from maxshard.planning import estimate, hardware, search
+from maxshard.planning import estimate, hardware
+from maxshard.run import search
 from maxshard.planning.compiled import peak_bytes
 from maxshard.units import format_bytes
 from test_plan import _compile, _plan_tool
@@ -154,7 +158,7 @@ def test_a_budget_refines_the_fastest_meshes_and_refuses_a_first_round_beyond_it
     refined = {dataclasses.replace(c.layout, remat_policy="full") for c in small.fitting if c.layout.remat_policy
                != "full"}
     assert refined == {c.layout for c in meshes[:2]}  # the 2 fastest of the first round
-    with pytest.raises(config.ConfigError, match="candidate meshes \\(more than --max-candidates 3\\); pin"):
+    with pytest.raises(ConfigError, match="candidate meshes \\(more than --max-candidates 3\\); pin"):
         search.search(argv, H100, max_candidates=3)
 
 
@@ -215,7 +219,7 @@ def test_config_files_are_read_once_only_inside_the_block(tmp_path: Path) -> Non
 def test_the_train_state_shapes_are_traced_once_per_model() -> None:
     """Mesh knobs change where the state lives, not its shapes: one trace serves every layout of a model, while a
     pipeline (its stage count is in the model) and a remat policy get their own."""
-    from maxshard.step import abstract_state
+    from maxshard.training.step import abstract_state
 
     fsdp = tiny_config("ici_fsdp_parallelism=8")
     assert abstract_state(fsdp) is abstract_state(tiny_config("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"))

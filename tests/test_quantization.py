@@ -1,4 +1,4 @@
-"""`quantization: int8 | fp8` (maxshard/quantization.py, through qwix): the matmuls it names really run on 8-bit
+"""`quantization: int8 | fp8` (maxshard/model/quantization.py, through qwix): the matmuls it names really run on 8-bit
 operands in the train step, the others do not, training still learns and stays close to the unquantized run, a
 combination qwix cannot train is one ConfigError line, and the planner and MFU measure against the 8-bit peak.
 
@@ -17,13 +17,18 @@ import numpy as np
 import pytest
 
 from helpers import mesh_for, tiny_config
-from maxshard import config, console, data, loading, model, perf, quantization
-from maxshard.config import ConfigError
+from maxshard import config, data
+from maxshard.observe import console
+from maxshard.run import loading
+from maxshard.model import transformer as model
+from maxshard.observe import perf
+from maxshard.model import quantization
+from maxshard.errors import ConfigError
 from maxshard.launch import topologies
 from maxshard.planning import estimate, printout
 from maxshard.planning.compiled import abstract_inputs
-from maxshard.planning.search import load_for_target
-from maxshard.step import Trainer, abstract_state
+from maxshard.run.search import load_for_target
+from maxshard.training.step import Trainer, abstract_state
 
 # The projections by module path; the routed experts by qwix's QtProvider.ragged_dot in the call stack (jax lowers a
 # ragged_dot on CPU to a dense dot without the module's name).
@@ -164,10 +169,10 @@ def test_xla_tpu_keeps_the_8_bit_operands_on_a_v5e_slice(mode: str) -> None:
     """Ahead of time with libtpu (a test dependency, as in tests/test_tpu_aot.py), TPU defaults (bf16, splash):
     XLA:TPU compiles the quantized step and its projection matmuls take the 8-bit operands, even fp8 on v5e, a chip
     without an fp8 peak in the tables (the planner counts those at bf16)."""
-    from maxshard import mesh
+    from maxshard.parallel import mesh
     from maxshard.launch import topologies
     from maxshard.planning.compiled import compile_train_step
-    from maxshard.planning.search import load_for_target
+    from maxshard.run.search import load_for_target
     from maxshard.planning.tpu_compile import abstract_devices
 
     target = topologies.parse("v5litepod-8")

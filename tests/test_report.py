@@ -16,9 +16,9 @@ from types import ModuleType
 
 import pytest
 
-from maxshard import report
+from maxshard.observe import report
 from maxshard.config import MESH_AXES
-from maxshard.sharding import ParamLayout
+from maxshard.parallel.sharding import ParamLayout
 
 REPO = Path(__file__).resolve().parent.parent
 TOOL = REPO / "tools" / "sharding_report.py"

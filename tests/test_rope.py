@@ -9,9 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxshard.config import Config, ConfigError, parse
-from maxshard.layers import rope
-from maxshard.model_config import ModelConfig
+from maxshard.config import Config, parse
+
+from maxshard.errors import ConfigError
+from maxshard.model.layers import rope
+from maxshard.model.config import ModelConfig
 from tests.helpers import tiny_config
 
 

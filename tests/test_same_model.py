@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from maxshard import data
-from maxshard.layers import pipeline
-from maxshard.step import Trainer
+from maxshard.model.layers import pipeline
+from maxshard.training.step import Trainer
 from tests.helpers import mesh_for, tiny_config
 
 SMALL = ("emb_dim=32", "num_heads=8", "num_kv_heads=4", "head_dim=8", "mlp_dim=64", "max_target_length=16",

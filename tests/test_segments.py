@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxshard.model import Transformer
+from maxshard.model.transformer import Transformer
 from tests.helpers import tiny_config
 
 

@@ -15,8 +15,13 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from maxshard import config, mesh, sharding
-from maxshard.config import Config, ConfigError
+from maxshard import config
+
+from maxshard.parallel import mesh
+
+from maxshard.parallel import sharding
+from maxshard.config import Config
+from maxshard.errors import ConfigError
 
 BASE = str(Path(__file__).resolve().parent.parent / "configs" / "base.yml")
 D, F = 64, 256  # embed, mlp

@@ -18,12 +18,12 @@ import flax.linen as nn
 import jax
 import pytest
 
-from maxshard import mesh
+from maxshard.parallel import mesh
 from maxshard.launch import topologies
 from maxshard.planning.compiled import compile_init, compile_train_step, peak_bytes
-from maxshard.planning.search import load_for_target
+from maxshard.run.search import load_for_target
 from maxshard.planning.tpu_compile import INSTALL, abstract_devices, topology_name
-from maxshard.step import abstract_state
+from maxshard.training.step import abstract_state
 
 if importlib.util.find_spec("libtpu") is None:  # a test dependency: missing means a broken install, not a skip
     raise ImportError(f"tests/test_tpu_aot.py needs libtpu: {INSTALL}")

@@ -2,7 +2,7 @@
 
     python tools/plot_metrics.py runs/a runs/b --out compare.png
 
-Reads only the JSON lines `maxshard.metrics.MetricsWriter` writes, so it needs neither TensorBoard nor JAX.
+Reads only the JSON lines `maxshard.observe.metrics.MetricsWriter` writes, so it needs neither TensorBoard nor JAX.
 matplotlib is the optional `plot` extra (`pip install maxshard[plot]`); without it the tool says so and exits 2.
 """
 

@@ -22,8 +22,13 @@ try:
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from maxshard import loading, mesh, report
-from maxshard.config import Config, ConfigError
+from maxshard.run import loading
+
+from maxshard.parallel import mesh
+
+from maxshard.observe import report
+from maxshard.config import Config
+from maxshard.errors import ConfigError
 
 __all__ = ["load_config", "make_report", "main"]
 

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from maxshard.config import ConfigError  # noqa: E402
+from maxshard.errors import ConfigError  # noqa: E402
 from maxshard.data import sources  # noqa: E402
 
 

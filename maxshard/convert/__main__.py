@@ -16,7 +16,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # converting needs no accelerator
 
 from absl import logging as absl_logging  # noqa: E402
 
-from maxshard.config import ConfigError  # noqa: E402
+from maxshard.errors import ConfigError  # noqa: E402
 
 __all__ = ["main", "parser"]
 

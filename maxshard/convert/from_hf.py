@@ -30,10 +30,11 @@ from etils import epath
 
 import maxshard
 from maxshard import config
-from maxshard.config import ConfigError
-from maxshard.convert import hf_config, layout, names, orbax_io, safetensors_io
+from maxshard.errors import ConfigError
+from maxshard.checkpoint import orbax_io
+from maxshard.convert import hf_config, layout, names, safetensors_io
 from maxshard.convert.families import Family
-from maxshard.model_config import ModelConfig
+from maxshard.model.config import ModelConfig
 
 __all__ = ["convert", "Result", "HF_FILES", "default_base_config"]
 

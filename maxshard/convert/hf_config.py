@@ -14,7 +14,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from maxshard.config import ConfigError
+from maxshard.errors import ConfigError
 from maxshard.convert.families import FAMILIES, Family, by_architecture, by_model_type
 
 __all__ = ["MAX_TARGET_LENGTH", "read", "family", "model_keys", "rope_keys", "to_hf", "default_max_position",

@@ -14,11 +14,11 @@ from typing import Any
 import flax.linen as nn
 import jax
 
-from maxshard import model
-from maxshard.config import ConfigError
+from maxshard.model import transformer as model
+from maxshard.errors import ConfigError
 from maxshard.convert import names
 from maxshard.convert.families import Family
-from maxshard.model_config import ModelConfig
+from maxshard.model.config import ModelConfig
 
 __all__ = ["MODEL_KEYS", "model_config", "Param", "params_of"]
 

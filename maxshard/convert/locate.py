@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from maxshard.config import ConfigError
-from maxshard.convert import layout, orbax_io
+from maxshard.errors import ConfigError
+from maxshard.checkpoint import orbax_io
+from maxshard.convert import layout
 
 __all__ = ["locate", "locate_layer"]
 

@@ -23,11 +23,12 @@ import numpy as np
 from etils import epath
 from safetensors.numpy import save_file
 
-from maxshard.config import ConfigError
-from maxshard.convert import layout, names, orbax_io
+from maxshard.errors import ConfigError
+from maxshard.checkpoint import orbax_io
+from maxshard.convert import layout, names
 from maxshard.convert.families import Family
 from maxshard.convert.locate import locate
-from maxshard.layers.lora import ADAPTER_PARAMS
+from maxshard.model.layers.lora import ADAPTER_PARAMS
 
 __all__ = ["Adapters", "adapters_of", "export_adapters", "ADAPTER_FILE", "ADAPTER_CONFIG"]
 

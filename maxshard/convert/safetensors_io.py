@@ -29,7 +29,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from maxshard.config import ConfigError
+from maxshard.errors import ConfigError
 
 __all__ = ["TensorInfo", "TensorSpec", "Source", "parse_size", "write_checkpoint", "DTYPES", "INDEX", "SINGLE"]
 

@@ -33,8 +33,9 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from maxshard.config import ConfigError
-from maxshard.convert import hf_config, layout, lora, names, orbax_io, safetensors_io
+from maxshard.errors import ConfigError
+from maxshard.checkpoint import orbax_io
+from maxshard.convert import hf_config, layout, lora, names, safetensors_io
 from maxshard.convert.families import Family
 from maxshard.convert.locate import locate
 from maxshard.data import tokenizer as tokenizers

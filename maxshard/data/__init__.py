@@ -24,8 +24,11 @@ from typing import Any, Protocol
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from maxshard import axis_names, sharding
-from maxshard.config import Config, ConfigError
+from maxshard.parallel import axis_names
+
+from maxshard.parallel import sharding
+from maxshard.config import Config
+from maxshard.errors import ConfigError
 from maxshard.data.synthetic import SyntheticIterator
 
 __all__ = ["InputIterator", "batch_sharding", "make_input"]

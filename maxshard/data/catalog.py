@@ -21,7 +21,9 @@ import os
 import re
 from typing import TYPE_CHECKING
 
-from maxshard.config import Config, ConfigError
+from maxshard.config import Config
+
+from maxshard.errors import ConfigError
 from maxshard.data import files, jsonl, parquet
 from maxshard.data.sources import Corpus
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from maxshard.config import ConfigError
+from maxshard.errors import ConfigError
 from maxshard.data.chat_template import DEFAULT_TEMPLATE, ChatTemplate, TemplateError
 from maxshard.data.sources import BadRecord
 

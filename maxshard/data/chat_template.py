@@ -37,7 +37,7 @@ import json
 import re
 from typing import Any
 
-from maxshard.config import ConfigError
+from maxshard.errors import ConfigError
 
 __all__ = ["DEFAULT_TEMPLATE", "ChatTemplate", "TemplateError"]
 

@@ -12,7 +12,7 @@ import os
 from collections.abc import Sequence
 from typing import IO
 
-from maxshard.config import ConfigError
+from maxshard.errors import ConfigError
 
 __all__ = ["is_remote", "list_files", "open_binary", "relative_name", "has_magic"]
 

@@ -41,7 +41,7 @@ from typing import Any
 
 import grain
 
-from maxshard.config import ConfigError
+from maxshard.errors import ConfigError
 from maxshard.data import hf
 from maxshard.data.sources import BadRecord, as_text
 

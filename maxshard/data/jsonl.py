@@ -28,7 +28,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from maxshard.config import ConfigError
+from maxshard.errors import ConfigError
 from maxshard.data import files
 from maxshard.data.chat import Conversation, as_conversation
 from maxshard.data.sources import BadRecord, Corpus, row_keys

@@ -30,7 +30,7 @@ from typing import Any
 import grain
 import numpy as np
 
-from maxshard.config import ConfigError
+from maxshard.errors import ConfigError
 from maxshard.data.chat import WEIGHT
 from maxshard.data.sources import BadRecord
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from maxshard.config import ConfigError
+from maxshard.errors import ConfigError
 from maxshard.data import files
 from maxshard.data.sources import BadRecord, Corpus, as_text, row_keys
 

@@ -56,7 +56,9 @@ from absl import flags
 from grain.experimental import ThreadPrefetchIterDataset, WindowShuffleIterDataset
 from jax.sharding import NamedSharding
 
-from maxshard.config import Config, ConfigError
+from maxshard.config import Config
+
+from maxshard.errors import ConfigError
 from maxshard.data import catalog, chat, hf_stream, packing, sources
 from maxshard.data.mixture import SKIPPED, SOURCE, TokenMixIterDataset
 from maxshard.data.shuffle import BlockShuffleMapDataset

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from maxshard.config import ConfigError
+from maxshard.errors import ConfigError
 from maxshard.data.sources import Corpus, index_keys
 
 __all__ = ["TOKENS_TAG", "METADATA_FILE", "encode_tokens", "decode_record", "RecordDocuments", "array_record_corpus",

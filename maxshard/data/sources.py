@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from maxshard.config import ConfigError
+from maxshard.errors import ConfigError
 
 __all__ = [
     "BadRecord",

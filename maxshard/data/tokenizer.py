@@ -28,7 +28,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from maxshard.config import Config, ConfigError
+from maxshard.config import Config
+
+from maxshard.errors import ConfigError
 
 __all__ = [
     "Tokenizer",

@@ -2,7 +2,7 @@
 
 The launcher validates a trainer config for hardware it is not running on, so it needs the same two numbers the
 trainer would read from JAX there: the device count and the device kind (which `mesh_rules` and the peak-FLOPs table
-in `maxshard/perf.py` match). A JAX device is one chip on TPU v4 and later (megacore) and one GPU on NVIDIA.
+in `maxshard/observe/perf.py` match). A JAX device is one chip on TPU v4 and later (megacore) and one GPU on NVIDIA.
 
 TPU names count differently per generation, as Cloud TPU and XPK spell them:
 
@@ -19,7 +19,7 @@ import dataclasses
 import re
 from typing import Literal
 
-from maxshard.config import ConfigError
+from maxshard.errors import ConfigError
 
 __all__ = ["Target", "TpuFamily", "GpuType", "TPU_FAMILIES", "GPU_TYPES", "parse", "accepted_forms"]
 

@@ -25,8 +25,13 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-from maxshard import config, mesh, stages
-from maxshard.config import Config, ConfigError
+from maxshard import config
+
+from maxshard.parallel import mesh
+
+from maxshard.parallel import stages
+from maxshard.config import Config
+from maxshard.errors import ConfigError
 from maxshard.launch import topologies
 from maxshard.launch.topologies import Target
 
@@ -211,7 +216,7 @@ def make_request(args: argparse.Namespace, trainer: Sequence[str], suffix: str |
     target = topologies.parse(args.device_type, args.num_slices)
     gpu = topologies.GPU_TYPES.get(target.name)
     if gpu is not None and not gpu.xpk:
-        raise ConfigError(f"--device-type {target.name} is a node type for planning (tools/plan.py), not one XPK "
+        raise ConfigError(f"--device-type {target.name} is a node type for planning (python -m maxshard.plan), not one XPK "
                           f"creates; XPK's GPU types: {', '.join(n for n, g in topologies.GPU_TYPES.items() if g.xpk)}")
     check_tokens(trainer)
     cfg = config.parse(trainer)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from maxshard import data
 from maxshard.config import Config
 from maxshard.data.packing import FIELDS
-from maxshard.step import Trainer
+from maxshard.training.step import Trainer
 
 __all__ = ["abstract_inputs", "compile_init", "compile_train_step", "peak_bytes"]
 

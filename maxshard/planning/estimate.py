@@ -26,14 +26,20 @@ import math
 
 import numpy as np
 
-from maxshard import mesh, model, quantization, remat
+from maxshard.parallel import mesh
+
+from maxshard.model import transformer as model
+
+from maxshard.model import quantization
+
+from maxshard.model import remat
 from maxshard.config import Config
 from maxshard.launch.topologies import Target
-from maxshard.layers import moe
+from maxshard.model.layers import moe
 from maxshard.planning import hardware, memory, traffic
 from maxshard.planning.traffic import Collective
-from maxshard.report import build_report
-from maxshard.step import abstract_state
+from maxshard.observe.report import build_report
+from maxshard.training.step import abstract_state
 
 __all__ = ["AxisTime", "Plan", "make_plan", "activations_under", "collective_seconds", "by_kind", "moe_dropping_flops"]
 
@@ -140,7 +146,7 @@ def remat_factors(cfg: Config) -> dict[str, float]:
     """Hardware / model FLOPs of every remat policy: the backward pass re-runs the forward FLOPs a policy did not save,
     one third of training FLOPs if it re-ran all of them (full). Per layer and token, forward: q/k/v projections
     2E(Q + 2K), output projection 2QE, attention 2LQ (causal q.k and p.v), MLP 6EF (dense MLP; an MoE layer's routed
-    experts count as k dense MLPs). Each policy recomputes the parts of the layer its row of maxshard/remat.py names
+    experts count as k dense MLPs). Each policy recomputes the parts of the layer its row of maxshard/model/remat.py names
     (`recomputes`), and every policy but none re-runs a fused attention kernel (blockwise, cudnn, splash, ring: not a
     matmul that a policy keeps):
         none                 nothing
@@ -183,7 +189,7 @@ def moe_dropping_flops(cfg: Config) -> float:
 
 def loss_recompute_flops(cfg: Config) -> float:
     """FLOPs per device that a chunked loss adds: each piece's head matmul (2 E V per token) runs again in the
-    backward pass (maxshard/loss.py)."""
+    backward pass (maxshard/training/loss.py)."""
     if cfg.loss_chunks <= 1:
         return 0.0
     return 2.0 * cfg.emb_dim * cfg.vocab_size * cfg.global_batch_size * cfg.max_target_length / cfg.num_devices

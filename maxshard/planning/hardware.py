@@ -1,6 +1,6 @@
 """Interconnect bandwidths and memory per device type: the figures the planner divides bytes by.
 
-Peak FLOP/s come from `maxshard/perf.py` (one table for MFU and planning). Here, per XPK device type family:
+Peak FLOP/s come from `maxshard/observe/perf.py` (one table for MFU and planning). Here, per XPK device type family:
 
     ici_bw   bytes/s one device can push into a collective over the fast interconnect inside a slice (TPU ICI,
              NVLink inside a GPU node), one direction
@@ -47,7 +47,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from maxshard.config import ConfigError
+from maxshard.errors import ConfigError
 
 __all__ = ["Interconnect", "INTERCONNECTS", "interconnect", "device_memory", "JAX_GPU_FRACTION"]
 

@@ -17,7 +17,7 @@ s = the compute dtype's itemsize:
     attention, dot_product: 8 A bytes (float32 exponentials and probabilities); a fused kernel (blockwise, cudnn,
                                       splash, ring) keeps its output and float32 log-sum-exp instead: Q x s + 4 H
 
-    what a policy saves per layer and token (maxshard/remat.py names what each keeps):
+    what a policy saves per layer and token (maxshard/model/remat.py names what each keeps):
         none               dense + attention
         minimal            matmul outputs: (2E / r + 2Q + 2K + 2F) x s + float32 scores 4 A (fused: log-sum-exp 4 H)
         save_qkv_out_proj  layer input + q, k, v + output projection: (E / r + E + Q + 2K) x s
@@ -72,18 +72,18 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from maxshard import axis_names as ax
-from maxshard import remat
-from maxshard.attention_choice import platform_of
+from maxshard.parallel import axis_names as ax
+from maxshard.model import remat
+from maxshard.model.attention_choice import platform_of
 from maxshard.config import Config
-from maxshard.layers.moe import group_size
+from maxshard.model.layers.moe import group_size
 from maxshard.planning.fitted import compiler, effective_policy, fitted, policies
 from maxshard.planning.traffic import Geometry, geometry, rule_axes
 
 __all__ = ["Widths", "ActivationTerms", "widths", "activation_terms", "compiler", "policies", "effective_policy",
            "logits_bytes", "auto_loss_chunks"]
 
-# `loss_chunks: 0` (auto) splits the loss until one piece's float32 logits per device fit this (maxshard/loss.py).
+# `loss_chunks: 0` (auto) splits the loss until one piece's float32 logits per device fit this (maxshard/training/loss.py).
 LOSS_PIECE_BYTES = 256 * 2**20
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +160,7 @@ class Widths:
         return padded * -(-self.head_dim // lanes) * lanes
 
     def name_width(self, name: str) -> int:
-        """Per-token elements of a value a policy names (maxshard/remat.py), as stored."""
+        """Per-token elements of a value a policy names (maxshard/model/remat.py), as stored."""
         widths = {remat.LAYER_INPUT: self.stream, "query_proj": self.stored(self.q), "key_proj": self.stored(self.kv),
                   "value_proj": self.stored(self.kv), "out_proj": self.embed}
         return widths[name]
@@ -241,7 +241,7 @@ def auto_loss_chunks(cfg: Config, sizes: Mapping[str, int]) -> int:
     """The fewest pieces (a power of two) that bring one piece's logits within LOSS_PIECE_BYTES per device.
 
     A piece count divides the device's share of the length, so every strided piece still spans all the length
-    shards (maxshard/loss.py); where the length allows no further split the count stops there."""
+    shards (maxshard/training/loss.py); where the length allows no further split the count stops there."""
     whole, local_length = logits_bytes(cfg, sizes), _local_length(cfg, sizes)
     chunks = 1
     while whole / chunks > LOSS_PIECE_BYTES and local_length % (2 * chunks) == 0:

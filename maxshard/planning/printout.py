@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from maxshard import quantization, remat
+from maxshard.model import quantization
+
+from maxshard.model import remat
 from maxshard.planning.estimate import AxisTime, Plan
 from maxshard.planning.memory import ActivationTerms, Widths, compiler, effective_policy, widths
 from maxshard.units import format_bytes

@@ -20,7 +20,9 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from maxshard.config import Config, ConfigError
+from maxshard.config import Config
+
+from maxshard.errors import ConfigError
 from maxshard.launch.topologies import Target
 
 __all__ = ["INSTALL", "CompiledRun", "TpuOutOfMemory", "topology_name", "abstract_devices", "compile_run"]
@@ -108,7 +110,7 @@ def compile_run(cfg: Config, target: Target, devices: list[Any],
                 progress: Callable[[str], None] = lambda line: None) -> CompiledRun:
     """The fresh-run init and the train step of `cfg` compiled for `target` on its `abstract_devices`;
     TpuOutOfMemory (one line) when XLA:TPU finds a program over the chip's memory."""
-    from maxshard import mesh
+    from maxshard.parallel import mesh
     from maxshard.planning.compiled import compile_init, compile_train_step, peak_bytes
 
     run_mesh = mesh.build(cfg, devices)

@@ -74,13 +74,14 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from maxshard import axis_names as ax
-from maxshard import remat, trainable
+from maxshard.parallel import axis_names as ax
+from maxshard.model import remat
+from maxshard.model import trainable
 from maxshard.config import Config
-from maxshard.layers.moe import capacity, group_size
-from maxshard.layers.moe_grouped import exchange_slots
-from maxshard.report import Report
-from maxshard.sharding import ParamLayout
+from maxshard.model.layers.moe import capacity, group_size
+from maxshard.model.layers.moe_grouped import exchange_slots
+from maxshard.observe.report import Report
+from maxshard.parallel.sharding import ParamLayout
 
 __all__ = ["Collective", "Geometry", "geometry", "planned_collectives", "rule_axes"]
 
@@ -229,7 +230,7 @@ def _grad_itemsize(p: ParamLayout, lookup: bool, geo: Geometry) -> int:
 
 def _recompute_count(policy: str) -> int:
     """Tensor-parallel all-reduces (of 2 per layer: the attention output's and the MLP's) that a remat policy
-    recomputes in the backward pass: those of the parts it re-runs (maxshard/remat.py)."""
+    recomputes in the backward pass: those of the parts it re-runs (maxshard/model/remat.py)."""
     p = remat.policy(policy)
     return ("out" in p.recomputes) + ("mlp" in p.recomputes)
 

@@ -1,0 +1,168 @@
+"""Range checks: values that type-check but make no sense (steps=0, eval_fraction=1.5, a mesh knob of 0).
+
+Kept apart from loading so `config.py` holds one idea: reading and merging YAML into a typed Config.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import typing
+
+from maxshard.config.schema import MESH_AXES, Config, knob_name
+
+from maxshard.errors import ConfigError
+from maxshard.model.config import LORA_TARGETS
+
+__all__ = ["check_ranges"]
+
+
+def check_ranges(cfg: Config) -> Config:
+    """Values that type-check but make no sense; each message names the key and the allowed range."""
+    for key, low in _POSITIVE_INTS.items():
+        value = getattr(cfg, key)
+        if value < low:
+            raise ConfigError(f"{key} must be >= {low}, got {value}")
+    for key in _FINITE_FLOATS:
+        value = getattr(cfg, key)
+        if not math.isfinite(value):
+            raise ConfigError(f"{key} must be a finite number, got {value}")
+    if cfg.device_memory_gb < 0:
+        raise ConfigError(f"device_memory_gb must be >= 0 (0: detect), got {cfg.device_memory_gb}")
+    if not cfg.per_device_batch_size > 0:
+        raise ConfigError(f"per_device_batch_size must be > 0, got {cfg.per_device_batch_size}")
+    for key, (low, high, closed) in _UNIT_INTERVALS.items():
+        value = getattr(cfg, key)
+        if not (low <= value <= high if closed else low <= value < high):
+            raise ConfigError(f"{key} must be in [{low:g}, {high:g}{']' if closed else ')'}, got {value}")
+    if not cfg.run_name or "/" in cfg.run_name:
+        raise ConfigError(f"run_name must be a non-empty name without '/', got {cfg.run_name!r}")
+    _check_data(cfg)
+    _check_rope(cfg)
+    for axis in MESH_AXES:
+        for family in ("ici", "dcn"):
+            value = getattr(cfg, knob_name(family, axis))
+            if value == 0 or value < -1:
+                raise ConfigError(f"{knob_name(family, axis)} must be a positive size or -1 (fill), got {value}")
+    _check_moe(cfg)
+    _check_lora(cfg)
+    _check_sampling(cfg)
+    if cfg.loss_chunks < 0 or (cfg.loss_chunks and cfg.max_target_length % cfg.loss_chunks):
+        raise ConfigError(f"loss_chunks={cfg.loss_chunks} must be 0 (auto) or divide "
+                          f"max_target_length={cfg.max_target_length}")
+    return cfg
+
+
+def _check_sampling(cfg: Config) -> None:
+    """Generation keys: a temperature of 0 means greedy; top_p is a probability mass in (0, 1]."""
+    if not cfg.temperature >= 0:
+        raise ConfigError(f"temperature must be >= 0 (0: greedy), got {cfg.temperature}")
+    if not 0 < cfg.top_p <= 1:
+        raise ConfigError(f"top_p must be in (0, 1] (1: off), got {cfg.top_p}")
+
+
+def _check_moe(cfg: Config) -> None:
+    """MoE keys that type-check but make no sense."""
+    if cfg.num_experts < 1:
+        raise ConfigError(f"num_experts must be >= 1 (1: dense), got {cfg.num_experts}")
+    if not 1 <= cfg.num_experts_per_tok <= cfg.num_experts:
+        raise ConfigError(f"num_experts_per_tok must be in [1, num_experts={cfg.num_experts}], "
+                          f"got {cfg.num_experts_per_tok}")
+    if cfg.moe_layer_interval < 1 or cfg.num_layers % cfg.moe_layer_interval:
+        raise ConfigError(f"moe_layer_interval={cfg.moe_layer_interval} must be >= 1 and divide "
+                          f"num_layers={cfg.num_layers}")
+    if cfg.moe_group_size < 0 or (cfg.moe_group_size and cfg.max_target_length % cfg.moe_group_size):
+        raise ConfigError(f"moe_group_size={cfg.moe_group_size} must be 0 (whole sequence) or divide "
+                          f"max_target_length={cfg.max_target_length}")
+    if cfg.moe_ragged_buffer_factor < 0:
+        raise ConfigError(f"moe_ragged_buffer_factor must be >= 0 (0: the buffer no routing overflows), got "
+                          f"{cfg.moe_ragged_buffer_factor}")
+    if cfg.num_shared_experts < 0:
+        raise ConfigError(f"num_shared_experts must be >= 0, got {cfg.num_shared_experts}")
+    for key in ("load_balance_loss_weight", "router_z_loss_weight"):
+        if not getattr(cfg, key) >= 0:
+            raise ConfigError(f"{key} must be >= 0, got {getattr(cfg, key)}")
+
+
+def _check_lora(cfg: Config) -> None:
+    """LoRA keys: a rank >= 0, a positive alpha, known targets; adapters train on a base from load_parameters_path."""
+    if cfg.lora_rank < 0:
+        raise ConfigError(f"lora_rank must be >= 0 (0: no adapters, every parameter trains), got {cfg.lora_rank}")
+    unknown = [t for t in cfg.lora_targets if t not in LORA_TARGETS]
+    if unknown or not cfg.lora_targets:
+        raise ConfigError(f"lora_targets={list(cfg.lora_targets)}: names from {', '.join(LORA_TARGETS)}, at least one")
+    dense_mlps = cfg.num_experts == 1 or cfg.moe_layer_interval > 1
+    mlp_targets = [t for t in cfg.lora_targets if t in ("gate", "up", "down")]
+    if cfg.lora_rank and mlp_targets and not dense_mlps:
+        raise ConfigError(f"lora_targets={list(cfg.lora_targets)}: {', '.join(mlp_targets)} adapt dense MLPs, and "
+                          "every layer of this model is MoE (its experts take no adapters): target q, k, v, o")
+    if cfg.lora_rank and not cfg.lora_alpha > 0:
+        raise ConfigError(f"lora_alpha must be > 0, got {cfg.lora_alpha}")
+
+
+def _check_data(cfg: Config) -> None:
+    """The data keys that can be judged without reading a file (paths are checked when the input is built)."""
+    if not cfg.text_field:
+        raise ConfigError("text_field must name a field or column, got an empty string")
+    if not cfg.messages_field:
+        raise ConfigError("messages_field must name a field or column, got an empty string")
+    if cfg.chat_template not in ("", "default") and not os.path.isfile(cfg.chat_template):
+        raise ConfigError(f"chat_template={cfg.chat_template}: no such file (\"\", default, or a .jinja file)")
+    if cfg.dataset_mixture:
+        if cfg.dataset_type == "synthetic":
+            raise ConfigError("dataset_mixture needs real data; dataset_type=synthetic makes its own")
+        if cfg.dataset_path:
+            raise ConfigError("dataset_path and dataset_mixture are both set; set only one (a mixture lists its paths)")
+
+
+def _check_rope(cfg: Config) -> None:
+    """RoPE base and Llama-3 scaling: the blend divides by (high - low), and a factor < 1 would shorten wavelengths."""
+    if not cfg.rope_max_timescale > 1:
+        raise ConfigError(f"rope_max_timescale must be > 1, got {cfg.rope_max_timescale}")
+    if not cfg.rope_scaling_factor >= 1:
+        raise ConfigError(f"rope_scaling_factor must be >= 1, got {cfg.rope_scaling_factor}")
+    if not 0 < cfg.rope_low_freq_factor < cfg.rope_high_freq_factor:
+        raise ConfigError(f"rope_low_freq_factor and rope_high_freq_factor must satisfy 0 < low < high, got "
+                          f"{cfg.rope_low_freq_factor} and {cfg.rope_high_freq_factor}")
+
+
+_POSITIVE_INTS = {
+    "steps": 1,
+    "log_period": 1,
+    "num_slices": 1,
+    "cpu_device_count": 0,
+    "gradient_accumulation_steps": 1,
+    "eval_period": 0,
+    "eval_steps": 1,
+    "emb_dim": 1,
+    "num_layers": 1,
+    "num_heads": 1,
+    "num_kv_heads": 1,
+    "head_dim": 1,
+    "mlp_dim": 1,
+    "attention_block_q": 1,
+    "attention_block_kv": 1,
+    "max_target_length": 1,
+    "rope_original_max_position": 1,
+    "vocab_size": 0,
+    "vocab_size_multiple": 1,
+    "checkpoint_period": 1,
+    "max_checkpoints_to_keep": 0,
+    "profile_start": 0,
+    "profile_steps": 1,
+    "distributed_timeout": 1,
+    "process_count": 0,
+    "process_id": -1,
+    "grain_worker_count": 0,
+    "grain_prefetch": 0,
+    "data_shuffle_seed": 0,
+    "max_new_tokens": 1,
+    "top_k": 0,
+}
+_UNIT_INTERVALS = {  # key: (low, high, high included)
+    "warmup_steps_fraction": (0.0, 1.0, True),
+    "eval_fraction": (0.0, 1.0, False),
+    "cosine_final_fraction": (0.0, 1.0, True),
+    "memory_headroom": (0.0, 1.0, False),
+}
+_FINITE_FLOATS = tuple(key for key, hint in typing.get_type_hints(Config).items() if hint is float)  # every float key: nan/inf never help

@@ -1,0 +1,104 @@
+"""A run's trained parameters for generation: find the checkpoint, take the model from it, restore params only.
+
+The checkpoint's `config` item is the Config that trained it, so the model keys (dimensions, vocabulary, MoE shape,
+scan_layers, ...) and the tokenizer come from there: the command line that trained a run samples from it, and
+generation never needs the training command's model flags. A key named on the generation command line wins (say
+`dtype=bfloat16`); one that changes a shape fails with the checkpoint's one-line mismatch error.
+
+A LoRA run's checkpoint holds its adapters; the frozen base comes from the `load_parameters_path` its config names.
+Only `params` are read from the `state` item (orbax partial restore), directly onto the generation mesh with the
+generation layout's shardings: the optimizer moments (twice the parameters' bytes) are never loaded. Generation
+runs unpipelined; a checkpoint written by a pipelined run ([repeats, stages, layers per stage, ...] stacks) is
+read into the scanned layout, which holds the same weights (`checkpoint_layout`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+from etils import epath
+from jax.sharding import Mesh
+
+from maxshard.checkpoint import params as checkpoint_params
+
+from maxshard.run import loading
+
+from maxshard.parallel import sharding
+
+from maxshard.model import trainable
+from maxshard.config import Config
+from maxshard.errors import ConfigError
+from maxshard.model.transformer import abstract_params
+from maxshard.model.config import model_fields
+
+__all__ = ["find_checkpoint", "saved_config", "with_saved_model", "refuse_pipeline", "restore_params"]
+
+_FROM_CHECKPOINT = (*model_fields(), "tokenizer_path")  # what defines the network and its token ids
+
+
+def find_checkpoint(cfg: Config) -> str:
+    """`load_parameters_path`, else the latest committed step of this run (base_output_directory/run_name). A LoRA
+    run's load_parameters_path is its frozen base: its own latest step (the adapters) is what it samples from."""
+    if cfg.load_parameters_path:
+        if not (epath.Path(cfg.load_parameters_path) / "state").exists():
+            raise ConfigError(f"load_parameters_path={cfg.load_parameters_path} is not a checkpoint step directory "
+                              "(no state/ in it; e.g. runs/NAME/checkpoints/100)")
+        if not (cfg.lora_rank and not saved_config(cfg.load_parameters_path).get("lora_rank")):
+            return cfg.load_parameters_path
+    directory = epath.Path(cfg.checkpoint_dir)
+    steps = [int(p.name) for p in directory.iterdir() if p.name.isdigit()] if directory.exists() else []
+    if not steps:
+        raise ConfigError(f"no checkpoint in {cfg.checkpoint_dir}: train run_name={cfg.run_name} first (python -m "
+                          "maxshard.train with the same arguments) or set load_parameters_path to a step")
+    return str(directory / str(max(steps)))
+
+
+def saved_config(step_dir: str) -> dict[str, Any]:
+    """The JSON of the Config that wrote the checkpoint (its `config` item)."""
+    saved = checkpoint_params.saved_config(step_dir)
+    if not saved:
+        raise ConfigError(f"{step_dir} has no config item: not a maxshard checkpoint")
+    return saved
+
+
+def with_saved_model(cfg: Config, saved: dict[str, Any]) -> Config:
+    """`cfg` with the model keys and tokenizer of the checkpoint's config, except keys given on the command line."""
+    keys = [key for key in _FROM_CHECKPOINT if key in saved and key not in cfg.explicit_keys]
+    changes = {key: _from_json(saved[key]) for key in keys}
+    return loading.replace(cfg, **changes)
+
+
+def _from_json(value: Any) -> Any:
+    """A config value as JSON stored it, back in the Config's types: JSON has lists where the Config has tuples
+    (lora_targets), and a Config must stay hashable."""
+    return tuple(value) if isinstance(value, list) else value
+
+
+def refuse_pipeline(cfg: Config) -> None:
+    """Generation runs no pipeline: one line naming the knobs, before anything is built."""
+    knobs = {key: getattr(cfg, key) for key in ("ici_pipeline_parallelism", "dcn_pipeline_parallelism")}
+    if any(value != 1 for value in knobs.values()):
+        shown = " ".join(f"{key}={value}" for key, value in knobs.items())
+        raise ConfigError(f"generation runs unpipelined, got {shown}: set both to 1 (a pipelined run's checkpoint "
+                          "loads unpipelined)")
+
+
+def restore_params(step_dir: str, cfg: Config, mesh: Mesh, rules: sharding.FlaxRules, base_path: str = "") -> Any:
+    """The checkpoint's params on `mesh`, laid out for the (unpipelined) model of `cfg`. A LoRA run's checkpoint
+    holds its adapters; their frozen base is read from `base_path` (the run's load_parameters_path)."""
+    model = dataclasses.replace(cfg.model, pipeline=None)
+    boxed = abstract_params(model)
+    shardings = sharding.tree_shardings(boxed, mesh, rules)
+    target = jax.tree.map(lambda b, s: jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=s), nn.unbox(boxed), shardings)
+    trained = trainable.trainable_subset(target, model)
+    params = checkpoint_params.read_params(epath.Path(step_dir) / "state", trained, f"checkpoint {step_dir}")
+    if trainable.trains_everything(model):
+        return params
+    if not base_path:
+        raise ConfigError(f"{step_dir} holds LoRA adapters (lora_rank={model.lora_rank}) but its config names no "
+                          "load_parameters_path for their base")
+    where = f"the LoRA base load_parameters_path={base_path} of {step_dir}"
+    return trainable.merge(params, checkpoint_params.read_base(base_path, target, model, where))

@@ -1,0 +1,149 @@
+"""Which attention implementation a run uses, resolved once when the run is loaded, and what each one needs.
+
+`attention: auto` becomes, by the device kind the config was finalized for:
+
+    TPU           splash (the Pallas kernel), or blockwise when the blocks do not suit it (they must divide the
+                  length, and the key block must be a multiple of 128)
+    NVIDIA GPU    cudnn when the compute dtype is bfloat16/float16 and head_dim suits cuDNN, else blockwise.
+                  Never tokamax yet, though its Mosaic GPU kernel takes everything a packed batch needs (document
+                  offsets, causal, grouped heads): it has not been timed against cudnn on an H100
+                  (benchmarks/attention_gpu.py --tokamax), auto picks for speed, and the kernel is reached
+                  through tokamax's private modules (layers/attention_ops.py), pinned to one release
+    CPU, other    blockwise when the length exceeds one block (max of attention_block_q/kv), dot_product up to
+                  one block, where both hold the same [length, length] scores (measured: equal temporaries at
+                  512 tokens with 512-token blocks, blockwise 3.3x smaller at 1024; benchmarks/README.md)
+
+`attention: tokamax` runs tokamax's Mosaic GPU kernel on Hopper/Blackwell GPUs and its XLA reference (quadratic
+memory, for checks) on CPU; it is refused on TPUs (splash is the TPU kernel).
+
+An explicit choice that cannot work is a ConfigError here, before anything compiles, naming the key and what is
+allowed. Two layouts are checked too: sequence parallelism shards attention heads over `sequence` (with the tensor
+axes), so the heads must divide; context parallelism (ring attention) needs the length to split into 2 x context
+chunks and runs every implementation's ring steps with the blockwise kernel (a documented fallback: the fused
+kernels take no ring offsets), and does not combine with a pipeline.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import re
+from collections.abc import Mapping
+
+from maxshard.config.schema import Config
+
+from maxshard.errors import ConfigError
+
+__all__ = ["platform_of", "resolve"]
+
+_HEAD_AXES = ("tensor", "tensor_sequence", "autoregressive", "sequence")  # activation_attn_heads in base.yml
+
+
+def platform_of(device_kind: str) -> str:
+    """'tpu', 'nvidia', or 'cpu' (CPU and anything else: only the portable implementations)."""
+    kind = device_kind.strip().lower()
+    if kind.startswith("tpu"):
+        return "tpu"
+    if "nvidia" in kind or kind.startswith(("h100", "h200", "a100", "b200")):
+        return "nvidia"
+    return "cpu"
+
+
+def _splash_problem(cfg: Config) -> str:
+    """Why the splash kernel cannot take this config's blocks ('' when it can): the blocks (shrunk to the length)
+    must divide the length, and the key block must fill whole 128-lane vregs."""
+    length = cfg.max_target_length
+    if any(length % min(b, length) for b in (cfg.attention_block_q, cfg.attention_block_kv)):
+        return (f"max_target_length={length} to be a multiple of attention_block_q={cfg.attention_block_q} and "
+                f"attention_block_kv={cfg.attention_block_kv}")
+    if min(cfg.attention_block_kv, length) % 128:
+        return "a key block (attention_block_kv, or the length if shorter) that is a multiple of 128"
+    return ""
+
+
+def _cudnn_problem(cfg: Config, dtype: str) -> str:
+    """Why cuDNN flash attention cannot run this config ('' when it can)."""
+    if dtype not in ("bfloat16", "float16"):
+        return f"dtype bfloat16 or float16 (the compute dtype is {dtype})"
+    if cfg.head_dim % 8 or cfg.head_dim > 256:
+        return f"head_dim a multiple of 8 and at most 256 (got {cfg.head_dim})"
+    return ""
+
+
+def _tokamax_problem(cfg: Config, dtype: str) -> str:
+    """Why tokamax's Mosaic GPU FlashAttention cannot run this config on an NVIDIA GPU ('' when it can), from its
+    source (tokamax 0.0.12, ops/attention/pallas_mosaic_gpu*.py): sm90/sm100 only; 16-bit inputs at default
+    precision; the forward kernel reduces the per-query key offsets over tiles of 2 x 64 queries (its heuristic
+    block), so the length must fill whole tiles; head_dim up to 256 keeps the heuristic blocks in shared memory."""
+    kind = (cfg.device_kind or "").lower()
+    if not re.search(r"\bg?[hb]\d{2,3}\b", kind):  # H100, H200, H800, GH200, B200, GB200
+        return f"a Hopper or Blackwell GPU (sm90/sm100; device kind {cfg.device_kind!r})"
+    if dtype not in ("bfloat16", "float16"):
+        return f"dtype bfloat16 or float16 (the compute dtype is {dtype})"
+    if cfg.max_target_length % 128:
+        return f"max_target_length a multiple of 128 (got {cfg.max_target_length})"
+    if cfg.head_dim > 256:
+        return f"head_dim at most 256 (got {cfg.head_dim})"
+    return ""
+
+
+def _auto(cfg: Config, dtype: str, platform: str) -> str:
+    if platform == "tpu":
+        return "splash" if not _splash_problem(cfg) else "blockwise"
+    if platform == "nvidia":
+        return "cudnn" if not _cudnn_problem(cfg, dtype) else "blockwise"
+    one_block = max(cfg.attention_block_q, cfg.attention_block_kv)
+    return "blockwise" if cfg.max_target_length > one_block else "dot_product"
+
+
+def _check_explicit(cfg: Config, dtype: str, platform: str) -> None:
+    kind = cfg.device_kind or "cpu"
+    if cfg.attention == "tokamax":
+        if importlib.util.find_spec("tokamax") is None:
+            raise ConfigError("attention=tokamax needs the tokamax package: pip install -e '.[tokamax]'")
+        if platform == "tpu":
+            raise ConfigError(f"attention=tokamax is a GPU kernel (device kind {kind!r}); use splash or auto")
+        problem = _tokamax_problem(cfg, dtype) if platform == "nvidia" else ""
+        if problem:
+            raise ConfigError(f"attention=tokamax needs {problem}; use attention=cudnn or auto")
+    if cfg.attention == "cudnn":
+        if platform != "nvidia":
+            raise ConfigError(f"attention=cudnn needs an NVIDIA GPU (device kind {kind!r}); "
+                              "use auto, blockwise or dot_product")
+        problem = _cudnn_problem(cfg, dtype)
+        if problem:
+            raise ConfigError(f"attention=cudnn needs {problem}; use attention=blockwise or auto")
+    if cfg.attention == "splash":
+        if platform == "nvidia":
+            raise ConfigError(f"attention=splash is a TPU kernel (device kind {kind!r}); use cudnn or auto")
+        problem = _splash_problem(cfg)
+        if problem:
+            raise ConfigError(f"attention=splash needs {problem}; use attention=blockwise (any length) or auto")
+
+
+def _check_layout(cfg: Config, sizes: Mapping[str, int]) -> None:
+    heads = math.prod(sizes.get(a, 1) for a in _HEAD_AXES)
+    if sizes.get("sequence", 1) > 1 and (cfg.num_kv_heads % heads or cfg.num_heads % heads):
+        raise ConfigError(
+            f"ici/dcn_sequence_parallelism={sizes['sequence']}: attention shards heads over sequence x tensor "
+            f"axes ({heads} ways), which must divide num_heads={cfg.num_heads} and num_kv_heads={cfg.num_kv_heads}; "
+            "use context parallelism (ici_context_parallelism) for models with few kv heads"
+        )
+    context = sizes.get("context", 1)
+    if context > 1:
+        if cfg.max_target_length % (2 * context):
+            raise ConfigError(f"ici/dcn_context_parallelism={context} needs max_target_length="
+                              f"{cfg.max_target_length} to be a multiple of 2 x {context} (load-balanced chunks)")
+        if sizes.get("stage", 1) > 1:
+            raise ConfigError("context parallelism does not combine with pipeline parallelism; "
+                              "set ici/dcn_context_parallelism=1 or ici/dcn_pipeline_parallelism=1")
+
+
+def resolve(cfg: Config, dtype: str, sizes: Mapping[str, int]) -> str:
+    """The concrete implementation of `cfg.attention` for the config's device kind and resolved compute dtype."""
+    platform = platform_of(cfg.device_kind or "cpu")
+    _check_layout(cfg, sizes)
+    if cfg.attention == "auto":
+        return _auto(cfg, dtype, platform)
+    _check_explicit(cfg, dtype, platform)
+    return cfg.attention

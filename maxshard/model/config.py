@@ -1,0 +1,168 @@
+"""What defines the network, apart from how it is trained: the `ModelConfig` the layers are built from.
+
+The run `Config` (every YAML key: data, checkpoints, mesh knobs, optimizer, ...) derives one `ModelConfig` when a run
+is loaded (`maxshard.run.loading`), and the `Transformer` and every layer take only this, or the few fields they use.
+So a model can be built, initialised and applied with no mesh, data or checkpoint settings in sight: generation,
+checkpoint conversion and tests build it from the same type.
+
+Field names equal the run config's model keys, so `cfg.model.emb_dim` reads like `cfg.emb_dim`. This module imports
+nothing else of maxshard: it sits below both the config loader and the layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+__all__ = ["LORA_TARGETS", "ModelConfig", "PipelineShape", "model_fields", "num_units", "resolve_dtype",
+           "resolve_moe_impl", "resolve_moe_exchange"]
+
+# The projections LoRA can adapt (`lora_targets`): attention's query, key, value and output, and a dense MLP's
+# gate (wi_0), up (wi_1) and down (wo). MoE experts take none.
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def resolve_dtype(name: str, platform: str) -> str:
+    """'auto' is bfloat16 on accelerators and float32 on CPU (where bfloat16 matmuls are emulated and slow)."""
+    if name == "auto":
+        return "float32" if platform == "cpu" else "bfloat16"
+    return name
+
+
+def resolve_moe_impl(name: str, device_kind: str) -> str:
+    """'auto' is XLA's ragged_dot on TPU and the tiled grouped matmul elsewhere: jax lowers ragged_dot to a masked
+    dense dot over every expert on CPU, and on an H100 (jax 0.11.2) it was 1.5x (8 experts) to 3.3x (32 experts)
+    slower than tiled (benchmarks/README.md, "On one H100"; see `layers/moe_grouped.py`)."""
+    if name == "auto":
+        return "ragged_dot" if device_kind.strip().lower().startswith("tpu") else "tiled"
+    return name
+
+
+def resolve_moe_exchange(name: str, platform: str) -> str:
+    """'auto' is the ragged exchange on TPU and GPU (`platform` 'tpu' or 'nvidia'), the fixed all_to_all on CPU,
+    whose XLA has no ragged all-to-all (`layers/moe_ragged.py`): an explicit 'ragged' on CPU is refused at load
+    time (`loading.model_config`)."""
+    if name == "auto":
+        return "ragged" if platform in ("tpu", "nvidia") else "all_to_all"
+    return name
+
+
+def num_units(num_layers: int, num_experts: int, moe_layer_interval: int) -> int:
+    """Repeated units of the decoder stack: layers, or blocks of `moe_layer_interval` layers in an MoE model.
+
+    nn.scan and the pipeline need identical iterations, so an MoE model that mixes dense and MoE layers repeats
+    blocks of `moe_layer_interval` layers (the last one MoE) rather than single layers."""
+    return num_layers // moe_layer_interval if num_experts > 1 else num_layers
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineShape:
+    """A circular pipeline's sizes, resolved (no -1 left); see `maxshard/model/layers/pipeline.py` for the schedule."""
+
+    stages: int
+    layers_per_stage: int
+    repeats: int
+    microbatches: int
+
+    @property
+    def iterations(self) -> int:
+        return self.microbatches * self.repeats + self.stages - 1
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Share of stage-iterations that idle: (S - 1) / (M * R + S - 1)."""
+        return (self.stages - 1) / self.iterations
+
+    @property
+    def units(self) -> int:
+        """Stacked units the pipeline holds: R * S * L."""
+        return self.repeats * self.stages * self.layers_per_stage
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The network: dimensions, heads, vocabulary, norm and RoPE constants, MoE shape, dtypes, scan and remat.
+
+    `dtype` and `weight_dtype` are resolved names ('float32', 'bfloat16', 'float16'; never 'auto'); so is
+    `attention` (see `maxshard/model/attention_choice.py`).
+    `pipeline` is None without pipeline parallelism; otherwise the decoder runs as a circular pipeline of that shape.
+    """
+
+    vocab_size: int
+    emb_dim: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 4
+    head_dim: int = 32
+    mlp_dim: int = 512
+    max_target_length: int = 128
+    logits_via_embedding: bool = False
+    norm_epsilon: float = 1e-6
+    qk_norm: bool = False  # RMSNorm over head_dim of each query and key head before RoPE (Qwen3)
+    rope_max_timescale: float = 10000.0
+    rope_scaling_type: str = "none"  # "none" or "llama3"; the five rope_* defaults equal config_schema's
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position: int = 8192
+    dtype: str = "float32"
+    weight_dtype: str = "float32"
+    scan_layers: bool = True
+    remat_policy: str = "full"
+    attention: str = "dot_product"  # resolved: dot_product, blockwise, cudnn, splash or tokamax (never auto)
+    attention_block_q: int = 512
+    attention_block_kv: int = 512
+    num_experts: int = 1
+    num_experts_per_tok: int = 1
+    capacity_factor: float = 1.25
+    moe_layer_interval: int = 1
+    moe_group_size: int = 0
+    moe_dropless_impl: str = "tiled"
+    moe_exchange: str = "all_to_all"  # resolved: all_to_all or ragged (never auto)
+    moe_ragged_buffer_factor: float = 0.0
+    num_shared_experts: int = 0
+    moe_renormalize_top_k: bool = True  # top-k router weights rescaled to sum to 1 (False: the softmax's own)
+    lora_rank: int = 0  # LoRA adapters of this rank on the `lora_targets` projections (0: none; layers/lora.py)
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = ("q", "k", "v", "o")
+    pipeline: PipelineShape | None = None
+
+    @property
+    def compute_dtype(self) -> Any:
+        return _DTYPES[self.dtype]
+
+    @property
+    def param_dtype(self) -> Any:
+        return _DTYPES[self.weight_dtype]
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 1
+
+    @property
+    def num_units(self) -> int:
+        """Repeated units of the decoder stack (see `num_units`)."""
+        return num_units(self.num_layers, self.num_experts, self.moe_layer_interval)
+
+    def lora_rank_of(self, target: str) -> int:
+        """The adapter rank of one projection ("q", "k", "v", "o", "gate", "up", "down"); 0 when it has none."""
+        return self.lora_rank if target in self.lora_targets else 0
+
+    @property
+    def lora_scale(self) -> float:
+        """LoRA's output scale alpha / rank (PEFT's convention), applied to x @ A @ B."""
+        return self.lora_alpha / self.lora_rank if self.lora_rank else 0.0
+
+    @property
+    def num_moe_layers(self) -> int:
+        """Layers whose MLP is an MoE block: the last of every `moe_layer_interval` layers."""
+        return self.num_units if self.is_moe else 0
+
+
+def model_fields() -> tuple[str, ...]:
+    """The run-config keys a ModelConfig copies (every field but the derived `pipeline`)."""
+    return tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name != "pipeline")

@@ -1,0 +1,67 @@
+"""Causal self-attention with grouped-query heads, RoPE and packed-document (segment) masking.
+
+Shapes: x [batch, length, embed]; q [batch, length, heads, head_dim]; k, v [batch, length, kv_heads, head_dim].
+Query heads are grouped over kv heads: heads = kv_heads * group. With `qk_norm` (Qwen3) each query and key head is
+RMS-normalised over head_dim (one learned [head_dim] scale each) before RoPE. Logits and softmax are float32. The score,
+softmax and value math is `attention_ops.attend`, one of several implementations (the `attention` key).
+For generation (the "cache" collection mutable in an apply) k/v go to the KV cache and the queries attend over it
+(layers/kv_cache.py); otherwise, as in training, over this call's own k/v.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from maxshard.parallel import axis_names as ax
+from maxshard.model.layers import kv_cache, rope
+from maxshard.model.config import ModelConfig
+from maxshard.model.layers.attention_ops import attend
+from maxshard.model.layers.linears import DenseGeneral
+from maxshard.model.layers.norms import RMSNorm
+from maxshard.parallel.sharding import constrain
+
+__all__ = ["Attention"]
+
+
+class Attention(nn.Module):
+    cfg: ModelConfig
+    dtype: jnp.dtype
+    weight_dtype: jnp.dtype
+
+    def _proj(self, x: jax.Array, heads: int, heads_axis: str, name: str, target: str) -> jax.Array:
+        """One of the q/k/v projections (`target`: its lora_targets name), named for the remat policies."""
+        dense = DenseGeneral((heads, self.cfg.head_dim), (ax.EMBED, heads_axis, ax.KV), 1, self.dtype,
+                             self.weight_dtype, self.cfg.lora_rank_of(target), self.cfg.lora_scale, name=name)
+        return checkpoint_name(dense(x), f"{name}_proj")
+
+    @nn.compact
+    def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        kv_heads, q_axes = cfg.num_kv_heads, (ax.BATCH, ax.LENGTH, ax.ACT_HEADS, ax.ACT_KV)
+        kv_axes = (ax.BATCH, ax.LENGTH, ax.ACT_KV_HEADS, ax.ACT_KV)
+        q = constrain(self._proj(x, cfg.num_heads, ax.HEADS, "query", "q"), q_axes)
+        k = constrain(self._proj(x, kv_heads, ax.KV_HEADS, "key", "k"), kv_axes)
+        v = constrain(self._proj(x, kv_heads, ax.KV_HEADS, "value", "v"), kv_axes)
+        if cfg.qk_norm:  # Qwen3: each head normalised over head_dim, before RoPE
+            q = RMSNorm(cfg.norm_epsilon, self.dtype, self.weight_dtype, name="query_norm")(q)
+            k = RMSNorm(cfg.norm_epsilon, self.dtype, self.weight_dtype, name="key_norm")(k)
+        inv_freq = rope.frequencies_for(cfg)
+        q = rope.apply_rope(q, positions, inv_freq) * (cfg.head_dim**-0.5)
+        k = rope.apply_rope(k, positions, inv_freq)
+
+        if kv_cache.decoding(self):  # generation: this call's k/v join the cache; queries attend over it
+            keys, values, mask = kv_cache.KVCache(self.dtype, name="cache")(k, v, positions)
+            return self._output(kv_cache.attend(q, keys, values, mask, self.dtype))
+
+        out = attend(q, k, v, segment_ids, segment_ids, cfg.attention, cfg.attention_block_q, cfg.attention_block_kv)
+        return self._output(out)
+
+    def _output(self, out: jax.Array) -> jax.Array:
+        """[batch, length, heads, head_dim] -> the output projection [batch, length, embed]."""
+        out = constrain(out, (ax.BATCH, ax.LENGTH, ax.ACT_HEADS, ax.ACT_KV))
+        proj = DenseGeneral((self.cfg.emb_dim,), (ax.HEADS, ax.KV, ax.EMBED), 2, self.dtype, self.weight_dtype,
+                            self.cfg.lora_rank_of("o"), self.cfg.lora_scale, name="out")
+        return checkpoint_name(proj(out), "out_proj")

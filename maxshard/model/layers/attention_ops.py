@@ -1,0 +1,232 @@
+"""The attention kernels behind one function, `attend`: dot_product, blockwise, cudnn, splash and tokamax.
+
+Inputs are post-RoPE and pre-scaled: q [batch, q_len, heads, head_dim] (already multiplied by 1/sqrt(head_dim)),
+k and v [batch, kv_len, kv_heads, head_dim], segment ids [batch, q_len] and [batch, kv_len]; the output is
+[batch, q_len, heads, head_dim] in v's dtype. Every implementation applies the same mask: causal (query t sees keys
+up to t; with kv_len > q_len the queries are the last q_len positions) and inside one document (equal segment ids).
+Grouped-query heads: heads = kv_heads x group, query head h reads kv head h // group.
+
+    dot_product  scores [batch, kv_heads, group, q_len, kv_len] in float32: the reference, memory quadratic
+    blockwise    online softmax over blocks, custom VJP (layers/blockwise_attention.py): linear memory, any backend
+    cudnn        jax.nn.dot_product_attention(implementation="cudnn"): NVIDIA GPUs (see `_cudnn` for the mask)
+    splash       the Pallas TPU splash kernel (interpret mode elsewhere, for tests); lengths a multiple of the blocks
+    tokamax      tokamax's Pallas Mosaic GPU FlashAttention (Hopper, Blackwell): the documents go in as per-query key
+                 offsets, not as a mask tensor (see `tokamax`); its XLA reference implementation off a GPU
+
+Sharding. Inside attention the activations take their own logical names (`activation_attn_*`): whole length
+(or `context` shards for ring attention, layers/ring_attention.py) and heads over the tensor axes *and* `sequence`.
+Outside, sequence parallelism shards the length; constraining q, k, v here makes XLA move them from length-sharded
+to head-sharded with one all-to-all each, and the output back, so no device gathers the whole K/V.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from types import ModuleType
+
+import jax
+import jax.numpy as jnp
+
+from maxshard.parallel import axis_names as ax
+from maxshard.model.layers import blockwise_attention as bw
+from maxshard.model.layers import ring_attention
+from maxshard.parallel.sharding import constrain
+
+__all__ = ["IMPLEMENTATIONS", "attend", "dot_product", "blockwise", "cudnn", "splash", "tokamax", "document_starts",
+           "token_indices"]
+
+IMPLEMENTATIONS = ("dot_product", "blockwise", "cudnn", "splash", "tokamax")
+Q_AXES = (ax.BATCH, ax.ATTN_LENGTH, ax.ATTN_HEADS, ax.ACT_KV)
+KV_AXES = (ax.BATCH, ax.ATTN_LENGTH, ax.ATTN_KV_HEADS, ax.ACT_KV)
+SEGMENT_AXES = (ax.BATCH, ax.ATTN_LENGTH)
+
+
+def token_indices(q_len: int, kv_len: int) -> tuple[jax.Array, jax.Array]:
+    """Causal token indices ([q_len], [kv_len]): the queries are the last q_len of the kv_len positions."""
+    return jnp.arange(kv_len - q_len, kv_len, dtype=jnp.int32), jnp.arange(kv_len, dtype=jnp.int32)
+
+
+def target_platform() -> str:
+    """The platform this trace compiles for: the active mesh's devices when a mesh is set (an ahead-of-time compile
+    for a TPU topology from a CPU host), else JAX's default backend."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return jax.default_backend() if mesh.empty else mesh.abstract_device.platform
+
+
+def _grouped(q: jax.Array, kv_heads: int) -> jax.Array:
+    """[b, q, heads, d] -> [b, q, kv_heads, group, d]."""
+    b, length, heads, dim = q.shape
+    return q.reshape(b, length, kv_heads, heads // kv_heads, dim)
+
+
+def dot_product(q, k, v, q_segment_ids, kv_segment_ids) -> jax.Array:
+    """The reference: float32 scores and softmax over the whole key length."""
+    batch, q_len, heads, dim = q.shape
+    q_idx, kv_idx = token_indices(q_len, k.shape[1])
+    causal = kv_idx[None, :] <= q_idx[:, None]  # [q, kv]
+    same_doc = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]  # [batch, q, kv]
+    mask = (causal[None] & same_doc)[:, None, None]  # [batch, 1, 1, q, kv]
+    if k.shape[2] == heads:  # no grouping: 4-D einsums (the group axis of size 1 costs XLA:CPU transposes)
+        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+        probs = jax.nn.softmax(jnp.where(mask[:, :, 0], logits, jnp.finfo(jnp.float32).min), axis=-1)
+        return jnp.einsum("bhqk,bkhd->bqhd", jnp.asarray(probs, v.dtype), v)
+    logits = jnp.einsum("bqhgd,bkhd->bhgqk", _grouped(q, k.shape[2]), k, preferred_element_type=jnp.float32)
+    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", jnp.asarray(probs, v.dtype), v)
+    return out.reshape(batch, q_len, heads, dim)
+
+
+def blockwise(q, k, v, q_segment_ids, kv_segment_ids, block_q: int = 512, block_kv: int = 512) -> jax.Array:
+    """Online-softmax attention with linear memory (layers/blockwise_attention.py)."""
+    batch, q_len, heads, dim = q.shape
+    q_idx, kv_idx = token_indices(q_len, k.shape[1])
+    out = bw.blockwise_attention(_grouped(q, k.shape[2]), k, v, q_segment_ids, kv_segment_ids, q_idx, kv_idx,
+                                 block_q, block_kv)
+    return out.reshape(batch, q_len, heads, dim)
+
+
+def cudnn(q, k, v, q_segment_ids, kv_segment_ids, implementation: str | None = None) -> jax.Array:
+    """cuDNN flash attention through `jax.nn.dot_product_attention` (grouped heads are native there).
+
+    Causal masking is cuDNN's own (`is_causal`, no mask tensor). Packed documents have no segment-id input in that
+    API: the document mask goes in as a boolean `mask` [batch, 1, q, kv] (one copy for all heads, in the compute
+    dtype inside cuDNN's bias path), quadratic in length but without the float32 scores of every head;
+    `planning/memory.py` counts it. `implementation="xla"` runs the same call through XLA, which is how CPU tests
+    check this mapping. By default it is "cudnn" on a GPU backend and "xla" elsewhere: a config can only choose
+    cudnn for an NVIDIA device kind (attention_choice.py), so off a GPU this is the planner tracing a GPU run's
+    shapes on a CPU host (`jax.eval_shape`, nothing runs)."""
+    if implementation is None:
+        implementation = "cudnn" if jax.default_backend() == "gpu" else "xla"
+    if q.shape[1] != k.shape[1]:
+        raise ValueError("attention=cudnn needs q_len == kv_len (training); use dot_product or blockwise to decode")
+    same_doc = (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :])[:, None]  # [batch, 1, q, kv]
+    return jax.nn.dot_product_attention(q, k, v, mask=same_doc, scale=1.0, is_causal=True,
+                                        implementation=implementation)
+
+
+def _splash_kernel(heads: int, q_len: int, kv_len: int, block_q: int, block_kv: int, interpret: bool) -> Callable:
+    """One splash MQA kernel (queries of one kv head against it), built anew in every trace.
+
+    Not cached: the kernel's block-mask arrays are made with jnp inside the trace that asks for it (Flax's scan
+    traces its body through a partial-eval trace), so a kernel kept from one trace would leak that trace's tracers
+    into the next (seen as UnexpectedTracerError when the planner traced a remat_policy=none model twice). Building
+    it takes ~0.3 s at 8k tokens with 512-token blocks."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    mask = splash.MultiHeadMask([splash.CausalMask((q_len, kv_len)) for _ in range(heads)])
+    sizes = splash.BlockSizes(block_q=block_q, block_kv=block_kv, block_kv_compute=block_kv, block_q_dkv=block_q,
+                              block_kv_dkv=block_kv, block_kv_dkv_compute=block_kv, block_q_dq=block_q,
+                              block_kv_dq=block_kv)
+    return splash.make_splash_mqa(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+
+
+def splash(q, k, v, q_segment_ids, kv_segment_ids, block_q: int = 512, block_kv: int = 512,
+           interpret: bool | None = None) -> jax.Array:
+    """The Pallas splash kernel, one MQA call per (batch row, kv head): its queries are that kv head's group.
+
+    Splash takes [heads, length, head_dim] per row and its own SegmentIds; block sizes must divide the lengths
+    (config_ranges checks max_target_length). `interpret` defaults to "not compiling for a TPU"
+    (`target_platform`; Pallas interpret mode: slow, for tests)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
+
+    if interpret is None:
+        interpret = target_platform() != "tpu"
+    batch, q_len, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    kernel = _splash_kernel(heads // kv_heads, q_len, k.shape[1], min(block_q, q_len), min(block_kv, k.shape[1]),
+                            interpret)
+    qg = jnp.einsum("bqhgd->bhgqd", _grouped(q, kv_heads))  # [b, kv_heads, group, q, d]
+    kt, vt = jnp.einsum("bkhd->bhkd", k), jnp.einsum("bkhd->bhkd", v)  # [b, kv_heads, kv, d]
+
+    def row(qr, kr, vr, qs, ks):  # one batch row: [kv_heads, ...]
+        segments = SegmentIds(q=qs, kv=ks)
+        return jax.vmap(lambda qh, kh, vh: kernel(qh, kh, vh, segment_ids=segments))(qr, kr, vr)
+
+    out = jax.vmap(row)(qg, kt, vt, q_segment_ids, kv_segment_ids)  # [b, kv_heads, group, q, d]
+    return jnp.einsum("bhgqd->bqhgd", out).reshape(batch, q_len, heads, dim).astype(v.dtype)
+
+
+def document_starts(segment_ids: jax.Array) -> jax.Array:
+    """[batch, length] -> the position where each token's document begins (int32), for kernels that take the
+    packed documents as ragged offsets rather than segment ids.
+
+    A document is a run of equal ids. That is what packing makes (data/packing.py numbers a row's documents 1, 2,
+    ... in order, padding 0 at the end), and there it is the same mask as equal ids; an id that came back after
+    another one would start a new document here, where `dot_product` would join the two."""
+    positions = jnp.arange(segment_ids.shape[1], dtype=jnp.int32)
+    first = jnp.ones_like(segment_ids[:, :1], dtype=bool)
+    starts_here = jnp.concatenate([first, segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    return jax.lax.cummax(jnp.where(starts_here, positions, 0), axis=1)
+
+
+@functools.cache
+def _tokamax_modules() -> tuple[ModuleType, ModuleType]:
+    """Tokamax's attention `api` (its registry of ops: "mosaic_gpu", "xla", ...) and `base` (its Mask), imported on
+    first use: only this implementation needs the library.
+
+    Tokamax reads its options through absl flags and, finding them unparsed, parses sys.argv as absl flags: our
+    key=value command line passes, but pytest's or a benchmark's --options fail as unknown flags. Marking them
+    parsed keeps every tokamax option at its default (heuristic kernel configs on an autotuning-cache miss)."""
+    from absl import flags
+    from tokamax._src.ops.attention import api, base
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+    return api, base
+
+
+def tokamax(q, k, v, q_segment_ids, kv_segment_ids, implementation: str | None = None) -> jax.Array:
+    """Tokamax's FlashAttention with the packed documents as ragged offsets: no [q, kv] mask or bias anywhere.
+
+    The public `tokamax.dot_product_attention` takes documents only as a dense mask, so this calls the library's
+    attention ops directly with its `Mask(k_start=..., is_causal=True)`: query t sees keys from its document's
+    start (`document_starts`) up to t. The Mosaic GPU kernel reads k_start per query row, skips the key blocks
+    before a query tile's earliest document start in its forward pass, and reads kv head h // group natively
+    (grouped-query heads). Each row takes the kv ids' offsets, as q and kv share ids in self-attention.
+    `implementation` is tokamax's: "mosaic_gpu" on a GPU backend by default (it needs sm90+ and 16-bit inputs:
+    attention_choice.py checks), "xla" (its quadratic reference) elsewhere, which is how CPU tests and the
+    planner's shape traces run it."""
+    if implementation is None:
+        implementation = "mosaic_gpu" if jax.default_backend() == "gpu" else "xla"
+    if q.shape[1] != k.shape[1]:
+        raise ValueError("attention=tokamax needs q_len == kv_len (training); use dot_product or blockwise to decode")
+    api, base = _tokamax_modules()
+    mask = base.Mask(k_start=document_starts(kv_segment_ids)[:, None, :], is_causal=True)  # [batch, 1 (heads), q]
+    return api.IMPLEMENTATIONS[implementation](q, k, v, mask=mask, logits_scale=1.0)
+
+
+def attend(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_segment_ids: jax.Array,
+    kv_segment_ids: jax.Array,
+    implementation: str = "dot_product",
+    block_q: int = 512,
+    block_kv: int = 512,
+) -> jax.Array:
+    """Attention of pre-scaled, rotated q [b, q, heads, d] over k, v [b, kv, kv_heads, d] -> [b, q, heads, d].
+
+    Constrains its inputs and output to the attention-internal layout (module docstring); with a `context` mesh
+    axis in that layout it runs ring attention instead (layers/ring_attention.py)."""
+    q, k, v = constrain(q, Q_AXES), constrain(k, KV_AXES), constrain(v, KV_AXES)
+    q_segment_ids, kv_segment_ids = constrain(q_segment_ids, SEGMENT_AXES), constrain(kv_segment_ids, SEGMENT_AXES)
+    if ring_attention.context_axes():
+        out = ring_attention.ring_attend(q, k, v, q_segment_ids, kv_segment_ids, block_q, block_kv)
+    elif implementation == "dot_product":
+        out = dot_product(q, k, v, q_segment_ids, kv_segment_ids)
+    elif implementation == "blockwise":
+        out = blockwise(q, k, v, q_segment_ids, kv_segment_ids, block_q, block_kv)
+    elif implementation == "cudnn":
+        out = cudnn(q, k, v, q_segment_ids, kv_segment_ids)
+    elif implementation == "tokamax":
+        out = ring_attention.manual_over_batch_and_heads(tokamax, q, k, v, q_segment_ids, kv_segment_ids)
+    elif implementation == "splash":
+        out = ring_attention.manual_over_batch_and_heads(
+            functools.partial(splash, block_q=block_q, block_kv=block_kv), q, k, v, q_segment_ids, kv_segment_ids
+        )
+    else:
+        raise ValueError(f"attention implementation {implementation!r}; expected one of {', '.join(IMPLEMENTATIONS)}")
+    return constrain(out, Q_AXES)

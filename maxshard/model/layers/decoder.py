@@ -1,0 +1,149 @@
+"""The decoder block and the stack of blocks (scanned or unrolled, with a configurable remat policy).
+
+Remat policies (`remat_policy`) are rows of `maxshard/model/remat.py`: what each keeps for the backward pass (every
+activation, the matmul outputs, or named values), and where (device or host memory). A layer names its input
+`layer_input`, so a policy can move it to host memory; the attention projections name theirs (layers/attention.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from maxshard.parallel import axis_names as ax
+from maxshard.model import remat
+from maxshard.model.config import ModelConfig
+from maxshard.model.layers import kv_cache
+from maxshard.model.layers.attention import Attention
+from maxshard.model.layers.mlp import MLP
+from maxshard.model.layers.moe import MoEBlock
+from maxshard.model.layers.norms import RMSNorm
+from maxshard.model.layers.pipeline import Pipeline
+from maxshard.parallel.sharding import constrain
+
+__all__ = ["DecoderLayer", "MoEDecoderBlock", "Decoder", "norm", "remat_policy", "stack_unit"]
+
+
+def remat_policy(name: str) -> Any:
+    """The `jax.checkpoint` policy for a `remat_policy` name (None: recompute everything but the layer input; also
+    for `auto` not yet resolved, in a model built only for its parameter shapes)."""
+    p = remat.policy(name) if name in remat.NAMES else remat.policy("full")
+    if p.keeps == "dots":
+        return jax.checkpoint_policies.dots_saveable
+    if p.host:
+        return jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=p.device, names_which_can_be_offloaded=p.host, offload_src="device",
+            offload_dst="pinned_host")
+    if p.device:
+        return jax.checkpoint_policies.save_only_these_names(*p.device)
+    return None
+
+
+# The residual stream between attention and MLP, and the norms on it: length sharded by "activation_norm_length"
+# (the `tensor_sequence` axis besides context and sequence). The norms and the residual adds are elementwise over
+# length, so the devices of a tensor_sequence group split the positions instead of repeating them, and what each
+# layer saves for its backward is 1/tensor_sequence of the stream. Attention and the MLP gather the length back
+# before their column-parallel projections and reduce their row-parallel outputs onto it (the collectives XLA
+# derives from these constraints), as Megatron's sequence parallelism does. Plain `tensor` keeps the stream whole:
+# XLA moves twice the collective bytes with the split (benchmarks/tensor_sequence.py), a price only memory can
+# justify.
+RESIDUAL = (ax.BATCH, ax.NORM_LENGTH, ax.ACT_EMBED)
+
+
+def norm(layer: nn.Module, x: jax.Array) -> jax.Array:
+    """An RMSNorm computed on the residual stream's sharding (RESIDUAL)."""
+    return constrain(layer(constrain(x, RESIDUAL)), RESIDUAL)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)). Returns (x, None) so `nn.scan` can carry x.
+
+    With `use_moe` the MLP is a routed MoEBlock (params under "moe" instead of "mlp").
+    """
+
+    cfg: ModelConfig
+    dtype: jnp.dtype
+    weight_dtype: jnp.dtype
+    use_moe: bool = False
+
+    @nn.compact
+    def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> tuple[jax.Array, None]:
+        cfg, dt, wdt = self.cfg, self.dtype, self.weight_dtype
+        x = checkpoint_name(constrain(x, RESIDUAL), remat.LAYER_INPUT)  # what an offload policy moves to host
+        h = norm(RMSNorm(cfg.norm_epsilon, dt, wdt, name="attention_norm"), x)
+        x = x + Attention(cfg, dt, wdt, name="attention")(h, segment_ids, positions)
+        h = norm(RMSNorm(cfg.norm_epsilon, dt, wdt, name="mlp_norm"), x)
+        if self.use_moe:
+            x = x + MoEBlock(cfg, dt, wdt, name="moe")(h, segment_ids)
+        else:
+            ranks = (cfg.lora_rank_of("gate"), cfg.lora_rank_of("up"), cfg.lora_rank_of("down"))
+            x = x + MLP(cfg.mlp_dim, dt, wdt, ranks, cfg.lora_scale, name="mlp")(h)
+        return constrain(x, RESIDUAL), None
+
+
+class MoEDecoderBlock(nn.Module):
+    """The repeated unit of an MoE model: `moe_layer_interval` layers, `layer_0 ..`, the last one MoE.
+
+    nn.scan needs identical iterations, so a model that mixes dense and MoE layers scans over blocks of
+    `moe_layer_interval` layers (num_layers / interval iterations) rather than over single layers.
+    """
+
+    cfg: ModelConfig
+    dtype: jnp.dtype
+    weight_dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> tuple[jax.Array, None]:
+        n = self.cfg.moe_layer_interval
+        for i in range(n):
+            layer = DecoderLayer(self.cfg, self.dtype, self.weight_dtype, use_moe=i == n - 1, name=f"layer_{i}")
+            x, _ = layer(x, segment_ids, positions)
+        return x, None
+
+
+def stack_unit(cfg: ModelConfig) -> type[nn.Module]:
+    """The module the stack repeats `cfg.num_units` times: DecoderLayer for dense models, MoEDecoderBlock (a block
+    of `moe_layer_interval` layers) for MoE models."""
+    return MoEDecoderBlock if cfg.is_moe else DecoderLayer
+
+
+def _layer_class(cfg: ModelConfig) -> type[nn.Module]:
+    unit = stack_unit(cfg)
+    if cfg.remat_policy == "none":
+        return unit
+    return nn.remat(unit, policy=remat_policy(cfg.remat_policy), prevent_cse=not cfg.scan_layers)
+
+
+class Decoder(nn.Module):
+    """`num_layers` blocks: one scanned block with a leading "layers" axis, or `layers_0 .. layers_{n-1}`, or with
+    more than one pipeline stage a circular pipeline (params under "pipeline", see layers/pipeline.py)."""
+
+    cfg: ModelConfig
+    dtype: jnp.dtype
+    weight_dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
+        cfg, layer = self.cfg, _layer_class(self.cfg)
+        if cfg.pipeline is not None:  # a circular pipeline over the `stage` mesh axis (layers/pipeline.py)
+            pipeline = Pipeline(cfg, stack_unit(cfg), self.dtype, self.weight_dtype, remat_policy(cfg.remat_policy),
+                                name="pipeline")
+            return pipeline(x, segment_ids, positions)
+        if cfg.scan_layers:
+            stack = nn.scan(
+                layer,
+                variable_axes={"params": 0, "intermediates": 0, kv_cache.COLLECTION: 0},
+                split_rngs={"params": True},
+                in_axes=(nn.broadcast, nn.broadcast),
+                length=cfg.num_units,
+                metadata_params={nn.PARTITION_NAME: ax.LAYERS},
+            )
+            x, _ = stack(cfg, self.dtype, self.weight_dtype, name="layers")(x, segment_ids, positions)
+            return x
+        for i in range(cfg.num_units):
+            x, _ = layer(cfg, self.dtype, self.weight_dtype, name=f"layers_{i}")(x, segment_ids, positions)
+        return x

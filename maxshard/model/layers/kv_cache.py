@@ -1,0 +1,99 @@
+"""The KV cache of generation: each attention layer keeps the keys and values of every position it has seen.
+
+Layout. One layer's cache is keys and values of [batch, kv_heads, max_length, head_dim], named
+("cache_batch", "cache_kv_heads", "cache_length", "cache_kv") so `logical_axis_rules` lay it out like the
+attention activations it feeds (batch over data/fsdp/expert, kv heads over tensor/autoregressive). nn.scan stacks
+the layers' caches into [layers, batch, kv_heads, max_length, head_dim] under the "cache" collection.
+
+Slot = position. Prompts are right-padded, so the token at position p of a sequence always lives in slot p:
+a call writes its k/v at slots `positions` (contiguous per sequence: a prefill of [batch, prompt] from 0, or one
+decode token at each sequence's own length) and its queries attend to every slot <= their own position. Per
+sequence the cache therefore holds exactly the keys and values the full forward pass computes for the same prefix,
+at the same RoPE positions. Slots beyond a sequence's position hold stale values (the padding of a shorter prompt,
+or zeros) and are masked; the decode step that reaches such a slot overwrites it before anything attends to it.
+
+Why a masked write over the whole cache and not a dynamic slice: sequences are at different positions, so the
+write index differs per row; `where(slot in [start, start + length))` is elementwise, needs no scatter and
+partitions under any layout of the cache, and it costs one pass over the cache, as the attention that reads it.
+
+Attention reads the cache with plain float32 logits and softmax (masked slots at the float32 minimum give exactly
+zero weight), one query or a prompt's worth of queries against `max_length` keys.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from maxshard.parallel import axis_names as ax
+from maxshard.parallel.sharding import constrain
+
+__all__ = ["COLLECTION", "CACHE_AXES", "KVCache", "decoding", "attend"]
+
+COLLECTION = "cache"
+CACHE_AXES = (ax.CACHE_BATCH, ax.CACHE_KV_HEADS, ax.CACHE_LENGTH, ax.CACHE_KV)  # [batch, kv_heads, length, head_dim]
+
+
+def decoding(module: nn.Module) -> bool:
+    """True when `module` runs for generation: the "cache" collection is mutable in an apply (never during init,
+    where every collection is mutable and the training path must build the parameters)."""
+    return module.is_mutable_collection(COLLECTION) and not module.is_initializing()
+
+
+def _zeros(shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    return jnp.zeros(shape, dtype)
+
+
+def _write(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """cache [b, h, S, d] with new [b, h, T, d] written at slots start[b] .. start[b] + T - 1 of each row."""
+    slots, length = cache.shape[2], new.shape[2]
+    offset = jnp.arange(slots)[None, :] - start[:, None]  # [b, S]: index into `new` of each slot
+    inside = (offset >= 0) & (offset < length)
+    index = jnp.clip(offset, 0, length - 1)[:, None, :, None]  # [b, 1, S, 1]
+    picked = jnp.take_along_axis(new, index, axis=2)  # [b, h, S, d]
+    return jnp.where(inside[:, None, :, None], picked, cache)
+
+
+class KVCache(nn.Module):
+    """Writes one call's keys and values into the layer's cache and returns the whole cache with its mask.
+
+    The cache is created (zeros) by the first call, with `max_length` = that call's length: generation creates it
+    with a [batch, max_length] shape pass (see maxshard/generation/decode.py) and then only writes into it.
+    """
+
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(
+        self, k: jax.Array, v: jax.Array, positions: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """k, v [batch, T, kv_heads, head_dim]; positions [batch, T] contiguous per row ->
+        (keys, values [batch, max_length, kv_heads, head_dim], mask [batch, 1, 1, T, max_length] bool)."""
+        batch, length, kv_heads, head_dim = k.shape
+        init = nn.with_logical_partitioning(_zeros, CACHE_AXES)
+        shape = (batch, kv_heads, length, head_dim)
+        keys = self.variable(COLLECTION, "key", init, shape, self.dtype)
+        values = self.variable(COLLECTION, "value", init, shape, self.dtype)
+        start = positions[:, 0]
+        for var, new in ((keys, k), (values, v)):
+            written = _write(var.value, jnp.asarray(new, self.dtype).transpose(0, 2, 1, 3), start)
+            var.value = constrain(written, CACHE_AXES)
+        slots = jnp.arange(keys.value.shape[2])
+        mask = slots[None, None, :] <= positions[:, :, None]  # [b, T, S]: causal in slot (= position) space
+        return keys.value.transpose(0, 2, 1, 3), values.value.transpose(0, 2, 1, 3), mask[:, None, None]
+
+
+def attend(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array, dtype: Any) -> jax.Array:
+    """Grouped-query attention of q [b, T, heads, d] (RoPE'd and scaled) over the cache's keys/values
+    [b, S, kv_heads, d] with mask [b, 1, 1, T, S] -> [b, T, heads, d]; logits and softmax in float32."""
+    batch, length, heads, head_dim = q.shape
+    kv_heads = keys.shape[2]
+    q = q.reshape(batch, length, kv_heads, heads // kv_heads, head_dim)  # [b, T, kv_heads, group, d]
+    logits = jnp.einsum("bqhgd,bkhd->bhgqk", q, keys, preferred_element_type=jnp.float32)
+    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", jnp.asarray(probs, dtype), values)
+    return out.reshape(batch, length, heads, head_dim)

@@ -1,0 +1,313 @@
+"""Dropless MoE with grouped matmuls: each token's k assignments sorted by expert, every expert's SwiGLU run on its
+own rows only, results put back in token order and summed with the router weights. Expert FLOPs are those of the k
+chosen experts (the all-experts path, `moe_dropless_impl=dense`, computes num_experts / k times as many).
+
+Grouped matmul, `x [rows, embed] @ w[expert of the row]`, with rows sorted by expert and `sizes [experts]` rows each:
+  ragged_dot  `jax.lax.ragged_dot`: XLA's ragged-dot instruction. On CPU, jax lowers it to a dense dot over every
+              group with the other groups' rows masked to zero, so it costs experts x the FLOPs; on an H100 (jax
+              0.11.2) its kernels are dense GEMMs too (1.5x tiled's step time with 8 experts, 3.3x with 32).
+  tiled       any backend, FLOPs close to the rows': every expert's rows are padded to whole tiles of b rows, and
+              each tile is one [b, embed] @ [embed, mlp] matmul against its expert's kernel (gathered per tile).
+              With rows R and E experts, sum_e ceil(n_e / b) <= (R + E (b - 1)) // b tiles, a static bound for any
+              routing; b ~ R / (5 E) keeps the padding <= ~1/5 of R and the gathered kernels ~6 x the experts'.
+`moe_dropless_impl=auto` takes ragged_dot on TPU and tiled elsewhere (`model_config.resolve_moe_impl`).
+
+Expert parallelism (the `exp` dimension of the kernels sharded over P devices, E_l = E / P experts each). The layer
+runs in `jax.shard_map`, manual over the mesh axes that split the tokens (the rules of activation_batch and
+activation_length) and the expert axes (plus the stage axes inside the pipeline, whose vmap adds them); tensor-like
+axes stay automatic, and kernel dimensions sharded over manual axes (FSDP) are all-gathered in the body, their
+gradients reduce-scattered by its transpose. Each device routes its own T tokens and exchanges them with the devices
+holding their experts, in one of two ways (`moe_exchange`, resolved by `model_config.resolve_moe_exchange`):
+
+  ragged      (TPU and GPU) `jax.lax.ragged_all_to_all` moves only the rows routed, and each device computes a
+              buffer of ~`moe_ragged_buffer_factor` x T x k rows; rows over it are dropped and counted: `moe_ragged.py`.
+  all_to_all  (CPU: jax 0.10.2's XLA:CPU has no ragged all-to-all, "HLO opcode `ragged-all-to-all` is not supported
+              by XLA:CPU ThunkEmitter") a fixed buffer, never overflowing, described below.
+
+The fixed exchange is an `all_to_all` of a buffer [P, slots, embed] with
+
+    slots = T x min(k, E_l)
+
+which always suffices: a token's k choices are distinct experts, so at most min(k, E_l) of them live on one device.
+The padding travels too (P x min(k, E_l) / k times the routed rows), and a device's static receive buffer, P x slots
+rows, is what its grouped matmul runs over (empty rows are zero and add nothing): dropless with static shapes must
+budget for every token choosing one device's experts. A second, tiny all_to_all sends the row counts per expert.
+
+Worked example: one device of P = 2 holds T = 4 tokens; E = 4 experts (e0 e1 on shard 0, e2 e3 on shard 1), k = 2.
+
+    token            t0      t1      t2      t3
+    choices        e0 e2   e1 e0   e3 e2   e0 e1
+    sorted by expert: e0: t0 t1 t3 | e1: t1 t3 | e2: t0 t2 | e3: t2          sizes [3, 2, 2, 1]
+    send [2, 8]:  to shard 0: t0 t1 t3 t1 t3 - - -  counts [3, 2];  to shard 1: t0 t2 t2 - - - - -  counts [2, 1]
+    shard 1 sorts what every source sent by local expert (e2, e3), runs the grouped SwiGLU, and sends each row back
+    to the slot it came from; the sender puts rows back in assignment order and sums each token's two rows with
+    its router weights. Tiled with b = 2 rows, sizes [3, 2, 2, 1] pad to [4, 2, 2, 2]: 5 tiles (bound (8 + 4)//2 = 6).
+
+Padding tokens (segment_id 0) carry expert id E: sorted behind every expert, never sent, never computed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from maxshard.parallel import axis_names as ax
+from maxshard.model.layers import moe_ragged
+from maxshard.errors import ConfigError  # layout mistakes surface as the config errors they are
+
+__all__ = ["IMPLS", "EXCHANGES", "tile_rows", "grouped_swiglu", "dropless_local", "dropless", "exchange_slots"]
+
+IMPLS = ("ragged_dot", "tiled")
+EXCHANGES = ("all_to_all", "ragged")
+Kernels = tuple[jax.Array, jax.Array, jax.Array]  # wi_0 [E, embed, mlp], wi_1 [E, embed, mlp], wo [E, mlp, embed]
+
+
+# --------------------------------------------------------------------------------------------- grouped matmul
+
+
+def tile_rows(rows: int, groups: int) -> int:
+    """Rows per tile: ~rows / (5 x groups), a multiple of 8, at least 8 (padding <= groups x (b - 1) rows)."""
+    return max(8, rows // (5 * groups) // 8 * 8)
+
+
+class _Tiles(NamedTuple):
+    dest: jax.Array  # [rows] padded row of each sorted row; distinct and out of range for rows past sum(sizes)
+    group: jax.Array  # [tiles] expert of each tile
+    count: int  # tiles (static)
+    size: int  # rows per tile (static)
+
+
+def _exclusive_cumsum(x: jax.Array) -> jax.Array:
+    return jnp.cumsum(x) - x
+
+
+def _tiles(sizes: jax.Array, rows: int) -> _Tiles:
+    """Where each sorted row goes when every group is padded to whole tiles."""
+    groups = sizes.shape[0]
+    b = tile_rows(rows, groups)
+    count = (rows + groups * (b - 1)) // b
+    row = jnp.arange(rows, dtype=sizes.dtype)
+    row_group = jnp.sum(row[:, None] >= jnp.cumsum(sizes)[None, :], axis=1)  # [rows], `groups` past the end
+    padded = (sizes + b - 1) // b * b
+    g = jnp.minimum(row_group, groups - 1)
+    inside = _exclusive_cumsum(padded)[g] + row - _exclusive_cumsum(sizes)[g]
+    dest = jnp.where(row_group < groups, inside, count * b + row)  # past the end: distinct, out of range
+    tile_start = jnp.arange(count, dtype=sizes.dtype) * b
+    tile_group = jnp.minimum(jnp.sum(tile_start[:, None] >= jnp.cumsum(padded)[None, :], axis=1), groups - 1)
+    return _Tiles(dest, tile_group, count, b)
+
+
+def _swiglu_tiled(x: jax.Array, sizes: jax.Array, kernels: Kernels) -> jax.Array:
+    """x [rows, embed] sorted by group -> [rows, embed]; each tile one matmul with its group's kernels."""
+    wi_0, wi_1, wo = kernels
+    t = _tiles(sizes, x.shape[0])
+    padded = jnp.zeros((t.count * t.size, x.shape[1]), x.dtype).at[t.dest].set(x, mode="drop", unique_indices=True)
+    tiles = padded.reshape(t.count, t.size, x.shape[1])  # [tiles, b, embed]; padding rows are zero
+    gate = jnp.einsum("tbm,tmh->tbh", tiles, wi_0[t.group])
+    up = jnp.einsum("tbm,tmh->tbh", tiles, wi_1[t.group])
+    out = jnp.einsum("tbh,thm->tbm", nn.silu(gate) * up, wo[t.group]).reshape(-1, x.shape[1])
+    return out.at[t.dest].get(mode="fill", fill_value=0, unique_indices=True)
+
+
+def _swiglu_ragged(x: jax.Array, sizes: jax.Array, kernels: Kernels) -> jax.Array:
+    wi_0, wi_1, wo = kernels
+    gate = jax.lax.ragged_dot(x, wi_0, sizes)
+    up = jax.lax.ragged_dot(x, wi_1, sizes)
+    return jax.lax.ragged_dot(nn.silu(gate) * up, wo, sizes)
+
+
+def grouped_swiglu(x: jax.Array, sizes: jax.Array, kernels: Kernels, impl: str) -> jax.Array:
+    """Every group's SwiGLU on its rows: x [rows, embed] sorted by group, sizes [groups] (sum <= rows; the rows
+    past the sum come out zero) -> [rows, embed]."""
+    if impl == "tiled":
+        return _swiglu_tiled(x, sizes, kernels)
+    if impl == "ragged_dot":
+        return _swiglu_ragged(x, sizes, kernels)
+    raise ValueError(f"grouped matmul impl must be one of {IMPLS}, got {impl!r}")
+
+
+# --------------------------------------------------------------------------------------------- one device
+
+
+def _sort(ids: jax.Array, groups: int) -> tuple[jax.Array, jax.Array]:
+    """(order [n] that sorts ids stably, sizes [groups]); ids >= groups sort last and count in no group."""
+    sizes = jnp.sum(ids[:, None] == jnp.arange(groups, dtype=ids.dtype)[None, :], axis=0, dtype=jnp.int32)
+    return jnp.argsort(ids, stable=True), sizes
+
+
+def _inverse(order: jax.Array) -> jax.Array:
+    """The permutation that undoes `order` (a scatter of positions: no second sort)."""
+    return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype), unique_indices=True)
+
+
+def _combine(y: jax.Array, weights: jax.Array) -> jax.Array:
+    """y [tokens * k, embed] in assignment order, weights [tokens, k] -> [tokens, embed]."""
+    tokens, k = weights.shape
+    return jnp.einsum("tkm,tk->tm", y.reshape(tokens, k, -1), weights.astype(y.dtype))
+
+
+def dropless_local(x: jax.Array, experts: jax.Array, weights: jax.Array, kernels: Kernels, impl: str) -> jax.Array:
+    """All experts on this device: x [tokens, embed], experts and weights [tokens, k] -> [tokens, embed]."""
+    k = experts.shape[1]
+    order, sizes = _sort(experts.reshape(-1), kernels[0].shape[0])
+    y = grouped_swiglu(x[order // k], sizes, kernels, impl)  # [tokens * k, embed], sorted by expert
+    return _combine(y[_inverse(order)], weights)
+
+
+# --------------------------------------------------------------------------------------------- expert parallelism
+
+
+def exchange_slots(tokens: int, k: int, local_experts: int) -> int:
+    """Rows one device reserves per destination: a token sends at most min(k, local experts) rows to one device."""
+    return tokens * min(k, local_experts)
+
+
+class _Fixed(NamedTuple):
+    """What the way back of one device's fixed exchange needs."""
+
+    dest: jax.Array  # [T * k] row of each sorted assignment in the send buffer [p * slots]; past its end: padding
+    order: jax.Array  # [p * slots] sorts the received buffer by local expert
+    local_sizes: jax.Array  # [E_l] received rows per local expert
+
+
+def _fixed_there(sent: jax.Array, sorted_ids: jax.Array, sizes: jax.Array, local: int, slots: int,
+                 axis: tuple[str, ...], p: int) -> tuple[jax.Array, _Fixed]:
+    """Rows sorted by expert [T * k, embed] (their experts sorted_ids, sizes [E]) sent in the fixed buffer: what
+    arrives, [p * slots, embed] sorted by local expert (empty slots last, zero), and the way back."""
+    shard = jnp.minimum(sorted_ids // local, p - 1)
+    starts = _exclusive_cumsum(jnp.sum(sizes.reshape(p, local), axis=1))  # [p] first sorted row per destination
+    rank = jnp.arange(sorted_ids.shape[0], dtype=sorted_ids.dtype)
+    dest = jnp.where(sorted_ids < p * local, shard * slots + rank - starts[shard], p * slots + rank)  # [T * k]
+    send = jnp.zeros((p * slots, sent.shape[1]), sent.dtype).at[dest].set(sent, mode="drop", unique_indices=True)
+    recv = jax.lax.all_to_all(send.reshape(p, slots, -1), axis, 0, 0, tiled=True)  # [p sources, slots, embed]
+    counts = jax.lax.all_to_all(sizes.reshape(p, local), axis, 0, 0, tiled=True)  # [p sources, E_l]
+    slot = jnp.arange(slots, dtype=counts.dtype)
+    local_ids = jnp.sum(slot[None, :, None] >= jnp.cumsum(counts, axis=1)[:, None, :], axis=-1)  # E_l: empty
+    order, local_sizes = _sort(local_ids.reshape(-1), local)
+    return recv.reshape(p * slots, -1)[order], _Fixed(dest, order, local_sizes)
+
+
+def _fixed_back(y: jax.Array, fixed: _Fixed, axis: tuple[str, ...], p: int) -> jax.Array:
+    """The received rows' results [p * slots, embed] back to their senders: [T * k, embed] in sorted order."""
+    back = jax.lax.all_to_all(y[_inverse(fixed.order)].reshape(p, -1, y.shape[1]), axis, 0, 0, tiled=True)
+    return back.reshape(y.shape).at[fixed.dest].get(mode="fill", fill_value=0, unique_indices=True)
+
+
+def _dropless_exchange(
+    x: jax.Array, experts: jax.Array, weights: jax.Array, kernels: Kernels, impl: str, axis: tuple[str, ...], p: int
+) -> jax.Array:
+    """Per device (inside shard_map): x [T, embed], experts/weights [T, k]; kernels hold E_l = E / p experts."""
+    tokens, k = experts.shape
+    local = kernels[0].shape[0]
+    order, sizes = _sort(experts.reshape(-1), p * local)  # sizes [E]
+    received, fixed = _fixed_there(x[order // k], experts.reshape(-1)[order], sizes, local,
+                                   exchange_slots(tokens, k, local), axis, p)
+    y = grouped_swiglu(received, fixed.local_sizes, kernels, impl)
+    return _combine(_fixed_back(y, fixed, axis, p)[_inverse(order)], weights)
+
+
+def _dropless_ragged(x: jax.Array, experts: jax.Array, weights: jax.Array, kernels: Kernels, impl: str,
+                     axis: tuple[str, ...], p: int, factor: float) -> tuple[jax.Array, jax.Array]:
+    """Per device (inside shard_map), the ragged exchange (`moe_ragged.py`): (y [T, embed], rows left home)."""
+    tokens, k = experts.shape
+    local = kernels[0].shape[0]
+    order, sizes = _sort(experts.reshape(-1), p * local)  # sizes [E]: this device's rows per expert, padding uncounted
+    rows = moe_ragged.buffer_rows(tokens, k, p * local, p, factor)
+    plan = moe_ragged.plan(jax.lax.all_gather(sizes, axis), jax.lax.axis_index(axis), rows)
+    received = moe_ragged.exchange(x[order // k], rows, plan.there, axis)  # [rows, embed], sorted by local expert
+    y = grouped_swiglu(received, plan.local_sizes, kernels, impl)
+    y = moe_ragged.exchange(y, tokens * k, plan.back, axis)  # [T * k, embed] in sorted order; rows not sent: zero
+    return _combine(y[_inverse(order)], weights), plan.unsent
+
+
+def _axes(entry: str | tuple[str, ...] | None, keep: Sequence[str]) -> tuple[str, ...]:
+    axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    return tuple(a for a in axes if a in keep)
+
+
+def _resolve(names: Sequence[str | None], rules: Sequence, keep: Sequence[str]) -> list[tuple[str, ...]]:
+    """Per dimension, the mesh axes (among `keep`) the active rules give these logical names."""
+    return [_axes(e, keep) for e in nn.logical_to_mesh_axes(tuple(names), rules)]
+
+
+def _spec(dims: list[tuple[str, ...]]) -> PartitionSpec:
+    return PartitionSpec(*[d if d else None for d in dims])
+
+
+def _gather(w: jax.Array, dims: list[tuple[str, ...]]) -> jax.Array:
+    """Whole non-expert dimensions of a local kernel: all-gather the manual axes that shard them (FSDP)."""
+    for d, axes in enumerate(dims[1:], start=1):
+        if axes:
+            w = jax.lax.all_gather(w, axes, axis=d, tiled=True)
+    return w
+
+
+def _dropless_here(x: jax.Array, experts: jax.Array, weights: jax.Array, kernels: Kernels, impl: str) -> jax.Array:
+    """`dropless_local` on [batch, length, ...] arrays."""
+    k, embed = experts.shape[-1], x.shape[-1]
+    flat = dropless_local(x.reshape(-1, embed), experts.reshape(-1, k), weights.reshape(-1, k), kernels, impl)
+    return flat.reshape(x.shape)
+
+
+def _none_dropped() -> jax.Array:
+    return jnp.zeros((), jnp.int32)
+
+
+def dropless(x: jax.Array, experts: jax.Array, weights: jax.Array, kernels: Kernels, impl: str,
+             exchange: str = "all_to_all", buffer_factor: float = 0.0) -> tuple[jax.Array, jax.Array]:
+    """x [batch, length, embed], experts and weights [batch, length, k] -> ([batch, length, embed], dropped), where
+    dropped (int32) counts the assignments a full ragged receive buffer left home (0 for any other path).
+
+    Without a mesh (or logical rules) everything is local; with one, a shard_map manual over the token axes and the
+    expert axes, exchanging tokens when the experts are sharded (`exchange`: all_to_all or ragged, whose buffer is
+    `buffer_factor` x the balanced share, `moe_ragged.buffer_rows`). A batch that the token axes do not divide (init
+    runs a batch of 1) takes the local computation, left for XLA to partition.
+    """
+    if exchange not in EXCHANGES:
+        raise ValueError(f"dropless exchange must be one of {EXCHANGES}, got {exchange!r}")
+    mesh, rules = jax.sharding.get_abstract_mesh(), nn.get_logical_axis_rules()
+    if mesh.empty or not rules:
+        return _dropless_here(x, experts, weights, kernels, impl), _none_dropped()
+    names = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
+    token_dims = _resolve((ax.BATCH, ax.LENGTH), rules, names)
+    expert_axes = _resolve((ax.EXP,), rules, names)[0]
+    if not set(expert_axes) <= {a for d in token_dims for a in d}:
+        raise ConfigError(f"dropless MoE: the expert mesh axes {expert_axes} must also split the tokens "
+                          f"(activation_batch or activation_length rules)")
+    shards = [math.prod(mesh.shape[a] for a in d) for d in token_dims]
+    if not any(token_dims) or x.shape[0] % shards[0] or x.shape[1] % shards[1]:
+        # Nothing splits the tokens, or this batch does not split evenly (init's batch of 1, a small decode batch):
+        # one logical computation, partitioned by XLA.
+        return _dropless_here(x, experts, weights, kernels, impl), _none_dropped()
+    # Inside the pipeline the layer is vmapped over stages with spmd_axis_name, which adds the stage axes to the
+    # shard_map's specs: they must be manual too (outside a pipeline they have size 1 and are left out).
+    stage_axes = _resolve((ax.ACT_STAGE,), rules, names)[0]
+    manual = tuple(a for a in names if any(a in d for d in token_dims) or a in stage_axes)
+    kernel_names = ((ax.EXP, ax.EMBED, ax.MLP), (ax.EXP, ax.EMBED, ax.MLP), (ax.EXP, ax.MLP, ax.EMBED))
+    kernel_dims = [_resolve(n, rules, manual) for n in kernel_names]
+    p = math.prod(mesh.shape[a] for a in expert_axes)
+
+    def body(x: jax.Array, experts: jax.Array, weights: jax.Array, *kernels: jax.Array
+             ) -> tuple[jax.Array, jax.Array]:
+        kernels = tuple(_gather(w, dims) for w, dims in zip(kernels, kernel_dims))
+        if p == 1:
+            return _dropless_here(x, experts, weights, kernels, impl), _none_dropped()[None]
+        k, embed = experts.shape[-1], x.shape[-1]
+        flat = (x.reshape(-1, embed), experts.reshape(-1, k), weights.reshape(-1, k), kernels, impl, expert_axes, p)
+        if exchange == "ragged":
+            y, unsent = _dropless_ragged(*flat, buffer_factor)
+            return y.reshape(x.shape), unsent[None]
+        return _dropless_exchange(*flat).reshape(x.shape), _none_dropped()[None]
+
+    token_spec = _spec([*token_dims, ()])
+    per_device = PartitionSpec(tuple(a for d in token_dims for a in d))  # one count per token shard
+    run = jax.shard_map(body, in_specs=(token_spec,) * 3 + tuple(_spec(d) for d in kernel_dims),
+                        out_specs=(token_spec, per_device), axis_names=frozenset(manual))
+    y, unsent = run(x, experts, weights, *kernels)
+    return y, jnp.sum(unsent)

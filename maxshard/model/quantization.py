@@ -1,0 +1,185 @@
+"""Quantized training (`quantization: int8 | fp8`): the matmuls of attention and the MLP in 8 bits, through qwix.
+
+Google's qwix (the library MaxText trains with) does the quantization; this module only says where and in which
+types. `quantize` hands the Transformer to `qwix.quantize_model` with a `QtProvider`: while the model's methods
+run, qwix intercepts `jax.lax.dot_general`, `jnp.einsum` and `jax.lax.ragged_dot`, and every op whose module path
+and name match a rule below becomes qwix's quantized-training dot. Both operands are quantized in the forward pass
+(absmax scales per channel of the non-contracted dimensions, computed from the values of this step: dynamic
+scaling, no state), the dot runs on the 8-bit values, and in the backward pass the incoming gradient is quantized
+too, so all three matmuls of a projection (forward, input gradient, weight gradient) take 8-bit operands. Gradients
+reach the float parameters straight through the rounding. The layers are untouched and never see the run config.
+
+What is quantized, by module path (scanned, unrolled and pipelined stacks alike; the stage of a pipeline is applied
+as its own root, so no rule names the decoder):
+
+    attention/{query,key,value,out}   the projections (DenseGeneral's dot_general)
+    mlp, mlp/wo                       the SwiGLU MLP: the stacked gate/up einsum and the down projection
+    moe/shared, moe/shared/wo         an MoE layer's shared experts (the same MLP)
+    moe (ragged_dot only)             the routed experts when they run as jax.lax.ragged_dot (dropless MoE with
+                                      `moe_dropless_impl` ragged_dot, which `auto` picks on TPU)
+
+and what is not: attention's scores and values (MaxText's rules leave them out too, and the fused kernels do their
+own math), the router, the embedding and the output head, and the routed experts of the dropping, tiled and dense
+MoE paths: those einsums share the `moe` module with the dispatch and combine einsums (one-hot masks and router
+weights), and a qwix rule, which matches module paths and op names, cannot tell them apart. Under LoRA the frozen
+kernels are quantized and the adapters' matmuls are not (`FrozenBaseProvider`).
+
+Recipes (`RECIPES`):
+    int8   weights, activations and gradients int8 (MaxText's int8 recipe)
+    fp8    weights and activations float8_e4m3fn, gradients float8_e5m2: the wider exponent of e5m2 holds the
+           gradients' range (NVIDIA Transformer Engine's "hybrid" format; MaxText's fp8_full)
+
+The parameters are not changed (no new variables: dynamic scales keep no statistics), so a checkpoint trains on
+with or without quantization, and generation and checkpoint conversion run the model unquantized.
+
+Peaks. MFU and the planner's compute time (`peak_flops`) measure a quantized run against the chip's 8-bit peak for
+the quantized share of the FLOPs (`quantized_share`: 72% for the 125m preset at 2048 tokens) and its bf16 peak for
+the rest. A chip without a peak for the mode's type counts those matmuls at bf16: fp8 on TPU v4, v5e, v5p and v6e,
+whose programs XLA:TPU compiles (checked ahead of time with libtpu 0.0.42.1, the dots keep their e4m3/e5m2
+operands) but for which Google's tables give no fp8 rate. fp8 on an A100 (no fp8 tensor cores) is refused (`check`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import qwix
+from qwix._src.utils import flax_util  # private: which parameter of the current module an operand is (as MaxText)
+
+from maxshard.observe import perf
+from maxshard.model.attention_choice import platform_of
+from maxshard.config.schema import Config
+from maxshard.errors import ConfigError
+from maxshard.model.layers import lora
+from maxshard.model.transformer import flops_per_token
+from maxshard.model.config import ModelConfig
+
+__all__ = ["MODES", "Recipe", "RECIPES", "RULES", "check", "quantize", "rules", "quantized_matmul_params",
+           "quantized_share", "peak_flops", "peak_precision"]
+
+MODES = ("none", "int8", "fp8")
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """The 8-bit types of one mode: operands of the forward dots, and the incoming gradient of the backward ones."""
+
+    forward: Any
+    gradient: Any
+    peak: str  # which peak table of `perf` the quantized matmuls run at ("int8" or "fp8")
+
+
+RECIPES = {
+    "int8": Recipe(jnp.int8, jnp.int8, "int8"),
+    "fp8": Recipe(jnp.float8_e4m3fn, jnp.float8_e5m2, "fp8"),
+}
+
+# (module path regex, op names) of the quantized matmuls; qwix matches the path with re.fullmatch.
+RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (r"(.*/)?attention/(query|key|value|out)", ("dot_general",)),
+    (r"(.*/)?(mlp|shared)(/wo)?", ("dot_general", "einsum")),
+    (r"(.*/)?moe", ("ragged_dot",)),
+)
+
+
+def rules(mode: str) -> list[qwix.QtRule]:
+    """qwix's quantized-training rules of `mode` ('int8' or 'fp8')."""
+    recipe = RECIPES[mode]
+    return [qwix.QtRule(module_path=path, op_names=ops, weight_qtype=recipe.forward, act_qtype=recipe.forward,
+                        bwd_qtype=recipe.gradient)
+            for path, ops in RULES]
+
+
+class FrozenBaseProvider(qwix.QtProvider):
+    """qwix's quantized training, less LoRA's adapter matmuls (layers/lora.py), which stay in the compute dtype.
+
+    An adapter's two thin matmuls run in the module of the projection they correct, so a rule (module path and op
+    name) would quantize them with the kernel's matmul. They are what trains under LoRA and run at rank r, where 8
+    bits save nothing and cost the adapters precision: QLoRA's split, the frozen base in 8 bits and the adapters not.
+    """
+
+    def dot_general(self, lhs: Any, rhs: Any, *args: Any, **kwargs: Any) -> jax.Array:
+        if any(flax_util.find_param(x) in lora.ADAPTER_PARAMS for x in (lhs, rhs)):
+            return jax.lax.dot_general(lhs, rhs, *args, **kwargs)  # not intercepted again inside the interceptor
+        return super().dot_general(lhs, rhs, *args, **kwargs)
+
+
+def quantize(model: Any, mode: str) -> Any:
+    """The Transformer whose methods run under qwix's interception with the rules of `mode`; `model` itself for
+    'none'. Every entry point the step applies (`__call__`, `hidden`, `head`) is intercepted, so a loss over pieces
+    of the sequence (`loss_chunks`) quantizes exactly as the whole one."""
+    if mode == "none":
+        return model
+    if mode not in RECIPES:
+        raise ValueError(f"quantization must be one of {', '.join(MODES)}, got {mode!r}")
+    return qwix.quantize_model(model, FrozenBaseProvider(rules(mode)), methods=("__call__", "hidden", "head"))
+
+
+def quantized_matmul_params(cfg: ModelConfig) -> int:
+    """Parameters per token whose matmuls `RULES` quantize (the counterpart of `model.matmul_params`): every layer's
+    q/k/v/out projections, the dense layers' MLP, and in MoE layers the shared experts plus, when they run as
+    ragged_dot, the k routed experts a token visits. Not the head, the router or the embedding."""
+    attn = cfg.emb_dim * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+    mlp = 3 * cfg.emb_dim * cfg.mlp_dim
+    routed = cfg.num_experts_per_tok if _ragged_experts(cfg) else 0
+    moe = (routed + cfg.num_shared_experts) * mlp
+    return cfg.num_layers * attn + (cfg.num_layers - cfg.num_moe_layers) * mlp + cfg.num_moe_layers * moe
+
+
+def _ragged_experts(cfg: ModelConfig) -> bool:
+    """Whether the routed experts run as jax.lax.ragged_dot (dropless, ragged_dot implementation)."""
+    return cfg.is_moe and cfg.capacity_factor <= 0 and cfg.moe_dropless_impl == "ragged_dot"
+
+
+def quantized_share(cfg: ModelConfig) -> float:
+    """The share of the model's training FLOPs (`model.flops_per_token`) that run in 8 bits: the quantized matmul
+    parameters per token x 6 (forward 2, backward 4), or x 4 under LoRA, whose frozen kernels get no weight gradient
+    (as `flops_per_token` counts them), over all of them. The head, the router, attention's scores and the LoRA
+    adapters stay in the compute dtype."""
+    per_param = 4 if cfg.lora_rank else 6
+    return per_param * quantized_matmul_params(cfg) / flops_per_token(cfg)
+
+
+def peak_flops(cfg: Config) -> float | None:
+    """The peak FLOP/s per device that this run's MFU and the planner's compute time are measured against: the bf16
+    peak, or for a quantized run the mix (`perf.mixed_peak`) of the chip's 8-bit peak for the quantized share of the
+    FLOPs and its bf16 peak for the rest. A chip with no peak for the mode's type (fp8 on TPU v4/v5e/v5p/v6e) counts
+    its 8-bit matmuls at the bf16 peak: no speedup is assumed that the tables cannot source."""
+    bf16 = perf.peak_flops(cfg.device_kind)
+    if cfg.quantization == "none" or bf16 is None:
+        return bf16
+    low = perf.peak_flops(cfg.device_kind, RECIPES[cfg.quantization].peak)
+    return perf.mixed_peak(bf16, low, quantized_share(cfg.model))
+
+
+def peak_precision(cfg: Config) -> str:
+    """What `peak_flops` is a peak of, for the startup line and the plan: 'bf16', or the quantized mix."""
+    if cfg.quantization == "none":
+        return "bf16"
+    kind = RECIPES[cfg.quantization].peak
+    if perf.peak_flops(cfg.device_kind, kind) is None:
+        return f"bf16 (no {kind} peak known for {cfg.device_kind or 'this device'}: its {kind} matmuls count at bf16)"
+    return f"{kind} for {quantized_share(cfg.model):.0%} of the FLOPs, bf16 for the rest"
+
+
+def check(mode: str, dtype: str, device_kind: str) -> None:
+    """ConfigError (one line, before anything is traced) for a combination qwix cannot train:
+
+    - compute dtype float16: qwix computes its scales in the compute dtype and takes a scale under sqrt(float16's
+      smallest normal) ~ 0.0078 as 1, so int8 rounds weights of ordinary size to 0 (the tiny model's loss after 40
+      steps: 4.14 against 2.44 unquantized) and fp8's dots fail to trace (float16 meets float32);
+    - fp8 on an NVIDIA GPU that the peak tables know without fp8 tensor cores (A100: fp8 matmuls need compute
+      capability 8.9, Ada or Hopper); int8 runs there.
+    """
+    if mode == "none":
+        return
+    if dtype == "float16":
+        raise ConfigError(f"quantization={mode} needs dtype bfloat16 or float32 (got float16: qwix's scales in "
+                          "float16 round ordinary weights to 0); set dtype=bfloat16 or quantization=none")
+    known = perf.peak_flops(device_kind) is not None
+    if mode == "fp8" and platform_of(device_kind) == "nvidia" and known and perf.peak_flops(device_kind, "fp8") is None:
+        raise ConfigError(f"quantization=fp8 needs fp8 tensor cores (H100, H200); {device_kind!r} has none: "
+                          "use quantization=int8 or none")

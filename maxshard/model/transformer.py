@@ -1,0 +1,167 @@
+"""The decoder-only Transformer, assembled from layers, plus its parameter and FLOP counts.
+
+    inputs [batch, length] -> embed [batch, length, embed] -> decoder blocks -> final RMSNorm
+        -> logits [batch, length, vocab] (float32), through a separate head or the tied embedding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from maxshard.parallel import axis_names as ax
+from maxshard.model.layers import moe, pipeline, ring_attention
+from maxshard.model.layers.decoder import Decoder
+from maxshard.model.layers.embeddings import Embed
+from maxshard.model.layers.linears import DenseGeneral
+from maxshard.model.layers.norms import RMSNorm
+from maxshard.model.config import ModelConfig
+from maxshard.parallel.sharding import constrain
+
+__all__ = ["Transformer", "init_params", "count_params", "param_count", "flops_per_token", "lora_matmul_params",
+           "abstract_params", "apply_with_stats"]
+
+
+class Transformer(nn.Module):
+    """The whole network, built from a `ModelConfig` alone.
+
+    Calling it gives the logits; `hidden` and `head` are its two halves, so a loss can run the output head over
+    pieces of the sequence (`maxshard/training/loss.py`) instead of holding [batch, length, vocab] float32 logits at once.
+    """
+
+    cfg: ModelConfig
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        dt, wdt = cfg.compute_dtype, cfg.param_dtype
+        self.token_embed = Embed(cfg.vocab_size, cfg.emb_dim, dt, wdt)
+        self.decoder = Decoder(cfg, dt, wdt)
+        self.final_norm = RMSNorm(cfg.norm_epsilon, dt, wdt)
+        if not cfg.logits_via_embedding:
+            self.logits = DenseGeneral((cfg.vocab_size,), (ax.EMBED, ax.VOCAB), 1, dt, wdt)
+
+    def __call__(self, inputs: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
+        """[batch, length] ids -> logits [batch, length, vocab] (float32)."""
+        return self.head(self.hidden(inputs, segment_ids, positions))
+
+    def hidden(self, inputs: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
+        """[batch, length] ids -> the normalised last residual stream [batch, length, embed] the head reads."""
+        x = constrain(self.token_embed(inputs), (ax.EMBED_AND_LOGITS_BATCH, ax.LENGTH, ax.ACT_EMBED))
+        # context parallelism: one early and one late chunk of the sequence per device (layers/ring_attention.py)
+        x, segment_ids, positions = (ring_attention.to_balanced(a) for a in (x, segment_ids, positions))
+        x = self.decoder(x, segment_ids, positions)
+        return self.final_norm(ring_attention.from_balanced(x))
+
+    def head(self, x: jax.Array) -> jax.Array:
+        """[batch, tokens, embed] -> logits [batch, tokens, vocab] (float32), through the head or the tied embedding."""
+        logits = self.token_embed.attend(x) if self.cfg.logits_via_embedding else self.logits(x)
+        logits = constrain(logits, (ax.EMBED_AND_LOGITS_BATCH, ax.LENGTH, ax.ACT_VOCAB))
+        return jnp.asarray(logits, jnp.float32)
+
+
+def apply_with_stats(
+    model: Transformer, params: Any, inputs: jax.Array, segment_ids: jax.Array, positions: jax.Array,
+    method: str = "__call__",
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(the output of the method named `method`, default the logits; MoE router statistics per MoE layer); a dense
+    model runs the plain apply and returns {}. The method is named, not passed as `Transformer.hidden`: a name is
+    looked up on the model's own class, so a model that `quantization.quantize` wrapped runs its wrapped method."""
+    if not model.cfg.is_moe:
+        return model.apply({"params": params}, inputs, segment_ids, positions, method=method), {}
+    out, state = model.apply({"params": params}, inputs, segment_ids, positions, method=method,
+                             mutable=[moe.STATS_COLLECTION])
+    return out, moe.collect_stats(state.get(moe.STATS_COLLECTION, {}))
+
+
+def dummy_batch(cfg: ModelConfig, batch: int = 1) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Shapes for init: (inputs, segment_ids, positions) of [batch, max_target_length]."""
+    shape = (batch, cfg.max_target_length)
+    return jnp.zeros(shape, jnp.int32), jnp.ones(shape, jnp.int32), jnp.zeros(shape, jnp.int32)
+
+
+@contextlib.contextmanager
+def without_layout() -> Iterator[None]:
+    """No mesh and no logical rules in context: every layer takes its plain whole-array path.
+
+    The layout's kernels (ring attention, splash, the dropless MoE exchange) run in `jax.shard_map`, which needs
+    every dimension it splits to divide evenly; init's dummy batch of one row does not, and need not: parameters
+    depend on shapes alone. Inside, activation constraints are no-ops and no kernel sees a mesh.
+    """
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())), nn.logical_axis_rules(()):
+        yield
+
+
+def init_params(cfg: ModelConfig, rng: jax.Array) -> Any:
+    """Boxed parameters drawn from `rng`, the same values in every layout.
+
+    The model is traced without a layout (`without_layout`), so init never runs a layout's kernels; the caller
+    places the result (`jax.jit(..., out_shardings=...)`, as `step.Trainer.init_state` does). A pipelined model is
+    initialised as the scanned model (one stack of `num_units`) and regrouped into its [repeats, stages, layers per
+    stage, ...] layout, so a seed gives the same network with or without a pipeline; sharding never changes values
+    (threefry random bits do not depend on how an array is partitioned).
+    """
+    canonical = dataclasses.replace(cfg, pipeline=None)
+    with without_layout():
+        params = Transformer(canonical).init(rng, *dummy_batch(canonical))["params"]
+    return params if cfg.pipeline is None else pipeline.from_scanned(params, cfg.pipeline)
+
+
+def abstract_params(cfg: ModelConfig) -> Any:
+    """Boxed (nn.Partitioned) parameter shapes without allocating anything."""
+    return jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+
+
+def count_params(params: Any) -> int:
+    """Number of parameters in a (boxed or plain, abstract or concrete) parameter tree."""
+    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(nn.unbox(params)))
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """Total number of parameters of the model (traces it; a run counts the abstract state it already holds)."""
+    return count_params(abstract_params(cfg))
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Parameters that take part in a matmul per token: every kernel, plus the output head (tied or not).
+
+    An MoE layer counts the MLPs of the k experts a token is routed to and of its shared experts, plus the router
+    [embed, experts].
+    """
+    attn = cfg.emb_dim * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+    mlp = 3 * cfg.emb_dim * cfg.mlp_dim
+    experts = cfg.num_experts_per_tok + cfg.num_shared_experts
+    moe_extra = (experts - 1) * mlp + cfg.emb_dim * cfg.num_experts  # per MoE layer, beyond one MLP
+    return cfg.num_layers * (attn + mlp) + cfg.num_moe_layers * moe_extra + cfg.emb_dim * cfg.vocab_size
+
+
+def lora_matmul_params(cfg: ModelConfig) -> int:
+    """LoRA adapter parameters that take part in a matmul per token: rank x (in + out) per targeted projection,
+    attention's in every layer, the MLP's in dense layers only (experts take none)."""
+    if not cfg.lora_rank:
+        return 0
+    e, q, kv, f = cfg.emb_dim, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.mlp_dim
+    widths = {"q": e + q, "k": e + kv, "v": e + kv, "o": q + e, "gate": e + f, "up": e + f, "down": f + e}
+    attention = sum(widths[t] for t in cfg.lora_targets if t in ("q", "k", "v", "o"))
+    mlp = sum(widths[t] for t in cfg.lora_targets if t in ("gate", "up", "down"))
+    return cfg.lora_rank * (cfg.num_layers * attention + (cfg.num_layers - cfg.num_moe_layers) * mlp)
+
+
+def flops_per_token(cfg: ModelConfig) -> float:
+    """Training FLOPs per token: 6 x matmul params (forward 2, backward 4) + attention scores and values.
+
+    Attention per layer and token: q.k and p.v are each 2 x length x heads x head_dim FLOPs forward; the causal
+    mask halves them, and training triples the forward: 3 x 2 x 2 x length x heads x head_dim / 2.
+    With LoRA the frozen weights need no weight gradient: 4 x their matmul params (forward 2, input gradient 2),
+    and 6 x the adapters'.
+    """
+    attention = 6 * cfg.num_layers * cfg.max_target_length * cfg.num_heads * cfg.head_dim
+    if not cfg.lora_rank:
+        return 6 * matmul_params(cfg) + attention
+    return 4 * matmul_params(cfg) + 6 * lora_matmul_params(cfg) + attention

@@ -1,0 +1,204 @@
+"""What a training run shows a person and records for tools: the startup summary and the per-step log.
+
+The startup figures (mesh, parameter count, per-device memory, pipeline, batch) are printed once and written as the
+first record of `metrics.jsonl` (`{"step": 0, "startup": {...}}`), so sweeps and tools read them instead of
+parsing console text. `StepLogger` turns each finished step into throughput figures, prints the progress line and
+writes the record every `log_period` steps. Number formats live in `maxshard/units.py`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from maxshard.parallel import mesh as mesh_lib
+from maxshard.observe import perf
+from maxshard.model import quantization
+from maxshard.config import Config
+from maxshard.observe.metrics import MetricsWriter, StepValues, memory_stats
+from maxshard.model.transformer import flops_per_token
+from maxshard.units import format_bytes, format_count, format_duration, format_flops
+
+__all__ = ["format_progress", "format_startup_summary", "startup_figures", "print_startup", "StepLogger"]
+
+
+def format_progress(
+    step: int,
+    total_steps: int,
+    loss: float,
+    step_time: float,
+    tokens_per_sec: float,
+    mfu: float | None,
+    eta_seconds: float | None,
+    flops_per_sec: float | None = None,
+) -> str:
+    """One compact console line; MFU, FLOP/s and ETA are left out when unknown (never guessed)."""
+    parts = [
+        f"step {step}/{total_steps}",
+        f"loss {loss:.3f}",
+        f"{step_time:.3f} s/step",
+        f"{format_count(tokens_per_sec)} tok/s/dev",
+    ]
+    if flops_per_sec is not None:
+        parts.append(f"{format_flops(flops_per_sec)}/dev")
+    if mfu is not None:
+        parts.append(f"MFU {100 * mfu:.1f}%")
+    if eta_seconds is not None:
+        parts.append(f"ETA {format_duration(eta_seconds)}")
+    return " | ".join(parts)
+
+
+def format_startup_summary(figures: Mapping[str, Any]) -> str:
+    """Printed once before training, from `startup_figures`: the mesh, the model size, what each device holds."""
+    memory = figures["memory_per_device"]
+    parts = " + ".join(f"{name} {format_bytes(b)}" for name, b in memory.items())
+    count, trained = figures["param_count"], figures.get("trainable_param_count", figures["param_count"])
+    lora = figures.get("lora")
+    trains = "" if trained == count else (
+        f", {format_count(trained)} trainable ({trained:,}, {trained / count:.2%}: LoRA rank {lora['rank']} on "
+        f"{', '.join(lora['targets'])}; the rest frozen)")
+    lines = [
+        f"run: {figures['run_dir']}",
+        f"mesh: {mesh_lib.describe(figures['mesh'])} ({figures['devices']} device{'s' * (figures['devices'] != 1)})",
+        f"parameters: {format_count(count)} ({count:,}){trains}",
+        f"per-device memory estimate: {parts} = {format_bytes(sum(memory.values()))}",
+    ]
+    peak = figures["peak_flops"]
+    precision = figures.get("peak_precision", "bf16")
+    peak_text = f"peak {peak / 1e12:.0f} TFLOP/s {precision}" if peak else "peak unknown: MFU not reported"
+    lines.append(f"device: {figures['device_kind']}, {peak_text}")
+    if figures.get("quantization", "none") != "none":
+        lines.append(f"quantization: {figures['quantization']} on the attention and MLP matmuls, forward and backward "
+                     "(qwix; maxshard/model/quantization.py)")
+    if figures.get("memory_fit"):
+        lines.append(format_memory_fit(figures["memory_fit"]))
+    pipe = figures["pipeline"]
+    if pipe is not None:
+        lines.append(f"pipeline: {pipe['stages']} stages x {pipe['repeats']} repeats x {pipe['layers_per_stage']} "
+                     f"layers, {pipe['microbatches']} microbatches, bubble fraction {pipe['bubble_fraction']:.3f}")
+    lines.append(f"batch: {figures['global_batch_size']} x {figures['max_target_length']} tokens, "
+                 f"{figures['steps']} steps")
+    if figures.get("chat_template"):
+        template = figures["chat_template"]
+        lines.append(f"chat template: {template['name']} (sha256 {template['sha256']}); the loss counts assistant "
+                     "turns only (`tokens` per step)")
+    return "\n".join(lines)
+
+
+def format_memory_fit(fit: Mapping[str, Any]) -> str:
+    """Which remat policy runs and why: the planned peak per device against the usable memory."""
+    chosen = f"auto -> {fit['policy']}" if fit["requested"] == "auto" else f"{fit['policy']} (as set)"
+    why = "the least recompute that fits" if fit["requested"] == "auto" else "fits"
+    return (f"remat: {chosen}, {why}: planned peak {format_bytes(fit['planned_bytes'])} per device of "
+            f"{format_bytes(fit['usable_bytes'])} usable ({fit['capacity_source']}, "
+            f"{1 - fit['usable_bytes'] / fit['capacity_bytes']:.0%} headroom)")
+
+
+def startup_figures(cfg: Config, mesh_shape: Mapping[str, int], param_count: int, report: Any,
+                    trainable_param_count: int | None = None) -> dict[str, Any]:
+    """The run's startup figures as plain JSON values (one home: the console line and metrics.jsonl read them)."""
+    lora = None if not cfg.model.lora_rank else {
+        "rank": cfg.model.lora_rank, "alpha": cfg.model.lora_alpha, "targets": list(cfg.model.lora_targets)}
+    shape = cfg.model.pipeline
+    pipeline = None if shape is None else {
+        "stages": shape.stages, "repeats": shape.repeats, "layers_per_stage": shape.layers_per_stage,
+        "microbatches": shape.microbatches, "bubble_fraction": shape.bubble_fraction,
+    }
+    return {
+        "run_dir": cfg.run_dir,
+        "devices": math.prod(mesh_shape.values()),
+        "processes": cfg.num_processes,
+        "mesh": dict(mesh_shape),
+        "param_count": param_count,
+        "trainable_param_count": param_count if trainable_param_count is None else trainable_param_count,
+        "lora": lora,
+        "memory_per_device": {
+            "params": report.param_bytes_per_device,
+            "opt_state": report.optimizer_bytes_per_device,
+            "grads": report.gradient_bytes_per_device,
+        },
+        "device_kind": cfg.device_kind,
+        "peak_flops": quantization.peak_flops(cfg),
+        "peak_precision": quantization.peak_precision(cfg),
+        "quantization": cfg.quantization,
+        "pipeline": pipeline,
+        "remat_policy": cfg.remat_policy,
+        "memory_fit": None if cfg.memory_fit is None else cfg.memory_fit.as_json(),
+        "global_batch_size": cfg.global_batch_size,
+        "max_target_length": cfg.max_target_length,
+        "steps": cfg.steps,
+    }
+
+
+def print_startup(figures: Mapping[str, Any], writer: MetricsWriter) -> None:
+    """Prints the summary and records the figures as the first record of metrics.jsonl."""
+    print(format_startup_summary(figures), flush=True)
+    writer.write_startup(figures)
+
+
+class StepLogger:
+    """Turns each finished step's values into throughput figures; prints and records every `log_period` steps.
+
+    Step time is measured between the ends of two steps, so the first step is logged with its loss and a
+    `compile_time` but no throughput: the compile before the loop (`compiled_seconds`) plus the time from the loop's
+    start to the first step's end (where JAX still compiles what the loop calls first, and the step runs).
+    """
+
+    def __init__(self, cfg: Config, writer: MetricsWriter, data_stats: Callable[[], dict[str, int]] | None = None,
+                 compiled_seconds: float = 0.0):
+        self.cfg, self.writer = cfg, writer
+        self.compiled_seconds = compiled_seconds
+        self.data_stats = data_stats or dict  # the input iterator's counters (tokens per source, skipped records)
+        self.tokens_per_step = cfg.global_batch_size * cfg.max_target_length
+        self.flops_per_step = flops_per_token(cfg.model) * self.tokens_per_step
+        self.peak = quantization.peak_flops(cfg)  # the 8-bit peak's share for a quantized run
+        shape = cfg.model.pipeline
+        self.constants = {"pipeline/bubble_fraction": shape.bubble_fraction} if shape is not None else {}
+        self.started = time.perf_counter()
+        self.compiled = False
+        self.reference: StepValues | None = None  # timing reference: the last logged (or first) step
+
+    def restart(self) -> None:
+        """Forget the timing reference, e.g. after an evaluation that would otherwise count as step time."""
+        self.reference = None
+
+    def __call__(self, done: StepValues | None) -> None:
+        if done is None:
+            return
+        step = done.step + 1  # steps are counted from 1 in logs
+        if not self.compiled:
+            self.compiled = True
+            self.reference = done
+            compile_time = self.compiled_seconds + done.ready_time - self.started
+            self._write_first(step, {**done.values, "compile_time": compile_time})
+            return
+        if self.reference is None:
+            self.reference = done
+            return
+        if step % self.cfg.log_period and step != self.cfg.steps:
+            return
+        step_time = (done.ready_time - self.reference.ready_time) / (done.step - self.reference.step)
+        self.reference = done
+        self._write(step, dict(done.values), step_time)
+
+    def _write_first(self, step: int, record: dict[str, Any]) -> None:
+        self.writer.write(step, record)
+        print(f"step {step}/{self.cfg.steps} | loss {record['loss']:.3f} | compiled and ran in "
+              f"{record['compile_time']:.1f}s", flush=True)
+
+    def _write(self, step: int, record: dict[str, Any], step_time: float) -> None:
+        figures = perf.step_perf(self.tokens_per_step, self.flops_per_step, step_time, self.cfg.num_devices, self.peak)
+        record.update({"step_time": step_time, **figures, **self.constants, **(memory_stats() or {}),
+                       **self.data_stats()})
+        self.writer.write(step, record)
+        eta = (self.cfg.steps - step) * step_time
+        progress = format_progress(
+            step, self.cfg.steps, record["loss"], step_time, figures["tokens_per_sec_per_device"], figures["mfu"],
+            eta, flops_per_sec=figures["tflops_per_device"] * 1e12,
+        )
+        if "moe/dropped_fraction" in record:
+            progress += (f" | dropped {record['moe/dropped_fraction']:.1%}"
+                         f" | expert load max {record['moe/expert_load_max']:.2f}")
+        print(progress, flush=True)

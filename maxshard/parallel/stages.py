@@ -1,0 +1,88 @@
+"""The circular pipeline's shape, worked out once from the config and the mesh's axis sizes.
+
+Stages S are the size of the `stage` mesh axis; layers per stage L, repeats R and microbatches M come from their
+keys, with -1 derived: R = units / (S x L), M = S. The result is a `PipelineShape` (in `model_config.py`) that the
+loader puts into the `ModelConfig`, so the layers receive a resolved schedule and never read mesh knobs, the global
+batch or the logical rules. Every pipeline mistake is one `ConfigError` here, before anything is traced.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import flax.linen as nn
+
+from maxshard.parallel import axis_names as ax
+from maxshard.config import Config
+from maxshard.errors import ConfigError
+from maxshard.parallel.mesh import describe
+from maxshard.model.config import PipelineShape, num_units
+from maxshard.parallel.sharding import flax_rules
+
+__all__ = ["pipeline_shape", "resolve"]
+
+
+def _units_text(cfg: Config, units: int) -> str:
+    return f"num_layers={units}" if units == cfg.num_layers else f"num_layers / moe_layer_interval = {units} blocks"
+
+
+def _repeats(cfg: Config, units: int, stages: int) -> int:
+    per_stage, what = cfg.num_layers_per_pipeline_stage, _units_text(cfg, units)
+    if cfg.num_pipeline_repeats == -1:
+        if units % (stages * per_stage):
+            raise ConfigError(f"{what} is not divisible by pipeline stages x num_layers_per_pipeline_stage = "
+                              f"{stages} x {per_stage}")
+        return units // (stages * per_stage)
+    if units != stages * per_stage * cfg.num_pipeline_repeats:
+        raise ConfigError(f"{what} must equal pipeline stages x num_layers_per_pipeline_stage x "
+                          f"num_pipeline_repeats = {stages} x {per_stage} x {cfg.num_pipeline_repeats}")
+    return cfg.num_pipeline_repeats
+
+
+def pipeline_shape(cfg: Config, stages: int) -> PipelineShape:
+    """The sizes for `stages` stages with -1 knobs derived; validates the knobs (not the batch)."""
+    if cfg.num_layers_per_pipeline_stage < 1:
+        raise ConfigError(f"num_layers_per_pipeline_stage must be >= 1, got {cfg.num_layers_per_pipeline_stage}")
+    for key in ("num_pipeline_repeats", "num_pipeline_microbatches"):
+        if getattr(cfg, key) == 0 or getattr(cfg, key) < -1:
+            raise ConfigError(f"{key} must be >= 1 or -1 (derived), got {getattr(cfg, key)}")
+    units = num_units(cfg.num_layers, cfg.num_experts, cfg.moe_layer_interval)
+    repeats = _repeats(cfg, units, stages)
+    microbatches = stages if cfg.num_pipeline_microbatches == -1 else cfg.num_pipeline_microbatches
+    if microbatches % stages:
+        raise ConfigError(f"num_pipeline_microbatches={microbatches} must be a multiple of the {stages} pipeline "
+                          "stages (a finished microbatch waits for stage 0 to come round again)")
+    return PipelineShape(stages, cfg.num_layers_per_pipeline_stage, repeats, microbatches)
+
+
+def _batch_shards(cfg: Config, mesh_sizes: Mapping[str, int]) -> tuple[int, str]:
+    """(number of shards of the decoder's batch dimension, their description)."""
+    entry = nn.logical_to_mesh_axes((ax.BATCH,), flax_rules(cfg))[0] or ()
+    axes = {a: mesh_sizes.get(a, 1) for a in ((entry,) if isinstance(entry, str) else entry)}
+    return math.prod(axes.values()), describe(axes)
+
+
+def _check_batch(cfg: Config, shape: PipelineShape, mesh_sizes: Mapping[str, int]) -> None:
+    """The batch of one model call must split into M microbatches that divide over the batch mesh axes."""
+    batch, m = cfg.global_batch_size // cfg.gradient_accumulation_steps, shape.microbatches
+    if batch % m:
+        raise ConfigError(f"the batch of {batch} sequences per model call (global batch / "
+                          f"gradient_accumulation_steps) is not divisible by num_pipeline_microbatches={m}")
+    shards, shown = _batch_shards(cfg, mesh_sizes)
+    if (batch // m) % shards:
+        raise ConfigError(f"a pipeline microbatch of {batch // m} sequences ({batch} / num_pipeline_microbatches="
+                          f"{m}) is not divisible by the {shards} batch shards ({shown})")
+
+
+def resolve(cfg: Config, mesh_sizes: Mapping[str, int]) -> PipelineShape | None:
+    """The run's pipeline (None when the `stage` axis has size 1), checked against its batch when it has one."""
+    stages = mesh_sizes.get("stage", 1)
+    if stages == 1:
+        return None
+    if not cfg.scan_layers:
+        raise ConfigError("pipeline parallelism needs scan_layers=true (each stage scans its layers)")
+    shape = pipeline_shape(cfg, stages)
+    if cfg.global_batch_size:
+        _check_batch(cfg, shape, mesh_sizes)
+    return shape

@@ -1,0 +1,237 @@
+"""The sharded train state and the jitted train/eval steps.
+
+The state is never materialised whole on one device: its shardings come from `jax.eval_shape` of the boxed init
+plus the logical rules, and the init itself runs under `jax.jit(out_shardings=...)`, so every parameter and
+optimizer moment is born in its final layout.
+
+Loss: next-token cross-entropy in float32, weighted by `loss_weights` (padding and document boundaries weigh 0).
+Gradient accumulation splits the batch into k microbatches and sums weighted losses and gradients before one
+division by the total weight, so k microbatches give exactly the gradient of the whole batch.
+MoE models add their router losses (weighted by `load_balance_loss_weight` / `router_z_loss_weight`, scaled by each
+microbatch's loss weight so the division yields token-weighted means) and report them with drop and load metrics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from maxshard.parallel import axis_names as ax
+from maxshard.model import quantization
+from maxshard.parallel import sharding
+from maxshard.model import trainable
+from maxshard.config import MESH_AXES, Config, knob_name
+from maxshard.errors import ConfigError
+from maxshard.model.layers import moe
+from maxshard.training.loss import chunked_loss_sums, loss_sums
+from maxshard.model.transformer import Transformer, apply_with_stats, init_params
+from maxshard.training.optim import learning_rate_schedule, make_optimizer
+
+__all__ = ["TrainState", "Trainer", "mesh_context", "boxed_state", "abstract_state"]
+
+Batch = dict[str, jax.Array]
+
+
+@struct.dataclass
+class TrainState:
+    """Everything a step changes. The model and optimizer are not stored here: they are code, not state.
+
+    `params` is the whole network; `opt_state` holds moments for its trainable subset only (`trainable.py`: every
+    parameter, or LoRA's adapters)."""
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+
+@contextlib.contextmanager
+def mesh_context(mesh: Mesh, rules: sharding.FlaxRules) -> Iterator[None]:
+    """The mesh and logical rules every trace needs, so `nn.with_logical_constraint` takes effect."""
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        yield
+
+
+def boxed_state(cfg: Config, rng: jax.Array) -> TrainState:
+    """A fresh train state whose leaves are still boxed with their logical axis names."""
+    params = init_params(cfg.model, rng)
+    opt_state = make_optimizer(cfg).init(trainable.trainable_subset(params, cfg.model))
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
+
+
+def abstract_state(cfg: Config) -> TrainState:
+    """Shapes, dtypes and logical names of the whole train state; allocates nothing, needs no devices.
+
+    Memoised on the config without its mesh knobs: they decide where the state lives, never its shapes (a pipeline's
+    stage count reaches the shapes through `cfg.model`, which stays in the key). The planner's layout search
+    (`maxshard/run/search.py`) asks for one model's state once per layout, and tracing the init of the 8B
+    model takes ~0.3 s each time.
+    """
+    key = dataclasses.replace(cfg, explicit_keys=(), mesh_rule_applied="", **{k: 1 for k in _MESH_KNOBS})
+    try:
+        hash(key)
+    except TypeError:  # an unhashable value in some key: no memo
+        return _eval_state.__wrapped__(cfg)
+    return _eval_state(key)
+
+
+_MESH_KNOBS = tuple(knob_name(family, axis) for family in ("ici", "dcn") for axis in MESH_AXES)
+
+
+@functools.lru_cache(maxsize=32)
+def _eval_state(cfg: Config) -> TrainState:
+    return jax.eval_shape(lambda: boxed_state(cfg, jax.random.key(0)))
+
+
+@dataclasses.dataclass
+class Trainer:
+    """Model + optimizer + mesh: builds the sharded state and the jitted steps."""
+
+    cfg: Config
+    mesh: Mesh
+
+    def __post_init__(self) -> None:
+        if self.cfg.model is None:
+            raise ValueError("Trainer needs a complete config with its model derived (maxshard.run.loading.load_run)")
+        self.rules = sharding.flax_rules(self.cfg)
+        self.model = quantization.quantize(Transformer(self.cfg.model), self.cfg.quantization)
+        self.tx = make_optimizer(self.cfg)
+        self.schedule = learning_rate_schedule(self.cfg)
+        self.abstract_state = abstract_state(self.cfg)
+        self.state_shardings = sharding.tree_shardings(self.abstract_state, self.mesh, self.rules)
+
+    # ------------------------------------------------------------------ state
+
+    def jit_init(self) -> Callable[[jax.Array], TrainState]:
+        """key -> a fresh state, every leaf created in its sharding (the model is traced without a layout:
+        `model.init_params`)."""
+        return jax.jit(lambda r: nn.unbox(boxed_state(self.cfg, r)), out_shardings=self.state_shardings)
+
+    def init_state(self, seed: int | None = None) -> TrainState:
+        """A fresh state, created directly in its sharded layout."""
+        return self.jit_init()(jax.random.key(self.cfg.seed if seed is None else seed))
+
+    def state_from(self, params: Any, seed: int | None = None) -> TrainState:
+        """Step 0 with `params` (sharded like the state's): every parameter, or with LoRA the frozen base, whose
+        adapters are then drawn fresh from `seed` (the random base the same init would draw is never computed:
+        only the adapters leave the jitted function). Fresh optimizer moments for what trains."""
+        model = self.cfg.model
+
+        def fresh(loaded: Any, rng: jax.Array) -> TrainState:
+            drawn, _ = trainable.split(nn.unbox(init_params(model, rng)), model)
+            whole = loaded if trainable.trains_everything(model) else trainable.merge(drawn, loaded)
+            trained = trainable.trainable_subset(whole, model)
+            return TrainState(jnp.zeros((), jnp.int32), whole, self.tx.init(trained))
+
+        rng = jax.random.key(self.cfg.seed if seed is None else seed)
+        return jax.jit(fresh, out_shardings=self.state_shardings)(params, rng)
+
+    # ------------------------------------------------------------------ steps
+
+    def _loss(self, trained: Any, batch: Batch, frozen: Any = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """(objective, sums) of the parameters `trained` + `frozen` (`trainable.split`): sums hold loss_sum and
+        weight_sum (+ MoE sums); the objective adds router losses."""
+        params = trainable.merge(trained, frozen or {})
+        inputs = (batch["inputs"], batch["segment_ids"], batch["positions"])
+        if self.cfg.loss_chunks > 1:  # the head over pieces of the sequence (maxshard/training/loss.py)
+            hidden, stats = apply_with_stats(self.model, params, *inputs, method="hidden")
+            head = functools.partial(self.model.apply, {"params": params}, method="head")
+            loss_sum, weight_sum = chunked_loss_sums(head, hidden, batch, self.cfg.loss_chunks)
+        else:
+            logits, stats = apply_with_stats(self.model, params, *inputs)
+            loss_sum, weight_sum = loss_sums(logits, batch)
+        sums = {"loss_sum": loss_sum, "weight_sum": weight_sum, **moe.loss_sums(stats, weight_sum)}
+        balance, z = self.cfg.load_balance_loss_weight, self.cfg.router_z_loss_weight
+        return loss_sum + moe.objective(sums, balance, z), sums
+
+    def _grads(self, trained: Any, batch: Batch, frozen: Any = None) -> tuple[Any, dict[str, jax.Array]]:
+        """(sum of gradients of `trained`, sums of `_loss`) over the batch, in `gradient_accumulation_steps`
+        pieces; `frozen` gets none."""
+        grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+        k = self.cfg.gradient_accumulation_steps
+        if k == 1:
+            (_, sums), grads = grad_fn(trained, batch, frozen)
+            return grads, sums
+
+        def micro(carry: tuple[Any, Any], mb: Batch) -> tuple[tuple[Any, Any], None]:
+            mb = {key: sharding.constrain(v, ax.INPUT_AXES) for key, v in mb.items()}
+            (_, sums), grads = grad_fn(trained, mb, frozen)
+            return jax.tree.map(jnp.add, carry, (grads, sums)), None
+
+        # Row r of microbatch i is row r*k + i of the batch: every microbatch stays spread over all devices.
+        micro_batches = {key: v.reshape(-1, k, *v.shape[1:]).swapaxes(0, 1) for key, v in batch.items()}
+        first = jax.tree.map(lambda v: v[0], micro_batches)
+        zeros = jax.tree.map(jnp.zeros_like, (trained, jax.eval_shape(self._loss, trained, first, frozen)[1]))
+        (grads, sums), _ = jax.lax.scan(micro, zeros, micro_batches)
+        return grads, sums
+
+    def _train_step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+        trained, frozen = trainable.split(state.params, self.cfg.model)
+        grads, sums = self._grads(trained, batch, frozen)
+        loss_sum, weight_sum = sums["loss_sum"], sums["weight_sum"]
+        grads = jax.tree.map(lambda g: g / jnp.maximum(weight_sum, 1.0), grads)
+        updates, opt_state = self.tx.update(grads, state.opt_state, trained)
+        params = trainable.merge(optax.apply_updates(trained, updates), frozen)
+        new_state = TrainState(state.step + 1, params, opt_state)
+        metrics = {
+            "loss": loss_sum / jnp.maximum(weight_sum, 1.0),
+            "tokens": weight_sum,
+            "grad_norm": optax.tree.norm(grads),
+            "param_norm": optax.tree.norm(new_state.params),
+            "learning_rate": self.schedule(state.step),
+            **moe.metrics(sums, weight_sum),
+        }
+        return new_state, metrics
+
+    def _eval_step(self, params: Any, batch: Batch) -> dict[str, jax.Array]:
+        _, sums = self._loss(params, batch)
+        return {"loss_sum": sums["loss_sum"], "weight_sum": sums["weight_sum"]}
+
+    def batch_shardings(self, batch_sharding: NamedSharding) -> dict[str, NamedSharding]:
+        return {k: batch_sharding for k in ("inputs", "targets", "segment_ids", "positions", "loss_weights")}
+
+    def jit_train_step(self, batch_sharding: NamedSharding) -> Callable[[TrainState, Batch], Any]:
+        """The train step, jitted with explicit shardings and the state donated."""
+        if self.cfg.global_batch_size % self.cfg.gradient_accumulation_steps:
+            raise ConfigError(
+                f"gradient_accumulation_steps={self.cfg.gradient_accumulation_steps} does not divide "
+                f"the global batch of {self.cfg.global_batch_size}"
+            )
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        step = jax.jit(
+            self._train_step,
+            in_shardings=(self.state_shardings, self.batch_shardings(batch_sharding)),
+            out_shardings=(self.state_shardings, replicated),
+            donate_argnums=0,
+        )
+        return self._in_context(step)
+
+    def jit_eval_step(self, batch_sharding: NamedSharding) -> Callable[[Any, Batch], Any]:
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        step = jax.jit(
+            self._eval_step,
+            in_shardings=(self.state_shardings.params, self.batch_shardings(batch_sharding)),
+            out_shardings=replicated,
+        )
+        return self._in_context(step)
+
+    def _in_context(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any) -> Any:
+            with mesh_context(self.mesh, self.rules):
+                return fn(*args)
+
+        call.lower = lambda *args: self._lower(fn, *args)  # type: ignore[attr-defined]
+        return call
+
+    def _lower(self, fn: Any, *args: Any) -> Any:
+        with mesh_context(self.mesh, self.rules):
+            return fn.lower(*args)
