@@ -33,6 +33,7 @@ from maxshard.checkpoint import manager as checkpoint
 from maxshard.run import loading
 from maxshard.convert import __main__ as cli
 from maxshard.errors import ConfigError
+from maxshard.checkpoint import format as checkpoint_format
 from maxshard.checkpoint import orbax_io
 from maxshard.convert import families, hf_config, layout, safetensors_io, to_hf
 from maxshard.convert.locate import locate
@@ -329,8 +330,8 @@ def test_export_takes_the_family_from_the_config_it_writes_and_notes_dropping(co
     source = read_all(FIXTURES / "qwen3_moe")
     assert {n: a.tobytes() for n, a in read_all(tmp_path / "dropless").items()} == {
         n: a.tobytes() for n, a in source.items()}
-    saved = orbax_io.read_config
-    monkeypatch.setattr(orbax_io, "read_config", lambda d: {**saved(d), "capacity_factor": 1.25})
+    saved = checkpoint_format.read_config
+    monkeypatch.setattr(checkpoint_format, "read_config", lambda d: {**saved(d), "capacity_factor": 1.25})
     assert cli.main(["to_hf", step_dir, str(tmp_path / "dropping")]) == 0
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith("note: trained with capacity_factor=1.25") and err[0].endswith(

@@ -33,7 +33,6 @@ Why it is shaped this way:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import threading
 from collections.abc import Callable
@@ -47,6 +46,7 @@ from jax.experimental import multihost_utils
 
 from maxshard.checkpoint.health import (CheckpointError, Damaged, Outcome, QuietBackground, SaveFailed, agree,
                                         outcome_of, reason)
+from maxshard.checkpoint import format as checkpoint_format
 from maxshard.checkpoint import layout as checkpoint_layout
 from maxshard.model import trainable
 from maxshard.checkpoint.layout import check_matches
@@ -152,8 +152,8 @@ def _manager(cfg: Config) -> ocp.CheckpointManager:
         cleanup_tmp_directories=True,  # leftovers of saves that were killed halfway
     )
     # Handlers named up front: without them a fresh manager cannot read an item's metadata before its first save.
-    handlers = {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
-                "config": ocp.JsonCheckpointHandler()}
+    handlers = {checkpoint_format.STATE: ocp.StandardCheckpointHandler(), checkpoint_format.DATA: ocp.JsonCheckpointHandler(),
+                checkpoint_format.CONFIG: ocp.JsonCheckpointHandler()}
     return ocp.CheckpointManager(epath.Path(cfg.checkpoint_dir), item_handlers=handlers, options=options)
 
 
@@ -254,13 +254,13 @@ class Checkpoints:
     def _read(self, step: int, target: TrainState, where: str) -> tuple[TrainState, dict[str, Any]]:
         """This process's own read of one step: orbax's handlers, unlike the manager's restore, hold no barrier."""
         step_dir = epath.Path(self.cfg.checkpoint_dir) / str(step)
-        saved = ocp.PyTreeCheckpointHandler().metadata(step_dir / "state").tree
+        saved = ocp.PyTreeCheckpointHandler().metadata(step_dir / checkpoint_format.STATE).tree
         if saved is None or not jax.tree.leaves(saved):
             raise Damaged("the state metadata is empty")
         check_matches(saved, target, where)
         check_same_base(self.cfg, step_dir)
-        state = restore(step_dir / "state", target, saved)
-        data = ocp.JsonCheckpointHandler().restore(step_dir / "data")
+        state = restore(step_dir / checkpoint_format.STATE, target, saved)
+        data = ocp.JsonCheckpointHandler().restore(step_dir / checkpoint_format.DATA)
         return jax.block_until_ready(state), _this_process(data, f"checkpoint step {step}")
 
     def _aside_name(self, step: int) -> str:
@@ -293,11 +293,11 @@ class Checkpoints:
         """Returns once the state is copied to host memory (the next step may donate it); writing goes on behind."""
         self.wait()  # orbax would wait for the previous save anyway; this names its step if it failed
         print(f"saving checkpoint at step {step}", flush=True)
-        args = ocp.args.Composite(
-            state=ocp.args.StandardSave(saved_part(state, self.trainer)),
-            data=ocp.args.JsonSave(_gather_data_states(data_state)),
-            config=ocp.args.JsonSave(json.loads(json.dumps(dataclasses.asdict(self.cfg), default=str))),
-        )
+        args = ocp.args.Composite(**{
+            checkpoint_format.STATE: ocp.args.StandardSave(saved_part(state, self.trainer)),
+            checkpoint_format.DATA: ocp.args.JsonSave(_gather_data_states(data_state)),
+            checkpoint_format.CONFIG: ocp.args.JsonSave(checkpoint_format.config_json(self.cfg)),
+        })
         self._pending = step
         self._finish(lambda: self.manager.save(step, args=args, force=True))
 

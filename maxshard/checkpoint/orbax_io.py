@@ -28,10 +28,10 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 from etils import epath
 
-from maxshard.errors import ConfigError
+from maxshard.checkpoint.format import STATE
 
 __all__ = ["CHUNK_BYTES", "Leaf", "write_skeleton", "rows_per_chunk", "chunk_shape", "create_array", "write_rows",
-           "write_config", "read_config", "config_json", "Reader"]
+           "Reader"]
 
 CHUNK_BYTES = 4 * 2**20  # per zarr chunk = one block of rows read, rearranged and written at a time
 # One context for every array opened here, as orbax builds it: no data cache, a B-tree node cache for OCDBT.
@@ -112,26 +112,12 @@ def write_rows(store: ts.TensorStore, leaf: Leaf, index: tuple[int, ...], start:
     store[window].write(block).result()
 
 
-def write_config(step_dir: epath.Path, cfg_json: dict[str, Any]) -> None:
-    """The `config` item that training checkpoints also carry: `to_hf` reads the model keys from it."""
-    item = epath.Path(step_dir) / "config"
-    ocp.Checkpointer(ocp.JsonCheckpointHandler()).save(item, args=ocp.args.JsonSave(cfg_json))
-
-
-def read_config(step_dir: str) -> dict[str, Any]:
-    """The saved Config (as JSON) of a checkpoint step directory."""
-    path = epath.Path(step_dir) / "config"
-    if not (epath.Path(step_dir) / "state").exists() or not path.exists():
-        raise ConfigError(f"{step_dir} is not a maxshard checkpoint step directory (it needs state/ and config/)")
-    return ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(path)
-
-
 class Reader:
     """Reads slices of the parameter arrays of a checkpoint's `state/`, whichever orbax format wrote it."""
 
     def __init__(self, step_dir: str) -> None:
         local = "://" not in str(step_dir)  # orbax's OCDBT reader takes absolute paths only (a trainer's checkpoint)
-        self.state_dir = epath.Path(os.path.abspath(step_dir) if local else step_dir) / "state"
+        self.state_dir = epath.Path(os.path.abspath(step_dir) if local else step_dir) / STATE
         metadata_file = self.state_dir / "_METADATA"
         meta = json.loads(metadata_file.read_text()) if metadata_file.exists() else {}
         self.use_zarr3 = bool(meta.get("use_zarr3", False))
@@ -155,8 +141,3 @@ def _flatten(tree: Any, prefix: tuple[str, ...]) -> Iterator[tuple[tuple[str, ..
             yield from _flatten(value, (*prefix, str(key)))
     else:
         yield prefix, tree
-
-
-def config_json(cfg: Any) -> dict[str, Any]:
-    """A Config as the JSON that checkpoint.py stores (non-JSON values as text)."""
-    return json.loads(json.dumps(dataclasses.asdict(cfg), default=str))

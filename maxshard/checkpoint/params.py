@@ -15,6 +15,7 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
+from maxshard.checkpoint import format as checkpoint_format
 from maxshard.checkpoint import layout as checkpoint_layout
 
 from maxshard.model import trainable
@@ -67,8 +68,7 @@ def read_base(path: str, target_params: Any, model: ModelConfig, where: str = ""
 
 def saved_config(step_dir: str) -> dict[str, Any]:
     """The config item of a checkpoint step ({} when it has none)."""
-    path = epath.Path(step_dir) / "config"
-    return ocp.JsonCheckpointHandler().restore(path) if path.exists() else {}
+    return checkpoint_format.read_config_or_none(step_dir) or {}
 
 
 def check_same_base(cfg: Config, step_dir: epath.Path) -> None:
@@ -96,7 +96,7 @@ def require_base(cfg: Config) -> None:
 
 
 def step_state_dir(path: str, key: str) -> epath.Path:
-    found = epath.Path(path) / "state"
+    found = epath.Path(path) / checkpoint_format.STATE
     if not found.exists():
         raise ConfigError(f"{key}={path} is not a checkpoint step directory (no state/ in it; e.g. "
                           "runs/NAME/checkpoints/100)")

@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 
 from maxshard.config.ranges import check_ranges
-from maxshard.config.structures import parse_logical_rules, parse_mixture
+from maxshard.config.structures import parse_logical_rules, parse_mixture, parse_names
 from maxshard.config.schema import MESH_AXES, Config, knob_name, path_keys
 from maxshard.errors import ConfigError
 
@@ -226,16 +226,8 @@ def _parse_mesh_rules(value: Any, source: str) -> tuple[tuple[str, tuple[tuple[s
     return tuple(rules)
 
 
-def _parse_names(value: Any, source: str) -> tuple[str, ...]:
-    """lora_targets: a list of names, from YAML (`[q, v]`) or a command line (`q,v`)."""
-    items = value.split(",") if isinstance(value, str) else value
-    if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) and i.strip() for i in items):
-        raise ConfigError(f"lora_targets expects a list of names like [q, v] or q,v, got {value!r} (from {source})")
-    return tuple(i.strip() for i in items)
-
-
 _SPECIAL_PARSERS = {"logical_axis_rules": parse_logical_rules, "mesh_rules": _parse_mesh_rules,
-                    "dataset_mixture": parse_mixture, "lora_targets": _parse_names}
+                    "dataset_mixture": parse_mixture, "lora_targets": parse_names}
 
 
 def _parse_override(token: str) -> tuple[str, Any]:

@@ -1,4 +1,5 @@
-"""Config keys whose values are structures rather than scalars: the logical axis rules and the data mixture.
+"""Config keys whose values are structures rather than scalars: the logical axis rules, the data mixture and lists
+of names (lora_targets).
 
 Each parser takes the raw YAML (or command-line) value and where it came from, and returns the frozen form the
 Config holds, or raises one ConfigError line naming the key.
@@ -12,10 +13,9 @@ from typing import Any
 import yaml
 
 from maxshard.config.schema import MESH_AXES
-
 from maxshard.errors import ConfigError
 
-__all__ = ["parse_logical_rules", "parse_mixture"]
+__all__ = ["parse_logical_rules", "parse_mixture", "parse_names"]
 
 
 def parse_logical_rules(value: Any, source: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
@@ -69,3 +69,11 @@ def parse_mixture(value: Any, source: str) -> tuple[tuple[str, float], ...]:
                               f"(from {source})")
         pairs.append((item[0], float(weight)))
     return tuple(pairs)
+
+
+def parse_names(value: Any, source: str) -> tuple[str, ...]:
+    """lora_targets: a list of names, from YAML (`[q, v]`) or a command line (`q,v`)."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) and i.strip() for i in items):
+        raise ConfigError(f"lora_targets expects a list of names like [q, v] or q,v, got {value!r} (from {source})")
+    return tuple(i.strip() for i in items)

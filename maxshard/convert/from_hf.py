@@ -31,6 +31,7 @@ from etils import epath
 import maxshard
 from maxshard import config
 from maxshard.errors import ConfigError
+from maxshard.checkpoint import format as checkpoint_format
 from maxshard.checkpoint import orbax_io
 from maxshard.convert import hf_config, layout, names, safetensors_io
 from maxshard.convert.families import Family
@@ -171,8 +172,8 @@ def convert(hf_dir: str, out_dir: str, base_config: str | None = None) -> Result
         partial = epath.Path(out_dir) / ".partial" / STEP
         if partial.exists():
             shutil.rmtree(partial)
-        _write_params(partial / "state", source, plan)
-    orbax_io.write_config(partial, orbax_io.config_json(cfg))
+        _write_params(partial / checkpoint_format.STATE, source, plan)
+    checkpoint_format.write_config(partial, cfg)
     os.makedirs(os.path.dirname(step_dir), exist_ok=True)
     os.rename(partial, step_dir)
     shutil.rmtree(partial.parent, ignore_errors=True)

@@ -34,6 +34,7 @@ import ml_dtypes
 import numpy as np
 
 from maxshard.errors import ConfigError
+from maxshard.checkpoint import format as checkpoint_format
 from maxshard.checkpoint import orbax_io
 from maxshard.convert import hf_config, layout, lora, names, safetensors_io
 from maxshard.convert.families import Family
@@ -167,7 +168,7 @@ def export(step_dir: str, hf_dir: str, max_shard_size: str = "5GB", dtype: str |
            adapters_only: bool = False) -> Result:
     """Writes HF_DIR from a checkpoint step directory (converted or trained). A LoRA run's step is exported with
     its adapters merged into the base's weights, or with `adapters_only` as PEFT's adapter files."""
-    saved = orbax_io.read_config(step_dir)
+    saved = checkpoint_format.read_config(step_dir)
     adapters, weights_dir = lora.adapters_of(step_dir, saved)
     if adapters_only and adapters is None:
         raise ConfigError(f"--adapters-only: {step_dir} is not a LoRA run's checkpoint (its lora_rank is 0)")

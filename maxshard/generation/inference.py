@@ -22,6 +22,7 @@ import jax
 from etils import epath
 from jax.sharding import Mesh
 
+from maxshard.checkpoint import format as checkpoint_format
 from maxshard.checkpoint import params as checkpoint_params
 
 from maxshard.run import loading
@@ -43,7 +44,7 @@ def find_checkpoint(cfg: Config) -> str:
     """`load_parameters_path`, else the latest committed step of this run (base_output_directory/run_name). A LoRA
     run's load_parameters_path is its frozen base: its own latest step (the adapters) is what it samples from."""
     if cfg.load_parameters_path:
-        if not (epath.Path(cfg.load_parameters_path) / "state").exists():
+        if not (epath.Path(cfg.load_parameters_path) / checkpoint_format.STATE).exists():
             raise ConfigError(f"load_parameters_path={cfg.load_parameters_path} is not a checkpoint step directory "
                               "(no state/ in it; e.g. runs/NAME/checkpoints/100)")
         if not (cfg.lora_rank and not saved_config(cfg.load_parameters_path).get("lora_rank")):
@@ -57,11 +58,8 @@ def find_checkpoint(cfg: Config) -> str:
 
 
 def saved_config(step_dir: str) -> dict[str, Any]:
-    """The JSON of the Config that wrote the checkpoint (its `config` item)."""
-    saved = checkpoint_params.saved_config(step_dir)
-    if not saved:
-        raise ConfigError(f"{step_dir} has no config item: not a maxshard checkpoint")
-    return saved
+    """The JSON of the Config that wrote the checkpoint (its `config` item); one error line when it has none."""
+    return checkpoint_format.read_config(step_dir)
 
 
 def with_saved_model(cfg: Config, saved: dict[str, Any]) -> Config:
@@ -94,7 +92,7 @@ def restore_params(step_dir: str, cfg: Config, mesh: Mesh, rules: sharding.FlaxR
     shardings = sharding.tree_shardings(boxed, mesh, rules)
     target = jax.tree.map(lambda b, s: jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=s), nn.unbox(boxed), shardings)
     trained = trainable.trainable_subset(target, model)
-    params = checkpoint_params.read_params(epath.Path(step_dir) / "state", trained, f"checkpoint {step_dir}")
+    params = checkpoint_params.read_params(epath.Path(step_dir) / checkpoint_format.STATE, trained, f"checkpoint {step_dir}")
     if trainable.trains_everything(model):
         return params
     if not base_path:

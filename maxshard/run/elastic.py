@@ -25,10 +25,10 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Iterator
-from typing import Any
 
 from etils import epath
 
+from maxshard.checkpoint import format as checkpoint_format
 from maxshard.config import Config
 
 from maxshard.errors import ConfigError
@@ -59,22 +59,11 @@ def saved_layout(checkpoint_dir: str) -> SavedLayout | None:
         return None
     steps = sorted((int(p.name) for p in directory.iterdir() if _STEP_NAME.fullmatch(p.name)), reverse=True)
     for step in steps:
-        saved = _read_config(directory / str(step) / "config")
+        saved = checkpoint_format.read_config_or_none(directory / str(step))
         if saved is not None:
             return SavedLayout(step, int(saved["global_batch_size"]), int(saved["num_devices"]),
                                int(saved.get("num_processes", 1)), int(saved.get("gradient_accumulation_steps", 1)))
     return None
-
-
-def _read_config(item: epath.Path) -> dict[str, Any] | None:
-    import orbax.checkpoint as ocp  # deferred: loading a config must not import orbax unless a run resumes
-
-    if not (item / "metadata").exists():
-        return None
-    try:
-        return ocp.JsonCheckpointHandler().restore(item)
-    except (OSError, ValueError):  # a damaged item: the resume walks back past its step anyway
-        return None
 
 
 def keep_global_batch(cfg: Config, saved: SavedLayout) -> Config | None:

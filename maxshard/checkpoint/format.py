@@ -1,0 +1,58 @@
+"""What a maxshard checkpoint step directory holds, in one place: its item names and its config item.
+
+A step directory `<checkpoint_dir>/<step>/` has three orbax items: `state` (the train state, or a LoRA run's
+adapters and their moments), `data` (every process's input position) and `config` (the run's Config as JSON, so
+generation, conversion and an elastic resume read the model keys and the layout that trained it). The trainer,
+the converter (`from_hf` writes a step of its own) and every reader go through here, so the names and the JSON
+form cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from etils import epath
+
+from maxshard.errors import ConfigError
+
+__all__ = ["STATE", "DATA", "CONFIG", "ITEMS", "config_json", "write_config", "read_config", "read_config_or_none"]
+
+STATE, DATA, CONFIG = "state", "data", "config"
+ITEMS = (STATE, DATA, CONFIG)
+
+
+def config_json(cfg: Any) -> dict[str, Any]:
+    """A Config as the JSON a step stores (values JSON lacks, such as dtypes, as text)."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+
+
+def write_config(step_dir: epath.PathLike, cfg: Any) -> None:
+    """The config item of a step written outside a CheckpointManager (a converted model's step)."""
+    import orbax.checkpoint as ocp  # deferred: loading a run's config must not import orbax
+
+    item = epath.Path(step_dir) / CONFIG
+    ocp.Checkpointer(ocp.JsonCheckpointHandler()).save(item, args=ocp.args.JsonSave(config_json(cfg)))
+
+
+def read_config(step_dir: epath.PathLike) -> dict[str, Any]:
+    """The saved Config (as JSON) of a step directory; ConfigError (one line) when it is not a maxshard step."""
+    saved = read_config_or_none(step_dir)
+    if saved is None or not (epath.Path(step_dir) / STATE).exists():
+        raise ConfigError(f"{step_dir} is not a maxshard checkpoint step directory (it needs {STATE}/ and {CONFIG}/)")
+    return saved
+
+
+def read_config_or_none(step_dir: epath.PathLike) -> dict[str, Any] | None:
+    """The saved Config of a step, or None where the step has no readable config item (a step saved halfway, a
+    damaged one: an elastic resume walks back past it)."""
+    import orbax.checkpoint as ocp  # deferred, as above
+
+    item = epath.Path(step_dir) / CONFIG
+    if not (item / "metadata").exists():
+        return None
+    try:
+        return ocp.JsonCheckpointHandler().restore(item)
+    except (OSError, ValueError):
+        return None
