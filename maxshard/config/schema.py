@@ -64,6 +64,15 @@ def _derived(default: Any) -> Any:
     return dataclasses.field(default=default, metadata={"derived": True})
 
 
+_MODEL_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.default is not dataclasses.MISSING}
+
+
+def _model_default(key: str) -> Any:
+    """A model key's default, from `ModelConfig`, its one home: the run config copies the key into the model, so a
+    default written twice could disagree between a trained and a converted or generated model."""
+    return _MODEL_DEFAULTS[key]
+
+
 def _path(default: str = "") -> Any:
     """A filesystem path: `config.finalize` resolves a relative one against the working directory, once."""
     return dataclasses.field(default=default, metadata={"path": True})
@@ -119,32 +128,32 @@ class Config:
     override_model_config: bool = False
     vocab_size: int = 0
     vocab_size_multiple: int = 128
-    emb_dim: int = 128
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int = 4
-    head_dim: int = 32
-    mlp_dim: int = 512
-    max_target_length: int = 128
-    logits_via_embedding: bool = False
-    norm_epsilon: float = 1e-6
-    qk_norm: bool = False
-    rope_max_timescale: float = 10000.0
-    rope_scaling_type: Literal["none", "llama3"] = "none"
-    rope_scaling_factor: float = 8.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_position: int = 8192
+    emb_dim: int = _model_default("emb_dim")
+    num_layers: int = _model_default("num_layers")
+    num_heads: int = _model_default("num_heads")
+    num_kv_heads: int = _model_default("num_kv_heads")
+    head_dim: int = _model_default("head_dim")
+    mlp_dim: int = _model_default("mlp_dim")
+    max_target_length: int = _model_default("max_target_length")
+    logits_via_embedding: bool = _model_default("logits_via_embedding")
+    norm_epsilon: float = _model_default("norm_epsilon")
+    qk_norm: bool = _model_default("qk_norm")
+    rope_max_timescale: float = _model_default("rope_max_timescale")
+    rope_scaling_type: Literal["none", "llama3"] = _model_default("rope_scaling_type")
+    rope_scaling_factor: float = _model_default("rope_scaling_factor")
+    rope_low_freq_factor: float = _model_default("rope_low_freq_factor")
+    rope_high_freq_factor: float = _model_default("rope_high_freq_factor")
+    rope_original_max_position: int = _model_default("rope_original_max_position")
     dtype: DType = "auto"
-    weight_dtype: DType = "float32"
+    weight_dtype: DType = _model_default("weight_dtype")
     quantization: Quantization = "none"
-    scan_layers: bool = True
+    scan_layers: bool = _model_default("scan_layers")
     remat_policy: RematPolicy = "auto"
     memory_headroom: float = 0.1
     device_memory_gb: float = 0.0
     attention: Attention = "auto"
-    attention_block_q: int = 512
-    attention_block_kv: int = 512
+    attention_block_q: int = _model_default("attention_block_q")
+    attention_block_kv: int = _model_default("attention_block_kv")
     loss_chunks: int = 0
 
     # ---- training
@@ -192,23 +201,23 @@ class Config:
     distributed_timeout: int = 300
 
     # ---- moe
-    num_experts: int = 1
-    num_experts_per_tok: int = 1
-    capacity_factor: float = 1.25
-    moe_layer_interval: int = 1
-    moe_group_size: int = 0
+    num_experts: int = _model_default("num_experts")
+    num_experts_per_tok: int = _model_default("num_experts_per_tok")
+    capacity_factor: float = _model_default("capacity_factor")
+    moe_layer_interval: int = _model_default("moe_layer_interval")
+    moe_group_size: int = _model_default("moe_group_size")
     moe_dropless_impl: Literal["auto", "ragged_dot", "tiled", "dense"] = "auto"
     moe_exchange: Literal["auto", "all_to_all", "ragged"] = "auto"
-    moe_ragged_buffer_factor: float = 0.0
-    num_shared_experts: int = 0
-    moe_renormalize_top_k: bool = True
+    moe_ragged_buffer_factor: float = _model_default("moe_ragged_buffer_factor")
+    num_shared_experts: int = _model_default("num_shared_experts")
+    moe_renormalize_top_k: bool = _model_default("moe_renormalize_top_k")
     load_balance_loss_weight: float = 0.01
     router_z_loss_weight: float = 0.001
 
     # ---- LoRA (maxshard/model/layers/lora.py): adapters train, the base parameters of load_parameters_path stay frozen
-    lora_rank: int = 0
-    lora_alpha: float = 16.0
-    lora_targets: tuple[str, ...] = ("q", "k", "v", "o")
+    lora_rank: int = _model_default("lora_rank")
+    lora_alpha: float = _model_default("lora_alpha")
+    lora_targets: tuple[str, ...] = _model_default("lora_targets")
 
     # ---- pipeline
     num_layers_per_pipeline_stage: int = 1

@@ -5,7 +5,8 @@ is loaded (`maxshard.run.loading`), and the `Transformer` and every layer take o
 So a model can be built, initialised and applied with no mesh, data or checkpoint settings in sight: generation,
 checkpoint conversion and tests build it from the same type.
 
-Field names equal the run config's model keys, so `cfg.model.emb_dim` reads like `cfg.emb_dim`. This module imports
+Field names equal the run config's model keys, so `cfg.model.emb_dim` reads like `cfg.emb_dim`, and their defaults
+are the run config's (config/schema.py reads them from here). This module imports
 nothing else of maxshard: it sits below both the config loader and the layers.
 """
 
@@ -104,7 +105,7 @@ class ModelConfig:
     norm_epsilon: float = 1e-6
     qk_norm: bool = False  # RMSNorm over head_dim of each query and key head before RoPE (Qwen3)
     rope_max_timescale: float = 10000.0
-    rope_scaling_type: str = "none"  # "none" or "llama3"; the five rope_* defaults equal config_schema's
+    rope_scaling_type: str = "none"  # "none" or "llama3"
     rope_scaling_factor: float = 8.0
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
