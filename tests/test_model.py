@@ -12,6 +12,7 @@ from maxshard import data
 
 from maxshard.run import loading
 
+from maxshard.model import flops as model_flops
 from maxshard.model import transformer as model
 
 from maxshard.model import remat
@@ -27,7 +28,7 @@ def test_flops_per_token_by_hand():
     head = 64 * 384  # 24576
     matmul = 2 * (attention_kernels + mlp_kernels) + head  # 98304
     attention = 6 * 2 * 32 * 4 * 16 / 2 * 2  # 3 (fwd+bwd) x 2 matmuls x 2 FLOP x L x H x D / 2 (causal), per layer
-    assert model.flops_per_token(cfg.model) == 6 * matmul + attention == 614400
+    assert model_flops.flops_per_token(cfg.model) == 6 * matmul + attention == 614400
 
 
 def test_matmul_params_are_the_kernels_of_the_real_model():
@@ -35,7 +36,7 @@ def test_matmul_params_are_the_kernels_of_the_real_model():
     cfg = tiny_config("num_kv_heads=2")
     embedding = cfg.vocab_size * cfg.emb_dim
     norms = (2 * cfg.num_layers + 1) * cfg.emb_dim
-    assert model.param_count(cfg.model) == model.matmul_params(cfg.model) + embedding + norms
+    assert model.param_count(cfg.model) == model_flops.matmul_params(cfg.model) + embedding + norms
     tied = dataclasses.replace(cfg.model, logits_via_embedding=True)
     assert model.param_count(tied) == model.param_count(cfg.model) - cfg.emb_dim * cfg.vocab_size
 

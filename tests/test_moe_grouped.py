@@ -19,7 +19,8 @@ import pytest
 
 from maxshard.run import loading
 
-from maxshard.model import transformer as model
+from maxshard.model import flops as model_flops
+
 
 from maxshard.parallel import sharding
 from maxshard.errors import ConfigError
@@ -201,8 +202,8 @@ def test_flops_count_shared_experts():
     shared = tiny_config("num_experts=8", "num_experts_per_tok=2", "moe_layer_interval=2", "num_shared_experts=2",
                          num_devices=1)
     mlp = 3 * 64 * 128
-    assert model.matmul_params(shared.model) - model.matmul_params(base.model) == 1 * 2 * mlp  # 1 MoE layer of 2
-    assert model.flops_per_token(shared.model) - model.flops_per_token(base.model) == 6 * 2 * mlp
+    assert model_flops.matmul_params(shared.model) - model_flops.matmul_params(base.model) == 1 * 2 * mlp  # 1 MoE layer of 2
+    assert model_flops.flops_per_token(shared.model) - model_flops.flops_per_token(base.model) == 6 * 2 * mlp
 
 
 @pytest.mark.parametrize("override, message", [

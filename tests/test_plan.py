@@ -330,7 +330,7 @@ def test_moe_dropping_flops_match_what_xla_counts() -> None:
 
 
 def test_lora_flops_match_what_xla_counts() -> None:
-    """LoRA's training FLOPs (`model.flops_per_token`): the frozen weights skip their weight-gradient matmuls (4 x
+    """LoRA's training FLOPs (`flops.flops_per_token`): the frozen weights skip their weight-gradient matmuls (4 x
     their params per token instead of 6) and the adapters add theirs. Planned vs XLA's cost analysis of the compiled
     step, layers unrolled (XLA counts a loop body once). Measured on jax 0.10.2: LoRA on every projection 32.2M
     planned / 34.4M compiled (XLA also counts elementwise work, and skips the first layer's input gradients, which

@@ -20,7 +20,8 @@ from helpers import mesh_for, tiny_config
 from maxshard import config, data
 from maxshard.observe import console
 from maxshard.run import loading
-from maxshard.model import transformer as model
+from maxshard.model import flops as model_flops
+
 from maxshard.observe import perf
 from maxshard.model import quantization
 from maxshard.errors import ConfigError
@@ -260,8 +261,8 @@ def test_under_lora_the_quantized_share_counts_the_frozen_kernels_without_weight
     lora = _plan("h100-80gb-8", "quantization=int8", "lora_rank=8").cfg.model
     quantized = quantization.quantized_matmul_params(plain)
     assert quantization.quantized_matmul_params(lora) == quantized
-    assert quantization.quantized_share(lora) == pytest.approx(4 * quantized / model.flops_per_token(lora))
-    assert quantization.quantized_share(plain) == pytest.approx(6 * quantized / model.flops_per_token(plain))
+    assert quantization.quantized_share(lora) == pytest.approx(4 * quantized / model_flops.flops_per_token(lora))
+    assert quantization.quantized_share(plain) == pytest.approx(6 * quantized / model_flops.flops_per_token(plain))
 
 
 def test_a_chip_without_the_8_bit_peak_counts_the_quantized_matmuls_at_bf16() -> None:

@@ -54,7 +54,7 @@ from maxshard.model.attention_choice import platform_of
 from maxshard.config.schema import Config
 from maxshard.errors import ConfigError
 from maxshard.model.layers import lora
-from maxshard.model.transformer import flops_per_token
+from maxshard.model.flops import flops_per_token, matmuls
 from maxshard.model.config import ModelConfig
 
 __all__ = ["MODES", "Recipe", "RECIPES", "RULES", "check", "quantize", "rules", "quantized_matmul_params",
@@ -119,14 +119,12 @@ def quantize(model: Any, mode: str) -> Any:
 
 
 def quantized_matmul_params(cfg: ModelConfig) -> int:
-    """Parameters per token whose matmuls `RULES` quantize (the counterpart of `model.matmul_params`): every layer's
+    """Parameters per token whose matmuls `RULES` quantize (a subset of `flops.matmul_params`): every layer's
     q/k/v/out projections, the dense layers' MLP, and in MoE layers the shared experts plus, when they run as
     ragged_dot, the k routed experts a token visits. Not the head, the router or the embedding."""
-    attn = cfg.emb_dim * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
-    mlp = 3 * cfg.emb_dim * cfg.mlp_dim
-    routed = cfg.num_experts_per_tok if _ragged_experts(cfg) else 0
-    moe = (routed + cfg.num_shared_experts) * mlp
-    return cfg.num_layers * attn + (cfg.num_layers - cfg.num_moe_layers) * mlp + cfg.num_moe_layers * moe
+    m = matmuls(cfg)
+    routed = m.routed_experts if _ragged_experts(cfg) else 0
+    return m.qkv + m.out + m.dense_mlp + m.shared_experts + routed
 
 
 def _ragged_experts(cfg: ModelConfig) -> bool:
@@ -135,7 +133,7 @@ def _ragged_experts(cfg: ModelConfig) -> bool:
 
 
 def quantized_share(cfg: ModelConfig) -> float:
-    """The share of the model's training FLOPs (`model.flops_per_token`) that run in 8 bits: the quantized matmul
+    """The share of the model's training FLOPs (`flops.flops_per_token`) that run in 8 bits: the quantized matmul
     parameters per token x 6 (forward 2, backward 4), or x 4 under LoRA, whose frozen kernels get no weight gradient
     (as `flops_per_token` counts them), over all of them. The head, the router, attention's scores and the LoRA
     adapters stay in the compute dtype."""

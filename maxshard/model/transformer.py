@@ -25,8 +25,7 @@ from maxshard.model.layers.norms import RMSNorm
 from maxshard.model.config import ModelConfig
 from maxshard.parallel.sharding import constrain
 
-__all__ = ["Transformer", "init_params", "count_params", "param_count", "flops_per_token", "lora_matmul_params",
-           "abstract_params", "apply_with_stats"]
+__all__ = ["Transformer", "init_params", "count_params", "param_count", "abstract_params", "apply_with_stats"]
 
 
 class Transformer(nn.Module):
@@ -126,42 +125,3 @@ def count_params(params: Any) -> int:
 def param_count(cfg: ModelConfig) -> int:
     """Total number of parameters of the model (traces it; a run counts the abstract state it already holds)."""
     return count_params(abstract_params(cfg))
-
-
-def matmul_params(cfg: ModelConfig) -> int:
-    """Parameters that take part in a matmul per token: every kernel, plus the output head (tied or not).
-
-    An MoE layer counts the MLPs of the k experts a token is routed to and of its shared experts, plus the router
-    [embed, experts].
-    """
-    attn = cfg.emb_dim * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
-    mlp = 3 * cfg.emb_dim * cfg.mlp_dim
-    experts = cfg.num_experts_per_tok + cfg.num_shared_experts
-    moe_extra = (experts - 1) * mlp + cfg.emb_dim * cfg.num_experts  # per MoE layer, beyond one MLP
-    return cfg.num_layers * (attn + mlp) + cfg.num_moe_layers * moe_extra + cfg.emb_dim * cfg.vocab_size
-
-
-def lora_matmul_params(cfg: ModelConfig) -> int:
-    """LoRA adapter parameters that take part in a matmul per token: rank x (in + out) per targeted projection,
-    attention's in every layer, the MLP's in dense layers only (experts take none)."""
-    if not cfg.lora_rank:
-        return 0
-    e, q, kv, f = cfg.emb_dim, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.mlp_dim
-    widths = {"q": e + q, "k": e + kv, "v": e + kv, "o": q + e, "gate": e + f, "up": e + f, "down": f + e}
-    attention = sum(widths[t] for t in cfg.lora_targets if t in ("q", "k", "v", "o"))
-    mlp = sum(widths[t] for t in cfg.lora_targets if t in ("gate", "up", "down"))
-    return cfg.lora_rank * (cfg.num_layers * attention + (cfg.num_layers - cfg.num_moe_layers) * mlp)
-
-
-def flops_per_token(cfg: ModelConfig) -> float:
-    """Training FLOPs per token: 6 x matmul params (forward 2, backward 4) + attention scores and values.
-
-    Attention per layer and token: q.k and p.v are each 2 x length x heads x head_dim FLOPs forward; the causal
-    mask halves them, and training triples the forward: 3 x 2 x 2 x length x heads x head_dim / 2.
-    With LoRA the frozen weights need no weight gradient: 4 x their matmul params (forward 2, input gradient 2),
-    and 6 x the adapters'.
-    """
-    attention = 6 * cfg.num_layers * cfg.max_target_length * cfg.num_heads * cfg.head_dim
-    if not cfg.lora_rank:
-        return 6 * matmul_params(cfg) + attention
-    return 4 * matmul_params(cfg) + 6 * lora_matmul_params(cfg) + attention

@@ -18,7 +18,7 @@ from maxshard.observe import perf
 from maxshard.model import quantization
 from maxshard.config import Config
 from maxshard.observe.metrics import MetricsWriter, StepValues, memory_stats
-from maxshard.model.transformer import flops_per_token
+from maxshard.model.flops import flops_per_token
 from maxshard.units import format_bytes, format_count, format_duration, format_flops
 
 __all__ = ["format_progress", "format_startup_summary", "startup_figures", "print_startup", "StepLogger"]

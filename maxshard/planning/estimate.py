@@ -1,7 +1,7 @@
 """A plan for a config on a target: memory per device, collectives per mesh axis, pipeline bubble, roofline time.
 
-Roofline. Compute time = hardware FLOPs per device / peak, where hardware FLOPs = (model FLOPs (`model.py`, forward
-+ backward) + what token dropping pads and dispatches (`moe_dropping_flops`)) x (1 + the share of forward FLOPs the
+Roofline. Compute time = hardware FLOPs per device / peak, where hardware FLOPs = (model FLOPs (`model/flops.py`,
+forward + backward) + what token dropping pads and dispatches (`moe_dropping_flops`)) x (1 + the share of forward FLOPs the
 remat policy recomputes / 3) (`remat_factors`: 4/3 for full, 1 for none, and for minimal unless it re-runs a fused
 attention), divided by (1 - bubble) under a pipeline. The peak is the bf16 one, or for a quantized run
 (`quantization: int8 | fp8`) the mix of the chip's 8-bit peak for the quantized share of the FLOPs and its bf16 peak
@@ -28,6 +28,7 @@ import numpy as np
 
 from maxshard.parallel import mesh
 
+from maxshard.model import flops
 from maxshard.model import transformer as model
 
 from maxshard.model import quantization
@@ -144,9 +145,9 @@ def _axis_times(collectives: list[Collective], ici: dict, dcn: dict, link: hardw
 
 def remat_factors(cfg: Config) -> dict[str, float]:
     """Hardware / model FLOPs of every remat policy: the backward pass re-runs the forward FLOPs a policy did not save,
-    one third of training FLOPs if it re-ran all of them (full). Per layer and token, forward: q/k/v projections
-    2E(Q + 2K), output projection 2QE, attention 2LQ (causal q.k and p.v), MLP 6EF (dense MLP; an MoE layer's routed
-    experts count as k dense MLPs). Each policy recomputes the parts of the layer its row of maxshard/model/remat.py names
+    one third of training FLOPs if it re-ran all of them (full). The forward FLOPs of the decoder stack by part come
+    from the model's one inventory (`flops.layer_flops`: q/k/v projections, output projection, attention, MLP with an
+    MoE layer's routed and shared experts and router). Each policy recomputes the parts of the layer its row of maxshard/model/remat.py names
     (`recomputes`), and every policy but none re-runs a fused attention kernel (blockwise, cudnn, splash, ring: not a
     matmul that a policy keeps):
         none                 nothing
@@ -156,15 +157,13 @@ def remat_factors(cfg: Config) -> dict[str, float]:
         save_out_proj        q/k/v projections, attention and MLP
         full                 everything (offload_full alike)
     """
-    e, q, kv, length = cfg.emb_dim, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.max_target_length
-    mlp = 6 * e * cfg.mlp_dim * (cfg.num_experts_per_tok if cfg.model.is_moe else 1)
-    flops = {"qkv": 2 * e * (q + 2 * kv), "out": 2 * q * e, "attention": 2 * length * q, "mlp": mlp}
+    parts = flops.layer_flops(cfg.model)
     fused = memory.widths(cfg, mesh.axis_sizes(cfg)).fused
-    layer = sum(flops.values())
+    layer = sum(parts.values())
     factors = {}
     for p in remat.POLICIES:
-        parts = set(p.recomputes) | ({"attention"} if fused and p.keeps != "everything" else set())
-        factors[p.name] = 1 + sum(flops[part] for part in parts) / layer / 3
+        recomputed = set(p.recomputes) | ({"attention"} if fused and p.keeps != "everything" else set())
+        factors[p.name] = 1 + sum(parts[part] for part in recomputed) / layer / 3
     return factors
 
 
@@ -210,7 +209,7 @@ def make_plan(cfg: Config, target: Target | None = None) -> Plan:
     gathered = traffic.gathered_unit_bytes(cfg, report, sizes, geo)
     terms = memory.activation_terms(cfg, sizes, geo, gathered, report.gradient_bytes_per_device,
                                     report.param_bytes_per_device)
-    model_flops = model.flops_per_token(cfg.model) * cfg.global_batch_size * cfg.max_target_length / cfg.num_devices
+    model_flops = flops.flops_per_token(cfg.model) * cfg.global_batch_size * cfg.max_target_length / cfg.num_devices
     return Plan(
         cfg=cfg,
         target=target,

@@ -1,0 +1,93 @@
+"""One inventory of a model's matmuls per token, by part of the layer: the model's FLOP count, the remat policies'
+recompute cost, the 8-bit share of a quantized run and the LoRA count all read it.
+
+Why one: the planner's recompute factors and the model's FLOPs were two hand-written copies, and the second one
+missed the shared experts, the router and `moe_layer_interval` (an MoE model whose dense layers have one MLP).
+Parts are named as the remat table names what a policy recomputes (`maxshard/model/remat.py`: qkv, out, attention,
+mlp), so a policy's cost is a sum over this inventory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from maxshard.model.config import ModelConfig
+
+__all__ = ["Matmuls", "matmuls", "attention_flops", "layer_flops", "matmul_params", "lora_matmul_params",
+           "flops_per_token"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Matmuls:
+    """Parameters per token that take part in a matmul, summed over the decoder stack, by part (x 2 = forward FLOPs).
+
+    An MoE layer's MLP is the k routed experts a token visits, its shared experts and the router [embed, experts];
+    a dense layer's is one MLP (gate, up, down)."""
+
+    qkv: int
+    out: int
+    dense_mlp: int
+    routed_experts: int
+    shared_experts: int
+    router: int
+    head: int  # the output projection (tied to the embedding or not)
+
+    @property
+    def mlp(self) -> int:
+        return self.dense_mlp + self.routed_experts + self.shared_experts + self.router
+
+    @property
+    def total(self) -> int:
+        return self.qkv + self.out + self.mlp + self.head
+
+
+def matmuls(cfg: ModelConfig) -> Matmuls:
+    e, q, kv = cfg.emb_dim, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    mlp = 3 * e * cfg.mlp_dim
+    moe_layers = cfg.num_moe_layers
+    return Matmuls(qkv=cfg.num_layers * e * (q + 2 * kv), out=cfg.num_layers * q * e,
+                   dense_mlp=(cfg.num_layers - moe_layers) * mlp,
+                   routed_experts=moe_layers * cfg.num_experts_per_tok * mlp,
+                   shared_experts=moe_layers * cfg.num_shared_experts * mlp,
+                   router=moe_layers * e * cfg.num_experts, head=e * cfg.vocab_size)
+
+
+def attention_flops(cfg: ModelConfig) -> int:
+    """Forward FLOPs per token of attention's scores and values over the stack: q.k and p.v are each 2 x length x
+    heads x head_dim, and the causal mask halves them."""
+    return cfg.num_layers * 2 * cfg.max_target_length * cfg.num_heads * cfg.head_dim
+
+
+def layer_flops(cfg: ModelConfig) -> dict[str, int]:
+    """Forward FLOPs per token of the decoder stack by the parts a remat policy recomputes (the head is not one)."""
+    m = matmuls(cfg)
+    return {"qkv": 2 * m.qkv, "out": 2 * m.out, "attention": attention_flops(cfg), "mlp": 2 * m.mlp}
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Parameters that take part in a matmul per token: every kernel a token meets, plus the output head."""
+    return matmuls(cfg).total
+
+
+def lora_matmul_params(cfg: ModelConfig) -> int:
+    """LoRA adapter parameters that take part in a matmul per token: rank x (in + out) per targeted projection,
+    attention's in every layer, the MLP's in dense layers only (experts take none)."""
+    if not cfg.lora_rank:
+        return 0
+    e, q, kv, f = cfg.emb_dim, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.mlp_dim
+    widths = {"q": e + q, "k": e + kv, "v": e + kv, "o": q + e, "gate": e + f, "up": e + f, "down": f + e}
+    attention = sum(widths[t] for t in cfg.lora_targets if t in ("q", "k", "v", "o"))
+    mlp = sum(widths[t] for t in cfg.lora_targets if t in ("gate", "up", "down"))
+    return cfg.lora_rank * (cfg.num_layers * attention + (cfg.num_layers - cfg.num_moe_layers) * mlp)
+
+
+def flops_per_token(cfg: ModelConfig) -> float:
+    """Training FLOPs per token: 6 x matmul params (forward 2, backward 4) + 3 x attention's forward.
+
+    With LoRA the frozen weights need no weight gradient: 4 x their matmul params (forward 2, input gradient 2),
+    and 6 x the adapters'.
+    """
+    attention = 3 * attention_flops(cfg)
+    if not cfg.lora_rank:
+        return 6 * matmul_params(cfg) + attention
+    return 4 * matmul_params(cfg) + 6 * lora_matmul_params(cfg) + attention
