@@ -134,3 +134,24 @@ def test_an_offload_policy_needs_its_host_bytes_in_host_memory():
     fits, line = fit.verdict(explicit, room)
     assert not fits and line.startswith("fit: no, ") and "of host memory usable per device" in line
     assert fit.decide(dataclasses.replace(explicit, remat_policy="auto"), room).policy == "offload_full"
+
+
+def test_the_layout_search_turns_to_offload_policies_only_when_nothing_else_fits():
+    """The search's last pass (maxshard/run/search.py): with room for a policy that keeps everything on the device it
+    suggests none that offloads; with room only below every such policy's peak it runs the offload policies and
+    suggests them. The mesh is pinned on the command line, so each pass plans a handful of layouts."""
+    pinned = [*PRESET, "ici_fsdp_parallelism=8", "ici_data_parallelism=1", "ici_tensor_parallelism=1",
+              "ici_sequence_parallelism=1", "ici_context_parallelism=1", "ici_tensor_sequence_parallelism=1",
+              "ici_pipeline_parallelism=1"]
+    peaks = fit.peaks_by_policy(load_for_target([*pinned, "remat_policy=auto"], V5E_8))
+    on_device = min(peak for name, peak in peaks.items() if not remat.policy(name).offloads)
+    hbm = search.capacity_bytes(V5E_8, headroom=0.0)
+
+    roomy = search.search(pinned, V5E_8, headroom=0.1)
+    assert roomy.fitting and not any(remat.policy(c.layout.remat_policy).offloads for c in roomy.fitting)
+
+    between = (peaks["offload_full"] + on_device) / 2
+    tight = search.search(pinned, V5E_8, headroom=1 - between / hbm)
+    assert tight.fitting and all(remat.policy(c.layout.remat_policy).offloads for c in tight.fitting)
+    assert {c.layout.remat_policy for c in tight.fitting} >= {"offload_full"}
+    assert all(c.plan.host_bytes > 0 and c.peak <= tight.capacity for c in tight.fitting)
