@@ -105,6 +105,15 @@ def test_rule_order_decides_and_a_mesh_axis_is_used_once() -> None:
     assert sharding.logical_to_spec((None, "b"), rules) == P(None, "x")
 
 
+def test_mesh_axes_of_a_name_depend_on_its_array() -> None:
+    rules = (("length", ("y",)), ("heads", ("x", "y")), ("heads", "x"), ("kv", None))
+    assert sharding.mesh_axes(("heads", "kv"), rules) == (("x", "y"), ())  # alone: the first rule applies
+    assert sharding.mesh_axes(("length", "heads", "kv"), rules) == (("y",), ("x",), ())  # y taken: the fallback
+    assert sharding.axes_of("heads", ("length", "heads"), rules) == ("x",)
+    assert sharding.mesh_axes(("heads",), rules, {"x": 1, "y": 4}) == (("y",),)  # size-1 axes left out
+    assert sharding.partition_spec(sharding.mesh_axes(("length", "kv", "heads"), rules)) == P("y", None, "x")
+
+
 def test_unknown_logical_name_is_a_config_error_naming_it() -> None:
     _, sizes, rules = setup()
     with pytest.raises(ConfigError, match=r"w_x: logical axis 'embedd' has no rule in logical_axis_rules"):
