@@ -50,11 +50,6 @@ from maxshard.model.layers import blockwise_attention as bw
 __all__ = ["context_axes", "context_size", "to_balanced", "from_balanced", "ring_attend",
            "manual_over_batch_and_heads", "balanced_order"]
 
-_Q_AXES = (ax.BATCH, ax.ATTN_LENGTH, ax.ATTN_HEADS, ax.ACT_KV)
-_KV_AXES = (ax.BATCH, ax.ATTN_LENGTH, ax.ATTN_KV_HEADS, ax.ACT_KV)
-_SEGMENT_AXES = (ax.BATCH, ax.ATTN_LENGTH)
-
-
 def _mesh_sizes() -> dict[str, int]:
     mesh = jax.sharding.get_abstract_mesh()
     return {} if mesh.empty else dict(mesh.shape)
@@ -110,7 +105,7 @@ def manual_over_batch_and_heads(fn: Callable, q, k, v, q_segment_ids, kv_segment
     Without an active mesh (a plain call, a test) `fn` runs on the whole arrays."""
     if not _mesh_sizes() or not nn.get_logical_axis_rules():
         return fn(q, k, v, q_segment_ids, kv_segment_ids)
-    q_spec, kv_spec, seg_spec = _specs(_Q_AXES, _KV_AXES, _SEGMENT_AXES)
+    q_spec, kv_spec, seg_spec = _specs(ax.ATTN_QUERY, ax.ATTN_KEY_VALUE, ax.ATTN_SEGMENTS)
     mapped = jax.shard_map(fn, in_specs=(q_spec, kv_spec, kv_spec, seg_spec, seg_spec), out_specs=q_spec,
                            check_vma=False)
     return mapped(q, k, v, q_segment_ids, kv_segment_ids)
@@ -191,7 +186,7 @@ def ring_attend(q, k, v, q_segment_ids, kv_segment_ids, block_q: int, block_kv: 
         out = _ring(qg, k, v, q_seg, kv_seg, axis, shards, block_q, block_kv)
         return out.reshape(b, length, heads, dim)
 
-    q_spec, kv_spec, seg_spec = _specs(_Q_AXES, _KV_AXES, _SEGMENT_AXES)
+    q_spec, kv_spec, seg_spec = _specs(ax.ATTN_QUERY, ax.ATTN_KEY_VALUE, ax.ATTN_SEGMENTS)
     mapped = jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec, seg_spec, seg_spec), out_specs=q_spec,
                            check_vma=False)
     return mapped(q, k, v, q_segment_ids, kv_segment_ids)
