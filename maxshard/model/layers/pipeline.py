@@ -64,7 +64,7 @@ import numpy as np
 
 from maxshard.parallel import axis_names as ax
 from maxshard.model.config import ModelConfig, PipelineShape
-from maxshard.parallel.sharding import constrain
+from maxshard.parallel.sharding import axes_of, constrain
 
 __all__ = ["to_scanned", "from_scanned", "Pipeline"]
 
@@ -167,11 +167,11 @@ def _select_repeat(leaf: jax.Array, repeat: jax.Array) -> jax.Array:
     return jax.vmap(pick, in_axes=(1, 0))(leaf, repeat)
 
 
-def _stage_mesh_axes() -> str | tuple[str, ...] | None:
-    """Mesh axes of "activation_stage" under the active rules: vmap over stages must keep that dimension sharded
-    (without `spmd_axis_name` the layers' sharding constraints would replicate it)."""
+def _stage_mesh_axes() -> tuple[str, ...] | None:
+    """Mesh axes of the stage dimension of ax.PIPELINE_STATE under the active rules: vmap over stages must keep
+    that dimension sharded (without `spmd_axis_name` the layers' sharding constraints would replicate it)."""
     rules = nn.get_logical_axis_rules()
-    return nn.logical_to_mesh_axes((ax.ACT_STAGE,), rules)[0] if rules else None
+    return (axes_of(ax.ACT_STAGE, ax.PIPELINE_STATE, rules) or None) if rules else None
 
 
 # --------------------------------------------------------------------------------------------- the module
