@@ -40,7 +40,7 @@ from maxshard import plan as plan_cli
 from maxshard.parallel import axis_names as ax
 from maxshard.planning import compiled, estimate
 from maxshard.planning.collectives import count_collectives
-from maxshard.planning.traffic import rule_axes
+from maxshard.planning.axes import rule_axes
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -5,6 +5,7 @@ The module has the shapes of an MLP block: W_in [embed=64, mlp=256], W_out [mlp,
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -17,11 +18,13 @@ from jax.sharding import PartitionSpec as P
 
 from maxshard import config
 
+from maxshard.parallel import axis_names as ax
 from maxshard.parallel import mesh
 
 from maxshard.parallel import sharding
 from maxshard.config import Config
 from maxshard.errors import ConfigError
+from maxshard.planning.axes import rule_axes
 
 BASE = str(Path(__file__).resolve().parent.parent / "configs" / "base.yml")
 D, F = 64, 256  # embed, mlp
@@ -105,6 +108,15 @@ def test_rule_order_decides_and_a_mesh_axis_is_used_once() -> None:
     assert sharding.logical_to_spec((None, "b"), rules) == P(None, "x")
 
 
+def test_mesh_axes_of_a_name_depend_on_its_array() -> None:
+    rules = (("length", ("y",)), ("heads", ("x", "y")), ("heads", "x"), ("kv", None))
+    assert sharding.mesh_axes(("heads", "kv"), rules) == (("x", "y"), ())  # alone: the first rule applies
+    assert sharding.mesh_axes(("length", "heads", "kv"), rules) == (("y",), ("x",), ())  # y taken: the fallback
+    assert sharding.axes_of("heads", ("length", "heads"), rules) == ("x",)
+    assert sharding.mesh_axes(("heads",), rules, {"x": 1, "y": 4}) == (("y",),)  # size-1 axes left out
+    assert sharding.partition_spec(sharding.mesh_axes(("length", "kv", "heads"), rules)) == P("y", None, "x")
+
+
 def test_unknown_logical_name_is_a_config_error_naming_it() -> None:
     _, sizes, rules = setup()
     with pytest.raises(ConfigError, match=r"w_x: logical axis 'embedd' has no rule in logical_axis_rules"):
@@ -169,6 +181,23 @@ def test_constrain_shards_an_activation() -> None:
     with jax.set_mesh(m), nn.logical_axis_rules(rules):
         y = jax.jit(lambda x: sharding.constrain(x * 2, ("activation_batch", "activation_mlp")))(jnp.ones((8, 4)))
     assert {s.data.shape for s in y.addressable_shards} == {(2, 2)}  # batch over fsdp=4, mlp over tensor=2
+
+
+def test_planner_takes_the_rule_the_compiled_layout_takes() -> None:
+    """A first activation_heads rule that wants `sequence`, which activation_length (earlier in the table) takes
+    in the same array: Flax skips it for the next rule. The planner asks about the array, so it agrees with the
+    compiled layout (heads 2 ways over tensor); asked alone, as it once did, the name gets sequence x tensor."""
+    cfg, sizes, _ = setup("ici_fsdp_parallelism=2", "ici_sequence_parallelism=2", "ici_tensor_parallelism=2")
+    at = next(i for i, (name, _) in enumerate(cfg.logical_axis_rules) if name == ax.ACT_HEADS)
+    table = list(cfg.logical_axis_rules)
+    table.insert(at, (ax.ACT_HEADS, ("sequence", "tensor")))
+    cfg = dataclasses.replace(cfg, logical_axis_rules=tuple(table))
+    rules = sharding.flax_rules(cfg)
+    assert sharding.mesh_axes((ax.ACT_HEADS,), rules, sizes) == (("sequence", "tensor"),)
+    assert rule_axes(cfg, ax.ACT_HEADS, sizes) == ("tensor",)
+    with jax.set_mesh(mesh.build(cfg)), nn.logical_axis_rules(rules):
+        q = jax.jit(lambda x: sharding.constrain(x * 2, ax.QUERY))(jnp.ones((8, 8, 4, 2)))  # [batch, length, heads, d]
+    assert {s.data.shape for s in q.addressable_shards} == {(4, 4, 2, 2)}  # fsdp, sequence, tensor: 2 ways each
 
 
 def test_constrain_without_rules_checks_nothing() -> None:

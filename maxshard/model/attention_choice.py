@@ -33,11 +33,10 @@ from collections.abc import Mapping
 from maxshard.config.schema import Config
 
 from maxshard.errors import ConfigError
+from maxshard.parallel import axis_names as ax
+from maxshard.parallel.sharding import axes_of, flax_rules
 
 __all__ = ["platform_of", "resolve"]
-
-_HEAD_AXES = ("tensor", "tensor_sequence", "autoregressive", "sequence")  # activation_attn_heads in base.yml
-
 
 def platform_of(device_kind: str) -> str:
     """'tpu', 'nvidia', or 'cpu' (CPU and anything else: only the portable implementations)."""
@@ -121,12 +120,19 @@ def _check_explicit(cfg: Config, dtype: str, platform: str) -> None:
             raise ConfigError(f"attention=splash needs {problem}; use attention=blockwise (any length) or auto")
 
 
+def _head_shards(cfg: Config, sizes: Mapping[str, int], logical: str, array: tuple[str | None, ...]) -> int:
+    """How many ways the rules split the heads named `logical` of q, k or v inside attention (`array`)."""
+    return math.prod(sizes[a] for a in axes_of(logical, array, flax_rules(cfg), sizes))
+
+
 def _check_layout(cfg: Config, sizes: Mapping[str, int]) -> None:
-    heads = math.prod(sizes.get(a, 1) for a in _HEAD_AXES)
-    if sizes.get("sequence", 1) > 1 and (cfg.num_kv_heads % heads or cfg.num_heads % heads):
+    heads = _head_shards(cfg, sizes, ax.ATTN_HEADS, ax.ATTN_QUERY)
+    kv_heads = _head_shards(cfg, sizes, ax.ATTN_KV_HEADS, ax.ATTN_KEY_VALUE)
+    if sizes.get("sequence", 1) > 1 and (cfg.num_kv_heads % kv_heads or cfg.num_heads % heads):
+        ways = f"{heads}" if heads == kv_heads else f"{heads} and {kv_heads}"
         raise ConfigError(
             f"ici/dcn_sequence_parallelism={sizes['sequence']}: attention shards heads over sequence x tensor "
-            f"axes ({heads} ways), which must divide num_heads={cfg.num_heads} and num_kv_heads={cfg.num_kv_heads}; "
+            f"axes ({ways} ways), which must divide num_heads={cfg.num_heads} and num_kv_heads={cfg.num_kv_heads}; "
             "use context parallelism (ici_context_parallelism) for models with few kv heads"
         )
     context = sizes.get("context", 1)

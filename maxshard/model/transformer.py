@@ -52,7 +52,7 @@ class Transformer(nn.Module):
 
     def hidden(self, inputs: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
         """[batch, length] ids -> the normalised last residual stream [batch, length, embed] the head reads."""
-        x = constrain(self.token_embed(inputs), (ax.EMBED_AND_LOGITS_BATCH, ax.LENGTH, ax.ACT_EMBED))
+        x = constrain(self.token_embed(inputs), ax.EMBEDDED)
         # context parallelism: one early and one late chunk of the sequence per device (layers/ring_attention.py)
         x, segment_ids, positions = (ring_attention.to_balanced(a) for a in (x, segment_ids, positions))
         x = self.decoder(x, segment_ids, positions)
@@ -61,7 +61,7 @@ class Transformer(nn.Module):
     def head(self, x: jax.Array) -> jax.Array:
         """[batch, tokens, embed] -> logits [batch, tokens, vocab] (float32), through the head or the tied embedding."""
         logits = self.token_embed.attend(x) if self.cfg.logits_via_embedding else self.logits(x)
-        logits = constrain(logits, (ax.EMBED_AND_LOGITS_BATCH, ax.LENGTH, ax.ACT_VOCAB))
+        logits = constrain(logits, ax.LOGITS)
         return jnp.asarray(logits, jnp.float32)
 
 

@@ -46,3 +46,19 @@ CACHE_KV = "cache_kv"
 
 # ---- the input batch [batch, length]: sharded like the activations outside the pipeline
 INPUT_AXES = (EMBED_AND_LOGITS_BATCH, LENGTH)
+
+# ---- activations whose layout is also worked out away from the layer that constrains them (ring attention, MoE,
+# the pipeline check, the planner). The mesh axes a name gets depend on the other names of its array
+# (`sharding.mesh_axes`), so those modules ask with the arrays the layers constrain, named once here.
+TOKENS = (BATCH, LENGTH, ACT_EMBED)  # [batch, length, embed] inside a layer: the MoE block's input (layers/moe.py)
+QUERY = (BATCH, LENGTH, ACT_HEADS, ACT_KV)  # q projection and attention output (layers/attention.py)
+KEY_VALUE = (BATCH, LENGTH, ACT_KV_HEADS, ACT_KV)  # k and v projections
+ATTN_QUERY = (BATCH, ATTN_LENGTH, ATTN_HEADS, ACT_KV)  # q inside attention (layers/attention_ops.py, ring_attention.py)
+ATTN_KEY_VALUE = (BATCH, ATTN_LENGTH, ATTN_KV_HEADS, ACT_KV)
+ATTN_SEGMENTS = (BATCH, ATTN_LENGTH)
+MLP_HIDDEN = (BATCH, LENGTH, ACT_MLP)  # layers/mlp.py
+RESIDUAL = (BATCH, NORM_LENGTH, ACT_EMBED)  # the residual stream between attention and MLP (layers/decoder.py)
+PIPELINE_STATE = (ACT_STAGE, BATCH, NORM_LENGTH, ACT_EMBED)  # [stages, microbatch, length, embed] (layers/pipeline.py)
+EMBEDDED = (EMBED_AND_LOGITS_BATCH, LENGTH, ACT_EMBED)  # the token embeddings (model/transformer.py)
+LOGITS = (EMBED_AND_LOGITS_BATCH, LENGTH, ACT_VOCAB)
+EXPERT_KERNEL = (EXP, EMBED, MLP)  # wi_0, wi_1 of the MoE experts (layers/moe.py): their `exp` axes hold the experts

@@ -1,7 +1,10 @@
 """Logical axis names -> PartitionSpecs, validated; shardings of whole pytrees; a layout report.
 
-Resolution follows Flax's rule semantics (`nn.logical_to_mesh_axes`): rules are tried in table order and a rule
-applies only if none of its mesh axes is already used by the same array, so a repeated name is a fallback. On top
+Resolution follows Flax's rule semantics (`nn.logical_to_mesh_axes`, called in `mesh_axes` only): rules are tried
+in table order and a rule applies only if none of its mesh axes is already used by the same array, so a repeated
+name is a fallback, and the axes a name gets depend on the other names of its array. Every module that asks which
+mesh axes a logical name gets (the layers, the pipeline check, the planner) asks `mesh_axes` with the whole array,
+so they all see the layout the program compiles. On top
 of Flax this module refuses what Flax does silently: a logical name with no rule at all (Flax would replicate it)
 and a dimension whose size does not divide by its shard count (XLA would pad it). Both fail before compiling, with
 a message that names the parameter, the dimension and the mesh axes.
@@ -27,7 +30,13 @@ from maxshard.errors import ConfigError
 
 __all__ = [
     "FlaxRules",
+    "MeshAxes",
     "flax_rules",
+    "mesh_axes",
+    "axes_of",
+    "partition_spec",
+    "active_mesh_sizes",
+    "active_mesh_axes",
     "logical_to_spec",
     "tree_specs",
     "tree_shardings",
@@ -38,6 +47,7 @@ __all__ = [
 ]
 
 FlaxRules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
+MeshAxes = tuple[str, ...]  # the mesh axes of one array dimension, in rule order; () is replicated
 
 
 class HasRules(Protocol):
@@ -51,16 +61,61 @@ def flax_rules(cfg: HasRules) -> FlaxRules:
     return tuple((name, axes if axes else None) for name, axes in cfg.logical_axis_rules)
 
 
+def _as_axes(entry: str | tuple[str, ...] | None) -> MeshAxes:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def mesh_axes(
+    logical_axes: Sequence[str | None], rules: FlaxRules, mesh_sizes: Mapping[str, int] | None = None
+) -> tuple[MeshAxes, ...]:
+    """The mesh axes of each dimension of one array whose dimensions are named `logical_axes`.
+
+    The one place that resolves rules, with Flax's own function, so every caller gets the layout the program
+    compiles: a rule applies only while all its mesh axes are free in this array, so ask with the array's whole
+    set of names, never one name alone. With `mesh_sizes`, axes of size 1 (or not in the mesh) are left out of
+    the answer; they still count as taken while resolving, as they do in Flax. A name without a rule gets ()
+    (`logical_to_spec` refuses it); a name twice in the array is a ValueError (Flax's).
+    """
+    dims = tuple(_as_axes(entry) for entry in nn.logical_to_mesh_axes(tuple(logical_axes), rules))
+    if mesh_sizes is None:
+        return dims
+    return tuple(tuple(a for a in d if mesh_sizes.get(a, 1) > 1) for d in dims)
+
+
+def axes_of(
+    logical: str, array: Sequence[str | None], rules: FlaxRules, mesh_sizes: Mapping[str, int] | None = None
+) -> MeshAxes:
+    """The mesh axes of the dimension named `logical` in an array named `array` (`mesh_axes`: the neighbours
+    matter). `logical` must be one of `array`'s names (ValueError otherwise)."""
+    return mesh_axes(array, rules, mesh_sizes)[list(array).index(logical)]
+
+
+def partition_spec(dims: Sequence[MeshAxes]) -> PartitionSpec:
+    """The PartitionSpec of `mesh_axes`'s answer (the one Flax would build: () and None, ("x",) and "x" are equal)."""
+    return PartitionSpec(*(d if d else None for d in dims))
+
+
+def active_mesh_sizes() -> dict[str, int]:
+    """{axis: size} of the mesh in context (`jax.set_mesh`); {} outside one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return {} if mesh.empty else dict(mesh.shape)
+
+
+def active_mesh_axes(logical_axes: Sequence[str | None]) -> tuple[MeshAxes, ...]:
+    """`mesh_axes` under the rules and the mesh in context, axes of size 1 left out: how a layer's constraint with
+    these names splits its array. () for every dimension outside rules or a mesh (a plain call, init)."""
+    rules, sizes = nn.get_logical_axis_rules(), active_mesh_sizes()
+    if not rules or not sizes:
+        return ((),) * len(logical_axes)
+    return mesh_axes(logical_axes, rules, sizes)
+
+
 def _shard_count(entry: str | tuple[str, ...] | None, mesh_sizes: Mapping[str, int]) -> int:
-    if entry is None:
-        return 1
-    axes = (entry,) if isinstance(entry, str) else entry
-    return math.prod(mesh_sizes[a] for a in axes)
+    return math.prod(mesh_sizes[a] for a in _as_axes(entry))
 
 
 def _entry_text(entry: str | tuple[str, ...], mesh_sizes: Mapping[str, int]) -> str:
-    axes = (entry,) if isinstance(entry, str) else entry
-    return " x ".join(f"{a}={mesh_sizes[a]}" for a in axes)
+    return " x ".join(f"{a}={mesh_sizes[a]}" for a in _as_axes(entry))
 
 
 def logical_to_spec(
@@ -70,25 +125,27 @@ def logical_to_spec(
     shape: Sequence[int] | None = None,
     name: str = "array",
 ) -> PartitionSpec:
-    """PartitionSpec for one array; raises ConfigError for unknown names, reused mesh axes, non-dividing dims."""
+    """PartitionSpec for one array (`mesh_axes`); raises ConfigError for unknown names, reused mesh axes,
+    non-dividing dims."""
     known = {rule_name for rule_name, _ in rules}
     for axis_name in logical_axes:
         if isinstance(axis_name, str) and axis_name not in known:
             raise ConfigError(f"{name}: logical axis {axis_name!r} has no rule in logical_axis_rules")
     try:
-        spec = nn.logical_to_mesh_axes(tuple(logical_axes), rules)
+        dims = mesh_axes(logical_axes, rules)
     except ValueError as e:  # a logical name used twice in one array
         raise ConfigError(f"{name}: {e}") from None
-    used = [a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)]
+    spec = partition_spec(dims)
+    used = [a for axes in dims for a in axes]
     if len(used) != len(set(used)):
         raise ConfigError(f"{name}: a mesh axis is used twice in {spec}")
     if mesh_sizes is not None and shape is not None:
-        for dim, (size, entry, logical) in enumerate(zip(shape, spec, logical_axes)):
-            count = _shard_count(entry, mesh_sizes)
+        for dim, (size, axes, logical) in enumerate(zip(shape, dims, logical_axes)):
+            count = _shard_count(axes, mesh_sizes)
             if size % count:
                 raise ConfigError(
                     f"{name}: dimension {dim} ({logical}) of size {size} is not divisible by "
-                    f"{count} ({_entry_text(entry, mesh_sizes)})"
+                    f"{count} ({_entry_text(axes, mesh_sizes)})"
                 )
     return spec
 

@@ -11,14 +11,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-import flax.linen as nn
-
 from maxshard.parallel import axis_names as ax
 from maxshard.config import Config
 from maxshard.errors import ConfigError
 from maxshard.parallel.mesh import describe
 from maxshard.model.config import PipelineShape, num_units
-from maxshard.parallel.sharding import flax_rules
+from maxshard.parallel.sharding import axes_of, flax_rules
 
 __all__ = ["pipeline_shape", "resolve"]
 
@@ -57,9 +55,9 @@ def pipeline_shape(cfg: Config, stages: int) -> PipelineShape:
 
 
 def _batch_shards(cfg: Config, mesh_sizes: Mapping[str, int]) -> tuple[int, str]:
-    """(number of shards of the decoder's batch dimension, their description)."""
-    entry = nn.logical_to_mesh_axes((ax.BATCH,), flax_rules(cfg))[0] or ()
-    axes = {a: mesh_sizes.get(a, 1) for a in ((entry,) if isinstance(entry, str) else entry)}
+    """(number of shards of a pipeline microbatch's batch dimension, their description): its dimension in the
+    circulating stage inputs, ax.PIPELINE_STATE (layers/pipeline.py)."""
+    axes = {a: mesh_sizes.get(a, 1) for a in axes_of(ax.BATCH, ax.PIPELINE_STATE, flax_rules(cfg))}
     return math.prod(axes.values()), describe(axes)
 
 

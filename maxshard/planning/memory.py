@@ -78,7 +78,8 @@ from maxshard.model.attention_choice import platform_of
 from maxshard.config import Config
 from maxshard.model.layers.moe import group_size
 from maxshard.planning.fitted import compiler, effective_policy, fitted, policies
-from maxshard.planning.traffic import Geometry, geometry, rule_axes
+from maxshard.planning.axes import rule_axes
+from maxshard.planning.traffic import Geometry, geometry
 
 __all__ = ["Widths", "ActivationTerms", "widths", "activation_terms", "compiler", "policies", "effective_policy",
            "logits_bytes", "auto_loss_chunks"]
@@ -224,15 +225,16 @@ def _split(n: int, axes: tuple[str, ...], sizes: Mapping[str, int]) -> int:
     return n
 
 
-def _local_length(cfg: Config, sizes: Mapping[str, int]) -> int:
-    """The positions of a sequence one device holds: the length split over its activation rule's mesh axes."""
-    return _split(cfg.max_target_length, rule_axes(cfg, ax.LENGTH, sizes), sizes)
+def _local_length(cfg: Config, sizes: Mapping[str, int], array: tuple[str | None, ...] = ax.QUERY) -> int:
+    """The positions of a sequence one device holds in `array` (default: the decoder's activations): the length
+    split over the mesh axes its rules give it there."""
+    return _split(cfg.max_target_length, rule_axes(cfg, ax.LENGTH, sizes, array), sizes)
 
 
 def logits_bytes(cfg: Config, sizes: Mapping[str, int], geo: Geometry | None = None) -> int:
     """The float32 logits of one microbatch on a device, [tokens, vocab / vocab shards] x 4 bytes, whole."""
     geo = geo or geometry(cfg, sizes, 4)
-    local_length = _local_length(cfg, sizes)
+    local_length = _local_length(cfg, sizes, ax.LOGITS)
     vocab = _split(cfg.vocab_size, rule_axes(cfg, ax.ACT_VOCAB, sizes), sizes)
     return _microbatch_tokens(geo.outer_tokens, local_length, geo.accumulation) * vocab * 4
 
@@ -242,7 +244,7 @@ def auto_loss_chunks(cfg: Config, sizes: Mapping[str, int]) -> int:
 
     A piece count divides the device's share of the length, so every strided piece still spans all the length
     shards (maxshard/training/loss.py); where the length allows no further split the count stops there."""
-    whole, local_length = logits_bytes(cfg, sizes), _local_length(cfg, sizes)
+    whole, local_length = logits_bytes(cfg, sizes), _local_length(cfg, sizes, ax.LOGITS)
     chunks = 1
     while whole / chunks > LOSS_PIECE_BYTES and local_length % (2 * chunks) == 0:
         chunks *= 2
@@ -294,7 +296,7 @@ def _moe_rows(cfg: Config, sizes: Mapping[str, int]) -> float:
     if cfg.model.moe_dropless_impl == "dense":
         return cfg.num_experts
     p = 1
-    for axis in rule_axes(cfg, ax.ACT_EXP, sizes):
+    for axis in rule_axes(cfg, ax.EXP, sizes):  # the expert shards of the exchange (layers/moe_grouped.py)
         p *= sizes[axis]
     if p == 1:
         return k

@@ -82,8 +82,9 @@ from maxshard.model.layers.moe import capacity, group_size
 from maxshard.model.layers.moe_grouped import exchange_slots
 from maxshard.observe.report import Report
 from maxshard.parallel.sharding import ParamLayout
+from maxshard.planning.axes import rule_axes
 
-__all__ = ["Collective", "Geometry", "geometry", "planned_collectives", "rule_axes"]
+__all__ = ["Collective", "Geometry", "geometry", "planned_collectives"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,16 +112,15 @@ class Geometry:
     bubble_fraction: float  # 0.0 without a pipeline
 
 
-def rule_axes(cfg: Config, logical: str, sizes: Mapping[str, int]) -> tuple[str, ...]:
-    """Mesh axes (size > 1) of the first rule for `logical`; () when it has none."""
-    for name, axes in cfg.logical_axis_rules:
-        if name == logical:
-            return tuple(a for a in axes if sizes.get(a, 1) > 1)
-    return ()
-
-
 def _shards(axes: Iterable[str], sizes: Mapping[str, int]) -> int:
     return math.prod(sizes[a] for a in axes)
+
+
+def _token_axes(cfg: Config, sizes: Mapping[str, int], outer: bool) -> set[str]:
+    """Mesh axes that split the [batch, length] positions: of the decoder's activations, or (`outer`) of the
+    embedding and the output head (ax.EMBEDDED, whose batch may also split over `stage`)."""
+    batch, array = (ax.EMBED_AND_LOGITS_BATCH, ax.EMBEDDED) if outer else (ax.BATCH, ax.QUERY)
+    return set(rule_axes(cfg, batch, sizes, array)) | set(rule_axes(cfg, ax.LENGTH, sizes, array))
 
 
 def geometry(cfg: Config, sizes: Mapping[str, int], compute_itemsize: int) -> Geometry:
@@ -128,6 +128,7 @@ def geometry(cfg: Config, sizes: Mapping[str, int], compute_itemsize: int) -> Ge
     length = cfg.max_target_length // _shards(rule_axes(cfg, ax.LENGTH, sizes), sizes)
     batch = cfg.global_batch_size // _shards(rule_axes(cfg, ax.BATCH, sizes), sizes)
     outer = cfg.global_batch_size // _shards(rule_axes(cfg, ax.EMBED_AND_LOGITS_BATCH, sizes), sizes)
+    outer_length = cfg.max_target_length // _shards(rule_axes(cfg, ax.LENGTH, sizes, ax.EMBEDDED), sizes)
     stages = sizes.get("stage", 1)
     pipe = cfg.model.pipeline
     microbatches, repeats = (pipe.microbatches, pipe.repeats) if pipe is not None else (1, 1)
@@ -135,7 +136,7 @@ def geometry(cfg: Config, sizes: Mapping[str, int], compute_itemsize: int) -> Ge
     moe_layers = cfg.model.num_moe_layers
     return Geometry(
         tokens=batch * length,
-        outer_tokens=outer * length,
+        outer_tokens=outer * outer_length,
         layers=cfg.num_layers // stages,
         accumulation=cfg.gradient_accumulation_steps,
         stages=stages,
@@ -167,8 +168,7 @@ def _weight_collectives(cfg: Config, p: ParamLayout, sizes: Mapping[str, int], g
     stacked = any(logical == ax.LAYERS for logical, _ in dims)
     owned = {a for logical, axes in dims if logical in (ax.EXP, ax.LAYERS) for a in axes}
     sharded = {a for _, axes in dims for a in axes}
-    batch_rule = ax.BATCH if stacked else ax.EMBED_AND_LOGITS_BATCH
-    batch = set(rule_axes(cfg, batch_rule, sizes)) | set(rule_axes(cfg, ax.LENGTH, sizes))
+    batch = _token_axes(cfg, sizes, outer=not stacked)
     gather = tuple(a for a in sizes if a in sharded and a in batch and a not in owned)
     reduce_only = tuple(a for a in sizes if a in batch and a not in sharded)
     lookup = p.name.endswith("token_embed/embedding") and not cfg.logits_via_embedding
@@ -207,7 +207,7 @@ def gathered_unit_bytes(cfg: Config, report: Report, sizes: Mapping[str, int], g
             continue
         owned = {a for logical, axes in dims if logical in (ax.EXP, ax.LAYERS) for a in axes}
         sharded = {a for _, axes in dims for a in axes}
-        batch = set(rule_axes(cfg, ax.BATCH, sizes)) | set(rule_axes(cfg, ax.LENGTH, sizes))
+        batch = _token_axes(cfg, sizes, outer=False)
         gather = tuple(a for a in sizes if a in sharded and a in batch and a not in owned)
         if not gather:
             continue

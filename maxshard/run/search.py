@@ -68,7 +68,7 @@ from maxshard.launch.topologies import Target
 from maxshard.planning import fit, hardware, memory
 from maxshard.planning.fit import Capacity
 from maxshard.planning.estimate import Plan, make_plan
-from maxshard.planning.traffic import rule_axes
+from maxshard.planning.axes import rule_axes
 
 __all__ = [
     "Layout",

@@ -40,11 +40,10 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
         cfg = self.cfg
-        kv_heads, q_axes = cfg.num_kv_heads, (ax.BATCH, ax.LENGTH, ax.ACT_HEADS, ax.ACT_KV)
-        kv_axes = (ax.BATCH, ax.LENGTH, ax.ACT_KV_HEADS, ax.ACT_KV)
-        q = constrain(self._proj(x, cfg.num_heads, ax.HEADS, "query", "q"), q_axes)
-        k = constrain(self._proj(x, kv_heads, ax.KV_HEADS, "key", "k"), kv_axes)
-        v = constrain(self._proj(x, kv_heads, ax.KV_HEADS, "value", "v"), kv_axes)
+        kv_heads = cfg.num_kv_heads
+        q = constrain(self._proj(x, cfg.num_heads, ax.HEADS, "query", "q"), ax.QUERY)
+        k = constrain(self._proj(x, kv_heads, ax.KV_HEADS, "key", "k"), ax.KEY_VALUE)
+        v = constrain(self._proj(x, kv_heads, ax.KV_HEADS, "value", "v"), ax.KEY_VALUE)
         if cfg.qk_norm:  # Qwen3: each head normalised over head_dim, before RoPE
             q = RMSNorm(cfg.norm_epsilon, self.dtype, self.weight_dtype, name="query_norm")(q)
             k = RMSNorm(cfg.norm_epsilon, self.dtype, self.weight_dtype, name="key_norm")(k)
@@ -61,7 +60,7 @@ class Attention(nn.Module):
 
     def _output(self, out: jax.Array) -> jax.Array:
         """[batch, length, heads, head_dim] -> the output projection [batch, length, embed]."""
-        out = constrain(out, (ax.BATCH, ax.LENGTH, ax.ACT_HEADS, ax.ACT_KV))
+        out = constrain(out, ax.QUERY)
         proj = DenseGeneral((self.cfg.emb_dim,), (ax.HEADS, ax.KV, ax.EMBED), 2, self.dtype, self.weight_dtype,
                             self.cfg.lora_rank_of("o"), self.cfg.lora_scale, name="out")
         return checkpoint_name(proj(out), "out_proj")

@@ -37,9 +37,6 @@ __all__ = ["IMPLEMENTATIONS", "attend", "dot_product", "blockwise", "cudnn", "sp
            "token_indices"]
 
 IMPLEMENTATIONS = ("dot_product", "blockwise", "cudnn", "splash", "tokamax")
-Q_AXES = (ax.BATCH, ax.ATTN_LENGTH, ax.ATTN_HEADS, ax.ACT_KV)
-KV_AXES = (ax.BATCH, ax.ATTN_LENGTH, ax.ATTN_KV_HEADS, ax.ACT_KV)
-SEGMENT_AXES = (ax.BATCH, ax.ATTN_LENGTH)
 
 
 def token_indices(q_len: int, kv_len: int) -> tuple[jax.Array, jax.Array]:
@@ -211,8 +208,8 @@ def attend(
 
     Constrains its inputs and output to the attention-internal layout (module docstring); with a `context` mesh
     axis in that layout it runs ring attention instead (layers/ring_attention.py)."""
-    q, k, v = constrain(q, Q_AXES), constrain(k, KV_AXES), constrain(v, KV_AXES)
-    q_segment_ids, kv_segment_ids = constrain(q_segment_ids, SEGMENT_AXES), constrain(kv_segment_ids, SEGMENT_AXES)
+    q, k, v = constrain(q, ax.ATTN_QUERY), constrain(k, ax.ATTN_KEY_VALUE), constrain(v, ax.ATTN_KEY_VALUE)
+    q_segment_ids, kv_segment_ids = (constrain(s, ax.ATTN_SEGMENTS) for s in (q_segment_ids, kv_segment_ids))
     if ring_attention.context_axes():
         out = ring_attention.ring_attend(q, k, v, q_segment_ids, kv_segment_ids, block_q, block_kv)
     elif implementation == "dot_product":
@@ -229,4 +226,4 @@ def attend(
         )
     else:
         raise ValueError(f"attention implementation {implementation!r}; expected one of {', '.join(IMPLEMENTATIONS)}")
-    return constrain(out, Q_AXES)
+    return constrain(out, ax.ATTN_QUERY)

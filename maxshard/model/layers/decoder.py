@@ -43,20 +43,19 @@ def remat_policy(name: str) -> Any:
     return None
 
 
-# The residual stream between attention and MLP, and the norms on it: length sharded by "activation_norm_length"
-# (the `tensor_sequence` axis besides context and sequence). The norms and the residual adds are elementwise over
-# length, so the devices of a tensor_sequence group split the positions instead of repeating them, and what each
-# layer saves for its backward is 1/tensor_sequence of the stream. Attention and the MLP gather the length back
-# before their column-parallel projections and reduce their row-parallel outputs onto it (the collectives XLA
-# derives from these constraints), as Megatron's sequence parallelism does. Plain `tensor` keeps the stream whole:
-# XLA moves twice the collective bytes with the split (benchmarks/tensor_sequence.py), a price only memory can
-# justify.
-RESIDUAL = (ax.BATCH, ax.NORM_LENGTH, ax.ACT_EMBED)
+# The residual stream between attention and MLP, and the norms on it (ax.RESIDUAL): length sharded by
+# "activation_norm_length" (the `tensor_sequence` axis besides context and sequence). The norms and the residual adds
+# are elementwise over length, so the devices of a tensor_sequence group split the positions instead of repeating
+# them, and what each layer saves for its backward is 1/tensor_sequence of the stream. Attention and the MLP gather
+# the length back before their column-parallel projections and reduce their row-parallel outputs onto it (the
+# collectives XLA derives from these constraints), as Megatron's sequence parallelism does. Plain `tensor` keeps the
+# stream whole: XLA moves twice the collective bytes with the split (benchmarks/tensor_sequence.py), a price only
+# memory can justify.
 
 
 def norm(layer: nn.Module, x: jax.Array) -> jax.Array:
-    """An RMSNorm computed on the residual stream's sharding (RESIDUAL)."""
-    return constrain(layer(constrain(x, RESIDUAL)), RESIDUAL)
+    """An RMSNorm computed on the residual stream's sharding (ax.RESIDUAL)."""
+    return constrain(layer(constrain(x, ax.RESIDUAL)), ax.RESIDUAL)
 
 
 class DecoderLayer(nn.Module):
@@ -73,7 +72,7 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> tuple[jax.Array, None]:
         cfg, dt, wdt = self.cfg, self.dtype, self.weight_dtype
-        x = checkpoint_name(constrain(x, RESIDUAL), remat.LAYER_INPUT)  # what an offload policy moves to host
+        x = checkpoint_name(constrain(x, ax.RESIDUAL), remat.LAYER_INPUT)  # what an offload policy moves to host
         h = norm(RMSNorm(cfg.norm_epsilon, dt, wdt, name="attention_norm"), x)
         x = x + Attention(cfg, dt, wdt, name="attention")(h, segment_ids, positions)
         h = norm(RMSNorm(cfg.norm_epsilon, dt, wdt, name="mlp_norm"), x)
@@ -82,7 +81,7 @@ class DecoderLayer(nn.Module):
         else:
             ranks = (cfg.lora_rank_of("gate"), cfg.lora_rank_of("up"), cfg.lora_rank_of("down"))
             x = x + MLP(cfg.mlp_dim, dt, wdt, ranks, cfg.lora_scale, name="mlp")(h)
-        return constrain(x, RESIDUAL), None
+        return constrain(x, ax.RESIDUAL), None
 
 
 class MoEDecoderBlock(nn.Module):

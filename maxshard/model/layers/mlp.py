@@ -63,7 +63,7 @@ class MLP(nn.Module):
             zero = jnp.zeros(both.shape[:-2] + both.shape[-1:], both.dtype)
             both = both + jnp.stack([zero if d is None else d for _, d in pairs], axis=-2)
         both = constrain(both, (ax.BATCH, ax.LENGTH, None, ax.ACT_MLP))
-        hidden = constrain(nn.silu(both[..., 0, :]) * both[..., 1, :], (ax.BATCH, ax.LENGTH, ax.ACT_MLP))
+        hidden = constrain(nn.silu(both[..., 0, :]) * both[..., 1, :], ax.MLP_HIDDEN)
         down = DenseGeneral((emb,), (ax.MLP, ax.EMBED), 1, self.dtype, self.weight_dtype, self.lora_ranks[2],
                             self.lora_scale, name="wo")
         return down(hidden)

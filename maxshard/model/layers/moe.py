@@ -214,8 +214,8 @@ class MoEBlock(nn.Module):
     def _kernels(self) -> tuple[jax.Array, jax.Array, jax.Array]:
         """wi_0, wi_1 [experts, embed, mlp] and wo [experts, mlp, embed], in the compute dtype."""
         e, m, h = self.cfg.num_experts, self.cfg.emb_dim, self.cfg.mlp_dim
-        wi_0 = self._kernel("wi_0", (e, m, h), (ax.EXP, ax.EMBED, ax.MLP))
-        wi_1 = self._kernel("wi_1", (e, m, h), (ax.EXP, ax.EMBED, ax.MLP))
+        wi_0 = self._kernel("wi_0", (e, m, h), ax.EXPERT_KERNEL)
+        wi_1 = self._kernel("wi_1", (e, m, h), ax.EXPERT_KERNEL)
         return wi_0, wi_1, self._kernel("wo", (e, h, m), (ax.EXP, ax.MLP, ax.EMBED))
 
     def _experts(self, x: jax.Array, spec: str, token_axis: str | None) -> jax.Array:
@@ -269,13 +269,13 @@ class MoEBlock(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, segment_ids: jax.Array) -> jax.Array:
         cfg = self.cfg
-        x = constrain(jnp.asarray(x, self.dtype), (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))
+        x = constrain(jnp.asarray(x, self.dtype), ax.TOKENS)
         router = DenseGeneral((cfg.num_experts,), (ax.EMBED, None), 1, jnp.float32, self.weight_dtype, name="gate")
         logits = router(x.astype(jnp.float32))  # [batch, length, experts] float32
         y = self._routed(x, logits, segment_ids != 0)
         if cfg.num_shared_experts > 0:
             y = y + MLP(cfg.num_shared_experts * cfg.mlp_dim, self.dtype, self.weight_dtype, name="shared")(x)
-        return constrain(y, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))
+        return constrain(y, ax.TOKENS)
 
 
 # --------------------------------------------------------------------------------------------- losses and metrics

@@ -60,6 +60,7 @@ from jax.sharding import PartitionSpec
 from maxshard.parallel import axis_names as ax
 from maxshard.model.layers import moe_ragged
 from maxshard.errors import ConfigError  # layout mistakes surface as the config errors they are
+from maxshard.parallel.sharding import MeshAxes, active_mesh_axes, partition_spec
 
 __all__ = ["IMPLS", "EXCHANGES", "tile_rows", "grouped_swiglu", "dropless_local", "dropless", "exchange_slots"]
 
@@ -226,18 +227,9 @@ def _dropless_ragged(x: jax.Array, experts: jax.Array, weights: jax.Array, kerne
     return _combine(y[_inverse(order)], weights), plan.unsent
 
 
-def _axes(entry: str | tuple[str, ...] | None, keep: Sequence[str]) -> tuple[str, ...]:
-    axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-    return tuple(a for a in axes if a in keep)
-
-
-def _resolve(names: Sequence[str | None], rules: Sequence, keep: Sequence[str]) -> list[tuple[str, ...]]:
-    """Per dimension, the mesh axes (among `keep`) the active rules give these logical names."""
-    return [_axes(e, keep) for e in nn.logical_to_mesh_axes(tuple(names), rules)]
-
-
-def _spec(dims: list[tuple[str, ...]]) -> PartitionSpec:
-    return PartitionSpec(*[d if d else None for d in dims])
+def _within(dims: Sequence[MeshAxes], keep: Sequence[str]) -> list[MeshAxes]:
+    """Per dimension, those of its mesh axes that are among `keep` (the shard_map's manual axes)."""
+    return [tuple(a for a in d if a in keep) for d in dims]
 
 
 def _gather(w: jax.Array, dims: list[tuple[str, ...]]) -> jax.Array:
@@ -275,8 +267,8 @@ def dropless(x: jax.Array, experts: jax.Array, weights: jax.Array, kernels: Kern
     if mesh.empty or not rules:
         return _dropless_here(x, experts, weights, kernels, impl), _none_dropped()
     names = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
-    token_dims = _resolve((ax.BATCH, ax.LENGTH), rules, names)
-    expert_axes = _resolve((ax.EXP,), rules, names)[0]
+    token_dims = active_mesh_axes(ax.TOKENS)[:2]  # x's [batch, length] (layers/moe.py constrains it to ax.TOKENS)
+    expert_axes = active_mesh_axes(ax.EXPERT_KERNEL)[0]
     if not set(expert_axes) <= {a for d in token_dims for a in d}:
         raise ConfigError(f"dropless MoE: the expert mesh axes {expert_axes} must also split the tokens "
                           f"(activation_batch or activation_length rules)")
@@ -287,10 +279,10 @@ def dropless(x: jax.Array, experts: jax.Array, weights: jax.Array, kernels: Kern
         return _dropless_here(x, experts, weights, kernels, impl), _none_dropped()
     # Inside the pipeline the layer is vmapped over stages with spmd_axis_name, which adds the stage axes to the
     # shard_map's specs: they must be manual too (outside a pipeline they have size 1 and are left out).
-    stage_axes = _resolve((ax.ACT_STAGE,), rules, names)[0]
+    stage_axes = active_mesh_axes(ax.PIPELINE_STATE)[0]  # as the pipeline's vmap asks (layers/pipeline.py)
     manual = tuple(a for a in names if any(a in d for d in token_dims) or a in stage_axes)
-    kernel_names = ((ax.EXP, ax.EMBED, ax.MLP), (ax.EXP, ax.EMBED, ax.MLP), (ax.EXP, ax.MLP, ax.EMBED))
-    kernel_dims = [_resolve(n, rules, manual) for n in kernel_names]
+    kernel_names = (ax.EXPERT_KERNEL, ax.EXPERT_KERNEL, (ax.EXP, ax.MLP, ax.EMBED))
+    kernel_dims = [_within(active_mesh_axes(n), manual) for n in kernel_names]
     p = math.prod(mesh.shape[a] for a in expert_axes)
 
     def body(x: jax.Array, experts: jax.Array, weights: jax.Array, *kernels: jax.Array
@@ -305,9 +297,9 @@ def dropless(x: jax.Array, experts: jax.Array, weights: jax.Array, kernels: Kern
             return y.reshape(x.shape), unsent[None]
         return _dropless_exchange(*flat).reshape(x.shape), _none_dropped()[None]
 
-    token_spec = _spec([*token_dims, ()])
+    token_spec = partition_spec([*token_dims, ()])
     per_device = PartitionSpec(tuple(a for d in token_dims for a in d))  # one count per token shard
-    run = jax.shard_map(body, in_specs=(token_spec,) * 3 + tuple(_spec(d) for d in kernel_dims),
+    run = jax.shard_map(body, in_specs=(token_spec,) * 3 + tuple(partition_spec(d) for d in kernel_dims),
                         out_specs=(token_spec, per_device), axis_names=frozenset(manual))
     y, unsent = run(x, experts, weights, *kernels)
     return y, jnp.sum(unsent)

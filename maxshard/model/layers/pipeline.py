@@ -64,14 +64,14 @@ import numpy as np
 
 from maxshard.parallel import axis_names as ax
 from maxshard.model.config import ModelConfig, PipelineShape
-from maxshard.parallel.sharding import constrain
+from maxshard.parallel.sharding import axes_of, constrain
 
 __all__ = ["to_scanned", "from_scanned", "Pipeline"]
 
 _SOWN = "intermediates"  # collection the layers sow into (MoE router statistics); carried out for valid slots
 # The circulating stage inputs are the residual stream, split as the decoder splits it (layers/decoder.py), so
-# under tensor_sequence a stage hop moves each device's piece instead of gathering the stream.
-_STATE_AXES = (ax.ACT_STAGE, ax.BATCH, ax.NORM_LENGTH, ax.ACT_EMBED)  # [stages, microbatch, length, embed]
+# under tensor_sequence a stage hop moves each device's piece instead of gathering the stream: ax.PIPELINE_STATE,
+# [stages, microbatch, length, embed], and the buffer of microbatches:
 _BUFFER_AXES = (ax.ACT_STAGE, None, ax.BATCH, ax.NORM_LENGTH, ax.ACT_EMBED)  # [stages, M, microbatch, length, embed]
 
 
@@ -167,11 +167,11 @@ def _select_repeat(leaf: jax.Array, repeat: jax.Array) -> jax.Array:
     return jax.vmap(pick, in_axes=(1, 0))(leaf, repeat)
 
 
-def _stage_mesh_axes() -> str | tuple[str, ...] | None:
-    """Mesh axes of "activation_stage" under the active rules: vmap over stages must keep that dimension sharded
-    (without `spmd_axis_name` the layers' sharding constraints would replicate it)."""
+def _stage_mesh_axes() -> tuple[str, ...] | None:
+    """Mesh axes of the stage dimension of ax.PIPELINE_STATE under the active rules: vmap over stages must keep
+    that dimension sharded (without `spmd_axis_name` the layers' sharding constraints would replicate it)."""
     rules = nn.get_logical_axis_rules()
-    return nn.logical_to_mesh_axes((ax.ACT_STAGE,), rules)[0] if rules else None
+    return (axes_of(ax.ACT_STAGE, ax.PIPELINE_STATE, rules) or None) if rules else None
 
 
 # --------------------------------------------------------------------------------------------- the module
@@ -240,7 +240,7 @@ class Pipeline(nn.Module):
         inputs = _split(x, m)  # [M, mb, length, embed]
         segments, positions = _split(segment_ids, m), _split(positions, m)  # [M, mb, length]
         buffer = constrain(jnp.broadcast_to(inputs, (shape.stages, *inputs.shape)), _BUFFER_AXES)
-        state = constrain(jnp.full((shape.stages, *inputs.shape[1:]), self.bubble_fill, x.dtype), _STATE_AXES)
+        state = constrain(jnp.full((shape.stages, *inputs.shape[1:]), self.bubble_fill, x.dtype), ax.PIPELINE_STATE)
         stages = jax.checkpoint(functools.partial(self._stages, collect=collect), policy=self._policy(),
                                 prevent_cse=False)
 
@@ -248,13 +248,13 @@ class Pipeline(nn.Module):
             state, buffer = carry
             buffer = _store_finished(buffer, state, t, shape)
             microbatch, repeat, valid = _schedule(t, shape)
-            stage_in = constrain(_stage_inputs(buffer, state, t, valid, m), _STATE_AXES)
+            stage_in = constrain(_stage_inputs(buffer, state, t, valid, m), ax.PIPELINE_STATE)
             out, sown = stages(weights, stage_in, repeat, microbatch, segments, positions)
-            return (constrain(jnp.roll(out, 1, axis=0), _STATE_AXES), buffer), sown  # step 4: the shift
+            return (constrain(jnp.roll(out, 1, axis=0), ax.PIPELINE_STATE), buffer), sown  # step 4: the shift
 
         (state, buffer), sown = jax.lax.scan(iteration, (state, buffer), jnp.arange(shape.iterations))
         buffer = _store_finished(buffer, state, jnp.asarray(shape.iterations), shape)
-        y = constrain(_merge(buffer[0]), (ax.EMBED_AND_LOGITS_BATCH, ax.LENGTH, ax.ACT_EMBED))
+        y = constrain(_merge(buffer[0]), ax.EMBEDDED)
         slots = _valid_slots(shape)
         return y, jax.tree.map(lambda v: v[slots], sown)  # [iterations, stages, ...] -> [R, M, S, ...]
 
@@ -276,7 +276,7 @@ class Pipeline(nn.Module):
 
         run = jax.vmap(one_stage, spmd_axis_name=_stage_mesh_axes())
         y, sown = run(stage_weights, x, segments[microbatch], positions[microbatch])
-        return constrain(y, _STATE_AXES), sown
+        return constrain(y, ax.PIPELINE_STATE), sown
 
     def _policy(self) -> Any:
         """remat_policy "none" saves every matmul output (like "minimal") and recomputes elementwise work: saving

@@ -46,37 +46,19 @@ from jax.sharding import PartitionSpec
 
 from maxshard.parallel import axis_names as ax
 from maxshard.model.layers import blockwise_attention as bw
+from maxshard.parallel.sharding import active_mesh_axes, active_mesh_sizes, mesh_axes, partition_spec
 
 __all__ = ["context_axes", "context_size", "to_balanced", "from_balanced", "ring_attend",
            "manual_over_batch_and_heads", "balanced_order"]
 
-_Q_AXES = (ax.BATCH, ax.ATTN_LENGTH, ax.ATTN_HEADS, ax.ACT_KV)
-_KV_AXES = (ax.BATCH, ax.ATTN_LENGTH, ax.ATTN_KV_HEADS, ax.ACT_KV)
-_SEGMENT_AXES = (ax.BATCH, ax.ATTN_LENGTH)
-
-
-def _mesh_sizes() -> dict[str, int]:
-    mesh = jax.sharding.get_abstract_mesh()
-    return {} if mesh.empty else dict(mesh.shape)
-
-
-def _axes_of(logical: str) -> tuple[str, ...]:
-    """Mesh axes (size > 1 on the active mesh) that the active rules give `logical`."""
-    rules, sizes = nn.get_logical_axis_rules(), _mesh_sizes()
-    if not rules or not sizes:
-        return ()
-    entry = nn.logical_to_mesh_axes((logical,), rules)[0]
-    axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-    return tuple(a for a in axes if sizes.get(a, 1) > 1)
-
-
 def context_axes() -> tuple[str, ...]:
-    """The mesh axes ring attention runs over: those of "activation_attn_length" under the active rules."""
-    return _axes_of(ax.ATTN_LENGTH)
+    """The mesh axes ring attention runs over: those (of size > 1) that the active rules give the length of the
+    queries inside attention (ax.ATTN_QUERY, the array `attention_ops.attend` constrains q to)."""
+    return active_mesh_axes(ax.ATTN_QUERY)[1]
 
 
 def context_size() -> int:
-    sizes = _mesh_sizes()
+    sizes = active_mesh_sizes()
     return int(np.prod([sizes[a] for a in context_axes()], dtype=np.int64))
 
 
@@ -99,18 +81,19 @@ def from_balanced(x: jax.Array) -> jax.Array:
     return x if shards == 1 else jnp.take(x, np.argsort(balanced_order(x.shape[1], shards)), axis=1)
 
 
-def _specs(*logical: tuple[str, ...]) -> tuple[PartitionSpec, ...]:
+def _specs(*logical: tuple[str | None, ...]) -> tuple[PartitionSpec, ...]:
+    """The shard_map specs of arrays named `logical`: what their constraints give them under the active rules."""
     rules = nn.get_logical_axis_rules()
-    return tuple(PartitionSpec(*nn.logical_to_mesh_axes(names, rules)) for names in logical)
+    return tuple(partition_spec(mesh_axes(names, rules)) for names in logical)
 
 
 def manual_over_batch_and_heads(fn: Callable, q, k, v, q_segment_ids, kv_segment_ids) -> jax.Array:
     """`fn` on each device's [batch, length, heads] shard (shard_map), as kernels that XLA cannot partition need.
 
     Without an active mesh (a plain call, a test) `fn` runs on the whole arrays."""
-    if not _mesh_sizes() or not nn.get_logical_axis_rules():
+    if not active_mesh_sizes() or not nn.get_logical_axis_rules():
         return fn(q, k, v, q_segment_ids, kv_segment_ids)
-    q_spec, kv_spec, seg_spec = _specs(_Q_AXES, _KV_AXES, _SEGMENT_AXES)
+    q_spec, kv_spec, seg_spec = _specs(ax.ATTN_QUERY, ax.ATTN_KEY_VALUE, ax.ATTN_SEGMENTS)
     mapped = jax.shard_map(fn, in_specs=(q_spec, kv_spec, kv_spec, seg_spec, seg_spec), out_specs=q_spec,
                            check_vma=False)
     return mapped(q, k, v, q_segment_ids, kv_segment_ids)
@@ -191,7 +174,7 @@ def ring_attend(q, k, v, q_segment_ids, kv_segment_ids, block_q: int, block_kv: 
         out = _ring(qg, k, v, q_seg, kv_seg, axis, shards, block_q, block_kv)
         return out.reshape(b, length, heads, dim)
 
-    q_spec, kv_spec, seg_spec = _specs(_Q_AXES, _KV_AXES, _SEGMENT_AXES)
+    q_spec, kv_spec, seg_spec = _specs(ax.ATTN_QUERY, ax.ATTN_KEY_VALUE, ax.ATTN_SEGMENTS)
     mapped = jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec, seg_spec, seg_spec), out_specs=q_spec,
                            check_vma=False)
     return mapped(q, k, v, q_segment_ids, kv_segment_ids)
