@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-from maxshard.model import remat
+from maxshard.model import attention_kinds, remat
 from maxshard.model.config import ModelConfig
 
 # Mesh axes, outermost first. `stage` holds pipeline stages; its knobs are spelled `*_pipeline_parallelism`.
@@ -29,7 +29,7 @@ MESH_AXES = (
     "autoregressive",
 )
 
-Attention = Literal["auto", "dot_product", "blockwise", "cudnn", "splash", "tokamax"]
+Attention = Literal[("auto", *attention_kinds.NAMES)]  # maxshard/model/attention_kinds.py: the implementations
 RematPolicy = Literal[("auto", *remat.NAMES)]  # maxshard/model/remat.py: the table of policies
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 Quantization = Literal["none", "int8", "fp8"]  # maxshard/model/quantization.py

@@ -147,8 +147,8 @@ def remat_factors(cfg: Config) -> dict[str, float]:
     one third of training FLOPs if it re-ran all of them (full). Per layer and token, forward: q/k/v projections
     2E(Q + 2K), output projection 2QE, attention 2LQ (causal q.k and p.v), MLP 6EF (dense MLP; an MoE layer's routed
     experts count as k dense MLPs). Each policy recomputes the parts of the layer its row of maxshard/model/remat.py names
-    (`recomputes`), and every policy but none re-runs a fused attention kernel (blockwise, cudnn, splash, ring: not a
-    matmul that a policy keeps):
+    (`recomputes`), and every policy but none re-runs a fused attention kernel (`memory.Widths.fused`: not a matmul
+    that a policy keeps):
         none                 nothing
         minimal              elementwise work only (it keeps every matmul output), and a fused attention
         save_qkv_out_proj    attention and MLP (offload_qkv_out_proj alike: where a value is kept costs no FLOPs)
