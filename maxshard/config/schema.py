@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
+from maxshard import dataset_types
 from maxshard.model import attention_kinds, remat
 from maxshard.model.config import ModelConfig
 
@@ -35,6 +36,7 @@ DType = Literal["auto", "float32", "bfloat16", "float16"]
 Quantization = Literal["none", "int8", "fp8"]  # maxshard/model/quantization.py
 LogicalRules = tuple[tuple[str, tuple[str, ...]], ...]
 MeshRules = tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]
+DatasetType = Literal[dataset_types.NAMES]  # maxshard/dataset_types.py: the readers
 Mixture = tuple[tuple[str, float], ...]  # dataset_mixture: (source, weight) pairs
 
 
@@ -163,7 +165,7 @@ class Config:
     max_grad_norm: float = 1.0
 
     # ---- data
-    dataset_type: Literal["text", "jsonl", "parquet", "hf", "array_record", "chat", "synthetic"] = "text"
+    dataset_type: DatasetType = "text"
     dataset_path: str = _path()
     dataset_mixture: Mixture = ()
     text_field: str = "text"
