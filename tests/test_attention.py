@@ -99,6 +99,22 @@ def _many_documents(rows: int, length: int, documents: int, seed: int = 0) -> jn
     return jnp.asarray(segments)
 
 
+def test_attention_kinds_is_the_one_list_of_implementations() -> None:
+    """The schema admits auto and the rows of attention_kinds.py, `attend` dispatches each row to the kernel function
+    of its name, and refuses any other name listing the rows."""
+    import typing
+
+    from maxshard.config import schema
+    from maxshard.model import attention_kinds
+
+    assert typing.get_args(schema.Attention) == ("auto", *attention_kinds.NAMES)
+    assert all(callable(getattr(ops, name)) for name in attention_kinds.NAMES)
+    assert {p for k in attention_kinds.KINDS for p in (*k.platforms, *k.fused_on)} <= set(attention_kinds.PLATFORMS)
+    q, k, v, segments = _inputs(8)
+    with pytest.raises(ValueError, match="expected one of " + ", ".join(attention_kinds.NAMES)):
+        ops.attend(q, k, v, segments, segments, implementation="flash")
+
+
 def test_document_starts_are_the_first_position_of_each_run() -> None:
     segments = jnp.asarray([[1, 1, 2, 2, 2, 3, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1]], jnp.int32)
     assert ops.document_starts(segments).tolist() == [[0, 0, 2, 2, 2, 5, 6, 6], [0] * 8]

@@ -241,6 +241,30 @@ def test_mixture_spec_errors_name_the_key(tmp_path):
         "jsonl", "hf"]
 
 
+def test_dataset_types_is_the_one_list_of_readers():
+    """The schema admits exactly the rows of dataset_types.py; each opener is a function of the data package, each
+    key a config key; a mixture source's extension or prefix names the row that lists it; the path keeps no prefix."""
+    import dataclasses
+    import importlib
+    import typing
+
+    from maxshard import dataset_types
+
+    assert typing.get_args(typing.get_type_hints(config.Config)["dataset_type"]) == dataset_types.NAMES
+    fields = {f.name for f in dataclasses.fields(config.Config)}
+    for row in dataset_types.READERS:
+        assert set(row.keys) <= fields, row.name
+        if row.opener:
+            module, function = row.opener.split(":")
+            assert callable(getattr(importlib.import_module(module), function)), row.name
+        assert all(catalog.kind_of(f"x/*{suffix}") == row.name for suffix in row.suffixes)
+        if row.prefix:
+            assert catalog.kind_of(f"{row.prefix}:d") == row.name
+    assert [s.path for s in catalog.source_specs(make_cfg("dataset_mixture=[[hf:owner/d, 1]]"))] == ["owner/d"]
+    with pytest.raises(ConfigError, match="dataset_type='synthetic' has no document reader"):
+        catalog.open_corpus(catalog.SourceSpec("synthetic", "", 1.0, "dataset_path", "x"), "")
+
+
 # --------------------------------------------------------------------------------------------- bad input
 
 

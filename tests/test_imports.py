@@ -20,7 +20,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "maxshard"
 # description that the run config reads, the layers below the rest of the model), the most specific name applies.
 LEVELS: tuple[tuple[str, ...], ...] = (
     ("maxshard", "maxshard.errors", "maxshard.units"),
-    ("maxshard.model.config", "maxshard.model.remat", "maxshard.parallel.axis_names", "maxshard.observe.perf"),
+    ("maxshard.model.config", "maxshard.model.remat", "maxshard.model.attention_kinds", "maxshard.dataset_types",
+     "maxshard.parallel.axis_names", "maxshard.observe.perf"),
     ("maxshard.config",),
     ("maxshard.parallel",),
     ("maxshard.data", "maxshard.launch"),

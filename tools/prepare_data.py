@@ -1,10 +1,11 @@
 """Documents (text files, JSONL, Parquet, a Hugging Face dataset) -> tokenized ArrayRecord shards.
 
-    python tools/prepare_data.py OUT_DIR [--dataset_type text|jsonl|parquet|hf] [--dataset_path PATH_DIR_OR_GLOB]
+    python tools/prepare_data.py OUT_DIR [--dataset_type TYPE] [--dataset_path PATH_DIR_OR_GLOB]
         [--text_field text] [--hf_split train] [--data_cache_dir DIR] [--tokenizer_path M.model] [--shards 4] [--text]
     python -m maxshard.train configs/base.yml dataset_type=array_record dataset_path='OUT_DIR/*.arecord'
 
-The source options mean what the training config keys of the same names mean, and are read by the same readers.
+The source options mean what the training config keys of the same names mean, and are read by the same readers:
+TYPE is any `dataset_type` whose reader yields text (`maxshard/dataset_types.py`; default text).
 Tokenizing ahead of time moves the tokenizer's cost out of training. Document i goes to shard i % shards, so
 shards are balanced and the record order is the corpus order. `--text` stores the text itself (the run tokenizes it).
 Bad records (missing field, not a string, invalid UTF-8, empty) are skipped and counted. To mix several sources,
@@ -25,6 +26,7 @@ from array_record.python import array_record_module
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from maxshard import dataset_types  # noqa: E402
 from maxshard.errors import ConfigError  # noqa: E402
 from maxshard.data import catalog, records, tokenizer as tokenizers  # noqa: E402
 from maxshard.data.sources import BadRecord  # noqa: E402
@@ -47,6 +49,9 @@ class Progress:
         if final:
             self.stream.write("\n")
         self.stream.flush()
+
+
+TEXT_TYPES = tuple(r.name for r in dataset_types.READERS if r.yields == "text")  # what this tool tokenizes
 
 
 def shard_paths(out_dir: str, shards: int) -> list[str]:
@@ -99,7 +104,7 @@ def _encode(tok, text: str):
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", help="directory for the shards and maxshard_data.json")
-    parser.add_argument("--dataset_type", default="text", choices=("text", "jsonl", "parquet", "hf"),
+    parser.add_argument("--dataset_type", default="text", choices=TEXT_TYPES,
                         help="reader of --dataset_path, as the config key")
     parser.add_argument("--dataset_path", default="",
                         help='file, directory or glob (text "": stdlib .py files; hf: saved dataset, files or name)')

@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-from maxshard.model import remat
+from maxshard import dataset_types
+from maxshard.model import attention_kinds, remat
 from maxshard.model.config import ModelConfig
 
 # Mesh axes, outermost first. `stage` holds pipeline stages; its knobs are spelled `*_pipeline_parallelism`.
@@ -29,12 +30,13 @@ MESH_AXES = (
     "autoregressive",
 )
 
-Attention = Literal["auto", "dot_product", "blockwise", "cudnn", "splash", "tokamax"]
+Attention = Literal[("auto", *attention_kinds.NAMES)]  # maxshard/model/attention_kinds.py: the implementations
 RematPolicy = Literal[("auto", *remat.NAMES)]  # maxshard/model/remat.py: the table of policies
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 Quantization = Literal["none", "int8", "fp8"]  # maxshard/model/quantization.py
 LogicalRules = tuple[tuple[str, tuple[str, ...]], ...]
 MeshRules = tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]
+DatasetType = Literal[dataset_types.NAMES]  # maxshard/dataset_types.py: the readers
 Mixture = tuple[tuple[str, float], ...]  # dataset_mixture: (source, weight) pairs
 
 
@@ -172,7 +174,7 @@ class Config:
     max_grad_norm: float = 1.0
 
     # ---- data
-    dataset_type: Literal["text", "jsonl", "parquet", "hf", "array_record", "chat", "synthetic"] = "text"
+    dataset_type: DatasetType = "text"
     dataset_path: str = _path()
     dataset_mixture: Mixture = ()
     text_field: str = "text"

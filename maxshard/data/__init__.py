@@ -10,7 +10,8 @@ Iterators also have `get_state()` / `set_state()` so a checkpoint can resume the
 JSON-serializable dicts, the same in every process (one global position, `pipeline`). `stats()` gives metrics about
 the data delivered so far (tokens per source, skipped bad records), the run's, not one process's.
 
-Modules: `sources` (text files, default corpus, train/eval split), `records` (ArrayRecord shards), `chat` and
+The dataset types and their readers are the rows of `maxshard/dataset_types.py`. Modules: `sources` (text files,
+default corpus, train/eval split), `records` (ArrayRecord shards), `chat` and
 `chat_template` (conversations -> tokens whose loss counts the assistant turns, `dataset_type: chat`),
 `jsonl`, `parquet`, `hf` (Hugging Face datasets), `hf_stream` (one read as a stream), `files` (listing local and remote paths), `catalog` (which sources a
 config names, mixtures), `shuffle` (block-wise shuffle), `mixture` (token-weighted interleave, bad-record skipping),
@@ -24,8 +25,8 @@ from typing import Any, Protocol
 import jax
 from jax.sharding import Mesh, NamedSharding
 
+from maxshard import dataset_types
 from maxshard.parallel import axis_names
-
 from maxshard.parallel import sharding
 from maxshard.config import Config
 from maxshard.errors import ConfigError
@@ -56,18 +57,19 @@ def batch_sharding(cfg: Config, mesh: Mesh, batch_size: int | None = None) -> Na
 def make_input(cfg: Config, mesh: Mesh, split: str = "train", batch_size: int | None = None) -> InputIterator:
     """The iterator for `cfg.dataset_type`; `split` is "train" or "eval".
 
-    text / jsonl / parquet / hf / array_record / chat and `dataset_mixture` (`pipeline.make_grain_input`): every process
-    builds the same stream of global batches from all the split's documents and hands JAX its devices' rows, so a
-    state resumes on any process count (elastic restarts). Both splits repeat forever; train is reshuffled every epoch
-    (`data_shuffle_seed`; a streamed hf source: in windows, see `hf_stream`), eval keeps corpus order, so a fresh
-    eval iterator always yields the same batches. Bad paths and files raise ConfigError here or at the first batch.
+    Every type read from documents (`dataset_types.grain`) and `dataset_mixture` (`pipeline.make_grain_input`):
+    every process builds the same stream of global batches from all the split's documents and hands JAX its devices'
+    rows, so a state resumes on any process count (elastic restarts). Both splits repeat forever; train is
+    reshuffled every epoch (`data_shuffle_seed`; a streamed hf source: in windows, see `hf_stream`), eval keeps
+    corpus order, so a fresh eval iterator always yields the same batches. Bad paths and files raise ConfigError here
+    or at the first batch.
     """
     batch_size = batch_size or cfg.global_batch_size
     if cfg.dataset_type == "synthetic":
         seed = cfg.seed if split == "train" else cfg.seed + 1_000_003
         return SyntheticIterator(seed, batch_size, cfg.max_target_length, cfg.vocab_size,
                                  batch_sharding(cfg, mesh, batch_size))
-    if cfg.dataset_type in ("text", "jsonl", "parquet", "hf", "array_record", "chat") or cfg.dataset_mixture:
+    if dataset_types.grain(cfg.dataset_type) or cfg.dataset_mixture:
         from maxshard.data import pipeline  # deferred: grain is only needed for real data
 
         return pipeline.make_grain_input(cfg, batch_sharding(cfg, mesh, batch_size), split, batch_size)

@@ -4,37 +4,40 @@
 
     dataset_mixture: [[web/*.parquet, 0.7], [code/*.jsonl.zst, 0.2], [hf:/data/wiki_saved, 0.1]]
 
-Each source is a path, directory or glob whose type follows from its extension (`.jsonl`, `.jsonl.gz`, `.jsonl.zst`,
-`.parquet`, `.arecord`, `.txt`; a directory: the one type of the files in it), or `hf:NAME` for a Hugging Face
+Each source is a path, directory or glob whose type follows from its extension (`.jsonl.zst`, `.parquet`, ...: the
+`suffixes` of maxshard/dataset_types.py; a directory: the one type of the files in it), or `hf:NAME` for a Hugging Face
 dataset (streamed or not by `hf_streaming`, as for `dataset_type: hf`: the mixture takes one document at a time
 from each source and saves each source's own position, so a stream mixes as exactly as a file). Weights are positive
 shares of tokens (normalized). A source prefixed `chat:` (`chat:sft/*.jsonl`, `chat:hf:owner/name`) holds
 conversations in `messages_field` (`data/chat.py`), like `dataset_type: chat`, and mixes with text sources.
-`source_specs` tells each source's reader from its
-name (before any document is read, so before anything compiles); `open_corpus` does the I/O at `make_input`.
+`source_specs` tells each source's reader from its name (before any document is read, so before anything compiles);
+`open_corpus` does the I/O at `make_input`, through the `opener` of the reader's row in maxshard/dataset_types.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 import re
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from maxshard import dataset_types
 from maxshard.config import Config
-
 from maxshard.errors import ConfigError
-from maxshard.data import files, jsonl, parquet
-from maxshard.data.sources import Corpus
+from maxshard.data import files
+from maxshard.data.sources import Corpus, ReadOptions
 
 if TYPE_CHECKING:
     from maxshard.data.hf_stream import HfStream
 
 __all__ = ["SourceSpec", "kind_of", "source_specs", "open_corpus", "MIXTURE_KINDS"]
 
-_EXTENSIONS = {**{s: "jsonl" for s in jsonl.SUFFIXES}, **{s: "parquet" for s in parquet.SUFFIXES},
-               ".arecord": "array_record", ".txt": "text"}
-MIXTURE_KINDS = "a path or glob ending in " + ", ".join(_EXTENSIONS) + ", a directory of such files, or hf:NAME"
+_EXTENSIONS = {suffix: r.name for r in dataset_types.READERS for suffix in r.suffixes}
+_PREFIXES = {f"{r.prefix}:": r.name for r in dataset_types.READERS if r.prefix}
+MIXTURE_KINDS = ("a path or glob ending in " + ", ".join(_EXTENSIONS) + ", a directory of such files, or "
+                 + " or ".join(f"{prefix}NAME" for prefix in _PREFIXES))
 _LABEL_CHARS = 48
 
 
@@ -42,7 +45,7 @@ _LABEL_CHARS = 48
 class SourceSpec:
     """One source of documents: its reader, its path, its share of tokens, and names for messages and metrics."""
 
-    kind: str  # text, array_record, jsonl, parquet or hf
+    kind: str  # a dataset_types.py row that opens sources (`opener`)
     path: str
     weight: float
     key: str  # the config key that named it: "dataset_path" or "dataset_mixture[i]"
@@ -61,9 +64,10 @@ def _kind_of_source(source: str, i: int) -> str:
 
 
 def kind_of(source: str) -> str | None:
-    """The reader a mixture source's name implies (None: no known extension)."""
-    if source.startswith("hf:"):
-        return "hf"
+    """The reader a mixture source's name implies (None: no known extension or prefix)."""
+    for prefix, kind in _PREFIXES.items():
+        if source.startswith(prefix):
+            return kind
     for suffix, kind in sorted(_EXTENSIONS.items(), key=lambda item: -len(item[0])):
         if source.endswith(suffix):
             return kind
@@ -84,11 +88,17 @@ def source_specs(cfg: Config) -> list[SourceSpec]:
         chat = source.startswith("chat:")
         source = source[5:] if chat else source
         kind = _kind_of_source(source, i)
-        path = source[3:] if kind == "hf" else source
-        if chat and kind not in ("jsonl", "hf"):
+        path = _without_prefix(source)
+        if chat and not dataset_types.reader(kind).chat:
             raise ConfigError(f"dataset_mixture[{i}]: chat sources are JSONL files or hf:NAME, got {source!r}")
         specs.append(SourceSpec(kind, path, weight, f"dataset_mixture[{i}]", f"{i}_{_label(path)}", chat))
     return specs
+
+
+def _without_prefix(source: str) -> str:
+    """A mixture source's path or name without its reader's prefix (`hf:NAME` -> NAME)."""
+    prefix = next((p for p in _PREFIXES if source.startswith(p)), "")
+    return source[len(prefix):]
 
 
 def _chat_reader(path: str) -> str:
@@ -105,39 +115,18 @@ def open_corpus(spec: SourceSpec, tokenizer_id: str, text_field: str = "text", h
     (`data_cache_dir`); a chat source reads `messages_field` instead of `text_field`.
     A Hugging Face source that `hf_streaming` streams is an `hf_stream.HfStream`, not a Corpus: it has no indices.
     """
-    from maxshard.data import records, sources  # deferred: records imports grain
-
-    if spec.chat:
-        return _chat_corpus(spec, messages_field, hf_split, cache_dir, hf_streaming)
-    if spec.kind == "jsonl":
-        return jsonl.jsonl_corpus(spec.path, text_field, cache_dir, spec.key)
-    if spec.kind == "parquet":
-        return parquet.parquet_corpus(spec.path, text_field, spec.key)
-    if spec.kind == "hf":
-        from maxshard.data import hf  # deferred: `datasets` is optional
-
-        if hf.read_as_stream(spec.path, hf_streaming, spec.key):
-            from maxshard.data import hf_stream  # deferred: imports grain
-
-            return hf_stream.open_stream(spec.path, hf_split, text_field, spec.key)
-        return hf.hf_corpus(spec.path, hf_split, text_field, spec.key)
-    if spec.kind == "array_record":
-        return records.array_record_corpus(spec.path, tokenizer_id)
-    if spec.kind == "text":
-        return sources.text_corpus(spec.path) if spec.path else sources.default_corpus()
-    raise ConfigError(f"dataset_type={spec.kind!r} has no document reader")
+    options = ReadOptions(tokenizer_id, text_field, messages_field, hf_split, cache_dir, hf_streaming)
+    return _opener(spec.kind)(spec.path, spec.key, spec.chat, options)
 
 
-def _chat_corpus(spec: SourceSpec, messages_field: str, hf_split: str, cache_dir: str, hf_streaming: str) -> Corpus:
-    """A source of conversations: JSONL, or a map-style Hugging Face dataset (chat sources are not streamed)."""
-    if spec.kind == "jsonl":
-        return jsonl.jsonl_corpus(spec.path, messages_field, cache_dir, spec.key, chat=True)
-    from maxshard.data import hf  # deferred: `datasets` is optional
-
-    if hf_streaming == "always" or (hf_streaming == "auto" and hf.source_kind(spec.path, spec.key) == "hub"):
-        raise ConfigError(f"{spec.key}={spec.path}: chat data is read map-style (downloaded first), not streamed; "
-                          "set hf_streaming=never")
-    return hf.hf_corpus(spec.path, hf_split, messages_field, spec.key, chat=True)
+def _opener(kind: str) -> Callable[..., Corpus | HfStream]:
+    """The `open_source` function of reader `kind` (its row's `opener`), imported only now: records and hf_stream
+    import grain, hf the optional `datasets`, and a run needs only its own sources' readers."""
+    opener = dataset_types.reader(kind).opener if kind in dataset_types.NAMES else ""
+    if not opener:
+        raise ConfigError(f"dataset_type={kind!r} has no document reader")
+    module, function = opener.split(":")
+    return getattr(importlib.import_module(module), function)
 
 
 def _directory_kind(path: str, i: int) -> str:

@@ -29,17 +29,20 @@ import contextlib
 import os
 import re
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from maxshard.errors import ConfigError
 from maxshard.data import files
 from maxshard.data.chat import Conversation, as_conversation
-from maxshard.data.sources import BadRecord, Corpus, as_text, row_keys
+from maxshard.data.sources import BadRecord, Corpus, ReadOptions, as_text, row_keys
 
-__all__ = ["HfDocuments", "hf_corpus", "load", "load_streamed", "source_kind", "read_as_stream", "check_text_field",
-           "STREAMING_MODES"]
+if TYPE_CHECKING:
+    from maxshard.data.hf_stream import HfStream
+
+__all__ = ["HfDocuments", "hf_corpus", "open_source", "load", "load_streamed", "source_kind", "read_as_stream",
+           "check_text_field", "STREAMING_MODES"]
 
 _BUILDERS = {".jsonl": "json", ".json": "json", ".jsonl.gz": "json", ".jsonl.zst": "json", ".parquet": "parquet",
              ".csv": "csv", ".txt": "text"}
@@ -128,6 +131,27 @@ def check_text_field(columns: Sequence[str] | None, text_field: str, where: str,
     """ConfigError when the dataset's columns are known and `text_field` is not one of them (a wrong name)."""
     if columns is not None and text_field not in columns:
         raise ConfigError(f"{name}={text_field}: {where} has no such column (columns: {', '.join(columns[:12])})")
+
+
+def open_source(path: str, key: str, chat: bool, options: ReadOptions) -> Corpus | HfStream:
+    """`dataset_type: hf` (maxshard/dataset_types.py): map-style, or a stream (`hf_stream`) when `hf_streaming` says
+    so (`read_as_stream`); conversations (`chat`) only map-style."""
+    if chat:
+        return _chat_corpus(path, key, options)
+    if read_as_stream(path, options.hf_streaming, key):
+        from maxshard.data import hf_stream  # deferred: imports grain
+
+        return hf_stream.open_stream(path, options.hf_split, options.text_field, key)
+    return hf_corpus(path, options.hf_split, options.text_field, key)
+
+
+def _chat_corpus(path: str, key: str, options: ReadOptions) -> Corpus:
+    """Conversations in `messages_field`, map-style: streaming them is refused rather than done silently otherwise."""
+    streaming = options.hf_streaming
+    if streaming == "always" or (streaming == "auto" and source_kind(path, key) == "hub"):
+        raise ConfigError(f"{key}={path}: chat data is read map-style (downloaded first), not streamed; "
+                          "set hf_streaming=never")
+    return hf_corpus(path, options.hf_split, options.messages_field, key, chat=True)
 
 
 def hf_corpus(path: str, split: str, text_field: str, key: str = "dataset_path", chat: bool = False) -> Corpus:

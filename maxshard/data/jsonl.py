@@ -28,14 +28,15 @@ from typing import IO, Any
 
 import numpy as np
 
+from maxshard import dataset_types
 from maxshard.errors import ConfigError
 from maxshard.data import files
 from maxshard.data.chat import Conversation, as_conversation
-from maxshard.data.sources import BadRecord, Corpus, row_keys
+from maxshard.data.sources import BadRecord, Corpus, ReadOptions, row_keys
 
-__all__ = ["SUFFIXES", "JsonlDocuments", "jsonl_corpus", "parse_record", "line_bounds"]
+__all__ = ["SUFFIXES", "JsonlDocuments", "jsonl_corpus", "open_source", "parse_record", "line_bounds"]
 
-SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".ndjson", ".ndjson.gz", ".ndjson.zst")
+SUFFIXES = dataset_types.reader("jsonl").suffixes  # .jsonl and .ndjson, plain, .gz or .zst
 _CHUNK_BYTES = 16 << 20  # read/scan granularity: bounded memory whatever the file size
 _SAMPLE_LINES_PER_FILE = 8  # lines per file looked at before the first batch, to catch a wrong text_field
 _SAMPLE_LINES = 256
@@ -143,6 +144,12 @@ class JsonlDocuments(Sequence):
                 os.close(fd)
             except OSError:
                 pass
+
+
+def open_source(path: str, key: str, chat: bool, options: ReadOptions) -> Corpus:
+    """`dataset_type: jsonl` (maxshard/dataset_types.py): the text of each line's `text_field`, or with `chat` the
+    conversation in its `messages_field`."""
+    return jsonl_corpus(path, options.field(chat), options.data_cache_dir, key, chat=chat)
 
 
 def jsonl_corpus(dataset_path: str, text_field: str, cache_dir: str, key: str = "dataset_path",

@@ -19,13 +19,14 @@ from typing import Any
 
 import numpy as np
 
+from maxshard import dataset_types
 from maxshard.errors import ConfigError
 from maxshard.data import files
-from maxshard.data.sources import BadRecord, Corpus, as_text, row_keys
+from maxshard.data.sources import BadRecord, Corpus, ReadOptions, as_text, row_keys
 
-__all__ = ["SUFFIXES", "ParquetDocuments", "parquet_corpus"]
+__all__ = ["SUFFIXES", "ParquetDocuments", "open_source", "parquet_corpus"]
 
-SUFFIXES = (".parquet", ".pq")
+SUFFIXES = dataset_types.reader("parquet").suffixes
 _CACHED_ROW_GROUPS = 4  # decoded row groups kept per reader: the block being read, the next one, read-ahead threads
 _TEXT_TYPES = ("string", "large_string", "string_view", "binary", "large_binary", "binary_view")
 
@@ -95,6 +96,12 @@ def _read_column(path: str, row_group: int, text_field: str) -> Any:
         return None
     table = parquet_file.read_row_group(row_group, columns=[text_field])
     return table.column(0).combine_chunks()
+
+
+def open_source(path: str, key: str, chat: bool, options: ReadOptions) -> Corpus:
+    """`dataset_type: parquet` (maxshard/dataset_types.py): the `text_field` column (conversations are not read
+    from Parquet directly: a chat source of Parquet files goes through `hf`)."""
+    return parquet_corpus(path, options.text_field, key)
 
 
 def parquet_corpus(dataset_path: str, text_field: str, key: str = "dataset_path") -> Corpus:

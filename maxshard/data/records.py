@@ -21,10 +21,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from maxshard.errors import ConfigError
-from maxshard.data.sources import Corpus, index_keys
+from maxshard.data.sources import Corpus, ReadOptions, index_keys
 
 __all__ = ["TOKENS_TAG", "METADATA_FILE", "encode_tokens", "decode_record", "RecordDocuments", "array_record_corpus",
-           "check_metadata"]
+           "open_source", "check_metadata"]
 
 TOKENS_TAG = b"MXSTOK\0\1"
 METADATA_FILE = "maxshard_data.json"
@@ -82,6 +82,12 @@ def _count_records(path: str) -> int:
     if not ok:
         raise ConfigError(f"dataset_path: {path} is not an ArrayRecord file")
     return count
+
+
+def open_source(path: str, key: str, chat: bool, options: ReadOptions) -> Corpus:
+    """`dataset_type: array_record` (maxshard/dataset_types.py): the shards of `path`, written with the run's tokenizer
+    (`options.tokenizer_id`). Its messages always name dataset_path (not `key`)."""
+    return array_record_corpus(path, options.tokenizer_id)
 
 
 def array_record_corpus(dataset_path: str, tokenizer_id: str) -> Corpus:

@@ -28,7 +28,9 @@ __all__ = [
     "BadRecord",
     "as_text",
     "Corpus",
+    "ReadOptions",
     "TextDocuments",
+    "open_source",
     "default_corpus",
     "text_corpus",
     "name_keys",
@@ -90,6 +92,24 @@ class Corpus:
 
 
 @dataclasses.dataclass(frozen=True)
+class ReadOptions:
+    """What a reader's `open_source` may read (maxshard/dataset_types.py: each row's `keys` say which): the config
+    keys of the same names (`data_cache_dir` is where JSONL is decompressed) and the run's tokenizer fingerprint,
+    which ArrayRecord shards of token ids must have been written with."""
+
+    tokenizer_id: str = ""
+    text_field: str = "text"
+    messages_field: str = "messages"
+    hf_split: str = "train"
+    data_cache_dir: str = ""
+    hf_streaming: str = "auto"
+
+    def field(self, chat: bool) -> str:
+        """The field or column that holds a record: `messages_field` for conversations, else `text_field`."""
+        return self.messages_field if chat else self.text_field
+
+
+@dataclasses.dataclass(frozen=True)
 class TextDocuments(Sequence):
     """Text files as a sequence of documents; reading happens on access (in a grain worker, when there are any)."""
 
@@ -124,6 +144,12 @@ def _check_head(path: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------- listing
+
+
+def open_source(path: str, key: str, chat: bool, options: ReadOptions) -> Corpus:
+    """`dataset_type: text` (maxshard/dataset_types.py): every file of `path` is a document, or with no path the
+    stdlib's sources, so a run needs no data to start. Its messages always name dataset_path (not `key`)."""
+    return text_corpus(path) if path else default_corpus()
 
 
 def default_corpus() -> Corpus:

@@ -17,7 +17,8 @@
 memory, for checks) on CPU; it is refused on TPUs (splash is the TPU kernel).
 
 An explicit choice that cannot work is a ConfigError here, before anything compiles, naming the key and what is
-allowed. Two layouts are checked too: sequence parallelism shards attention heads over `sequence` (with the tensor
+allowed: where each implementation runs and what it needs installed are its row of `attention_kinds.py`, what it
+needs of the config (blocks, dtype, head_dim) the `_*_problem` checks below. Two layouts are checked too: sequence parallelism shards attention heads over `sequence` (with the tensor
 axes), so the heads must divide; context parallelism (ring attention) needs the length to split into 2 x context
 chunks and runs every implementation's ring steps with the blockwise kernel (a documented fallback: the fused
 kernels take no ring offsets), and does not combine with a pipeline.
@@ -31,15 +32,16 @@ import re
 from collections.abc import Mapping
 
 from maxshard.config.schema import Config
-
 from maxshard.errors import ConfigError
 from maxshard.parallel import axis_names as ax
 from maxshard.parallel.sharding import axes_of, flax_rules
+from maxshard.model import attention_kinds
 
 __all__ = ["platform_of", "resolve"]
 
 def platform_of(device_kind: str) -> str:
-    """'tpu', 'nvidia', or 'cpu' (CPU and anything else: only the portable implementations)."""
+    """'tpu', 'nvidia', or 'cpu' (CPU and anything else: only the portable implementations): the platforms of
+    attention_kinds.py's rows."""
     kind = device_kind.strip().lower()
     if kind.startswith("tpu"):
         return "tpu"
@@ -87,6 +89,7 @@ def _tokamax_problem(cfg: Config, dtype: str) -> str:
 
 
 def _auto(cfg: Config, dtype: str, platform: str) -> str:
+    """The fastest implementation that takes this config on `platform` (module docstring)."""
     if platform == "tpu":
         return "splash" if not _splash_problem(cfg) else "blockwise"
     if platform == "nvidia":
@@ -96,28 +99,28 @@ def _auto(cfg: Config, dtype: str, platform: str) -> str:
 
 
 def _check_explicit(cfg: Config, dtype: str, platform: str) -> None:
-    kind = cfg.device_kind or "cpu"
-    if cfg.attention == "tokamax":
-        if importlib.util.find_spec("tokamax") is None:
-            raise ConfigError("attention=tokamax needs the tokamax package: pip install -e '.[tokamax]'")
-        if platform == "tpu":
-            raise ConfigError(f"attention=tokamax is a GPU kernel (device kind {kind!r}); use splash or auto")
-        problem = _tokamax_problem(cfg, dtype) if platform == "nvidia" else ""
-        if problem:
-            raise ConfigError(f"attention=tokamax needs {problem}; use attention=cudnn or auto")
+    """An explicit implementation that cannot run here is a ConfigError: a missing package, a platform its row of
+    attention_kinds.py leaves out, or a config its kernel cannot take (`_problem`)."""
+    row, device = attention_kinds.kind(cfg.attention), cfg.device_kind or "cpu"
+    if row.package and importlib.util.find_spec(row.package) is None:
+        raise ConfigError(f"attention={row.name} needs the {row.package} package: pip install -e '.[{row.package}]'")
+    if platform not in row.platforms:
+        raise ConfigError(f"attention={row.name} {row.off_platform} (device kind {device!r}); use {row.instead}")
+    problem, instead = _problem(cfg, dtype, platform)
+    if problem:
+        raise ConfigError(f"attention={row.name} needs {problem}; use {instead}")
+
+
+def _problem(cfg: Config, dtype: str, platform: str) -> tuple[str, str]:
+    """What keeps the chosen kernel from this config on its platform ('' when nothing), and what to use instead.
+    Tokamax is checked on a GPU only: elsewhere it runs its XLA reference, which takes any config."""
     if cfg.attention == "cudnn":
-        if platform != "nvidia":
-            raise ConfigError(f"attention=cudnn needs an NVIDIA GPU (device kind {kind!r}); "
-                              "use auto, blockwise or dot_product")
-        problem = _cudnn_problem(cfg, dtype)
-        if problem:
-            raise ConfigError(f"attention=cudnn needs {problem}; use attention=blockwise or auto")
+        return _cudnn_problem(cfg, dtype), "attention=blockwise or auto"
     if cfg.attention == "splash":
-        if platform == "nvidia":
-            raise ConfigError(f"attention=splash is a TPU kernel (device kind {kind!r}); use cudnn or auto")
-        problem = _splash_problem(cfg)
-        if problem:
-            raise ConfigError(f"attention=splash needs {problem}; use attention=blockwise (any length) or auto")
+        return _splash_problem(cfg), "attention=blockwise (any length) or auto"
+    if cfg.attention == "tokamax" and platform == "nvidia":
+        return _tokamax_problem(cfg, dtype), "attention=cudnn or auto"
+    return "", ""
 
 
 def _head_shards(cfg: Config, sizes: Mapping[str, int], logical: str, array: tuple[str | None, ...]) -> int:

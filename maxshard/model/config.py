@@ -114,7 +114,7 @@ class ModelConfig:
     weight_dtype: str = "float32"
     scan_layers: bool = True
     remat_policy: str = "full"
-    attention: str = "dot_product"  # resolved: dot_product, blockwise, cudnn, splash or tokamax (never auto)
+    attention: str = "dot_product"  # resolved: a row of model/attention_kinds.py (never auto)
     attention_block_q: int = 512
     attention_block_kv: int = 512
     num_experts: int = 1

@@ -18,8 +18,8 @@ the device keeps nothing per layer. Only accelerators move anything: JAX lowers 
 XLA:CPU, where the named values stay in the one memory the CPU has (the planner counts them there).
 
 `recomputes`: the parts of a layer's forward pass the backward runs again (of `PARTS`). A fused attention kernel
-(blockwise, cudnn, splash, ring) is no matmul a policy keeps, so every policy but `none` re-runs it
-(`estimate.remat_factors`).
+(ring attention, or a row of attention_kinds.py fused where it runs) is no matmul a policy keeps, so every policy but
+`none` re-runs it (`estimate.remat_factors`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """A plan for a config on a target: memory per device, collectives per mesh axis, pipeline bubble, roofline time.
 
 Roofline. Compute time = hardware FLOPs per device / peak, where hardware FLOPs = (model FLOPs (`model/flops.py`,
-forward + backward) + what token dropping pads and dispatches (`moe_dropping_flops`)) x (1 + the share of forward FLOPs the
-remat policy recomputes / 3) (`remat_factors`: 4/3 for full, 1 for none, and for minimal unless it re-runs a fused
-attention), divided by (1 - bubble) under a pipeline. The peak is the bf16 one, or for a quantized run
+forward + backward) + what token dropping pads and dispatches (`moe_dropping_flops`)) x (1 + the share of forward
+FLOPs the remat policy recomputes / 3) (`remat_factors`: 4/3 for full, 1 for none, and for minimal unless it re-runs
+a fused attention), divided by (1 - bubble) under a pipeline. The peak is the bf16 one, or for a quantized run
 (`quantization: int8 | fp8`) the mix of the chip's 8-bit peak for the quantized share of the FLOPs and its bf16 peak
 for the rest (`quantization.peak_flops`).
 A collective over a group of n = n_ici x n_dcn devices (ici and dcn parts of its mesh axes) with full-buffer bytes
@@ -147,9 +147,9 @@ def remat_factors(cfg: Config) -> dict[str, float]:
     """Hardware / model FLOPs of every remat policy: the backward pass re-runs the forward FLOPs a policy did not save,
     one third of training FLOPs if it re-ran all of them (full). The forward FLOPs of the decoder stack by part come
     from the model's one inventory (`flops.layer_flops`: q/k/v projections, output projection, attention, MLP with an
-    MoE layer's routed and shared experts and router). Each policy recomputes the parts of the layer its row of maxshard/model/remat.py names
-    (`recomputes`), and every policy but none re-runs a fused attention kernel (blockwise, cudnn, splash, ring: not a
-    matmul that a policy keeps):
+    MoE layer's routed and shared experts and router). Each policy recomputes the parts of the layer its row of
+    maxshard/model/remat.py names (`recomputes`), and every policy but none re-runs a fused attention kernel
+    (`memory.Widths.fused`: not a matmul that a policy keeps):
         none                 nothing
         minimal              elementwise work only (it keeps every matmul output), and a fused attention
         save_qkv_out_proj    attention and MLP (offload_qkv_out_proj alike: where a value is kept costs no FLOPs)

@@ -14,8 +14,9 @@ s = the compute dtype's itemsize:
                                       with the residual stream's length split r ways beyond the activation
                                       length's (tensor_sequence: layers/decoder.py), 5 of the 7E are E / r
                                       and 2 stay whole (attention's and the MLP's inputs, gathered back)
-    attention, dot_product: 8 A bytes (float32 exponentials and probabilities); a fused kernel (blockwise, cudnn,
-                                      splash, ring) keeps its output and float32 log-sum-exp instead: Q x s + 4 H
+    attention, dot_product: 8 A bytes (float32 exponentials and probabilities); a fused kernel (ring, or a row
+                                      of model/attention_kinds.py fused on the device kind's platform) keeps its
+                                      output and float32 log-sum-exp instead: Q x s + 4 H
 
     what a policy saves per layer and token (maxshard/model/remat.py names what each keeps):
         none               dense + attention
@@ -73,7 +74,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from maxshard.parallel import axis_names as ax
-from maxshard.model import remat
+from maxshard.model import attention_kinds, remat
 from maxshard.model.attention_choice import platform_of
 from maxshard.config import Config
 from maxshard.model.layers.moe import group_size
@@ -98,6 +99,7 @@ class Widths:
     heads: int  # query heads per device
     length: int  # the whole sequence length (keys one query can see)
     attention: str = "dot_product"  # resolved implementation
+    kernel_fused: bool = False  # it is a fused kernel on the device kind's platform (model/attention_kinds.py)
     context: int = 1  # context shards (ring attention)
     tensor: bool = False  # heads or mlp split over the `tensor` axis (partial sums before their reduction)
     residual: int = 1  # shards of the residual stream's length beyond the activation length's (tensor_sequence)
@@ -108,8 +110,8 @@ class Widths:
 
     @property
     def fused(self) -> bool:
-        """Whether attention runs a blockwise kernel (no [length, length] scores)."""
-        return self.attention != "dot_product" or self.context > 1
+        """Whether attention runs a blockwise kernel (no [length, length] scores): a fused one, or the ring's."""
+        return self.kernel_fused or self.context > 1
 
     @property
     def scores(self) -> int:
@@ -268,8 +270,6 @@ def widths(cfg: Config, sizes: Mapping[str, int]) -> Widths:
     for axis in rule_axes(cfg, ax.ATTN_LENGTH, sizes):
         context *= sizes[axis]
     attention = cfg.model.attention if cfg.model is not None else "dot_product"
-    if attention == "tokamax" and platform_of(cfg.device_kind or "cpu") != "nvidia":
-        attention = "dot_product"  # off a GPU tokamax runs its XLA reference, whole [length, length] scores
     return Widths(
         embed=cfg.emb_dim,
         q=heads * cfg.head_dim,
@@ -278,6 +278,7 @@ def widths(cfg: Config, sizes: Mapping[str, int]) -> Widths:
         heads=heads,
         length=cfg.max_target_length,
         attention=attention,
+        kernel_fused=attention_kinds.fused(attention, platform_of(cfg.device_kind or "cpu")),
         context=context,
         tensor="tensor" in (*head_axes, *mlp_axes),
         residual=_shards_beyond(cfg, sizes),

@@ -1,17 +1,11 @@
-"""The attention kernels behind one function, `attend`: dot_product, blockwise, cudnn, splash and tokamax.
+"""The attention kernels behind one function, `attend`: one function per row of `maxshard/model/attention_kinds.py`,
+named as the row (which says where each runs, whether it is fused, how it takes the documents).
 
 Inputs are post-RoPE and pre-scaled: q [batch, q_len, heads, head_dim] (already multiplied by 1/sqrt(head_dim)),
 k and v [batch, kv_len, kv_heads, head_dim], segment ids [batch, q_len] and [batch, kv_len]; the output is
 [batch, q_len, heads, head_dim] in v's dtype. Every implementation applies the same mask: causal (query t sees keys
 up to t; with kv_len > q_len the queries are the last q_len positions) and inside one document (equal segment ids).
 Grouped-query heads: heads = kv_heads x group, query head h reads kv head h // group.
-
-    dot_product  scores [batch, kv_heads, group, q_len, kv_len] in float32: the reference, memory quadratic
-    blockwise    online softmax over blocks, custom VJP (layers/blockwise_attention.py): linear memory, any backend
-    cudnn        jax.nn.dot_product_attention(implementation="cudnn"): NVIDIA GPUs (see `_cudnn` for the mask)
-    splash       the Pallas TPU splash kernel (interpret mode elsewhere, for tests); lengths a multiple of the blocks
-    tokamax      tokamax's Pallas Mosaic GPU FlashAttention (Hopper, Blackwell): the documents go in as per-query key
-                 offsets, not as a mask tensor (see `tokamax`); its XLA reference implementation off a GPU
 
 Sharding. Inside attention the activations take their own logical names (`activation_attn_*`): whole length
 (or `context` shards for ring attention, layers/ring_attention.py) and heads over the tensor axes *and* `sequence`.
@@ -28,15 +22,14 @@ from types import ModuleType
 import jax
 import jax.numpy as jnp
 
+from maxshard.model import attention_kinds
 from maxshard.parallel import axis_names as ax
 from maxshard.model.layers import blockwise_attention as bw
 from maxshard.model.layers import ring_attention
 from maxshard.parallel.sharding import constrain
 
-__all__ = ["IMPLEMENTATIONS", "attend", "dot_product", "blockwise", "cudnn", "splash", "tokamax", "document_starts",
-           "token_indices"]
+__all__ = ["attend", *attention_kinds.NAMES, "document_starts", "token_indices"]
 
-IMPLEMENTATIONS = ("dot_product", "blockwise", "cudnn", "splash", "tokamax")
 
 
 def token_indices(q_len: int, kv_len: int) -> tuple[jax.Array, jax.Array]:
@@ -212,18 +205,18 @@ def attend(
     q_segment_ids, kv_segment_ids = (constrain(s, ax.ATTN_SEGMENTS) for s in (q_segment_ids, kv_segment_ids))
     if ring_attention.context_axes():
         out = ring_attention.ring_attend(q, k, v, q_segment_ids, kv_segment_ids, block_q, block_kv)
-    elif implementation == "dot_product":
-        out = dot_product(q, k, v, q_segment_ids, kv_segment_ids)
-    elif implementation == "blockwise":
-        out = blockwise(q, k, v, q_segment_ids, kv_segment_ids, block_q, block_kv)
-    elif implementation == "cudnn":
-        out = cudnn(q, k, v, q_segment_ids, kv_segment_ids)
-    elif implementation == "tokamax":
-        out = ring_attention.manual_over_batch_and_heads(tokamax, q, k, v, q_segment_ids, kv_segment_ids)
-    elif implementation == "splash":
-        out = ring_attention.manual_over_batch_and_heads(
-            functools.partial(splash, block_q=block_q, block_kv=block_kv), q, k, v, q_segment_ids, kv_segment_ids
-        )
     else:
-        raise ValueError(f"attention implementation {implementation!r}; expected one of {', '.join(IMPLEMENTATIONS)}")
+        row, kernel = _kernel(implementation, block_q, block_kv)
+        args = (q, k, v, q_segment_ids, kv_segment_ids)
+        out = ring_attention.manual_over_batch_and_heads(kernel, *args) if row.per_device else kernel(*args)
     return constrain(out, ax.ATTN_QUERY)
+
+
+def _kernel(implementation: str, block_q: int, block_kv: int) -> tuple[attention_kinds.Kind, Callable]:
+    """The row of `implementation` and its kernel: this module's function of the row's name, looked up at call time
+    (tests and benchmarks wrap them), its blocks bound if the row takes blocks."""
+    if implementation not in attention_kinds.NAMES:
+        raise ValueError(f"attention implementation {implementation!r}; expected one of "
+                         f"{', '.join(attention_kinds.NAMES)}")
+    row, kernel = attention_kinds.kind(implementation), globals()[implementation]
+    return row, functools.partial(kernel, block_q=block_q, block_kv=block_kv) if row.blocks else kernel
