@@ -21,7 +21,7 @@ from maxshard.config import Config
 from maxshard.launch import topologies
 from maxshard.model.layers import moe, moe_grouped, moe_ragged
 from maxshard.planning import compiled
-from maxshard.run.search import load_for_target
+from maxshard.run.target import load_for_target
 from maxshard.planning.tpu_compile import abstract_devices
 from maxshard.units import format_bytes
 

@@ -51,7 +51,7 @@ from maxshard.planning import fit
 from maxshard.run import search
 from maxshard.planning.estimate import Plan, make_plan
 from maxshard.planning.printout import format_plan, plan_json
-from maxshard.run.search import load_for_target
+from maxshard.run.target import load_for_target, target_capacity
 from maxshard.run.search_printout import format_search, nothing_fits, search_json, sweep_yaml
 from maxshard.planning.tpu_compile import TpuOutOfMemory, abstract_devices, compile_run
 from maxshard.units import format_bytes
@@ -138,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _verdict(plan: Plan, as_json: bool) -> int:
     """The plan and its one verdict line against the target's usable memory: 0 when it fits, 1 when not."""
-    fits, line = fit.verdict(plan.cfg, search.target_capacity(plan.cfg, plan.target))
+    fits, line = fit.verdict(plan.cfg, target_capacity(plan.cfg, plan.target))
     print(json.dumps({**plan_json(plan), "fit": {"fits": fits, "line": line}}) if as_json else
           f"{format_plan(plan)}\n{line}")
     return 0 if fits else 1

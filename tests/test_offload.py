@@ -19,7 +19,8 @@ from maxshard.planning import estimate, fit, memory, traffic
 from maxshard.run import search
 from maxshard.planning.compiled import peak_bytes
 from maxshard.planning.printout import format_plan, plan_json
-from maxshard.run.search import load_for_target
+from maxshard.run import target as run_target
+from maxshard.run.target import load_for_target
 from maxshard.units import format_bytes
 from tests.helpers import tiny_config
 from tests.test_plan import _compile
@@ -123,7 +124,7 @@ def test_an_offload_policy_needs_its_host_bytes_in_host_memory():
     """Host memory per device (hardware.INTERCONNECTS: v5e 512 GiB per host of 8 chips) bounds what an offload policy
     may move there: auto passes over one whose host bytes do not fit, an explicit one is refused in one line."""
     explicit = load_for_target([*PRESET, "remat_policy=offload_qkv_proj"], V5E_8)
-    assert search.target_capacity(explicit, V5E_8).host == 64 * 2**30
+    assert run_target.target_capacity(explicit, V5E_8).host == 64 * 2**30
     host = estimate.make_plan(explicit, V5E_8).host_bytes
     peaks = fit.peaks_by_policy(explicit)
     room = fit.Capacity(int(peaks["offload_full"] / 0.9 * 1.05), "test", host=int(host / 0.9 / 2))

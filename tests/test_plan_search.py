@@ -29,6 +29,8 @@ from maxshard.parallel import mesh
 from maxshard.launch import topologies
 from maxshard.planning import estimate, hardware
 from maxshard.run import search
+from maxshard.run import target as run_target
+from maxshard.run.layouts import Layout
 from maxshard.planning.compiled import peak_bytes
 from maxshard.units import format_bytes
 from test_plan import _compile, _plan_tool
@@ -61,7 +63,7 @@ def _layout_of(cfg: config.Config) -> tuple:
     return shape.ici, shape.dcn, cfg.remat_policy, pipe.microbatches if pipe is not None else 0
 
 
-def _as_layout(layout: search.Layout) -> tuple:
+def _as_layout(layout: Layout) -> tuple:
     return layout.ici, layout.dcn, layout.remat_policy, layout.microbatches
 
 
@@ -122,7 +124,7 @@ def test_8b_pasted_overrides_load_as_that_layout_in_the_trainer(result_8b: searc
     chosen = fitting[:5]
     chosen += [next(c for c in fitting if any(o.startswith("num_pipeline_microbatches=") for o in c.overrides))]
     chosen += [next(c for c in fitting if c.layout.remat_policy != "full")]
-    user = search.load_for_target(BASE_8B, H100)  # remat_policy: auto, decided for the node's HBM
+    user = run_target.load_for_target(BASE_8B, H100)  # remat_policy: auto, decided for the node's HBM
     # the search's best is the mesh as given (fsdp=8) with the policy auto decides there
     assert chosen[0].layout.remat_policy == user.remat_policy == "save_qkv_out_proj"
     assert chosen[0].overrides in ((), ("remat_policy=save_qkv_out_proj",))
@@ -190,7 +192,7 @@ def test_sweep_file_reads_back_as_the_suggested_points(tmp_path: Path, capsys: p
     assert {k: sweep_spec.format_value(v) for k, v in sweep.fixed.items()} == user
     for point, c in zip(sweep.points, suggested):
         argv = [sweep.base_config, *sweep_spec.overrides_argv(sweep.merged(point))]
-        cfg = search.load_for_target(argv, H100)
+        cfg = run_target.load_for_target(argv, H100)
         assert mesh.axis_sizes(cfg) == c["mesh"] and cfg.remat_policy == c["remat_policy"]
 
 

@@ -18,7 +18,7 @@ from maxshard.parallel import mesh
 from maxshard.launch import topologies
 from maxshard.planning import estimate
 from maxshard.planning.compiled import compile_train_step, peak_bytes
-from maxshard.run.search import load_for_target
+from maxshard.run.target import load_for_target
 from maxshard.planning.tpu_compile import INSTALL, abstract_devices
 
 if importlib.util.find_spec("libtpu") is None:  # a test dependency: missing means a broken install, not a skip

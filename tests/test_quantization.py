@@ -28,7 +28,7 @@ from maxshard.errors import ConfigError
 from maxshard.launch import topologies
 from maxshard.planning import estimate, printout
 from maxshard.planning.compiled import abstract_inputs
-from maxshard.run.search import load_for_target
+from maxshard.run.target import load_for_target
 from maxshard.training.step import Trainer, abstract_state
 
 # The projections by module path; the routed experts by qwix's QtProvider.ragged_dot in the call stack (jax lowers a
@@ -173,7 +173,7 @@ def test_xla_tpu_keeps_the_8_bit_operands_on_a_v5e_slice(mode: str) -> None:
     from maxshard.parallel import mesh
     from maxshard.launch import topologies
     from maxshard.planning.compiled import compile_train_step
-    from maxshard.run.search import load_for_target
+    from maxshard.run.target import load_for_target
     from maxshard.planning.tpu_compile import abstract_devices
 
     target = topologies.parse("v5litepod-8")

@@ -2,7 +2,7 @@
 with the TPU defaults, under five layouts; and what the ragged dropless MoE exchange computes (FLOPs).
 
 libtpu (a test dependency through the `tpu-aot` extra) describes the slice as abstract devices; the config is loaded
-as the trainer would load it there (`planning.search.load_for_target`): `attention: auto` -> splash, `dtype: auto`
+as the trainer would load it there (`run.target.load_for_target`): `attention: auto` -> splash, `dtype: auto`
 -> bfloat16, dropless MoE `auto` -> ragged_dot. XLA:TPU then compiles the real programs, Pallas kernels through
 Mosaic. This is where the splash init crash of the past showed (one dummy row in splash's shard_map); here it
 would fail to compile. Each layout also shows its kernels in the compiled program and an init that creates the
@@ -21,7 +21,7 @@ import pytest
 from maxshard.parallel import mesh
 from maxshard.launch import topologies
 from maxshard.planning.compiled import compile_init, compile_train_step, peak_bytes
-from maxshard.run.search import load_for_target
+from maxshard.run.target import load_for_target
 from maxshard.planning.tpu_compile import INSTALL, abstract_devices, topology_name
 from maxshard.training.step import abstract_state
 

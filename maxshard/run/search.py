@@ -3,25 +3,10 @@
 Why: the planner answers "how does this layout do on that cluster" in a fraction of a second, so it can answer
 "which layout should I use" by asking that question a few hundred times, before any hardware is reserved.
 
-A layout is what the search may change: the ici/dcn mesh knobs, `remat_policy` and, with pipeline stages,
-`num_pipeline_microbatches`. The model, the global batch and every other key stay as the user set them. Keys given
-on the command line stay too (the search varies the others), so the overrides of a suggestion can be appended to
-the user's own command without naming a key twice.
-
-Candidates:
-    ici (devices of one slice or node): every factorization over data, stage, fsdp, sequence, context, tensor,
-         tensor_sequence (tensor parallelism that also splits the residual stream: less memory, more traffic), and
-         expert for MoE models; the axes that split heads or length or layers (`SMALL_AXES`) at most
-         `SMALL_AXIS_LIMIT` ways, and never two of an `EXCLUSIVE` pair together (sequence, context and
-         tensor_sequence all split the length, tensor and tensor_sequence the heads)
-    dcn (across slices or nodes): over data, fsdp and stage only, whose traffic crosses the network once per step
-         (data) or once per layer (fsdp), or as one activation per microbatch (stage); never per-layer
-         activation traffic such as tensor's
-    num_pipeline_microbatches, with S > 1 stages: S, 2S and 4S (it must be a multiple of S)
-    remat_policy: every policy of the schema (`config_schema.RematPolicy`, maxshard/model/remat.py) except `auto`, which
-         is what a search resolves; the offload policies only when nothing else fits (below)
-Not searched: fsdp_transpose (a variant of fsdp), autoregressive (a decoding axis),
-gradient_accumulation_steps.
+A layout is what the search may change (`run/layouts.py` enumerates them: the ici/dcn mesh knobs and pipeline
+microbatches) and `remat_policy`: every policy of the schema except `auto`, which is what a search resolves, the
+offload policies only when nothing else fits (below). Keys given on the command line stay as given, so the
+overrides of a suggestion can be appended to the user's own command without naming a key twice.
 
 Two rounds, so that the remat policies multiply only the meshes that can use them. First every mesh (with each of
 its microbatch counts) under `remat_policy=full`, which saves the least of all policies (only each layer's input);
@@ -32,92 +17,58 @@ fit). Then the other policies for the meshes that fit, fastest first, while the 
 lasts; on one 8-GPU node it always lasts, so that search is exhaustive. A first round larger than the budget is
 refused with a hint to pin keys.
 
-The offload policies (maxshard/model/remat.py) are the last resort, as for `remat_policy: auto` (planning/fit.py: their
-host transfers are not priced): only when no layout fits under the others, and the target's compiler moves values
+The offload policies (maxshard/model/remat.py) are the last resort, as for `remat_policy: auto` (planning/fit.py:
+their host transfers are not priced): only when no layout fits under the others, and the target's compiler moves values
 to host memory (TPU, GPU: `memory.policies`), the two rounds run again with them, `offload_full` first.
 
-Each candidate is loaded exactly as `python -m maxshard.plan` loads a config (`load_for_target`: validated as the launcher
-validates it for the target). A ConfigError makes it invalid, counted by its reason; so does a dimension that would
-not split evenly over its mesh axes (heads, batch, length, ...: the planner's bytes assume even shards). Then
-`make_plan`. A candidate fits when its planned peak (`Plan.peak_bytes`) is at most the capacity, HBM x (1 - headroom);
-the fitting ones are ranked by `Plan.step_s`, then by planned peak (many layouts share a compute-bound step time,
-and the one with more memory left is the safer pick).
+Each candidate is loaded exactly as `python -m maxshard.plan` loads a config (`target.load_for_target`: validated
+as the launcher validates it for the target). A ConfigError makes it invalid, counted by its reason; so does a
+dimension that would not split evenly over its mesh axes (heads, batch, length, ...: the planner's bytes assume
+even shards). Then `make_plan`. A candidate fits when its planned peak (`Plan.peak_bytes`) is at most the
+capacity, HBM x (1 - headroom); the fitting ones are ranked by `Plan.step_s`, then by planned peak (many layouts
+share a compute-bound step time, and the one with more memory left is the safer pick).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import math
 import re
 import time
 import typing
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 from maxshard.parallel import axis_names as ax
 from maxshard import config
-from maxshard.run import loading
+from maxshard.run import layouts
+from maxshard.run.layouts import Layout
+from maxshard.run.target import load_for_target
 from maxshard.parallel import mesh
 from maxshard.model import remat
-from maxshard.config import MESH_AXES, Config, knob_name
+from maxshard.config import Config
 from maxshard.errors import ConfigError
 from maxshard.config.schema import RematPolicy
 from maxshard.launch import xpk
 from maxshard.launch.topologies import Target
-from maxshard.planning import fit, hardware, memory
-from maxshard.planning.fit import Capacity
+from maxshard.planning import hardware, memory
 from maxshard.planning.estimate import Plan, make_plan
 from maxshard.planning.axes import rule_axes
 
 __all__ = [
-    "Layout",
     "Candidate",
     "SearchResult",
-    "load_for_target",
     "capacity_bytes",
     "remat_policies",
-    "meshes",
-    "overrides",
     "search",
 ]
 
-ICI_AXES = ("data", "stage", "fsdp", "sequence", "context", "tensor", "tensor_sequence")  # + expert for MoE models
-DCN_AXES = ("data", "stage", "fsdp")
-SMALL_AXES = ("stage", "sequence", "context", "tensor", "tensor_sequence", "expert")
-# Axes that split the same dimension two ways: a layout uses one of each pair (unless the user pinned both).
-# tensor_sequence with sequence or context: XLA gathers 12x the bytes of sequence x tensor (benchmarks/README.md).
-EXCLUSIVE = (("sequence", "context"), ("tensor", "tensor_sequence"), ("sequence", "tensor_sequence"),
-             ("context", "tensor_sequence"))
-SMALL_AXIS_LIMIT = 8  # past 8 ways, these axes' per-layer traffic outgrows what they save in memory
-MICROBATCH_MULTIPLES = (1, 2, 4)
 DEFAULT_HEADROOM = 0.1
 MAX_CANDIDATES = 5000  # ~0.02-0.05 s each: a few minutes at most
 LEAST_MEMORY_POLICY = "full"  # the first round's policy (module docstring)
 OFFLOAD_LEAST_MEMORY_POLICY = "offload_full"  # ... when the search turns to the offload policies
 PROGRESS_EVERY = 100
 FIRST_ROUND_SLACK = 1.1  # a `full` peak this much over the capacity may still fit under another policy
-
-
-def load_for_target(config_argv: Sequence[str], target: Target) -> Config:
-    """`[CONFIG, key=value, ...]` finalized as the trainer will see it on `target` (mesh resolved, vocab set,
-    `remat_policy: auto` decided against the target's device memory, not this machine's)."""
-    xpk.check_tokens(config_argv)
-    parsed = config.parse(config_argv)
-    argv = xpk.prepare_trainer_argv(config_argv, parsed, target, workload="plan")
-    cfg = xpk.validate_for_target(argv, target)
-    return loading.complete(cfg, capacity=target_capacity(cfg, target))
-
-
-def target_capacity(cfg: Config, target: Target) -> Capacity:
-    """One device's memory on `target`: `device_memory_gb` when set, else what JAX can allocate there
-    (`hardware.device_memory`); and the host memory per device where its figure is known (`hardware.INTERCONNECTS`)."""
-    memory, source = hardware.device_memory(target.name)
-    host = hardware.interconnect(target.name).host
-    configured = fit.configured_capacity(cfg)
-    if configured is not None:
-        return dataclasses.replace(configured, host=None if host is None else int(host))
-    return Capacity(int(memory), source, None if host is None else int(host))
 
 
 def capacity_bytes(target: Target, headroom: float = DEFAULT_HEADROOM) -> float:
@@ -142,116 +93,6 @@ def _policy_groups(user: Config) -> list[tuple[str, list[str]]]:
         if first in names:
             groups.append((first, [p for p in names if p != first]))
     return groups
-
-
-# --------------------------------------------------------------------------------------------- layouts
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """One candidate: axis sizes inside (`ici`) and across (`dcn`) slices, in `MESH_AXES` order, and the rest."""
-
-    ici: tuple[int, ...]
-    dcn: tuple[int, ...]
-    remat_policy: str
-    microbatches: int = 0  # pipeline microbatches; 0 without stages
-
-    @property
-    def sizes(self) -> dict[str, int]:
-        return {a: i * d for a, i, d in zip(MESH_AXES, self.ici, self.dcn)}
-
-    @property
-    def name(self) -> str:
-        """'fsdp4-tensor2-full', 'dcn_data2-fsdp8-save_qkv_proj', 'stage2-fsdp4-full-mb4': a sweep point's name."""
-        parts = [f"dcn_{a}{n}" for a, n in zip(MESH_AXES, self.dcn) if n > 1]
-        parts += [f"{a}{n}" for a, n in zip(MESH_AXES, self.ici) if n > 1]
-        parts.append(self.remat_policy)
-        if self.microbatches:
-            parts.append(f"mb{self.microbatches}")
-        return "-".join(parts)
-
-    @property
-    def label(self) -> str:
-        """'fsdp=4 tensor=2 remat=full': for tables."""
-        mesh_text = " ".join(f"{a}={n}" for a, n in self.sizes.items() if n > 1) or "single device"
-        pipe = f" microbatches={self.microbatches}" if self.microbatches else ""
-        return f"{mesh_text} remat={self.remat_policy}{pipe}"
-
-
-def _factorizations(total: int, axes: Sequence[str], limits: dict[str, int]) -> Iterator[dict[str, int]]:
-    """Every {axis: size} over `axes` whose sizes multiply to `total`, each size at most its limit."""
-    if not axes:
-        if total == 1:
-            yield {}
-        return
-    first, rest = axes[0], axes[1:]
-    for size in range(1, min(total, limits.get(first, total)) + 1):
-        if total % size == 0:
-            for tail in _factorizations(total // size, rest, limits):
-                yield {first: size, **tail}
-
-
-def _family(user: Config, family: str, total: int, searched: Sequence[str], pinned: set[str]) -> list[tuple[int, ...]]:
-    """The axis sizes of one knob family the search tries: pinned knobs keep their size (-1 ones fill), knobs
-    neither searched nor pinned are 1."""
-    values = {a: user.parallelism(family, a) for a in MESH_AXES}
-    is_pinned = {a: knob_name(family, a) in pinned for a in MESH_AXES}
-    fixed = {a: v for a, v in values.items() if is_pinned[a] and v > 0}
-    free = [a for a in MESH_AXES if (a in searched and not is_pinned[a]) or (is_pinned[a] and values[a] == -1)]
-    if total % math.prod(fixed.values()):
-        return []
-    limits = {a: SMALL_AXIS_LIMIT for a in SMALL_AXES if not is_pinned[a]}
-    out = []
-    for sizes in _factorizations(total // math.prod(fixed.values()), free, limits):
-        if any(sizes.get(a, 1) > 1 and sizes.get(b, 1) > 1 and not (is_pinned[a] or is_pinned[b])
-               for a, b in EXCLUSIVE):
-            continue
-        out.append(tuple(fixed.get(a) or sizes.get(a, 1) for a in MESH_AXES))
-    return out
-
-
-def _microbatch_choices(user: Config, stages: int, pinned: set[str]) -> list[int]:
-    if stages == 1:
-        return [0]
-    if "num_pipeline_microbatches" in pinned:
-        return [stages if user.num_pipeline_microbatches == -1 else user.num_pipeline_microbatches]
-    return [stages * m for m in MICROBATCH_MULTIPLES]
-
-
-def meshes(user: Config, target: Target, pinned: set[str], policy: str) -> list[Layout]:
-    """Every mesh of the module docstring, with each of its microbatch counts, under one remat `policy`, for `user`
-    (finalized for `target`, its mesh not resolved)."""
-    searched = ICI_AXES + (("expert",) if user.num_experts > 1 else ())
-    ici = _family(user, "ici", target.chips_per_slice, searched, pinned)
-    dcn = _family(user, "dcn", target.num_slices, DCN_AXES, pinned)
-    out = []
-    for i, d in itertools.product(ici, dcn):
-        stages = i[MESH_AXES.index("stage")] * d[MESH_AXES.index("stage")]
-        out += [Layout(i, d, policy, m) for m in _microbatch_choices(user, stages, pinned)]
-    return out
-
-
-def overrides(layout: Layout, user: Config, pinned: set[str]) -> tuple[str, ...]:
-    """The `key=value`s that turn the user's config into `layout`: only keys whose value changes.
-
-    A knob the user left at -1 stays out when it is its family's only -1: it fills to the layout's size, since
-    every other knob of the family is then that size already."""
-    out = []
-    for family, sizes in (("ici", layout.ici), ("dcn", layout.dcn)):
-        values = [user.parallelism(family, a) for a in MESH_AXES]
-        one_fill = values.count(-1) == 1
-        for axis, value, size in zip(MESH_AXES, values, sizes):
-            knob = knob_name(family, axis)
-            if knob not in pinned and value != size and not (value == -1 and one_fill):
-                out.append(f"{knob}={size}")
-    if "remat_policy" not in pinned and layout.remat_policy != user.remat_policy:
-        out.append(f"remat_policy={layout.remat_policy}")
-    if layout.microbatches and "num_pipeline_microbatches" not in pinned:
-        stages = layout.sizes["stage"]
-        current = stages if user.num_pipeline_microbatches == -1 else user.num_pipeline_microbatches
-        if layout.microbatches != current:
-            out.append(f"num_pipeline_microbatches={layout.microbatches}")
-    return tuple(out)
 
 
 # --------------------------------------------------------------------------------------------- checks
@@ -365,7 +206,7 @@ class _Planner:
 
     def plan(self, layout: Layout) -> Candidate | None:
         """The candidate of `layout`, or None (counted) when it is invalid."""
-        extra = overrides(layout, self.user, self.pinned)
+        extra = layouts.overrides(layout, self.user, self.pinned)
         self.tried += 1
         try:
             cfg = load_for_target([*self.argv, *extra], self.target)
@@ -430,7 +271,7 @@ def search(
 def _rounds(planner: _Planner, policy: str, others: list[str], max_candidates: int) -> int:
     """The two rounds of the module docstring for one group of policies; the meshes that fit but were left
     untried with `others` (the budget ran out)."""
-    first = meshes(planner.user, planner.target, planner.pinned, policy)
+    first = layouts.meshes(planner.user, planner.target, planner.pinned, policy)
     if len(first) > max_candidates:
         raise ConfigError(f"{len(first)} candidate meshes (more than --max-candidates {max_candidates}); pin "
                           "some knobs on the command line (e.g. ici_tensor_parallelism=1 dcn_data_parallelism=N) "

@@ -1,0 +1,40 @@
+"""A run loaded for a target we do not have: the config as the trainer will see it on an XPK slice or GPU node
+(validated as the launcher validates it, mesh resolved, `remat_policy: auto` decided against the target's memory,
+not this machine's). The planner's command, the layout search and the TPU ahead-of-time compile start here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from maxshard import config
+from maxshard.config import Config
+from maxshard.launch import xpk
+from maxshard.launch.topologies import Target
+from maxshard.planning import fit, hardware
+from maxshard.planning.fit import Capacity
+from maxshard.run import loading
+
+__all__ = ["load_for_target", "target_capacity"]
+
+
+def load_for_target(config_argv: Sequence[str], target: Target) -> Config:
+    """`[CONFIG, key=value, ...]` finalized as the trainer will see it on `target` (mesh resolved, vocab set,
+    `remat_policy: auto` decided against the target's device memory, not this machine's)."""
+    xpk.check_tokens(config_argv)
+    parsed = config.parse(config_argv)
+    argv = xpk.prepare_trainer_argv(config_argv, parsed, target, workload="plan")
+    cfg = xpk.validate_for_target(argv, target)
+    return loading.complete(cfg, capacity=target_capacity(cfg, target))
+
+
+def target_capacity(cfg: Config, target: Target) -> Capacity:
+    """One device's memory on `target`: `device_memory_gb` when set, else what JAX can allocate there
+    (`hardware.device_memory`); and the host memory per device where its figure is known (`hardware.INTERCONNECTS`)."""
+    memory, source = hardware.device_memory(target.name)
+    host = hardware.interconnect(target.name).host
+    configured = fit.configured_capacity(cfg)
+    if configured is not None:
+        return dataclasses.replace(configured, host=None if host is None else int(host))
+    return Capacity(int(memory), source, None if host is None else int(host))
