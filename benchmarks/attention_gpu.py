@@ -11,7 +11,7 @@ Needs a GPU (`pip install -e '.[cuda]'`); CI never runs it. Two parts:
 2. Model: the 1b preset (`model_name=1b`, bfloat16, fsdp over every local GPU, per_device_batch_size=1) at 8k
    tokens, attention=cudnn vs dot_product (which may not fit: an out-of-memory is reported, not raised):
    median step time, tokens/s per device and MFU (model FLOPs of `maxshard.model.flops.flops_per_token` against the
-   device's peak from `maxshard/observe/perf.py`). Its synthetic rows are one document each.
+   device's peak from `maxshard/devices.py`). Its synthetic rows are one document each.
 
 --tokamax adds `attention_ops.tokamax` (tokamax's Mosaic GPU FlashAttention, documents as key offsets; Hopper or
 Blackwell, lengths a multiple of 128) to both parts, its time as a ratio to cudnn's; --documents 64 is where its

@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "maxshard"
 # never one of its own level or above. Where a package and one of its modules sit on different levels (the model
 # description that the run config reads, the layers below the rest of the model), the most specific name applies.
 LEVELS: tuple[tuple[str, ...], ...] = (
-    ("maxshard", "maxshard.errors", "maxshard.units"),
+    ("maxshard", "maxshard.errors", "maxshard.units", "maxshard.devices"),
     ("maxshard.model.config", "maxshard.model.remat", "maxshard.model.attention_kinds", "maxshard.dataset_types",
      "maxshard.parallel.axis_names", "maxshard.observe.perf"),
     ("maxshard.config",),

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from maxshard.observe import perf
+from maxshard import devices
 from maxshard.errors import ConfigError
 from maxshard.launch import topologies, xpk
 
@@ -64,7 +64,7 @@ def test_topology_table(device_type, slices, name, chips, hosts, devices, kind):
 
 def test_every_device_kind_has_a_peak_for_mfu():
     kinds = [f.device_kind for f in topologies.TPU_FAMILIES] + [g.device_kind for g in topologies.GPU_TYPES.values()]
-    assert [k for k in kinds if perf.peak_flops(k) is None] == []
+    assert [k for k in kinds if devices.peak_flops(k) is None] == []
 
 
 @pytest.mark.parametrize("bad", ["v5p-12", "v5e-2", "v7x-8", "h100", "tpu"])

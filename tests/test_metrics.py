@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
 
-from maxshard import config, units
+from maxshard import config, devices, units
 
 from maxshard.observe import console
 
@@ -83,7 +83,7 @@ def strict_json(line: str) -> dict:
     ],
 )
 def test_peak_flops_table(kind, peak):
-    assert perf.peak_flops(kind) == peak
+    assert devices.peak_flops(kind) == peak
 
 
 def test_throughput_matches_hand_computation():
@@ -92,10 +92,10 @@ def test_throughput_matches_hand_computation():
     assert perf.tflops_per_device(8e12, 0.5, 8) == pytest.approx(2.0)  # 8e12 / 0.5 / 8 / 1e12
     assert perf.mfu(1e12, 0.5, 275e12) == pytest.approx(2e12 / 275e12)  # 0.00727...
     assert perf.mfu(1e12, 0.5, None) is None
-    figures = perf.step_perf(2048, 8e12, 0.5, 8, perf.peak_flops("TPU v4"))
+    figures = perf.step_perf(2048, 8e12, 0.5, 8, devices.peak_flops("TPU v4"))
     assert figures == pytest.approx({"tokens_per_sec_per_device": 512.0, "tflops_per_device": 2.0,
                                      "mfu": 2e12 / 275e12})
-    assert perf.step_perf(2048, 8e12, 0.5, 8, perf.peak_flops("cpu"))["mfu"] is None
+    assert perf.step_perf(2048, 8e12, 0.5, 8, devices.peak_flops("cpu"))["mfu"] is None
 
 
 def test_zero_step_time_is_an_error():

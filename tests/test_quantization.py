@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from helpers import mesh_for, tiny_config
-from maxshard import config, data
+from maxshard import config, data, devices
 from maxshard.observe import console
 from maxshard.run import loading
 from maxshard.model import flops as model_flops
@@ -218,14 +218,14 @@ def test_fp8_and_int8_load_where_they_can_run() -> None:
 
 def test_the_peak_tables_have_the_8_bit_peaks_with_their_sources() -> None:
     h100 = "NVIDIA H100 80GB HBM3"
-    assert perf.peak_flops(h100, "fp8") == perf.peak_flops(h100, "int8") == 1979e12  # twice bf16's 989 (989.5)
-    assert perf.peak_flops("NVIDIA H200", "int8") == 1979e12
-    assert perf.peak_flops("NVIDIA H100 PCIe", "fp8") == 1513e12
-    assert perf.peak_flops("TPU v5 lite", "int8") == 393e12
-    assert perf.peak_flops("TPU v5", "int8") == 918e12  # v5p
-    assert perf.peak_flops("TPU v6 lite", "int8") == 1836e12
-    assert perf.peak_flops("NVIDIA A100-SXM4-40GB", "int8") == 624e12
-    assert [perf.peak_flops(k, "fp8") for k in ("TPU v5 lite", "TPU v6 lite", "TPU v4", "NVIDIA A100-SXM4-40GB")] == [
+    assert devices.peak_flops(h100, "fp8") == devices.peak_flops(h100, "int8") == 1979e12  # twice bf16's 989 (989.5)
+    assert devices.peak_flops("NVIDIA H200", "int8") == 1979e12
+    assert devices.peak_flops("NVIDIA H100 PCIe", "fp8") == 1513e12
+    assert devices.peak_flops("TPU v5 lite", "int8") == 393e12
+    assert devices.peak_flops("TPU v5", "int8") == 918e12  # v5p
+    assert devices.peak_flops("TPU v6 lite", "int8") == 1836e12
+    assert devices.peak_flops("NVIDIA A100-SXM4-40GB", "int8") == 624e12
+    assert [devices.peak_flops(k, "fp8") for k in ("TPU v5 lite", "TPU v6 lite", "TPU v4", "NVIDIA A100-SXM4-40GB")] == [
         None] * 4
     assert perf.mixed_peak(100.0, 200.0, 0.5) == pytest.approx(1 / (0.5 / 200 + 0.5 / 100))
     assert perf.mixed_peak(100.0, None, 0.5) == 100.0 and perf.mixed_peak(None, 200.0, 0.5) is None

@@ -1,8 +1,9 @@
 """What a target device type holds: chips per slice, hosts, and the `device_kind` JAX reports on it.
 
 The launcher validates a trainer config for hardware it is not running on, so it needs the same two numbers the
-trainer would read from JAX there: the device count and the device kind (which `mesh_rules` and the peak-FLOPs table
-in `maxshard/observe/perf.py` match). A JAX device is one chip on TPU v4 and later (megacore) and one GPU on NVIDIA.
+trainer would read from JAX there: the device count and the device kind (which `mesh_rules` and the device registry
+match). A JAX device is one chip on TPU v4 and later (megacore) and one GPU on NVIDIA. How each family counts, its
+hosts and its device kind are the chip's row in `maxshard/devices.py`; this module only parses names with them.
 
 TPU names count differently per generation, as Cloud TPU and XPK spell them:
 
@@ -19,6 +20,7 @@ import dataclasses
 import re
 from typing import Literal
 
+from maxshard import devices
 from maxshard.errors import ConfigError
 
 __all__ = ["Target", "TpuFamily", "GpuType", "TPU_FAMILIES", "GPU_TYPES", "parse", "accepted_forms"]
@@ -43,19 +45,19 @@ class GpuType:
     xpk: bool = True  # an XPK --device-type (False: a node type the planner knows, launched by other means)
 
 
-TPU_FAMILIES: tuple[TpuFamily, ...] = (
-    TpuFamily(("v4",), "TPU v4", cores_per_unit=2, chips_per_host=4, one_host_up_to=4),
-    TpuFamily(("v5p",), "TPU v5", cores_per_unit=2, chips_per_host=4, one_host_up_to=4),  # JAX says "TPU v5"
-    TpuFamily(("v5litepod", "v5e"), "TPU v5 lite", 1, 4, 8, sizes=(1, 4, 8, 16, 32, 64, 128, 256)),
-    TpuFamily(("v6e",), "TPU v6 lite", 1, 4, 8, sizes=(1, 4, 8, 16, 32, 64, 128, 256)),
-)
+def _tpu_family(chip: devices.Chip, node: devices.Node, slices: devices.Slices) -> TpuFamily:
+    """A TPU family's naming rules from its registry row."""
+    return TpuFamily(node.names, chip.device_kinds[0], slices.cores_per_unit, node.chips_per_host,
+                     slices.one_host_up_to, slices.sizes)
+
+
+# In registry order: the order the accepted forms are listed in.
+TPU_FAMILIES: tuple[TpuFamily, ...] = tuple(
+    _tpu_family(chip, node, node.slices) for chip, node in devices.nodes() if node.slices is not None)
 
 GPU_TYPES: dict[str, GpuType] = {
-    "h100-80gb-8": GpuType("NVIDIA H100 80GB HBM3", 8),  # A3 High
-    "h100-mega-80gb-8": GpuType("NVIDIA H100 80GB HBM3", 8),  # A3 Mega
-    "h100-96gb-8": GpuType("NVIDIA H100 96GB HBM3", 8, xpk=False),  # nodes of the 96 GB H100, outside GCE
-    "h200-141gb-8": GpuType("NVIDIA H200", 8),  # A3 Ultra
-    "a100-40gb-8": GpuType("NVIDIA A100-SXM4-40GB", 8),  # A2
+    node.names[0]: GpuType(chip.device_kinds[0], node.chips_per_host, node.xpk)
+    for chip, node in devices.nodes() if chip.accelerator == "gpu"
 }
 
 

@@ -32,11 +32,12 @@ Recipes (`RECIPES`):
 The parameters are not changed (no new variables: dynamic scales keep no statistics), so a checkpoint trains on
 with or without quantization, and generation and checkpoint conversion run the model unquantized.
 
-Peaks. MFU and the planner's compute time (`peak_flops`) measure a quantized run against the chip's 8-bit peak for
-the quantized share of the FLOPs (`quantized_share`: 72% for the 125m preset at 2048 tokens) and its bf16 peak for
-the rest. A chip without a peak for the mode's type counts those matmuls at bf16: fp8 on TPU v4, v5e, v5p and v6e,
-whose programs XLA:TPU compiles (checked ahead of time with libtpu 0.0.42.1, the dots keep their e4m3/e5m2
-operands) but for which Google's tables give no fp8 rate. fp8 on an A100 (no fp8 tensor cores) is refused (`check`).
+Peaks. MFU and the planner's compute time (`peak_flops`) measure a quantized run against the chip's 8-bit peak (from
+the device registry, `maxshard/devices.py`) for the quantized share of the FLOPs (`quantized_share`: 72% for the
+125m preset at 2048 tokens) and its bf16 peak for the rest. A chip without a peak for the mode's type counts those
+matmuls at bf16: fp8 on TPU v4, v5e, v5p and v6e, whose programs XLA:TPU compiles (checked ahead of time with libtpu
+0.0.42.1, the dots keep their e4m3/e5m2 operands) but for which Google's tables give no fp8 rate. fp8 on an A100
+(no fp8 tensor cores) is refused (`check`).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ import jax.numpy as jnp
 import qwix
 from qwix._src.utils import flax_util  # private: which parameter of the current module an operand is (as MaxText)
 
+from maxshard import devices
 from maxshard.observe import perf
 from maxshard.model.attention_choice import platform_of
 from maxshard.config.schema import Config
@@ -69,7 +71,7 @@ class Recipe:
 
     forward: Any
     gradient: Any
-    peak: str  # which peak table of `perf` the quantized matmuls run at ("int8" or "fp8")
+    peak: str  # which peak of the device registry the quantized matmuls run at ("int8" or "fp8")
 
 
 RECIPES = {
@@ -145,11 +147,11 @@ def peak_flops(cfg: Config) -> float | None:
     """The peak FLOP/s per device that this run's MFU and the planner's compute time are measured against: the bf16
     peak, or for a quantized run the mix (`perf.mixed_peak`) of the chip's 8-bit peak for the quantized share of the
     FLOPs and its bf16 peak for the rest. A chip with no peak for the mode's type (fp8 on TPU v4/v5e/v5p/v6e) counts
-    its 8-bit matmuls at the bf16 peak: no speedup is assumed that the tables cannot source."""
-    bf16 = perf.peak_flops(cfg.device_kind)
+    its 8-bit matmuls at the bf16 peak: no speedup is assumed that the registry cannot source."""
+    bf16 = devices.peak_flops(cfg.device_kind)
     if cfg.quantization == "none" or bf16 is None:
         return bf16
-    low = perf.peak_flops(cfg.device_kind, RECIPES[cfg.quantization].peak)
+    low = devices.peak_flops(cfg.device_kind, RECIPES[cfg.quantization].peak)
     return perf.mixed_peak(bf16, low, quantized_share(cfg.model))
 
 
@@ -158,7 +160,7 @@ def peak_precision(cfg: Config) -> str:
     if cfg.quantization == "none":
         return "bf16"
     kind = RECIPES[cfg.quantization].peak
-    if perf.peak_flops(cfg.device_kind, kind) is None:
+    if devices.peak_flops(cfg.device_kind, kind) is None:
         return f"bf16 (no {kind} peak known for {cfg.device_kind or 'this device'}: its {kind} matmuls count at bf16)"
     return f"{kind} for {quantized_share(cfg.model):.0%} of the FLOPs, bf16 for the rest"
 
@@ -169,15 +171,16 @@ def check(mode: str, dtype: str, device_kind: str) -> None:
     - compute dtype float16: qwix computes its scales in the compute dtype and takes a scale under sqrt(float16's
       smallest normal) ~ 0.0078 as 1, so int8 rounds weights of ordinary size to 0 (the tiny model's loss after 40
       steps: 4.14 against 2.44 unquantized) and fp8's dots fail to trace (float16 meets float32);
-    - fp8 on an NVIDIA GPU that the peak tables know without fp8 tensor cores (A100: fp8 matmuls need compute
-      capability 8.9, Ada or Hopper); int8 runs there.
+    - fp8 on an NVIDIA GPU whose row in the device registry (`maxshard/devices.py`) has a bf16 peak and no fp8 one
+      (A100: fp8 matmuls need compute capability 8.9, Ada or Hopper); int8 runs there.
     """
     if mode == "none":
         return
     if dtype == "float16":
         raise ConfigError(f"quantization={mode} needs dtype bfloat16 or float32 (got float16: qwix's scales in "
                           "float16 round ordinary weights to 0); set dtype=bfloat16 or quantization=none")
-    known = perf.peak_flops(device_kind) is not None
-    if mode == "fp8" and platform_of(device_kind) == "nvidia" and known and perf.peak_flops(device_kind, "fp8") is None:
+    chip = devices.by_kind(device_kind)
+    no_fp8 = chip is not None and chip.peak_bf16 is not None and chip.peak_fp8 is None
+    if mode == "fp8" and platform_of(device_kind) == "nvidia" and no_fp8:
         raise ConfigError(f"quantization=fp8 needs fp8 tensor cores (H100, H200); {device_kind!r} has none: "
                           "use quantization=int8 or none")

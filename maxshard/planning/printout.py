@@ -158,7 +158,7 @@ def _roofline(plan: Plan) -> list[str]:
     ]
     if plan.link is not None:
         lines.append(f"bandwidths: ICI {plan.link.ici_bw / 1e9:.0f} GB/s, DCN {plan.link.dcn_bw / 1e9:.2f} GB/s per "
-                     f"device ({plan.link.source}; see maxshard/planning/hardware.py)")
+                     f"device ({plan.link.source}; see maxshard/devices.py)")
     return lines
 
 
