@@ -68,6 +68,8 @@ class Slices:
 
     cores_per_unit: int  # TensorCores per unit of N in the name (2: N counts cores; 1: N counts chips)
     one_host_up_to: int  # slices of at most this many chips fit on one host
+    libtpu_name: str  # the family in libtpu's topology names ("v6e:16x16"), for ahead-of-time compiles
+    torus_rank: int  # dimensions of the slice's torus in those names (v5e/v6e 2, v5p/v4 3)
     sizes: tuple[int, ...] = ()  # accepted N ((): any multiple of 8)
 
 
@@ -122,7 +124,7 @@ def _gpu_node(name: str, dcn_bw: float, source: str, host: float | None = None, 
 # DCN: assumed 50 Gbps per chip, as v5p (no published v4 figure). Host memory: no source found.
 V4 = Chip(
     "TPU v4", "tpu", r"^tpu v4$", ("TPU v4",), 275e12, 275e12, None, 30.75 * _GIB, 1.1e15 / 4096,
-    (_tpu_node("v4", 50 * _GBIT, None, "Cloud TPU v4 docs (ICI derived, DCN assumed)", Slices(2, 4)),),
+    (_tpu_node("v4", 50 * _GBIT, None, "Cloud TPU v4 docs (ICI derived, DCN assumed)", Slices(2, 4, "v4", 3)),),
     "cloud.google.com/tpu/docs/v4; XLA:TPU's available HBM",
 )
 
@@ -132,7 +134,7 @@ V4 = Chip(
 # Int8: cloud.google.com/blog (TPU v5p announcement, Dec 2023): "918 TOPs" per chip.
 V5P = Chip(
     "TPU v5p", "tpu", r"^tpu v5p?$", ("TPU v5", "TPU v5p"), 459e12, 918e12, None, 95.74 * _GIB, 4800 * _GBIT,
-    (_tpu_node("v5p", 50 * _GBIT, 448 * _GB / 4, "Cloud TPU v5p docs", Slices(2, 4)),),
+    (_tpu_node("v5p", 50 * _GBIT, 448 * _GB / 4, "Cloud TPU v5p docs", Slices(2, 4, "v5p", 3)),),
     "cloud.google.com/tpu/docs/v5p; TPU v5p announcement (int8); XLA:TPU's available HBM",
 )
 
@@ -143,8 +145,8 @@ V5P = Chip(
 V5E = Chip(
     "TPU v5e", "tpu", r"^tpu v5 ?(lite|e)$", ("TPU v5 lite", "TPU v5e"), 197e12, 393e12, None, 15.75 * _GIB,
     1600 * _GBIT,
-    (_tpu_node("v5litepod", 2 * 100 * _GBIT / 8, 512 * _GIB / 8, "Cloud TPU v5e/v6e docs", Slices(1, 8, _TPU_SIZES),
-               "v5e"),),
+    (_tpu_node("v5litepod", 2 * 100 * _GBIT / 8, 512 * _GIB / 8, "Cloud TPU v5e/v6e docs",
+               Slices(1, 8, "v5e", 2, _TPU_SIZES), "v5e"),),
     "cloud.google.com/tpu/docs/v5e; cloud.google.com/tpu/docs/v6e (v5e column); XLA:TPU's available HBM",
 )
 
@@ -156,7 +158,7 @@ V5E = Chip(
 V6E = Chip(
     "TPU v6e", "tpu", r"^tpu v6 ?(lite|e)$", ("TPU v6 lite", "TPU v6e"), 918e12, 1836e12, None, 31.25 * _GIB,
     3200 * _GBIT,
-    (_tpu_node("v6e", 4 * 200 * _GBIT / 8, 720 * _GB / 4, "Cloud TPU v6e docs", Slices(1, 8, _TPU_SIZES)),),
+    (_tpu_node("v6e", 4 * 200 * _GBIT / 8, 720 * _GB / 4, "Cloud TPU v6e docs", Slices(1, 8, "v6e", 2, _TPU_SIZES)),),
     "cloud.google.com/tpu/docs/v6e; XLA:TPU's available HBM",
 )
 

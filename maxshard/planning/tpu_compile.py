@@ -22,14 +22,13 @@ from typing import Any
 
 from maxshard.config import Config
 
+from maxshard import devices
 from maxshard.errors import ConfigError
 from maxshard.launch.topologies import Target
 
 __all__ = ["INSTALL", "CompiledRun", "TpuOutOfMemory", "topology_name", "abstract_devices", "compile_run"]
 
 INSTALL = 'pip install -e ".[tpu-aot]"'
-_NAMES = {"v5litepod": "v5e", "v6e": "v6e", "v5p": "v5p", "v4": "v4"}
-_DIMENSIONS = {"v5e": 2, "v6e": 2, "v5p": 3, "v4": 3}
 
 
 class TpuOutOfMemory(ConfigError):
@@ -51,8 +50,9 @@ def topology_name(target: Target) -> str:
     """get_topology_desc's name for one slice of `target`: 'v6e:16x16', 'v5p:8x8x8'."""
     if target.accelerator != "tpu":
         raise ConfigError(f"--compile compiles for TPU slices (XLA:TPU through libtpu); {target.name} is a GPU node")
-    family = _NAMES[target.name.rsplit("-", 1)[0]]
-    return f"{family}:{'x'.join(map(str, _slice_shape(target.chips_per_slice, _DIMENSIONS[family])))}"
+    _, node = devices.by_device_type(target.name.rsplit("-", 1)[0])
+    slices = node.slices
+    return f"{slices.libtpu_name}:{'x'.join(map(str, _slice_shape(target.chips_per_slice, slices.torus_rank)))}"
 
 
 def _slice_shape(chips: int, rank: int) -> tuple[int, ...]:
