@@ -24,17 +24,12 @@ if REPO not in sys.path:
 import jax  # noqa: E402
 
 from maxshard import data  # noqa: E402
-
-from maxshard.run import loading
-
-from maxshard.parallel import mesh
-
-from maxshard.model import transformer as model
-
-from maxshard.observe import perf
-
-from maxshard.model import quantization
 from maxshard.config import Config  # noqa: E402
+from maxshard.model import quantization
+from maxshard.model import transformer as model
+from maxshard.observe import perf
+from maxshard.parallel import mesh
+from maxshard.run import loading
 from maxshard.training.step import Trainer  # noqa: E402
 
 

@@ -28,13 +28,9 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 
 from maxshard import config  # noqa: E402
-
-
-from maxshard.run import loading
-
-
 from maxshard.parallel import mesh
 from maxshard.planning import compiled, estimate  # noqa: E402
+from maxshard.run import loading
 
 BASE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "base.yml")
 MODEL = ("model_name=tiny", "override_model_config=true", "dataset_type=synthetic", "per_device_batch_size=1",

@@ -27,8 +27,8 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", DEVICES)  # before the first device query
 
-from maxshard.run import loading  # noqa: E402
 from maxshard.config import Config  # noqa: E402
+from maxshard.run import loading  # noqa: E402
 
 # Synthetic batches and no eval: only the train step (or the pipeline) is measured, never data or evaluation.
 STEP_ONLY = ("dataset_type=synthetic", "eval_period=0")

@@ -25,7 +25,6 @@ import flax.linen as nn
 import jax
 
 from maxshard import config, data
-
 from maxshard.parallel import mesh
 from maxshard.training.step import Trainer
 

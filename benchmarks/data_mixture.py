@@ -30,7 +30,6 @@ from data_throughput import measure
 from data_vs_step import step_seconds
 
 from maxshard import config
-
 from maxshard.parallel import mesh as mesh_lib
 
 BASE = common.BASE

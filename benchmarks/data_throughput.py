@@ -20,9 +20,8 @@ from collections.abc import Sequence
 import common  # first: 8 simulated CPU devices before any device query; the repo on sys.path
 
 from maxshard import config
-
-from maxshard.parallel import mesh as mesh_lib
 from maxshard.data import make_input
+from maxshard.parallel import mesh as mesh_lib
 
 
 def measure(cfg: config.Config, mesh, batches: int) -> dict[str, float]:

@@ -32,14 +32,11 @@ jax.config.update("jax_num_cpu_devices", 8)
 import flax.linen as nn  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from maxshard.run import loading  # noqa: E402
-
-from maxshard.parallel import mesh
-
-from maxshard.parallel import sharding
 from maxshard.generation.decode import Engine, decode_model  # noqa: E402
-from maxshard.model.transformer import Transformer, abstract_params  # noqa: E402
 from maxshard.generation.sampling import allowed_tokens  # noqa: E402
+from maxshard.model.transformer import Transformer, abstract_params  # noqa: E402
+from maxshard.parallel import mesh, sharding
+from maxshard.run import loading  # noqa: E402
 from maxshard.training.step import mesh_context  # noqa: E402
 
 BASE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "base.yml")

@@ -26,10 +26,8 @@ import common  # first: 8 simulated CPU devices before any device query; the rep
 import jax
 
 from maxshard import config, data
-
-from maxshard.parallel import mesh
-
 from maxshard.model import transformer as model
+from maxshard.parallel import mesh
 from maxshard.training.step import Trainer
 
 # The 256-wide model, 4 layers, float32 weights (so 12 B per parameter with AdamW), fsdp=8.

@@ -25,9 +25,8 @@ import jax
 import numpy as np
 
 from maxshard import config, data
-
-from maxshard.parallel import mesh
 from maxshard.model.layers import moe
+from maxshard.parallel import mesh
 from maxshard.training.step import Trainer
 
 MODEL = (

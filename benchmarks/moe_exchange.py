@@ -16,13 +16,13 @@ import argparse
 
 import common  # noqa: F401 - 8 simulated devices, before anything queries JAX
 
-from maxshard.parallel import mesh
 from maxshard.config import Config
 from maxshard.launch import topologies
 from maxshard.model.layers import moe, moe_grouped, moe_ragged
+from maxshard.parallel import mesh
 from maxshard.planning import compiled
-from maxshard.run.target import load_for_target
 from maxshard.planning.tpu_compile import abstract_devices
+from maxshard.run.target import load_for_target
 from maxshard.units import format_bytes
 
 TARGET = topologies.parse("v5litepod-8")

@@ -20,7 +20,6 @@ import common  # first: 8 simulated CPU devices before any device query; the rep
 import jax
 
 from maxshard import data
-
 from maxshard.parallel import mesh
 from maxshard.training.step import Trainer
 

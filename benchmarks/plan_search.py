@@ -24,17 +24,13 @@ import sys
 import time
 
 import common  # first: 8 simulated CPU devices before any device query; the repo on sys.path
-
 import jax
 
 from maxshard import config
-
-from maxshard.run import loading
-
-from maxshard.parallel import mesh
 from maxshard.launch import topologies
+from maxshard.parallel import mesh
 from maxshard.planning import compiled, estimate
-from maxshard.run import search
+from maxshard.run import loading, search
 
 CPU_KEYS = ("dtype=float32", "attention=blockwise")  # the CPU's own dtype; no cuDNN or splash on CPU
 GIB = 2**30

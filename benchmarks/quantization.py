@@ -26,11 +26,10 @@ import jax
 import numpy as np
 
 from maxshard import data
-
-from maxshard.parallel import mesh
 from maxshard.config import Config
-from maxshard.training.step import Trainer
+from maxshard.parallel import mesh
 from maxshard.train import evaluate
+from maxshard.training.step import Trainer
 
 DEFAULTS = ("model_name=125m", "dtype=bfloat16", "eval_period=0", "enable_checkpointing=false",
             "enable_tensorboard=false", "per_device_batch_size=1")

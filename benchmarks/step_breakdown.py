@@ -35,10 +35,9 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from maxshard import data
-
-from maxshard.parallel import mesh
 from maxshard.model.layers.linears import DenseGeneral
 from maxshard.model.layers.norms import RMSNorm
+from maxshard.parallel import mesh
 from maxshard.training.loss import loss_sums
 from maxshard.training.step import Trainer, mesh_context
 

@@ -15,20 +15,15 @@ import sys
 from collections.abc import Sequence
 
 from maxshard import cli
-
-from maxshard.generation import inference
-
-from maxshard.run import loading
-
-from maxshard.parallel import mesh
-
-from maxshard.parallel import sharding
 from maxshard.config import Config
-from maxshard.errors import ConfigError
 from maxshard.data.tokenizer import Tokenizer, make_tokenizer
+from maxshard.errors import ConfigError
+from maxshard.generation import inference
 from maxshard.generation.decode import Engine, Result
-from maxshard.model.transformer import count_params
 from maxshard.generation.sampling import Sampling, allowed_tokens
+from maxshard.model.transformer import count_params
+from maxshard.parallel import mesh, sharding
+from maxshard.run import loading
 
 __all__ = ["main", "run", "read_prompts", "encode_prompts", "completion_text", "USAGE"]
 

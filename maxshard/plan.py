@@ -48,12 +48,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # planning needs no accelerator (
 from maxshard.errors import ConfigError
 from maxshard.launch import topologies
 from maxshard.planning import fit
-from maxshard.run import search
 from maxshard.planning.estimate import Plan, make_plan
 from maxshard.planning.printout import format_plan, plan_json
-from maxshard.run.target import load_for_target, target_capacity
-from maxshard.run.search_printout import format_search, nothing_fits, search_json, sweep_yaml
 from maxshard.planning.tpu_compile import TpuOutOfMemory, abstract_devices, compile_run
+from maxshard.run import search
+from maxshard.run.search_printout import format_search, nothing_fits, search_json, sweep_yaml
+from maxshard.run.target import load_for_target, target_capacity
 from maxshard.units import format_bytes
 
 __all__ = ["load_for_target", "plan_for", "main"]

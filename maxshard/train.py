@@ -17,26 +17,17 @@ from typing import Any
 import jax
 
 from maxshard import cli, data
-
 from maxshard.checkpoint import manager as checkpoint
-
-from maxshard.run import compile_check
-
-from maxshard.observe import console
-
-from maxshard.run import loading
-
-from maxshard.parallel import mesh
-
-from maxshard.observe import metrics
-
-from maxshard.model import trainable
 from maxshard.config import Config
-from maxshard.errors import ConfigError
 from maxshard.data import chat
+from maxshard.errors import ConfigError
+from maxshard.model import trainable
 from maxshard.model.transformer import count_params
+from maxshard.observe import console, metrics
 from maxshard.observe.profiling import Profiler
 from maxshard.observe.report import Report, build_report
+from maxshard.parallel import mesh
+from maxshard.run import compile_check, loading
 from maxshard.training.step import Trainer, TrainState
 
 __all__ = ["main", "run", "USAGE"]

@@ -9,10 +9,8 @@ import jax
 import numpy as np
 
 from maxshard import config
-
-from maxshard.run import loading
-
 from maxshard.parallel import mesh
+from maxshard.run import loading
 
 # A model small enough to compile in seconds, with 8 heads so tensor=8 divides them.
 TINY = (

@@ -19,11 +19,10 @@ import numpy as np
 import pytest
 
 from maxshard import config, data
-
-from maxshard.run import loading
 from maxshard.errors import ConfigError
 from maxshard.model.layers import attention_ops as ops
 from maxshard.model.layers import ring_attention
+from maxshard.run import loading
 from maxshard.training.step import Trainer
 from tests.helpers import layout_overrides, max_relative_difference, mesh_for, tiny_config
 

@@ -16,14 +16,13 @@ import numpy as np
 import pytest
 
 from maxshard import config, generate, train
-
-from maxshard.parallel import mesh as mesh_lib
-from maxshard.errors import ConfigError
 from maxshard.convert import __main__ as convert_cli
 from maxshard.data import chat, make_input
 from maxshard.data.chat_template import DEFAULT_TEMPLATE
 from maxshard.data.sources import BadRecord
 from maxshard.data.tokenizer import ByteTokenizer, load_hf_tokenizer
+from maxshard.errors import ConfigError
+from maxshard.parallel import mesh as mesh_lib
 from tests.test_data import BASE, assert_same, take
 
 REPO = Path(__file__).resolve().parent.parent

@@ -17,20 +17,16 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
-
-from maxshard import config
-
-from maxshard.checkpoint import manager as checkpoint
-
-from maxshard.run import loading
-from maxshard.errors import ConfigError
-from maxshard.training.step import Trainer
-
 from helpers import mesh_for, tiny_config
-from benchmarks import crash_resume
 from training_runs import (BASE, RUN, STEPS, argv, assert_same_tree, losses, read_until, resumed_step, saved_state,
                            started, started_from, step_dir, train)
 
+from benchmarks import crash_resume
+from maxshard import config
+from maxshard.checkpoint import manager as checkpoint
+from maxshard.errors import ConfigError
+from maxshard.run import loading
+from maxshard.training.step import Trainer
 
 # --------------------------------------------------------------------------------------------- resume
 

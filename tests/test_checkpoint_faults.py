@@ -20,18 +20,15 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from helpers import mesh_for, tiny_config
 from jax.experimental import multihost_utils
-
-from maxshard.checkpoint import manager as checkpoint
+from training_runs import BASE, REPO, TIMEOUT, keys
 
 from maxshard.checkpoint import health as checkpoint_health
+from maxshard.checkpoint import manager as checkpoint
 from maxshard.checkpoint.manager import CheckpointError
 from maxshard.errors import ConfigError
 from maxshard.training.step import Trainer
-
-from helpers import mesh_for, tiny_config
-from training_runs import BASE, REPO, TIMEOUT, keys
-
 
 # --------------------------------------------------------------------------------------------- failed saves
 

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from maxshard import data
-
 from maxshard.checkpoint import manager as checkpoint
 from maxshard.model.layers import pipeline
 from maxshard.training.step import Trainer

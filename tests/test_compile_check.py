@@ -13,12 +13,11 @@ from pathlib import Path
 import pytest
 
 from maxshard import train
-
-from maxshard.run import loading
 from maxshard.errors import ConfigError
+from maxshard.model.remat import NAMES
 from maxshard.planning import fit
 from maxshard.planning.compiled import compile_train_step, peak_bytes
-from maxshard.model.remat import NAMES
+from maxshard.run import loading
 from tests.helpers import mesh_for, tiny_config
 
 BASE = str(Path(__file__).resolve().parent.parent / "configs" / "base.yml")

@@ -20,14 +20,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from maxshard import config
-
-from maxshard.config import schema as config_schema
-
-from maxshard.run import loading
-
-from maxshard.model import transformer as model
 from maxshard.config import Config
+from maxshard.config import schema as config_schema
 from maxshard.errors import ConfigError
+from maxshard.model import transformer as model
+from maxshard.run import loading
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = str(REPO / "configs" / "base.yml")

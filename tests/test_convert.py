@@ -23,26 +23,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import mesh_for
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from maxshard import config, generate, train
-
-from maxshard.checkpoint import manager as checkpoint
-
-from maxshard.run import loading
-from maxshard.convert import __main__ as cli
-from maxshard.errors import ConfigError
 from maxshard.checkpoint import format as checkpoint_format
+from maxshard.checkpoint import manager as checkpoint
 from maxshard.checkpoint import orbax_io
+from maxshard.convert import __main__ as cli
 from maxshard.convert import families, hf_config, layout, safetensors_io, to_hf
 from maxshard.convert.locate import locate
 from maxshard.data import pipeline
 from maxshard.data.tokenizer import ByteTokenizer, load_hf_tokenizer, make_tokenizer, resolve_vocab
+from maxshard.errors import ConfigError
 from maxshard.model.config import model_fields
+from maxshard.run import loading
 from maxshard.training.step import Trainer, mesh_context
-
-from helpers import mesh_for
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures" / "hf"

@@ -15,11 +15,10 @@ import numpy as np
 import pytest
 
 from maxshard import config
-
-from maxshard.parallel import mesh as mesh_lib
-from maxshard.errors import ConfigError
 from maxshard.data import batch_sharding, make_input, packing, pipeline, sources
 from maxshard.data.tokenizer import ByteTokenizer, load_sentencepiece, make_tokenizer, resolve_vocab
+from maxshard.errors import ConfigError
+from maxshard.parallel import mesh as mesh_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = os.path.join(ROOT, "configs", "base.yml")

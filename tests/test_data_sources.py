@@ -16,13 +16,12 @@ import numpy as np
 import pytest
 
 from maxshard import config
-
-from maxshard.parallel import mesh as mesh_lib
-from maxshard.errors import ConfigError
 from maxshard.data import catalog, hf, jsonl, make_input, pipeline, shuffle
 from maxshard.data.mixture import SKIPPED, SOURCE
 from maxshard.data.sources import BadRecord
 from maxshard.data.tokenizer import ByteTokenizer
+from maxshard.errors import ConfigError
+from maxshard.parallel import mesh as mesh_lib
 from tests.test_data import BASE, assert_same, load_tool, take
 
 pa = pytest.importorskip("pyarrow")
@@ -512,9 +511,9 @@ def test_prepare_data_reads_jsonl_zst_and_parquet(corpora, tmp_path):
 
 def test_step_logger_records_the_input_counters(corpora, tmp_path):
     """train.py writes what the iterator's stats() says next to the step's own metrics."""
-    from maxshard.run import loading
     from maxshard.observe import metrics
     from maxshard.observe.console import StepLogger
+    from maxshard.run import loading
 
     cfg = make_cfg(*type_overrides("mixture", corpora), "log_period=1", f"data_cache_dir={tmp_path}")
     it = make_input(cfg, mesh_lib.build(cfg))

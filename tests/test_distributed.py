@@ -15,7 +15,6 @@ import jax
 import pytest
 
 from maxshard.config import Config
-
 from maxshard.errors import ConfigError
 from maxshard.launch import distributed
 from maxshard.launch.distributed import Plan

@@ -26,17 +26,13 @@ import numpy as np
 import pytest
 
 from maxshard import config, train
-
-from maxshard.run import elastic
-
-from maxshard.run import loading
-
-from maxshard.parallel import mesh
-from maxshard.errors import ConfigError
 from maxshard.data import make_input, pipeline, sources
 from maxshard.data.tokenizer import make_tokenizer
+from maxshard.errors import ConfigError
 from maxshard.launch import topologies, xpk
+from maxshard.parallel import mesh
 from maxshard.planning import fit
+from maxshard.run import elastic, loading
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = str(REPO / "configs" / "base.yml")

@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxshard.parallel import sharding
 from maxshard.generation.decode import Engine, Result, decode_model
-from maxshard.model.transformer import Transformer, abstract_params
 from maxshard.generation.sampling import Sampling, allowed_tokens, sample
+from maxshard.model.transformer import Transformer, abstract_params
+from maxshard.parallel import sharding
 from maxshard.training.step import mesh_context
 from tests.helpers import layout_overrides, mesh_for, tiny_config
 

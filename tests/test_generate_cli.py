@@ -21,18 +21,13 @@ import numpy as np
 import pytest
 
 from maxshard import generate
-
-from maxshard.generation import inference
-
-from maxshard.run import loading
-
-from maxshard.parallel import mesh
-
-from maxshard.parallel import sharding
 from maxshard.checkpoint.manager import Checkpoints
-from maxshard.errors import ConfigError
 from maxshard.data.tokenizer import ByteTokenizer, load_hf_tokenizer, load_sentencepiece
+from maxshard.errors import ConfigError
+from maxshard.generation import inference
 from maxshard.model.layers.pipeline import to_scanned
+from maxshard.parallel import mesh, sharding
+from maxshard.run import loading
 from maxshard.training.step import Trainer, TrainState
 
 REPO = Path(__file__).resolve().parent.parent

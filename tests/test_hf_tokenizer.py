@@ -12,12 +12,11 @@ import numpy as np
 import pytest
 
 from maxshard import config
-
-from maxshard.parallel import mesh
-from maxshard.errors import ConfigError
 from maxshard.data import make_input
-from maxshard.data.tokenizer import ByteTokenizer, HuggingFaceTokenizer, load_hf_tokenizer, make_tokenizer
-from maxshard.data.tokenizer import resolve_vocab
+from maxshard.data.tokenizer import (ByteTokenizer, HuggingFaceTokenizer, load_hf_tokenizer, make_tokenizer,
+                                     resolve_vocab)
+from maxshard.errors import ConfigError
+from maxshard.parallel import mesh
 
 REPO = Path(__file__).resolve().parent.parent
 TOKENIZER = REPO / "tests" / "fixtures" / "hf" / "llama_gqa" / "tokenizer.json"

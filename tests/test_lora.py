@@ -22,21 +22,17 @@ import pytest
 from safetensors.numpy import load_file
 
 from maxshard import config, data, generate, train
-
-from maxshard.generation import inference
-
-from maxshard.run import loading
-
-from maxshard.parallel import sharding
-
-from maxshard.model import trainable
-from maxshard.parallel import mesh as mesh_lib
-from maxshard.errors import ConfigError
 from maxshard.convert import __main__ as convert_cli
+from maxshard.errors import ConfigError
+from maxshard.generation import inference
+from maxshard.model import trainable
 from maxshard.model.layers import pipeline
-from maxshard.planning.compiled import abstract_inputs
-from maxshard.observe.report import build_report
 from maxshard.model.transformer import Transformer
+from maxshard.observe.report import build_report
+from maxshard.parallel import mesh as mesh_lib
+from maxshard.parallel import sharding
+from maxshard.planning.compiled import abstract_inputs
+from maxshard.run import loading
 from maxshard.training.step import Trainer, mesh_context
 from tests.helpers import max_relative_difference, mesh_for, tiny_config
 from tests.test_chat import QWEN, REPLY, imported_sft_argv, template

@@ -12,11 +12,10 @@ import numpy as np
 import pytest
 
 from maxshard import data
-
-from maxshard.run import loading
 from maxshard.errors import ConfigError
 from maxshard.planning import memory
 from maxshard.planning.compiled import compile_train_step
+from maxshard.run import loading
 from maxshard.training.step import Trainer
 from tests.helpers import loss_and_grads, max_relative_difference, mesh_for, tiny_config
 

@@ -16,10 +16,9 @@ import pytest
 from jax.sharding import AxisType
 
 from maxshard import config
-
-from maxshard.parallel import mesh
 from maxshard.config import MESH_AXES, Config
 from maxshard.errors import ConfigError
+from maxshard.parallel import mesh
 
 BASE = str(Path(__file__).resolve().parent.parent / "configs" / "base.yml")
 

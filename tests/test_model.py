@@ -9,13 +9,10 @@ import numpy as np
 import pytest
 
 from maxshard import data
-
-from maxshard.run import loading
-
 from maxshard.model import flops as model_flops
-from maxshard.model import transformer as model
-
 from maxshard.model import remat
+from maxshard.model import transformer as model
+from maxshard.run import loading
 from maxshard.training.step import Trainer
 from tests.helpers import loss_and_grads, max_relative_difference, mesh_for, tiny_config
 

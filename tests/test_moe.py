@@ -22,15 +22,12 @@ import numpy as np
 import pytest
 
 from maxshard import config, data
-
-from maxshard.run import loading
-
-from maxshard.observe import metrics
-
+from maxshard.errors import ConfigError
 from maxshard.model import flops as model_flops
 from maxshard.model import transformer as model
-from maxshard.errors import ConfigError
 from maxshard.model.layers import moe
+from maxshard.observe import metrics
+from maxshard.run import loading
 from maxshard.training.step import Trainer, mesh_context
 from tests.helpers import layout_overrides, max_relative_difference, mesh_for, tiny_config
 

@@ -17,15 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxshard.run import loading
-
-from maxshard.model import flops as model_flops
-
-
-from maxshard.parallel import sharding
 from maxshard.errors import ConfigError
-from maxshard.model.layers import moe, moe_grouped
+from maxshard.model import flops as model_flops
 from maxshard.model.config import ModelConfig
+from maxshard.model.layers import moe, moe_grouped
+from maxshard.parallel import sharding
+from maxshard.run import loading
 from maxshard.training.step import mesh_context
 from tests.helpers import layout_overrides, max_relative_difference, mesh_for, tiny_config
 

@@ -20,11 +20,10 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
-from maxshard.generation import decode
-
-from maxshard.run import loading
 from maxshard.errors import ConfigError
+from maxshard.generation import decode
 from maxshard.model.layers import moe_grouped, moe_ragged
+from maxshard.run import loading
 from tests.helpers import tiny_config
 
 P_, E, K, TOKENS, WIDTH = 4, 8, 2, 16, 4  # expert shards, experts, top-k, tokens per device, embed

@@ -12,13 +12,13 @@ import types
 
 import pytest
 
-from maxshard.model import remat
 from maxshard.errors import ConfigError
 from maxshard.launch import topologies
+from maxshard.model import remat
 from maxshard.planning import estimate, fit, memory, traffic
-from maxshard.run import search
 from maxshard.planning.compiled import peak_bytes
 from maxshard.planning.printout import format_plan, plan_json
+from maxshard.run import search
 from maxshard.run import target as run_target
 from maxshard.run.target import load_for_target
 from maxshard.units import format_bytes

@@ -97,9 +97,9 @@ def test_tensor_sequence_shards_the_norms_length():
     (activation_norm_length)."""
     import jax.numpy as jnp
 
-    from maxshard.parallel import sharding
     from maxshard.model.layers.decoder import norm
     from maxshard.model.layers.norms import RMSNorm
+    from maxshard.parallel import sharding
     from maxshard.training.step import mesh_context
 
     cfg = tiny_config(*layout_overrides(LAYOUTS["tseq2_fsdp4"]))

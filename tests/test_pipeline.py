@@ -22,11 +22,10 @@ import numpy as np
 import pytest
 
 from maxshard import data
-
-from maxshard.parallel import sharding
 from maxshard.errors import ConfigError
 from maxshard.model.layers import pipeline
 from maxshard.model.layers.decoder import Decoder, DecoderLayer
+from maxshard.parallel import sharding
 from maxshard.parallel.mesh import device_slices
 from maxshard.training.step import Trainer, TrainState, mesh_context
 from tests.helpers import max_relative_difference, mesh_for, tiny_config

@@ -34,13 +34,13 @@ from types import ModuleType
 
 import jax
 import pytest
-
 from helpers import layout_overrides, mesh_for, tiny_config
+
 from maxshard import plan as plan_cli
 from maxshard.parallel import axis_names as ax
 from maxshard.planning import compiled, estimate
-from maxshard.planning.collectives import count_collectives
 from maxshard.planning.axes import rule_axes
+from maxshard.planning.collectives import count_collectives
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -198,8 +198,8 @@ def test_plan_matches_an_xla_tpu_compile(monkeypatch: pytest.MonkeyPatch) -> Non
     """
     from jax.experimental.topologies import get_topology_desc
 
-    from maxshard.parallel import mesh
     from maxshard.launch import topologies
+    from maxshard.parallel import mesh
 
     monkeypatch.setenv("TPU_SKIP_MDS_QUERY", "1")
     devices = get_topology_desc(platform="tpu", topology_name="v5e:2x4").devices

@@ -19,12 +19,12 @@ import dataclasses
 import math
 
 import pytest
-
 from helpers import layout_overrides, tiny_config
-from maxshard.run import loading
+from test_plan import _compile
+
 from maxshard.errors import ConfigError
 from maxshard.planning import compiled, estimate, fit, memory
-from test_plan import _compile
+from maxshard.run import loading
 
 BOUND = 0.15
 NARROW = ("emb_dim=64", "num_heads=4", "num_kv_heads=4", "head_dim=16", "mlp_dim=256", "max_target_length=64",

@@ -19,21 +19,20 @@ from pathlib import Path
 import flax.linen as nn
 import jax
 import pytest
+from helpers import TINY, mesh_for, tiny_config
+from test_plan import _compile, _plan_tool
 
 from benchmarks import sweep_spec
-from helpers import TINY, mesh_for, tiny_config
 from maxshard import config
 from maxshard.errors import ConfigError
-from maxshard.run import loading
-from maxshard.parallel import mesh
 from maxshard.launch import topologies
+from maxshard.parallel import mesh
 from maxshard.planning import estimate, hardware
-from maxshard.run import search
+from maxshard.planning.compiled import peak_bytes
+from maxshard.run import loading, search
 from maxshard.run import target as run_target
 from maxshard.run.layouts import Layout
-from maxshard.planning.compiled import peak_bytes
 from maxshard.units import format_bytes
-from test_plan import _compile, _plan_tool
 
 REPO = Path(__file__).resolve().parent.parent
 H100 = topologies.parse("h100-80gb-8")

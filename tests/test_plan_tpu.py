@@ -14,12 +14,12 @@ import importlib.util
 
 import pytest
 
-from maxshard.parallel import mesh
 from maxshard.launch import topologies
+from maxshard.parallel import mesh
 from maxshard.planning import estimate
 from maxshard.planning.compiled import compile_train_step, peak_bytes
-from maxshard.run.target import load_for_target
 from maxshard.planning.tpu_compile import INSTALL, abstract_devices
+from maxshard.run.target import load_for_target
 
 if importlib.util.find_spec("libtpu") is None:  # a test dependency: missing means a broken install, not a skip
     raise ImportError(f"tests/test_plan_tpu.py needs libtpu: {INSTALL}")

@@ -15,19 +15,17 @@ import flax.linen as nn
 import jax
 import numpy as np
 import pytest
-
 from helpers import mesh_for, tiny_config
-from maxshard import config, data, devices
-from maxshard.observe import console
-from maxshard.run import loading
-from maxshard.model import flops as model_flops
 
-from maxshard.observe import perf
-from maxshard.model import quantization
+from maxshard import config, data, devices
 from maxshard.errors import ConfigError
 from maxshard.launch import topologies
+from maxshard.model import flops as model_flops
+from maxshard.model import quantization
+from maxshard.observe import console, perf
 from maxshard.planning import estimate, printout
 from maxshard.planning.compiled import abstract_inputs
+from maxshard.run import loading
 from maxshard.run.target import load_for_target
 from maxshard.training.step import Trainer, abstract_state
 
@@ -170,11 +168,11 @@ def test_xla_tpu_keeps_the_8_bit_operands_on_a_v5e_slice(mode: str) -> None:
     """Ahead of time with libtpu (a test dependency, as in tests/test_tpu_aot.py), TPU defaults (bf16, splash):
     XLA:TPU compiles the quantized step and its projection matmuls take the 8-bit operands, even fp8 on v5e, a chip
     without an fp8 peak in the tables (the planner counts those at bf16)."""
-    from maxshard.parallel import mesh
     from maxshard.launch import topologies
+    from maxshard.parallel import mesh
     from maxshard.planning.compiled import compile_train_step
-    from maxshard.run.target import load_for_target
     from maxshard.planning.tpu_compile import abstract_devices
+    from maxshard.run.target import load_for_target
 
     target = topologies.parse("v5litepod-8")
     cfg = load_for_target(["configs/base.yml", *TPU_MODEL, f"quantization={mode}"], target)

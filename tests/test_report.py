@@ -16,8 +16,8 @@ from types import ModuleType
 
 import pytest
 
-from maxshard.observe import report
 from maxshard.config import MESH_AXES
+from maxshard.observe import report
 from maxshard.parallel.sharding import ParamLayout
 
 REPO = Path(__file__).resolve().parent.parent

@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 
 from maxshard.config import Config, parse
-
 from maxshard.errors import ConfigError
-from maxshard.model.layers import rope
 from maxshard.model.config import ModelConfig
+from maxshard.model.layers import rope
 from tests.helpers import tiny_config
 
 

@@ -17,13 +17,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from maxshard import config
-
-from maxshard.parallel import axis_names as ax
-from maxshard.parallel import mesh
-
-from maxshard.parallel import sharding
 from maxshard.config import Config
 from maxshard.errors import ConfigError
+from maxshard.parallel import axis_names as ax
+from maxshard.parallel import mesh, sharding
 from maxshard.planning.axes import rule_axes
 
 BASE = str(Path(__file__).resolve().parent.parent / "configs" / "base.yml")

@@ -18,11 +18,11 @@ import flax.linen as nn
 import jax
 import pytest
 
-from maxshard.parallel import mesh
 from maxshard.launch import topologies
+from maxshard.parallel import mesh
 from maxshard.planning.compiled import compile_init, compile_train_step, peak_bytes
-from maxshard.run.target import load_for_target
 from maxshard.planning.tpu_compile import INSTALL, abstract_devices, topology_name
+from maxshard.run.target import load_for_target
 from maxshard.training.step import abstract_state
 
 if importlib.util.find_spec("libtpu") is None:  # a test dependency: missing means a broken install, not a skip

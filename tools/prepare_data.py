@@ -27,9 +27,10 @@ from array_record.python import array_record_module
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from maxshard import dataset_types  # noqa: E402
-from maxshard.errors import ConfigError  # noqa: E402
-from maxshard.data import catalog, records, tokenizer as tokenizers  # noqa: E402
+from maxshard.data import catalog, records
+from maxshard.data import tokenizer as tokenizers  # noqa: E402
 from maxshard.data.sources import BadRecord  # noqa: E402
+from maxshard.errors import ConfigError  # noqa: E402
 
 
 class Progress:

@@ -22,13 +22,11 @@ try:
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from maxshard.run import loading
-
-from maxshard.parallel import mesh
-
-from maxshard.observe import report
 from maxshard.config import Config
 from maxshard.errors import ConfigError
+from maxshard.observe import report
+from maxshard.parallel import mesh
+from maxshard.run import loading
 
 __all__ = ["load_config", "make_report", "main"]
 

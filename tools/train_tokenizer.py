@@ -19,8 +19,8 @@ from collections.abc import Iterable, Iterator, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from maxshard.errors import ConfigError  # noqa: E402
 from maxshard.data import sources  # noqa: E402
+from maxshard.errors import ConfigError  # noqa: E402
 
 
 def train_lines(dataset_path: str, eval_fraction: float) -> Iterator[str]:

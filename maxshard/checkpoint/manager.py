@@ -44,16 +44,16 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from maxshard.checkpoint.health import (CheckpointError, Damaged, Outcome, QuietBackground, SaveFailed, agree,
-                                        outcome_of, reason)
 from maxshard.checkpoint import format as checkpoint_format
 from maxshard.checkpoint import layout as checkpoint_layout
-from maxshard.model import trainable
+from maxshard.checkpoint.health import (CheckpointError, Damaged, Outcome, QuietBackground, SaveFailed, agree,
+                                        outcome_of, reason)
 from maxshard.checkpoint.layout import check_matches
 from maxshard.checkpoint.params import (check_same_base, read_base, read_params, require_base, saved_part,
                                         step_state_dir, target_state, with_base)
 from maxshard.config import Config
 from maxshard.errors import ConfigError
+from maxshard.model import trainable
 from maxshard.training.step import Trainer, TrainState
 
 __all__ = ["Checkpoints", "CheckpointError", "SaveFailed", "target_state", "check_matches", "preemption_reached",

@@ -17,11 +17,10 @@ from etils import epath
 
 from maxshard.checkpoint import format as checkpoint_format
 from maxshard.checkpoint import layout as checkpoint_layout
-
-from maxshard.model import trainable
 from maxshard.checkpoint.layout import check_matches
 from maxshard.config import Config
 from maxshard.errors import ConfigError
+from maxshard.model import trainable
 from maxshard.model.config import ModelConfig
 from maxshard.training.step import Trainer, TrainState
 

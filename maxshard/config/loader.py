@@ -25,8 +25,8 @@ from typing import Any
 import yaml
 
 from maxshard.config.ranges import check_ranges
-from maxshard.config.structures import parse_logical_rules, parse_mixture, parse_names
 from maxshard.config.schema import MESH_AXES, Config, knob_name, path_keys
+from maxshard.config.structures import parse_logical_rules, parse_mixture, parse_names
 from maxshard.errors import ConfigError
 
 __all__ = ["Config", "MESH_AXES", "knob_name", "load", "parse", "finalize", "user_keys", "resolve_path",

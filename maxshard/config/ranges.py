@@ -10,7 +10,6 @@ import os
 import typing
 
 from maxshard.config.schema import MESH_AXES, Config, knob_name
-
 from maxshard.errors import ConfigError
 from maxshard.model.config import LORA_TARGETS
 

@@ -30,11 +30,11 @@ from etils import epath
 
 import maxshard
 from maxshard import config
-from maxshard.errors import ConfigError
 from maxshard.checkpoint import format as checkpoint_format
 from maxshard.checkpoint import orbax_io
 from maxshard.convert import hf_config, layout, names, safetensors_io
 from maxshard.convert.families import Family
+from maxshard.errors import ConfigError
 from maxshard.model.config import ModelConfig
 
 __all__ = ["convert", "Result", "HF_FILES", "default_base_config"]

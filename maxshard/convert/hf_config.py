@@ -14,8 +14,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from maxshard.errors import ConfigError
 from maxshard.convert.families import FAMILIES, Family, by_architecture, by_model_type
+from maxshard.errors import ConfigError
 
 __all__ = ["MAX_TARGET_LENGTH", "read", "family", "model_keys", "rope_keys", "to_hf", "default_max_position",
            "family_of_keys"]

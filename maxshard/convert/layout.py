@@ -14,10 +14,10 @@ from typing import Any
 import flax.linen as nn
 import jax
 
-from maxshard.model import transformer as model
-from maxshard.errors import ConfigError
 from maxshard.convert import names
 from maxshard.convert.families import Family
+from maxshard.errors import ConfigError
+from maxshard.model import transformer as model
 from maxshard.model.config import ModelConfig
 
 __all__ = ["MODEL_KEYS", "model_config", "Param", "params_of"]

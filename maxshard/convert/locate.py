@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from maxshard.errors import ConfigError
 from maxshard.checkpoint import orbax_io
 from maxshard.convert import layout
+from maxshard.errors import ConfigError
 
 __all__ = ["locate", "locate_layer"]
 

@@ -23,11 +23,11 @@ import numpy as np
 from etils import epath
 from safetensors.numpy import save_file
 
-from maxshard.errors import ConfigError
 from maxshard.checkpoint import orbax_io
 from maxshard.convert import layout, names
 from maxshard.convert.families import Family
 from maxshard.convert.locate import locate
+from maxshard.errors import ConfigError
 from maxshard.model.layers.lora import ADAPTER_PARAMS
 
 __all__ = ["Adapters", "adapters_of", "export_adapters", "ADAPTER_FILE", "ADAPTER_CONFIG"]

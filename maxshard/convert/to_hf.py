@@ -33,13 +33,13 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from maxshard.errors import ConfigError
 from maxshard.checkpoint import format as checkpoint_format
 from maxshard.checkpoint import orbax_io
 from maxshard.convert import hf_config, layout, lora, names, safetensors_io
 from maxshard.convert.families import Family
 from maxshard.convert.locate import locate
 from maxshard.data import tokenizer as tokenizers
+from maxshard.errors import ConfigError
 
 __all__ = ["export", "Result", "DTYPES"]
 

@@ -26,11 +26,10 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 
 from maxshard import dataset_types
-from maxshard.parallel import axis_names
-from maxshard.parallel import sharding
 from maxshard.config import Config
-from maxshard.errors import ConfigError
 from maxshard.data.synthetic import SyntheticIterator
+from maxshard.errors import ConfigError
+from maxshard.parallel import axis_names, sharding
 
 __all__ = ["InputIterator", "batch_sharding", "make_input"]
 

@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING
 
 from maxshard import dataset_types
 from maxshard.config import Config
-from maxshard.errors import ConfigError
 from maxshard.data import files
 from maxshard.data.sources import Corpus, ReadOptions
+from maxshard.errors import ConfigError
 
 if TYPE_CHECKING:
     from maxshard.data.hf_stream import HfStream

@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from maxshard.errors import ConfigError
 from maxshard.data.chat_template import DEFAULT_TEMPLATE, ChatTemplate, TemplateError
 from maxshard.data.sources import BadRecord
+from maxshard.errors import ConfigError
 
 __all__ = ["WEIGHT", "Conversation", "as_conversation", "ChatEncoder", "load_template", "encode_conversation",
            "run_template", "describe"]

@@ -33,10 +33,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from maxshard.errors import ConfigError
 from maxshard.data import files
 from maxshard.data.chat import Conversation, as_conversation
 from maxshard.data.sources import BadRecord, Corpus, ReadOptions, as_text, row_keys
+from maxshard.errors import ConfigError
 
 if TYPE_CHECKING:
     from maxshard.data.hf_stream import HfStream

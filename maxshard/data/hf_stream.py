@@ -41,9 +41,9 @@ from typing import Any
 
 import grain
 
-from maxshard.errors import ConfigError
 from maxshard.data import hf
 from maxshard.data.sources import BadRecord, as_text
+from maxshard.errors import ConfigError
 
 __all__ = ["HfStream", "InSplit", "StreamDocuments", "open_stream", "SHUFFLE_WINDOW"]
 

@@ -29,10 +29,10 @@ from typing import IO, Any
 import numpy as np
 
 from maxshard import dataset_types
-from maxshard.errors import ConfigError
 from maxshard.data import files
 from maxshard.data.chat import Conversation, as_conversation
 from maxshard.data.sources import BadRecord, Corpus, ReadOptions, row_keys
+from maxshard.errors import ConfigError
 
 __all__ = ["SUFFIXES", "JsonlDocuments", "jsonl_corpus", "open_source", "parse_record", "line_bounds"]
 

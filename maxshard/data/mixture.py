@@ -30,9 +30,9 @@ from typing import Any
 import grain
 import numpy as np
 
-from maxshard.errors import ConfigError
 from maxshard.data.chat import WEIGHT
 from maxshard.data.sources import BadRecord
+from maxshard.errors import ConfigError
 
 __all__ = ["SOURCE", "SKIPPED", "TokenMixIterDataset"]
 

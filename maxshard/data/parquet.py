@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 
 from maxshard import dataset_types
-from maxshard.errors import ConfigError
 from maxshard.data import files
 from maxshard.data.sources import BadRecord, Corpus, ReadOptions, as_text, row_keys
+from maxshard.errors import ConfigError
 
 __all__ = ["SUFFIXES", "ParquetDocuments", "open_source", "parquet_corpus"]
 

@@ -57,13 +57,12 @@ from grain.experimental import ThreadPrefetchIterDataset, WindowShuffleIterDatas
 from jax.sharding import NamedSharding
 
 from maxshard.config import Config
-
-from maxshard.errors import ConfigError
 from maxshard.data import catalog, chat, hf_stream, packing, sources
 from maxshard.data.mixture import SKIPPED, SOURCE, TokenMixIterDataset
 from maxshard.data.shuffle import BlockShuffleMapDataset
 from maxshard.data.sources import BadRecord
 from maxshard.data.tokenizer import Tokenizer, make_tokenizer
+from maxshard.errors import ConfigError
 
 __all__ = ["PipelineOptions", "SourceStream", "StreamedSource", "local_batches", "mixed_batches", "GlobalBatchIterator",
            "make_grain_input"]

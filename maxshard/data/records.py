@@ -20,8 +20,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from maxshard.errors import ConfigError
 from maxshard.data.sources import Corpus, ReadOptions, index_keys
+from maxshard.errors import ConfigError
 
 __all__ = ["TOKENS_TAG", "METADATA_FILE", "encode_tokens", "decode_record", "RecordDocuments", "array_record_corpus",
            "open_source", "check_metadata"]

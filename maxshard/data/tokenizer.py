@@ -29,7 +29,6 @@ from typing import Any, Protocol
 import numpy as np
 
 from maxshard.config import Config
-
 from maxshard.errors import ConfigError
 
 __all__ = [

@@ -32,13 +32,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from maxshard.parallel import axis_names as ax
-from maxshard.parallel import sharding
 from maxshard.data.tokenizer import MAX_STOP_IDS
+from maxshard.generation.sampling import Sampling, sample
+from maxshard.model.config import ModelConfig
 from maxshard.model.layers import kv_cache
 from maxshard.model.transformer import Transformer
-from maxshard.model.config import ModelConfig
-from maxshard.generation.sampling import Sampling, sample
+from maxshard.parallel import axis_names as ax
+from maxshard.parallel import sharding
 from maxshard.training.step import mesh_context
 
 __all__ = ["decode_model", "Engine", "Result", "batch_multiple", "stop_tuple", "whole_stream", "MAX_STOP_IDS"]

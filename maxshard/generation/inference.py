@@ -24,16 +24,13 @@ from jax.sharding import Mesh
 
 from maxshard.checkpoint import format as checkpoint_format
 from maxshard.checkpoint import params as checkpoint_params
-
-from maxshard.run import loading
-
-from maxshard.parallel import sharding
-
-from maxshard.model import trainable
 from maxshard.config import Config
 from maxshard.errors import ConfigError
-from maxshard.model.transformer import abstract_params
+from maxshard.model import trainable
 from maxshard.model.config import model_fields
+from maxshard.model.transformer import abstract_params
+from maxshard.parallel import sharding
+from maxshard.run import loading
 
 __all__ = ["find_checkpoint", "saved_config", "with_saved_model", "refuse_pipeline", "restore_params"]
 

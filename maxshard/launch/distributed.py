@@ -26,7 +26,6 @@ import threading
 from collections.abc import Mapping
 
 from maxshard.config import Config
-
 from maxshard.errors import ConfigError
 
 __all__ = ["DistributedInitError", "Plan", "plan", "initialize", "timeout_message", "EXIT_CODE"]

@@ -26,14 +26,11 @@ import time
 from collections.abc import Callable, Sequence
 
 from maxshard import config
-
-from maxshard.parallel import mesh
-
-from maxshard.parallel import stages
 from maxshard.config import Config
 from maxshard.errors import ConfigError
 from maxshard.launch import topologies
 from maxshard.launch.topologies import Target
+from maxshard.parallel import mesh, stages
 
 __all__ = [
     "TRAINER",

@@ -33,9 +33,9 @@ from collections.abc import Mapping
 
 from maxshard.config.schema import Config
 from maxshard.errors import ConfigError
+from maxshard.model import attention_kinds
 from maxshard.parallel import axis_names as ax
 from maxshard.parallel.sharding import axes_of, flax_rules
-from maxshard.model import attention_kinds
 
 __all__ = ["platform_of", "resolve"]
 

@@ -51,13 +51,13 @@ import qwix
 from qwix._src.utils import flax_util  # private: which parameter of the current module an operand is (as MaxText)
 
 from maxshard import devices
-from maxshard.observe import perf
-from maxshard.model.attention_choice import platform_of
 from maxshard.config.schema import Config
 from maxshard.errors import ConfigError
-from maxshard.model.layers import lora
-from maxshard.model.flops import flops_per_token, matmuls
+from maxshard.model.attention_choice import platform_of
 from maxshard.model.config import ModelConfig
+from maxshard.model.flops import flops_per_token, matmuls
+from maxshard.model.layers import lora
+from maxshard.observe import perf
 
 __all__ = ["MODES", "Recipe", "RECIPES", "RULES", "check", "quantize", "rules", "quantized_matmul_params",
            "quantized_share", "peak_flops", "peak_precision"]

@@ -14,8 +14,8 @@ from typing import Any
 
 from flax import traverse_util
 
-from maxshard.model.layers.lora import ADAPTER_PARAMS
 from maxshard.model.config import ModelConfig
+from maxshard.model.layers.lora import ADAPTER_PARAMS
 
 __all__ = ["trains_everything", "is_trainable", "split", "merge", "trainable_subset", "frozen_subset"]
 

@@ -16,13 +16,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from maxshard.parallel import axis_names as ax
+from maxshard.model.config import ModelConfig
 from maxshard.model.layers import moe, pipeline, ring_attention
 from maxshard.model.layers.decoder import Decoder
 from maxshard.model.layers.embeddings import Embed
 from maxshard.model.layers.linears import DenseGeneral
 from maxshard.model.layers.norms import RMSNorm
-from maxshard.model.config import ModelConfig
+from maxshard.parallel import axis_names as ax
 from maxshard.parallel.sharding import constrain
 
 __all__ = ["Transformer", "init_params", "count_params", "param_count", "abstract_params", "apply_with_stats"]

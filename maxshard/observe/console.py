@@ -13,12 +13,12 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from maxshard.parallel import mesh as mesh_lib
-from maxshard.observe import perf
-from maxshard.model import quantization
 from maxshard.config import Config
-from maxshard.observe.metrics import MetricsWriter, StepValues, memory_stats
+from maxshard.model import quantization
 from maxshard.model.flops import flops_per_token
+from maxshard.observe import perf
+from maxshard.observe.metrics import MetricsWriter, StepValues, memory_stats
+from maxshard.parallel import mesh as mesh_lib
 from maxshard.units import format_bytes, format_count, format_duration, format_flops
 
 __all__ = ["format_progress", "format_startup_summary", "startup_figures", "print_startup", "StepLogger"]

@@ -12,10 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from maxshard.parallel import axis_names
-
-from maxshard.model import trainable
 from maxshard.config import Config
+from maxshard.model import trainable
+from maxshard.parallel import axis_names
 from maxshard.parallel.mesh import describe
 from maxshard.parallel.sharding import FlaxRules, ParamLayout, array_layout, flax_rules, layout
 from maxshard.training.step import abstract_state

@@ -24,7 +24,6 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from maxshard.config import MESH_AXES, Config, knob_name
-
 from maxshard.errors import ConfigError
 
 __all__ = ["MeshShape", "resolve_shape", "axis_sizes", "build", "device_slices", "describe"]

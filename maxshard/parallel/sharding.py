@@ -25,7 +25,6 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-
 from maxshard.errors import ConfigError
 
 __all__ = [

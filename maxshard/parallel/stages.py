@@ -11,11 +11,11 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from maxshard.parallel import axis_names as ax
 from maxshard.config import Config
 from maxshard.errors import ConfigError
-from maxshard.parallel.mesh import describe
 from maxshard.model.config import PipelineShape, num_units
+from maxshard.parallel import axis_names as ax
+from maxshard.parallel.mesh import describe
 from maxshard.parallel.sharding import axes_of, flax_rules
 
 __all__ = ["pipeline_shape", "resolve"]

@@ -26,20 +26,15 @@ import math
 
 import numpy as np
 
-from maxshard.parallel import mesh
-
-from maxshard.model import flops
-from maxshard.model import transformer as model
-
-from maxshard.model import quantization
-
-from maxshard.model import remat
 from maxshard.config import Config
 from maxshard.launch.topologies import Target
+from maxshard.model import flops, quantization, remat
+from maxshard.model import transformer as model
 from maxshard.model.layers import moe
+from maxshard.observe.report import build_report
+from maxshard.parallel import mesh
 from maxshard.planning import hardware, memory, traffic
 from maxshard.planning.traffic import Collective
-from maxshard.observe.report import build_report
 from maxshard.training.step import abstract_state
 
 __all__ = ["AxisTime", "Plan", "make_plan", "activations_under", "collective_seconds", "by_kind", "moe_dropping_flops"]

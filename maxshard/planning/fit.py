@@ -38,10 +38,10 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from maxshard.model import remat
 from maxshard.config import Config
-from maxshard.errors import ConfigError
 from maxshard.config.schema import MemoryFit
+from maxshard.errors import ConfigError
+from maxshard.model import remat
 from maxshard.planning import estimate, memory
 from maxshard.units import format_bytes
 

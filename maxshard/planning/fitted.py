@@ -8,9 +8,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+from maxshard.config import Config
 from maxshard.model import remat
 from maxshard.model.attention_choice import platform_of
-from maxshard.config import Config
 
 __all__ = ["OFFLOADING", "Fitted", "FITTED", "XLA_CPU_WORKING", "XLA_TPU_WORKING", "compiler", "policies",
            "effective_policy", "fitted"]

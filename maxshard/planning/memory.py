@@ -73,13 +73,13 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from maxshard.parallel import axis_names as ax
+from maxshard.config import Config
 from maxshard.model import attention_kinds, remat
 from maxshard.model.attention_choice import platform_of
-from maxshard.config import Config
 from maxshard.model.layers.moe import group_size
-from maxshard.planning.fitted import compiler, effective_policy, fitted, policies
+from maxshard.parallel import axis_names as ax
 from maxshard.planning.axes import rule_axes
+from maxshard.planning.fitted import compiler, effective_policy, fitted, policies
 from maxshard.planning.traffic import Geometry, geometry
 
 __all__ = ["Widths", "ActivationTerms", "widths", "activation_terms", "compiler", "policies", "effective_policy",

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from maxshard.model import quantization
-
-from maxshard.model import remat
+from maxshard.model import quantization, remat
 from maxshard.planning.estimate import AxisTime, Plan
 from maxshard.planning.memory import ActivationTerms, Widths, compiler, effective_policy, widths
 from maxshard.units import format_bytes

@@ -20,9 +20,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from maxshard.config import Config
-
 from maxshard import devices
+from maxshard.config import Config
 from maxshard.errors import ConfigError
 from maxshard.launch.topologies import Target
 

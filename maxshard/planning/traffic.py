@@ -74,13 +74,12 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from maxshard.parallel import axis_names as ax
-from maxshard.model import remat
-from maxshard.model import trainable
 from maxshard.config import Config
+from maxshard.model import remat, trainable
 from maxshard.model.layers.moe import capacity, group_size
 from maxshard.model.layers.moe_grouped import exchange_slots
 from maxshard.observe.report import Report
+from maxshard.parallel import axis_names as ax
 from maxshard.parallel.sharding import ParamLayout
 from maxshard.planning.axes import rule_axes
 

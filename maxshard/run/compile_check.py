@@ -24,12 +24,11 @@ from typing import Any
 
 from jax.sharding import NamedSharding
 
-from maxshard.run import loading
 from maxshard.config import Config
 from maxshard.errors import ConfigError
-from maxshard.planning import fit
+from maxshard.planning import fit, memory
 from maxshard.planning.compiled import abstract_inputs, peak_bytes
-from maxshard.planning import memory
+from maxshard.run import loading
 from maxshard.training.step import Trainer
 from maxshard.units import format_bytes
 

@@ -30,7 +30,6 @@ from etils import epath
 
 from maxshard.checkpoint import format as checkpoint_format
 from maxshard.config import Config
-
 from maxshard.errors import ConfigError
 
 __all__ = ["SavedLayout", "saved_layout", "keep_global_batch", "accumulation_choices", "changed", "describe"]

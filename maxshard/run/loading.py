@@ -9,22 +9,15 @@ import dataclasses
 from collections.abc import Sequence
 
 from maxshard import config
-
-from maxshard.model import attention_choice
-
-from maxshard.run import elastic
-
-from maxshard.parallel import mesh
-
-from maxshard.model import quantization
-
-from maxshard.parallel import stages
 from maxshard.config import Config
-from maxshard.errors import ConfigError
 from maxshard.data.tokenizer import resolve_vocab
+from maxshard.errors import ConfigError
+from maxshard.model import attention_choice, quantization
 from maxshard.model.config import ModelConfig, model_fields, resolve_dtype, resolve_moe_exchange, resolve_moe_impl
+from maxshard.parallel import mesh, stages
 from maxshard.planning import fit, memory
 from maxshard.planning.fit import Capacity
+from maxshard.run import elastic
 
 __all__ = ["load_run", "complete", "check_memory", "model_config", "replace", "resume_layout"]
 

@@ -39,21 +39,21 @@ import time
 import typing
 from collections.abc import Callable, Sequence
 
-from maxshard.parallel import axis_names as ax
 from maxshard import config
+from maxshard.config import Config
+from maxshard.config.schema import RematPolicy
+from maxshard.errors import ConfigError
+from maxshard.launch import xpk
+from maxshard.launch.topologies import Target
+from maxshard.model import remat
+from maxshard.parallel import axis_names as ax
+from maxshard.parallel import mesh
+from maxshard.planning import hardware, memory
+from maxshard.planning.axes import rule_axes
+from maxshard.planning.estimate import Plan, make_plan
 from maxshard.run import layouts
 from maxshard.run.layouts import Layout
 from maxshard.run.target import load_for_target
-from maxshard.parallel import mesh
-from maxshard.model import remat
-from maxshard.config import Config
-from maxshard.errors import ConfigError
-from maxshard.config.schema import RematPolicy
-from maxshard.launch import xpk
-from maxshard.launch.topologies import Target
-from maxshard.planning import hardware, memory
-from maxshard.planning.estimate import Plan, make_plan
-from maxshard.planning.axes import rule_axes
 
 __all__ = [
     "Candidate",

@@ -26,15 +26,14 @@ import optax
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from maxshard.parallel import axis_names as ax
-from maxshard.model import quantization
-from maxshard.parallel import sharding
-from maxshard.model import trainable
 from maxshard.config import MESH_AXES, Config, knob_name
 from maxshard.errors import ConfigError
+from maxshard.model import quantization, trainable
 from maxshard.model.layers import moe
-from maxshard.training.loss import chunked_loss_sums, loss_sums
 from maxshard.model.transformer import Transformer, apply_with_stats, init_params
+from maxshard.parallel import axis_names as ax
+from maxshard.parallel import sharding
+from maxshard.training.loss import chunked_loss_sums, loss_sums
 from maxshard.training.optim import learning_rate_schedule, make_optimizer
 
 __all__ = ["TrainState", "Trainer", "mesh_context", "boxed_state", "abstract_state"]

@@ -15,12 +15,12 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from maxshard.parallel import axis_names as ax
-from maxshard.model.layers import kv_cache, rope
 from maxshard.model.config import ModelConfig
+from maxshard.model.layers import kv_cache, rope
 from maxshard.model.layers.attention_ops import attend
 from maxshard.model.layers.linears import DenseGeneral
 from maxshard.model.layers.norms import RMSNorm
+from maxshard.parallel import axis_names as ax
 from maxshard.parallel.sharding import constrain
 
 __all__ = ["Attention"]

@@ -23,9 +23,9 @@ import jax
 import jax.numpy as jnp
 
 from maxshard.model import attention_kinds
-from maxshard.parallel import axis_names as ax
 from maxshard.model.layers import blockwise_attention as bw
 from maxshard.model.layers import ring_attention
+from maxshard.parallel import axis_names as ax
 from maxshard.parallel.sharding import constrain
 
 __all__ = ["attend", *attention_kinds.NAMES, "document_starts", "token_indices"]

@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from maxshard.parallel import axis_names as ax
 from maxshard.model import remat
 from maxshard.model.config import ModelConfig
 from maxshard.model.layers import kv_cache
@@ -23,6 +22,7 @@ from maxshard.model.layers.mlp import MLP
 from maxshard.model.layers.moe import MoEBlock
 from maxshard.model.layers.norms import RMSNorm
 from maxshard.model.layers.pipeline import Pipeline
+from maxshard.parallel import axis_names as ax
 from maxshard.parallel.sharding import constrain
 
 __all__ = ["DecoderLayer", "MoEDecoderBlock", "Decoder", "norm", "remat_policy", "stack_unit"]

@@ -19,8 +19,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from maxshard.parallel import axis_names as ax
 from maxshard.model.layers.initializers import default_kernel_init
+from maxshard.parallel import axis_names as ax
 
 __all__ = ["ADAPTER_PARAMS", "adapter_output"]
 

@@ -12,10 +12,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from maxshard.parallel import axis_names as ax
 from maxshard.model.layers import lora
 from maxshard.model.layers.initializers import default_kernel_init
 from maxshard.model.layers.linears import DenseGeneral
+from maxshard.parallel import axis_names as ax
 from maxshard.parallel.sharding import constrain
 
 __all__ = ["MLP"]

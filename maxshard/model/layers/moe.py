@@ -67,11 +67,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from maxshard.parallel import axis_names as ax
 from maxshard.model.config import ModelConfig
 from maxshard.model.layers import moe_grouped
 from maxshard.model.layers.linears import DenseGeneral
 from maxshard.model.layers.mlp import MLP
+from maxshard.parallel import axis_names as ax
 from maxshard.parallel.sharding import constrain
 
 __all__ = [

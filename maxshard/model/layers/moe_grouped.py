@@ -57,9 +57,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from maxshard.parallel import axis_names as ax
-from maxshard.model.layers import moe_ragged
 from maxshard.errors import ConfigError  # layout mistakes surface as the config errors they are
+from maxshard.model.layers import moe_ragged
+from maxshard.parallel import axis_names as ax
 from maxshard.parallel.sharding import MeshAxes, active_mesh_axes, partition_spec
 
 __all__ = ["IMPLS", "EXCHANGES", "tile_rows", "grouped_swiglu", "dropless_local", "dropless", "exchange_slots"]

@@ -62,8 +62,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxshard.parallel import axis_names as ax
 from maxshard.model.config import ModelConfig, PipelineShape
+from maxshard.parallel import axis_names as ax
 from maxshard.parallel.sharding import axes_of, constrain
 
 __all__ = ["to_scanned", "from_scanned", "Pipeline"]

@@ -44,8 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from maxshard.parallel import axis_names as ax
 from maxshard.model.layers import blockwise_attention as bw
+from maxshard.parallel import axis_names as ax
 from maxshard.parallel.sharding import active_mesh_axes, active_mesh_sizes, mesh_axes, partition_spec
 
 __all__ = ["context_axes", "context_size", "to_balanced", "from_balanced", "ring_attend",
