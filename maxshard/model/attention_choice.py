@@ -31,6 +31,7 @@ import math
 import re
 from collections.abc import Mapping
 
+from maxshard import devices
 from maxshard.config.schema import Config
 from maxshard.errors import ConfigError
 from maxshard.model import attention_kinds
@@ -42,12 +43,11 @@ __all__ = ["platform_of", "resolve"]
 def platform_of(device_kind: str) -> str:
     """'tpu', 'nvidia', or 'cpu' (CPU and anything else: only the portable implementations): the platforms of
     attention_kinds.py's rows."""
-    kind = device_kind.strip().lower()
-    if kind.startswith("tpu"):
-        return "tpu"
-    if "nvidia" in kind or kind.startswith(("h100", "h200", "a100", "b200")):
-        return "nvidia"
-    return "cpu"
+    chip = devices.by_kind(device_kind)
+    if chip is not None:
+        return {"tpu": "tpu", "gpu": "nvidia", "cpu": "cpu"}[chip.accelerator]
+    kind = device_kind.strip().lower()  # a chip the registry lacks: JAX's kinds start "TPU" or name NVIDIA
+    return "tpu" if kind.startswith("tpu") else "nvidia" if "nvidia" in kind else "cpu"
 
 
 def _splash_problem(cfg: Config) -> str:
