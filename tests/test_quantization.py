@@ -22,6 +22,7 @@ from maxshard.errors import ConfigError
 from maxshard.launch import topologies
 from maxshard.model import flops as model_flops
 from maxshard.model import quantization
+from maxshard.model.layers import moe
 from maxshard.observe import console, perf
 from maxshard.planning import estimate, printout
 from maxshard.planning.compiled import abstract_inputs
@@ -111,9 +112,23 @@ def test_every_entry_point_and_stack_is_quantized(overrides: tuple[str, ...]) ->
         assert any("/moe/gate/" in d[2] for d in others)  # the router stays float
 
 
+@pytest.mark.parametrize("path", [("capacity_factor=1.25",), ("capacity_factor=0", "moe_dropless_impl=tiled"),
+                                  ("capacity_factor=0", "moe_dropless_impl=dense")], ids=["dropping", "tiled", "dense"])
+def test_the_routed_experts_run_on_8_bit_operands_on_every_moe_path(path: tuple[str, ...]) -> None:
+    """The experts' einsums (by their subscripts, in the dot's location) are int8 on the dropping, tiled dropless and
+    dense paths; the MoE layer's other einsums (dispatch, combine, routing statistics) and its router stay float,
+    though they run in the same module (quantization.Provider)."""
+    dots = lowered_dots("quantization=int8", "num_experts=4", "num_experts_per_tok=2", *path)
+    experts = [d for d in dots if any(f'"{eq}/' in d[2] or f"/{eq}/" in d[2] for eq in moe.EXPERT_EINSUMS)]
+    assert len(experts) >= 9 and all(lhs == rhs == "i8" for lhs, rhs, _ in experts), experts  # 3 x (fwd + 2 bwd)
+    routed = [d for d in dots if ("/moe/" in d[2] or "tkm,tk->tm" in d[2]) and d not in experts]
+    assert routed and all(lhs == rhs == "f32" for lhs, rhs, _ in routed), routed
+    assert any("/moe/gate/" in d[2] for d in routed)
+
+
 def test_lora_adapters_stay_in_the_compute_dtype_beside_their_8_bit_kernels() -> None:
     """Under LoRA the frozen kernels' matmuls are quantized and the adapters' thin ones (rank 3 here, a size no other
-    dimension has) are not, though they run in the same module (quantization.FrozenBaseProvider)."""
+    dimension has) are not, though they run in the same module (quantization.Provider)."""
     dots = lowered_dot_types("quantization=int8", "lora_rank=3", "lora_targets=[q,k,v,o,gate,up,down]")
     adapter = re.compile(r"[<x]3x")  # a dimension of size 3: the adapter's rank
     in_projections = [d for d in dots if QUANTIZED.search(d[2]) or "/mlp/wi_" in d[2]]

@@ -15,14 +15,15 @@ as its own root, so no rule names the decoder):
     attention/{query,key,value,out}   the projections (DenseGeneral's dot_general)
     mlp, mlp/wo                       the SwiGLU MLP: the stacked gate/up einsum and the down projection
     moe/shared, moe/shared/wo         an MoE layer's shared experts (the same MLP)
-    moe (ragged_dot only)             the routed experts when they run as jax.lax.ragged_dot (dropless MoE with
-                                      `moe_dropless_impl` ragged_dot, which `auto` picks on TPU)
+    moe                               the routed experts on every path: jax.lax.ragged_dot (dropless, ragged_dot),
+                                      and the einsums of the tiled dropless, the dense and the dropping paths
 
 and what is not: attention's scores and values (MaxText's rules leave them out too, and the fused kernels do their
-own math), the router, the embedding and the output head, and the routed experts of the dropping, tiled and dense
-MoE paths: those einsums share the `moe` module with the dispatch and combine einsums (one-hot masks and router
-weights), and a qwix rule, which matches module paths and op names, cannot tell them apart. Under LoRA the frozen
-kernels are quantized and the adapters' matmuls are not (`FrozenBaseProvider`).
+own math), the router, the embedding and the output head, and the MoE layer's dispatch, combine and routing
+einsums (one-hot masks and router weights): they run in the `moe` module beside the experts' einsums, and a qwix
+rule matches module paths and op names only, so `Provider` keeps in 8 bits only the einsums the layer names as its
+experts' (`moe.EXPERT_EINSUMS`). Under LoRA the frozen kernels are quantized and the adapters' matmuls are not
+(`Provider` again).
 
 Recipes (`RECIPES`):
     int8   weights, activations and gradients int8 (MaxText's int8 recipe)
@@ -56,7 +57,7 @@ from maxshard.errors import ConfigError
 from maxshard.model.attention_choice import platform_of
 from maxshard.model.config import ModelConfig
 from maxshard.model.flops import flops_per_token, matmuls
-from maxshard.model.layers import lora
+from maxshard.model.layers import lora, moe
 from maxshard.observe import perf
 
 __all__ = ["MODES", "Recipe", "RECIPES", "RULES", "check", "quantize", "rules", "quantized_matmul_params",
@@ -79,11 +80,12 @@ RECIPES = {
     "fp8": Recipe(jnp.float8_e4m3fn, jnp.float8_e5m2, "fp8"),
 }
 
+MOE_PATH = r"(.*/)?moe"  # an MoE layer: its experts' einsums are quantized, its other einsums not (`Provider`)
 # (module path regex, op names) of the quantized matmuls; qwix matches the path with re.fullmatch.
 RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r"(.*/)?attention/(query|key|value|out)", ("dot_general",)),
     (r"(.*/)?(mlp|shared)(/wo)?", ("dot_general", "einsum")),
-    (r"(.*/)?moe", ("ragged_dot",)),
+    (MOE_PATH, ("ragged_dot", "einsum")),
 )
 
 
@@ -95,13 +97,22 @@ def rules(mode: str) -> list[qwix.QtRule]:
             for path, ops in RULES]
 
 
-class FrozenBaseProvider(qwix.QtProvider):
-    """qwix's quantized training, less LoRA's adapter matmuls (layers/lora.py), which stay in the compute dtype.
+class Provider(qwix.QtProvider):
+    """qwix's quantized training, less two kinds of matmul that run in a quantized module but stay in the compute
+    dtype, since a rule (module path and op name) cannot single them out:
 
-    An adapter's two thin matmuls run in the module of the projection they correct, so a rule (module path and op
-    name) would quantize them with the kernel's matmul. They are what trains under LoRA and run at rank r, where 8
-    bits save nothing and cost the adapters precision: QLoRA's split, the frozen base in 8 bits and the adapters not.
+    - LoRA's adapter matmuls (layers/lora.py), which run in the module of the projection they correct. They are what
+      trains under LoRA and run at rank r, where 8 bits save nothing and cost the adapters precision: QLoRA's split,
+      the frozen base in 8 bits and the adapters not.
+    - an MoE layer's einsums other than its experts' (`moe.EXPERT_EINSUMS`): the dispatch and combine with one-hot
+      masks and router weights, and the routing statistics.
     """
+
+    def einsum(self, einsum_str: str, *operands: Any, **kwargs: Any) -> jax.Array:
+        rule, _ = self._get_current_rule_and_op_id("einsum", only_rule=True)  # qwix's lookup, meant for subclasses
+        if rule is not None and rule.module_path == MOE_PATH and einsum_str not in moe.EXPERT_EINSUMS:
+            return jnp.einsum(einsum_str, *operands, **kwargs)  # not intercepted again inside the interceptor
+        return super().einsum(einsum_str, *operands, **kwargs)
 
     def dot_general(self, lhs: Any, rhs: Any, *args: Any, **kwargs: Any) -> jax.Array:
         if any(flax_util.find_param(x) in lora.ADAPTER_PARAMS for x in (lhs, rhs)):
@@ -117,21 +128,15 @@ def quantize(model: Any, mode: str) -> Any:
         return model
     if mode not in RECIPES:
         raise ValueError(f"quantization must be one of {', '.join(MODES)}, got {mode!r}")
-    return qwix.quantize_model(model, FrozenBaseProvider(rules(mode)), methods=("__call__", "hidden", "head"))
+    return qwix.quantize_model(model, Provider(rules(mode)), methods=("__call__", "hidden", "head"))
 
 
 def quantized_matmul_params(cfg: ModelConfig) -> int:
     """Parameters per token whose matmuls `RULES` quantize (a subset of `flops.matmul_params`): every layer's
-    q/k/v/out projections, the dense layers' MLP, and in MoE layers the shared experts plus, when they run as
-    ragged_dot, the k routed experts a token visits. Not the head, the router or the embedding."""
+    q/k/v/out projections, the dense layers' MLP, and in MoE layers the shared experts and the k routed experts a
+    token visits. Not the head, the router or the embedding."""
     m = matmuls(cfg)
-    routed = m.routed_experts if _ragged_experts(cfg) else 0
-    return m.qkv + m.out + m.dense_mlp + m.shared_experts + routed
-
-
-def _ragged_experts(cfg: ModelConfig) -> bool:
-    """Whether the routed experts run as jax.lax.ragged_dot (dropless, ragged_dot implementation)."""
-    return cfg.is_moe and cfg.capacity_factor <= 0 and cfg.moe_dropless_impl == "ragged_dot"
+    return m.qkv + m.out + m.dense_mlp + m.shared_experts + m.routed_experts
 
 
 def quantized_share(cfg: ModelConfig) -> float:

@@ -75,6 +75,7 @@ from maxshard.parallel import axis_names as ax
 from maxshard.parallel.sharding import constrain
 
 __all__ = [
+    "EXPERT_EINSUMS",
     "MoEBlock",
     "Routing",
     "capacity",
@@ -193,6 +194,15 @@ def _routing_stats(logits: jax.Array, routing: Routing, token_mask: jax.Array, u
 # --------------------------------------------------------------------------------------------- the layer
 
 
+# The routed experts' matmuls by their einsum subscripts: into the hidden width from tokens dispatched per expert
+# ('egcm') or shared by all experts ('gcm', the dense path), out of it, and the dropless path's tiles. The dispatch,
+# combine and routing einsums of this module are the others: quantization (model/quantization.py) tells them apart
+# by these, since a rule can only name the module.
+_EXPERT_IN = {"egcm": "egcm,emh->egch", "gcm": "gcm,emh->egch"}
+_EXPERT_OUT = "egch,ehm->egcm"
+EXPERT_EINSUMS = frozenset({*_EXPERT_IN.values(), _EXPERT_OUT, moe_grouped.TILE_IN, moe_grouped.TILE_OUT})
+
+
 def _expert_init(key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype = jnp.float32) -> jax.Array:
     """Fan-in truncated normal for [experts, in, out]: each expert initialised like a dense kernel."""
     return nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", 1, 2, batch_axis=(0,))(
@@ -223,9 +233,9 @@ class MoEBlock(nn.Module):
         shared by all experts); returns [experts, group, tokens, embed]."""
         wi_0, wi_1, wo = self._kernels()
         hidden_axes = (ax.ACT_EXP, ax.BATCH_NO_EXP, token_axis, ax.ACT_MLP)
-        gate = constrain(jnp.einsum(f"{spec},emh->egch", x, wi_0), hidden_axes)
-        up = constrain(jnp.einsum(f"{spec},emh->egch", x, wi_1), hidden_axes)
-        out = jnp.einsum("egch,ehm->egcm", nn.silu(gate) * up, wo)
+        gate = constrain(jnp.einsum(_EXPERT_IN[spec], x, wi_0), hidden_axes)
+        up = constrain(jnp.einsum(_EXPERT_IN[spec], x, wi_1), hidden_axes)
+        out = jnp.einsum(_EXPERT_OUT, nn.silu(gate) * up, wo)
         return constrain(out, (ax.ACT_EXP, ax.BATCH_NO_EXP, token_axis, ax.ACT_EMBED))
 
     def _dropping(self, x: jax.Array, routing: Routing) -> jax.Array:

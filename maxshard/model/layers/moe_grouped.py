@@ -62,7 +62,8 @@ from maxshard.model.layers import moe_ragged
 from maxshard.parallel import axis_names as ax
 from maxshard.parallel.sharding import MeshAxes, active_mesh_axes, partition_spec
 
-__all__ = ["IMPLS", "EXCHANGES", "tile_rows", "grouped_swiglu", "dropless_local", "dropless", "exchange_slots"]
+__all__ = ["IMPLS", "EXCHANGES", "TILE_IN", "TILE_OUT", "tile_rows", "grouped_swiglu", "dropless_local", "dropless",
+           "exchange_slots"]
 
 IMPLS = ("ragged_dot", "tiled")
 EXCHANGES = ("all_to_all", "ragged")
@@ -104,15 +105,19 @@ def _tiles(sizes: jax.Array, rows: int) -> _Tiles:
     return _Tiles(dest, tile_group, count, b)
 
 
+# A tile's matmuls with its group's kernels, by their einsum subscripts (moe.EXPERT_EINSUMS names every expert matmul).
+TILE_IN, TILE_OUT = "tbm,tmh->tbh", "tbh,thm->tbm"
+
+
 def _swiglu_tiled(x: jax.Array, sizes: jax.Array, kernels: Kernels) -> jax.Array:
     """x [rows, embed] sorted by group -> [rows, embed]; each tile one matmul with its group's kernels."""
     wi_0, wi_1, wo = kernels
     t = _tiles(sizes, x.shape[0])
     padded = jnp.zeros((t.count * t.size, x.shape[1]), x.dtype).at[t.dest].set(x, mode="drop", unique_indices=True)
     tiles = padded.reshape(t.count, t.size, x.shape[1])  # [tiles, b, embed]; padding rows are zero
-    gate = jnp.einsum("tbm,tmh->tbh", tiles, wi_0[t.group])
-    up = jnp.einsum("tbm,tmh->tbh", tiles, wi_1[t.group])
-    out = jnp.einsum("tbh,thm->tbm", nn.silu(gate) * up, wo[t.group]).reshape(-1, x.shape[1])
+    gate = jnp.einsum(TILE_IN, tiles, wi_0[t.group])
+    up = jnp.einsum(TILE_IN, tiles, wi_1[t.group])
+    out = jnp.einsum(TILE_OUT, nn.silu(gate) * up, wo[t.group]).reshape(-1, x.shape[1])
     return out.at[t.dest].get(mode="fill", fill_value=0, unique_indices=True)
 
 
