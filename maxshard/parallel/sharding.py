@@ -1,13 +1,12 @@
 """Logical axis names -> PartitionSpecs, validated; shardings of whole pytrees; a layout report.
 
-Resolution follows Flax's rule semantics (`nn.logical_to_mesh_axes`, called in `mesh_axes` only): rules are tried
-in table order and a rule applies only if none of its mesh axes is already used by the same array, so a repeated
-name is a fallback, and the axes a name gets depend on the other names of its array. Every module that asks which
-mesh axes a logical name gets (the layers, the pipeline check, the planner) asks `mesh_axes` with the whole array,
-so they all see the layout the program compiles. On top
-of Flax this module refuses what Flax does silently: a logical name with no rule at all (Flax would replicate it)
-and a dimension whose size does not divide by its shard count (XLA would pad it). Both fail before compiling, with
-a message that names the parameter, the dimension and the mesh axes.
+Resolution follows Flax's rule semantics (`nn.logical_to_mesh_axes`, called in `mesh_axes` only): rules are tried in
+table order and a rule applies only if none of its mesh axes is already used by the same array, so a repeated name is
+a fallback, and the axes a name gets depend on the other names of its array. Every module that asks which mesh axes a
+logical name gets (the layers, the pipeline check, the planner) asks `mesh_axes` with the whole array, so they all
+see the layout the program compiles. On top of Flax this module refuses what Flax does silently: a logical name with
+no rule at all (Flax would replicate it) and a dimension whose size does not divide by its shard count (XLA would pad
+it). Both fail before compiling, with a message that names the parameter, the dimension and the mesh axes.
 
 Functions take `mesh_sizes` ({axis: size}) rather than a Mesh where they can, so tools can plan layouts for
 hardware that is not attached.
