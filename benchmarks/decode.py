@@ -2,14 +2,14 @@
 
     python benchmarks/decode.py [--new-tokens 256] [--batch 8] [--prompt-length 16] [--rounds 3] [--devices 8] [k=v ...]
 
-"cache" is maxshard.generation.decode's Engine: one prefill, then one jitted decode step per token that writes one slot of
-the cache and attends over it. "recompute" is what generation without a cache does: every new token runs the
+"cache" is maxshard.generation.decode's Engine: one prefill, then one jitted decode step per token that writes one
+slot of the cache and attends over it. "recompute" is what generation without a cache does: every new token runs the
 training forward pass over a fixed [batch, prompt + new tokens] buffer (fixed so it compiles once; the causal mask
 makes the unfilled tail irrelevant) and reads the logits at each sequence's last position. Both produce the same
 tokens (checked). The model is base.yml's default (emb 128, 4 layers, 4 heads x 32, mlp 512, byte vocabulary) with
-random weights and max_target_length = prompt + new tokens, on the default layout (fsdp over --devices CPU
-devices); end of sequence is disabled so every round generates exactly --new-tokens tokens. Rounds alternate
-cache, recompute, ... so the drift of a shared machine hits both alike; each figure is the median round.
+random weights and max_target_length = prompt + new tokens, on the default layout (fsdp over --devices CPU devices);
+end of sequence is disabled so every round generates exactly --new-tokens tokens. Rounds alternate cache, recompute,
+... so the drift of a shared machine hits both alike; each figure is the median round.
 """
 
 from __future__ import annotations

@@ -2,12 +2,12 @@
 
     python benchmarks/plan_search.py [--topology h100-80gb-8] [--top 3] [key=value ...]
 
-Searches the 8B preset (plus any key=value) on the target as `python -m maxshard.plan --search` does, then compiles the top
-layouts, the best of each kind not among them (tensor, sequence, context, data, pipeline, another remat policy) and
-the one planned closest to the capacity, for the 8 simulated CPU devices: the train step is lowered from abstract
-sharded arguments and compiled, nothing is allocated (~15-40 s per 8B layout on 2 cores). Compiled peak =
-arguments + temporaries + outputs - aliased (`memory_analysis()`), per device. A target of more than 8 devices is
-not compiled: its layouts need its count.
+Searches the 8B preset (plus any key=value) on the target as `python -m maxshard.plan --search` does, then compiles
+the top layouts, the best of each kind not among them (tensor, sequence, context, data, pipeline, another remat
+policy) and the one planned closest to the capacity, for the 8 simulated CPU devices: the train step is lowered from
+abstract sharded arguments and compiled, nothing is allocated (~15-40 s per 8B layout on 2 cores). Compiled peak =
+arguments + temporaries + outputs - aliased (`memory_analysis()`), per device. A target of more than 8 devices is not
+compiled: its layouts need its count.
 
 What differs between the plan and the compile: the compile runs on XLA:CPU, with attention=blockwise where an H100
 plan has cudnn (the planner counts cudnn as blockwise plus its mask) and dtype=float32, the CPU's own dtype: XLA:CPU

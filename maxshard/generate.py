@@ -1,10 +1,10 @@
 """Sample from a trained run: `python -m maxshard.generate CONFIG.yml key=value ...`.
 
 The same command line that trained a run samples from it (plus `prompt=...`): the run's latest checkpoint (or
-`load_parameters_path`) gives the model and its tokenizer (maxshard/generation/inference.py), the mesh knobs and logical rules
-lay out parameters and KV cache as in training, and maxshard/generation/decode.py runs the jitted prefill and decode steps.
-Every user mistake (no checkpoint, a prompt too long for the model, an unknown key) is one line and exit code 2,
-before the parameters are read or anything is compiled.
+`load_parameters_path`) gives the model and its tokenizer (maxshard/generation/inference.py), the mesh knobs and
+logical rules lay out parameters and KV cache as in training, and maxshard/generation/decode.py runs the jitted
+prefill and decode steps. Every user mistake (no checkpoint, a prompt too long for the model, an unknown key) is one
+line and exit code 2, before the parameters are read or anything is compiled.
 """
 
 from __future__ import annotations

@@ -418,7 +418,8 @@ def test_cli_trains_with_tokamax_on_cpu(tmp_path) -> None:
     import subprocess
     import sys
 
-    script = ("import sys; from maxshard.model.layers import attention_ops as ops; from maxshard import train; calls = []; "
+    script = ("import sys; from maxshard.model.layers import attention_ops as ops; from maxshard import train; "
+              "calls = []; "
               "real = ops.tokamax; ops.tokamax = lambda *a, **k: calls.append(1) or real(*a, **k); "
               "code = train.main(sys.argv[1:]); print(f'tokamax traced {len(calls)} times'); sys.exit(code)")
     cmd = [sys.executable, "-c", script, "configs/base.yml", "model_name=tiny", "cpu_device_count=8",

@@ -1,7 +1,7 @@
-"""The one-way import rule, as a test: packages sit on levels that follow the data flow (config -> parallel -> data
--> layers -> model -> training -> checkpoint/observe -> planning -> run -> entry points), and a module imports only lower
-levels, so a layer never learns about runs, the config loader depends on no model code, and no two packages depend
-on each other.
+"""The one-way import rule, as a test: packages sit on levels that follow the data flow (config -> parallel -> data ->
+layers -> model -> training -> checkpoint/observe -> planning -> run -> entry points), and a module imports only
+lower levels, so a layer never learns about runs, the config loader depends on no model code, and no two packages
+depend on each other.
 
 Imports are read from the source with `ast` (deferred imports inside functions count too).
 """

@@ -1,4 +1,5 @@
-"""The ragged expert-parallel exchange of dropless MoE (`maxshard/model/layers/moe_ragged.py`), in the pieces XLA:CPU runs.
+"""The ragged expert-parallel exchange of dropless MoE (`maxshard/model/layers/moe_ragged.py`), in the pieces XLA:CPU
+runs.
 
 XLA:CPU has no ragged all-to-all, so the collective itself never runs here: the full program is compiled for a TPU
 slice in tests/test_tpu_aot.py. What runs here is everything around it. The sizes and offsets each device computes

@@ -1,4 +1,5 @@
-"""The planner (`python -m maxshard.plan`, `maxshard/planning/`) checked against what XLA compiles, and on a target we lack.
+"""The planner (`python -m maxshard.plan`, `maxshard/planning/`) checked against what XLA compiles, and on a target we
+lack.
 
 Measured: for four layouts of a tiny model on the 8 simulated CPU devices, the train step is lowered from abstract
 inputs and compiled, then

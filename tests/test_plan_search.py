@@ -1,5 +1,5 @@
-"""`python -m maxshard.plan --search`: the layouts it ranks fit, are ordered by planned step time, load as printed, and the
-best one's planned peak holds up against a compile of that layout.
+"""`python -m maxshard.plan --search`: the layouts it ranks fit, are ordered by planned step time, load as printed,
+and the best one's planned peak holds up against a compile of that layout.
 
 The acceptance case is the 8B preset on one h100-80gb-8 node. Its best layout is compiled for the 8 simulated CPU
 devices from abstract inputs (nothing is allocated; ~15 s here): XLA:CPU's per-device peak, arguments + temporaries +

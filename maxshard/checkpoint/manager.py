@@ -152,7 +152,8 @@ def _manager(cfg: Config) -> ocp.CheckpointManager:
         cleanup_tmp_directories=True,  # leftovers of saves that were killed halfway
     )
     # Handlers named up front: without them a fresh manager cannot read an item's metadata before its first save.
-    handlers = {checkpoint_format.STATE: ocp.StandardCheckpointHandler(), checkpoint_format.DATA: ocp.JsonCheckpointHandler(),
+    handlers = {checkpoint_format.STATE: ocp.StandardCheckpointHandler(),
+                checkpoint_format.DATA: ocp.JsonCheckpointHandler(),
                 checkpoint_format.CONFIG: ocp.JsonCheckpointHandler()}
     return ocp.CheckpointManager(epath.Path(cfg.checkpoint_dir), item_handlers=handlers, options=options)
 

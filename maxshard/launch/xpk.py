@@ -213,8 +213,9 @@ def make_request(args: argparse.Namespace, trainer: Sequence[str], suffix: str |
     target = topologies.parse(args.device_type, args.num_slices)
     gpu = topologies.GPU_TYPES.get(target.name)
     if gpu is not None and not gpu.xpk:
-        raise ConfigError(f"--device-type {target.name} is a node type for planning (python -m maxshard.plan), not one XPK "
-                          f"creates; XPK's GPU types: {', '.join(n for n, g in topologies.GPU_TYPES.items() if g.xpk)}")
+        launchable = ", ".join(n for n, g in topologies.GPU_TYPES.items() if g.xpk)
+        raise ConfigError(f"--device-type {target.name} is a node type for planning (python -m maxshard.plan), not "
+                          f"one XPK creates; XPK's GPU types: {launchable}")
     check_tokens(trainer)
     cfg = config.parse(trainer)
     if args.workload is not None:

@@ -18,10 +18,11 @@ memory, for checks) on CPU; it is refused on TPUs (splash is the TPU kernel).
 
 An explicit choice that cannot work is a ConfigError here, before anything compiles, naming the key and what is
 allowed: where each implementation runs and what it needs installed are its row of `attention_kinds.py`, what it
-needs of the config (blocks, dtype, head_dim) the `_*_problem` checks below. Two layouts are checked too: sequence parallelism shards attention heads over `sequence` (with the tensor
-axes), so the heads must divide; context parallelism (ring attention) needs the length to split into 2 x context
-chunks and runs every implementation's ring steps with the blockwise kernel (a documented fallback: the fused
-kernels take no ring offsets), and does not combine with a pipeline.
+needs of the config (blocks, dtype, head_dim) the `_*_problem` checks below. Two layouts are checked too: sequence
+parallelism shards attention heads over `sequence` (with the tensor axes), so the heads must divide; context
+parallelism (ring attention) needs the length to split into 2 x context chunks and runs every implementation's ring
+steps with the blockwise kernel (a documented fallback: the fused kernels take no ring offsets), and does not combine
+with a pipeline.
 """
 
 from __future__ import annotations

@@ -32,7 +32,8 @@ class Transformer(nn.Module):
     """The whole network, built from a `ModelConfig` alone.
 
     Calling it gives the logits; `hidden` and `head` are its two halves, so a loss can run the output head over
-    pieces of the sequence (`maxshard/training/loss.py`) instead of holding [batch, length, vocab] float32 logits at once.
+    pieces of the sequence (`maxshard/training/loss.py`) instead of holding [batch, length, vocab] float32 logits at
+    once.
     """
 
     cfg: ModelConfig

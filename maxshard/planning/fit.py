@@ -25,8 +25,9 @@ prefetch, a checkpoint's device copy).
 
 The plan decides before anything is compiled: `auto` picks the cheapest policy that fits (the one that recomputes
 least), and a policy planned more than PLAN_ERROR over the usable memory is one error line naming the shortfall and
-the cheapest policy that fits. Within PLAN_ERROR the compiled program has the last word (`maxshard/run/compile_check.py`:
-XLA's peak of the step that will run), so no policy is refused whose compiled program fits.
+the cheapest policy that fits. Within PLAN_ERROR the compiled program has the last word
+(`maxshard/run/compile_check.py`: XLA's peak of the step that will run), so no policy is refused whose compiled
+program fits.
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ from maxshard.planning.traffic import Geometry, geometry
 __all__ = ["Widths", "ActivationTerms", "widths", "activation_terms", "compiler", "policies", "effective_policy",
            "logits_bytes", "auto_loss_chunks"]
 
-# `loss_chunks: 0` (auto) splits the loss until one piece's float32 logits per device fit this (maxshard/training/loss.py).
+# `loss_chunks: 0` (auto) splits the loss until one piece's float32 logits per device fit this (training/loss.py).
 LOSS_PIECE_BYTES = 256 * 2**20
 
 @dataclasses.dataclass(frozen=True)
