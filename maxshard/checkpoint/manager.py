@@ -18,7 +18,7 @@ Why it is shaped this way:
 - A committed checkpoint can still be damaged later (a file truncated or deleted). Resuming walks back from the
   latest step; a step whose bytes are missing or corrupt is renamed `<step>.damaged` (kept for inspection, out of
   the next save's way) and the one before it is tried. Any other read error (permissions, I/O, memory) stops the run
-  and touches nothing (`checkpoint_health`). A run directory with checkpoints never silently starts from scratch.
+  and touches nothing (`checkpoint/health.py`). A run directory with checkpoints never silently starts from scratch.
 - Each process reads a step with orbax's handlers directly, outside the barriers of `CheckpointManager.restore`,
   then all agree: damage only some processes see makes all fall back together instead of deadlocking.
 - A save's background commit can fail: the loop asks at every step boundary (`raise_if_save_failed`, never
@@ -117,7 +117,7 @@ def preemption_reached(step: int, sigterm: threading.Event) -> bool:
 
 def restore(state_dir: epath.Path, target: Any, saved: Any) -> Any:
     """`target` (abstract arrays with this run's shardings) read from a state directory whose metadata tree is
-    `saved`: directly when both have the same layout, else through `checkpoint_layout` (pipelined <-> scanned)."""
+    `saved`: directly when both have the same layout, else through `checkpoint/layout.py` (pipelined <-> scanned)."""
     handler = ocp.StandardCheckpointHandler()
     if not checkpoint_layout.needs_relayout(saved, target):
         return handler.restore(state_dir, args=ocp.args.StandardRestore(target))

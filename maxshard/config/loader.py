@@ -346,7 +346,7 @@ def _resolve_source(source: str) -> str:
 
 
 def resolve_paths(cfg: Config) -> Config:
-    """Every path key (`config_schema.path_keys`) and every mixture source resolved with `resolve_path`
+    """Every path key (`schema.path_keys`) and every mixture source resolved with `resolve_path`
     (`hf:NAME` sources name a dataset, not necessarily a path, and stay as written; a `chat:` prefix stays)."""
     mixture = tuple((_resolve_source(s), w) for s, w in cfg.dataset_mixture)
     return dataclasses.replace(cfg, dataset_mixture=mixture, **{key: resolve_path(getattr(cfg, key))

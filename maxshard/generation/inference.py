@@ -9,7 +9,7 @@ A LoRA run's checkpoint holds its adapters; the frozen base comes from the `load
 Only `params` are read from the `state` item (orbax partial restore), directly onto the generation mesh with the
 generation layout's shardings: the optimizer moments (twice the parameters' bytes) are never loaded. Generation
 runs unpipelined; a checkpoint written by a pipelined run ([repeats, stages, layers per stage, ...] stacks) is
-read into the scanned layout, which holds the same weights (`checkpoint_layout`).
+read into the scanned layout, which holds the same weights (`checkpoint/layout.py`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The circular pipeline's shape, worked out once from the config and the mesh's axis sizes.
 
 Stages S are the size of the `stage` mesh axis; layers per stage L, repeats R and microbatches M come from their
-keys, with -1 derived: R = units / (S x L), M = S. The result is a `PipelineShape` (in `model_config.py`) that the
+keys, with -1 derived: R = units / (S x L), M = S. The result is a `PipelineShape` (in `model/config.py`) that the
 loader puts into the `ModelConfig`, so the layers receive a resolved schedule and never read mesh knobs, the global
 batch or the logical rules. Every pipeline mistake is one `ConfigError` here, before anything is traced.
 """

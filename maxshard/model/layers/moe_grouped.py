@@ -10,14 +10,14 @@ Grouped matmul, `x [rows, embed] @ w[expert of the row]`, with rows sorted by ex
               each tile is one [b, embed] @ [embed, mlp] matmul against its expert's kernel (gathered per tile).
               With rows R and E experts, sum_e ceil(n_e / b) <= (R + E (b - 1)) // b tiles, a static bound for any
               routing; b ~ R / (5 E) keeps the padding <= ~1/5 of R and the gathered kernels ~6 x the experts'.
-`moe_dropless_impl=auto` takes ragged_dot on TPU and tiled elsewhere (`model_config.resolve_moe_impl`).
+`moe_dropless_impl=auto` takes ragged_dot on TPU and tiled elsewhere (`model/config.py`: `resolve_moe_impl`).
 
 Expert parallelism (the `exp` dimension of the kernels sharded over P devices, E_l = E / P experts each). The layer
 runs in `jax.shard_map`, manual over the mesh axes that split the tokens (the rules of activation_batch and
 activation_length) and the expert axes (plus the stage axes inside the pipeline, whose vmap adds them); tensor-like
 axes stay automatic, and kernel dimensions sharded over manual axes (FSDP) are all-gathered in the body, their
 gradients reduce-scattered by its transpose. Each device routes its own T tokens and exchanges them with the devices
-holding their experts, in one of two ways (`moe_exchange`, resolved by `model_config.resolve_moe_exchange`):
+holding their experts, in one of two ways (`moe_exchange`, resolved by `model/config.py`'s `resolve_moe_exchange`):
 
   ragged      (TPU and GPU) `jax.lax.ragged_all_to_all` moves only the rows routed, and each device computes a
               buffer of ~`moe_ragged_buffer_factor` x T x k rows; rows over it are dropped and counted: `moe_ragged.py`.
