@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["Reader", "READERS", "NAMES", "reader", "grain"]
+__all__ = ["Reader", "READERS", "NAMES", "PREFIXES", "CHAT_PREFIX", "reader", "grain"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +57,8 @@ READERS = (
 )
 NAMES = tuple(r.name for r in READERS)
 _BY_NAME = {r.name: r for r in READERS}
+PREFIXES = tuple(f"{r.prefix}:" for r in READERS if r.prefix)  # mixture sources that are names, not paths
+CHAT_PREFIX = "chat:"  # a mixture source of conversations (`chat:sft/*.jsonl`, `chat:hf:owner/name`)
 
 
 def reader(name: str) -> Reader:

@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from maxshard import dataset_types
 from maxshard.config.ranges import check_ranges
 from maxshard.config.schema import MESH_AXES, Config, knob_name, path_keys
 from maxshard.config.structures import parse_logical_rules, parse_mixture, parse_names
@@ -340,9 +341,9 @@ def resolve_path(path: str) -> str:
 
 
 def _resolve_source(source: str) -> str:
-    if source.startswith("chat:"):
-        return "chat:" + _resolve_source(source[5:])
-    return source if source.startswith("hf:") else resolve_path(source)
+    if source.startswith(dataset_types.CHAT_PREFIX):
+        return dataset_types.CHAT_PREFIX + _resolve_source(source.removeprefix(dataset_types.CHAT_PREFIX))
+    return source if source.startswith(dataset_types.PREFIXES) else resolve_path(source)
 
 
 def resolve_paths(cfg: Config) -> Config:

@@ -85,8 +85,8 @@ def source_specs(cfg: Config) -> list[SourceSpec]:
         raise ConfigError("dataset_path and dataset_mixture are both set; set only one (a mixture lists its paths)")
     specs = []
     for i, (source, weight) in enumerate(cfg.dataset_mixture):
-        chat = source.startswith("chat:")
-        source = source[5:] if chat else source
+        chat = source.startswith(dataset_types.CHAT_PREFIX)
+        source = source.removeprefix(dataset_types.CHAT_PREFIX)
         kind = _kind_of_source(source, i)
         path = _without_prefix(source)
         if chat and not dataset_types.reader(kind).chat:

@@ -29,6 +29,7 @@ import numpy as np
 
 from maxshard.data.chat_template import DEFAULT_TEMPLATE, ChatTemplate, TemplateError
 from maxshard.data.sources import BadRecord
+from maxshard.dataset_types import CHAT_PREFIX
 from maxshard.errors import ConfigError
 
 __all__ = ["WEIGHT", "Conversation", "as_conversation", "ChatEncoder", "load_template", "encode_conversation",
@@ -109,7 +110,7 @@ def load_template(tokenizer_path: str, setting: str = "") -> ChatTemplate:
 
 
 def _has_chat(cfg: Any) -> bool:
-    return cfg.dataset_type == "chat" or any(str(s).startswith("chat:") for s, _ in cfg.dataset_mixture)
+    return cfg.dataset_type == "chat" or any(str(s).startswith(CHAT_PREFIX) for s, _ in cfg.dataset_mixture)
 
 
 def run_template(cfg: Any) -> ChatTemplate | None:
