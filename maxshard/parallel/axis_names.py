@@ -61,4 +61,5 @@ RESIDUAL = (BATCH, NORM_LENGTH, ACT_EMBED)  # the residual stream between attent
 PIPELINE_STATE = (ACT_STAGE, BATCH, NORM_LENGTH, ACT_EMBED)  # [stages, microbatch, length, embed] (layers/pipeline.py)
 EMBEDDED = (EMBED_AND_LOGITS_BATCH, LENGTH, ACT_EMBED)  # the token embeddings (model/transformer.py)
 LOGITS = (EMBED_AND_LOGITS_BATCH, LENGTH, ACT_VOCAB)
+DISPATCHED = (ACT_EXP, BATCH_NO_EXP, None, ACT_EMBED)  # tokens sent to experts by token dropping (layers/moe.py)
 EXPERT_KERNEL = (EXP, EMBED, MLP)  # wi_0, wi_1 of the MoE experts (layers/moe.py): their `exp` axes hold the experts

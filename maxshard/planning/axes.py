@@ -30,6 +30,8 @@ ARRAYS: dict[str, tuple[str | None, ...]] = {
     ax.EMBED_AND_LOGITS_BATCH: ax.EMBEDDED,
     ax.ACT_VOCAB: ax.LOGITS,
     ax.EXP: ax.EXPERT_KERNEL,
+    ax.ACT_EXP: ax.DISPATCHED,  # the experts token dropping exchanges its capacity slots over
+    ax.ACT_STAGE: ax.PIPELINE_STATE,  # the stages a pipeline shifts its state over
 }
 
 

@@ -128,8 +128,8 @@ def geometry(cfg: Config, sizes: Mapping[str, int], compute_itemsize: int) -> Ge
     batch = cfg.global_batch_size // _shards(rule_axes(cfg, ax.BATCH, sizes), sizes)
     outer = cfg.global_batch_size // _shards(rule_axes(cfg, ax.EMBED_AND_LOGITS_BATCH, sizes), sizes)
     outer_length = cfg.max_target_length // _shards(rule_axes(cfg, ax.LENGTH, sizes, ax.EMBEDDED), sizes)
-    stages = sizes.get("stage", 1)
     pipe = cfg.model.pipeline
+    stages = pipe.stages if pipe is not None else 1
     microbatches, repeats = (pipe.microbatches, pipe.repeats) if pipe is not None else (1, 1)
     iterations, bubble = (pipe.iterations, pipe.bubble_fraction) if pipe is not None else (1, 0.0)
     moe_layers = cfg.model.num_moe_layers
@@ -312,19 +312,23 @@ def _stage(cfg: Config, sizes: Mapping[str, int], geo: Geometry) -> list[Collect
         return []
     microbatch = geo.tokens // (geo.accumulation * geo.microbatches) * cfg.emb_dim * geo.compute_itemsize
     count = 2 * geo.iterations * geo.accumulation
-    return [Collective("collective-permute", ("stage",), count * microbatch, f"stage shift ({count} per step)")]
+    axes = rule_axes(cfg, ax.ACT_STAGE, sizes)
+    return [Collective("collective-permute", axes, count * microbatch, f"stage shift ({count} per step)")]
 
 
 def _expert(cfg: Config, sizes: Mapping[str, int], geo: Geometry) -> list[Collective]:
-    shards = sizes.get("expert", 1)
-    if not cfg.model.is_moe or shards == 1 or geo.moe_layers == 0:
+    if not cfg.model.is_moe or geo.moe_layers == 0:
+        return []
+    axes = rule_axes(cfg, ax.ACT_EXP if cfg.capacity_factor > 0 else ax.EXP, sizes)  # the exchange's, as compiled
+    shards = _shards(axes, sizes)
+    if shards == 1:
         return []
     k, experts, row = cfg.num_experts_per_tok, cfg.num_experts, cfg.emb_dim * geo.compute_itemsize
     if cfg.capacity_factor > 0:
         g = group_size(cfg.max_target_length, cfg.moe_group_size)
         rows = geo.tokens // g * experts * capacity(g, k, experts, cfg.capacity_factor)  # [experts, groups, C]
         count = 5 if remat.policy(cfg.remat_policy).keeps_matmul_outputs else 6
-        return [Collective("all-to-all", ("expert",), count * geo.moe_layers * rows * row,
+        return [Collective("all-to-all", axes, count * geo.moe_layers * rows * row,
                            f"MoE dispatch and combine ({count} per layer)")]
     if cfg.moe_dropless_impl == "dense":
         return []
@@ -334,7 +338,7 @@ def _expert(cfg: Config, sizes: Mapping[str, int], geo: Geometry) -> list[Collec
     forwards = 1 if remat.policy(cfg.remat_policy).keeps == "everything" else 2  # the forward, and its recompute
     moves = 2 * forwards + 2  # there and back per forward, and the transposes of one pair backward
     counts = forwards * geo.moe_layers * geo.accumulation * geo.microbatches * experts * 4  # int32 [experts]
-    return [Collective("all-to-all", ("expert",), moves * geo.moe_layers * rows * row + counts,
+    return [Collective("all-to-all", axes, moves * geo.moe_layers * rows * row + counts,
                        f"MoE dropless exchange ({moves} per layer) and row counts")]
 
 

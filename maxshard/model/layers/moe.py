@@ -242,7 +242,7 @@ class MoEBlock(nn.Module):
         """Dispatch to [experts, group, capacity, embed], run the experts, combine back to [group, tokens, embed]."""
         dispatch = constrain(routing.dispatch.astype(self.dtype), (ax.BATCH, ax.LENGTH, None, None))
         dispatched = jnp.einsum("gsm,gsec->egcm", x, dispatch)
-        dispatched = constrain(dispatched, (ax.ACT_EXP, ax.BATCH_NO_EXP, None, ax.ACT_EMBED))
+        dispatched = constrain(dispatched, ax.DISPATCHED)
         out = self._experts(dispatched, "egcm", None)  # [e, g, c, m]
         combine = constrain(routing.combine.astype(self.dtype), (ax.BATCH, ax.LENGTH, None, None))
         return jnp.einsum("egcm,gsec->gsm", out, combine)
