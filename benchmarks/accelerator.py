@@ -25,8 +25,7 @@ import jax  # noqa: E402
 
 from maxshard import data  # noqa: E402
 from maxshard.config import Config  # noqa: E402
-from maxshard.model import quantization
-from maxshard.model import transformer as model
+from maxshard.model import flops, quantization
 from maxshard.observe import perf
 from maxshard.parallel import mesh
 from maxshard.run import loading
@@ -79,6 +78,6 @@ def throughput(cfg: Config, seconds: float) -> dict[str, Any]:
     """A step of `seconds`: its time in ms, tokens/s per device and MFU (model FLOPs; None on a device kind with no
     known peak)."""
     tokens = cfg.global_batch_size * cfg.max_target_length
-    figures = perf.step_perf(tokens, model.flops_per_token(cfg.model) * tokens, seconds, cfg.num_devices,
+    figures = perf.step_perf(tokens, flops.flops_per_token(cfg.model) * tokens, seconds, cfg.num_devices,
                              quantization.peak_flops(cfg))
     return {"step_ms": seconds * 1e3, "tokens_per_sec": figures["tokens_per_sec_per_device"], "mfu": figures["mfu"]}

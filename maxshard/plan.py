@@ -179,10 +179,10 @@ def _compiled(plan: Plan, as_json: bool) -> int:
 def _usable(plan: Plan) -> tuple[int, str]:
     """(bytes, where they come from) of the memory the trainer lets a compiled step use on the target: HBM less
     `memory_headroom`, as `maxshard/run/compile_check.py` checks it before the first step."""
-    fit = plan.cfg.memory_fit
-    if fit is None:
+    memory_fit = plan.cfg.memory_fit
+    if memory_fit is None:
         return plan.link.hbm, f"{plan.target.name} HBM"
-    return fit.usable_bytes, f"{fit.capacity_source}, memory_headroom={plan.cfg.memory_headroom:g}"
+    return memory_fit.usable_bytes, f"{memory_fit.capacity_source}, memory_headroom={plan.cfg.memory_headroom:g}"
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""`python -m maxshard.plan ...` is `python -m maxshard.plan ...` (kept for old commands and sweep files)."""
+"""`python tools/plan.py ...` is `python -m maxshard.plan ...` (kept for old commands and sweep files)."""
 
 import os
 import sys

@@ -17,7 +17,8 @@ from etils import epath
 
 from maxshard.errors import ConfigError
 
-__all__ = ["STATE", "DATA", "CONFIG", "ITEMS", "config_json", "write_config", "read_config", "read_config_or_none"]
+__all__ = ["STATE", "DATA", "CONFIG", "ITEMS", "config_json", "write_config", "saved_config", "read_config",
+           "read_config_or_none"]
 
 STATE, DATA, CONFIG = "state", "data", "config"
 ITEMS = (STATE, DATA, CONFIG)
@@ -36,17 +37,34 @@ def write_config(step_dir: epath.PathLike, cfg: Any) -> None:
     ocp.Checkpointer(ocp.JsonCheckpointHandler()).save(item, args=ocp.args.JsonSave(config_json(cfg)))
 
 
+def saved_config(step_dir: epath.PathLike) -> dict[str, Any]:
+    """The saved Config (as JSON) of a step, {} when the step has no config item; one ConfigError line when it has
+    one that does not read (a damaged step must not pass for one without a config: LoRA's base checks read it). The
+    error keeps its cause, so a resume still tells damage (`health.outcome_of`) and sets the step aside."""
+    import orbax.checkpoint as ocp  # deferred: loading a run's config must not import orbax
+
+    item = epath.Path(step_dir) / CONFIG
+    if not item.exists():
+        return {}
+    try:
+        return ocp.JsonCheckpointHandler().restore(item)
+    except (OSError, ValueError) as e:
+        cause = (str(e).splitlines() or [""])[0]
+        raise ConfigError(f"{step_dir}: its {CONFIG} item does not read ({type(e).__name__}: {cause})") from e
+
+
 def read_config(step_dir: epath.PathLike) -> dict[str, Any]:
-    """The saved Config (as JSON) of a step directory; ConfigError (one line) when it is not a maxshard step."""
-    saved = read_config_or_none(step_dir)
-    if saved is None or not (epath.Path(step_dir) / STATE).exists():
+    """The saved Config (as JSON) of a step directory; ConfigError (one line) when it is not a maxshard step or its
+    config item does not read."""
+    saved = saved_config(step_dir)
+    if not saved or not (epath.Path(step_dir) / STATE).exists():
         raise ConfigError(f"{step_dir} is not a maxshard checkpoint step directory (it needs {STATE}/ and {CONFIG}/)")
     return saved
 
 
 def read_config_or_none(step_dir: epath.PathLike) -> dict[str, Any] | None:
     """The saved Config of a step, or None where the step has no readable config item (a step saved halfway, a
-    damaged one: an elastic resume walks back past it)."""
+    damaged one): for the elastic resume, which walks back past such a step."""
     import orbax.checkpoint as ocp  # deferred, as above
 
     item = epath.Path(step_dir) / CONFIG

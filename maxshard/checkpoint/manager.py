@@ -239,7 +239,8 @@ class Checkpoints:
             restored = self._read(step, target, where)
         except Exception as e:  # noqa: BLE001 - classified below, after every process has tried
             problem = e
-        mine = Outcome.FAILED if isinstance(problem, ConfigError) else outcome_of(problem)
+        mine = outcome_of(problem)  # a ConfigError is a failure unless damage caused it (an unreadable config item)
+        mine = Outcome.FAILED if isinstance(problem, ConfigError) and mine is not Outcome.DAMAGED else mine
         agreed = agree(mine)
         if agreed is Outcome.FAILED:
             if isinstance(problem, ConfigError):

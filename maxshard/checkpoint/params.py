@@ -66,8 +66,8 @@ def read_base(path: str, target_params: Any, model: ModelConfig, where: str = ""
 
 
 def saved_config(step_dir: str) -> dict[str, Any]:
-    """The config item of a checkpoint step ({} when it has none)."""
-    return checkpoint_format.read_config_or_none(step_dir) or {}
+    """The config item of a checkpoint step ({} when it has none; one error line when it does not read)."""
+    return checkpoint_format.saved_config(step_dir)
 
 
 def check_same_base(cfg: Config, step_dir: epath.Path) -> None:

@@ -48,7 +48,9 @@ def platform_of(device_kind: str) -> str:
     if chip is not None:
         return {"tpu": "tpu", "gpu": "nvidia", "cpu": "cpu"}[chip.accelerator]
     kind = device_kind.strip().lower()  # a chip the registry lacks: JAX's kinds start "TPU" or name NVIDIA
-    return "tpu" if kind.startswith("tpu") else "nvidia" if "nvidia" in kind else "cpu"
+    if kind.startswith("tpu"):
+        return "tpu"
+    return "nvidia" if "nvidia" in kind or kind.startswith(("b100", "b200", "gb200")) else "cpu"
 
 
 def _splash_problem(cfg: Config) -> str:

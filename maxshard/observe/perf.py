@@ -1,7 +1,7 @@
 """Throughput arithmetic: tokens/s and TFLOP/s per device, and model FLOPs utilisation (MFU).
 
 MFU = achieved model FLOP/s per device / the device's peak dense bf16 FLOP/s. The FLOPs are the *model's*
-(forward + backward of the transformer, from `model.py`), not what the hardware executed: recomputation under
+(forward + backward of the transformer, from `model/flops.py`), not what the hardware executed: recomputation under
 remat does not count, so MFU compares layouts and remat policies honestly. The peak is the caller's: the device
 registry (`maxshard/devices.py`, `peak_flops`) looks it up from the device kind JAX reports; on an unknown kind (CPU,
 a new chip) there is no peak (None) and no MFU is reported, never a guess. This module is a leaf and holds no

@@ -20,8 +20,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from maxshard import devices
 from maxshard.config import Config
+from maxshard.devices import by_device_type
 from maxshard.errors import ConfigError
 from maxshard.launch.topologies import Target
 
@@ -49,7 +49,7 @@ def topology_name(target: Target) -> str:
     """get_topology_desc's name for one slice of `target`: 'v6e:16x16', 'v5p:8x8x8'."""
     if target.accelerator != "tpu":
         raise ConfigError(f"--compile compiles for TPU slices (XLA:TPU through libtpu); {target.name} is a GPU node")
-    _, node = devices.by_device_type(target.name.rsplit("-", 1)[0])
+    _, node = by_device_type(target.name.rsplit("-", 1)[0])
     slices = node.slices
     return f"{slices.libtpu_name}:{'x'.join(map(str, _slice_shape(target.chips_per_slice, slices.torus_rank)))}"
 
