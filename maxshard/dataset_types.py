@@ -57,7 +57,7 @@ READERS = (
 )
 NAMES = tuple(r.name for r in READERS)
 _BY_NAME = {r.name: r for r in READERS}
-PREFIXES = tuple(f"{r.prefix}:" for r in READERS if r.prefix)  # mixture sources that are names, not paths
+PREFIXES = {f"{r.prefix}:": r.name for r in READERS if r.prefix}  # mixture sources named, not paths: "hf:" -> hf
 CHAT_PREFIX = "chat:"  # a mixture source of conversations (`chat:sft/*.jsonl`, `chat:hf:owner/name`)
 
 

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from maxshard import cli
+from maxshard.checkpoint import format as checkpoint_format
 from maxshard.config import Config
 from maxshard.data.tokenizer import Tokenizer, make_tokenizer
 from maxshard.errors import ConfigError
@@ -115,7 +116,7 @@ def run(argv: Sequence[str]) -> int:
     inference.refuse_pipeline(cfg)
     prompts = read_prompts(cfg)
     step_dir = inference.find_checkpoint(cfg)
-    saved = inference.saved_config(step_dir)
+    saved = checkpoint_format.read_config(step_dir)
     cfg = inference.with_saved_model(cfg, saved)
     tokenizer = make_tokenizer(cfg)
     encoded = encode_prompts(prompts, tokenizer, cfg.model.max_target_length, cfg.max_new_tokens)

@@ -12,7 +12,6 @@ import dataclasses
 import pytest
 
 from maxshard.checkpoint import format as checkpoint_format
-from maxshard.checkpoint import params as checkpoint_params
 from maxshard.checkpoint.health import Outcome, outcome_of
 from maxshard.errors import ConfigError
 
@@ -36,7 +35,7 @@ def test_a_readable_config_item_reads_the_same_everywhere(tmp_path) -> None:
     step = _step(tmp_path)
     expected = dataclasses.asdict(_Saved())
     assert checkpoint_format.read_config(step) == expected
-    assert checkpoint_format.saved_config(step) == checkpoint_params.saved_config(str(step)) == expected
+    assert checkpoint_format.saved_config(step) == expected
     assert checkpoint_format.read_config_or_none(step) == expected
 
 
@@ -53,7 +52,7 @@ def test_a_damaged_config_item_is_one_error_line_not_an_empty_config(tmp_path) -
         if f.is_file():
             f.write_text("{not json")
     assert checkpoint_format.read_config_or_none(step) is None  # the elastic resume walks back past it
-    for read in (checkpoint_format.saved_config, checkpoint_format.read_config, checkpoint_params.saved_config):
+    for read in (checkpoint_format.saved_config, checkpoint_format.read_config):
         with pytest.raises(ConfigError) as error:
             read(str(step))
         assert str(error.value).startswith(f"{step}: its config item does not read (") and "\n" not in str(error.value)

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from maxshard import generate
+from maxshard.checkpoint import format as checkpoint_format
 from maxshard.checkpoint.manager import Checkpoints
 from maxshard.data.tokenizer import ByteTokenizer, load_hf_tokenizer, load_sentencepiece
 from maxshard.errors import ConfigError
@@ -117,7 +118,7 @@ def test_a_pipelined_checkpoint_loads_unpipelined(tmp_path):
     cfg = loading.load_run([BASE, *TRAINED, f"base_output_directory={tmp_path}", "run_name=piped",
                             "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"])
     step_dir = inference.find_checkpoint(cfg)
-    cfg = inference.with_saved_model(cfg, inference.saved_config(step_dir))
+    cfg = inference.with_saved_model(cfg, checkpoint_format.read_config(step_dir))
     generation_mesh = mesh.build(cfg)
     params = inference.restore_params(step_dir, cfg, generation_mesh, sharding.flax_rules(cfg))
     expected = to_scanned(saved)

@@ -22,6 +22,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from maxshard import config, data, generate, train
+from maxshard.checkpoint import format as checkpoint_format
 from maxshard.convert import __main__ as convert_cli
 from maxshard.errors import ConfigError
 from maxshard.generation import inference
@@ -110,7 +111,7 @@ def _logits(step_dir: Path, config_yml: Path, tokens: np.ndarray) -> np.ndarray:
     """The logits maxshard computes from a checkpoint step, loaded as generation loads it (a LoRA step: adapters
     on the base of its load_parameters_path)."""
     cfg = loading.load_run([str(config_yml), f"load_parameters_path={step_dir}", "dtype=float32"], check_fit=False)
-    saved = inference.saved_config(str(step_dir))
+    saved = checkpoint_format.read_config(str(step_dir))
     cfg = inference.with_saved_model(cfg, saved)
     on, rules = mesh_lib.build(cfg), sharding.flax_rules(cfg)
     params = inference.restore_params(str(step_dir), cfg, on, rules, saved.get("load_parameters_path", ""))

@@ -121,7 +121,7 @@ def test_devices_without_host_memory_refuse_an_offload_policy_in_one_line():
 
 
 def test_an_offload_policy_needs_its_host_bytes_in_host_memory():
-    """Host memory per device (hardware.INTERCONNECTS: v5e 512 GiB per host of 8 chips) bounds what an offload policy
+    """Host memory per device (hardware.interconnect: v5e 512 GiB per host of 8 chips) bounds what an offload policy
     may move there: auto passes over one whose host bytes do not fit, an explicit one is refused in one line."""
     explicit = load_for_target([*PRESET, "remat_policy=offload_qkv_proj"], V5E_8)
     assert run_target.target_capacity(explicit, V5E_8).host == 64 * 2**30

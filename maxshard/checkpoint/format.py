@@ -65,12 +65,9 @@ def read_config(step_dir: epath.PathLike) -> dict[str, Any]:
 def read_config_or_none(step_dir: epath.PathLike) -> dict[str, Any] | None:
     """The saved Config of a step, or None where the step has no readable config item (a step saved halfway, a
     damaged one): for the elastic resume, which walks back past such a step."""
-    import orbax.checkpoint as ocp  # deferred, as above
-
-    item = epath.Path(step_dir) / CONFIG
-    if not (item / "metadata").exists():
+    if not (epath.Path(step_dir) / CONFIG / "metadata").exists():
         return None
     try:
-        return ocp.JsonCheckpointHandler().restore(item)
-    except (OSError, ValueError):
+        return saved_config(step_dir)
+    except ConfigError:
         return None

@@ -24,7 +24,7 @@ from maxshard.model import trainable
 from maxshard.model.config import ModelConfig
 from maxshard.training.step import Trainer, TrainState
 
-__all__ = ["target_state", "step_state_dir", "read_params", "saved_config", "saved_part", "with_base", "read_base",
+__all__ = ["target_state", "step_state_dir", "read_params", "saved_part", "with_base", "read_base",
            "check_same_base", "require_base"]
 
 
@@ -58,23 +58,18 @@ def read_base(path: str, target_params: Any, model: ModelConfig, where: str = ""
     checkpoint `path`; a LoRA run's own checkpoint, which holds adapters only, is refused naming its base."""
     where = where or f"load_parameters_path={path}"
     state_dir = step_state_dir(path, "load_parameters_path")
-    saved = saved_config(path)
+    saved = checkpoint_format.saved_config(path)
     if saved.get("lora_rank"):
         raise ConfigError(f"{where} holds a LoRA run's adapters, not a whole model: its base is "
                           f"{saved.get('load_parameters_path') or '(unknown)'}")
     return read_params(state_dir, trainable.frozen_subset(target_params, model), where)
 
 
-def saved_config(step_dir: str) -> dict[str, Any]:
-    """The config item of a checkpoint step ({} when it has none; one error line when it does not read)."""
-    return checkpoint_format.saved_config(step_dir)
-
-
 def check_same_base(cfg: Config, step_dir: epath.Path) -> None:
     """A LoRA run resumes its adapters on the base they were trained on: the step's config names it."""
     if trainable.trains_everything(cfg.model):
         return
-    saved = saved_config(str(step_dir)).get("load_parameters_path")
+    saved = checkpoint_format.saved_config(step_dir).get("load_parameters_path")
     if saved and saved != cfg.load_parameters_path:
         raise ConfigError(f"load_parameters_path={cfg.load_parameters_path}: the LoRA adapters in {step_dir} were "
                           f"trained on {saved}; resume with that base (or start a new run_name)")

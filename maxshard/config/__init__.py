@@ -5,8 +5,5 @@
 `config.load(argv)` and `config.Config`.
 """
 
-from maxshard.config.loader import (MESH_AXES, Config, finalize, knob_name, load, load_parsed, parse,
-                                    reading_files_once, resolve_path, resolve_paths, user_keys)
-
-__all__ = ["Config", "MESH_AXES", "knob_name", "load", "parse", "finalize", "user_keys", "resolve_path",
-           "resolve_paths", "load_parsed", "reading_files_once"]
+from maxshard.config.loader import *  # noqa: F403 - the loader's API is the package's
+from maxshard.config.loader import __all__  # noqa: F401

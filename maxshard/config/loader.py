@@ -343,7 +343,7 @@ def resolve_path(path: str) -> str:
 def _resolve_source(source: str) -> str:
     if source.startswith(dataset_types.CHAT_PREFIX):
         return dataset_types.CHAT_PREFIX + _resolve_source(source.removeprefix(dataset_types.CHAT_PREFIX))
-    return source if source.startswith(dataset_types.PREFIXES) else resolve_path(source)
+    return source if source.startswith(tuple(dataset_types.PREFIXES)) else resolve_path(source)
 
 
 def resolve_paths(cfg: Config) -> Config:

@@ -35,9 +35,8 @@ if TYPE_CHECKING:
 __all__ = ["SourceSpec", "kind_of", "source_specs", "open_corpus", "MIXTURE_KINDS"]
 
 _EXTENSIONS = {suffix: r.name for r in dataset_types.READERS for suffix in r.suffixes}
-_PREFIXES = {f"{r.prefix}:": r.name for r in dataset_types.READERS if r.prefix}
 MIXTURE_KINDS = ("a path or glob ending in " + ", ".join(_EXTENSIONS) + ", a directory of such files, or "
-                 + " or ".join(f"{prefix}NAME" for prefix in _PREFIXES))
+                 + " or ".join(f"{prefix}NAME" for prefix in dataset_types.PREFIXES))
 _LABEL_CHARS = 48
 
 
@@ -65,7 +64,7 @@ def _kind_of_source(source: str, i: int) -> str:
 
 def kind_of(source: str) -> str | None:
     """The reader a mixture source's name implies (None: no known extension or prefix)."""
-    for prefix, kind in _PREFIXES.items():
+    for prefix, kind in dataset_types.PREFIXES.items():
         if source.startswith(prefix):
             return kind
     for suffix, kind in sorted(_EXTENSIONS.items(), key=lambda item: -len(item[0])):
@@ -88,17 +87,12 @@ def source_specs(cfg: Config) -> list[SourceSpec]:
         chat = source.startswith(dataset_types.CHAT_PREFIX)
         source = source.removeprefix(dataset_types.CHAT_PREFIX)
         kind = _kind_of_source(source, i)
-        path = _without_prefix(source)
+        prefix = dataset_types.reader(kind).prefix
+        path = source.removeprefix(f"{prefix}:") if prefix else source
         if chat and not dataset_types.reader(kind).chat:
             raise ConfigError(f"dataset_mixture[{i}]: chat sources are JSONL files or hf:NAME, got {source!r}")
         specs.append(SourceSpec(kind, path, weight, f"dataset_mixture[{i}]", f"{i}_{_label(path)}", chat))
     return specs
-
-
-def _without_prefix(source: str) -> str:
-    """A mixture source's path or name without its reader's prefix (`hf:NAME` -> NAME)."""
-    prefix = next((p for p in _PREFIXES if source.startswith(p)), "")
-    return source[len(prefix):]
 
 
 def _chat_reader(path: str) -> str:

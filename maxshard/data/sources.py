@@ -97,12 +97,12 @@ class ReadOptions:
     keys of the same names (`data_cache_dir` is where JSONL is decompressed) and the run's tokenizer fingerprint,
     which ArrayRecord shards of token ids must have been written with."""
 
-    tokenizer_id: str = ""
-    text_field: str = "text"
-    messages_field: str = "messages"
-    hf_split: str = "train"
-    data_cache_dir: str = ""
-    hf_streaming: str = "auto"
+    tokenizer_id: str
+    text_field: str
+    messages_field: str
+    hf_split: str
+    data_cache_dir: str
+    hf_streaming: str
 
     def field(self, chat: bool) -> str:
         """The field or column that holds a record: `messages_field` for conversations, else `text_field`."""

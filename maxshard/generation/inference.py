@@ -32,7 +32,7 @@ from maxshard.model.transformer import abstract_params
 from maxshard.parallel import sharding
 from maxshard.run import loading
 
-__all__ = ["find_checkpoint", "saved_config", "with_saved_model", "refuse_pipeline", "restore_params"]
+__all__ = ["find_checkpoint", "with_saved_model", "refuse_pipeline", "restore_params"]
 
 _FROM_CHECKPOINT = (*model_fields(), "tokenizer_path")  # what defines the network and its token ids
 
@@ -41,10 +41,8 @@ def find_checkpoint(cfg: Config) -> str:
     """`load_parameters_path`, else the latest committed step of this run (base_output_directory/run_name). A LoRA
     run's load_parameters_path is its frozen base: its own latest step (the adapters) is what it samples from."""
     if cfg.load_parameters_path:
-        if not (epath.Path(cfg.load_parameters_path) / checkpoint_format.STATE).exists():
-            raise ConfigError(f"load_parameters_path={cfg.load_parameters_path} is not a checkpoint step directory "
-                              "(no state/ in it; e.g. runs/NAME/checkpoints/100)")
-        if not (cfg.lora_rank and not saved_config(cfg.load_parameters_path).get("lora_rank")):
+        checkpoint_params.step_state_dir(cfg.load_parameters_path, "load_parameters_path")
+        if not (cfg.lora_rank and not checkpoint_format.read_config(cfg.load_parameters_path).get("lora_rank")):
             return cfg.load_parameters_path
     directory = epath.Path(cfg.checkpoint_dir)
     steps = [int(p.name) for p in directory.iterdir() if p.name.isdigit()] if directory.exists() else []
@@ -52,11 +50,6 @@ def find_checkpoint(cfg: Config) -> str:
         raise ConfigError(f"no checkpoint in {cfg.checkpoint_dir}: train run_name={cfg.run_name} first (python -m "
                           "maxshard.train with the same arguments) or set load_parameters_path to a step")
     return str(directory / str(max(steps)))
-
-
-def saved_config(step_dir: str) -> dict[str, Any]:
-    """The JSON of the Config that wrote the checkpoint (its `config` item); one error line when it has none."""
-    return checkpoint_format.read_config(step_dir)
 
 
 def with_saved_model(cfg: Config, saved: dict[str, Any]) -> Config:

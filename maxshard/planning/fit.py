@@ -12,7 +12,7 @@ device fits: it moves every layer's saved activations over the host link twice a
 and no bandwidth figure of the planner prices. Offload policies are candidates only where the compiler moves values
 to host memory (XLA:TPU, XLA:GPU; `memory.policies`); on XLA:CPU each would be the policy it is `like`. Its host
 bytes must fit the host memory per device less `memory_headroom` (`Capacity.host`: the target's from
-`hardware.INTERCONNECTS`, or this host's available memory shared by its accelerators), where that is known.
+`hardware.interconnect`, or this host's available memory shared by its accelerators), where that is known.
 
 Capacity per device, in order: `device_memory_gb` (GB = 1e9 bytes); an accelerator's own limit
 (`Device.memory_stats()["bytes_limit"]`, what the allocator may use); on CPU, the host's available memory

@@ -22,7 +22,7 @@ import os
 from maxshard import devices
 from maxshard.errors import ConfigError
 
-__all__ = ["Interconnect", "INTERCONNECTS", "interconnect", "device_memory", "JAX_GPU_FRACTION"]
+__all__ = ["Interconnect", "interconnect", "device_memory", "JAX_GPU_FRACTION"]
 
 JAX_GPU_FRACTION = 0.75  # the share of a GPU's memory JAX's allocator takes unless XLA_PYTHON_CLIENT_MEM_FRACTION says
 
@@ -43,17 +43,14 @@ def _figures(chip: devices.Chip, node: devices.Node) -> Interconnect:
     return Interconnect(chip.ici_bw, node.dcn_bw, chip.hbm, node.source, gpu=chip.accelerator == "gpu", host=node.host)
 
 
-# Keyed by the family part of the XPK device type ("v5p" of "v5p-1024") or the whole GPU type name.
-INTERCONNECTS: dict[str, Interconnect] = {node.names[0]: _figures(chip, node) for chip, node in devices.nodes()}
-
-
 def interconnect(device_type: str) -> Interconnect:
     """The figures for an XPK device type ('v5p-1024', 'v5e-16', 'h100-80gb-8')."""
     name = device_type.strip().lower()
     found = devices.by_device_type(name) or devices.by_device_type(name.rsplit("-", 1)[0])
     if found is None:
-        raise ConfigError(f"no interconnect figures for device type {device_type!r}; known: {', '.join(INTERCONNECTS)}")
-    return INTERCONNECTS[found[1].names[0]]
+        known = ", ".join(node.names[0] for _, node in devices.nodes())
+        raise ConfigError(f"no interconnect figures for device type {device_type!r}; known: {known}")
+    return _figures(*found)
 
 
 def device_memory(device_type: str) -> tuple[float, str]:

@@ -43,7 +43,6 @@ from maxshard import config
 from maxshard.config import Config
 from maxshard.config.schema import RematPolicy
 from maxshard.errors import ConfigError
-from maxshard.launch import xpk
 from maxshard.launch.topologies import Target
 from maxshard.model import remat
 from maxshard.parallel import axis_names as ax
@@ -53,7 +52,7 @@ from maxshard.planning.axes import rule_axes
 from maxshard.planning.estimate import Plan, make_plan
 from maxshard.run import layouts
 from maxshard.run.layouts import Layout
-from maxshard.run.target import load_for_target
+from maxshard.run.target import load_for_target, trainer_argv
 
 __all__ = [
     "Candidate",
@@ -183,9 +182,7 @@ def _rank(candidates: list[Candidate]) -> list[Candidate]:
 def _user_config(argv: Sequence[str], target: Target) -> tuple[Config, set[str]]:
     """The user's config finalized for the target (mesh_rules applied, mesh not checked), and the keys the command
     line pins."""
-    xpk.check_tokens(argv)
-    parsed = config.parse(argv)
-    prepared = xpk.prepare_trainer_argv(argv, parsed, target, workload="plan")
+    parsed, prepared = trainer_argv(argv, target)
     user = config.finalize(config.parse(prepared), target.num_devices, target.device_kind, target.num_hosts)
     return user, set(parsed.explicit_keys)
 

@@ -16,25 +16,29 @@ from maxshard.planning import fit, hardware
 from maxshard.planning.fit import Capacity
 from maxshard.run import loading
 
-__all__ = ["load_for_target", "target_capacity"]
+__all__ = ["trainer_argv", "load_for_target", "target_capacity"]
+
+
+def trainer_argv(config_argv: Sequence[str], target: Target) -> tuple[Config, list[str]]:
+    """(the user's config as parsed, the trainer's command line on `target`): what XPK would launch there."""
+    xpk.check_tokens(config_argv)
+    parsed = config.parse(config_argv)
+    return parsed, xpk.prepare_trainer_argv(config_argv, parsed, target, workload="plan")
 
 
 def load_for_target(config_argv: Sequence[str], target: Target) -> Config:
     """`[CONFIG, key=value, ...]` finalized as the trainer will see it on `target` (mesh resolved, vocab set,
     `remat_policy: auto` decided against the target's device memory, not this machine's)."""
-    xpk.check_tokens(config_argv)
-    parsed = config.parse(config_argv)
-    argv = xpk.prepare_trainer_argv(config_argv, parsed, target, workload="plan")
+    _, argv = trainer_argv(config_argv, target)
     cfg = xpk.validate_for_target(argv, target)
     return loading.complete(cfg, capacity=target_capacity(cfg, target))
 
 
 def target_capacity(cfg: Config, target: Target) -> Capacity:
     """One device's memory on `target`: `device_memory_gb` when set, else what JAX can allocate there
-    (`hardware.device_memory`); and the host memory per device where its figure is known (`hardware.INTERCONNECTS`)."""
+    (`hardware.device_memory`); and the host memory per device where its figure is known (`hardware.interconnect`)."""
     memory, source = hardware.device_memory(target.name)
     host = hardware.interconnect(target.name).host
+    host = None if host is None else int(host)
     configured = fit.configured_capacity(cfg)
-    if configured is not None:
-        return dataclasses.replace(configured, host=None if host is None else int(host))
-    return Capacity(int(memory), source, None if host is None else int(host))
+    return Capacity(int(memory), source, host) if configured is None else dataclasses.replace(configured, host=host)

@@ -31,7 +31,6 @@ from maxshard.parallel.sharding import constrain
 __all__ = ["attend", *attention_kinds.NAMES, "document_starts", "token_indices"]
 
 
-
 def token_indices(q_len: int, kv_len: int) -> tuple[jax.Array, jax.Array]:
     """Causal token indices ([q_len], [kv_len]): the queries are the last q_len of the kv_len positions."""
     return jnp.arange(kv_len - q_len, kv_len, dtype=jnp.int32), jnp.arange(kv_len, dtype=jnp.int32)
