@@ -20,6 +20,7 @@ import common  # first: 8 simulated CPU devices before any device query; the rep
 import jax
 
 from maxshard import data
+from maxshard.model import pipeline_schedule
 from maxshard.parallel import mesh
 from maxshard.training.step import Trainer
 
@@ -70,7 +71,7 @@ def main() -> None:
 
 
 def _bubble(cfg) -> float:
-    return 0.0 if cfg.model.pipeline is None else cfg.model.pipeline.bubble_fraction
+    return 0.0 if cfg.model.pipeline is None else pipeline_schedule.of(cfg.model.pipeline).bubble_fraction
 
 
 def print_table(rows: list[tuple[str, float, float]]) -> None:

@@ -21,7 +21,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "maxshard"
 LEVELS: tuple[tuple[str, ...], ...] = (
     ("maxshard", "maxshard.errors", "maxshard.units", "maxshard.devices"),
     ("maxshard.model.config", "maxshard.model.remat", "maxshard.model.attention_kinds", "maxshard.dataset_types",
-     "maxshard.parallel.axis_names", "maxshard.observe.perf"),
+     "maxshard.model.pipeline_schedule", "maxshard.parallel.axis_names", "maxshard.observe.perf"),
     ("maxshard.config",),
     ("maxshard.parallel",),
     ("maxshard.data", "maxshard.launch"),
@@ -38,7 +38,8 @@ LEVELS: tuple[tuple[str, ...], ...] = (
 # Leaves import nothing of maxshard but the error type; layers never import the run config, not even through
 # another module (checked on the whole import closure below).
 LEAVES = LEVELS[0] + LEVELS[1]
-NO_RUN_CONFIG = ("maxshard.model.layers", "maxshard.model.config", "maxshard.model.remat")
+NO_RUN_CONFIG = ("maxshard.model.layers", "maxshard.model.config", "maxshard.model.remat",
+                 "maxshard.model.pipeline_schedule")
 # Entry points: nothing of the package imports them (they wire everything together).
 ENTRY_POINTS = ("maxshard.train", "maxshard.generate", "maxshard.plan", "maxshard.convert.__main__",
                 "maxshard.launch.__main__")

@@ -23,6 +23,7 @@ import pytest
 
 from maxshard import data
 from maxshard.errors import ConfigError
+from maxshard.model import pipeline_schedule
 from maxshard.model.layers import pipeline
 from maxshard.model.layers.decoder import Decoder, DecoderLayer
 from maxshard.parallel import sharding
@@ -222,7 +223,7 @@ def test_nan_in_bubble_slots_reaches_neither_outputs_nor_gradients(monkeypatch):
                                    ref_params["layers"]) < TOLERANCE
 
     masked = pipeline._stage_inputs
-    unmasked = lambda buffer, state, t, valid, m: masked(buffer, state, t, jnp.ones_like(valid), m)  # noqa: E731
+    unmasked = lambda buffer, state, mb, valid: masked(buffer, state, mb, jnp.ones_like(valid))  # noqa: E731
     monkeypatch.setattr(pipeline, "_stage_inputs", unmasked)
     _, (param_grads, _) = grads(piped, piped_params, cfg)
     assert not all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(param_grads))
@@ -233,8 +234,9 @@ def test_bubble_fraction_follows_the_formula():
     cfg = small_config("ici_pipeline_parallelism=4", "ici_fsdp_parallelism=2", "num_pipeline_microbatches=8")
     shape = cfg.model.pipeline
     assert (shape.stages, shape.layers_per_stage, shape.repeats, shape.microbatches) == (4, 1, 2, 8)
-    assert shape.iterations == 8 * 2 + 4 - 1
-    assert shape.bubble_fraction == pytest.approx(3 / 19)
+    schedule = pipeline_schedule.of(shape)
+    assert schedule.iterations == 8 * 2 + 4 - 1
+    assert schedule.bubble_fraction == pytest.approx(3 / 19)
 
 
 def test_without_stages_the_parameter_tree_is_unchanged():

@@ -62,21 +62,13 @@ def num_units(num_layers: int, num_experts: int, moe_layer_interval: int) -> int
 
 @dataclasses.dataclass(frozen=True)
 class PipelineShape:
-    """A circular pipeline's sizes, resolved (no -1 left); see `maxshard/model/layers/pipeline.py` for the schedule."""
+    """A pipeline's sizes, resolved (no -1 left). The order of work, its iterations and bubble are its schedule's
+    (`maxshard/model/pipeline_schedule.py`, `of(shape)`); `maxshard/model/layers/pipeline.py` runs it."""
 
     stages: int
     layers_per_stage: int
     repeats: int
     microbatches: int
-
-    @property
-    def iterations(self) -> int:
-        return self.microbatches * self.repeats + self.stages - 1
-
-    @property
-    def bubble_fraction(self) -> float:
-        """Share of stage-iterations that idle: (S - 1) / (M * R + S - 1)."""
-        return (self.stages - 1) / self.iterations
 
     @property
     def units(self) -> int:
@@ -90,7 +82,7 @@ class ModelConfig:
 
     `dtype` and `weight_dtype` are resolved names ('float32', 'bfloat16', 'float16'; never 'auto'); so is
     `attention` (see `maxshard/model/attention_choice.py`).
-    `pipeline` is None without pipeline parallelism; otherwise the decoder runs as a circular pipeline of that shape.
+    `pipeline` is None without pipeline parallelism; otherwise the decoder runs as a pipeline of that shape.
     """
 
     vocab_size: int

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from maxshard.config import Config
-from maxshard.model import quantization
+from maxshard.model import pipeline_schedule, quantization
 from maxshard.model.flops import flops_per_token
 from maxshard.observe import perf
 from maxshard.observe.metrics import MetricsWriter, StepValues, memory_stats
@@ -104,7 +104,7 @@ def startup_figures(cfg: Config, mesh_shape: Mapping[str, int], param_count: int
     shape = cfg.model.pipeline
     pipeline = None if shape is None else {
         "stages": shape.stages, "repeats": shape.repeats, "layers_per_stage": shape.layers_per_stage,
-        "microbatches": shape.microbatches, "bubble_fraction": shape.bubble_fraction,
+        "microbatches": shape.microbatches, "bubble_fraction": pipeline_schedule.of(shape).bubble_fraction,
     }
     return {
         "run_dir": cfg.run_dir,
@@ -155,7 +155,8 @@ class StepLogger:
         self.flops_per_step = flops_per_token(cfg.model) * self.tokens_per_step
         self.peak = quantization.peak_flops(cfg)  # the 8-bit peak's share for a quantized run
         shape = cfg.model.pipeline
-        self.constants = {"pipeline/bubble_fraction": shape.bubble_fraction} if shape is not None else {}
+        self.constants = {} if shape is None else {
+            "pipeline/bubble_fraction": pipeline_schedule.of(shape).bubble_fraction}
         self.started = time.perf_counter()
         self.compiled = False
         self.reference: StepValues | None = None  # timing reference: the last logged (or first) step

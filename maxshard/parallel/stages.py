@@ -3,7 +3,8 @@
 Stages S are the size of the `stage` mesh axis; layers per stage L, repeats R and microbatches M come from their
 keys, with -1 derived: R = units / (S x L), M = S. The result is a `PipelineShape` (in `model/config.py`) that the
 loader puts into the `ModelConfig`, so the layers receive a resolved schedule and never read mesh knobs, the global
-batch or the logical rules. Every pipeline mistake is one `ConfigError` here, before anything is traced.
+batch or the logical rules. Every pipeline mistake is one `ConfigError` here, before anything is traced (what the
+schedule asks of the sizes, its `check`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Mapping
 
 from maxshard.config import Config
 from maxshard.errors import ConfigError
+from maxshard.model import pipeline_schedule
 from maxshard.model.config import PipelineShape, num_units
 from maxshard.parallel import axis_names as ax
 from maxshard.parallel.mesh import describe
@@ -48,10 +50,9 @@ def pipeline_shape(cfg: Config, stages: int) -> PipelineShape:
     units = num_units(cfg.num_layers, cfg.num_experts, cfg.moe_layer_interval)
     repeats = _repeats(cfg, units, stages)
     microbatches = stages if cfg.num_pipeline_microbatches == -1 else cfg.num_pipeline_microbatches
-    if microbatches % stages:
-        raise ConfigError(f"num_pipeline_microbatches={microbatches} must be a multiple of the {stages} pipeline "
-                          "stages (a finished microbatch waits for stage 0 to come round again)")
-    return PipelineShape(stages, cfg.num_layers_per_pipeline_stage, repeats, microbatches)
+    shape = PipelineShape(stages, cfg.num_layers_per_pipeline_stage, repeats, microbatches)
+    pipeline_schedule.of(shape).check()
+    return shape
 
 
 def _batch_shards(cfg: Config, mesh_sizes: Mapping[str, int]) -> tuple[int, str]:

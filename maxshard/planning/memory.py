@@ -56,10 +56,10 @@ s = the compute dtype's itemsize:
     accumulation  with k > 1 microbatches, one microbatch's activations at a time (tokens / k in whole
                 sequences: a microbatch smaller than the batch shards still holds one per device) and one more
                 float32 gradient buffer (the running sum)
-    pipeline    per iteration (M x R + S - 1) the stage input of one microbatch [microbatch tokens, E], plus what
-                the policy saves of the stage's layers (none saves matmul outputs there: see layers/pipeline.py);
-                the working set is one stage's layers' on one microbatch; plus the circulation buffer of all
-                microbatches [tokens, E]
+    pipeline    the schedule's kept stage inputs (circular: one per iteration, M x R + S - 1), each one microbatch's
+                [microbatch tokens, E] and what the policy saves of the stage's layers (none saves matmul outputs
+                there: see layers/pipeline.py); the working set is one stage's layers' on one microbatch; plus the
+                schedule's circulation buffer, `buffer_microbatches` microbatches (circular: all M, [tokens, E])
 
 What the plan leaves out (a few % of XLA:CPU's temporaries in the 25-configuration check of
 tests/test_plan_memory.py): the embedding's gradient buffers, loss reductions and XLA's fusion scratch.
@@ -389,11 +389,11 @@ def _pipeline_terms(cfg: Config, w: Widths, geo: Geometry, tokens: int, per_laye
     inside = 0 if policy.name == "full" else stage_layers * w.saved_bytes(policy, size)
     local_length = cfg.max_target_length
     return ActivationTerms(
-        saved=geo.iterations * microbatch * inside,
+        saved=geo.kept_inputs * microbatch * inside,
         working=microbatch * stage_layers * w.working_bytes(policy, size, target),
         moe=microbatch * moe_per_layer * stage_layers,
-        pipeline=geo.iterations * microbatch * w.stream * size + tokens * w.stream * size,
+        pipeline=(geo.kept_inputs + geo.buffer_microbatches) * microbatch * w.stream * size,
         block=w.block_bytes(max(microbatch // local_length, 1)),
-        host=geo.iterations * microbatch * stage_layers * w.host_bytes(policy, size),
+        host=geo.kept_inputs * microbatch * stage_layers * w.host_bytes(policy, size),
         **common,
     )

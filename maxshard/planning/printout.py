@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from maxshard.model import quantization, remat
+from maxshard.model import pipeline_schedule, quantization, remat
 from maxshard.planning.estimate import AxisTime, Plan
 from maxshard.planning.memory import ActivationTerms, Widths, compiler, effective_policy, widths
 from maxshard.units import format_bytes
@@ -138,9 +138,9 @@ def _collectives(plan: Plan) -> list[str]:
 
 def _roofline(plan: Plan) -> list[str]:
     cfg = plan.cfg
-    stages = plan.mesh.get("stage", 1)
-    lines = [f"pipeline bubble: {plan.bubble:.1%} ((S-1)/(M*R+S-1), S={stages})" if stages > 1 else
-             "pipeline bubble: none (stage=1)"]
+    stages, pipe = plan.mesh.get("stage", 1), cfg.model.pipeline
+    lines = [f"pipeline bubble: {plan.bubble:.1%} ({pipeline_schedule.of(pipe).bubble_formula}, S={stages})"
+             if stages > 1 else "pipeline bubble: none (stage=1)"]
     if plan.peak is None or plan.compute_s is None:
         return lines + [f"roofline: no peak FLOP/s known for device kind {cfg.device_kind!r}"]
     slowest = max(plan.axis_times.items(), key=lambda kv: kv[1].total_s, default=None)

@@ -20,9 +20,10 @@ it meets the activations:
   The token embedding is a lookup, not a matmul: XLA keeps the table sharded and moves the looked-up rows with an
   all-to-all ([tokens, E], forward in the compute dtype, backward in the table's dtype); its gradient needs no
   reduction over the gather axes.
-  A pipeline (stage > 1) runs each stage's weights once per iteration: stacked gathers and their gradient
-  reduce-scatters x (M*R + S - 1) / R (XLA keeps the per-repeat gather inside the schedule loop: a 4-layer,
-  2-stage, 4-microbatch compile on XLA:CPU gathered 4% more than this plan, and reduced 7% more).
+  A pipeline (stage > 1) runs each stage's weights once per iteration of its schedule (model/pipeline_schedule.py;
+  M*R + S - 1 iterations for the circular one): stacked gathers and their gradient reduce-scatters x iterations / R
+  (XLA keeps the per-repeat gather inside the schedule loop: a 4-layer, 2-stage, 4-microbatch compile on XLA:CPU
+  gathered 4% more than this plan, and reduced 7% more).
 Activations:
   tensor (axes of activation_heads / activation_mlp)  with the residual stream's length split over them
                   (tensor_sequence, layers/decoder.py): the measured counts of `_SP_REDUCES` and `_SP_GATHERS`.
@@ -49,7 +50,7 @@ Activations:
                   chunk order is applied at model entry and exit with a gather along the length, which XLA
                   lowers to an all-gather of [batch, length, embed] over context (2 per step, seen on XLA:CPU).
   stage           collective-permute of [microbatch, length, E] per pipeline iteration, forward and backward:
-                  2 x (M*R + S - 1) x k. (XLA:CPU lowers the backward roll as two permutes, and moves small
+                  2 x iterations x k. (XLA:CPU lowers the backward roll as two permutes, and moves small
                   position and segment-id slices too: 2.3x this in the compile above.)
   expert          MoE all-to-alls, only when the config has experts (XLA:CPU compiles of expert=4 x fsdp=2 agree
                   exactly on jax 0.10.2, see tests/test_plan.py). Dropping: dispatch and combine, each the
@@ -75,7 +76,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 from maxshard.config import Config
-from maxshard.model import remat, trainable
+from maxshard.model import pipeline_schedule, remat, trainable
 from maxshard.model.layers.moe import capacity, group_size
 from maxshard.model.layers.moe_grouped import exchange_slots
 from maxshard.observe.report import Report
@@ -107,8 +108,10 @@ class Geometry:
     repeats: int  # R (1 without a pipeline)
     compute_itemsize: int
     moe_layers: int  # MoE layers one device runs
-    iterations: int  # pipeline iterations, M x R + S - 1 (1 without a pipeline)
-    bubble_fraction: float  # 0.0 without a pipeline
+    iterations: int  # the pipeline schedule's iterations (1 without a pipeline)
+    bubble_fraction: float  # the schedule's (0.0 without a pipeline)
+    kept_inputs: int  # microbatch stage inputs the backward keeps per stage, the schedule's (0 without a pipeline)
+    buffer_microbatches: int  # microbatches in the schedule's circulation buffer (0 without a pipeline)
 
 
 def _shards(axes: Iterable[str], sizes: Mapping[str, int]) -> int:
@@ -129,9 +132,9 @@ def geometry(cfg: Config, sizes: Mapping[str, int], compute_itemsize: int) -> Ge
     outer = cfg.global_batch_size // _shards(rule_axes(cfg, ax.EMBED_AND_LOGITS_BATCH, sizes), sizes)
     outer_length = cfg.max_target_length // _shards(rule_axes(cfg, ax.LENGTH, sizes, ax.EMBEDDED), sizes)
     pipe = cfg.model.pipeline
+    schedule = pipeline_schedule.of(pipe) if pipe is not None else None
     stages = pipe.stages if pipe is not None else 1
     microbatches, repeats = (pipe.microbatches, pipe.repeats) if pipe is not None else (1, 1)
-    iterations, bubble = (pipe.iterations, pipe.bubble_fraction) if pipe is not None else (1, 0.0)
     moe_layers = cfg.model.num_moe_layers
     return Geometry(
         tokens=batch * length,
@@ -143,8 +146,10 @@ def geometry(cfg: Config, sizes: Mapping[str, int], compute_itemsize: int) -> Ge
         repeats=repeats,
         compute_itemsize=compute_itemsize,
         moe_layers=moe_layers // stages,
-        iterations=iterations,
-        bubble_fraction=bubble,
+        iterations=schedule.iterations if schedule else 1,
+        bubble_fraction=schedule.bubble_fraction if schedule else 0.0,
+        kept_inputs=schedule.kept_inputs if schedule else 0,
+        buffer_microbatches=schedule.buffer_microbatches if schedule else 0,
     )
 
 

@@ -1,35 +1,30 @@
-"""Circular pipeline parallelism over the `stage` mesh axis.
+"""Pipeline parallelism over the `stage` mesh axis: the mechanics that run a schedule (model/pipeline_schedule.py).
 
 Knobs: S stages (the `stage` mesh axis, ici_pipeline_parallelism x dcn_pipeline_parallelism), L layers per stage
 (`num_layers_per_pipeline_stage`), R repeats (`num_pipeline_repeats`), M microbatches (`num_pipeline_microbatches`).
 Layer r*S*L + s*L + l lives on stage s in repeat r, so the pipelined model computes exactly the non-pipelined
 function: a microbatch walks stages 0..S-1 (layers 0..S*L-1), wraps from the last stage back to the first, walks
 them again with the next repeat's weights (layers S*L..2*S*L-1), and so on R times. (For MoE models a "layer" is
-the stacked unit, `moe_layer_interval` layers.)
+the stacked unit, `moe_layer_interval` layers.) Which microbatch and repeat each stage runs at each iteration, which
+stage-iterations are bubbles and how many iterations there are is the schedule's (`pipeline_schedule.of(shape)`,
+whose docstring works an example through); this module asks it and computes none of it.
 
 Weights. Every kernel of the stack is created as [R, S, L, ...] with logical names
 ("circular_repeats", "layers", "layers_per_stage", ...): "layers" maps to the `stage` mesh axis, so each stage's
 devices hold only their own layers; the other dimensions keep their usual sharding (fsdp, tensor, expert).
 
-Schedule. Microbatch m of repeat r is on stage s at iteration t = r*M + m + s; there are M*R + S - 1 iterations and
-the bubble fraction is (S-1) / (M*R + S-1). Worked example, S=2, R=2, M=4 (entries: microbatch/repeat, -: bubble):
-
-    iteration   0    1    2    3    4    5    6    7    8
-    stage 0    0/0  1/0  2/0  3/0  0/1  1/1  2/1  3/1   -      layers 0 (repeat 0) and 2 (repeat 1)
-    stage 1     -   0/0  1/0  2/0  3/0  0/1  1/1  2/1  3/1     layers 1 (repeat 0) and 3 (repeat 1)
-
-Bubble: 2 of 18 stage-iterations = 1/9 = (S-1)/(M*R+S-1). Microbatch 0 leaves stage 1 after iteration 1 and
-re-enters stage 0 at iteration 4: with M > S a finished microbatch waits M - S iterations, which is why M >= S.
-
-One iteration (everything is [stages, ...], sharded over `stage` with ("activation_stage", ...)):
-  1. the last stage's output of the previous iteration, which the shift already moved to slot 0, is stored in the
-     circulation buffer [stages, M, microbatch, length, embed] at its microbatch index (only slot 0 is used; every
-     stage keeps a slot because SPMD programs are uniform, and a device holds the same M microbatches that stage 0
-     needs anyway, the local share of the layer input of a non-pipelined model);
-  2. stage 0 reads its microbatch from that buffer (the input for repeat 0, the wrapped activation afterwards);
-     the other stages take what the shift delivered; stages in a bubble get zeros, so whatever sits in a bubble
-     slot (the test fills them with NaN) reaches neither the outputs nor, through 0 x NaN, the gradients;
-  3. every stage runs its L layers with the weights of its current repeat (vmapped over the stage dimension);
+One iteration t (everything is [stages, ...], sharded over `stage` with ("activation_stage", ...)):
+  1. the last stage's output of iteration t-1, which the shift already moved to slot 0, is stored in the
+     circulation buffer [stages, M, microbatch, length, embed] at the index of the microbatch the schedule gave
+     the last stage at t-1 (nothing when that was a bubble; only slot 0 is used; every stage keeps a slot because
+     SPMD programs are uniform, and a device holds the same M microbatches that stage 0 needs anyway, the local
+     share of the layer input of a non-pipelined model);
+  2. stage 0 reads the microbatch the schedule gives it from that buffer (the input for repeat 0, the wrapped
+     activation afterwards); the other stages take what the shift delivered; stages in a bubble get zeros, so
+     whatever sits in a bubble slot (the test fills them with NaN) reaches neither the outputs nor, through
+     0 x NaN, the gradients;
+  3. every stage runs its L layers with the weights of the repeat the schedule gives it (vmapped over the stage
+     dimension);
   4. the shift: `jnp.roll(out, 1, axis=0)` on the stage-sharded dimension.
 
 Stages may span slices (`dcn_pipeline_parallelism`): the shift is then the only per-iteration traffic over DCN, one
@@ -43,9 +38,9 @@ microbatch travel with it by indexing: each stage reads those of the microbatch 
 that every stage holds (two small int arrays, no communication).
 
 Sown values. What the layers sow into "intermediates" (MoE router statistics) is returned for the M x R x S
-stage-iterations that hold a microbatch, never for bubbles, stacked [repeats, microbatches, stages,
-layers_per_stage, ...] under the pipeline's "stages" entry; statistics become per (layer, microbatch), the same
-per-microbatch semantics as gradient accumulation.
+stage-iterations that hold a microbatch (the schedule's `slots`), never for bubbles, stacked [repeats, microbatches,
+stages, layers_per_stage, ...] under the pipeline's "stages" entry; statistics become per (layer, microbatch), the
+same per-microbatch semantics as gradient accumulation.
 
 Remat. Each iteration's stage computation (weight selection included) is one `jax.checkpoint` with the
 `remat_policy`: the backward pass keeps the iteration's stage input [stages, microbatch, length, embed] plus what the
@@ -60,8 +55,8 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from maxshard.model import pipeline_schedule
 from maxshard.model.config import ModelConfig, PipelineShape
 from maxshard.parallel import axis_names as ax
 from maxshard.parallel.sharding import axes_of, constrain
@@ -115,7 +110,7 @@ def from_scanned(params: Any, shape: PipelineShape) -> Any:
     return {**params, "decoder": decoder}
 
 
-# --------------------------------------------------------------------------------------------- schedule
+# --------------------------------------------------------------------------------------------- iterations
 
 
 def _split(x: jax.Array, m: int) -> jax.Array:
@@ -128,35 +123,23 @@ def _merge(x: jax.Array) -> jax.Array:
     return x.swapaxes(0, 1).reshape(-1, *x.shape[2:])
 
 
-def _schedule(t: jax.Array, shape: PipelineShape) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(microbatch, repeat, valid) of every stage at iteration t, each [stages]: stage s works on r*M + m = t - s."""
-    step = t - jnp.arange(shape.stages)
-    valid = (step >= 0) & (step < shape.microbatches * shape.repeats)
-    repeat = jnp.clip(step // shape.microbatches, 0, shape.repeats - 1)
-    return step % shape.microbatches, repeat, valid
-
-
-def _store_finished(buffer: jax.Array, state: jax.Array, t: jax.Array, shape: PipelineShape) -> jax.Array:
-    """Step 1: after the shift, slot 0 of `state` holds the last stage's output of iteration t-1, microbatch t-S
-    (when t >= S); keep it at its microbatch index until stage 0 needs it again (or until the end)."""
-    index = (t - shape.stages) % shape.microbatches
+def _store_finished(buffer: jax.Array, state: jax.Array, t: jax.Array,
+                    schedule: pipeline_schedule.Schedule) -> jax.Array:
+    """Step 1: after the shift, slot 0 of `state` holds what the last stage computed at iteration t-1; keep it at
+    its microbatch index until stage 0 needs it again (or until the end), unless that was a bubble."""
+    microbatch, _, valid = schedule.assignment(t - 1)
+    index = microbatch[-1]
     old = jax.lax.dynamic_index_in_dim(buffer, index, axis=1, keepdims=False)  # [stages, mb, length, embed]
-    new = jnp.where(t >= shape.stages, state, old)
+    new = jnp.where(valid[-1], state, old)
     return jax.lax.dynamic_update_index_in_dim(buffer, new, index, axis=1)
 
 
-def _stage_inputs(buffer: jax.Array, state: jax.Array, t: jax.Array, valid: jax.Array, m: int) -> jax.Array:
-    """Step 2: stage 0 reads microbatch t % M from the buffer, the others what the shift brought; bubbles get 0."""
-    fresh = jax.lax.dynamic_index_in_dim(buffer, t % m, axis=1, keepdims=False)  # [stages, mb, length, embed]
+def _stage_inputs(buffer: jax.Array, state: jax.Array, microbatch: jax.Array, valid: jax.Array) -> jax.Array:
+    """Step 2: stage 0 reads its microbatch from the buffer, the others what the shift brought; bubbles get 0."""
+    fresh = jax.lax.dynamic_index_in_dim(buffer, microbatch[0], axis=1, keepdims=False)  # [stages, mb, len, embed]
     first = (jnp.arange(state.shape[0]) == 0)[:, None, None, None]
     x = jnp.where(first, fresh, state)
     return jnp.where(valid[:, None, None, None], x, jnp.zeros_like(x))
-
-
-def _valid_slots(shape: PipelineShape) -> tuple[np.ndarray, np.ndarray]:
-    """(iteration, stage) index arrays [R, M, S] of the stage-iterations that hold a microbatch (no bubbles)."""
-    r, m, s = np.meshgrid(*(np.arange(n) for n in (shape.repeats, shape.microbatches, shape.stages)), indexing="ij")
-    return r * shape.microbatches + m + s, s
 
 
 def _select_repeat(leaf: jax.Array, repeat: jax.Array) -> jax.Array:
@@ -202,7 +185,7 @@ def _stacked_class(unit: type[nn.Module], shape: PipelineShape) -> type[nn.Modul
 
 
 class Pipeline(nn.Module):
-    """The decoder stack as a circular pipeline (see the module docstring); params under "layers": [R, S, L, ...].
+    """The decoder stack as a pipeline (see the module docstring); params under "layers": [R, S, L, ...].
 
     Attributes:
       unit: the stacked module, called as unit(cfg, dtype, weight_dtype)(x, segment_ids, positions) -> (x, _).
@@ -236,7 +219,7 @@ class Pipeline(nn.Module):
     def _run(self, weights: Any, x: jax.Array, segment_ids: jax.Array, positions: jax.Array,
              shape: PipelineShape, collect: bool) -> tuple[jax.Array, Any]:
         """x [batch, length, embed] -> ([batch, length, embed] through all R*S*L layers, what the layers sowed)."""
-        m = shape.microbatches
+        m, schedule = shape.microbatches, pipeline_schedule.of(shape)
         inputs = _split(x, m)  # [M, mb, length, embed]
         segments, positions = _split(segment_ids, m), _split(positions, m)  # [M, mb, length]
         buffer = constrain(jnp.broadcast_to(inputs, (shape.stages, *inputs.shape)), _BUFFER_AXES)
@@ -246,16 +229,16 @@ class Pipeline(nn.Module):
 
         def iteration(carry: tuple[jax.Array, jax.Array], t: jax.Array) -> tuple[tuple[jax.Array, jax.Array], Any]:
             state, buffer = carry
-            buffer = _store_finished(buffer, state, t, shape)
-            microbatch, repeat, valid = _schedule(t, shape)
-            stage_in = constrain(_stage_inputs(buffer, state, t, valid, m), ax.PIPELINE_STATE)
+            buffer = _store_finished(buffer, state, t, schedule)
+            microbatch, repeat, valid = schedule.assignment(t)
+            stage_in = constrain(_stage_inputs(buffer, state, microbatch, valid), ax.PIPELINE_STATE)
             out, sown = stages(weights, stage_in, repeat, microbatch, segments, positions)
             return (constrain(jnp.roll(out, 1, axis=0), ax.PIPELINE_STATE), buffer), sown  # step 4: the shift
 
-        (state, buffer), sown = jax.lax.scan(iteration, (state, buffer), jnp.arange(shape.iterations))
-        buffer = _store_finished(buffer, state, jnp.asarray(shape.iterations), shape)
+        (state, buffer), sown = jax.lax.scan(iteration, (state, buffer), jnp.arange(schedule.iterations))
+        buffer = _store_finished(buffer, state, jnp.asarray(schedule.iterations), schedule)
         y = constrain(_merge(buffer[0]), ax.EMBEDDED)
-        slots = _valid_slots(shape)
+        slots = schedule.slots()
         return y, jax.tree.map(lambda v: v[slots], sown)  # [iterations, stages, ...] -> [R, M, S, ...]
 
     def _stages(self, weights: Any, x: jax.Array, repeat: jax.Array, microbatch: jax.Array,

@@ -1,0 +1,126 @@
+"""Pipeline schedules: which microbatch and repeat each stage works on at each iteration, and what that order costs.
+
+A schedule owns the order of work of a pipeline of S stages, R repeats and M microbatches (a `PipelineShape` of
+model/config.py): the number of iterations, the bubble (the stage-iterations that hold no microbatch), which
+microbatch and repeat stage s runs at iteration t or that it idles, and the buffer figures the planner counts.
+`layers/pipeline.py` runs it (the circulation buffer, the shift, one checkpoint per iteration), and the planner
+(planning/traffic.py, memory.py, printout.py) and the console read its figures; none of them works out the order
+itself. A new schedule is one class with the members of `Schedule` and its row in `SCHEDULES`;
+tests/test_pipeline_schedule.py checks every row's contract. While there is one schedule no config key picks it:
+`of` gives it to every shape. A second one would come with its name in PipelineShape (and a key), read by `of`.
+
+Circular (the one schedule). Layer r*S*L + s*L + l lives on stage s in repeat r (L layers per stage): a microbatch
+walks stages 0..S-1, wraps from the last stage back to the first and walks them again with the next repeat's
+weights, R times. Microbatch m of repeat r is on stage s at iteration t = r*M + m + s; there are M*R + S - 1
+iterations and the bubble fraction is (S-1) / (M*R + S-1). Worked example, S=2, R=2, M=4 (entries:
+microbatch/repeat, -: bubble):
+
+    iteration   0    1    2    3    4    5    6    7    8
+    stage 0    0/0  1/0  2/0  3/0  0/1  1/1  2/1  3/1   -      layers 0 (repeat 0) and 2 (repeat 1)
+    stage 1     -   0/0  1/0  2/0  3/0  0/1  1/1  2/1  3/1     layers 1 (repeat 0) and 3 (repeat 1)
+
+Bubble: 2 of 18 stage-iterations = 1/9 = (S-1)/(M*R+S-1). Microbatch 0 leaves stage 1 after iteration 1 and
+re-enters stage 0 at iteration 4: with M > S a finished microbatch waits M - S iterations in the circulation buffer,
+which is why M >= S (the config asks for a multiple of S). The buffer holds all M microbatches (the layer input for
+repeat 0, the wrapped activations afterwards), and the backward keeps every iteration's stage input: M*R + S - 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from maxshard.errors import ConfigError
+
+__all__ = ["Schedule", "Circular", "SCHEDULES", "of"]
+
+
+class Schedule(Protocol):
+    """What a schedule owns (module docstring); built from the sizes S, R, M."""
+
+    stages: int
+    repeats: int
+    microbatches: int
+    bubble_formula: ClassVar[str]  # the bubble fraction in S, M, R, as the planner prints it
+
+    @property
+    def iterations(self) -> int:
+        """Iterations of the pipeline loop; each runs every stage once (a bubble on zeros) and one shift."""
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Share of the stage-iterations that hold no microbatch."""
+
+    @property
+    def kept_inputs(self) -> int:
+        """Microbatch stage inputs the backward keeps per stage (each with what the remat policy saves inside)."""
+
+    @property
+    def buffer_microbatches(self) -> int:
+        """Microbatches the circulation buffer holds per stage."""
+
+    def check(self) -> None:
+        """A one-line ConfigError when the sizes do not suit the schedule."""
+
+    def assignment(self, t: jax.Array | int) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(microbatch, repeat, valid) of every stage at iteration t, each [stages]; valid is False in a bubble, whose
+        microbatch and repeat are in range but mean nothing. Traceable: t may be a traced scalar."""
+
+    def slots(self) -> tuple[np.ndarray, np.ndarray]:
+        """(iteration, stage) index arrays [R, M, S]: where microbatch m of repeat r is on stage s."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Circular:
+    """Microbatch m of repeat r on stage s at iteration t = r*M + m + s (module docstring)."""
+
+    stages: int
+    repeats: int
+    microbatches: int
+    bubble_formula: ClassVar[str] = "(S-1)/(M*R+S-1)"
+
+    @property
+    def iterations(self) -> int:
+        return self.microbatches * self.repeats + self.stages - 1
+
+    @property
+    def bubble_fraction(self) -> float:
+        """(S - 1) / (M * R + S - 1): each stage idles S - 1 iterations, while the pipeline fills or drains."""
+        return (self.stages - 1) / self.iterations
+
+    @property
+    def kept_inputs(self) -> int:
+        """One per iteration (each iteration's stage computation is one checkpoint)."""
+        return self.iterations
+
+    @property
+    def buffer_microbatches(self) -> int:
+        """All M: the input of repeat 0 until stage 0 reads it, then the wrapped activation."""
+        return self.microbatches
+
+    def check(self) -> None:
+        if self.microbatches % self.stages:
+            raise ConfigError(f"num_pipeline_microbatches={self.microbatches} must be a multiple of the {self.stages} "
+                              "pipeline stages (a finished microbatch waits for stage 0 to come round again)")
+
+    def assignment(self, t: jax.Array | int) -> tuple[jax.Array, jax.Array, jax.Array]:
+        step = t - jnp.arange(self.stages)  # r*M + m of stage s
+        valid = (step >= 0) & (step < self.microbatches * self.repeats)
+        repeat = jnp.clip(step // self.microbatches, 0, self.repeats - 1)
+        return step % self.microbatches, repeat, valid
+
+    def slots(self) -> tuple[np.ndarray, np.ndarray]:
+        r, m, s = np.meshgrid(*(np.arange(n) for n in (self.repeats, self.microbatches, self.stages)), indexing="ij")
+        return r * self.microbatches + m + s, s
+
+
+SCHEDULES: dict[str, type[Schedule]] = {"circular": Circular}
+
+
+def of(shape: Any) -> Schedule:
+    """The schedule of a pipeline of `shape` (a PipelineShape: stages, repeats, microbatches)."""
+    return SCHEDULES["circular"](shape.stages, shape.repeats, shape.microbatches)
