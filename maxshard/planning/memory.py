@@ -76,8 +76,8 @@ import numpy as np
 from maxshard.config import Config
 from maxshard.model import attention_kinds, remat
 from maxshard.model.attention_choice import platform_of
-from maxshard.model.layers.moe import group_size
 from maxshard.parallel import axis_names as ax
+from maxshard.planning import moe_memory
 from maxshard.planning.axes import rule_axes
 from maxshard.planning.fitted import compiler, effective_policy, fitted, policies
 from maxshard.planning.traffic import Geometry, geometry
@@ -289,53 +289,11 @@ def widths(cfg: Config, sizes: Mapping[str, int]) -> Widths:
     )
 
 
-def _moe_rows(cfg: Config, sizes: Mapping[str, int]) -> float:
-    """Expert rows per token one device computes in an MoE layer (module docstring)."""
-    k = cfg.num_experts_per_tok
-    if cfg.capacity_factor > 0:
-        return k * cfg.capacity_factor
-    if cfg.model.moe_dropless_impl == "dense":
-        return cfg.num_experts
-    p = 1
-    for axis in rule_axes(cfg, ax.EXP, sizes):  # the expert shards of the exchange (layers/moe_grouped.py)
-        p *= sizes[axis]
-    if p == 1:
-        return k
-    worst = p * min(k, cfg.num_experts // p)
-    factor = cfg.model.moe_ragged_buffer_factor
-    return min(worst, k * factor) if cfg.model.moe_exchange == "ragged" and factor > 0 else worst
-
-
-def _moe_token_bytes(cfg: Config, w: Widths, sizes: Mapping[str, int], itemsize: int) -> float:
-    """Per token and MoE layer, beyond the dense MLP the layer formula counts."""
-    if not cfg.model.is_moe:
-        return 0.0
-    rows = _moe_rows(cfg, sizes)
-    expert = _split(cfg.mlp_dim, rule_axes(cfg, ax.ACT_MLP, sizes), sizes)
-    if cfg.capacity_factor <= 0 and cfg.model.moe_dropless_impl != "dense":
-        return rows * (6 * w.embed + 7 * expert) * itemsize  # sorted, sent, received, returned rows; SwiGLU
-    acts = rows * (2 * w.embed + 3 * expert) * itemsize
-    masks = 0.0
-    if cfg.capacity_factor > 0:
-        g = group_size(cfg.max_target_length, cfg.moe_group_size)
-        masks = 2 * g * cfg.num_experts_per_tok * cfg.capacity_factor * 4
-    return acts + masks
-
-
 def _microbatch_tokens(tokens: int, length: int, accumulation: int) -> int:
     """Tokens of one accumulation microbatch on a device: whole sequences, so a microbatch smaller than the batch
     shards still holds one sequence per device (XLA pads the uneven split)."""
     sequences = max(tokens // length, 1)
     return -(-sequences // accumulation) * length
-
-
-def _moe_matmul_bytes(cfg: Config, w: Widths, sizes: Mapping[str, int], itemsize: int) -> float:
-    """What `minimal` keeps of an MoE layer per token: the matmul outputs of its rows (dispatch, gate, up,
-    expert output)."""
-    if not cfg.model.is_moe:
-        return 0.0
-    expert = _split(cfg.mlp_dim, rule_axes(cfg, ax.ACT_MLP, sizes), sizes)
-    return _moe_rows(cfg, sizes) * (2 * w.embed + 2 * expert) * itemsize
 
 
 def activation_terms(cfg: Config, sizes: Mapping[str, int], geo: Geometry, gathered: float,
@@ -348,7 +306,7 @@ def activation_terms(cfg: Config, sizes: Mapping[str, int], geo: Geometry, gathe
     local_length = _local_length(cfg, sizes)
     tokens = _microbatch_tokens(geo.tokens, local_length, geo.accumulation)
     head = 2 * logits_bytes(cfg, sizes, geo) / max(cfg.loss_chunks, 1)
-    moe_per_layer = _moe_token_bytes(cfg, w, sizes, size)
+    moe_per_layer = moe_memory.token_bytes(cfg, w, sizes, size)
     moe_share = geo.moe_layers / max(geo.layers, 1)  # MoE layers per unit run (a unit may hold several layers)
     per_layer = cfg.num_layers // max(cfg.model.num_units, 1)  # layers in one stacked unit
     accumulation = gradients if geo.accumulation > 1 else 0.0
@@ -356,7 +314,8 @@ def activation_terms(cfg: Config, sizes: Mapping[str, int], geo: Geometry, gathe
                   head_apart=fitted(target).head_apart)
     if geo.stages > 1 or geo.microbatches > 1:
         return _pipeline_terms(cfg, w, geo, tokens, per_layer, moe_per_layer * moe_share, common)
-    moe_saved = {"everything": moe_per_layer, "dots": _moe_matmul_bytes(cfg, w, sizes, size)}.get(policy.keeps, 0.0)
+    moe_dots = moe_memory.matmul_bytes(cfg, w, sizes, size)
+    moe_saved = {"everything": moe_per_layer, "dots": moe_dots}.get(policy.keeps, 0.0)
     return ActivationTerms(
         saved=geo.layers * tokens * w.saved_bytes(policy, size),
         working=tokens * per_layer * w.working_bytes(policy, size, target),
