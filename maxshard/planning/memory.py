@@ -28,6 +28,15 @@ s = the compute dtype's itemsize:
         offload_*          nothing on the device; in host memory what the policy it is `like` saves (the layer
                            input included), counted apart (`host`): not part of the device peak. Only where the
                            compiler moves it (`OFFLOADING`): XLA:CPU keeps it on the device, as the `like` policy
+        + options          what the model's layer options (qk_norm, shared experts, LoRA: every ModelConfig field
+                           the formula does not take, model/residuals.py) add, traced rather than written down: the
+                           token-proportional residuals of one stacked unit under the policy, at one device's heads,
+                           kv heads and mlp (blockwise attention for a fused kernel), less the same unit's with the
+                           options at their defaults (0 then, and nothing traced); as traced, not as XLA:TPU's
+                           tiles would store them. XLA:CPU keeps what is traced: qk_norm under none, per token and
+                           layer, 1600 / 2000 / 1000 bytes traced, 1605 / 2002 / 1001 compiled (the NARROW and WIDE
+                           shapes of tests/test_plan_memory.py at fsdp=8, WIDE at fsdp=4 x tensor=2); under minimal
+                           and full 0, as compiled
 
     the backward of one layer (its working set, while the layer is recomputed and differentiated) is measured, not
     derived: XLA fuses and frees its pieces in an order no formula follows. XLA_CPU_WORKING holds, per policy, the
@@ -62,7 +71,11 @@ s = the compute dtype's itemsize:
                 microbatches [tokens, E]
 
 What the plan leaves out (a few % of XLA:CPU's temporaries in the 25-configuration check of
-tests/test_plan_memory.py): the embedding's gradient buffers, loss reductions and XLA's fusion scratch.
+tests/test_plan_memory.py): the embedding's gradient buffers, loss reductions and XLA's fusion scratch; and what
+layer options add to one layer's working set, which is no fixed share of what they add to `dense` (measured on
+XLA:CPU, per token: qk_norm 0.64x its none addition under none, 0.68x under minimal, save_qkv_proj and full, 0.16x
+under save_qkv_out_proj, 2.2x under save_out_proj; LoRA, whose none addition is negative (-800 bytes: the frozen
+base needs no input kept for its weight gradients), 1068 to 3388 bytes more).
 """
 
 from __future__ import annotations
@@ -74,7 +87,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from maxshard.config import Config
-from maxshard.model import attention_kinds, remat
+from maxshard.model import attention_kinds, remat, residuals
 from maxshard.model.attention_choice import platform_of
 from maxshard.parallel import axis_names as ax
 from maxshard.planning import moe_memory
@@ -317,7 +330,7 @@ def activation_terms(cfg: Config, sizes: Mapping[str, int], geo: Geometry, gathe
     moe_dots = moe_memory.matmul_bytes(cfg, w, sizes, size)
     moe_saved = {"everything": moe_per_layer, "dots": moe_dots}.get(policy.keeps, 0.0)
     return ActivationTerms(
-        saved=geo.layers * tokens * w.saved_bytes(policy, size),
+        saved=geo.layers * tokens * (w.saved_bytes(policy, size) + _option_bytes(cfg, w, policy)),
         working=tokens * per_layer * w.working_bytes(policy, size, target),
         moe=geo.moe_layers * tokens * moe_saved + tokens * moe_per_layer,
         pipeline=0.0,
@@ -325,6 +338,17 @@ def activation_terms(cfg: Config, sizes: Mapping[str, int], geo: Geometry, gathe
         host=geo.layers * tokens * w.host_bytes(policy, size),
         **common,
     )
+
+
+def _option_bytes(cfg: Config, w: Widths, policy: remat.Policy) -> float:
+    """What the model's layer options add to what a layer keeps under `policy`, per token (module docstring)."""
+    if residuals.at_defaults(cfg.model):
+        return 0  # an int: the terms of a model without options stay exactly the formula's
+    kv_heads = math.gcd(w.heads, w.kv // cfg.head_dim)  # a whole group of query heads per kv head, as traced
+    local = dataclasses.replace(cfg.model, num_heads=w.heads, num_kv_heads=kv_heads, mlp_dim=w.mlp,
+                                attention="blockwise" if w.fused else "dot_product",
+                                remat_policy=remat.on_device(policy).name)
+    return residuals.option_bytes(local)
 
 
 def _cast_bytes(cfg: Config, params: float, itemsize: int) -> float:
@@ -345,7 +369,8 @@ def _pipeline_terms(cfg: Config, w: Widths, geo: Geometry, tokens: int, per_laye
         policy = remat.policy("minimal")
     microbatch = tokens // geo.microbatches
     stage_layers = cfg.model.pipeline.layers_per_stage * per_layer
-    inside = 0 if policy.name == "full" else stage_layers * w.saved_bytes(policy, size)
+    layer = w.saved_bytes(policy, size) + _option_bytes(cfg, w, policy)
+    inside = 0 if policy.name == "full" else stage_layers * layer
     local_length = cfg.max_target_length
     return ActivationTerms(
         saved=geo.iterations * microbatch * inside,
