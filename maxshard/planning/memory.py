@@ -32,11 +32,12 @@ s = the compute dtype's itemsize:
                            the formula does not take, model/residuals.py) add, traced rather than written down: the
                            token-proportional residuals of one stacked unit under the policy, at one device's heads,
                            kv heads and mlp (blockwise attention for a fused kernel), less the same unit's with the
-                           options at their defaults (0 then, and nothing traced); as traced, not as XLA:TPU's
-                           tiles would store them. XLA:CPU keeps what is traced: qk_norm under none, per token and
-                           layer, 1600 / 2000 / 1000 bytes traced, 1605 / 2002 / 1001 compiled (the NARROW and WIDE
-                           shapes of tests/test_plan_memory.py at fsdp=8, WIDE at fsdp=4 x tensor=2); under minimal
-                           and full 0, as compiled
+                           options at their defaults (0 then, and nothing traced). XLA:CPU keeps what is traced:
+                           qk_norm under none, per token and layer, 1600 / 2000 / 1000 bytes traced, 1605 / 2002 /
+                           1001 compiled (the NARROW and WIDE shapes of tests/test_plan_memory.py at fsdp=8, WIDE at
+                           fsdp=4 x tensor=2); under minimal and full 0, as compiled. XLA:TPU (125m on v5e-8,
+                           bfloat16, ahead of time) kept 2.0x the traced 18,624 under none (bytes as traced, not as
+                           its tiles store them), 103 and 170 under minimal and full
 
     the backward of one layer (its working set, while the layer is recomputed and differentiated) is measured, not
     derived: XLA fuses and frees its pieces in an order no formula follows. XLA_CPU_WORKING holds, per policy, the
