@@ -17,7 +17,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "maxshard"
 
 # The packages in import order, lowest first: a module may import its own package and any package of a lower level,
 # never one of its own level or above. Where a package and one of its modules sit on different levels (the model
-# description that the run config reads, the layers below the rest of the model), the most specific name applies.
+# description that the run config reads, the layers below the rest of the model, the residual tracer above it, as
+# it traces the layers for the planner), the most specific name applies.
 LEVELS: tuple[tuple[str, ...], ...] = (
     ("maxshard", "maxshard.errors", "maxshard.units", "maxshard.devices"),
     ("maxshard.model.config", "maxshard.model.remat", "maxshard.model.attention_kinds", "maxshard.dataset_types",
@@ -27,6 +28,7 @@ LEVELS: tuple[tuple[str, ...], ...] = (
     ("maxshard.data", "maxshard.launch"),
     ("maxshard.model.layers",),
     ("maxshard.model",),
+    ("maxshard.model.residuals",),
     ("maxshard.training",),
     ("maxshard.checkpoint", "maxshard.observe"),
     ("maxshard.planning",),
@@ -35,11 +37,11 @@ LEVELS: tuple[tuple[str, ...], ...] = (
     ("maxshard.cli",),
     ("maxshard.train", "maxshard.generate", "maxshard.plan"),
 )
-# Leaves import nothing of maxshard but the error type; layers never import the run config, not even through
-# another module (checked on the whole import closure below).
+# Leaves import nothing of maxshard but the error type; layers (and what traces them) never import the run config,
+# not even through another module (checked on the whole import closure below).
 LEAVES = LEVELS[0] + LEVELS[1]
 NO_RUN_CONFIG = ("maxshard.model.layers", "maxshard.model.config", "maxshard.model.remat",
-                 "maxshard.model.pipeline_schedule")
+                 "maxshard.model.pipeline_schedule", "maxshard.model.residuals")
 # Entry points: nothing of the package imports them (they wire everything together).
 ENTRY_POINTS = ("maxshard.train", "maxshard.generate", "maxshard.plan", "maxshard.convert.__main__",
                 "maxshard.launch.__main__")
@@ -139,6 +141,8 @@ def test_the_rule_table_bites() -> None:
     assert all(unit in names for level in LEVELS for unit in level)
     assert violations("maxshard.model.layers.attention", {"maxshard.parallel.mesh"}) == []  # parallel is below
     assert violations("maxshard.model.layers.pipeline", {"maxshard.config"})
+    assert violations("maxshard.model.residuals", {"maxshard.config"})
+    assert violations("maxshard.model.transformer", {"maxshard.model.residuals"})
     assert violations("maxshard.model.layers.attention", {"maxshard.model.transformer"})
     assert violations("maxshard.config.loader", {"maxshard.model.transformer"})
     assert violations("maxshard.data.sources", {"maxshard.model.transformer"})

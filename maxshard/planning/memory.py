@@ -28,6 +28,16 @@ s = the compute dtype's itemsize:
         offload_*          nothing on the device; in host memory what the policy it is `like` saves (the layer
                            input included), counted apart (`host`): not part of the device peak. Only where the
                            compiler moves it (`OFFLOADING`): XLA:CPU keeps it on the device, as the `like` policy
+        + options          what the model's layer options (qk_norm, shared experts, LoRA: every ModelConfig field
+                           the formula does not take, model/residuals.py) add, traced rather than written down: the
+                           token-proportional residuals of one stacked unit under the policy, at one device's heads,
+                           kv heads and mlp (blockwise attention for a fused kernel), less the same unit's with the
+                           options at their defaults (0 then, and nothing traced). XLA:CPU keeps what is traced:
+                           qk_norm under none, per token and layer, 1600 / 2000 / 1000 bytes traced, 1605 / 2002 /
+                           1001 compiled (the NARROW and WIDE shapes of tests/test_plan_memory.py at fsdp=8, WIDE at
+                           fsdp=4 x tensor=2); under minimal and full 0, as compiled. XLA:TPU (125m on v5e-8,
+                           bfloat16, ahead of time) kept 2.0x the traced 18,624 under none (bytes as traced, not as
+                           its tiles store them), 103 and 170 under minimal and full
 
     the backward of one layer (its working set, while the layer is recomputed and differentiated) is measured, not
     derived: XLA fuses and frees its pieces in an order no formula follows. XLA_CPU_WORKING holds, per policy, the
@@ -62,7 +72,11 @@ s = the compute dtype's itemsize:
                 schedule's circulation buffer, `buffer_microbatches` microbatches (circular: all M, [tokens, E])
 
 What the plan leaves out (a few % of XLA:CPU's temporaries in the 25-configuration check of
-tests/test_plan_memory.py): the embedding's gradient buffers, loss reductions and XLA's fusion scratch.
+tests/test_plan_memory.py): the embedding's gradient buffers, loss reductions and XLA's fusion scratch; and what
+layer options add to one layer's working set, which is no fixed share of what they add to `dense` (measured on
+XLA:CPU, per token: qk_norm 0.64x its none addition under none, 0.68x under minimal, save_qkv_proj and full, 0.16x
+under save_qkv_out_proj, 2.2x under save_out_proj; LoRA, whose none addition is negative (-800 bytes: the frozen
+base needs no input kept for its weight gradients), 1068 to 3388 bytes more).
 """
 
 from __future__ import annotations
@@ -74,10 +88,10 @@ from collections.abc import Mapping
 import numpy as np
 
 from maxshard.config import Config
-from maxshard.model import attention_kinds, remat
+from maxshard.model import attention_kinds, remat, residuals
 from maxshard.model.attention_choice import platform_of
-from maxshard.model.layers.moe import group_size
 from maxshard.parallel import axis_names as ax
+from maxshard.planning import moe_memory
 from maxshard.planning.axes import rule_axes
 from maxshard.planning.fitted import compiler, effective_policy, fitted, policies
 from maxshard.planning.traffic import Geometry, geometry
@@ -289,53 +303,11 @@ def widths(cfg: Config, sizes: Mapping[str, int]) -> Widths:
     )
 
 
-def _moe_rows(cfg: Config, sizes: Mapping[str, int]) -> float:
-    """Expert rows per token one device computes in an MoE layer (module docstring)."""
-    k = cfg.num_experts_per_tok
-    if cfg.capacity_factor > 0:
-        return k * cfg.capacity_factor
-    if cfg.model.moe_dropless_impl == "dense":
-        return cfg.num_experts
-    p = 1
-    for axis in rule_axes(cfg, ax.EXP, sizes):  # the expert shards of the exchange (layers/moe_grouped.py)
-        p *= sizes[axis]
-    if p == 1:
-        return k
-    worst = p * min(k, cfg.num_experts // p)
-    factor = cfg.model.moe_ragged_buffer_factor
-    return min(worst, k * factor) if cfg.model.moe_exchange == "ragged" and factor > 0 else worst
-
-
-def _moe_token_bytes(cfg: Config, w: Widths, sizes: Mapping[str, int], itemsize: int) -> float:
-    """Per token and MoE layer, beyond the dense MLP the layer formula counts."""
-    if not cfg.model.is_moe:
-        return 0.0
-    rows = _moe_rows(cfg, sizes)
-    expert = _split(cfg.mlp_dim, rule_axes(cfg, ax.ACT_MLP, sizes), sizes)
-    if cfg.capacity_factor <= 0 and cfg.model.moe_dropless_impl != "dense":
-        return rows * (6 * w.embed + 7 * expert) * itemsize  # sorted, sent, received, returned rows; SwiGLU
-    acts = rows * (2 * w.embed + 3 * expert) * itemsize
-    masks = 0.0
-    if cfg.capacity_factor > 0:
-        g = group_size(cfg.max_target_length, cfg.moe_group_size)
-        masks = 2 * g * cfg.num_experts_per_tok * cfg.capacity_factor * 4
-    return acts + masks
-
-
 def _microbatch_tokens(tokens: int, length: int, accumulation: int) -> int:
     """Tokens of one accumulation microbatch on a device: whole sequences, so a microbatch smaller than the batch
     shards still holds one sequence per device (XLA pads the uneven split)."""
     sequences = max(tokens // length, 1)
     return -(-sequences // accumulation) * length
-
-
-def _moe_matmul_bytes(cfg: Config, w: Widths, sizes: Mapping[str, int], itemsize: int) -> float:
-    """What `minimal` keeps of an MoE layer per token: the matmul outputs of its rows (dispatch, gate, up,
-    expert output)."""
-    if not cfg.model.is_moe:
-        return 0.0
-    expert = _split(cfg.mlp_dim, rule_axes(cfg, ax.ACT_MLP, sizes), sizes)
-    return _moe_rows(cfg, sizes) * (2 * w.embed + 2 * expert) * itemsize
 
 
 def activation_terms(cfg: Config, sizes: Mapping[str, int], geo: Geometry, gathered: float,
@@ -348,7 +320,7 @@ def activation_terms(cfg: Config, sizes: Mapping[str, int], geo: Geometry, gathe
     local_length = _local_length(cfg, sizes)
     tokens = _microbatch_tokens(geo.tokens, local_length, geo.accumulation)
     head = 2 * logits_bytes(cfg, sizes, geo) / max(cfg.loss_chunks, 1)
-    moe_per_layer = _moe_token_bytes(cfg, w, sizes, size)
+    moe_per_layer = moe_memory.token_bytes(cfg, w, sizes, size)
     moe_share = geo.moe_layers / max(geo.layers, 1)  # MoE layers per unit run (a unit may hold several layers)
     per_layer = cfg.num_layers // max(cfg.model.num_units, 1)  # layers in one stacked unit
     accumulation = gradients if geo.accumulation > 1 else 0.0
@@ -356,9 +328,10 @@ def activation_terms(cfg: Config, sizes: Mapping[str, int], geo: Geometry, gathe
                   head_apart=fitted(target).head_apart)
     if geo.stages > 1 or geo.microbatches > 1:
         return _pipeline_terms(cfg, w, geo, tokens, per_layer, moe_per_layer * moe_share, common)
-    moe_saved = {"everything": moe_per_layer, "dots": _moe_matmul_bytes(cfg, w, sizes, size)}.get(policy.keeps, 0.0)
+    moe_dots = moe_memory.matmul_bytes(cfg, w, sizes, size)
+    moe_saved = {"everything": moe_per_layer, "dots": moe_dots}.get(policy.keeps, 0.0)
     return ActivationTerms(
-        saved=geo.layers * tokens * w.saved_bytes(policy, size),
+        saved=geo.layers * tokens * (w.saved_bytes(policy, size) + _option_bytes(cfg, w, policy)),
         working=tokens * per_layer * w.working_bytes(policy, size, target),
         moe=geo.moe_layers * tokens * moe_saved + tokens * moe_per_layer,
         pipeline=0.0,
@@ -366,6 +339,17 @@ def activation_terms(cfg: Config, sizes: Mapping[str, int], geo: Geometry, gathe
         host=geo.layers * tokens * w.host_bytes(policy, size),
         **common,
     )
+
+
+def _option_bytes(cfg: Config, w: Widths, policy: remat.Policy) -> float:
+    """What the model's layer options add to what a layer keeps under `policy`, per token (module docstring)."""
+    if residuals.at_defaults(cfg.model):
+        return 0  # an int: the terms of a model without options stay exactly the formula's
+    kv_heads = math.gcd(w.heads, w.kv // cfg.head_dim)  # a whole group of query heads per kv head, as traced
+    local = dataclasses.replace(cfg.model, num_heads=w.heads, num_kv_heads=kv_heads, mlp_dim=w.mlp,
+                                attention="blockwise" if w.fused else "dot_product",
+                                remat_policy=remat.on_device(policy).name)
+    return residuals.option_bytes(local)
 
 
 def _cast_bytes(cfg: Config, params: float, itemsize: int) -> float:
@@ -386,7 +370,8 @@ def _pipeline_terms(cfg: Config, w: Widths, geo: Geometry, tokens: int, per_laye
         policy = remat.policy("minimal")
     microbatch = tokens // geo.microbatches
     stage_layers = cfg.model.pipeline.layers_per_stage * per_layer
-    inside = 0 if policy.name == "full" else stage_layers * w.saved_bytes(policy, size)
+    layer = w.saved_bytes(policy, size) + _option_bytes(cfg, w, policy)
+    inside = 0 if policy.name == "full" else stage_layers * layer
     local_length = cfg.max_target_length
     return ActivationTerms(
         saved=geo.kept_inputs * microbatch * inside,

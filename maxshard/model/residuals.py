@@ -1,0 +1,112 @@
+"""What a model's layer options add to the residuals one decoder layer keeps for its backward pass, traced from the
+layer itself rather than written down, so an option added to the layers is counted by the planner without a formula.
+
+The planner's per-layer formula (planning/memory.py) counts the standard layer: the norms, attention and SwiGLU at
+the model's dimensions, calibrated against compiled programs. Every other ModelConfig field that changes what a
+layer computes is a layer option (`OPTIONS`: qk_norm, shared experts, LoRA, ...). What the options of a model add is
+
+    traced(model) - traced(model with every option at its default)
+
+where `traced` is the bytes per token and layer of the residuals jax's `saved_residuals` lists for one stacked unit
+(layers/decoder.py `stack_unit`, under the `jax.checkpoint` policy of `remat_policy` as the decoder applies it, its
+frozen parameters behind stop_gradient as the train step has them: model/trainable.py), traced from abstract values
+(nothing is computed or allocated) at the widths the caller gives (the planner: one device's heads, kv heads and
+mlp). Only token-proportional residuals count: the unit is traced on 1 and on 2 sequences and the difference taken,
+so parameters and what is derived from them alone (a broadcast scale, the stacked MLP kernel) drop out. With every
+option at its default the difference is 0 by construction and nothing is traced. Traces are cached: the layout
+search plans thousands of candidates, over a few distinct per-device widths.
+
+Fields are classified here, once, by exclusion: `COUNTED` are those the planner's formula and terms take (dimensions,
+dtypes, remat and attention, the MoE shape, the stack), `VALUES` change numbers but no shape of anything a layer
+keeps; every other field is an option. So a field added to ModelConfig is traced unless someone names it here: the
+safe side, where a forgotten classification costs a trace, never a silently wrong plan (a `layer_option` mark in
+the dataclass's field metadata would fail the other way, unmarked meaning ignored). tests/test_residuals.py gives
+every field outside COUNTED a probe value, fails for a new field without one, and checks that each option changes
+what a layer keeps and each of VALUES does not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax._src.ad_checkpoint import saved_residuals  # the list jax.ad_checkpoint.print_saved_residuals prints
+
+from maxshard.model import trainable
+from maxshard.model.config import ModelConfig
+from maxshard.model.layers.decoder import remat_policy, stack_unit
+
+__all__ = ["COUNTED", "VALUES", "OPTIONS", "defaults", "at_defaults", "traced_bytes", "option_bytes"]
+
+COUNTED = frozenset({
+    # the dimensions of the formula (planning/memory.py Widths) and the head
+    "vocab_size", "emb_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim", "max_target_length",
+    "logits_via_embedding",
+    # dtypes, remat, attention, the stack: knobs the formula takes
+    "dtype", "weight_dtype", "remat_policy", "attention", "attention_block_q", "attention_block_kv", "scan_layers",
+    "pipeline",
+    # the MoE shape: the MoE terms of planning/memory.py
+    "num_experts", "num_experts_per_tok", "capacity_factor", "moe_layer_interval", "moe_group_size",
+    "moe_dropless_impl", "moe_exchange", "moe_ragged_buffer_factor",
+})
+VALUES = frozenset({"norm_epsilon", "rope_max_timescale", "rope_scaling_type", "rope_scaling_factor",
+                    "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position", "lora_alpha"})
+OPTIONS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in COUNTED | VALUES)
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name in OPTIONS}
+_VALUE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name in VALUES}
+
+
+def defaults(model: ModelConfig) -> ModelConfig:
+    """`model` with every layer option at its default."""
+    return dataclasses.replace(model, **_DEFAULTS)
+
+
+def at_defaults(model: ModelConfig) -> bool:
+    """Whether every layer option of `model` is at its default (then options add nothing)."""
+    return all(getattr(model, name) == value for name, value in _DEFAULTS.items())
+
+
+def _unit(model: ModelConfig) -> ModelConfig:
+    """One stacked unit of `model`, alone: no scan, no pipeline, no vocabulary to speak of."""
+    return dataclasses.replace(model, num_layers=model.moe_layer_interval if model.is_moe else 1, scan_layers=False,
+                               pipeline=None, vocab_size=1)
+
+
+@functools.lru_cache(maxsize=512)
+def _sequence_bytes(model: ModelConfig, sequences: int) -> int:
+    """Bytes of the residuals one unit keeps for its backward on `sequences` sequences (module docstring)."""
+    dtype = model.compute_dtype
+    unit = stack_unit(model)(model, dtype, model.param_dtype)
+    shape = (sequences, model.max_target_length)
+    x = jax.ShapeDtypeStruct((*shape, model.emb_dim), dtype)
+    ids = jax.ShapeDtypeStruct(shape, jnp.int32)  # segment ids and positions: inputs of the step, as there
+    params = nn.unbox(jax.eval_shape(unit.init, jax.random.key(0), x, ids, ids))["params"]
+
+    def loss(params: dict, x: jax.Array, segments: jax.Array, positions: jax.Array) -> jax.Array:
+        trained, frozen = trainable.split(params, model)
+        whole = trainable.merge(trained, jax.lax.stop_gradient(frozen))
+        return jnp.sum(unit.apply({"params": whole}, x, segments, positions)[0].astype(jnp.float32))
+
+    if model.remat_policy != "none":
+        loss = jax.checkpoint(loss, policy=remat_policy(model.remat_policy))
+    return sum(a.size * a.dtype.itemsize for a, _ in saved_residuals(loss, params, x, ids, ids))
+
+
+def traced_bytes(model: ModelConfig) -> float:
+    """Bytes per token and layer of the token-proportional residuals one unit of `model` keeps under its
+    remat_policy: the unit on two sequences less on one, per position, per layer of the unit."""
+    unit = _unit(model)
+    per_sequence = _sequence_bytes(unit, 2) - _sequence_bytes(unit, 1)
+    return per_sequence / unit.max_target_length / unit.num_layers
+
+
+def option_bytes(model: ModelConfig) -> float:
+    """What the layer options of `model` add per token and layer to what a layer keeps under its remat_policy (0
+    with every option at its default, with nothing traced)."""
+    if at_defaults(model):
+        return 0.0
+    model = dataclasses.replace(model, **_VALUE_DEFAULTS)  # they change no residual: one trace for such models
+    return traced_bytes(model) - traced_bytes(defaults(model))

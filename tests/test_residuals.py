@@ -1,0 +1,79 @@
+"""The layer options' residuals (maxshard/model/residuals.py): every ModelConfig field is classified, and the
+classification is what tracing the layers shows; what qk_norm adds is what its norms keep. Traces only: nothing
+is compiled or computed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from maxshard.model import residuals
+from maxshard.model.config import ModelConfig
+
+TINY = dict(vocab_size=8, emb_dim=32, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64, max_target_length=16,
+            remat_policy="none")
+MOE = {"num_experts": 4, "num_experts_per_tok": 2}
+LLAMA3 = {"rope_scaling_type": "llama3"}
+
+# Every field that is not COUNTED: (what it needs besides TINY, a value other than its default). A field added to
+# ModelConfig fails test_every_field_is_classified until it is named here, and the test below then says whether it
+# changes what a layer keeps (an option, traced) or not (one of VALUES).
+PROBES = {
+    "qk_norm": ({}, True),
+    "num_shared_experts": (MOE, 1),
+    "moe_renormalize_top_k": (MOE, False),
+    "lora_rank": ({}, 4),
+    "lora_targets": ({"lora_rank": 4}, ("gate",)),
+    "norm_epsilon": ({}, 1e-5),
+    "rope_max_timescale": ({}, 500000.0),
+    "rope_scaling_type": ({}, "llama3"),
+    "rope_scaling_factor": (LLAMA3, 4.0),
+    "rope_low_freq_factor": (LLAMA3, 2.0),
+    "rope_high_freq_factor": (LLAMA3, 8.0),
+    "rope_original_max_position": (LLAMA3, 16),
+    "lora_alpha": ({"lora_rank": 4}, 32.0),
+}
+
+
+def test_every_field_is_classified() -> None:
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    assert residuals.COUNTED <= fields and residuals.VALUES <= fields
+    assert not residuals.COUNTED & residuals.VALUES
+    assert set(residuals.OPTIONS) == fields - residuals.COUNTED - residuals.VALUES
+    unprobed = fields - residuals.COUNTED - set(PROBES)
+    assert not unprobed, f"new ModelConfig fields {sorted(unprobed)}: give each a probe in tests/test_residuals.py"
+
+
+@pytest.mark.parametrize("name", sorted(PROBES))
+def test_options_change_what_a_layer_keeps_and_values_do_not(name: str) -> None:
+    needs, value = PROBES[name]
+    base = ModelConfig(**TINY, **needs)
+    probe = dataclasses.replace(base, **{name: value})
+    changed = residuals.traced_bytes(probe) != residuals.traced_bytes(base)
+    assert changed == (name in residuals.OPTIONS), (
+        f"{name} {'changes' if changed else 'does not change'} what a layer keeps: it belongs "
+        f"{'in OPTIONS (out of VALUES)' if changed else 'in VALUES'} of maxshard/model/residuals.py")
+
+
+def test_qk_norm_adds_what_its_norms_keep() -> None:
+    """Per normalised width W (Q or K) of n heads: the projection (the norm's input), x / rms and the scaled output
+    (3W), the rsqrt and its product (2n), float32; under none only: minimal keeps matmul outputs, full the input."""
+    for length in (16, 32):
+        plain = ModelConfig(**{**TINY, "max_target_length": length})
+        q, kv, heads, kv_heads = 32, 16, 4, 2
+        assert residuals.option_bytes(dataclasses.replace(plain, qk_norm=True)) == 4 * (3 * (q + kv)
+                                                                                      + 2 * (heads + kv_heads))
+    for policy in ("minimal", "save_qkv_out_proj", "full"):
+        assert residuals.option_bytes(ModelConfig(**{**TINY, "remat_policy": policy}, qk_norm=True)) == 0
+
+
+def test_options_at_their_defaults_trace_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object) -> None:
+        raise AssertionError("traced")
+
+    monkeypatch.setattr(residuals, "saved_residuals", refuse)
+    model = ModelConfig(**TINY, norm_epsilon=1e-5, **LLAMA3)  # values other than their defaults: no option
+    assert residuals.at_defaults(model) and residuals.option_bytes(model) == 0
+    assert not residuals.at_defaults(dataclasses.replace(model, qk_norm=True))
