@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import flax.linen as nn
+import jax
 import pytest
 
 from maxshard.model import residuals
@@ -77,3 +79,15 @@ def test_options_at_their_defaults_trace_nothing(monkeypatch: pytest.MonkeyPatch
     model = ModelConfig(**TINY, norm_epsilon=1e-5, **LLAMA3)  # values other than their defaults: no option
     assert residuals.at_defaults(model) and residuals.option_bytes(model) == 0
     assert not residuals.at_defaults(dataclasses.replace(model, qk_norm=True))
+
+
+def test_the_trace_ignores_the_callers_mesh_and_rules() -> None:
+    """Planned from inside a run's layout (mesh and logical rules in context), the options add what they add
+    outside it: the trace runs the whole-array layers either way, so a cached answer fits every caller."""
+    model = ModelConfig(**{**TINY, "qk_norm": True})
+    residuals._sequence_bytes.cache_clear()
+    mesh = jax.sharding.Mesh(jax.devices()[:2], ("tensor",))
+    with jax.set_mesh(mesh), nn.logical_axis_rules((("heads", "tensor"), ("activation_heads", "tensor"))):
+        inside = residuals.option_bytes(model)
+    residuals._sequence_bytes.cache_clear()
+    assert inside == residuals.option_bytes(model) > 0

@@ -38,6 +38,7 @@ from jax._src.ad_checkpoint import saved_residuals  # the list jax.ad_checkpoint
 from maxshard.model import trainable
 from maxshard.model.config import ModelConfig
 from maxshard.model.layers.decoder import remat_policy, stack_unit
+from maxshard.model.transformer import without_layout
 
 __all__ = ["COUNTED", "VALUES", "OPTIONS", "defaults", "at_defaults", "traced_bytes", "option_bytes"]
 
@@ -77,7 +78,14 @@ def _unit(model: ModelConfig) -> ModelConfig:
 
 @functools.lru_cache(maxsize=512)
 def _sequence_bytes(model: ModelConfig, sequences: int) -> int:
-    """Bytes of the residuals one unit keeps for its backward on `sequences` sequences (module docstring)."""
+    """Bytes of the residuals one unit keeps for its backward on `sequences` sequences (module docstring), traced
+    with no mesh or rules in context: the same whole-array layers wherever the planner is called from (a cached
+    answer must not depend on the caller's layout, and a layout's kernels would refuse the abstract inputs)."""
+    with without_layout():
+        return _traced_sequence_bytes(model, sequences)
+
+
+def _traced_sequence_bytes(model: ModelConfig, sequences: int) -> int:
     dtype = model.compute_dtype
     unit = stack_unit(model)(model, dtype, model.param_dtype)
     shape = (sequences, model.max_target_length)
