@@ -5,8 +5,10 @@ model/config.py): the number of iterations, the bubble (the stage-iterations tha
 microbatch and repeat stage s runs at iteration t or that it idles, and the buffer figures the planner counts.
 `layers/pipeline.py` runs it (the circulation buffer, the shift, one checkpoint per iteration), and the planner
 (planning/traffic.py, memory.py, printout.py) and the console read its figures; none of them works out the order
-itself. A new schedule is one class with the members of `Schedule` and its row in `SCHEDULES`;
-tests/test_pipeline_schedule.py checks every row's contract. While there is one schedule no config key picks it:
+itself. A new order of work on the same mechanics (stage 0 reads the circulation buffer of all M microbatches, one
+shift and one checkpoint per iteration) is one class with the members of `Schedule` and its row in `SCHEDULES`;
+tests/test_pipeline_schedule.py checks every row's contract. One with other mechanics (1F1B's interleaved backward,
+a smaller buffer) also needs its runner in layers/pipeline.py. While there is one schedule no config key picks it:
 `of` gives it to every shape. A second one would come with its name in PipelineShape (and a key), read by `of`.
 
 Circular (the one schedule). Layer r*S*L + s*L + l lives on stage s in repeat r (L layers per stage): a microbatch
