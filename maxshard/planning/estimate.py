@@ -201,7 +201,7 @@ def make_plan(cfg: Config, target: Target | None = None) -> Plan:
     geo = traffic.geometry(cfg, sizes, itemsize)
     collectives = traffic.planned_collectives(cfg, report, sizes, geo)
     link = hardware.interconnect(target.name) if target is not None else None
-    gathered = traffic.gathered_unit_bytes(cfg, report, sizes, geo)
+    gathered = memory.gathered_bytes(cfg, traffic.gathered_unit_bytes(cfg, report, sizes, geo))
     terms = memory.activation_terms(cfg, sizes, geo, gathered, report.gradient_bytes_per_device,
                                     report.param_bytes_per_device)
     model_flops = flops.flops_per_token(cfg.model) * cfg.global_batch_size * cfg.max_target_length / cfg.num_devices

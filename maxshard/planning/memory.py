@@ -55,7 +55,7 @@ s = the compute dtype's itemsize:
     head        the logits [tokens, vocab / tensor] in float32 and their gradient, of one of `loss_chunks` pieces
     gathered    one stacked unit's weights after the fsdp all-gather, in the compute dtype (what the layer being
                 computed holds whole); an MoE unit's expert weights twice (their gradient is also whole until it
-                is reduce-scattered)
+                is reduce-scattered); `Fitted.gathered_units` units of them (XLA:TPU: two, `gathered_bytes`)
     MoE layer   (kept per layer by none; by minimal only its matmul outputs, r (2E + 2F) x s)
                 with token dropping, per token: the dispatch and combine masks, 2 g k c float32 (g tokens per
                 group, c = capacity_factor), and the expert activations k c (2E + 3F) x s in place of the dense
@@ -96,7 +96,7 @@ from maxshard.planning.axes import rule_axes
 from maxshard.planning.fitted import compiler, effective_policy, fitted, policies
 from maxshard.planning.traffic import Geometry, geometry
 
-__all__ = ["Widths", "ActivationTerms", "widths", "activation_terms", "compiler", "policies", "effective_policy",
+__all__ = ["Widths", "ActivationTerms", "widths", "gathered_bytes", "activation_terms", "compiler", "policies", "effective_policy",
            "logits_bytes", "auto_loss_chunks"]
 
 # `loss_chunks: 0` (auto) splits the loss until one piece's float32 logits per device fit this (training/loss.py).
@@ -310,11 +310,17 @@ def _microbatch_tokens(tokens: int, length: int, accumulation: int) -> int:
     return -(-sequences // accumulation) * length
 
 
+def gathered_bytes(cfg: Config, unit_bytes: float) -> float:
+    """What the fsdp gathers hold at the peak: `unit_bytes` (`traffic.gathered_unit_bytes`) x the units the
+    compiler keeps gathered (`Fitted.gathered_units`)."""
+    return unit_bytes * fitted(compiler(cfg)).gathered_units
+
+
 def activation_terms(cfg: Config, sizes: Mapping[str, int], geo: Geometry, gathered: float,
                      gradients: float, params: float = 0.0) -> ActivationTerms:
-    """The terms of the module docstring. `gathered`: what the fsdp gather of one unit holds
-    (`traffic.gathered_unit_bytes`); `gradients`: the gradient bytes per device (for accumulation); `params`: the
-    parameter bytes per device (for the compute-dtype copy a compiler may keep, `Fitted.weight_cast`)."""
+    """The terms of the module docstring. `gathered`: what the fsdp gathers hold (`gathered_bytes`); `gradients`:
+    the gradient bytes per device (for accumulation); `params`: the parameter bytes per device (for the
+    compute-dtype copy a compiler may keep, `Fitted.weight_cast`)."""
     w, size, target = widths(cfg, sizes), geo.compute_itemsize, compiler(cfg)
     policy = effective_policy(cfg.remat_policy, target)
     local_length = _local_length(cfg, sizes)
