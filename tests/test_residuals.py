@@ -46,6 +46,9 @@ def test_every_field_is_classified() -> None:
     assert set(residuals.OPTIONS) == fields - residuals.COUNTED - residuals.VALUES
     unprobed = fields - residuals.COUNTED - set(PROBES)
     assert not unprobed, f"new ModelConfig fields {sorted(unprobed)}: give each a probe in tests/test_residuals.py"
+    # an option is compared with its default: one without a plain default (MISSING, a default_factory) has none
+    plain = {f.name for f in dataclasses.fields(ModelConfig) if f.default is not dataclasses.MISSING}
+    assert set(residuals.OPTIONS) | residuals.VALUES <= plain
 
 
 @pytest.mark.parametrize("name", sorted(PROBES))
