@@ -111,10 +111,11 @@ def traced_bytes(model: ModelConfig) -> float:
     return per_sequence / unit.max_target_length / unit.num_layers
 
 
-def option_bytes(model: ModelConfig) -> float:
+def option_bytes(model: ModelConfig) -> float | int:
     """What the layer options of `model` add per token and layer to what a layer keeps under its remat_policy (0
-    with every option at its default, with nothing traced)."""
+    with every option at its default, with nothing traced: an int, so the planner's terms of a model without options
+    stay exactly its formula's)."""
     if at_defaults(model):
-        return 0.0
+        return 0
     model = dataclasses.replace(model, **_VALUE_DEFAULTS)  # they change no residual: one trace for such models
     return traced_bytes(model) - traced_bytes(defaults(model))

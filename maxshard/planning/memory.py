@@ -96,8 +96,8 @@ from maxshard.planning.axes import rule_axes
 from maxshard.planning.fitted import compiler, effective_policy, fitted, policies
 from maxshard.planning.traffic import Geometry, geometry
 
-__all__ = ["Widths", "ActivationTerms", "widths", "gathered_bytes", "activation_terms", "compiler", "policies", "effective_policy",
-           "logits_bytes", "auto_loss_chunks"]
+__all__ = ["Widths", "ActivationTerms", "widths", "gathered_bytes", "activation_terms", "compiler", "policies",
+           "effective_policy", "logits_bytes", "auto_loss_chunks"]
 
 # `loss_chunks: 0` (auto) splits the loss until one piece's float32 logits per device fit this (training/loss.py).
 LOSS_PIECE_BYTES = 256 * 2**20
@@ -349,8 +349,6 @@ def activation_terms(cfg: Config, sizes: Mapping[str, int], geo: Geometry, gathe
 
 def _option_bytes(cfg: Config, w: Widths, policy: remat.Policy) -> float:
     """What the model's layer options add to what a layer keeps under `policy`, per token (module docstring)."""
-    if residuals.at_defaults(cfg.model):
-        return 0  # an int: the terms of a model without options stay exactly the formula's
     kv_heads = math.gcd(w.heads, w.kv // cfg.head_dim)  # a whole group of query heads per kv head, as traced
     local = dataclasses.replace(cfg.model, num_heads=w.heads, num_kv_heads=kv_heads, mlp_dim=w.mlp,
                                 attention="blockwise" if w.fused else "dot_product",
