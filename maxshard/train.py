@@ -58,12 +58,12 @@ def check_layout(cfg: Config, trainer: Trainer) -> Report:
     return report
 
 
-def evaluate(cfg: Config, trainer: Trainer, params: Any, eval_step: Any) -> float:
+def evaluate(cfg: Config, trainer: Trainer, state: TrainState, eval_step: Any) -> float:
     """Mean loss over `eval_steps` batches of the eval split (the same batches every time)."""
     batches = data.make_input(cfg, trainer.mesh, "eval")
     loss_sum, weight_sum = 0.0, 0.0
     for _ in range(cfg.eval_steps):
-        out = eval_step(params, next(batches))
+        out = eval_step(state.params, next(batches), state.reference)
         loss_sum += float(out["loss_sum"])
         weight_sum += float(out["weight_sum"])
     return loss_sum / max(weight_sum, 1.0)
@@ -144,7 +144,7 @@ def train_loop(
         log(deferred.push(step, step_metrics))
         if eval_step is not None and (step + 1) % cfg.eval_period == 0:
             log(deferred.flush())
-            eval_loss = evaluate(cfg, trainer, state.params, eval_step)
+            eval_loss = evaluate(cfg, trainer, state, eval_step)
             writer.write(step + 1, {"eval_loss": eval_loss})
             print(f"eval at step {step + 1}: loss {eval_loss:.4f}", flush=True)
             log.restart()

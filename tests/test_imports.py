@@ -22,9 +22,11 @@ PACKAGE = Path(__file__).resolve().parent.parent / "maxshard"
 LEVELS: tuple[tuple[str, ...], ...] = (
     ("maxshard", "maxshard.errors", "maxshard.units", "maxshard.devices"),
     ("maxshard.model.config", "maxshard.model.remat", "maxshard.model.attention_kinds", "maxshard.dataset_types",
-     "maxshard.model.pipeline_schedule", "maxshard.parallel.axis_names", "maxshard.observe.perf"),
+     "maxshard.model.pipeline_schedule", "maxshard.parallel.axis_names", "maxshard.observe.perf",
+     "maxshard.objectives.kinds"),
     ("maxshard.config",),
     ("maxshard.parallel",),
+    ("maxshard.objectives",),
     ("maxshard.data", "maxshard.launch"),
     ("maxshard.model.layers",),
     ("maxshard.model",),

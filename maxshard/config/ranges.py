@@ -12,6 +12,7 @@ import typing
 from maxshard.config.schema import MESH_AXES, Config, knob_name
 from maxshard.errors import ConfigError
 from maxshard.model.config import LORA_TARGETS
+from maxshard.objectives import kinds as objective_kinds
 
 __all__ = ["check_ranges"]
 
@@ -45,11 +46,41 @@ def check_ranges(cfg: Config) -> Config:
                 raise ConfigError(f"{knob_name(family, axis)} must be a positive size or -1 (fill), got {value}")
     _check_moe(cfg)
     _check_lora(cfg)
+    _check_objective(cfg)
     _check_sampling(cfg)
     if cfg.loss_chunks < 0 or (cfg.loss_chunks and cfg.max_target_length % cfg.loss_chunks):
         raise ConfigError(f"loss_chunks={cfg.loss_chunks} must be 0 (auto) or divide "
                           f"max_target_length={cfg.max_target_length}")
     return cfg
+
+
+def _check_objective(cfg: Config) -> None:
+    """The objective's hyperparameters, its reference, and whether the data holds what its rows need."""
+    for key in ("dpo_beta", "simpo_beta"):
+        if not getattr(cfg, key) > 0:
+            raise ConfigError(f"{key} must be > 0, got {getattr(cfg, key)}")
+    if not 0 <= cfg.dpo_label_smoothing < 0.5:
+        raise ConfigError(f"dpo_label_smoothing must be in [0, 0.5), got {cfg.dpo_label_smoothing}")
+    if cfg.orpo_lambda < 0:
+        raise ConfigError(f"orpo_lambda must be >= 0, got {cfg.orpo_lambda}")
+    rows = objective_kinds.kind(cfg.objective).rows
+    pair_data = cfg.dataset_type in PAIR_DATASETS and not cfg.dataset_mixture
+    if rows == "pairs" and not pair_data:
+        raise ConfigError(f"objective={cfg.objective} trains on preference pairs: set dataset_type to one of "
+                          f"{', '.join(PAIR_DATASETS)} (dataset_type={cfg.dataset_type}"
+                          f"{', with a dataset_mixture' if cfg.dataset_mixture else ''})")
+    if rows == "documents" and cfg.dataset_type in PAIR_DATASETS[1:]:
+        raise ConfigError(f"dataset_type={cfg.dataset_type} holds preference pairs: set objective to dpo, simpo or "
+                          f"orpo (objective={cfg.objective})")
+    if cfg.objective == "dpo" and cfg.dpo_reference == "frozen" and cfg.lora_rank:
+        raise ConfigError("dpo_reference=frozen with lora_rank > 0 would keep a second copy of the frozen base: use "
+                          "lora_base (or auto)")
+    if cfg.objective == "dpo" and cfg.dpo_reference == "lora_base" and not cfg.lora_rank:
+        raise ConfigError("dpo_reference=lora_base needs lora_rank > 0 (the base is the model with its adapters "
+                          "off): use frozen (or auto)")
+
+
+PAIR_DATASETS = ("synthetic", "preference")  # dataset types whose rows can hold preference pairs
 
 
 def _check_sampling(cfg: Config) -> None:

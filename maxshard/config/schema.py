@@ -13,6 +13,7 @@ from typing import Any, Literal
 from maxshard import dataset_types
 from maxshard.model import attention_kinds, remat
 from maxshard.model.config import ModelConfig
+from maxshard.objectives import kinds as objective_kinds
 
 # Mesh axes, outermost first. `stage` holds pipeline stages; its knobs are spelled `*_pipeline_parallelism`.
 # `context` splits the length for ring attention (layers/ring_attention.py); inner to `sequence` so a ring's
@@ -36,6 +37,8 @@ DType = Literal["auto", "float32", "bfloat16", "float16"]
 Quantization = Literal["none", "int8", "fp8"]  # maxshard/model/quantization.py
 LogicalRules = tuple[tuple[str, tuple[str, ...]], ...]
 MeshRules = tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]
+ObjectiveName = Literal[objective_kinds.NAMES]  # maxshard/objectives/kinds.py: the objectives
+DpoReference = Literal[objective_kinds.REFERENCES]
 DatasetType = Literal[dataset_types.NAMES]  # maxshard/dataset_types.py: the readers
 Mixture = tuple[tuple[str, float], ...]  # dataset_mixture: (source, weight) pairs
 
@@ -172,6 +175,15 @@ class Config:
     adam_eps: float = 1e-8
     weight_decay: float = 0.1
     max_grad_norm: float = 1.0
+
+    # ---- objective (maxshard/objectives): what the step minimises
+    objective: ObjectiveName = "lm"
+    dpo_beta: float = 0.1
+    dpo_label_smoothing: float = 0.0
+    dpo_reference: DpoReference = "auto"
+    simpo_beta: float = 2.0
+    simpo_gamma: float = 0.5
+    orpo_lambda: float = 0.1
 
     # ---- data
     dataset_type: DatasetType = "text"

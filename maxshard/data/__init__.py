@@ -29,6 +29,7 @@ from maxshard import dataset_types
 from maxshard.config import Config
 from maxshard.data.synthetic import SyntheticIterator
 from maxshard.errors import ConfigError
+from maxshard.objectives import kinds as objective_kinds
 from maxshard.parallel import axis_names, sharding
 
 __all__ = ["InputIterator", "batch_sharding", "make_input"]
@@ -67,7 +68,7 @@ def make_input(cfg: Config, mesh: Mesh, split: str = "train", batch_size: int | 
     if cfg.dataset_type == "synthetic":
         seed = cfg.seed if split == "train" else cfg.seed + 1_000_003
         return SyntheticIterator(seed, batch_size, cfg.max_target_length, cfg.vocab_size,
-                                 batch_sharding(cfg, mesh, batch_size))
+                                 batch_sharding(cfg, mesh, batch_size), objective_kinds.kind(cfg.objective).rows)
     if dataset_types.grain(cfg.dataset_type) or cfg.dataset_mixture:
         from maxshard.data import pipeline  # deferred: grain is only needed for real data
 

@@ -35,10 +35,9 @@ import numpy as np
 from grain.experimental import ConcatThenSplitIterDataset
 
 from maxshard.data.chat import WEIGHT  # an optional per-target loss weight of a pair (chat: assistant turns only)
+from maxshard.objectives.kinds import FIELDS  # the batch fields, named once for every objective
 
 __all__ = ["document_pair", "pack", "pad_to_length", "FIELDS"]
-
-FIELDS = ("inputs", "targets", "segment_ids", "positions", "loss_weights")
 
 
 def document_pair(tokens: np.ndarray, bos_id: int | None, eos_id: int) -> dict[str, np.ndarray]:

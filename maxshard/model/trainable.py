@@ -17,7 +17,8 @@ from flax import traverse_util
 from maxshard.model.config import ModelConfig
 from maxshard.model.layers.lora import ADAPTER_PARAMS
 
-__all__ = ["trains_everything", "is_trainable", "split", "merge", "trainable_subset", "frozen_subset"]
+__all__ = ["trains_everything", "is_trainable", "split", "merge", "trainable_subset", "frozen_subset",
+           "without_adapters"]
 
 
 def trains_everything(model: ModelConfig) -> bool:
@@ -53,3 +54,10 @@ def trainable_subset(params: Any, model: ModelConfig) -> Any:
 
 def frozen_subset(params: Any, model: ModelConfig) -> Any:
     return split(params, model)[1]
+
+
+def without_adapters(params: Any) -> Any:
+    """The same tree with every LoRA `lora_b` zero: the base model, as it was before the adapters trained (a fresh
+    adapter's B is zero, layers/lora.py). DPO's `lora_base` reference, with no second copy of the base."""
+    flat = traverse_util.flatten_dict(params)
+    return traverse_util.unflatten_dict({k: v * 0 if k[-1] == ADAPTER_PARAMS[1] else v for k, v in flat.items()})

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from maxshard import data
 from maxshard.config import Config
-from maxshard.data.packing import FIELDS
+from maxshard.objectives.kinds import FIELDS
 from maxshard.training.step import Trainer
 
 __all__ = ["abstract_inputs", "compile_init", "compile_train_step", "peak_bytes"]
@@ -30,8 +30,7 @@ def abstract_inputs(trainer: Trainer, batch_sharding: jax.sharding.NamedSharding
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                          nn.unbox(trainer.abstract_state), trainer.state_shardings)
     shape = (cfg.global_batch_size, cfg.max_target_length)
-    batch = {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_weights" else jnp.int32,
-                                     sharding=batch_sharding) for k in FIELDS}
+    batch = {k: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=batch_sharding) for k, dtype in FIELDS.items()}
     return state, batch
 
 

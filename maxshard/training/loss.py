@@ -1,4 +1,5 @@
-"""The training loss: weighted cross-entropy of next-token logits, whole or in chunks of the sequence.
+"""Per-token log-probabilities of the targets, from the logits whole or in chunks of the sequence: what every
+objective (`maxshard/objectives`) computes its loss from. `loss_sums` is the `lm` objective's cross-entropy of them.
 
 The logits of a batch are [batch, length, vocab] in float32, and their gradient as large again. For a large
 vocabulary that is the biggest array of a step: Llama-3's 128k vocabulary at 4 x 8192 tokens per device is 16.8 GB,
@@ -9,7 +10,7 @@ in the backward pass.
 
 The pieces are strided, not contiguous: piece c holds positions c, c + C, c + 2C, ... So every piece is spread over
 the same devices as the whole sequence when context or sequence parallelism shards the length (a contiguous piece
-would sit on a few of them). The loss is a sum over tokens, so the order does not change it beyond rounding.
+would sit on a few of them). The pieces' log-probabilities are put back in order ([batch, length] is small).
 """
 
 from __future__ import annotations
@@ -20,18 +21,18 @@ import jax
 import jax.numpy as jnp
 import optax
 
-__all__ = ["loss_sums", "chunked_loss_sums"]
+__all__ = ["token_logps", "chunked_token_logps", "loss_sums"]
+
+
+def token_logps(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """float32 [batch, length]: log p(target) under float32 logits [batch, length, vocab]."""
+    return -optax.softmax_cross_entropy_with_integer_labels(logits, targets)
 
 
 def loss_sums(logits: jax.Array, batch: Mapping[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
     """(sum of weighted cross-entropy, sum of weights) over [batch, length]."""
-    return _sums(logits, batch["targets"], batch["loss_weights"])
-
-
-def _sums(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-    weights = weights.astype(jnp.float32)
-    return jnp.sum(ce * weights), jnp.sum(weights)
+    weights = batch["loss_weights"].astype(jnp.float32)
+    return jnp.sum(-token_logps(logits, batch["targets"]) * weights), jnp.sum(weights)
 
 
 def _strided(a: jax.Array, chunks: int) -> jax.Array:
@@ -40,21 +41,23 @@ def _strided(a: jax.Array, chunks: int) -> jax.Array:
     return jnp.moveaxis(a.reshape(batch, length // chunks, chunks, *a.shape[2:]), 2, 0)
 
 
-def chunked_loss_sums(
-    head: Callable[[jax.Array], jax.Array], hidden: jax.Array, batch: Mapping[str, jax.Array], chunks: int
-) -> tuple[jax.Array, jax.Array]:
-    """`loss_sums(head(hidden), batch)` without the whole logits: `head` maps [batch, tokens, embed] to float32
+def _unstrided(pieces: jax.Array) -> jax.Array:
+    """The inverse of `_strided` for [chunks, batch, length / chunks] -> [batch, length]."""
+    chunks, batch, per_piece = pieces.shape
+    return jnp.moveaxis(pieces, 0, 2).reshape(batch, per_piece * chunks)
+
+
+def chunked_token_logps(head: Callable[[jax.Array], jax.Array], hidden: jax.Array, targets: jax.Array,
+                        chunks: int) -> jax.Array:
+    """`token_logps(head(hidden), targets)` without the whole logits: `head` maps [batch, tokens, embed] to float32
     logits [batch, tokens, vocab]; `hidden` is [batch, length, embed]; `chunks` divides the length."""
 
     @jax.checkpoint
-    def piece(x: jax.Array, targets: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return _sums(head(x), targets, weights)
+    def piece(x: jax.Array, piece_targets: jax.Array) -> jax.Array:
+        return token_logps(head(x), piece_targets)
 
-    def step(carry: tuple[jax.Array, jax.Array], xs: tuple[jax.Array, ...]) -> tuple[tuple[jax.Array, ...], None]:
-        loss, weight = piece(*xs)
-        return (carry[0] + loss, carry[1] + weight), None
+    def step(carry: None, xs: tuple[jax.Array, jax.Array]) -> tuple[None, jax.Array]:
+        return None, piece(*xs)
 
-    pieces = tuple(_strided(a, chunks) for a in (hidden, batch["targets"], batch["loss_weights"]))
-    zero = jnp.zeros((), jnp.float32)
-    (loss_sum, weight_sum), _ = jax.lax.scan(step, (zero, zero), pieces)
-    return loss_sum, weight_sum
+    _, pieces = jax.lax.scan(step, None, (_strided(hidden, chunks), _strided(targets, chunks)))
+    return _unstrided(pieces)

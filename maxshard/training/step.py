@@ -4,11 +4,16 @@ The state is never materialised whole on one device: its shardings come from `ja
 plus the logical rules, and the init itself runs under `jax.jit(out_shardings=...)`, so every parameter and
 optimizer moment is born in its final layout.
 
-Loss: next-token cross-entropy in float32, weighted by `loss_weights` (padding and document boundaries weigh 0).
-Gradient accumulation splits the batch into k microbatches and sums weighted losses and gradients before one
-division by the total weight, so k microbatches give exactly the gradient of the whole batch.
+Loss: the run's objective (`maxshard/objectives`: next-token cross-entropy for `lm`, DPO/SimPO/ORPO on preference
+pairs) from the model's float32 per-token log-probabilities of the targets. Gradient accumulation splits the batch
+into k microbatches (by rows, so a preference pair stays whole) and sums losses, gradients and the objective's sums
+before one division by the total weight, so k microbatches give exactly the gradient of the whole batch.
 MoE models add their router losses (weighted by `load_balance_loss_weight` / `router_z_loss_weight`, scaled by each
-microbatch's loss weight so the division yields token-weighted means) and report them with drop and load metrics.
+microbatch's loss weight so the division yields weighted means) and report them with drop and load metrics.
+
+A reference model (DPO) is either a frozen copy of the starting parameters kept in the state (`reference`: sharded
+like `params`, no gradient, no optimizer moments, saved in checkpoints) or, with LoRA, the base with its adapters
+off (`lora_base`: nothing kept).
 """
 
 from __future__ import annotations
@@ -26,17 +31,19 @@ import optax
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from maxshard import objectives
 from maxshard.config import MESH_AXES, Config, knob_name
 from maxshard.errors import ConfigError
 from maxshard.model import quantization, trainable
 from maxshard.model.layers import moe
 from maxshard.model.transformer import Transformer, apply_with_stats, init_params
+from maxshard.objectives import kinds as objective_kinds
 from maxshard.parallel import axis_names as ax
 from maxshard.parallel import sharding
-from maxshard.training.loss import chunked_loss_sums, loss_sums
+from maxshard.training.loss import chunked_token_logps, token_logps
 from maxshard.training.optim import learning_rate_schedule, make_optimizer
 
-__all__ = ["TrainState", "Trainer", "mesh_context", "boxed_state", "abstract_state"]
+__all__ = ["TrainState", "Trainer", "mesh_context", "boxed_state", "abstract_state", "reference_kind"]
 
 Batch = dict[str, jax.Array]
 
@@ -51,6 +58,7 @@ class TrainState:
     step: jax.Array
     params: Any
     opt_state: Any
+    reference: Any = None  # DPO's frozen reference parameters (`reference_kind` "frozen"), else None
 
 
 @contextlib.contextmanager
@@ -60,11 +68,27 @@ def mesh_context(mesh: Mesh, rules: sharding.FlaxRules) -> Iterator[None]:
         yield
 
 
+def reference_kind(cfg: Config) -> str:
+    """Where the run's reference log-probabilities come from: "" (its objective needs none), "frozen" (a copy of
+    the starting parameters in the state) or "lora_base" (the LoRA base, adapters off)."""
+    if not objective_kinds.kind(cfg.objective).reference:
+        return ""
+    if cfg.dpo_reference != "auto":
+        return cfg.dpo_reference
+    return "frozen" if trainable.trains_everything(cfg.model) else "lora_base"
+
+
 def boxed_state(cfg: Config, rng: jax.Array) -> TrainState:
     """A fresh train state whose leaves are still boxed with their logical axis names."""
     params = init_params(cfg.model, rng)
     opt_state = make_optimizer(cfg).init(trainable.trainable_subset(params, cfg.model))
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
+    reference = _copy(params) if reference_kind(cfg) == "frozen" else None
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, reference=reference)
+
+
+def _copy(params: Any) -> Any:
+    """A second set of buffers with the same values (and boxes): the reference must not alias what trains."""
+    return jax.tree.map(jnp.copy, params)
 
 
 def abstract_state(cfg: Config) -> TrainState:
@@ -103,6 +127,8 @@ class Trainer:
             raise ValueError("Trainer needs a complete config with its model derived (maxshard.run.loading.load_run)")
         self.rules = sharding.flax_rules(self.cfg)
         self.model = quantization.quantize(Transformer(self.cfg.model), self.cfg.quantization)
+        self.objective = objectives.of(self.cfg)
+        self.reference_kind = reference_kind(self.cfg)
         self.tx = make_optimizer(self.cfg)
         self.schedule = learning_rate_schedule(self.cfg)
         self.abstract_state = abstract_state(self.cfg)
@@ -129,74 +155,94 @@ class Trainer:
             drawn, _ = trainable.split(nn.unbox(init_params(model, rng)), model)
             whole = loaded if trainable.trains_everything(model) else trainable.merge(drawn, loaded)
             trained = trainable.trainable_subset(whole, model)
-            return TrainState(jnp.zeros((), jnp.int32), whole, self.tx.init(trained))
+            reference = _copy(whole) if self.reference_kind == "frozen" else None
+            return TrainState(jnp.zeros((), jnp.int32), whole, self.tx.init(trained), reference)
 
         rng = jax.random.key(self.cfg.seed if seed is None else seed)
         return jax.jit(fresh, out_shardings=self.state_shardings)(params, rng)
 
     # ------------------------------------------------------------------ steps
 
-    def _loss(self, trained: Any, batch: Batch, frozen: Any = None) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """(objective, sums) of the parameters `trained` + `frozen` (`trainable.split`): sums hold loss_sum and
-        weight_sum (+ MoE sums); the objective adds router losses."""
-        params = trainable.merge(trained, frozen or {})
+    def _token_logps(self, params: Any, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """(float32 log-probabilities of the targets [batch, length], MoE router statistics)."""
         inputs = (batch["inputs"], batch["segment_ids"], batch["positions"])
         if self.cfg.loss_chunks > 1:  # the head over pieces of the sequence (maxshard/training/loss.py)
             hidden, stats = apply_with_stats(self.model, params, *inputs, method="hidden")
             head = functools.partial(self.model.apply, {"params": params}, method="head")
-            loss_sum, weight_sum = chunked_loss_sums(head, hidden, batch, self.cfg.loss_chunks)
-        else:
-            logits, stats = apply_with_stats(self.model, params, *inputs)
-            loss_sum, weight_sum = loss_sums(logits, batch)
-        sums = {"loss_sum": loss_sum, "weight_sum": weight_sum, **moe.loss_sums(stats, weight_sum)}
+            return chunked_token_logps(head, hidden, batch["targets"], self.cfg.loss_chunks), stats
+        logits, stats = apply_with_stats(self.model, params, *inputs)
+        return token_logps(logits, batch["targets"]), stats
+
+    def _reference_logps(self, params: Any, reference: Any, batch: Batch) -> jax.Array | None:
+        """The reference model's log-probabilities (no gradient), or None when the objective needs none."""
+        if not self.reference_kind:
+            return None
+        if self.reference_kind == "lora_base":
+            reference = trainable.without_adapters(params)
+        return jax.lax.stop_gradient(self._token_logps(reference, batch)[0])
+
+    def _loss(self, trained: Any, batch: Batch, frozen: Any = None, reference: Any = None,
+              totals: dict[str, jax.Array] | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """(objective, sums) of the parameters `trained` + `frozen` (`trainable.split`): sums hold loss_sum and
+        weight_sum, the objective's own sums (+ MoE sums); the objective adds router losses. `totals` are the
+        objective's normalisers over the whole batch (this one's when None)."""
+        params = trainable.merge(trained, frozen or {})
+        logps, stats = self._token_logps(params, batch)
+        totals = self.objective.totals(batch) if totals is None else totals
+        loss_sum, sums = self.objective.sums(logps, batch, totals, self._reference_logps(params, reference, batch))
+        sums = {**sums, **moe.loss_sums(stats, sums["weight_sum"])}
         balance, z = self.cfg.load_balance_loss_weight, self.cfg.router_z_loss_weight
         return loss_sum + moe.objective(sums, balance, z), sums
 
-    def _grads(self, trained: Any, batch: Batch, frozen: Any = None) -> tuple[Any, dict[str, jax.Array]]:
+    def _grads(self, trained: Any, batch: Batch, frozen: Any = None,
+               reference: Any = None) -> tuple[Any, dict[str, jax.Array]]:
         """(sum of gradients of `trained`, sums of `_loss`) over the batch, in `gradient_accumulation_steps`
-        pieces; `frozen` gets none."""
+        pieces; `frozen` and `reference` get none."""
         grad_fn = jax.value_and_grad(self._loss, has_aux=True)
         k = self.cfg.gradient_accumulation_steps
+        totals = self.objective.totals(batch)
         if k == 1:
-            (_, sums), grads = grad_fn(trained, batch, frozen)
+            (_, sums), grads = grad_fn(trained, batch, frozen, reference, totals)
             return grads, sums
 
         def micro(carry: tuple[Any, Any], mb: Batch) -> tuple[tuple[Any, Any], None]:
             mb = {key: sharding.constrain(v, ax.INPUT_AXES) for key, v in mb.items()}
-            (_, sums), grads = grad_fn(trained, mb, frozen)
+            (_, sums), grads = grad_fn(trained, mb, frozen, reference, totals)
             return jax.tree.map(jnp.add, carry, (grads, sums)), None
 
         # Row r of microbatch i is row r*k + i of the batch: every microbatch stays spread over all devices.
         micro_batches = {key: v.reshape(-1, k, *v.shape[1:]).swapaxes(0, 1) for key, v in batch.items()}
         first = jax.tree.map(lambda v: v[0], micro_batches)
-        zeros = jax.tree.map(jnp.zeros_like, (trained, jax.eval_shape(self._loss, trained, first, frozen)[1]))
+        sums_shape = jax.eval_shape(self._loss, trained, first, frozen, reference, totals)[1]
+        zeros = jax.tree.map(jnp.zeros_like, (trained, sums_shape))
         (grads, sums), _ = jax.lax.scan(micro, zeros, micro_batches)
         return grads, sums
 
     def _train_step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
         trained, frozen = trainable.split(state.params, self.cfg.model)
-        grads, sums = self._grads(trained, batch, frozen)
+        grads, sums = self._grads(trained, batch, frozen, state.reference)
         loss_sum, weight_sum = sums["loss_sum"], sums["weight_sum"]
         grads = jax.tree.map(lambda g: g / jnp.maximum(weight_sum, 1.0), grads)
         updates, opt_state = self.tx.update(grads, state.opt_state, trained)
         params = trainable.merge(optax.apply_updates(trained, updates), frozen)
-        new_state = TrainState(state.step + 1, params, opt_state)
+        new_state = TrainState(state.step + 1, params, opt_state, state.reference)
         metrics = {
             "loss": loss_sum / jnp.maximum(weight_sum, 1.0),
-            "tokens": weight_sum,
+            "tokens": sums["tokens"],
             "grad_norm": optax.tree.norm(grads),
             "param_norm": optax.tree.norm(new_state.params),
             "learning_rate": self.schedule(state.step),
             **moe.metrics(sums, weight_sum),
+            **self.objective.metrics(sums),
         }
         return new_state, metrics
 
-    def _eval_step(self, params: Any, batch: Batch) -> dict[str, jax.Array]:
-        _, sums = self._loss(params, batch)
+    def _eval_step(self, params: Any, batch: Batch, reference: Any = None) -> dict[str, jax.Array]:
+        _, sums = self._loss(params, batch, reference=reference)
         return {"loss_sum": sums["loss_sum"], "weight_sum": sums["weight_sum"]}
 
     def batch_shardings(self, batch_sharding: NamedSharding) -> dict[str, NamedSharding]:
-        return {k: batch_sharding for k in ("inputs", "targets", "segment_ids", "positions", "loss_weights")}
+        return {k: batch_sharding for k in objective_kinds.FIELDS}
 
     def jit_train_step(self, batch_sharding: NamedSharding) -> Callable[[TrainState, Batch], Any]:
         """The train step, jitted with explicit shardings and the state donated."""
@@ -214,11 +260,13 @@ class Trainer:
         )
         return self._in_context(step)
 
-    def jit_eval_step(self, batch_sharding: NamedSharding) -> Callable[[Any, Batch], Any]:
+    def jit_eval_step(self, batch_sharding: NamedSharding) -> Callable[[Any, Batch, Any], Any]:
+        """(params, batch, reference) -> loss and weight sums; `reference` is the state's (None unless frozen)."""
         replicated = NamedSharding(self.mesh, PartitionSpec())
         step = jax.jit(
             self._eval_step,
-            in_shardings=(self.state_shardings.params, self.batch_shardings(batch_sharding)),
+            in_shardings=(self.state_shardings.params, self.batch_shardings(batch_sharding),
+                          self.state_shardings.reference),
             out_shardings=replicated,
         )
         return self._in_context(step)

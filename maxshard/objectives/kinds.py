@@ -1,0 +1,55 @@
+"""The training objectives (`objective`): one row each, so an objective is named here once. Read by the config
+schema (the allowed names), `maxshard.objectives.of` (the implementation), the input pipelines (what a row of the
+batch holds: documents, or preference pairs) and the train state (whether a reference model is kept).
+
+A leaf, so that the config schema and the data pipelines can read it without the losses (jax).
+
+Every objective reads the same five batch fields, `FIELDS` [batch, length]; what differs is what a row holds:
+
+    documents   packed documents; the loss counts targets whose loss_weights is 1 (`lm`)
+    pairs       preference pairs, each whole in one row: pair p of a row is its segments 2p - 1 (the chosen reply
+                with its prompt) and 2p (the rejected one); loss_weights is 1 on reply targets only, so the prompt
+                counts in neither half (`data/preference.py` writes such rows, `data/synthetic.py` makes them)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["FIELDS", "Kind", "KINDS", "NAMES", "kind", "REFERENCES"]
+
+# name -> dtype of every batch field, [batch, length] each (maxshard/data/__init__.py says what each holds)
+FIELDS = {"inputs": "int32", "targets": "int32", "segment_ids": "int32", "positions": "int32",
+          "loss_weights": "float32"}
+
+# dpo_reference: where the reference log-probabilities come from (`auto`: lora_base with LoRA, else frozen)
+REFERENCES = ("auto", "frozen", "lora_base")
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+    """One objective (module docstring)."""
+
+    name: str
+    rows: str  # "documents" or "pairs": what a batch row holds
+    reference: bool  # it compares with a reference model's log-probabilities
+    keys: tuple[str, ...]  # its config keys
+    summary: str
+
+
+KINDS = (
+    Kind("lm", "documents", False, (), "next-token cross-entropy (pre-training, SFT)"),
+    Kind("dpo", "pairs", True, ("dpo_beta", "dpo_label_smoothing", "dpo_reference"),
+         "direct preference optimisation against a reference model (objectives/preference.py)"),
+    Kind("simpo", "pairs", False, ("simpo_beta", "simpo_gamma"),
+         "SimPO: length-normalised log-probabilities with a target margin, no reference"),
+    Kind("orpo", "pairs", False, ("orpo_lambda",),
+         "ORPO: the chosen reply's cross-entropy plus a log-odds-ratio term, no reference"),
+)
+NAMES = tuple(k.name for k in KINDS)
+_BY_NAME = {k.name: k for k in KINDS}
+
+
+def kind(name: str) -> Kind:
+    """The objective called `name` (KeyError for an unknown one; the schema admits only NAMES)."""
+    return _BY_NAME[name]

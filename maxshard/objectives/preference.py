@@ -1,0 +1,189 @@
+"""Preference objectives on pairs of replies to one prompt: DPO, SimPO and ORPO, as TRL defines them.
+
+A batch row holds whole pairs (`kinds.py`): pair p is segments 2p - 1 (chosen) and 2p (rejected), and only reply
+targets weigh 1. Each pair's log-probability is the sum over its reply tokens (`Pairs`), computed row by row, so a
+pair never depends on another row and gradient accumulation, which splits the batch by rows, keeps pairs whole.
+Worked example, one row of 12 targets holding two pairs (prompt P, chosen C, rejected R; weight 1 on C and R):
+
+    segment_ids   1 1 1 | 2 2 2 2 | 3 3 | 4 4 4        pair 1 = segments 1, 2; pair 2 = segments 3, 4
+    targets       P C C | P R R R | C C | R R R        chosen[1] = log p of its 2 C targets, rejected[1] of 3 R
+
+A pair counts only when both halves have a reply target (padding segments and empty slots have none). Losses are
+means over counted pairs (weight_sum = pairs), as TRL's are over a batch; ORPO's cross-entropy term is a mean over
+the chosen reply tokens of the whole batch (TRL's), which `totals` counts before the batch is split.
+
+    DPO    margin = beta ((chosen - ref chosen) - (rejected - ref rejected))
+           loss   = -(1 - s) log sigmoid(margin) - s log sigmoid(-margin)          (s: dpo_label_smoothing)
+    SimPO  margin = beta (chosen / |chosen| - rejected / |rejected|) - gamma      (length-normalised, no reference)
+           loss   = -log sigmoid(margin)
+    ORPO   with mean log-probabilities a, b of chosen and rejected,
+           log odds = (a - b) - (log(1 - e^a) - log(1 - e^b))
+           loss   = NLL(chosen tokens) - lambda log sigmoid(log odds)
+
+Rewards (reported, as TRL logs them): DPO beta (logp - ref logp); SimPO beta x mean logp; ORPO lambda x mean logp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from maxshard.objectives import kinds
+
+__all__ = ["Pairs", "pairs_of", "DPO", "SimPO", "ORPO"]
+
+Batch = dict[str, jax.Array]
+
+
+class Pairs(NamedTuple):
+    """Per-pair sums [batch, slots] (a row has at most length / 2 pairs; unused slots are all zero)."""
+
+    chosen: jax.Array  # summed log-probabilities of the chosen reply's targets
+    rejected: jax.Array
+    chosen_tokens: jax.Array  # reply targets in each half
+    rejected_tokens: jax.Array
+
+    @property
+    def counted(self) -> jax.Array:
+        return ((self.chosen_tokens > 0) & (self.rejected_tokens > 0)).astype(jnp.float32)
+
+    def means(self) -> tuple[jax.Array, jax.Array]:
+        """Mean log-probability per reply token of each half (0 for empty slots)."""
+        return (self.chosen / jnp.maximum(self.chosen_tokens, 1.0),
+                self.rejected / jnp.maximum(self.rejected_tokens, 1.0))
+
+
+def _by_segment(values: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """[batch, length] -> (sums over odd segments, sums over even segments), [batch, slots] each, slot p - 1 for
+    segments 2p - 1 and 2p."""
+    slots = (values.shape[1] + 1) // 2  # a segment holds a token at least: segment ids <= length <= 2 x slots
+    per_row = jax.vmap(lambda v, s: jax.ops.segment_sum(v, s, num_segments=2 * slots + 1))
+    summed = per_row(values, segment_ids)  # [batch, 2 x slots + 1], segment 0 (padding) first
+    return summed[:, 1::2], summed[:, 2::2]
+
+
+def pairs_of(logps: jax.Array, batch: Batch) -> Pairs:
+    """Per-pair log-probabilities and reply lengths of log-probabilities [batch, length] (reply targets only)."""
+    weights = batch["loss_weights"].astype(jnp.float32)
+    chosen, rejected = _by_segment(logps * weights, batch["segment_ids"])
+    chosen_tokens, rejected_tokens = _by_segment(weights, batch["segment_ids"])
+    return Pairs(chosen, rejected, chosen_tokens, rejected_tokens)
+
+
+def _sigmoid_loss(margin: jax.Array, smoothing: float) -> jax.Array:
+    return -(1.0 - smoothing) * jax.nn.log_sigmoid(margin) - smoothing * jax.nn.log_sigmoid(-margin)
+
+
+def _pair_sums(loss: jax.Array, pairs: Pairs, chosen: jax.Array, rejected: jax.Array,
+               reward_chosen: jax.Array, reward_rejected: jax.Array) -> dict[str, jax.Array]:
+    """The sums every preference objective reports, over counted pairs: `chosen`/`rejected` are the log-probs it
+    logs (summed or mean), the rewards as the objective defines them."""
+    counted = pairs.counted
+    total = lambda x: jnp.sum(x * counted)  # noqa: E731 - a one-line reduction
+    return {
+        "loss_sum": total(loss),
+        "weight_sum": jnp.sum(counted),
+        "tokens": jnp.sum(pairs.chosen_tokens + pairs.rejected_tokens),
+        "rewards_chosen": total(reward_chosen),
+        "rewards_rejected": total(reward_rejected),
+        "rewards_correct": total((reward_chosen > reward_rejected).astype(jnp.float32)),
+        "logps_chosen": total(chosen),
+        "logps_rejected": total(rejected),
+    }
+
+
+def _pair_metrics(sums: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    pairs = jnp.maximum(sums["weight_sum"], 1.0)
+    return {
+        "rewards/chosen": sums["rewards_chosen"] / pairs,
+        "rewards/rejected": sums["rewards_rejected"] / pairs,
+        "rewards/accuracy": sums["rewards_correct"] / pairs,
+        "rewards/margin": (sums["rewards_chosen"] - sums["rewards_rejected"]) / pairs,
+        "logps/chosen": sums["logps_chosen"] / pairs,
+        "logps/rejected": sums["logps_rejected"] / pairs,
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class DPO:
+    """Direct preference optimisation (TRL's `sigmoid` loss) against a reference model's log-probabilities."""
+
+    beta: float
+    label_smoothing: float = 0.0
+    kind: kinds.Kind = kinds.kind("dpo")
+
+    def totals(self, batch: Batch) -> dict[str, jax.Array]:
+        return {}
+
+    def sums(self, logps: jax.Array, batch: Batch, totals: dict[str, jax.Array],
+             reference: jax.Array | None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        assert reference is not None, "DPO needs the reference model's log-probabilities"
+        pairs, ref = pairs_of(logps, batch), pairs_of(reference, batch)
+        reward_chosen = self.beta * (pairs.chosen - ref.chosen)
+        reward_rejected = self.beta * (pairs.rejected - ref.rejected)
+        loss = _sigmoid_loss(reward_chosen - reward_rejected, self.label_smoothing)
+        sums = _pair_sums(loss, pairs, pairs.chosen, pairs.rejected, reward_chosen, reward_rejected)
+        return sums["loss_sum"], sums
+
+    def metrics(self, sums: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        return _pair_metrics(sums)
+
+
+@dataclasses.dataclass(frozen=True)
+class SimPO:
+    """SimPO (TRL's CPO with loss_type simpo and no behaviour-cloning term): no reference model."""
+
+    beta: float
+    gamma: float
+    kind: kinds.Kind = kinds.kind("simpo")
+
+    def totals(self, batch: Batch) -> dict[str, jax.Array]:
+        return {}
+
+    def sums(self, logps: jax.Array, batch: Batch, totals: dict[str, jax.Array],
+             reference: jax.Array | None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        pairs = pairs_of(logps, batch)
+        chosen, rejected = pairs.means()
+        loss = _sigmoid_loss(self.beta * (chosen - rejected) - self.gamma, 0.0)
+        sums = _pair_sums(loss, pairs, chosen, rejected, self.beta * chosen, self.beta * rejected)
+        return sums["loss_sum"], sums
+
+    def metrics(self, sums: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        return _pair_metrics(sums)
+
+
+@dataclasses.dataclass(frozen=True)
+class ORPO:
+    """Odds-ratio preference optimisation (TRL's ORPO): cross-entropy on the chosen replies plus the odds term."""
+
+    lam: float
+    kind: kinds.Kind = kinds.kind("orpo")
+
+    def totals(self, batch: Batch) -> dict[str, jax.Array]:
+        """Pairs and chosen reply tokens of the whole batch: the NLL term is a mean over all chosen tokens."""
+        pairs = pairs_of(jnp.zeros(batch["loss_weights"].shape, jnp.float32), batch)
+        counted = pairs.counted
+        return {"pairs": jnp.sum(counted), "chosen_tokens": jnp.sum(pairs.chosen_tokens * counted)}
+
+    def sums(self, logps: jax.Array, batch: Batch, totals: dict[str, jax.Array],
+             reference: jax.Array | None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        pairs = pairs_of(logps, batch)
+        chosen, rejected = pairs.means()
+        log_odds = (chosen - rejected) - (jnp.log1p(-jnp.exp(chosen)) - jnp.log1p(-jnp.exp(rejected)))
+        ratio = jax.nn.log_sigmoid(log_odds)
+        nll = -jnp.sum(pairs.chosen * pairs.counted)  # summed over this microbatch's chosen reply tokens
+        # The step divides by the pairs: the NLL's share is scaled so that its quotient is the batch's token mean.
+        nll_share = nll * totals["pairs"] / jnp.maximum(totals["chosen_tokens"], 1.0)
+        sums = _pair_sums(-self.lam * ratio, pairs, chosen, rejected, self.lam * chosen, self.lam * rejected)
+        sums.update(nll=nll_share, log_odds_ratio=jnp.sum(ratio * pairs.counted),
+                    log_odds_chosen=jnp.sum(log_odds * pairs.counted))
+        sums["loss_sum"] = sums["loss_sum"] + nll_share
+        return sums["loss_sum"], sums
+
+    def metrics(self, sums: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        pairs = jnp.maximum(sums["weight_sum"], 1.0)
+        return {**_pair_metrics(sums), "nll_loss": sums["nll"] / pairs, "log_odds_ratio": sums["log_odds_ratio"] / pairs,
+                "log_odds_chosen": sums["log_odds_chosen"] / pairs}
