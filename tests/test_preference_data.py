@@ -8,6 +8,7 @@ Byte-level ids (ByteTokenizer): PAD 0, BOS 1, EOS 2, a byte b is b + 3 ('a' = 10
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -159,6 +160,10 @@ def test_malformed_records_are_bad_records_naming_their_line(tmp_path):
     long = encoder(preference.Preference("prompt", "chosen", "rejected"), "bad.jsonl line 9")
     assert long == BadRecord("longer than max_target_length", "bad.jsonl line 9")
     assert encoder(preference.Preference("p", "c", "r"), "x")["inputs"].shape == (6,)
+    gz = tmp_path / "bad.jsonl.gz"
+    gz.write_bytes(gzip.compress(path.read_bytes()))  # compressed JSONL: the same records
+    again = preference.open_source(str(gz), "dataset_path", False, OPTIONS).documents
+    assert [again[i] for i in range(2)] == [documents[i] for i in range(2)] and again[2].where == "bad.jsonl.gz line 3"
 
 
 def test_bad_and_long_records_are_skipped_and_counted_exactly(tmp_path):
