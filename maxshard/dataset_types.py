@@ -25,7 +25,7 @@ class Reader:
 
     name: str
     opener: str  # "module:function" that opens one source of this type ("" for none)
-    yields: str  # "text", "tokens" (or text stored as records), "conversations", or "batches" (no documents)
+    yields: str  # "text", "tokens" (or text stored as records), "conversations", "pairs", or "batches" (no documents)
     keys: tuple[str, ...]  # config keys it reads besides dataset_path
     summary: str
     suffixes: tuple[str, ...] = ()  # file names of this type: what a directory lists, a mixture source's type
@@ -52,6 +52,10 @@ READERS = (
            ("messages_field", "chat_template", "hf_split", "hf_streaming", "data_cache_dir"),
            "conversations for supervised fine-tuning, from JSONL or a Hugging Face dataset; the loss counts the "
            "assistant turns (data/chat.py)"),
+    Reader("preference", "maxshard.data.preference:open_source", "pairs",
+           ("chat_template", "hf_split", "hf_streaming", "data_cache_dir"),
+           "preference pairs (prompt, chosen, rejected: text or conversations) for DPO, SimPO, ORPO, from JSONL or a "
+           "Hugging Face dataset; each pair whole in one row, loss weights on the completions (data/preference.py)"),
     Reader("synthetic", "", "batches", ("seed", "vocab_size"),
            "a learnable task made on device (data/synthetic.py): no files, for measuring the step"),
 )

@@ -141,6 +141,9 @@ def _check_data(cfg: Config) -> None:
     if cfg.dataset_mixture:
         if cfg.dataset_type == "synthetic":
             raise ConfigError("dataset_mixture needs real data; dataset_type=synthetic makes its own")
+        if cfg.dataset_type == "preference":
+            raise ConfigError("dataset_mixture mixes documents, not preference pairs; dataset_type=preference reads "
+                              "dataset_path (a file, directory or glob)")
         if cfg.dataset_path:
             raise ConfigError("dataset_path and dataset_mixture are both set; set only one (a mixture lists its paths)")
 

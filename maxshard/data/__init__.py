@@ -12,7 +12,8 @@ the data delivered so far (tokens per source, skipped bad records), the run's, n
 
 The dataset types and their readers are the rows of `maxshard/dataset_types.py`. Modules: `sources` (text files,
 default corpus, train/eval split), `records` (ArrayRecord shards), `chat` and
-`chat_template` (conversations -> tokens whose loss counts the assistant turns, `dataset_type: chat`),
+`chat_template` (conversations -> tokens whose loss counts the assistant turns, `dataset_type: chat`), `preference`
+(prompt/chosen/rejected records -> pairs of halves packed whole, `dataset_type: preference`),
 `jsonl`, `parquet`, `hf` (Hugging Face datasets), `hf_stream` (one read as a stream), `files` (listing local and remote paths), `catalog` (which sources a
 config names, mixtures), `shuffle` (block-wise shuffle), `mixture` (token-weighted interleave, bad-record skipping),
 `tokenizer`, `packing` (documents -> rows), `pipeline` (the grain graph and the global-batch iterator), `synthetic`.

@@ -110,7 +110,9 @@ def load_template(tokenizer_path: str, setting: str = "") -> ChatTemplate:
 
 
 def _has_chat(cfg: Any) -> bool:
-    return cfg.dataset_type == "chat" or any(str(s).startswith(CHAT_PREFIX) for s, _ in cfg.dataset_mixture)
+    """Whether the run may read conversations (preference records may be conversations too)."""
+    named = cfg.dataset_type in ("chat", "preference")
+    return named or any(str(s).startswith(CHAT_PREFIX) for s, _ in cfg.dataset_mixture)
 
 
 def run_template(cfg: Any) -> ChatTemplate | None:

@@ -28,13 +28,13 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from maxshard.data import files
-from maxshard.data.chat import Conversation, as_conversation
+from maxshard.data.chat import as_conversation
 from maxshard.data.sources import BadRecord, Corpus, ReadOptions, as_text, row_keys
 from maxshard.errors import ConfigError
 
@@ -54,21 +54,31 @@ STREAMING_MODES = ("auto", "always", "never")
 class HfDocuments(Sequence):
     """The `text_field` column of a map-style `datasets.Dataset`; the Arrow column is looked up once per process."""
 
-    def __init__(self, dataset: Any, text_field: str, name: str, chat: bool = False) -> None:
-        """`chat`: the column holds conversations (`messages_field`), not text."""
-        self.dataset, self.text_field, self.name, self.chat = dataset, text_field, name, chat
+    def __init__(self, dataset: Any, text_field: str, name: str, chat: bool = False,
+                 whole: Callable[[dict, str], Any] | None = None) -> None:
+        """`chat`: the column holds conversations (`messages_field`), not text; `whole`: a record is what
+        `whole(row, where)` makes of the row's every column (select them first), e.g. a preference pair."""
+        self.dataset, self.text_field, self.name, self.chat, self.whole = dataset, text_field, name, chat, whole
         self._column: Any = None
 
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, index: int) -> str | Conversation | BadRecord:  # type: ignore[override]
+    def __getitem__(self, index: int) -> Any:  # type: ignore[override]
+        if self.whole is not None:
+            return self.whole(self._row(int(index)), f"{self.name} row {index}")
         if self._column is None:
             self._column = self.dataset.data.column(self.text_field)
         value = self._column[int(index)]
         if self.chat:
             return as_conversation(value.as_py() if value.is_valid else None, f"{self.name} row {index}")
         return as_text(value.as_py() if value.is_valid else None, f"{self.name} row {index}")
+
+    def _row(self, index: int) -> dict[str, Any]:
+        """Every column of row `index` (Python values; None where a value is null)."""
+        if self._column is None:
+            self._column = {c: self.dataset.data.column(c) for c in self.dataset.column_names}
+        return {c: column[index].as_py() if column[index].is_valid else None for c, column in self._column.items()}
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_column": None}

@@ -23,14 +23,14 @@ import json
 import os
 import shutil
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import IO, Any
 
 import numpy as np
 
 from maxshard import dataset_types
 from maxshard.data import files
-from maxshard.data.chat import Conversation, as_conversation
+from maxshard.data.chat import as_conversation
 from maxshard.data.sources import BadRecord, Corpus, ReadOptions, row_keys
 from maxshard.errors import ConfigError
 
@@ -42,8 +42,10 @@ _SAMPLE_LINES_PER_FILE = 8  # lines per file looked at before the first batch, t
 _SAMPLE_LINES = 256
 
 
-def parse_record(line: bytes, text_field: str, where: str, chat: bool = False) -> str | Conversation | BadRecord:
-    """One line -> its text (chat: its conversation, `chat.as_conversation`), or a BadRecord saying why not."""
+def parse_record(line: bytes, text_field: str, where: str, chat: bool = False,
+                 whole: Callable[[dict, str], Any] | None = None) -> Any:
+    """One line -> its text (chat: its conversation, `chat.as_conversation`; `whole`: what `whole(object, where)`
+    makes of the whole object, e.g. a preference pair), or a BadRecord saying why not."""
     line = line.rstrip(b"\r\n")
     if not line.strip():
         return BadRecord("empty line", where)
@@ -55,6 +57,8 @@ def parse_record(line: bytes, text_field: str, where: str, chat: bool = False) -
         return BadRecord("invalid JSON", where)
     if not isinstance(record, dict):
         return BadRecord("not an object", where)
+    if whole is not None:
+        return whole(record, where)
     if text_field not in record:
         return BadRecord("missing field", where)
     text = record[text_field]
@@ -84,9 +88,11 @@ class JsonlDocuments(Sequence):
     """Plain local JSONL files as one sequence of records; file descriptors open lazily (again in each worker)."""
 
     def __init__(self, paths: Sequence[str], names: Sequence[str], bounds: Sequence[np.ndarray], text_field: str,
-                 chat: bool = False):
-        """`chat`: records are conversations in `text_field` (`messages_field`), not text."""
+                 chat: bool = False, whole: Callable[[dict, str], Any] | None = None):
+        """`chat`: records are conversations in `text_field` (`messages_field`), not text; `whole`: records are
+        made from the whole object (`parse_record`), `text_field` only checked to be there."""
         self.paths, self.names, self.text_field, self.chat = tuple(paths), tuple(names), text_field, chat
+        self.whole = whole
         self._bounds = list(bounds)
         self._ends = np.cumsum([len(b) - 1 for b in bounds]).astype(np.int64)
         self._fds: dict[int, int] = {}
@@ -95,8 +101,8 @@ class JsonlDocuments(Sequence):
     def __len__(self) -> int:
         return int(self._ends[-1]) if len(self._ends) else 0
 
-    def __getitem__(self, index: int) -> str | Conversation | BadRecord:  # type: ignore[override]
-        return parse_record(self.raw(index), self.text_field, self.where(index), self.chat)
+    def __getitem__(self, index: int) -> Any:  # type: ignore[override]
+        return parse_record(self.raw(index), self.text_field, self.where(index), self.chat, self.whole)
 
     def raw(self, index: int) -> bytes:
         """The bytes of line `index` (with its newline)."""
@@ -153,17 +159,19 @@ def open_source(path: str, key: str, chat: bool, options: ReadOptions) -> Corpus
 
 
 def jsonl_corpus(dataset_path: str, text_field: str, cache_dir: str, key: str = "dataset_path",
-                 chat: bool = False) -> Corpus:
+                 chat: bool = False, whole: Callable[[dict, str], Any] | None = None) -> Corpus:
     """Every JSONL file `dataset_path` names (a file, a directory's `*.jsonl[.gz|.zst]`, a glob), sorted; `chat`:
-    the records are conversations in the field `text_field` (`messages_field`)."""
+    the records are conversations in the field `text_field` (`messages_field`); `whole`: each record is made from
+    its whole object (`parse_record`; preference pairs), which must have `text_field`."""
     sources = files.list_files(dataset_path, SUFFIXES, key)
     local = [_plain_local_copy(p, cache_dir, key) for p in sources]
     names = [files.relative_name(p, dataset_path) for p in sources]
     bounds = [line_bounds(p) for p in local]
-    documents = JsonlDocuments(local, names, bounds, text_field, chat)
+    documents = JsonlDocuments(local, names, bounds, text_field, chat, whole)
     if len(documents) == 0:
         raise ConfigError(f"{key}={dataset_path}: the files hold no lines (empty corpus)")
-    _check_text_field(documents, text_field, f"{key}={dataset_path}", "messages_field" if chat else "text_field")
+    name = "messages_field" if chat else "text_field" if whole is None else "record field"
+    _check_text_field(documents, text_field, f"{key}={dataset_path}", name)
     keys = np.concatenate([row_keys(n, len(b) - 1) for n, b in zip(names, bounds)])
     return Corpus(documents, keys, f"{key}={dataset_path}")
 

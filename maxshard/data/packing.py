@@ -24,6 +24,19 @@ restarting at 0 there, as a new segment). Worked example, length 6, documents A 
 
 Features beyond inputs/targets (`extra`: per-token bookkeeping such as which source a token came from) are cut and
 padded (with 0) exactly like the tokens, so they stay aligned with them.
+
+Preference pairs (`data/preference.py`: two halves, chosen then rejected, each its own document) are never cut:
+`pack_pairs` places whole pairs first-fit (grain's `FirstFitPackIterDataset`) into `PAIR_BINS` rows at a time, in
+the order they come, each into the first of those rows with room; a pair fitting none of them sends the rows on,
+unfilled ends padded. The packer numbers the pairs of a row 1, 2, ...; pair p's chosen half gets segment id 2p-1
+and its rejected half 2p, and positions restart at 0 at each half (the pair's HALF and HALF_POSITION). Length 8,
+pairs P = (chosen p1 p2 p3 | rejected q1 q2) and R = (r1 | s1 s2), inputs:
+
+    inputs       p1 p2 p3 q1 q2 r1 s1 s2
+    segment_ids  1  1  1  2  2  3  4  4           odd: chosen, even: rejected, (segment + 1) // 2: pair in row
+    positions    0  1  2  0  1  0  0  1
+
+With `packing: false` a row holds one pair, padded.
 """
 
 from __future__ import annotations
@@ -32,13 +45,15 @@ import functools
 
 import grain
 import numpy as np
-from grain.experimental import ConcatThenSplitIterDataset
+from grain.experimental import ConcatThenSplitIterDataset, FirstFitPackIterDataset
 
 from maxshard.data.chat import WEIGHT  # an optional per-target loss weight of a pair (chat: assistant turns only)
 from maxshard.objectives.kinds import FIELDS  # the batch fields, named once for every objective
 
-__all__ = ["document_pair", "pack", "pad_to_length", "FIELDS"]
+__all__ = ["document_pair", "pack", "pad_to_length", "pack_pairs", "FIELDS", "HALF", "HALF_POSITION", "PAIR_BINS"]
 
+HALF, HALF_POSITION = "_half", "_half_position"  # a preference pair's tokens: 1 chosen, 2 rejected; place in half
+PAIR_BINS = 16  # rows filled with whole pairs at once: more pack tighter, but a resume re-reads that many rows
 
 def document_pair(tokens: np.ndarray, bos_id: int | None, eos_id: int) -> dict[str, np.ndarray]:
     """int32 [n] -> {"inputs", "targets"}: BOS (where the tokenizer adds one) and EOS added, shifted by one (see
@@ -66,6 +81,29 @@ def _packed_row(element: dict[str, np.ndarray], extra: tuple[str, ...] = ()) -> 
         "segment_ids": segment_ids,
         "positions": element["inputs_positions"].astype(np.int32),
         "loss_weights": _weights(segment_ids > 0, element),
+        **{k: element[k] for k in extra},
+    }
+
+
+def pack_pairs(pairs: grain.IterDataset, length: int, packing: bool = True,
+               extra: tuple[str, ...] = ()) -> grain.IterDataset:
+    """Preference pairs (with HALF, HALF_POSITION) -> rows of whole pairs, first-fit (packing false: one a row)."""
+    features = ("inputs", "targets", HALF, HALF_POSITION, *extra)
+    packed = FirstFitPackIterDataset(pairs, length_struct={k: length for k in features}, shuffle_bins=False,
+                                     num_packing_bins=PAIR_BINS if packing else 1,
+                                     max_sequences_per_bin=None if packing else 1)
+    return packed.map(functools.partial(_pair_row, extra=extra))
+
+
+def _pair_row(element: dict[str, np.ndarray], extra: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
+    pair = element["inputs_segment_ids"]  # [length]: the pair's number in the row, from 1; 0: padding
+    real = pair > 0
+    return {
+        "inputs": element["inputs"],
+        "targets": element["targets"],
+        "segment_ids": np.where(real, 2 * pair - 2 + element[HALF], 0).astype(np.int32),
+        "positions": element[HALF_POSITION].astype(np.int32),
+        "loss_weights": _weights(real, element),
         **{k: element[k] for k in extra},
     }
 

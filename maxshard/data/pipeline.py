@@ -1,7 +1,7 @@
 """The grain pipeline: documents -> tokens -> packed rows -> global batches -> global jax.Arrays.
 
     per source: split (indices)  ->  MapDataset: shuffle(seed) . repeat()  .  read + tokenize
-        ->  IterDataset: mix sources by token weight, drop bad records (`mixture`)  .  pack (or pad)
+        ->  IterDataset: mix sources by token weight, drop bad records (`mixture`)  .  pack (or pad; pairs whole)
         .  batch(global rows)  ->  prefetch (thread, or `grain_worker_count` processes)
         ->  GlobalBatchIterator: each process's rows of the global batch -> jax.Arrays, token and skip counters
 
@@ -57,7 +57,7 @@ from grain.experimental import ThreadPrefetchIterDataset, WindowShuffleIterDatas
 from jax.sharding import NamedSharding
 
 from maxshard.config import Config
-from maxshard.data import catalog, chat, hf_stream, packing, sources
+from maxshard.data import catalog, chat, hf_stream, packing, preference, sources
 from maxshard.data.mixture import SKIPPED, SOURCE, TokenMixIterDataset
 from maxshard.data.shuffle import BlockShuffleMapDataset
 from maxshard.data.sources import BadRecord
@@ -83,6 +83,7 @@ class PipelineOptions:
     shuffle_seed: int | None = 0  # None: documents in corpus order (eval)
     worker_count: int = 0
     prefetch: int = 2
+    pairs: bool = False  # preference pairs, each whole in one row (`packing.pack_pairs`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +95,7 @@ class SourceStream:
     weight: float = 1.0
     name: str = "documents"  # for messages
     blocks: np.ndarray | None = None  # block of each of `indices` (None: shuffle globally)
-    encoder: chat.ChatEncoder | None = None  # a chat source: conversations -> pairs with loss weights
+    encoder: chat.ChatEncoder | preference.PreferenceEncoder | None = None  # conversations / preference records
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,13 +108,14 @@ class StreamedSource:
     shuffle_window: int = hf_stream.SHUFFLE_WINDOW  # documents per train shuffle window
 
 
-def _document_pair(document: str | np.ndarray | chat.Conversation | BadRecord, tokenizer: Tokenizer,
-                   where: str, encoder: chat.ChatEncoder | None = None) -> dict[str, np.ndarray] | BadRecord:
-    """A document -> {inputs, targets} (a conversation: and its chat.WEIGHT), or its BadRecord."""
+def _document_pair(document: str | np.ndarray | chat.Conversation | preference.Preference | BadRecord,
+                   tokenizer: Tokenizer, where: str, encoder: Any = None) -> dict[str, np.ndarray] | BadRecord:
+    """A document -> {inputs, targets} (a conversation: and its chat.WEIGHT; a preference record: its pair
+    example), or its BadRecord."""
     if isinstance(document, BadRecord):
         return document
-    if isinstance(document, chat.Conversation):
-        assert encoder is not None, "a chat source without its encoder"
+    if isinstance(document, (chat.Conversation, preference.Preference)):
+        assert encoder is not None, "a chat or preference source without its encoder"
         return encoder(document, where)
     if isinstance(document, np.ndarray):
         tokens = document
@@ -131,7 +133,7 @@ class _LoadPair:
 
     documents: Sequence[str | np.ndarray | BadRecord]
     tokenizer: Tokenizer
-    encoder: chat.ChatEncoder | None = None  # conversations -> pairs (chat sources)
+    encoder: chat.ChatEncoder | preference.PreferenceEncoder | None = None  # chat and preference sources
 
     def __call__(self, index: int) -> dict[str, np.ndarray] | BadRecord:
         return _document_pair(self.documents[int(index)], self.tokenizer, f"document {int(index)}", self.encoder)
@@ -164,9 +166,11 @@ def mixed_batches(streams: Sequence[SourceStream | StreamedSource], tokenizer: T
     epoch_sizes = [len(s.indices) if isinstance(s, SourceStream) else None for s in streams]
     pairs = TokenMixIterDataset(parents, [s.weight for s in streams], epoch_sizes,
                                 [s.name for s in streams], token_cap=None if opts.packing else opts.length,
-                                row_length=opts.length if opts.packing else None)
+                                row_length=opts.length if opts.packing and not opts.pairs else None)
     extra = (SOURCE, SKIPPED, chat.WEIGHT)
-    if opts.packing:
+    if opts.pairs:
+        rows = packing.pack_pairs(pairs, opts.length, opts.packing, extra)
+    elif opts.packing:
         rows = packing.pack(pairs, opts.length, extra)
     else:
         rows = pairs.map(functools.partial(packing.pad_to_length, length=opts.length, pad_id=tokenizer.pad_id,
@@ -361,7 +365,9 @@ def make_grain_input(cfg: Config, sharding: NamedSharding, split: str, batch_siz
     tokenizer = make_tokenizer(cfg)
     specs = catalog.source_specs(cfg)
     template = chat.run_template(cfg)
-    encoder = None if template is None else chat.ChatEncoder(template, tokenizer, cfg.max_target_length)
+    pairs = cfg.dataset_type == "preference"  # the config refuses it in a mixture
+    encoder = (preference.PreferenceEncoder(tokenizer, template, cfg.max_target_length) if pairs
+               else None if template is None else chat.ChatEncoder(template, tokenizer, cfg.max_target_length))
     streams: list[SourceStream | StreamedSource] = []
     for spec in specs:
         corpus = catalog.open_corpus(spec, tokenizer.fingerprint(), cfg.text_field, cfg.hf_split, cfg.data_cache_dir,
@@ -373,7 +379,7 @@ def make_grain_input(cfg: Config, sharding: NamedSharding, split: str, batch_siz
         indices = split_documents(corpus, cfg, split)
         blocks = None if corpus.blocks is None else corpus.blocks[indices]
         streams.append(SourceStream(corpus.documents, indices, spec.weight, corpus.where, blocks,
-                                    encoder if spec.chat else None))
+                                    encoder if spec.chat or pairs else None))
     opts = PipelineOptions(
         length=cfg.max_target_length,
         batch=batch_size,
@@ -381,6 +387,7 @@ def make_grain_input(cfg: Config, sharding: NamedSharding, split: str, batch_siz
         shuffle_seed=cfg.data_shuffle_seed if split == "train" else None,
         worker_count=cfg.grain_worker_count,
         prefetch=cfg.grain_prefetch,
+        pairs=pairs,
     )
     identity = {"where": [s.name for s in streams], "weights": [s.weight for s in streams], "split": split,
                 "documents": [int(len(s.indices)) if isinstance(s, SourceStream) else "streamed" for s in streams],

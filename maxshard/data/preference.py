@@ -1,0 +1,184 @@
+"""Preference pairs (`dataset_type: preference`): records of a prompt, a chosen and a rejected completion, for
+DPO, SimPO and ORPO.
+
+A record is text, `{"prompt": str, "chosen": str, "rejected": str}`, or a conversation: `{"chosen": [messages],
+"rejected": [messages]}` (one conversation whose last assistant turn differs), or TRL's conversational form
+`{"prompt": [messages], "chosen": [assistant messages], "rejected": [...]}` (the prompt goes before each). From JSONL
+(plain, .gz, .zst) or a Hugging Face dataset read map-style (`prompt`, `chosen`, `rejected` columns).
+
+A record becomes one *pair example* of two halves, chosen first, each its own document shifted by one into
+inputs/targets (`packing.document_pair`):
+
+    text   [BOS] prompt ids  completion ids  EOS     prompt and completion tokenized apart, then joined, as TRL's
+                                                      DPO does (no BPE merge crosses the boundary); BOS where the
+                                                      tokenizer adds one
+    chat   the whole conversation rendered with the run's chat template, as `dataset_type: chat` renders it
+           (`chat.encode_conversation`); the response is the LAST assistant turn, and everything before it (the
+           prompt) must be the same tokens in both halves
+
+The weight (`chat.WEIGHT`) is 1 on targets that are completion tokens (the EOS, or the turn's end, included) and 0
+on prompt targets. The pair also carries `packing.HALF` (1 chosen, 2 rejected) and `packing.HALF_POSITION`, from
+which `packing.pack_pairs` makes the rows: pair p of a row has segment ids 2p-1 (chosen) and 2p (rejected), and
+positions restart at 0 at each half.
+
+Skipped and counted, never a crash (`BadRecord`, naming the record): a missing or mistyped field, text mixed with
+messages, a template that refuses the conversation, a half without a completion, prompts that differ between the
+halves, and a pair longer than `max_target_length` (both halves together: a pair always lands whole in one row).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import numpy as np
+
+from maxshard.data import hf, jsonl
+from maxshard.data.chat import WEIGHT, Conversation, as_conversation, encode_conversation
+from maxshard.data.chat_template import ChatTemplate, TemplateError
+from maxshard.data.packing import HALF, HALF_POSITION
+from maxshard.data.sources import BadRecord, Corpus, ReadOptions, row_keys
+from maxshard.errors import ConfigError
+
+__all__ = ["FIELDS", "Preference", "as_preference", "open_source", "PreferenceEncoder", "pair_example"]
+
+FIELDS = ("prompt", "chosen", "rejected")  # the record's fields (prompt optional for conversations)
+
+
+@dataclasses.dataclass(frozen=True)
+class Preference:
+    """One preference record: text (three strings) or messages (prompt: the messages before each completion)."""
+
+    prompt: str | Conversation | None
+    chosen: str | Conversation
+    rejected: str | Conversation
+
+
+def as_preference(record: dict[str, Any], where: str) -> Preference | BadRecord:
+    """A JSON object or a dataset row -> a Preference, or a BadRecord saying why not."""
+    chosen, rejected, prompt = record.get("chosen"), record.get("rejected"), record.get("prompt")
+    if chosen is None or rejected is None:
+        return BadRecord("missing field", where)
+    if isinstance(chosen, str) and isinstance(rejected, str):
+        if prompt is None:
+            return BadRecord("missing field", where)
+        return Preference(prompt, chosen, rejected) if isinstance(prompt, str) else BadRecord("not a string", where)
+    if isinstance(chosen, str) or isinstance(rejected, str) or isinstance(prompt, str):
+        return BadRecord("text mixed with messages", where)
+    halves = [as_conversation(value, where) for value in (prompt, chosen, rejected) if value is not None]
+    bad = next((h for h in halves if isinstance(h, BadRecord)), None)
+    if bad is not None:
+        return bad
+    return Preference(halves[0] if prompt is not None else None, halves[-2], halves[-1])
+
+
+# --------------------------------------------------------------------------------------------- reading
+
+
+def open_source(path: str, key: str, chat: bool, options: ReadOptions) -> Corpus:
+    """`dataset_type: preference` (maxshard/dataset_types.py): JSONL files, else a Hugging Face dataset read
+    map-style (streaming is refused, as for chat data)."""
+    if path.endswith(jsonl.SUFFIXES):  # as `dataset_type: chat` tells its readers apart
+        return jsonl.jsonl_corpus(path, "chosen", options.data_cache_dir, key, whole=as_preference)
+    if hf.read_as_stream(path, options.hf_streaming, key):
+        raise ConfigError(f"{key}={path}: preference data is read map-style (downloaded first), not streamed; "
+                          "set hf_streaming=never")
+    return _hf_corpus(path, options.hf_split, key)
+
+
+def _hf_corpus(path: str, split: str, key: str) -> Corpus:
+    """One split of a Hugging Face dataset whose rows are preference records; split keys as `hf.hf_corpus`."""
+    dataset = hf.load(path, split, key)
+    hf.check_text_field(dataset.column_names, "chosen", f"{key}={path}", "record field")
+    if len(dataset) == 0:
+        raise ConfigError(f"{key}={path}: the {split} split has no rows (empty corpus)")
+    name = os.path.basename(path.rstrip("/")) or path
+    columns = [c for c in FIELDS if c in dataset.column_names]
+    documents = hf.HfDocuments(dataset.select_columns(columns), "chosen", name, whole=as_preference)
+    return Corpus(documents, row_keys(f"{name}:{split}", len(dataset)), f"{key}={path}")
+
+
+# --------------------------------------------------------------------------------------------- encoding
+
+
+@dataclasses.dataclass(frozen=True)
+class PreferenceEncoder:
+    """Preference -> pair example (module docstring), or its BadRecord (picklable: runs in grain workers)."""
+
+    tokenizer: Any
+    template: ChatTemplate | None  # the run's chat template (conversations)
+    max_length: int  # max_target_length: a longer pair is skipped
+
+    def __call__(self, record: Preference, where: str) -> dict[str, np.ndarray] | BadRecord:
+        try:
+            halves = self._text_halves(record) if isinstance(record.chosen, str) else self._chat_halves(record, where)
+        except TemplateError as e:  # the reason stays fixed (counted by kind); the template's words go to `where`
+            return BadRecord("template refused it", f"{where} ({str(e)[:80]})")
+        except UnicodeEncodeError:
+            return BadRecord("invalid UTF-8", where)
+        if isinstance(halves, BadRecord):
+            return halves
+        if not all(weights[1:].any() for _, weights in halves):
+            return BadRecord("no completion", where)
+        example = pair_example(halves)
+        if len(example["inputs"]) > self.max_length:
+            return BadRecord("longer than max_target_length", where)
+        return example
+
+    def _text_halves(self, record: Preference) -> list[tuple[np.ndarray, np.ndarray]]:
+        """[BOS] prompt completion EOS for each completion, weighted 1 from the completion's first token."""
+        start = [] if self.tokenizer.bos_id is None else [self.tokenizer.bos_id]
+        prompt = np.concatenate([start, self.tokenizer.encode_array(record.prompt)]).astype(np.int32)
+        halves = []
+        for completion in (record.chosen, record.rejected):
+            tokens = np.concatenate([prompt, self.tokenizer.encode_array(completion), [self.tokenizer.eos_id]])
+            weights = (np.arange(len(tokens)) >= len(prompt)).astype(np.int8)
+            halves.append((tokens.astype(np.int32), weights))
+        return halves
+
+    def _chat_halves(self, record: Preference, where: str) -> list[tuple[np.ndarray, np.ndarray]] | BadRecord:
+        """Each whole conversation rendered as SFT renders it, weighted on its last assistant turn only; the tokens
+        before that turn must be the same in both."""
+        assert self.template is not None, "a preference source without the run's chat template"
+        before = () if record.prompt is None else record.prompt.messages
+        halves, prompts = [], []
+        for completion in (record.chosen, record.rejected):
+            tokens, mask = encode_conversation(Conversation(before + completion.messages), self.template,
+                                               self.tokenizer)
+            start, end = _last_run(mask)
+            if start == end:
+                return BadRecord("no assistant turn", where)
+            weights = np.zeros(len(tokens), np.int8)
+            weights[start:end] = 1
+            halves.append((tokens, weights))
+            prompts.append(tokens[:start])
+        if not np.array_equal(prompts[0], prompts[1]):
+            return BadRecord("prompts differ", where)
+        return halves
+
+
+def _last_run(mask: np.ndarray) -> tuple[int, int]:
+    """[start, end) of the last run of 1s in `mask` (the last assistant turn); (0, 0) when there is none."""
+    ones = np.flatnonzero(mask)
+    if not len(ones):
+        return 0, 0
+    end = int(ones[-1]) + 1
+    gaps = np.flatnonzero(mask[:end] == 0)
+    return (int(gaps[-1]) + 1 if len(gaps) else 0), end
+
+
+def pair_example(halves: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, np.ndarray]:
+    """[(tokens [n_h], weights [n_h]) chosen, rejected] -> the pair example: each half shifted by one, then joined.
+
+    Every field is [n_c - 1 + n_r - 1]: inputs, targets (int32), WEIGHT (float32, of each target), HALF (1 or 2),
+    HALF_POSITION (0, 1, ... inside each half)."""
+    parts: dict[str, list[np.ndarray]] = {"inputs": [], "targets": [], WEIGHT: [], HALF: [], HALF_POSITION: []}
+    for half, (tokens, weights) in enumerate(halves, start=1):
+        n = len(tokens) - 1
+        parts["inputs"].append(tokens[:-1])
+        parts["targets"].append(tokens[1:])
+        parts[WEIGHT].append(weights[1:].astype(np.float32))
+        parts[HALF].append(np.full(n, half, np.int32))
+        parts[HALF_POSITION].append(np.arange(n, dtype=np.int32))
+    return {k: np.concatenate(v).astype(np.float32 if k == WEIGHT else np.int32) for k, v in parts.items()}
