@@ -10,15 +10,18 @@ Worked example, one row of 12 targets holding two pairs (prompt P, chosen C, rej
 
 A pair counts only when both halves have a reply target (padding segments and empty slots have none). Losses are
 means over counted pairs (weight_sum = pairs), as TRL's are over a batch; ORPO's cross-entropy term is a mean over
-the chosen reply tokens of the whole batch (TRL's), which `totals` counts before the batch is split.
+every target of the chosen halves of the whole batch, prompt included (TRL's), which `totals` counts before the
+batch is split.
 
     DPO    margin = beta ((chosen - ref chosen) - (rejected - ref rejected))
-           loss   = -(1 - s) log sigmoid(margin) - s log sigmoid(-margin)          (s: dpo_label_smoothing)
+           loss   = -log sigmoid(margin)
+           with dpo_label_smoothing e > 0, robust DPO (TRL's `robust`: unbiased when labels flip with chance e):
+           loss   = (-(1 - e) log sigmoid(margin) + e log sigmoid(-margin)) / (1 - 2e)
     SimPO  margin = beta (chosen / |chosen| - rejected / |rejected|) - gamma      (length-normalised, no reference)
            loss   = -log sigmoid(margin)
     ORPO   with mean log-probabilities a, b of chosen and rejected,
            log odds = (a - b) - (log(1 - e^a) - log(1 - e^b))
-           loss   = NLL(chosen tokens) - lambda log sigmoid(log odds)
+           loss   = NLL(chosen halves, prompt included) - lambda log sigmoid(log odds)
 
 Rewards (reported, as TRL logs them): DPO beta (logp - ref logp); SimPO beta x mean logp; ORPO lambda x mean logp.
 """
@@ -73,8 +76,12 @@ def pairs_of(logps: jax.Array, batch: Batch) -> Pairs:
     return Pairs(chosen, rejected, chosen_tokens, rejected_tokens)
 
 
-def _sigmoid_loss(margin: jax.Array, smoothing: float) -> jax.Array:
-    return -(1.0 - smoothing) * jax.nn.log_sigmoid(margin) - smoothing * jax.nn.log_sigmoid(-margin)
+def _sigmoid_loss(margin: jax.Array, smoothing: float = 0.0) -> jax.Array:
+    """-log sigmoid(margin), or robust DPO's unbiased form under labels flipped with chance `smoothing`."""
+    if not smoothing:
+        return -jax.nn.log_sigmoid(margin)
+    flipped = smoothing * jax.nn.log_sigmoid(-margin)
+    return (-(1.0 - smoothing) * jax.nn.log_sigmoid(margin) + flipped) / (1.0 - 2.0 * smoothing)
 
 
 def _pair_sums(loss: jax.Array, pairs: Pairs, chosen: jax.Array, rejected: jax.Array,
@@ -109,7 +116,8 @@ def _pair_metrics(sums: dict[str, jax.Array]) -> dict[str, jax.Array]:
 
 @dataclasses.dataclass(frozen=True)
 class DPO:
-    """Direct preference optimisation (TRL's `sigmoid` loss) against a reference model's log-probabilities."""
+    """Direct preference optimisation (TRL's `sigmoid` loss, `robust` with label smoothing) against a reference
+    model's log-probabilities."""
 
     beta: float
     label_smoothing: float = 0.0
@@ -147,7 +155,7 @@ class SimPO:
              reference: jax.Array | None) -> tuple[jax.Array, dict[str, jax.Array]]:
         pairs = pairs_of(logps, batch)
         chosen, rejected = pairs.means()
-        loss = _sigmoid_loss(self.beta * (chosen - rejected) - self.gamma, 0.0)
+        loss = _sigmoid_loss(self.beta * (chosen - rejected) - self.gamma)
         sums = _pair_sums(loss, pairs, chosen, rejected, self.beta * chosen, self.beta * rejected)
         return sums["loss_sum"], sums
 
@@ -155,28 +163,34 @@ class SimPO:
         return _pair_metrics(sums)
 
 
+def _chosen_halves(values: jax.Array, batch: Batch) -> jax.Array:
+    """Sums of `values` [batch, length] over every target of each chosen half, prompt included: [batch, slots]."""
+    return _by_segment(values, batch["segment_ids"])[0]
+
+
 @dataclasses.dataclass(frozen=True)
 class ORPO:
-    """Odds-ratio preference optimisation (TRL's ORPO): cross-entropy on the chosen replies plus the odds term."""
+    """Odds-ratio preference optimisation (TRL's ORPO): cross-entropy on the chosen halves plus the odds term."""
 
     lam: float
     kind: kinds.Kind = kinds.kind("orpo")
 
     def totals(self, batch: Batch) -> dict[str, jax.Array]:
-        """Pairs and chosen reply tokens of the whole batch: the NLL term is a mean over all chosen tokens."""
+        """Pairs and chosen-half targets of the whole batch: the NLL term is a mean over all those targets."""
         pairs = pairs_of(jnp.zeros(batch["loss_weights"].shape, jnp.float32), batch)
         counted = pairs.counted
-        return {"pairs": jnp.sum(counted), "chosen_tokens": jnp.sum(pairs.chosen_tokens * counted)}
+        targets = _chosen_halves(jnp.ones(batch["segment_ids"].shape, jnp.float32), batch)
+        return {"pairs": jnp.sum(counted), "chosen_targets": jnp.sum(targets * counted)}
 
     def sums(self, logps: jax.Array, batch: Batch, totals: dict[str, jax.Array],
              reference: jax.Array | None) -> tuple[jax.Array, dict[str, jax.Array]]:
         pairs = pairs_of(logps, batch)
         chosen, rejected = pairs.means()
-        log_odds = (chosen - rejected) - (jnp.log1p(-jnp.exp(chosen)) - jnp.log1p(-jnp.exp(rejected)))
+        log_odds = (chosen - rejected) - (_log1m_exp(chosen) - _log1m_exp(rejected))
         ratio = jax.nn.log_sigmoid(log_odds)
-        nll = -jnp.sum(pairs.chosen * pairs.counted)  # summed over this microbatch's chosen reply tokens
+        nll = -jnp.sum(_chosen_halves(logps, batch) * pairs.counted)  # this microbatch's chosen-half targets
         # The step divides by the pairs: the NLL's share is scaled so that its quotient is the batch's token mean.
-        nll_share = nll * totals["pairs"] / jnp.maximum(totals["chosen_tokens"], 1.0)
+        nll_share = nll * totals["pairs"] / jnp.maximum(totals["chosen_targets"], 1.0)
         sums = _pair_sums(-self.lam * ratio, pairs, chosen, rejected, self.lam * chosen, self.lam * rejected)
         sums.update(nll=nll_share, log_odds_ratio=jnp.sum(ratio * pairs.counted),
                     log_odds_chosen=jnp.sum(log_odds * pairs.counted))
@@ -185,5 +199,13 @@ class ORPO:
 
     def metrics(self, sums: dict[str, jax.Array]) -> dict[str, jax.Array]:
         pairs = jnp.maximum(sums["weight_sum"], 1.0)
-        return {**_pair_metrics(sums), "nll_loss": sums["nll"] / pairs, "log_odds_ratio": sums["log_odds_ratio"] / pairs,
-                "log_odds_chosen": sums["log_odds_chosen"] / pairs}
+        return {**_pair_metrics(sums), "nll_loss": sums["nll"] / pairs,
+                "log_odds_ratio": sums["log_odds_ratio"] / pairs, "log_odds_chosen": sums["log_odds_chosen"] / pairs}
+
+
+def _log1m_exp(x: jax.Array) -> jax.Array:
+    """log(1 - e^x) for x < 0, accurate at both ends (log1p far from 0, expm1 near it). Each branch sees only inputs
+    where it is finite, so neither puts a NaN into the gradient; x is capped below 0 (an empty slot has x = 0)."""
+    far = x < -jnp.log(2.0)
+    near_zero = jnp.minimum(jnp.where(far, -1.0, x), -1e-7)
+    return jnp.where(far, jnp.log1p(-jnp.exp(jnp.where(far, x, -1.0))), jnp.log(-jnp.expm1(near_zero)))
