@@ -18,13 +18,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import max_relative_difference
+from helpers import max_relative_difference, mesh_for, tiny_config
 from test_convert import start_from_converted
 
-from maxshard import data
+from maxshard import data, generate, train
+from maxshard.checkpoint import manager as checkpoint
 from maxshard.convert import __main__ as convert_cli
 from maxshard.objectives import preference
-from maxshard.training.step import mesh_context
+from maxshard.planning import estimate
+from maxshard.training.step import Trainer, mesh_context
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURE = REPO / "tests" / "fixtures" / "preference"
@@ -151,3 +153,88 @@ def test_pairs_are_found_from_segments_alone():
     assert [int(pairs.chosen_tokens[3, 0]), int(pairs.rejected_tokens[3, 0])] == list(completion[3])
     chosen_half = (rows["segment_ids"][0] == 1) & (rows["loss_weights"][0] > 0)
     assert float(pairs.chosen[0, 0]) == pytest.approx(float(np.asarray(logps)[0][chosen_half].sum()), rel=1e-6)
+
+
+# ------------------------------------------------------------------ the reference model and the runs users start
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["frozen", "lora_base"])
+def test_first_step_is_ln2_and_the_reference_stays_put(lora):
+    """A fresh DPO run's policy is its reference, so its first loss is ln 2; the frozen copy lives in the state (and
+    in the plan's memory) and never moves, LoRA's base needs no copy."""
+    extra = ("lora_rank=4", "lora_targets=q,v") if lora else ()
+    cfg = tiny_config("objective=dpo", "dpo_beta=0.5", *extra)
+    trainer = Trainer(cfg, mesh_for(cfg))
+    assert trainer.reference_kind == ("lora_base" if lora else "frozen")
+    state = trainer.init_state()
+    start_params = jax.device_get(state.params)
+    step = trainer.jit_train_step(data.batch_sharding(cfg, trainer.mesh))
+    batches = data.make_input(cfg, trainer.mesh)
+    losses = []
+    for _ in range(3):
+        state, metrics = step(state, next(batches))
+        losses.append(float(metrics["loss"]))
+    assert losses[0] == pytest.approx(np.log(2.0), abs=1e-5) and losses[-1] < losses[0] - 1e-3, losses
+    plan = estimate.make_plan(cfg)
+    if lora:
+        assert state.reference is None and plan.reference == 0
+    else:
+        assert max_relative_difference(state.reference, start_params) == 0.0
+        assert max_relative_difference(state.params, start_params) > 1e-4
+        assert plan.reference == plan.params > 0
+
+
+def test_a_resumed_dpo_run_keeps_its_reference_bit_for_bit(tmp_path):
+    """The frozen reference is saved with the state and restored exactly (a changed reference would change every
+    later loss)."""
+    cfg = tiny_config("objective=dpo", f"base_output_directory={tmp_path}", "async_checkpointing=false")
+    trainer = Trainer(cfg, mesh_for(cfg))
+    step = trainer.jit_train_step(data.batch_sharding(cfg, trainer.mesh))
+    with checkpoint.Checkpoints(cfg, trainer) as ckpt:
+        state, _ = ckpt.restore_or_init()
+        state, _ = step(state, next(data.make_input(cfg, trainer.mesh)))
+        reference = jax.device_get(state.reference)
+        ckpt.save(1, state, {"step": 1})
+    with checkpoint.Checkpoints(cfg, Trainer(cfg, mesh_for(cfg))) as ckpt:
+        restored, _ = ckpt.restore_or_init()
+    assert int(restored.step) == 1 and max_relative_difference(restored.reference, reference) == 0.0
+
+
+STYLE, OTHER = ("the", "dog"), ("quick", "brown")  # chosen replies use only STYLE's words, rejected ones OTHER's
+
+
+def style_pairs(count: int, seed: int) -> list[dict[str, str]]:
+    rng = np.random.default_rng(seed)
+    noise = np.array(list("abcdefghijklmnoprstuwy "))
+    words = lambda vocabulary: "".join(" " + w for w in rng.choice(vocabulary, rng.integers(3, 6)))  # noqa: E731
+    return [{"prompt": "".join(rng.choice(noise, rng.integers(6, 16))) + ":", "chosen": words(STYLE),
+             "rejected": words(OTHER)} for _ in range(count)]
+
+
+def test_dpo_through_the_cli_learns_the_chosen_style(tmp_path):
+    """Acceptance: DPO on the imported qwen3 fixture through `maxshard.train` (preference JSONL, frozen reference)
+    reaches rewards/accuracy >= 0.95, and `maxshard.generate` then writes the chosen replies' words only, which the
+    imported model did not."""
+    assert convert_cli.main(["from_hf", str(POLICY), str(tmp_path / "imported")]) == 0
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in style_pairs(64, seed=0)))
+    argv = [str(tmp_path / "imported" / "config.yml"), "dataset_type=preference", f"dataset_path={pairs}",
+            "objective=dpo", "dpo_beta=0.1", "learning_rate=3e-3", "steps=30", "checkpoint_period=30",
+            f"base_output_directory={tmp_path}", "run_name=dpo", "log_period=1", "eval_period=0",
+            "max_target_length=64", "per_device_batch_size=1", "warmup_steps_fraction=0.1", "eval_fraction=0",
+            "enable_tensorboard=false", "dtype=float32", "weight_dtype=float32", "max_new_tokens=12", "temperature=0"]
+
+    def words(*keys: str) -> list[str]:
+        out = tmp_path / "generated.jsonl"
+        assert generate.main([*argv, "prompt=wobbly snarf glim:", f"generate_output={out}", *keys]) == 0
+        return json.loads(out.read_text())["completion"].split()
+
+    before = words()
+    assert train.main(argv) == 0
+    records = [json.loads(line) for line in (tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "rewards/accuracy" in r]
+    assert steps[0]["loss"] == pytest.approx(np.log(2.0), abs=1e-5)
+    assert steps[-1]["rewards/accuracy"] >= 0.95 and steps[-1]["rewards/margin"] > 0
+    after = words(f"load_parameters_path={tmp_path / 'dpo' / 'checkpoints' / '30'}")
+    assert not set(before) <= set(STYLE), before
+    assert after and set(after) <= set(STYLE), after

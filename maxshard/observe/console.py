@@ -118,6 +118,7 @@ def startup_figures(cfg: Config, mesh_shape: Mapping[str, int], param_count: int
             "params": report.param_bytes_per_device,
             "opt_state": report.optimizer_bytes_per_device,
             "grads": report.gradient_bytes_per_device,
+            **({"reference": report.reference_bytes_per_device} if report.reference_bytes_per_device else {}),
         },
         "device_kind": cfg.device_kind,
         "peak_flops": quantization.peak_flops(cfg),

@@ -32,6 +32,7 @@ class Report:
     optimizer_bytes_per_device: int
     gradient_bytes_per_device: int
     replicated_fraction: float  # share of parameter bytes held whole by every device
+    reference_bytes_per_device: int = 0  # DPO's frozen reference parameters in the state (0: none kept)
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -43,6 +44,7 @@ class Report:
                 "optimizer_bytes_per_device": self.optimizer_bytes_per_device,
                 "gradient_bytes_per_device": self.gradient_bytes_per_device,
                 "replicated_fraction": self.replicated_fraction,
+                "reference_bytes_per_device": self.reference_bytes_per_device,
             },
         }
 
@@ -66,6 +68,7 @@ def build_report(
     state = abstract_state(cfg) if state is None else state
     params = layout({"params": state.params}, rules, mesh_sizes)  # names and errors read "params/...", as in train
     optimizer = layout(state.opt_state, rules, mesh_sizes)
+    reference = layout({"reference": state.reference}, rules, mesh_sizes) if state.reference is not None else []
     batch_shape = (cfg.global_batch_size, cfg.max_target_length)
     batch = array_layout("input batch", axis_names.INPUT_AXES, batch_shape, np.int32, rules, mesh_sizes)
     param_bytes = sum(p.bytes_per_device for p in params)
@@ -78,6 +81,7 @@ def build_report(
         optimizer_bytes_per_device=sum(p.bytes_per_device for p in optimizer),
         gradient_bytes_per_device=trained_bytes,  # gradients exist for what trains only (trainable.py)
         replicated_fraction=_replicated_fraction(params, math.prod(mesh_sizes.values())),
+        reference_bytes_per_device=sum(p.bytes_per_device for p in reference),
     )
 
 

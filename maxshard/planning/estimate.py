@@ -69,12 +69,13 @@ class Plan:
     link: hardware.Interconnect | None
     axis_times: dict[str, AxisTime]  # "fsdp", "data", "fsdp+sequence", ...
     activation_terms: memory.ActivationTerms | None = None
+    reference: int = 0  # bytes per device of DPO's frozen reference parameters (0: the objective keeps none)
 
     @property
     def peak_bytes(self) -> int:
         """Planned peak bytes per device: state, gradients and activations (what must fit the device); what an
         offload policy moves to host memory is not in it (`host_bytes`)."""
-        return self.params + self.optimizer + self.gradients + self.activations
+        return self.params + self.optimizer + self.gradients + self.reference + self.activations
 
     @property
     def host_bytes(self) -> int:
@@ -213,6 +214,7 @@ def make_plan(cfg: Config, target: Target | None = None) -> Plan:
         param_count=model.count_params(state.params),
         params=report.param_bytes_per_device,
         optimizer=report.optimizer_bytes_per_device,
+        reference=report.reference_bytes_per_device,
         gradients=report.gradient_bytes_per_device,
         activations=terms.total,
         activation_terms=terms,
