@@ -1,0 +1,97 @@
+"""`jax.lax.ragged_all_to_all` where XLA has it, and an emulation from fixed-size collectives where it does not.
+
+Why. The ragged MoE exchange (`moe_ragged.py`) moves only the rows routed, with XLA's ragged-all-to-all. XLA:TPU and
+XLA:GPU compile it; jax 0.10.2's XLA:CPU does not ("UNIMPLEMENTED: HLO opcode ragged-all-to-all"), so without an
+emulation the ragged path never computes a number on CPU, where the tests run. The emulation has the collective's
+contract, argument for argument, so the code around it is the code that runs on the accelerators.
+
+The contract (jax's docstring). Per device, K = len(input_offsets) slices, S = K / P per peer (P devices on the
+axis). Slice i, rows operand[input_offsets[i] : + send_sizes[i]], goes to peer i // S and is written there at
+output_offsets[i]: the SENDER's output_offsets say where its rows land. The receiver takes recv_sizes[i] rows from
+peer i // S, at the offsets that peer sent (an all_to_all of output_offsets); everything else of `output` stays.
+recv_sizes must be the all_to_all of send_sizes.
+
+The emulation, one all_to_all of padded blocks [P, B, ...]: each device packs, per peer, its S slices one after
+the other (slice order) into a block of B rows; after the all_to_all each receiver unpacks block s with recv_sizes
+(the same packing, seen from its side) and the all_to_all'd output_offsets, and scatters the rows into `output`.
+B = min(M, S x N) (M output rows, N operand rows) holds what one peer can send a receiver whose slices do not
+overlap there (XLA's op asks the same); rows past M are dropped, as out-of-range writes. It moves P x B rows where
+the real op moves the routed ones: a CPU stand-in for correctness, not for speed.
+
+Differentiation. The emulation is linear in operand and output and built of gathers, an all_to_all and a scatter,
+so jax differentiates it as it does the real op (whose transpose is the same exchange with the roles swapped,
+`jax._src.lax.parallel._ragged_all_to_all_transpose`): the operand's cotangent is the output's cotangent at the
+received rows, sent back to where each row came from; `output`'s is the cotangent with the received rows zeroed.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["ragged_all_to_all", "emulated_ragged_all_to_all"]
+
+AxisName = str | tuple[str, ...]
+
+
+def ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offsets: jax.Array, send_sizes: jax.Array,
+                      output_offsets: jax.Array, recv_sizes: jax.Array, *, axis_name: AxisName) -> jax.Array:
+    """`jax.lax.ragged_all_to_all` on TPU and GPU, `emulated_ragged_all_to_all` on CPU (XLA:CPU has no such op).
+
+    The choice is made when the program is lowered, for the platform it is lowered for (`lax.platform_dependent`),
+    not by the backend the Python process happens to run: a TPU program compiled ahead of time on a CPU host
+    (tests/test_tpu_aot.py) keeps the real collective, and XLA never sees the branch not taken."""
+    args = (operand, output, input_offsets, send_sizes, output_offsets, recv_sizes)
+    return jax.lax.platform_dependent(
+        *args,
+        cpu=lambda *a: emulated_ragged_all_to_all(*a, axis_name=axis_name),
+        default=lambda *a: jax.lax.ragged_all_to_all(*a, axis_name=axis_name),
+    )
+
+
+def _packed(sizes: jax.Array, rows: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """sizes [P, S] of slices packed one after the other in blocks of `rows` rows -> per block row [P, rows]: its
+    slice (clipped to S - 1), its row within that slice, and whether it holds a slice's row at all."""
+    ends = jnp.cumsum(sizes, axis=1)  # [P, S]
+    row = jnp.arange(rows, dtype=sizes.dtype)
+    slice_ = jnp.sum(row[None, :, None] >= ends[:, None, :], axis=-1)  # [P, rows]; S past the last slice
+    valid = slice_ < sizes.shape[1]
+    slice_ = jnp.minimum(slice_, sizes.shape[1] - 1)
+    within = row[None, :] - jnp.take_along_axis(ends - sizes, slice_, axis=1)
+    return slice_, within, valid
+
+
+def _pack(operand: jax.Array, input_offsets: jax.Array, send_sizes: jax.Array, peers: int, rows: int) -> jax.Array:
+    """The sender's side: [P, rows, ...], block r its slices for peer r in slice order, zero past them."""
+    starts, sizes = input_offsets.reshape(peers, -1), send_sizes.reshape(peers, -1)
+    slice_, within, valid = _packed(sizes, rows)
+    source = jnp.take_along_axis(starts, slice_, axis=1) + within
+    source = jnp.where(valid, source, operand.shape[0])  # out of range: filled with zeros
+    return operand.at[source.ravel()].get(mode="fill", fill_value=0).reshape(peers, rows, *operand.shape[1:])
+
+
+def _unpack(output: jax.Array, received: jax.Array, at: jax.Array, recv_sizes: jax.Array) -> jax.Array:
+    """The receiver's side: block s of `received` [P, rows, ...] written into `output` at the offsets `at` [K]
+    its sender chose, recv_sizes [K] rows per slice; padding rows go to distinct rows past the end (dropped)."""
+    peers, rows = received.shape[:2]
+    slice_, within, valid = _packed(recv_sizes.reshape(peers, -1), rows)
+    dest = jnp.take_along_axis(at.reshape(peers, -1), slice_, axis=1) + within
+    dest = jnp.where(valid, dest, output.shape[0] + jnp.arange(peers * rows, dtype=dest.dtype).reshape(dest.shape))
+    flat = received.reshape(peers * rows, *received.shape[2:])
+    return output.at[dest.ravel()].set(flat, mode="drop", unique_indices=True)
+
+
+def emulated_ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offsets: jax.Array,
+                               send_sizes: jax.Array, output_offsets: jax.Array, recv_sizes: jax.Array, *,
+                               axis_name: AxisName) -> jax.Array:
+    """`jax.lax.ragged_all_to_all`'s result from an all_to_all of padded blocks (module docstring), for backends
+    without the op. Inside shard_map (or another mapped context over `axis_name`), as the real one."""
+    peers = jax.lax.axis_size(axis_name)
+    slices = input_offsets.shape[0]
+    if slices % peers:
+        raise ValueError(f"ragged_all_to_all: {slices} slices do not split over {peers} devices of {axis_name}")
+    rows = min(output.shape[0], slices // peers * operand.shape[0])
+    send = _pack(operand, input_offsets, send_sizes, peers, rows)
+    received = jax.lax.all_to_all(send, axis_name, 0, 0, tiled=True)  # [P sources, rows, ...]
+    at = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # where each source's slices land here
+    return _unpack(output, received, at, recv_sizes)
