@@ -135,3 +135,22 @@ def test_lowered_for_tpu_it_is_the_real_collective():
     # transpose all_to_alls its int32 offsets)
     assert tpu.count("ragged_all_to_all") == 2 and not moves_data.search(tpu)  # forward and transpose
     assert "ragged_all_to_all" not in cpu and moves_data.search(cpu)
+
+
+@pytest.mark.parametrize("op, summed", [(ragged_all_to_all, False), (jax.lax.ragged_all_to_all, True)],
+                         ids=["maxshard", "jax"])
+def test_an_output_of_zeros_made_in_the_body_keeps_the_gradient_per_device(op, summed):
+    """`moe_ragged.exchange` writes into zeros made inside shard_map. jax types the real op's result as that
+    `output`, invariant: where the result then meets a varying value, the cotangent is summed over the devices
+    (psum_invariant) before the way back, a wrong gradient on TPU and GPU. The wrapper makes `output` varying."""
+    operand, _, slices = _docstring_case()
+
+    def body(operand, weight, *slices):
+        zeros = jnp.zeros((4, 1), operand.dtype)
+        y = op(operand[0], zeros, *(s[0] for s in slices), axis_name="x")
+        return jnp.sum(y * weight[0])[None]
+
+    loss = jax.shard_map(body, mesh=_mesh(), in_specs=SPEC, out_specs=SPEC)
+    args = jax.device_put((operand, np.ones((8, 4, 1), np.float32), *slices), NamedSharding(_mesh(), SPEC))
+    jaxpr = str(jax.make_jaxpr(jax.grad(lambda *a: jnp.sum(loss(*a))))(*args))
+    assert ("psum" in jaxpr) == summed

@@ -41,12 +41,26 @@ def ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offsets: jax.
     The choice is made when the program is lowered, for the platform it is lowered for (`lax.platform_dependent`),
     not by the backend the Python process happens to run: a TPU program compiled ahead of time on a CPU host
     (tests/test_tpu_aot.py) keeps the real collective, and XLA never sees the branch not taken."""
-    args = (operand, output, input_offsets, send_sizes, output_offsets, recv_sizes)
+    args = (operand, _varying(output, operand, axis_name), input_offsets, send_sizes, output_offsets, recv_sizes)
     return jax.lax.platform_dependent(
         *args,
         cpu=lambda *a: emulated_ragged_all_to_all(*a, axis_name=axis_name),
         default=lambda *a: jax.lax.ragged_all_to_all(*a, axis_name=axis_name),
     )
+
+
+def _varying(output: jax.Array, operand: jax.Array, axis_name: AxisName) -> jax.Array:
+    """`output` typed as varying over the exchange's axes and the operand's, as the result is.
+
+    jax (0.10.2) types the real op's result as its `output` argument. Zeros made inside shard_map are invariant, so
+    the result would claim to be the same on every device; where it then meets a varying value, jax inserts a
+    pvary, whose transpose sums the cotangent over the axes (psum_invariant): every device would send back the
+    sum of all devices' cotangents, a wrong gradient. The emulation's result is varying anyway (it comes out of an
+    all_to_all), and `platform_dependent` needs both branches to agree."""
+    names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    varying = jax.typeof(output).mat.varying
+    axes = tuple(a for a in dict.fromkeys((*names, *sorted(jax.typeof(operand).mat.varying))) if a not in varying)
+    return jax.lax.pcast(output, axes, to="varying") if axes else output
 
 
 def _packed(sizes: jax.Array, rows: int) -> tuple[jax.Array, jax.Array, jax.Array]:
