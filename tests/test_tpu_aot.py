@@ -86,9 +86,9 @@ def test_init_and_step_compile_for_a_v5e_slice_with_the_tpu_defaults(layout, dev
         assert "collective-permute" in program
     else:  # splash, lowered by Mosaic into the program
         assert "tpu_custom_call" in program
-    if layout == "expert":
-        assert cfg.model.moe_dropless_impl == "ragged_dot"
-        assert "ragged" in program
+    if layout == "expert":  # the ragged exchange's instruction: "ragged" alone, ragged_dot's name would satisfy
+        assert (cfg.model.moe_dropless_impl, cfg.model.moe_exchange) == ("ragged_dot", "ragged")
+        assert "ragged-all-to-all" in program
 
 
 # tiny_moe (8 experts, top-2, every 2nd of 4 layers MoE) at 256 tokens, experts over 4 devices.
