@@ -21,6 +21,7 @@ holding their experts, in one of two ways (`moe_exchange`, resolved by `model/co
 
   ragged      (TPU and GPU) `jax.lax.ragged_all_to_all` moves only the rows routed, and each device computes a
               buffer of ~`moe_ragged_buffer_factor` x T x k rows; rows over it are dropped and counted: `moe_ragged.py`.
+              On a CPU mesh the collective is emulated (`ragged_all_to_all.py`): the tests compute it there.
   all_to_all  (CPU: jax 0.10.2's XLA:CPU has no ragged all-to-all, "HLO opcode `ragged-all-to-all` is not supported
               by XLA:CPU ThunkEmitter") a fixed buffer, never overflowing, described below.
 
