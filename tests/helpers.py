@@ -65,3 +65,21 @@ def loss_and_grads(trainer: Any, params: Any, batch: Any) -> tuple[float, Any]:
     with mesh_context(trainer.mesh, trainer.rules):
         grads, sums = jax.jit(trainer._grads)(params, batch)
     return float(sums["loss_sum"] / sums["weight_sum"]), jax.device_get(grads)
+
+
+def ragged_all_to_all_reference(operands: Sequence[np.ndarray], outputs: Sequence[np.ndarray],
+                                slices: Sequence[Sequence[np.ndarray]]) -> list[np.ndarray]:
+    """`jax.lax.ragged_all_to_all` over the devices of one axis, in numpy, as its docstring's pseudocode says:
+    device d's slice i, operand[input_offsets[i]:][:send_sizes[i]], is received by peer i // S (S slices per peer)
+    and written there at the SENDER's output_offsets[i], recv_sizes[...] rows (the receiver's count of it); the
+    rest of each output stays. `slices[d]`: device d's (input_offsets, send_sizes, output_offsets, recv_sizes)."""
+    results = [np.array(out) for out in outputs]
+    per_peer = len(slices[0][0]) // len(operands)
+    for receiver, result in enumerate(results):
+        recv_sizes = slices[receiver][3]
+        for source, (input_offsets, _, output_offsets, _) in enumerate(slices):
+            for j in range(per_peer):
+                sent, size = receiver * per_peer + j, recv_sizes[source * per_peer + j]
+                at, start = output_offsets[sent], input_offsets[sent]
+                result[at:at + size] = operands[source][start:start + size]
+    return results

@@ -10,6 +10,7 @@ rest). Compiled cost: FLOPs of the grouped layer vs the all-experts one, and tem
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import flax.linen as nn
 import jax
@@ -76,6 +77,27 @@ def test_grouped_swiglu_equals_a_loop_over_experts(impl):
         start += n
     np.testing.assert_allclose(np.asarray(got), expected, rtol=2e-5, atol=2e-4)
     assert np.all(np.asarray(got[48:]) == 0)
+
+
+def test_ragged_dot_in_a_vmap_loops_instead_of_taking_a_batch_dimension():
+    """Inside the pipeline's stage vmap (`_RAGGED_IN_VMAP`): XLA:TPU's ragged-dot takes no batch dimension, so the
+    batch is a loop of unbatched ragged dots, forward and backward (no ragged_dot_general with lhs batch dims in the
+    jaxpr; plain ragged_dot has one), with the same values and gradients."""
+    rng = np.random.default_rng(2)
+    sizes = jnp.asarray([[3, 0, 5, 2], [1, 6, 0, 3]], jnp.int32)  # a batch of 2, 10 rows each
+    x = jnp.asarray(rng.normal(size=(2, 10, 8)), jnp.float32)
+    kernels = tuple(jnp.asarray(rng.normal(size=(2, *s)), jnp.float32) for s in ((4, 8, 6), (4, 8, 6), (4, 6, 8)))
+
+    def loss(impl: str):
+        swiglu = jax.vmap(lambda x, s, k: moe_grouped.grouped_swiglu(x, s, k, impl))
+        return lambda x, k: jnp.sum(jnp.cos(swiglu(x, sizes, k)))
+
+    grads = {impl: jax.value_and_grad(loss(impl), argnums=(0, 1)) for impl in ("ragged_dot", "ragged_dot in vmap")}
+    for impl, g in grads.items():  # dot_dimension_numbers: ((contracting), (batch dims)); "((), ())": none
+        dims = re.findall(r"dot_dimension_numbers=(.*?), lhs_ragged", str(jax.make_jaxpr(g)(x, kernels)))
+        assert len(dims) >= 9 and {d.endswith("((), ()))") for d in dims} == {impl != "ragged_dot"}, dims
+    expected, got = (jax.jit(g)(x, kernels) for g in grads.values())
+    assert max_relative_difference(got, expected) < 1e-6
 
 
 def test_tile_bound_covers_the_worst_routing():

@@ -1,31 +1,36 @@
-"""The ragged expert-parallel exchange of dropless MoE (`maxshard/model/layers/moe_ragged.py`), in the pieces XLA:CPU
-runs.
+"""The ragged expert-parallel exchange of dropless MoE (`maxshard/model/layers/moe_ragged.py`), computed on CPU.
 
-XLA:CPU has no ragged all-to-all, so the collective itself never runs here: the full program is compiled for a TPU
-slice in tests/test_tpu_aot.py. What runs here is everything around it. The sizes and offsets each device computes
-(`moe_ragged.plan`) are checked for what `jax.lax.ragged_all_to_all` requires of them (every sender's sizes equal
-its receivers'), for the layout they promise (each receiver's buffer packed, sorted by local expert, never past
-its rows) and for the overflow rule; then, on the 8 CPU devices (expert=4 x fsdp=2), against the fixed exchange
-itself: the rows the offsets name are, row for row, the buffer the fixed exchange's all_to_all delivers and sorts
-(`moe_grouped._fixed_there`), and the way back names every row's origin. Those row moves are read off the offsets
-on the host, following the collective's documented semantics; they check the offsets, not XLA's collective.
+XLA:CPU has no ragged all-to-all; here the collective is its emulation (`layers/ragged_all_to_all.py`, tested
+against the op's contract in tests/test_ragged_all_to_all.py), and the XLA:TPU program with the real one is compiled
+in tests/test_tpu_aot.py. The sizes and offsets each device computes (`moe_ragged.plan`) are checked for what
+`jax.lax.ragged_all_to_all` requires of them (every sender's sizes equal its receivers'), for the layout they
+promise (each receiver's buffer packed, sorted by local expert, never past its rows) and for the overflow rule; then,
+on the 8 CPU devices (expert=4 x fsdp=2), against the fixed exchange itself: the rows the offsets name are, row for
+row, the buffer the fixed exchange's all_to_all delivers and sorts (`moe_grouped._fixed_there`), and the way back
+names every row's origin (row moves read off the offsets on the host, following the collective's documented
+semantics). Last, the dropless layer with the ragged exchange runs: with the buffer no routing overflows its output
+and gradients are the fixed exchange's, and with a small one it drops exactly what the overflow rule says.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from maxshard.errors import ConfigError
 from maxshard.generation import decode
 from maxshard.model.layers import moe_grouped, moe_ragged
+from maxshard.parallel import axis_names as ax
+from maxshard.parallel import sharding
 from maxshard.run import loading
-from tests.helpers import tiny_config
+from maxshard.training.step import mesh_context
+from tests.helpers import layout_overrides, max_relative_difference, mesh_for, ragged_all_to_all_reference, tiny_config
 
 P_, E, K, TOKENS, WIDTH = 4, 8, 2, 16, 4  # expert shards, experts, top-k, tokens per device, embed
 LOCAL = E // P_
@@ -96,11 +101,13 @@ def test_the_tables_fit_the_collective_and_pack_each_buffer(rows):
 # --------------------------------------------------------------------------------------------- against the fixed
 
 
-def _routing(rng: np.random.Generator, devices: int) -> tuple[np.ndarray, np.ndarray]:
+def _routing(rng: np.random.Generator, devices: int, skew: tuple[float, float] = (0.3, 0.25)
+             ) -> tuple[np.ndarray, np.ndarray]:
     """x [devices x TOKENS, WIDTH] (small positive integers) and distinct top-k experts [.., K], skewed
-    towards device 0's experts; the last 3 tokens of every device are padding (expert id E)."""
+    towards device 0's experts (`skew`: the chance of e0 and e1); the last 3 tokens of every device are padding
+    (expert id E)."""
     x = rng.integers(1, 100, (devices * TOKENS, WIDTH)).astype(np.float32)  # no all-zero row
-    probs = np.array([0.3, 0.25] + [0.075] * 6)
+    probs = np.array([*skew] + [(1 - sum(skew)) / (E - 2)] * (E - 2))
     experts = np.stack([rng.choice(E, K, replace=False, p=probs) for _ in range(devices * TOKENS)]).astype(np.int32)
     experts.reshape(devices, TOKENS, K)[:, -3:] = E
     return x, experts
@@ -129,13 +136,9 @@ def _exchanged(x: np.ndarray, experts: np.ndarray, rows: int) -> dict:
 
 
 def _move(operands: list[np.ndarray], out_rows: int, slices: list[moe_ragged.Slices]) -> list[np.ndarray]:
-    """The rows `jax.lax.ragged_all_to_all` moves, read off the slices as its docstring specifies (SEND/RECEIVE)."""
-    result = [np.zeros((out_rows, operands[0].shape[1]), operands[0].dtype) for _ in operands]
-    for source, (operand, s) in enumerate(zip(operands, slices)):
-        per_peer = len(s.input_offsets) // len(operands)
-        for i, (start, size, at) in enumerate(zip(s.input_offsets, s.send_sizes, s.output_offsets)):
-            result[i // per_peer][at:at + size] = operand[start:start + size]
-    return result
+    """The rows `jax.lax.ragged_all_to_all` moves into zeros, read off the slices as its docstring specifies."""
+    outputs = [np.zeros((out_rows, operands[0].shape[1]), operands[0].dtype) for _ in operands]
+    return ragged_all_to_all_reference(operands, outputs, [tuple(np.asarray(a) for a in s) for s in slices])
 
 
 @pytest.fixture(scope="module")
@@ -187,6 +190,105 @@ def test_a_small_buffer_keeps_a_prefix_of_each_block_and_counts_the_rest(routed)
             assert home.sum() == plan.unsent[d]
             np.testing.assert_array_equal(returned[d][:real][~home], sent[d][:real][~home])
         assert plan.unsent.sum() > 0  # the test can fail: this routing overflows device 0
+
+
+# --------------------------------------------------------------------------------------------- computed on CPU
+
+
+@pytest.fixture(scope="module")
+def layer_mesh():
+    """The mesh and rules of expert=4 x fsdp=2 (the MoE parity tests' layout), and where each token lives on it."""
+    cfg = tiny_config(*layout_overrides(["ici_expert_parallelism=4", "ici_fsdp_parallelism=2"]))
+    mesh, rules = mesh_for(cfg), sharding.flax_rules(cfg)
+    return mesh, rules
+
+
+@functools.cache
+def _dropless_grads(exchange: str, factor: float):
+    """jit of ((loss, (y, dropped)), gradients w.r.t. x, weights and kernels) of the dropless layer (tiled)."""
+
+    def loss(x, weights, kernels, experts):
+        y, dropped = moe_grouped.dropless(x, experts, weights, kernels, "tiled", exchange, factor)
+        return jnp.sum(y * jnp.cos(3.0 * y)), (y, dropped)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+
+
+@pytest.fixture(scope="module")
+def layer_inputs():
+    """x [8, TOKENS, WIDTH], weights and experts [8, TOKENS, K] (one row per device; ~80% of the assignments on
+    device 0's experts, so a small buffer there overflows by whole sources), and SwiGLU kernels of E experts."""
+    rng = np.random.default_rng(3)
+    experts = _routing(rng, 8, skew=(0.45, 0.35))[1].reshape(8, TOKENS, K)
+    x = rng.normal(size=(8, TOKENS, WIDTH)).astype(np.float32)
+    weights = rng.uniform(0.1, 1.0, (8, TOKENS, K)).astype(np.float32)
+    kernels = tuple(rng.normal(size=s).astype(np.float32) / 2 for s in ((E, WIDTH, 8), (E, WIDTH, 8), (E, 8, WIDTH)))
+    return x, weights, kernels, experts
+
+
+def _run_dropless(layer_mesh, inputs, exchange: str, factor: float = 0.0):
+    mesh, rules = layer_mesh
+    with mesh_context(mesh, rules):
+        (_, (y, dropped)), grads = _dropless_grads(exchange, factor)(*inputs)
+    return jax.device_get((y, int(dropped), grads))
+
+
+def test_the_ragged_exchange_computes_the_fixed_exchanges_numbers(layer_mesh, layer_inputs):
+    """On CPU through the emulated collective (`layers/ragged_all_to_all.py`): with the buffer no routing overflows
+    (factor 0), output and gradients (input, router weights, kernels) equal the fixed exchange's."""
+    fixed_y, fixed_dropped, fixed_grads = _run_dropless(layer_mesh, layer_inputs, "all_to_all")
+    y, dropped, grads = _run_dropless(layer_mesh, layer_inputs, "ragged", 0.0)
+    assert dropped == fixed_dropped == 0
+    assert max_relative_difference(y, fixed_y) < 1e-5
+    assert max_relative_difference(grads, fixed_grads) < 1e-5
+    assert np.abs(np.asarray(grads[2][0])).min(axis=(1, 2)).max() > 0  # every expert's kernel has gradient
+
+
+def _device_rows(layer_mesh, shape: tuple[int, ...]) -> dict[tuple[int, int], tuple[slice, ...]]:
+    """{(fsdp index, expert index): the token block of [batch, length, ...] that device holds in the layer}."""
+    mesh, rules = layer_mesh
+    with mesh_context(mesh, rules):
+        spec = sharding.partition_spec([*sharding.active_mesh_axes(ax.TOKENS)[:2], ()])
+    blocks = NamedSharding(mesh, spec).devices_indices_map(shape)
+    names = mesh.axis_names
+    where = {d: dict(zip(names, np.argwhere(mesh.devices == d)[0])) for d in mesh.devices.flat}
+    return {(int(where[d]["fsdp"]), int(where[d]["expert"])): block for d, block in blocks.items()}
+
+
+def _kept_by_the_rule(experts: np.ndarray, rows: int) -> np.ndarray:
+    """experts [P devices of one exchange, n assignments] -> kept [P, n] by moe_ragged's rule, read off its
+    docstring: each receiver's buffer of `rows` filled source-major, then by local expert, each block a prefix of
+    that source's rows for that expert (stable sort: assignment order); padding (id E) neither kept nor counted."""
+    kept = np.zeros(experts.shape, bool)
+    for receiver in range(P_):
+        room = rows
+        for source in range(P_):
+            for j in range(LOCAL):
+                mine = np.flatnonzero(experts[source] == receiver * LOCAL + j)
+                fits = min(len(mine), room)
+                kept[source, mine[:fits]], room = True, room - fits
+    return kept
+
+
+def test_an_overflowing_buffer_drops_exactly_the_rule_and_computes_the_rest(layer_mesh, layer_inputs):
+    """Factor 1.5 (48 rows; the skewed routing sends device 0 ~80): the dropped count is the one the overflow rule
+    gives from the routing alone, and the output is the fixed exchange's with those assignments' weights zeroed."""
+    x, weights, kernels, experts = layer_inputs
+    rows = moe_ragged.buffer_rows(TOKENS, K, E, P_, 1.5)
+    assert rows == 48
+    placed = _device_rows(layer_mesh, experts.shape)
+    kept = np.zeros(experts.shape, bool)
+    for group in range(2):
+        flat = np.stack([experts[placed[group, d]].reshape(-1) for d in range(P_)])
+        for d, keep in enumerate(_kept_by_the_rule(flat, rows)):
+            kept[placed[group, d]] = keep.reshape(experts[placed[group, d]].shape)
+    expected_dropped = int(np.sum(experts < E) - kept.sum())
+    assert expected_dropped > 0  # the test can fail: this routing overflows device 0
+
+    y, dropped, _ = _run_dropless(layer_mesh, layer_inputs, "ragged", 1.5)
+    assert dropped == expected_dropped
+    without = _run_dropless(layer_mesh, (x, np.where(kept, weights, 0), kernels, experts), "all_to_all")[0]
+    assert max_relative_difference(y, without) < 1e-5
 
 
 # --------------------------------------------------------------------------------------------- selection

@@ -170,13 +170,14 @@ def _train_two_steps(cfg, params, batch) -> tuple[list[float], dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("capacity_factor", ["1.0", "-1"])  # dropping; dropless (grouped, shard_map in the vmap)
-def test_moe_pipeline_equals_gradient_accumulation_over_its_microbatches(capacity_factor):
+@pytest.mark.parametrize("capacity_factor, impl", [("1.0", "auto"), ("-1", "auto"), ("-1", "ragged_dot")],
+                         ids=["dropping", "dropless", "dropless_ragged_dot"])  # dropless: shard_map in the vmap
+def test_moe_pipeline_equals_gradient_accumulation_over_its_microbatches(capacity_factor, impl):
     """MoE router statistics come out of the pipeline for every microbatch: losses, drop counts and gradients equal
     the non-pipelined model accumulating the same M=4 microbatches (every row carries the same loss weight, so
     per-microbatch router losses weigh the same in both). Expert load keeps one row per (microbatch, layer)."""
     moe = ("num_experts=4", "num_experts_per_tok=2", "moe_layer_interval=2", "capacity_factor=" + capacity_factor,
-           "ici_expert_parallelism=2", "ici_fsdp_parallelism=2")
+           "ici_expert_parallelism=2", "ici_fsdp_parallelism=2", "moe_dropless_impl=" + impl)
     ref_cfg = tiny_config(*SMALL, *moe, "gradient_accumulation_steps=4", num_devices=4, global_batch=16)
     trainer = Trainer(ref_cfg, mesh_for(ref_cfg))
     params, batch = random_params(trainer), packed_batch(ref_cfg, trainer.mesh)

@@ -21,6 +21,7 @@ holding their experts, in one of two ways (`moe_exchange`, resolved by `model/co
 
   ragged      (TPU and GPU) `jax.lax.ragged_all_to_all` moves only the rows routed, and each device computes a
               buffer of ~`moe_ragged_buffer_factor` x T x k rows; rows over it are dropped and counted: `moe_ragged.py`.
+              On a CPU mesh the collective is emulated (`ragged_all_to_all.py`): the tests compute it there.
   all_to_all  (CPU: jax 0.10.2's XLA:CPU has no ragged all-to-all, "HLO opcode `ragged-all-to-all` is not supported
               by XLA:CPU ThunkEmitter") a fixed buffer, never overflowing, described below.
 
@@ -121,11 +122,50 @@ def _swiglu_tiled(x: jax.Array, sizes: jax.Array, kernels: Kernels) -> jax.Array
     return out.at[t.dest].get(mode="fill", fill_value=0, unique_indices=True)
 
 
-def _swiglu_ragged(x: jax.Array, sizes: jax.Array, kernels: Kernels) -> jax.Array:
+@jax.custom_batching.sequential_vmap
+def _ragged_dot_loop(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
+    return jax.lax.ragged_dot(x, w, sizes)
+
+
+@jax.custom_batching.sequential_vmap
+def _ragged_dot_loop_vjp(x: jax.Array, w: jax.Array, sizes: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, sizes), x, w)[1](g)
+
+
+@jax.custom_vjp
+def _ragged_dot_unbatched(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
+    """`jax.lax.ragged_dot` that stays free of batch dimensions under vmap: a batch runs as a loop of ragged dots.
+
+    Why. XLA:TPU's ragged-dot takes no batch dimensions ("Failed to create RaggedConvSpec from ragged_dot
+    instruction ...: number of batch dimensions should be 0, got 1"), and inside the pipeline the layer is vmapped
+    over stages: the shard_map of `dropless` is then batched over its device's one stage, and jax's batching rule
+    of ragged_dot adds that dimension. `sequential_vmap` runs the batch as a `lax.map` (one iteration there, which
+    XLA drops); it has no reverse-mode rule of its own, so the gradient is a custom_vjp whose backward is the
+    ragged dot's own vjp, looped the same way."""
+    return _ragged_dot_loop(x, w, sizes)
+
+
+def _ragged_dot_unbatched_fwd(x, w, sizes):
+    return _ragged_dot_loop(x, w, sizes), (x, w, sizes)
+
+
+def _ragged_dot_unbatched_bwd(residuals, g):
+    x, w, sizes = residuals
+    return (*_ragged_dot_loop_vjp(x, w, sizes, g), None)
+
+
+_ragged_dot_unbatched.defvjp(_ragged_dot_unbatched_fwd, _ragged_dot_unbatched_bwd)
+
+
+def _swiglu_ragged(x: jax.Array, sizes: jax.Array, kernels: Kernels, dot=jax.lax.ragged_dot) -> jax.Array:
     wi_0, wi_1, wo = kernels
-    gate = jax.lax.ragged_dot(x, wi_0, sizes)
-    up = jax.lax.ragged_dot(x, wi_1, sizes)
-    return jax.lax.ragged_dot(nn.silu(gate) * up, wo, sizes)
+    gate = dot(x, wi_0, sizes)
+    up = dot(x, wi_1, sizes)
+    return dot(nn.silu(gate) * up, wo, sizes)
+
+
+# ragged_dot inside the pipeline's stage vmap (`dropless` picks it there): `_ragged_dot_unbatched`.
+_RAGGED_IN_VMAP = "ragged_dot in vmap"
 
 
 def grouped_swiglu(x: jax.Array, sizes: jax.Array, kernels: Kernels, impl: str) -> jax.Array:
@@ -135,6 +175,8 @@ def grouped_swiglu(x: jax.Array, sizes: jax.Array, kernels: Kernels, impl: str) 
         return _swiglu_tiled(x, sizes, kernels)
     if impl == "ragged_dot":
         return _swiglu_ragged(x, sizes, kernels)
+    if impl == _RAGGED_IN_VMAP:
+        return _swiglu_ragged(x, sizes, kernels, _ragged_dot_unbatched)
     raise ValueError(f"grouped matmul impl must be one of {IMPLS}, got {impl!r}")
 
 
@@ -271,6 +313,12 @@ def dropless(x: jax.Array, experts: jax.Array, weights: jax.Array, kernels: Kern
     mesh, rules = jax.sharding.get_abstract_mesh(), nn.get_logical_axis_rules()
     if mesh.empty or not rules:
         return _dropless_here(x, experts, weights, kernels, impl), _none_dropped()
+    # Inside the pipeline the layer is vmapped over stages with spmd_axis_name, which adds the stage axes to the
+    # shard_map's specs: they must be manual too (outside a pipeline they have size 1 and are left out), and the
+    # body is batched over the device's stage, a batch dimension XLA:TPU's ragged-dot does not take.
+    stage_axes = active_mesh_axes(ax.PIPELINE_STATE)[0]  # as the pipeline's vmap asks (layers/pipeline.py)
+    if stage_axes and impl == "ragged_dot":
+        impl = _RAGGED_IN_VMAP
     names = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
     token_dims = active_mesh_axes(ax.TOKENS)[:2]  # x's [batch, length] (layers/moe.py constrains it to ax.TOKENS)
     expert_axes = active_mesh_axes(ax.EXPERT_KERNEL)[0]
@@ -282,9 +330,6 @@ def dropless(x: jax.Array, experts: jax.Array, weights: jax.Array, kernels: Kern
         # Nothing splits the tokens, or this batch does not split evenly (init's batch of 1, a small decode batch):
         # one logical computation, partitioned by XLA.
         return _dropless_here(x, experts, weights, kernels, impl), _none_dropped()
-    # Inside the pipeline the layer is vmapped over stages with spmd_axis_name, which adds the stage axes to the
-    # shard_map's specs: they must be manual too (outside a pipeline they have size 1 and are left out).
-    stage_axes = active_mesh_axes(ax.PIPELINE_STATE)[0]  # as the pipeline's vmap asks (layers/pipeline.py)
     manual = tuple(a for a in names if any(a in d for d in token_dims) or a in stage_axes)
     kernel_names = (ax.EXPERT_KERNEL, ax.EXPERT_KERNEL, (ax.EXP, ax.MLP, ax.EMBED))
     kernel_dims = [_within(active_mesh_axes(n), manual) for n in kernel_names]

@@ -52,6 +52,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from maxshard.model.layers.ragged_all_to_all import ragged_all_to_all
+
 __all__ = ["Slices", "Plan", "buffer_rows", "taken", "buffer_offsets", "plan", "exchange"]
 
 
@@ -115,6 +117,7 @@ def plan(counts: jax.Array, device: jax.Array, rows: int) -> Plan:
 
 
 def exchange(x: jax.Array, rows: int, slices: Slices, axis: tuple[str, ...]) -> jax.Array:
-    """x [n, embed] -> [rows, embed]: the slices of x sent, the slices received written into zeros."""
+    """x [n, embed] -> [rows, embed]: the slices of x sent, the slices received written into zeros (XLA's
+    ragged-all-to-all on TPU and GPU, an emulation on CPU: `ragged_all_to_all.py`)."""
     out = jnp.zeros((rows, x.shape[1]), x.dtype)
-    return jax.lax.ragged_all_to_all(x, out, *slices, axis_name=axis)
+    return ragged_all_to_all(x, out, *slices, axis_name=axis)
