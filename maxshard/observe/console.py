@@ -203,4 +203,6 @@ class StepLogger:
         if "moe/dropped_fraction" in record:
             progress += (f" | dropped {record['moe/dropped_fraction']:.1%}"
                          f" | expert load max {record['moe/expert_load_max']:.2f}")
+        if "rewards/accuracy" in record:  # a preference objective (maxshard/objectives/preference.py)
+            progress += f" | reward accuracy {record['rewards/accuracy']:.2f} margin {record['rewards/margin']:.3f}"
         print(progress, flush=True)
