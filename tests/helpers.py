@@ -30,11 +30,15 @@ TINY = (
 )
 
 
-def tiny_config(*overrides: str, num_devices: int = 8, global_batch: int = 16) -> config.Config:
-    """A finalized tiny config for `num_devices` with a fixed global batch, whatever the device count."""
+def tiny_config(*overrides: str, num_devices: int = 8, global_batch: int = 16,
+                device_kind: str = "cpu") -> config.Config:
+    """A finalized tiny config for `num_devices` with a fixed global batch, whatever the device count. `device_kind`
+    (jax's, e.g. 'NVIDIA H100 80GB HBM3') resolves what depends on the chip (dtype, attention, the MoE exchange) as
+    a run there would: the accelerator tests (tests/test_accelerators.py) pass their device's."""
     per_device = f"per_device_batch_size={global_batch / num_devices}"
     merged = {item.split("=", 1)[0]: item for item in (*TINY, per_device, *overrides)}  # later wins
-    return loading.complete(config.finalize(config.parse(["configs/base.yml", *merged.values()]), num_devices))
+    parsed = config.parse(["configs/base.yml", *merged.values()])
+    return loading.complete(config.finalize(parsed, num_devices, device_kind))
 
 
 def mesh_for(cfg: config.Config) -> jax.sharding.Mesh:
@@ -49,6 +53,19 @@ def max_relative_difference(a: Any, b: Any) -> float:
         return float(np.max(np.abs(x - y)) / max(np.max(np.abs(y)), 1e-12))
 
     return max(jax.tree.leaves(jax.tree.map(leaf, jax.device_get(a), jax.device_get(b))))
+
+
+def gradient_agreement(grads: Any, reference: Any) -> tuple[float, float]:
+    """(cosine similarity, relative error ||g - r|| / ||r||) of two gradient trees, each flattened whole into one
+    float64 vector: one figure for the whole step, so a leaf that is small in the sum weighs little (unlike
+    `max_relative_difference`, which holds each leaf to its own scale)."""
+
+    def flat(tree: Any) -> np.ndarray:
+        return np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(jax.device_get(tree))])
+
+    g, r = flat(grads), flat(reference)
+    cosine = float(g @ r / (np.linalg.norm(g) * np.linalg.norm(r)))
+    return cosine, float(np.linalg.norm(g - r) / np.linalg.norm(r))
 
 
 def layout_overrides(layout: Sequence[str]) -> tuple[str, ...]:
