@@ -1,13 +1,48 @@
-"""Every test sees 8 simulated CPU devices (this must run before JAX starts its backend); shared training runs."""
+"""On CPU every test sees 8 simulated devices (this must run before JAX starts its backend); shared training runs;
+the accelerator tests (markers `gpu`, `tpu`) skipped, with the reason, where `jax.devices()` has no such device.
+
+JAX_PLATFORMS defaults to cpu, so a GPU or TPU machine runs the CPU suite as CI does; its accelerator tests run
+when the user names the platform: `JAX_PLATFORMS=cuda python -m pytest -m gpu` (or tpu, `-m tpu`). The 8 simulated
+devices are asked for only when the CPU backend is among the platforms; on an accelerator they change nothing.
+"""
 
 import os
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+PLATFORMS = os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-jax.config.update("jax_num_cpu_devices", 8)
+if not PLATFORMS or "cpu" in PLATFORMS.split(","):  # "" lets JAX pick every platform it finds
+    jax.config.update("jax_num_cpu_devices", 8)
+
+# marker: (jax's platform of such devices, what the tests need, the JAX_PLATFORMS value that selects it). jax names
+# an NVIDIA GPU's platform "gpu", which the cuda plugin provides.
+ACCELERATORS = {"gpu": ("gpu", "an NVIDIA GPU", "cuda"), "tpu": ("tpu", "a TPU", "tpu")}
+
+
+def _device_platforms() -> list[str]:
+    """The platforms of `jax.devices()`; a test error naming JAX_PLATFORMS where JAX starts none of them (jax 0.10.2
+    fails a bare assert when it names a platform whose plugin is not installed, e.g. cuda without jax[cuda12])."""
+    try:
+        return sorted({d.platform for d in jax.devices()})
+    except (RuntimeError, AssertionError) as error:
+        pytest.fail(f"JAX_PLATFORMS={PLATFORMS!r}: JAX started no backend ({type(error).__name__}: {error}); is "
+                    "its plugin installed (pip install -e '.[cuda]' or '.[tpu]')?", pytrace=False)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Skips a test marked `gpu` or `tpu` unless JAX has such a device, before its fixtures (which may compile for
+    it) are set up. Asked at the first marked test, not at collection: JAX's backend starts no earlier than a test
+    needs it."""
+    for marker, (platform, needs, name) in ACCELERATORS.items():
+        if item.get_closest_marker(marker) is None:
+            continue
+        found = _device_platforms()
+        if platform not in found:
+            pytest.skip(f"needs {needs}: jax.devices() are {', '.join(found)} (run JAX_PLATFORMS={name} python -m "
+                        f"pytest -m {marker})")
 
 
 @pytest.fixture(scope="session")
