@@ -2,13 +2,13 @@
 
 Kernel level (one device): outputs and gradients of blockwise, of the cudnn call mapping (run through XLA: there is
 no GPU here, so the cuDNN kernel itself never runs in CI), of the tokamax document offsets (through tokamax's XLA
-implementation; its Mosaic GPU kernel never runs in CI either) and of splash (Pallas interpret mode) against
-dot_product, with causal masking, packed documents and grouped-query heads, at lengths that are and are not
-multiples of the blocks. Model level (8 simulated devices): loss and gradients of the tiny model with
-attention=blockwise under fsdp8, fsdp4 x tensor2, sequence2 x fsdp4, and ring attention under context2 x fsdp4
-(one slice and across two simulated DCN slices), and with attention=tokamax under fsdp4 x tensor2, against
-dot_product on one device; the CLI trains a fresh tiny run with attention=tokamax. Tolerance 1e-5 relative
-(float32): the same sums in another order.
+implementation; its Mosaic GPU kernel never runs in CI either; tests/test_accelerators.py runs both kernels, and
+splash compiled, on an accelerator) and of splash (Pallas interpret mode) against dot_product, with causal
+masking, packed documents and grouped-query heads, at lengths that are and are not multiples of the blocks. Model
+level (8 simulated devices): loss and gradients of the tiny model with attention=blockwise under fsdp8, fsdp4 x
+tensor2, sequence2 x fsdp4, and ring attention under context2 x fsdp4 (one slice and across two simulated DCN
+slices), and with attention=tokamax under fsdp4 x tensor2, against dot_product on one device; the CLI trains a
+fresh tiny run with attention=tokamax. Tolerance 1e-5 relative (float32): the same sums in another order.
 """
 
 from __future__ import annotations
@@ -40,14 +40,15 @@ def _inputs(length: int, heads: int = 4, kv_heads: int = 2, dim: int = 8, batch:
     return q, k, v, segments
 
 
-def _value_and_grads(fn, q, k, v, segments):
-    """Output and d(sum(out * cos(out)))/d(q, k, v): a loss whose gradient is not uniform."""
+def _value_and_grads(fn, q, k, v, segments, options=FAST_COMPILE):
+    """Output and d(sum(out * cos(out)))/d(q, k, v): a loss whose gradient is not uniform. `options`: XLA's compile
+    options (tests/test_accelerators.py compiles for a GPU or TPU with none)."""
 
     def loss(q, k, v):
         out = fn(q, k, v, segments, segments)
         return jnp.sum(out * jnp.cos(out)), out
 
-    fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)).lower(q, k, v).compile(FAST_COMPILE)
+    fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)).lower(q, k, v).compile(options)
     (_, out), grads = fn(q, k, v)
     return out, grads
 
