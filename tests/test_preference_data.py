@@ -38,7 +38,7 @@ def pref_cfg(path: Path, *overrides: str) -> config.Config:
     """base.yml reading preference pairs from `path`: 8 rows of 32 tokens, every record in train."""
     values = {"per_device_batch_size": "1", "max_target_length": "32", "eval_fraction": "0"}
     values.update(o.split("=", 1) for o in overrides)
-    return config.load([BASE, "dataset_type=preference", f"dataset_path={path}",
+    return config.load([BASE, "dataset_type=preference", "objective=dpo", f"dataset_path={path}",
                         *(f"{k}={v}" for k, v in values.items())])
 
 
@@ -262,7 +262,7 @@ def test_resume_gives_the_same_next_batches(tmp_path):
 
 def test_config_errors_are_one_line(tmp_path):
     with pytest.raises(ConfigError, match="^dataset_mixture mixes documents, not preference pairs"):
-        config.load([BASE, "dataset_type=preference", f"dataset_mixture=[[{tmp_path}/a.jsonl, 1]]"])
+        config.load([BASE, "dataset_type=preference", "objective=dpo", f"dataset_mixture=[[{tmp_path}/a.jsonl, 1]]"])
     path = write_jsonl(tmp_path / "p.jsonl", [{"text": "no pair"}])
     with pytest.raises(ConfigError, match="^record field=chosen: no record of dataset_path="):
         cfg = pref_cfg(path)

@@ -366,4 +366,4 @@ def test_a_chip_without_the_8_bit_peak_counts_the_quantized_matmuls_at_bf16() ->
 
 
 class _Report:
-    param_bytes_per_device = optimizer_bytes_per_device = gradient_bytes_per_device = 0
+    param_bytes_per_device = optimizer_bytes_per_device = gradient_bytes_per_device = reference_bytes_per_device = 0
