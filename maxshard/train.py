@@ -20,8 +20,10 @@ from maxshard import cli, data
 from maxshard.checkpoint import manager as checkpoint
 from maxshard.config import Config
 from maxshard.data import chat
+from maxshard.generation import rollouts
 from maxshard.errors import ConfigError
 from maxshard.model import trainable
+from maxshard.objectives import kinds as objective_kinds
 from maxshard.model.transformer import count_params
 from maxshard.observe import console, metrics
 from maxshard.observe.profiling import Profiler
@@ -90,10 +92,17 @@ def catch_sigterm() -> Iterator[threading.Event]:
 def start(cfg: Config, trainer: Trainer, ckpt: checkpoint.Checkpoints) -> tuple[TrainState, data.InputIterator]:
     """The state to train from (resumed, seeded or fresh) and the train batches, positioned where it left off."""
     state, data_state = ckpt.restore_or_init()
-    batches = data.make_input(cfg, trainer.mesh, "train")
+    batches = train_input(cfg, trainer)
     if data_state is not None:
         batches.set_state(data_state)
     return state, batches
+
+
+def train_input(cfg: Config, trainer: Trainer) -> Any:
+    """The train batches: the data pipeline's, or GRPO's rollouts sampled from the state being trained."""
+    if objective_kinds.kind(cfg.objective).rows == "rollouts":
+        return rollouts.Rollouts(cfg, trainer, data.batch_sharding(cfg, trainer.mesh))
+    return data.make_input(cfg, trainer.mesh, "train")
 
 
 def end_of_step(
@@ -133,15 +142,17 @@ def train_loop(
     trainer, train_step = compiled.trainer, compiled.step
     cfg = trainer.cfg
     batch_sharding = data.batch_sharding(cfg, trainer.mesh)
-    eval_step = trainer.jit_eval_step(batch_sharding) if cfg.eval_period else None
+    sampled = objective_kinds.kind(cfg.objective).rows == "rollouts"  # no eval split: its batches are sampled
+    eval_step = trainer.jit_eval_step(batch_sharding) if cfg.eval_period and not sampled else None
     profiler = Profiler.from_config(cfg, is_primary=jax.process_index() == 0)
 
     # Every process sees every row of the global batch (data/pipeline.py): its counters are already the run's.
     deferred, log = metrics.DeferredMetrics(), console.StepLogger(cfg, writer, batches.stats, compiled.seconds)
     for step in range(int(state.step), cfg.steps):
         with profiler.step(step):
-            state, step_metrics = train_step(state, next(batches))
+            state, step_metrics = train_step(state, rollouts.next_batch(batches, state))
         log(deferred.push(step, step_metrics))
+        rollouts.show_samples(batches, step + 1, cfg.log_period)
         if eval_step is not None and (step + 1) % cfg.eval_period == 0:
             log(deferred.flush())
             eval_loss = evaluate(cfg, trainer, state, eval_step)

@@ -65,15 +65,13 @@ def pair_rows() -> dict[str, np.ndarray]:
     return fields
 
 
-@pytest.fixture(scope="module")
-def imported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The policy, the reference and every case's gradients, each imported once by `from_hf`."""
-    root = tmp_path_factory.mktemp("imported")
+def import_fixtures(root: Path, cases: tuple[str, ...]) -> dict[str, Path]:
+    """The policy, the reference and each case's gradients under `root`, each imported once by `from_hf`."""
     out = {}
     for name, source in (("policy", POLICY), ("reference", FIXTURE / "reference")):
         assert convert_cli.main(["from_hf", str(source), str(root / name)]) == 0
         out[name] = root / name
-    for case in OBJECTIVES:
+    for case in cases:
         hf = root / f"{case}_hf"
         hf.mkdir()
         shutil.copy(POLICY / "config.json", hf / "config.json")
@@ -81,6 +79,11 @@ def imported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         assert convert_cli.main(["from_hf", str(hf), str(root / f"{case}_grads")]) == 0
         out[case] = root / f"{case}_grads"
     return out
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return import_fixtures(tmp_path_factory.mktemp("imported"), tuple(OBJECTIVES))
 
 
 def start(imported: dict[str, Path], tmp_path: Path, name: str, *extra: str, devices: int = 1) -> tuple[Any, Any]:

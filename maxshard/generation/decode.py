@@ -177,14 +177,16 @@ class Engine:
     # ------------------------------------------------------------------ the loop
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_id: int | Sequence[int],
-                 pad_id: int, sampling: Sampling = Sampling(), seed: int = 0, keep_logits: bool = False) -> Result:
+                 pad_id: int, sampling: Sampling = Sampling(), seed: int = 0, keep_logits: bool = False,
+                 prompt_length: int = 0) -> Result:
         """Each prompt (token ids, as the tokenizer starts them) continued by up to `max_new_tokens` tokens; a
-        sequence stops at the first of its EOS id(s) (`eos_id`: one id or several, e.g. Qwen's two)."""
+        sequence stops at the first of its EOS id(s) (`eos_id`: one id or several, e.g. Qwen's two). Prompts are
+        padded to at least `prompt_length`, so calls with shorter prompts reuse one compilation."""
         multiple = batch_multiple(self.mesh, self.rules)
         rows = -(-len(prompts) // multiple) * multiple
         padded = list(prompts) + [list(prompts[0][:1])] * (rows - len(prompts))  # dummy rows: a 1-token prompt
         lengths = np.array([len(p) for p in padded], np.int32)
-        prompt_length = int(lengths.max())
+        prompt_length = max(int(lengths.max()), prompt_length)
         tokens = np.full((rows, prompt_length), pad_id, np.int32)
         for i, p in enumerate(padded):
             tokens[i, : len(p)] = p

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import jax
 
 from maxshard.objectives import kinds
+from maxshard.objectives.grpo import GRPO
 from maxshard.objectives.lm import LanguageModel
 from maxshard.objectives.preference import DPO, ORPO, SimPO
 
@@ -51,4 +52,6 @@ def of(cfg: Any) -> Objective:
         return SimPO(cfg.simpo_beta, cfg.simpo_gamma)
     if name == "orpo":
         return ORPO(cfg.orpo_lambda)
+    if name == "grpo":
+        return GRPO(cfg.grpo_epsilon, cfg.grpo_kl_beta)
     raise KeyError(name)

@@ -4,19 +4,22 @@ batch holds: documents, or preference pairs) and the train state (whether a refe
 
 A leaf, so that the config schema and the data pipelines can read it without the losses (jax).
 
-Every objective reads the same five batch fields, `FIELDS` [batch, length]; what differs is what a row holds:
+Every objective reads the five batch fields `FIELDS` [batch, length] (and its own `extra` ones, `fields`); what
+differs is what a row holds:
 
     documents   packed documents; the loss counts targets whose loss_weights is 1 (`lm`)
     pairs       preference pairs, each whole in one row: pair p of a row is its segments 2p - 1 (the chosen reply
                 with its prompt) and 2p (the rejected one); loss_weights is 1 on reply targets only, so the prompt
                 counts in neither half (`data/preference.py` writes such rows, `data/synthetic.py` makes them)
+    rollouts    sampled completions of prompts, one a row (`generation/rollouts.py`): loss_weights is 1 on the
+                completion's targets, beside the rollout policy's log-probabilities and the completion's advantage
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["FIELDS", "Kind", "KINDS", "NAMES", "kind", "REFERENCES"]
+__all__ = ["FIELDS", "Kind", "KINDS", "NAMES", "kind", "fields", "REFERENCES"]
 
 # name -> dtype of every batch field, [batch, length] each (maxshard/data/__init__.py says what each holds)
 FIELDS = {"inputs": "int32", "targets": "int32", "segment_ids": "int32", "positions": "int32",
@@ -35,6 +38,7 @@ class Kind:
     reference: bool  # it compares with a reference model's log-probabilities
     keys: tuple[str, ...]  # its config keys
     summary: str
+    extra: tuple[str, ...] = ()  # float32 [batch, length] batch fields beyond FIELDS
 
 
 KINDS = (
@@ -45,6 +49,11 @@ KINDS = (
          "SimPO: length-normalised log-probabilities with a target margin, no reference"),
     Kind("orpo", "pairs", False, ("orpo_lambda",),
          "ORPO: the chosen reply's cross-entropy plus a log-odds-ratio term, no reference"),
+    Kind("grpo", "rollouts", True, ("grpo_group_size", "grpo_updates_per_rollout", "grpo_kl_beta", "grpo_epsilon",
+                                    "grpo_temperature", "grpo_top_p", "grpo_max_new_tokens", "reward"),
+         "GRPO: completions sampled from the current model, rewarded, advantages normalised within each prompt's "
+         "group, a clipped ratio and a KL term to the reference (objectives/grpo.py)",
+         extra=("old_logps", "advantages")),
 )
 NAMES = tuple(k.name for k in KINDS)
 _BY_NAME = {k.name: k for k in KINDS}
@@ -53,3 +62,8 @@ _BY_NAME = {k.name: k for k in KINDS}
 def kind(name: str) -> Kind:
     """The objective called `name` (KeyError for an unknown one; the schema admits only NAMES)."""
     return _BY_NAME[name]
+
+
+def fields(name: str) -> dict[str, str]:
+    """name -> dtype of every batch field objective `name` reads: FIELDS and its own."""
+    return {**FIELDS, **dict.fromkeys(kind(name).extra, "float32")}

@@ -71,9 +71,9 @@ def mesh_context(mesh: Mesh, rules: sharding.FlaxRules) -> Iterator[None]:
 def reference_kind(cfg: Config) -> str:
     """Where the run's reference log-probabilities come from: "" (its objective needs none), "frozen" (a copy of
     the starting parameters in the state) or "lora_base" (the LoRA base, adapters off)."""
-    if not objective_kinds.kind(cfg.objective).reference:
+    if not objective_kinds.kind(cfg.objective).reference or (cfg.objective == "grpo" and not cfg.grpo_kl_beta):
         return ""
-    if cfg.dpo_reference != "auto":
+    if cfg.objective == "dpo" and cfg.dpo_reference != "auto":
         return cfg.dpo_reference
     return "frozen" if trainable.trains_everything(cfg.model) else "lora_base"
 
@@ -242,7 +242,7 @@ class Trainer:
         return {"loss_sum": sums["loss_sum"], "weight_sum": sums["weight_sum"]}
 
     def batch_shardings(self, batch_sharding: NamedSharding) -> dict[str, NamedSharding]:
-        return {k: batch_sharding for k in objective_kinds.FIELDS}
+        return {k: batch_sharding for k in objective_kinds.fields(self.cfg.objective)}
 
     def jit_train_step(self, batch_sharding: NamedSharding) -> Callable[[TrainState, Batch], Any]:
         """The train step, jitted with explicit shardings and the state donated."""

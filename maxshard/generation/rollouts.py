@@ -1,0 +1,163 @@
+"""GRPO's input: completions sampled from the parameters being trained, rewarded, as batch rows (`objective: grpo`).
+
+Every `grpo_updates_per_rollout` steps, on the training mesh and from the train state's own parameters (no copy, no
+second mesh), maxshard's KV-cache generation (`decode.Engine`) continues the next global_batch / grpo_group_size
+prompts `grpo_group_size` times each. The reward (`maxshard.rewards`) scores each completion; its advantage is its
+reward against its group's (`objectives/grpo.py`). The rows the step trains on, one completion each:
+
+    inputs       prompt c1 c2 ... c(n-1)          the prompt's ids as generation started them, then the completion
+    targets      p2 ... c1 c2 ... cn              (ending with the EOS that stopped it, if one did)
+    loss_weights 0  ... 1  1  ... 1               the completion's targets only
+    old_logps    log p of each target under the parameters that sampled it (one forward pass after sampling)
+    advantages   the completion's advantage, on every token of its row
+
+The sampling key of rollout r is derived from `seed` and r alone, and the prompts' position is saved with every
+checkpoint, so a resumed run samples what the uninterrupted one did. A resume between the updates of one rollout
+(`grpo_updates_per_rollout` > 1, a checkpoint inside the group) samples that rollout again from the saved, already
+updated parameters: not what the uninterrupted run trained on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from maxshard import rewards
+from maxshard.config import Config
+from maxshard.data import prompts as prompt_data
+from maxshard.data.tokenizer import Tokenizer, make_tokenizer
+from maxshard.errors import ConfigError
+from maxshard.generation.decode import Engine
+from maxshard.generation.sampling import Sampling, allowed_tokens
+from maxshard.objectives import kinds
+from maxshard.training.step import Trainer, TrainState, mesh_context
+
+__all__ = ["Rollouts", "advantages", "rows", "next_batch", "check"]
+
+_SHOWN_SAMPLES = 2  # completions printed (with their rewards) every log_period steps
+
+
+def check(cfg: Config) -> None:
+    """What GRPO's rollouts need of the run, before anything compiles."""
+    if cfg.dataset_type != "prompts":
+        raise ConfigError(f"objective=grpo samples completions of prompts: set dataset_type=prompts "
+                          f"(dataset_type={cfg.dataset_type})")
+    longest = cfg.grpo_max_prompt_length + cfg.grpo_max_new_tokens
+    if longest > cfg.max_target_length + 1:
+        raise ConfigError(f"grpo_max_prompt_length + grpo_max_new_tokens = {longest} tokens do not fit a row of "
+                          f"max_target_length={cfg.max_target_length} (at most max_target_length + 1)")
+    if cfg.model.pipeline is not None:
+        raise ConfigError("objective=grpo samples with the training parameters, which a pipeline lays out by stage: "
+                          "set ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1")
+
+
+def advantages(scores: np.ndarray, group: int) -> np.ndarray:
+    """float32 [n]: each reward against its group's (consecutive groups of `group`): (r - mean) / (std + 1e-4),
+    std unbiased, as TRL's `scale_rewards: group`."""
+    grouped = scores.reshape(-1, group).astype(np.float64)
+    centred = grouped - grouped.mean(axis=1, keepdims=True)
+    return (centred / (grouped.std(axis=1, ddof=1, keepdims=True) + 1e-4)).reshape(-1).astype(np.float32)
+
+
+def rows(prompt_ids: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], advantage: np.ndarray,
+         length: int) -> dict[str, np.ndarray]:
+    """The batch rows [n, length] of prompt + completion pairs (module docstring), old_logps still zero."""
+    n = len(prompt_ids)
+    out = {k: np.zeros((n, length), np.dtype(dtype)) for k, dtype in kinds.fields("grpo").items()}
+    for i, (prompt, completion) in enumerate(zip(prompt_ids, completions)):
+        tokens = np.asarray([*prompt, *completion], np.int32)
+        used = len(tokens) - 1
+        out["inputs"][i, :used], out["targets"][i, :used] = tokens[:-1], tokens[1:]
+        out["segment_ids"][i, :used], out["positions"][i, :used] = 1, np.arange(used)
+        out["loss_weights"][i, :used] = np.arange(1, used + 1) >= len(prompt)
+        out["advantages"][i, :used] = advantage[i]
+    return out
+
+
+class Rollouts:
+    """The GRPO run's batches: `next_for(state)` samples, scores and lays out a rollout every
+    `grpo_updates_per_rollout` calls and returns it each time; get_state/set_state as the data iterators'."""
+
+    def __init__(self, cfg: Config, trainer: Trainer, batch_sharding: jax.sharding.NamedSharding) -> None:
+        check(cfg)
+        self.cfg, self.trainer, self.sharding = cfg, trainer, batch_sharding
+        self.prompts = prompt_data.make_prompts(cfg, "train", cfg.grpo_max_prompt_length)
+        self.reward = rewards.load_reward(cfg)
+        self.tokenizer: Tokenizer = make_tokenizer(cfg)
+        self.step, self._batch, self._engine = 0, None, None
+        self._stats: dict[str, float] = {}
+        self._logps = jax.jit(lambda params, batch: trainer._token_logps(params, batch)[0],
+                              in_shardings=(trainer.state_shardings.params, trainer.batch_shardings(batch_sharding)),
+                              out_shardings=batch_sharding)
+
+    def next_for(self, state: TrainState) -> dict[str, jax.Array]:
+        """The batch of step `self.step`: a new rollout at every `grpo_updates_per_rollout`-th step (or the first
+        after a resume), else the last one again."""
+        if self._batch is None or self.step % self.cfg.grpo_updates_per_rollout == 0:
+            self._batch = self._rollout(state.params, self.step // self.cfg.grpo_updates_per_rollout)
+        self.step += 1
+        return self._batch
+
+    def _rollout(self, params: Any, index: int) -> dict[str, jax.Array]:
+        cfg, group = self.cfg, self.cfg.grpo_group_size
+        chosen = self.prompts.next_prompts(cfg.global_batch_size // group)
+        asked = [p for p in chosen for _ in range(group)]
+        completions = self._sample(params, [list(p.ids) for p in asked], index)
+        texts = [self.tokenizer.decode([t for t in c if t not in self.tokenizer.stop_ids]) for c in completions]
+        scores = rewards.score(self.reward, asked, texts)
+        host = rows([p.ids for p in asked], completions, advantages(scores, group), cfg.max_target_length)
+        batch = {k: self._global(v) for k, v in host.items()}
+        with mesh_context(self.trainer.mesh, self.trainer.rules):
+            batch["old_logps"] = self._logps(params, batch)
+        self._stats = {"reward/mean": float(scores.mean()), "reward/std": float(scores.std()),
+                       "reward/min": float(scores.min()), "reward/max": float(scores.max())}
+        self._samples = [(p.text, t, float(s)) for p, t, s in zip(asked[:_SHOWN_SAMPLES], texts, scores)]
+        return batch
+
+    def _sample(self, params: Any, prompt_ids: list[list[int]], index: int) -> list[list[int]]:
+        """Completions (ids, ending with a stop id where one stopped them) of each prompt, from `params`."""
+        if self._engine is None:
+            allowed = allowed_tokens(self.cfg.model.vocab_size, self.tokenizer.vocab_size,
+                                     self.tokenizer.never_generated)
+            self._engine = Engine(self.cfg.model, self.trainer.mesh, self.trainer.rules, params, allowed)
+        self._engine.params = params
+        sampling = Sampling(self.cfg.grpo_temperature, 0, self.cfg.grpo_top_p)
+        seed = (self.cfg.seed * 1_000_003 + index) % (2**31 - 1)
+        result = self._engine.generate(prompt_ids, self.cfg.grpo_max_new_tokens, self.tokenizer.stop_ids,
+                                       self.tokenizer.pad_id, sampling, seed,
+                                       prompt_length=self.cfg.grpo_max_prompt_length)
+        return result.tokens
+
+    def _global(self, host: np.ndarray) -> jax.Array:
+        return jax.make_array_from_callback(host.shape, self.sharding, lambda index: host[index])
+
+    def samples(self) -> list[tuple[str, str, float]]:
+        """(prompt, completion, reward) of the first completions of the last rollout."""
+        return list(getattr(self, "_samples", []))
+
+    def get_state(self) -> dict[str, Any]:
+        return {"step": self.step, "prompts": self.prompts.get_state()}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.step, self._batch = int(state["step"]), None
+        self.prompts.set_state(state["prompts"])
+
+    def stats(self) -> dict[str, float]:
+        """The last rollout's reward figures and the prompts' counters (skipped records)."""
+        return {**self.prompts.stats(), **self._stats}
+
+
+def next_batch(batches: Any, state: TrainState) -> dict[str, jax.Array]:
+    """The next train batch: GRPO's rollouts sample it from `state`; every other input is a plain iterator."""
+    return batches.next_for(state) if isinstance(batches, Rollouts) else next(batches)
+
+
+def show_samples(batches: Any, step: int, every: int, printer: Callable[[str], None] = print) -> None:
+    """A few sampled completions with their rewards, every `every` steps (GRPO only)."""
+    if not isinstance(batches, Rollouts) or step % every:
+        return
+    for prompt, completion, reward in batches.samples():
+        printer(f"sample at step {step} (reward {reward:g}): {prompt!r} -> {completion!r}")

@@ -1,0 +1,76 @@
+"""`objective: grpo`: group relative policy optimisation on completions sampled from the model itself.
+
+Each prompt is answered `grpo_group_size` times by the current parameters (`generation/rollouts.py`), each answer
+rewarded, and its advantage is its reward against its group's: A = (r - mean) / (std + 1e-4), std unbiased (TRL's
+`scale_rewards: group`). A batch row holds one completion after its prompt (segment 1); per completion token t:
+
+    ratio_t  = exp(log p_t - old log p_t)                    old: the policy that sampled it (the rollout)
+    pg_t     = -min(ratio_t A, clip(ratio_t, 1 - eps, 1 + eps) A)
+    kl_t     = exp(ref_t - log p_t) - (ref_t - log p_t) - 1  k3, an estimate of KL(policy || reference) >= 0
+    loss     = mean over completions of (sum_t (pg_t + beta kl_t) / tokens)   (TRL's loss_type `grpo`)
+
+With one update per rollout the ratio is 1 and pg is -A per token; with `grpo_updates_per_rollout` > 1 the later
+updates see the ratio move and clip. `grpo_kl_beta` 0 keeps no reference. A completion is found from its segment in
+its row, as preference pairs are, so its sums never depend on another row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from maxshard.objectives import kinds
+
+__all__ = ["GRPO"]
+
+Batch = dict[str, jax.Array]
+
+
+def _per_sequence(values: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    """[batch, length] -> sums per segment [batch, length + 1] (segment 0, padding, first)."""
+    per_row = jax.vmap(lambda v, s: jax.ops.segment_sum(v, s, num_segments=values.shape[1] + 1))
+    return per_row(values, segment_ids)[:, 1:]
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPO:
+    """The GRPO loss on a batch of rollouts (module docstring)."""
+
+    epsilon: float
+    kl_beta: float
+    kind: kinds.Kind = kinds.kind("grpo")
+
+    def totals(self, batch: Batch) -> dict[str, jax.Array]:
+        return {}
+
+    def sums(self, logps: jax.Array, batch: Batch, totals: dict[str, jax.Array],
+             reference: jax.Array | None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        mask = batch["loss_weights"].astype(jnp.float32)
+        advantages, old = batch["advantages"], batch["old_logps"]
+        ratio = jnp.exp(logps - old)
+        clipped = jnp.clip(ratio, 1.0 - self.epsilon, 1.0 + self.epsilon)
+        token_loss = -jnp.minimum(ratio * advantages, clipped * advantages)
+        kl = jnp.zeros_like(logps)
+        if reference is not None:
+            kl = jnp.exp(reference - logps) - (reference - logps) - 1.0
+            token_loss = token_loss + self.kl_beta * kl
+        tokens = _per_sequence(mask, batch["segment_ids"])  # [batch, sequences]
+        counted = (tokens > 0).astype(jnp.float32)
+        per_sequence = _per_sequence(token_loss * mask, batch["segment_ids"]) / jnp.maximum(tokens, 1.0)
+        loss_sum = jnp.sum(per_sequence * counted)
+        low, high = ratio < 1.0 - self.epsilon, ratio > 1.0 + self.epsilon
+        was_clipped = (low & (advantages < 0)) | (high & (advantages > 0))  # where the clip stops the gradient
+        return loss_sum, {
+            "loss_sum": loss_sum,
+            "weight_sum": jnp.sum(counted),
+            "tokens": jnp.sum(mask),
+            "kl": jnp.sum(kl * mask),
+            "clipped": jnp.sum(was_clipped * mask),
+        }
+
+    def metrics(self, sums: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        tokens = jnp.maximum(sums["tokens"], 1.0)
+        return {"kl": sums["kl"] / tokens, "clip_fraction": sums["clipped"] / tokens,
+                "completion_length": sums["tokens"] / jnp.maximum(sums["weight_sum"], 1.0)}
