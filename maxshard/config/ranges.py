@@ -184,6 +184,9 @@ _POSITIVE_INTS = {
     "profile_start": 0,
     "profile_steps": 1,
     "distributed_timeout": 1,
+        if cfg.dataset_type == "prompts":
+            raise ConfigError("dataset_mixture mixes documents, not prompts; dataset_type=prompts reads dataset_path "
+                              "(a JSONL file, directory or glob, or a Hugging Face dataset)")
     "process_count": 0,
     "process_id": -1,
     "grain_worker_count": 0,
