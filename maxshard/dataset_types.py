@@ -25,7 +25,8 @@ class Reader:
 
     name: str
     opener: str  # "module:function" that opens one source of this type ("" for none)
-    yields: str  # "text", "tokens" (or text stored as records), "conversations", "pairs", or "batches" (no documents)
+    yields: str  # "text", "tokens" (or text stored as records), "conversations", "pairs", "prompts" (for
+    # generation, not training rows: `data/prompts.py`), or "batches" (no documents)
     keys: tuple[str, ...]  # config keys it reads besides dataset_path
     summary: str
     suffixes: tuple[str, ...] = ()  # file names of this type: what a directory lists, a mixture source's type
@@ -56,6 +57,11 @@ READERS = (
            ("chat_template", "hf_split", "hf_streaming", "data_cache_dir"),
            "preference pairs (prompt, chosen, rejected: text or conversations) for DPO, SimPO, ORPO, from JSONL or a "
            "Hugging Face dataset; each pair whole in one row, loss weights on the completions (data/preference.py)"),
+    Reader("prompts", "maxshard.data.prompts:open_source", "prompts",
+           ("chat_template", "tokenizer_path", "hf_split", "hf_streaming", "data_cache_dir"),
+           "prompts for GRPO's rollouts (text, or a conversation ending with a user turn) with any other fields, which "
+           "the reward sees, from JSONL or a Hugging Face dataset; read by make_prompts, not make_input "
+           "(data/prompts.py)"),
     Reader("synthetic", "", "batches", ("seed", "vocab_size"),
            "a learnable task made on device (data/synthetic.py): no files, for measuring the step"),
 )
@@ -71,6 +77,6 @@ def reader(name: str) -> Reader:
 
 
 def grain(name: str) -> bool:
-    """Whether `dataset_type` `name` is read from documents through the grain pipeline (False: made on device, or
-    not a type at all)."""
-    return name in _BY_NAME and _BY_NAME[name].yields != "batches"
+    """Whether `dataset_type` `name` is read from documents through the grain pipeline (False: made on device,
+    prompts that GRPO generates from (`data/prompts.py`), or not a type at all)."""
+    return name in _BY_NAME and _BY_NAME[name].yields not in ("batches", "prompts")

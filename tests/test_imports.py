@@ -28,6 +28,7 @@ LEVELS: tuple[tuple[str, ...], ...] = (
     ("maxshard.parallel",),
     ("maxshard.objectives",),
     ("maxshard.data", "maxshard.launch"),
+    ("maxshard.rewards",),  # scores GRPO's completions of `maxshard.data.prompts` records
     ("maxshard.model.layers",),
     ("maxshard.model",),
     ("maxshard.model.residuals",),

@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 
 from maxshard import dataset_types
-from maxshard.config.ranges import check_ranges
+from maxshard.config.ranges import check_group_batch, check_ranges
 from maxshard.config.schema import MESH_AXES, Config, knob_name, path_keys
 from maxshard.config.structures import parse_logical_rules, parse_mixture, parse_names
 from maxshard.errors import ConfigError
@@ -316,7 +316,7 @@ def finalize(cfg: Config, num_devices: int, device_kind: str = "cpu", num_proces
     schedule_steps = cfg.learning_rate_schedule_steps if cfg.learning_rate_schedule_steps > 0 else cfg.steps
     cfg = resolve_paths(cfg)
     run_dir = os.path.join(cfg.base_output_directory, cfg.run_name)
-    return dataclasses.replace(
+    return check_group_batch(dataclasses.replace(
         cfg,
         num_devices=num_devices,
         num_processes=num_processes,
@@ -327,7 +327,7 @@ def finalize(cfg: Config, num_devices: int, device_kind: str = "cpu", num_proces
         run_dir=run_dir,
         checkpoint_dir=os.path.join(run_dir, "checkpoints"),
         tensorboard_dir=os.path.join(run_dir, "tensorboard"),
-    )
+    ))
 
 
 def resolve_path(path: str) -> str:
@@ -347,11 +347,13 @@ def _resolve_source(source: str) -> str:
 
 
 def resolve_paths(cfg: Config) -> Config:
-    """Every path key (`schema.path_keys`) and every mixture source resolved with `resolve_path`
-    (`hf:NAME` sources name a dataset, not necessarily a path, and stay as written; a `chat:` prefix stays)."""
+    """Every path key (`schema.path_keys`), mixture source and reward file (`PATH.py:function`) resolved with
+    `resolve_path` (`hf:NAME` sources name a dataset, not necessarily a path, and stay as written, as do prefixes)."""
     mixture = tuple((_resolve_source(s), w) for s, w in cfg.dataset_mixture)
-    return dataclasses.replace(cfg, dataset_mixture=mixture, **{key: resolve_path(getattr(cfg, key))
-                                                                 for key in path_keys()})
+    file, _, function = cfg.reward.rpartition(":")
+    reward = f"{resolve_path(file)}:{function}" if file.endswith(".py") else cfg.reward
+    return dataclasses.replace(cfg, dataset_mixture=mixture, reward=reward, **{key: resolve_path(getattr(cfg, key))
+                                                                               for key in path_keys()})
 
 
 def _apply_mesh_rules(cfg: Config, detected: str) -> Config:

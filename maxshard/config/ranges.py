@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import typing
 
 from maxshard.config.schema import MESH_AXES, Config, knob_name
@@ -14,7 +15,7 @@ from maxshard.errors import ConfigError
 from maxshard.model.config import LORA_TARGETS
 from maxshard.objectives import kinds as objective_kinds
 
-__all__ = ["check_ranges"]
+__all__ = ["check_ranges", "check_group_batch"]
 
 
 def check_ranges(cfg: Config) -> Config:
@@ -46,6 +47,7 @@ def check_ranges(cfg: Config) -> Config:
                 raise ConfigError(f"{knob_name(family, axis)} must be a positive size or -1 (fill), got {value}")
     _check_moe(cfg)
     _check_lora(cfg)
+    _check_grpo(cfg)
     _check_objective(cfg)
     _check_sampling(cfg)
     if cfg.loss_chunks < 0 or (cfg.loss_chunks and cfg.max_target_length % cfg.loss_chunks):
@@ -78,6 +80,44 @@ def _check_objective(cfg: Config) -> None:
     if cfg.objective == "dpo" and cfg.dpo_reference == "lora_base" and not cfg.lora_rank:
         raise ConfigError("dpo_reference=lora_base needs lora_rank > 0 (the base is the model with its adapters "
                           "off): use frozen (or auto)")
+
+
+def _check_grpo(cfg: Config) -> None:
+    """GRPO's sampling and loss keys, its reward, and its data: prompts are only read for objective grpo (named as
+    a string: the objective's row is another module's)."""
+    if not cfg.grpo_kl_beta >= 0:
+        raise ConfigError(f"grpo_kl_beta must be >= 0 (0: no reference kept), got {cfg.grpo_kl_beta}")
+    for key in ("grpo_epsilon", "grpo_temperature"):
+        if not getattr(cfg, key) > 0:
+            raise ConfigError(f"{key} must be > 0, got {getattr(cfg, key)}")
+    if not 0 < cfg.grpo_top_p <= 1:
+        raise ConfigError(f"grpo_top_p must be in (0, 1] (1: off), got {cfg.grpo_top_p}")
+    if cfg.reward != "exact_match":
+        path, _, function = cfg.reward.rpartition(":")
+        if not (path.endswith(".py") and function.isidentifier()):
+            raise ConfigError(f"reward={cfg.reward}: exact_match, or PATH.py:function (a Python file and a function "
+                              "in it)")
+    if not cfg.reward_answer_field:
+        raise ConfigError("reward_answer_field must name a record field, got an empty string")
+    try:
+        re.compile(cfg.reward_answer_regex)
+    except re.error as e:
+        raise ConfigError(f"reward_answer_regex={cfg.reward_answer_regex!r} is not a regular expression: {e}") \
+            from None
+    if cfg.dataset_type == "prompts" and cfg.objective != "grpo":
+        raise ConfigError(f"dataset_type=prompts holds prompts to sample completions from: set objective to grpo "
+                          f"(objective={cfg.objective})")
+    check_group_batch(cfg)
+
+
+def check_group_batch(cfg: Config) -> Config:
+    """objective grpo: the global batch holds whole groups of `grpo_group_size` completions of one prompt each.
+    Checked again once `global_batch_size` is derived (0 before: `config.finalize`)."""
+    if cfg.objective == "grpo" and cfg.global_batch_size % cfg.grpo_group_size:
+        raise ConfigError(f"global_batch_size={cfg.global_batch_size} (per_device_batch_size x devices) must be a "
+                          f"multiple of grpo_group_size={cfg.grpo_group_size} (objective=grpo: a prompt's "
+                          "completions are one group)")
+    return cfg
 
 
 PAIR_DATASETS = ("synthetic", "preference")  # dataset types whose rows can hold preference pairs
@@ -144,6 +184,9 @@ def _check_data(cfg: Config) -> None:
         if cfg.dataset_type == "preference":
             raise ConfigError("dataset_mixture mixes documents, not preference pairs; dataset_type=preference reads "
                               "dataset_path (a file, directory or glob)")
+        if cfg.dataset_type == "prompts":
+            raise ConfigError("dataset_mixture mixes documents, not prompts; dataset_type=prompts reads dataset_path "
+                              "(a JSONL file, directory or glob, or a Hugging Face dataset)")
         if cfg.dataset_path:
             raise ConfigError("dataset_path and dataset_mixture are both set; set only one (a mixture lists its paths)")
 
@@ -191,6 +234,10 @@ _POSITIVE_INTS = {
     "data_shuffle_seed": 0,
     "max_new_tokens": 1,
     "top_k": 0,
+    "grpo_group_size": 2,
+    "grpo_updates_per_rollout": 1,
+    "grpo_max_new_tokens": 1,
+    "grpo_max_prompt_length": 1,
 }
 _UNIT_INTERVALS = {  # key: (low, high, high included)
     "warmup_steps_fraction": (0.0, 1.0, True),

@@ -185,6 +185,19 @@ class Config:
     simpo_gamma: float = 0.5
     orpo_lambda: float = 0.1
 
+    # ---- grpo (objective grpo): rollouts from dataset_type prompts, scored by `reward` (maxshard/rewards.py)
+    grpo_group_size: int = 4
+    grpo_updates_per_rollout: int = 1
+    grpo_kl_beta: float = 0.04
+    grpo_epsilon: float = 0.2
+    grpo_temperature: float = 1.0
+    grpo_top_p: float = 1.0
+    grpo_max_new_tokens: int = 32
+    grpo_max_prompt_length: int = 64
+    reward: str = "exact_match"
+    reward_answer_field: str = "answer"
+    reward_answer_regex: str = ""
+
     # ---- data
     dataset_type: DatasetType = "text"
     dataset_path: str = _path()

@@ -13,7 +13,8 @@ the data delivered so far (tokens per source, skipped bad records), the run's, n
 The dataset types and their readers are the rows of `maxshard/dataset_types.py`. Modules: `sources` (text files,
 default corpus, train/eval split), `records` (ArrayRecord shards), `chat` and
 `chat_template` (conversations -> tokens whose loss counts the assistant turns, `dataset_type: chat`), `preference`
-(prompt/chosen/rejected records -> pairs of halves packed whole, `dataset_type: preference`),
+(prompt/chosen/rejected records -> pairs of halves packed whole, `dataset_type: preference`), `prompts` (records
+GRPO samples completions from, `dataset_type: prompts`: `make_prompts`, not `make_input`),
 `jsonl`, `parquet`, `hf` (Hugging Face datasets), `hf_stream` (one read as a stream), `files` (listing local and remote paths), `catalog` (which sources a
 config names, mixtures), `shuffle` (block-wise shuffle), `mixture` (token-weighted interleave, bad-record skipping),
 `tokenizer`, `packing` (documents -> rows), `pipeline` (the grain graph and the global-batch iterator), `synthetic`.
@@ -65,6 +66,9 @@ def make_input(cfg: Config, mesh: Mesh, split: str = "train", batch_size: int | 
     corpus order, so a fresh eval iterator always yields the same batches. Bad paths and files raise ConfigError here
     or at the first batch.
     """
+    if cfg.dataset_type == "prompts":
+        raise ConfigError("dataset_type=prompts holds prompts, not training rows: GRPO reads them with "
+                          "maxshard.data.prompts.make_prompts, not make_input")
     batch_size = batch_size or cfg.global_batch_size
     if cfg.dataset_type == "synthetic":
         seed = cfg.seed if split == "train" else cfg.seed + 1_000_003

@@ -33,7 +33,7 @@ from maxshard.dataset_types import CHAT_PREFIX
 from maxshard.errors import ConfigError
 
 __all__ = ["WEIGHT", "Conversation", "as_conversation", "ChatEncoder", "load_template", "encode_conversation",
-           "run_template", "describe"]
+           "encode_rendered", "run_template", "describe"]
 
 WEIGHT = "_weight"  # per-target loss weight of a pair (float32); text documents weigh 1 everywhere
 _SPECIAL_TEXT = {"bos_token": "<|bos|>", "eos_token": "<|eos|>"}  # byte-level / SentencePiece stand-ins
@@ -110,8 +110,8 @@ def load_template(tokenizer_path: str, setting: str = "") -> ChatTemplate:
 
 
 def _has_chat(cfg: Any) -> bool:
-    """Whether the run may read conversations (preference records may be conversations too)."""
-    named = cfg.dataset_type in ("chat", "preference")
+    """Whether the run may read conversations (preference records and prompts may be conversations too)."""
+    named = cfg.dataset_type in ("chat", "preference", "prompts")
     return named or any(str(s).startswith(CHAT_PREFIX) for s, _ in cfg.dataset_mixture)
 
 
@@ -157,6 +157,14 @@ def encode_conversation(conversation: Conversation, template: ChatTemplate, toke
         ids, offsets = offsets_of(text)
         return np.asarray(ids, np.int32), _overlap(offsets, spans)
     return _encode_pieces(text, spans, tokenizer)
+
+
+def encode_rendered(text: str, tokenizer: Any) -> np.ndarray:
+    """int32 ids of text a template rendered, tokenized as `encode_conversation` tokenizes a conversation (the
+    template wrote the special tokens: no BOS is added; byte-level stand-ins become BOS/EOS ids)."""
+    if getattr(tokenizer, "encode_offsets", None) is not None:
+        return np.asarray(tokenizer.encode_offsets(text)[0], np.int32)
+    return _encode_pieces(text, [], tokenizer)[0]
 
 
 def _overlap(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:

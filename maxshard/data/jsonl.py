@@ -158,16 +158,17 @@ def open_source(path: str, key: str, chat: bool, options: ReadOptions) -> Corpus
     return jsonl_corpus(path, options.field(chat), options.data_cache_dir, key, chat=chat)
 
 
-def jsonl_corpus(dataset_path: str, text_field: str, cache_dir: str, key: str = "dataset_path",
+def jsonl_corpus(dataset_path: str, text_field: str | tuple[str, ...], cache_dir: str, key: str = "dataset_path",
                  chat: bool = False, whole: Callable[[dict, str], Any] | None = None) -> Corpus:
     """Every JSONL file `dataset_path` names (a file, a directory's `*.jsonl[.gz|.zst]`, a glob), sorted; `chat`:
     the records are conversations in the field `text_field` (`messages_field`); `whole`: each record is made from
-    its whole object (`parse_record`; preference pairs), which must have `text_field`."""
+    its whole object (`parse_record`; preference pairs), which must have `text_field` (a tuple: one of them)."""
     sources = files.list_files(dataset_path, SUFFIXES, key)
     local = [_plain_local_copy(p, cache_dir, key) for p in sources]
     names = [files.relative_name(p, dataset_path) for p in sources]
     bounds = [line_bounds(p) for p in local]
-    documents = JsonlDocuments(local, names, bounds, text_field, chat, whole)
+    field = text_field if isinstance(text_field, str) else text_field[0]  # a tuple only with `whole` (unread)
+    documents = JsonlDocuments(local, names, bounds, field, chat, whole)
     if len(documents) == 0:
         raise ConfigError(f"{key}={dataset_path}: the files hold no lines (empty corpus)")
     name = "messages_field" if chat else "text_field" if whole is None else "record field"
@@ -176,8 +177,11 @@ def jsonl_corpus(dataset_path: str, text_field: str, cache_dir: str, key: str = 
     return Corpus(documents, keys, f"{key}={dataset_path}")
 
 
-def _check_text_field(documents: JsonlDocuments, text_field: str, where: str, name: str = "text_field") -> None:
-    """ConfigError when the first lines of the files hold JSON objects but none has `text_field` (a wrong name)."""
+def _check_text_field(documents: JsonlDocuments, text_field: str | tuple[str, ...], where: str,
+                      name: str = "text_field") -> None:
+    """ConfigError when the first lines of the files hold JSON objects but none has `text_field` (a wrong name; a
+    tuple: none has any of them)."""
+    wanted = (text_field,) if isinstance(text_field, str) else text_field
     fields: set[str] = set()
     for index in documents.sample(_SAMPLE_LINES_PER_FILE, _SAMPLE_LINES):
         try:
@@ -185,12 +189,12 @@ def _check_text_field(documents: JsonlDocuments, text_field: str, where: str, na
         except ValueError:  # invalid JSON or UTF-8: a bad record, counted later
             continue
         if isinstance(record, dict):
-            if text_field in record:
+            if any(field in record for field in wanted):
                 return
             fields.update(record)
     if fields:
         shown = ", ".join(sorted(fields)[:12])
-        raise ConfigError(f"{name}={text_field}: no record of {where} has that field "
+        raise ConfigError(f"{name}={' or '.join(wanted)}: no record of {where} has that field "
                           f"(fields of its first records: {shown})")
 
 

@@ -1,0 +1,231 @@
+"""Prompts for GRPO (`dataset_type: prompts`): records the training loop samples completions from and the reward
+scores, read by `make_prompts` (not `make_input`: GRPO's rows are made from its own samples, not from documents).
+
+A record is a JSON object (JSONL, plain, .gz or .zst) or a row of a Hugging Face dataset read map-style, holding
+`prompt` (text) or `messages` (a conversation ending with a user turn), and any other fields (an expected answer, an
+id, test cases), all kept in `Prompt.record` for the reward. A prompt becomes the ids generation starts from:
+
+    text       `tokenizer.encode_prompt(prompt)`, as `maxshard.generate` encodes a prompt (BOS where the tokenizer
+               adds one)
+    messages   the conversation rendered with the run's chat template and `add_generation_prompt=True`, tokenized as
+               SFT tokenizes a rendered conversation (`chat.encode_rendered`: the template writes BOS and the turn
+               markers), so the model continues with the assistant's reply
+
+Order: one endless stream of the split's records, the same on every process (each process reads it whole; a prompt
+batch is small next to its completions). Train is reshuffled every epoch by `data_shuffle_seed` (a permutation seeded
+by the seed and the epoch number, so the stream is a pure function of the config), eval keeps corpus order. The state
+is one global position, the records taken so far, bad ones included: a changed tokenizer or `max_prompt_length`
+resumes from the same record, while a changed corpus, split or seed (another order) is refused by `set_state`.
+
+Skipped and counted, never a crash (`BadRecord`, `data/skipped_records`): no prompt nor messages, both, a mistyped
+or empty field, a conversation that does not end with a user turn, a template that refuses it, invalid UTF-8, and a
+prompt of more than `max_prompt_length` tokens. Only a whole epoch of skipped records is a ConfigError (never an
+endless search), as is an empty split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from maxshard.config import Config
+from maxshard.data import hf, jsonl
+from maxshard.data.chat import Conversation, as_conversation, encode_rendered, load_template
+from maxshard.data.chat_template import ChatTemplate, TemplateError
+from maxshard.data.sources import BadRecord, Corpus, ReadOptions, as_text, row_keys, split_indices
+from maxshard.data.tokenizer import make_tokenizer
+from maxshard.errors import ConfigError
+
+__all__ = ["FIELDS", "Prompt", "PromptRecord", "as_prompt", "open_source", "PromptEncoder", "PromptIterator",
+           "make_prompts"]
+
+FIELDS = ("prompt", "messages")  # a record holds one of them
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    """One prompt as the GRPO loop uses it."""
+
+    ids: tuple[int, ...]  # the prompt's token ids as generation starts them (BOS where the tokenizer adds one)
+    text: str  # the prompt as rendered text (a conversation: the chat template's output)
+    record: dict  # the whole record (all fields), for the reward; shared by a group's completions: do not mutate
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptRecord:
+    """A record read but not yet tokenized: its prompt (text or conversation), the whole record, where it is."""
+
+    prompt: str | Conversation
+    record: dict[str, Any]
+    where: str
+
+
+def as_prompt(record: dict[str, Any], where: str) -> PromptRecord | BadRecord:
+    """A JSON object or a dataset row -> a PromptRecord, or a BadRecord saying why not (None counts as absent:
+    a dataset with both columns has nulls in one of them)."""
+    text, messages = record.get("prompt"), record.get("messages")
+    if text is not None and messages is not None:
+        return BadRecord("both prompt and messages", where)
+    if text is not None:
+        prompt = as_text(text, where)
+        return prompt if isinstance(prompt, BadRecord) else PromptRecord(prompt, record, where)
+    conversation = as_conversation(messages, where)
+    if isinstance(conversation, BadRecord):
+        return conversation
+    if conversation.messages[-1]["role"] != "user":
+        return BadRecord("not ending with a user turn", where)
+    return PromptRecord(conversation, record, where)
+
+
+# --------------------------------------------------------------------------------------------- reading
+
+
+def open_source(path: str, key: str, chat: bool, options: ReadOptions) -> Corpus:
+    """`dataset_type: prompts` (maxshard/dataset_types.py): JSONL files, else a Hugging Face dataset read
+    map-style (streaming is refused, as for chat and preference data)."""
+    if not path:
+        raise ConfigError(f"{key} is empty; dataset_type=prompts reads JSONL files or a Hugging Face dataset")
+    if path.endswith(jsonl.SUFFIXES):  # as `dataset_type: chat` tells its readers apart
+        return jsonl.jsonl_corpus(path, FIELDS, options.data_cache_dir, key, whole=as_prompt)
+    if hf.read_as_stream(path, options.hf_streaming, key):
+        raise ConfigError(f"{key}={path}: prompts are read map-style (downloaded first), not streamed; "
+                          "set hf_streaming=never")
+    return _hf_corpus(path, options.hf_split, key)
+
+
+def _hf_corpus(path: str, split: str, key: str) -> Corpus:
+    """One split of a Hugging Face dataset whose rows are prompt records (every column kept); keys as `hf.hf_corpus`."""
+    dataset = hf.load(path, split, key)
+    if not set(FIELDS) & set(dataset.column_names):
+        raise ConfigError(f"record field=prompt or messages: {key}={path} has no such column "
+                          f"(columns: {', '.join(dataset.column_names[:12])})")
+    if len(dataset) == 0:
+        raise ConfigError(f"{key}={path}: the {split} split has no rows (empty corpus)")
+    name = os.path.basename(path.rstrip("/")) or path
+    documents = hf.HfDocuments(dataset, FIELDS[0], name, whole=as_prompt)
+    return Corpus(documents, row_keys(f"{name}:{split}", len(dataset)), f"{key}={path}")
+
+
+# --------------------------------------------------------------------------------------------- encoding
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptEncoder:
+    """PromptRecord -> Prompt (module docstring), or its BadRecord."""
+
+    tokenizer: Any
+    template: ChatTemplate  # the run's chat template (conversations)
+    max_length: int  # max_prompt_length: a longer prompt is skipped
+
+    def __call__(self, record: PromptRecord) -> Prompt | BadRecord:
+        try:
+            if isinstance(record.prompt, str):
+                text, ids = record.prompt, list(self.tokenizer.encode_prompt(record.prompt))
+            else:
+                text = self.template.render([dict(m) for m in record.prompt.messages], add_generation_prompt=True)
+                ids = encode_rendered(text, self.tokenizer).tolist()
+        except TemplateError as e:  # the reason stays fixed (counted by kind); the template's words go to `where`
+            return BadRecord("template refused it", f"{record.where} ({str(e)[:80]})")
+        except UnicodeEncodeError:
+            return BadRecord("invalid UTF-8", record.where)
+        if not ids:
+            return BadRecord("no tokens", record.where)
+        if len(ids) > self.max_length:
+            return BadRecord("longer than max_prompt_length", record.where)
+        return Prompt(tuple(int(i) for i in ids), text, record.record)
+
+
+# --------------------------------------------------------------------------------------------- the stream
+
+
+class PromptIterator:
+    """The split's prompts as one endless, deterministic stream (module docstring); the same on every process."""
+
+    def __init__(self, documents: Sequence[PromptRecord | BadRecord], indices: np.ndarray, encoder: PromptEncoder,
+                 shuffle_seed: int | None, identity: dict[str, Any]) -> None:
+        """`indices`: the split's records; `shuffle_seed`: None keeps corpus order (eval); `identity`: what makes
+        the record order, which a restored state must match (JSON values)."""
+        self._documents, self._indices, self._encoder = documents, np.asarray(indices, np.int64), encoder
+        self._seed, self._identity = shuffle_seed, identity
+        self._position = self._skipped = self._delivered = 0
+        self._order: tuple[int, np.ndarray] | None = None  # (epoch, permutation) of the current epoch
+
+    def next_prompts(self, count: int) -> list[Prompt]:
+        """The next `count` prompts of the stream, bad records skipped (and counted) on the way."""
+        if count < 0:
+            raise ValueError(f"count must be >= 0, got {count}")
+        prompts: list[Prompt] = []
+        bad_run = 0
+        while len(prompts) < count:
+            result = self._read(self._position)
+            self._position += 1
+            if isinstance(result, BadRecord):
+                self._skipped += 1
+                bad_run += 1
+                if bad_run >= len(self._indices):
+                    raise ConfigError(f"{self._identity['where']}: no usable prompt in the {self._identity['split']} "
+                                      f"split, all {len(self._indices)} records are skipped (e.g. {result.reason}: "
+                                      f"{result.where})")
+                continue
+            bad_run = 0
+            prompts.append(result)
+        self._delivered += len(prompts)
+        return prompts
+
+    def _read(self, position: int) -> Prompt | BadRecord:
+        """The record at a global position of the stream, encoded."""
+        epoch, offset = divmod(position, len(self._indices))
+        if self._seed is not None:
+            if self._order is None or self._order[0] != epoch:
+                rng = np.random.default_rng(np.random.SeedSequence([self._seed, epoch]))
+                self._order = (epoch, rng.permutation(len(self._indices)))
+            offset = int(self._order[1][offset])
+        record = self._documents[int(self._indices[offset])]
+        return record if isinstance(record, BadRecord) else self._encoder(record)
+
+    def get_state(self) -> dict[str, Any]:
+        """JSON-serializable: the global position (records taken), the counters, and what the order depends on."""
+        return {"position": self._position, "skipped": self._skipped, "prompts": self._delivered,
+                "stream": dict(self._identity)}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Goes on from `state` (`get_state` of the same stream, in this process or another)."""
+        if state.get("stream") != self._identity:
+            raise ConfigError(f"cannot resume the prompts: the saved stream {state.get('stream')} is not this one "
+                              f"{self._identity} (another dataset_path, split, eval_fraction or data_shuffle_seed)")
+        self._position, self._skipped = int(state["position"]), int(state["skipped"])
+        self._delivered = int(state["prompts"])
+
+    def stats(self) -> dict[str, int]:
+        """The stream's counters so far: prompts delivered and records skipped (the run's, as every process has
+        the same)."""
+        return {"data/prompts": self._delivered, "data/skipped_records": self._skipped}
+
+
+def make_prompts(cfg: Config, split: str, max_prompt_length: int) -> PromptIterator:
+    """The prompt stream of `cfg` (dataset_type prompts): `split` "train" or "eval" as the other readers split
+    (`eval_fraction`, by a hash of each record's file and line); prompts of more than `max_prompt_length` tokens
+    are skipped."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    if cfg.dataset_type != "prompts":
+        raise ConfigError(f"dataset_type={cfg.dataset_type}: GRPO samples from dataset_type=prompts")
+    if max_prompt_length < 1:
+        raise ConfigError(f"grpo_max_prompt_length must be >= 1, got {max_prompt_length}")
+    tokenizer = make_tokenizer(cfg)
+    template = load_template(cfg.tokenizer_path, cfg.chat_template)
+    options = ReadOptions(tokenizer.fingerprint(), cfg.text_field, cfg.messages_field, cfg.hf_split,
+                          cfg.data_cache_dir, cfg.hf_streaming)
+    corpus = open_source(cfg.dataset_path, "dataset_path", False, options)
+    indices = split_indices(corpus.keys, split, cfg.eval_fraction)
+    if len(indices) == 0:
+        raise ConfigError(f"{corpus.where}: the {split} split is empty ({len(corpus)} records, "
+                          f"eval_fraction={cfg.eval_fraction})")
+    seed = cfg.data_shuffle_seed if split == "train" else None
+    identity = {"where": corpus.where, "split": split, "records": int(len(indices)), "shuffle_seed": seed}
+    return PromptIterator(corpus.documents, indices, PromptEncoder(tokenizer, template, max_prompt_length), seed,
+                          identity)
