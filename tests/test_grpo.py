@@ -10,13 +10,14 @@ on a task a reward function in a file verifies, from a mean reward below 0.3 to 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 from helpers import max_relative_difference
-from test_objectives import CASES, import_fixtures, start
+from test_objectives import CASES, LAYOUTS, import_fixtures, start
 
 from maxshard import data, train
 from maxshard.generation import rollouts
@@ -45,9 +46,10 @@ def test_advantages_are_trl_s():
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
-def test_loss_kl_clipping_and_gradients_equal_trl(imported, tmp_path):
-    trainer, state = start(imported, tmp_path, "policy", *KEYS)
-    reference = start(imported, tmp_path, "reference")[1].params
+@pytest.mark.parametrize("devices", [1, 8], ids=["one_device", "fsdp4_tensor2"])
+def test_loss_kl_clipping_and_gradients_equal_trl(imported, tmp_path, devices):
+    trainer, state = start(imported, tmp_path, "policy", *KEYS, *LAYOUTS[devices], devices=devices)
+    reference = start(imported, tmp_path, "reference", *LAYOUTS[devices], devices=devices)[1].params
     host = fixture_rows()
     assert int(host["loss_weights"].sum()) == CASE["num_items_in_batch"]
     batch = jax.device_put(host, trainer.batch_shardings(data.batch_sharding(trainer.cfg, trainer.mesh)))
@@ -70,24 +72,30 @@ def digits(prompt, completion, record):
 '''
 
 
-def test_grpo_through_the_cli_learns_what_the_reward_asks(tmp_path):
-    """Acceptance: a tiny byte-level model, prompts from JSONL, a reward function from a file: the untrained
-    model's mean reward is below 0.3, GRPO brings it to at least 0.8; the KL at the first step is 0; a sampled
-    completion is shown with its reward."""
-    (tmp_path / "reward.py").write_text(REWARD)
+def grpo_argv(root: Path, *keys: str) -> list[str]:
+    """A tiny byte-level GRPO run under `root`: prompts from JSONL, a reward from a file, `keys` on top."""
+    (root / "reward.py").write_text(REWARD)
     rng = np.random.default_rng(0)
-    prompts = tmp_path / "prompts.jsonl"
+    prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": "".join(rng.choice(list("abcdef"), 3)) + "="}) + "\n"
                                for _ in range(64)))
-    argv = ["configs/base.yml", "model_name=tiny", "cpu_device_count=8", "dataset_type=prompts",
-            f"dataset_path={prompts}", "objective=grpo", f"reward={tmp_path / 'reward.py'}:digits",
-            "grpo_group_size=8", "grpo_max_new_tokens=4", "grpo_max_prompt_length=8", "max_target_length=16",
-            "per_device_batch_size=4", "steps=40", "learning_rate=1e-2", "warmup_steps_fraction=0", "log_period=5",
-            "eval_fraction=0", f"base_output_directory={tmp_path}", "run_name=grpo", "enable_tensorboard=false",
-            "checkpoint_period=40"]
-    assert train.main(argv) == 0
-    records = [json.loads(line) for line in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if "reward/mean" in r]
+    return ["configs/base.yml", "model_name=tiny", "cpu_device_count=8", "dataset_type=prompts",
+            f"dataset_path={prompts}", "objective=grpo", f"reward={root / 'reward.py'}:digits", "grpo_group_size=8",
+            "grpo_max_new_tokens=4", "grpo_max_prompt_length=8", "max_target_length=16", "override_model_config=true",
+            "per_device_batch_size=4", "learning_rate=1e-2", "warmup_steps_fraction=0", "eval_fraction=0",
+            f"base_output_directory={root}", "enable_tensorboard=false", *keys]
+
+
+def logged(run_dir: Path) -> dict[int, dict]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in records if "reward/mean" in r}
+
+
+def test_grpo_through_the_cli_learns_what_the_reward_asks(tmp_path):
+    """Acceptance: a tiny byte-level model, prompts from JSONL, a reward function from a file: the untrained
+    model's mean reward is below 0.3, GRPO brings it to at least 0.8; the KL at the first step is 0."""
+    assert train.main(grpo_argv(tmp_path, "run_name=grpo", "steps=40", "log_period=5", "checkpoint_period=40")) == 0
+    steps = list(logged(tmp_path / "grpo").values())
     assert steps[0]["reward/mean"] < 0.3 and steps[0]["kl"] == pytest.approx(0.0, abs=1e-6)
     assert max(r["reward/mean"] for r in steps[-3:]) >= 0.8, [round(r["reward/mean"], 2) for r in steps]
 
@@ -95,3 +103,18 @@ def test_grpo_through_the_cli_learns_what_the_reward_asks(tmp_path):
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
     return import_fixtures(tmp_path_factory.mktemp("imported"), ("grpo_grpo_k3",))
+
+
+def test_a_resumed_grpo_run_samples_and_trains_as_the_uninterrupted_one(tmp_path):
+    """Checkpoint at step 3 of 6, resume from it: the same prompts, sampling keys and reference give steps 4-6 the
+    uninterrupted run's rewards and losses."""
+    keys = ("steps=6", "log_period=1", "checkpoint_period=3", "async_checkpointing=false")
+    assert train.main(grpo_argv(tmp_path, "run_name=straight", *keys)) == 0
+    (tmp_path / "resumed" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp_path / "straight" / "checkpoints" / "3", tmp_path / "resumed" / "checkpoints" / "3")
+    assert train.main(grpo_argv(tmp_path, "run_name=resumed", *keys)) == 0
+    straight, resumed = logged(tmp_path / "straight"), logged(tmp_path / "resumed")
+    assert sorted(resumed) == [4, 5, 6]
+    for step in (4, 5, 6):
+        for key in ("loss", "reward/mean", "kl", "grad_norm"):
+            assert resumed[step][key] == straight[step][key], (step, key)

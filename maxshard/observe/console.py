@@ -186,6 +186,7 @@ class StepLogger:
         self._write(step, dict(done.values), step_time)
 
     def _write_first(self, step: int, record: dict[str, Any]) -> None:
+        record.update(self.data_stats())  # what the first step read (GRPO: the untrained model's rewards)
         self.writer.write(step, record)
         print(f"step {step}/{self.cfg.steps} | loss {record['loss']:.3f} | compiled and ran in "
               f"{record['compile_time']:.1f}s", flush=True)
