@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from maxshard.objectives import kinds
+from maxshard.objectives.segments import segment_sums
 
 __all__ = ["GRPO"]
 
@@ -29,9 +30,8 @@ Batch = dict[str, jax.Array]
 
 
 def _per_sequence(values: jax.Array, segment_ids: jax.Array) -> jax.Array:
-    """[batch, length] -> sums per segment [batch, length + 1] (segment 0, padding, first)."""
-    per_row = jax.vmap(lambda v, s: jax.ops.segment_sum(v, s, num_segments=values.shape[1] + 1))
-    return per_row(values, segment_ids)[:, 1:]
+    """[batch, length] -> sums per completion (segment) [batch, length]."""
+    return segment_sums(values, segment_ids, values.shape[1])
 
 
 @dataclasses.dataclass(frozen=True)

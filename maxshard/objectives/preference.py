@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from maxshard.objectives import kinds
+from maxshard.objectives.segments import segment_sums
 
 __all__ = ["Pairs", "pairs_of", "DPO", "SimPO", "ORPO"]
 
@@ -63,9 +64,8 @@ def _by_segment(values: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, j
     """[batch, length] -> (sums over odd segments, sums over even segments), [batch, slots] each, slot p - 1 for
     segments 2p - 1 and 2p."""
     slots = (values.shape[1] + 1) // 2  # a segment holds a token at least: segment ids <= length <= 2 x slots
-    per_row = jax.vmap(lambda v, s: jax.ops.segment_sum(v, s, num_segments=2 * slots + 1))
-    summed = per_row(values, segment_ids)  # [batch, 2 x slots + 1], segment 0 (padding) first
-    return summed[:, 1::2], summed[:, 2::2]
+    summed = segment_sums(values, segment_ids, 2 * slots)  # [batch, 2 x slots]: segments 1, 2, 3, ...
+    return summed[:, 0::2], summed[:, 1::2]
 
 
 def pairs_of(logps: jax.Array, batch: Batch) -> Pairs:
