@@ -118,3 +118,24 @@ def test_a_resumed_grpo_run_samples_and_trains_as_the_uninterrupted_one(tmp_path
     for step in (4, 5, 6):
         for key in ("loss", "reward/mean", "kl", "grad_norm"):
             assert resumed[step][key] == straight[step][key], (step, key)
+
+
+def test_the_plan_counts_the_sampling_cache_as_generation_lays_it_out():
+    """GRPO's plan holds the KV cache of the whole global batch's sampling, per device as the engine shards it
+    (keys and values: layers x 2 x kv_heads x (prompt + new tokens) x head_dim per sequence), and its peak takes the
+    larger of that cache and the step's gradients and activations."""
+    from helpers import tiny_config
+
+    from maxshard.planning import estimate
+
+    cfg = tiny_config("objective=grpo", "dataset_type=prompts", "grpo_max_prompt_length=24",
+                      "grpo_max_new_tokens=8", "grpo_group_size=4", "ici_fsdp_parallelism=4",
+                      "ici_tensor_parallelism=2")
+    plan = estimate.make_plan(cfg)
+    rows_per_device = cfg.global_batch_size // 4  # the cache's batch over fsdp; its kv heads over tensor
+    per_device = cfg.num_layers * 2 * rows_per_device * (cfg.num_kv_heads // 2) * 32 * cfg.head_dim * 4
+    assert plan.rollout_cache == per_device
+    state = plan.params + plan.optimizer + plan.reference
+    assert plan.peak_bytes == state + max(plan.gradients + plan.activations, plan.rollout_cache)
+    lm = estimate.make_plan(tiny_config("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"))
+    assert lm.rollout_cache == 0 and lm.peak_bytes == lm.params + lm.optimizer + lm.gradients + lm.activations

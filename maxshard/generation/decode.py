@@ -36,7 +36,7 @@ from maxshard.data.tokenizer import MAX_STOP_IDS
 from maxshard.generation.sampling import Sampling, sample
 from maxshard.model.config import ModelConfig
 from maxshard.model.layers import kv_cache
-from maxshard.model.transformer import Transformer
+from maxshard.model.transformer import Transformer, abstract_cache
 from maxshard.parallel import axis_names as ax
 from maxshard.parallel import sharding
 from maxshard.training.step import mesh_context
@@ -134,12 +134,8 @@ class Engine:
 
     def abstract_cache(self, batch: int, length: int) -> Any:
         """The boxed cache of `batch` sequences of `length` slots (shapes and logical names, nothing allocated)."""
-        tokens = jnp.zeros((batch, length), jnp.int32)
-        positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-        apply = lambda p: self.model.apply({"params": p}, tokens, tokens + 1, positions,  # noqa: E731
-                                           mutable=[kv_cache.COLLECTION])[1][kv_cache.COLLECTION]
         with mesh_context(self.mesh, self.rules):
-            return jax.eval_shape(apply, self.params)
+            return abstract_cache(self.cfg, self.params, batch, length)
 
     def compile(self, batch: int, prompt_length: int, cache_length: int) -> tuple[Any, Any, Any]:
         """(new_cache, prefill, decode) compiled for this shape; cached per shape."""

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from maxshard.model.config import ModelConfig
-from maxshard.model.layers import moe, pipeline, ring_attention
+from maxshard.model.layers import kv_cache, moe, pipeline, ring_attention
 from maxshard.model.layers.decoder import Decoder
 from maxshard.model.layers.embeddings import Embed
 from maxshard.model.layers.linears import DenseGeneral
@@ -25,7 +25,8 @@ from maxshard.model.layers.norms import RMSNorm
 from maxshard.parallel import axis_names as ax
 from maxshard.parallel.sharding import constrain
 
-__all__ = ["Transformer", "init_params", "count_params", "param_count", "abstract_params", "apply_with_stats"]
+__all__ = ["Transformer", "init_params", "count_params", "param_count", "abstract_params", "apply_with_stats",
+           "abstract_cache"]
 
 
 class Transformer(nn.Module):
@@ -116,6 +117,20 @@ def init_params(cfg: ModelConfig, rng: jax.Array) -> Any:
 def abstract_params(cfg: ModelConfig) -> Any:
     """Boxed (nn.Partitioned) parameter shapes without allocating anything."""
     return jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+
+
+def abstract_cache(cfg: ModelConfig, params: Any, batch: int, length: int) -> Any:
+    """The boxed KV cache generation keeps for `batch` sequences of `length` slots (layers/kv_cache.py): shapes and
+    logical names from the model itself, nothing allocated. `params` may be abstract. Call it inside the mesh and
+    rules it is to be laid out by."""
+    tokens = jnp.zeros((batch, length), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+    model = Transformer(cfg)
+
+    def apply(p: Any) -> Any:
+        return model.apply({"params": p}, tokens, tokens + 1, positions, mutable=[kv_cache.COLLECTION])[1]
+
+    return jax.eval_shape(apply, params)[kv_cache.COLLECTION]
 
 
 def count_params(params: Any) -> int:

@@ -33,7 +33,7 @@ from maxshard.model import transformer as model
 from maxshard.model.layers import moe
 from maxshard.observe.report import build_report
 from maxshard.parallel import mesh
-from maxshard.planning import hardware, memory, traffic
+from maxshard.planning import hardware, memory, rollout_memory, traffic
 from maxshard.planning.traffic import Collective
 from maxshard.training.step import abstract_state
 
@@ -70,12 +70,18 @@ class Plan:
     axis_times: dict[str, AxisTime]  # "fsdp", "data", "fsdp+sequence", ...
     activation_terms: memory.ActivationTerms | None = None
     reference: int = 0  # bytes per device of DPO's frozen reference parameters (0: the objective keeps none)
+    rollout_cache: int = 0  # bytes per device of GRPO's sampling KV cache (planning/rollout_memory.py)
 
     @property
     def peak_bytes(self) -> int:
         """Planned peak bytes per device: state, gradients and activations (what must fit the device); what an
         offload policy moves to host memory is not in it (`host_bytes`)."""
-        return self.params + self.optimizer + self.gradients + self.reference + self.activations
+        return self.params + self.optimizer + self.reference + self.working(self.activations)
+
+    def working(self, activations: int | float) -> int:
+        """What the step holds beside the state: gradients and `activations`, or GRPO's sampling cache, which is
+        never alive at the same time (planning/rollout_memory.py)."""
+        return int(max(self.gradients + activations, self.rollout_cache))
 
     @property
     def host_bytes(self) -> int:
@@ -215,6 +221,7 @@ def make_plan(cfg: Config, target: Target | None = None) -> Plan:
         params=report.param_bytes_per_device,
         optimizer=report.optimizer_bytes_per_device,
         reference=report.reference_bytes_per_device,
+        rollout_cache=rollout_memory.rollout_cache_bytes(cfg, sizes),
         gradients=report.gradient_bytes_per_device,
         activations=terms.total,
         activation_terms=terms,

@@ -117,8 +117,9 @@ def peaks_by_policy(cfg: Config) -> dict[str, int]:
     (`memory.policies`), most memory first, and the config's own policy if it is not one of them (an offload policy
     on XLA:CPU). State, gradients and the fsdp-gathered weights do not depend on the policy: they are planned once."""
     base = estimate.make_plan(dataclasses.replace(cfg, remat_policy="full"))
-    state = base.params + base.optimizer + base.gradients + base.reference
-    return {policy: state + estimate.activations_under(base, policy).total for policy in _planned_names(cfg)}
+    state = base.params + base.optimizer + base.reference
+    return {policy: state + base.working(estimate.activations_under(base, policy).total)
+            for policy in _planned_names(cfg)}
 
 
 def host_by_policy(cfg: Config) -> dict[str, int]:

@@ -59,7 +59,10 @@ def _memory(plan: Plan) -> list[str]:
         f"  parameters       {format_bytes(plan.params):>11}",
         f"  optimizer state  {format_bytes(plan.optimizer):>11}",
         f"  gradients        {format_bytes(plan.gradients):>11}",
-        *([f"  reference model  {format_bytes(plan.reference):>11}  (dpo_reference=frozen)"] if plan.reference else []),
+        *([f"  reference model  {format_bytes(plan.reference):>11}  (a frozen copy of the parameters)"]
+          if plan.reference else []),
+        *([f"  sampling cache   {format_bytes(plan.rollout_cache):>11}  (GRPO's KV cache, not alive with the "
+           "gradients and activations: the total counts the larger)"] if plan.rollout_cache else []),
         f"  activations      {format_bytes(plan.activations):>11}  estimate: {rule},",
         f"  {'':>28}  logits and their gradient; {_attention_text(w)}",
     ]
@@ -175,7 +178,8 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "dcn": plan.dcn,
         "param_count": plan.param_count,
         "bytes_per_device": {"params": plan.params, "optimizer": plan.optimizer, "gradients": plan.gradients,
-                             "reference": plan.reference, "activations": plan.activations, "peak": plan.peak_bytes, "host": plan.host_bytes},
+                             "reference": plan.reference, "rollout_cache": plan.rollout_cache,
+                             "activations": plan.activations, "peak": plan.peak_bytes, "host": plan.host_bytes},
         "activation_terms": None if plan.activation_terms is None else plan.activation_terms.as_json(),
         "remat_policy": plan.cfg.remat_policy,
         "memory_fit": None if plan.cfg.memory_fit is None else plan.cfg.memory_fit.as_json(),
