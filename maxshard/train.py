@@ -30,6 +30,7 @@ from maxshard.observe.profiling import Profiler
 from maxshard.observe.report import Report, build_report
 from maxshard.parallel import mesh
 from maxshard.run import compile_check, loading
+from maxshard.training import precomputed
 from maxshard.training.step import Trainer, TrainState
 
 __all__ = ["main", "run", "USAGE"]
@@ -92,16 +93,21 @@ def catch_sigterm() -> Iterator[threading.Event]:
 def start(cfg: Config, trainer: Trainer, ckpt: checkpoint.Checkpoints) -> tuple[TrainState, data.InputIterator]:
     """The state to train from (resumed, seeded or fresh) and the train batches, positioned where it left off."""
     state, data_state = ckpt.restore_or_init()
-    batches = train_input(cfg, trainer)
+    batches = train_input(cfg, trainer, state)
     if data_state is not None:
         batches.set_state(data_state)
     return state, batches
 
 
-def train_input(cfg: Config, trainer: Trainer) -> Any:
-    """The train batches: the data pipeline's, or GRPO's rollouts sampled from the state being trained."""
+def train_input(cfg: Config, trainer: Trainer, state: TrainState) -> Any:
+    """The train batches: the data pipeline's (with DPO's precomputed reference beside them, scored first from the
+    starting parameters if not yet stored), or GRPO's rollouts sampled from the state being trained."""
+    sharding = data.batch_sharding(cfg, trainer.mesh)
     if objective_kinds.kind(cfg.objective).rows == "rollouts":
-        return rollouts.Rollouts(cfg, trainer, data.batch_sharding(cfg, trainer.mesh))
+        return rollouts.Rollouts(cfg, trainer, sharding)
+    if trainer.reference_kind == "precomputed":
+        precomputed.ensure(cfg, trainer, state.params, int(state.step))
+        return precomputed.WithReference(cfg, data.make_input(cfg, trainer.mesh, "train"), sharding)
     return data.make_input(cfg, trainer.mesh, "train")
 
 
@@ -142,8 +148,9 @@ def train_loop(
     trainer, train_step = compiled.trainer, compiled.step
     cfg = trainer.cfg
     batch_sharding = data.batch_sharding(cfg, trainer.mesh)
-    sampled = objective_kinds.kind(cfg.objective).rows == "rollouts"  # no eval split: its batches are sampled
-    eval_step = trainer.jit_eval_step(batch_sharding) if cfg.eval_period and not sampled else None
+    # No eval for sampled batches (GRPO) nor for a reference stored for the train batches only
+    no_eval = objective_kinds.kind(cfg.objective).rows == "rollouts" or trainer.reference_kind == "precomputed"
+    eval_step = trainer.jit_eval_step(batch_sharding) if cfg.eval_period and not no_eval else None
     profiler = Profiler.from_config(cfg, is_primary=jax.process_index() == 0)
 
     # Every process sees every row of the global batch (data/pipeline.py): its counters are already the run's.

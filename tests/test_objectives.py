@@ -241,3 +241,25 @@ def test_dpo_through_the_cli_learns_the_chosen_style(tmp_path):
     after = words(f"load_parameters_path={tmp_path / 'dpo' / 'checkpoints' / '30'}")
     assert not set(before) <= set(STYLE), before
     assert after and set(after) <= set(STYLE), after
+
+
+def _dpo_losses(root: Path, name: str, *keys: str) -> dict[int, float]:
+    argv = ["configs/base.yml", "model_name=tiny", "cpu_device_count=8", "dataset_type=synthetic", "objective=dpo",
+            "dpo_beta=0.5", "log_period=1", "eval_period=2", "warmup_steps_fraction=0", "learning_rate=3e-3",
+            f"base_output_directory={root}", f"run_name={name}", "enable_tensorboard=false", "steps=4",
+            "checkpoint_period=2", "async_checkpointing=false", *keys]
+    assert train.main(argv) == 0
+    records = [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r and "step" in r}
+
+
+def test_a_precomputed_reference_trains_as_the_frozen_one_and_resumes(tmp_path):
+    """dpo_reference=precomputed: a first pass writes the starting model's log-probabilities of every train batch;
+    the run then keeps no reference, yet logs the frozen reference's losses, and a resume reads on from the store."""
+    frozen = _dpo_losses(tmp_path, "frozen", "dpo_reference=frozen")
+    stored = _dpo_losses(tmp_path, "stored", "dpo_reference=precomputed")
+    assert sorted(stored) == [1, 2, 3, 4] and all(abs(stored[s] - frozen[s]) < 1e-6 for s in frozen), (stored, frozen)
+    assert len(list((tmp_path / "stored" / "reference_logps").glob("*.npy"))) == 4
+    shutil.rmtree(tmp_path / "stored" / "checkpoints" / "4")
+    resumed = _dpo_losses(tmp_path, "stored", "dpo_reference=precomputed")
+    assert resumed[3] == stored[3] and resumed[4] == stored[4]

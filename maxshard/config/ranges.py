@@ -77,6 +77,9 @@ def _check_objective(cfg: Config) -> None:
     if cfg.objective == "dpo" and cfg.dpo_reference == "frozen" and cfg.lora_rank:
         raise ConfigError("dpo_reference=frozen with lora_rank > 0 would keep a second copy of the frozen base: use "
                           "lora_base (or auto)")
+    if cfg.objective == "dpo" and cfg.dpo_reference == "precomputed" and cfg.elastic_allow_batch_change:
+        raise ConfigError("dpo_reference=precomputed stores the reference per global batch: it cannot follow "
+                          "elastic_allow_batch_change=true")
     if cfg.objective == "dpo" and cfg.dpo_reference == "lora_base" and not cfg.lora_rank:
         raise ConfigError("dpo_reference=lora_base needs lora_rank > 0 (the base is the model with its adapters "
                           "off): use frozen (or auto)")

@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["FIELDS", "Kind", "KINDS", "NAMES", "kind", "fields", "REFERENCES"]
+__all__ = ["FIELDS", "Kind", "KINDS", "NAMES", "kind", "fields", "REFERENCES", "REFERENCE_FIELD"]
 
 # name -> dtype of every batch field, [batch, length] each (maxshard/data/__init__.py says what each holds)
 FIELDS = {"inputs": "int32", "targets": "int32", "segment_ids": "int32", "positions": "int32",
           "loss_weights": "float32"}
 
-# dpo_reference: where the reference log-probabilities come from (`auto`: lora_base with LoRA, else frozen)
-REFERENCES = ("auto", "frozen", "lora_base")
+# dpo_reference: where the reference log-probabilities come from (`auto`: lora_base with LoRA, else frozen;
+# `precomputed`: a first pass writes them, training reads them as the batch field REFERENCE_FIELD)
+REFERENCES = ("auto", "frozen", "lora_base", "precomputed")
+REFERENCE_FIELD = "reference_logps"
 
 
 @dataclasses.dataclass(frozen=True)

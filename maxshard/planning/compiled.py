@@ -16,7 +16,6 @@ import jax.numpy as jnp
 
 from maxshard import data
 from maxshard.config import Config
-from maxshard.objectives import kinds as objective_kinds
 from maxshard.training.step import Trainer
 
 __all__ = ["abstract_inputs", "compile_init", "compile_train_step", "peak_bytes"]
@@ -30,7 +29,7 @@ def abstract_inputs(trainer: Trainer, batch_sharding: jax.sharding.NamedSharding
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                          nn.unbox(trainer.abstract_state), trainer.state_shardings)
     shape = (cfg.global_batch_size, cfg.max_target_length)
-    fields = objective_kinds.fields(cfg.objective)
+    fields = trainer.batch_fields
     batch = {k: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=batch_sharding) for k, dtype in fields.items()}
     return state, batch
 

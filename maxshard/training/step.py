@@ -70,7 +70,8 @@ def mesh_context(mesh: Mesh, rules: sharding.FlaxRules) -> Iterator[None]:
 
 def reference_kind(cfg: Config) -> str:
     """Where the run's reference log-probabilities come from: "" (its objective needs none), "frozen" (a copy of
-    the starting parameters in the state) or "lora_base" (the LoRA base, adapters off)."""
+    the starting parameters in the state), "lora_base" (the LoRA base, adapters off) or "precomputed" (the batch's
+    `reference_logps`, written by a first pass: training/precomputed.py)."""
     if not objective_kinds.kind(cfg.objective).reference or (cfg.objective == "grpo" and not cfg.grpo_kl_beta):
         return ""
     if cfg.objective == "dpo" and cfg.dpo_reference != "auto":
@@ -177,6 +178,8 @@ class Trainer:
         """The reference model's log-probabilities (no gradient), or None when the objective needs none."""
         if not self.reference_kind:
             return None
+        if self.reference_kind == "precomputed":
+            return batch[objective_kinds.REFERENCE_FIELD]
         if self.reference_kind == "lora_base":
             reference = trainable.without_adapters(params)
         return jax.lax.stop_gradient(self._token_logps(reference, batch)[0])
@@ -242,7 +245,13 @@ class Trainer:
         return {"loss_sum": sums["loss_sum"], "weight_sum": sums["weight_sum"]}
 
     def batch_shardings(self, batch_sharding: NamedSharding) -> dict[str, NamedSharding]:
-        return {k: batch_sharding for k in objective_kinds.fields(self.cfg.objective)}
+        return {k: batch_sharding for k in self.batch_fields}
+
+    @property
+    def batch_fields(self) -> dict[str, str]:
+        """name -> dtype of every field of this run's batch: its objective's, and a precomputed reference's."""
+        extra = {objective_kinds.REFERENCE_FIELD: "float32"} if self.reference_kind == "precomputed" else {}
+        return {**objective_kinds.fields(self.cfg.objective), **extra}
 
     def jit_train_step(self, batch_sharding: NamedSharding) -> Callable[[TrainState, Batch], Any]:
         """The train step, jitted with explicit shardings and the state donated."""
