@@ -1,7 +1,7 @@
 """Preference objectives against TRL's own numbers (tests/fixtures/preference, made by tools/make_preference_fixtures.py
 with TRL 1.16): on the imported qwen3 fixture, DPO (sigmoid and robust), SimPO and ORPO give TRL's loss, logged
 metrics and gradients w.r.t. every parameter within 1e-5, with the pairs packed into rows as the preference reader
-packs them (several pairs in a row, rows left empty), on one device and on fsdp=4 x tensor=2.
+packs them (several pairs in a row, rows left empty), on one device, fsdp=4 x tensor=2 and context=2 x fsdp=4.
 
 TRL's gradients are keyed by Hugging Face names; they are brought into maxshard's layout by the converter itself: a
 copy of the policy's config.json beside the gradients is a Hugging Face checkpoint that `from_hf` imports.
@@ -43,7 +43,9 @@ OBJECTIVES = {
     "simpo": ("objective=simpo", "simpo_beta=2.0", "simpo_gamma=0.5"),
     "orpo": ("objective=orpo", "orpo_lambda=0.1"),
 }
-LAYOUTS = {1: ("ici_fsdp_parallelism=1",), 8: ("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2")}
+LAYOUTS = {"one_device": (("ici_fsdp_parallelism=1",), 1),  # name -> (mesh knobs, devices)
+           "fsdp4_tensor2": (("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"), 8),
+           "context2_fsdp4": (("ici_fsdp_parallelism=4", "ici_context_parallelism=2"), 8)}
 
 
 def pair_rows() -> dict[str, np.ndarray]:
@@ -93,24 +95,25 @@ def start(imported: dict[str, Path], tmp_path: Path, name: str, *extra: str, dev
 
 @pytest.fixture(scope="module")
 def runs(imported, tmp_path_factory) -> Any:
-    """runs(case, devices) -> (loss, metrics, gradients) of maxshard's step on the fixture batch; cached."""
+    """runs(case, layout) -> (loss, metrics, gradients) of maxshard's step on the fixture batch; cached."""
     cache: dict[tuple[str, int], Any] = {}
     reference = {}
 
-    def run(case: str, devices: int) -> Any:
-        if (case, devices) not in cache:
-            tmp = tmp_path_factory.mktemp(f"{case}_{devices}")
-            trainer, state = start(imported, tmp, "policy", *OBJECTIVES[case], *LAYOUTS[devices], devices=devices)
-            if devices not in reference:
-                reference[devices] = start(imported, tmp, "reference", *LAYOUTS[devices], devices=devices)[1].params
+    def run(case: str, layout: str) -> Any:
+        if (case, layout) not in cache:
+            tmp = tmp_path_factory.mktemp(f"{case}_{layout}")
+            knobs, devices = LAYOUTS[layout]
+            trainer, state = start(imported, tmp, "policy", *OBJECTIVES[case], *knobs, devices=devices)
+            if layout not in reference:
+                reference[layout] = start(imported, tmp, "reference", *knobs, devices=devices)[1].params
             batch = jax.device_put(pair_rows(), trainer.batch_shardings(data.batch_sharding(trainer.cfg, trainer.mesh)))
             with mesh_context(trainer.mesh, trainer.rules):
-                grads, sums = jax.jit(trainer._grads)(state.params, batch, None, reference[devices])
+                grads, sums = jax.jit(trainer._grads)(state.params, batch, None, reference[layout])
                 metrics = jax.jit(trainer.objective.metrics)(sums)
             pairs = float(sums["weight_sum"])
-            cache[case, devices] = (float(sums["loss_sum"]) / pairs, jax.device_get(metrics),
+            cache[case, layout] = (float(sums["loss_sum"]) / pairs, jax.device_get(metrics),
                                     jax.tree.map(lambda g: np.asarray(g) / pairs, jax.device_get(grads)))
-        return cache[case, devices]
+        return cache[case, layout]
 
     return run
 
@@ -125,7 +128,7 @@ METRICS = {"rewards/chosen": "rewards/chosen", "rewards/rejected": "rewards/reje
 @pytest.mark.parametrize("case", list(OBJECTIVES))
 def test_loss_metrics_and_gradients_equal_trl(runs, imported, tmp_path, case):
     want = CASES["preference"][case]
-    loss, metrics, grads = runs(case, 1)
+    loss, metrics, grads = runs(case, "one_device")
     assert loss == pytest.approx(want["loss"], abs=TOLERANCE)
     for trl_name, name in METRICS.items():
         if trl_name in want["metrics"] and name in metrics:
@@ -134,10 +137,11 @@ def test_loss_metrics_and_gradients_equal_trl(runs, imported, tmp_path, case):
     assert max_relative_difference(grads, trl_grads) < TOLERANCE
 
 
-@pytest.mark.parametrize("case", ["dpo", "orpo"])
-def test_fsdp_and_tensor_equal_one_device(runs, case):
-    loss, metrics, grads = runs(case, 8)
-    one_loss, one_metrics, one_grads = runs(case, 1)
+@pytest.mark.parametrize(("case", "layout"), [("dpo", "fsdp4_tensor2"), ("orpo", "fsdp4_tensor2"),
+                                              ("dpo", "context2_fsdp4")])
+def test_layouts_equal_one_device(runs, case, layout):
+    loss, metrics, grads = runs(case, layout)
+    one_loss, one_metrics, one_grads = runs(case, "one_device")
     assert loss == pytest.approx(one_loss, abs=1e-6)
     assert max_relative_difference(grads, one_grads) < 1e-5
     for name, value in one_metrics.items():
