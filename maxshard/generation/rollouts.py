@@ -89,6 +89,7 @@ class Rollouts:
         self.tokenizer: Tokenizer = make_tokenizer(cfg)
         self.step, self._batch, self._engine = 0, None, None
         self._stats: dict[str, float] = {}
+        self._samples: list[tuple[str, str, float]] = []
         self._logps = jax.jit(lambda params, batch: trainer._token_logps(params, batch)[0],
                               in_shardings=(trainer.state_shardings.params, trainer.batch_shardings(batch_sharding)),
                               out_shardings=batch_sharding)
@@ -136,7 +137,7 @@ class Rollouts:
 
     def samples(self) -> list[tuple[str, str, float]]:
         """(prompt, completion, reward) of the first completions of the last rollout."""
-        return list(getattr(self, "_samples", []))
+        return list(self._samples)
 
     def get_state(self) -> dict[str, Any]:
         return {"step": self.step, "prompts": self.prompts.get_state()}
