@@ -22,8 +22,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "maxshard"
 LEVELS: tuple[tuple[str, ...], ...] = (
     ("maxshard", "maxshard.errors", "maxshard.units", "maxshard.devices"),
     ("maxshard.model.config", "maxshard.model.remat", "maxshard.model.attention_kinds", "maxshard.dataset_types",
-     "maxshard.model.pipeline_schedule", "maxshard.parallel.axis_names", "maxshard.observe.perf",
+     "maxshard.model.pipeline_tables", "maxshard.parallel.axis_names", "maxshard.observe.perf",
      "maxshard.objectives.kinds"),
+    ("maxshard.model.pipeline_schedule",),  # the schedules' seam: the circular order and the tables' figures
     ("maxshard.config",),
     ("maxshard.parallel",),
     ("maxshard.objectives",),
@@ -44,7 +45,7 @@ LEVELS: tuple[tuple[str, ...], ...] = (
 # not even through another module (checked on the whole import closure below).
 LEAVES = LEVELS[0] + LEVELS[1]
 NO_RUN_CONFIG = ("maxshard.model.layers", "maxshard.model.config", "maxshard.model.remat",
-                 "maxshard.model.pipeline_schedule", "maxshard.model.residuals")
+                 "maxshard.model.pipeline_schedule", "maxshard.model.pipeline_tables", "maxshard.model.residuals")
 # Entry points: nothing of the package imports them (they wire everything together).
 ENTRY_POINTS = ("maxshard.train", "maxshard.generate", "maxshard.plan", "maxshard.convert.__main__",
                 "maxshard.launch.__main__")

@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any, Literal
 
 from maxshard import dataset_types
-from maxshard.model import attention_kinds, remat
+from maxshard.model import attention_kinds, pipeline_schedule, remat
 from maxshard.model.config import ModelConfig
 from maxshard.objectives import kinds as objective_kinds
 
@@ -32,7 +32,8 @@ MESH_AXES = (
 )
 
 Attention = Literal[("auto", *attention_kinds.NAMES)]  # maxshard/model/attention_kinds.py: the implementations
-RematPolicy = Literal[("auto", *remat.NAMES)]  # maxshard/model/remat.py: the table of policies
+RematPolicy = Literal[("auto", *remat.NAMES)]
+PipelineSchedule = Literal[pipeline_schedule.NAMES]  # maxshard/model/pipeline_schedule.py + pipeline_tables.py  # maxshard/model/remat.py: the table of policies
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 Quantization = Literal["none", "int8", "fp8"]  # maxshard/model/quantization.py
 LogicalRules = tuple[tuple[str, tuple[str, ...]], ...]
@@ -250,6 +251,7 @@ class Config:
     num_layers_per_pipeline_stage: int = 1
     num_pipeline_repeats: int = -1
     num_pipeline_microbatches: int = -1
+    pipeline_schedule: PipelineSchedule = "circular"
 
     # ---- checkpoint
     enable_checkpointing: bool = True

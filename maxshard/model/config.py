@@ -69,6 +69,7 @@ class PipelineShape:
     layers_per_stage: int
     repeats: int
     microbatches: int
+    schedule: str = "circular"  # `pipeline_schedule` (model/pipeline_schedule.py, pipeline_tables.py)
 
     @property
     def units(self) -> int:

@@ -7,9 +7,11 @@ microbatch and repeat stage s runs at iteration t or that it idles, and the buff
 (planning/traffic.py, memory.py, printout.py) and the console read its figures; none of them works out the order
 itself. A new order of work on the same mechanics (stage 0 reads the circulation buffer of all M microbatches, one
 shift and one checkpoint per iteration) is one class with the members of `Schedule` and its row in `SCHEDULES`;
-tests/test_pipeline_schedule.py checks every row's contract. One with other mechanics (1F1B's interleaved backward,
-a smaller buffer) also needs its runner in layers/pipeline.py. While there is one schedule no config key picks it:
-`of` gives it to every shape. A second one would come with its name in PipelineShape (and a key), read by `of`.
+tests/test_pipeline_schedule.py checks every row's contract. Schedules that interleave forward and backward work
+(`pipeline_schedule: gpipe | 1f1b | interleaved_1f1b | zero_bubble`) are tables (model/pipeline_tables.py) run by
+layers/pipeline_runner.py: `Tabled` gives the planner and the console their figures, and the layer's forward-only
+calls (eval, a frozen reference, generation) keep the circular order, which computes the same function. `of` reads
+the name the shape carries (`PipelineShape.schedule`, from the `pipeline_schedule` key).
 
 Circular (the one schedule). Layer r*S*L + s*L + l lives on stage s in repeat r (L layers per stage): a microbatch
 walks stages 0..S-1, wraps from the last stage back to the first and walks them again with the next repeat's
@@ -30,6 +32,7 @@ repeat 0, the wrapped activations afterwards), and the backward keeps every iter
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, ClassVar, Protocol
 
 import jax
@@ -37,8 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxshard.errors import ConfigError
+from maxshard.model import pipeline_tables
 
-__all__ = ["Schedule", "Circular", "SCHEDULES", "of"]
+__all__ = ["Schedule", "Circular", "Tabled", "SCHEDULES", "NAMES", "of", "circular_of"]
 
 
 class Schedule(Protocol):
@@ -120,9 +124,68 @@ class Circular:
         return r * self.microbatches + m + s, s
 
 
-SCHEDULES: dict[str, type[Schedule]] = {"circular": Circular}
+@dataclasses.dataclass(frozen=True)
+class Tabled:
+    """A schedule that is a table (model/pipeline_tables.py): the figures the planner and console read.
+
+    The runner (layers/pipeline_runner.py) keeps a stage input per microbatch in flight and recomputes the stage's
+    forward inside its backward, so only the one microbatch whose backward runs holds what the remat policy saves:
+    `kept_inputs` is that one, and `buffer_microbatches` the rest (the other in-flight stage inputs, the output
+    cotangents, and the M embedded microbatches and their M input gradients, which every stage holds)."""
+
+    name: str
+    stages: int
+    repeats: int
+    microbatches: int
+
+    @property
+    def table(self) -> pipeline_tables.Table:
+        return _table(self.name, self.stages, self.repeats, self.microbatches)
+
+    @property
+    def bubble_formula(self) -> str:  # type: ignore[override]
+        return pipeline_tables.bubble_formula(self.name)
+
+    @property
+    def iterations(self) -> int:
+        return self.table.ticks
+
+    @property
+    def bubble_fraction(self) -> float:
+        """The share of idle stage-ticks of the table (the runner steps every stage once per tick)."""
+        return self.table.idle_fraction
+
+    @property
+    def kept_inputs(self) -> int:
+        return 1
+
+    @property
+    def buffer_microbatches(self) -> int:
+        table = self.table
+        return table.in_flight - 1 + table.cotangents + 2 * self.microbatches
+
+    def check(self) -> None:
+        Circular(self.stages, self.repeats, self.microbatches).check()  # the forward-only calls run circular
+        _table(self.name, self.stages, self.repeats, self.microbatches)
+
+
+@functools.lru_cache(maxsize=64)
+def _table(name: str, stages: int, repeats: int, microbatches: int) -> pipeline_tables.Table:
+    return pipeline_tables.build(name, stages, repeats, microbatches)
+
+
+SCHEDULES: dict[str, type[Schedule]] = {"circular": Circular}  # orders of work the circular layer runs
+NAMES = ("circular", *pipeline_tables.SCHEDULE_NAMES)  # every `pipeline_schedule`
 
 
 def of(shape: Any) -> Schedule:
-    """The schedule of a pipeline of `shape` (a PipelineShape: stages, repeats, microbatches)."""
-    return SCHEDULES["circular"](shape.stages, shape.repeats, shape.microbatches)
+    """The schedule of a pipeline of `shape` (a PipelineShape: stages, repeats, microbatches, schedule name)."""
+    name = getattr(shape, "schedule", "circular")
+    if name in SCHEDULES:
+        return SCHEDULES[name](shape.stages, shape.repeats, shape.microbatches)
+    return Tabled(name, shape.stages, shape.repeats, shape.microbatches)  # type: ignore[return-value]
+
+
+def circular_of(shape: Any) -> Circular:
+    """The order the layer's own forward runs for any schedule (the function is the same)."""
+    return Circular(shape.stages, shape.repeats, shape.microbatches)

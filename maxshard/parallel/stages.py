@@ -50,7 +50,7 @@ def pipeline_shape(cfg: Config, stages: int) -> PipelineShape:
     units = num_units(cfg.num_layers, cfg.num_experts, cfg.moe_layer_interval)
     repeats = _repeats(cfg, units, stages)
     microbatches = stages if cfg.num_pipeline_microbatches == -1 else cfg.num_pipeline_microbatches
-    shape = PipelineShape(stages, cfg.num_layers_per_pipeline_stage, repeats, microbatches)
+    shape = PipelineShape(stages, cfg.num_layers_per_pipeline_stage, repeats, microbatches, cfg.pipeline_schedule)
     pipeline_schedule.of(shape).check()
     return shape
 
@@ -74,6 +74,22 @@ def _check_batch(cfg: Config, shape: PipelineShape, mesh_sizes: Mapping[str, int
                           f"{m}) is not divisible by the {shards} batch shards ({shown})")
 
 
+def _check_runner(cfg: Config, mesh_sizes: Mapping[str, int]) -> None:
+    """What the table schedules' runner (model/layers/pipeline_runner.py) does not run yet, refused in one line."""
+    name = cfg.pipeline_schedule
+    if name == "circular":
+        return
+    if cfg.num_experts > 1:
+        raise ConfigError(f"pipeline_schedule={name} runs dense models only (num_experts=1; the runner does not carry "
+                          "MoE router statistics yet): use pipeline_schedule=circular")
+    if cfg.quantization != "none":
+        raise ConfigError(f"pipeline_schedule={name} does not run quantization={cfg.quantization} yet: use "
+                          "pipeline_schedule=circular")
+    if mesh_sizes.get("context", 1) > 1:
+        raise ConfigError(f"pipeline_schedule={name} does not run context parallelism (ici/dcn_context_parallelism) "
+                          "yet: use pipeline_schedule=circular")
+
+
 def resolve(cfg: Config, mesh_sizes: Mapping[str, int]) -> PipelineShape | None:
     """The run's pipeline (None when the `stage` axis has size 1), checked against its batch when it has one."""
     stages = mesh_sizes.get("stage", 1)
@@ -82,6 +98,7 @@ def resolve(cfg: Config, mesh_sizes: Mapping[str, int]) -> PipelineShape | None:
     if not cfg.scan_layers:
         raise ConfigError("pipeline parallelism needs scan_layers=true (each stage scans its layers)")
     shape = pipeline_shape(cfg, stages)
+    _check_runner(cfg, mesh_sizes)
     if cfg.global_batch_size:
         _check_batch(cfg, shape, mesh_sizes)
     return shape

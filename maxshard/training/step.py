@@ -40,6 +40,7 @@ from maxshard.model.transformer import Transformer, apply_with_stats, init_param
 from maxshard.objectives import kinds as objective_kinds
 from maxshard.parallel import axis_names as ax
 from maxshard.parallel import sharding
+from maxshard.training import pipelined
 from maxshard.training.loss import chunked_token_logps, token_logps
 from maxshard.training.optim import learning_rate_schedule, make_optimizer
 
@@ -202,6 +203,8 @@ class Trainer:
         """(sum of gradients of `trained`, sums of `_loss`) over the batch, in `gradient_accumulation_steps`
         pieces; `frozen` and `reference` get none."""
         grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+        if pipelined.runs(self.cfg):  # a table pipeline schedule: its runner computes the backward per stage
+            grad_fn = pipelined.value_and_grad(self)
         k = self.cfg.gradient_accumulation_steps
         totals = self.objective.totals(batch)
         if k == 1:

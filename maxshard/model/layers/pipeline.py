@@ -219,7 +219,7 @@ class Pipeline(nn.Module):
     def _run(self, weights: Any, x: jax.Array, segment_ids: jax.Array, positions: jax.Array,
              shape: PipelineShape, collect: bool) -> tuple[jax.Array, Any]:
         """x [batch, length, embed] -> ([batch, length, embed] through all R*S*L layers, what the layers sowed)."""
-        m, schedule = shape.microbatches, pipeline_schedule.of(shape)
+        m, schedule = shape.microbatches, pipeline_schedule.circular_of(shape)
         inputs = _split(x, m)  # [M, mb, length, embed]
         segments, positions = _split(segment_ids, m), _split(positions, m)  # [M, mb, length]
         buffer = constrain(jnp.broadcast_to(inputs, (shape.stages, *inputs.shape)), _BUFFER_AXES)

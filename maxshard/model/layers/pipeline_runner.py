@@ -1,0 +1,178 @@
+"""The runner of the table schedules (gpipe, 1f1b, interleaved_1f1b, zero_bubble; model/pipeline_tables.py): the
+loss and every gradient of a pipelined decoder stack, each stage's backward computed explicitly per microbatch.
+
+Why a runner and not `jax.grad`: in 1F1B a stage starts the backward of microbatch m while later microbatches are
+still in their forward, so the backward cannot be the transpose of one forward program (what `jax.grad` of the
+circular pipeline is). Here the step's gradients come from the runner (training/pipelined.py asks it instead of
+`jax.value_and_grad`), and the circular pipeline's path is untouched.
+
+How. `jax.shard_map` over the `stage` mesh axis only: each device holds its stage's weights ([R, 1, L, ...] of the
+[R, S, L, ...] stack: virtual stage v is repeat v) and steps through the table's ticks in a `lax.scan`; every other
+mesh axis (fsdp, tensor, data, ...) stays automatically partitioned inside a stage, so the layers keep their own
+sharding constraints (the logical rules inside the runner drop `stage`, which is manual there). At each tick a
+device does what its column of the table says, by `lax.switch`:
+  F       its virtual stage on a microbatch (stage 0 reads the embedded microbatch), keeping the stage input in its
+          stash slot; on the last logical stage (F_LAST) also `last_fn` (final norm, head, objective) with its value
+          and gradient: the loss sums and the cotangent that starts the backward, kept in a cotangent slot;
+  B       `jax.vjp` of the stage with respect to its input, from the stash and the cotangent slots: the input
+          gradient (on stage 0 it is the gradient of the embedded microbatch, returned);
+  W       `jax.vjp` of the stage with respect to its trained weights, added to their gradient sum.
+Then the two hand-offs of the tick, whatever each device did (SPMD): forward outputs one device on, input gradients
+one device back, each a `ppermute` over `stage` (the ring closes, for interleaved's wrap from the last device to the
+first), stored where the table says (`recv_forward`, `recv_backward`; -1: nothing arrives). B and W each recompute
+the stage's forward (a checkpoint per stage and microbatch, with the remat policy inside), so between F and the
+last of B and W a microbatch costs one stage input, not the stage's activations.
+
+Sown values (MoE router statistics) are not carried: the table schedules refuse MoE models (parallel/stages.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from maxshard.model.pipeline_tables import B, F, F_LAST, IDLE, W, Table
+
+__all__ = ["split_microbatches", "merge_microbatches", "run"]
+
+STAGE = "stage"  # the mesh axis of the stages (parallel/axis_names: the rule of activation_stage)
+
+StageFn = Callable[[Any, Any, jax.Array, Any], jax.Array]  # (trained w, frozen w, x [mb, len, E], aux) -> y
+LastFn = Callable[[Any, Any, jax.Array, Any], tuple[jax.Array, dict]]  # (trained, frozen, y, aux) -> (loss, sums)
+
+
+def split_microbatches(x: jax.Array, m: int) -> jax.Array:
+    """[batch, ...] -> [m, batch/m, ...]; microbatch i holds rows i, i+m, ... (as the circular pipeline splits)."""
+    return x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
+
+
+def merge_microbatches(x: jax.Array) -> jax.Array:
+    return x.swapaxes(0, 1).reshape(-1, *x.shape[2:])
+
+
+def _rules_without_stage() -> tuple:
+    """The active logical rules with the `stage` mesh axis taken out: inside the runner it is manual."""
+    rules = []
+    for name, axes in nn.get_logical_axis_rules():
+        if axes == STAGE:
+            axes = None
+        elif isinstance(axes, (tuple, list)):
+            axes = tuple(a for a in axes if a != STAGE) or None
+        rules.append((name, axes))
+    return tuple(rules)
+
+
+def run(table: Table, stage_fn: StageFn, last_fn: LastFn, stack: tuple[Any, Any], last: tuple[Any, Any],
+        inputs: jax.Array, aux: Any, last_aux: Any, mesh: Any) -> tuple[dict, Any, Any, jax.Array]:
+    """(loss sums over the microbatches, gradient sums of the trained stack [R, S, L, ...], of the trained `last`
+    parameters, the input gradient [M, mb, len, E]).
+
+    stack: (trained, frozen) weights [R, S, L, ...]; last: (trained, frozen) parameters `last_fn` reads (the head's);
+    inputs [M, mb, len, E]; aux (stage_fn's) and last_aux (last_fn's): trees of [M, ...] arrays, indexed by the
+    microbatch of the action."""
+    s, j_last = table.stages, table.virtual * table.stages - 1
+    columns = tuple(jnp.asarray(a) for a in (table.kind, table.microbatch, table.virtual_stage, table.stash_slot,
+                                             table.cot_slot, table.recv_forward, table.recv_backward))
+    stack_spec = jax.tree.map(lambda _: P(None, STAGE), stack)
+    rules = _rules_without_stage()
+
+    def body(stack: tuple[Any, Any], last: tuple[Any, Any], inputs: jax.Array, aux: Any, last_aux: Any):
+        with nn.logical_axis_rules(rules):
+            return _ticks(table, columns, stage_fn, last_fn, stack, last, inputs, aux, last_aux, s, j_last)
+
+    sums, stack_grads, last_grads, dx = jax.shard_map(
+        body, mesh=mesh, axis_names={STAGE}, check_vma=False,
+        in_specs=(stack_spec, P(), P(), P(), P()),
+        out_specs=(P(), stack_spec[0], P(), P()),
+    )(stack, last, inputs, aux, last_aux)
+    return sums, stack_grads, last_grads, dx
+
+
+def _ticks(table: Table, columns: tuple, stage_fn: StageFn, last_fn: LastFn, stack: tuple[Any, Any],
+           last: tuple[Any, Any], inputs: jax.Array, aux: Any, last_aux: Any, s: int, j_last: int):
+    """The scan over ticks on one device (inside shard_map); returns what `run` returns, summed over stages."""
+    d = jax.lax.axis_index(STAGE)
+    trained, frozen = jax.tree.map(lambda w: w[:, 0], stack)  # [R, L, ...]: this device's virtual stages
+    last_trained, last_frozen = last
+    mb_shape = inputs.shape[1:]
+    zero = jnp.zeros(mb_shape, inputs.dtype)
+    sums_shape = jax.eval_shape(lambda: last_fn(last_trained, last_frozen, inputs[0], _at(last_aux, 0))[1])
+
+    carry = dict(
+        stash=jnp.zeros((table.in_flight, *mb_shape), inputs.dtype),
+        cots=jnp.zeros((table.cotangents, *mb_shape), inputs.dtype),
+        grads=jax.tree.map(jnp.zeros_like, trained),
+        last_grads=jax.tree.map(jnp.zeros_like, last_trained),
+        sums=jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), sums_shape),
+        dx=jnp.zeros_like(inputs),
+    )
+
+    def tick(c: dict, t: jax.Array) -> tuple[dict, None]:
+        kind, m, v, ss, cs, rf, rb = (col[t, d] for col in columns)
+        j = v * s + d
+        w = jax.tree.map(lambda a: a[v], trained)
+        wf = jax.tree.map(lambda a: a[v], frozen)
+        a_m = _at(aux, m)
+        x_kept, dy = c["stash"][ss], c["cots"][cs]
+
+        def stage_input(c: dict) -> tuple[dict, jax.Array]:
+            x = jnp.where(j == 0, inputs[m], x_kept)
+            return {**c, "stash": c["stash"].at[ss].set(x)}, x
+
+        def idle(c: dict) -> tuple[dict, jax.Array, jax.Array]:
+            return c, zero, zero
+
+        def forward(c: dict) -> tuple[dict, jax.Array, jax.Array]:
+            c, x = stage_input(c)
+            return c, stage_fn(w, wf, x, a_m), zero
+
+        def forward_last(c: dict) -> tuple[dict, jax.Array, jax.Array]:
+            c, x = stage_input(c)
+            y = stage_fn(w, wf, x, a_m)
+            loss = lambda lt, y: last_fn(lt, last_frozen, y, _at(last_aux, m))  # noqa: E731
+            (_, sums), (g_last, g_y) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(last_trained, y)
+            c = {**c, "cots": c["cots"].at[cs].set(g_y.astype(inputs.dtype)),
+                 "last_grads": jax.tree.map(jnp.add, c["last_grads"], g_last),
+                 "sums": jax.tree.map(jnp.add, c["sums"], sums)}
+            return c, zero, zero
+
+        def input_grad(c: dict) -> tuple[dict, jax.Array, jax.Array]:
+            _, vjp = jax.vjp(lambda x: stage_fn(w, wf, x, a_m), x_kept)
+            (g_x,) = vjp(dy)
+            first = jnp.where(j == 0, g_x, c["dx"][m])
+            return {**c, "dx": c["dx"].at[m].set(first)}, zero, g_x
+
+        def weight_grad(c: dict) -> tuple[dict, jax.Array, jax.Array]:
+            _, vjp = jax.vjp(lambda w: stage_fn(w, wf, x_kept, a_m), w)
+            (g_w,) = vjp(dy)
+            grads = jax.tree.map(lambda acc, g: acc.at[v].add(g), c["grads"], g_w)
+            return {**c, "grads": grads}, zero, zero
+
+        branches = {IDLE: idle, F: forward, F_LAST: forward_last, B: input_grad, W: weight_grad}
+        c, send_forward, send_backward = jax.lax.switch(kind, [branches[k] for k in sorted(branches)], c)
+        got_forward = jax.lax.ppermute(send_forward, STAGE, [(i, (i + 1) % s) for i in range(s)])
+        got_backward = jax.lax.ppermute(send_backward, STAGE, [(i, (i - 1) % s) for i in range(s)])
+        c = {**c, "stash": _store(c["stash"], rf, got_forward), "cots": _store(c["cots"], rb, got_backward)}
+        return c, None
+
+    carry, _ = jax.lax.scan(tick, carry, jnp.arange(table.ticks))
+    # what only one device computed (the head on the last, the input gradient on the first) is zero on the others
+    total = lambda tree: jax.tree.map(lambda a: jax.lax.psum(a, STAGE), tree)  # noqa: E731
+    grads = jax.tree.map(lambda g: g[:, None], carry["grads"])  # [R, 1, L, ...]
+    return total(carry["sums"]), grads, total(carry["last_grads"]), total(carry["dx"])
+
+
+def _at(tree: Any, m: jax.Array | int) -> Any:
+    return jax.tree.map(lambda a: a[m], tree)
+
+
+def _store(buffer: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
+    """buffer[slot] = value where slot >= 0 (the table's -1: nothing arrives)."""
+    index = jnp.maximum(slot, 0)
+    return buffer.at[index].set(jnp.where(slot >= 0, value, buffer[index]))
+

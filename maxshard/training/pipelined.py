@@ -1,0 +1,123 @@
+"""The step's loss and gradients under a table pipeline schedule (`pipeline_schedule: gpipe | 1f1b |
+interleaved_1f1b | zero_bubble`), taken from the runner (model/layers/pipeline_runner.py) instead of `jax.grad`.
+
+`Trainer._grads` asks `value_and_grad(trainer)` in place of `jax.value_and_grad(trainer._loss)` when `runs(cfg)`;
+the function has the same signature and returns the same (loss, sums) and gradient trees, so gradient
+accumulation, the optimizer and the metrics are the same code for every schedule, and circular's path is untouched.
+
+The model splits in three around the stack: the embedding (before stage 0), the stages, and the last part
+(final norm, head, objective), which runs on the last stage right after each microbatch's forward so that its
+backward can start at once (1F1B). The embedding's gradient comes from one `jax.vjp` over the whole batch with the
+input gradient the runner returns; the last part's from the runner. A frozen DPO reference is computed before, by
+the model's own forward (the circular order: the same function), and travels with its microbatch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from maxshard.config import Config
+from maxshard.model import pipeline_schedule, trainable
+from maxshard.model.layers import moe, pipeline_runner
+from maxshard.model.layers.decoder import remat_policy, stack_unit
+from maxshard.model.layers.pipeline import _stage_class
+from maxshard.parallel import axis_names as ax
+from maxshard.parallel.sharding import constrain
+from maxshard.training.loss import chunked_token_logps, token_logps
+
+__all__ = ["runs", "value_and_grad"]
+
+_REFERENCE = "__reference_logps"  # the frozen reference's log-probabilities, beside the batch fields
+# A microbatch of stage inputs [M, microbatch, length, embed]: as the circular pipeline's buffer, without its stage
+_MICROBATCHES = (None, ax.BATCH, ax.NORM_LENGTH, ax.ACT_EMBED)
+
+
+def runs(cfg: Config) -> bool:
+    """True when the run's gradients come from the table runner."""
+    return cfg.model.pipeline is not None and cfg.model.pipeline.schedule != "circular"
+
+
+def _split_stack(tree: Any) -> tuple[Any, Any]:
+    """(the pipeline stack decoder/pipeline/layers, everything else); either may be {} (a LoRA split)."""
+    tree = dict(tree or {})
+    decoder = dict(tree.pop("decoder", {}))
+    stack = decoder.pop("pipeline", {}).get("layers", {})
+    if decoder:
+        tree["decoder"] = decoder
+    return stack, tree
+
+
+def _join_stack(stack: Any, rest: Any) -> Any:
+    if not stack:
+        return rest
+    decoder = {**rest.get("decoder", {}), "pipeline": {"layers": stack}}
+    return {**rest, "decoder": decoder}
+
+
+def _embed(module: Any, inputs: jax.Array) -> jax.Array:
+    return constrain(module.token_embed(inputs), ax.EMBEDDED)
+
+
+def _hidden_out(module: Any, y: jax.Array) -> jax.Array:
+    return module.final_norm(y)
+
+
+def value_and_grad(trainer: Any) -> Callable[..., tuple[tuple[jax.Array, dict], Any]]:
+    """(trained, batch, frozen, reference, totals) -> ((loss, sums), gradients of `trained`), as
+    `jax.value_and_grad(trainer._loss, has_aux=True)` gives them."""
+    cfg, model, objective = trainer.cfg, trainer.model, trainer.objective
+    shape = cfg.model.pipeline
+    table = pipeline_schedule.of(shape).table  # type: ignore[union-attr]
+    layer = _stage_class(stack_unit(cfg.model), shape.layers_per_stage)(
+        cfg.model, cfg.model.compute_dtype, cfg.model.param_dtype, parent=None)
+    policy = jax.checkpoint_policies.dots_saveable if cfg.model.remat_policy == "none" else \
+        remat_policy(cfg.model.remat_policy)
+
+    def stage(w: Any, wf: Any, x: jax.Array, aux: Any) -> jax.Array:
+        return layer.apply({"params": trainable.merge(w, wf)}, x, aux["segment_ids"], aux["positions"])[0]
+
+    # B and W recompute the stage's forward; the policy decides what that recompute keeps for its backward
+    stage_fn = jax.checkpoint(stage, policy=policy, prevent_cse=False)
+
+    def last_fn(lt: Any, lf: Any, y: jax.Array, mb: dict, totals: dict) -> tuple[jax.Array, dict]:
+        params = {"params": trainable.merge(lt, lf)}
+        hidden = model.apply(params, y, method=_hidden_out)
+        if cfg.loss_chunks > 1:
+            head = lambda h: model.apply(params, h, method="head")  # noqa: E731
+            logps = chunked_token_logps(head, hidden, mb["targets"], cfg.loss_chunks)
+        else:
+            logps = token_logps(model.apply(params, hidden, method="head"), mb["targets"])
+        fields = {k: v for k, v in mb.items() if k != _REFERENCE}
+        loss_sum, sums = objective.sums(logps, fields, totals, mb.get(_REFERENCE))
+        sums = {**sums, **moe.loss_sums({}, sums["weight_sum"])}
+        return loss_sum, sums
+
+    def grads(trained: Any, batch: dict, frozen: Any = None, reference: Any = None,
+              totals: dict | None = None) -> tuple[tuple[jax.Array, dict], Any]:
+        frozen = frozen or {}
+        totals = objective.totals(batch) if totals is None else totals
+        stack_t, outer_t = _split_stack(trained)
+        stack_f, outer_f = _split_stack(frozen)
+        m = shape.microbatches
+        ref = trainer._reference_logps(trainable.merge(trained, frozen), reference, batch)
+        x, embed_vjp = jax.vjp(lambda ot: model.apply({"params": trainable.merge(ot, outer_f)}, batch["inputs"],
+                                                      method=_embed), outer_t)
+        split = lambda a: pipeline_runner.split_microbatches(a, m)  # noqa: E731
+        inputs = constrain(split(x), _MICROBATCHES)
+        aux = {"segment_ids": split(batch["segment_ids"]), "positions": split(batch["positions"])}
+        last_aux = {k: split(v) for k, v in batch.items()}
+        if ref is not None:
+            last_aux[_REFERENCE] = split(ref)
+        loss_of = lambda lt, lf, y, mb: last_fn(lt, lf, y, mb, totals)  # noqa: E731
+        sums, stack_g, outer_g, dx = pipeline_runner.run(
+            table, stage_fn, loss_of, (stack_t, stack_f), (outer_t, outer_f), inputs, aux, last_aux, trainer.mesh)
+        (embed_g,) = embed_vjp(pipeline_runner.merge_microbatches(dx).astype(x.dtype))
+        outer_g = jax.tree.map(jnp.add, outer_g, embed_g)
+        loss = sums["loss_sum"] + moe.objective(sums, cfg.load_balance_loss_weight, cfg.router_z_loss_weight)
+        return (loss, sums), _join_stack(stack_g, outer_g)
+
+    return grads
