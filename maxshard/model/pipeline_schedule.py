@@ -69,6 +69,10 @@ class Schedule(Protocol):
     def buffer_microbatches(self) -> int:
         """Microbatches the circulation buffer holds per stage."""
 
+    @property
+    def in_flight(self) -> int:
+        """Microbatch stage inputs a stage keeps at once for backward work still to come (the console's figure)."""
+
     def check(self) -> None:
         """A one-line ConfigError when the sizes do not suit the schedule."""
 
@@ -107,6 +111,10 @@ class Circular:
     def buffer_microbatches(self) -> int:
         """All M: the input of repeat 0 until stage 0 reads it, then the wrapped activation."""
         return self.microbatches
+
+    @property
+    def in_flight(self) -> int:
+        return self.kept_inputs
 
     def check(self) -> None:
         if self.microbatches % self.stages:
@@ -158,6 +166,10 @@ class Tabled:
     @property
     def kept_inputs(self) -> int:
         return 1
+
+    @property
+    def in_flight(self) -> int:
+        return self.table.in_flight
 
     @property
     def buffer_microbatches(self) -> int:

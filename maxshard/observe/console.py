@@ -77,7 +77,9 @@ def format_startup_summary(figures: Mapping[str, Any]) -> str:
     pipe = figures["pipeline"]
     if pipe is not None:
         lines.append(f"pipeline: {pipe['stages']} stages x {pipe['repeats']} repeats x {pipe['layers_per_stage']} "
-                     f"layers, {pipe['microbatches']} microbatches, bubble fraction {pipe['bubble_fraction']:.3f}")
+                     f"layers, {pipe['microbatches']} microbatches, bubble fraction {pipe['bubble_fraction']:.3f}"
+                     + (f", schedule {pipe['schedule']} ({pipe['in_flight']} microbatch stage inputs in flight)"
+                        if "schedule" in pipe else ""))
     lines.append(f"batch: {figures['global_batch_size']} x {figures['max_target_length']} tokens, "
                  f"{figures['steps']} steps")
     if figures.get("chat_template"):
@@ -105,6 +107,7 @@ def startup_figures(cfg: Config, mesh_shape: Mapping[str, int], param_count: int
     pipeline = None if shape is None else {
         "stages": shape.stages, "repeats": shape.repeats, "layers_per_stage": shape.layers_per_stage,
         "microbatches": shape.microbatches, "bubble_fraction": pipeline_schedule.of(shape).bubble_fraction,
+        "schedule": shape.schedule, "in_flight": pipeline_schedule.of(shape).in_flight,
     }
     return {
         "run_dir": cfg.run_dir,

@@ -143,7 +143,8 @@ def _collectives(plan: Plan) -> list[str]:
 def _roofline(plan: Plan) -> list[str]:
     cfg = plan.cfg
     stages, pipe = plan.mesh.get("stage", 1), cfg.model.pipeline
-    lines = [f"pipeline bubble: {plan.bubble:.1%} ({pipeline_schedule.of(pipe).bubble_formula}, S={stages})"
+    lines = [f"pipeline bubble: {plan.bubble:.1%} ({pipe.schedule} {pipeline_schedule.of(pipe).bubble_formula}, "
+             f"S={stages}; {pipeline_schedule.of(pipe).in_flight} microbatch stage inputs in flight)"
              if stages > 1 else "pipeline bubble: none (stage=1)"]
     if plan.peak is None or plan.compute_s is None:
         return lines + [f"roofline: no peak FLOP/s known for device kind {cfg.device_kind!r}"]

@@ -48,13 +48,13 @@ def _unstrided(pieces: jax.Array) -> jax.Array:
 
 
 def chunked_token_logps(head: Callable[[jax.Array], jax.Array], hidden: jax.Array, targets: jax.Array,
-                        chunks: int) -> jax.Array:
-    """`token_logps(head(hidden), targets)` without the whole logits: `head` maps [batch, tokens, embed] to float32
+                        chunks: int, logps: Callable[[jax.Array, jax.Array], jax.Array] = token_logps) -> jax.Array:
+    """`logps(head(hidden), targets)` without the whole logits: `head` maps [batch, tokens, embed] to float32
     logits [batch, tokens, vocab]; `hidden` is [batch, length, embed]; `chunks` divides the length."""
 
     @jax.checkpoint
     def piece(x: jax.Array, piece_targets: jax.Array) -> jax.Array:
-        return token_logps(head(x), piece_targets)
+        return logps(head(x), piece_targets)
 
     def step(carry: None, xs: tuple[jax.Array, jax.Array]) -> tuple[None, jax.Array]:
         return None, piece(*xs)

@@ -27,7 +27,7 @@ from maxshard.model.layers.decoder import remat_policy, stack_unit
 from maxshard.model.layers.pipeline import _stage_class
 from maxshard.parallel import axis_names as ax
 from maxshard.parallel.sharding import constrain
-from maxshard.training.loss import chunked_token_logps, token_logps
+from maxshard.training.loss import chunked_token_logps
 
 __all__ = ["runs", "value_and_grad"]
 
@@ -58,6 +58,13 @@ def _join_stack(stack: Any, rest: Any) -> Any:
     return {**rest, "decoder": decoder}
 
 
+def _token_logps(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """`loss.token_logps` without a gather: XLA's SPMD partitioner aborts on the target gather from vocab-sharded
+    logits inside a partially manual shard_map (jax 0.10.2, tensor > 1), so the target's logit is a masked sum."""
+    hit = jnp.arange(logits.shape[-1]) == targets[..., None]
+    return jnp.sum(jnp.where(hit, logits, 0.0), axis=-1) - jax.nn.logsumexp(logits, axis=-1)
+
+
 def _embed(module: Any, inputs: jax.Array) -> jax.Array:
     return constrain(module.token_embed(inputs), ax.EMBEDDED)
 
@@ -86,11 +93,11 @@ def value_and_grad(trainer: Any) -> Callable[..., tuple[tuple[jax.Array, dict], 
     def last_fn(lt: Any, lf: Any, y: jax.Array, mb: dict, totals: dict) -> tuple[jax.Array, dict]:
         params = {"params": trainable.merge(lt, lf)}
         hidden = model.apply(params, y, method=_hidden_out)
+        head = lambda h: model.apply(params, h, method="head")  # noqa: E731
         if cfg.loss_chunks > 1:
-            head = lambda h: model.apply(params, h, method="head")  # noqa: E731
-            logps = chunked_token_logps(head, hidden, mb["targets"], cfg.loss_chunks)
+            logps = chunked_token_logps(head, hidden, mb["targets"], cfg.loss_chunks, _token_logps)
         else:
-            logps = token_logps(model.apply(params, hidden, method="head"), mb["targets"])
+            logps = _token_logps(head(hidden), mb["targets"])
         fields = {k: v for k, v in mb.items() if k != _REFERENCE}
         loss_sum, sums = objective.sums(logps, fields, totals, mb.get(_REFERENCE))
         sums = {**sums, **moe.loss_sums({}, sums["weight_sum"])}

@@ -1,0 +1,108 @@
+"""The table pipeline schedules (gpipe, 1f1b, interleaved_1f1b, zero_bubble) train like one device.
+
+Through the CLI: a fresh run of `maxshard.train.main` (8 simulated devices) per schedule, whose four losses must equal
+the same command on one device within 1e-5 (every loss after the first depends on the gradients and the AdamW
+update); the layouts alternate pipeline=2 x fsdp=4 and pipeline=4 x fsdp=2 (interleaved: 2 virtual stages per
+device). Gradients: the step's summed gradients (`Trainer._grads`, which takes them from the runner) against the
+scanned model's for each schedule on the other layout, with gradient accumulation, tensor inside a stage and the
+minimal remat policy among them; each leaf within 1e-5 of its own largest value (tests/test_pipeline.py says why).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from maxshard import train
+from maxshard.errors import ConfigError
+from maxshard.model.layers import pipeline
+from maxshard.training.step import Trainer
+from tests.helpers import max_relative_difference, mesh_for
+from tests.test_pipeline import TOLERANCE, loss_and_grads, packed_batch, random_params, small_config
+
+REPO = Path(__file__).resolve().parent.parent
+BASE = str(REPO / "configs" / "base.yml")
+STEPS = 4
+RUN = ("dataset_type=synthetic", f"steps={STEPS}", "log_period=1", "eval_period=0", "enable_checkpointing=false",
+       "enable_tensorboard=false", "warmup_steps_fraction=0", "learning_rate=1e-2", "max_target_length=16",
+       "emb_dim=32", "num_heads=2", "num_kv_heads=2", "head_dim=16", "mlp_dim=64", "num_layers=4",
+       "remat_policy=full", "max_replicated_fraction=1")
+P2_FSDP4 = ("ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4")
+P4_FSDP2 = ("ici_pipeline_parallelism=4", "ici_fsdp_parallelism=2")
+CLI = {  # schedule -> layout; 4 layers
+    "gpipe": (*P2_FSDP4, "num_layers_per_pipeline_stage=2", "num_pipeline_microbatches=2"),
+    "1f1b": (*P4_FSDP2, "num_pipeline_microbatches=4"),
+    "interleaved_1f1b": (*P2_FSDP4, "num_pipeline_repeats=2", "num_pipeline_microbatches=2"),
+    "zero_bubble": (*P4_FSDP2, "num_pipeline_microbatches=4"),
+}
+GRADS = {  # schedule -> the other layout; 8 layers (tests/test_pipeline.py's reference)
+    "gpipe": (*P4_FSDP2, "num_layers_per_pipeline_stage=2", "num_pipeline_microbatches=4"),
+    "1f1b": (*P2_FSDP4, "num_layers_per_pipeline_stage=4", "num_pipeline_microbatches=2",
+             "gradient_accumulation_steps=2", "remat_policy=minimal"),
+    "interleaved_1f1b": (*P4_FSDP2, "num_pipeline_repeats=2", "num_pipeline_microbatches=4"),
+    "zero_bubble": ("ici_pipeline_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2",
+                    "num_layers_per_pipeline_stage=4", "num_pipeline_microbatches=4"),
+}
+
+
+def _keys(base: Path, name: str, devices: int, *layout: str) -> list[str]:
+    items = [*RUN, f"cpu_device_count={devices}", f"per_device_batch_size={8 // devices}",
+             f"base_output_directory={base}", f"run_name={name}", "ici_fsdp_parallelism=1", *layout]
+    return list({item.split("=")[0]: item for item in items}.values())
+
+
+def _losses(base: Path, name: str) -> list[float]:
+    records = [json.loads(line) for line in (base / name / "metrics.jsonl").read_text().splitlines()]
+    losses = {r["step"]: r["loss"] for r in records if "loss" in r}
+    assert sorted(losses) == list(range(1, STEPS + 1)), losses
+    return [losses[s] for s in sorted(losses)]
+
+
+@pytest.fixture(scope="module")
+def one_device(env, tmp_path_factory) -> list[float]:
+    base = tmp_path_factory.mktemp("one_device")
+    out = subprocess.run([sys.executable, "-m", "maxshard.train", BASE, *_keys(base, "one", 1)], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    losses = _losses(base, "one")
+    assert losses[-1] < losses[0], losses  # the steps really trained
+    return losses
+
+
+@pytest.mark.parametrize("schedule", list(CLI))
+def test_a_fresh_run_through_the_cli_trains_like_one_device(schedule, one_device, tmp_path, capsys):
+    assert train.main([BASE, *_keys(tmp_path, "run", 8, f"pipeline_schedule={schedule}", *CLI[schedule])]) == 0
+    assert "starting from step 0" in capsys.readouterr().out
+    np.testing.assert_allclose(_losses(tmp_path, "run"), one_device, rtol=TOLERANCE)
+
+
+@pytest.fixture(scope="module")
+def scanned():
+    """The non-pipelined model (fsdp=8, 8 layers): config, parameters, a packed batch, its loss and gradients."""
+    cfg = small_config()
+    trainer = Trainer(cfg, mesh_for(cfg))
+    params, batch = random_params(trainer), packed_batch(cfg, trainer.mesh)
+    return params, batch, *loss_and_grads(cfg, params, batch)
+
+
+@pytest.mark.parametrize("schedule", list(GRADS))
+def test_the_runner_gives_the_scanned_model_s_gradients(schedule, scanned):
+    params, batch, ref_loss, ref_grads = scanned
+    cfg = small_config(f"pipeline_schedule={schedule}", *GRADS[schedule])
+    assert cfg.model.pipeline.schedule == schedule
+    loss, grads = loss_and_grads(cfg, pipeline.from_scanned(params, cfg.model.pipeline), batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=TOLERANCE)
+    assert max_relative_difference(pipeline.to_scanned(grads), ref_grads) < TOLERANCE
+
+
+def test_what_the_runner_does_not_run_is_one_line():
+    with pytest.raises(ConfigError, match="pipeline_schedule=1f1b runs dense models only"):
+        small_config("pipeline_schedule=1f1b", *P2_FSDP4, "num_layers_per_pipeline_stage=2", "num_experts=4",
+                     "num_experts_per_tok=2", "moe_layer_interval=1")
+    with pytest.raises(ConfigError, match="num_pipeline_repeats must be 1"):
+        small_config("pipeline_schedule=zero_bubble", *P2_FSDP4)  # 8 layers, 1 per stage: 4 repeats
