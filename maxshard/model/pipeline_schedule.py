@@ -138,8 +138,8 @@ class Tabled:
 
     The runner (layers/pipeline_runner.py) keeps a stage input per microbatch in flight and recomputes the stage's
     forward inside its backward, so only the one microbatch whose backward runs holds what the remat policy saves:
-    `kept_inputs` is that one, and `buffer_microbatches` the rest (the other in-flight stage inputs, the output
-    cotangents, and the M embedded microbatches and their M input gradients, which every stage holds)."""
+    `kept_inputs` is that one, and `buffer_microbatches` the rest (the other in-flight stage inputs and the output
+    cotangents; the embedding runs per microbatch on stage 0, so no stage holds all M)."""
 
     name: str
     stages: int
@@ -174,7 +174,7 @@ class Tabled:
     @property
     def buffer_microbatches(self) -> int:
         table = self.table
-        return table.in_flight - 1 + table.cotangents + 2 * self.microbatches
+        return table.in_flight - 1 + table.cotangents
 
     def check(self) -> None:
         Circular(self.stages, self.repeats, self.microbatches).check()  # the forward-only calls run circular

@@ -5,10 +5,10 @@ interleaved_1f1b | zero_bubble`), taken from the runner (model/layers/pipeline_r
 the function has the same signature and returns the same (loss, sums) and gradient trees, so gradient
 accumulation, the optimizer and the metrics are the same code for every schedule, and circular's path is untouched.
 
-The model splits in three around the stack: the embedding (before stage 0), the stages, and the last part
-(final norm, head, objective), which runs on the last stage right after each microbatch's forward so that its
-backward can start at once (1F1B). The embedding's gradient comes from one `jax.vjp` over the whole batch with the
-input gradient the runner returns; the last part's from the runner. A frozen DPO reference is computed before, by
+The model splits in three around the stack: the embedding (on stage 0, per microbatch, inside its forward; its
+gradient inside the stage's B), the stages, and the last part (final norm, head, objective), which runs on the last
+stage right after each microbatch's forward so that its backward can start at once (1F1B). No stage holds the
+whole batch's activations: only the token ids and the other batch fields travel whole. A frozen DPO reference is computed before, by
 the model's own forward (the circular order: the same function), and travels with its microbatch.
 """
 
@@ -32,8 +32,6 @@ from maxshard.training.loss import chunked_token_logps
 __all__ = ["runs", "value_and_grad"]
 
 _REFERENCE = "__reference_logps"  # the frozen reference's log-probabilities, beside the batch fields
-# A microbatch of stage inputs [M, microbatch, length, embed]: as the circular pipeline's buffer, without its stage
-_MICROBATCHES = (None, ax.BATCH, ax.NORM_LENGTH, ax.ACT_EMBED)
 
 
 def runs(cfg: Config) -> bool:
@@ -65,8 +63,26 @@ def _token_logps(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return jnp.sum(jnp.where(hit, logits, 0.0), axis=-1) - jax.nn.logsumexp(logits, axis=-1)
 
 
+_LOOKUP_TOKENS = 1024  # tokens per piece of the one-hot lookup (bounds its [tokens, vocab] one-hot)
+
+
 def _embed(module: Any, inputs: jax.Array) -> jax.Array:
-    return constrain(module.token_embed(inputs), ax.EMBEDDED)
+    """The token embedding of one microbatch on stage 0, as one-hot matmuls over pieces of the sequence: XLA's SPMD
+    partitioner aborts on the embedding's gather inside a partially manual shard_map once the table is split over
+    two mesh axes (jax 0.10.2, tensor > 1), while a matmul partitions under any layout. Exact: each output is one
+    table row times 1.0 plus zeros. Its gradient is a matmul too (no scatter)."""
+    embed = module.token_embed
+    table = jnp.asarray(embed.embedding, embed.dtype)
+    rows, length = inputs.shape
+    pieces = max(1, length // _LOOKUP_TOKENS) if length % _LOOKUP_TOKENS == 0 else 1
+
+    @jax.checkpoint  # the backward recomputes a piece's one-hot rather than keeping them all
+    def lookup(ids: jax.Array) -> jax.Array:
+        return jnp.einsum("btv,ve->bte", jax.nn.one_hot(ids, table.shape[0], dtype=table.dtype), table)
+
+    split = inputs.reshape(rows, pieces, length // pieces).swapaxes(0, 1)  # [pieces, rows, length / pieces]
+    x = jax.lax.map(lookup, split).swapaxes(0, 1).reshape(rows, length, -1)
+    return constrain(x, ax.EMBEDDED)
 
 
 def _hidden_out(module: Any, y: jax.Array) -> jax.Array:
@@ -103,27 +119,22 @@ def value_and_grad(trainer: Any) -> Callable[..., tuple[tuple[jax.Array, dict], 
         sums = {**sums, **moe.loss_sums({}, sums["weight_sum"])}
         return loss_sum, sums
 
+    def first_fn(ot: Any, of: Any, mb: dict) -> jax.Array:
+        return model.apply({"params": trainable.merge(ot, of)}, mb["inputs"], method=_embed)
+
     def grads(trained: Any, batch: dict, frozen: Any = None, reference: Any = None,
               totals: dict | None = None) -> tuple[tuple[jax.Array, dict], Any]:
         frozen = frozen or {}
         totals = objective.totals(batch) if totals is None else totals
         stack_t, outer_t = _split_stack(trained)
         stack_f, outer_f = _split_stack(frozen)
-        m = shape.microbatches
         ref = trainer._reference_logps(trainable.merge(trained, frozen), reference, batch)
-        x, embed_vjp = jax.vjp(lambda ot: model.apply({"params": trainable.merge(ot, outer_f)}, batch["inputs"],
-                                                      method=_embed), outer_t)
-        split = lambda a: pipeline_runner.split_microbatches(a, m)  # noqa: E731
-        inputs = constrain(split(x), _MICROBATCHES)
-        aux = {"segment_ids": split(batch["segment_ids"]), "positions": split(batch["positions"])}
-        last_aux = {k: split(v) for k, v in batch.items()}
+        aux = {k: pipeline_runner.split_microbatches(v, shape.microbatches) for k, v in batch.items()}
         if ref is not None:
-            last_aux[_REFERENCE] = split(ref)
+            aux[_REFERENCE] = pipeline_runner.split_microbatches(ref, shape.microbatches)
         loss_of = lambda lt, lf, y, mb: last_fn(lt, lf, y, mb, totals)  # noqa: E731
-        sums, stack_g, outer_g, dx = pipeline_runner.run(
-            table, stage_fn, loss_of, (stack_t, stack_f), (outer_t, outer_f), inputs, aux, last_aux, trainer.mesh)
-        (embed_g,) = embed_vjp(pipeline_runner.merge_microbatches(dx).astype(x.dtype))
-        outer_g = jax.tree.map(jnp.add, outer_g, embed_g)
+        sums, stack_g, outer_g = pipeline_runner.run(table, first_fn, stage_fn, loss_of, (stack_t, stack_f),
+                                                     (outer_t, outer_f), aux, trainer.mesh)
         loss = sums["loss_sum"] + moe.objective(sums, cfg.load_balance_loss_weight, cfg.router_z_loss_weight)
         return (loss, sums), _join_stack(stack_g, outer_g)
 

@@ -11,11 +11,11 @@ How. `jax.shard_map` over the `stage` mesh axis only: each device holds its stag
 mesh axis (fsdp, tensor, data, ...) stays automatically partitioned inside a stage, so the layers keep their own
 sharding constraints (the logical rules inside the runner drop `stage`, which is manual there). At each tick a
 device does what its column of the table says, by `lax.switch`:
-  F       its virtual stage on a microbatch (stage 0 reads the embedded microbatch), keeping the stage input in its
-          stash slot; on the last logical stage (F_LAST) also `last_fn` (final norm, head, objective) with its value
+  F       its virtual stage on a microbatch (stage 0 embeds the microbatch's tokens first, `first_fn`), keeping the
+          stage input in its stash slot; on the last logical stage (F_LAST) also `last_fn` (final norm, head, objective) with its value
           and gradient: the loss sums and the cotangent that starts the backward, kept in a cotangent slot;
   B       `jax.vjp` of the stage with respect to its input, from the stash and the cotangent slots: the input
-          gradient (on stage 0 it is the gradient of the embedded microbatch, returned);
+          gradient, handed back (on stage 0 it goes through the embedding's vjp into the embedding's gradient);
   W       `jax.vjp` of the stage with respect to its trained weights, added to their gradient sum.
 Then the two hand-offs of the tick, whatever each device did (SPMD): forward outputs one device on, input gradients
 one device back, each a `ppermute` over `stage` (the ring closes, for interleaved's wrap from the last device to the
@@ -38,21 +38,18 @@ from jax.sharding import PartitionSpec as P
 
 from maxshard.model.pipeline_tables import B, F, F_LAST, IDLE, W, Table
 
-__all__ = ["split_microbatches", "merge_microbatches", "run"]
+__all__ = ["split_microbatches", "run"]
 
 STAGE = "stage"  # the mesh axis of the stages (parallel/axis_names: the rule of activation_stage)
 
 StageFn = Callable[[Any, Any, jax.Array, Any], jax.Array]  # (trained w, frozen w, x [mb, len, E], aux) -> y
+FirstFn = Callable[[Any, Any, Any], jax.Array]  # (trained, frozen, aux) -> x [mb, len, E]: the embedding
 LastFn = Callable[[Any, Any, jax.Array, Any], tuple[jax.Array, dict]]  # (trained, frozen, y, aux) -> (loss, sums)
 
 
 def split_microbatches(x: jax.Array, m: int) -> jax.Array:
     """[batch, ...] -> [m, batch/m, ...]; microbatch i holds rows i, i+m, ... (as the circular pipeline splits)."""
     return x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
-
-
-def merge_microbatches(x: jax.Array) -> jax.Array:
-    return x.swapaxes(0, 1).reshape(-1, *x.shape[2:])
 
 
 def _rules_without_stage() -> tuple:
@@ -67,49 +64,44 @@ def _rules_without_stage() -> tuple:
     return tuple(rules)
 
 
-def run(table: Table, stage_fn: StageFn, last_fn: LastFn, stack: tuple[Any, Any], last: tuple[Any, Any],
-        inputs: jax.Array, aux: Any, last_aux: Any, mesh: Any) -> tuple[dict, Any, Any, jax.Array]:
-    """(loss sums over the microbatches, gradient sums of the trained stack [R, S, L, ...], of the trained `last`
-    parameters, the input gradient [M, mb, len, E]).
+def run(table: Table, first_fn: FirstFn, stage_fn: StageFn, last_fn: LastFn, stack: tuple[Any, Any],
+        outer: tuple[Any, Any], aux: Any, mesh: Any) -> tuple[dict, Any, Any]:
+    """(loss sums over the microbatches, gradient sums of the trained stack [R, S, L, ...], of the trained `outer`
+    parameters).
 
-    stack: (trained, frozen) weights [R, S, L, ...]; last: (trained, frozen) parameters `last_fn` reads (the head's);
-    inputs [M, mb, len, E]; aux (stage_fn's) and last_aux (last_fn's): trees of [M, ...] arrays, indexed by the
-    microbatch of the action."""
+    stack: (trained, frozen) weights [R, S, L, ...]; outer: (trained, frozen) parameters that `first_fn` (the
+    embedding, on stage 0) and `last_fn` (final norm, head, objective, on the last stage) read; aux: a tree of
+    [M, ...] arrays (token ids, segment ids, positions, targets, ...), indexed by the microbatch of the action."""
     s, j_last = table.stages, table.virtual * table.stages - 1
     columns = tuple(jnp.asarray(a) for a in (table.kind, table.microbatch, table.virtual_stage, table.stash_slot,
                                              table.cot_slot, table.recv_forward, table.recv_backward))
     stack_spec = jax.tree.map(lambda _: P(None, STAGE), stack)
     rules = _rules_without_stage()
 
-    def body(stack: tuple[Any, Any], last: tuple[Any, Any], inputs: jax.Array, aux: Any, last_aux: Any):
+    def body(stack: tuple[Any, Any], outer: tuple[Any, Any], aux: Any):
         with nn.logical_axis_rules(rules):
-            return _ticks(table, columns, stage_fn, last_fn, stack, last, inputs, aux, last_aux, s, j_last)
+            return _ticks(table, columns, first_fn, stage_fn, last_fn, stack, outer, aux, s, j_last)
 
-    sums, stack_grads, last_grads, dx = jax.shard_map(
-        body, mesh=mesh, axis_names={STAGE}, check_vma=False,
-        in_specs=(stack_spec, P(), P(), P(), P()),
-        out_specs=(P(), stack_spec[0], P(), P()),
-    )(stack, last, inputs, aux, last_aux)
-    return sums, stack_grads, last_grads, dx
+    return jax.shard_map(body, mesh=mesh, axis_names={STAGE}, check_vma=False, in_specs=(stack_spec, P(), P()),
+                         out_specs=(P(), stack_spec[0], P()))(stack, outer, aux)
 
 
-def _ticks(table: Table, columns: tuple, stage_fn: StageFn, last_fn: LastFn, stack: tuple[Any, Any],
-           last: tuple[Any, Any], inputs: jax.Array, aux: Any, last_aux: Any, s: int, j_last: int):
+def _ticks(table: Table, columns: tuple, first_fn: FirstFn, stage_fn: StageFn, last_fn: LastFn,
+           stack: tuple[Any, Any], outer: tuple[Any, Any], aux: Any, s: int, j_last: int):
     """The scan over ticks on one device (inside shard_map); returns what `run` returns, summed over stages."""
     d = jax.lax.axis_index(STAGE)
     trained, frozen = jax.tree.map(lambda w: w[:, 0], stack)  # [R, L, ...]: this device's virtual stages
-    last_trained, last_frozen = last
-    mb_shape = inputs.shape[1:]
-    zero = jnp.zeros(mb_shape, inputs.dtype)
-    sums_shape = jax.eval_shape(lambda: last_fn(last_trained, last_frozen, inputs[0], _at(last_aux, 0))[1])
+    outer_t, outer_f = outer
+    x_shape = jax.eval_shape(first_fn, outer_t, outer_f, _at(aux, 0))
+    sums_shape = jax.eval_shape(lambda x: last_fn(outer_t, outer_f, x, _at(aux, 0))[1], x_shape)
+    zero = jnp.zeros(x_shape.shape, x_shape.dtype)
 
     carry = dict(
-        stash=jnp.zeros((table.in_flight, *mb_shape), inputs.dtype),
-        cots=jnp.zeros((table.cotangents, *mb_shape), inputs.dtype),
+        stash=jnp.zeros((table.in_flight, *x_shape.shape), x_shape.dtype),
+        cots=jnp.zeros((table.cotangents, *x_shape.shape), x_shape.dtype),
         grads=jax.tree.map(jnp.zeros_like, trained),
-        last_grads=jax.tree.map(jnp.zeros_like, last_trained),
+        outer_grads=jax.tree.map(jnp.zeros_like, outer_t),
         sums=jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), sums_shape),
-        dx=jnp.zeros_like(inputs),
     )
 
     def tick(c: dict, t: jax.Array) -> tuple[dict, None]:
@@ -121,7 +113,8 @@ def _ticks(table: Table, columns: tuple, stage_fn: StageFn, last_fn: LastFn, sta
         x_kept, dy = c["stash"][ss], c["cots"][cs]
 
         def stage_input(c: dict) -> tuple[dict, jax.Array]:
-            x = jnp.where(j == 0, inputs[m], x_kept)
+            """Stage 0 embeds its microbatch; the others read what arrived. Kept until the stage's B and W."""
+            x = jax.lax.cond(j == 0, lambda: first_fn(outer_t, outer_f, a_m).astype(zero.dtype), lambda: x_kept)
             return {**c, "stash": c["stash"].at[ss].set(x)}, x
 
         def idle(c: dict) -> tuple[dict, jax.Array, jax.Array]:
@@ -134,18 +127,23 @@ def _ticks(table: Table, columns: tuple, stage_fn: StageFn, last_fn: LastFn, sta
         def forward_last(c: dict) -> tuple[dict, jax.Array, jax.Array]:
             c, x = stage_input(c)
             y = stage_fn(w, wf, x, a_m)
-            loss = lambda lt, y: last_fn(lt, last_frozen, y, _at(last_aux, m))  # noqa: E731
-            (_, sums), (g_last, g_y) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(last_trained, y)
-            c = {**c, "cots": c["cots"].at[cs].set(g_y.astype(inputs.dtype)),
-                 "last_grads": jax.tree.map(jnp.add, c["last_grads"], g_last),
+            loss = lambda ot, y: last_fn(ot, outer_f, y, a_m)  # noqa: E731
+            (_, sums), (g_outer, g_y) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(outer_t, y)
+            c = {**c, "cots": c["cots"].at[cs].set(g_y.astype(zero.dtype)),
+                 "outer_grads": jax.tree.map(jnp.add, c["outer_grads"], g_outer),
                  "sums": jax.tree.map(jnp.add, c["sums"], sums)}
             return c, zero, zero
 
         def input_grad(c: dict) -> tuple[dict, jax.Array, jax.Array]:
             _, vjp = jax.vjp(lambda x: stage_fn(w, wf, x, a_m), x_kept)
             (g_x,) = vjp(dy)
-            first = jnp.where(j == 0, g_x, c["dx"][m])
-            return {**c, "dx": c["dx"].at[m].set(first)}, zero, g_x
+
+            def embedding_grad(acc: Any) -> Any:  # stage 0: the gradient reaches the embedding
+                _, embed_vjp = jax.vjp(lambda ot: first_fn(ot, outer_f, a_m), outer_t)
+                return jax.tree.map(jnp.add, acc, embed_vjp(g_x.astype(x_shape.dtype))[0])
+
+            outer_grads = jax.lax.cond(j == 0, embedding_grad, lambda acc: acc, c["outer_grads"])
+            return {**c, "outer_grads": outer_grads}, zero, g_x
 
         def weight_grad(c: dict) -> tuple[dict, jax.Array, jax.Array]:
             _, vjp = jax.vjp(lambda w: stage_fn(w, wf, x_kept, a_m), w)
@@ -161,10 +159,10 @@ def _ticks(table: Table, columns: tuple, stage_fn: StageFn, last_fn: LastFn, sta
         return c, None
 
     carry, _ = jax.lax.scan(tick, carry, jnp.arange(table.ticks))
-    # what only one device computed (the head on the last, the input gradient on the first) is zero on the others
+    # the embedding and head gradients and the loss sums were computed on the first and last device only
     total = lambda tree: jax.tree.map(lambda a: jax.lax.psum(a, STAGE), tree)  # noqa: E731
     grads = jax.tree.map(lambda g: g[:, None], carry["grads"])  # [R, 1, L, ...]
-    return total(carry["sums"]), grads, total(carry["last_grads"]), total(carry["dx"])
+    return total(carry["sums"]), grads, total(carry["outer_grads"])
 
 
 def _at(tree: Any, m: jax.Array | int) -> Any:
