@@ -102,7 +102,7 @@ def test_the_runner_gives_the_scanned_model_s_gradients(schedule, scanned):
 
 def test_what_the_runner_does_not_run_is_one_line():
     with pytest.raises(ConfigError, match="pipeline_schedule=1f1b runs dense models only"):
-        small_config("pipeline_schedule=1f1b", *P2_FSDP4, "num_layers_per_pipeline_stage=2", "num_experts=4",
+        small_config("pipeline_schedule=1f1b", *P2_FSDP4, "num_layers_per_pipeline_stage=4", "num_experts=4",
                      "num_experts_per_tok=2", "moe_layer_interval=1")
     with pytest.raises(ConfigError, match="num_pipeline_repeats must be 1"):
         small_config("pipeline_schedule=zero_bubble", *P2_FSDP4)  # 8 layers, 1 per stage: 4 repeats
