@@ -3,9 +3,10 @@ ahead of time (libtpu, no TPU), its peak per device per schedule, against what t
 
     python benchmarks/pipeline_memory.py [--schedules circular,1f1b,...] [--target v5p-128] [key=value ...]
 
-The Llama-3-70B preset (80 layers of 8192, length 8192) on a v5p-128 slice (64 chips): stage=4 x fsdp=16, 20 layers
-per stage, M=8 microbatches of 16 sequences (one per device), remat `full`, so what a stage keeps for its backward
-is its microbatch stage inputs alone, [1 x 8192 x 8192] bf16 = 128 MiB each. XLA:TPU compiles each schedule's real
+The Llama-3-70B preset (80 layers of 8192) at length 4096 on a v5p-256 slice (128 chips): stage=8 x fsdp=16, 10
+layers per stage, M=16 microbatches of 16 sequences (one per device), remat `full`, so what a stage keeps for its
+backward is its microbatch stage inputs alone, [1 x 4096 x 8192] bf16 = 64 MiB each. (At length 8192 on v5p-128,
+stage=4, the circular step needs 126 GiB of the 96: a stage's working set of 20 layers.) XLA:TPU compiles each schedule's real
 train step (`memory_analysis`). The table's prediction of the peak difference to circular is
   (circular: M*R + S - 1 kept stage inputs + the M-microbatch circulation buffer)
   - (a table schedule: its most in-flight stage inputs + output cotangents, `pipeline_tables.Table`)
@@ -28,9 +29,9 @@ from maxshard.planning.tpu_compile import abstract_devices
 from maxshard.run.target import load_for_target
 from maxshard.units import format_bytes
 
-MODEL = ("model_name=70b", "dataset_type=synthetic", "ici_pipeline_parallelism=4", "ici_fsdp_parallelism=16",
-         "num_layers_per_pipeline_stage=20", "num_pipeline_microbatches=8", "per_device_batch_size=2",
-         "remat_policy=full", "attention=auto")
+MODEL = ("model_name=70b", "override_model_config=true", "max_target_length=4096", "dataset_type=synthetic",
+         "ici_pipeline_parallelism=8", "ici_fsdp_parallelism=16", "num_layers_per_pipeline_stage=10",
+         "num_pipeline_microbatches=16", "per_device_batch_size=2", "remat_policy=full", "attention=auto")
 
 
 def held(cfg) -> int:
@@ -44,7 +45,7 @@ def held(cfg) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--schedules", default="circular,gpipe,1f1b,zero_bubble")
-    parser.add_argument("--target", default="v5p-128")
+    parser.add_argument("--target", default="v5p-256")
     parser.add_argument("overrides", nargs="*", help="config key=value overrides (replace the defaults above)")
     args = parser.parse_args()
     target = topologies.parse(args.target)

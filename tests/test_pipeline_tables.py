@@ -50,6 +50,9 @@ def test_1f1b_matches_its_worked_example():
 def test_the_dependency_check_bites():
     timeline = pipeline_tables.simulate(2, 1, 2, [pipeline_tables._one_f_one_b(2, 2, d) for d in range(2)], None)
     pipeline_tables.check(2, 1, 2, timeline)
+    with pytest.raises(ValueError, match="does not follow its W at once"):  # a split backward is not a fused one
+        zb = pipeline_tables.simulate(2, 1, 2, [pipeline_tables._one_f_one_b(2, 2, d) for d in range(2)], 0, [0, 1])
+        pipeline_tables._table(2, 1, 2, zb, fused=True)
     early = [row[:] for row in timeline]
     first_b = next(t for t, a in enumerate(early[0]) if a and a[0] == "B")
     early[0][first_b], early[0][1] = early[0][1], early[0][first_b]  # B of stage 0 before stage 1's B

@@ -15,7 +15,8 @@ A schedule is each device's order of F and B plus where its W's go; `simulate` g
 which its device is free and its dependencies are done (a device whose next action is not ready idles: the bubble).
 Every tick costs one unit on every device (the SPMD runner steps all devices in lockstep), so the idle fraction of
 the table is the pipeline's bubble in time. gpipe, 1f1b and interleaved_1f1b run a fused backward: W then B on
-consecutive ticks, the input gradient handed on after both (a backward of two units, as in Megatron and torchtitan).
+consecutive ticks, the input gradient handed on after both (a backward of two units, as in Megatron and torchtitan;
+the runner computes the whole backward at W and hands its input gradient on at B).
   gpipe             all F, then all backwards. Idle (S-1)/(M+S-1); every device keeps all M microbatches.
   1f1b              S-d-1 warm-up forwards on device d, then one F and one backward in turn. Idle (S-1)/(M+S-1),
                     as gpipe, but device d keeps at most S-d microbatches in flight instead of M.
@@ -85,6 +86,7 @@ class Table:
     recv_backward: np.ndarray  # cotangent slot the input gradient arriving from device d+1 goes to
     in_flight: int  # stage inputs a device keeps at most
     cotangents: int  # output cotangents a device keeps at most
+    fused: bool  # each W is its stage's whole backward and the next tick's B only hands its input gradient on
 
     @property
     def ticks(self) -> int:
@@ -243,7 +245,7 @@ def _assign_slots(intervals: dict[tuple[int, int], tuple[int, int, int]], s: int
     return slot, most
 
 
-def _table(s: int, v: int, m: int, timeline: list[list]) -> Table:
+def _table(s: int, v: int, m: int, timeline: list[list], fused: bool) -> Table:
     check(s, v, m, timeline)
     ticks, j_last = len(timeline[0]), v * s - 1
     when = {act: t for row in timeline for t, act in enumerate(row) if act is not None}
@@ -271,7 +273,9 @@ def _table(s: int, v: int, m: int, timeline: list[list]) -> Table:
             arrays["recv_backward"][t, (d - 1) % s] = cot_slot[(mb, j - 1)]
     for name in ("microbatch", "virtual_stage", "stash_slot", "cot_slot"):  # in range in idle ticks too: the
         arrays[name] = np.maximum(arrays[name], 0)  # runner indexes with them before it selects the branch
-    return Table(s, v, m, in_flight=in_flight, cotangents=cotangents, **arrays)
+    if fused and any(when[("B", mb, j)] != when[("W", mb, j)] + 1 for mb in range(m) for j in range(v * s)):
+        raise ValueError("a fused backward's B does not follow its W at once")
+    return Table(s, v, m, in_flight=in_flight, cotangents=cotangents, fused=fused, **arrays)
 
 
 def build(name: str, stages: int, virtual: int, microbatches: int) -> Table:
@@ -293,4 +297,4 @@ def build(name: str, stages: int, virtual: int, microbatches: int) -> Table:
         timeline = simulate(s, v, m, [_interleaved(s, m, v, d) for d in range(s)], None)
     else:
         timeline = simulate(s, v, m, [_one_f_one_b(s, m, d) for d in range(s)], 0, list(range(s)))
-    return _table(s, v, m, timeline)
+    return _table(s, v, m, timeline, fused=name != "zero_bubble")

@@ -17,6 +17,11 @@ device does what its column of the table says, by `lax.switch`:
   B       `jax.vjp` of the stage with respect to its input, from the stash and the cotangent slots: the input
           gradient, handed back (on stage 0 it goes through the embedding's vjp into the embedding's gradient);
   W       `jax.vjp` of the stage with respect to its trained weights, added to their gradient sum.
+A fused table (gpipe, 1f1b, interleaved_1f1b: W then B on consecutive ticks) computes the whole backward once at W,
+keeping the input gradient in the cotangent's slot, and B hands it on: one recomputed forward per backward, as the
+circular pipeline's checkpoint has. Zero-bubble's split B and W each recompute the stage's forward, and W also
+walks back through the activations to reach each layer's output cotangent: the table's unit ticks hold for F, B and
+W only approximately (a split at the matmuls, as the paper's, would keep each layer's input and output cotangent).
 Then the two hand-offs of the tick, whatever each device did (SPMD): forward outputs one device on, input gradients
 one device back, each a `ppermute` over `stage` (the ring closes, for interleaved's wrap from the last device to the
 first), stored where the table says (`recv_forward`, `recv_backward`; -1: nothing arrives). B and W each recompute
@@ -122,7 +127,8 @@ def _ticks(table: Table, columns: tuple, first_fn: FirstFn, stage_fn: StageFn, l
 
         def forward(c: dict) -> tuple[dict, jax.Array, jax.Array]:
             c, x = stage_input(c)
-            return c, stage_fn(w, wf, x, a_m), zero
+            y = stage_fn(w, wf, x, a_m)
+            return c, y, zero
 
         def forward_last(c: dict) -> tuple[dict, jax.Array, jax.Array]:
             c, x = stage_input(c)
@@ -134,24 +140,38 @@ def _ticks(table: Table, columns: tuple, first_fn: FirstFn, stage_fn: StageFn, l
                  "sums": jax.tree.map(jnp.add, c["sums"], sums)}
             return c, zero, zero
 
-        def input_grad(c: dict) -> tuple[dict, jax.Array, jax.Array]:
-            _, vjp = jax.vjp(lambda x: stage_fn(w, wf, x, a_m), x_kept)
-            (g_x,) = vjp(dy)
+        def hand_back(c: dict, g_x: jax.Array) -> tuple[dict, jax.Array, jax.Array]:
+            """The input gradient goes to the previous stage; on stage 0 through the embedding's vjp instead."""
 
-            def embedding_grad(acc: Any) -> Any:  # stage 0: the gradient reaches the embedding
+            def embedding_grad(acc: Any) -> Any:
                 _, embed_vjp = jax.vjp(lambda ot: first_fn(ot, outer_f, a_m), outer_t)
                 return jax.tree.map(jnp.add, acc, embed_vjp(g_x.astype(x_shape.dtype))[0])
 
             outer_grads = jax.lax.cond(j == 0, embedding_grad, lambda acc: acc, c["outer_grads"])
             return {**c, "outer_grads": outer_grads}, zero, g_x
 
-        def weight_grad(c: dict) -> tuple[dict, jax.Array, jax.Array]:
-            _, vjp = jax.vjp(lambda w: stage_fn(w, wf, x_kept, a_m), w)
-            (g_w,) = vjp(dy)
-            grads = jax.tree.map(lambda acc, g: acc.at[v].add(g), c["grads"], g_w)
-            return {**c, "grads": grads}, zero, zero
+        def add_weight_grads(c: dict, g_w: Any) -> dict:
+            return {**c, "grads": jax.tree.map(lambda acc, g: acc.at[v].add(g), c["grads"], g_w)}
 
-        branches = {IDLE: idle, F: forward, F_LAST: forward_last, B: input_grad, W: weight_grad}
+        def input_grad(c: dict) -> tuple[dict, jax.Array, jax.Array]:  # split (zero-bubble): dx alone
+            _, vjp = jax.vjp(lambda x: stage_fn(w, wf, x, a_m), x_kept)
+            return hand_back(c, vjp(dy)[0])
+
+        def weight_grad(c: dict) -> tuple[dict, jax.Array, jax.Array]:  # split (zero-bubble): dw alone
+            _, vjp = jax.vjp(lambda w: stage_fn(w, wf, x_kept, a_m), w)
+            return add_weight_grads(c, vjp(dy)[0]), zero, zero
+
+        def whole_backward(c: dict) -> tuple[dict, jax.Array, jax.Array]:  # fused W: dw, and dx kept for B
+            _, vjp = jax.vjp(lambda w, x: stage_fn(w, wf, x, a_m), w, x_kept)
+            g_w, g_x = vjp(dy)
+            c = add_weight_grads(c, g_w)
+            return {**c, "cots": c["cots"].at[cs].set(g_x.astype(zero.dtype))}, zero, zero
+
+        def send_input_grad(c: dict) -> tuple[dict, jax.Array, jax.Array]:  # fused B: what W computed
+            return hand_back(c, dy)
+
+        branches = {IDLE: idle, F: forward, F_LAST: forward_last, B: send_input_grad if table.fused else input_grad,
+                    W: whole_backward if table.fused else weight_grad}
         c, send_forward, send_backward = jax.lax.switch(kind, [branches[k] for k in sorted(branches)], c)
         got_forward = jax.lax.ppermute(send_forward, STAGE, [(i, (i + 1) % s) for i in range(s)])
         got_backward = jax.lax.ppermute(send_backward, STAGE, [(i, (i - 1) % s) for i in range(s)])
