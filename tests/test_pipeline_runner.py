@@ -4,8 +4,9 @@ Through the CLI: a fresh run of `maxshard.train.main` (8 simulated devices) per 
 the same command on one device within 1e-5 (every loss after the first depends on the gradients and the AdamW
 update); the layouts alternate pipeline=2 x fsdp=4 and pipeline=4 x fsdp=2 (interleaved: 2 virtual stages per
 device). Gradients: the step's summed gradients (`Trainer._grads`, which takes them from the runner) against the
-scanned model's for each schedule on the other layout, with gradient accumulation, tensor inside a stage and the
-minimal remat policy among them; each leaf within 1e-5 of its own largest value (tests/test_pipeline.py says why).
+scanned model's, for the runner's fused backward (1f1b, with gradient accumulation and the minimal remat policy) and
+its split one (zero_bubble, with tensor=2 inside a stage); each leaf within 1e-5 of its own largest value
+(tests/test_pipeline.py says why).
 """
 
 from __future__ import annotations
@@ -40,11 +41,12 @@ CLI = {  # schedule -> layout; 4 layers
     "interleaved_1f1b": (*P2_FSDP4, "num_pipeline_repeats=2", "num_pipeline_microbatches=2"),
     "zero_bubble": (*P4_FSDP2, "num_pipeline_microbatches=4"),
 }
-GRADS = {  # schedule -> the other layout; 8 layers (tests/test_pipeline.py's reference)
-    "gpipe": (*P4_FSDP2, "num_layers_per_pipeline_stage=2", "num_pipeline_microbatches=4"),
+# schedule -> the other layout, 8 layers (tests/test_pipeline.py's reference): the two runner paths, the fused
+# backward (1f1b, as gpipe and interleaved_1f1b run it) and the split one (zero_bubble); the CLI runs above check
+# gpipe's and interleaved's gradients through their losses after the first step.
+GRADS = {
     "1f1b": (*P2_FSDP4, "num_layers_per_pipeline_stage=4", "num_pipeline_microbatches=2",
              "gradient_accumulation_steps=2", "remat_policy=minimal"),
-    "interleaved_1f1b": (*P4_FSDP2, "num_pipeline_repeats=2", "num_pipeline_microbatches=4"),
     "zero_bubble": ("ici_pipeline_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2",
                     "num_layers_per_pipeline_stage=4", "num_pipeline_microbatches=4"),
 }

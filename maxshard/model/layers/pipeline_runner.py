@@ -39,6 +39,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from maxshard.model.pipeline_tables import B, F, F_LAST, IDLE, W, Table
@@ -78,8 +79,10 @@ def run(table: Table, first_fn: FirstFn, stage_fn: StageFn, last_fn: LastFn, sta
     embedding, on stage 0) and `last_fn` (final norm, head, objective, on the last stage) read; aux: a tree of
     [M, ...] arrays (token ids, segment ids, positions, targets, ...), indexed by the microbatch of the action."""
     s, j_last = table.stages, table.virtual * table.stages - 1
-    columns = tuple(jnp.asarray(a) for a in (table.kind, table.microbatch, table.virtual_stage, table.stash_slot,
-                                             table.cot_slot, table.recv_forward, table.recv_backward))
+    branch = np.zeros(5, np.int32)
+    branch[[IDLE, F, F_LAST, B, W]] = [0, 1, 1, 2, 3]  # the switch's branches: F and F_LAST share one
+    columns = tuple(jnp.asarray(a) for a in (table.kind, branch[table.kind], table.microbatch, table.virtual_stage,
+                                             table.stash_slot, table.cot_slot, table.recv_forward, table.recv_backward))
     stack_spec = jax.tree.map(lambda _: P(None, STAGE), stack)
     rules = _rules_without_stage()
 
@@ -110,7 +113,7 @@ def _ticks(table: Table, columns: tuple, first_fn: FirstFn, stage_fn: StageFn, l
     )
 
     def tick(c: dict, t: jax.Array) -> tuple[dict, None]:
-        kind, m, v, ss, cs, rf, rb = (col[t, d] for col in columns)
+        kind, branch, m, v, ss, cs, rf, rb = (col[t, d] for col in columns)
         j = v * s + d
         w = jax.tree.map(lambda a: a[v], trained)
         wf = jax.tree.map(lambda a: a[v], frozen)
@@ -126,19 +129,18 @@ def _ticks(table: Table, columns: tuple, first_fn: FirstFn, stage_fn: StageFn, l
             return c, zero, zero
 
         def forward(c: dict) -> tuple[dict, jax.Array, jax.Array]:
+            """F, and on the last logical stage (F_LAST) the head and objective with their gradient."""
             c, x = stage_input(c)
             y = stage_fn(w, wf, x, a_m)
-            return c, y, zero
 
-        def forward_last(c: dict) -> tuple[dict, jax.Array, jax.Array]:
-            c, x = stage_input(c)
-            y = stage_fn(w, wf, x, a_m)
-            loss = lambda ot, y: last_fn(ot, outer_f, y, a_m)  # noqa: E731
-            (_, sums), (g_outer, g_y) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(outer_t, y)
-            c = {**c, "cots": c["cots"].at[cs].set(g_y.astype(zero.dtype)),
-                 "outer_grads": jax.tree.map(jnp.add, c["outer_grads"], g_outer),
-                 "sums": jax.tree.map(jnp.add, c["sums"], sums)}
-            return c, zero, zero
+            def head(c: dict) -> dict:
+                loss = lambda ot, y: last_fn(ot, outer_f, y, a_m)  # noqa: E731
+                (_, sums), (g_outer, g_y) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(outer_t, y)
+                return {**c, "cots": c["cots"].at[cs].set(g_y.astype(zero.dtype)),
+                        "outer_grads": jax.tree.map(jnp.add, c["outer_grads"], g_outer),
+                        "sums": jax.tree.map(jnp.add, c["sums"], sums)}
+
+            return jax.lax.cond(kind == F_LAST, head, lambda c: c, c), y, zero  # nothing receives the last's y
 
         def hand_back(c: dict, g_x: jax.Array) -> tuple[dict, jax.Array, jax.Array]:
             """The input gradient goes to the previous stage; on stage 0 through the embedding's vjp instead."""
@@ -170,9 +172,9 @@ def _ticks(table: Table, columns: tuple, first_fn: FirstFn, stage_fn: StageFn, l
         def send_input_grad(c: dict) -> tuple[dict, jax.Array, jax.Array]:  # fused B: what W computed
             return hand_back(c, dy)
 
-        branches = {IDLE: idle, F: forward, F_LAST: forward_last, B: send_input_grad if table.fused else input_grad,
-                    W: whole_backward if table.fused else weight_grad}
-        c, send_forward, send_backward = jax.lax.switch(kind, [branches[k] for k in sorted(branches)], c)
+        branches = [idle, forward, send_input_grad if table.fused else input_grad,
+                    whole_backward if table.fused else weight_grad]
+        c, send_forward, send_backward = jax.lax.switch(branch, branches, c)
         got_forward = jax.lax.ppermute(send_forward, STAGE, [(i, (i + 1) % s) for i in range(s)])
         got_backward = jax.lax.ppermute(send_backward, STAGE, [(i, (i - 1) % s) for i in range(s)])
         c = {**c, "stash": _store(c["stash"], rf, got_forward), "cots": _store(c["cots"], rb, got_backward)}
