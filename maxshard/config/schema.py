@@ -32,8 +32,8 @@ MESH_AXES = (
 )
 
 Attention = Literal[("auto", *attention_kinds.NAMES)]  # maxshard/model/attention_kinds.py: the implementations
-RematPolicy = Literal[("auto", *remat.NAMES)]
-PipelineSchedule = Literal[pipeline_schedule.NAMES]  # maxshard/model/pipeline_schedule.py + pipeline_tables.py  # maxshard/model/remat.py: the table of policies
+RematPolicy = Literal[("auto", *remat.NAMES)]  # maxshard/model/remat.py: the table of policies
+PipelineSchedule = Literal[pipeline_schedule.NAMES]  # maxshard/model/pipeline_schedule.py, pipeline_tables.py
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 Quantization = Literal["none", "int8", "fp8"]  # maxshard/model/quantization.py
 LogicalRules = tuple[tuple[str, tuple[str, ...]], ...]
