@@ -96,12 +96,24 @@ class ModelConfig:
     logits_via_embedding: bool = False
     norm_epsilon: float = 1e-6
     qk_norm: bool = False  # RMSNorm over head_dim of each query and key head before RoPE (Qwen3)
+    # The attention kind of every layer (a row of model/blocks.py ATTENTION): "gqa" (grouped-query, the fields
+    # above) or "mla" (DeepSeek-V2/V3 multi-head latent attention, the five fields below; num_kv_heads unused).
+    attention_type: str = "gqa"
+    q_lora_rank: int = 0  # mla: the query's low-rank latent width (0: a plain [embed, heads, qk_head_dim] projection)
+    kv_lora_rank: int = 512  # mla: the compressed key/value latent width (what generation caches per token)
+    qk_nope_head_dim: int = 128  # mla: the part of each query/key head without RoPE
+    qk_rope_head_dim: int = 64  # mla: the RoPE part of each query head; the key's is one head shared by all heads
+    v_head_dim: int = 128  # mla: each value head's width
     rope_max_timescale: float = 10000.0
-    rope_scaling_type: str = "none"  # "none" or "llama3"
+    rope_scaling_type: str = "none"  # "none", "llama3" or "yarn"
     rope_scaling_factor: float = 8.0
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_position: int = 8192
+    yarn_beta_fast: float = 32.0  # yarn: rotations per original context above which a frequency is kept
+    yarn_beta_slow: float = 1.0  # yarn: rotations below which a frequency is fully interpolated
+    yarn_mscale: float = 1.0  # yarn: attention temperature 0.1 * mscale * ln(factor) + 1 (DeepSeek's mscale)
+    yarn_mscale_all_dim: float = 0.0  # yarn: its divisor's mscale (DeepSeek-V3: both 1.0, so they cancel on RoPE)
     dtype: str = "float32"
     weight_dtype: str = "float32"
     scan_layers: bool = True
@@ -119,6 +131,13 @@ class ModelConfig:
     moe_ragged_buffer_factor: float = 0.0
     num_shared_experts: int = 0
     moe_renormalize_top_k: bool = True  # top-k router weights rescaled to sum to 1 (False: the softmax's own)
+    moe_mlp_dim: int = 0  # hidden width of each routed and shared expert (0: mlp_dim, which dense layers keep)
+    first_k_dense_replace: int = 0  # the first k layers are dense (their own scanned stack), the rest MoE
+    moe_router: str = "softmax"  # router scores: "softmax" or "sigmoid" (DeepSeek-V3)
+    moe_n_group: int = 1  # experts in n groups; a token picks its top-k among the best `moe_topk_group` groups
+    moe_topk_group: int = 1
+    moe_routed_scaling_factor: float = 1.0  # the routed experts' output is scaled by this (DeepSeek-V3: 2.5)
+    moe_router_bias: bool = False  # a per-expert bias added to the scores for selection only (aux-loss-free)
     lora_rank: int = 0  # LoRA adapters of this rank on the `lora_targets` projections (0: none; layers/lora.py)
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] = ("q", "k", "v", "o")
@@ -135,6 +154,11 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 1
+
+    @property
+    def expert_dim(self) -> int:
+        """Hidden width of one routed (or shared) expert."""
+        return self.moe_mlp_dim or self.mlp_dim
 
     @property
     def num_units(self) -> int:
