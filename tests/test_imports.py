@@ -24,6 +24,7 @@ LEVELS: tuple[tuple[str, ...], ...] = (
     ("maxshard.model.config", "maxshard.model.remat", "maxshard.model.attention_kinds", "maxshard.dataset_types",
      "maxshard.model.pipeline_schedule", "maxshard.parallel.axis_names", "maxshard.observe.perf",
      "maxshard.objectives.kinds"),
+    ("maxshard.model.blocks",),  # the model-family seam: the stacks a ModelConfig describes
     ("maxshard.config",),
     ("maxshard.parallel",),
     ("maxshard.objectives",),

@@ -141,9 +141,11 @@ def _check_moe(cfg: Config) -> None:
     if not 1 <= cfg.num_experts_per_tok <= cfg.num_experts:
         raise ConfigError(f"num_experts_per_tok must be in [1, num_experts={cfg.num_experts}], "
                           f"got {cfg.num_experts_per_tok}")
-    if cfg.moe_layer_interval < 1 or cfg.num_layers % cfg.moe_layer_interval:
-        raise ConfigError(f"moe_layer_interval={cfg.moe_layer_interval} must be >= 1 and divide "
-                          f"num_layers={cfg.num_layers}")
+    _check_dense_first(cfg)
+    moe_layers = cfg.num_layers - cfg.first_k_dense_replace
+    if cfg.moe_layer_interval < 1 or moe_layers % cfg.moe_layer_interval:
+        raise ConfigError(f"moe_layer_interval={cfg.moe_layer_interval} must be >= 1 and divide num_layers - "
+                          f"first_k_dense_replace = {moe_layers}")
     if cfg.moe_group_size < 0 or (cfg.moe_group_size and cfg.max_target_length % cfg.moe_group_size):
         raise ConfigError(f"moe_group_size={cfg.moe_group_size} must be 0 (whole sequence) or divide "
                           f"max_target_length={cfg.max_target_length}")
@@ -157,6 +159,18 @@ def _check_moe(cfg: Config) -> None:
             raise ConfigError(f"{key} must be >= 0, got {getattr(cfg, key)}")
 
 
+def _check_dense_first(cfg: Config) -> None:
+    """`first_k_dense_replace`: dense layers before the MoE ones, so an MoE model with at least one MoE layer."""
+    first = cfg.first_k_dense_replace
+    if first and cfg.num_experts == 1:
+        raise ConfigError(f"first_k_dense_replace={first} needs an MoE model (num_experts > 1): every layer of a dense"
+                          " model is dense already")
+    if not 0 <= first < cfg.num_layers:
+        raise ConfigError(f"first_k_dense_replace must be in [0, num_layers={cfg.num_layers}), got {first}")
+    if cfg.moe_mlp_dim < 0:
+        raise ConfigError(f"moe_mlp_dim must be >= 0 (0: mlp_dim), got {cfg.moe_mlp_dim}")
+
+
 def _check_lora(cfg: Config) -> None:
     """LoRA keys: a rank >= 0, a positive alpha, known targets; adapters train on a base from load_parameters_path."""
     if cfg.lora_rank < 0:
@@ -164,7 +178,7 @@ def _check_lora(cfg: Config) -> None:
     unknown = [t for t in cfg.lora_targets if t not in LORA_TARGETS]
     if unknown or not cfg.lora_targets:
         raise ConfigError(f"lora_targets={list(cfg.lora_targets)}: names from {', '.join(LORA_TARGETS)}, at least one")
-    dense_mlps = cfg.num_experts == 1 or cfg.moe_layer_interval > 1
+    dense_mlps = cfg.num_experts == 1 or cfg.moe_layer_interval > 1 or cfg.first_k_dense_replace > 0
     mlp_targets = [t for t in cfg.lora_targets if t in ("gate", "up", "down")]
     if cfg.lora_rank and mlp_targets and not dense_mlps:
         raise ConfigError(f"lora_targets={list(cfg.lora_targets)}: {', '.join(mlp_targets)} adapt dense MLPs, and "

@@ -52,12 +52,15 @@ def resolve_moe_exchange(name: str, platform: str) -> str:
     return name
 
 
-def num_units(num_layers: int, num_experts: int, moe_layer_interval: int) -> int:
-    """Repeated units of the decoder stack: layers, or blocks of `moe_layer_interval` layers in an MoE model.
+def num_units(num_layers: int, num_experts: int, moe_layer_interval: int, first_k_dense_replace: int = 0) -> int:
+    """Repeated units of the main decoder stack (the one a pipeline runs): layers, or blocks of `moe_layer_interval`
+    layers in an MoE model, after its `first_k_dense_replace` dense layers (a stack of their own, model/blocks.py).
 
     nn.scan and the pipeline need identical iterations, so an MoE model that mixes dense and MoE layers repeats
     blocks of `moe_layer_interval` layers (the last one MoE) rather than single layers."""
-    return num_layers // moe_layer_interval if num_experts > 1 else num_layers
+    if num_experts <= 1:
+        return num_layers
+    return (num_layers - first_k_dense_replace) // moe_layer_interval
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,8 +165,8 @@ class ModelConfig:
 
     @property
     def num_units(self) -> int:
-        """Repeated units of the decoder stack (see `num_units`)."""
-        return num_units(self.num_layers, self.num_experts, self.moe_layer_interval)
+        """Repeated units of the main decoder stack (see `num_units`)."""
+        return num_units(self.num_layers, self.num_experts, self.moe_layer_interval, self.first_k_dense_replace)
 
     def lora_rank_of(self, target: str) -> int:
         """The adapter rank of one projection ("q", "k", "v", "o", "gate", "up", "down"); 0 when it has none."""
@@ -176,7 +179,7 @@ class ModelConfig:
 
     @property
     def num_moe_layers(self) -> int:
-        """Layers whose MLP is an MoE block: the last of every `moe_layer_interval` layers."""
+        """Layers whose MLP is an MoE block: the last of every `moe_layer_interval` layers after the dense first ones."""
         return self.num_units if self.is_moe else 0
 
 

@@ -73,9 +73,10 @@ def at_defaults(model: ModelConfig) -> bool:
 
 
 def _unit(model: ModelConfig) -> ModelConfig:
-    """One stacked unit of `model`, alone: no scan, no pipeline, no vocabulary to speak of."""
+    """One unit of `model`'s main stack, alone: no dense first layers (the formula counts their dense MLPs), no scan,
+    no pipeline, no vocabulary to speak of."""
     return dataclasses.replace(model, num_layers=model.moe_layer_interval if model.is_moe else 1, scan_layers=False,
-                               pipeline=None, vocab_size=1)
+                               pipeline=None, vocab_size=1, first_k_dense_replace=0)
 
 
 @functools.lru_cache(maxsize=512)
