@@ -17,6 +17,7 @@ import jax
 from maxshard.convert import names
 from maxshard.convert.families import Family
 from maxshard.errors import ConfigError
+from maxshard.model import blocks
 from maxshard.model import transformer as model
 from maxshard.model.config import ModelConfig
 
@@ -27,8 +28,7 @@ MODEL_KEYS = ("vocab_size", "emb_dim", "num_layers", "num_heads", "num_kv_heads"
               "rope_scaling_type", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
               "rope_original_max_position", "num_experts", "num_experts_per_tok", "capacity_factor",
               "moe_layer_interval", "num_shared_experts", "moe_renormalize_top_k")
-_STACK = ("decoder", "layers")
-_MOE_LAYER = "layer_0"  # an MoE model's repeated unit is a block of moe_layer_interval (here 1) layers
+_MOE_LAYER = "layer_0"  # an MoE stack's repeated unit is a block of moe_layer_interval (here 1) layers
 
 
 def model_config(keys: Mapping[str, Any]) -> ModelConfig:
@@ -43,12 +43,20 @@ def model_config(keys: Mapping[str, Any]) -> ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Param:
-    """One maxshard parameter: its path, shape (stacked [layers, ...] when `stacked`) and the table row."""
+    """One maxshard parameter: its path, shape (stacked [layers, ...] when `stacked`) and the table row. A stacked
+    parameter belongs to one of the decoder's stacks (model/blocks.py), whose first layer is Hugging Face's layer
+    `first` (DeepSeek-V3's MoE stack starts after its dense first layers)."""
 
     path: tuple[str, ...]
     shape: tuple[int, ...]
     entry: names.Entry
     stacked: bool
+    first: int = 0
+
+    @property
+    def stack(self) -> str:
+        """The decoder stack's name ("layers", "dense_layers"); "" for a global parameter."""
+        return self.path[1] if self.stacked else ""
 
     @property
     def lead(self) -> int:
@@ -61,8 +69,12 @@ class Param:
         return self.shape[self.lead :]
 
     def indices(self) -> list[tuple[int, ...]]:
-        """Every Hugging Face tensor's index: [()] for a global one, (layer,) or (layer, expert) in file order."""
-        return list(itertools.product(*(range(n) for n in self.shape[: self.lead])))
+        """Every Hugging Face tensor's index: [()] for a global one, (layer,) or (layer, expert) in file order,
+        layers numbered as Hugging Face numbers them."""
+        ranges = [range(n) for n in self.shape[: self.lead]]
+        if self.stacked:
+            ranges[0] = range(self.first, self.first + self.shape[0])
+        return list(itertools.product(*ranges))
 
 
 def _key(entry: Any) -> str:
@@ -72,15 +84,19 @@ def _key(entry: Any) -> str:
 def params_of(cfg: ModelConfig, family: Family) -> list[Param]:
     """Every parameter of the model in tree order; a leaf the family's table does not know is an error."""
     by_path = {e.path: e for e in (*names.GLOBAL, names.HEAD)}
-    per_layer = {e.path: e for e in names.per_layer(family)}
+    stacks, first = {}, 0
+    for stack in blocks.stacks(cfg):  # each stack's table (its layers' kinds) and first Hugging Face layer
+        stacks[stack.name] = ({e.path: e for e in names.per_layer(family, cfg, stack.unit[-1])}, first)
+        first += stack.num_layers
     leaves, _ = jax.tree_util.tree_flatten_with_path(nn.unbox(model.abstract_params(cfg)))
     out = []
     for key_path, leaf in leaves:
         path = tuple(_key(k) for k in key_path)
-        stacked = path[:2] == _STACK
-        inner = path[3:] if cfg.is_moe and path[2:3] == (_MOE_LAYER,) else path[2:]
-        entry = per_layer.get(inner) if stacked else by_path.get(path)
+        stacked = path[0] == "decoder" and path[1] in stacks
+        table, offset = stacks[path[1]] if stacked else (by_path, 0)
+        inner = (path[3:] if path[2:3] == (_MOE_LAYER,) else path[2:]) if stacked else path
+        entry = table.get(inner)
         if entry is None:
             raise ConfigError(f"parameter {'/'.join(path)} has no tensor in {family.architecture}")
-        out.append(Param(path, tuple(leaf.shape), entry, stacked))
+        out.append(Param(path, tuple(leaf.shape), entry, stacked, offset))
     return out

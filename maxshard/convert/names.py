@@ -20,8 +20,8 @@ MoE families store each expert's projections as their own tensors ("{e}": expert
     experts.{e}.down_proj [embed, mlp]  -> moe/wo   [layers, experts, mlp, embed]   (w2 in Mixtral)
     gate [experts, embed]               -> moe/gate/kernel [layers, embed, experts] (the router)
 
-The table of a family is `per_layer(family)`: Llama's rows, plus q/k norms with `qk_norm`, with the MLP replaced
-by the router and experts in MoE families.
+The table of a layer is `per_layer(family, cfg, layer)`: Llama's rows, plus q/k norms with `qk_norm`, with the MLP
+replaced by the router and experts in the MoE layers (model/blocks.py says which layers those are).
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ import re
 import numpy as np
 
 from maxshard.convert.families import Family
+from maxshard.model.blocks import Layer
+from maxshard.model.config import ModelConfig
 
 __all__ = ["Entry", "GLOBAL", "ATTENTION", "QK_NORM", "MLP_NORM", "MLP", "HEAD", "IGNORED", "per_layer", "hf_name",
            "hf_shape", "row_axis", "hf_rows_per_row", "to_maxshard", "to_hf"]
@@ -87,9 +89,10 @@ def _moe(prefix: str, projections: tuple[str, str, str]) -> tuple[Entry, ...]:
     )
 
 
-def per_layer(family: Family) -> tuple[Entry, ...]:
-    """The per-layer rows of a family: attention, its q/k norms, then the MLP's norm and the MLP or the MoE."""
-    mlp = _moe(family.moe_prefix, family.expert_projections) if family.is_moe else MLP
+def per_layer(family: Family, cfg: ModelConfig, layer: Layer) -> tuple[Entry, ...]:
+    """The rows of one layer of `layer`'s kinds (model/blocks.py): its attention (with the q/k norms of qk_norm
+    families), then the MLP's norm and the dense MLP or the MoE (router, experts)."""
+    mlp = _moe(family.moe_prefix, family.expert_projections) if layer.mlp == "moe" else MLP
     return (*ATTENTION, *(QK_NORM if family.qk_norm else ()), MLP_NORM, *mlp)
 
 
