@@ -18,6 +18,7 @@ from maxshard.model import remat
 from maxshard.model.config import ModelConfig
 from maxshard.model.layers import kv_cache
 from maxshard.model.layers.attention import Attention
+from maxshard.model.layers.mla import LatentAttention
 from maxshard.model.layers.mlp import MLP
 from maxshard.model.layers.moe import MoEBlock
 from maxshard.model.layers.norms import RMSNorm
@@ -74,7 +75,7 @@ class DecoderLayer(nn.Module):
         cfg, dt, wdt = self.cfg, self.dtype, self.weight_dtype
         x = checkpoint_name(constrain(x, ax.RESIDUAL), remat.LAYER_INPUT)  # what an offload policy moves to host
         h = norm(RMSNorm(cfg.norm_epsilon, dt, wdt, name="attention_norm"), x)
-        x = x + Attention(cfg, dt, wdt, name="attention")(h, segment_ids, positions)
+        x = x + (LatentAttention if cfg.attention_type == "mla" else Attention)(cfg, dt, wdt, name="attention")(h, segment_ids, positions)
         h = norm(RMSNorm(cfg.norm_epsilon, dt, wdt, name="mlp_norm"), x)
         if self.use_moe:
             x = x + MoEBlock(cfg, dt, wdt, name="moe")(h, segment_ids)
