@@ -5,8 +5,8 @@ kernel with value heads narrower than query/key heads, the layouts, and generati
   tools/make_mla_fixtures.py): DeepSeek-V3's constants, two different mscales, a Qwen-style grouped-query case.
 - DeepseekV3Attention (eager, float32, interleaved RoPE, YaRN) on random weights: LatentAttention with the weights
   mapped as a converter maps them (rope.deinterleaved on the RoPE columns) gives its output within 1e-5.
-- Kernels: blockwise, cudnn (through XLA, on zero-padded values) and tokamax (its XLA path) with q/k heads of 12
-  and v heads of 6 features against dot_product, outputs and gradients within 1e-5.
+- Kernels: blockwise, cudnn (through XLA, on zero-padded values), tokamax (its XLA path) and splash (interpret
+  mode) with q/k heads of 12 and v heads of 6 features against dot_product, outputs and gradients within 1e-5.
 - A tiny MLA + YaRN model's loss and gradients under fsdp4 x tensor2 (blockwise) and
   context2 x fsdp4 (ring attention) equal one device's dot_product within 1e-5 (one layer: the layer is what is new).
 - Generation under fsdp4 x tensor2: every decode step's logits (absorbed projections over the cached latent)
@@ -152,16 +152,19 @@ KERNELS = {
     "cudnn": (dict(length=16, heads=4, kv_heads=2, qk=12, v_dim=6), lambda *a: ops.attend(*a, implementation="cudnn")),
     "tokamax": (dict(length=16, heads=4, kv_heads=2, qk=12, v_dim=6),
                 lambda *a: ops.attend(*a, implementation="tokamax")),
+    "splash": (dict(length=128, heads=2, kv_heads=1, qk=12, v_dim=6),  # interpret mode; one 128-token block
+               lambda *a: ops.attend(*a, implementation="splash", block_q=128, block_kv=128)),
 }
 
 
 @pytest.mark.parametrize("kernel", list(KERNELS))
 def test_kernels_take_value_heads_narrower_than_query_key_heads(kernel: str) -> None:
-    """`attend` with each implementation equals dot_product, forward and backward: blockwise and tokamax take the
-    narrower values as they are, cudnn gets them zero-padded (`one_width`, which splash gets too: a splash call on
-    padded inputs is tests/test_attention.py's splash test at another width)."""
+    """`attend` with each implementation equals dot_product, forward and backward: blockwise, tokamax and splash
+    take the narrower values as they are, cudnn gets them zero-padded (`one_width`)."""
     if kernel == "tokamax":
         pytest.importorskip("tokamax")
+    if kernel == "splash":
+        pytest.importorskip("jax.experimental.pallas.ops.tpu.splash_attention")
     shape, fn = KERNELS[kernel]
     inputs = _inputs(**shape)
     ref_out, ref_grads = _value_and_grads(ops.dot_product, *inputs)

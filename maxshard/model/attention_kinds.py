@@ -54,7 +54,7 @@ KINDS = (
          off_platform="needs an NVIDIA GPU", instead="auto, blockwise or dot_product"),
     Kind("splash", ("tpu", "cpu"), ("tpu", "cpu"), True, True, True,
          "the Pallas TPU splash kernel (interpret mode elsewhere, for tests); lengths a multiple of the blocks",
-         off_platform="is a TPU kernel", instead="cudnn or auto"),
+         off_platform="is a TPU kernel", instead="cudnn or auto", value_width=True),
     Kind("tokamax", ("nvidia", "cpu"), ("nvidia",), False, False, True,
          "tokamax's Pallas Mosaic GPU FlashAttention (Hopper, Blackwell), the documents as per-query key offsets; "
          "its XLA reference (whole scores) off a GPU",

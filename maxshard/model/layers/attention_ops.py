@@ -124,7 +124,7 @@ def splash(q, k, v, q_segment_ids, kv_segment_ids, block_q: int = 512, block_kv:
 
     if interpret is None:
         interpret = target_platform() != "tpu"
-    batch, q_len, heads, dim = q.shape
+    batch, q_len, heads, _ = q.shape
     kv_heads = k.shape[2]
     kernel = _splash_kernel(heads // kv_heads, q_len, k.shape[1], min(block_q, q_len), min(block_kv, k.shape[1]),
                             interpret)
@@ -136,7 +136,7 @@ def splash(q, k, v, q_segment_ids, kv_segment_ids, block_q: int = 512, block_kv:
         return jax.vmap(lambda qh, kh, vh: kernel(qh, kh, vh, segment_ids=segments))(qr, kr, vr)
 
     out = jax.vmap(row)(qg, kt, vt, q_segment_ids, kv_segment_ids)  # [b, kv_heads, group, q, d]
-    return jnp.einsum("bhgqd->bqhgd", out).reshape(batch, q_len, heads, dim).astype(v.dtype)
+    return jnp.einsum("bhgqd->bqhgd", out).reshape(batch, q_len, heads, v.shape[-1]).astype(v.dtype)
 
 
 def document_starts(segment_ids: jax.Array) -> jax.Array:
@@ -219,7 +219,7 @@ def attend(
 
 def one_width(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q, k and v zero-padded on head_dim to the widest of them, for kernels that take one head width
-    (`Kind.value_width` False: cudnn, splash) when latent attention's query/key heads (qk_nope + qk_rope) and value
+    (`Kind.value_width` False: cudnn, whose jax.nn.dot_product_attention checks one width) when latent attention's query/key heads (qk_nope + qk_rope) and value
     heads (v_head_dim) differ. Exact: zero features add nothing to q.k, and a zero value column gives an output
     column that `attend` drops; the kernel does the padded width's work (DeepSeek-V3: values 128 -> 192, the
     p.v matmul 1.5x)."""
