@@ -4,7 +4,8 @@ kernel with value heads narrower than query/key heads, the layouts, and generati
 - YaRN: frequencies, cos/sin factor and softmax scale equal transformers' (tests/fixtures/mla/yarn.json, written by
   tools/make_mla_fixtures.py): DeepSeek-V3's constants, two different mscales, a Qwen-style grouped-query case.
 - DeepseekV3Attention (eager, float32, interleaved RoPE, YaRN) on random weights: LatentAttention with the weights
-  mapped as a converter maps them (rope.deinterleaved on the RoPE columns) gives its output within 1e-5.
+  mapped as a converter maps them (rope.deinterleaved on the RoPE columns) gives its output within 1e-5; so does
+  attention.py for Qwen3Attention with Qwen's YaRN (grouped-query heads).
 - Kernels: blockwise, cudnn (through XLA, on zero-padded values), tokamax (its XLA path) and splash (interpret
   mode) with q/k heads of 12 and v heads of 6 features against dot_product, outputs and gradients within 1e-5.
 - A tiny MLA + YaRN model's loss and gradients under fsdp4 x tensor2 (blockwise) and
@@ -33,6 +34,7 @@ from maxshard.generation.sampling import allowed_tokens
 from maxshard.model.config import ModelConfig
 from maxshard.model.layers import attention_ops as ops
 from maxshard.model.layers import mla, rope
+from maxshard.model.layers.attention import Attention
 from maxshard.model.transformer import Transformer, abstract_params
 from maxshard.parallel import sharding
 from maxshard.training.step import Trainer, mesh_context
@@ -100,7 +102,7 @@ def _from_transformers(w: dict[str, np.ndarray], model: ModelConfig) -> dict:
 
 @pytest.mark.parametrize("case", ["q_lora", "plain_query"])
 def test_latent_attention_equals_transformers(case: str) -> None:
-    hf = json.loads((FIXTURES / "attention.json").read_text())
+    hf = json.loads((FIXTURES / "attention.json").read_text())["deepseek_v3"]
     arrays = np.load(FIXTURES / "attention.npz")
     w = {k.split("/", 1)[1]: arrays[k] for k in arrays.files if k.startswith(case + "/")}
     yarn = hf["rope_parameters"]
@@ -122,6 +124,32 @@ def test_latent_attention_equals_transformers(case: str) -> None:
     assert jax.tree.map(np.shape, params) == shapes["params"]  # every parameter mapped, in its shape
     out = jax.jit(layer.apply)({"params": params}, x, np.ones_like(positions), positions)
     assert max_relative_difference(out, expected) < TOLERANCE
+
+
+def test_grouped_query_attention_with_yarn_equals_transformers_qwen3() -> None:
+    """Qwen's long-context YaRN on grouped-query heads (Qwen3Attention: 4 query / 2 kv heads, q/k norm): the
+    frequencies and the cos/sin factor 0.1 ln(4) + 1 reach attention.py as they reach transformers."""
+    hf = json.loads((FIXTURES / "attention.json").read_text())["qwen3_yarn"]
+    arrays = np.load(FIXTURES / "attention.npz")
+    w = {k.split("/", 1)[1]: arrays[k] for k in arrays.files if k.startswith("qwen3_yarn/")}
+    yarn = hf["rope_parameters"]
+    model = ModelConfig(vocab_size=8, emb_dim=hf["hidden_size"], num_heads=hf["num_attention_heads"],
+                        num_kv_heads=hf["num_key_value_heads"], head_dim=hf["head_dim"], qk_norm=True,
+                        norm_epsilon=hf["rms_norm_eps"], rope_max_timescale=yarn["rope_theta"],
+                        rope_scaling_type="yarn", rope_scaling_factor=yarn["factor"],
+                        rope_original_max_position=yarn["original_max_position_embeddings"])
+    embed, heads, kv_heads, dim = model.emb_dim, model.num_heads, model.num_kv_heads, model.head_dim
+    params = {"query": {"kernel": w["q_proj.weight"].T.reshape(embed, heads, dim)},
+              "key": {"kernel": w["k_proj.weight"].T.reshape(embed, kv_heads, dim)},
+              "value": {"kernel": w["v_proj.weight"].T.reshape(embed, kv_heads, dim)},
+              "out": {"kernel": w["o_proj.weight"].T.reshape(heads, dim, embed)},
+              "query_norm": {"scale": w["q_norm.weight"]}, "key_norm": {"scale": w["k_norm.weight"]}}
+    x = w["x"]
+    positions = np.broadcast_to(np.arange(x.shape[1], dtype=np.int32), x.shape[:2])
+    out = jax.jit(Attention(model, jnp.float32, jnp.float32).apply)({"params": params}, x, np.ones_like(positions),
+                                                                   positions)
+    assert rope.cos_sin_scale(model) == pytest.approx(0.1 * np.log(4.0) + 1)
+    assert max_relative_difference(out, w["out"]) < TOLERANCE
 
 
 # --------------------------------------------------------------------------------------------- kernels

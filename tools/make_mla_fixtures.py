@@ -11,8 +11,10 @@ Run once, by hand, in a venv with torch and transformers (never dependencies of 
                   Qwen2-style grouped-query case (no mscale: factor 0.1 ln(factor) + 1, head_dim 128).
   attention.npz   DeepseekV3Attention (eager, float32, causal, rope_interleave: DeepSeek's interleaved RoPE pairs)
                   on random weights with YaRN at a short original context, once with a low-rank query
-                  (q_lora_rank 16) and once with a plain query projection: `{case}/{param}` weights as transformers
+                  (q_lora_rank 16) and once with a plain query projection; and Qwen3Attention (grouped-query, 4 query
+                  / 2 kv heads, q/k norm) with Qwen's YaRN (no mscale): `{case}/{param}` weights as transformers
                   names them ([out, in]), `{case}/x` [2, 12, 32] inputs and `{case}/out` its output, positions 0..11.
+                  attention.json holds both configs.
 
 The shapes are the smallest that exercise everything: 4 heads, qk_nope 8, qk_rope 4, v 6 (query/key heads wider
 than value heads), kv_lora_rank 8, YaRN factor 4 over an original context of 8 positions.
@@ -25,9 +27,10 @@ import pathlib
 
 import numpy as np
 import torch
-from transformers import DeepseekV3Config, Qwen2Config
+from transformers import DeepseekV3Config, Qwen2Config, Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
+from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3RotaryEmbedding
 
 OUT = pathlib.Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "mla"
 YARN_CASES = {
@@ -43,6 +46,9 @@ ATTENTION = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=4, k
                  rope_parameters={"rope_type": "yarn", "rope_theta": 50.0, "factor": 4.0,
                                   "original_max_position_embeddings": 8, "beta_fast": 4.0, "beta_slow": 1.0,
                                   "mscale": 0.9, "mscale_all_dim": 1.1})
+QWEN3 = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6,
+             max_position_embeddings=32, rope_parameters={"rope_type": "yarn", "rope_theta": 50.0, "factor": 4.0,
+                                                          "original_max_position_embeddings": 8})
 
 
 def yarn_case(c: dict) -> dict:
@@ -67,17 +73,22 @@ def yarn_case(c: dict) -> dict:
             "softmax_scale": float(scaling)}
 
 
-def attention_case(q_lora_rank: int | None, seed: int) -> dict[str, np.ndarray]:
+def attention_case(q_lora_rank: int | None, seed: int, qwen3: bool = False) -> dict[str, np.ndarray]:
     torch.manual_seed(seed)
-    config = DeepseekV3Config(**ATTENTION, q_lora_rank=q_lora_rank, rope_interleave=True)
-    config._attn_implementation = "eager"
-    layer = DeepseekV3Attention(config, 0).eval()
+    if qwen3:
+        config = Qwen3Config(**QWEN3)
+        config._attn_implementation = "eager"
+        layer, rotary = Qwen3Attention(config, 0).eval(), Qwen3RotaryEmbedding(config)
+    else:
+        config = DeepseekV3Config(**ATTENTION, q_lora_rank=q_lora_rank, rope_interleave=True)
+        config._attn_implementation = "eager"
+        layer, rotary = DeepseekV3Attention(config, 0).eval(), DeepseekV3RotaryEmbedding(config)
     with torch.no_grad():
         for name, p in layer.named_parameters():
-            p.copy_(1.0 + 0.1 * torch.randn(p.shape) if "layernorm" in name else 0.3 * torch.randn(p.shape))
+            p.copy_(1.0 + 0.1 * torch.randn(p.shape) if "norm" in name else 0.3 * torch.randn(p.shape))
         x = torch.randn(2, 12, config.hidden_size)
         positions = torch.arange(12)[None].expand(2, 12)
-        cos_sin = DeepseekV3RotaryEmbedding(config)(x, positions)
+        cos_sin = rotary(x, positions)
         causal = torch.full((12, 12), torch.finfo(torch.float32).min).triu(1)[None, None]
         out, _ = layer(x, cos_sin, causal)
     arrays = {name: p.detach().numpy() for name, p in layer.named_parameters()}
@@ -90,8 +101,9 @@ def main() -> None:
     arrays = {}
     for case, rank, seed in (("q_lora", 16, 0), ("plain_query", None, 1)):
         arrays.update({f"{case}/{k}": v for k, v in attention_case(rank, seed).items()})
+    arrays.update({f"qwen3_yarn/{k}": v for k, v in attention_case(None, 2, qwen3=True).items()})
     np.savez(OUT / "attention.npz", **arrays)
-    (OUT / "attention.json").write_text(json.dumps(ATTENTION, indent=1) + "\n")
+    (OUT / "attention.json").write_text(json.dumps({"deepseek_v3": ATTENTION, "qwen3_yarn": QWEN3}, indent=1) + "\n")
     print(f"wrote {OUT}: {sorted(p.name for p in OUT.iterdir())}")
 
 
