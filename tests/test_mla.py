@@ -72,8 +72,8 @@ def test_deinterleaved_rope_equals_interleaved_rotation() -> None:
     inv = rope.inverse_frequencies(8, 50.0)
     angle = np.asarray(positions)[..., None, None] * inv  # [1, 3, 1, 4]
     even, odd = x[..., 0::2], x[..., 1::2]
-    interleaved = np.concatenate([even * np.cos(angle) - odd * np.sin(angle), odd * np.cos(angle) + even * np.sin(angle)],
-                                 axis=-1)
+    cos, sin = np.cos(angle), np.sin(angle)
+    interleaved = np.concatenate([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
     ours = rope.apply_rope(jnp.asarray(x[..., rope.deinterleaved(8)]), positions, inv)
     np.testing.assert_allclose(np.asarray(ours), interleaved, rtol=1e-6, atol=1e-6)
 

@@ -219,10 +219,10 @@ def attend(
 
 def one_width(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q, k and v zero-padded on head_dim to the widest of them, for kernels that take one head width
-    (`Kind.value_width` False: cudnn, whose jax.nn.dot_product_attention checks one width) when latent attention's query/key heads (qk_nope + qk_rope) and value
-    heads (v_head_dim) differ. Exact: zero features add nothing to q.k, and a zero value column gives an output
-    column that `attend` drops; the kernel does the padded width's work (DeepSeek-V3: values 128 -> 192, the
-    p.v matmul 1.5x)."""
+    (`Kind.value_width` False: cudnn, where jax.nn.dot_product_attention checks one width) when latent attention's
+    query/key heads (qk_nope + qk_rope) and value heads (v_head_dim) differ. Exact: zero features add nothing to
+    q.k, and a zero value column gives an output column that `attend` drops; the kernel does the padded width's
+    work (DeepSeek-V3: values 128 -> 192, the p.v matmul 1.5x)."""
     width = max(q.shape[-1], k.shape[-1], v.shape[-1])
 
     def pad(x: jax.Array) -> jax.Array:

@@ -75,7 +75,8 @@ class DecoderLayer(nn.Module):
         cfg, dt, wdt = self.cfg, self.dtype, self.weight_dtype
         x = checkpoint_name(constrain(x, ax.RESIDUAL), remat.LAYER_INPUT)  # what an offload policy moves to host
         h = norm(RMSNorm(cfg.norm_epsilon, dt, wdt, name="attention_norm"), x)
-        x = x + (LatentAttention if cfg.attention_type == "mla" else Attention)(cfg, dt, wdt, name="attention")(h, segment_ids, positions)
+        attention = LatentAttention if cfg.attention_type == "mla" else Attention  # #40's seam replaces this choice
+        x = x + attention(cfg, dt, wdt, name="attention")(h, segment_ids, positions)
         h = norm(RMSNorm(cfg.norm_epsilon, dt, wdt, name="mlp_norm"), x)
         if self.use_moe:
             x = x + MoEBlock(cfg, dt, wdt, name="moe")(h, segment_ids)

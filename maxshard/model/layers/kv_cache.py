@@ -3,7 +3,9 @@
 Layout. One layer's cache is keys and values of [batch, kv_heads, max_length, head_dim], named
 ("cache_batch", "cache_kv_heads", "cache_length", "cache_kv") so `logical_axis_rules` lay it out like the
 attention activations it feeds (batch over data/fsdp/expert, kv heads over tensor/autoregressive). nn.scan stacks
-the layers' caches into [layers, batch, kv_heads, max_length, head_dim] under the "cache" collection.
+the layers' caches into [layers, batch, kv_heads, max_length, head_dim] under the "cache" collection. Latent
+attention (layers/mla.py) keeps instead one latent [batch, max_length, kv_lora_rank] and one RoPE key
+[batch, max_length, qk_rope_head_dim] per layer (`LatentCache`), written the same way.
 
 Slot = position. Prompts are right-padded, so the token at position p of a sequence always lives in slot p:
 a call writes its k/v at slots `positions` (contiguous per sequence: a prefill of [batch, prompt] from 0, or one
