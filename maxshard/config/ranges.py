@@ -209,7 +209,8 @@ def _check_data(cfg: Config) -> None:
 
 
 def _check_rope(cfg: Config) -> None:
-    """RoPE base and Llama-3 scaling: the blend divides by (high - low), and a factor < 1 would shorten wavelengths."""
+    """RoPE base and Llama-3 scaling: the blend divides by (high - low), and a factor < 1 would shorten wavelengths;
+    YaRN's ramp runs from beta_fast down to beta_slow turns; latent attention's RoPE part rotates pairs."""
     if not cfg.rope_max_timescale > 1:
         raise ConfigError(f"rope_max_timescale must be > 1, got {cfg.rope_max_timescale}")
     if not cfg.rope_scaling_factor >= 1:
@@ -217,6 +218,17 @@ def _check_rope(cfg: Config) -> None:
     if not 0 < cfg.rope_low_freq_factor < cfg.rope_high_freq_factor:
         raise ConfigError(f"rope_low_freq_factor and rope_high_freq_factor must satisfy 0 < low < high, got "
                           f"{cfg.rope_low_freq_factor} and {cfg.rope_high_freq_factor}")
+    if cfg.rope_scaling_type == "yarn" and not 0 < cfg.yarn_beta_slow < cfg.yarn_beta_fast:
+        raise ConfigError(f"yarn_beta_slow and yarn_beta_fast must satisfy 0 < slow < fast, got "
+                          f"{cfg.yarn_beta_slow} and {cfg.yarn_beta_fast}")
+    if cfg.yarn_mscale < 0 or cfg.yarn_mscale_all_dim < 0:
+        raise ConfigError(f"yarn_mscale and yarn_mscale_all_dim must be >= 0 (0: unset), got {cfg.yarn_mscale} and "
+                          f"{cfg.yarn_mscale_all_dim}")
+    if cfg.attention_type == "mla" and cfg.qk_rope_head_dim % 2:
+        raise ConfigError(f"qk_rope_head_dim must be even (RoPE rotates pairs), got {cfg.qk_rope_head_dim}")
+    if cfg.attention_type == "mla" and cfg.qk_norm:
+        raise ConfigError("qk_norm normalises grouped-query heads; attention_type=mla normalises its latents: "
+                          "set qk_norm=false")
 
 
 _POSITIVE_INTS = {
@@ -232,6 +244,11 @@ _POSITIVE_INTS = {
     "num_heads": 1,
     "num_kv_heads": 1,
     "head_dim": 1,
+    "q_lora_rank": 0,
+    "kv_lora_rank": 1,
+    "qk_nope_head_dim": 1,
+    "qk_rope_head_dim": 2,
+    "v_head_dim": 1,
     "mlp_dim": 1,
     "attention_block_q": 1,
     "attention_block_kv": 1,

@@ -18,6 +18,7 @@ from maxshard.model import blocks, remat
 from maxshard.model.config import ModelConfig
 from maxshard.model.layers import kv_cache
 from maxshard.model.layers.attention import Attention
+from maxshard.model.layers.mla import LatentAttention
 from maxshard.model.layers.mlp import MLP
 from maxshard.model.layers.moe import MoEBlock
 from maxshard.model.layers.norms import RMSNorm
@@ -59,7 +60,7 @@ def norm(layer: nn.Module, x: jax.Array) -> jax.Array:
 
 
 # The layer kinds of model/blocks.py, by name: a new attention or MLP kind is a row here and one there.
-ATTENTION_LAYERS: dict[str, type[nn.Module]] = {"gqa": Attention}
+ATTENTION_LAYERS: dict[str, type[nn.Module]] = {"gqa": Attention, "mla": LatentAttention}
 
 
 class DecoderLayer(nn.Module):
