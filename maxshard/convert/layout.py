@@ -27,7 +27,10 @@ MODEL_KEYS = ("vocab_size", "emb_dim", "num_layers", "num_heads", "num_kv_heads"
               "max_target_length", "logits_via_embedding", "norm_epsilon", "qk_norm", "rope_max_timescale",
               "rope_scaling_type", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
               "rope_original_max_position", "num_experts", "num_experts_per_tok", "capacity_factor",
-              "moe_layer_interval", "num_shared_experts", "moe_renormalize_top_k")
+              "moe_layer_interval", "num_shared_experts", "moe_renormalize_top_k", "attention_type", "q_lora_rank",
+              "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "yarn_beta_fast",
+              "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim", "moe_mlp_dim", "first_k_dense_replace",
+              "moe_router", "moe_n_group", "moe_topk_group", "moe_routed_scaling_factor", "moe_router_bias")
 _MOE_LAYER = "layer_0"  # an MoE stack's repeated unit is a block of moe_layer_interval (here 1) layers
 
 
@@ -35,9 +38,9 @@ def model_config(keys: Mapping[str, Any]) -> ModelConfig:
     """The network of these model keys (scanned layers, no pipeline, every other field at its default): all the
     converter needs to know the parameter tree, with no run, mesh or devices."""
     cfg = ModelConfig(**{k: keys[k] for k in MODEL_KEYS if k in keys}, scan_layers=True)
-    if cfg.is_moe and (cfg.moe_layer_interval != 1 or cfg.num_shared_experts):
-        raise ConfigError(f"moe_layer_interval={cfg.moe_layer_interval}, num_shared_experts={cfg.num_shared_experts}:"
-                          " the converted MoE families route in every layer and have no shared experts")
+    if cfg.is_moe and cfg.moe_layer_interval != 1:
+        raise ConfigError(f"moe_layer_interval={cfg.moe_layer_interval}: the converted MoE families route in every "
+                          "layer after their dense first ones")
     return cfg
 
 

@@ -71,7 +71,7 @@ def _blocks(reader: orbax_io.Reader, path: tuple[str, ...], index: tuple, entry:
         return
     size = layer_shape[axis]
     row_bytes = int(np.prod(layer_shape)) // size * target.itemsize
-    step = max(1, orbax_io.CHUNK_BYTES // max(row_bytes, 1))
+    step = size if names.whole_rows(entry, layer_shape) else max(1, orbax_io.CHUNK_BYTES // max(row_bytes, 1))
     for start in range(0, size, step):
         window = index + (slice(None),) * axis + (slice(start, min(start + step, size)),)
         yield names.to_hf(entry, reader.read(path, window)).astype(target, copy=False)
@@ -87,6 +87,8 @@ def _order(params: list[layout.Param], family: Family, cfg: ModelConfig
     for stack in blocks.stacks(cfg):
         for _ in range(stack.num_layers):
             for entry in names.per_layer(family, cfg, stack.unit[-1]):
+                if entry.part and entry.part[0]:
+                    continue  # written with the tensor's first part (`_joined`)
                 param = by_entry[stack.name, entry]
                 order += [(param, (i, e)) for e in range(param.shape[1])] if entry.per_expert else [(param, (i,))]
             i += 1
@@ -101,6 +103,14 @@ def _merged(reader: orbax_io.Reader, adapters: lora.Adapters, param: layout.Para
     yield names.to_hf(param.entry, kernel).astype(target, copy=False)
 
 
+def _joined(reader: orbax_io.Reader, parts: list[layout.Param], at: tuple[int, ...], target: np.dtype
+            ) -> Iterator[np.ndarray]:
+    """One Hugging Face tensor cut into maxshard `part`s (MLA's kv_b_proj: each head's key, then value rows), read
+    whole: one layer's latent up-projection."""
+    arrays = [reader.read(*locate(reader, p, at)) for p in sorted(parts, key=lambda p: p.entry.part)]
+    yield names.join_parts(parts[0].entry, arrays).astype(target, copy=False)
+
+
 def _tensors(reader: orbax_io.Reader, params: list[layout.Param], family: Family, dtype: str | None,
              cfg: ModelConfig, adapters: lora.Adapters | None = None
              ) -> list[tuple[safetensors_io.TensorSpec, Callable[[], Iterator[np.ndarray]]]]:
@@ -112,7 +122,10 @@ def _tensors(reader: orbax_io.Reader, params: list[layout.Param], family: Family
         path, index = locate(reader, param, at)
         target = DTYPES[dtype] if dtype else np.dtype(reader.arrays[path].dtype)
         spec = safetensors_io.TensorSpec(names.hf_name(entry, at), names.hf_shape(entry, param.layer_shape), target)
-        if adapters is not None and adapters.has(param):
+        if entry.part:
+            parts = [p for p in params if p.stack == param.stack and p.entry.hf == entry.hf]
+            produce = functools.partial(_joined, reader, parts, at, target)
+        elif adapters is not None and adapters.has(param):
             produce = functools.partial(_merged, reader, adapters, param, at, target)
         else:
             produce = functools.partial(_blocks, reader, path, index, entry, param.layer_shape, target)
