@@ -23,12 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxshard import train
+from maxshard import data, train
 from maxshard.checkpoint.manager import Checkpoints
 from maxshard.errors import ConfigError
 from maxshard.model import trainable
 from maxshard.model.config import ModelConfig
-from maxshard.model.layers import moe
+from maxshard.model.layers import moe, pipeline
 from maxshard.model.transformer import apply_with_stats
 from maxshard.parallel import sharding
 from maxshard.run import loading
@@ -192,11 +192,13 @@ def test_the_bias_has_no_gradient_and_no_optimizer_state(lora):
 
 
 def test_one_step_moves_the_bias_by_the_rate_from_all_microbatches():
-    """One step in 2 microbatches moves every bias entry by exactly +-rate (0 at the mean), toward the experts
-    below the mean load of the whole batch (each layer's own, under nn.scan's stacking)."""
+    """One step in 2 accumulation microbatches moves every bias entry by exactly +-rate (0 at the mean), toward
+    the experts below the mean load of the whole batch, each layer its own (under nn.scan's stacking); the same
+    step under the pipeline (2 stages x 2 repeats, 2 pipeline microbatches per accumulation microbatch) moves
+    the pipelined biases [repeats, stages, layers, experts] to the same values."""
     rate = 0.25  # exactly representable: bias = 0 + sign * rate holds bit for bit
-    cfg = tiny_config(*ROUTED, *SMALL, f"moe_bias_update_rate={rate}", "gradient_accumulation_steps=2",
-                      num_devices=1)
+    step = (*ROUTED, *SMALL, "num_layers=4", f"moe_bias_update_rate={rate}", "gradient_accumulation_steps=2")
+    cfg = tiny_config(*step, num_devices=1)
     trainer = Trainer(cfg, mesh_for(cfg))
     state = trainer.init_state()
     rng = np.random.default_rng(0)
@@ -210,11 +212,22 @@ def test_one_step_moves_the_bias_by_the_rate_from_all_microbatches():
         _, stats = jax.jit(lambda p: apply_with_stats(trainer.model, p, *inputs))(state.params)
         new, _ = jax.jit(trainer._train_step)(state, batch)
     load = np.asarray(stats["bias_loads"]["decoder/layers/layer_0/moe/router_bias"])  # [layers, experts]
-    np.testing.assert_array_equal(load.sum(-1), [2 * np.prod(shape)] * 2)  # k = 2 choices of every token
+    np.testing.assert_array_equal(load.sum(-1), [2 * np.prod(shape)] * 4)  # k = 2 choices of every token
     expected = rate * np.sign(load.mean(-1, keepdims=True) - load)
     np.testing.assert_array_equal(np.asarray(new.params["decoder"]["layers"]["layer_0"]["moe"][moe.BIAS_PARAM]),
                                   expected)
     assert np.any(expected != 0) and np.any(expected[0] != expected[1])
+
+    piped = tiny_config(*step, *layout_overrides(["ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4"]),
+                        "num_pipeline_microbatches=2", "num_pipeline_repeats=2")
+    trainer = Trainer(piped, mesh_for(piped))
+    params = pipeline.from_scanned(jax.device_get(state.params), piped.model.pipeline)
+    state = trainer.state_from(jax.device_put(params, trainer.state_shardings.params))
+    with mesh_context(trainer.mesh, trainer.rules):
+        new, _ = jax.jit(trainer._train_step)(state, jax.device_put(batch, trainer.batch_shardings(
+            data.batch_sharding(piped, trainer.mesh))))
+    bias = pipeline.to_scanned(jax.device_get(new.params))["decoder"]["layers"]["layer_0"]["moe"][moe.BIAS_PARAM]
+    np.testing.assert_array_equal(np.asarray(bias), expected)
 
 
 # ---------------------------------------------------------------------------------------------- through the CLI
