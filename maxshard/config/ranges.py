@@ -154,9 +154,30 @@ def _check_moe(cfg: Config) -> None:
                           f"{cfg.moe_ragged_buffer_factor}")
     if cfg.num_shared_experts < 0:
         raise ConfigError(f"num_shared_experts must be >= 0, got {cfg.num_shared_experts}")
-    for key in ("load_balance_loss_weight", "router_z_loss_weight"):
+    for key in ("load_balance_loss_weight", "router_z_loss_weight", "moe_seq_balance_loss_weight",
+                "moe_bias_update_rate"):
         if not getattr(cfg, key) >= 0:
             raise ConfigError(f"{key} must be >= 0, got {getattr(cfg, key)}")
+    _check_routing(cfg)
+
+
+def _check_routing(cfg: Config) -> None:
+    """DeepSeek-V3's group-limited routing and selection bias (layers/moe.py): groups that split the experts, a
+    choice that fits in the groups kept, a bias to move."""
+    if cfg.moe_n_group < 1 or cfg.num_experts % cfg.moe_n_group:
+        raise ConfigError(f"moe_n_group={cfg.moe_n_group} must be >= 1 and divide num_experts={cfg.num_experts}")
+    if not 1 <= cfg.moe_topk_group <= cfg.moe_n_group:
+        raise ConfigError(f"moe_topk_group={cfg.moe_topk_group} must be in [1, moe_n_group={cfg.moe_n_group}]")
+    available = cfg.moe_topk_group * (cfg.num_experts // cfg.moe_n_group)
+    if cfg.num_experts_per_tok > available:
+        raise ConfigError(f"num_experts_per_tok={cfg.num_experts_per_tok} is more than the {available} experts of "
+                          f"moe_topk_group={cfg.moe_topk_group} groups of num_experts / moe_n_group="
+                          f"{cfg.num_experts // cfg.moe_n_group}")
+    if not cfg.moe_routed_scaling_factor > 0:
+        raise ConfigError(f"moe_routed_scaling_factor must be > 0, got {cfg.moe_routed_scaling_factor}")
+    if cfg.moe_bias_update_rate > 0 and not (cfg.moe_router_bias and cfg.num_experts > 1):
+        raise ConfigError(f"moe_bias_update_rate={cfg.moe_bias_update_rate} moves the experts' selection bias: set "
+                          "moe_router_bias=true (in an MoE model, num_experts > 1)")
 
 
 def _check_dense_first(cfg: Config) -> None:

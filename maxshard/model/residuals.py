@@ -56,7 +56,9 @@ COUNTED = frozenset({
 VALUES = frozenset({"norm_epsilon", "rope_max_timescale", "rope_scaling_type", "rope_scaling_factor",
                     "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position", "lora_alpha",
                     "yarn_beta_fast", "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim",
-                    "moe_routed_scaling_factor"})
+                    "moe_routed_scaling_factor",
+                    # which experts a token chooses: indices, no gradient, nothing kept (tests/test_residuals.py)
+                    "moe_n_group", "moe_topk_group", "moe_router_bias"})
 OPTIONS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in COUNTED | VALUES)
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name in OPTIONS}
 _VALUE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name in VALUES}
