@@ -145,7 +145,7 @@ def _write_params(state_dir: epath.Path, source: safetensors_io.Source,
                 stop = min(start + step, size)
                 rows = source.read(info, start * per_row, stop * per_row)
                 block = names.to_maxshard(param.entry, rows, dims[:axis] + (stop - start,) + dims[axis + 1 :])
-                orbax_io.write_rows(store, leaf, index, start, block)
+                orbax_io.write_rows(store, leaf, param.local(index), start, block)
 
 
 def convert(hf_dir: str, out_dir: str, base_config: str | None = None) -> Result:

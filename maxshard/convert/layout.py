@@ -79,6 +79,10 @@ class Param:
             ranges[0] = range(self.first, self.first + self.shape[0])
         return list(itertools.product(*ranges))
 
+    def local(self, index: tuple[int, ...]) -> tuple[int, ...]:
+        """A Hugging Face tensor's index (`indices`) in this parameter's own array: its unit of the stack."""
+        return (index[0] - self.first, *index[1:]) if self.stacked else index
+
 
 def _key(entry: Any) -> str:
     return str(getattr(entry, "key", entry))
