@@ -19,18 +19,13 @@ from maxshard.convert.families import Family
 from maxshard.errors import ConfigError
 from maxshard.model import blocks
 from maxshard.model import transformer as model
-from maxshard.model.config import ModelConfig
+from maxshard.model.config import ModelConfig, architecture_keys
 
 __all__ = ["MODEL_KEYS", "model_config", "Param", "params_of"]
 
-MODEL_KEYS = ("vocab_size", "emb_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
-              "max_target_length", "logits_via_embedding", "norm_epsilon", "qk_norm", "rope_max_timescale",
-              "rope_scaling_type", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-              "rope_original_max_position", "num_experts", "num_experts_per_tok", "capacity_factor",
-              "moe_layer_interval", "num_shared_experts", "moe_renormalize_top_k", "attention_type", "q_lora_rank",
-              "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "yarn_beta_fast",
-              "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim", "moe_mlp_dim", "first_k_dense_replace",
-              "moe_router", "moe_n_group", "moe_topk_group", "moe_routed_scaling_factor", "moe_router_bias")
+# What a checkpoint's config keeps of the network for conversion (the training length and the capacity factor, which
+# the converter sets, are implementation fields; both are read when present).
+MODEL_KEYS = (*architecture_keys(), "max_target_length", "capacity_factor")
 _MOE_LAYER = "layer_0"  # an MoE stack's repeated unit is a block of moe_layer_interval (here 1) layers
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-__all__ = ["LORA_TARGETS", "ModelConfig", "PipelineShape", "model_fields", "num_units", "resolve_dtype",
+__all__ = ["IMPLEMENTATION", "LORA_TARGETS", "ModelConfig", "PipelineShape", "architecture_keys", "model_fields", "num_units", "resolve_dtype",
            "resolve_moe_impl", "resolve_moe_exchange"]
 
 # The projections LoRA can adapt (`lora_targets`): attention's query, key, value and output, and a dense MLP's
@@ -186,3 +186,18 @@ class ModelConfig:
 def model_fields() -> tuple[str, ...]:
     """The run-config keys a ModelConfig copies (every field but the derived `pipeline`)."""
     return tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name != "pipeline")
+
+
+# How a network is computed and trained, not which network it is: the fields a checkpoint of the same model may
+# hold other values of (a converted model runs with any of them). Every other field is an architecture key.
+IMPLEMENTATION = frozenset({
+    "max_target_length", "dtype", "weight_dtype", "scan_layers", "remat_policy", "attention", "attention_block_q",
+    "attention_block_kv", "capacity_factor", "moe_group_size", "moe_dropless_impl", "moe_exchange",
+    "moe_ragged_buffer_factor", "lora_rank", "lora_alpha", "lora_targets", "pipeline",
+})
+
+
+def architecture_keys() -> tuple[str, ...]:
+    """The fields that say which network this is (what a Hugging Face config.json describes), declared once: every
+    field outside IMPLEMENTATION, so a new model key is an architecture key unless it is named there."""
+    return tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in IMPLEMENTATION)
