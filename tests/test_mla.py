@@ -287,7 +287,9 @@ def test_latent_attention_model_matches_one_device(layout: str, reference) -> No
 
 # --------------------------------------------------------------------------------------------- generation
 
-PROMPTS = [[1, 7, 9], [1, 4, 5, 6, 8, 10, 11, 12, 13], [1, 3, 3, 5, 7]]
+# the 14-token prompt makes the prefill expand keys and values from the cached latents (mla._expanding_is_cheaper);
+# decode steps absorb the projections
+PROMPTS = [[1, 7, 9], [1, 4, 5, 6, 8, 10, 11, 12, 13], [1, 3, 3, 5, 7], [1, *range(20, 33)]]
 NEW_TOKENS = 5
 
 
@@ -316,8 +318,11 @@ def test_decode_from_the_latent_cache_equals_the_full_forward() -> None:
     assert checked == len(PROMPTS) * NEW_TOKENS and np.abs(full).max() > 0.1
 
     # the compiled decode step's cache argument: kv_lora_rank + qk_rope_head_dim values per token and layer
-    rows, cache_length = 4, len(PROMPTS[1]) + NEW_TOKENS  # 3 prompts padded to the fsdp=4 batch shards
-    _, _, decode = engine.compile(rows, len(PROMPTS[1]), cache_length)
+    rows, prompt_length = len(PROMPTS), max(map(len, PROMPTS))
+    cache_length = prompt_length + NEW_TOKENS
+    assert mla._expanding_is_cheaper(cfg.model, prompt_length, cache_length)
+    assert not mla._expanding_is_cheaper(cfg.model, 1, cache_length)
+    _, _, decode = engine.compile(rows, prompt_length, cache_length)
     cache_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(decode.in_avals[0][1]))
     m = cfg.model
     assert cache_bytes == m.num_layers * rows * cache_length * (m.kv_lora_rank + m.qk_rope_head_dim) * 4
