@@ -31,6 +31,7 @@ from maxshard import data
 from maxshard.errors import ConfigError
 from maxshard.generation.decode import Engine
 from maxshard.generation.sampling import allowed_tokens
+from maxshard.model import flops
 from maxshard.model.config import ModelConfig
 from maxshard.model.layers import attention_ops as ops
 from maxshard.model.layers import mla, rope
@@ -150,6 +151,17 @@ def test_grouped_query_attention_with_yarn_equals_transformers_qwen3() -> None:
                                                                    positions)
     assert rope.cos_sin_scale(model) == pytest.approx(0.1 * np.log(4.0) + 1)
     assert max_relative_difference(out, w["out"]) < TOLERANCE
+
+
+@pytest.mark.parametrize("q_lora_rank", [0, 16])
+def test_flop_inventory_counts_the_latent_attention_kernels(q_lora_rank: int) -> None:
+    """model/blocks.py's MLA widths (the FLOP count) are the kernels LatentAttention holds (and the head, MLP)."""
+    model = ModelConfig(vocab_size=32, emb_dim=16, num_layers=2, num_heads=2, mlp_dim=48, max_target_length=8,
+                        attention_type="mla", q_lora_rank=q_lora_rank, kv_lora_rank=8, qk_nope_head_dim=8,
+                        qk_rope_head_dim=4, v_head_dim=6)
+    flat = jax.tree_util.tree_flatten_with_path(nn.unbox(abstract_params(model)))[0]
+    kernels = sum(leaf.size for path, leaf in flat if jax.tree_util.keystr(path).endswith("['kernel']"))
+    assert flops.matmul_params(model) == kernels
 
 
 # --------------------------------------------------------------------------------------------- kernels
@@ -275,7 +287,9 @@ def test_latent_attention_model_matches_one_device(layout: str, reference) -> No
 
 # --------------------------------------------------------------------------------------------- generation
 
-PROMPTS = [[1, 7, 9], [1, 4, 5, 6, 8, 10, 11, 12, 13], [1, 3, 3, 5, 7]]
+# the 14-token prompt makes the prefill expand keys and values from the cached latents (mla._expanding_is_cheaper);
+# decode steps absorb the projections
+PROMPTS = [[1, 7, 9], [1, 4, 5, 6, 8, 10, 11, 12, 13], [1, 3, 3, 5, 7], [1, *range(20, 33)]]
 NEW_TOKENS = 5
 
 
@@ -304,8 +318,11 @@ def test_decode_from_the_latent_cache_equals_the_full_forward() -> None:
     assert checked == len(PROMPTS) * NEW_TOKENS and np.abs(full).max() > 0.1
 
     # the compiled decode step's cache argument: kv_lora_rank + qk_rope_head_dim values per token and layer
-    rows, cache_length = 4, len(PROMPTS[1]) + NEW_TOKENS  # 3 prompts padded to the fsdp=4 batch shards
-    _, _, decode = engine.compile(rows, len(PROMPTS[1]), cache_length)
+    rows, prompt_length = len(PROMPTS), max(map(len, PROMPTS))
+    cache_length = prompt_length + NEW_TOKENS
+    assert mla._expanding_is_cheaper(cfg.model, prompt_length, cache_length)
+    assert not mla._expanding_is_cheaper(cfg.model, 1, cache_length)
+    _, _, decode = engine.compile(rows, prompt_length, cache_length)
     cache_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(decode.in_avals[0][1]))
     m = cfg.model
     assert cache_bytes == m.num_layers * rows * cache_length * (m.kv_lora_rank + m.qk_rope_head_dim) * 4

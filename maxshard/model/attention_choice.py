@@ -74,13 +74,21 @@ def _head_width(cfg: Config) -> tuple[int, str]:
     return cfg.head_dim, "head_dim"
 
 
+def _hopper_or_later(cfg: Config) -> bool:
+    """Whether the device kind is an NVIDIA Hopper or Blackwell GPU (sm90/sm100)."""
+    return bool(re.search(r"\bg?[hb]\d{2,3}\b", (cfg.device_kind or "").lower()))  # H100, H200, H800, GH200, B200
+
+
 def _cudnn_problem(cfg: Config, dtype: str) -> str:
-    """Why cuDNN flash attention cannot run this config ('' when it can)."""
+    """Why cuDNN flash attention cannot run this config ('' when it can). Head widths up to 256 on Hopper and
+    later, 128 before (jax's cuDNN check, jax/_src/cudnn/fused_attention_stablehlo.py: DeepSeek's 192-wide
+    query/key heads need an H100)."""
     if dtype not in ("bfloat16", "float16"):
         return f"dtype bfloat16 or float16 (the compute dtype is {dtype})"
     width, keys = _head_width(cfg)
-    if width % 8 or width > 256:
-        return f"{keys} a multiple of 8 and at most 256 (got {width})"
+    widest = 256 if _hopper_or_later(cfg) else 128
+    if width % 8 or width > widest:
+        return f"{keys} a multiple of 8 and at most {widest} on device kind {cfg.device_kind!r} (got {width})"
     return ""
 
 
@@ -89,8 +97,7 @@ def _tokamax_problem(cfg: Config, dtype: str) -> str:
     source (tokamax 0.0.12, ops/attention/pallas_mosaic_gpu*.py): sm90/sm100 only; 16-bit inputs at default
     precision; the forward kernel reduces the per-query key offsets over tiles of 2 x 64 queries (its heuristic
     block), so the length must fill whole tiles; head_dim up to 256 keeps the heuristic blocks in shared memory."""
-    kind = (cfg.device_kind or "").lower()
-    if not re.search(r"\bg?[hb]\d{2,3}\b", kind):  # H100, H200, H800, GH200, B200, GB200
+    if not _hopper_or_later(cfg):
         return f"a Hopper or Blackwell GPU (sm90/sm100; device kind {cfg.device_kind!r})"
     if dtype not in ("bfloat16", "float16"):
         return f"dtype bfloat16 or float16 (the compute dtype is {dtype})"

@@ -118,7 +118,8 @@ class LatentCache(nn.Module):
 
 def attend(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array, dtype: Any) -> jax.Array:
     """Grouped-query attention of q [b, T, heads, d] (RoPE'd and scaled) over the cache's keys/values
-    [b, S, kv_heads, d] with mask [b, 1, 1, T, S] -> [b, T, heads, d]; logits and softmax in float32."""
+    [b, S, kv_heads, d] with mask [b, 1, 1, T, S] -> [b, T, heads, d]; logits and softmax in float32. The values'
+    head width may differ (latent attention's prefill, layers/mla.py): the output takes theirs."""
     batch, length, heads, head_dim = q.shape
     kv_heads = keys.shape[2]
     q = q.reshape(batch, length, kv_heads, heads // kv_heads, head_dim)  # [b, T, kv_heads, group, d]
@@ -126,4 +127,4 @@ def attend(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array, dt
     logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1)
     out = jnp.einsum("bhgqk,bkhd->bqhgd", jnp.asarray(probs, dtype), values)
-    return out.reshape(batch, length, heads, head_dim)
+    return out.reshape(batch, length, heads, values.shape[-1])

@@ -19,7 +19,9 @@ Generation caches per token and layer the normalised latent c and the rotated k_
     q_nope . key(c) = (q_nope . W_key) . c          sum_s p_s value(c_s) = (sum_s p_s c_s) . W_value
 
 so a query is moved into the latent space ([b, T, H, r]) and scores against the cached latents directly, and the
-attention's latent output goes through W_value afterwards; no key or value head is ever expanded from the cache.
+attention's latent output goes through W_value afterwards; no key or value head is expanded from the cache. A
+prefill of a long prompt, where expanding the cache's keys and values once costs fewer FLOPs than scoring every
+query in the latent space, expands them instead (`_expanding_is_cheaper`).
 
 Parameters (under the layer's "attention"; [in, out] layout as DenseGeneral keeps them; Hugging Face's
 DeepseekV3Attention names in brackets, whose Linear weights are [out, in]):
@@ -104,14 +106,19 @@ class LatentAttention(nn.Module):
         key = self._dense((heads, nope), (ax.KV_LORA, ax.HEADS, ax.KV), 1, "key", "k")
         value = self._dense((heads, cfg.v_head_dim), (ax.KV_LORA, ax.HEADS, ax.KV), 1, "value", "v")
 
-        if kv_cache.decoding(self):  # generation: the latent and RoPE key join the cache; absorbed attention
+        if kv_cache.decoding(self):  # generation: the latent and RoPE key join the cache
             latents, rope_keys, mask = kv_cache.LatentCache(self.dtype, name="cache")(latent, k_rope, positions)
-            out = self._absorbed(q_nope * scale, q_rope * scale, latents, rope_keys, mask, key, value)
+            if _expanding_is_cheaper(cfg, queries=q.shape[1], cached=latents.shape[1]):  # a long prompt's prefill
+                k = jnp.concatenate([key(latents), _shared(rope_keys, heads)], axis=-1)
+                q = jnp.concatenate([q_nope, q_rope], axis=-1) * scale
+                out = kv_cache.attend(q, k, value(latents), mask[:, None, None], self.dtype)
+            else:  # a decode step
+                out = self._absorbed(q_nope * scale, q_rope * scale, latents, rope_keys, mask, key, value)
             return self._output(out)
 
         k_nope = constrain(checkpoint_name(key(latent), "key_proj"), ax.KEY_VALUE)
         v = constrain(checkpoint_name(value(latent), "value_proj"), ax.KEY_VALUE)
-        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None], (*k_nope.shape[:3], rope_dim))], axis=-1)
+        k = jnp.concatenate([k_nope, _shared(k_rope, heads)], axis=-1)
         q = jnp.concatenate([q_nope, q_rope], axis=-1) * scale
         k = constrain(k, ax.KEY_VALUE)
         out = attend(q, k, v, segment_ids, segment_ids, cfg.attention, cfg.attention_block_q, cfg.attention_block_kv)
@@ -136,6 +143,26 @@ class LatentAttention(nn.Module):
         out = constrain(out, ax.QUERY)
         proj = self._dense((self.cfg.emb_dim,), (ax.HEADS, ax.KV, ax.EMBED), 2, "out", "o")
         return checkpoint_name(proj(out), "out_proj")
+
+
+def _shared(rope_key: jax.Array, heads: int) -> jax.Array:
+    """The RoPE key [b, L, p] as every head's: [b, L, heads, p] (a broadcast)."""
+    return jnp.broadcast_to(rope_key[:, :, None], (*rope_key.shape[:2], heads, rope_key.shape[-1]))
+
+
+def _expanding_is_cheaper(cfg: ModelConfig, queries: int, cached: int) -> bool:
+    """Whether attending `queries` queries over `cached` cache slots costs fewer FLOPs (per sequence and head) with
+    keys and values expanded from the cached latents than with the projections absorbed:
+
+        expanded   cached r (n + v)  [key, value]  +  queries cached (n + p + v)  [scores, values]
+        absorbed   queries r (n + v) [query, out]  +  queries cached (2 r + p)    [scores, values in latent space]
+
+    A decode step (one query) absorbs; a prefill expands once the prompt is longer than about r (n + v) / (2r - n
+    - v) tokens (DeepSeek-V3: 171), as training attends."""
+    r, n, p, v = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    expanded = cached * r * (n + v) + queries * cached * (n + p + v)
+    absorbed = queries * r * (n + v) + queries * cached * (2 * r + p)
+    return expanded < absorbed
 
 
 def _kernel_of(dense: DenseGeneral, dtype: Any) -> jax.Array:
