@@ -115,8 +115,8 @@ class ModelConfig:
     rope_original_max_position: int = 8192
     yarn_beta_fast: float = 32.0  # yarn: rotations per original context above which a frequency is kept
     yarn_beta_slow: float = 1.0  # yarn: rotations below which a frequency is fully interpolated
-    yarn_mscale: float = 1.0  # yarn: attention temperature 0.1 * mscale * ln(factor) + 1 (DeepSeek's mscale)
-    yarn_mscale_all_dim: float = 0.0  # yarn: its divisor's mscale (DeepSeek-V3: both 1.0, so they cancel on RoPE)
+    yarn_mscale: float = 1.0  # yarn: with yarn_mscale_all_dim set, cos/sin x m(this) / m(all_dim) (configs/base.yml)
+    yarn_mscale_all_dim: float = 0.0  # yarn: softmax scale x m(this)^2; 0: cos/sin x m(1), yarn_mscale unread
     dtype: str = "float32"
     weight_dtype: str = "float32"
     scan_layers: bool = True
