@@ -383,7 +383,7 @@ def broken_copy(tmp_path: Path, change: dict[str, Any], remove: tuple[str, ...] 
     ({"mlp_bias": True}, (), "mlp_bias"),
     ({"hidden_act": "gelu"}, (), "hidden_act"),
     ({"sliding_window": 16}, (), "sliding_window"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, (), "rope_scaling.rope_type"),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, (), "rope_scaling.rope_type"),
     ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}, ("rope_scaling",),
      "rope_parameters.rope_type"),
     ({"quantization_config": {"quant_method": "gptq"}}, (), "quantization_config"),
