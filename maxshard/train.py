@@ -162,7 +162,8 @@ def train_loop(
 
     # Every process sees every row of the global batch (data/pipeline.py): its counters are already the run's.
     deferred, log = metrics.DeferredMetrics(), console.StepLogger(cfg, writer, batches.stats, compiled.seconds)
-    for step in range(int(state.step), cfg.steps):
+    first = int(state.step)
+    for step in range(first, cfg.steps):
         began = time.perf_counter()  # the iteration's time, less its waits for data and saves, is the step's
         with profiler.step(step):
             batch = rollouts.next_batch(batches, state)
@@ -170,6 +171,8 @@ def train_loop(
             state, step_metrics = train_step(state, batch)
         log(deferred.push(step, step_metrics))
         rollouts.show_samples(batches, step + 1, cfg.log_period)
+        if step == first:  # dispatch returns at once: wait, so the compile of the first step is counted there
+            jax.block_until_ready(state)
         eval_began = time.perf_counter()
         if eval_step is not None and (step + 1) % cfg.eval_period == 0:
             log(deferred.flush())

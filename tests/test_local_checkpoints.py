@@ -40,8 +40,8 @@ REPO = Path(__file__).resolve().parent.parent
 KEYS = [
     "dataset_type=text", "emb_dim=32", "num_layers=2", "num_heads=2", "num_kv_heads=2", "head_dim=16", "mlp_dim=64",
     "max_target_length=32", "per_device_batch_size=1", "eval_period=0", "log_period=1", "steps=10",
-    "enable_tensorboard=false", "cpu_device_count=2", "num_slices=2", "dcn_data_parallelism=2",
-    "ici_fsdp_parallelism=2", "process_count=2", "distributed_timeout=120", "async_checkpointing=false",
+    "enable_tensorboard=false", "cpu_device_count=1", "num_slices=2", "dcn_data_parallelism=2",
+    "ici_fsdp_parallelism=1", "process_count=2", "distributed_timeout=120", "async_checkpointing=false",
     "checkpoint_local_period=3", "checkpoint_period=5", "run_name=r",
 ]
 

@@ -66,7 +66,12 @@ POSITIONS = "positions"  # the directory of data positions beside the steps, loc
 
 def open_checkpoints(cfg: Config, trainer: Trainer) -> checkpoint_manager.Checkpoints:
     """The run's checkpoints: local + persistent tiers when `checkpoint_local_dir` is set, else today's."""
-    if cfg.checkpoint_local_dir and cfg.enable_checkpointing:
+    if cfg.checkpoint_local_dir:
+        if not cfg.enable_checkpointing:
+            raise ConfigError("checkpoint_local_dir needs enable_checkpointing=true (local copies are checkpoints)")
+        if "://" in cfg.checkpoint_local_dir:
+            raise ConfigError(f"checkpoint_local_dir={cfg.checkpoint_local_dir} must be a path on each host (a RAM "
+                              "disk, a local SSD), not a URL: persistent storage is checkpoint_dir's")
         return EmergencyCheckpoints(cfg, trainer)
     return checkpoint_manager.Checkpoints(cfg, trainer)
 
