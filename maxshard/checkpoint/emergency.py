@@ -52,7 +52,7 @@ from orbax.checkpoint.experimental.emergency import checkpoint_manager as emerge
 from orbax.checkpoint.experimental.emergency import path as emergency_path
 
 from maxshard.checkpoint import manager as checkpoint_manager
-from maxshard.checkpoint.health import CheckpointError
+from maxshard.checkpoint.health import CheckpointError, reason
 from maxshard.checkpoint.params import saved_part, target_state, with_base
 from maxshard.config import Config
 from maxshard.errors import ConfigError
@@ -177,7 +177,7 @@ class EmergencyCheckpoints(checkpoint_manager.Checkpoints):
             restored = self.manager.restore(step).state
         except Exception as e:  # noqa: BLE001 - one line naming the step and the tier, the cause chained
             raise CheckpointError(f"checkpoint step {step} ({where}) could not be read: "
-                                  f"{checkpoint_manager.reason(e)}") from e
+                                  f"{reason(e)}") from e
         print(f"resuming from step {step} ({where})", flush=True)
         state = jax.block_until_ready(restored)
         return with_base(state, self.trainer), self._position(step)
@@ -198,14 +198,14 @@ class EmergencyCheckpoints(checkpoint_manager.Checkpoints):
             if path.exists():
                 mine = json.loads(path.read_text())
                 break
-        found = checkpoint_manager._allgather_json({"position": mine}) if jax.process_count() > 1 else {
+        found = checkpoint_manager.allgather_json({"position": mine}) if jax.process_count() > 1 else {
             "process_0": {"position": mine}}
         held = [v["position"] for v in found.values() if v["position"] is not None]
         if not held:
             raise CheckpointError(f"checkpoint step {step} has no data position in any process's "
                                   f"{self._local.parent}/process_*/{POSITIONS} nor in {self.cfg.checkpoint_dir}/"
                                   f"{POSITIONS}; the input stream cannot resume exactly")
-        return checkpoint_manager._this_process(held[0], f"the data position of step {step}")
+        return checkpoint_manager.this_process(held[0], f"the data position of step {step}")
 
     # ------------------------------------------------------------------ save
 
@@ -222,7 +222,7 @@ class EmergencyCheckpoints(checkpoint_manager.Checkpoints):
         """Orbax decides per tier from its periods; the last step and a preemption force both tiers."""
         self.wait()
         forced = step == self.cfg.steps or not (self._local_due(step) or self._persistent_due(step))
-        position = checkpoint_manager._gather_data_states(data_state)
+        position = checkpoint_manager.gather_data_states(data_state)
         self._keep_position(step, position, persistent=forced or self._persistent_due(step))
         tiers = "local and persistent" if forced else " and ".join(
             t for t, due in (("local", self._local_due(step)), ("persistent", self._persistent_due(step))) if due)
