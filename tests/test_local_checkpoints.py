@@ -1,13 +1,15 @@
 """Local checkpoints with replicas (orbax's emergency manager, `checkpoint_local_dir`) and goodput over restarts.
 
-Two processes on loopback, each a slice (`dcn_data_parallelism=2`): slice 0 is orbax's primary slice and writes the
-persistent checkpoints (every `checkpoint_period`), slice 1 keeps local copies (every `checkpoint_local_period`) in
-its own directory. One chain of three starts on text data (the data position matters):
+Three processes on loopback, each a slice (`dcn_data_parallelism=3`, one CPU device each): slice 0 is orbax's
+primary slice and writes the persistent checkpoints (every `checkpoint_period`), slices 1 and 2 keep local copies
+(every `checkpoint_local_period`), each in its own directory. One chain of three starts on text data (the data
+position matters):
 
-1. killed (SIGKILL, both processes) after step 7, past local step 6 (local saves at 3, 6, 9), persistent step 5
-   (persistent saves at 5, 10) being the newest persistent one; process 0's local directory is wiped.
-2. resumes at the newest local step, 6, from slice 1's copy (broadcast to slice 0, which has none), and is killed
-   again after step 8.
+1. killed (SIGKILL, every process) after step 7, past local step 6 (local saves at 3, 6, 9), persistent step 5
+   (persistent saves at 5, 10) being the newest persistent one; process 2's local directory, which held step 6,
+   is wiped.
+2. resumes at the newest local step, 6, from slice 1's copy (broadcast to slices 0 and 2), and is killed again
+   after step 8.
 3. every local copy wiped: falls back to persistent step 5 and runs to the end.
 
 Every step run again logs the loss it logged before, bit for bit, and the last start's goodput counts the steps
@@ -40,8 +42,8 @@ REPO = Path(__file__).resolve().parent.parent
 KEYS = [
     "dataset_type=text", "emb_dim=32", "num_layers=2", "num_heads=2", "num_kv_heads=2", "head_dim=16", "mlp_dim=64",
     "max_target_length=32", "per_device_batch_size=1", "eval_period=0", "log_period=1", "steps=10",
-    "enable_tensorboard=false", "cpu_device_count=1", "num_slices=2", "dcn_data_parallelism=2",
-    "ici_fsdp_parallelism=1", "process_count=2", "distributed_timeout=120", "async_checkpointing=false",
+    "enable_tensorboard=false", "cpu_device_count=1", "num_slices=3", "dcn_data_parallelism=3",
+    "ici_fsdp_parallelism=1", "process_count=3", "distributed_timeout=120", "async_checkpointing=false",
     "checkpoint_local_period=3", "checkpoint_period=5", "run_name=r",
 ]
 
@@ -54,11 +56,11 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def _start(env: dict[str, str], base: Path) -> Iterator[tuple[list[subprocess.Popen], list[list[str]]]]:
-    """Both processes, each one's output collected by a thread; SIGKILLed and reaped on the way out."""
+    """Every process, the output of all but process 0 collected by threads; SIGKILLed and reaped on the way out."""
     port = _free_port()
     env = {k: v for k, v in env.items() if k != "XLA_FLAGS"}
-    procs, outputs = [], [[], []]
-    for i in range(2):
+    procs, outputs = [], [[], [], []]
+    for i in range(3):
         args = [*KEYS, f"base_output_directory={base}", f"checkpoint_local_dir={base / 'local'}",
                 f"coordinator_address=127.0.0.1:{port}", f"process_id={i}"]
         procs.append(subprocess.Popen([sys.executable, "-m", "maxshard.train", "configs/base.yml", *args], cwd=REPO,
@@ -77,7 +79,7 @@ def _start(env: dict[str, str], base: Path) -> Iterator[tuple[list[subprocess.Po
 
 
 def _killed_after(env: dict[str, str], base: Path, pattern: str) -> str:
-    """Starts the run and SIGKILLs both processes once process 0 prints a line matching `pattern`."""
+    """Starts the run and SIGKILLs every process once process 0 prints a line matching `pattern`."""
     with _start(env, base) as (procs, outputs):
         for line in procs[0].stdout:
             outputs[0].append(line)
@@ -96,7 +98,7 @@ def _finished(env: dict[str, str], base: Path) -> str:
         outputs[0].extend(procs[0].stdout)
         for p in procs:
             p.wait(timeout=240)
-    assert [p.returncode for p in procs] == [0, 0], "".join(outputs[0])[-3000:] + "".join(outputs[1])[-3000:]
+    assert [p.returncode for p in procs] == [0, 0, 0], "".join(outputs[0])[-3000:] + "".join(outputs[1])[-3000:]
     return "".join(outputs[0])
 
 
@@ -111,14 +113,14 @@ def _logged(base: Path) -> list[tuple[int, float]]:
 
 
 @pytest.mark.slow
-def test_kill_wipe_resume_from_a_peer_slice_then_persistent_fallback_with_goodput(env, tmp_path):
+def test_kill_wipe_one_slice_resume_from_a_peer_slice_then_persistent_fallback_with_goodput(env, tmp_path):
     out = _killed_after(env, tmp_path, r"^step 7/")
     persistent = sorted(int(p.name) for p in (tmp_path / "r" / "checkpoints").iterdir() if p.name.isdigit())
     assert persistent == [5]
     assert _local_steps(tmp_path, 0) == []  # orbax's primary slice keeps no local copy
-    newest = _local_steps(tmp_path, 1)[-1]
-    assert newest == 6, out  # the kill lands within the step after step 7's line, before the save at 9
-    shutil.rmtree(tmp_path / "local" / "process_0")
+    newest = _local_steps(tmp_path, 2)[-1]
+    assert _local_steps(tmp_path, 1)[-1] == newest == 6, out  # the kill lands before the save at 9
+    shutil.rmtree(tmp_path / "local" / "process_2")
 
     out = _killed_after(env, tmp_path, r"^step 8/")
     assert f"resuming from step {newest} (local copy of slice 1)" in out, out[-3000:]
