@@ -44,7 +44,7 @@ KEYS = [
     "max_target_length=32", "per_device_batch_size=1", "eval_period=0", "log_period=1", "steps=10",
     "enable_tensorboard=false", "cpu_device_count=1", "num_slices=3", "dcn_data_parallelism=3",
     "ici_fsdp_parallelism=1", "process_count=3", "distributed_timeout=120", "async_checkpointing=false",
-    "checkpoint_local_period=3", "checkpoint_period=5", "run_name=r",
+    "checkpoint_local_period=3", "checkpoint_period=5", "run_name=r", "remat_policy=full",
 ]
 
 
