@@ -279,6 +279,7 @@ _POSITIVE_INTS = {
     "vocab_size_multiple": 1,
     "checkpoint_period": 1,
     "max_checkpoints_to_keep": 0,
+    "checkpoint_local_period": 1,
     "profile_start": 0,
     "profile_steps": 1,
     "distributed_timeout": 1,

@@ -275,6 +275,8 @@ class Config:
     async_checkpointing: bool = True
     checkpoint_period: int = 100
     max_checkpoints_to_keep: int = 3
+    checkpoint_local_dir: str = _path()
+    checkpoint_local_period: int = 10
     load_parameters_path: str = _path()
     load_full_state_path: str = _path()
 
