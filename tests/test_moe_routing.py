@@ -151,6 +151,12 @@ def test_sequence_balance_loss_by_hand():
     got = jax.jit(moe.sequence_balance_loss, static_argnums=(3, 4))(logits, chosen, mask, 1, "sigmoid")
     np.testing.assert_allclose(float(got), (first + second) / 2, rtol=1e-6)
     np.testing.assert_allclose(first, 1.0, rtol=1e-6)
+    # into the objective as the balance loss goes: the mean over layers, scaled by the batch's loss weight
+    stats = {"lb_loss": jnp.array([1.0, 2.0]), "z_loss": jnp.array([3.0, 4.0]), "seq_loss": jnp.array([1.5, 2.5]),
+             "assigned": jnp.array([8.0, 8.0]), "dropped": jnp.zeros(2), "load": jnp.ones((2, 3))}
+    sums = moe.loss_sums(stats, jnp.float32(10.0))
+    assert float(moe.objective(sums, 0.5, 0.25, 0.1)) == pytest.approx(10 * (0.5 * 1.5 + 0.25 * 3.5 + 0.1 * 2.0))
+    assert float(moe.metrics(sums, jnp.float32(10.0))["moe/seq_balance_loss"]) == pytest.approx(2.0)
 
 
 # ---------------------------------------------------------------------------------------------- config
