@@ -296,3 +296,5 @@ def test_the_bias_resumes_bit_exactly(runs):
     straight, resumed = saved_bias("moving"), saved_bias("resumed")
     assert np.all(straight[:, :2] < SKEW)  # it moved
     np.testing.assert_array_equal(resumed, straight)
+    moving = _cv(runs / "moving")
+    assert _cv(runs / "resumed") == {s: moving[s] for s in range(STEPS // 2 + 1, STEPS + 1)}  # the same loads
