@@ -102,6 +102,7 @@ __all__ = [
     "group_size",
     "route",
     "router_losses",
+    "router_scores",
     "sequence_balance_loss",
     "collect_stats",
     "move_bias",
@@ -170,7 +171,7 @@ class Scoring:
                    cfg.moe_renormalize_top_k)
 
 
-def scores(logits: jax.Array, kind: str) -> jax.Array:
+def router_scores(logits: jax.Array, kind: str) -> jax.Array:
     """Router scores [..., experts] in float32: a softmax over the experts, or each expert's sigmoid."""
     logits = logits.astype(jnp.float32)
     if kind == "sigmoid":
@@ -230,7 +231,7 @@ def route(logits: jax.Array, k: int, slots_per_expert: int, token_mask: jax.Arra
     """Top-k routing of logits [group, tokens, experts] with `slots_per_expert` slots (dropless: tokens).
     `scoring` (default: a softmax with `renormalize`) and the selection `bias` [experts] as the module docstring."""
     scoring = scoring or Scoring(renormalize=renormalize)
-    top_weights, top_experts, choices = _top_k(scores(logits, scoring.kind), k, token_mask, scoring, bias)
+    top_weights, top_experts, choices = _top_k(router_scores(logits, scoring.kind), k, token_mask, scoring, bias)
     slots = _slots(choices)  # [g, s, k, e]
     keep = choices * (slots < slots_per_expert)  # [g, s, k, e]
     # An expert appears at most once among a token's k choices, so summing over k loses nothing.
@@ -248,7 +249,7 @@ def router_losses(logits: jax.Array, chosen: jax.Array, token_mask: jax.Array, k
     logits = logits.astype(jnp.float32)
     mask = token_mask.astype(jnp.float32)  # [g, s]
     tokens = jnp.maximum(jnp.sum(mask), 1.0)
-    probs = _normalized(scores(logits, kind), kind)
+    probs = _normalized(router_scores(logits, kind), kind)
     mean_prob = jnp.einsum("gse,gs->e", probs, mask) / tokens  # P_i
     share = jnp.sum(chosen, axis=(0, 1)) / jnp.maximum(jnp.sum(chosen), 1.0)  # f_i, no gradient (from top-k)
     balance = logits.shape[-1] * jnp.sum(share * mean_prob)
@@ -266,7 +267,7 @@ def sequence_balance_loss(logits: jax.Array, chosen: jax.Array, token_mask: jax.
     per_token = jnp.maximum(tokens, 1.0)[:, None]
     experts = logits.shape[-1]
     f = experts / k * jnp.sum(chosen, axis=1) / per_token  # [b, e]; padding chose nothing
-    p = jnp.einsum("bse,bs->be", _normalized(scores(logits, kind), kind), mask) / per_token
+    p = jnp.einsum("bse,bs->be", _normalized(router_scores(logits, kind), kind), mask) / per_token
     real = (tokens > 0).astype(jnp.float32)
     return jnp.sum(jnp.sum(f * p, axis=-1) * real) / jnp.maximum(jnp.sum(real), 1.0)
 
