@@ -20,7 +20,7 @@ from maxshard import cli
 from maxshard.checkpoint import format as checkpoint_format
 from maxshard.data.tokenizer import make_tokenizer
 from maxshard.errors import ConfigError
-from maxshard.evaluation import harness, tasks
+from maxshard.evaluation import tasks
 from maxshard.generation import inference
 from maxshard.model.transformer import count_params
 from maxshard.parallel import mesh, sharding
@@ -54,6 +54,8 @@ def run(argv: Sequence[str]) -> int:
     params = inference.restore_params(step_dir, cfg, eval_mesh, rules, saved.get("load_parameters_path", ""))
     print(f"checkpoint: {step_dir} ({count_params(params) / 1e6:.2f}M parameters), mesh: "
           f"{mesh.describe(eval_mesh)}, tasks: {', '.join(found.names)}", flush=True)
+    from maxshard.evaluation import harness  # deferred: lm-eval is optional; tasks.find said so in one line
+
     lm = harness.build(cfg, eval_mesh, rules, params, tokenizer)
     output = cfg.eval_output if jax.process_index() == 0 else ""
     results = tasks.evaluate(lm, found, cfg.eval_tasks_limit, cfg.seed, model_name=step_dir, output=output)

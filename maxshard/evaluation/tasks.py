@@ -43,7 +43,10 @@ def find(task_names: Sequence[str], tasks_dir: str) -> Tasks:
     """The tasks named, from `tasks_dir` first, then lm-eval's catalogue; an unknown name is a ConfigError, before
     any model is loaded."""
     _quiet()
-    from lm_eval.tasks import TaskManager  # deferred: importing lm_eval takes seconds; training may never need it
+    try:
+        from lm_eval.tasks import TaskManager  # deferred: importing lm_eval takes seconds; training may not need it
+    except ImportError:
+        raise ConfigError("lm-eval tasks need the lm-eval package: pip install -e '.[eval]'") from None
 
     if tasks_dir and not os.path.isdir(tasks_dir):
         raise ConfigError(f"eval_tasks_dir={tasks_dir} is not a directory of lm-eval task YAMLs")
