@@ -39,8 +39,10 @@ eval_output (results + samples as lm_eval writes them), seed; the model comes fr
 from the command line (no pipeline). Needs lm-eval: pip install -e ".[eval]"."""
 
 
-def run(argv: Sequence[str]) -> int:
-    cfg = loading.load_run(argv, join_processes=True, check_fit=False)  # inference: the train step never runs
+def run(argv: Sequence[str], devices: Sequence[jax.Device] | None = None) -> int:
+    """The command; `devices` (default: all of this process's) is what the mesh is laid over."""
+    num_devices = None if devices is None else len(devices)
+    cfg = loading.load_run(argv, num_devices, join_processes=devices is None, check_fit=False)  # no train step
     inference.refuse_pipeline(cfg)
     if not cfg.tasks:
         raise ConfigError("set tasks=NAME[,NAME...]: the lm-eval tasks to score (e.g. tasks=local_choice with "
@@ -50,7 +52,7 @@ def run(argv: Sequence[str]) -> int:
     saved = checkpoint_format.read_config(step_dir)
     cfg = inference.with_saved_model(cfg, saved)
     tokenizer = make_tokenizer(cfg)
-    eval_mesh, rules = mesh.build(cfg), sharding.flax_rules(cfg)
+    eval_mesh, rules = mesh.build(cfg, devices), sharding.flax_rules(cfg)
     params = inference.restore_params(step_dir, cfg, eval_mesh, rules, saved.get("load_parameters_path", ""))
     print(f"checkpoint: {step_dir} ({count_params(params) / 1e6:.2f}M parameters), mesh: "
           f"{mesh.describe(eval_mesh)}, tasks: {', '.join(found.names)}", flush=True)

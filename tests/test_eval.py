@@ -1,0 +1,166 @@
+"""`python -m maxshard.eval` and `eval_tasks` in training, against lm-eval's own Hugging Face backend.
+
+The Hugging Face fixtures (tests/fixtures/hf) are converted by `maxshard.convert` and scored by the CLI on the example
+tasks of configs/eval_tasks (multiple choice, rolling perplexity, generation); tests/fixtures/eval holds what
+lm-eval 0.4.13's Hugging Face backend scored on the same models (tools/make_eval_fixtures.py, float32,
+max_length 32 so the longer rolling documents take several windows). The CLI runs in this process; each
+model's single-device scores are computed once and shared by the layout tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+import pytest
+
+pytest.importorskip("lm_eval")
+
+from maxshard import eval as eval_cli  # noqa: E402
+from maxshard import train  # noqa: E402
+from maxshard.convert import __main__ as convert_cli  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURES = REPO / "tests" / "fixtures"
+TASKS_DIR = REPO / "configs" / "eval_tasks"
+TASKS = ("local_choice", "local_rolling", "local_generate")
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("converted")
+    for name in ("llama_gqa", "qwen3", "qwen3_moe"):
+        assert convert_cli.main(["from_hf", str(FIXTURES / "hf" / name), str(root / name)]) == 0
+    return {name: root / name for name in ("llama_gqa", "qwen3", "qwen3_moe")}
+
+
+def score(converted: dict[str, Path], out: Path, name: str, *keys: str, devices: Any = None, tasks: tuple = TASKS
+          ) -> tuple[dict[str, list], dict, str]:
+    """Runs the CLI's command (on `devices`, default all 8); returns ({task: every document's resps, in document
+    order}, lm-eval's results JSON) as read back from the files `eval_output` wrote, and what it printed."""
+    argv = [str(converted[name] / "config.yml"), f"tasks={','.join(tasks)}", f"eval_tasks_dir={TASKS_DIR}",
+            "max_target_length=32", f"eval_output={out}", f"base_output_directory={out}", "eval_batch_size=4", *keys]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert (eval_cli.main(argv) if devices is None else eval_cli.run(argv, devices)) == 0
+    (directory,) = [p for p in out.iterdir() if p.is_dir() and p.name != "default"]
+    (results_file,) = directory.glob("results_*.json")
+    resps = {}
+    for task in tasks:
+        (samples_file,) = directory.glob(f"samples_{task}_*.jsonl")
+        rows = sorted((json.loads(line) for line in samples_file.read_text().splitlines()), key=lambda r: r["doc_id"])
+        resps[task] = [r["resps"] for r in rows]
+    return resps, json.loads(results_file.read_text()), printed.getvalue()
+
+
+@pytest.fixture(scope="module")
+def one_device(converted, tmp_path_factory) -> dict[str, tuple[dict, dict]]:
+    """Each model's scores on one device, computed once."""
+    out = {}
+    for name in converted:
+        out[name] = score(converted, tmp_path_factory.mktemp(name), name, devices=jax.devices()[:1])
+    return out
+
+
+def _numbers(resps: list) -> list[float]:
+    """The log-likelihoods of the samples file's resps (lm-eval writes them as strings): [[[ll, greedy]], ...]."""
+    flat: list[float] = []
+    for doc in resps:
+        for (answer,) in doc:
+            flat.append(float(answer[0] if isinstance(answer, list) else answer))
+    return flat
+
+
+def _greedy(resps: list) -> list[str]:
+    return [str(answer[1]) for doc in resps for (answer,) in doc]
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen3", "qwen3_moe"])
+def test_scores_equal_lm_evals_hugging_face_backend(one_device, name):
+    """Per-request log-likelihoods within 1e-4 of the Hugging Face backend's, the same greedy flags, accuracies and
+    rolling perplexities, and the same greedy generations cut at the same stop sequences."""
+    resps, results, _ = one_device[name]
+    want = json.loads((FIXTURES / "eval" / f"{name}.json").read_text())
+    for task in ("local_choice", "local_rolling"):
+        got, expected = _numbers(resps[task]), _numbers(want[task]["resps"])
+        assert got == pytest.approx(expected, abs=TOLERANCE), task
+    assert _greedy(resps["local_choice"]) == _greedy(want["local_choice"]["resps"])
+    assert [doc[0][0] for doc in resps["local_generate"]] == [doc[0][0] for doc in want["local_generate"]["resps"]]
+    for task in TASKS:
+        for metric, value in want[task]["metrics"].items():
+            if metric in ("acc,none", "acc_norm,none", "exact_match,none"):
+                assert results["results"][task][metric] == value, (task, metric)
+            elif metric != "name" and metric != "sample_len":
+                assert results["results"][task][metric] == pytest.approx(value, rel=1e-5), (task, metric)
+
+
+@pytest.mark.parametrize(("name", "layout"), [
+    ("qwen3", ("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2")),
+    ("qwen3_moe", ("ici_expert_parallelism=4", "ici_fsdp_parallelism=2")),
+])
+def test_layouts_give_the_scores_of_one_device(converted, one_device, tmp_path, name, layout):
+    """The log-likelihood tasks on 8 devices (the generation engine's layouts are test_generate.py's)."""
+    tasks = ("local_choice", "local_rolling")
+    resps, results, _ = score(converted, tmp_path, name, *layout, tasks=tasks)
+    single, single_results, _ = one_device[name]
+    for task in tasks:
+        assert _numbers(resps[task]) == pytest.approx(_numbers(single[task]), abs=TOLERANCE), task
+        assert {k: v for k, v in results["results"][task].items() if "acc" in k} == \
+               {k: v for k, v in single_results["results"][task].items() if "acc" in k}
+    assert _greedy(resps["local_choice"]) == _greedy(single["local_choice"])
+
+
+def test_one_console_line_per_task_and_a_bad_task_key_fails_before_loading(converted, one_device, tmp_path, capsys):
+    printed = one_device["qwen3"][2].splitlines()
+    assert printed[0].startswith("checkpoint: ") and "single device" in printed[0]
+    for task in TASKS:
+        assert len([line for line in printed if line.startswith(f"{task}: ")]) == 1
+    assert any(line.startswith("local_choice: acc ") and line.endswith("(6 documents)") for line in printed)
+    config = str(converted["qwen3"] / "config.yml")
+    for keys, fragment in [(("tasks=local_choice,",), "tasks expects lm-eval task names separated by commas"),
+                           (("tasks=local_choice", f"eval_tasks_dir={tmp_path / 'none'}"), "eval_tasks_dir="),
+                           ((f"eval_tasks_dir={TASKS_DIR}",), "set tasks=NAME")]:
+        assert eval_cli.main([config, *keys, f"base_output_directory={tmp_path}"]) == 2
+        err = capsys.readouterr()
+        assert err.err.startswith("maxshard: error: ") and fragment in err.err and "checkpoint:" not in err.out
+
+
+# ---------------------------------------------------------------------------------------------- in training
+
+MODEL = ("dataset_type=synthetic", "emb_dim=32", "num_layers=2", "num_heads=2", "num_kv_heads=2", "head_dim=16",
+         "mlp_dim=64", "max_target_length=32", "per_device_batch_size=1", "eval_period=0", "log_period=1",
+         "learning_rate_schedule_steps=4", "checkpoint_period=2", "enable_tensorboard=false", "cpu_device_count=8")
+IN_LOOP = ("eval_tasks=local_choice,local_rolling", f"eval_tasks_dir={TASKS_DIR}", "eval_tasks_period=2",
+           "eval_tasks_limit=2")
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in _records(run_dir) if "loss" in r}
+
+
+def test_tasks_in_training_at_their_period_leave_the_run_unchanged(tmp_path, capsys):
+    """Scores at steps 2 and 4 in metrics.jsonl; the run's losses equal those of a run that evaluated nothing up
+    to step 2 and resumed from its checkpoint there: evaluation disturbs neither the state nor the data."""
+    base = (str(REPO / "configs" / "base.yml"), *MODEL, f"base_output_directory={tmp_path}")
+    assert train.main([*base, "run_name=straight", "steps=4", *IN_LOOP]) == 0
+    assert "eval_tasks at step 2: local_choice: acc " in capsys.readouterr().out
+    evaluated = [r for r in _records(tmp_path / "straight") if "eval_tasks/local_choice/acc" in r]
+    assert [r["step"] for r in evaluated] == [2, 4]
+    assert all(r["eval_tasks/local_rolling/bits_per_byte"] > 0 for r in evaluated)
+    assert train.main([*base, "run_name=resumed", "steps=2"]) == 0
+    assert train.main([*base, "run_name=resumed", "steps=4", *IN_LOOP]) == 0
+    straight, resumed = _losses(tmp_path / "straight"), _losses(tmp_path / "resumed")
+    assert sorted(resumed) == [1, 2, 3, 4] and sorted(straight) == [1, 2, 4]  # the step after an evaluation is
+    # the step timing's new reference, and not logged
+    assert {step: resumed[step] for step in straight} == straight
+    shutil.rmtree(tmp_path)
