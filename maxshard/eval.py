@@ -13,11 +13,13 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 
 from maxshard import cli
 from maxshard.checkpoint import format as checkpoint_format
+from maxshard.config import Config
 from maxshard.data.tokenizer import make_tokenizer
 from maxshard.errors import ConfigError
 from maxshard.evaluation import tasks
@@ -26,7 +28,7 @@ from maxshard.model.transformer import count_params
 from maxshard.parallel import mesh, sharding
 from maxshard.run import loading
 
-__all__ = ["main", "run", "USAGE"]
+__all__ = ["main", "run", "load", "USAGE"]
 
 USAGE = """usage: python -m maxshard.eval CONFIG.yml tasks=NAME[,NAME...] [key=value ...]
 
@@ -39,8 +41,9 @@ eval_output (results + samples as lm_eval writes them), seed; the model comes fr
 from the command line (no pipeline). Needs lm-eval: pip install -e ".[eval]"."""
 
 
-def run(argv: Sequence[str], devices: Sequence[jax.Device] | None = None) -> int:
-    """The command; `devices` (default: all of this process's) is what the mesh is laid over."""
+def load(argv: Sequence[str], devices: Sequence[jax.Device] | None = None) -> tuple[Config, str, Any, Any]:
+    """(config, checkpoint step directory, the tasks found, lm-eval's LM on the restored parameters): everything
+    but the evaluation itself. `devices` (default: all of this process's) is what the mesh is laid over."""
     num_devices = None if devices is None else len(devices)
     cfg = loading.load_run(argv, num_devices, join_processes=devices is None, check_fit=False)  # no train step
     inference.refuse_pipeline(cfg)
@@ -58,7 +61,12 @@ def run(argv: Sequence[str], devices: Sequence[jax.Device] | None = None) -> int
           f"{mesh.describe(eval_mesh)}, tasks: {', '.join(found.names)}", flush=True)
     from maxshard.evaluation import harness  # deferred: lm-eval is optional; tasks.find said so in one line
 
-    lm = harness.build(cfg, eval_mesh, rules, params, tokenizer)
+    return cfg, step_dir, found, harness.build(cfg, eval_mesh, rules, params, tokenizer)
+
+
+def run(argv: Sequence[str], devices: Sequence[jax.Device] | None = None) -> int:
+    """The command, on `devices` (default: all of this process's)."""
+    cfg, step_dir, found, lm = load(argv, devices)
     output = cfg.eval_output if jax.process_index() == 0 else ""
     results = tasks.evaluate(lm, found, cfg.eval_tasks_limit, cfg.seed, model_name=step_dir, output=output)
     for line in tasks.summary_lines(results):
