@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,6 @@ import pytest
 pytest.importorskip("lm_eval")
 
 from maxshard import eval as eval_cli  # noqa: E402
-from maxshard import train  # noqa: E402
 from maxshard.convert import __main__ as convert_cli  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -133,34 +131,23 @@ def test_one_console_line_per_task_and_a_bad_task_key_fails_before_loading(conve
 
 # ---------------------------------------------------------------------------------------------- in training
 
-MODEL = ("dataset_type=synthetic", "emb_dim=32", "num_layers=2", "num_heads=2", "num_kv_heads=2", "head_dim=16",
-         "mlp_dim=64", "max_target_length=32", "per_device_batch_size=1", "eval_period=0", "log_period=1",
-         "learning_rate_schedule_steps=4", "checkpoint_period=2", "enable_tensorboard=false", "cpu_device_count=8")
 IN_LOOP = ("eval_tasks=local_choice,local_rolling", f"eval_tasks_dir={TASKS_DIR}", "eval_tasks_period=2",
-           "eval_tasks_limit=2")
+           "eval_tasks_limit=2", "checkpoint_period=2")
 
 
-def _records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def test_tasks_in_training_appear_at_their_period_and_leave_a_resumed_run_unchanged(env, reference, tmp_path):
+    """tests/training_runs.py's run through maxshard.train with eval_tasks every 2 steps, stopped at step 2 and
+    resumed to 4: scores at steps 2 and 4 (console and metrics.jsonl), and the losses of the uninterrupted run
+    without evaluation (conftest's `reference`, the same keys): evaluation disturbs neither state nor data."""
+    from training_runs import losses, train
 
-
-def _losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in _records(run_dir) if "loss" in r}
-
-
-def test_tasks_in_training_at_their_period_leave_the_run_unchanged(tmp_path, capsys):
-    """Scores at steps 2 and 4 in metrics.jsonl; the run's losses equal those of a run that evaluated nothing up
-    to step 2 and resumed from its checkpoint there: evaluation disturbs neither the state nor the data."""
-    base = (str(REPO / "configs" / "base.yml"), *MODEL, f"base_output_directory={tmp_path}")
-    assert train.main([*base, "run_name=straight", "steps=4", *IN_LOOP]) == 0
-    assert "eval_tasks at step 2: local_choice: acc " in capsys.readouterr().out
-    evaluated = [r for r in _records(tmp_path / "straight") if "eval_tasks/local_choice/acc" in r]
+    first = train(env, tmp_path, *IN_LOOP, "steps=2")
+    assert "eval_tasks at step 2: local_choice: acc " in first
+    second = train(env, tmp_path, *IN_LOOP, "steps=4")
+    assert "resuming from step 2" in second and "eval_tasks at step 4: local_rolling: word_perplexity " in second
+    records = [json.loads(line) for line in (tmp_path / "default" / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [r for r in records if "eval_tasks/local_choice/acc" in r]
     assert [r["step"] for r in evaluated] == [2, 4]
     assert all(r["eval_tasks/local_rolling/bits_per_byte"] > 0 for r in evaluated)
-    assert train.main([*base, "run_name=resumed", "steps=2"]) == 0
-    assert train.main([*base, "run_name=resumed", "steps=4", *IN_LOOP]) == 0
-    straight, resumed = _losses(tmp_path / "straight"), _losses(tmp_path / "resumed")
-    assert sorted(resumed) == [1, 2, 3, 4] and sorted(straight) == [1, 2, 4]  # the step after an evaluation is
-    # the step timing's new reference, and not logged
-    assert {step: resumed[step] for step in straight} == straight
-    shutil.rmtree(tmp_path)
+    want = losses(reference)
+    assert losses(tmp_path) == {step: want[step] for step in (1, 2, 3, 4)}
