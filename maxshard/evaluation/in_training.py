@@ -40,8 +40,11 @@ class TaskEvaluation:
 
     @classmethod
     def from_config(cls, cfg: Config, trainer: Trainer) -> TaskEvaluation | None:
-        """None unless both eval_tasks and eval_tasks_period are set."""
-        return cls(cfg, trainer) if cfg.eval_tasks and cfg.eval_tasks_period else None
+        """None unless eval_tasks is set; one of eval_tasks and eval_tasks_period without the other is a ConfigError."""
+        if bool(cfg.eval_tasks) != bool(cfg.eval_tasks_period):
+            raise ConfigError(f"eval_tasks={cfg.eval_tasks!r} with eval_tasks_period={cfg.eval_tasks_period}: set both "
+                              "(task names and every how many steps to score them) or neither")
+        return cls(cfg, trainer) if cfg.eval_tasks else None
 
     def due(self, step: int) -> bool:
         return step % self.cfg.eval_tasks_period == 0
