@@ -67,7 +67,7 @@ class Scorer:
         self.row_multiple = math.prod(mesh.shape[a] for a in batch_axes)
         self.length_multiple = math.prod(mesh.shape[a] for a in length_axes) * 2  # ring attention: 2 chunks each
         self.rows = -(-rows_per_call // self.row_multiple) * self.row_multiple
-        self._compiled: dict[int, Any] = {}
+        self._compiled: dict[int, tuple[Any, NamedSharding]] = {}
 
     def _score(self, params: Any, tokens: jax.Array, targets: jax.Array, scored: jax.Array
                ) -> tuple[jax.Array, jax.Array]:
@@ -79,7 +79,8 @@ class Scorer:
         greedy = jnp.argmax(logits, axis=-1) == targets
         return jnp.sum(jnp.where(scored, logps, 0.0), axis=1), jnp.all(greedy | ~scored, axis=1)
 
-    def _program(self, length: int) -> Any:
+    def _program(self, length: int) -> tuple[Any, NamedSharding]:
+        """The compiled scoring of [rows, length] and the rows' sharding."""
         if length not in self._compiled:
             spec = sharding.logical_to_spec(ax.INPUT_AXES, self.rules, dict(self.mesh.shape), (self.rows, length),
                                             "scored rows [rows, length]")
@@ -90,7 +91,7 @@ class Scorer:
                 step = jax.jit(self._score, in_shardings=(params, rows, rows, rows), out_shardings=(out, out))
                 tokens = jax.ShapeDtypeStruct((self.rows, length), jnp.int32)
                 mask = jax.ShapeDtypeStruct((self.rows, length), bool)
-                self._compiled[length] = step.lower(self.params, tokens, tokens, mask).compile()
+                self._compiled[length] = (step.lower(self.params, tokens, tokens, mask).compile(), rows)
         return self._compiled[length]
 
     def score(self, rows: Sequence[Row], pad_id: int = 0) -> list[tuple[float, bool]]:
@@ -109,7 +110,10 @@ class Scorer:
                 tokens[slot, :n] = row.inputs
                 targets[slot, n - row.continuation : n] = row.targets
                 scored[slot, n - row.continuation : n] = True
-            logps, greedy = jax.device_get(self._program(length)(self.params, tokens, targets, scored))
+            program, rows_sharding = self._program(length)
+            arrays = [jax.make_array_from_callback(a.shape, rows_sharding, lambda index, a=a: a[index])
+                      for a in (tokens, targets, scored)]  # every process holds every row: any process count
+            logps, greedy = jax.device_get(program(self.params, *arrays))
             for slot, i in enumerate(chosen):  # the filler rows after len(chosen) are never read
                 results[i] = (float(logps[slot]), bool(greedy[slot]))
         return results
