@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +128,24 @@ def test_one_console_line_per_task_and_a_bad_task_key_fails_before_loading(conve
         assert eval_cli.main([config, *keys, f"base_output_directory={tmp_path}"]) == 2
         err = capsys.readouterr()
         assert err.err.startswith("maxshard: error: ") and fragment in err.err and "checkpoint:" not in err.out
+
+
+def test_a_sampling_task_samples_and_stops_at_its_stop_sequences(converted, one_device, tmp_path):
+    """local_generate with do_sample and temperature 2 (a task directory of its own): completions differ from the
+    greedy ones and never contain a stop sequence."""
+    tasks_dir = tmp_path / "tasks"
+    tasks_dir.mkdir()
+    shutil.copy(TASKS_DIR / "local_generate.jsonl", tasks_dir)
+    text = (TASKS_DIR / "local_generate.yaml").read_text().replace("do_sample: false", "do_sample: true\n  temperature: 2.0")
+    (tasks_dir / "local_generate.yaml").write_text(text)
+    argv = [str(converted["qwen3"] / "config.yml"), "tasks=local_generate", f"eval_tasks_dir={tasks_dir}",
+            "max_target_length=32", f"eval_output={tmp_path / 'out'}", f"base_output_directory={tmp_path}", "seed=1"]
+    assert eval_cli.run(argv, jax.devices()[:1]) == 0
+    (samples_file,) = (tmp_path / "out").glob("*/samples_local_generate_*.jsonl")
+    rows = sorted((json.loads(line) for line in samples_file.read_text().splitlines()), key=lambda r: r["doc_id"])
+    sampled = [r["resps"][0][0] for r in rows]
+    assert sampled != [doc[0][0] for doc in one_device["qwen3"][0]["local_generate"]]
+    assert not any(stop in text for text in sampled for stop in (" the", " a"))
 
 
 # ---------------------------------------------------------------------------------------------- in training
