@@ -47,6 +47,7 @@ Outputs go to base_output_directory/run_name/; running the same command again re
 Other entry points:
   python -m maxshard.launch xpk ...       submit the same config to a GKE cluster through XPK
   python -m maxshard.plan CONFIG.yml ...      plan memory and step time for a target topology
+  python -m maxshard.eval CONFIG.yml tasks=...  score the run on lm-eval-harness tasks
   python tools/sharding_report.py ...      show how every parameter is laid out on the mesh"""
 
 
