@@ -1,7 +1,7 @@
 """`python -m maxshard.eval` and `eval_tasks` in training, against lm-eval's own Hugging Face backend.
 
 The Hugging Face fixtures (tests/fixtures/hf) are converted by `maxshard.convert` and scored by the CLI on the example
-tasks of configs/eval_tasks (multiple choice, rolling perplexity, generation); tests/fixtures/eval holds what
+tasks of configs/eval_tasks (multiple choice, rolling perplexity, greedy and sampled generation); tests/fixtures/eval holds what
 lm-eval 0.4.13's Hugging Face backend scored on the same models (tools/make_eval_fixtures.py, float32,
 max_length 32 so the longer rolling documents take several windows). The CLI runs in this process; each
 model's single-device scores are computed once and shared by the layout tests.
@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +62,8 @@ def one_device(converted, tmp_path_factory) -> dict[str, tuple[dict, dict]]:
     """Each model's scores on one device, computed once."""
     out = {}
     for name in converted:
-        out[name] = score(converted, tmp_path_factory.mktemp(name), name, devices=jax.devices()[:1])
+        tasks = (*TASKS, "local_sample") if name == "qwen3" else TASKS
+        out[name] = score(converted, tmp_path_factory.mktemp(name), name, devices=jax.devices()[:1], tasks=tasks)
     return out
 
 
@@ -128,21 +128,12 @@ def test_one_console_line_per_task_and_a_bad_task_key_fails_before_loading(conve
                        "tasks=local_choice,local_rolling), got 'local_choice,'\n") and "checkpoint:" not in err.out
 
 
-def test_a_sampling_task_samples_and_stops_at_its_stop_sequences(converted, one_device, tmp_path):
-    """local_generate with do_sample and temperature 2 (a task directory of its own): completions differ from the
-    greedy ones and never contain a stop sequence."""
-    tasks_dir = tmp_path / "tasks"
-    tasks_dir.mkdir()
-    shutil.copy(TASKS_DIR / "local_generate.jsonl", tasks_dir)
-    text = (TASKS_DIR / "local_generate.yaml").read_text().replace("do_sample: false", "do_sample: true\n  temperature: 2.0")
-    (tasks_dir / "local_generate.yaml").write_text(text)
-    argv = [str(converted["qwen3"] / "config.yml"), "tasks=local_generate", f"eval_tasks_dir={tasks_dir}",
-            "max_target_length=32", f"eval_output={tmp_path / 'out'}", f"base_output_directory={tmp_path}", "seed=1"]
-    assert eval_cli.run(argv, jax.devices()[:1]) == 0
-    (samples_file,) = (tmp_path / "out").glob("*/samples_local_generate_*.jsonl")
-    rows = sorted((json.loads(line) for line in samples_file.read_text().splitlines()), key=lambda r: r["doc_id"])
-    sampled = [r["resps"][0][0] for r in rows]
-    assert sampled != [doc[0][0] for doc in one_device["qwen3"][0]["local_generate"]]
+def test_a_sampling_task_samples_and_stops_at_its_stop_sequences(one_device):
+    """local_sample (local_generate's prompts at temperature 2), scored in the same run as local_generate: its
+    completions differ from the greedy ones and never contain a stop sequence."""
+    resps = one_device["qwen3"][0]
+    sampled, greedy = [doc[0][0] for doc in resps["local_sample"]], [doc[0][0] for doc in resps["local_generate"]]
+    assert len(sampled) == 4 and sampled != greedy
     assert not any(stop in text for text in sampled for stop in (" the", " a"))
 
 
