@@ -24,6 +24,7 @@ from maxshard.config import Config
 from maxshard.data import chat
 from maxshard.generation import rollouts
 from maxshard.errors import ConfigError
+from maxshard.evaluation.in_training import TaskEvaluation
 from maxshard.model import trainable
 from maxshard.objectives import kinds as objective_kinds
 from maxshard.model.transformer import count_params
@@ -46,6 +47,7 @@ Outputs go to base_output_directory/run_name/; running the same command again re
 Other entry points:
   python -m maxshard.launch xpk ...       submit the same config to a GKE cluster through XPK
   python -m maxshard.plan CONFIG.yml ...      plan memory and step time for a target topology
+  python -m maxshard.eval CONFIG.yml tasks=...  score the run on lm-eval-harness tasks
   python tools/sharding_report.py ...      show how every parameter is laid out on the mesh"""
 
 
@@ -150,6 +152,7 @@ def train_loop(
     ckpt: checkpoint.Checkpoints,
     sigterm: threading.Event,
     clock: goodput.Recorder,
+    task_eval: TaskEvaluation | None = None,
 ) -> TrainState:
     """Runs steps `state.step .. cfg.steps - 1`; metrics are fetched one step late so the device never waits."""
     trainer, train_step = compiled.trainer, compiled.step
@@ -180,6 +183,10 @@ def train_loop(
             writer.write(step + 1, {"eval_loss": eval_loss})
             print(f"eval at step {step + 1}: loss {eval_loss:.4f}", flush=True)
             log.restart()
+        if task_eval is not None and task_eval.due(step + 1):
+            log(deferred.flush())
+            writer.write(step + 1, task_eval(state.params, step + 1))
+            log.restart()
         if ckpt.due(step + 1, False):  # the save waits for the step anyway: the step's time is the step's
             jax.block_until_ready(state)
         save_began = time.perf_counter()
@@ -198,6 +205,7 @@ def run(argv: Sequence[str]) -> int:
     cfg = loading.load_run(argv, join_processes=True, resume=True)
     trainer = Trainer(cfg, mesh.build(cfg))
     report = check_layout(cfg, trainer)
+    task_eval = TaskEvaluation.from_config(cfg, trainer)  # unknown tasks fail here, before anything compiles
     params = trainer.abstract_state.params
     figures = console.startup_figures(cfg, dict(trainer.mesh.shape), count_params(params), report,
                                       count_params(trainable.trainable_subset(params, cfg.model)))
@@ -218,7 +226,7 @@ def run(argv: Sequence[str]) -> int:
         compiled = compiled_step(trainer, writer)
         clock.phase("compile", compiled.seconds)
         clock.phase("initialization", time.time() - started - clock.recorded())
-        state = train_loop(compiled, state, batches, writer, ckpt, sigterm, clock)
+        state = train_loop(compiled, state, batches, writer, ckpt, sigterm, clock, task_eval)
         report_goodput(int(state.step), ckpt, clock, writer)
     return 0
 

@@ -294,6 +294,9 @@ _POSITIVE_INTS = {
     "grpo_updates_per_rollout": 1,
     "grpo_max_new_tokens": 1,
     "grpo_max_prompt_length": 1,
+    "eval_tasks_period": 0,
+    "eval_tasks_limit": 0,
+    "eval_batch_size": 1,
 }
 _UNIT_INTERVALS = {  # key: (low, high, high included)
     "warmup_steps_fraction": (0.0, 1.0, True),

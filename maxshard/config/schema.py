@@ -289,6 +289,15 @@ class Config:
     top_p: float = 1.0
     generate_output: str = _path()
 
+    # ---- lm-eval-harness tasks (python -m maxshard.eval, and in training; see maxshard/evaluation/)
+    tasks: str = ""
+    eval_tasks: str = ""
+    eval_tasks_period: int = 0
+    eval_tasks_limit: int = 0
+    eval_tasks_dir: str = _path()
+    eval_batch_size: int = 8
+    eval_output: str = _path()
+
     # ---- derived (set by config.finalize)
     explicit_keys: tuple[str, ...] = _derived(())
     mesh_rule_applied: str = _derived("")
