@@ -10,6 +10,7 @@ import contextlib
 import signal
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -17,15 +18,17 @@ from typing import Any
 import jax
 
 from maxshard import cli, data
+from maxshard.checkpoint import emergency
 from maxshard.checkpoint import manager as checkpoint
 from maxshard.config import Config
 from maxshard.data import chat
 from maxshard.generation import rollouts
 from maxshard.errors import ConfigError
+from maxshard.evaluation.in_training import TaskEvaluation
 from maxshard.model import trainable
 from maxshard.objectives import kinds as objective_kinds
 from maxshard.model.transformer import count_params
-from maxshard.observe import console, metrics
+from maxshard.observe import console, goodput, metrics
 from maxshard.observe.profiling import Profiler
 from maxshard.observe.report import Report, build_report
 from maxshard.parallel import mesh
@@ -44,6 +47,7 @@ Outputs go to base_output_directory/run_name/; running the same command again re
 Other entry points:
   python -m maxshard.launch xpk ...       submit the same config to a GKE cluster through XPK
   python -m maxshard.plan CONFIG.yml ...      plan memory and step time for a target topology
+  python -m maxshard.eval CONFIG.yml tasks=...  score the run on lm-eval-harness tasks
   python tools/sharding_report.py ...      show how every parameter is laid out on the mesh"""
 
 
@@ -90,9 +94,13 @@ def catch_sigterm() -> Iterator[threading.Event]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def start(cfg: Config, trainer: Trainer, ckpt: checkpoint.Checkpoints) -> tuple[TrainState, data.InputIterator]:
+def start(cfg: Config, trainer: Trainer, ckpt: checkpoint.Checkpoints, clock: goodput.Recorder
+          ) -> tuple[TrainState, data.InputIterator]:
     """The state to train from (resumed, seeded or fresh) and the train batches, positioned where it left off."""
+    began = time.perf_counter()
     state, data_state = ckpt.restore_or_init()
+    if data_state is not None:  # a resume: the read counts as checkpoint_restore, a fresh init as initialization
+        clock.phase("checkpoint_restore", time.perf_counter() - began)
     batches = train_input(cfg, trainer, state)
     if data_state is not None:
         batches.set_state(data_state)
@@ -143,6 +151,8 @@ def train_loop(
     writer: metrics.MetricsWriter,
     ckpt: checkpoint.Checkpoints,
     sigterm: threading.Event,
+    clock: goodput.Recorder,
+    task_eval: TaskEvaluation | None = None,
 ) -> TrainState:
     """Runs steps `state.step .. cfg.steps - 1`; metrics are fetched one step late so the device never waits."""
     trainer, train_step = compiled.trainer, compiled.step
@@ -155,18 +165,35 @@ def train_loop(
 
     # Every process sees every row of the global batch (data/pipeline.py): its counters are already the run's.
     deferred, log = metrics.DeferredMetrics(), console.StepLogger(cfg, writer, batches.stats, compiled.seconds)
-    for step in range(int(state.step), cfg.steps):
+    first = int(state.step)
+    for step in range(first, cfg.steps):
+        began = time.perf_counter()  # the iteration's time, less its waits for data and saves, is the step's
         with profiler.step(step):
-            state, step_metrics = train_step(state, rollouts.next_batch(batches, state))
+            batch = rollouts.next_batch(batches, state)
+            data_wait = time.perf_counter() - began
+            state, step_metrics = train_step(state, batch)
         log(deferred.push(step, step_metrics))
         rollouts.show_samples(batches, step + 1, cfg.log_period)
+        if step == first:  # dispatch returns at once: wait, so the compile of the first step is counted there
+            jax.block_until_ready(state)
+        eval_began = time.perf_counter()
         if eval_step is not None and (step + 1) % cfg.eval_period == 0:
             log(deferred.flush())
             eval_loss = evaluate(cfg, trainer, state, eval_step)
             writer.write(step + 1, {"eval_loss": eval_loss})
             print(f"eval at step {step + 1}: loss {eval_loss:.4f}", flush=True)
             log.restart()
-        if end_of_step(step + 1, state, batches, ckpt, sigterm):
+        if task_eval is not None and task_eval.due(step + 1):
+            log(deferred.flush())
+            writer.write(step + 1, task_eval(state.params, step + 1))
+            log.restart()
+        if ckpt.due(step + 1, False):  # the save waits for the step anyway: the step's time is the step's
+            jax.block_until_ready(state)
+        save_began = time.perf_counter()
+        stop = end_of_step(step + 1, state, batches, ckpt, sigterm)
+        # The step's own time ends where evaluation begins (goodput counts evaluation as other).
+        clock.step(step + 1, eval_began - began - data_wait, data_wait, time.perf_counter() - save_began)
+        if stop:
             break
     log(deferred.flush())
     profiler.close()
@@ -174,9 +201,11 @@ def train_loop(
 
 
 def run(argv: Sequence[str]) -> int:
+    started = time.time()  # goodput's wall time of this start begins here
     cfg = loading.load_run(argv, join_processes=True, resume=True)
     trainer = Trainer(cfg, mesh.build(cfg))
     report = check_layout(cfg, trainer)
+    task_eval = TaskEvaluation.from_config(cfg, trainer)  # unknown tasks fail here, before anything compiles
     params = trainer.abstract_state.params
     figures = console.startup_figures(cfg, dict(trainer.mesh.shape), count_params(params), report,
                                       count_params(trainable.trainable_subset(params, cfg.model)))
@@ -185,16 +214,33 @@ def run(argv: Sequence[str]) -> int:
     with (
         catch_sigterm() as sigterm,
         metrics.MetricsWriter.from_config(cfg, is_primary=jax.process_index() == 0) as writer,
-        checkpoint.Checkpoints(cfg, trainer) as ckpt,
+        goodput.Recorder(cfg.run_dir, jax.process_index() == 0, started) as clock,
+        emergency.open_checkpoints(cfg, trainer) as ckpt,
     ):
         console.print_startup(figures, writer)
         writer.write_config(cfg)
-        state, batches = start(cfg, trainer, ckpt)
+        state, batches = start(cfg, trainer, ckpt, clock)
         if int(state.step) >= cfg.steps:
             print(f"run already complete: step {int(state.step)} of steps={cfg.steps}; nothing to do", flush=True)
             return 0
-        train_loop(compiled_step(trainer, writer), state, batches, writer, ckpt, sigterm)
+        compiled = compiled_step(trainer, writer)
+        clock.phase("compile", compiled.seconds)
+        clock.phase("initialization", time.time() - started - clock.recorded())
+        state = train_loop(compiled, state, batches, writer, ckpt, sigterm, clock, task_eval)
+        report_goodput(int(state.step), ckpt, clock, writer)
     return 0
+
+
+def report_goodput(step: int, ckpt: checkpoint.Checkpoints, clock: goodput.Recorder,
+                   writer: metrics.MetricsWriter) -> None:
+    """The run's goodput over all its starts so far: one console line, and scalars in metrics.jsonl/TensorBoard."""
+    began = time.perf_counter()
+    ckpt.wait()  # the last save's commit is part of the run's checkpoint time
+    clock.phase("checkpoint_save", time.perf_counter() - began)
+    summary = clock.end()
+    if summary:
+        print(goodput.format_summary(summary), flush=True)
+        writer.write(step, goodput.metrics(summary))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

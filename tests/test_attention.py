@@ -307,6 +307,7 @@ def test_auto_resolves_once_for_the_device(device_kind: str, overrides: tuple[st
      "multiple of 2 x 8"),
     (("attention_block_kv=0",), "cpu", "attention_block_kv must be >= 1"),
     (("attention=tokamax",), "TPU v5 lite", "attention=tokamax is a GPU kernel"),
+    (("attention=cudnn", "attention_type=mla"), "NVIDIA A100-SXM4-80GB", "and at most 128 on device kind"),
     (("attention=tokamax",), "NVIDIA A100-SXM4-80GB", "attention=tokamax needs a Hopper or Blackwell GPU"),
     (("attention=tokamax", "dtype=float32"), "NVIDIA H100 80GB HBM3", "attention=tokamax needs dtype bfloat16"),
     (("attention=tokamax", "max_target_length=1000"), "NVIDIA H100 80GB HBM3", "a multiple of 128 (got 1000)"),

@@ -192,9 +192,9 @@ def test_load_full_state_path_takes_step_and_optimizer(saved, tmp_path):
 
 def test_data_state_of_another_process_count():
     same = {"process_0": {"step": 3}, "process_1": {"step": 3}}
-    assert checkpoint._this_process(same, "here") == {"step": 3}
+    assert checkpoint.this_process(same, "here") == {"step": 3}
     with pytest.raises(ConfigError, match="2 processes; this run has 1"):
-        checkpoint._this_process({"process_0": {"a": 1}, "process_1": {"a": 2}}, "here")
+        checkpoint.this_process({"process_0": {"a": 1}, "process_1": {"a": 2}}, "here")
 
 
 def test_sigterm_sets_the_flag_and_the_previous_handler_comes_back():

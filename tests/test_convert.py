@@ -43,8 +43,8 @@ from maxshard.training.step import Trainer, mesh_context
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures" / "hf"
-NAMES = ("llama_gqa", "mistral", "llama_tied", "qwen3", "qwen3_moe", "mixtral")
-GENERATING = ("llama_gqa", "qwen3", "qwen3_moe", "mixtral")  # the fixtures with a tokenizer and generate.json
+NAMES = ("llama_gqa", "mistral", "llama_tied", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3")
+GENERATING = ("llama_gqa", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3")  # the fixtures with a tokenizer and generate.json
 APPLY = ("dataset_type=synthetic", "dtype=float32", "weight_dtype=float32", "enable_tensorboard=false")
 TOLERANCE = 1e-4
 
@@ -142,7 +142,8 @@ def test_restores_sharded_with_the_same_logits(started, layout):
 
 @pytest.mark.parametrize(("name", "layout"), [("qwen3", "fsdp4xtensor2"), ("qwen3_moe", "fsdp4xtensor2"),
                                               ("qwen3_moe", "expert4xfsdp2"), ("mixtral", "fsdp4xtensor2"),
-                                              ("mixtral", "expert4xfsdp2")])
+                                              ("mixtral", "expert4xfsdp2"), ("deepseek_v3", "fsdp4xtensor2"),
+                                              ("deepseek_v3", "expert4xfsdp2")])
 def test_families_restore_sharded_with_the_same_logits(started, name, layout):
     """Imported Qwen3 / Qwen3-MoE / Mixtral under tensor and expert parallelism compute transformers' logits;
     the experts arrive stacked on the dimension expert parallelism shards."""
@@ -151,9 +152,11 @@ def test_families_restore_sharded_with_the_same_logits(started, name, layout):
     layers = state.params["decoder"]["layers"]
     if name != "qwen3":
         wi_0 = layers["layer_0"]["moe"]["wi_0"]  # [layers, experts, embed, mlp]
-        assert wi_0.shape[:2] == (2, 4)
-        local = wi_0.addressable_shards[0].data.shape  # each device holds 1 of 4 experts under expert=4
-        assert local[1] == (1 if layout == "expert4xfsdp2" else 4) and wi_0.addressable_shards[0].data.size < wi_0.size
+        experts = wi_0.shape[1]
+        assert wi_0.shape[:2] == ((1, 8) if name == "deepseek_v3" else (2, 4))  # DeepSeek: a dense layer first
+        local = wi_0.addressable_shards[0].data.shape  # each device holds 1/4 of the experts under expert=4
+        assert local[1] == (experts // 4 if layout == "expert4xfsdp2" else experts)
+        assert wi_0.addressable_shards[0].data.size < wi_0.size
     tokens, want = reference(name)
     got = apply(trainer, state.params, np.tile(tokens, (4, 1)))
     np.testing.assert_allclose(got, np.tile(want, (4, 1, 1)), rtol=0, atol=TOLERANCE)
@@ -380,7 +383,7 @@ def broken_copy(tmp_path: Path, change: dict[str, Any], remove: tuple[str, ...] 
     ({"mlp_bias": True}, (), "mlp_bias"),
     ({"hidden_act": "gelu"}, (), "hidden_act"),
     ({"sliding_window": 16}, (), "sliding_window"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, (), "rope_scaling.rope_type"),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, (), "rope_scaling.rope_type"),
     ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}, ("rope_scaling",),
      "rope_parameters.rope_type"),
     ({"quantization_config": {"quant_method": "gptq"}}, (), "quantization_config"),
@@ -435,6 +438,9 @@ def family_copy(tmp_path: Path, name: str, change: dict[str, Any]) -> Path:
     ("qwen3_moe", {"mlp_only_layers": [1]}, "mlp_only_layers"),
     ("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step"),
     ("mixtral", {"num_local_experts": 1}, "num_local_experts"),
+    ("deepseek_v3", {"scoring_func": "softmax"}, "scoring_func"),
+    ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
+                                         "truncate": False}}, "rope_parameters.truncate"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_family_fields_maxshard_cannot_compute_are_one_line(tmp_path, capsys, name, change, field):
     assert cli.main(["from_hf", str(family_copy(tmp_path, name, change)), str(tmp_path / "out")]) == 2

@@ -24,7 +24,9 @@ LEVELS: tuple[tuple[str, ...], ...] = (
     ("maxshard.model.config", "maxshard.model.remat", "maxshard.model.attention_kinds", "maxshard.dataset_types",
      "maxshard.model.pipeline_tables", "maxshard.parallel.axis_names", "maxshard.observe.perf",
      "maxshard.objectives.kinds"),
-    ("maxshard.model.pipeline_schedule",),  # the schedules' seam: the circular order and the tables' figures
+    # the model-family seam: the stacks a ModelConfig describes; the pipeline schedules' seam: the circular order and
+    # the tables' figures
+    ("maxshard.model.blocks", "maxshard.model.pipeline_schedule"),
     ("maxshard.config",),
     ("maxshard.parallel",),
     ("maxshard.objectives",),
@@ -38,8 +40,9 @@ LEVELS: tuple[tuple[str, ...], ...] = (
     ("maxshard.planning",),
     ("maxshard.run",),
     ("maxshard.generation", "maxshard.convert"),
+    ("maxshard.evaluation",),  # lm-eval's LM over the scorer and generation's engine
     ("maxshard.cli",),
-    ("maxshard.train", "maxshard.generate", "maxshard.plan"),
+    ("maxshard.train", "maxshard.generate", "maxshard.plan", "maxshard.eval"),
 )
 # Leaves import nothing of maxshard but the error type; layers (and what traces them) never import the run config,
 # not even through another module (checked on the whole import closure below).
@@ -47,7 +50,7 @@ LEAVES = LEVELS[0] + LEVELS[1]
 NO_RUN_CONFIG = ("maxshard.model.layers", "maxshard.model.config", "maxshard.model.remat",
                  "maxshard.model.pipeline_schedule", "maxshard.model.pipeline_tables", "maxshard.model.residuals")
 # Entry points: nothing of the package imports them (they wire everything together).
-ENTRY_POINTS = ("maxshard.train", "maxshard.generate", "maxshard.plan", "maxshard.convert.__main__",
+ENTRY_POINTS = ("maxshard.train", "maxshard.generate", "maxshard.plan", "maxshard.eval", "maxshard.convert.__main__",
                 "maxshard.launch.__main__")
 
 

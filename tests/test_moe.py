@@ -219,8 +219,8 @@ def _metric_keys(cfg: config.Config) -> set[str]:
         return set(jax.eval_shape(trainer._train_step, state, batch)[1])
 
 
-MOE_METRICS = {"moe/lb_loss", "moe/z_loss", "moe/dropped_fraction", "moe/expert_load_min", "moe/expert_load_max",
-               "moe/expert_load_cv"}
+MOE_METRICS = {"moe/lb_loss", "moe/z_loss", "moe/seq_balance_loss", "moe/dropped_fraction", "moe/expert_load_min",
+               "moe/expert_load_max", "moe/expert_load_cv"}
 
 
 def test_metrics_keys_and_dense_models_unchanged():

@@ -18,6 +18,8 @@ TINY = dict(vocab_size=8, emb_dim=32, num_heads=4, num_kv_heads=2, head_dim=8, m
             remat_policy="none")
 MOE = {"num_experts": 4, "num_experts_per_tok": 2}
 LLAMA3 = {"rope_scaling_type": "llama3"}
+MLA = {"attention_type": "mla"}
+YARN = {"rope_scaling_type": "yarn"}
 
 # Every field that is not COUNTED: (what it needs besides TINY, a value other than its default). A field added to
 # ModelConfig fails test_every_field_is_classified until it is named here, and the test below then says whether it
@@ -26,6 +28,11 @@ PROBES = {
     "qk_norm": ({}, True),
     "num_shared_experts": (MOE, 1),
     "moe_renormalize_top_k": (MOE, False),
+    "moe_router": (MOE, "sigmoid"),
+    "moe_n_group": (MOE, 2),
+    "moe_topk_group": ({**MOE, "moe_n_group": 4, "num_experts": 8}, 2),
+    "moe_router_bias": (MOE, True),
+    "moe_routed_scaling_factor": (MOE, 2.5),
     "lora_rank": ({}, 4),
     "lora_targets": ({"lora_rank": 4}, ("gate",)),
     "norm_epsilon": ({}, 1e-5),
@@ -36,6 +43,17 @@ PROBES = {
     "rope_high_freq_factor": (LLAMA3, 8.0),
     "rope_original_max_position": (LLAMA3, 16),
     "lora_alpha": ({"lora_rank": 4}, 32.0),
+    "attention_type": ({}, "mla"),
+    "q_lora_rank": (MLA, 16),
+    "kv_lora_rank": (MLA, 16),
+    "qk_nope_head_dim": (MLA, 16),
+    "qk_rope_head_dim": (MLA, 16),
+    "v_head_dim": (MLA, 16),
+    "yarn_beta_fast": (YARN, 16.0),
+    "yarn_beta_slow": (YARN, 2.0),
+    "yarn_mscale": ({**YARN, "yarn_mscale_all_dim": 1.0}, 0.707),
+    "yarn_mscale_all_dim": (YARN, 1.0),
+    "moe_routed_scaling_factor": (MOE, 2.5),
 }
 
 

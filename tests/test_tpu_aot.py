@@ -43,6 +43,17 @@ LAYOUTS = {
     "pipeline x expert": ("ici_fsdp_parallelism=2", "ici_expert_parallelism=2", "ici_pipeline_parallelism=2",
                           "per_device_batch_size=2", *MOE, "num_layers=4"),
 }
+# DeepSeek-V3's kinds at a small shape: latent attention with a query latent, a dense first layer, then MoE layers
+# routed by sigmoid scores among the best of 2 groups with a selection bias, and a shared expert.
+DEEPSEEK = ("attention_type=mla", "q_lora_rank=128", "kv_lora_rank=128", "qk_nope_head_dim=128",
+            "qk_rope_head_dim=64", "v_head_dim=128", "num_experts=4", "num_experts_per_tok=2", "capacity_factor=-1",
+            "first_k_dense_replace=1", "num_layers=3", "moe_mlp_dim=256", "num_shared_experts=1",
+            "moe_router=sigmoid", "moe_n_group=2", "moe_topk_group=1", "moe_router_bias=true",
+            "moe_bias_update_rate=0.001")
+# fsdp, expert and pipeline in one program (each compile costs a minute of CI): the dense layer runs before the
+# pipeline of the two MoE units, whose experts are split over `expert` and whose weights over `fsdp`.
+LAYOUTS["deepseek: pipeline x expert x fsdp"] = ("ici_fsdp_parallelism=2", "ici_expert_parallelism=2",
+                                                 "ici_pipeline_parallelism=2", "per_device_batch_size=2", *DEEPSEEK)
 
 
 def _leaf_bytes(cfg) -> list[int]:
@@ -85,6 +96,8 @@ def test_init_and_step_compile_for_a_v5e_slice_with_the_tpu_defaults(layout, dev
     step = compile_train_step(cfg, run_mesh)
     assert peak_bytes(step.memory_analysis()) > init_peak
     program = step.as_text()
+    if "deepseek" in layout:
+        assert cfg.model.attention_type == "mla" and cfg.model.first_k_dense_replace == 1
     if layout == "context":  # ring attention: its steps pass K/V around the context ring (blockwise inside)
         assert "collective-permute" in program
     else:  # splash, lowered by Mosaic into the program

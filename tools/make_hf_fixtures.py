@@ -23,6 +23,13 @@ Each fixture directory holds what `save_pretrained` writes plus `tokens.npy` (in
                bfloat16, same tokenizer kind.
   mixtral      MixtralForCausalLM: 4 experts, top-2 (softmax over the chosen logits), bfloat16, with a
                Llama-style tokenizer whose template adds BOS.
+  deepseek_v3  DeepseekV3ForCausalLM with every feature on: multi-head latent attention with a low-rank query
+               (q_lora_rank 24, kv_lora_rank 16, nope 16 + rope 8, v 16), YaRN (factor 4 over an original
+               context of 8 tokens, mscale_all_dim 1, interleaved RoPE as the released config), one dense layer
+               first then MoE: 8 experts in 4 groups, 2 groups kept, top-2 by sigmoid scores plus a random
+               e_score_correction_bias, routed scaling 2.5, one shared expert; float32; the Llama-style tokenizer.
+
+`python tools/make_hf_fixtures.py NAME ...` rewrites only the named fixtures (all of them without names).
 
 Every fixture with a tokenizer also gets `generate.json`: a prompt, `tokenizer(prompt)`'s ids and the tokens of
 `model.generate(..., do_sample=False, max_new_tokens=16)` (stopping at the model's EOS ids). llama_gqa's
@@ -44,7 +51,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 from transformers import MixtralConfig, MixtralForCausalLM, Qwen3Config, Qwen3ForCausalLM
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Tokenizer
 
 OUT = pathlib.Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "hf"
@@ -166,7 +173,31 @@ def to_4x_spelling(directory: pathlib.Path) -> None:
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
-def main() -> None:
+def deepseek_v3() -> None:
+    llama_tok = llama_bos_tokenizer()
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+    config = DeepseekV3Config(**dict(COMMON, vocab_size=len(llama_tok), num_hidden_layers=2, max_position_embeddings=32),
+                              intermediate_size=96,
+                              moe_intermediate_size=32, num_key_value_heads=4, n_shared_experts=1,
+                              n_routed_experts=8, routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24,
+                              qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, n_group=4, topk_group=2,
+                              num_experts_per_tok=2, first_k_dense_replace=1, norm_topk_prob=True,
+                              rope_parameters=yarn, rope_interleave=True, rms_norm_eps=1e-6)
+    model = DeepseekV3ForCausalLM(config)
+    gen = torch.Generator().manual_seed(70)
+    with torch.no_grad():  # a buffer, not a parameter: `redraw` leaves it at zero, where it would choose nothing
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=gen))
+    with_tokenizer(model, llama_tok, save(model, "deepseek_v3", seed=7, bf16=False), [2])
+
+
+def main(names: list[str]) -> None:
+    if names:
+        for name in names:
+            {"deepseek_v3": deepseek_v3}[name]()
+        return
     torch.manual_seed(0)
     llama = LlamaForCausalLM(LlamaConfig(**COMMON, intermediate_size=96, num_key_value_heads=2, head_dim=8,
                                          rms_norm_eps=1e-5, rope_parameters=dict(LLAMA3)))
@@ -212,10 +243,13 @@ def main() -> None:
                                                sliding_window=None,
                                                rope_parameters={"rope_type": "default", "rope_theta": 1e6}))
     with_tokenizer(mixtral, llama_tok, save(mixtral, "mixtral", seed=6, bf16=True), [2])
+    deepseek_v3()
 
     total = sum(p.stat().st_size for p in OUT.rglob("*") if p.is_file())
     print(f"wrote {OUT}: {total / 1024:.0f} KiB")
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    main(sys.argv[1:])

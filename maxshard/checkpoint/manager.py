@@ -57,18 +57,18 @@ from maxshard.model import trainable
 from maxshard.training.step import Trainer, TrainState
 
 __all__ = ["Checkpoints", "CheckpointError", "SaveFailed", "target_state", "check_matches", "preemption_reached",
-           "DAMAGED_SUFFIX"]
+           "DAMAGED_SUFFIX", "gather_data_states", "allgather_json", "this_process"]
 
 DAMAGED_SUFFIX = ".damaged"
 _PREEMPTION_SERVICE_OFF = "Preemption sync manager has not been initialized"  # jax's RuntimeError when it is off
 
 
-def _gather_data_states(local: dict[str, Any]) -> dict[str, Any]:
+def gather_data_states(local: dict[str, Any]) -> dict[str, Any]:
     """{"process_<i>": state} of every process, as JSON bytes through one allgather; they must agree (one global
     stream), else a resume on another process count could not pick one."""
     if jax.process_count() == 1:
         return {"process_0": local}
-    gathered = _allgather_json(local)
+    gathered = allgather_json(local)
     first = gathered["process_0"]
     if any(state != first for state in gathered.values()):
         raise RuntimeError("the processes' data iterator states differ; they must be one position of the global "
@@ -76,7 +76,7 @@ def _gather_data_states(local: dict[str, Any]) -> dict[str, Any]:
     return gathered
 
 
-def _allgather_json(local: dict[str, Any]) -> dict[str, Any]:
+def allgather_json(local: dict[str, Any]) -> dict[str, Any]:
     encoded = np.frombuffer(json.dumps(local).encode(), np.uint8)
     sizes = multihost_utils.process_allgather(np.int32(encoded.size))
     padded = np.zeros(int(sizes.max()), np.uint8)
@@ -85,7 +85,7 @@ def _allgather_json(local: dict[str, Any]) -> dict[str, Any]:
     return {f"process_{i}": json.loads(bytes(row[:n]).decode()) for i, (row, n) in enumerate(zip(rows, sizes))}
 
 
-def _this_process(saved: dict[str, Any], where: str) -> dict[str, Any]:
+def this_process(saved: dict[str, Any], where: str) -> dict[str, Any]:
     """This process's iterator state; another process count is fine only if all saved states are the same."""
     mine = saved.get(f"process_{jax.process_index()}")
     if len(saved) == jax.process_count() and mine is not None:
@@ -263,7 +263,7 @@ class Checkpoints:
         check_same_base(self.cfg, step_dir)
         state = restore(step_dir / checkpoint_format.STATE, target, saved)
         data = ocp.JsonCheckpointHandler().restore(step_dir / checkpoint_format.DATA)
-        return jax.block_until_ready(state), _this_process(data, f"checkpoint step {step}")
+        return jax.block_until_ready(state), this_process(data, f"checkpoint step {step}")
 
     def _aside_name(self, step: int) -> str:
         aside = epath.Path(self.cfg.checkpoint_dir) / f"{step}{DAMAGED_SUFFIX}"
@@ -297,7 +297,7 @@ class Checkpoints:
         print(f"saving checkpoint at step {step}", flush=True)
         args = ocp.args.Composite(**{
             checkpoint_format.STATE: ocp.args.StandardSave(saved_part(state, self.trainer)),
-            checkpoint_format.DATA: ocp.args.JsonSave(_gather_data_states(data_state)),
+            checkpoint_format.DATA: ocp.args.JsonSave(gather_data_states(data_state)),
             checkpoint_format.CONFIG: ocp.args.JsonSave(checkpoint_format.config_json(self.cfg)),
         })
         self._pending = step

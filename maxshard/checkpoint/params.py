@@ -38,14 +38,15 @@ def target_state(trainer: Trainer) -> TrainState:
 
 
 def saved_part(state: TrainState, trainer: Trainer) -> TrainState:
-    """What a checkpoint holds of `state` (or of its abstract target): all of it, or with LoRA the adapters, their
-    optimizer moments and the step; the frozen base would repeat `load_parameters_path` at every save."""
-    return state.replace(params=trainable.trainable_subset(state.params, trainer.cfg.model))
+    """What a checkpoint holds of `state` (or of its abstract target): all of it, or with LoRA the adapters (and
+    what the step moves: MoE selection biases), their optimizer moments and the step; the frozen base would repeat
+    `load_parameters_path` at every save."""
+    return state.replace(params=trainable.saved_subset(state.params, trainer.cfg.model))
 
 
 def with_base(state: TrainState, trainer: Trainer) -> TrainState:
     """A state read from a checkpoint (`saved_part`) made whole: with LoRA the frozen base joins it, read from the
-    run's `load_parameters_path` onto this mesh."""
+    run's `load_parameters_path` onto this mesh (the checkpoint's moved biases win over the base's)."""
     cfg = trainer.cfg
     if trainable.trains_everything(cfg.model):
         return state

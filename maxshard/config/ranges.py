@@ -141,9 +141,11 @@ def _check_moe(cfg: Config) -> None:
     if not 1 <= cfg.num_experts_per_tok <= cfg.num_experts:
         raise ConfigError(f"num_experts_per_tok must be in [1, num_experts={cfg.num_experts}], "
                           f"got {cfg.num_experts_per_tok}")
-    if cfg.moe_layer_interval < 1 or cfg.num_layers % cfg.moe_layer_interval:
-        raise ConfigError(f"moe_layer_interval={cfg.moe_layer_interval} must be >= 1 and divide "
-                          f"num_layers={cfg.num_layers}")
+    _check_dense_first(cfg)
+    moe_layers = cfg.num_layers - cfg.first_k_dense_replace
+    if cfg.moe_layer_interval < 1 or moe_layers % cfg.moe_layer_interval:
+        raise ConfigError(f"moe_layer_interval={cfg.moe_layer_interval} must be >= 1 and divide num_layers - "
+                          f"first_k_dense_replace = {moe_layers}")
     if cfg.moe_group_size < 0 or (cfg.moe_group_size and cfg.max_target_length % cfg.moe_group_size):
         raise ConfigError(f"moe_group_size={cfg.moe_group_size} must be 0 (whole sequence) or divide "
                           f"max_target_length={cfg.max_target_length}")
@@ -152,9 +154,42 @@ def _check_moe(cfg: Config) -> None:
                           f"{cfg.moe_ragged_buffer_factor}")
     if cfg.num_shared_experts < 0:
         raise ConfigError(f"num_shared_experts must be >= 0, got {cfg.num_shared_experts}")
-    for key in ("load_balance_loss_weight", "router_z_loss_weight"):
+    for key in ("load_balance_loss_weight", "router_z_loss_weight", "moe_seq_balance_loss_weight",
+                "moe_bias_update_rate"):
         if not getattr(cfg, key) >= 0:
             raise ConfigError(f"{key} must be >= 0, got {getattr(cfg, key)}")
+    _check_routing(cfg)
+
+
+def _check_routing(cfg: Config) -> None:
+    """DeepSeek-V3's group-limited routing and selection bias (layers/moe.py): groups that split the experts, a
+    choice that fits in the groups kept, a bias to move."""
+    if cfg.moe_n_group < 1 or cfg.num_experts % cfg.moe_n_group:
+        raise ConfigError(f"moe_n_group={cfg.moe_n_group} must be >= 1 and divide num_experts={cfg.num_experts}")
+    if not 1 <= cfg.moe_topk_group <= cfg.moe_n_group:
+        raise ConfigError(f"moe_topk_group={cfg.moe_topk_group} must be in [1, moe_n_group={cfg.moe_n_group}]")
+    available = cfg.moe_topk_group * (cfg.num_experts // cfg.moe_n_group)
+    if cfg.num_experts_per_tok > available:
+        raise ConfigError(f"num_experts_per_tok={cfg.num_experts_per_tok} is more than the {available} experts of "
+                          f"moe_topk_group={cfg.moe_topk_group} groups of num_experts / moe_n_group="
+                          f"{cfg.num_experts // cfg.moe_n_group}")
+    if not cfg.moe_routed_scaling_factor > 0:
+        raise ConfigError(f"moe_routed_scaling_factor must be > 0, got {cfg.moe_routed_scaling_factor}")
+    if cfg.moe_bias_update_rate > 0 and not (cfg.moe_router_bias and cfg.num_experts > 1):
+        raise ConfigError(f"moe_bias_update_rate={cfg.moe_bias_update_rate} moves the experts' selection bias: set "
+                          "moe_router_bias=true (in an MoE model, num_experts > 1)")
+
+
+def _check_dense_first(cfg: Config) -> None:
+    """`first_k_dense_replace`: dense layers before the MoE ones, so an MoE model with at least one MoE layer."""
+    first = cfg.first_k_dense_replace
+    if first and cfg.num_experts == 1:
+        raise ConfigError(f"first_k_dense_replace={first} needs an MoE model (num_experts > 1): every layer of a dense"
+                          " model is dense already")
+    if not 0 <= first < cfg.num_layers:
+        raise ConfigError(f"first_k_dense_replace must be in [0, num_layers={cfg.num_layers}), got {first}")
+    if cfg.moe_mlp_dim < 0:
+        raise ConfigError(f"moe_mlp_dim must be >= 0 (0: mlp_dim), got {cfg.moe_mlp_dim}")
 
 
 def _check_lora(cfg: Config) -> None:
@@ -164,7 +199,7 @@ def _check_lora(cfg: Config) -> None:
     unknown = [t for t in cfg.lora_targets if t not in LORA_TARGETS]
     if unknown or not cfg.lora_targets:
         raise ConfigError(f"lora_targets={list(cfg.lora_targets)}: names from {', '.join(LORA_TARGETS)}, at least one")
-    dense_mlps = cfg.num_experts == 1 or cfg.moe_layer_interval > 1
+    dense_mlps = cfg.num_experts == 1 or cfg.moe_layer_interval > 1 or cfg.first_k_dense_replace > 0
     mlp_targets = [t for t in cfg.lora_targets if t in ("gate", "up", "down")]
     if cfg.lora_rank and mlp_targets and not dense_mlps:
         raise ConfigError(f"lora_targets={list(cfg.lora_targets)}: {', '.join(mlp_targets)} adapt dense MLPs, and "
@@ -195,7 +230,8 @@ def _check_data(cfg: Config) -> None:
 
 
 def _check_rope(cfg: Config) -> None:
-    """RoPE base and Llama-3 scaling: the blend divides by (high - low), and a factor < 1 would shorten wavelengths."""
+    """RoPE base and Llama-3 scaling: the blend divides by (high - low), and a factor < 1 would shorten wavelengths;
+    YaRN's ramp runs from beta_fast down to beta_slow turns; latent attention's RoPE part rotates pairs."""
     if not cfg.rope_max_timescale > 1:
         raise ConfigError(f"rope_max_timescale must be > 1, got {cfg.rope_max_timescale}")
     if not cfg.rope_scaling_factor >= 1:
@@ -203,6 +239,17 @@ def _check_rope(cfg: Config) -> None:
     if not 0 < cfg.rope_low_freq_factor < cfg.rope_high_freq_factor:
         raise ConfigError(f"rope_low_freq_factor and rope_high_freq_factor must satisfy 0 < low < high, got "
                           f"{cfg.rope_low_freq_factor} and {cfg.rope_high_freq_factor}")
+    if cfg.rope_scaling_type == "yarn" and not 0 < cfg.yarn_beta_slow < cfg.yarn_beta_fast:
+        raise ConfigError(f"yarn_beta_slow and yarn_beta_fast must satisfy 0 < slow < fast, got "
+                          f"{cfg.yarn_beta_slow} and {cfg.yarn_beta_fast}")
+    if cfg.yarn_mscale < 0 or cfg.yarn_mscale_all_dim < 0:
+        raise ConfigError(f"yarn_mscale and yarn_mscale_all_dim must be >= 0 (0: unset), got {cfg.yarn_mscale} and "
+                          f"{cfg.yarn_mscale_all_dim}")
+    if cfg.attention_type == "mla" and cfg.qk_rope_head_dim % 2:
+        raise ConfigError(f"qk_rope_head_dim must be even (RoPE rotates pairs), got {cfg.qk_rope_head_dim}")
+    if cfg.attention_type == "mla" and cfg.qk_norm:
+        raise ConfigError("qk_norm normalises grouped-query heads; attention_type=mla normalises its latents: "
+                          "set qk_norm=false")
 
 
 _POSITIVE_INTS = {
@@ -218,6 +265,11 @@ _POSITIVE_INTS = {
     "num_heads": 1,
     "num_kv_heads": 1,
     "head_dim": 1,
+    "q_lora_rank": 0,
+    "kv_lora_rank": 1,
+    "qk_nope_head_dim": 1,
+    "qk_rope_head_dim": 2,
+    "v_head_dim": 1,
     "mlp_dim": 1,
     "attention_block_q": 1,
     "attention_block_kv": 1,
@@ -227,6 +279,7 @@ _POSITIVE_INTS = {
     "vocab_size_multiple": 1,
     "checkpoint_period": 1,
     "max_checkpoints_to_keep": 0,
+    "checkpoint_local_period": 1,
     "profile_start": 0,
     "profile_steps": 1,
     "distributed_timeout": 1,
@@ -241,6 +294,9 @@ _POSITIVE_INTS = {
     "grpo_updates_per_rollout": 1,
     "grpo_max_new_tokens": 1,
     "grpo_max_prompt_length": 1,
+    "eval_tasks_period": 0,
+    "eval_tasks_limit": 0,
+    "eval_batch_size": 1,
 }
 _UNIT_INTERVALS = {  # key: (low, high, high included)
     "warmup_steps_fraction": (0.0, 1.0, True),

@@ -144,12 +144,22 @@ class Config:
     logits_via_embedding: bool = _model_default("logits_via_embedding")
     norm_epsilon: float = _model_default("norm_epsilon")
     qk_norm: bool = _model_default("qk_norm")
+    attention_type: Literal["gqa", "mla"] = _model_default("attention_type")
+    q_lora_rank: int = _model_default("q_lora_rank")
+    kv_lora_rank: int = _model_default("kv_lora_rank")
+    qk_nope_head_dim: int = _model_default("qk_nope_head_dim")
+    qk_rope_head_dim: int = _model_default("qk_rope_head_dim")
+    v_head_dim: int = _model_default("v_head_dim")
     rope_max_timescale: float = _model_default("rope_max_timescale")
-    rope_scaling_type: Literal["none", "llama3"] = _model_default("rope_scaling_type")
+    rope_scaling_type: Literal["none", "llama3", "yarn"] = _model_default("rope_scaling_type")
     rope_scaling_factor: float = _model_default("rope_scaling_factor")
     rope_low_freq_factor: float = _model_default("rope_low_freq_factor")
     rope_high_freq_factor: float = _model_default("rope_high_freq_factor")
     rope_original_max_position: int = _model_default("rope_original_max_position")
+    yarn_beta_fast: float = _model_default("yarn_beta_fast")
+    yarn_beta_slow: float = _model_default("yarn_beta_slow")
+    yarn_mscale: float = _model_default("yarn_mscale")
+    yarn_mscale_all_dim: float = _model_default("yarn_mscale_all_dim")
     dtype: DType = "auto"
     weight_dtype: DType = _model_default("weight_dtype")
     quantization: Quantization = "none"
@@ -239,6 +249,15 @@ class Config:
     moe_ragged_buffer_factor: float = _model_default("moe_ragged_buffer_factor")
     num_shared_experts: int = _model_default("num_shared_experts")
     moe_renormalize_top_k: bool = _model_default("moe_renormalize_top_k")
+    moe_mlp_dim: int = _model_default("moe_mlp_dim")
+    first_k_dense_replace: int = _model_default("first_k_dense_replace")
+    moe_router: Literal["softmax", "sigmoid"] = _model_default("moe_router")
+    moe_n_group: int = _model_default("moe_n_group")
+    moe_topk_group: int = _model_default("moe_topk_group")
+    moe_routed_scaling_factor: float = _model_default("moe_routed_scaling_factor")
+    moe_router_bias: bool = _model_default("moe_router_bias")
+    moe_bias_update_rate: float = 0.0
+    moe_seq_balance_loss_weight: float = 0.0
     load_balance_loss_weight: float = 0.01
     router_z_loss_weight: float = 0.001
 
@@ -258,6 +277,8 @@ class Config:
     async_checkpointing: bool = True
     checkpoint_period: int = 100
     max_checkpoints_to_keep: int = 3
+    checkpoint_local_dir: str = _path()
+    checkpoint_local_period: int = 10
     load_parameters_path: str = _path()
     load_full_state_path: str = _path()
 
@@ -269,6 +290,15 @@ class Config:
     top_k: int = 0
     top_p: float = 1.0
     generate_output: str = _path()
+
+    # ---- lm-eval-harness tasks (python -m maxshard.eval, and in training; see maxshard/evaluation/)
+    tasks: str = ""
+    eval_tasks: str = ""
+    eval_tasks_period: int = 0
+    eval_tasks_limit: int = 0
+    eval_tasks_dir: str = _path()
+    eval_batch_size: int = 8
+    eval_output: str = _path()
 
     # ---- derived (set by config.finalize)
     explicit_keys: tuple[str, ...] = _derived(())

@@ -137,14 +137,15 @@ def _write_params(state_dir: epath.Path, source: safetensors_io.Source,
     for (param, infos), leaf in zip(plan, leaves):
         store = orbax_io.create_array(state_dir, leaf)
         axis, dims = leaf.row_axis, param.layer_shape
-        size, step = dims[axis], orbax_io.rows_per_chunk(leaf)
+        size = dims[axis]
+        step = size if names.whole_rows(param.entry, dims) else orbax_io.rows_per_chunk(leaf)
         per_row = names.hf_rows_per_row(param.entry, dims)
         for index, info in zip(param.indices(), infos):
             for start in range(0, size, step):
                 stop = min(start + step, size)
                 rows = source.read(info, start * per_row, stop * per_row)
                 block = names.to_maxshard(param.entry, rows, dims[:axis] + (stop - start,) + dims[axis + 1 :])
-                orbax_io.write_rows(store, leaf, index, start, block)
+                orbax_io.write_rows(store, leaf, param.local(index), start, block)
 
 
 def convert(hf_dir: str, out_dir: str, base_config: str | None = None) -> Result:

@@ -25,6 +25,9 @@ _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layer
 _LLAMA3 = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_low_freq_factor",
            "high_freq_factor": "rope_high_freq_factor",
            "original_max_position_embeddings": "rope_original_max_position"}
+_YARN = {"factor": ("rope_scaling_factor", None), "original_max_position_embeddings": ("rope_original_max_position", None),
+         "beta_fast": ("yarn_beta_fast", 32.0), "beta_slow": ("yarn_beta_slow", 1.0), "mscale": ("yarn_mscale", 1.0),
+         "mscale_all_dim": ("yarn_mscale_all_dim", 0.0)}
 _REPLACED = ("rope_parameters", "rope_scaling", "rope_theta", "torch_dtype", "dtype", "transformers_version")
 
 
@@ -104,14 +107,41 @@ def rope_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
     keys: dict[str, Any] = {"rope_max_timescale": float(theta), "rope_scaling_type": "none"}
     if kind == "default":
         return keys
+    if kind == "yarn":
+        return {**keys, **_yarn_keys(params, where)}
     if kind != "llama3":
-        raise _refuse(f"{where}.rope_type", kind, "maxshard implements default and llama3 RoPE")
+        raise _refuse(f"{where}.rope_type", kind, "maxshard implements default, llama3 and yarn RoPE")
     for field, key in _LLAMA3.items():
         if field not in params:
             raise ConfigError(f"config.json: {where} has rope_type llama3 but no {field}")
         keys[key] = int(params[field]) if key == "rope_original_max_position" else float(params[field])
     keys["rope_scaling_type"] = "llama3"
     return keys
+
+
+def _yarn_keys(params: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """YaRN's constants, transformers' defaults where a field is absent; its variants maxshard lacks refused."""
+    if params.get("truncate", True) is not True:
+        raise _refuse(f"{where}.truncate", params["truncate"], "maxshard's YaRN truncates the correction range")
+    if params.get("attention_factor") is not None:
+        raise _refuse(f"{where}.attention_factor", params["attention_factor"], "maxshard derives it from mscale")
+    keys: dict[str, Any] = {"rope_scaling_type": "yarn"}
+    for field, (key, default) in _YARN.items():
+        if field not in params and default is None:
+            raise ConfigError(f"config.json: {where} has rope_type yarn but no {field}")
+        value = params.get(field, default)
+        keys[key] = int(value) if key == "rope_original_max_position" else float(value)
+    return keys
+
+
+def _family_fields(hf: Mapping[str, Any], fam: Family) -> dict[str, Any]:
+    """The family's own fields (`Family.fields`: DeepSeek's latent widths, groups, dense first layers) and the
+    model keys it fixes."""
+    out = dict(fam.keys)
+    for field, key in fam.fields.items():
+        value = hf.get(field)
+        out[key] = 0 if value is None else value
+    return out
 
 
 def _moe_keys(hf: Mapping[str, Any], fam: Family) -> dict[str, Any]:
@@ -151,12 +181,16 @@ def model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
         "qk_norm": fam.qk_norm,
         **rope_keys(hf),
         **(_moe_keys(hf, fam) if fam.is_moe else {}),
+        **_family_fields(hf, fam),
     }
 
 
 def _rope_scaling(keys: Mapping[str, Any]) -> dict[str, Any] | None:
-    if keys.get("rope_scaling_type", "none") == "none":
+    kind = keys.get("rope_scaling_type", "none")
+    if kind == "none":
         return None
+    if kind == "yarn":
+        return {"rope_type": "yarn", **{field: keys.get(key, default) for field, (key, default) in _YARN.items()}}
     return {"rope_type": "llama3", **{field: keys[key] for field, key in _LLAMA3.items()}}
 
 
@@ -170,6 +204,8 @@ def default_max_position(keys: Mapping[str, Any]) -> int:
 def family_of_keys(keys: Mapping[str, Any]) -> Family:
     """The family to export as when there is no template: the plainest row that computes these model keys."""
     moe, qk_norm = keys.get("num_experts", 1) > 1, bool(keys.get("qk_norm", False))
+    if keys.get("attention_type", "gqa") == "mla":
+        return by_architecture("DeepseekV3ForCausalLM")
     if not moe:
         return by_architecture("Qwen3ForCausalLM" if qk_norm else "LlamaForCausalLM")
     return by_architecture("Qwen3MoeForCausalLM" if qk_norm else "MixtralForCausalLM")
@@ -179,9 +215,13 @@ def _check_family(keys: Mapping[str, Any], fam: Family) -> None:
     """The model keys must be what the family computes; otherwise transformers would load a different function."""
     experts = keys.get("num_experts", 1)
     wants = {"qk_norm": (bool(keys.get("qk_norm", False)), fam.qk_norm), "num_experts > 1": (experts > 1, fam.is_moe)}
+    wants["attention_type"] = (keys.get("attention_type", "gqa"), fam.attention)
+    for key, value in fam.keys.items():
+        wants[key] = (keys.get(key), value)
     if fam.is_moe:
         wants["moe_layer_interval"] = (keys.get("moe_layer_interval", 1), 1)
-        wants["num_shared_experts"] = (keys.get("num_shared_experts", 0), 0)
+        if not fam.shared_experts:
+            wants["num_shared_experts"] = (keys.get("num_shared_experts", 0), 0)
         if fam.renormalize_field is None:
             wants["moe_renormalize_top_k"] = (bool(keys.get("moe_renormalize_top_k", True)), fam.renormalize_default)
     for key, (have, need) in wants.items():
@@ -230,6 +270,8 @@ def to_hf(keys: Mapping[str, Any], dtype: str, template: Mapping[str, Any] | Non
         out.update(_moe_fields(keys, fam, out))
     else:
         out["intermediate_size"] = keys["mlp_dim"]
+    for field, key in fam.fields.items():
+        out[field] = keys[key] if keys.get(key) or field != "q_lora_rank" else None  # DeepSeek writes null
     for field, value in (token_ids or {}).items():
         out.setdefault(field, value)
     return out

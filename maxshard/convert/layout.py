@@ -17,38 +17,44 @@ import jax
 from maxshard.convert import names
 from maxshard.convert.families import Family
 from maxshard.errors import ConfigError
+from maxshard.model import blocks
 from maxshard.model import transformer as model
-from maxshard.model.config import ModelConfig
+from maxshard.model.config import ModelConfig, architecture_keys
 
 __all__ = ["MODEL_KEYS", "model_config", "Param", "params_of"]
 
-MODEL_KEYS = ("vocab_size", "emb_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
-              "max_target_length", "logits_via_embedding", "norm_epsilon", "qk_norm", "rope_max_timescale",
-              "rope_scaling_type", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-              "rope_original_max_position", "num_experts", "num_experts_per_tok", "capacity_factor",
-              "moe_layer_interval", "num_shared_experts", "moe_renormalize_top_k")
-_STACK = ("decoder", "layers")
-_MOE_LAYER = "layer_0"  # an MoE model's repeated unit is a block of moe_layer_interval (here 1) layers
+# What a checkpoint's config keeps of the network for conversion (the training length and the capacity factor, which
+# the converter sets, are implementation fields; both are read when present).
+MODEL_KEYS = (*architecture_keys(), "max_target_length", "capacity_factor")
+_MOE_LAYER = "layer_0"  # an MoE stack's repeated unit is a block of moe_layer_interval (here 1) layers
 
 
 def model_config(keys: Mapping[str, Any]) -> ModelConfig:
     """The network of these model keys (scanned layers, no pipeline, every other field at its default): all the
     converter needs to know the parameter tree, with no run, mesh or devices."""
     cfg = ModelConfig(**{k: keys[k] for k in MODEL_KEYS if k in keys}, scan_layers=True)
-    if cfg.is_moe and (cfg.moe_layer_interval != 1 or cfg.num_shared_experts):
-        raise ConfigError(f"moe_layer_interval={cfg.moe_layer_interval}, num_shared_experts={cfg.num_shared_experts}:"
-                          " the converted MoE families route in every layer and have no shared experts")
+    if cfg.is_moe and cfg.moe_layer_interval != 1:
+        raise ConfigError(f"moe_layer_interval={cfg.moe_layer_interval}: the converted MoE families route in every "
+                          "layer after their dense first ones")
     return cfg
 
 
 @dataclasses.dataclass(frozen=True)
 class Param:
-    """One maxshard parameter: its path, shape (stacked [layers, ...] when `stacked`) and the table row."""
+    """One maxshard parameter: its path, shape (stacked [layers, ...] when `stacked`) and the table row. A stacked
+    parameter belongs to one of the decoder's stacks (model/blocks.py), whose first layer is Hugging Face's layer
+    `first` (DeepSeek-V3's MoE stack starts after its dense first layers)."""
 
     path: tuple[str, ...]
     shape: tuple[int, ...]
     entry: names.Entry
     stacked: bool
+    first: int = 0
+
+    @property
+    def stack(self) -> str:
+        """The decoder stack's name ("layers", "dense_layers"); "" for a global parameter."""
+        return self.path[1] if self.stacked else ""
 
     @property
     def lead(self) -> int:
@@ -61,8 +67,16 @@ class Param:
         return self.shape[self.lead :]
 
     def indices(self) -> list[tuple[int, ...]]:
-        """Every Hugging Face tensor's index: [()] for a global one, (layer,) or (layer, expert) in file order."""
-        return list(itertools.product(*(range(n) for n in self.shape[: self.lead])))
+        """Every Hugging Face tensor's index: [()] for a global one, (layer,) or (layer, expert) in file order,
+        layers numbered as Hugging Face numbers them."""
+        ranges = [range(n) for n in self.shape[: self.lead]]
+        if self.stacked:
+            ranges[0] = range(self.first, self.first + self.shape[0])
+        return list(itertools.product(*ranges))
+
+    def local(self, index: tuple[int, ...]) -> tuple[int, ...]:
+        """A Hugging Face tensor's index (`indices`) in this parameter's own array: its unit of the stack."""
+        return (index[0] - self.first, *index[1:]) if self.stacked else index
 
 
 def _key(entry: Any) -> str:
@@ -72,15 +86,19 @@ def _key(entry: Any) -> str:
 def params_of(cfg: ModelConfig, family: Family) -> list[Param]:
     """Every parameter of the model in tree order; a leaf the family's table does not know is an error."""
     by_path = {e.path: e for e in (*names.GLOBAL, names.HEAD)}
-    per_layer = {e.path: e for e in names.per_layer(family)}
+    stacks, first = {}, 0
+    for stack in blocks.stacks(cfg):  # each stack's table (its layers' kinds) and first Hugging Face layer
+        stacks[stack.name] = ({e.path: e for e in names.per_layer(family, cfg, stack.unit[-1])}, first)
+        first += stack.num_layers
     leaves, _ = jax.tree_util.tree_flatten_with_path(nn.unbox(model.abstract_params(cfg)))
     out = []
     for key_path, leaf in leaves:
         path = tuple(_key(k) for k in key_path)
-        stacked = path[:2] == _STACK
-        inner = path[3:] if cfg.is_moe and path[2:3] == (_MOE_LAYER,) else path[2:]
-        entry = per_layer.get(inner) if stacked else by_path.get(path)
+        stacked = path[0] == "decoder" and path[1] in stacks
+        table, offset = stacks[path[1]] if stacked else (by_path, 0)
+        inner = (path[3:] if path[2:3] == (_MOE_LAYER,) else path[2:]) if stacked else path
+        entry = table.get(inner)
         if entry is None:
             raise ConfigError(f"parameter {'/'.join(path)} has no tensor in {family.architecture}")
-        out.append(Param(path, tuple(leaf.shape), entry, stacked))
+        out.append(Param(path, tuple(leaf.shape), entry, stacked, offset))
     return out

@@ -7,6 +7,7 @@ import numpy as np
 from maxshard.checkpoint import orbax_io
 from maxshard.convert import layout
 from maxshard.errors import ConfigError
+from maxshard.model.blocks import MAIN_STACK
 
 __all__ = ["locate", "locate_layer"]
 
@@ -25,12 +26,14 @@ def locate(reader: orbax_io.Reader, param: layout.Param,
 
 
 def locate_layer(reader: orbax_io.Reader, param: layout.Param, layer: int) -> tuple[tuple[str, ...], tuple]:
-    rest = param.path[2:]
-    candidates = [(("decoder", "layers", *rest), (layer,)), (("decoder", f"layers_{layer}", *rest), ())]
+    """Hugging Face's layer `layer` of a stacked parameter: unit `layer - param.first` of its stack, scanned,
+    unrolled, or (the main stack only) pipelined."""
+    rest, stack, unit = param.path[2:], param.stack, layer - param.first
+    candidates = [(("decoder", stack, *rest), (unit,)), (("decoder", f"{stack}_{unit}", *rest), ())]
     pipelined = ("decoder", "pipeline", "layers", *rest)
-    if pipelined in reader.arrays:
+    if stack == MAIN_STACK and pipelined in reader.arrays:
         lead = tuple(reader.arrays[pipelined].shape[:3])
-        candidates.append((pipelined, tuple(int(i) for i in np.unravel_index(layer, lead))))
+        candidates.append((pipelined, tuple(int(i) for i in np.unravel_index(unit, lead))))
     for path, index in candidates:
         if path in reader.arrays:
             return path, index

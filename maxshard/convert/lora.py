@@ -96,8 +96,8 @@ def merged(kernel: np.ndarray, delta: np.ndarray) -> np.ndarray:
     return (kernel.astype(np.float32) + delta).astype(kernel.dtype)
 
 
-def export_adapters(adapters: Adapters, params: list[layout.Param], family: Family, num_layers: int,
-                    hf_dir: str, base_name: str, dtype: np.dtype | None = None) -> tuple[str, int, str]:
+def export_adapters(adapters: Adapters, params: list[layout.Param], family: Family, hf_dir: str, base_name: str,
+                    dtype: np.dtype | None = None) -> tuple[str, int, str]:
     """Writes PEFT's adapter_model.safetensors and adapter_config.json in `dtype` (default: as saved);
     (file name, tensors written, dtype written)."""
     tensors: dict[str, np.ndarray] = {}
@@ -107,7 +107,7 @@ def export_adapters(adapters: Adapters, params: list[layout.Param], family: Fami
             continue
         entry = param.entry
         modules.append(entry.hf.split(".")[-2])
-        for layer in range(num_layers):
+        for (layer,) in param.indices():
             a, b = adapters.pair(param, (layer,))
             stem = _PEFT_PREFIX + names.hf_name(entry, (layer,)).removesuffix(".weight")
             tensors[f"{stem}.lora_A.weight"] = np.ascontiguousarray(a.reshape(-1, adapters.rank).T, dtype or a.dtype)

@@ -20,8 +20,8 @@ MoE families store each expert's projections as their own tensors ("{e}": expert
     experts.{e}.down_proj [embed, mlp]  -> moe/wo   [layers, experts, mlp, embed]   (w2 in Mixtral)
     gate [experts, embed]               -> moe/gate/kernel [layers, embed, experts] (the router)
 
-The table of a family is `per_layer(family)`: Llama's rows, plus q/k norms with `qk_norm`, with the MLP replaced
-by the router and experts in MoE families.
+The table of a layer is `per_layer(family, cfg, layer)`: Llama's rows, plus q/k norms with `qk_norm`, with the MLP
+replaced by the router and experts in the MoE layers (model/blocks.py says which layers those are).
 """
 
 from __future__ import annotations
@@ -33,9 +33,12 @@ import re
 import numpy as np
 
 from maxshard.convert.families import Family
+from maxshard.model.blocks import Layer
+from maxshard.model.layers import rope
+from maxshard.model.config import ModelConfig
 
 __all__ = ["Entry", "GLOBAL", "ATTENTION", "QK_NORM", "MLP_NORM", "MLP", "HEAD", "IGNORED", "per_layer", "hf_name",
-           "hf_shape", "row_axis", "hf_rows_per_row", "to_maxshard", "to_hf"]
+           "hf_shape", "row_axis", "hf_rows_per_row", "whole_rows", "to_maxshard", "to_hf", "join_parts"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +51,12 @@ class Entry:
     layout: str
     num_in: int = 1
     per_expert: bool = False  # one Hugging Face tensor per expert ("{e}"), stacked along maxshard's experts dim
+    # A slice (start, stop, width) of each head's `width` Hugging Face rows: two maxshard kernels from one tensor
+    # (MLA's kv_b_proj holds each head's key rows, then its value rows).
+    part: tuple[int, int, int] | None = None
+    # The last `rope_tail` features of maxshard's last dim are a RoPE part that Hugging Face stores in interleaved
+    # pairs (DeepSeek): they are reordered into the half layout (layers/rope.py `deinterleaved`) on the way in.
+    rope_tail: int = 0
 
 
 GLOBAL = (
@@ -76,21 +85,54 @@ MLP = (
 )
 
 
-def _moe(prefix: str, projections: tuple[str, str, str]) -> tuple[Entry, ...]:
-    gate, up, down = projections
-    experts = f"model.layers.{{i}}.{prefix}.experts.{{e}}"
+def _latent_attention(cfg: ModelConfig) -> tuple[Entry, ...]:
+    """DeepSeek's multi-head latent attention (layers/mla.py): the query through its low-rank latent (or one
+    projection), the shared key/value latent with the RoPE key, kv_b_proj split into key and value per head."""
+    attn, n, p, v = "model.layers.{i}.self_attn", cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    query = ((Entry(f"{attn}.q_a_proj.weight", ("attention", "query_down", "kernel"), "linear"),
+              Entry(f"{attn}.q_a_layernorm.weight", ("attention", "query_down_norm", "scale"), "same"),
+              Entry(f"{attn}.q_b_proj.weight", ("attention", "query", "kernel"), "linear", rope_tail=p))
+             if cfg.q_lora_rank else (Entry(f"{attn}.q_proj.weight", ("attention", "query", "kernel"), "linear",
+                                            rope_tail=p),))
     return (
-        Entry(f"model.layers.{{i}}.{prefix}.gate.weight", ("moe", "gate", "kernel"), "linear"),
-        Entry(f"{experts}.{gate}.weight", ("moe", "wi_0"), "linear", per_expert=True),
-        Entry(f"{experts}.{up}.weight", ("moe", "wi_1"), "linear", per_expert=True),
-        Entry(f"{experts}.{down}.weight", ("moe", "wo"), "linear", per_expert=True),
+        ATTENTION[0],
+        *query,
+        Entry(f"{attn}.kv_a_proj_with_mqa.weight", ("attention", "kv_down", "kernel"), "linear", rope_tail=p),
+        Entry(f"{attn}.kv_a_layernorm.weight", ("attention", "kv_down_norm", "scale"), "same"),
+        Entry(f"{attn}.kv_b_proj.weight", ("attention", "key", "kernel"), "linear", part=(0, n, n + v)),
+        Entry(f"{attn}.kv_b_proj.weight", ("attention", "value", "kernel"), "linear", part=(n, n + v, n + v)),
+        ATTENTION[4],
     )
 
 
-def per_layer(family: Family) -> tuple[Entry, ...]:
-    """The per-layer rows of a family: attention, its q/k norms, then the MLP's norm and the MLP or the MoE."""
-    mlp = _moe(family.moe_prefix, family.expert_projections) if family.is_moe else MLP
-    return (*ATTENTION, *(QK_NORM if family.qk_norm else ()), MLP_NORM, *mlp)
+def _moe(family: Family, cfg: ModelConfig) -> tuple[Entry, ...]:
+    prefix, (gate, up, down) = family.moe_prefix, family.expert_projections
+    experts = f"model.layers.{{i}}.{prefix}.experts.{{e}}"
+    router = (Entry(f"model.layers.{{i}}.{prefix}.gate.weight", ("moe", "gate", "kernel"), "linear"),)
+    if family.router_bias:
+        router += (Entry(f"model.layers.{{i}}.{prefix}.{family.router_bias}", ("moe", "router_bias"), "same"),)
+    shared = ()
+    if family.shared_experts and cfg.num_shared_experts:
+        stem = f"model.layers.{{i}}.{prefix}.{family.shared_experts}"
+        shared = tuple(Entry(f"{stem}.{hf}.weight", ("moe", "shared", name, "kernel"), "linear")
+                       for hf, name in (("gate_proj", "wi_0"), ("up_proj", "wi_1"), ("down_proj", "wo")))
+    return (
+        *router,
+        Entry(f"{experts}.{gate}.weight", ("moe", "wi_0"), "linear", per_expert=True),
+        Entry(f"{experts}.{up}.weight", ("moe", "wi_1"), "linear", per_expert=True),
+        Entry(f"{experts}.{down}.weight", ("moe", "wo"), "linear", per_expert=True),
+        *shared,
+    )
+
+
+def per_layer(family: Family, cfg: ModelConfig, layer: Layer) -> tuple[Entry, ...]:
+    """The rows of one layer of `layer`'s kinds (model/blocks.py): its attention (with the q/k norms of qk_norm
+    families; latent attention's own rows), then the MLP's norm and the dense MLP or the MoE (router, its selection
+    bias, experts, shared experts)."""
+    attention = _latent_attention(cfg) if layer.attention == "mla" else (*ATTENTION, *(QK_NORM if family.qk_norm
+                                                                                         else ()))
+    mlp = _moe(family, cfg) if layer.mlp == "moe" else MLP
+    return (*attention, MLP_NORM, *mlp)
 
 
 # Buffers some older checkpoints saved; recomputed from the config, never learned.
@@ -106,10 +148,12 @@ def hf_name(entry: Entry, index: tuple[int, ...] | int | None = None) -> str:
 
 
 def hf_shape(entry: Entry, maxshard_shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The Hugging Face shape of a (per-layer) maxshard parameter shape."""
+    """The Hugging Face shape of a (per-layer) maxshard parameter shape (of the whole tensor a `part` is cut from)."""
     if entry.layout == "same":
         return maxshard_shape
     inputs, outputs = maxshard_shape[: entry.num_in], maxshard_shape[entry.num_in :]
+    if entry.part:
+        outputs = (*outputs[:-1], entry.part[2])
     return (math.prod(outputs), math.prod(inputs))
 
 
@@ -122,21 +166,51 @@ def row_axis(entry: Entry) -> int:
 
 
 def hf_rows_per_row(entry: Entry, maxshard_shape: tuple[int, ...]) -> int:
-    """Hugging Face rows per maxshard row along `row_axis` (head_dim for q/k/v, 1 otherwise)."""
-    return math.prod(maxshard_shape[row_axis(entry) + 1 :]) if entry.layout == "linear" else 1
+    """Hugging Face rows per maxshard row along `row_axis` (head_dim for q/k/v, a part's whole width, 1
+    otherwise)."""
+    if entry.layout != "linear":
+        return 1
+    inner = maxshard_shape[row_axis(entry) + 1 :]
+    return math.prod(inner[:-1]) * entry.part[2] if entry.part else math.prod(inner)
+
+
+def whole_rows(entry: Entry, maxshard_shape: tuple[int, ...]) -> bool:
+    """Whether the tensor must be moved whole rather than in row blocks: a RoPE part reordered along the very
+    axis the rows run along (kv_a_proj_with_mqa's last rows)."""
+    return bool(entry.rope_tail) and row_axis(entry) == len(maxshard_shape) - 1
+
+
+def _rope_order(entry: Entry, width: int, inverse: bool = False) -> np.ndarray:
+    """Indices over the last dim that move its RoPE tail between the interleaved and the half layout."""
+    tail = rope.deinterleaved(entry.rope_tail)
+    tail = np.argsort(tail) if inverse else tail
+    return np.concatenate([np.arange(width - entry.rope_tail), width - entry.rope_tail + tail])
 
 
 def to_maxshard(entry: Entry, array: np.ndarray, maxshard_shape: tuple[int, ...]) -> np.ndarray:
     """Hugging Face tensor (or a block of its rows) -> maxshard layout (or that block of rows along `row_axis`),
-    as a view."""
+    as a view where no reordering is needed."""
     if entry.layout == "same":
         return array.reshape(maxshard_shape)
-    return array.T.reshape(maxshard_shape)
+    if entry.part:
+        start, stop, width = entry.part
+        return array.T.reshape(*maxshard_shape[:-1], width)[..., start:stop]
+    out = array.T.reshape(maxshard_shape)
+    return out[..., _rope_order(entry, out.shape[-1])] if entry.rope_tail else out
 
 
 def to_hf(entry: Entry, array: np.ndarray) -> np.ndarray:
-    """maxshard (per-layer) parameter -> Hugging Face layout; the exact inverse of `to_maxshard`."""
+    """maxshard (per-layer) parameter -> Hugging Face layout; the exact inverse of `to_maxshard`. A `part` is
+    written with its siblings (`join_parts`)."""
     if entry.layout == "same":
         return array
+    if entry.rope_tail:
+        array = array[..., _rope_order(entry, array.shape[-1], inverse=True)]
     inputs = math.prod(array.shape[: entry.num_in])
     return array.reshape(inputs, -1).T
+
+
+def join_parts(entry: Entry, parts: list[np.ndarray]) -> np.ndarray:
+    """The Hugging Face rows of a tensor cut into `part`s (in part order), from those parts' maxshard blocks."""
+    whole = np.concatenate(parts, axis=-1)
+    return whole.reshape(math.prod(whole.shape[: entry.num_in]), -1).T

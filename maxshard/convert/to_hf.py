@@ -40,6 +40,8 @@ from maxshard.convert.families import Family
 from maxshard.convert.locate import locate
 from maxshard.data import tokenizer as tokenizers
 from maxshard.errors import ConfigError
+from maxshard.model import blocks
+from maxshard.model.config import ModelConfig
 
 __all__ = ["export", "Result", "DTYPES"]
 
@@ -69,23 +71,28 @@ def _blocks(reader: orbax_io.Reader, path: tuple[str, ...], index: tuple, entry:
         return
     size = layer_shape[axis]
     row_bytes = int(np.prod(layer_shape)) // size * target.itemsize
-    step = max(1, orbax_io.CHUNK_BYTES // max(row_bytes, 1))
+    step = size if names.whole_rows(entry, layer_shape) else max(1, orbax_io.CHUNK_BYTES // max(row_bytes, 1))
     for start in range(0, size, step):
         window = index + (slice(None),) * axis + (slice(start, min(start + step, size)),)
         yield names.to_hf(entry, reader.read(path, window)).astype(target, copy=False)
 
 
-def _order(params: list[layout.Param], family: Family, num_layers: int
+def _order(params: list[layout.Param], family: Family, cfg: ModelConfig
            ) -> list[tuple[layout.Param, tuple[int, ...]]]:
     """Every Hugging Face tensor as (parameter, index), in Hugging Face's usual order: embeddings, each layer's
     tensors (each expert's inside its layer), final norm, head."""
-    by_entry = {p.entry: p for p in params}
-    order = [(by_entry[e], ()) for e in names.GLOBAL[:1]]
-    for i in range(num_layers):
-        for entry in names.per_layer(family):
-            param = by_entry[entry]
-            order += [(param, (i, e)) for e in range(param.shape[1])] if entry.per_expert else [(param, (i,))]
-    return order + [(by_entry[e], ()) for e in (*names.GLOBAL[1:], names.HEAD) if e in by_entry]
+    by_entry = {(p.stack, p.entry): p for p in params}
+    order = [(by_entry["", e], ()) for e in names.GLOBAL[:1]]
+    i = 0
+    for stack in blocks.stacks(cfg):
+        for _ in range(stack.num_layers):
+            for entry in names.per_layer(family, cfg, stack.unit[-1]):
+                if entry.part and entry.part[0]:
+                    continue  # written with the tensor's first part (`_joined`)
+                param = by_entry[stack.name, entry]
+                order += [(param, (i, e)) for e in range(param.shape[1])] if entry.per_expert else [(param, (i,))]
+            i += 1
+    return order + [(by_entry["", e], ()) for e in (*names.GLOBAL[1:], names.HEAD) if ("", e) in by_entry]
 
 
 def _merged(reader: orbax_io.Reader, adapters: lora.Adapters, param: layout.Param, at: tuple[int, ...],
@@ -96,18 +103,29 @@ def _merged(reader: orbax_io.Reader, adapters: lora.Adapters, param: layout.Para
     yield names.to_hf(param.entry, kernel).astype(target, copy=False)
 
 
+def _joined(reader: orbax_io.Reader, parts: list[layout.Param], at: tuple[int, ...], target: np.dtype
+            ) -> Iterator[np.ndarray]:
+    """One Hugging Face tensor cut into maxshard `part`s (MLA's kv_b_proj: each head's key, then value rows), read
+    whole: one layer's latent up-projection."""
+    arrays = [reader.read(*locate(reader, p, at)) for p in sorted(parts, key=lambda p: p.entry.part)]
+    yield names.join_parts(parts[0].entry, arrays).astype(target, copy=False)
+
+
 def _tensors(reader: orbax_io.Reader, params: list[layout.Param], family: Family, dtype: str | None,
-             num_layers: int, adapters: lora.Adapters | None = None
+             cfg: ModelConfig, adapters: lora.Adapters | None = None
              ) -> list[tuple[safetensors_io.TensorSpec, Callable[[], Iterator[np.ndarray]]]]:
     """Every Hugging Face tensor, in Hugging Face's usual order, with a function that reads it when it is due;
     with `adapters` (a LoRA run) the targeted projections carry their merged update."""
     out = []
-    for param, at in _order(params, family, num_layers):
+    for param, at in _order(params, family, cfg):
         entry = param.entry
         path, index = locate(reader, param, at)
         target = DTYPES[dtype] if dtype else np.dtype(reader.arrays[path].dtype)
         spec = safetensors_io.TensorSpec(names.hf_name(entry, at), names.hf_shape(entry, param.layer_shape), target)
-        if adapters is not None and adapters.has(param):
+        if entry.part:
+            parts = [p for p in params if p.stack == param.stack and p.entry.hf == entry.hf]
+            produce = functools.partial(_joined, reader, parts, at, target)
+        elif adapters is not None and adapters.has(param):
             produce = functools.partial(_merged, reader, adapters, param, at, target)
         else:
             produce = functools.partial(_blocks, reader, path, index, entry, param.layer_shape, target)
@@ -191,11 +209,11 @@ def export(step_dir: str, hf_dir: str, max_shard_size: str = "5GB", dtype: str |
     family = hf_config.family(config_json)
     params = layout.params_of(cfg, family)
     if adapters_only:
-        name, count, written_dtype = lora.export_adapters(adapters, params, family, cfg.num_layers, hf_dir, template,
+        name, count, written_dtype = lora.export_adapters(adapters, params, family, hf_dir, template,
                                                           DTYPES[dtype] if dtype else None)
         copied = _copy_tokenizer(saved, template, hf_dir)
         return Result((name, lora.ADAPTER_CONFIG), count, written_dtype, template, copied)
-    tensors = _tensors(reader, params, family, dtype, cfg.num_layers, adapters)
+    tensors = _tensors(reader, params, family, dtype, cfg, adapters)
     if cfg.num_experts > 1 and cfg.capacity_factor > 0:
         print(f"note: trained with capacity_factor={cfg.capacity_factor} (tokens over an expert's capacity dropped);"
               f" {family.architecture} routes dropless, so the export computes dropless routing", file=sys.stderr)

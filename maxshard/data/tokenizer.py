@@ -257,6 +257,11 @@ class HuggingFaceTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
+    def token_text(self, token: int) -> str:
+        """One token's text, special tokens included ("<s>"): lm-eval's Hugging Face backend checks whether a text
+        already starts with BOS by it (maxshard/evaluation/harness.py)."""
+        return self._tok.decode([int(token)], skip_special_tokens=False)
+
 
 def _check_flags(path: str, flags: Mapping[str, Any], adds: Mapping[str, bool]) -> None:
     """tokenizer_config.json's add_bos_token/add_eos_token must say what the template does: transformers'

@@ -81,7 +81,7 @@ def restore_params(step_dir: str, cfg: Config, mesh: Mesh, rules: sharding.FlaxR
     boxed = abstract_params(model)
     shardings = sharding.tree_shardings(boxed, mesh, rules)
     target = jax.tree.map(lambda b, s: jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=s), nn.unbox(boxed), shardings)
-    trained = trainable.trainable_subset(target, model)
+    trained = trainable.saved_subset(target, model)
     state_dir = epath.Path(step_dir) / checkpoint_format.STATE
     params = checkpoint_params.read_params(state_dir, trained, f"checkpoint {step_dir}")
     if trainable.trains_everything(model):

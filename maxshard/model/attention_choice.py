@@ -65,12 +65,30 @@ def _splash_problem(cfg: Config) -> str:
     return ""
 
 
+def _head_width(cfg: Config) -> tuple[int, str]:
+    """(the head width a kernel sees, the keys that set it): head_dim, or under latent attention the query/key
+    heads' qk_nope_head_dim + qk_rope_head_dim, which `attention_ops.one_width` pads the value heads to when wider."""
+    if cfg.attention_type == "mla":
+        width = max(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim)
+        return width, "attention_type=mla's max(qk_nope_head_dim + qk_rope_head_dim, v_head_dim)"
+    return cfg.head_dim, "head_dim"
+
+
+def _hopper_or_later(cfg: Config) -> bool:
+    """Whether the device kind is an NVIDIA Hopper or Blackwell GPU (sm90/sm100)."""
+    return bool(re.search(r"\bg?[hb]\d{2,3}\b", (cfg.device_kind or "").lower()))  # H100, H200, H800, GH200, B200
+
+
 def _cudnn_problem(cfg: Config, dtype: str) -> str:
-    """Why cuDNN flash attention cannot run this config ('' when it can)."""
+    """Why cuDNN flash attention cannot run this config ('' when it can). Head widths up to 256 on Hopper and
+    later, 128 before (jax's cuDNN check, jax/_src/cudnn/fused_attention_stablehlo.py: DeepSeek's 192-wide
+    query/key heads need an H100)."""
     if dtype not in ("bfloat16", "float16"):
         return f"dtype bfloat16 or float16 (the compute dtype is {dtype})"
-    if cfg.head_dim % 8 or cfg.head_dim > 256:
-        return f"head_dim a multiple of 8 and at most 256 (got {cfg.head_dim})"
+    width, keys = _head_width(cfg)
+    widest = 256 if _hopper_or_later(cfg) else 128
+    if width % 8 or width > widest:
+        return f"{keys} a multiple of 8 and at most {widest} on device kind {cfg.device_kind!r} (got {width})"
     return ""
 
 
@@ -79,15 +97,15 @@ def _tokamax_problem(cfg: Config, dtype: str) -> str:
     source (tokamax 0.0.12, ops/attention/pallas_mosaic_gpu*.py): sm90/sm100 only; 16-bit inputs at default
     precision; the forward kernel reduces the per-query key offsets over tiles of 2 x 64 queries (its heuristic
     block), so the length must fill whole tiles; head_dim up to 256 keeps the heuristic blocks in shared memory."""
-    kind = (cfg.device_kind or "").lower()
-    if not re.search(r"\bg?[hb]\d{2,3}\b", kind):  # H100, H200, H800, GH200, B200, GB200
+    if not _hopper_or_later(cfg):
         return f"a Hopper or Blackwell GPU (sm90/sm100; device kind {cfg.device_kind!r})"
     if dtype not in ("bfloat16", "float16"):
         return f"dtype bfloat16 or float16 (the compute dtype is {dtype})"
     if cfg.max_target_length % 128:
         return f"max_target_length a multiple of 128 (got {cfg.max_target_length})"
-    if cfg.head_dim > 256:
-        return f"head_dim at most 256 (got {cfg.head_dim})"
+    width, keys = _head_width(cfg)
+    if width > 256:
+        return f"{keys} at most 256 (got {width})"
     return ""
 
 
@@ -134,11 +152,12 @@ def _head_shards(cfg: Config, sizes: Mapping[str, int], logical: str, array: tup
 def _check_layout(cfg: Config, sizes: Mapping[str, int]) -> None:
     heads = _head_shards(cfg, sizes, ax.ATTN_HEADS, ax.ATTN_QUERY)
     kv_heads = _head_shards(cfg, sizes, ax.ATTN_KV_HEADS, ax.ATTN_KEY_VALUE)
-    if sizes.get("sequence", 1) > 1 and (cfg.num_kv_heads % kv_heads or cfg.num_heads % heads):
+    num_kv_heads = cfg.num_heads if cfg.attention_type == "mla" else cfg.num_kv_heads  # mla: a k/v head per head
+    if sizes.get("sequence", 1) > 1 and (num_kv_heads % kv_heads or cfg.num_heads % heads):
         ways = f"{heads}" if heads == kv_heads else f"{heads} and {kv_heads}"
         raise ConfigError(
             f"ici/dcn_sequence_parallelism={sizes['sequence']}: attention shards heads over sequence x tensor "
-            f"axes ({ways} ways), which must divide num_heads={cfg.num_heads} and num_kv_heads={cfg.num_kv_heads}; "
+            f"axes ({ways} ways), which must divide num_heads={cfg.num_heads} and num_kv_heads={num_kv_heads}; "
             "use context parallelism (ici_context_parallelism) for models with few kv heads"
         )
     context = sizes.get("context", 1)

@@ -37,23 +37,28 @@ class Kind:
     off_platform: str = ""  # a refused explicit choice: "attention=NAME {off_platform} (device kind ...)"
     instead: str = ""  # ... "; use {instead}"
     package: str = ""  # an optional package it needs (`pip install -e '.[{package}]'`)
+    # it takes value heads of another width than query/key heads (latent attention); else `attention_ops.attend`
+    # zero-pads the narrower to one width, exact, at the padded width's cost (`attention_ops.one_width`)
+    value_width: bool = False
 
 
 KINDS = (
     Kind("dot_product", PLATFORMS, (), True, False, False,
-         "scores [batch, kv_heads, group, q_len, kv_len] in float32: the reference, memory quadratic in length"),
+         "scores [batch, kv_heads, group, q_len, kv_len] in float32: the reference, memory quadratic in length",
+         value_width=True),
     Kind("blockwise", PLATFORMS, PLATFORMS, True, True, False,
-         "online softmax over blocks with a custom VJP (layers/blockwise_attention.py): linear memory, any backend"),
+         "online softmax over blocks with a custom VJP (layers/blockwise_attention.py): linear memory, any backend",
+         value_width=True),
     Kind("cudnn", ("nvidia",), ("nvidia",), False, False, False,
          "cuDNN flash attention (jax.nn.dot_product_attention), the documents as a dense [q, kv] mask",
          off_platform="needs an NVIDIA GPU", instead="auto, blockwise or dot_product"),
     Kind("splash", ("tpu", "cpu"), ("tpu", "cpu"), True, True, True,
          "the Pallas TPU splash kernel (interpret mode elsewhere, for tests); lengths a multiple of the blocks",
-         off_platform="is a TPU kernel", instead="cudnn or auto"),
+         off_platform="is a TPU kernel", instead="cudnn or auto", value_width=True),
     Kind("tokamax", ("nvidia", "cpu"), ("nvidia",), False, False, True,
          "tokamax's Pallas Mosaic GPU FlashAttention (Hopper, Blackwell), the documents as per-query key offsets; "
          "its XLA reference (whole scores) off a GPU",
-         off_platform="is a GPU kernel", instead="splash or auto", package="tokamax"),
+         off_platform="is a GPU kernel", instead="splash or auto", package="tokamax", value_width=True),
 )
 NAMES = tuple(k.name for k in KINDS)
 _BY_NAME = {k.name: k for k in KINDS}

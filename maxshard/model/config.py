@@ -17,7 +17,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-__all__ = ["LORA_TARGETS", "ModelConfig", "PipelineShape", "model_fields", "num_units", "resolve_dtype",
+__all__ = ["IMPLEMENTATION", "LORA_TARGETS", "ModelConfig", "PipelineShape", "architecture_keys", "model_fields", "num_units", "resolve_dtype",
            "resolve_moe_impl", "resolve_moe_exchange"]
 
 # The projections LoRA can adapt (`lora_targets`): attention's query, key, value and output, and a dense MLP's
@@ -52,12 +52,15 @@ def resolve_moe_exchange(name: str, platform: str) -> str:
     return name
 
 
-def num_units(num_layers: int, num_experts: int, moe_layer_interval: int) -> int:
-    """Repeated units of the decoder stack: layers, or blocks of `moe_layer_interval` layers in an MoE model.
+def num_units(num_layers: int, num_experts: int, moe_layer_interval: int, first_k_dense_replace: int = 0) -> int:
+    """Repeated units of the main decoder stack (the one a pipeline runs): layers, or blocks of `moe_layer_interval`
+    layers in an MoE model, after its `first_k_dense_replace` dense layers (a stack of their own, model/blocks.py).
 
     nn.scan and the pipeline need identical iterations, so an MoE model that mixes dense and MoE layers repeats
     blocks of `moe_layer_interval` layers (the last one MoE) rather than single layers."""
-    return num_layers // moe_layer_interval if num_experts > 1 else num_layers
+    if num_experts <= 1:
+        return num_layers
+    return (num_layers - first_k_dense_replace) // moe_layer_interval
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,12 +100,24 @@ class ModelConfig:
     logits_via_embedding: bool = False
     norm_epsilon: float = 1e-6
     qk_norm: bool = False  # RMSNorm over head_dim of each query and key head before RoPE (Qwen3)
+    # The attention kind of every layer (a row of model/blocks.py ATTENTION): "gqa" (grouped-query, the fields
+    # above) or "mla" (DeepSeek-V2/V3 multi-head latent attention, the five fields below; num_kv_heads unused).
+    attention_type: str = "gqa"
+    q_lora_rank: int = 0  # mla: the query's low-rank latent width (0: a plain [embed, heads, qk_head_dim] projection)
+    kv_lora_rank: int = 512  # mla: the compressed key/value latent width (what generation caches per token)
+    qk_nope_head_dim: int = 128  # mla: the part of each query/key head without RoPE
+    qk_rope_head_dim: int = 64  # mla: the RoPE part of each query head; the key's is one head shared by all heads
+    v_head_dim: int = 128  # mla: each value head's width
     rope_max_timescale: float = 10000.0
-    rope_scaling_type: str = "none"  # "none" or "llama3"
+    rope_scaling_type: str = "none"  # "none", "llama3" or "yarn"
     rope_scaling_factor: float = 8.0
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_position: int = 8192
+    yarn_beta_fast: float = 32.0  # yarn: rotations per original context above which a frequency is kept
+    yarn_beta_slow: float = 1.0  # yarn: rotations below which a frequency is fully interpolated
+    yarn_mscale: float = 1.0  # yarn: with yarn_mscale_all_dim set, cos/sin x m(this) / m(all_dim) (configs/base.yml)
+    yarn_mscale_all_dim: float = 0.0  # yarn: softmax scale x m(this)^2; 0: cos/sin x m(1), yarn_mscale unread
     dtype: str = "float32"
     weight_dtype: str = "float32"
     scan_layers: bool = True
@@ -120,6 +135,13 @@ class ModelConfig:
     moe_ragged_buffer_factor: float = 0.0
     num_shared_experts: int = 0
     moe_renormalize_top_k: bool = True  # top-k router weights rescaled to sum to 1 (False: the softmax's own)
+    moe_mlp_dim: int = 0  # hidden width of each routed and shared expert (0: mlp_dim, which dense layers keep)
+    first_k_dense_replace: int = 0  # the first k layers are dense (their own scanned stack), the rest MoE
+    moe_router: str = "softmax"  # router scores: "softmax" or "sigmoid" (DeepSeek-V3)
+    moe_n_group: int = 1  # experts in n groups; a token picks its top-k among the best `moe_topk_group` groups
+    moe_topk_group: int = 1
+    moe_routed_scaling_factor: float = 1.0  # the routed experts' output is scaled by this (DeepSeek-V3: 2.5)
+    moe_router_bias: bool = False  # a per-expert bias added to the scores for selection only (aux-loss-free)
     lora_rank: int = 0  # LoRA adapters of this rank on the `lora_targets` projections (0: none; layers/lora.py)
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] = ("q", "k", "v", "o")
@@ -138,9 +160,14 @@ class ModelConfig:
         return self.num_experts > 1
 
     @property
+    def expert_dim(self) -> int:
+        """Hidden width of one routed (or shared) expert."""
+        return self.moe_mlp_dim or self.mlp_dim
+
+    @property
     def num_units(self) -> int:
-        """Repeated units of the decoder stack (see `num_units`)."""
-        return num_units(self.num_layers, self.num_experts, self.moe_layer_interval)
+        """Repeated units of the main decoder stack (see `num_units`)."""
+        return num_units(self.num_layers, self.num_experts, self.moe_layer_interval, self.first_k_dense_replace)
 
     def lora_rank_of(self, target: str) -> int:
         """The adapter rank of one projection ("q", "k", "v", "o", "gate", "up", "down"); 0 when it has none."""
@@ -153,10 +180,25 @@ class ModelConfig:
 
     @property
     def num_moe_layers(self) -> int:
-        """Layers whose MLP is an MoE block: the last of every `moe_layer_interval` layers."""
+        """Layers whose MLP is an MoE block: the last of every `moe_layer_interval` layers after the dense first ones."""
         return self.num_units if self.is_moe else 0
 
 
 def model_fields() -> tuple[str, ...]:
     """The run-config keys a ModelConfig copies (every field but the derived `pipeline`)."""
     return tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name != "pipeline")
+
+
+# How a network is computed and trained, not which network it is: the fields a checkpoint of the same model may
+# hold other values of (a converted model runs with any of them). Every other field is an architecture key.
+IMPLEMENTATION = frozenset({
+    "max_target_length", "dtype", "weight_dtype", "scan_layers", "remat_policy", "attention", "attention_block_q",
+    "attention_block_kv", "capacity_factor", "moe_group_size", "moe_dropless_impl", "moe_exchange",
+    "moe_ragged_buffer_factor", "lora_rank", "lora_alpha", "lora_targets", "pipeline",
+})
+
+
+def architecture_keys() -> tuple[str, ...]:
+    """The fields that say which network this is (what a Hugging Face config.json describes), declared once: every
+    field outside IMPLEMENTATION, so a new model key is an architecture key unless it is named there."""
+    return tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in IMPLEMENTATION)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from maxshard.model import blocks
 from maxshard.model.config import ModelConfig
 
 __all__ = ["Matmuls", "matmuls", "attention_flops", "layer_flops", "matmul_params", "lora_matmul_params",
@@ -42,20 +43,25 @@ class Matmuls:
 
 
 def matmuls(cfg: ModelConfig) -> Matmuls:
-    e, q, kv = cfg.emb_dim, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    mlp = 3 * e * cfg.mlp_dim
-    moe_layers = cfg.num_moe_layers
-    return Matmuls(qkv=cfg.num_layers * e * (q + 2 * kv), out=cfg.num_layers * q * e,
-                   dense_mlp=(cfg.num_layers - moe_layers) * mlp,
-                   routed_experts=moe_layers * cfg.num_experts_per_tok * mlp,
-                   shared_experts=moe_layers * cfg.num_shared_experts * mlp,
-                   router=moe_layers * e * cfg.num_experts, head=e * cfg.vocab_size)
+    """The sum over every decoder layer's kinds (model/blocks.py) and the head."""
+    parts = dict.fromkeys(("qkv", "out", "dense_mlp", "routed_experts", "shared_experts", "router"), 0)
+    for layer in blocks.layers(cfg):
+        a = blocks.attention_widths(cfg, layer.attention)
+        parts["qkv"] += a.qkv
+        parts["out"] += a.out
+        for part, params in blocks.mlp_params(cfg, layer.mlp).items():
+            parts[part] += params
+    return Matmuls(**parts, head=cfg.emb_dim * cfg.vocab_size)
 
 
 def attention_flops(cfg: ModelConfig) -> int:
-    """Forward FLOPs per token of attention's scores and values over the stack: q.k and p.v are each 2 x length x
-    heads x head_dim, and the causal mask halves them."""
-    return cfg.num_layers * 2 * cfg.max_target_length * cfg.num_heads * cfg.head_dim
+    """Forward FLOPs per token of attention's scores and values over the stack: q.k is 2 x length x heads x
+    qk_head_dim and p.v 2 x length x heads x v_head_dim, and the causal mask halves them."""
+    total = 0
+    for layer in blocks.layers(cfg):
+        a = blocks.attention_widths(cfg, layer.attention)
+        total += cfg.max_target_length * a.heads * (a.qk_head_dim + a.v_head_dim)
+    return total
 
 
 def layer_flops(cfg: ModelConfig) -> dict[str, int]:

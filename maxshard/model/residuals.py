@@ -51,10 +51,14 @@ COUNTED = frozenset({
     "pipeline",
     # the MoE shape: the MoE terms of planning/memory.py
     "num_experts", "num_experts_per_tok", "capacity_factor", "moe_layer_interval", "moe_group_size",
-    "moe_dropless_impl", "moe_exchange", "moe_ragged_buffer_factor",
+    "moe_dropless_impl", "moe_exchange", "moe_ragged_buffer_factor", "moe_mlp_dim", "first_k_dense_replace",
 })
 VALUES = frozenset({"norm_epsilon", "rope_max_timescale", "rope_scaling_type", "rope_scaling_factor",
-                    "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position", "lora_alpha"})
+                    "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position", "lora_alpha",
+                    "yarn_beta_fast", "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim",
+                    "moe_routed_scaling_factor",
+                    # which experts a token chooses: indices, no gradient, nothing kept (tests/test_residuals.py)
+                    "moe_n_group", "moe_topk_group", "moe_router_bias"})
 OPTIONS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in COUNTED | VALUES)
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name in OPTIONS}
 _VALUE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name in VALUES}
@@ -71,9 +75,10 @@ def at_defaults(model: ModelConfig) -> bool:
 
 
 def _unit(model: ModelConfig) -> ModelConfig:
-    """One stacked unit of `model`, alone: no scan, no pipeline, no vocabulary to speak of."""
+    """One unit of `model`'s main stack, alone: no dense first layers (the formula counts their dense MLPs), no scan,
+    no pipeline, no vocabulary to speak of."""
     return dataclasses.replace(model, num_layers=model.moe_layer_interval if model.is_moe else 1, scan_layers=False,
-                               pipeline=None, vocab_size=1)
+                               pipeline=None, vocab_size=1, first_k_dense_replace=0)
 
 
 @functools.lru_cache(maxsize=512)

@@ -58,7 +58,8 @@ def format_startup_summary(figures: Mapping[str, Any]) -> str:
     lora = figures.get("lora")
     trains = "" if trained == count else (
         f", {format_count(trained)} trainable ({trained:,}, {trained / count:.2%}: LoRA rank {lora['rank']} on "
-        f"{', '.join(lora['targets'])}; the rest frozen)")
+        f"{', '.join(lora['targets'])}; the rest frozen)") if lora else (
+        f", {count - trained:,} moved by the train step, not the optimizer (MoE selection biases)")
     lines = [
         f"run: {figures['run_dir']}",
         f"mesh: {mesh_lib.describe(figures['mesh'])} ({figures['devices']} device{'s' * (figures['devices'] != 1)})",

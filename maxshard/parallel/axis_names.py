@@ -6,6 +6,7 @@ produces are often laid out differently (FSDP shards a kernel's "embed" dimensio
 
 # ---- parameter dimensions
 LAYERS = "layers"  # leading axis of scanned layer stacks
+UNSTAGED_LAYERS = "unstaged_layers"  # leading axis of a stack that runs before the pipeline (model/blocks.py)
 CIRCULAR_REPEATS = "circular_repeats"  # leading axis of a circular pipeline's repeats
 LAYERS_PER_STAGE = "layers_per_stage"  # layers one pipeline stage runs in a row
 VOCAB = "vocab"
@@ -17,6 +18,11 @@ KV = "kv"  # head_dim
 NORM = "norm"
 EXP = "exp"  # experts
 LORA_RANK = "lora_rank"  # the inner dimension of a LoRA adapter pair (layers/lora.py): small, kept whole
+# latent attention (layers/mla.py): the query's and the key/value's compressed widths. Beside `embed` (the down
+# projections) they stay whole, as the norm over them wants; as the input of the up projections, which have no
+# `embed` dim, they take fsdp's axes like `embed`, so those kernels are not repeated on every fsdp device
+Q_LORA = "q_lora"
+KV_LORA = "kv_lora"
 
 # ---- activation dimensions
 BATCH = "activation_batch"
@@ -37,6 +43,10 @@ ACT_STAGE = "activation_stage"
 ATTN_LENGTH = "activation_attn_length"
 ATTN_HEADS = "activation_attn_heads"
 ATTN_KV_HEADS = "activation_attn_kv_heads"
+# latent attention's latents [batch, length, q_lora_rank or kv_lora_rank (+ qk_rope_head_dim)] (layers/mla.py):
+# whole, like the embeddings they come from, since every head reads all of them
+ACT_Q_LORA = "activation_q_lora"
+ACT_KV_LORA = "activation_kv_lora"
 
 # ---- the KV cache of generation [batch, kv_heads, max_length, head_dim] (layers/kv_cache.py)
 CACHE_BATCH = "cache_batch"
@@ -56,6 +66,10 @@ KEY_VALUE = (BATCH, LENGTH, ACT_KV_HEADS, ACT_KV)  # k and v projections
 ATTN_QUERY = (BATCH, ATTN_LENGTH, ATTN_HEADS, ACT_KV)  # q inside attention (layers/attention_ops.py, ring_attention.py)
 ATTN_KEY_VALUE = (BATCH, ATTN_LENGTH, ATTN_KV_HEADS, ACT_KV)
 ATTN_SEGMENTS = (BATCH, ATTN_LENGTH)
+LATENT_Q = (BATCH, LENGTH, ACT_Q_LORA)  # latent attention's query latent (layers/mla.py)
+LATENT_KV = (BATCH, LENGTH, ACT_KV_LORA)  # its key/value latent, and with the RoPE key before the split
+ABSORBED_QUERY = (BATCH, LENGTH, ACT_HEADS, ACT_KV_LORA)  # decode: queries in the latent space [b, T, heads, rank]
+LATENT_CACHE = (CACHE_BATCH, CACHE_LENGTH, CACHE_KV)  # its KV cache [batch, max_length, width] (layers/mla.py)
 MLP_HIDDEN = (BATCH, LENGTH, ACT_MLP)  # layers/mlp.py
 RESIDUAL = (BATCH, NORM_LENGTH, ACT_EMBED)  # the residual stream between attention and MLP (layers/decoder.py)
 PIPELINE_STATE = (ACT_STAGE, BATCH, NORM_LENGTH, ACT_EMBED)  # [stages, microbatch, length, embed] (layers/pipeline.py)

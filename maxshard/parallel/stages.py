@@ -24,7 +24,12 @@ __all__ = ["pipeline_shape", "resolve"]
 
 
 def _units_text(cfg: Config, units: int) -> str:
-    return f"num_layers={units}" if units == cfg.num_layers else f"num_layers / moe_layer_interval = {units} blocks"
+    if units == cfg.num_layers:
+        return f"num_layers={units}"
+    if cfg.first_k_dense_replace:
+        return (f"(num_layers - first_k_dense_replace) / moe_layer_interval = {units} blocks (the dense first layers"
+                " run before the pipeline)")
+    return f"num_layers / moe_layer_interval = {units} blocks"
 
 
 def _repeats(cfg: Config, units: int, stages: int) -> int:
@@ -47,7 +52,7 @@ def pipeline_shape(cfg: Config, stages: int) -> PipelineShape:
     for key in ("num_pipeline_repeats", "num_pipeline_microbatches"):
         if getattr(cfg, key) == 0 or getattr(cfg, key) < -1:
             raise ConfigError(f"{key} must be >= 1 or -1 (derived), got {getattr(cfg, key)}")
-    units = num_units(cfg.num_layers, cfg.num_experts, cfg.moe_layer_interval)
+    units = num_units(cfg.num_layers, cfg.num_experts, cfg.moe_layer_interval, cfg.first_k_dense_replace)
     repeats = _repeats(cfg, units, stages)
     microbatches = stages if cfg.num_pipeline_microbatches == -1 else cfg.num_pipeline_microbatches
     shape = PipelineShape(stages, cfg.num_layers_per_pipeline_stage, repeats, microbatches, cfg.pipeline_schedule)

@@ -182,7 +182,7 @@ def moe_dropping_flops(cfg: Config) -> float:
         return 0.0
     g = moe.group_size(cfg.max_target_length, m.moe_group_size)
     slots = m.num_experts * moe.capacity(g, m.num_experts_per_tok, m.num_experts, m.capacity_factor)  # per group
-    padding = (slots / g - m.num_experts_per_tok) * 6 * 3 * m.emb_dim * m.mlp_dim  # per token, training
+    padding = (slots / g - m.num_experts_per_tok) * 6 * 3 * m.emb_dim * m.expert_dim  # per token, training
     dispatch_combine = (2 + 3) * 2 * slots * m.emb_dim
     tokens = cfg.global_batch_size * cfg.max_target_length / cfg.num_devices
     return m.num_moe_layers * tokens * (padding + dispatch_combine)

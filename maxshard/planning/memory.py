@@ -88,7 +88,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from maxshard.config import Config
-from maxshard.model import attention_kinds, remat, residuals
+from maxshard.model import attention_kinds, blocks, remat, residuals
 from maxshard.model.attention_choice import platform_of
 from maxshard.parallel import axis_names as ax
 from maxshard.planning import moe_memory
@@ -121,6 +121,7 @@ class Widths:
     block_kv: int = 512
     head_dim: int = 0  # for `tile`
     tile: tuple[int, int] | None = None  # Fitted.tile of the compiler: how per-head values are stored
+    expert: int = 0  # an expert's hidden width per device (moe_mlp_dim, or the dense mlp's)
 
     @property
     def fused(self) -> bool:
@@ -280,6 +281,7 @@ def widths(cfg: Config, sizes: Mapping[str, int]) -> Widths:
     heads = _split(cfg.num_heads, head_axes, sizes)
     kv_heads = _split(cfg.num_kv_heads, rule_axes(cfg, ax.ACT_KV_HEADS, sizes), sizes)
     mlp = _split(cfg.mlp_dim, mlp_axes, sizes)
+    expert = _split(cfg.model.expert_dim, mlp_axes, sizes) if cfg.model is not None else mlp
     context = 1
     for axis in rule_axes(cfg, ax.ATTN_LENGTH, sizes):
         context *= sizes[axis]
@@ -300,6 +302,7 @@ def widths(cfg: Config, sizes: Mapping[str, int]) -> Widths:
         block_kv=cfg.attention_block_kv,
         head_dim=cfg.head_dim,
         tile=fitted(compiler(cfg)).tile,
+        expert=expert,
     )
 
 
@@ -328,7 +331,7 @@ def activation_terms(cfg: Config, sizes: Mapping[str, int], geo: Geometry, gathe
     head = 2 * logits_bytes(cfg, sizes, geo) / max(cfg.loss_chunks, 1)
     moe_per_layer = moe_memory.token_bytes(cfg, w, sizes, size)
     moe_share = geo.moe_layers / max(geo.layers, 1)  # MoE layers per unit run (a unit may hold several layers)
-    per_layer = cfg.num_layers // max(cfg.model.num_units, 1)  # layers in one stacked unit
+    per_layer = len(blocks.main_stack(cfg.model).unit)  # layers in one stacked unit
     accumulation = gradients if geo.accumulation > 1 else 0.0
     common = dict(head=head, gathered=gathered, accumulation=accumulation, cast=_cast_bytes(cfg, params, size),
                   head_apart=fitted(target).head_apart)
@@ -351,6 +354,7 @@ def _option_bytes(cfg: Config, w: Widths, policy: remat.Policy) -> float:
     """What the model's layer options add to what a layer keeps under `policy`, per token (module docstring)."""
     kv_heads = math.gcd(w.heads, w.kv // cfg.head_dim)  # a whole group of query heads per kv head, as traced
     local = dataclasses.replace(cfg.model, num_heads=w.heads, num_kv_heads=kv_heads, mlp_dim=w.mlp,
+                                moe_mlp_dim=w.expert if cfg.model.moe_mlp_dim else 0,
                                 attention="blockwise" if w.fused else "dot_product",
                                 remat_policy=remat.on_device(policy).name)
     return residuals.option_bytes(local)

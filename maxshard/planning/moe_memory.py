@@ -36,14 +36,14 @@ def rows(cfg: Config, sizes: Mapping[str, int]) -> float:
 
 
 def token_bytes(cfg: Config, w: Widths, sizes: Mapping[str, int], itemsize: int) -> float:
-    """Per token and MoE layer, beyond the dense MLP the layer formula counts (an expert's hidden width is the
-    dense MLP's, `w.mlp`)."""
+    """Per token and MoE layer, beyond the dense MLP the layer formula counts (an expert's hidden width is
+    `w.expert`: moe_mlp_dim, or the dense MLP's)."""
     if not cfg.model.is_moe:
         return 0.0
     n = rows(cfg, sizes)
     if cfg.capacity_factor <= 0 and cfg.model.moe_dropless_impl != "dense":
-        return n * (6 * w.embed + 7 * w.mlp) * itemsize  # sorted, sent, received, returned rows; SwiGLU
-    acts = n * (2 * w.embed + 3 * w.mlp) * itemsize
+        return n * (6 * w.embed + 7 * w.expert) * itemsize  # sorted, sent, received, returned rows; SwiGLU
+    acts = n * (2 * w.embed + 3 * w.expert) * itemsize
     masks = 0.0
     if cfg.capacity_factor > 0:
         g = group_size(cfg.max_target_length, cfg.moe_group_size)
@@ -56,4 +56,4 @@ def matmul_bytes(cfg: Config, w: Widths, sizes: Mapping[str, int], itemsize: int
     expert output)."""
     if not cfg.model.is_moe:
         return 0.0
-    return rows(cfg, sizes) * (2 * w.embed + 2 * w.mlp) * itemsize
+    return rows(cfg, sizes) * (2 * w.embed + 2 * w.expert) * itemsize

@@ -86,6 +86,8 @@ from maxshard.planning.axes import rule_axes
 
 __all__ = ["Collective", "Geometry", "geometry", "planned_collectives"]
 
+_STACKED = (ax.LAYERS, ax.UNSTAGED_LAYERS)  # the leading axis of a scanned stack (model/blocks.py)
+
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
@@ -139,7 +141,8 @@ def geometry(cfg: Config, sizes: Mapping[str, int], compute_itemsize: int) -> Ge
     return Geometry(
         tokens=batch * length,
         outer_tokens=outer * outer_length,
-        layers=cfg.num_layers // stages,
+        layers=cfg.first_k_dense_replace + (cfg.num_layers - cfg.first_k_dense_replace) // stages,  # dense first
+        # layers (model/blocks.py) run before the pipeline, on every stage
         accumulation=cfg.gradient_accumulation_steps,
         stages=stages,
         microbatches=microbatches,
@@ -169,8 +172,8 @@ def _dim_axes(p: ParamLayout, sizes: Mapping[str, int]) -> list[tuple[str | None
 def _weight_collectives(cfg: Config, p: ParamLayout, sizes: Mapping[str, int], geo: Geometry) -> list[Collective]:
     """Gathers and gradient reductions of one parameter (see the module docstring)."""
     dims = _dim_axes(p, sizes)
-    stacked = any(logical == ax.LAYERS for logical, _ in dims)
-    owned = {a for logical, axes in dims if logical in (ax.EXP, ax.LAYERS) for a in axes}
+    stacked = any(logical in _STACKED for logical, _ in dims)
+    owned = {a for logical, axes in dims if logical in (ax.EXP, *_STACKED) for a in axes}
     sharded = {a for _, axes in dims for a in axes}
     batch = _token_axes(cfg, sizes, outer=not stacked)
     gather = tuple(a for a in sizes if a in sharded and a in batch and a not in owned)
@@ -207,9 +210,9 @@ def gathered_unit_bytes(cfg: Config, report: Report, sizes: Mapping[str, int], g
     units = max(geo.layers * cfg.model.num_units // max(cfg.num_layers, 1), 1)  # units one device runs
     for p in report.params:
         dims = _dim_axes(p, sizes)
-        if not any(logical == ax.LAYERS for logical, _ in dims):
+        if not any(logical in _STACKED for logical, _ in dims):
             continue
-        owned = {a for logical, axes in dims if logical in (ax.EXP, ax.LAYERS) for a in axes}
+        owned = {a for logical, axes in dims if logical in (ax.EXP, *_STACKED) for a in axes}
         sharded = {a for _, axes in dims for a in axes}
         batch = _token_axes(cfg, sizes, outer=False)
         gather = tuple(a for a in sizes if a in sharded and a in batch and a not in owned)

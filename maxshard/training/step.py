@@ -8,8 +8,10 @@ Loss: the run's objective (`maxshard/objectives`: next-token cross-entropy for `
 pairs) from the model's float32 per-token log-probabilities of the targets. Gradient accumulation splits the batch
 into k microbatches (by rows, so a preference pair stays whole) and sums losses, gradients and the objective's sums
 before one division by the total weight, so k microbatches give exactly the gradient of the whole batch.
-MoE models add their router losses (weighted by `load_balance_loss_weight` / `router_z_loss_weight`, scaled by each
-microbatch's loss weight so the division yields weighted means) and report them with drop and load metrics.
+MoE models add their router losses (weighted by `load_balance_loss_weight` / `router_z_loss_weight` /
+`moe_seq_balance_loss_weight`, scaled by each microbatch's loss weight so the division yields weighted means) and
+report them with drop and load metrics; with `moe_bias_update_rate` the step then moves each layer's selection bias
+toward equal load, from the loads of all its microbatches (`moe.move_bias`; the bias takes no gradient).
 
 A reference model (DPO) is either a frozen copy of the starting parameters kept in the state (`reference`: sharded
 like `params`, no gradient, no optimizer moments, saved in checkpoints) or, with LoRA, the base with its adapters
@@ -196,7 +198,7 @@ class Trainer:
         loss_sum, sums = self.objective.sums(logps, batch, totals, self._reference_logps(params, reference, batch))
         sums = {**sums, **moe.loss_sums(stats, sums["weight_sum"])}
         balance, z = self.cfg.load_balance_loss_weight, self.cfg.router_z_loss_weight
-        return loss_sum + moe.objective(sums, balance, z), sums
+        return loss_sum + moe.objective(sums, balance, z, self.cfg.moe_seq_balance_loss_weight), sums
 
     def _grads(self, trained: Any, batch: Batch, frozen: Any = None,
                reference: Any = None) -> tuple[Any, dict[str, jax.Array]]:
@@ -231,6 +233,7 @@ class Trainer:
         grads = jax.tree.map(lambda g: g / jnp.maximum(weight_sum, 1.0), grads)
         updates, opt_state = self.tx.update(grads, state.opt_state, trained)
         params = trainable.merge(optax.apply_updates(trained, updates), frozen)
+        params = moe.move_bias(params, sums, self.cfg.moe_bias_update_rate)
         new_state = TrainState(state.step + 1, params, opt_state, state.reference)
         metrics = {
             "loss": loss_sum / jnp.maximum(weight_sum, 1.0),

@@ -47,9 +47,9 @@ class Attention(nn.Module):
         if cfg.qk_norm:  # Qwen3: each head normalised over head_dim, before RoPE
             q = RMSNorm(cfg.norm_epsilon, self.dtype, self.weight_dtype, name="query_norm")(q)
             k = RMSNorm(cfg.norm_epsilon, self.dtype, self.weight_dtype, name="key_norm")(k)
-        inv_freq = rope.frequencies_for(cfg)
-        q = rope.apply_rope(q, positions, inv_freq) * (cfg.head_dim**-0.5)
-        k = rope.apply_rope(k, positions, inv_freq)
+        inv_freq, cos_sin = rope.frequencies_for(cfg), rope.cos_sin_scale(cfg)  # YaRN scales both (rope.py)
+        q = rope.apply_rope(q, positions, inv_freq, cos_sin) * rope.softmax_scale(cfg, cfg.head_dim)
+        k = rope.apply_rope(k, positions, inv_freq, cos_sin)
 
         if kv_cache.decoding(self):  # generation: this call's k/v join the cache; queries attend over it
             keys, values, mask = kv_cache.KVCache(self.dtype, name="cache")(k, v, positions)

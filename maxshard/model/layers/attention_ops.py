@@ -5,7 +5,9 @@ Inputs are post-RoPE and pre-scaled: q [batch, q_len, heads, head_dim] (already 
 k and v [batch, kv_len, kv_heads, head_dim], segment ids [batch, q_len] and [batch, kv_len]; the output is
 [batch, q_len, heads, head_dim] in v's dtype. Every implementation applies the same mask: causal (query t sees keys
 up to t; with kv_len > q_len the queries are the last q_len positions) and inside one document (equal segment ids).
-Grouped-query heads: heads = kv_heads x group, query head h reads kv head h // group.
+Grouped-query heads: heads = kv_heads x group, query head h reads kv head h // group. Value heads may be narrower
+or wider than query/key heads (latent attention, layers/mla.py): the output takes v's width; kernels that need one
+width get zero-padded inputs (`one_width`).
 
 Sharding. Inside attention the activations take their own logical names (`activation_attn_*`): whole length
 (or `context` shards for ring attention, layers/ring_attention.py) and heads over the tensor axes *and* `sequence`.
@@ -28,7 +30,7 @@ from maxshard.model.layers import ring_attention
 from maxshard.parallel import axis_names as ax
 from maxshard.parallel.sharding import constrain
 
-__all__ = ["attend", *attention_kinds.NAMES, "document_starts", "token_indices"]
+__all__ = ["attend", *attention_kinds.NAMES, "document_starts", "token_indices", "one_width"]
 
 
 def token_indices(q_len: int, kv_len: int) -> tuple[jax.Array, jax.Array]:
@@ -51,7 +53,7 @@ def _grouped(q: jax.Array, kv_heads: int) -> jax.Array:
 
 def dot_product(q, k, v, q_segment_ids, kv_segment_ids) -> jax.Array:
     """The reference: float32 scores and softmax over the whole key length."""
-    batch, q_len, heads, dim = q.shape
+    batch, q_len, heads, _ = q.shape
     q_idx, kv_idx = token_indices(q_len, k.shape[1])
     causal = kv_idx[None, :] <= q_idx[:, None]  # [q, kv]
     same_doc = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]  # [batch, q, kv]
@@ -64,16 +66,16 @@ def dot_product(q, k, v, q_segment_ids, kv_segment_ids) -> jax.Array:
     logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1)
     out = jnp.einsum("bhgqk,bkhd->bqhgd", jnp.asarray(probs, v.dtype), v)
-    return out.reshape(batch, q_len, heads, dim)
+    return out.reshape(batch, q_len, heads, v.shape[-1])
 
 
 def blockwise(q, k, v, q_segment_ids, kv_segment_ids, block_q: int = 512, block_kv: int = 512) -> jax.Array:
     """Online-softmax attention with linear memory (layers/blockwise_attention.py)."""
-    batch, q_len, heads, dim = q.shape
+    batch, q_len, heads, _ = q.shape
     q_idx, kv_idx = token_indices(q_len, k.shape[1])
     out = bw.blockwise_attention(_grouped(q, k.shape[2]), k, v, q_segment_ids, kv_segment_ids, q_idx, kv_idx,
                                  block_q, block_kv)
-    return out.reshape(batch, q_len, heads, dim)
+    return out.reshape(batch, q_len, heads, v.shape[-1])
 
 
 def cudnn(q, k, v, q_segment_ids, kv_segment_ids, implementation: str | None = None) -> jax.Array:
@@ -122,7 +124,7 @@ def splash(q, k, v, q_segment_ids, kv_segment_ids, block_q: int = 512, block_kv:
 
     if interpret is None:
         interpret = target_platform() != "tpu"
-    batch, q_len, heads, dim = q.shape
+    batch, q_len, heads, _ = q.shape
     kv_heads = k.shape[2]
     kernel = _splash_kernel(heads // kv_heads, q_len, k.shape[1], min(block_q, q_len), min(block_kv, k.shape[1]),
                             interpret)
@@ -134,7 +136,7 @@ def splash(q, k, v, q_segment_ids, kv_segment_ids, block_q: int = 512, block_kv:
         return jax.vmap(lambda qh, kh, vh: kernel(qh, kh, vh, segment_ids=segments))(qr, kr, vr)
 
     out = jax.vmap(row)(qg, kt, vt, q_segment_ids, kv_segment_ids)  # [b, kv_heads, group, q, d]
-    return jnp.einsum("bhgqd->bqhgd", out).reshape(batch, q_len, heads, dim).astype(v.dtype)
+    return jnp.einsum("bhgqd->bqhgd", out).reshape(batch, q_len, heads, v.shape[-1]).astype(v.dtype)
 
 
 def document_starts(segment_ids: jax.Array) -> jax.Array:
@@ -206,9 +208,27 @@ def attend(
         out = ring_attention.ring_attend(q, k, v, q_segment_ids, kv_segment_ids, block_q, block_kv)
     else:
         row, kernel = _kernel(implementation, block_q, block_kv)
+        value_width = v.shape[-1]
+        if value_width != q.shape[-1] and not row.value_width:
+            q, k, v = one_width(q, k, v)
         args = (q, k, v, q_segment_ids, kv_segment_ids)
         out = ring_attention.manual_over_batch_and_heads(kernel, *args) if row.per_device else kernel(*args)
+        out = out[..., :value_width]
     return constrain(out, ax.ATTN_QUERY)
+
+
+def one_width(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q, k and v zero-padded on head_dim to the widest of them, for kernels that take one head width
+    (`Kind.value_width` False: cudnn, where jax.nn.dot_product_attention checks one width) when latent attention's
+    query/key heads (qk_nope + qk_rope) and value heads (v_head_dim) differ. Exact: zero features add nothing to
+    q.k, and a zero value column gives an output column that `attend` drops; the kernel does the padded width's
+    work (DeepSeek-V3: values 128 -> 192, the p.v matmul 1.5x)."""
+    width = max(q.shape[-1], k.shape[-1], v.shape[-1])
+
+    def pad(x: jax.Array) -> jax.Array:
+        return x if x.shape[-1] == width else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
+
+    return pad(q), pad(k), pad(v)
 
 
 def _kernel(implementation: str, block_q: int, block_kv: int) -> tuple[attention_kinds.Kind, Callable]:

@@ -1,9 +1,10 @@
 """Blockwise (flash) attention in pure JAX: online softmax over key/value blocks, memory linear in length.
 
 Shapes: q [batch, q_len, kv_heads, group, head_dim] (query heads grouped over kv heads), k and v
-[batch, kv_len, kv_heads, head_dim], segment ids [batch, len], token indices [len] (int32, one per position, shared
-by the batch). Query t may see key s when `kv_index[s] <= q_index[t]` (causal) and both segment ids are equal
-(packed documents). Scores are float32; q is expected pre-scaled by 1/sqrt(head_dim).
+[batch, kv_len, kv_heads, head_dim] (v's head_dim may differ from q's and k's: the output takes v's), segment ids
+[batch, len], token indices [len] (int32, one per position, shared by the batch). Query t may see key s when
+`kv_index[s] <= q_index[t]` (causal) and both segment ids are equal (packed documents). Scores are float32; q is
+expected pre-scaled by 1/sqrt(head_dim).
 
 The algorithm. Dot-product attention materialises scores [q_len, kv_len] per head. Here the queries are cut into
 blocks of `block_q` rows and the keys into blocks of `block_kv` columns; for one query block the key blocks are
@@ -122,7 +123,7 @@ def forward(q, k, v, q_seg, kv_seg, q_idx, kv_idx, block_q: int, block_kv: int) 
     """(out [b, q_len, h, g, d] in v's dtype, lse [b, h, g, q_len] float32); see the module docstring."""
     (qb, q_segb, q_idxb), (kb, vb, kv_segb, kv_idxb) = _prepare(q, k, v, q_seg, kv_seg, q_idx, kv_idx,
                                                                 block_q, block_kv)
-    n_q, batch, bq, heads, group, dim = qb.shape
+    n_q, batch, bq, heads, group, _ = qb.shape
 
     def one_q_block(qi, qsi, qii):
         def kv_step(j, carry):
@@ -141,7 +142,7 @@ def forward(q, k, v, q_seg, kv_seg, q_idx, kv_idx, block_q: int, block_kv: int) 
             return jax.lax.cond(_needed(qii, kij), compute, lambda c: c, carry)
 
         stats = (batch, heads, group, bq)
-        init = (jnp.full(stats, NEG), jnp.zeros(stats), jnp.zeros((*stats, dim)))
+        init = (jnp.full(stats, NEG), jnp.zeros(stats), jnp.zeros((*stats, v.shape[-1])))
         m, l, acc = _loop(kb.shape[0], kv_step, init)
         l_safe = jnp.where(l == 0, 1.0, l)  # no key block visited: out 0, lse NEG
         out = jnp.einsum("bhgqd->bqhgd", acc / l_safe[..., None]).astype(v.dtype)
@@ -152,7 +153,8 @@ def forward(q, k, v, q_seg, kv_seg, q_idx, kv_idx, block_q: int, block_kv: int) 
         out_i, lse_i = one_q_block(_at(qb, i), _at(q_segb, i), _at(q_idxb, i))
         return carry[0].at[i].set(out_i), carry[1].at[i].set(lse_i)
 
-    init = (jnp.zeros(qb.shape, v.dtype), jnp.zeros((n_q, batch, heads, group, bq), jnp.float32))
+    out_shape = (*qb.shape[:-1], v.shape[-1])  # [nq, b, bq, h, g, value head_dim]
+    init = (jnp.zeros(out_shape, v.dtype), jnp.zeros((n_q, batch, heads, group, bq), jnp.float32))
     out, lse = _loop(n_q, q_step, init)  # [nq, b, bq, h, g, d], [nq, b, h, g, bq]
     q_len = q.shape[1]
     return _unblocks(out, 1)[:, :q_len], _unblocks(lse, 3)[..., :q_len]
@@ -193,8 +195,8 @@ def backward(q, k, v, q_seg, kv_seg, q_idx, kv_idx, out, lse, dout, dlse, block_
 
             return jax.lax.cond(_needed(qii, kij), compute, skip, carry)
 
-        zeros = jnp.zeros(kj.shape, jnp.float32)
-        (dk, dv), dq_parts = jax.lax.scan(q_step, (zeros, zeros), q_side)
+        zeros = (jnp.zeros(kj.shape, jnp.float32), jnp.zeros(vj.shape, jnp.float32))
+        (dk, dv), dq_parts = jax.lax.scan(q_step, zeros, q_side)
         return dq + dq_parts, (dk, dv)
 
     dq0 = jnp.zeros(qb.shape, jnp.float32)

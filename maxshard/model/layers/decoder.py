@@ -14,10 +14,11 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from maxshard.model import remat
+from maxshard.model import blocks, remat
 from maxshard.model.config import ModelConfig
 from maxshard.model.layers import kv_cache
 from maxshard.model.layers.attention import Attention
+from maxshard.model.layers.mla import LatentAttention
 from maxshard.model.layers.mlp import MLP
 from maxshard.model.layers.moe import MoEBlock
 from maxshard.model.layers.norms import RMSNorm
@@ -25,7 +26,7 @@ from maxshard.model.layers.pipeline import Pipeline
 from maxshard.parallel import axis_names as ax
 from maxshard.parallel.sharding import constrain
 
-__all__ = ["DecoderLayer", "MoEDecoderBlock", "Decoder", "norm", "remat_policy", "stack_unit"]
+__all__ = ["ATTENTION_LAYERS", "DecoderLayer", "MoEDecoderBlock", "Decoder", "norm", "remat_policy", "stack_unit"]
 
 
 def remat_policy(name: str) -> Any:
@@ -58,10 +59,15 @@ def norm(layer: nn.Module, x: jax.Array) -> jax.Array:
     return constrain(layer(constrain(x, ax.RESIDUAL)), ax.RESIDUAL)
 
 
+# The layer kinds of model/blocks.py, by name: a new attention or MLP kind is a row here and one there.
+ATTENTION_LAYERS: dict[str, type[nn.Module]] = {"gqa": Attention, "mla": LatentAttention}
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)). Returns (x, None) so `nn.scan` can carry x.
 
-    With `use_moe` the MLP is a routed MoEBlock (params under "moe" instead of "mlp").
+    The attention is the model's `attention_type` (ATTENTION_LAYERS); with `use_moe` the MLP is a routed MoEBlock
+    (params under "moe" instead of "mlp").
     """
 
     cfg: ModelConfig
@@ -74,7 +80,7 @@ class DecoderLayer(nn.Module):
         cfg, dt, wdt = self.cfg, self.dtype, self.weight_dtype
         x = checkpoint_name(constrain(x, ax.RESIDUAL), remat.LAYER_INPUT)  # what an offload policy moves to host
         h = norm(RMSNorm(cfg.norm_epsilon, dt, wdt, name="attention_norm"), x)
-        x = x + Attention(cfg, dt, wdt, name="attention")(h, segment_ids, positions)
+        x = x + ATTENTION_LAYERS[cfg.attention_type](cfg, dt, wdt, name="attention")(h, segment_ids, positions)
         h = norm(RMSNorm(cfg.norm_epsilon, dt, wdt, name="mlp_norm"), x)
         if self.use_moe:
             x = x + MoEBlock(cfg, dt, wdt, name="moe")(h, segment_ids)
@@ -85,7 +91,7 @@ class DecoderLayer(nn.Module):
 
 
 class MoEDecoderBlock(nn.Module):
-    """The repeated unit of an MoE model: `moe_layer_interval` layers, `layer_0 ..`, the last one MoE.
+    """The repeated unit of an MoE model's main stack (model/blocks.py): its layers `layer_0 ..`, the last one MoE.
 
     nn.scan needs identical iterations, so a model that mixes dense and MoE layers scans over blocks of
     `moe_layer_interval` layers (num_layers / interval iterations) rather than over single layers.
@@ -97,29 +103,30 @@ class MoEDecoderBlock(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> tuple[jax.Array, None]:
-        n = self.cfg.moe_layer_interval
-        for i in range(n):
-            layer = DecoderLayer(self.cfg, self.dtype, self.weight_dtype, use_moe=i == n - 1, name=f"layer_{i}")
+        for i, kinds in enumerate(blocks.main_stack(self.cfg).unit):
+            layer = DecoderLayer(self.cfg, self.dtype, self.weight_dtype, use_moe=kinds.mlp == "moe", name=f"layer_{i}")
             x, _ = layer(x, segment_ids, positions)
         return x, None
 
 
-def stack_unit(cfg: ModelConfig) -> type[nn.Module]:
-    """The module the stack repeats `cfg.num_units` times: DecoderLayer for dense models, MoEDecoderBlock (a block
-    of `moe_layer_interval` layers) for MoE models."""
-    return MoEDecoderBlock if cfg.is_moe else DecoderLayer
+def stack_unit(cfg: ModelConfig, stack: blocks.Stack | None = None) -> type[nn.Module]:
+    """The module a stack (default: the main one) repeats: DecoderLayer for a stack of dense layers, MoEDecoderBlock
+    (a block of `moe_layer_interval` layers, the last MoE) for the main stack of an MoE model."""
+    stack = stack or blocks.main_stack(cfg)
+    return MoEDecoderBlock if stack.has_moe else DecoderLayer
 
 
-def _layer_class(cfg: ModelConfig) -> type[nn.Module]:
-    unit = stack_unit(cfg)
+def _remat(cfg: ModelConfig, unit: type[nn.Module]) -> type[nn.Module]:
     if cfg.remat_policy == "none":
         return unit
     return nn.remat(unit, policy=remat_policy(cfg.remat_policy), prevent_cse=not cfg.scan_layers)
 
 
 class Decoder(nn.Module):
-    """`num_layers` blocks: one scanned block with a leading "layers" axis, or `layers_0 .. layers_{n-1}`, or with
-    more than one pipeline stage a circular pipeline (params under "pipeline", see layers/pipeline.py)."""
+    """The stacks of model/blocks.py, in order. Each is one scanned unit with a leading "layers" axis (params under
+    its name: "layers", and "dense_layers" for `first_k_dense_replace`), or unrolled `<name>_0 .. <name>_{n-1}`;
+    with more than one pipeline stage the main stack is a circular pipeline (params under "pipeline", see
+    layers/pipeline.py) and the dense first layers run before it on every stage."""
 
     cfg: ModelConfig
     dtype: jnp.dtype
@@ -127,22 +134,30 @@ class Decoder(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
-        cfg, layer = self.cfg, _layer_class(self.cfg)
-        if cfg.pipeline is not None:  # a circular pipeline over the `stage` mesh axis (layers/pipeline.py)
-            pipeline = Pipeline(cfg, stack_unit(cfg), self.dtype, self.weight_dtype, remat_policy(cfg.remat_policy),
-                                name="pipeline")
-            return pipeline(x, segment_ids, positions)
-        if cfg.scan_layers:
-            stack = nn.scan(
-                layer,
-                variable_axes={"params": 0, "intermediates": 0, kv_cache.COLLECTION: 0},
-                split_rngs={"params": True},
-                in_axes=(nn.broadcast, nn.broadcast),
-                length=cfg.num_units,
-                metadata_params={nn.PARTITION_NAME: ax.LAYERS},
-            )
-            x, _ = stack(cfg, self.dtype, self.weight_dtype, name="layers")(x, segment_ids, positions)
-            return x
-        for i in range(cfg.num_units):
-            x, _ = layer(cfg, self.dtype, self.weight_dtype, name=f"layers_{i}")(x, segment_ids, positions)
+        cfg = self.cfg
+        for stack in blocks.stacks(cfg):
+            unit = stack_unit(cfg, stack)
+            if stack.name == blocks.MAIN_STACK and cfg.pipeline is not None:  # layers/pipeline.py
+                pipeline = Pipeline(cfg, unit, self.dtype, self.weight_dtype, remat_policy(cfg.remat_policy),
+                                    name="pipeline")
+                x = pipeline(x, segment_ids, positions)
+            elif cfg.scan_layers:
+                x = self._scanned(stack, _remat(cfg, unit), x, segment_ids, positions)
+            else:
+                for i in range(stack.repeats):
+                    layer = _remat(cfg, unit)(cfg, self.dtype, self.weight_dtype, name=f"{stack.name}_{i}")
+                    x, _ = layer(x, segment_ids, positions)
+        return x
+
+    def _scanned(self, stack: blocks.Stack, layer: type[nn.Module], x: jax.Array, segment_ids: jax.Array,
+                 positions: jax.Array) -> jax.Array:
+        scanned = nn.scan(
+            layer,
+            variable_axes={"params": 0, "intermediates": 0, kv_cache.COLLECTION: 0},
+            split_rngs={"params": True},
+            in_axes=(nn.broadcast, nn.broadcast),
+            length=stack.repeats,
+            metadata_params={nn.PARTITION_NAME: ax.LAYERS if stack.name == blocks.MAIN_STACK else ax.UNSTAGED_LAYERS},
+        )
+        x, _ = scanned(self.cfg, self.dtype, self.weight_dtype, name=stack.name)(x, segment_ids, positions)
         return x

@@ -3,7 +3,9 @@
 Layout. One layer's cache is keys and values of [batch, kv_heads, max_length, head_dim], named
 ("cache_batch", "cache_kv_heads", "cache_length", "cache_kv") so `logical_axis_rules` lay it out like the
 attention activations it feeds (batch over data/fsdp/expert, kv heads over tensor/autoregressive). nn.scan stacks
-the layers' caches into [layers, batch, kv_heads, max_length, head_dim] under the "cache" collection.
+the layers' caches into [layers, batch, kv_heads, max_length, head_dim] under the "cache" collection. Latent
+attention (layers/mla.py) keeps instead one latent [batch, max_length, kv_lora_rank] and one RoPE key
+[batch, max_length, qk_rope_head_dim] per layer (`LatentCache`), written the same way.
 
 Slot = position. Prompts are right-padded, so the token at position p of a sequence always lives in slot p:
 a call writes its k/v at slots `positions` (contiguous per sequence: a prefill of [batch, prompt] from 0, or one
@@ -31,7 +33,7 @@ import jax.numpy as jnp
 from maxshard.parallel import axis_names as ax
 from maxshard.parallel.sharding import constrain
 
-__all__ = ["COLLECTION", "CACHE_AXES", "KVCache", "decoding", "attend"]
+__all__ = ["COLLECTION", "CACHE_AXES", "KVCache", "LatentCache", "decoding", "attend"]
 
 COLLECTION = "cache"
 CACHE_AXES = (ax.CACHE_BATCH, ax.CACHE_KV_HEADS, ax.CACHE_LENGTH, ax.CACHE_KV)  # [batch, kv_heads, length, head_dim]
@@ -47,14 +49,17 @@ def _zeros(shape: tuple[int, ...], dtype: Any) -> jax.Array:
     return jnp.zeros(shape, dtype)
 
 
-def _write(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
-    """cache [b, h, S, d] with new [b, h, T, d] written at slots start[b] .. start[b] + T - 1 of each row."""
-    slots, length = cache.shape[2], new.shape[2]
+def _write(cache: jax.Array, new: jax.Array, start: jax.Array, axis: int = 2) -> jax.Array:
+    """cache [b, ..., S, ...] with new [b, ..., T, ...] written at slots start[b] .. start[b] + T - 1 of each row;
+    `axis` is the slot axis (2 in [b, h, S, d], 1 in latent attention's [b, S, width])."""
+    slots, length = cache.shape[axis], new.shape[axis]
     offset = jnp.arange(slots)[None, :] - start[:, None]  # [b, S]: index into `new` of each slot
     inside = (offset >= 0) & (offset < length)
-    index = jnp.clip(offset, 0, length - 1)[:, None, :, None]  # [b, 1, S, 1]
-    picked = jnp.take_along_axis(new, index, axis=2)  # [b, h, S, d]
-    return jnp.where(inside[:, None, :, None], picked, cache)
+    shape = [1] * cache.ndim
+    shape[0], shape[axis] = cache.shape[0], slots  # [b, 1, S, 1] or [b, S, 1]
+    index = jnp.clip(offset, 0, length - 1).reshape(shape)
+    picked = jnp.take_along_axis(new, index, axis=axis)  # new's rows at the cache's slots
+    return jnp.where(inside.reshape(shape), picked, cache)
 
 
 class KVCache(nn.Module):
@@ -86,9 +91,35 @@ class KVCache(nn.Module):
         return keys.value.transpose(0, 2, 1, 3), values.value.transpose(0, 2, 1, 3), mask[:, None, None]
 
 
+class LatentCache(nn.Module):
+    """Latent attention's cache (layers/mla.py): per token the normalised key/value latent [kv_lora_rank] and the
+    rotated RoPE key [qk_rope_head_dim] that every head shares, written as KVCache writes (slot = position).
+
+    Layout [batch, max_length, width], named ax.LATENT_CACHE: no heads dimension (every head reads all of it), so
+    tensor parallelism repeats it on each device of a tensor group; nn.scan stacks it into [layers, ...].
+    """
+
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, latent: jax.Array, rope_key: jax.Array, positions: jax.Array
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """latent [batch, T, rank], rope_key [batch, T, rope]; positions [batch, T] contiguous per row ->
+        (latents [batch, max_length, rank], rope keys [batch, max_length, rope], mask [batch, T, max_length])."""
+        init = nn.with_logical_partitioning(_zeros, ax.LATENT_CACHE)
+        start, written = positions[:, 0], []
+        for name, new in (("latent", latent), ("rope_key", rope_key)):
+            var = self.variable(COLLECTION, name, init, new.shape, self.dtype)
+            var.value = constrain(_write(var.value, jnp.asarray(new, self.dtype), start, axis=1), ax.LATENT_CACHE)
+            written.append(var.value)
+        slots = jnp.arange(written[0].shape[1])
+        return written[0], written[1], slots[None, None, :] <= positions[:, :, None]
+
+
 def attend(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array, dtype: Any) -> jax.Array:
     """Grouped-query attention of q [b, T, heads, d] (RoPE'd and scaled) over the cache's keys/values
-    [b, S, kv_heads, d] with mask [b, 1, 1, T, S] -> [b, T, heads, d]; logits and softmax in float32."""
+    [b, S, kv_heads, d] with mask [b, 1, 1, T, S] -> [b, T, heads, d]; logits and softmax in float32. The values'
+    head width may differ (latent attention's prefill, layers/mla.py): the output takes theirs."""
     batch, length, heads, head_dim = q.shape
     kv_heads = keys.shape[2]
     q = q.reshape(batch, length, kv_heads, heads // kv_heads, head_dim)  # [b, T, kv_heads, group, d]
@@ -96,4 +127,4 @@ def attend(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array, dt
     logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1)
     out = jnp.einsum("bhgqk,bkhd->bqhgd", jnp.asarray(probs, dtype), values)
-    return out.reshape(batch, length, heads, head_dim)
+    return out.reshape(batch, length, heads, values.shape[-1])

@@ -1,9 +1,20 @@
 """Mixture of Experts: top-k routing with per-expert capacity (token dropping), expert parallelism, router losses.
 
-Routing runs in float32. A router softmax over `num_experts` picks each token's top `k` experts; their
-probabilities are renormalised to sum to 1 (Mixtral's softmax over the top-k logits is the same function; with
-`moe_renormalize_top_k: false` they keep their softmax values, as Qwen3-MoE without norm_topk_prob) and weigh the
-experts' outputs (drops do not renormalise again).
+Routing runs in float32. The router's logits become scores, a softmax over `num_experts` (Mixtral, Qwen) or an
+elementwise sigmoid (`moe_router: sigmoid`, DeepSeek-V3), and each token picks its top `k` experts by score; their
+scores are renormalised to sum to 1 (Mixtral's softmax over the top-k logits is the same function; with
+`moe_renormalize_top_k: false` they keep their own values, as Qwen3-MoE without norm_topk_prob), multiplied by
+`moe_routed_scaling_factor`, and weigh the experts' outputs (drops do not renormalise again). DeepSeek-V3's two
+additions, exactly as transformers' DeepseekV3TopkRouter computes them (tests/test_moe_routing.py holds its
+choices on a fixture):
+
+  group-limited  the experts fall in `moe_n_group` equal groups of consecutive ids; a group's score is the sum of
+                 its two best (biased) scores; only the experts of the `moe_topk_group` best groups may be chosen.
+  selection bias `moe_router_bias`: a per-expert bias `router_bias` [experts] (float32, beside the router kernel
+                 `gate`; Hugging Face's `mlp.gate.e_score_correction_bias`) is added to the scores for choosing
+                 (the groups and the top k) and never to the weights. It never trains (model/trainable.py keeps it
+                 frozen): the train step moves it by `moe_bias_update_rate` toward equal load after every step
+                 (`move_bias`, aux-loss-free balancing), from the per-layer loads the layer sows beside it.
 
 Groups and capacity. A group is `moe_group_size` consecutive tokens of one sequence (default 0: the whole
 sequence); each group routes on its own, so routing never depends on how the batch is sharded. Every expert takes
@@ -44,14 +55,19 @@ share of rows (fewer FLOPs), and the assignments a full buffer leaves home count
 `moe_dropless_impl=dense` keeps the reference: every expert computes every token and the router weights (zero for
 experts a token did not choose) combine them, num_experts / k times the expert FLOPs.
 
-Shared experts (`num_shared_experts` = n > 0): a dense SwiGLU every token passes through, beside the routed experts
-and added to their output (DeepSeek-style). The n shared experts are one MLP of width n x mlp_dim, params under
+Routed experts are `expert_dim` wide (`moe_mlp_dim`, else mlp_dim). Shared experts (`num_shared_experts` = n > 0):
+a dense SwiGLU every token passes through, beside the routed experts and added to their output (DeepSeek-style,
+never scaled by `moe_routed_scaling_factor`). The n shared experts are one MLP of width n x expert_dim, params under
 "shared" with the dense MLP's logical axes: a SwiGLU of concatenated hidden units is exactly the sum of n separate
 SwiGLUs, and one wider matmul beats n narrow ones.
 
 Router losses, per MoE layer, over the non-padding tokens T:
     load balance  num_experts * sum_i f_i * P_i, f_i = share of the T * k assignments that chose expert i (before
-                  drops), P_i = mean router probability of expert i. 1.0 when perfectly balanced.
+                  drops), P_i = mean normalised score of expert i (the softmax; sigmoid scores divided by their
+                  sum over experts). 1.0 when perfectly balanced.
+    sequence      DeepSeek-V3's sequence-wise balance loss (its eq. 17-20): the same sum per sequence (a batch row,
+                  its real tokens), f_i = E / (k T) x tokens of the row choosing i, averaged over the rows that hold
+                  a real token; weighted by the run's `moe_seq_balance_loss_weight`.
     z-loss        mean over T of logsumexp(logits)^2, keeps router logits small.
 Each MoE layer sows them with drop and load counts into the "intermediates" collection (stacked by nn.scan);
 `collect_stats`, `loss_sums` and `metrics` turn them into the training objective and the metrics dict.
@@ -59,6 +75,7 @@ Each MoE layer sows them with drop and load counts into the "intermediates" coll
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -66,6 +83,7 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import traverse_util
 
 from maxshard.model.config import ModelConfig
 from maxshard.model.layers import moe_grouped
@@ -78,11 +96,16 @@ __all__ = [
     "EXPERT_EINSUMS",
     "MoEBlock",
     "Routing",
+    "Scoring",
+    "BIAS_PARAM",
     "capacity",
     "group_size",
     "route",
     "router_losses",
+    "router_scores",
+    "sequence_balance_loss",
     "collect_stats",
+    "move_bias",
     "loss_sums",
     "objective",
     "metrics",
@@ -92,6 +115,9 @@ __all__ = [
 STATS_COLLECTION = "intermediates"
 _STATS_NAME = "moe_stats"
 _LOAD_STAT = "load"  # the one per-expert statistic: [experts]; the others are scalars
+BIAS_PARAM = "router_bias"  # the selection bias [experts] of a layer with `moe_router_bias` (never trained)
+_BIAS_LOAD = "router_bias_load"  # sown beside it: the layer's load [experts], stacked as the bias is
+_BIAS_LOADS = "bias_loads"  # collect_stats' entry: {param path of each bias: its layer's load, same shape}
 
 
 # --------------------------------------------------------------------------------------------- capacity
@@ -127,15 +153,68 @@ class Routing(NamedTuple):
     top_experts: jax.Array  # [group, tokens, k] int32 expert of each choice; num_experts (none) for padding
 
 
-def _top_k(probs: jax.Array, k: int, token_mask: jax.Array, renormalize: bool = True
+@dataclasses.dataclass(frozen=True)
+class Scoring:
+    """How router logits become scores and choices (the module docstring): `kind` softmax or sigmoid; experts in
+    `n_group` groups of which the `topk_group` best may be chosen; chosen weights renormalised to sum to 1 (or not)
+    and multiplied by `scale`."""
+
+    kind: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    scale: float = 1.0
+    renormalize: bool = True
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> Scoring:
+        return cls(cfg.moe_router, cfg.moe_n_group, cfg.moe_topk_group, cfg.moe_routed_scaling_factor,
+                   cfg.moe_renormalize_top_k)
+
+
+def router_scores(logits: jax.Array, kind: str) -> jax.Array:
+    """Router scores [..., experts] in float32: a softmax over the experts, or each expert's sigmoid."""
+    logits = logits.astype(jnp.float32)
+    if kind == "sigmoid":
+        return jax.nn.sigmoid(logits)
+    if kind == "softmax":
+        return jax.nn.softmax(logits, axis=-1)
+    raise ValueError(f"moe_router must be softmax or sigmoid, got {kind!r}")
+
+
+def _normalized(scores: jax.Array, kind: str) -> jax.Array:
+    """Scores that sum to 1 over the experts (the losses' P_i): the softmax as it is, sigmoids over their sum."""
+    return scores if kind == "softmax" else scores / jnp.sum(scores, axis=-1, keepdims=True)
+
+
+def _group_limited(choice: jax.Array, n_group: int, topk_group: int) -> jax.Array:
+    """`choice` [..., experts] with the experts outside a token's `topk_group` best groups at -inf; a group's score
+    is the sum of its two best choice scores (one when a group holds a single expert)."""
+    *lead, experts = choice.shape
+    per_group = experts // n_group
+    grouped = choice.reshape(*lead, n_group, per_group)
+    group_scores = jnp.sum(jax.lax.top_k(grouped, min(2, per_group))[0], axis=-1)  # [..., n_group]
+    best = jax.lax.top_k(group_scores, topk_group)[1]  # [..., topk_group]
+    kept = jnp.any(best[..., :, None] == jnp.arange(n_group), axis=-2)  # [..., n_group]
+    return jnp.where(jnp.repeat(kept, per_group, axis=-1), choice, -jnp.inf)
+
+
+def _top_k(scores: jax.Array, k: int, token_mask: jax.Array, scoring: Scoring, bias: jax.Array | None
            ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Top-k weights [group, tokens, k] (renormalised to sum to 1, or the softmax's own probabilities), their
-    experts [group, tokens, k] (num_experts for padding) and one-hot choices [group, tokens, k, experts]."""
-    top_probs, top_experts = jax.lax.top_k(probs, k)  # [g, s, k]
-    top_weights = top_probs / jnp.sum(top_probs, axis=-1, keepdims=True) if renormalize else top_probs
-    choices = jax.nn.one_hot(top_experts, probs.shape[-1], dtype=jnp.int32)  # [g, s, k, e]
+    """Top-k weights [group, tokens, k] (the chosen scores, renormalised or not, times the scale), their experts
+    [group, tokens, k] (num_experts for padding) and one-hot choices [group, tokens, k, experts]. The bias and the
+    group limit decide which experts; the weights are the unbiased scores."""
+    choice = scores if bias is None else scores + jax.lax.stop_gradient(bias).astype(jnp.float32)
+    if scoring.n_group > 1 and scoring.topk_group < scoring.n_group:
+        choice = _group_limited(choice, scoring.n_group, scoring.topk_group)
+    top_experts = jax.lax.top_k(choice, k)[1]  # [g, s, k]
+    top_weights = jnp.take_along_axis(scores, top_experts, axis=-1)
+    if scoring.renormalize:  # + 1e-20 as transformers' DeepseekV3TopkRouter (a no-op for any real score sum)
+        top_weights = top_weights / (jnp.sum(top_weights, axis=-1, keepdims=True) + 1e-20)
+    if scoring.scale != 1.0:
+        top_weights = top_weights * scoring.scale
+    choices = jax.nn.one_hot(top_experts, scores.shape[-1], dtype=jnp.int32)  # [g, s, k, e]
     real = token_mask[:, :, None]
-    top_experts = jnp.where(real, top_experts, probs.shape[-1]).astype(jnp.int32)
+    top_experts = jnp.where(real, top_experts, scores.shape[-1]).astype(jnp.int32)
     return top_weights * real, top_experts, choices * real[..., None].astype(jnp.int32)
 
 
@@ -147,11 +226,12 @@ def _slots(choices: jax.Array) -> jax.Array:
     return slots.reshape(g, k, s, e).transpose(0, 2, 1, 3)
 
 
-def route(logits: jax.Array, k: int, slots_per_expert: int, token_mask: jax.Array, renormalize: bool = True
-          ) -> Routing:
-    """Top-k routing of logits [group, tokens, experts] with `slots_per_expert` slots (dropless: tokens)."""
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    top_weights, top_experts, choices = _top_k(probs, k, token_mask, renormalize)  # [g, s, k], [g, s, k], [g, s, k, e]
+def route(logits: jax.Array, k: int, slots_per_expert: int, token_mask: jax.Array, renormalize: bool = True,
+          scoring: Scoring | None = None, bias: jax.Array | None = None) -> Routing:
+    """Top-k routing of logits [group, tokens, experts] with `slots_per_expert` slots (dropless: tokens).
+    `scoring` (default: a softmax with `renormalize`) and the selection `bias` [experts] as the module docstring."""
+    scoring = scoring or Scoring(renormalize=renormalize)
+    top_weights, top_experts, choices = _top_k(router_scores(logits, scoring.kind), k, token_mask, scoring, bias)
     slots = _slots(choices)  # [g, s, k, e]
     keep = choices * (slots < slots_per_expert)  # [g, s, k, e]
     # An expert appears at most once among a token's k choices, so summing over k loses nothing.
@@ -163,12 +243,13 @@ def route(logits: jax.Array, k: int, slots_per_expert: int, token_mask: jax.Arra
     return Routing(dispatch, dispatch * weights[..., None], weights, chosen, kept, top_weights, top_experts)
 
 
-def router_losses(logits: jax.Array, chosen: jax.Array, token_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+def router_losses(logits: jax.Array, chosen: jax.Array, token_mask: jax.Array, kind: str = "softmax"
+                  ) -> tuple[jax.Array, jax.Array]:
     """(load-balancing loss, z-loss) over the real tokens; logits, chosen [group, tokens, experts]."""
     logits = logits.astype(jnp.float32)
     mask = token_mask.astype(jnp.float32)  # [g, s]
     tokens = jnp.maximum(jnp.sum(mask), 1.0)
-    probs = jax.nn.softmax(logits, axis=-1)
+    probs = _normalized(router_scores(logits, kind), kind)
     mean_prob = jnp.einsum("gse,gs->e", probs, mask) / tokens  # P_i
     share = jnp.sum(chosen, axis=(0, 1)) / jnp.maximum(jnp.sum(chosen), 1.0)  # f_i, no gradient (from top-k)
     balance = logits.shape[-1] * jnp.sum(share * mean_prob)
@@ -176,15 +257,35 @@ def router_losses(logits: jax.Array, chosen: jax.Array, token_mask: jax.Array) -
     return balance, z
 
 
-def _routing_stats(logits: jax.Array, routing: Routing, token_mask: jax.Array, unsent: jax.Array | float = 0.0
-                   ) -> dict[str, jax.Array]:
-    """Router losses and counts; `unsent`: dropless assignments a full ragged exchange buffer dropped
-    (`moe_ragged.py`), counted with the capacity drops."""
-    balance, z = router_losses(logits, routing.chosen, token_mask)
+def sequence_balance_loss(logits: jax.Array, chosen: jax.Array, token_mask: jax.Array, k: int,
+                          kind: str = "softmax") -> jax.Array:
+    """DeepSeek-V3's sequence-wise balance loss (module docstring) of logits, chosen [sequences, tokens, experts]:
+    per sequence sum_i f_i P_i, f_i = E / (k T) x count of its T real tokens choosing i, P_i = their mean
+    normalised score of i; the mean over sequences holding a real token. 1.0 when every sequence is balanced."""
+    mask = token_mask.astype(jnp.float32)  # [b, s]
+    tokens = jnp.sum(mask, axis=1)  # [b]
+    per_token = jnp.maximum(tokens, 1.0)[:, None]
+    experts = logits.shape[-1]
+    f = experts / k * jnp.sum(chosen, axis=1) / per_token  # [b, e]; padding chose nothing
+    p = jnp.einsum("bse,bs->be", _normalized(router_scores(logits, kind), kind), mask) / per_token
+    real = (tokens > 0).astype(jnp.float32)
+    return jnp.sum(jnp.sum(f * p, axis=-1) * real) / jnp.maximum(jnp.sum(real), 1.0)
+
+
+def _routing_stats(logits: jax.Array, routing: Routing, token_mask: jax.Array, kind: str, sequences: int,
+                   unsent: jax.Array | float = 0.0) -> dict[str, jax.Array]:
+    """Router losses and counts; `sequences`: the batch rows the groups fold back into (the sequence-wise loss);
+    `unsent`: dropless assignments a full ragged exchange buffer dropped (`moe_ragged.py`), counted with the
+    capacity drops."""
+    balance, z = router_losses(logits, routing.chosen, token_mask, kind)
+    k = routing.top_experts.shape[-1]
+    per_row = lambda v: v.reshape(sequences, -1, *v.shape[2:])  # noqa: E731 [groups, g, ...] -> [batch, length, ...]
+    seq = sequence_balance_loss(per_row(logits), per_row(routing.chosen), per_row(token_mask), k, kind)
     assigned = jnp.sum(routing.chosen)
     return {
         "lb_loss": balance,
         "z_loss": z,
+        "seq_loss": seq,
         "assigned": assigned,
         "dropped": assigned - jnp.sum(routing.kept) + unsent,
         _LOAD_STAT: jnp.sum(routing.chosen, axis=(0, 1)),  # [experts] routed assignments, before drops
@@ -223,7 +324,7 @@ class MoEBlock(nn.Module):
 
     def _kernels(self) -> tuple[jax.Array, jax.Array, jax.Array]:
         """wi_0, wi_1 [experts, embed, mlp] and wo [experts, mlp, embed], in the compute dtype."""
-        e, m, h = self.cfg.num_experts, self.cfg.emb_dim, self.cfg.mlp_dim
+        e, m, h = self.cfg.num_experts, self.cfg.emb_dim, self.cfg.expert_dim
         wi_0 = self._kernel("wi_0", (e, m, h), ax.EXPERT_KERNEL)
         wi_1 = self._kernel("wi_1", (e, m, h), ax.EXPERT_KERNEL)
         return wi_0, wi_1, self._kernel("wo", (e, h, m), (ax.EXP, ax.MLP, ax.EMBED))
@@ -259,22 +360,30 @@ class MoEBlock(nn.Module):
         out = self._experts(x, "gcm", ax.LENGTH)  # [e, g, s, m]
         return jnp.einsum("egsm,gse->gsm", out, routing.weights.astype(self.dtype)), 0.0
 
-    def _routed(self, x: jax.Array, logits: jax.Array, mask: jax.Array) -> jax.Array:
-        """The routed experts' output [batch, length, embed]; sows the router statistics."""
+    def _routed(self, x: jax.Array, logits: jax.Array, mask: jax.Array, bias: jax.Array | None) -> jax.Array:
+        """The routed experts' output [batch, length, embed]; sows the router statistics (and, with a selection
+        bias, the load beside it)."""
         cfg, (batch, length, embed) = self.cfg, x.shape
+        scoring, k = Scoring.of(cfg), cfg.num_experts_per_tok
         if cfg.capacity_factor <= 0:
-            routing = route(logits, cfg.num_experts_per_tok, length, mask, cfg.moe_renormalize_top_k)
+            routing = route(logits, k, length, mask, scoring=scoring, bias=bias)
             y, unsent = self._dropless(x, routing)
-            self.sow(STATS_COLLECTION, _STATS_NAME, _routing_stats(logits, routing, mask, unsent))
+            self._sow(logits, routing, mask, batch, bias, unsent)
             return y
         g = group_size(length, cfg.moe_group_size)
         groups = batch * length // g
         x, logits, mask = x.reshape(groups, g, embed), logits.reshape(groups, g, -1), mask.reshape(groups, g)
-        routing = route(logits, cfg.num_experts_per_tok, capacity(g, cfg.num_experts_per_tok, cfg.num_experts,
-                                                                  cfg.capacity_factor), mask,
-                        cfg.moe_renormalize_top_k)
-        self.sow(STATS_COLLECTION, _STATS_NAME, _routing_stats(logits, routing, mask))
+        routing = route(logits, k, capacity(g, k, cfg.num_experts, cfg.capacity_factor), mask, scoring=scoring,
+                        bias=bias)
+        self._sow(logits, routing, mask, batch, bias)
         return self._dropping(x, routing).reshape(batch, length, embed)
+
+    def _sow(self, logits: jax.Array, routing: Routing, mask: jax.Array, batch: int, bias: jax.Array | None,
+             unsent: jax.Array | float = 0.0) -> None:
+        stats = _routing_stats(logits, routing, mask, self.cfg.moe_router, batch, unsent)
+        self.sow(STATS_COLLECTION, _STATS_NAME, stats)
+        if bias is not None:  # the train step's `move_bias` finds it by the bias's own path
+            self.sow(STATS_COLLECTION, _BIAS_LOAD, stats[_LOAD_STAT])
 
     @nn.compact
     def __call__(self, x: jax.Array, segment_ids: jax.Array) -> jax.Array:
@@ -282,9 +391,12 @@ class MoEBlock(nn.Module):
         x = constrain(jnp.asarray(x, self.dtype), ax.TOKENS)
         router = DenseGeneral((cfg.num_experts,), (ax.EMBED, None), 1, jnp.float32, self.weight_dtype, name="gate")
         logits = router(x.astype(jnp.float32))  # [batch, length, experts] float32
-        y = self._routed(x, logits, segment_ids != 0)
+        # float32 whatever weight_dtype: steps of moe_bias_update_rate (DeepSeek-V3: 0.001) vanish in bfloat16.
+        bias = self.param(BIAS_PARAM, nn.with_logical_partitioning(nn.initializers.zeros_init(), (None,)),
+                          (cfg.num_experts,), jnp.float32) if cfg.moe_router_bias else None
+        y = self._routed(x, logits, segment_ids != 0, bias)
         if cfg.num_shared_experts > 0:
-            y = y + MLP(cfg.num_shared_experts * cfg.mlp_dim, self.dtype, self.weight_dtype, name="shared")(x)
+            y = y + MLP(cfg.num_shared_experts * cfg.expert_dim, self.dtype, self.weight_dtype, name="shared")(x)
         return constrain(y, ax.TOKENS)
 
 
@@ -299,8 +411,27 @@ def _find_stats(tree: Mapping[str, Any], found: list[dict[str, jax.Array]]) -> N
             _find_stats(value, found)
 
 
-def collect_stats(intermediates: Mapping[str, Any]) -> dict[str, jax.Array]:
-    """Every MoE layer's sown statistics, flattened: scalars [moe_layers], load [moe_layers, experts].
+# Under the pipeline (layers/pipeline.py) the layers' sown values come back under the pipeline's "stages" entry,
+# [repeats, microbatches, stages, layers_per_stage, ...], beside its weights "layers" [repeats, stages, layers, ...].
+_PIPELINE_SOWN, _PIPELINE_PARAMS = ("pipeline", "stages"), ("pipeline", "layers")
+
+
+def _find_bias_loads(tree: Mapping[str, Any], path: tuple[str, ...], found: dict[str, jax.Array]) -> None:
+    """{"/"-joined param path of each selection bias: its layer's load, in the bias's shape}."""
+    for key, value in tree.items():
+        if key == _BIAS_LOAD:
+            load = value[0]
+            if _PIPELINE_SOWN in zip(path, path[1:]):  # one load per microbatch: summed, as accumulation sums
+                at = next(i for i in range(len(path)) if path[i:i + 2] == _PIPELINE_SOWN)
+                path, load = (*path[:at], *_PIPELINE_PARAMS, *path[at + 2:]), jnp.sum(load, axis=1)
+            found["/".join((*path, BIAS_PARAM))] = load
+        elif isinstance(value, Mapping):
+            _find_bias_loads(value, (*path, key), found)
+
+
+def collect_stats(intermediates: Mapping[str, Any]) -> dict[str, Any]:
+    """Every MoE layer's sown statistics, flattened: scalars [moe_layers], load [moe_layers, experts]; with
+    selection biases also `bias_loads` (each bias's path -> its layer's load, stacked as the bias: `move_bias`).
 
     Under nn.scan a sown value gains leading stacked dims ([layers, ...]); reshaping folds them into one.
     """
@@ -312,29 +443,52 @@ def collect_stats(intermediates: Mapping[str, Any]) -> dict[str, jax.Array]:
     def flat(name: str, value: jax.Array) -> jax.Array:
         return value.reshape(-1, value.shape[-1]) if name == _LOAD_STAT else value.reshape(-1)
 
-    return {name: jnp.concatenate([flat(name, s[name]) for s in found]) for name in found[0]}
+    stats: dict[str, Any] = {name: jnp.concatenate([flat(name, s[name]) for s in found]) for name in found[0]}
+    bias_loads: dict[str, jax.Array] = {}
+    _find_bias_loads(intermediates, (), bias_loads)
+    return {**stats, _BIAS_LOADS: bias_loads} if bias_loads else stats
 
 
-def loss_sums(stats: Mapping[str, jax.Array], weight_sum: jax.Array) -> dict[str, jax.Array]:
+def loss_sums(stats: Mapping[str, Any], weight_sum: jax.Array) -> dict[str, Any]:
     """Per-batch sums that add up across microbatches. Router losses are averaged over MoE layers and scaled by
     the batch's loss weight, so after the step divides by the total weight they are token-weighted means."""
     if not stats:
         return {}
-    return {
+    sums = {
         "moe_lb_loss": weight_sum * jnp.mean(stats["lb_loss"]),
         "moe_z_loss": weight_sum * jnp.mean(stats["z_loss"]),
+        "moe_seq_loss": weight_sum * jnp.mean(stats["seq_loss"]),
         "moe_assigned": jnp.sum(stats["assigned"]),
         "moe_dropped": jnp.sum(stats["dropped"]),
         "moe_load": stats[_LOAD_STAT],  # [moe_layers, experts]
     }
+    if _BIAS_LOADS in stats:
+        sums["moe_bias_loads"] = stats[_BIAS_LOADS]  # {bias path: load}, summed over microbatches like the rest
+    return sums
 
 
-def objective(sums: Mapping[str, jax.Array], balance_weight: float, z_weight: float) -> jax.Array | float:
+def objective(sums: Mapping[str, jax.Array], balance_weight: float, z_weight: float, seq_weight: float = 0.0
+              ) -> jax.Array | float:
     """The router losses' share of the summed training objective (0.0 for dense models); the weights are the run's
-    `load_balance_loss_weight` and `router_z_loss_weight`."""
+    `load_balance_loss_weight`, `router_z_loss_weight` and `moe_seq_balance_loss_weight`."""
     if "moe_lb_loss" not in sums:
         return 0.0
-    return balance_weight * sums["moe_lb_loss"] + z_weight * sums["moe_z_loss"]
+    total = balance_weight * sums["moe_lb_loss"] + z_weight * sums["moe_z_loss"]
+    return total + seq_weight * sums["moe_seq_loss"] if seq_weight else total
+
+
+def move_bias(params: Any, sums: Mapping[str, Any], rate: float) -> Any:
+    """Aux-loss-free balancing (DeepSeek-V3): every selection bias moved by `rate` toward equal load, per layer,
+    `bias + rate * sign(mean load - load)` (an overloaded expert is chosen less, an idle one more), from the
+    step's loads (`sums` of `loss_sums`, over every microbatch). `params` unchanged without biases or a rate."""
+    loads = sums.get("moe_bias_loads", {})
+    if not rate or not loads:
+        return params
+    flat = traverse_util.flatten_dict(params, sep="/")
+    for path, load in loads.items():
+        step = rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+        flat[path] = flat[path] + step.astype(flat[path].dtype)
+    return traverse_util.unflatten_dict(flat, sep="/")
 
 
 def metrics(sums: Mapping[str, jax.Array], weight_sum: jax.Array) -> dict[str, jax.Array]:
@@ -351,6 +505,7 @@ def metrics(sums: Mapping[str, jax.Array], weight_sum: jax.Array) -> dict[str, j
     return {
         "moe/lb_loss": sums["moe_lb_loss"] / jnp.maximum(weight_sum, 1.0),
         "moe/z_loss": sums["moe_z_loss"] / jnp.maximum(weight_sum, 1.0),
+        "moe/seq_balance_loss": sums["moe_seq_loss"] / jnp.maximum(weight_sum, 1.0),
         "moe/dropped_fraction": sums["moe_dropped"] / jnp.maximum(sums["moe_assigned"], 1.0),
         "moe/expert_load_min": jnp.min(relative),
         "moe/expert_load_max": jnp.max(relative),

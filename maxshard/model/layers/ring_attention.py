@@ -172,7 +172,7 @@ def ring_attend(q, k, v, q_segment_ids, kv_segment_ids, block_q: int, block_kv: 
         local_kv_heads = k.shape[2]
         qg = q.reshape(b, length, local_kv_heads, heads // local_kv_heads, dim)
         out = _ring(qg, k, v, q_seg, kv_seg, axis, shards, block_q, block_kv)
-        return out.reshape(b, length, heads, dim)
+        return out.reshape(b, length, heads, v.shape[-1])  # v's head width (latent attention's may differ)
 
     q_spec, kv_spec, seg_spec = _specs(ax.ATTN_QUERY, ax.ATTN_KEY_VALUE, ax.ATTN_SEGMENTS)
     mapped = jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec, seg_spec, seg_spec), out_specs=q_spec,

@@ -1,0 +1,114 @@
+"""The model-family seam: what each decoder layer is made of, and the stacks the decoder repeats.
+
+A family is described by the model keys, read here once into data:
+
+    Layer(attention, mlp)     one decoder layer's kinds: attention "gqa" (grouped-query) or "mla" (multi-head latent),
+                              MLP "dense" (one SwiGLU of mlp_dim) or "moe" (routed experts of expert_dim)
+    Stack(name, unit, repeats) a unit of layers repeated `repeats` times: one nn.scan (or one pipeline) each
+
+Llama:                 Stack("layers", (gqa+dense,), num_layers)
+Mixtral, Qwen3-MoE:    Stack("layers", (gqa+moe,), num_layers)
+an MoE every 2nd layer: Stack("layers", (gqa+dense, gqa+moe), num_layers / 2)
+DeepSeek-V3:           Stack("dense_layers", (mla+dense,), 3), Stack("layers", (mla+moe,), 58)
+
+The decoder (layers/decoder.py) assembles its stacks from `stacks(cfg)`; the FLOP count (model/flops.py) sums the
+kinds' matmuls over `layers(cfg)`, so a family that needs no new layer kind touches neither. A new kind is a row
+in each: its module in decoder.py's tables, its matmul widths here (`attention_widths`, `mlp_params`).
+
+This module is arithmetic on ModelConfig only: no layer imports it back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from maxshard.model.config import ModelConfig
+
+__all__ = ["ATTENTION_KINDS", "MLP_KINDS", "Layer", "Stack", "MAIN_STACK", "stacks", "layers", "main_stack",
+           "AttentionWidths", "attention_widths", "mlp_params"]
+
+ATTENTION_KINDS = ("gqa", "mla")
+MLP_KINDS = ("dense", "moe")
+MAIN_STACK = "layers"  # the stack every model has (and the one a pipeline runs); its params' name since v1
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    attention: str  # a row of ATTENTION_KINDS
+    mlp: str  # a row of MLP_KINDS
+
+
+@dataclasses.dataclass(frozen=True)
+class Stack:
+    """`repeats` identical units of `unit` layers; its parameters live under "decoder/<name>"."""
+
+    name: str
+    unit: tuple[Layer, ...]
+    repeats: int
+
+    @property
+    def num_layers(self) -> int:
+        return self.repeats * len(self.unit)
+
+    @property
+    def has_moe(self) -> bool:
+        return any(layer.mlp == "moe" for layer in self.unit)
+
+
+def stacks(cfg: ModelConfig) -> tuple[Stack, ...]:
+    """The decoder's stacks, in order. An MoE model's unit is `moe_layer_interval` layers, the last one MoE (nn.scan
+    and the pipeline need identical iterations); `first_k_dense_replace` dense layers come first, in their own stack."""
+    attention = cfg.attention_type
+    if not cfg.is_moe:
+        return (Stack(MAIN_STACK, (Layer(attention, "dense"),), cfg.num_layers),)
+    n, first = cfg.moe_layer_interval, cfg.first_k_dense_replace
+    unit = tuple(Layer(attention, "moe" if i == n - 1 else "dense") for i in range(n))
+    main = Stack(MAIN_STACK, unit, (cfg.num_layers - first) // n)
+    return ((Stack("dense_layers", (Layer(attention, "dense"),), first),) if first else ()) + (main,)
+
+
+def main_stack(cfg: ModelConfig) -> Stack:
+    return next(s for s in stacks(cfg) if s.name == MAIN_STACK)
+
+
+def layers(cfg: ModelConfig) -> tuple[Layer, ...]:
+    """Every decoder layer's kinds, first to last."""
+    return tuple(layer for s in stacks(cfg) for _ in range(s.repeats) for layer in s.unit)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionWidths:
+    """One attention layer's matmuls per token (parameters that meet a token) and the widths its scores use."""
+
+    qkv: int  # the input projections: query (through its latent, for mla), key and value (through theirs)
+    out: int  # the output projection
+    heads: int
+    qk_head_dim: int  # width of a query/key head in the scores
+    v_head_dim: int  # width of a value head
+
+
+def attention_widths(cfg: ModelConfig, attention: str) -> AttentionWidths:
+    e, h = cfg.emb_dim, cfg.num_heads
+    if attention == "gqa":
+        q, kv = h * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        return AttentionWidths(e * (q + 2 * kv), q * e, h, cfg.head_dim, cfg.head_dim)
+    if attention == "mla":
+        qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        r = cfg.q_lora_rank
+        query = e * r + r * h * qk if r else e * h * qk
+        kv = e * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim
+                                                                                     + cfg.v_head_dim)
+        return AttentionWidths(query + kv, h * cfg.v_head_dim * e, h, qk, cfg.v_head_dim)
+    raise ValueError(f"attention_type={attention!r}: expected one of {', '.join(ATTENTION_KINDS)}")
+
+
+def mlp_params(cfg: ModelConfig, mlp: str) -> dict[str, int]:
+    """One MLP's matmul parameters per token by part: a dense SwiGLU, or the k routed experts a token visits, the
+    shared experts and the router."""
+    if mlp == "dense":
+        return {"dense_mlp": 3 * cfg.emb_dim * cfg.mlp_dim}
+    if mlp == "moe":
+        expert = 3 * cfg.emb_dim * cfg.expert_dim
+        return {"routed_experts": cfg.num_experts_per_tok * expert, "shared_experts": cfg.num_shared_experts * expert,
+                "router": cfg.emb_dim * cfg.num_experts}
+    raise ValueError(f"MLP kind {mlp!r}: expected one of {', '.join(MLP_KINDS)}")

@@ -1,0 +1,161 @@
+"""`python -m maxshard.eval` and `eval_tasks` in training, against lm-eval's own Hugging Face backend.
+
+The Hugging Face fixtures (tests/fixtures/hf) are converted by `maxshard.convert` and scored by the CLI on the example
+tasks of configs/eval_tasks (multiple choice, rolling perplexity, greedy and sampled generation); tests/fixtures/eval holds what
+lm-eval 0.4.13's Hugging Face backend scored on the same models (tools/make_eval_fixtures.py, float32,
+max_length 32 so the longer rolling documents take several windows). The CLI runs in this process; each
+model's single-device scores are computed once and shared by the layout tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import pytest
+
+pytest.importorskip("lm_eval")
+
+from maxshard import eval as eval_cli  # noqa: E402
+from maxshard.convert import __main__ as convert_cli  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURES = REPO / "tests" / "fixtures"
+TASKS_DIR = REPO / "configs" / "eval_tasks"
+TASKS = ("local_choice", "local_rolling", "local_generate")
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("converted")
+    for name in ("llama_gqa", "qwen3", "qwen3_moe"):
+        assert convert_cli.main(["from_hf", str(FIXTURES / "hf" / name), str(root / name)]) == 0
+    return {name: root / name for name in ("llama_gqa", "qwen3", "qwen3_moe")}
+
+
+def score(converted: dict[str, Path], out: Path, name: str, *keys: str, devices: Any = None, tasks: tuple = TASKS
+          ) -> tuple[dict[str, list], dict, str]:
+    """Runs the CLI's command (on `devices`, default all 8); returns ({task: every document's resps, in document
+    order}, lm-eval's results JSON) as read back from the files `eval_output` wrote, and what it printed."""
+    argv = [str(converted[name] / "config.yml"), f"tasks={','.join(tasks)}", f"eval_tasks_dir={TASKS_DIR}",
+            "max_target_length=32", f"eval_output={out}", f"base_output_directory={out}", "eval_batch_size=4", *keys]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert (eval_cli.main(argv) if devices is None else eval_cli.run(argv, devices)) == 0
+    (directory,) = [p for p in out.iterdir() if p.is_dir() and p.name != "default"]
+    (results_file,) = directory.glob("results_*.json")
+    resps = {}
+    for task in tasks:
+        (samples_file,) = directory.glob(f"samples_{task}_*.jsonl")
+        rows = sorted((json.loads(line) for line in samples_file.read_text().splitlines()), key=lambda r: r["doc_id"])
+        resps[task] = [r["resps"] for r in rows]
+    return resps, json.loads(results_file.read_text()), printed.getvalue()
+
+
+@pytest.fixture(scope="module")
+def one_device(converted, tmp_path_factory) -> dict[str, tuple[dict, dict]]:
+    """Each model's scores on one device, computed once."""
+    out = {}
+    for name in converted:
+        tasks = (*TASKS, "local_sample") if name == "qwen3" else TASKS
+        out[name] = score(converted, tmp_path_factory.mktemp(name), name, devices=jax.devices()[:1], tasks=tasks)
+    return out
+
+
+def _numbers(resps: list) -> list[float]:
+    """The log-likelihoods of the samples file's resps (lm-eval writes them as strings): [[[ll, greedy]], ...]."""
+    flat: list[float] = []
+    for doc in resps:
+        for (answer,) in doc:
+            flat.append(float(answer[0] if isinstance(answer, list) else answer))
+    return flat
+
+
+def _greedy(resps: list) -> list[str]:
+    return [str(answer[1]) for doc in resps for (answer,) in doc]
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen3", "qwen3_moe"])
+def test_scores_equal_lm_evals_hugging_face_backend(one_device, name):
+    """Per-request log-likelihoods within 1e-4 of the Hugging Face backend's, the same greedy flags, accuracies and
+    rolling perplexities, and the same greedy generations cut at the same stop sequences."""
+    resps, results, _ = one_device[name]
+    want = json.loads((FIXTURES / "eval" / f"{name}.json").read_text())
+    for task in ("local_choice", "local_rolling"):
+        got, expected = _numbers(resps[task]), _numbers(want[task]["resps"])
+        assert got == pytest.approx(expected, abs=TOLERANCE), task
+    assert _greedy(resps["local_choice"]) == _greedy(want["local_choice"]["resps"])
+    assert [doc[0][0] for doc in resps["local_generate"]] == [doc[0][0] for doc in want["local_generate"]["resps"]]
+    for task in TASKS:
+        for metric, value in want[task]["metrics"].items():
+            if metric in ("acc,none", "acc_norm,none", "exact_match,none"):
+                assert results["results"][task][metric] == value, (task, metric)
+            elif metric != "name" and metric != "sample_len":
+                assert results["results"][task][metric] == pytest.approx(value, rel=1e-5), (task, metric)
+
+
+@pytest.mark.parametrize(("name", "layout"), [
+    ("qwen3", ("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2")),
+    ("qwen3_moe", ("ici_expert_parallelism=4", "ici_fsdp_parallelism=2")),
+])
+def test_layouts_give_the_scores_of_one_device(converted, one_device, tmp_path, name, layout):
+    """The log-likelihood tasks on 8 devices (the generation engine's layouts are test_generate.py's)."""
+    tasks = ("local_choice", "local_rolling")
+    resps, results, _ = score(converted, tmp_path, name, *layout, tasks=tasks)
+    single, single_results, _ = one_device[name]
+    for task in tasks:
+        assert _numbers(resps[task]) == pytest.approx(_numbers(single[task]), abs=TOLERANCE), task
+        assert {k: v for k, v in results["results"][task].items() if "acc" in k} == \
+               {k: v for k, v in single_results["results"][task].items() if "acc" in k}
+    assert _greedy(resps["local_choice"]) == _greedy(single["local_choice"])
+
+
+def test_one_console_line_per_task_and_a_bad_task_key_fails_before_loading(converted, one_device, tmp_path, capsys):
+    printed = one_device["qwen3"][2].splitlines()
+    assert printed[0].startswith("checkpoint: ") and "single device" in printed[0]
+    for task in TASKS:
+        assert len([line for line in printed if line.startswith(f"{task}: ")]) == 1
+    assert any(line.startswith("local_choice: acc ") and line.endswith("(6 documents)") for line in printed)
+    config = str(converted["qwen3"] / "config.yml")
+    assert eval_cli.main([config, "tasks=local_choice,", f"base_output_directory={tmp_path}"]) == 2
+    err = capsys.readouterr()
+    assert err.err == ("maxshard: error: tasks expects lm-eval task names separated by commas (e.g. "
+                       "tasks=local_choice,local_rolling), got 'local_choice,'\n") and "checkpoint:" not in err.out
+
+
+def test_a_sampling_task_samples_and_stops_at_its_stop_sequences(one_device):
+    """local_sample (local_generate's prompts at temperature 2), scored in the same run as local_generate: its
+    completions differ from the greedy ones and never contain a stop sequence."""
+    resps = one_device["qwen3"][0]
+    sampled, greedy = [doc[0][0] for doc in resps["local_sample"]], [doc[0][0] for doc in resps["local_generate"]]
+    assert len(sampled) == 4 and sampled != greedy
+    assert not any(stop in text for text in sampled for stop in (" the", " a"))
+
+
+# ---------------------------------------------------------------------------------------------- in training
+
+IN_LOOP = ("eval_tasks=local_choice,local_rolling", f"eval_tasks_dir={TASKS_DIR}", "eval_tasks_period=2",
+           "eval_tasks_limit=2", "checkpoint_period=2")
+
+
+def test_tasks_in_training_appear_at_their_period_and_leave_a_resumed_run_unchanged(env, reference, tmp_path):
+    """tests/training_runs.py's run through maxshard.train with eval_tasks every 2 steps, stopped at step 2 and
+    resumed to 4: scores at steps 2 and 4 (console and metrics.jsonl), and the losses of the uninterrupted run
+    without evaluation (conftest's `reference`, the same keys): evaluation disturbs neither state nor data."""
+    from training_runs import losses, train
+
+    first = train(env, tmp_path, *IN_LOOP, "steps=2")
+    assert "eval_tasks at step 2: local_choice: acc " in first
+    second = train(env, tmp_path, *IN_LOOP, "steps=4")
+    assert "resuming from step 2" in second and "eval_tasks at step 4: local_rolling: word_perplexity " in second
+    records = [json.loads(line) for line in (tmp_path / "default" / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [r for r in records if "eval_tasks/local_choice/acc" in r]
+    assert [r["step"] for r in evaluated] == [2, 4]
+    assert all(r["eval_tasks/local_rolling/bits_per_byte"] > 0 for r in evaluated)
+    want = losses(reference)
+    assert losses(tmp_path) == {step: want[step] for step in (1, 2, 3, 4)}
