@@ -150,13 +150,13 @@ class TokenStore:
 
     def read(self, pieces: list[tuple[int, int, int]]) -> tuple[list[np.ndarray], int]:
         """(document, first, end) token ranges of documents' streams -> their ids, and how many ids were read
-        (whole chunks); the chunks of all pieces in one call to the source."""
+        (whole chunks, each read once however many pieces share it)."""
         spans = []
         for doc, first, end in pieces:
             a, b = self.starts[doc] + first, self.starts[doc] + end
             spans.append((a // self.chunk, (b - 1) // self.chunk, a, b, self.chunk_base[self.shard[doc]]))
         wanted = sorted({int(base + k) for k0, k1, _, _, base in spans for k in range(k0, k1 + 1)})
-        got = dict(zip(wanted, self._source.__getitems__(wanted)))
+        got = {k: self._source[k] for k in wanted}  # one by one: __getitems__ starts a thread pool per call
         out = []
         for k0, k1, a, b, base in spans:
             ids = np.frombuffer(b"".join(got[int(base + k)] for k in range(k0, k1 + 1)), "<i4")
