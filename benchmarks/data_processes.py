@@ -103,8 +103,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             prepare(documents, store)
         from_store = [*(a for a in documents if not a.startswith(("dataset_type=", "dataset_path="))),
                       "dataset_type=store", f"dataset_path={store}"]
-        print(f"{keys.get('dataset_type', 'dataset_type=text')} vs store, {keys['per_device_batch_size']} x 8 rows x "
-              f"{keys['max_target_length']}, {args.batches} batches, {os.cpu_count()} cores")
+        tokenizer = keys.get("tokenizer_path", "tokenizer_path=").split("=", 1)[1] or "byte"
+        print(f"{keys.get('dataset_type', 'dataset_type=text')} ({tokenizer} tokenizer) vs store, "
+              f"{keys['per_device_batch_size']} x 8 rows x {keys['max_target_length']}, {args.batches} batches, "
+              f"{os.cpu_count()} cores")
         print(f"{'processes':>9} {'source':>9} {'rows/process':>12} {'CPU s/step/process':>19} "
               f"{'wall s/step':>11} {'CPU s/step, all':>15}")
         for processes in (int(p) for p in args.processes.split(",")):

@@ -9,6 +9,7 @@ the same rows.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,39 +28,44 @@ REPO = Path(__file__).resolve().parent.parent
 BATCH, LENGTH, CHUNK = 16, 64, 8  # global rows (8 devices x 2), tokens a row, ids a store record
 KEYS = ["dataset_type=store", f"max_target_length={LENGTH}", "per_device_batch_size=2", "grain_prefetch=1",
         "emb_dim=32", "num_layers=1", "num_heads=2", "num_kv_heads=2", "head_dim=16", "mlp_dim=64",
-        "eval_fraction=0.1", "distributed_timeout=120"]
+        "eval_fraction=0.1", "distributed_timeout=120", "remat_policy=full", "loss_chunks=1"]
 
 
 @pytest.fixture(scope="module")
-def documents(tmp_path_factory) -> list[bytes]:
-    """60 text files of 1 to 300 printable characters (a few longer than a row, most shorter)."""
+def corpus(tmp_path_factory) -> tuple[Path, list[bytes]]:
+    """60 text files of 1 to 300 printable characters (a few longer than a row, most shorter): directory, texts."""
     rng = np.random.default_rng(7)
     root = tmp_path_factory.mktemp("corpus")
     texts = [bytes(rng.integers(32, 127, int(n)).astype(np.uint8)) for n in rng.integers(1, 300, 60)]
     for i, text in enumerate(texts):
         (root / f"doc{i:03d}.txt").write_bytes(text)
-    return texts
+    return root, texts
 
 
 @pytest.fixture(scope="module")
-def store_dir(documents, tmp_path_factory) -> Path:
-    """The store as a user writes it: the CLI, 2 worker processes, 3 shards of records of CHUNK ids."""
-    corpus = Path(tmp_path_factory.getbasetemp()) / "corpus0"
+def store_dir(corpus, tmp_path_factory) -> Path:
+    """The store as users write it, with the CLI: 3 shards of records of CHUNK ids shared by 2 hosts (here 2
+    processes at once), the first writing its shards 0 and 2 with 2 worker processes, the second shard 1 itself."""
     out = tmp_path_factory.mktemp("store")
-    done = subprocess.run([sys.executable, "tools/prepare_data.py", str(out), "--store", "--dataset_path", str(corpus),
-                           "--shards", "3", "--workers", "2", "--chunk_tokens", str(CHUNK)], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert "60/60 documents" in done.stderr and "tokens/s" in done.stderr  # the progress line's last state
-    assert "wrote 60 documents" in done.stdout
+    hosts = [subprocess.Popen([sys.executable, "tools/prepare_data.py", str(out), "--store", "--dataset_path",
+                               str(corpus[0]), "--shards", "3", "--workers", str(2 - i), "--chunk_tokens", str(CHUNK),
+                               "--process_count", "2", "--process_index", str(i)], cwd=REPO, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
+    done = [host.communicate(timeout=120) for host in hosts]
+    assert [host.returncode for host in hosts] == [0, 0], done
+    for (stdout, stderr), documents_written in zip(done, (40, 20)):  # shards 0 and 2 of 60 documents; shard 1
+        last = stderr.splitlines()[-1]  # the progress line's final state (earlier ones end in \r)
+        assert re.fullmatch(rf"\[prepare_data\] {documents_written}/{documents_written} documents, [\d,]+ tokens, "
+                            r"[\d,]+ tokens/s", last), stderr
+        assert f"wrote {documents_written} documents" in stdout
     return out
 
 
-def test_rows_are_the_documents_cut_in_order(documents, store_dir):
+def test_rows_are_the_documents_cut_in_order(corpus, store_dir):
     """Sequence j holds pair-stream positions [j L, (j + 1) L) of all documents in store (= corpus) order."""
     tok = ByteTokenizer()
     rows = store.StoreRows.of_split(store.open_store(str(store_dir), tok.fingerprint()), "train", 0.0, LENGTH)
-    fulls = [np.concatenate([[tok.bos_id], tok.encode_array(t.decode()), [tok.eos_id]]) for t in documents]
+    fulls = [np.concatenate([[tok.bos_id], tok.encode_array(t.decode()), [tok.eos_id]]) for t in corpus[1]]
     inputs = np.concatenate([f[:-1] for f in fulls])
     targets = np.concatenate([f[1:] for f in fulls])
     assert rows.sequences == len(inputs) // LENGTH

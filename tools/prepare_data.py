@@ -24,7 +24,7 @@ prepare each into its own directory and list them in `dataset_mixture` (`.arecor
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import functools
 import json
 import multiprocessing
 import os
@@ -109,35 +109,25 @@ def _open(dataset_path: str, tokenizer_path: str, dataset_type: str, text_field:
     return tok, catalog.open_corpus(spec, tok.fingerprint(), text_field, hf_split, data_cache_dir, "never")
 
 
-@dataclasses.dataclass(frozen=True)
-class _StoreShard:
-    """Writes shard `shard` of `shards` of a token store (picklable: runs in a worker process)."""
-
-    out_dir: str
-    source: tuple  # _open's arguments
-    shards: int
-    chunk: int = store.CHUNK_TOKENS
-
-    def __call__(self, shard: int) -> dict:
-        tok, corpus = _open(*self.source)
-        first, end = shard * len(corpus) // self.shards, (shard + 1) * len(corpus) // self.shards
-        name = self.source[1] or "byte"
-        writer = store.ShardWriter(os.path.join(self.out_dir, store.shard_name(shard, self.shards)), tok, name,
-                                   self.chunk)
-        skipped, reported = 0, (0, 0)
-        for i in range(first, end):
-            text = corpus.documents[i]
-            ids = None if isinstance(text, BadRecord) else _encode(tok, text)
-            if ids is None:
-                skipped += 1
-            else:
-                writer.add(ids)
-            if i + 1 == end or (i - first) % 64 == 63:  # counters shared with the progress line
-                with _DONE.get_lock():
-                    _DONE.value += i + 1 - first - reported[0]
-                    _TOKENS.value += writer.tokens - reported[1]
-                reported = (i + 1 - first, writer.tokens)
-        return {**writer.close(), "skipped_records": skipped}
+def _write_store_shard(out_dir: str, source: tuple, shards: int, chunk: int, shard: int) -> dict:
+    """Writes shard `shard` of `shards` of a token store (runs in a worker process; `source`: _open's arguments)."""
+    tok, corpus = _open(*source)
+    first, end = shard * len(corpus) // shards, (shard + 1) * len(corpus) // shards
+    writer = store.ShardWriter(os.path.join(out_dir, store.shard_name(shard, shards)), tok, source[1] or "byte", chunk)
+    skipped, reported = 0, (0, 0)
+    for i in range(first, end):
+        text = corpus.documents[i]
+        ids = None if isinstance(text, BadRecord) else _encode(tok, text)
+        if ids is None:
+            skipped += 1
+        else:
+            writer.add(ids)
+        if i + 1 == end or (i - first) % 64 == 63:  # counters shared with the progress line
+            with _DONE.get_lock():
+                _DONE.value += i + 1 - first - reported[0]
+                _TOKENS.value += writer.tokens - reported[1]
+            reported = (i + 1 - first, writer.tokens)
+    return {**writer.close(), "skipped_records": skipped}
 
 
 _DONE = _TOKENS = None  # multiprocessing.Value counters: set in each worker (and here) by _share
@@ -164,13 +154,18 @@ def prepare_store(dataset_path: str, tokenizer_path: str, out_dir: str, shards: 
     done, tokens = context.Value("q", 0), context.Value("q", 0)
     _share(done, tokens)
     progress, metas = Progress(total), []
-    write = _StoreShard(out_dir, source, shards, chunk_tokens)
-    with context.Pool(max(1, min(workers, len(mine))), initializer=_share, initargs=(done, tokens)) as pool:
-        pending = pool.map_async(write, mine)
-        while not pending.ready():
-            pending.wait(0.2)
+    write = functools.partial(_write_store_shard, out_dir, source, shards, chunk_tokens)
+    if workers == 1:  # in this process: no worker to start
+        for shard in mine:
+            metas.append(write(shard))
             progress.update(done.value, tokens.value)
-        metas = pending.get()
+    else:
+        with context.Pool(min(workers, len(mine)) or 1, initializer=_share, initargs=(done, tokens)) as pool:
+            pending = pool.map_async(write, mine)
+            while not pending.ready():
+                pending.wait(0.2)
+                progress.update(done.value, tokens.value)
+            metas = pending.get()
     progress.update(done.value, tokens.value, final=True)
     return {"documents": sum(m["documents"] for m in metas), "tokens": sum(m["tokens"] for m in metas),
             "skipped_records": sum(m["skipped_records"] for m in metas), "shards": len(metas),

@@ -338,7 +338,8 @@ def _from_json(x: Any) -> Any:
 # --------------------------------------------------------------------------------------------- from a config
 
 
-def _check_keys(cfg: Config, split: str) -> None:
+def check_keys(cfg: Config, split: str) -> None:
+    """The data keys every reader of documents shares, checked before anything is read (one line each)."""
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     if not 0 <= cfg.eval_fraction < 1:
@@ -362,7 +363,7 @@ def split_documents(corpus: sources.Corpus, cfg: Config, split: str) -> np.ndarr
 def make_grain_input(cfg: Config, sharding: NamedSharding, split: str, batch_size: int) -> GlobalBatchIterator:
     """The iterator of `maxshard.data.make_input` for every real-data source and for mixtures: global batches of
     `batch_size` rows, the same stream in every process."""
-    _check_keys(cfg, split)
+    check_keys(cfg, split)
     tokenizer = make_tokenizer(cfg)
     specs = catalog.source_specs(cfg)
     template = chat.run_template(cfg)

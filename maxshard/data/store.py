@@ -48,7 +48,7 @@ import numpy as np
 from grain.experimental import ThreadPrefetchIterDataset
 from jax.sharding import NamedSharding
 
-from maxshard.data import catalog, sources
+from maxshard.data import catalog, pipeline, sources
 from maxshard.data.tokenizer import Tokenizer, make_tokenizer
 from maxshard.errors import ConfigError
 
@@ -311,7 +311,9 @@ def _close(held: list[Any]) -> None:
 
 
 def make_store_input(cfg: Any, sharding: NamedSharding, split: str, batch_size: int) -> StoreBatchIterator:
-    """The iterator of `maxshard.data.make_input` for `dataset_type: store`."""
+    """The iterator of `maxshard.data.make_input` for `dataset_type: store` (rows read by threads of this process:
+    `grain_worker_count` does not apply, `grain_prefetch` batches are read ahead)."""
+    pipeline.check_keys(cfg, split)
     if not cfg.packing:
         raise ConfigError("packing=false: dataset_type=store holds packed rows only; use packing=true or the "
                           "array_record dataset_type for one document per row")
