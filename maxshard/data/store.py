@@ -221,6 +221,18 @@ class _LocalRow:
         return self.start + (k // len(self.mine)) * self.batch + int(self.mine[k % len(self.mine)])
 
 
+@dataclasses.dataclass(frozen=True)
+class _GlobalRow:
+    """Global row number -> its packed row. Holds no iterator, so grain's threads never keep one alive (a dropped
+    iterator is closed by its finalizer, as eval iterators are)."""
+
+    order: grain.MapDataset  # global row -> sequence
+    rows: StoreRows
+
+    def __call__(self, g: int) -> dict[str, np.ndarray]:
+        return self.rows(self.order[g])
+
+
 class StoreBatchIterator:
     """Global batches of store rows as jax.Arrays, each process reading only its devices' rows.
 
@@ -252,7 +264,7 @@ class StoreBatchIterator:
     def _restart(self) -> None:
         _close(self._held)
         to_global = _LocalRow(self._row, self._batch, self._mine)
-        local = grain.MapDataset.range(2**62).map(to_global).map(lambda g: self._rows(self._order[g]))
+        local = grain.MapDataset.range(2**62).map(to_global).map(_GlobalRow(self._order, self._rows))
         batches = local.to_iter_dataset(grain.ReadOptions(num_threads=_READ_THREADS,
                                                           prefetch_buffer_size=2 * len(self._mine)))
         batches = batches.batch(len(self._mine))
