@@ -146,6 +146,7 @@ def test_store_config_errors_are_one_line_naming_the_key(store_dir, tmp_path):
     assert first_error("dataset_type=store", f"dataset_path={tmp_path}").startswith(
         f"dataset_path={tmp_path}: no token store here")
     assert first_error("dataset_type=store", f"dataset_path={store_dir}", "packing=false").startswith("packing=false")
+    assert first_error("dataset_type=store").startswith("dataset_path is empty; dataset_type=store reads")
     broken = tmp_path / "broken"
     broken.mkdir()
     for f in store_dir.iterdir():

@@ -48,7 +48,8 @@ import numpy as np
 from grain.experimental import ThreadPrefetchIterDataset
 from jax.sharding import NamedSharding
 
-from maxshard.data import catalog, pipeline, sources
+from maxshard.config import Config
+from maxshard.data import catalog, packing, pipeline, sources
 from maxshard.data.tokenizer import Tokenizer, make_tokenizer
 from maxshard.errors import ConfigError
 
@@ -264,7 +265,7 @@ class StoreBatchIterator:
     def _restart(self) -> None:
         _close(self._held)
         to_global = _LocalRow(self._row, self._batch, self._mine)
-        local = grain.MapDataset.range(2**62).map(to_global).map(_GlobalRow(self._order, self._rows))
+        local = grain.MapDataset.range(2**62).map(to_global)  # endless: local row k.map(_GlobalRow(self._order, self._rows))
         batches = local.to_iter_dataset(grain.ReadOptions(num_threads=_READ_THREADS,
                                                           prefetch_buffer_size=2 * len(self._mine)))
         batches = batches.batch(len(self._mine))
@@ -289,8 +290,7 @@ class StoreBatchIterator:
                 return np.array(local[field][rows][:, index[1]])
             return fetch
 
-        return {k: jax.make_array_from_callback(shape, self._sharding, part(k)) for k in
-                ("inputs", "targets", "segment_ids", "positions", "loss_weights")}
+        return {k: jax.make_array_from_callback(shape, self._sharding, part(k)) for k in packing.FIELDS}
 
     def stats(self) -> dict[str, int]:
         return {f"data/tokens/{self._label}": self._row * self._rows.length, "data/skipped_records": 0}
@@ -322,16 +322,10 @@ def _close(held: list[Any]) -> None:
             close()
 
 
-def make_store_input(cfg: Any, sharding: NamedSharding, split: str, batch_size: int) -> StoreBatchIterator:
+def make_store_input(cfg: Config, sharding: NamedSharding, split: str, batch_size: int) -> StoreBatchIterator:
     """The iterator of `maxshard.data.make_input` for `dataset_type: store` (rows read by threads of this process:
     `grain_worker_count` does not apply, `grain_prefetch` batches are read ahead)."""
     pipeline.check_keys(cfg, split)
-    if not cfg.packing:
-        raise ConfigError("packing=false: dataset_type=store holds packed rows only; use packing=true or the "
-                          "array_record dataset_type for one document per row")
-    if cfg.dataset_mixture:
-        raise ConfigError("dataset_mixture: a token store is not a mixture source; prepare the mixture's documents "
-                          "into one store, or drop dataset_type=store")
     tokenizer = make_tokenizer(cfg)
     store = open_store(cfg.dataset_path, tokenizer.fingerprint())
     rows = StoreRows.of_split(store, split, cfg.eval_fraction, cfg.max_target_length)
