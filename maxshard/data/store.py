@@ -265,7 +265,8 @@ class StoreBatchIterator:
     def _restart(self) -> None:
         _close(self._held)
         to_global = _LocalRow(self._row, self._batch, self._mine)
-        local = grain.MapDataset.range(2**62).map(to_global)  # endless: local row k.map(_GlobalRow(self._order, self._rows))
+        # local row k (endless) -> global row -> its packed row
+        local = grain.MapDataset.range(2**62).map(to_global).map(_GlobalRow(self._order, self._rows))
         batches = local.to_iter_dataset(grain.ReadOptions(num_threads=_READ_THREADS,
                                                           prefetch_buffer_size=2 * len(self._mine)))
         batches = batches.batch(len(self._mine))
