@@ -103,7 +103,7 @@ def prepare(dataset_path: str, tokenizer_path: str, out_dir: str, shards: int = 
 
 def _open(dataset_path: str, tokenizer_path: str, dataset_type: str, text_field: str, hf_split: str,
           data_cache_dir: str):
-    tok = tokenizers.load_sentencepiece(tokenizer_path) if tokenizer_path else tokenizers.ByteTokenizer()
+    tok = tokenizers.tokenizer_at(tokenizer_path)
     spec = catalog.SourceSpec(dataset_type, dataset_path, 1.0, "dataset_path", dataset_type)
     # hf_streaming=never: this tool counts and reads every document by index, which a stream cannot give
     return tok, catalog.open_corpus(spec, tok.fingerprint(), text_field, hf_split, data_cache_dir, "never")
@@ -190,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--text_field", default="text", help="jsonl/parquet/hf: the field holding the text")
     parser.add_argument("--hf_split", default="train", help="hf: the split to read")
     parser.add_argument("--data_cache_dir", default="", help='where .gz/.zst JSONL is decompressed ("": temp dir)')
-    parser.add_argument("--tokenizer_path", default="", help='SentencePiece model ("": byte-level)')
+    parser.add_argument("--tokenizer_path", default="", help='SentencePiece model or tokenizer.json ("": bytes)')
     parser.add_argument("--shards", type=int, default=4, help="number of ArrayRecord files")
     parser.add_argument("--text", action="store_true", help="store text records instead of token ids")
     parser.add_argument("--store", action="store_true", help="write a token store (dataset_type=store)")
@@ -204,6 +204,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--shards must be >= 1")
     if args.workers < 1 or args.chunk_tokens < 1 or not 0 <= args.process_index < args.process_count:
         parser.error("--workers and --chunk_tokens must be >= 1 and 0 <= --process_index < --process_count")
+    if args.store and args.text:
+        parser.error("--store holds token ids; --text is for array_record shards")
     if args.store:
         try:
             meta = prepare_store(args.dataset_path, args.tokenizer_path, args.out_dir, args.shards, args.workers,

@@ -28,8 +28,9 @@ documents A = a1 a2 (pair < a1 a2 -> a1 a2 >) and B = b1 b2 b3 b4, BOS <:
     pair stream  inputs   <  a1 a2 <  | b1 b2 b3 b4        sequence 0: segments 1 1 1 2, positions 0 1 2 0
                  targets  a1 a2 >  b1 | b2 b3 b4 >         sequence 1: segments 1 1 1 1, positions 0 1 2 3
 
-The rows of an epoch are always the same cuts (only their order changes, as in Levanter's cache); documents are not
-reshuffled into new neighbours each epoch as the document pipeline does. Memory: ~40 bytes per document of the
+The rows of an epoch are always the same cuts (only their order changes, as in Levanter's cache), and store order
+is corpus order (shard s of S holds documents [s N / S, (s + 1) N / S)): documents are not reshuffled into new
+neighbours each epoch as the document pipeline does, which keeps a row's reads to one or two runs of chunks. Memory: ~40 bytes per document of the
 store in each process (lengths, starts, split keys and ends), none per token.
 """
 
