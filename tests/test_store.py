@@ -23,6 +23,7 @@ from maxshard.data.tokenizer import ByteTokenizer
 from maxshard.errors import ConfigError
 from maxshard.parallel import mesh as mesh_lib
 from maxshard.run import loading
+from test_data import load_tool
 
 REPO = Path(__file__).resolve().parent.parent
 BATCH, LENGTH, CHUNK = 16, 64, 8  # global rows (8 devices x 2), tokens a row, ids a store record
@@ -44,20 +45,24 @@ def corpus(tmp_path_factory) -> tuple[Path, list[bytes]]:
 
 @pytest.fixture(scope="module")
 def store_dir(corpus, tmp_path_factory) -> Path:
-    """The store as users write it, with the CLI: 3 shards of records of CHUNK ids shared by 2 hosts (here 2
-    processes at once), the first writing its shards 0 and 2 with 2 worker processes, the second shard 1 itself."""
+    """The store as users write it: 3 shards of records of CHUNK ids shared by 2 hosts at once, the first (the CLI)
+    writing its shards 0 and 2 with 2 worker processes, the second (this process) its shard 1 itself."""
     out = tmp_path_factory.mktemp("store")
-    hosts = [subprocess.Popen([sys.executable, "tools/prepare_data.py", str(out), "--store", "--dataset_path",
-                               str(corpus[0]), "--shards", "3", "--workers", str(2 - i), "--chunk_tokens", str(CHUNK),
-                               "--process_count", "2", "--process_index", str(i)], cwd=REPO, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
-    done = [host.communicate(timeout=120) for host in hosts]
-    assert [host.returncode for host in hosts] == [0, 0], done
-    for (stdout, stderr), documents_written in zip(done, (40, 20)):  # shards 0 and 2 of 60 documents; shard 1
-        last = stderr.splitlines()[-1]  # the progress line's final state (earlier ones end in \r)
-        assert re.fullmatch(rf"\[prepare_data\] {documents_written}/{documents_written} documents, [\d,]+ tokens, "
-                            r"[\d,]+ tokens/s", last), stderr
-        assert f"wrote {documents_written} documents" in stdout
+    args = [str(out), "--store", "--dataset_path", str(corpus[0]), "--shards", "3", "--chunk_tokens", str(CHUNK),
+            "--process_count", "2"]
+    first = subprocess.Popen([sys.executable, "tools/prepare_data.py", *args, "--process_index", "0", "--workers", "2"],
+                             cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert load_tool("prepare_data").main([*args, "--process_index", "1", "--workers", "1"]) == 0
+        stdout, stderr = first.communicate(timeout=120)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert first.returncode == 0, stderr
+    last = stderr.splitlines()[-1]  # the progress line's final state (earlier ones end in \r)
+    assert re.fullmatch(r"\[prepare_data\] 40/40 documents, [\d,]+ tokens, [\d,]+ tokens/s", last), stderr
+    assert "wrote 40 documents" in stdout  # shards 0 and 2 of 60 documents
     return out
 
 
