@@ -25,7 +25,8 @@ class Reader:
 
     name: str
     opener: str  # "module:function" that opens one source of this type ("" for none)
-    yields: str  # "text", "tokens" (or text stored as records), "conversations", "pairs", "prompts" (for
+    yields: str  # "text", "tokens" (or text stored as records), "rows" (packed rows of a token store),
+    # "conversations", "pairs", "prompts" (for
     # generation, not training rows: `data/prompts.py`), or "batches" (no documents)
     keys: tuple[str, ...]  # config keys it reads besides dataset_path
     summary: str
@@ -49,6 +50,9 @@ READERS = (
     Reader("array_record", "maxshard.data.records:open_source", "tokens", ("tokenizer_path",),
            "ArrayRecord shards that tools/prepare_data.py writes (token ids of the run's tokenizer, or text)",
            suffixes=(".arecord",)),
+    Reader("store", "", "rows", ("tokenizer_path",),
+           "a token store that tools/prepare_data.py --store writes (dataset_path: its directory): packed rows by "
+           "global row number, each process reading only its own rows (data/store.py)"),
     Reader("chat", "", "conversations",
            ("messages_field", "chat_template", "hf_split", "hf_streaming", "data_cache_dir"),
            "conversations for supervised fine-tuning, from JSONL or a Hugging Face dataset; the loss counts the "

@@ -163,7 +163,7 @@ def train_loop(
     eval_step = trainer.jit_eval_step(batch_sharding) if cfg.eval_period and not no_eval else None
     profiler = Profiler.from_config(cfg, is_primary=jax.process_index() == 0)
 
-    # Every process sees every row of the global batch (data/pipeline.py): its counters are already the run's.
+    # Data counters are the run's: every process sees every row (data/pipeline.py), or counts the global rows (store.py)
     deferred, log = metrics.DeferredMetrics(), console.StepLogger(cfg, writer, batches.stats, compiled.seconds)
     first = int(state.step)
     for step in range(first, cfg.steps):

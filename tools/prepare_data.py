@@ -1,8 +1,16 @@
-"""Documents (text files, JSONL, Parquet, a Hugging Face dataset) -> tokenized ArrayRecord shards.
+"""Documents (text files, JSONL, Parquet, a Hugging Face dataset) -> tokenized ArrayRecord shards, or a token store.
 
     python tools/prepare_data.py OUT_DIR [--dataset_type TYPE] [--dataset_path PATH_DIR_OR_GLOB]
         [--text_field text] [--hf_split train] [--data_cache_dir DIR] [--tokenizer_path M.model] [--shards 4] [--text]
     python -m maxshard.train configs/base.yml dataset_type=array_record dataset_path='OUT_DIR/*.arecord'
+
+    python tools/prepare_data.py OUT_DIR --store [--workers 8] [--process_index I --process_count P] [source options]
+    python -m maxshard.train configs/base.yml dataset_type=store dataset_path=OUT_DIR
+
+`--store` writes a token store (`maxshard/data/store.py`): shard s holds the documents [s N / S, (s + 1) N / S) of
+the corpus, tokenized once; a run reads packed rows from it by global row number, each process only its own rows.
+Shards are written in parallel: `--workers` processes on this host, and with `--process_index/--process_count`
+several hosts share the shards (shard s is written by host s % P), each drawing its own progress line.
 
 The source options mean what the training config keys of the same names mean, and are read by the same readers:
 TYPE is any `dataset_type` whose reader yields text (`maxshard/dataset_types.py`; default text).
@@ -16,7 +24,9 @@ prepare each into its own directory and list them in `dataset_mixture` (`.arecor
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import multiprocessing
 import os
 import sys
 import time
@@ -27,7 +37,7 @@ from array_record.python import array_record_module
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from maxshard import dataset_types  # noqa: E402
-from maxshard.data import catalog, records
+from maxshard.data import catalog, records, store  # noqa: E402
 from maxshard.data import tokenizer as tokenizers  # noqa: E402
 from maxshard.data.sources import BadRecord  # noqa: E402
 from maxshard.errors import ConfigError  # noqa: E402
@@ -63,10 +73,7 @@ def prepare(dataset_path: str, tokenizer_path: str, out_dir: str, shards: int = 
             dataset_type: str = "text", text_field: str = "text", hf_split: str = "train",
             data_cache_dir: str = "") -> dict:
     """Writes the shards and `maxshard_data.json`; returns that metadata (documents, tokens, shard paths)."""
-    tok = tokenizers.load_sentencepiece(tokenizer_path) if tokenizer_path else tokenizers.ByteTokenizer()
-    spec = catalog.SourceSpec(dataset_type, dataset_path, 1.0, "dataset_path", dataset_type)
-    # hf_streaming=never: this tool counts and reads every document by index, which a stream cannot give
-    corpus = catalog.open_corpus(spec, tok.fingerprint(), text_field, hf_split, data_cache_dir, "never")
+    tok, corpus = _open(dataset_path, tokenizer_path, dataset_type, text_field, hf_split, data_cache_dir)
     os.makedirs(out_dir, exist_ok=True)
     paths = shard_paths(out_dir, min(shards, len(corpus)))
     writers = [array_record_module.ArrayRecordWriter(p, "group_size:1") for p in paths]
@@ -94,6 +101,77 @@ def prepare(dataset_path: str, tokenizer_path: str, out_dir: str, shards: int = 
     return meta
 
 
+def _open(dataset_path: str, tokenizer_path: str, dataset_type: str, text_field: str, hf_split: str,
+          data_cache_dir: str):
+    tok = tokenizers.tokenizer_at(tokenizer_path)
+    spec = catalog.SourceSpec(dataset_type, dataset_path, 1.0, "dataset_path", dataset_type)
+    # hf_streaming=never: this tool counts and reads every document by index, which a stream cannot give
+    return tok, catalog.open_corpus(spec, tok.fingerprint(), text_field, hf_split, data_cache_dir, "never")
+
+
+def _write_store_shard(out_dir: str, source: tuple, shards: int, chunk: int, shard: int) -> dict:
+    """Writes shard `shard` of `shards` of a token store (runs in a worker process; `source`: _open's arguments)."""
+    tok, corpus = _open(*source)
+    first, end = shard * len(corpus) // shards, (shard + 1) * len(corpus) // shards
+    writer = store.ShardWriter(os.path.join(out_dir, store.shard_name(shard, shards)), tok, source[1] or "byte", chunk)
+    skipped, reported = 0, (0, 0)
+    for i in range(first, end):
+        text = corpus.documents[i]
+        ids = None if isinstance(text, BadRecord) else _encode(tok, text)
+        if ids is None:
+            skipped += 1
+        else:
+            writer.add(ids)
+        if i + 1 == end or (i - first) % 64 == 63:  # counters shared with the progress line
+            with _DONE.get_lock():
+                _DONE.value += i + 1 - first - reported[0]
+                _TOKENS.value += writer.tokens - reported[1]
+            reported = (i + 1 - first, writer.tokens)
+    return {**writer.close(), "skipped_records": skipped}
+
+
+_DONE = _TOKENS = None  # multiprocessing.Value counters: set in each worker (and here) by _share
+
+
+def _share(done, tokens) -> None:
+    global _DONE, _TOKENS
+    _DONE, _TOKENS = done, tokens
+
+
+def prepare_store(dataset_path: str, tokenizer_path: str, out_dir: str, shards: int = 4, workers: int = 1,
+                  process_index: int = 0, process_count: int = 1, dataset_type: str = "text",
+                  text_field: str = "text", hf_split: str = "train", data_cache_dir: str = "",
+                  chunk_tokens: int = store.CHUNK_TOKENS) -> dict:
+    """Writes this host's shards of a token store (shard s: host s % process_count) with `workers` processes;
+    returns its totals (documents, tokens, skipped records, shards written)."""
+    source = (dataset_path, tokenizer_path, dataset_type, text_field, hf_split, data_cache_dir)
+    _, corpus = _open(*source)
+    os.makedirs(out_dir, exist_ok=True)
+    shards = min(shards, len(corpus))
+    mine = list(range(process_index, shards, process_count))
+    total = sum((s + 1) * len(corpus) // shards - s * len(corpus) // shards for s in mine)
+    context = multiprocessing.get_context("spawn")  # no fork of a process that may hold threads (grain, JAX)
+    done, tokens = context.Value("q", 0), context.Value("q", 0)
+    _share(done, tokens)
+    progress, metas = Progress(total), []
+    write = functools.partial(_write_store_shard, out_dir, source, shards, chunk_tokens)
+    if workers == 1:  # in this process: no worker to start
+        for shard in mine:
+            metas.append(write(shard))
+            progress.update(done.value, tokens.value)
+    else:
+        with context.Pool(min(workers, len(mine)) or 1, initializer=_share, initargs=(done, tokens)) as pool:
+            pending = pool.map_async(write, mine)
+            while not pending.ready():
+                pending.wait(0.2)
+                progress.update(done.value, tokens.value)
+            metas = pending.get()
+    progress.update(done.value, tokens.value, final=True)
+    return {"documents": sum(m["documents"] for m in metas), "tokens": sum(m["tokens"] for m in metas),
+            "skipped_records": sum(m["skipped_records"] for m in metas), "shards": len(metas),
+            "source": corpus.where}
+
+
 def _encode(tok, text: str):
     """int32 ids, or None for text that is not UTF-8 (a lone surrogate from JSON)."""
     try:
@@ -112,12 +190,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--text_field", default="text", help="jsonl/parquet/hf: the field holding the text")
     parser.add_argument("--hf_split", default="train", help="hf: the split to read")
     parser.add_argument("--data_cache_dir", default="", help='where .gz/.zst JSONL is decompressed ("": temp dir)')
-    parser.add_argument("--tokenizer_path", default="", help='SentencePiece model ("": byte-level)')
+    parser.add_argument("--tokenizer_path", default="", help='SentencePiece model or tokenizer.json ("": bytes)')
     parser.add_argument("--shards", type=int, default=4, help="number of ArrayRecord files")
     parser.add_argument("--text", action="store_true", help="store text records instead of token ids")
+    parser.add_argument("--store", action="store_true", help="write a token store (dataset_type=store)")
+    parser.add_argument("--workers", type=int, default=1, help="--store: processes writing shards on this host")
+    parser.add_argument("--process_index", type=int, default=0, help="--store: this host's number")
+    parser.add_argument("--process_count", type=int, default=1, help="--store: hosts sharing the shards")
+    parser.add_argument("--chunk_tokens", type=int, default=store.CHUNK_TOKENS,
+                        help="--store: ids per record (a row reads whole records)")
     args = parser.parse_args(argv)
     if args.shards < 1:
         parser.error("--shards must be >= 1")
+    if args.workers < 1 or args.chunk_tokens < 1 or not 0 <= args.process_index < args.process_count:
+        parser.error("--workers and --chunk_tokens must be >= 1 and 0 <= --process_index < --process_count")
+    if args.store and args.text:
+        parser.error("--store holds token ids; --text is for array_record shards")
+    if args.store:
+        try:
+            meta = prepare_store(args.dataset_path, args.tokenizer_path, args.out_dir, args.shards, args.workers,
+                                 args.process_index, args.process_count, args.dataset_type, args.text_field,
+                                 args.hf_split, args.data_cache_dir, args.chunk_tokens)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        skipped = f", skipped {meta['skipped_records']} bad records" if meta["skipped_records"] else ""
+        print(f"wrote {meta['documents']} documents ({meta['tokens']:,} tokens{skipped}) to {meta['shards']} "
+              f"shards in {args.out_dir}; train with dataset_type=store dataset_path={args.out_dir}")
+        return 0
     try:
         meta = prepare(args.dataset_path, args.tokenizer_path, args.out_dir, args.shards, args.text,
                        args.dataset_type, args.text_field, args.hf_split, args.data_cache_dir)

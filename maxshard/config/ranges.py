@@ -216,6 +216,16 @@ def _check_data(cfg: Config) -> None:
         raise ConfigError("messages_field must name a field or column, got an empty string")
     if cfg.chat_template not in ("", "default") and not os.path.isfile(cfg.chat_template):
         raise ConfigError(f"chat_template={cfg.chat_template}: no such file (\"\", default, or a .jinja file)")
+    if cfg.dataset_type == "store":  # packed rows of one token store (data/store.py)
+        if not cfg.packing:
+            raise ConfigError("packing=false: dataset_type=store holds packed rows only; use packing=true, or "
+                              "dataset_type=array_record for one document per row")
+        if cfg.dataset_mixture:
+            raise ConfigError("dataset_mixture: a token store is not a mixture source; prepare the documents into one "
+                              "store (dataset_path), or mix with another dataset_type")
+        if not cfg.dataset_path:
+            raise ConfigError("dataset_path is empty; dataset_type=store reads the directory that "
+                              "tools/prepare_data.py --store wrote")
     if cfg.dataset_mixture:
         if cfg.dataset_type == "synthetic":
             raise ConfigError("dataset_mixture needs real data; dataset_type=synthetic makes its own")

@@ -17,7 +17,8 @@ default corpus, train/eval split), `records` (ArrayRecord shards), `chat` and
 GRPO samples completions from, `dataset_type: prompts`: `make_prompts`, not `make_input`),
 `jsonl`, `parquet`, `hf` (Hugging Face datasets), `hf_stream` (one read as a stream), `files` (listing local and remote paths), `catalog` (which sources a
 config names, mixtures), `shuffle` (block-wise shuffle), `mixture` (token-weighted interleave, bad-record skipping),
-`tokenizer`, `packing` (documents -> rows), `pipeline` (the grain graph and the global-batch iterator), `synthetic`.
+`tokenizer`, `packing` (documents -> rows), `pipeline` (the grain graph and the global-batch iterator), `store`
+(a token store: packed rows by global row number, each process reading only its own), `synthetic`.
 """
 
 from __future__ import annotations
@@ -74,6 +75,10 @@ def make_input(cfg: Config, mesh: Mesh, split: str = "train", batch_size: int | 
         seed = cfg.seed if split == "train" else cfg.seed + 1_000_003
         return SyntheticIterator(seed, batch_size, cfg.max_target_length, cfg.vocab_size,
                                  batch_sharding(cfg, mesh, batch_size), objective_kinds.kind(cfg.objective).rows)
+    if cfg.dataset_type == "store":  # each process reads only its own rows (data/store.py)
+        from maxshard.data import store  # deferred: grain is only needed for real data
+
+        return store.make_store_input(cfg, batch_sharding(cfg, mesh, batch_size), split, batch_size)
     if dataset_types.grain(cfg.dataset_type) or cfg.dataset_mixture:
         from maxshard.data import pipeline  # deferred: grain is only needed for real data
 

@@ -17,9 +17,10 @@ batch (and so the loss) never depends on the layout. Worked example, global batc
     batch 2 = r8 r9 r10 r11    resumed on 1 process x 2 devices: it builds batch 2 and keeps all four rows
 
 The price is that every process reads and tokenizes the whole global batch's documents: P processes do P times the
-input work of a per-process split (not measured at cluster scale; ArrayRecord shards of tokens from
-`tools/prepare_data.py` reduce it to reading). A mixture is part of the stream (its interleave state is in grain's),
-and so is a streamed Hugging Face dataset, which every process reads whole (`hf_stream`).
+input work of a per-process split (a line at startup says so; `benchmarks/data_throughput.py --processes`
+measures it). A token store (`store.py`, `dataset_type: store`) has each process read only its own rows. A mixture
+is part of the stream (its interleave state is in grain's), and so is a streamed Hugging Face dataset, which every
+process reads whole (`hf_stream`).
 
 A single source is a mixture of one. Sources whose documents are read a block at a time (Parquet row groups) are
 shuffled block-wise (`shuffle.BlockShuffleMapDataset`) instead of globally. A streamed Hugging Face dataset has no
@@ -337,7 +338,8 @@ def _from_json(x: Any) -> Any:
 # --------------------------------------------------------------------------------------------- from a config
 
 
-def _check_keys(cfg: Config, split: str) -> None:
+def check_keys(cfg: Config, split: str) -> None:
+    """The data keys every reader of documents shares, checked before anything is read (one line each)."""
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     if not 0 <= cfg.eval_fraction < 1:
@@ -361,7 +363,7 @@ def split_documents(corpus: sources.Corpus, cfg: Config, split: str) -> np.ndarr
 def make_grain_input(cfg: Config, sharding: NamedSharding, split: str, batch_size: int) -> GlobalBatchIterator:
     """The iterator of `maxshard.data.make_input` for every real-data source and for mixtures: global batches of
     `batch_size` rows, the same stream in every process."""
-    _check_keys(cfg, split)
+    check_keys(cfg, split)
     tokenizer = make_tokenizer(cfg)
     specs = catalog.source_specs(cfg)
     template = chat.run_template(cfg)
@@ -396,4 +398,8 @@ def make_grain_input(cfg: Config, sharding: NamedSharding, split: str, batch_siz
         identity.update(chat_template=template.digest, messages_field=cfg.messages_field)
     del identity["prefetch"]  # prefetching depth does not change the stream
     del identity["batch"]  # grain's position counts rows, not batches: a changed global batch goes on from the same row
+    if split == "train" and jax.process_count() > 1 and jax.process_index() == 0:
+        print(f"note: each of the {jax.process_count()} processes reads and tokenizes the whole global batch "
+              f"({jax.process_count()}x the input work); a token store reads only each process's rows "
+              "(tools/prepare_data.py --store, dataset_type=store)", flush=True)
     return GlobalBatchIterator(mixed_batches(streams, tokenizer, opts), sharding, identity, [s.label for s in specs])

@@ -40,6 +40,7 @@ __all__ = [
     "load_hf_tokenizer",
     "stop_ids",
     "make_tokenizer",
+    "tokenizer_at",
     "model_vocab_size",
     "resolve_vocab",
     "MAX_STOP_IDS",
@@ -329,13 +330,18 @@ def load_hf_tokenizer(path: str) -> HuggingFaceTokenizer:
 
 
 def make_tokenizer(cfg: Config) -> ByteTokenizer | SentencePieceTokenizer | HuggingFaceTokenizer:
-    """The tokenizer the config asks for: a `.json` path is a Hugging Face tokenizer, another path SentencePiece,
-    none bytes."""
-    if not cfg.tokenizer_path:
+    """The tokenizer the config asks for (`tokenizer_path`, see `tokenizer_at`)."""
+    return tokenizer_at(cfg.tokenizer_path)
+
+
+def tokenizer_at(path: str) -> ByteTokenizer | SentencePieceTokenizer | HuggingFaceTokenizer:
+    """A `.json` path is a Hugging Face tokenizer, another path SentencePiece, none bytes (also what
+    tools/prepare_data.py tokenizes with, so its ids are the run's)."""
+    if not path:
         return ByteTokenizer()
-    if cfg.tokenizer_path.endswith(".json"):
-        return load_hf_tokenizer(cfg.tokenizer_path)
-    return load_sentencepiece(cfg.tokenizer_path)
+    if path.endswith(".json"):
+        return load_hf_tokenizer(path)
+    return load_sentencepiece(path)
 
 
 def model_vocab_size(tokenizer_vocab: int, multiple: int) -> int:
