@@ -9,11 +9,24 @@ devices are asked for only when the CPU backend is among the platforms; on an ac
 import os
 
 PLATFORMS = os.environ.setdefault("JAX_PLATFORMS", "cpu")
+ON_CPU = not PLATFORMS or "cpu" in PLATFORMS.split(",")  # "" lets JAX pick every platform it finds
+
+# XLA:CPU builds each program's kernels with LLVM at its lowest optimization level, in this process and (through the
+# environment) in every subprocess the tests start. The suite is bound by compiling small programs, not by running
+# them, and LLVM's optimizations are the larger part of an XLA:CPU compile (tests/test_parity.py: 115 -> 61 CPU
+# seconds). What XLA decides above the kernels (sharding, collectives, fusion, buffers: what the tests are about) is
+# the same program, as planning/compiled.py's memory figures already rely on; the kernels compute the same operations,
+# float32 results moving in the last bits (a loss after three steps by 2e-7 relative). Runs of the suite are compared
+# with each other, bit for bit where a test says so, and with references at 1e-5 and up. The caller's level in
+# XLA_FLAGS wins; accelerator runs (-m gpu, -m tpu) are left as they are.
+OPTIMIZATION_LEVEL = "--xla_backend_optimization_level=0"
+if ON_CPU and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {OPTIMIZATION_LEVEL}".strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-if not PLATFORMS or "cpu" in PLATFORMS.split(","):  # "" lets JAX pick every platform it finds
+if ON_CPU:
     jax.config.update("jax_num_cpu_devices", 8)
 
 # marker: (jax's platform of such devices, what the tests need, the JAX_PLATFORMS value that selects it). jax names
