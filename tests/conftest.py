@@ -7,13 +7,27 @@ devices are asked for only when the CPU backend is among the platforms; on an ac
 """
 
 import os
+from pathlib import Path
 
 PLATFORMS = os.environ.setdefault("JAX_PLATFORMS", "cpu")
+ON_CPU = not PLATFORMS or "cpu" in PLATFORMS.split(",")  # "" lets JAX pick every platform it finds
+
+# XLA:CPU builds each program's kernels with LLVM at its lowest optimization level, in this process and (through the
+# environment) in every subprocess the tests start. The suite is bound by compiling small programs, not by running
+# them, and LLVM's optimizations are the larger part of an XLA:CPU compile (tests/test_parity.py: 115 -> 61 CPU
+# seconds). What XLA decides above the kernels (sharding, collectives, fusion, buffers: what the tests are about) is
+# the same program, as planning/compiled.py's memory figures already rely on; the kernels compute the same operations,
+# float32 results moving in the last bits (a loss after three steps by 2e-7 relative). Runs of the suite are compared
+# with each other, bit for bit where a test says so, and with references at 1e-5 and up. The caller's level in
+# XLA_FLAGS wins; accelerator runs (-m gpu, -m tpu) are left as they are.
+OPTIMIZATION_LEVEL = "--xla_backend_optimization_level=0"
+if ON_CPU and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {OPTIMIZATION_LEVEL}".strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-if not PLATFORMS or "cpu" in PLATFORMS.split(","):  # "" lets JAX pick every platform it finds
+if ON_CPU:
     jax.config.update("jax_num_cpu_devices", 8)
 
 # marker: (jax's platform of such devices, what the tests need, the JAX_PLATFORMS value that selects it). jax names
@@ -29,6 +43,28 @@ def _device_platforms() -> list[str]:
     except (RuntimeError, AssertionError) as error:
         pytest.fail(f"JAX_PLATFORMS={PLATFORMS!r}: JAX started no backend ({type(error).__name__}: {error}); is "
                     "its plugin installed (pip install -e '.[cuda]' or '.[tpu]')?", pytrace=False)
+
+
+# Test files of few tests that each take minutes in one xdist worker (module fixtures that compile many programs,
+# XLA:TPU compiles, multi-process trainings), longest first. pytest-xdist's loadfile hands out files by number of
+# tests, most first, so these would start last and run on alone after the other worker has run out of files: on 2
+# cores the run is CPU-bound, and its length is the CPU work / 2 only if no file is left to run on by itself.
+LONGEST_FILES = ("test_plan_tpu.py", "test_multiprocess.py", "test_plan_memory.py", "test_elastic.py",
+                 "test_checkpoint_layouts.py", "test_same_model.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """LONGEST_FILES first, then the other files by number of tests, most first (loadfile's own order; pyproject's
+    --no-loadscope-reorder makes it keep this one), the tests of each file in their order."""
+    files: dict[Path, list[pytest.Item]] = {}
+    for item in items:
+        files.setdefault(item.path, []).append(item)
+
+    def rank(path: Path) -> tuple[int, int]:
+        first = LONGEST_FILES.index(path.name) if path.name in LONGEST_FILES else len(LONGEST_FILES)
+        return first, -len(files[path])
+
+    items[:] = [item for path in sorted(files, key=rank) for item in files[path]]
 
 
 @pytest.hookimpl(tryfirst=True)
