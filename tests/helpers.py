@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -100,3 +103,25 @@ def ragged_all_to_all_reference(operands: Sequence[np.ndarray], outputs: Sequenc
                 at, start = output_offsets[sent], input_offsets[sent]
                 result[at:at + size] = operands[source][start:start + size]
     return results
+
+
+def finished(procs: list[subprocess.Popen], timeout: float = 240) -> list[str]:
+    """Each process's output once all exited 0 (any left running is killed, so no test leaves one behind)."""
+    try:
+        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out[-3000:]
+    return outputs
+
+
+def run_losses(run_dir: Path, steps: int) -> list[float]:
+    """The training losses of steps 1..steps from a run's metrics.jsonl (every step logged exactly once)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = {r["step"]: r["loss"] for r in records if "loss" in r}
+    assert sorted(losses) == list(range(1, steps + 1)), losses
+    return [losses[s] for s in sorted(losses)]

@@ -33,6 +33,7 @@ from maxshard.launch import topologies, xpk
 from maxshard.parallel import mesh
 from maxshard.planning import fit
 from maxshard.run import elastic, loading
+from tests.helpers import finished
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = str(REPO / "configs" / "base.yml")
@@ -54,20 +55,6 @@ def _trainer(env: dict[str, str], args: list[str]) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "maxshard.train", BASE, *args]
     env = {k: v for k, v in env.items() if k != "XLA_FLAGS"}
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _finished(procs: list[subprocess.Popen], timeout: float = 240) -> list[str]:
-    """Each process's output once all exited 0 (any left running is killed)."""
-    try:
-        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p, out in zip(procs, outputs):
-        assert p.returncode == 0, out[-3000:]
-    return outputs
 
 
 def _records(run_dir: Path) -> dict[int, dict]:
@@ -124,7 +111,7 @@ def runs(env, tmp_path_factory):
     for devices, steps in ((4, 6), (2, 9)):  # both kinds side by side
         procs = [_trainer(env, [*args[kind], f"cpu_device_count={devices}", f"run_name={kind}", f"steps={steps}",
                                 *memory[kind, devices]]) for kind in data]
-        outputs.update(zip([(kind, devices) for kind in data], _finished(procs)))
+        outputs.update(zip([(kind, devices) for kind in data], finished(procs)))
     return base, args, outputs
 
 
@@ -249,11 +236,11 @@ def test_xpk_restart_on_fewer_slices_two_processes_one_then_two(runs, env):
 
     def two_processes(steps: int) -> list[str]:
         common = [*trainer_args(2, steps), f"coordinator_address=127.0.0.1:{_free_port()}", "process_count=2"]
-        return _finished([_trainer(env, [*common, f"process_id={i}"]) for i in range(2)])
+        return finished([_trainer(env, [*common, f"process_id={i}"]) for i in range(2)])
 
     first = two_processes(3)
     assert all(re.search(r"mesh: data=2 fsdp=4 \(8 devices\)", out) for out in first), first[0][-2000:]
-    (one,) = _finished([_trainer(env, trainer_args(1, 6))])
+    (one,) = finished([_trainer(env, trainer_args(1, 6))])
     assert "resuming step 3 on 4 devices in 1 process (was 8 devices in 2 processes): per-device batch 4, " \
            "accumulation 1" in one
     assert re.search(r"mesh: fsdp=4 \(4 devices\)", one)

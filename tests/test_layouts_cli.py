@@ -14,7 +14,6 @@ which computes the same function under any expert layout.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ import numpy as np
 import pytest
 
 from maxshard import train
+from tests.helpers import run_losses
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = str(REPO / "configs" / "base.yml")
@@ -67,10 +67,7 @@ def _keys(base: Path, name: str, model: str, devices: int, *layout: str) -> list
 
 
 def _losses(base: Path, name: str) -> list[float]:
-    records = [json.loads(line) for line in (base / name / "metrics.jsonl").read_text().splitlines()]
-    losses = {r["step"]: r["loss"] for r in records if "loss" in r}
-    assert sorted(losses) == list(range(1, STEPS + 1)), losses
-    return [losses[s] for s in sorted(losses)]
+    return run_losses(base / name, STEPS)
 
 
 @pytest.fixture(scope="module")

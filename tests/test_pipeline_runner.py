@@ -11,7 +11,6 @@ its split one (zero_bubble, with tensor=2 inside a stage); each leaf within 1e-5
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ from maxshard import train
 from maxshard.errors import ConfigError
 from maxshard.model.layers import pipeline
 from maxshard.training.step import Trainer
-from tests.helpers import max_relative_difference, mesh_for
+from tests.helpers import max_relative_difference, mesh_for, run_losses
 from tests.test_pipeline import TOLERANCE, loss_and_grads, packed_batch, random_params, small_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -59,10 +58,7 @@ def _keys(base: Path, name: str, devices: int, *layout: str) -> list[str]:
 
 
 def _losses(base: Path, name: str) -> list[float]:
-    records = [json.loads(line) for line in (base / name / "metrics.jsonl").read_text().splitlines()]
-    losses = {r["step"]: r["loss"] for r in records if "loss" in r}
-    assert sorted(losses) == list(range(1, STEPS + 1)), losses
-    return [losses[s] for s in sorted(losses)]
+    return run_losses(base / name, STEPS)
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ from maxshard.errors import ConfigError
 from maxshard.parallel import mesh as mesh_lib
 from maxshard.run import loading
 from test_data import load_tool
+from tests.helpers import finished
 
 REPO = Path(__file__).resolve().parent.parent
 BATCH, LENGTH, CHUNK = 16, 64, 8  # global rows (8 devices x 2), tokens a row, ids a store record
@@ -100,15 +101,7 @@ def _workers(env: dict[str, str], tmp_path: Path, name: str, processes: int, ste
          f"cpu_device_count={8 // processes}", f"coordinator_address=127.0.0.1:{port}",
          f"process_count={processes}", f"process_id={i}"], cwd=REPO, env=env, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True) for i, out in enumerate(outs)]
-    try:
-        outputs = [p.communicate(timeout=180)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p, out in zip(procs, outputs):
-        assert p.returncode == 0, out[-3000:]
+    finished(procs, timeout=180)
     return outs
 
 

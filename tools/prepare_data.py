@@ -206,27 +206,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--workers and --chunk_tokens must be >= 1 and 0 <= --process_index < --process_count")
     if args.store and args.text:
         parser.error("--store holds token ids; --text is for array_record shards")
-    if args.store:
-        try:
+    try:
+        if args.store:
             meta = prepare_store(args.dataset_path, args.tokenizer_path, args.out_dir, args.shards, args.workers,
                                  args.process_index, args.process_count, args.dataset_type, args.text_field,
                                  args.hf_split, args.data_cache_dir, args.chunk_tokens)
-        except ConfigError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        skipped = f", skipped {meta['skipped_records']} bad records" if meta["skipped_records"] else ""
-        print(f"wrote {meta['documents']} documents ({meta['tokens']:,} tokens{skipped}) to {meta['shards']} "
-              f"shards in {args.out_dir}; train with dataset_type=store dataset_path={args.out_dir}")
-        return 0
-    try:
-        meta = prepare(args.dataset_path, args.tokenizer_path, args.out_dir, args.shards, args.text,
-                       args.dataset_type, args.text_field, args.hf_split, args.data_cache_dir)
+            shards, train_with = meta["shards"], f"dataset_type=store dataset_path={args.out_dir}"
+        else:
+            meta = prepare(args.dataset_path, args.tokenizer_path, args.out_dir, args.shards, args.text,
+                           args.dataset_type, args.text_field, args.hf_split, args.data_cache_dir)
+            shards = len(meta["shards"])
+            train_with = f"dataset_type=array_record dataset_path='{args.out_dir}/*.arecord'"
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     skipped = f", skipped {meta['skipped_records']} bad records" if meta["skipped_records"] else ""
-    print(f"wrote {meta['documents']} documents ({meta['tokens']:,} tokens{skipped}) to {len(meta['shards'])} shards "
-          f"in {args.out_dir}; train with dataset_type=array_record dataset_path='{args.out_dir}/*.arecord'")
+    print(f"wrote {meta['documents']} documents ({meta['tokens']:,} tokens{skipped}) to {shards} shards in "
+          f"{args.out_dir}; train with {train_with}")
     return 0
 
 
