@@ -17,7 +17,7 @@ batch (and so the loss) never depends on the layout. Worked example, global batc
     batch 2 = r8 r9 r10 r11    resumed on 1 process x 2 devices: it builds batch 2 and keeps all four rows
 
 The price is that every process reads and tokenizes the whole global batch's documents: P processes do P times the
-input work of a per-process split (a line at startup says so; `benchmarks/data_throughput.py --processes`
+input work of a per-process split (a line at startup says so; `benchmarks/data_processes.py`
 measures it). A token store (`store.py`, `dataset_type: store`) has each process read only its own rows. A mixture
 is part of the stream (its interleave state is in grain's), and so is a streamed Hugging Face dataset, which every
 process reads whole (`hf_stream`).
