@@ -144,9 +144,10 @@ class Decoder(nn.Module):
             elif cfg.scan_layers:
                 x = self._scanned(stack, _remat(cfg, unit), x, segment_ids, positions)
             else:
+                layer = _remat(cfg, unit)
                 for i in range(stack.repeats):
-                    layer = _remat(cfg, unit)(cfg, self.dtype, self.weight_dtype, name=f"{stack.name}_{i}")
-                    x, _ = layer(x, segment_ids, positions)
+                    block = layer(cfg, self.dtype, self.weight_dtype, name=f"{stack.name}_{i}")
+                    x, _ = block(x, segment_ids, positions)
         return x
 
     def _scanned(self, stack: blocks.Stack, layer: type[nn.Module], x: jax.Array, segment_ids: jax.Array,
