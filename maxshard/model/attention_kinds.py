@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["PLATFORMS", "Kind", "KINDS", "NAMES", "kind", "fused"]
+__all__ = ["PLATFORMS", "Kind", "KINDS", "NAMES", "RING_OPTIONS", "kind", "fused"]
 
 PLATFORMS = ("tpu", "nvidia", "cpu")
 
@@ -40,12 +40,15 @@ class Kind:
     # it takes value heads of another width than query/key heads (latent attention); else `attention_ops.attend`
     # zero-pads the narrower to one width, exact, at the padded width's cost (`attention_ops.one_width`)
     value_width: bool = False
+    # the local/global options its kernel takes (`attention_ops.attend`: "window", "softcap", "sinks"); any other
+    # is refused in one line
+    options: tuple[str, ...] = ()
 
 
 KINDS = (
     Kind("dot_product", PLATFORMS, (), True, False, False,
          "scores [batch, kv_heads, group, q_len, kv_len] in float32: the reference, memory quadratic in length",
-         value_width=True),
+         value_width=True, options=("window", "softcap", "sinks")),
     Kind("blockwise", PLATFORMS, PLATFORMS, True, True, False,
          "online softmax over blocks with a custom VJP (layers/blockwise_attention.py): linear memory, any backend",
          value_width=True),
@@ -61,6 +64,7 @@ KINDS = (
          off_platform="is a GPU kernel", instead="splash or auto", package="tokamax", value_width=True),
 )
 NAMES = tuple(k.name for k in KINDS)
+RING_OPTIONS: tuple[str, ...] = ()  # the options ring attention (context parallelism, a layout not a row) takes
 _BY_NAME = {k.name: k for k in KINDS}
 
 

@@ -30,7 +30,8 @@ from maxshard.model.layers import ring_attention
 from maxshard.parallel import axis_names as ax
 from maxshard.parallel.sharding import constrain
 
-__all__ = ["attend", *attention_kinds.NAMES, "document_starts", "token_indices", "one_width"]
+__all__ = ["attend", *attention_kinds.NAMES, "document_starts", "token_indices", "one_width", "scores_mask", "capped",
+           "softmax_with_sinks"]
 
 
 def token_indices(q_len: int, kv_len: int) -> tuple[jax.Array, jax.Array]:
@@ -51,20 +52,49 @@ def _grouped(q: jax.Array, kv_heads: int) -> jax.Array:
     return q.reshape(b, length, kv_heads, heads // kv_heads, dim)
 
 
-def dot_product(q, k, v, q_segment_ids, kv_segment_ids) -> jax.Array:
-    """The reference: float32 scores and softmax over the whole key length."""
+def scores_mask(q_len: int, kv_len: int, q_segment_ids: jax.Array, kv_segment_ids: jax.Array,
+                window: int = 0) -> jax.Array:
+    """[batch, q, kv] bool: causal, inside one document, and with `window` > 0 inside the last `window` keys
+    (query i sees keys j with i - window < j <= i, token indices as `token_indices`)."""
+    q_idx, kv_idx = token_indices(q_len, kv_len)
+    visible = kv_idx[None, :] <= q_idx[:, None]  # [q, kv]
+    if window:
+        visible &= kv_idx[None, :] > q_idx[:, None] - window
+    return visible[None] & (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :])
+
+
+def capped(logits: jax.Array, softcap: float) -> jax.Array:
+    """Gemma 2's attention-logit soft-cap: softcap * tanh(logits / softcap), on the scaled logits (0: none)."""
+    return softcap * jnp.tanh(logits / softcap) if softcap else logits
+
+
+def softmax_with_sinks(logits: jax.Array, sinks: jax.Array | None) -> jax.Array:
+    """Softmax over the last axis of float32 logits [batch, heads..., q, kv]; with `sinks` (GPT-OSS: one learned logit
+    per query head, [heads...] matching the logits' head axes) each row's denominator also holds exp(sink), a
+    "key" with no value, so a row may give less than all of its weight to the keys."""
+    if sinks is None:
+        return jax.nn.softmax(logits, axis=-1)
+    sink = jnp.asarray(sinks, jnp.float32)[(None, ...) + (None, None)]  # [1, heads..., 1, 1]
+    top = jnp.maximum(jnp.max(logits, axis=-1, keepdims=True), sink)
+    weights = jnp.exp(logits - top)
+    return weights / (jnp.sum(weights, axis=-1, keepdims=True) + jnp.exp(sink - top))
+
+
+def dot_product(q, k, v, q_segment_ids, kv_segment_ids, window: int = 0, softcap: float = 0.0,
+                sinks: jax.Array | None = None) -> jax.Array:
+    """The reference: float32 scores and softmax over the whole key length (with the window, soft-cap and sinks
+    of `attend` applied as written there)."""
     batch, q_len, heads, _ = q.shape
-    q_idx, kv_idx = token_indices(q_len, k.shape[1])
-    causal = kv_idx[None, :] <= q_idx[:, None]  # [q, kv]
-    same_doc = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]  # [batch, q, kv]
-    mask = (causal[None] & same_doc)[:, None, None]  # [batch, 1, 1, q, kv]
+    mask = scores_mask(q_len, k.shape[1], q_segment_ids, kv_segment_ids, window)[:, None, None]  # [b, 1, 1, q, kv]
     if k.shape[2] == heads:  # no grouping: 4-D einsums (the group axis of size 1 costs XLA:CPU transposes)
-        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
-        probs = jax.nn.softmax(jnp.where(mask[:, :, 0], logits, jnp.finfo(jnp.float32).min), axis=-1)
+        logits = capped(jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32), softcap)
+        probs = softmax_with_sinks(jnp.where(mask[:, :, 0], logits, jnp.finfo(jnp.float32).min), sinks)
         return jnp.einsum("bhqk,bkhd->bqhd", jnp.asarray(probs, v.dtype), v)
-    logits = jnp.einsum("bqhgd,bkhd->bhgqk", _grouped(q, k.shape[2]), k, preferred_element_type=jnp.float32)
-    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1)
+    kv_heads = k.shape[2]
+    logits = jnp.einsum("bqhgd,bkhd->bhgqk", _grouped(q, kv_heads), k, preferred_element_type=jnp.float32)
+    logits = jnp.where(mask, capped(logits, softcap), jnp.finfo(jnp.float32).min)
+    grouped_sinks = None if sinks is None else sinks.reshape(kv_heads, heads // kv_heads)
+    probs = softmax_with_sinks(logits, grouped_sinks)
     out = jnp.einsum("bhgqk,bkhd->bqhgd", jnp.asarray(probs, v.dtype), v)
     return out.reshape(batch, q_len, heads, v.shape[-1])
 
@@ -197,24 +227,44 @@ def attend(
     implementation: str = "dot_product",
     block_q: int = 512,
     block_kv: int = 512,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of pre-scaled, rotated q [b, q, heads, d] over k, v [b, kv, kv_heads, d] -> [b, q, heads, d].
+
+    The options of local/global models, each off at its default: `window` > 0 (a local layer: query i sees only
+    keys j with i - window < j <= i), `softcap` > 0 (Gemma 2: scaled logits -> softcap * tanh(logits / softcap)
+    before the mask), `sinks` [heads] float (GPT-OSS: a learned per-head logit in the softmax's denominator).
+    An implementation whose row (attention_kinds.py) lacks an option refuses it here in one line.
 
     Constrains its inputs and output to the attention-internal layout (module docstring); with a `context` mesh
     axis in that layout it runs ring attention instead (layers/ring_attention.py)."""
     q, k, v = constrain(q, ax.ATTN_QUERY), constrain(k, ax.ATTN_KEY_VALUE), constrain(v, ax.ATTN_KEY_VALUE)
     q_segment_ids, kv_segment_ids = (constrain(s, ax.ATTN_SEGMENTS) for s in (q_segment_ids, kv_segment_ids))
+    options = {name: value for name, value in (("window", window), ("softcap", softcap), ("sinks", sinks))
+               if value is not None and (name == "sinks" or value)}
     if ring_attention.context_axes():
-        out = ring_attention.ring_attend(q, k, v, q_segment_ids, kv_segment_ids, block_q, block_kv)
+        _check_options("ring (context parallelism)", attention_kinds.RING_OPTIONS, options)
+        out = ring_attention.ring_attend(q, k, v, q_segment_ids, kv_segment_ids, block_q, block_kv, **options)
     else:
         row, kernel = _kernel(implementation, block_q, block_kv)
+        _check_options(f"attention={row.name}", row.options, options)
         value_width = v.shape[-1]
         if value_width != q.shape[-1] and not row.value_width:
             q, k, v = one_width(q, k, v)
+        kernel = functools.partial(kernel, **options) if options else kernel
         args = (q, k, v, q_segment_ids, kv_segment_ids)
         out = ring_attention.manual_over_batch_and_heads(kernel, *args) if row.per_device else kernel(*args)
         out = out[..., :value_width]
     return constrain(out, ax.ATTN_QUERY)
+
+
+def _check_options(what: str, supported: tuple[str, ...], options: dict) -> None:
+    missing = [name for name in options if name not in supported]
+    if missing:
+        raise ValueError(f"{what} cannot take {', '.join(missing)} (sliding_window, attn_logit_softcapping, "
+                         f"attention_sinks); use attention=dot_product or blockwise")
 
 
 def one_width(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -30,6 +30,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from maxshard.model.layers.attention_ops import capped, softmax_with_sinks
 from maxshard.parallel import axis_names as ax
 from maxshard.parallel.sharding import constrain
 
@@ -70,6 +71,7 @@ class KVCache(nn.Module):
     """
 
     dtype: jnp.dtype
+    window: int = 0  # a local layer: queries see only the last `window` positions (attention_ops.attend)
 
     @nn.compact
     def __call__(
@@ -88,6 +90,8 @@ class KVCache(nn.Module):
             var.value = constrain(written, CACHE_AXES)
         slots = jnp.arange(keys.value.shape[2])
         mask = slots[None, None, :] <= positions[:, :, None]  # [b, T, S]: causal in slot (= position) space
+        if self.window:
+            mask &= slots[None, None, :] > positions[:, :, None] - self.window
         return keys.value.transpose(0, 2, 1, 3), values.value.transpose(0, 2, 1, 3), mask[:, None, None]
 
 
@@ -116,15 +120,17 @@ class LatentCache(nn.Module):
         return written[0], written[1], slots[None, None, :] <= positions[:, :, None]
 
 
-def attend(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array, dtype: Any) -> jax.Array:
+def attend(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array, dtype: Any, softcap: float = 0.0,
+           sinks: jax.Array | None = None) -> jax.Array:
     """Grouped-query attention of q [b, T, heads, d] (RoPE'd and scaled) over the cache's keys/values
     [b, S, kv_heads, d] with mask [b, 1, 1, T, S] -> [b, T, heads, d]; logits and softmax in float32. The values'
-    head width may differ (latent attention's prefill, layers/mla.py): the output takes theirs."""
+    head width may differ (latent attention's prefill, layers/mla.py): the output takes theirs. `softcap` and
+    `sinks` as in training (attention_ops.attend)."""
     batch, length, heads, head_dim = q.shape
     kv_heads = keys.shape[2]
     q = q.reshape(batch, length, kv_heads, heads // kv_heads, head_dim)  # [b, T, kv_heads, group, d]
-    logits = jnp.einsum("bqhgd,bkhd->bhgqk", q, keys, preferred_element_type=jnp.float32)
+    logits = capped(jnp.einsum("bqhgd,bkhd->bhgqk", q, keys, preferred_element_type=jnp.float32), softcap)
     logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1)
+    probs = softmax_with_sinks(logits, None if sinks is None else sinks.reshape(kv_heads, heads // kv_heads))
     out = jnp.einsum("bhgqk,bkhd->bqhgd", jnp.asarray(probs, dtype), values)
     return out.reshape(batch, length, heads, values.shape[-1])
