@@ -17,7 +17,8 @@ from maxshard import data
 from maxshard.checkpoint import format as checkpoint_format
 from maxshard.checkpoint import orbax_io
 from maxshard.convert import __main__ as cli
-from maxshard.model import transformer
+from maxshard.model import flops, transformer
+from maxshard.model.config import ModelConfig
 from maxshard.model.layers import pipeline
 from maxshard.training.step import Trainer
 from tests.helpers import max_relative_difference, mesh_for, tiny_config
@@ -138,3 +139,14 @@ def test_deepseek_mtp_layer_imports_into_the_module_and_exports_bit_identical(tm
     assert sorted(back) == sorted(source)
     assert all(back[name].tobytes() == array.tobytes() for name, array in source.items())
     assert json.loads((tmp_path / "back" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+
+
+def test_the_flop_inventory_counts_the_modules_kernels() -> None:
+    """Every kernel the model holds, the modules' included (their layer, eh_proj; the head is shared), is in the
+    FLOP inventory, plus one head per module."""
+    from tests.test_blocks import DENSE_FIRST, _kernels
+
+    cfg = ModelConfig(**DENSE_FIRST, mtp_depth=2)
+    params = nn.unbox(transformer.abstract_params(cfg))
+    heads = cfg.mtp_depth * cfg.emb_dim * cfg.vocab_size
+    assert flops.matmul_params(cfg) == _kernels(params) + heads
