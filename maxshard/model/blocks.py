@@ -34,8 +34,8 @@ import math
 
 from maxshard.model.config import ModelConfig
 
-__all__ = ["ATTENTION_KINDS", "MLP_KINDS", "Layer", "Stack", "MAIN_STACK", "LAST_STACK", "stacks", "layers", "main_stack", "stack_named", "mtp_layers",
-           "AttentionWidths", "attention_widths", "mlp_params"]
+__all__ = ["ATTENTION_KINDS", "MLP_KINDS", "Layer", "Stack", "MAIN_STACK", "LAST_STACK", "stacks", "layers",
+           "main_stack", "stack_named", "mtp_layers", "AttentionWidths", "attention_widths", "mlp_params"]
 
 ATTENTION_KINDS = ("gqa", "mla")
 MLP_KINDS = ("dense", "moe")
