@@ -4,15 +4,19 @@ Batch layout. Prompts are right-padded to the longest one, P tokens, so every se
 in cache slot p (see layers/kv_cache.py) and RoPE positions are simply 0, 1, 2, ... per sequence, as in training.
 Left-padding would align the write slot of all sequences instead, but then positions and the mask need a
 per-sequence offset; with right-padding only the write slot is per sequence, and an elementwise masked write
-handles that under any sharding. The batch is padded with one-token dummy rows up to a multiple of the devices
-the cache's batch dimension is sharded over (fsdp=8 needs 8 rows), and the dummy rows are dropped at the end.
+handles that under any sharding. The prefill gives the padding position -1: a global layer writes it anyway (the
+decode steps overwrite it before anything attends to it), but a local layer's ring of `window` slots must keep
+each row's last real tokens, and the position is how it tells them from the padding (layers/kv_cache.py). The
+batch is padded with one-token dummy rows up to a multiple of the devices the cache's batch dimension is sharded
+over (fsdp=8 needs 8 rows), and the dummy rows are dropped at the end.
 
 Steps (both compiled once, ahead of the timed run):
     prefill  [batch, P] prompt -> cache slots 0..P-1 written; the logits at each sequence's last real token give
              its first new token
     decode   [batch] last tokens at positions [batch] (each sequence's own length so far) -> one new token each
-Cache length S = P + max_new_tokens. A sequence that emits end-of-sequence is done: from then on it emits PAD, and
-the loop stops once every sequence is done (checked every few steps) or max_new_tokens are generated.
+Cache length S = P + max_new_tokens (a local layer keeps min(window, S) slots). A sequence that emits
+end-of-sequence is done: from then on it emits PAD, and the loop stops once every sequence is done (checked every
+few steps) or max_new_tokens are generated.
 
 MoE models route dropless here (`decode_model`): with capacity-based dropping a token's output would depend on
 which other tokens share its sequence in this call, so a cached decode could not match the full forward pass.
@@ -113,7 +117,8 @@ class Engine:
                  pad_stops: jax.Array, sampling: tuple[jax.Array, ...]) -> Any:
         """prompts [batch, P] right-padded, lengths [batch] -> the first step's (tokens, logits [batch, vocab],
         cache, done, positions): the new tokens go to positions `lengths`."""
-        positions = jnp.broadcast_to(jnp.arange(prompts.shape[1], dtype=jnp.int32), prompts.shape)
+        index = jnp.arange(prompts.shape[1], dtype=jnp.int32)[None, :]
+        positions = jnp.where(index < lengths[:, None], index, -1)  # the padding at -1: no local layer keeps it
         logits, cache = self._apply(params, cache, prompts, positions)
         last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [batch, vocab]
         chosen = sample(last, self.allowed, jax.random.fold_in(key, 0), *sampling)

@@ -1,0 +1,94 @@
+"""The local layers' KV cache is a ring of `window` slots: a right-padded prefill (prompts longer and shorter than the
+window in one batch) and token-by-token decode past the window give what `attention_ops.dot_product` with the same
+window computes over the whole sequence, with soft-capping and sinks too; its size does not follow max_length.
+
+Tolerance 1e-5 on float32 attention outputs of order 1: the cached path sums the same products in another order
+(the ring holds keys out of position order); a stale slot, a key outside the window or a lost prompt key moves an
+output by orders of magnitude more.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maxshard.model.layers import attention_ops, kv_cache
+
+PROMPT_LENGTHS = (2, 7, 11)  # shorter than, longer than, and almost three times the window; padded to 11
+NEW_TOKENS = 9  # every row decodes past the window, and the ring wraps during decode
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
+WINDOW = 4
+
+
+class _Layer(nn.Module):
+    """One layer's cached attention as layers/attention.py runs it: k/v into the cache, queries over what it gives."""
+
+    window: int
+    softcap: float = 0.0
+
+    @nn.compact
+    def __call__(self, q, k, v, positions, sinks=None):
+        keys, values, mask = kv_cache.KVCache(jnp.float32, window=self.window, name="cache")(k, v, positions)
+        return kv_cache.attend(q, keys, values, mask, jnp.float32, self.softcap, sinks)
+
+
+def _new_cache(layer: _Layer, batch: int, max_length: int):
+    """The cache generation starts from: the shapes of a [batch, max_length] pass, zeros (generation/decode.py)."""
+    x = jnp.zeros((batch, max_length, KV_HEADS, HEAD_DIM))
+    q = jnp.zeros((batch, max_length, HEADS, HEAD_DIM))
+    positions = jnp.broadcast_to(jnp.arange(max_length), (batch, max_length))
+    shapes = jax.eval_shape(lambda: layer.apply({}, q, x, x, positions, mutable=[kv_cache.COLLECTION])[1])
+    shapes = shapes[kv_cache.COLLECTION]
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), nn.unbox(shapes))
+
+
+CASES = {  # name: (window, softcap, sinks)
+    "local": (WINDOW, 0.0, False),
+    "local_softcap_sinks": (WINDOW, 5.0, True),
+    "window_over_max_length": (64, 0.0, False),  # a ring of max_length slots: never wraps
+    "global": (0, 0.0, False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_prefill_and_decode_past_the_window_equal_dot_product(case):
+    window, softcap, with_sinks = CASES[case]
+    batch, prompt = len(PROMPT_LENGTHS), max(PROMPT_LENGTHS)
+    total = prompt + NEW_TOKENS  # max_length of the cache and the reference's length
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((batch, total, h, HEAD_DIM)), jnp.float32)
+               for h in (HEADS, KV_HEADS, KV_HEADS))
+    sinks = jnp.asarray(rng.standard_normal(HEADS), jnp.float32) if with_sinks else None
+    segments = jnp.ones((batch, total), jnp.int32)  # row b's sequence is positions 0 .. len_b + NEW_TOKENS - 1
+    reference = np.asarray(attention_ops.dot_product(q, k, v, segments, segments, window, softcap, sinks))
+
+    layer = _Layer(window, softcap)
+    cache = _new_cache(layer, batch, total)
+    expected_slots = min(window, total) if window else total
+    assert cache["cache"]["key"].shape == (batch, KV_HEADS, expected_slots, HEAD_DIM)
+    step = jax.jit(lambda cache, *args: layer.apply({kv_cache.COLLECTION: cache}, *args, sinks,
+                                                    mutable=[kv_cache.COLLECTION]))
+
+    # prefill: right-padded prompts, padding at position -1 holding garbage k/v that must never be seen
+    lengths = np.array(PROMPT_LENGTHS)
+    real = np.arange(prompt)[None, :] < lengths[:, None]
+    positions = jnp.asarray(np.where(real, np.arange(prompt)[None, :], -1), jnp.int32)
+    garbage = jnp.asarray(100 * rng.standard_normal((batch, prompt, KV_HEADS, HEAD_DIM)), jnp.float32)
+    pad = jnp.asarray(real)[:, :, None, None]
+    k_in, v_in = (jnp.where(pad, x[:, :prompt], garbage) for x in (k, v))
+    out, state = step(cache, q[:, :prompt], k_in, v_in, positions)
+    cache = state[kv_cache.COLLECTION]
+    out = np.asarray(out)
+    for b, n in enumerate(PROMPT_LENGTHS):
+        np.testing.assert_allclose(out[b, :n], reference[b, :n], rtol=0, atol=1e-5)
+
+    for i in range(NEW_TOKENS):  # row b's token at position len_b + i
+        at = jnp.asarray(lengths + i, jnp.int32)
+        take = lambda x: jnp.take_along_axis(x, at[:, None, None, None], axis=1)  # noqa: E731
+        out, state = step(cache, take(q), take(k), take(v), at[:, None])
+        cache = state[kv_cache.COLLECTION]
+        np.testing.assert_allclose(np.asarray(out)[:, 0], reference[np.arange(batch), lengths + i], rtol=0,
+                                   atol=1e-5)
