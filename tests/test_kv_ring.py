@@ -92,3 +92,26 @@ def test_prefill_and_decode_past_the_window_equal_dot_product(case):
         cache = state[kv_cache.COLLECTION]
         np.testing.assert_allclose(np.asarray(out)[:, 0], reference[np.arange(batch), lengths + i], rtol=0,
                                    atol=1e-5)
+
+
+
+def _decode_memory(layer: _Layer, batch: int, max_length: int):
+    """The compiled decode step's memory figures (cache donated, as generation/decode.py compiles it)."""
+    one = lambda heads: jax.ShapeDtypeStruct((batch, 1, heads, HEAD_DIM), jnp.float32)  # noqa: E731
+    step = jax.jit(lambda cache, *args: layer.apply({kv_cache.COLLECTION: cache}, *args,
+                                                    mutable=[kv_cache.COLLECTION]), donate_argnums=0)
+    lowered = step.lower(_new_cache(layer, batch, max_length), one(HEADS), one(KV_HEADS), one(KV_HEADS),
+                         jax.ShapeDtypeStruct((batch, 1), jnp.int32))
+    return lowered.compile().memory_analysis()
+
+
+def test_local_cache_bytes_stay_fixed_as_max_length_grows():
+    """A local layer's compiled decode step holds the same bytes (cache in and out, temporaries) for a cache of 16
+    and of 64 tokens; a global layer's cache grows by exactly its extra slots."""
+    batch, lengths = 2, (16, 64)
+    local = [_decode_memory(_Layer(WINDOW), batch, n) for n in lengths]
+    figures = [(m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes) for m in local]
+    assert figures[0] == figures[1]
+    global_ = [_decode_memory(_Layer(0), batch, n) for n in lengths]
+    growth = 2 * batch * KV_HEADS * (lengths[1] - lengths[0]) * HEAD_DIM * 4  # keys and values, float32
+    assert global_[1].argument_size_in_bytes - global_[0].argument_size_in_bytes == growth
