@@ -9,6 +9,8 @@ output by orders of magnitude more.
 
 from __future__ import annotations
 
+import math
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -16,6 +18,9 @@ import numpy as np
 import pytest
 
 from maxshard.model.layers import attention_ops, kv_cache
+from maxshard.parallel import sharding
+from tests.helpers import layout_overrides, tiny_config
+from tests.test_generate import EOS, PAD, _engine, _full_forward, _host_params
 
 PROMPT_LENGTHS = (2, 7, 11)  # shorter than, longer than, and almost three times the window; padded to 11
 NEW_TOKENS = 9  # every row decodes past the window, and the ring wraps during decode
@@ -115,3 +120,63 @@ def test_local_cache_bytes_stay_fixed_as_max_length_grows():
     global_ = [_decode_memory(_Layer(0), batch, n) for n in lengths]
     growth = 2 * batch * KV_HEADS * (lengths[1] - lengths[0]) * HEAD_DIM * 4  # keys and values, float32
     assert global_[1].argument_size_in_bytes - global_[0].argument_size_in_bytes == growth
+
+
+# --------------------------------------------------------------------------------------------- a local/global model
+
+LOCAL_GLOBAL = ("sliding_window=4", "attention_pattern=[local,global]", "num_layers=5", "num_kv_heads=2",
+                "attn_logit_softcapping=5.0", "attention_sinks=true", "attention=dot_product")  # 2 x (local, global) + local
+LAYOUT = ("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2")
+MODEL_PROMPTS = (2, 11, 6)  # BOS + tokens: within, well past and just past the window
+MODEL_NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def local_global():
+    """(1-device config, host params, engine on fsdp=4 x tensor=2, prompts, greedy result with every step's logits)."""
+    cfg = tiny_config(*LOCAL_GLOBAL, num_devices=1)
+    params = _host_params(cfg)
+    engine = _engine(tiny_config(*LOCAL_GLOBAL, *layout_overrides(LAYOUT), num_devices=8), params)
+    rng = np.random.default_rng(2)
+    prompts = [[1, *rng.integers(3, 259, n - 1).tolist()] for n in MODEL_PROMPTS]
+    result = engine.generate(prompts, MODEL_NEW_TOKENS, EOS, PAD, keep_logits=True)
+    return cfg, params, engine, prompts, result
+
+
+def test_local_global_model_generates_what_its_full_forward_pass_predicts(local_global):
+    """Greedy generation through the engine (sharded cache, rings in the local layers) equals the argmax of the
+    training forward pass over prompt + generated tokens, and every step's logits equal that pass's, far past the
+    window."""
+    cfg, params, engine, prompts, result = local_global
+    full = _full_forward(cfg, params, [p + t for p, t in zip(prompts, result.tokens)])
+    for b, (prompt, new) in enumerate(zip(prompts, result.tokens)):
+        assert len(new) == MODEL_NEW_TOKENS  # random weights never chose EOS: every step is compared
+        at = len(prompt) - 1 + np.arange(len(new))  # the positions whose logits chose the new tokens
+        assert at[-1] >= 2 * cfg.model.sliding_window
+        np.testing.assert_allclose(np.stack([s[b] for s in result.step_logits]), full[b, at], rtol=0, atol=1e-5)
+        allowed = np.asarray(engine.allowed)  # the ids generation may emit (not the byte vocabulary's padding)
+        assert new == np.where(allowed, full[b, at], -np.inf).argmax(-1).tolist()
+
+
+def test_local_global_model_decode_memory_grows_with_its_global_layers_only(local_global):
+    """The engine's compiled decode step for a 19- and a 51-token cache: the local layers' cache shapes are the same,
+    and the step's per-device argument and output bytes grow by exactly the global layers' extra slots."""
+    _, _, engine, prompts, _ = local_global
+    rows, prompt = 4, max(MODEL_PROMPTS)  # the generation above: 3 prompts padded to fsdp=4's multiple
+    lengths = (prompt + MODEL_NEW_TOKENS, prompt + MODEL_NEW_TOKENS + 32)
+    caches = [nn.unbox(engine.abstract_cache(rows, n)) for n in lengths]
+    decoder = [c["decoder"] for c in caches]
+    for stack, layer in (("layers", "layer_0"), ("last_layers", None)):  # the local layers
+        shapes = [jax.tree.map(lambda x: x.shape, d[stack] if layer is None else d[stack][layer]) for d in decoder]
+        assert shapes[0] == shapes[1]
+        assert jax.tree.leaves(shapes[0], is_leaf=lambda s: isinstance(s, tuple))[0][3] == 4
+    boxed = engine.abstract_cache(rows, lengths[1])
+    shardings = sharding.tree_shardings(boxed, engine.mesh, engine.rules)
+    per_device = [sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
+                      for s, x in zip(jax.tree.leaves(shardings), jax.tree.leaves(c))) for c in caches]
+    global_ = decoder[1]["layers"]["layer_1"]["attention"]["cache"]["key"]
+    extra = 2 * 2 * rows * 2 * 32 * 8 * 4 // 8  # k and v x 2 global layers x rows x kv heads x 32 x head_dim x f32 / 8
+    assert per_device[1] - per_device[0] == extra and global_.shape[3] == lengths[1]
+    figures = [engine.compile_decode(rows, n)[1].memory_analysis() for n in lengths]
+    assert figures[1].argument_size_in_bytes - figures[0].argument_size_in_bytes == extra
+    assert figures[1].output_size_in_bytes - figures[0].output_size_in_bytes == extra
