@@ -1,6 +1,9 @@
 """The local layers' KV cache is a ring of `window` slots: a right-padded prefill (prompts longer and shorter than the
 window in one batch) and token-by-token decode past the window give what `attention_ops.dot_product` with the same
-window computes over the whole sequence, with soft-capping and sinks too; its size does not follow max_length.
+window computes over the whole sequence, with soft-capping and sinks too; its size does not follow max_length. Then
+a tiny local/global model through the generation engine (sharded, fsdp=4 x tensor=2): greedy tokens and every step's
+logits equal its training forward pass's far past the window, and its compiled decode step grows with the global
+layers only.
 
 Tolerance 1e-5 on float32 attention outputs of order 1: the cached path sums the same products in another order
 (the ring holds keys out of position order); a stale slot, a key outside the window or a lost prompt key moves an
@@ -9,8 +12,6 @@ output by orders of magnitude more.
 
 from __future__ import annotations
 
-import math
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -18,7 +19,6 @@ import numpy as np
 import pytest
 
 from maxshard.model.layers import attention_ops, kv_cache
-from maxshard.parallel import sharding
 from tests.helpers import layout_overrides, tiny_config
 from tests.test_generate import EOS, PAD, _engine, _full_forward, _host_params
 
@@ -124,8 +124,9 @@ def test_local_cache_bytes_stay_fixed_as_max_length_grows():
 
 # --------------------------------------------------------------------------------------------- a local/global model
 
+# 5 layers: a scanned stack of 2 x (local, global), then one more local layer (the `last_layers` stack)
 LOCAL_GLOBAL = ("sliding_window=4", "attention_pattern=[local,global]", "num_layers=5", "num_kv_heads=2",
-                "attn_logit_softcapping=5.0", "attention_sinks=true", "attention=dot_product")  # 2 x (local, global) + local
+                "attn_logit_softcapping=5.0", "attention_sinks=true", "attention=dot_product")
 LAYOUT = ("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2")
 MODEL_PROMPTS = (2, 11, 6)  # BOS + tokens: within, well past and just past the window
 MODEL_NEW_TOKENS = 8
@@ -159,24 +160,19 @@ def test_local_global_model_generates_what_its_full_forward_pass_predicts(local_
 
 
 def test_local_global_model_decode_memory_grows_with_its_global_layers_only(local_global):
-    """The engine's compiled decode step for a 19- and a 51-token cache: the local layers' cache shapes are the same,
-    and the step's per-device argument and output bytes grow by exactly the global layers' extra slots."""
-    _, _, engine, prompts, _ = local_global
-    rows, prompt = 4, max(MODEL_PROMPTS)  # the generation above: 3 prompts padded to fsdp=4's multiple
-    lengths = (prompt + MODEL_NEW_TOKENS, prompt + MODEL_NEW_TOKENS + 32)
-    caches = [nn.unbox(engine.abstract_cache(rows, n)) for n in lengths]
-    decoder = [c["decoder"] for c in caches]
-    for stack, layer in (("layers", "layer_0"), ("last_layers", None)):  # the local layers
-        shapes = [jax.tree.map(lambda x: x.shape, d[stack] if layer is None else d[stack][layer]) for d in decoder]
-        assert shapes[0] == shapes[1]
-        assert jax.tree.leaves(shapes[0], is_leaf=lambda s: isinstance(s, tuple))[0][3] == 4
-    boxed = engine.abstract_cache(rows, lengths[1])
-    shardings = sharding.tree_shardings(boxed, engine.mesh, engine.rules)
-    per_device = [sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
-                      for s, x in zip(jax.tree.leaves(shardings), jax.tree.leaves(c))) for c in caches]
-    global_ = decoder[1]["layers"]["layer_1"]["attention"]["cache"]["key"]
-    extra = 2 * 2 * rows * 2 * 32 * 8 * 4 // 8  # k and v x 2 global layers x rows x kv heads x 32 x head_dim x f32 / 8
-    assert per_device[1] - per_device[0] == extra and global_.shape[3] == lengths[1]
+    """The engine's cache and compiled decode step for 19 and 51 tokens: the local layers' caches are rings of
+    `window` slots both times, and the step's per-device argument and output bytes (weights and the donated cache)
+    grow by exactly the global layers' extra slots."""
+    cfg, _, engine, _, _ = local_global
+    rows = 4  # the generation above: 3 prompts padded to fsdp=4's multiple
+    lengths = (max(MODEL_PROMPTS) + MODEL_NEW_TOKENS, max(MODEL_PROMPTS) + MODEL_NEW_TOKENS + 32)
+    for n in lengths:  # [layers, batch, kv_heads, slots, head_dim]
+        decoder = nn.unbox(engine.abstract_cache(rows, n))["decoder"]
+        local = (decoder["layers"]["layer_0"], decoder["last_layers"])
+        assert {x.shape[3] for x in jax.tree.leaves(local)} == {cfg.model.sliding_window}
+        assert {x.shape[3] for x in jax.tree.leaves(decoder["layers"]["layer_1"])} == {n}
     figures = [engine.compile_decode(rows, n)[1].memory_analysis() for n in lengths]
+    # keys and values x 2 global layers x rows x 2 kv heads x 32 slots x head_dim 8 x float32, over 8 devices
+    extra = 2 * 2 * rows * 2 * (lengths[1] - lengths[0]) * 8 * 4 // 8
     assert figures[1].argument_size_in_bytes - figures[0].argument_size_in_bytes == extra
     assert figures[1].output_size_in_bytes - figures[0].output_size_in_bytes == extra
