@@ -21,7 +21,7 @@ Local layers: a ring, slot = position % slots. A query at position i sees keys i
 make the cache, and the memory a long generation needs, grow with the text for nothing (Gemma 3 has 5 local layers
 per global one). A slot's position is not stored: every row writes positions 0, 1, 2, ... in order, so once it has
 written up to position `last` slot s holds last - ((last - s) mod slots), or nothing while that is negative
-(`ring_positions`), and the mask is causal and inside the window in position space. Two things follow:
+(`_ring_positions`), and the mask is causal and inside the window in position space. Two things follow:
 - a right-padded prefill must write each row's last real tokens, not the batch's last columns (a short prompt's
   tokens would be overwritten by the padding after them), so the prefill marks its padding with position -1
   (generation/decode.py) and a row writes only its tokens of position >= 0;
@@ -50,7 +50,7 @@ from maxshard.model.layers.attention_ops import capped, softmax_with_sinks
 from maxshard.parallel import axis_names as ax
 from maxshard.parallel.sharding import constrain
 
-__all__ = ["COLLECTION", "CACHE_AXES", "KVCache", "LatentCache", "decoding", "attend", "ring_positions"]
+__all__ = ["COLLECTION", "CACHE_AXES", "KVCache", "LatentCache", "decoding", "attend"]
 
 COLLECTION = "cache"
 CACHE_AXES = (ax.CACHE_BATCH, ax.CACHE_KV_HEADS, ax.CACHE_LENGTH, ax.CACHE_KV)  # [batch, kv_heads, length, head_dim]
@@ -85,7 +85,7 @@ def _write(cache: jax.Array, new: jax.Array, start: jax.Array, axis: int = 2) ->
     return _put(cache, new, jnp.arange(cache.shape[axis])[None, :] - start[:, None], axis)
 
 
-def ring_positions(last: jax.Array, slots: int) -> jax.Array:
+def _ring_positions(last: jax.Array, slots: int) -> jax.Array:
     """[b] -> [b, slots] int32: the position each slot of a ring holds once positions 0 .. last[b] have been
     written (slot = position % slots, the latest one wins), -1 where none has been (last[b] < slot)."""
     held = last[:, None] - jnp.mod(last[:, None] - jnp.arange(slots)[None, :], slots)
@@ -136,8 +136,8 @@ class KVCache(nn.Module):
         slots = keys.value.shape[2]
         start = positions[:, 0]
         last = start + jnp.sum(positions >= 0, axis=1) - 1  # [b]: the last real position of this call
-        before = ring_positions(start - 1, slots)  # [b, S]: what each slot holds before this call
-        after = ring_positions(last, slots)
+        before = _ring_positions(start - 1, slots)  # [b, S]: what each slot holds before this call
+        after = _ring_positions(last, slots)
         old = (keys.value, values.value)
         for var, fresh in zip((keys, values), new):  # slot s takes the token at position after[s] if it is new
             var.value = constrain(_put(var.value, fresh, after - start[:, None]), CACHE_AXES)
