@@ -1,0 +1,82 @@
+"""Multi-token prediction (maxshard/model/layers/mtp.py): module k's loss counts exactly the tokens k + 1 places
+ahead in the same document, the main model and generation do not change, and layouts keep the function.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import numpy as np
+
+from maxshard import data
+from maxshard.model import transformer
+from maxshard.model.layers import pipeline
+from maxshard.training.step import Trainer
+from tests.helpers import max_relative_difference, mesh_for, tiny_config
+from tests.test_pipeline import SMALL, TOLERANCE, packed_batch, random_params, small_config, sums_and_grads
+
+MTP = ("mtp_depth=2", "mtp_loss_weight=0.5", "num_layers=2")
+
+
+def _reference_nll(cfg, params, batch) -> tuple[np.ndarray, np.ndarray]:
+    """Each module's summed cross-entropy and weight, position by position in numpy: module k at position i
+    predicts targets[i + k] (the token k + 1 after i's next), counted when i + k is in i's document."""
+    model = transformer.Transformer(cfg.model)
+
+    @jax.jit
+    def module_logps(p, *inputs):
+        _, predicted = model.apply({"params": p}, *inputs, method="hidden_with_mtp")
+        return [jax.nn.log_softmax(model.apply({"params": p}, h, method="head"), axis=-1) for h in predicted]
+
+    predicted = module_logps(params, batch["inputs"], batch["segment_ids"], batch["positions"])
+    nll, weight = np.zeros(len(predicted)), np.zeros(len(predicted))
+    segments, targets, weights = batch["segment_ids"], batch["targets"], batch["loss_weights"]
+    rows, length = targets.shape
+    for k, logps in enumerate(predicted, start=1):
+        logps = np.asarray(logps)
+        for b in range(rows):
+            for i in range(length - k):
+                if segments[b, i + k] == segments[b, i] and weights[b, i + k]:
+                    nll[k - 1] -= weights[b, i + k] * logps[b, i, targets[b, i + k]]
+                    weight[k - 1] += weights[b, i + k]
+    return nll, weight
+
+
+def test_each_module_learns_the_tokens_ahead_in_its_document_and_the_main_head_is_unchanged() -> None:
+    """A fresh run's init and train step (one device): `mtp/loss_k` equals module k's cross-entropy computed
+    position by position; the step's loss is the main head's alone, equal to the same model's without modules."""
+    cfg = tiny_config(*SMALL, *MTP, num_devices=1, global_batch=2)
+    trainer = Trainer(cfg, mesh_for(cfg))
+    state = trainer.init_state()
+    assert {"mtp_1", "mtp_2"} <= set(state.params)
+    batch = packed_batch(cfg, trainer.mesh)
+    params = jax.device_get(nn.unbox(state.params))
+    nll, weight = _reference_nll(cfg, params, batch)
+    assert 0 < weight[1] < weight[0] < batch["loss_weights"].sum()  # document ends drop k tokens each
+    _, metrics = trainer.jit_train_step(data.batch_sharding(cfg, trainer.mesh))(state, batch)
+    np.testing.assert_allclose([metrics["mtp/loss_1"], metrics["mtp/loss_2"]], nll / weight, rtol=1e-5)
+
+    plain_cfg = tiny_config(*SMALL, "num_layers=2", num_devices=1, global_batch=2)
+    # the main head's loss, from the model without modules (what generation and evaluation run)
+    main = {k: v for k, v in params.items() if not k.startswith("mtp_")}
+    plain = jax.jit(transformer.Transformer(plain_cfg.model).apply)
+    logits = plain({"params": main}, batch["inputs"], batch["segment_ids"], batch["positions"])
+    logps = np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)), batch["targets"][..., None], -1)[..., 0]
+    w = batch["loss_weights"]
+    np.testing.assert_allclose(metrics["loss"], -(logps * w).sum() / w.sum(), rtol=1e-5)
+
+
+def test_the_modules_keep_their_function_under_pipeline_tensor_and_fsdp() -> None:
+    """pipeline=2 x tensor=2 x fsdp=2 (the modules after the pipeline on every stage) against fsdp=8: the loss
+    with the modules' share and every gradient, theirs included."""
+    reference_cfg = small_config(*MTP)
+    trainer = Trainer(reference_cfg, mesh_for(reference_cfg))
+    params, batch = random_params(trainer), packed_batch(reference_cfg, trainer.mesh)
+    ref_sums, ref_grads = sums_and_grads(reference_cfg, params, batch)
+    assert np.abs(ref_grads["mtp_2"]["eh_proj"]["kernel"]).max() > 0
+    cfg = small_config(*MTP, "ici_pipeline_parallelism=2", "ici_tensor_parallelism=2", "ici_fsdp_parallelism=2",
+                       "num_layers_per_pipeline_stage=1")
+    sums, grads = sums_and_grads(cfg, pipeline.from_scanned(params, cfg.model.pipeline), batch)
+    for key in ("loss_sum", "mtp_nll_sum", "mtp_weight_sum"):
+        np.testing.assert_allclose(sums[key], ref_sums[key], rtol=TOLERANCE)
+    assert max_relative_difference(pipeline.to_scanned(grads), ref_grads) < TOLERANCE
