@@ -124,9 +124,11 @@ def test_local_cache_bytes_stay_fixed_as_max_length_grows():
 
 # --------------------------------------------------------------------------------------------- a local/global model
 
-# 5 layers: a scanned stack of 2 x (local, global), then one more local layer (the `last_layers` stack)
+# 5 layers: a scanned stack of 2 x (local, global), then one more local layer (the `last_layers` stack); the local
+# layers with their own RoPE base (Gemma 3), every layer with soft-capping (Gemma 2) and sinks (GPT-OSS)
 LOCAL_GLOBAL = ("sliding_window=4", "attention_pattern=[local,global]", "num_layers=5", "num_kv_heads=2",
-                "attn_logit_softcapping=5.0", "attention_sinks=true", "attention=dot_product")
+                "attn_logit_softcapping=5.0", "attention_sinks=true", "rope_local_max_timescale=100",
+                "attention=dot_product")
 LAYOUT = ("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2")
 MODEL_PROMPTS = (2, 11, 6)  # BOS + tokens: within, well past and just past the window
 MODEL_NEW_TOKENS = 8
