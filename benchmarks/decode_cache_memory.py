@@ -49,7 +49,7 @@ def cache_bytes(engine: Engine, batch: int, length: int) -> tuple[int, int]:
     local = other = 0
     for leaf in jax.tree.leaves(nn.unbox(engine.abstract_cache(batch, length))):
         size = math.prod(leaf.shape) * leaf.dtype.itemsize
-        if leaf.shape[3] < length:  # [layers, batch, kv_heads, slots, head_dim]
+        if leaf.shape[-2] < length:  # [(layers,) batch, kv_heads, slots, head_dim]
             local += size
         else:
             other += size
