@@ -100,7 +100,8 @@ def test_attention_patterns_make_repeating_units_and_a_last_stack() -> None:
     """Gemma 3 (62 layers, 5 local then 1 global): 10 units of 6 and the 2 local layers left over; GPT-OSS (MoE in
     every layer, local and global alternating): units of 2; a window in every layer (Mistral): one local layer."""
     local, glob = Layer("gqa", "dense", local=True), Layer("gqa", "dense")
-    gemma3 = ModelConfig(vocab_size=8, num_layers=62, sliding_window=1024, attention_pattern=("local",) * 5 + ("global",))
+    gemma3 = ModelConfig(vocab_size=8, num_layers=62, sliding_window=1024,
+                         attention_pattern=("local",) * 5 + ("global",))
     assert blocks.stacks(gemma3) == (Stack("layers", (local,) * 5 + (glob,), 10), Stack("last_layers", (local,) * 2, 1))
     assert gemma3.num_units == 10 and [layer.local for layer in blocks.layers(gemma3)][-3:] == [False, True, True]
     gpt_oss = ModelConfig(vocab_size=8, num_layers=24, num_experts=32, sliding_window=128,

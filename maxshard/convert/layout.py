@@ -53,11 +53,13 @@ class Param:
     stacked: bool
     first: int = 0
     period: int = 1
+    layer: int | None = None  # a parameter of one Hugging Face layer, unstacked (a multi-token prediction module's)
 
     @property
     def stack(self) -> str:
-        """The decoder stack's name ("layers", "dense_layers"); "" for a global parameter."""
-        return self.path[1] if self.stacked else ""
+        """The decoder stack's name ("layers", "dense_layers"), the module's ("mtp_1") for a parameter of one
+        layer; "" for a global parameter."""
+        return self.path[1] if self.stacked else self.path[0] if self.layer is not None else ""
 
     @property
     def lead(self) -> int:
@@ -73,12 +75,16 @@ class Param:
         """Every Hugging Face tensor's index: [()] for a global one, (layer,) or (layer, expert) in file order,
         layers numbered as Hugging Face numbers them."""
         ranges = [range(n) for n in self.shape[: self.lead]]
+        if self.layer is not None:
+            return [(self.layer, *rest) for rest in itertools.product(*ranges)]
         if self.stacked:
             ranges[0] = range(self.first, self.first + self.period * self.shape[0], self.period)
         return list(itertools.product(*ranges))
 
     def local(self, index: tuple[int, ...]) -> tuple[int, ...]:
         """A Hugging Face tensor's index (`indices`) in this parameter's own array: its unit of the stack."""
+        if self.layer is not None:
+            return tuple(index[1:])
         return ((index[0] - self.first) // self.period, *index[1:]) if self.stacked else index
 
 
@@ -94,11 +100,21 @@ def params_of(cfg: ModelConfig, family: Family) -> list[Param]:
         stacks[stack.name] = [({e.path: e for e in names.per_layer(family, cfg, layer)}, first + j, len(stack.unit))
                               for j, layer in enumerate(stack.unit)]
         first += stack.num_layers
+    last_kind = blocks.main_stack(cfg).unit[-1]
+    mtp_tables = {**{("layer", *e.path): e for e in names.per_layer(family, cfg, last_kind)},
+                  **{e.path: e for e in names.MTP}}
     leaves, _ = jax.tree_util.tree_flatten_with_path(nn.unbox(model.abstract_params(cfg)))
     out = []
     for key_path, leaf in leaves:
         path = tuple(_key(k) for k in key_path)
         stacked = path[0] == "decoder" and path[1] in stacks
+        mtp_layer = names.mtp_layer(cfg, path[0])
+        if mtp_layer is not None:  # a multi-token prediction module: one decoder layer and its own rows
+            entry = mtp_tables.get(path[1:])
+            if entry is None:
+                raise ConfigError(f"parameter {'/'.join(path)} has no tensor in {family.architecture}")
+            out.append(Param(path, tuple(leaf.shape), entry, False, mtp_layer, 1, mtp_layer))
+            continue
         if stacked:
             unit_layer = _UNIT_LAYER.fullmatch(path[2])
             table, offset, period = stacks[path[1]][int(unit_layer.group(1)) if unit_layer else 0]

@@ -17,9 +17,9 @@ def locate(reader: orbax_io.Reader, param: layout.Param,
     """(array path, index) of one Hugging Face tensor of a parameter (`at`: (layer,) or (layer, expert)),
     whichever decoder layout the checkpoint was saved in: scanned [layers, ...], unrolled layers_<i>, or pipelined
     [repeats, stages, layers_per_stage, ...]; an expert's index follows the layer's."""
+    at = (at,) if isinstance(at, int) else tuple(at or ())
     if not param.stacked:
-        return param.path, ()
-    at = (at,) if isinstance(at, int) else tuple(at)
+        return param.path, param.local(at) if param.layer is not None else ()
     layer, expert = at[0], at[1:]
     path, index = locate_layer(reader, param, layer)
     return path, index + expert

@@ -5,7 +5,7 @@ Module k (1-based) at position i combines what module k - 1 computed there (the 
 stream, before its final norm, for k = 1) with the embedding of token t_{i+k}:
 
     h'_i = eh_proj([RMSNorm_e(embed(t_{i+k})); RMSNorm_h(h_i^{k-1})])     ([2, embed] -> embed)
-    h^k  = one decoder layer of the main stack's last kind (DeepSeek-V3: attention + MoE)
+    h^k  = one decoder layer of the main stack's last kind (DeepSeek-V3: attention + MoE), under the remat policy
     p(t_{i+k+1}) = softmax(head(RMSNorm_head(h^k_i)))                      (the main head, shared)
 
 Hugging Face checkpoints keep module k as decoder layer `num_layers + k - 1` with extra tensors (enorm, hnorm,
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from maxshard.model import blocks
 from maxshard.model.config import ModelConfig
 from maxshard.model.layers import ring_attention
-from maxshard.model.layers.decoder import DecoderLayer, norm
+from maxshard.model.layers.decoder import DecoderLayer, norm, rematted
 from maxshard.model.layers.linears import DenseGeneral
 from maxshard.model.layers.norms import RMSNorm
 from maxshard.parallel import axis_names as ax
@@ -71,7 +71,8 @@ class PredictionModule(nn.Module):
         x = DenseGeneral((cfg.emb_dim,), (None, ax.EMBED, ax.MLP), 2, dt, wdt, name="eh_proj")(both)
         x, segments, where = (ring_attention.to_balanced(a) for a in (x, segment_ids, positions))
         stack = blocks.main_stack(cfg)
-        x, _ = DecoderLayer(cfg, dt, wdt, stack.name, len(stack.unit) - 1, name="layer")(x, segments, where)
+        layer = rematted(cfg, DecoderLayer)(cfg, dt, wdt, stack.name, len(stack.unit) - 1, name="layer")
+        x, _ = layer(x, segments, where)
         x = ring_attention.from_balanced(constrain(x, ax.RESIDUAL))
         return x, norm(rms("head_norm"), x)
 
