@@ -146,9 +146,9 @@ def abstract_params(cfg: ModelConfig) -> Any:
 
 
 def abstract_cache(cfg: ModelConfig, params: Any, batch: int, length: int) -> Any:
-    """The boxed KV cache generation keeps for `batch` sequences of `length` slots (layers/kv_cache.py): shapes and
-    logical names from the model itself, nothing allocated. `params` may be abstract. Call it inside the mesh and
-    rules it is to be laid out by."""
+    """The boxed KV cache generation keeps for `batch` sequences of `length` slots (a local layer keeps a ring of
+    min(window, length); layers/kv_cache.py): shapes and logical names from the model itself, nothing allocated.
+    `params` may be abstract. Call it inside the mesh and rules it is to be laid out by."""
     tokens = jnp.zeros((batch, length), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
     model = Transformer(cfg)
