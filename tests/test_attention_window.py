@@ -1,0 +1,185 @@
+"""Sliding windows, attention-logit soft-capping and attention sinks in every attention kernel, against the
+dot-product reference (layers/attention_ops.py `dot_product`), with packed documents and grouped-query heads.
+
+One device: blockwise (window, soft-cap, sinks; forward and its custom VJP, including the sinks' gradient), the cudnn
+mapping through XLA (window), tokamax's XLA path (window, soft-cap), splash in Pallas interpret mode (window, soft-cap,
+sinks). Eight simulated devices: ring attention under context parallelism (4 context shards, where a window of under
+one chunk skips a ring step whole; and 2 context x 2 tensor, the sinks sharded with the heads), and splash under
+fsdp x tensor, each device's heads and sinks under shard_map. What a kernel cannot take is refused in one line
+before anything runs, and `attention: auto` / an explicit choice follow the model's options at load time.
+Tolerance 1e-5 relative (float32): the same sums in another order.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maxshard.model import attention_kinds
+from maxshard.model.layers import attention_ops as ops
+from maxshard.model.layers import ring_attention
+from maxshard.parallel.sharding import flax_rules
+from maxshard.training.step import mesh_context
+from tests.helpers import layout_overrides, max_relative_difference, mesh_for, tiny_config
+
+TOLERANCE = 1e-5
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}  # same numbers
+ALL = {"window": 5, "softcap": 1.5, "sinks": True}
+
+
+def _inputs(length: int, heads: int = 4, kv_heads: int = 2, dim: int = 8, batch: int = 2, seed: int = 0):
+    """q, k, v, packed segment ids (several documents per row, ragged) and per-head sinks."""
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.normal(size=(batch, length, heads, dim)) * dim**-0.5 * 2, jnp.float32)
+    k = jnp.asarray(rng.normal(size=(batch, length, kv_heads, dim)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(batch, length, kv_heads, dim)), jnp.float32)
+    segments = jnp.asarray(np.sort(rng.integers(0, 4, size=(batch, length)), axis=1), jnp.int32)
+    sinks = jnp.asarray(rng.normal(size=(heads,)), jnp.float32)
+    return q, k, v, segments, sinks
+
+
+def _value_and_grads(fn, q, k, v, segments, sinks, options: dict):
+    """Output and d(sum(out * cos(out)))/d(q, k, v[, sinks]) of `fn` with the window/soft-cap/sinks `options`."""
+    kwargs = {name: value for name, value in options.items() if name != "sinks"}
+    with_sinks = options.get("sinks", False)
+
+    def loss(q, k, v, sinks):
+        out = fn(q, k, v, segments, segments, **kwargs, **({"sinks": sinks} if with_sinks else {}))
+        return jnp.sum(out * jnp.cos(out)), out
+
+    argnums = (0, 1, 2, 3) if with_sinks else (0, 1, 2)
+    compiled = jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True)).lower(q, k, v, sinks)
+    (_, out), grads = compiled.compile(FAST_COMPILE)(q, k, v, sinks)
+    return out, grads
+
+
+def _assert_matches_reference(fn, inputs, options: dict) -> None:
+    ref_out, ref_grads = _value_and_grads(ops.dot_product, *inputs, options)
+    out, grads = _value_and_grads(fn, *inputs, options)
+    assert max_relative_difference(out, ref_out) < TOLERANCE
+    assert max_relative_difference(grads, ref_grads) < TOLERANCE
+
+
+def test_the_options_change_the_reference() -> None:
+    """Each option really changes dot_product's output on these inputs (else the parity below proves nothing)."""
+    q, k, v, segments, sinks = _inputs(37)
+    plain = ops.dot_product(q, k, v, segments, segments)
+    for options in ({"window": 5}, {"softcap": 1.5}, {"sinks": sinks}):
+        assert max_relative_difference(ops.dot_product(q, k, v, segments, segments, **options), plain) > 1e-2
+
+
+@pytest.mark.parametrize("options,block_q,block_kv", [
+    (ALL, 8, 4),  # length 37: not a multiple of the blocks; a window shorter than two key blocks
+    ({"window": 9}, 4, 8),  # no sinks, no cap: the plain path with a window
+])
+def test_blockwise_matches_dot_product(options: dict, block_q: int, block_kv: int) -> None:
+    _assert_matches_reference(lambda *a, **o: ops.blockwise(*a, block_q=block_q, block_kv=block_kv, **o),
+                              _inputs(37), options)
+
+
+def test_blockwise_visits_only_the_key_blocks_in_the_window() -> None:
+    """The key loops span only the needed blocks: at 64 tokens in 4-token blocks with a 5-token window, query block
+    i (tokens 4i..4i+3, seeing back to 4i-4) needs key blocks i-1 and i of the 16, against 1 + i causally."""
+    from maxshard.model.layers import blockwise_attention as bw
+
+    idx = jnp.arange(64, dtype=jnp.int32).reshape(16, 4)
+    spans = [tuple(int(x) for x in bw._span(bw._needed(idx[i][None], idx, 5))) for i in range(16)]
+    assert spans == [(max(i - 1, 0), i + 1) for i in range(16)]
+
+
+def test_cudnn_window_through_xla_matches_dot_product() -> None:
+    _assert_matches_reference(lambda *a, **o: ops.cudnn(*a, implementation="xla", **o), _inputs(24),
+                              {"window": 5})
+
+
+def test_tokamax_window_and_softcap_through_xla_match_dot_product() -> None:
+    pytest.importorskip("tokamax")
+    _assert_matches_reference(lambda *a, **o: ops.tokamax(*a, implementation="xla", **o), _inputs(24),
+                              {"window": 5, "softcap": 1.5})
+
+
+def test_splash_window_softcap_and_sinks_in_interpret_mode_match_dot_product() -> None:
+    pytest.importorskip("jax.experimental.pallas.ops.tpu.splash_attention")
+    inputs = _inputs(256, heads=2, kv_heads=1, batch=1, dim=128)
+    _assert_matches_reference(lambda *a, **o: ops.splash(*a, block_q=128, block_kv=128, interpret=True, **o),
+                              inputs, {"window": 100, "softcap": 1.5, "sinks": True})
+
+
+@pytest.mark.parametrize("implementation,refused", [("cudnn", "softcap, sinks"), ("tokamax", "sinks")])
+def test_a_kernel_without_an_option_refuses_it_in_one_line(implementation: str, refused: str) -> None:
+    q, k, v, segments, sinks = _inputs(16)
+    with pytest.raises(ValueError, match=f"attention={implementation} cannot take {refused} "):
+        ops.attend(q, k, v, segments, segments, implementation=implementation, window=4, softcap=1.5, sinks=sinks)
+
+
+# --------------------------------------------------------------------------------------------- on 8 devices
+
+
+def _on_mesh(layout: tuple[str, ...], implementation: str, inputs, options: dict, block: int = 4,
+             num_devices: int = 8):
+    """`attend` jitted on the mesh and rules of a tiny config with `layout` (what the model's attention layer runs):
+    (output, gradients) as `_value_and_grads`, and whether ring attention was traced. Under context parallelism
+    the model works in the balanced layout (ring_attention.py): the inputs go in and the output comes out as there."""
+    cfg = tiny_config(*layout_overrides(layout), "max_target_length=64", num_devices=num_devices)
+    rings = []
+    ring = ring_attention.ring_attend
+
+    def fn(q, k, v, q_seg, kv_seg, **kwargs):
+        balanced = (ring_attention.to_balanced(x) for x in (q, k, v, q_seg, kv_seg))
+        out = ops.attend(*balanced, implementation=implementation, block_q=block, block_kv=block, **kwargs)
+        return ring_attention.from_balanced(out)
+
+    with mesh_context(mesh_for(cfg), flax_rules(cfg)):
+        try:
+            ring_attention.ring_attend = lambda *a, **o: rings.append(1) or ring(*a, **o)
+            out, grads = _value_and_grads(fn, *inputs, options)
+        finally:
+            ring_attention.ring_attend = ring
+    return out, grads, bool(rings)
+
+
+@pytest.mark.parametrize("layout,steps", [
+    (("ici_context_parallelism=4", "ici_fsdp_parallelism=2"), (0, 1, 3)),  # 8-token chunks: step 2 is skipped
+    (("ici_context_parallelism=2", "ici_tensor_parallelism=2", "ici_fsdp_parallelism=2"), (0, 1)),
+])
+def test_ring_attention_with_window_softcap_and_sinks_matches_dot_product(layout, steps) -> None:
+    inputs = _inputs(64)
+    context = int(layout[0].split("=")[1])
+    assert ring_attention.needed_steps(context, 64 // context, ALL["window"]) == steps
+    ref_out, ref_grads = _value_and_grads(ops.dot_product, *inputs, ALL)
+    out, grads, ringed = _on_mesh(layout, "blockwise", inputs, ALL)
+    assert ringed
+    assert max_relative_difference(out, ref_out) < TOLERANCE
+    assert max_relative_difference(grads, ref_grads) < TOLERANCE
+
+
+def test_ring_steps_follow_the_window() -> None:
+    """Every step without a window; with one, the steps some device's chunk needs (chunks of 8 tokens, 8 shards)."""
+    assert ring_attention.needed_steps(8, 16, 0) == tuple(range(8))
+    assert ring_attention.needed_steps(8, 16, 8) == (0, 1, 7)
+    assert ring_attention.needed_steps(8, 16, 9) == (0, 1, 7)  # the query and 8 before it: one chunk back
+    assert ring_attention.needed_steps(8, 16, 10) == (0, 1, 2, 6, 7)  # one token into the second chunk back
+    assert ring_attention.needed_steps(8, 16, 10**6) == tuple(range(8))
+
+
+def test_splash_sinks_go_sharded_with_the_heads_under_shard_map() -> None:
+    """splash runs per device (shard_map): under fsdp2 x tensor2 (4 devices) each device holds half the heads, and
+    its sinks must be those heads' (a closed-over [heads] array would not match the local q)."""
+    pytest.importorskip("jax.experimental.pallas.ops.tpu.splash_attention")
+    inputs = _inputs(128, heads=4, kv_heads=2, batch=2, dim=128, seed=1)
+    ref_out, ref_grads = _value_and_grads(ops.dot_product, *inputs, ALL)
+    layout = ("ici_fsdp_parallelism=2", "ici_tensor_parallelism=2")
+    out, grads, ringed = _on_mesh(layout, "splash", inputs, ALL, block=128, num_devices=4)
+    assert not ringed
+    assert max_relative_difference(out, ref_out) < TOLERANCE
+    assert max_relative_difference(grads, ref_grads) < TOLERANCE
+
+
+def test_every_kernel_declares_its_options() -> None:
+    """The options table (what each kernel above is tested with; the rest refuse)."""
+    assert {k.name: k.options for k in attention_kinds.KINDS} == {
+        "dot_product": ("window", "softcap", "sinks"), "blockwise": ("window", "softcap", "sinks"),
+        "cudnn": ("window",), "splash": ("window", "softcap", "sinks"), "tokamax": ("window", "softcap")}
+    assert attention_kinds.RING_OPTIONS == ("window", "softcap", "sinks")
