@@ -23,14 +23,24 @@ Backward (custom VJP, so no per-block scores are stored): the forward keeps q, k
 row and head). The backward revisits the blocks and recomputes p = exp(s - lse), the exact softmax, then with
 D = rowsum(dout * out):  dv = p^T dout,  dp = dout v^T,  ds = p (dp - D),  dq = ds k,  dk = ds^T q. A cotangent
 on lse itself (ring attention merges partial results through it) adds p * dlse to ds, i.e. D becomes D - dlse.
-Outer loop over key blocks (dk, dv of the block are carried), inner loop over query blocks (dq contributions are
-stacked and summed into a full-size float32 dq): memory stays linear in the backward too. The forward's loops are
-`while_loop`s, not scans (see `_loop`): under remat a scan would store per-block residuals, quadratic memory.
+Outer loop over key blocks (dk, dv of the block are carried), inner loop over query blocks (each adds its dq
+contribution into a full-size float32 dq carried through both loops): memory stays linear in the backward too.
+The forward's loops (and the backward's inner one) are `while_loop`s, not scans (see `_loop`): under remat a scan
+would store per-block residuals, quadratic memory.
 
-Skipped blocks. A block pair whose every key comes after every query (min kv index > max q index) is skipped with
-`lax.cond`, so causal attention does about half the work. Lengths that are not a multiple of the block size are
-padded (padded keys get an index no query reaches; padded query rows are computed and discarded), so any block size
-works; a block longer than the sequence shrinks to the sequence.
+Local/global options. A sliding `window` W adds kv index > q index - W to the mask. A `softcap` c replaces each
+score x by c tanh(x / c) before the mask; the backward multiplies ds by the derivative 1 - tanh^2. `sinks` (one
+logit per query head) start every row's running maximum at the sink and its sum at 1, so the sink sits in l and
+lse and never in acc; the backward's p = exp(s - lse) is then already the softmax with the sink, and the sink's own
+gradient is -sum over rows of p_sink D (`sink_grad`).
+
+Skipped blocks. A block pair whose every key comes after every query (min kv index > max q index) or, with a window,
+before every query's window (max kv index <= min q index - W) is skipped: each loop over key (forward) or query
+(backward) blocks runs only over the span of needed blocks (`_span`) and `lax.cond` skips any unneeded pair inside
+it, so causal attention does about half the work and a local layer's work grows with its window, not the length
+(benchmarks/attention_window.py). Lengths that are not a multiple of the block size are padded (padded keys get an
+index no query reaches; padded query rows are computed and discarded), so any block size works; a block longer than
+the sequence shrinks to the sequence.
 
 Masked scores use float32's lowest value, as the dot-product reference does (not -inf), so a fully masked row
 gives a uniform average rather than NaN; only padded rows are fully masked here.
@@ -43,7 +53,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-__all__ = ["blockwise_attention", "forward", "backward", "merge", "NEG"]
+__all__ = ["blockwise_attention", "forward", "backward", "sink_grad", "merge", "NEG"]
 
 NEG = float(jnp.finfo(jnp.float32).min)
 _PAD_KV_INDEX = jnp.iinfo(jnp.int32).max  # a padded key comes after every query: always masked

@@ -27,6 +27,13 @@ Worked example, C = 2, 4 chunks: device 0 holds (0, 3), device 1 holds (1, 2). S
 blocks that are wholly in the future (by token index), so no branch per case is needed, as long as the blocks
 divide n.
 
+With a sliding window, a step where no device's keys reach any of its queries' windows is skipped whole, compute
+and transfer (`needed_steps`): the K/V go from one needed step to the next in one ppermute of that many hops, and the
+gradients jump home after the last. A window of at most one chunk leaves steps 0, 1 and C - 1 (a chunk's
+neighbours are on the devices either side), whatever C. Inside a step the blockwise kernel skips the key blocks
+outside the window. A soft-cap is the kernel's; the sinks join once, in step 0's partial result, and their gradient
+is taken once from the merged output and log-sum-exp.
+
 Every step returns a partial output and its log-sum-exp over the keys seen, merged with `blockwise_attention.merge`.
 The backward pass is a second ring (custom VJP): with the final output and log-sum-exp, each step's key chunk gets
 exact gradients (see blockwise_attention.py); dK and dV travel with their K/V chunk and after C steps arrive home.
