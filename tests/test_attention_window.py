@@ -40,8 +40,9 @@ def _inputs(length: int, heads: int = 4, kv_heads: int = 2, dim: int = 8, batch:
     return q, k, v, segments, sinks
 
 
-def _value_and_grads(fn, q, k, v, segments, sinks, options: dict):
-    """Output and d(sum(out * cos(out)))/d(q, k, v[, sinks]) of `fn` with the window/soft-cap/sinks `options`."""
+def _value_and_grads(fn, q, k, v, segments, sinks, options: dict, compile_options=FAST_COMPILE):
+    """Output and d(sum(out * cos(out)))/d(q, k, v[, sinks]) of `fn` with the window/soft-cap/sinks `options`.
+    `compile_options`: XLA's (a GPU or TPU compile takes none)."""
     kwargs = {name: value for name, value in options.items() if name != "sinks"}
     with_sinks = options.get("sinks", False)
 
@@ -51,7 +52,7 @@ def _value_and_grads(fn, q, k, v, segments, sinks, options: dict):
 
     argnums = (0, 1, 2, 3) if with_sinks else (0, 1, 2)
     compiled = jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True)).lower(q, k, v, sinks)
-    (_, out), grads = compiled.compile(FAST_COMPILE)(q, k, v, sinks)
+    (_, out), grads = compiled.compile(compile_options)(q, k, v, sinks)
     return out, grads
 
 
@@ -112,6 +113,56 @@ def test_a_kernel_without_an_option_refuses_it_in_one_line(implementation: str, 
     q, k, v, segments, sinks = _inputs(16)
     with pytest.raises(ValueError, match=f"attention={implementation} cannot take {refused} "):
         ops.attend(q, k, v, segments, segments, implementation=implementation, window=4, softcap=1.5, sinks=sinks)
+
+
+def test_splash_with_window_softcap_and_sinks_compiles_for_a_v5e_chip() -> None:
+    """XLA:TPU through Mosaic, ahead of time on libtpu's abstract v5e (no TPU): the kernel's local mask, soft-cap
+    and sinks lower forward and backward (interpret mode above checks the numbers)."""
+    from maxshard.launch import topologies
+    from maxshard.planning.tpu_compile import abstract_devices
+
+    chip = jax.sharding.Mesh(np.asarray(abstract_devices(topologies.parse("v5litepod-8")))[:1], ("chip",))
+    whole = jax.sharding.NamedSharding(chip, jax.sharding.PartitionSpec())
+
+    def shaped(*shape: int, dtype=jnp.bfloat16) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=whole)
+
+    def loss(q, k, v, segments, sinks):
+        out = ops.splash(q, k, v, segments, segments, block_q=128, block_kv=128, interpret=False, window=100,
+                         softcap=30.0, sinks=sinks)
+        return jnp.sum(out.astype(jnp.float32))
+
+    with jax.set_mesh(chip):
+        lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 4))).lower(
+            shaped(1, 256, 4, 128), shaped(1, 256, 2, 128), shaped(1, 256, 2, 128), shaped(1, 256, dtype=jnp.int32),
+            shaped(4, dtype=jnp.float32))
+        assert "tpu_custom_call" in lowered.compile().as_text()
+
+
+@pytest.mark.parametrize("kernel", [pytest.param("cudnn", marks=pytest.mark.gpu),
+                                    pytest.param("tokamax", marks=pytest.mark.gpu),
+                                    pytest.param("splash", marks=pytest.mark.tpu)])
+def test_the_fused_kernel_takes_its_options_on_the_accelerator(kernel: str) -> None:
+    """On a GPU or TPU (skipped elsewhere, see tests/conftest.py): the kernel itself, bfloat16, with a window and
+    whichever of soft-cap and sinks its row takes, 8 packed documents per row, against float32 dot_product.
+    Tolerance as tests/test_accelerators.py's for bfloat16 kernels."""
+    from tests.test_attention import _many_documents
+
+    q, k, v, _, sinks = _inputs(256, heads=4, kv_heads=2, dim=128, batch=2)
+    segments = _many_documents(2, 256, 8)
+    options = {name: value for name, value in {"window": 100, "softcap": 30.0, "sinks": True}.items()
+               if name in attention_kinds.kind(kernel).options}
+    inputs = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    with jax.default_matmul_precision("highest"):
+        ref_out, ref_grads = _value_and_grads(ops.dot_product, *[x.astype(jnp.float32) for x in inputs], segments,
+                                              sinks, options, {})
+
+    def fused(*args, **kwargs):
+        return ops.attend(*args, implementation=kernel, block_q=128, block_kv=128, **kwargs).astype(jnp.float32)
+
+    out, grads = _value_and_grads(fused, *inputs, segments, sinks, options, {})
+    assert max_relative_difference(out, ref_out) < 2e-2
+    assert max_relative_difference(grads, ref_grads) < 2e-2
 
 
 # --------------------------------------------------------------------------------------------- on 8 devices
