@@ -54,6 +54,19 @@ PROBES = {
     "yarn_mscale": ({**YARN, "yarn_mscale_all_dim": 1.0}, 0.707),
     "yarn_mscale_all_dim": (YARN, 1.0),
     "moe_routed_scaling_factor": (MOE, 2.5),
+    "rope_local_max_timescale": ({"sliding_window": 4, "attention_pattern": ("local",)}, 10000.0),
+    "attn_logit_softcapping": ({}, 50.0),
+    "final_logit_softcapping": ({}, 30.0),
+    "query_pre_attn_scalar": ({}, 64.0),
+    "attention_sinks": ({}, True),
+    "attention_bias": ({}, True),
+    "norm_unit_offset": ({}, True),
+    "post_norms": ({}, True),
+    "mlp_activation": ({}, "gelu_tanh"),
+    "swiglu_limit": ({"mlp_activation": "clamped_swiglu"}, 5.0),
+    "swiglu_alpha": ({"mlp_activation": "clamped_swiglu"}, 1.5),
+    "embed_scale": ({}, True),
+    "moe_bias": (MOE, True),
 }
 
 

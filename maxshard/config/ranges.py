@@ -40,6 +40,7 @@ def check_ranges(cfg: Config) -> Config:
         raise ConfigError(f"run_name must be a non-empty name without '/', got {cfg.run_name!r}")
     _check_data(cfg)
     _check_rope(cfg)
+    _check_local_global(cfg)
     for axis in MESH_AXES:
         for family in ("ici", "dcn"):
             value = getattr(cfg, knob_name(family, axis))
@@ -260,6 +261,30 @@ def _check_rope(cfg: Config) -> None:
     if cfg.attention_type == "mla" and cfg.qk_norm:
         raise ConfigError("qk_norm normalises grouped-query heads; attention_type=mla normalises its latents: "
                           "set qk_norm=false")
+
+
+def _check_local_global(cfg: Config) -> None:
+    """The local/global attention keys (Gemma 2/3, GPT-OSS): a pattern of known kinds, a window for its local layers,
+    caps and scales that are unset (0) or positive."""
+    pattern = cfg.attention_pattern
+    if not pattern or any(kind not in ("local", "global") for kind in pattern):
+        raise ConfigError(f"attention_pattern={list(pattern)}: a non-empty list of local and global")
+    if cfg.sliding_window < 0:
+        raise ConfigError(f"sliding_window must be >= 0 (0: no local layers), got {cfg.sliding_window}")
+    if ("local" in pattern) != (cfg.sliding_window > 0):
+        raise ConfigError(f"sliding_window={cfg.sliding_window} with attention_pattern={list(pattern)}: local layers "
+                          "need a sliding_window > 0, and a window needs a local layer in the pattern")
+    if "local" in pattern and cfg.attention_type == "mla":
+        raise ConfigError("attention_pattern with local layers needs attention_type=gqa (latent attention has no "
+                          "sliding window)")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
+        if not getattr(cfg, key) >= 0:
+            raise ConfigError(f"{key} must be >= 0 (0: unset), got {getattr(cfg, key)}")
+    if cfg.rope_local_max_timescale and not cfg.rope_local_max_timescale > 1:
+        raise ConfigError(f"rope_local_max_timescale must be 0 (as global layers) or > 1, got "
+                          f"{cfg.rope_local_max_timescale}")
+    if cfg.mlp_activation == "clamped_swiglu" and not (cfg.swiglu_limit > 0 and cfg.swiglu_alpha > 0):
+        raise ConfigError(f"swiglu_limit and swiglu_alpha must be > 0, got {cfg.swiglu_limit} and {cfg.swiglu_alpha}")
 
 
 _POSITIVE_INTS = {

@@ -1,5 +1,5 @@
 """Config keys whose values are structures rather than scalars: the logical axis rules, the data mixture and lists
-of names (lora_targets).
+of names (lora_targets, attention_pattern).
 
 Each parser takes the raw YAML (or command-line) value and where it came from, and returns the frozen form the
 Config holds, or raises one ConfigError line naming the key.
@@ -71,9 +71,9 @@ def parse_mixture(value: Any, source: str) -> tuple[tuple[str, float], ...]:
     return tuple(pairs)
 
 
-def parse_names(value: Any, source: str) -> tuple[str, ...]:
-    """lora_targets: a list of names, from YAML (`[q, v]`) or a command line (`q,v`)."""
+def parse_names(value: Any, source: str, key: str = "lora_targets") -> tuple[str, ...]:
+    """lora_targets, attention_pattern: a list of names, from YAML (`[q, v]`) or a command line (`q,v`)."""
     items = value.split(",") if isinstance(value, str) else value
     if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) and i.strip() for i in items):
-        raise ConfigError(f"lora_targets expects a list of names like [q, v] or q,v, got {value!r} (from {source})")
+        raise ConfigError(f"{key} expects a list of names like [a, b] or a,b, got {value!r} (from {source})")
     return tuple(i.strip() for i in items)

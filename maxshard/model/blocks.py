@@ -2,14 +2,22 @@
 
 A family is described by the model keys, read here once into data:
 
-    Layer(attention, mlp)     one decoder layer's kinds: attention "gqa" (grouped-query) or "mla" (multi-head latent),
-                              MLP "dense" (one SwiGLU of mlp_dim) or "moe" (routed experts of expert_dim)
+    Layer(attention, mlp, local) one decoder layer's kinds: attention "gqa" (grouped-query) or "mla" (multi-head
+                              latent), MLP "dense" (one gated MLP of mlp_dim) or "moe" (routed experts of expert_dim),
+                              and whether its attention is local (the last `sliding_window` keys) or global
     Stack(name, unit, repeats) a unit of layers repeated `repeats` times: one nn.scan (or one pipeline) each
 
 Llama:                 Stack("layers", (gqa+dense,), num_layers)
 Mixtral, Qwen3-MoE:    Stack("layers", (gqa+moe,), num_layers)
 an MoE every 2nd layer: Stack("layers", (gqa+dense, gqa+moe), num_layers / 2)
 DeepSeek-V3:           Stack("dense_layers", (mla+dense,), 3), Stack("layers", (mla+moe,), 58)
+GPT-OSS-20B:           Stack("layers", (local gqa+moe, gqa+moe), 12)
+Gemma 3 27B:           Stack("layers", (5 x local gqa+dense, gqa+dense), 10), Stack("last_layers", (2 x local ..,), 1)
+
+A stack's unit is the shortest run of layers that repeats: the lcm of `moe_layer_interval` and the length of
+`attention_pattern` (layer i's attention is pattern[i % length], counted from the first layer). Layers left over
+when the unit does not divide the stack (Gemma 3: 62 layers, a 6-layer pattern) form a stack of their own that runs
+once, after it ("last_layers"; "dense_layers" itself is one unit when the pattern does not divide it).
 
 The decoder (layers/decoder.py) assembles its stacks from `stacks(cfg)`; the FLOP count (model/flops.py) sums the
 kinds' matmuls over `layers(cfg)`, so a family that needs no new layer kind touches neither. A new kind is a row
@@ -21,21 +29,25 @@ This module is arithmetic on ModelConfig only: no layer imports it back.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 
 from maxshard.model.config import ModelConfig
 
-__all__ = ["ATTENTION_KINDS", "MLP_KINDS", "Layer", "Stack", "MAIN_STACK", "stacks", "layers", "main_stack",
+__all__ = ["ATTENTION_KINDS", "MLP_KINDS", "Layer", "Stack", "MAIN_STACK", "LAST_STACK", "stacks", "layers", "main_stack", "stack_named",
            "AttentionWidths", "attention_widths", "mlp_params"]
 
 ATTENTION_KINDS = ("gqa", "mla")
 MLP_KINDS = ("dense", "moe")
 MAIN_STACK = "layers"  # the stack every model has (and the one a pipeline runs); its params' name since v1
+LAST_STACK = "last_layers"  # the layers left over when the main stack's unit does not divide them (runs once)
 
 
 @dataclasses.dataclass(frozen=True)
 class Layer:
     attention: str  # a row of ATTENTION_KINDS
     mlp: str  # a row of MLP_KINDS
+    local: bool = False  # sliding-window attention over the last `sliding_window` keys (else global)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,20 +67,41 @@ class Stack:
         return any(layer.mlp == "moe" for layer in self.unit)
 
 
+@functools.lru_cache(maxsize=64)
 def stacks(cfg: ModelConfig) -> tuple[Stack, ...]:
-    """The decoder's stacks, in order. An MoE model's unit is `moe_layer_interval` layers, the last one MoE (nn.scan
-    and the pipeline need identical iterations); `first_k_dense_replace` dense layers come first, in their own stack."""
-    attention = cfg.attention_type
-    if not cfg.is_moe:
-        return (Stack(MAIN_STACK, (Layer(attention, "dense"),), cfg.num_layers),)
-    n, first = cfg.moe_layer_interval, cfg.first_k_dense_replace
-    unit = tuple(Layer(attention, "moe" if i == n - 1 else "dense") for i in range(n))
-    main = Stack(MAIN_STACK, unit, (cfg.num_layers - first) // n)
-    return ((Stack("dense_layers", (Layer(attention, "dense"),), first),) if first else ()) + (main,)
+    """The decoder's stacks, in order: `first_k_dense_replace` dense layers in their own stack, then the main stack
+    of repeated units (module docstring), then the layers left over, if any."""
+    kinds = [_layer(cfg, i) for i in range(cfg.num_layers)]
+    first = cfg.first_k_dense_replace if cfg.is_moe else 0
+    period = len(cfg.attention_pattern)
+    out: list[Stack] = []
+    if first:
+        unit = period if first % period == 0 else first
+        out.append(Stack("dense_layers", tuple(kinds[:unit]), first // unit))
+    unit = math.lcm(period, cfg.moe_layer_interval if cfg.is_moe else 1)
+    body = kinds[first:]
+    repeats, left = divmod(len(body), unit)
+    out.append(Stack(MAIN_STACK, tuple(body[:unit]), repeats))
+    if left:
+        out.append(Stack(LAST_STACK, tuple(body[repeats * unit:]), 1))
+    return tuple(out)
+
+
+def _layer(cfg: ModelConfig, i: int) -> Layer:
+    """Layer i's kinds: MoE for the last of every `moe_layer_interval` layers after the dense first ones; local
+    where the attention pattern says so."""
+    first, n = cfg.first_k_dense_replace, cfg.moe_layer_interval
+    moe = cfg.is_moe and i >= first and (i - first) % n == n - 1
+    local = cfg.has_local_layers and cfg.attention_pattern[i % len(cfg.attention_pattern)] == "local"
+    return Layer(cfg.attention_type, "moe" if moe else "dense", local)
 
 
 def main_stack(cfg: ModelConfig) -> Stack:
-    return next(s for s in stacks(cfg) if s.name == MAIN_STACK)
+    return stack_named(cfg, MAIN_STACK)
+
+
+def stack_named(cfg: ModelConfig, name: str) -> Stack:
+    return next(s for s in stacks(cfg) if s.name == name)
 
 
 def layers(cfg: ModelConfig) -> tuple[Layer, ...]:

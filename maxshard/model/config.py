@@ -13,6 +13,7 @@ nothing else of maxshard: it sits below both the config loader and the layers.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax.numpy as jnp
@@ -52,15 +53,18 @@ def resolve_moe_exchange(name: str, platform: str) -> str:
     return name
 
 
-def num_units(num_layers: int, num_experts: int, moe_layer_interval: int, first_k_dense_replace: int = 0) -> int:
-    """Repeated units of the main decoder stack (the one a pipeline runs): layers, or blocks of `moe_layer_interval`
-    layers in an MoE model, after its `first_k_dense_replace` dense layers (a stack of their own, model/blocks.py).
+def num_units(num_layers: int, num_experts: int, moe_layer_interval: int, first_k_dense_replace: int = 0,
+              pattern_length: int = 1) -> int:
+    """Repeated units of the main decoder stack (the one a pipeline runs): layers, or blocks of the shortest run of
+    layers that repeats (model/blocks.py `stacks`): lcm(`moe_layer_interval` in an MoE model, the attention
+    pattern's length), counted after the `first_k_dense_replace` dense layers (a stack of their own). Layers left
+    over run once after them (blocks.LAST_STACK), outside the pipeline.
 
-    nn.scan and the pipeline need identical iterations, so an MoE model that mixes dense and MoE layers repeats
-    blocks of `moe_layer_interval` layers (the last one MoE) rather than single layers."""
-    if num_experts <= 1:
-        return num_layers
-    return (num_layers - first_k_dense_replace) // moe_layer_interval
+    nn.scan and the pipeline need identical iterations, so an MoE model that mixes dense and MoE layers, or a model
+    with local and global layers, repeats blocks of layers rather than single layers."""
+    moe = num_experts > 1
+    unit = math.lcm(moe_layer_interval if moe else 1, pattern_length)
+    return (num_layers - (first_k_dense_replace if moe else 0)) // unit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,8 +112,25 @@ class ModelConfig:
     qk_nope_head_dim: int = 128  # mla: the part of each query/key head without RoPE
     qk_rope_head_dim: int = 64  # mla: the RoPE part of each query head; the key's is one head shared by all heads
     v_head_dim: int = 128  # mla: each value head's width
+    # Local/global attention (Gemma 2/3, GPT-OSS; model/blocks.py): layer i is `attention_pattern[i % len]`, "global"
+    # (every earlier key) or "local" (the last `sliding_window` keys, its own included)
+    sliding_window: int = 0
+    attention_pattern: tuple[str, ...] = ("global",)
+    rope_local_max_timescale: float = 0.0  # RoPE base of local layers, unscaled (Gemma 3: 10000); 0: as global ones
+    attn_logit_softcapping: float = 0.0  # scaled logits -> c * tanh(logits / c) before the softmax (Gemma 2); 0: none
+    final_logit_softcapping: float = 0.0  # the output logits capped the same way (Gemma 2); 0: none
+    query_pre_attn_scalar: float = 0.0  # softmax scale this ** -0.5 (Gemma); 0: the query/key head width
+    attention_sinks: bool = False  # a learned logit per query head in the softmax's denominator (GPT-OSS)
+    attention_bias: bool = False  # biases on the query, key, value and output projections (GPT-OSS)
+    norm_unit_offset: bool = False  # RMSNorm scales by (1 + weight), the weight starting at 0 (Gemma)
+    post_norms: bool = False  # RMSNorm on the attention's and the MLP's outputs before each residual add (Gemma 2/3)
+    mlp_activation: str = "silu"  # gated MLP: silu (SwiGLU), gelu_tanh (GeGLU), clamped_swiglu (GPT-OSS)
+    swiglu_limit: float = 7.0  # clamped_swiglu: gate clamped to <= limit, up to [-limit, limit]
+    swiglu_alpha: float = 1.702  # clamped_swiglu: gate * sigmoid(alpha * gate)
+    embed_scale: bool = False  # token embeddings multiplied by sqrt(emb_dim) (Gemma)
+    moe_bias: bool = False  # biases on the router and on every expert's projections (GPT-OSS)
     rope_max_timescale: float = 10000.0
-    rope_scaling_type: str = "none"  # "none", "llama3" or "yarn"
+    rope_scaling_type: str = "none"  # "none", "linear", "llama3" or "yarn"
     rope_scaling_factor: float = 8.0
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
@@ -147,6 +168,10 @@ class ModelConfig:
     lora_targets: tuple[str, ...] = ("q", "k", "v", "o")
     pipeline: PipelineShape | None = None
 
+    def __post_init__(self) -> None:
+        for name in ("attention_pattern", "lora_targets"):  # lists from JSON/YAML: hashable like every other field
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+
     @property
     def compute_dtype(self) -> Any:
         return _DTYPES[self.dtype]
@@ -167,7 +192,12 @@ class ModelConfig:
     @property
     def num_units(self) -> int:
         """Repeated units of the main decoder stack (see `num_units`)."""
-        return num_units(self.num_layers, self.num_experts, self.moe_layer_interval, self.first_k_dense_replace)
+        return num_units(self.num_layers, self.num_experts, self.moe_layer_interval, self.first_k_dense_replace,
+                         len(self.attention_pattern))
+
+    @property
+    def has_local_layers(self) -> bool:
+        return self.sliding_window > 0 and "local" in self.attention_pattern
 
     def lora_rank_of(self, target: str) -> int:
         """The adapter rank of one projection ("q", "k", "v", "o", "gate", "up", "down"); 0 when it has none."""
@@ -181,7 +211,7 @@ class ModelConfig:
     @property
     def num_moe_layers(self) -> int:
         """Layers whose MLP is an MoE block: the last of every `moe_layer_interval` layers after the dense first ones."""
-        return self.num_units if self.is_moe else 0
+        return (self.num_layers - self.first_k_dense_replace) // self.moe_layer_interval if self.is_moe else 0
 
 
 def model_fields() -> tuple[str, ...]:

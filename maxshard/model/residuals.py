@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax._src.ad_checkpoint import saved_residuals  # the list jax.ad_checkpoint.print_saved_residuals prints
 
-from maxshard.model import trainable
+from maxshard.model import blocks, trainable
 from maxshard.model.config import ModelConfig
 from maxshard.model.layers.decoder import remat_policy, stack_unit
 from maxshard.model.transformer import without_layout
@@ -52,13 +52,18 @@ COUNTED = frozenset({
     # the MoE shape: the MoE terms of planning/memory.py
     "num_experts", "num_experts_per_tok", "capacity_factor", "moe_layer_interval", "moe_group_size",
     "moe_dropless_impl", "moe_exchange", "moe_ragged_buffer_factor", "moe_mlp_dim", "first_k_dense_replace",
+    # which layers are local and what they see: the attention terms (model/blocks.py, planning/memory.py)
+    "sliding_window", "attention_pattern",
 })
 VALUES = frozenset({"norm_epsilon", "rope_max_timescale", "rope_scaling_type", "rope_scaling_factor",
                     "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position", "lora_alpha",
                     "yarn_beta_fast", "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim",
                     "moe_routed_scaling_factor",
                     # which experts a token chooses: indices, no gradient, nothing kept (tests/test_residuals.py)
-                    "moe_n_group", "moe_topk_group", "moe_router_bias"})
+                    "moe_n_group", "moe_topk_group", "moe_router_bias",
+                    # biases, scales and constants of the local/global families: elementwise on what is kept anyway
+                    "attention_bias", "moe_bias", "embed_scale", "final_logit_softcapping", "norm_unit_offset",
+                    "query_pre_attn_scalar", "rope_local_max_timescale", "swiglu_alpha", "swiglu_limit"})
 OPTIONS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in COUNTED | VALUES)
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name in OPTIONS}
 _VALUE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name in VALUES}
@@ -77,8 +82,9 @@ def at_defaults(model: ModelConfig) -> bool:
 def _unit(model: ModelConfig) -> ModelConfig:
     """One unit of `model`'s main stack, alone: no dense first layers (the formula counts their dense MLPs), no scan,
     no pipeline, no vocabulary to speak of."""
-    return dataclasses.replace(model, num_layers=model.moe_layer_interval if model.is_moe else 1, scan_layers=False,
-                               pipeline=None, vocab_size=1, first_k_dense_replace=0)
+    layers = len(blocks.main_stack(dataclasses.replace(model, pipeline=None)).unit)
+    return dataclasses.replace(model, num_layers=layers, scan_layers=False, pipeline=None, vocab_size=1,
+                               first_k_dense_replace=0)
 
 
 @functools.lru_cache(maxsize=512)

@@ -1,7 +1,8 @@
 """The decoder-only Transformer, assembled from layers, plus its parameter and FLOP counts.
 
-    inputs [batch, length] -> embed [batch, length, embed] -> decoder blocks -> final RMSNorm
-        -> logits [batch, length, vocab] (float32), through a separate head or the tied embedding.
+    inputs [batch, length] -> embed [batch, length, embed] (x sqrt(embed) with `embed_scale`) -> decoder blocks
+        -> final RMSNorm -> logits [batch, length, vocab] (float32), through a separate head or the tied embedding,
+        soft-capped with `final_logit_softcapping`.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class Transformer(nn.Module):
         dt, wdt = cfg.compute_dtype, cfg.param_dtype
         self.token_embed = Embed(cfg.vocab_size, cfg.emb_dim, dt, wdt)
         self.decoder = Decoder(cfg, dt, wdt)
-        self.final_norm = RMSNorm(cfg.norm_epsilon, dt, wdt)
+        self.final_norm = RMSNorm(cfg.norm_epsilon, dt, wdt, cfg.norm_unit_offset)
         if not cfg.logits_via_embedding:
             self.logits = DenseGeneral((cfg.vocab_size,), (ax.EMBED, ax.VOCAB), 1, dt, wdt)
 
@@ -54,7 +55,10 @@ class Transformer(nn.Module):
 
     def hidden(self, inputs: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
         """[batch, length] ids -> the normalised last residual stream [batch, length, embed] the head reads."""
-        x = constrain(self.token_embed(inputs), ax.EMBEDDED)
+        x = self.token_embed(inputs)
+        if self.cfg.embed_scale:  # Gemma: sqrt(width), rounded to the compute dtype as transformers does
+            x = x * jnp.asarray(math.sqrt(self.cfg.emb_dim), x.dtype)
+        x = constrain(x, ax.EMBEDDED)
         # context parallelism: one early and one late chunk of the sequence per device (layers/ring_attention.py)
         x, segment_ids, positions = (ring_attention.to_balanced(a) for a in (x, segment_ids, positions))
         x = self.decoder(x, segment_ids, positions)
@@ -63,8 +67,9 @@ class Transformer(nn.Module):
     def head(self, x: jax.Array) -> jax.Array:
         """[batch, tokens, embed] -> logits [batch, tokens, vocab] (float32), through the head or the tied embedding."""
         logits = self.token_embed.attend(x) if self.cfg.logits_via_embedding else self.logits(x)
-        logits = constrain(logits, ax.LOGITS)
-        return jnp.asarray(logits, jnp.float32)
+        logits = jnp.asarray(constrain(logits, ax.LOGITS), jnp.float32)
+        cap = self.cfg.final_logit_softcapping  # Gemma 2
+        return cap * jnp.tanh(logits / cap) if cap else logits
 
 
 def apply_with_stats(

@@ -52,7 +52,8 @@ def pipeline_shape(cfg: Config, stages: int) -> PipelineShape:
     for key in ("num_pipeline_repeats", "num_pipeline_microbatches"):
         if getattr(cfg, key) == 0 or getattr(cfg, key) < -1:
             raise ConfigError(f"{key} must be >= 1 or -1 (derived), got {getattr(cfg, key)}")
-    units = num_units(cfg.num_layers, cfg.num_experts, cfg.moe_layer_interval, cfg.first_k_dense_replace)
+    units = num_units(cfg.num_layers, cfg.num_experts, cfg.moe_layer_interval, cfg.first_k_dense_replace,
+                      len(cfg.attention_pattern))
     repeats = _repeats(cfg, units, stages)
     microbatches = stages if cfg.num_pipeline_microbatches == -1 else cfg.num_pipeline_microbatches
     shape = PipelineShape(stages, cfg.num_layers_per_pipeline_stage, repeats, microbatches, cfg.pipeline_schedule)

@@ -6,6 +6,12 @@ RMS-normalised over head_dim (one learned [head_dim] scale each) before RoPE. Lo
 softmax and value math is `attention_ops.attend`, one of several implementations (the `attention` key).
 For generation (the "cache" collection mutable in an apply) k/v go to the KV cache and the queries attend over it
 (layers/kv_cache.py); otherwise, as in training, over this call's own k/v.
+
+Local/global models (model/blocks.py): a `local` layer sees only the last `sliding_window` keys (and uses
+`rope_local_max_timescale`, unscaled, when set: Gemma 3); `attn_logit_softcapping` caps the scaled logits (Gemma 2);
+`query_pre_attn_scalar` replaces head_dim in the softmax scale (Gemma); `attention_sinks` adds a learned logit per
+query head, "sinks" [heads], to each softmax's denominator (GPT-OSS); `attention_bias` puts biases on q, k, v and
+the output (GPT-OSS).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from maxshard.model.config import ModelConfig
@@ -30,12 +37,29 @@ class Attention(nn.Module):
     cfg: ModelConfig
     dtype: jnp.dtype
     weight_dtype: jnp.dtype
+    local: bool = False  # a sliding-window layer (model/blocks.py)
 
     def _proj(self, x: jax.Array, heads: int, heads_axis: str, name: str, target: str) -> jax.Array:
         """One of the q/k/v projections (`target`: its lora_targets name), named for the remat policies."""
         dense = DenseGeneral((heads, self.cfg.head_dim), (ax.EMBED, heads_axis, ax.KV), 1, self.dtype,
-                             self.weight_dtype, self.cfg.lora_rank_of(target), self.cfg.lora_scale, name=name)
+                             self.weight_dtype, self.cfg.lora_rank_of(target), self.cfg.lora_scale,
+                             self.cfg.attention_bias, name=name)
         return checkpoint_name(dense(x), f"{name}_proj")
+
+    @property
+    def window(self) -> int:
+        return self.cfg.sliding_window if self.local else 0
+
+    def _rope(self) -> tuple[np.ndarray, float]:
+        """(inverse frequencies, cos/sin scale) of this layer: a local layer with its own base runs plain RoPE."""
+        cfg = self.cfg
+        if self.local and cfg.rope_local_max_timescale:
+            return rope.inverse_frequencies(cfg.head_dim, cfg.rope_local_max_timescale), 1.0
+        return rope.frequencies_for(cfg), rope.cos_sin_scale(cfg)  # YaRN scales both (rope.py)
+
+    def _scale(self) -> float:
+        cfg = self.cfg
+        return cfg.query_pre_attn_scalar**-0.5 if cfg.query_pre_attn_scalar else rope.softmax_scale(cfg, cfg.head_dim)
 
     @nn.compact
     def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
@@ -45,22 +69,30 @@ class Attention(nn.Module):
         k = constrain(self._proj(x, kv_heads, ax.KV_HEADS, "key", "k"), ax.KEY_VALUE)
         v = constrain(self._proj(x, kv_heads, ax.KV_HEADS, "value", "v"), ax.KEY_VALUE)
         if cfg.qk_norm:  # Qwen3: each head normalised over head_dim, before RoPE
-            q = RMSNorm(cfg.norm_epsilon, self.dtype, self.weight_dtype, name="query_norm")(q)
-            k = RMSNorm(cfg.norm_epsilon, self.dtype, self.weight_dtype, name="key_norm")(k)
-        inv_freq, cos_sin = rope.frequencies_for(cfg), rope.cos_sin_scale(cfg)  # YaRN scales both (rope.py)
-        q = rope.apply_rope(q, positions, inv_freq, cos_sin) * rope.softmax_scale(cfg, cfg.head_dim)
+            q = RMSNorm(cfg.norm_epsilon, self.dtype, self.weight_dtype, cfg.norm_unit_offset, name="query_norm")(q)
+            k = RMSNorm(cfg.norm_epsilon, self.dtype, self.weight_dtype, cfg.norm_unit_offset, name="key_norm")(k)
+        inv_freq, cos_sin = self._rope()
+        q = rope.apply_rope(q, positions, inv_freq, cos_sin) * self._scale()
         k = rope.apply_rope(k, positions, inv_freq, cos_sin)
+        sinks = self._sinks() if cfg.attention_sinks else None
+        softcap = cfg.attn_logit_softcapping
 
         if kv_cache.decoding(self):  # generation: this call's k/v join the cache; queries attend over it
-            keys, values, mask = kv_cache.KVCache(self.dtype, name="cache")(k, v, positions)
-            return self._output(kv_cache.attend(q, keys, values, mask, self.dtype))
+            keys, values, mask = kv_cache.KVCache(self.dtype, self.window, name="cache")(k, v, positions)
+            return self._output(kv_cache.attend(q, keys, values, mask, self.dtype, softcap, sinks))
 
-        out = attend(q, k, v, segment_ids, segment_ids, cfg.attention, cfg.attention_block_q, cfg.attention_block_kv)
+        out = attend(q, k, v, segment_ids, segment_ids, cfg.attention, cfg.attention_block_q, cfg.attention_block_kv,
+                     window=self.window, softcap=softcap, sinks=sinks)
         return self._output(out)
+
+    def _sinks(self) -> jax.Array:
+        """GPT-OSS's per-head sink logits [heads] (float32 in the softmax)."""
+        init = nn.with_logical_partitioning(nn.initializers.zeros, (ax.HEADS,))
+        return jnp.asarray(self.param("sinks", init, (self.cfg.num_heads,), self.weight_dtype), jnp.float32)
 
     def _output(self, out: jax.Array) -> jax.Array:
         """[batch, length, heads, head_dim] -> the output projection [batch, length, embed]."""
         out = constrain(out, ax.QUERY)
         proj = DenseGeneral((self.cfg.emb_dim,), (ax.HEADS, ax.KV, ax.EMBED), 2, self.dtype, self.weight_dtype,
-                            self.cfg.lora_rank_of("o"), self.cfg.lora_scale, name="out")
+                            self.cfg.lora_rank_of("o"), self.cfg.lora_scale, self.cfg.attention_bias, name="out")
         return checkpoint_name(proj(out), "out_proj")

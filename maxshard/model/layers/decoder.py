@@ -19,14 +19,14 @@ from maxshard.model.config import ModelConfig
 from maxshard.model.layers import kv_cache
 from maxshard.model.layers.attention import Attention
 from maxshard.model.layers.mla import LatentAttention
-from maxshard.model.layers.mlp import MLP
+from maxshard.model.layers.mlp import MLP, activation
 from maxshard.model.layers.moe import MoEBlock
 from maxshard.model.layers.norms import RMSNorm
 from maxshard.model.layers.pipeline import Pipeline
 from maxshard.parallel import axis_names as ax
 from maxshard.parallel.sharding import constrain
 
-__all__ = ["ATTENTION_LAYERS", "DecoderLayer", "MoEDecoderBlock", "Decoder", "norm", "remat_policy", "stack_unit"]
+__all__ = ["ATTENTION_LAYERS", "DecoderLayer", "DecoderBlock", "MoEDecoderBlock", "Decoder", "norm", "remat_policy", "stack_unit"]
 
 
 def remat_policy(name: str) -> Any:
@@ -64,56 +64,72 @@ ATTENTION_LAYERS: dict[str, type[nn.Module]] = {"gqa": Attention, "mla": LatentA
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)). Returns (x, None) so `nn.scan` can carry x.
+    """One decoder layer: x + attn(norm(x)), then x + mlp(norm(x)); with `post_norms` (Gemma 2/3) each branch's
+    output is normalised again before its residual add. Returns (x, None) so `nn.scan` can carry x.
 
-    The attention is the model's `attention_type` (ATTENTION_LAYERS); with `use_moe` the MLP is a routed MoEBlock
-    (params under "moe" instead of "mlp").
+    Its kinds are layer `index` of the unit of stack `stack` (model/blocks.py): the attention module of its kind
+    (ATTENTION_LAYERS), local or global, and a dense MLP ("mlp") or a routed MoEBlock ("moe").
     """
 
     cfg: ModelConfig
     dtype: jnp.dtype
     weight_dtype: jnp.dtype
-    use_moe: bool = False
+    stack: str = blocks.MAIN_STACK
+    index: int = 0
 
     @nn.compact
     def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> tuple[jax.Array, None]:
         cfg, dt, wdt = self.cfg, self.dtype, self.weight_dtype
+        kinds = blocks.stack_named(cfg, self.stack).unit[self.index]
         x = checkpoint_name(constrain(x, ax.RESIDUAL), remat.LAYER_INPUT)  # what an offload policy moves to host
-        h = norm(RMSNorm(cfg.norm_epsilon, dt, wdt, name="attention_norm"), x)
-        x = x + ATTENTION_LAYERS[cfg.attention_type](cfg, dt, wdt, name="attention")(h, segment_ids, positions)
-        h = norm(RMSNorm(cfg.norm_epsilon, dt, wdt, name="mlp_norm"), x)
-        if self.use_moe:
-            x = x + MoEBlock(cfg, dt, wdt, name="moe")(h, segment_ids)
+        h = norm(self._norm("attention_norm"), x)
+        attention = ATTENTION_LAYERS[kinds.attention]
+        h = attention(cfg, dt, wdt, **({"local": True} if kinds.local else {}), name="attention")(h, segment_ids,
+                                                                                                  positions)
+        x = x + (norm(self._norm("post_attention_norm"), h) if cfg.post_norms else h)
+        h = norm(self._norm("mlp_norm"), x)
+        if kinds.mlp == "moe":
+            h = MoEBlock(cfg, dt, wdt, name="moe")(h, segment_ids)
         else:
             ranks = (cfg.lora_rank_of("gate"), cfg.lora_rank_of("up"), cfg.lora_rank_of("down"))
-            x = x + MLP(cfg.mlp_dim, dt, wdt, ranks, cfg.lora_scale, name="mlp")(h)
+            h = MLP(cfg.mlp_dim, dt, wdt, ranks, cfg.lora_scale, activation(cfg), name="mlp")(h)
+        x = x + (norm(self._norm("post_mlp_norm"), h) if cfg.post_norms else h)
         return constrain(x, ax.RESIDUAL), None
 
+    def _norm(self, name: str) -> RMSNorm:
+        return RMSNorm(self.cfg.norm_epsilon, self.dtype, self.weight_dtype, self.cfg.norm_unit_offset, name=name)
 
-class MoEDecoderBlock(nn.Module):
-    """The repeated unit of an MoE model's main stack (model/blocks.py): its layers `layer_0 ..`, the last one MoE.
 
-    nn.scan needs identical iterations, so a model that mixes dense and MoE layers scans over blocks of
-    `moe_layer_interval` layers (num_layers / interval iterations) rather than over single layers.
+class DecoderBlock(nn.Module):
+    """The repeated unit of a stack of more than one layer, or of MoE layers (model/blocks.py): its layers
+    `layer_0 ..`, e.g. `moe_layer_interval` layers the last one MoE, or Gemma 3's five local layers and a global one.
+
+    nn.scan needs identical iterations, so a stack whose layers differ scans over blocks of layers (the unit that
+    repeats) rather than over single layers.
     """
 
     cfg: ModelConfig
     dtype: jnp.dtype
     weight_dtype: jnp.dtype
+    stack: str = blocks.MAIN_STACK
 
     @nn.compact
     def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> tuple[jax.Array, None]:
-        for i, kinds in enumerate(blocks.main_stack(self.cfg).unit):
-            layer = DecoderLayer(self.cfg, self.dtype, self.weight_dtype, use_moe=kinds.mlp == "moe", name=f"layer_{i}")
+        for i in range(len(blocks.stack_named(self.cfg, self.stack).unit)):
+            layer = DecoderLayer(self.cfg, self.dtype, self.weight_dtype, self.stack, i, name=f"layer_{i}")
             x, _ = layer(x, segment_ids, positions)
         return x, None
 
 
+MoEDecoderBlock = DecoderBlock  # its name before blocks of local and global layers
+
+
 def stack_unit(cfg: ModelConfig, stack: blocks.Stack | None = None) -> type[nn.Module]:
-    """The module a stack (default: the main one) repeats: DecoderLayer for a stack of dense layers, MoEDecoderBlock
-    (a block of `moe_layer_interval` layers, the last MoE) for the main stack of an MoE model."""
+    """The module a stack (default: the main one) repeats: DecoderLayer for a stack of one dense layer per unit,
+    else DecoderBlock (the unit's layers `layer_0 ..`; also for one MoE layer, as checkpoints name it). Built with
+    `stack=<its name>` (the main stack's by default, which is what a pipeline runs)."""
     stack = stack or blocks.main_stack(cfg)
-    return MoEDecoderBlock if stack.has_moe else DecoderLayer
+    return DecoderBlock if stack.has_moe or len(stack.unit) > 1 else DecoderLayer
 
 
 def _remat(cfg: ModelConfig, unit: type[nn.Module]) -> type[nn.Module]:
@@ -124,9 +140,10 @@ def _remat(cfg: ModelConfig, unit: type[nn.Module]) -> type[nn.Module]:
 
 class Decoder(nn.Module):
     """The stacks of model/blocks.py, in order. Each is one scanned unit with a leading "layers" axis (params under
-    its name: "layers", and "dense_layers" for `first_k_dense_replace`), or unrolled `<name>_0 .. <name>_{n-1}`;
-    with more than one pipeline stage the main stack is a circular pipeline (params under "pipeline", see
-    layers/pipeline.py) and the dense first layers run before it on every stage."""
+    its name: "layers", "dense_layers" for `first_k_dense_replace`, "last_layers" for the layers a pattern leaves
+    over), or unrolled `<name>_0 .. <name>_{n-1}`; with more than one pipeline stage the main stack is a circular
+    pipeline (params under "pipeline", see layers/pipeline.py) and the other stacks run before and after it on
+    every stage."""
 
     cfg: ModelConfig
     dtype: jnp.dtype
@@ -146,7 +163,7 @@ class Decoder(nn.Module):
             else:
                 layer = _remat(cfg, unit)
                 for i in range(stack.repeats):
-                    block = layer(cfg, self.dtype, self.weight_dtype, name=f"{stack.name}_{i}")
+                    block = layer(cfg, self.dtype, self.weight_dtype, stack=stack.name, name=f"{stack.name}_{i}")
                     x, _ = block(x, segment_ids, positions)
         return x
 
@@ -160,5 +177,6 @@ class Decoder(nn.Module):
             length=stack.repeats,
             metadata_params={nn.PARTITION_NAME: ax.LAYERS if stack.name == blocks.MAIN_STACK else ax.UNSTAGED_LAYERS},
         )
-        x, _ = scanned(self.cfg, self.dtype, self.weight_dtype, name=stack.name)(x, segment_ids, positions)
+        x, _ = scanned(self.cfg, self.dtype, self.weight_dtype, stack=stack.name, name=stack.name)(x, segment_ids,
+                                                                                                 positions)
         return x

@@ -26,6 +26,7 @@ class DenseGeneral(nn.Module):
       kernel_axes: logical names of the kernel, input dims first, e.g. ("embed", "heads", "kv").
       num_in: how many trailing dims of x are contracted (1 for [.., embed]; 2 for [.., heads, head_dim]).
       lora_rank, lora_scale: a LoRA adapter pair of this rank beside the kernel (0: none; layers/lora.py).
+      use_bias: a bias of the output's shape, named by the kernel's output axes (zeros at init).
     """
 
     features: tuple[int, ...]
@@ -35,6 +36,7 @@ class DenseGeneral(nn.Module):
     weight_dtype: jnp.dtype = jnp.float32
     lora_rank: int = 0
     lora_scale: float = 0.0
+    use_bias: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -57,4 +59,9 @@ class DenseGeneral(nn.Module):
             n = self.num_in
             y = y + lora.adapter_output(self, x, self.kernel_axes[:n], self.kernel_axes[n:], self.features,
                                         self.lora_rank, self.lora_scale, self.dtype, self.weight_dtype)
+        if self.use_bias:
+            axes = self.kernel_axes[self.num_in:]
+            bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, axes), tuple(self.features),
+                              self.weight_dtype)
+            y = y + jnp.asarray(bias, self.dtype)
         return y

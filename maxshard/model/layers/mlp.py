@@ -1,4 +1,6 @@
-"""SwiGLU feed-forward: wo(silu(x @ wi_0) * (x @ wi_1)); x [batch, length, embed], hidden [.., mlp].
+"""Gated feed-forward: wo(act(x @ wi_0, x @ wi_1)); x [batch, length, embed], hidden [.., mlp]. The gate's
+activation (`mlp_activation`, `GatedActivation`): SwiGLU silu(gate) * up (Llama, Qwen, DeepSeek), GeGLU with
+tanh-approximated GELU (Gemma), or GPT-OSS's clamped SwiGLU; MoE experts (layers/moe*.py) use the same function.
 
 The gate and up projections run as one matmul: their kernels (kept as two parameters, `wi_0` and `wi_1`, as
 checkpoints and Hugging Face conversion name them) are stacked into [embed, 2, mlp] for the step. One matmul reads
@@ -8,17 +10,49 @@ measured on CPU at maxtext_compare.py's shape, the MLP's forward + backward take
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from maxshard.model.config import ModelConfig
 from maxshard.model.layers import lora
 from maxshard.model.layers.initializers import default_kernel_init
 from maxshard.model.layers.linears import DenseGeneral
 from maxshard.parallel import axis_names as ax
 from maxshard.parallel.sharding import constrain
 
-__all__ = ["MLP"]
+__all__ = ["MLP", "GatedActivation", "activation"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GatedActivation:
+    """hidden = f(gate, up) of a gated MLP, by `mlp_activation`:
+
+    silu:            silu(gate) * up
+    gelu_tanh:       gelu_tanh(gate) * up   (PyTorch's gelu(approximate="tanh"))
+    clamped_swiglu:  g * sigmoid(alpha * g) * (u + 1), g = min(gate, limit), u = clip(up, -limit, limit)  (GPT-OSS)
+    """
+
+    kind: str = "silu"
+    limit: float = 7.0
+    alpha: float = 1.702
+
+    def __call__(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+        if self.kind == "silu":
+            return nn.silu(gate) * up
+        if self.kind == "gelu_tanh":
+            return nn.gelu(gate, approximate=True) * up
+        if self.kind == "clamped_swiglu":
+            gate, up = jnp.minimum(gate, self.limit), jnp.clip(up, -self.limit, self.limit)
+            return gate * jax.nn.sigmoid(self.alpha * gate) * (up + 1)
+        raise ValueError(f"mlp_activation={self.kind!r}: expected silu, gelu_tanh or clamped_swiglu")
+
+
+def activation(cfg: ModelConfig) -> GatedActivation:
+    """The model's gated activation (`mlp_activation` and its clamp and slope)."""
+    return GatedActivation(cfg.mlp_activation, cfg.swiglu_limit, cfg.swiglu_alpha)
 
 
 class Kernel(nn.Module):
@@ -51,6 +85,7 @@ class MLP(nn.Module):
     weight_dtype: jnp.dtype
     lora_ranks: tuple[int, int, int] = (0, 0, 0)
     lora_scale: float = 0.0
+    gated: GatedActivation = GatedActivation()
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -63,7 +98,7 @@ class MLP(nn.Module):
             zero = jnp.zeros(both.shape[:-2] + both.shape[-1:], both.dtype)
             both = both + jnp.stack([zero if d is None else d for _, d in pairs], axis=-2)
         both = constrain(both, (ax.BATCH, ax.LENGTH, None, ax.ACT_MLP))
-        hidden = constrain(nn.silu(both[..., 0, :]) * both[..., 1, :], ax.MLP_HIDDEN)
+        hidden = constrain(self.gated(both[..., 0, :], both[..., 1, :]), ax.MLP_HIDDEN)
         down = DenseGeneral((emb,), (ax.MLP, ax.EMBED), 1, self.dtype, self.weight_dtype, self.lora_ranks[2],
                             self.lora_scale, name="wo")
         return down(hidden)

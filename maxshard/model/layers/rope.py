@@ -26,7 +26,7 @@ import numpy as np
 
 from maxshard.model.config import ModelConfig
 
-__all__ = ["Llama3Scaling", "YarnScaling", "inverse_frequencies", "llama3_scaled", "yarn_scaled", "yarn_mscale",
+__all__ = ["Llama3Scaling", "YarnScaling", "LinearScaling", "inverse_frequencies", "llama3_scaled", "yarn_scaled", "yarn_mscale",
            "scaling_from", "rotary_dim", "frequencies_for", "cos_sin_scale", "softmax_scale", "deinterleaved",
            "apply_rope"]
 
@@ -55,12 +55,25 @@ class YarnScaling:
     mscale_all_dim: float
 
 
-def inverse_frequencies(dim: int, theta: float, scaling: Llama3Scaling | YarnScaling | None = None) -> np.ndarray:
+@dataclasses.dataclass(frozen=True)
+class LinearScaling:
+    """Position interpolation (Hugging Face `rope_type: linear`, Gemma 3's global layers): every frequency divided
+    by `factor`, i.e. positions divided by it."""
+
+    factor: float
+
+
+Scaling = Llama3Scaling | YarnScaling | LinearScaling
+
+
+def inverse_frequencies(dim: int, theta: float, scaling: Scaling | None = None) -> np.ndarray:
     """[dim // 2] float64 angular frequencies theta ** (-2i / dim), scaled when `scaling` is given."""
     half = dim // 2
     inv_freq = 1.0 / theta ** (np.arange(half, dtype=np.float64) / half)
     if isinstance(scaling, YarnScaling):
         return yarn_scaled(inv_freq, scaling, dim, theta)
+    if isinstance(scaling, LinearScaling):
+        return inv_freq / scaling.factor
     return inv_freq if scaling is None else llama3_scaled(inv_freq, scaling)
 
 
@@ -103,10 +116,12 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def scaling_from(cfg: ModelConfig) -> Llama3Scaling | YarnScaling | None:
+def scaling_from(cfg: ModelConfig) -> Scaling | None:
     """The scaling the model keys ask for (`rope_scaling_type` and its parameters), or None."""
     if cfg.rope_scaling_type == "none":
         return None
+    if cfg.rope_scaling_type == "linear":
+        return LinearScaling(cfg.rope_scaling_factor)
     if cfg.rope_scaling_type == "yarn":
         return YarnScaling(cfg.rope_scaling_factor, cfg.rope_original_max_position, cfg.yarn_beta_fast,
                            cfg.yarn_beta_slow, cfg.yarn_mscale, cfg.yarn_mscale_all_dim)
