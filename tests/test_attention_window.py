@@ -239,48 +239,39 @@ def test_every_kernel_declares_its_options() -> None:
 # --------------------------------------------------------------------------------------------- the choice
 
 
-class _WithModelKeys:
-    """A loaded config plus the local/global model keys (sliding_window, attn_logit_softcapping, attention_sinks),
-    which come with the model families (the schema may not have them yet); attention_choice reads them by name."""
-
-    def __init__(self, cfg, **keys):
-        self._cfg, self._keys = cfg, keys
-
-    def __getattr__(self, name: str):
-        return self._keys[name] if name in self._keys else getattr(self._cfg, name)
-
-
-def _resolve(*overrides: str, device_kind: str = "cpu", **keys) -> str:
+def _resolve(*overrides: str, device_kind: str = "cpu") -> str:
+    """What `run.loading` resolves `attention` to for this config (bfloat16 compute) on 8 devices of `device_kind`."""
     from maxshard import config
     from maxshard.model import attention_choice
     from maxshard.parallel import mesh
 
     cfg = config.finalize(config.parse(["configs/base.yml", "dataset_type=synthetic", *overrides]), 8, device_kind)
-    return attention_choice.resolve(_WithModelKeys(cfg, **keys), "bfloat16", mesh.axis_sizes(cfg))
+    return attention_choice.resolve(cfg, "bfloat16", mesh.axis_sizes(cfg))
 
 
-GEMMA2 = {"sliding_window": 4096, "attn_logit_softcapping": 50.0}
+LOCAL = ("attention_pattern=[local,global]", "sliding_window=128")
+GEMMA2 = (*LOCAL, "attn_logit_softcapping=50.0")
+H100 = "NVIDIA H100 80GB HBM3"
 
 
 @pytest.mark.parametrize("device_kind,keys,expected", [
-    ("NVIDIA H100 80GB HBM3", {"sliding_window": 4096}, "cudnn"),  # cuDNN's own sliding window
-    ("NVIDIA H100 80GB HBM3", GEMMA2, "blockwise"),  # cuDNN has no soft-cap
-    ("NVIDIA H100 80GB HBM3", {"attention_sinks": True}, "blockwise"),
-    ("TPU v5 lite", {**GEMMA2, "attention_sinks": True}, "splash"),
+    (H100, LOCAL, "cudnn"),  # cuDNN's own sliding window
+    (H100, GEMMA2, "blockwise"),  # cuDNN has no soft-cap
+    (H100, ("attention_sinks=true",), "blockwise"),
+    ("TPU v5 lite", (*GEMMA2, "attention_sinks=true"), "splash"),
     ("cpu", GEMMA2, "dot_product"),  # the reference takes them all: the choice stays
 ])
-def test_auto_picks_a_kernel_that_takes_the_model_options(device_kind: str, keys: dict, expected: str) -> None:
-    assert _resolve(device_kind=device_kind, **keys) == expected
+def test_auto_picks_a_kernel_that_takes_the_model_options(device_kind: str, keys: tuple, expected: str) -> None:
+    assert _resolve(*keys, device_kind=device_kind) == expected
 
 
-@pytest.mark.parametrize("overrides,device_kind,keys,message", [
-    (("attention=cudnn",), "NVIDIA H100 80GB HBM3", GEMMA2, "attention=cudnn cannot take attn_logit_softcapping "),
-    (("attention=tokamax",), "NVIDIA H100 80GB HBM3", {"attention_sinks": True, "sliding_window": 128},
-     "attention=tokamax cannot take attention_sinks "),
+@pytest.mark.parametrize("kernel,keys,message", [
+    ("cudnn", GEMMA2, "attention=cudnn cannot take attn_logit_softcapping "),
+    ("tokamax", (*LOCAL, "attention_sinks=true"), "attention=tokamax cannot take attention_sinks "),
 ])
-def test_an_explicit_kernel_without_a_model_option_is_one_config_error(overrides, device_kind, keys, message):
+def test_an_explicit_kernel_without_a_model_option_is_one_config_error(kernel: str, keys: tuple, message: str):
     from maxshard.errors import ConfigError
 
     with pytest.raises(ConfigError, match=message):
-        _resolve(*overrides, device_kind=device_kind, **keys)
-    assert _resolve(*overrides, device_kind=device_kind, sliding_window=128) == overrides[0].split("=")[1]
+        _resolve(f"attention={kernel}", *keys, device_kind=H100)
+    assert _resolve(f"attention={kernel}", *LOCAL, device_kind=H100) == kernel  # a window alone: both take it

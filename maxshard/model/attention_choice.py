@@ -65,9 +65,8 @@ _OPTION_KEYS = {"window": ("sliding_window", 0), "softcap": ("attn_logit_softcap
 
 def model_options(cfg: Config) -> tuple[str, ...]:
     """The options of `attention_ops.attend` this model's attention layers use ("window", "softcap", "sinks"): those
-    whose key is set (a window on any layer counts). Read with getattr: the keys come with the local/global model
-    families and are absent from older configs, where every option is off."""
-    return tuple(name for name, (key, off) in _OPTION_KEYS.items() if (getattr(cfg, key, off) or off) != off)
+    whose key is set (a window: some layer of attention_pattern is local, config/ranges.py ties the two)."""
+    return tuple(name for name, (key, off) in _OPTION_KEYS.items() if getattr(cfg, key) != off)
 
 
 def _untaken(cfg: Config, supported: tuple[str, ...]) -> list[str]:
