@@ -3,13 +3,13 @@ dot-product reference (layers/attention_ops.py `dot_product`), with packed docum
 
 One device: blockwise (window, soft-cap, sinks; forward and its custom VJP, including the sinks' gradient), the cudnn
 mapping through XLA (window), tokamax's XLA path (window, soft-cap), splash in Pallas interpret mode (window, soft-cap,
-sinks). Eight simulated devices: ring attention under context parallelism (4 context shards, where a window of under
-one chunk skips a ring step whole; and 2 context x 2 tensor, the sinks sharded with the heads), and splash under
-fsdp x tensor, each device's heads and sinks under shard_map. What a kernel cannot take is refused in one line
-before anything runs, and `attention: auto` / an explicit choice follow the model's options at load time.
-Tolerance 1e-5 relative (float32): the same sums in another order.
+sinks), and splash compiled for a v5e chip ahead of time. Eight simulated devices: ring attention under 4 context
+shards, where a window shorter than a chunk skips a ring step whole; splash under fsdp x tensor, each device's heads
+and sinks under shard_map; and the tiny model with a local layer (window, soft-cap, sinks from the model keys) under
+context x tensor x fsdp against dot_product on one device. What a kernel cannot take is refused in one line, and
+`attention: auto` / an explicit choice follow the model's options at load time. Marked gpu/tpu (skipped in CI): the
+fused kernels themselves with their options. Tolerance 1e-5 relative (float32): the same sums in another order.
 """
-
 from __future__ import annotations
 
 import jax
@@ -191,18 +191,54 @@ def _on_mesh(layout: tuple[str, ...], implementation: str, inputs, options: dict
     return out, grads, bool(rings)
 
 
-@pytest.mark.parametrize("layout,steps", [
-    (("ici_context_parallelism=4", "ici_fsdp_parallelism=2"), (0, 1, 3)),  # 8-token chunks: step 2 is skipped
-    (("ici_context_parallelism=2", "ici_tensor_parallelism=2", "ici_fsdp_parallelism=2"), (0, 1)),
-])
-def test_ring_attention_with_window_softcap_and_sinks_matches_dot_product(layout, steps) -> None:
+def test_ring_attention_with_window_softcap_and_sinks_matches_dot_product() -> None:
+    """4 context shards of 16 tokens (8-token chunks): with a 5-token window ring step 2 is skipped whole."""
     inputs = _inputs(64)
-    context = int(layout[0].split("=")[1])
-    assert ring_attention.needed_steps(context, 64 // context, ALL["window"]) == steps
+    layout = ("ici_context_parallelism=4", "ici_fsdp_parallelism=2")
+    assert ring_attention.needed_steps(4, 16, ALL["window"]) == (0, 1, 3)
     ref_out, ref_grads = _value_and_grads(ops.dot_product, *inputs, ALL)
     out, grads, ringed = _on_mesh(layout, "blockwise", inputs, ALL)
     assert ringed
     assert max_relative_difference(out, ref_out) < TOLERANCE
+    assert max_relative_difference(grads, ref_grads) < TOLERANCE
+
+
+# One local layer (a 5-token window) with soft-capped logits and sinks (Gemma 2's and GPT-OSS's options at once), on
+# test_attention.py's tiny model (36 tokens, 9-token context chunks) and packed batch; its global layers are tested
+# there.
+LOCAL_MODEL = ("num_layers=1", "attention_pattern=[local]", "sliding_window=5", "attn_logit_softcapping=2.0",
+                "attention_sinks=true")
+
+
+def test_local_layer_model_under_context_parallelism_matches_dot_product_on_one_device() -> None:
+    """Loss and gradients (the sinks' included) of the tiny local model, attention=blockwise under
+    context2 x tensor2 x fsdp2 (ring attention, the sinks sharded with the heads), against dot_product on one
+    device: the path a training step runs, from the model keys to the kernels."""
+    import flax.linen as nn
+
+    from maxshard import data
+    from maxshard.training.step import Trainer, abstract_state
+    from tests.test_attention import _loss_and_grads, _model_config, _packed_batch
+
+    ref_cfg = _model_config(*LOCAL_MODEL, "ici_fsdp_parallelism=1", "attention=dot_product", num_devices=1)
+    trainer = Trainer(ref_cfg, mesh_for(ref_cfg))
+    # random parameters of the model's shapes (no init to compile); sinks of order 1, which weigh in the softmax
+    rng = np.random.default_rng(2)
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: (rng.normal(size=x.shape) * (1.0 if "sinks" in jax.tree_util.keystr(path) else 0.2))
+        .astype(x.dtype), nn.unbox(abstract_state(ref_cfg).params))
+    batch = _packed_batch(ref_cfg.global_batch_size, ref_cfg.max_target_length)
+    ref_loss, ref_grads = _loss_and_grads(trainer, params, batch)
+    sinks = [g for path, g in jax.tree_util.tree_leaves_with_path(ref_grads) if "sinks" in jax.tree_util.keystr(path)]
+    assert sinks and all(np.abs(g).max() > 0 for g in sinks)
+
+    layout = ("ici_context_parallelism=2", "ici_tensor_parallelism=2", "ici_fsdp_parallelism=2")
+    cfg = _model_config(*LOCAL_MODEL, *layout_overrides(layout), "attention=blockwise")
+    trainer = Trainer(cfg, mesh_for(cfg))
+    params = jax.device_put(params, trainer.state_shardings.params)
+    batch = jax.device_put(batch, trainer.batch_shardings(data.batch_sharding(cfg, trainer.mesh)))
+    loss, grads = _loss_and_grads(trainer, params, batch)
+    assert loss == pytest.approx(ref_loss, rel=TOLERANCE)
     assert max_relative_difference(grads, ref_grads) < TOLERANCE
 
 
