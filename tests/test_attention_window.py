@@ -311,3 +311,11 @@ def test_an_explicit_kernel_without_a_model_option_is_one_config_error(kernel: s
     with pytest.raises(ConfigError, match=message):
         _resolve(f"attention={kernel}", *keys, device_kind=H100)
     assert _resolve(f"attention={kernel}", *LOCAL, device_kind=H100) == kernel  # a window alone: both take it
+
+
+def test_a_local_layer_takes_blocks_that_keep_it_near_the_window_proportional_cost():
+    """A 1k window: 128-token blocks (1.125x the ideal in benchmarks/attention_window.py, 1.5x with 512); a 4k
+    window keeps 512; never below 128 (splash's smallest block)."""
+    from maxshard.model.layers.attention import local_block
+
+    assert (local_block(1024), local_block(4096), local_block(128), local_block(100_000)) == (128, 512, 128, 8192)
