@@ -271,6 +271,8 @@ def to_hf(keys: Mapping[str, Any], dtype: str, template: Mapping[str, Any] | Non
     else:
         out["intermediate_size"] = keys["mlp_dim"]
     for field, key in fam.fields.items():
+        if field == "num_nextn_predict_layers" and not keys.get(key) and out.get(field):
+            continue  # a template's MTP layers that its checkpoint did not hold (from_hf `_without_absent_mtp`)
         out[field] = keys[key] if keys.get(key) or field != "q_lora_rank" else None  # DeepSeek writes null
     for field, value in (token_ids or {}).items():
         out.setdefault(field, value)
