@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,7 +27,9 @@ __all__ = ["MODEL_KEYS", "model_config", "Param", "params_of"]
 # What a checkpoint's config keeps of the network for conversion (the training length and the capacity factor, which
 # the converter sets, are implementation fields; both are read when present).
 MODEL_KEYS = (*architecture_keys(), "max_target_length", "capacity_factor")
-_MOE_LAYER = "layer_0"  # an MoE stack's repeated unit is a block of moe_layer_interval (here 1) layers
+# A stack whose unit is a block of layers (an MoE layer; Gemma 3's five local layers and a global one) holds each
+# layer of the unit under layer_<slot> (layers/decoder.py DecoderBlock)
+_SLOT = re.compile(r"layer_(\d+)")
 
 
 def model_config(keys: Mapping[str, Any]) -> ModelConfig:
@@ -41,15 +44,18 @@ def model_config(keys: Mapping[str, Any]) -> ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Param:
-    """One maxshard parameter: its path, shape (stacked [layers, ...] when `stacked`) and the table row. A stacked
+    """One maxshard parameter: its path, shape (stacked [units, ...] when `stacked`) and the table row. A stacked
     parameter belongs to one of the decoder's stacks (model/blocks.py), whose first layer is Hugging Face's layer
-    `first` (DeepSeek-V3's MoE stack starts after its dense first layers)."""
+    `first` (DeepSeek-V3's MoE stack starts after its dense first layers); it is layer `slot` of the stack's unit of
+    `unit` layers, so its unit r is Hugging Face's layer first + r * unit + slot (Gemma 3: a unit of 6 layers)."""
 
     path: tuple[str, ...]
     shape: tuple[int, ...]
     entry: names.Entry
     stacked: bool
     first: int = 0
+    slot: int = 0
+    unit: int = 1
 
     @property
     def stack(self) -> str:
@@ -71,12 +77,12 @@ class Param:
         layers numbered as Hugging Face numbers them."""
         ranges = [range(n) for n in self.shape[: self.lead]]
         if self.stacked:
-            ranges[0] = range(self.first, self.first + self.shape[0])
+            ranges[0] = range(self.first + self.slot, self.first + self.shape[0] * self.unit, self.unit)
         return list(itertools.product(*ranges))
 
     def local(self, index: tuple[int, ...]) -> tuple[int, ...]:
         """A Hugging Face tensor's index (`indices`) in this parameter's own array: its unit of the stack."""
-        return (index[0] - self.first, *index[1:]) if self.stacked else index
+        return ((index[0] - self.first) // self.unit, *index[1:]) if self.stacked else index
 
 
 def _key(entry: Any) -> str:
@@ -88,17 +94,22 @@ def params_of(cfg: ModelConfig, family: Family) -> list[Param]:
     by_path = {e.path: e for e in (*names.GLOBAL, names.HEAD)}
     stacks, first = {}, 0
     for stack in blocks.stacks(cfg):  # each stack's table (its layers' kinds) and first Hugging Face layer
-        stacks[stack.name] = ({e.path: e for e in names.per_layer(family, cfg, stack.unit[-1])}, first)
+        tables = tuple({e.path: e for e in names.per_layer(family, cfg, kinds)} for kinds in stack.unit)
+        stacks[stack.name] = (tables, first)
         first += stack.num_layers
     leaves, _ = jax.tree_util.tree_flatten_with_path(nn.unbox(model.abstract_params(cfg)))
     out = []
     for key_path, leaf in leaves:
         path = tuple(_key(k) for k in key_path)
         stacked = path[0] == "decoder" and path[1] in stacks
-        table, offset = stacks[path[1]] if stacked else (by_path, 0)
-        inner = (path[3:] if path[2:3] == (_MOE_LAYER,) else path[2:]) if stacked else path
+        slot, inner, table, offset, unit = 0, path, by_path, 0, 1
+        if stacked:
+            tables, offset = stacks[path[1]]
+            block = _SLOT.fullmatch(path[2]) if len(path) > 2 else None
+            slot, inner = (int(block.group(1)), path[3:]) if block else (0, path[2:])
+            table, unit = tables[slot], len(tables)
         entry = table.get(inner)
         if entry is None:
             raise ConfigError(f"parameter {'/'.join(path)} has no tensor in {family.architecture}")
-        out.append(Param(path, tuple(leaf.shape), entry, stacked, offset))
+        out.append(Param(path, tuple(leaf.shape), entry, stacked, offset, slot, unit))
     return out

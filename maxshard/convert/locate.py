@@ -26,9 +26,9 @@ def locate(reader: orbax_io.Reader, param: layout.Param,
 
 
 def locate_layer(reader: orbax_io.Reader, param: layout.Param, layer: int) -> tuple[tuple[str, ...], tuple]:
-    """Hugging Face's layer `layer` of a stacked parameter: unit `layer - param.first` of its stack, scanned,
-    unrolled, or (the main stack only) pipelined."""
-    rest, stack, unit = param.path[2:], param.stack, layer - param.first
+    """Hugging Face's layer `layer` of a stacked parameter: unit (layer - param.first) // param.unit of its stack,
+    scanned, unrolled, or (the main stack only) pipelined."""
+    rest, stack, unit = param.path[2:], param.stack, param.local((layer,))[0]
     candidates = [(("decoder", stack, *rest), (unit,)), (("decoder", f"{stack}_{unit}", *rest), ())]
     pipelined = ("decoder", "pipeline", "layers", *rest)
     if stack == MAIN_STACK and pipelined in reader.arrays:

@@ -81,18 +81,19 @@ def _order(params: list[layout.Param], family: Family, cfg: ModelConfig
            ) -> list[tuple[layout.Param, tuple[int, ...]]]:
     """Every Hugging Face tensor as (parameter, index), in Hugging Face's usual order: embeddings, each layer's
     tensors (each expert's inside its layer), final norm, head."""
-    by_entry = {(p.stack, p.entry): p for p in params}
-    order = [(by_entry["", e], ()) for e in names.GLOBAL[:1]]
+    by_entry = {(p.stack, p.slot, p.entry): p for p in params}
+    order = [(by_entry["", 0, e], ()) for e in names.GLOBAL[:1]]
     i = 0
     for stack in blocks.stacks(cfg):
-        for _ in range(stack.num_layers):
-            for entry in names.per_layer(family, cfg, stack.unit[-1]):
-                if entry.part and entry.part[0]:
-                    continue  # written with the tensor's first part (`_joined`)
-                param = by_entry[stack.name, entry]
-                order += [(param, (i, e)) for e in range(param.shape[1])] if entry.per_expert else [(param, (i,))]
-            i += 1
-    return order + [(by_entry["", e], ()) for e in (*names.GLOBAL[1:], names.HEAD) if ("", e) in by_entry]
+        for _ in range(stack.repeats):
+            for slot, kinds in enumerate(stack.unit):
+                for entry in names.per_layer(family, cfg, kinds):
+                    if entry.part and entry.part[0]:
+                        continue  # written with the tensor's first part (`_joined`)
+                    param = by_entry[stack.name, slot, entry]
+                    order += [(param, (i, e)) for e in range(param.shape[1])] if entry.per_expert else [(param, (i,))]
+                i += 1
+    return order + [(by_entry["", 0, e], ()) for e in (*names.GLOBAL[1:], names.HEAD) if ("", 0, e) in by_entry]
 
 
 def _merged(reader: orbax_io.Reader, adapters: lora.Adapters, param: layout.Param, at: tuple[int, ...],
@@ -123,7 +124,7 @@ def _tensors(reader: orbax_io.Reader, params: list[layout.Param], family: Family
         target = DTYPES[dtype] if dtype else np.dtype(reader.arrays[path].dtype)
         spec = safetensors_io.TensorSpec(names.hf_name(entry, at), names.hf_shape(entry, param.layer_shape), target)
         if entry.part:
-            parts = [p for p in params if p.stack == param.stack and p.entry.hf == entry.hf]
+            parts = [p for p in params if (p.stack, p.slot) == (param.stack, param.slot) and p.entry.hf == entry.hf]
             produce = functools.partial(_joined, reader, parts, at, target)
         elif adapters is not None and adapters.has(param):
             produce = functools.partial(_merged, reader, adapters, param, at, target)
