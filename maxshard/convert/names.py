@@ -21,7 +21,9 @@ MoE families store each expert's projections as their own tensors ("{e}": expert
     gate [experts, embed]               -> moe/gate/kernel [layers, embed, experts] (the router)
 
 The table of a layer is `per_layer(family, cfg, layer)`: Llama's rows, plus q/k norms with `qk_norm`, with the MLP
-replaced by the router and experts in the MoE layers (model/blocks.py says which layers those are).
+replaced by the router and experts in the MoE layers (model/blocks.py says which layers those are); Gemma's four
+norms a layer (`SANDWICH_NORMS`) in families with `post_norms`. A stack whose unit is several layers (Gemma 3's five
+local and one global) holds each as layer_<slot> (convert/layout.py maps Hugging Face layer i to its unit and slot).
 """
 
 from __future__ import annotations
