@@ -148,6 +148,11 @@ def test_both_spellings_and_export_without_a_template():
     gemma3 = hf_config.read(str(FIXTURES / "gemma3"))
     keys = hf_config.model_keys(gemma3)
     assert hf_config.model_keys(spelled_4x(gemma3)) == keys
+    gemma2 = hf_config.read(str(FIXTURES / "gemma2"))  # as google/gemma-2-* spell it: no layer_types, hidden_act too
+    older = {k: v for k, v in gemma2.items() if k not in ("rope_parameters", "layer_types")}
+    older |= {"rope_theta": 1e4, "hidden_act": "gelu_pytorch_tanh", "cache_implementation": "hybrid"}
+    assert hf_config.model_keys(older) == hf_config.model_keys(gemma2)
+    assert hf_config.to_hf(hf_config.model_keys(older), "float32", older)["hidden_act"] == "gelu_pytorch_tanh"
     for name in NAMES:
         source = hf_config.read(str(FIXTURES / name))
         keys = hf_config.model_keys(source)
@@ -184,6 +189,7 @@ def gemma_copy(tmp_path: Path, name: str, change: dict[str, Any], remove: tuple[
 
 
 @pytest.mark.parametrize(("name", "change", "field"), [
+    ("gemma3", {"architectures": ["Gemma3ForConditionalGeneration"]}, "architectures"),  # text models only
     ("gemma3", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
     ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
     ("gemma2", {"hidden_activation": "gelu"}, "hidden_activation"),
