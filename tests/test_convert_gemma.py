@@ -19,6 +19,7 @@ import pytest
 from test_convert import FIXTURES, LAYOUTS, TOLERANCE, apply, read_all, reference, start_from_converted
 
 from maxshard import generate
+from maxshard.checkpoint import manager as checkpoint
 from maxshard.convert import __main__ as cli
 from maxshard.convert import hf_config, hf_local_global, layout, names
 from maxshard.errors import ConfigError
@@ -130,6 +131,19 @@ def test_round_trip_is_bit_identical(converted, name, tmp_path):
     for field in ("architectures", "model_type", "layer_types", "sliding_window", "query_pre_attn_scalar",
                   "final_logit_softcapping", "attn_logit_softcapping", "hidden_activation", "tie_word_embeddings"):
         assert exported[field] == original[field], field
+
+
+def test_to_hf_from_a_training_checkpoint(started, tmp_path):
+    """A checkpoint the trainer saved under fsdp=4 x tensor=2 (OCDBT, each of Gemma 3's layers in its unit's slot)
+    exports to the source tensors, bit for bit."""
+    trainer, state = started("gemma3", "fsdp4xtensor2")
+    with checkpoint.Checkpoints(trainer.cfg, trainer) as ckpt:
+        ckpt.save(1, state, {})
+    out = tmp_path / "hf"
+    assert cli.main(["to_hf", str(Path(trainer.cfg.checkpoint_dir) / "1"), str(out)]) == 0
+    source, back = read_all(FIXTURES / "gemma3"), read_all(out)
+    assert sorted(back) == sorted(source)
+    assert all(back[name].tobytes() == array.tobytes() for name, array in source.items())
 
 
 def spelled_4x(gemma3: dict[str, Any]) -> dict[str, Any]:
