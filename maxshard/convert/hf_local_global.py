@@ -96,10 +96,11 @@ def rope_keys(hf: Mapping[str, Any], parse: Callable[[Mapping[str, Any]], dict[s
         full = dict(params.get(GLOBAL) or {})
         full.setdefault("rope_theta", hf.get("rope_theta", 1e6))
         local = dict(params.get(LOCAL) or {})
-        local_theta, local_where = local.get("rope_theta", hf.get("rope_local_base_freq", 1e4)), f"rope_parameters.{LOCAL}"
+        local_theta = local.get("rope_theta", hf.get("rope_local_base_freq", 1e4))
         kind = local.get("rope_type", local.get("type", "default"))
         if kind != "default":
-            raise _refuse(f"{local_where}.rope_type", kind, "maxshard's local layers use plain RoPE with their base")
+            raise _refuse(f"rope_parameters.{LOCAL}.rope_type", kind,
+                          "maxshard's local layers use plain RoPE with their base")
         keys = parse({"rope_parameters": full})
     else:  # transformers 4.x: rope_theta + rope_scaling (global layers), rope_local_base_freq (local)
         keys = parse({"rope_theta": hf.get("rope_theta", 1e6), "rope_scaling": hf.get("rope_scaling")})

@@ -39,8 +39,8 @@ from maxshard.model.blocks import Layer
 from maxshard.model.layers import rope
 from maxshard.model.config import ModelConfig
 
-__all__ = ["Entry", "GLOBAL", "ATTENTION", "QK_NORM", "MLP_NORM", "SANDWICH_NORMS", "MLP", "HEAD", "IGNORED", "per_layer", "hf_name",
-           "hf_shape", "row_axis", "hf_rows_per_row", "whole_rows", "to_maxshard", "to_hf", "join_parts"]
+__all__ = ["Entry", "GLOBAL", "ATTENTION", "QK_NORM", "MLP_NORM", "SANDWICH_NORMS", "MLP", "HEAD", "IGNORED", "per_layer",
+           "hf_name", "hf_shape", "row_axis", "hf_rows_per_row", "whole_rows", "to_maxshard", "to_hf", "join_parts"]
 
 
 @dataclasses.dataclass(frozen=True)
