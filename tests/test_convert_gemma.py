@@ -16,13 +16,14 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_convert import FIXTURES, LAYOUTS, TOLERANCE, apply, read_all, reference, start_from_converted
+from test_convert import FIXTURES, LAYOUTS, REPO, TOLERANCE, apply, read_all, reference, start_from_converted
 
-from maxshard import generate
+from maxshard import config, generate
 from maxshard.checkpoint import manager as checkpoint
 from maxshard.convert import __main__ as cli
 from maxshard.convert import hf_config, hf_local_global, layout, names
 from maxshard.errors import ConfigError
+from maxshard.model import transformer as model
 from maxshard.run import loading
 from maxshard.training.step import Trainer
 
@@ -189,6 +190,14 @@ def test_layer_pattern_is_the_shortest_period():
     assert hf_local_global.shortest_period(list("LGLLGL")) == 3 and hf_local_global.shortest_period(list("LLG")) == 3
     keys = {"attention_pattern": ["local", "global"], "sliding_window": 8, "num_layers": 5}
     assert hf_local_global.layer_types(keys) == ["sliding_attention", "full_attention"] * 2 + ["sliding_attention"]
+
+
+@pytest.mark.parametrize(("name", "count"), [("gemma3_27b", 27_009_346_304), ("gemma2_9b", 9_241_705_984)])
+def test_presets_have_the_published_parameter_counts(name, count):
+    """configs/models/gemma3_27b.yml: Gemma 3 27B's text model, ~27.0B with its 262208 x 5376 tied embedding;
+    gemma2_9b.yml: 9.24B (what `python -m maxshard.plan ... model_name=NAME` prints)."""
+    cfg = config.parse([str(REPO / "configs" / "base.yml"), f"model_name={name}"])
+    assert model.param_count(loading.model_config(config.finalize(cfg, 1))) == count
 
 
 # --------------------------------------------------------------------------------------------- refusals
