@@ -37,6 +37,23 @@ class Family:
     window_switch: the field that turns `sliding_window` on (Qwen3's use_sliding_window); None: a window applies
         whenever it is set.
     export: fields to_hf writes whatever the template says (the family's constants).
+    defaults: config.json fields' values when a file omits them: transformers' config class defaults where they
+        differ from Llama's (Gemma: tied head, head_dim 256, soft-caps), so a short config.json means what it
+        means to transformers.
+    activation_field, activation: the field naming the MLP's activation and the one value the family converts
+        (Gemma: hidden_activation gelu_pytorch_tanh, the tanh GELU of `mlp_activation: gelu_tanh`).
+    local_global: config.json's layer_types (sliding_attention / full_attention) and sliding_window become
+        attention_pattern and sliding_window (hf_local_global.py); without layer_types layer i is local unless
+        (i + 1) is a multiple of `pattern_period` (or the field `pattern_period_field` when present: Gemma 3's
+        sliding_window_pattern).
+    rope_per_layer_type: RoPE settings per layer type (Gemma 3: rope_parameters.{full_attention,
+        sliding_attention}; 4.x: rope_theta + rope_scaling for global layers, rope_local_base_freq for local ones).
+    carries: the layer options (hf_config.LAYER_OPTIONS) the family's config.json can give any value besides
+        those `keys` fixes; every other option must be at its default for a model to be written as the family.
+    null_when_zero: `fields` written as null when the key is 0 (a soft-cap of 0 means none; transformers reads
+        null so).
+    refuse_set: fields whose non-null value transformers ignores for this family (Gemma 3's
+        attn_logit_softcapping), refused rather than guessed.
     """
 
     architecture: str
@@ -57,6 +74,16 @@ class Family:
     must_equal: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     window_switch: str | None = None
     export: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    activation_field: str = "hidden_act"
+    activation: str = "silu"
+    local_global: bool = False
+    pattern_period: int = 0
+    pattern_period_field: str | None = None
+    rope_per_layer_type: bool = False
+    carries: tuple[str, ...] = ()
+    null_when_zero: tuple[str, ...] = ()
+    refuse_set: tuple[str, ...] = ()
 
     @property
     def is_moe(self) -> bool:
@@ -88,6 +115,31 @@ FAMILIES = (
            keys={"attention_type": "mla", "moe_router": "sigmoid", "moe_router_bias": True},
            must_equal={"moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid"},
            export={"attention_bias": False, "rope_interleave": True}),
+)
+
+# Gemma 2 and 3 (text): (1 + w) RMSNorms before and after attention and MLP, GeGLU with tanh GELU, embeddings x
+# sqrt(width), query_pre_attn_scalar, local (sliding-window) and global layers; Gemma 2 soft-caps attention and
+# output logits, Gemma 3 normalises q/k per head and gives local layers their own RoPE base.
+_GEMMA_KEYS = {"norm_unit_offset": True, "post_norms": True, "embed_scale": True, "mlp_activation": "gelu_tanh"}
+_GEMMA_FIELDS = {"query_pre_attn_scalar": "query_pre_attn_scalar", "final_logit_softcapping": "final_logit_softcapping"}
+_GEMMA_DEFAULTS = {"tie_word_embeddings": True, "head_dim": 256, "query_pre_attn_scalar": 256,
+                   "sliding_window": 4096, "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6}
+FAMILIES += (
+    Family("Gemma2ForCausalLM", "gemma2", fields={**_GEMMA_FIELDS, "attn_logit_softcapping": "attn_logit_softcapping"},
+           keys=_GEMMA_KEYS, defaults={**_GEMMA_DEFAULTS, "final_logit_softcapping": 30.0,
+                                       "attn_logit_softcapping": 50.0, "rope_theta": 10000.0},
+           activation_field="hidden_activation", activation="gelu_pytorch_tanh", local_global=True, pattern_period=2,
+           carries=("sliding_window", "attention_pattern", "attn_logit_softcapping", "final_logit_softcapping",
+                    "query_pre_attn_scalar"),
+           null_when_zero=("final_logit_softcapping", "attn_logit_softcapping"), export={"attention_bias": False}),
+    Family("Gemma3ForCausalLM", "gemma3_text", qk_norm=True, fields=_GEMMA_FIELDS, keys=_GEMMA_KEYS,
+           defaults={**_GEMMA_DEFAULTS, "final_logit_softcapping": None, "attn_logit_softcapping": None},
+           activation_field="hidden_activation", activation="gelu_pytorch_tanh", local_global=True, pattern_period=6,
+           pattern_period_field="sliding_window_pattern", rope_per_layer_type=True,
+           carries=("sliding_window", "attention_pattern", "rope_local_max_timescale", "final_logit_softcapping",
+                    "query_pre_attn_scalar"),
+           null_when_zero=("final_logit_softcapping",), refuse_set=("attn_logit_softcapping",),
+           export={"attention_bias": False}),
 )
 
 

@@ -21,7 +21,9 @@ MoE families store each expert's projections as their own tensors ("{e}": expert
     gate [experts, embed]               -> moe/gate/kernel [layers, embed, experts] (the router)
 
 The table of a layer is `per_layer(family, cfg, layer)`: Llama's rows, plus q/k norms with `qk_norm`, with the MLP
-replaced by the router and experts in the MoE layers (model/blocks.py says which layers those are).
+replaced by the router and experts in the MoE layers (model/blocks.py says which layers those are); Gemma's four
+norms a layer (`SANDWICH_NORMS`) in families with `post_norms`. A stack whose unit is several layers (Gemma 3's five
+local and one global) holds each as layer_<slot> (convert/layout.py maps Hugging Face layer i to its unit and slot).
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ from maxshard.model.blocks import Layer
 from maxshard.model.layers import rope
 from maxshard.model.config import ModelConfig
 
-__all__ = ["Entry", "GLOBAL", "ATTENTION", "QK_NORM", "MLP_NORM", "MLP", "HEAD", "IGNORED", "MTP", "MTP_COPIES",
-           "mtp_layer", "mtp_copies", "per_layer", "hf_name",
+__all__ = ["Entry", "GLOBAL", "ATTENTION", "QK_NORM", "MLP_NORM", "SANDWICH_NORMS", "MLP", "HEAD", "IGNORED", "MTP",
+           "MTP_COPIES", "mtp_layer", "mtp_copies", "per_layer", "hf_name",
            "hf_shape", "row_axis", "hf_rows_per_row", "whole_rows", "to_maxshard", "to_hf", "join_parts"]
 
 
@@ -79,6 +81,13 @@ QK_NORM = (
     Entry("model.layers.{i}.self_attn.k_norm.weight", ("attention", "key_norm", "scale"), "same"),
 )
 MLP_NORM = Entry("model.layers.{i}.post_attention_layernorm.weight", ("mlp_norm", "scale"), "same")
+# Gemma 2/3 (`post_norms`): a norm before and after each of attention and MLP; the name Llama gives its MLP's norm
+# is Gemma's norm after attention.
+SANDWICH_NORMS = (
+    Entry("model.layers.{i}.post_attention_layernorm.weight", ("post_attention_norm", "scale"), "same"),
+    Entry("model.layers.{i}.pre_feedforward_layernorm.weight", ("mlp_norm", "scale"), "same"),
+    Entry("model.layers.{i}.post_feedforward_layernorm.weight", ("post_mlp_norm", "scale"), "same"),
+)
 MLP = (
     Entry("model.layers.{i}.mlp.gate_proj.weight", ("mlp", "wi_0", "kernel"), "linear"),
     Entry("model.layers.{i}.mlp.up_proj.weight", ("mlp", "wi_1", "kernel"), "linear"),
@@ -133,7 +142,8 @@ def per_layer(family: Family, cfg: ModelConfig, layer: Layer) -> tuple[Entry, ..
     attention = _latent_attention(cfg) if layer.attention == "mla" else (*ATTENTION, *(QK_NORM if family.qk_norm
                                                                                          else ()))
     mlp = _moe(family, cfg) if layer.mlp == "moe" else MLP
-    return (*attention, MLP_NORM, *mlp)
+    norms = SANDWICH_NORMS if family.keys.get("post_norms") else (MLP_NORM,)
+    return (*attention, *norms, *mlp)
 
 
 # A multi-token prediction module (layers/mtp.py, DeepSeek-V3's `num_nextn_predict_layers`) is Hugging Face's layer
