@@ -83,12 +83,12 @@ s = the compute dtype's itemsize:
                 there: see layers/pipeline.py); the working set is one stage's layers' on one microbatch; plus the
                 schedule's circulation buffer, `buffer_microbatches` microbatches (circular: all M, [tokens, E])
 
-What the plan leaves out (a few % of XLA:CPU's temporaries in the 25-configuration check of
-tests/test_plan_memory.py): the embedding's gradient buffers, loss reductions and XLA's fusion scratch; and what
-layer options add to one layer's working set, which is no fixed share of what they add to `dense` (measured on
-XLA:CPU, per token: qk_norm 0.64x its none addition under none, 0.68x under minimal, save_qkv_proj and full, 0.16x
-under save_qkv_out_proj, 2.2x under save_out_proj; LoRA, whose none addition is negative (-800 bytes: the frozen
-base needs no input kept for its weight gradients), 1068 to 3388 bytes more).
+What the plan leaves out (a few % of XLA:CPU's temporaries in the grid of tests/test_plan_memory.py): the
+embedding's gradient buffers, loss reductions and XLA's fusion scratch; and what layer options add to one layer's
+working set, which is no fixed share of what they add to `dense` (measured on XLA:CPU, per token: qk_norm 0.64x its
+none addition under none, 0.68x under minimal, save_qkv_proj and full, 0.16x under save_qkv_out_proj, 2.2x under
+save_out_proj; LoRA, whose none addition is negative (-800 bytes: the frozen base needs no input kept for its weight
+gradients), 1068 to 3388 bytes more).
 """
 
 from __future__ import annotations
