@@ -84,7 +84,7 @@ FAMILIES = (
                    "first_k_dense_replace": "first_k_dense_replace", "n_group": "moe_n_group",
                    "topk_group": "moe_topk_group", "routed_scaling_factor": "moe_routed_scaling_factor",
                    "n_shared_experts": "num_shared_experts", "moe_intermediate_size": "moe_mlp_dim",
-                   "intermediate_size": "mlp_dim"},
+                   "intermediate_size": "mlp_dim", "num_nextn_predict_layers": "mtp_depth"},
            keys={"attention_type": "mla", "moe_router": "sigmoid", "moe_router_bias": True},
            must_equal={"moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid"},
            export={"attention_bias": False, "rope_interleave": True}),

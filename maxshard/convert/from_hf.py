@@ -81,6 +81,7 @@ def _tensor_plan(cfg: ModelConfig, family: Family, tensors: Mapping[str, safeten
             infos.append(info)
             used.add(name)
         plan.append((param, infos))
+    used |= {name for name, _ in names.mtp_copies(cfg)}  # copies of the shared embedding and head: kept once
     extra = sorted(n for n in tensors if n not in used and not names.IGNORED.fullmatch(n)
                    and not (cfg.logits_via_embedding and n == names.HEAD.hf))
     if extra:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,7 +27,7 @@ __all__ = ["MODEL_KEYS", "model_config", "Param", "params_of"]
 # What a checkpoint's config keeps of the network for conversion (the training length and the capacity factor, which
 # the converter sets, are implementation fields; both are read when present).
 MODEL_KEYS = (*architecture_keys(), "max_target_length", "capacity_factor")
-_MOE_LAYER = "layer_0"  # an MoE stack's repeated unit is a block of moe_layer_interval (here 1) layers
+_UNIT_LAYER = re.compile(r"layer_(\d+)")  # a stack whose unit is a block of layers names them layer_0, layer_1, ..
 
 
 def model_config(keys: Mapping[str, Any]) -> ModelConfig:
@@ -41,20 +42,24 @@ def model_config(keys: Mapping[str, Any]) -> ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Param:
-    """One maxshard parameter: its path, shape (stacked [layers, ...] when `stacked`) and the table row. A stacked
-    parameter belongs to one of the decoder's stacks (model/blocks.py), whose first layer is Hugging Face's layer
-    `first` (DeepSeek-V3's MoE stack starts after its dense first layers)."""
+    """One maxshard parameter: its path, shape (stacked [units, ...] when `stacked`) and the table row. A stacked
+    parameter belongs to one of the decoder's stacks (model/blocks.py) and to one layer of its repeated unit of
+    `period` layers: its unit r is Hugging Face's layer `first + r * period` (DeepSeek-V3's MoE stack starts
+    after its dense first layers; in Gemma 3's units of 6, layer_2's parameters are layers 2, 8, 14, ...)."""
 
     path: tuple[str, ...]
     shape: tuple[int, ...]
     entry: names.Entry
     stacked: bool
     first: int = 0
+    period: int = 1
+    layer: int | None = None  # a parameter of one Hugging Face layer, unstacked (a multi-token prediction module's)
 
     @property
     def stack(self) -> str:
-        """The decoder stack's name ("layers", "dense_layers"); "" for a global parameter."""
-        return self.path[1] if self.stacked else ""
+        """The decoder stack's name ("layers", "dense_layers"), the module's ("mtp_1") for a parameter of one
+        layer; "" for a global parameter."""
+        return self.path[1] if self.stacked else self.path[0] if self.layer is not None else ""
 
     @property
     def lead(self) -> int:
@@ -70,13 +75,17 @@ class Param:
         """Every Hugging Face tensor's index: [()] for a global one, (layer,) or (layer, expert) in file order,
         layers numbered as Hugging Face numbers them."""
         ranges = [range(n) for n in self.shape[: self.lead]]
+        if self.layer is not None:
+            return [(self.layer, *rest) for rest in itertools.product(*ranges)]
         if self.stacked:
-            ranges[0] = range(self.first, self.first + self.shape[0])
+            ranges[0] = range(self.first, self.first + self.period * self.shape[0], self.period)
         return list(itertools.product(*ranges))
 
     def local(self, index: tuple[int, ...]) -> tuple[int, ...]:
         """A Hugging Face tensor's index (`indices`) in this parameter's own array: its unit of the stack."""
-        return (index[0] - self.first, *index[1:]) if self.stacked else index
+        if self.layer is not None:
+            return tuple(index[1:])
+        return ((index[0] - self.first) // self.period, *index[1:]) if self.stacked else index
 
 
 def _key(entry: Any) -> str:
@@ -87,18 +96,33 @@ def params_of(cfg: ModelConfig, family: Family) -> list[Param]:
     """Every parameter of the model in tree order; a leaf the family's table does not know is an error."""
     by_path = {e.path: e for e in (*names.GLOBAL, names.HEAD)}
     stacks, first = {}, 0
-    for stack in blocks.stacks(cfg):  # each stack's table (its layers' kinds) and first Hugging Face layer
-        stacks[stack.name] = ({e.path: e for e in names.per_layer(family, cfg, stack.unit[-1])}, first)
+    for stack in blocks.stacks(cfg):  # each unit layer's table (its kinds) and first Hugging Face layer
+        stacks[stack.name] = [({e.path: e for e in names.per_layer(family, cfg, layer)}, first + j, len(stack.unit))
+                              for j, layer in enumerate(stack.unit)]
         first += stack.num_layers
+    last_kind = blocks.main_stack(cfg).unit[-1]
+    mtp_tables = {**{("layer", *e.path): e for e in names.per_layer(family, cfg, last_kind)},
+                  **{e.path: e for e in names.MTP}}
     leaves, _ = jax.tree_util.tree_flatten_with_path(nn.unbox(model.abstract_params(cfg)))
     out = []
     for key_path, leaf in leaves:
         path = tuple(_key(k) for k in key_path)
         stacked = path[0] == "decoder" and path[1] in stacks
-        table, offset = stacks[path[1]] if stacked else (by_path, 0)
-        inner = (path[3:] if path[2:3] == (_MOE_LAYER,) else path[2:]) if stacked else path
+        mtp_layer = names.mtp_layer(cfg, path[0])
+        if mtp_layer is not None:  # a multi-token prediction module: one decoder layer and its own rows
+            entry = mtp_tables.get(path[1:])
+            if entry is None:
+                raise ConfigError(f"parameter {'/'.join(path)} has no tensor in {family.architecture}")
+            out.append(Param(path, tuple(leaf.shape), entry, False, mtp_layer, 1, mtp_layer))
+            continue
+        if stacked:
+            unit_layer = _UNIT_LAYER.fullmatch(path[2])
+            table, offset, period = stacks[path[1]][int(unit_layer.group(1)) if unit_layer else 0]
+            inner = path[3:] if unit_layer else path[2:]
+        else:
+            table, offset, period, inner = by_path, 0, 1, path
         entry = table.get(inner)
         if entry is None:
             raise ConfigError(f"parameter {'/'.join(path)} has no tensor in {family.architecture}")
-        out.append(Param(path, tuple(leaf.shape), entry, stacked, offset))
+        out.append(Param(path, tuple(leaf.shape), entry, stacked, offset, period))
     return out

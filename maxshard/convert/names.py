@@ -37,7 +37,8 @@ from maxshard.model.blocks import Layer
 from maxshard.model.layers import rope
 from maxshard.model.config import ModelConfig
 
-__all__ = ["Entry", "GLOBAL", "ATTENTION", "QK_NORM", "MLP_NORM", "MLP", "HEAD", "IGNORED", "per_layer", "hf_name",
+__all__ = ["Entry", "GLOBAL", "ATTENTION", "QK_NORM", "MLP_NORM", "MLP", "HEAD", "IGNORED", "MTP", "MTP_COPIES",
+           "mtp_layer", "mtp_copies", "per_layer", "hf_name",
            "hf_shape", "row_axis", "hf_rows_per_row", "whole_rows", "to_maxshard", "to_hf", "join_parts"]
 
 
@@ -133,6 +134,32 @@ def per_layer(family: Family, cfg: ModelConfig, layer: Layer) -> tuple[Entry, ..
                                                                                          else ()))
     mlp = _moe(family, cfg) if layer.mlp == "moe" else MLP
     return (*attention, MLP_NORM, *mlp)
+
+
+# A multi-token prediction module (layers/mtp.py, DeepSeek-V3's `num_nextn_predict_layers`) is Hugging Face's layer
+# num_layers + k - 1: a decoder layer of the main stack's last kind (its rows under mtp_<k>/layer) and these.
+MTP = (
+    Entry("model.layers.{i}.enorm.weight", ("embed_norm", "scale"), "same"),
+    Entry("model.layers.{i}.hnorm.weight", ("hidden_norm", "scale"), "same"),
+    Entry("model.layers.{i}.eh_proj.weight", ("eh_proj", "kernel"), "linear", num_in=2),  # in: [enorm; hnorm]
+    Entry("model.layers.{i}.shared_head.norm.weight", ("head_norm", "scale"), "same"),
+)
+# ... and copies of the shared embedding and head, which the model keeps once: skipped on the way in, written from
+# the shared parameters on the way out.
+MTP_COPIES = (("model.layers.{i}.embed_tokens.weight", GLOBAL[0]), ("model.layers.{i}.shared_head.head.weight", HEAD))
+
+
+def mtp_layer(cfg: ModelConfig, module: str) -> int | None:
+    """Hugging Face's layer index of the MTP module named `module` ("mtp_<k>"), None for another name."""
+    found = re.fullmatch(r"mtp_(\d+)", module)
+    return cfg.num_layers + int(found.group(1)) - 1 if found else None
+
+
+def mtp_copies(cfg: ModelConfig) -> list[tuple[str, Entry]]:
+    """(Hugging Face name, the shared tensor it copies) of every MTP module's embedding and head copy; the head is
+    the embedding in a tied model."""
+    return [(name.format(i=cfg.num_layers + k), entry if entry is GLOBAL[0] or not cfg.logits_via_embedding
+             else GLOBAL[0]) for k in range(cfg.mtp_depth) for name, entry in MTP_COPIES]
 
 
 # Buffers some older checkpoints saved; recomputed from the config, never learned.
