@@ -1,6 +1,6 @@
-"""The planner on local/global (sliding-window) models: attention FLOPs count the keys a local layer sees, and
-`maxshard.plan` names the local layers' share. (Their memory is in the grid of tests/test_plan_memory.py; against
-XLA:TPU, benchmarks/local_global_plan.py.)"""
+"""The planner on local/global (sliding-window) models: attention FLOPs count the keys a local layer sees,
+`maxshard.plan` names the local layers' share, and GRPO's sampling cache keeps a window in local layers. (Their
+training memory is in the grid of tests/test_plan_memory.py; against XLA:TPU, benchmarks/local_global_plan.py.)"""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from helpers import tiny_config
 from maxshard import plan as plan_cli
 from maxshard.model import flops
 from maxshard.model.config import ModelConfig
+from maxshard.planning import estimate
 from maxshard.planning.printout import format_plan
 
 # 3 layers (local, local, global), 2 heads of 8, window 4 at 16 tokens
@@ -55,3 +56,15 @@ def test_the_plan_counts_local_layers_in_model_flops_and_prints_their_share(
     assert ("attention: 3 local layers (window 32 of 256 tokens: 23% of a global layer's score and value FLOPs) "
             "+ 1 global\n") in out, out
     assert "local layer" not in format_plan(full)
+
+
+def test_grpos_sampling_cache_keeps_a_window_of_keys_in_local_layers() -> None:
+    """The plan's KV cache of GRPO's sampling (planning/rollout_memory.py, traced from the model): a global layer
+    keeps prompt + new tokens (32 here) per sequence, a local one a ring of its window (8), per device as the engine
+    shards it (batch over fsdp, kv heads over tensor)."""
+    cfg = tiny_config("objective=grpo", "dataset_type=prompts", "grpo_max_prompt_length=24", "grpo_max_new_tokens=8",
+                      "grpo_group_size=4", "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2",
+                      "attention=dot_product", "attention_pattern=[local,global]", "sliding_window=8")
+    plan = estimate.make_plan(cfg)
+    per_slot = 2 * (cfg.global_batch_size // 4) * (cfg.num_kv_heads // 2) * cfg.head_dim * 4  # k and v, float32
+    assert cfg.num_layers == 2 and plan.rollout_cache == per_slot * (8 + 32)
