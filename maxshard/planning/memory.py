@@ -49,8 +49,9 @@ s = the compute dtype's itemsize:
 
     unit        a stacked unit of n layers (model/blocks.py: an MoE interval, an attention pattern; Gemma 3's is 6)
                 is rematerialised as one, so its backward re-runs the whole unit's forward: working = one layer's
-                + (n - 1) x what a layer keeps without remat less what the policy saves. Under none nothing re-runs,
-                and XLA:CPU held n layers' working sets (units of 2 and 3 layers, tests/test_plan_memory.py)
+                + (n - 1) x what a layer keeps without remat less what the policy saves (x `Fitted.unit_kept`:
+                XLA:TPU held about half of it). Under none nothing re-runs, and XLA:CPU held n layers' working sets
+                (units of 2 and 3 layers, tests/test_plan_memory.py)
 
     local layers (sliding window, model/blocks.py) hold what their kernel holds, and no kernel's memory follows the
                 window: dot_product masks the whole [q, kv] scores (A as for a global layer), a fused kernel keeps
@@ -227,7 +228,7 @@ class Widths:
         layer = self.working_bytes(policy, itemsize, compiler_name)
         if not recomputed:  # nothing re-runs (none): XLA:CPU held every layer's working set (tests/test_plan_memory)
             return layers * layer
-        return layer + (layers - 1) * recomputed
+        return layer + (layers - 1) * recomputed * fitted(compiler_name).unit_kept
 
 
 @dataclasses.dataclass(frozen=True)
