@@ -14,7 +14,7 @@ import dataclasses
 from maxshard.model import blocks
 from maxshard.model.config import ModelConfig
 
-__all__ = ["Matmuls", "matmuls", "attention_flops", "layer_flops", "matmul_params", "lora_matmul_params",
+__all__ = ["Matmuls", "matmuls", "keys_seen", "attention_flops", "layer_flops", "matmul_params", "lora_matmul_params",
            "flops_per_token"]
 
 
@@ -56,14 +56,27 @@ def matmuls(cfg: ModelConfig) -> Matmuls:
     return Matmuls(**parts, head=(1 + cfg.mtp_depth) * cfg.emb_dim * cfg.vocab_size + mtp)
 
 
+def keys_seen(length: int, window: int = 0) -> float:
+    """Keys one query sees, on average over a causal sequence of `length`: min(position + 1, window) (window 0:
+    every earlier key), with the query's own key counted half, as the causal convention counts a global layer's
+    length / 2 (the [length, length] triangle's area, not length (length + 1) / 2). A local layer's band of the
+    score matrix is length x window less the window's own triangle: window - window^2 / (2 length) per query, which
+    is length / 2 again once the window reaches the length."""
+    seen = min(window, length) if window else length
+    return seen - seen * seen / (2 * length)
+
+
 def attention_flops(cfg: ModelConfig) -> int:
-    """Forward FLOPs per token of attention's scores and values over the stack: q.k is 2 x length x heads x
-    qk_head_dim and p.v 2 x length x heads x v_head_dim, and the causal mask halves them."""
-    total = 0
+    """Forward FLOPs per token of attention's scores and values over the stack: q.k is 2 x keys x heads x
+    qk_head_dim and p.v 2 x keys x heads x v_head_dim, where keys are the ones a query sees (`keys_seen`: length / 2
+    causal, about the window in a local layer). What the model needs, as MFU counts it, not what a kernel executes:
+    dot_product computes the whole [length, length] scores and masks them, for a window as for causality."""
+    total = 0.0
     for layer in blocks.layers(cfg):
         a = blocks.attention_widths(cfg, layer.attention)
-        total += cfg.max_target_length * a.heads * (a.qk_head_dim + a.v_head_dim)
-    return total
+        keys = keys_seen(cfg.max_target_length, cfg.sliding_window if layer.local else 0)
+        total += 2 * keys * a.heads * (a.qk_head_dim + a.v_head_dim)
+    return round(total)
 
 
 def layer_flops(cfg: ModelConfig) -> dict[str, int]:

@@ -47,7 +47,20 @@ s = the compute dtype's itemsize:
     layers/blockwise_attention.py instead (block q, output, dq, stacked dk/dv in float32 and the log-sum-exp:
     Q(5s + 8) + K(4s + 8) + 12 H per token, plus one float32 score block per sequence a device holds).
 
-    activations = layers x tokens x saved + tokens x working + head + gathered + the MoE, pipeline and
+    unit        a stacked unit of n layers (model/blocks.py: an MoE interval, an attention pattern; Gemma 3's is 6)
+                is rematerialised as one, so its backward re-runs the whole unit's forward: working = one layer's
+                + (n - 1) x what a layer keeps without remat less what the policy saves (x `Fitted.unit_kept`:
+                XLA:TPU held about half of it). Under none nothing re-runs, and XLA:CPU held n layers' working sets
+                (units of 2 and 3 layers, tests/test_plan_memory.py)
+
+    local layers (sliding window, model/blocks.py) hold what their kernel holds, and no kernel's memory follows the
+                window: dot_product masks the whole [q, kv] scores (A as for a global layer), a fused kernel keeps
+                one block and a log-sum-exp per query whatever keys it visits (a window skips blocks: FLOPs,
+                model/flops.py, not memory). What a window bounds is generation's KV cache, a local layer needing
+                only `sliding_window` slots: GRPO's sampling cache is traced from the model's own cache
+                (planning/rollout_memory.py), so the plan holds what layers/kv_cache.py keeps
+
+    activations = layers x tokens x saved + tokens x working (of a unit) + head + gathered + the MoE, pipeline and
                   accumulation terms below; on XLA:TPU (`FITTED`) max(head, tokens x working + block) instead of
                   their sum, + `cast` (the weights in the compute dtype), and q, k, v as the tiled layout stores
                   them (`Widths.stored`)
@@ -71,12 +84,12 @@ s = the compute dtype's itemsize:
                 there: see layers/pipeline.py); the working set is one stage's layers' on one microbatch; plus the
                 schedule's circulation buffer, `buffer_microbatches` microbatches (circular: all M, [tokens, E])
 
-What the plan leaves out (a few % of XLA:CPU's temporaries in the 25-configuration check of
-tests/test_plan_memory.py): the embedding's gradient buffers, loss reductions and XLA's fusion scratch; and what
-layer options add to one layer's working set, which is no fixed share of what they add to `dense` (measured on
-XLA:CPU, per token: qk_norm 0.64x its none addition under none, 0.68x under minimal, save_qkv_proj and full, 0.16x
-under save_qkv_out_proj, 2.2x under save_out_proj; LoRA, whose none addition is negative (-800 bytes: the frozen
-base needs no input kept for its weight gradients), 1068 to 3388 bytes more).
+What the plan leaves out (a few % of XLA:CPU's temporaries in the grid of tests/test_plan_memory.py): the
+embedding's gradient buffers, loss reductions and XLA's fusion scratch; and what layer options add to one layer's
+working set, which is no fixed share of what they add to `dense` (measured on XLA:CPU, per token: qk_norm 0.64x its
+none addition under none, 0.68x under minimal, save_qkv_proj and full, 0.16x under save_qkv_out_proj, 2.2x under
+save_out_proj; LoRA, whose none addition is negative (-800 bytes: the frozen base needs no input kept for its weight
+gradients), 1068 to 3388 bytes more).
 """
 
 from __future__ import annotations
@@ -111,7 +124,7 @@ class Widths:
     kv: int
     mlp: int
     heads: int  # query heads per device
-    length: int  # the whole sequence length (keys one query can see)
+    length: int  # the whole sequence length: a dot-product score row, in a local layer too (its window is a mask)
     attention: str = "dot_product"  # resolved implementation
     kernel_fused: bool = False  # it is a fused kernel on the device kind's platform (model/attention_kinds.py)
     context: int = 1  # context shards (ring attention)
@@ -205,6 +218,17 @@ class Widths:
         dense, scores, mlp = fitted(compiler_name).working[remat.on_device(policy).name]
         return (dense * self.dense_bytes(itemsize) + self.kernel_working_bytes(itemsize, scores)
                 + mlp * self.mlp * itemsize + partials)
+
+    def unit_working_bytes(self, policy: remat.Policy, itemsize: int, compiler_name: str, layers: int) -> float:
+        """The backward working set per token of one stacked unit of `layers` layers, rematerialised as one: its
+        forward re-runs whole, so every layer but the one being differentiated holds what the policy did not keep
+        (everything a layer keeps without remat, less what the policy saves) beside that layer's working set."""
+        everything = self.saved_bytes(remat.policy("none"), itemsize)
+        recomputed = max(everything - self.saved_bytes(remat.on_device(policy), itemsize), 0)
+        layer = self.working_bytes(policy, itemsize, compiler_name)
+        if not recomputed:  # nothing re-runs (none): XLA:CPU held every layer's working set (tests/test_plan_memory)
+            return layers * layer
+        return layer + (layers - 1) * recomputed * fitted(compiler_name).unit_kept
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,7 +365,7 @@ def activation_terms(cfg: Config, sizes: Mapping[str, int], geo: Geometry, gathe
     moe_saved = {"everything": moe_per_layer, "dots": moe_dots}.get(policy.keeps, 0.0)
     return ActivationTerms(
         saved=geo.layers * tokens * (w.saved_bytes(policy, size) + _option_bytes(cfg, w, policy)),
-        working=tokens * per_layer * w.working_bytes(policy, size, target),
+        working=tokens * w.unit_working_bytes(policy, size, target, per_layer),
         moe=geo.moe_layers * tokens * moe_saved + tokens * moe_per_layer,
         pipeline=0.0,
         block=w.block_bytes(max(tokens // local_length, 1)),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from maxshard.model import pipeline_schedule, quantization, remat
+from maxshard.model import blocks, flops, pipeline_schedule, quantization, remat
 from maxshard.planning.estimate import AxisTime, Plan
 from maxshard.planning.memory import ActivationTerms, Widths, compiler, effective_policy, widths
 from maxshard.units import format_bytes
@@ -45,7 +45,19 @@ def _header(plan: Plan) -> list[str]:
         _mesh_line(plan),
         f"model: {_count(plan.param_count)} parameters; batch {cfg.global_batch_size} x {cfg.max_target_length} "
         f"tokens; remat_policy={cfg.remat_policy}; gradient_accumulation_steps={cfg.gradient_accumulation_steps}",
+        *_layers_line(cfg.model),
     ]
+
+
+def _layers_line(model: Any) -> list[str]:
+    """A local/global model's attention: how many layers are local, what they see, and what that saves."""
+    if not model.has_local_layers:
+        return []
+    local = sum(layer.local for layer in blocks.layers(model))
+    window, length = model.sliding_window, model.max_target_length
+    share = flops.keys_seen(length, window) / flops.keys_seen(length)
+    return [f"attention: {_plural(local, 'local layer')} (window {window} of {length} tokens: {share:.0%} of a global "
+            f"layer's score and value FLOPs) + {model.num_layers - local} global"]
 
 
 def _memory(plan: Plan) -> list[str]:

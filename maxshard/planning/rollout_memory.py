@@ -4,7 +4,8 @@ A GRPO step first samples completions of the whole global batch with the KV-cach
 own parameters, then trains on them. The cache and the step's gradients and activations are never alive together,
 so the plan's peak takes the larger of the two beside the state (`estimate.Plan.peak_bytes`). The cache's shape is
 traced from the model (`transformer.abstract_cache`: [layers, batch, kv_heads, prompt + new tokens, head_dim] for
-keys and values) and laid out by the run's logical rules, as generation lays it out.
+keys and values; whatever a local layer's cache keeps of its window, the traced shape has it) and laid out by the
+run's logical rules, as generation lays it out.
 """
 
 from __future__ import annotations
