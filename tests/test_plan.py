@@ -9,7 +9,7 @@ inputs and compiled, then
                documented translations of what XLA:CPU does differently from XLA:TPU/GPU (see `as_cpu_compiles`),
                within the tolerances below; each gap is a piece the planner leaves out on purpose;
   peak         params + optimizer + gradients + activations within 15% of the compiled step's peak (arguments +
-               temporaries + outputs - aliased); the grid of 25 configurations is tests/test_plan_memory.py.
+               temporaries + outputs - aliased); the grid of 27 configurations is tests/test_plan_memory.py.
 Agreement measured on jax 0.10.2 (bytes per device, plan as XLA:CPU compiles it / measured):
     fsdp=8            all-gather 753,664 / 755,712   reductions 427,264 / 427,380     all-to-all 32,768 / 32,768
     data=8                                           reductions 525,568 / 525,576
@@ -178,7 +178,7 @@ def test_plan_matches_compiled_train_step(layout: str) -> None:
     assert measured["all-to-all"]["bytes"] == planned["all-to-all"]
     assert measured["collective-permute"]["bytes"] <= 1024  # token ids moved between layouts; none planned
 
-    # within 15%, as in the 25-configuration check of tests/test_plan_memory.py
+    # within 15%, as in the 27-configuration check of tests/test_plan_memory.py
     assert abs(plan.peak_bytes / compiled.peak_bytes(stats) - 1) <= 0.15
 
 

@@ -70,9 +70,10 @@ def attention_flops(cfg: ModelConfig) -> int:
     """Forward FLOPs per token of attention's scores and values over the stack: q.k is 2 x keys x heads x
     qk_head_dim and p.v 2 x keys x heads x v_head_dim, where keys are the ones a query sees (`keys_seen`: length / 2
     causal, about the window in a local layer). What the model needs, as MFU counts it, not what a kernel executes:
-    dot_product computes the whole [length, length] scores and masks them, for a window as for causality."""
+    dot_product computes the whole [length, length] scores and masks them, for a window as for causality. The
+    multi-token prediction modules' layers (`blocks.mtp_layers`) count as decoder layers."""
     total = 0.0
-    for layer in blocks.layers(cfg):
+    for layer in (*blocks.layers(cfg), *blocks.mtp_layers(cfg)):
         a = blocks.attention_widths(cfg, layer.attention)
         keys = keys_seen(cfg.max_target_length, cfg.sliding_window if layer.local else 0)
         total += 2 * keys * a.heads * (a.qk_head_dim + a.v_head_dim)
