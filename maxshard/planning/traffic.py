@@ -76,7 +76,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 from maxshard.config import Config
-from maxshard.model import pipeline_schedule, remat, trainable
+from maxshard.model import blocks, pipeline_schedule, remat, trainable
 from maxshard.model.layers.moe import capacity, group_size
 from maxshard.model.layers.moe_grouped import exchange_slots
 from maxshard.observe.report import Report
@@ -137,12 +137,17 @@ def geometry(cfg: Config, sizes: Mapping[str, int], compute_itemsize: int) -> Ge
     schedule = pipeline_schedule.of(pipe) if pipe is not None else None
     stages = pipe.stages if pipe is not None else 1
     microbatches, repeats = (pipe.microbatches, pipe.repeats) if pipe is not None else (1, 1)
-    moe_layers = cfg.model.num_moe_layers
+    # The main stack is split over the stages; the other stacks (dense first layers, the layers a pattern leaves
+    # over) and the multi-token prediction modules' layers run outside the pipeline, on every stage.
+    stacks = blocks.stacks(cfg.model)
+    main = blocks.main_stack(cfg.model)
+    extra = sum(s.num_layers for s in stacks if s.name != blocks.MAIN_STACK) + cfg.model.mtp_depth
+    extra_moe = cfg.model.mtp_depth if main.unit[-1].mlp == "moe" else 0
+    moe_layers = cfg.model.num_moe_layers + extra_moe * stages
     return Geometry(
         tokens=batch * length,
         outer_tokens=outer * outer_length,
-        layers=cfg.first_k_dense_replace + (cfg.num_layers - cfg.first_k_dense_replace) // stages,  # dense first
-        # layers (model/blocks.py) run before the pipeline, on every stage
+        layers=extra + main.num_layers // stages,
         accumulation=cfg.gradient_accumulation_steps,
         stages=stages,
         microbatches=microbatches,
