@@ -28,7 +28,8 @@ _LLAMA3 = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_low_freq_fa
 _YARN = {"factor": ("rope_scaling_factor", None), "original_max_position_embeddings": ("rope_original_max_position", None),
          "beta_fast": ("yarn_beta_fast", 32.0), "beta_slow": ("yarn_beta_slow", 1.0), "mscale": ("yarn_mscale", 1.0),
          "mscale_all_dim": ("yarn_mscale_all_dim", 0.0)}
-_REPLACED = ("rope_parameters", "rope_scaling", "rope_theta", "torch_dtype", "dtype", "transformers_version")
+_REPLACED = ("rope_parameters", "rope_scaling", "rope_theta", "torch_dtype", "dtype", "transformers_version",
+             "quantization_config")  # exports are plain tensors, whatever the source was
 
 
 def read(directory: str) -> dict[str, Any]:
@@ -72,25 +73,76 @@ def _check_window(hf: Mapping[str, Any], fam: Family) -> None:
 
 def _check_representable(hf: Mapping[str, Any], fam: Family) -> None:
     """Fields that change the function in ways maxshard's decoder cannot reproduce."""
-    for field in ("attention_bias", "mlp_bias"):
+    for field in ("mlp_bias",) if fam.biases else ("attention_bias", "mlp_bias"):
         if hf.get(field):
             raise _refuse(field, hf[field], "maxshard's projections have no biases")
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise _refuse("hidden_act", act, "maxshard's MLP is SwiGLU with silu")
-    _check_window(hf, fam)
+    if fam.layer_types:
+        _attention_pattern(hf)  # refuses what it cannot read
+    else:
+        _check_window(hf, fam)
     kinds = sorted(set(hf.get("layer_types") or ["full_attention"]) - {"full_attention"})
-    if kinds:
+    if kinds and not fam.layer_types:
         raise _refuse("layer_types", kinds, "maxshard attends over the whole context in every layer")
     for field, value in fam.must_equal.items():
         if field in hf and hf[field] != value:
             raise _refuse(field, hf[field], f"maxshard converts {fam.architecture} only with {field}={value}")
-    if hf.get("quantization_config"):
+    method = (hf.get("quantization_config") or {}).get("quant_method")
+    if hf.get("quantization_config") and method not in fam.quantized_experts:
         raise _refuse("quantization_config", hf["quantization_config"].get("quant_method", "?"),
                       "quantized checkpoints cannot be converted")
     for field in _REQUIRED:
         if not isinstance(hf.get(field), int):
             raise ConfigError(f"config.json has no integer {field}")
+
+
+_LAYER_KINDS = {"sliding_attention": "local", "full_attention": "global"}
+
+
+def _attention_pattern(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """attention_pattern (the shortest period of config.json's layer_types, counted from layer 0) and
+    sliding_window (0 when no layer is local) of a family with layer_types."""
+    types = list(hf.get("layer_types") or ["full_attention"] * hf.get("num_hidden_layers", 1))
+    unknown = sorted(set(types) - set(_LAYER_KINDS))
+    if unknown:
+        raise _refuse("layer_types", unknown, "maxshard's layers are sliding_attention or full_attention")
+    kinds = [_LAYER_KINDS[t] for t in types]
+    period = next(p for p in range(1, len(kinds) + 1) if all(k == kinds[i % p] for i, k in enumerate(kinds)))
+    window = hf.get("sliding_window") or 0
+    if "local" in kinds and not (isinstance(window, int) and window > 0):
+        raise _refuse("sliding_window", window, "sliding_attention layers need a positive window")
+    return {"attention_pattern": kinds[:period], "sliding_window": window if "local" in kinds else 0}
+
+
+def _layer_types(keys: Mapping[str, Any]) -> dict[str, Any]:
+    """config.json's layer_types and sliding_window of attention_pattern and sliding_window (export)."""
+    pattern = list(keys.get("attention_pattern", ["global"]))
+    inverse = {v: k for k, v in _LAYER_KINDS.items()}
+    types = [inverse[pattern[i % len(pattern)]] for i in range(keys["num_layers"])]
+    return {"layer_types": types, "sliding_window": keys.get("sliding_window") or None}
+
+
+def _own_keys(hf: Mapping[str, Any], fam: Family) -> dict[str, Any]:
+    """The keys of the switches a family row turns on: local/global layers, biases, the clamped SwiGLU."""
+    out: dict[str, Any] = _attention_pattern(hf) if fam.layer_types else {}
+    if fam.biases:
+        out["attention_bias"] = bool(hf.get("attention_bias", False))
+    if fam.keys.get("mlp_activation") == "clamped_swiglu":  # transformers' defaults where config.json is silent
+        out["swiglu_limit"] = float(hf.get("swiglu_limit", 7.0))
+        out["swiglu_alpha"] = float(hf.get("swiglu_alpha", 1.702))
+    return out
+
+
+def _own_fields(keys: Mapping[str, Any], fam: Family) -> dict[str, Any]:
+    """config.json's fields of `_own_keys` (export)."""
+    out: dict[str, Any] = _layer_types(keys) if fam.layer_types else {}
+    if fam.biases:
+        out["attention_bias"] = bool(keys.get("attention_bias", False))
+    if fam.keys.get("mlp_activation") == "clamped_swiglu":
+        out["swiglu_limit"], out["swiglu_alpha"] = keys["swiglu_limit"], keys["swiglu_alpha"]
+    return out
 
 
 def rope_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
@@ -121,11 +173,11 @@ def rope_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
 
 def _yarn_keys(params: Mapping[str, Any], where: str) -> dict[str, Any]:
     """YaRN's constants, transformers' defaults where a field is absent; its variants maxshard lacks refused."""
-    if params.get("truncate", True) is not True:
-        raise _refuse(f"{where}.truncate", params["truncate"], "maxshard's YaRN truncates the correction range")
     if params.get("attention_factor") is not None:
         raise _refuse(f"{where}.attention_factor", params["attention_factor"], "maxshard derives it from mscale")
     keys: dict[str, Any] = {"rope_scaling_type": "yarn"}
+    if params.get("truncate", True) is not True:
+        keys["yarn_truncate"] = False  # GPT-OSS
     for field, (key, default) in _YARN.items():
         if field not in params and default is None:
             raise ConfigError(f"config.json: {where} has rope_type yarn but no {field}")
@@ -182,6 +234,7 @@ def model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
         **rope_keys(hf),
         **(_moe_keys(hf, fam) if fam.is_moe else {}),
         **_family_fields(hf, fam),
+        **_own_keys(hf, fam),
     }
 
 
@@ -190,7 +243,9 @@ def _rope_scaling(keys: Mapping[str, Any]) -> dict[str, Any] | None:
     if kind == "none":
         return None
     if kind == "yarn":
-        return {"rope_type": "yarn", **{field: keys.get(key, default) for field, (key, default) in _YARN.items()}}
+        truncate = {} if keys.get("yarn_truncate", True) else {"truncate": False}
+        return {"rope_type": "yarn", **{field: keys.get(key, default) for field, (key, default) in _YARN.items()},
+                **truncate}
     return {"rope_type": "llama3", **{field: keys[key] for field, key in _LLAMA3.items()}}
 
 
@@ -206,6 +261,8 @@ def family_of_keys(keys: Mapping[str, Any]) -> Family:
     moe, qk_norm = keys.get("num_experts", 1) > 1, bool(keys.get("qk_norm", False))
     if keys.get("attention_type", "gqa") == "mla":
         return by_architecture("DeepseekV3ForCausalLM")
+    if keys.get("moe_bias") or keys.get("attention_sinks"):
+        return by_architecture("GptOssForCausalLM")
     if not moe:
         return by_architecture("Qwen3ForCausalLM" if qk_norm else "LlamaForCausalLM")
     return by_architecture("Qwen3MoeForCausalLM" if qk_norm else "MixtralForCausalLM")
@@ -218,6 +275,9 @@ def _check_family(keys: Mapping[str, Any], fam: Family) -> None:
     wants["attention_type"] = (keys.get("attention_type", "gqa"), fam.attention)
     for key, value in fam.keys.items():
         wants[key] = (keys.get(key), value)
+    for key, has in (("attention_bias", fam.biases), ("moe_bias", fam.biases), ("attention_sinks", fam.sinks)):
+        if not has:
+            wants[key] = (bool(keys.get(key, False)), False)
     if fam.is_moe:
         wants["moe_layer_interval"] = (keys.get("moe_layer_interval", 1), 1)
         if not fam.shared_experts:
@@ -272,6 +332,7 @@ def to_hf(keys: Mapping[str, Any], dtype: str, template: Mapping[str, Any] | Non
         out["intermediate_size"] = keys["mlp_dim"]
     for field, key in fam.fields.items():
         out[field] = keys[key] if keys.get(key) or field != "q_lora_rank" else None  # DeepSeek writes null
+    out.update(_own_fields(keys, fam))
     for field, value in (token_ids or {}).items():
         out.setdefault(field, value)
     return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,14 +27,15 @@ __all__ = ["MODEL_KEYS", "model_config", "Param", "params_of"]
 # What a checkpoint's config keeps of the network for conversion (the training length and the capacity factor, which
 # the converter sets, are implementation fields; both are read when present).
 MODEL_KEYS = (*architecture_keys(), "max_target_length", "capacity_factor")
-_MOE_LAYER = "layer_0"  # an MoE stack's repeated unit is a block of moe_layer_interval (here 1) layers
+# A stack's unit of several layers (an MoE block, a local/global pattern: model/blocks.py) holds each under layer_<j>.
+_UNIT_LAYER = re.compile(r"layer_(\d+)")
 
 
 def model_config(keys: Mapping[str, Any]) -> ModelConfig:
     """The network of these model keys (scanned layers, no pipeline, every other field at its default): all the
     converter needs to know the parameter tree, with no run, mesh or devices."""
     cfg = ModelConfig(**{k: keys[k] for k in MODEL_KEYS if k in keys}, scan_layers=True)
-    if cfg.is_moe and cfg.moe_layer_interval != 1:
+    if cfg.is_moe and cfg.moe_layer_interval != 1:  # (a unit's layers would have different tables: supported)
         raise ConfigError(f"moe_layer_interval={cfg.moe_layer_interval}: the converted MoE families route in every "
                           "layer after their dense first ones")
     return cfg
@@ -41,15 +43,19 @@ def model_config(keys: Mapping[str, Any]) -> ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Param:
-    """One maxshard parameter: its path, shape (stacked [layers, ...] when `stacked`) and the table row. A stacked
+    """One maxshard parameter: its path, shape (stacked [units, ...] when `stacked`) and the table row. A stacked
     parameter belongs to one of the decoder's stacks (model/blocks.py), whose first layer is Hugging Face's layer
-    `first` (DeepSeek-V3's MoE stack starts after its dense first layers)."""
+    `first` (DeepSeek-V3's MoE stack starts after its dense first layers); it is layer `sublayer` of each unit of
+    `period` layers (GPT-OSS: 2, local then global), so unit u holds Hugging Face's layer
+    first + u * period + sublayer."""
 
     path: tuple[str, ...]
     shape: tuple[int, ...]
     entry: names.Entry
     stacked: bool
     first: int = 0
+    sublayer: int = 0
+    period: int = 1
 
     @property
     def stack(self) -> str:
@@ -71,12 +77,16 @@ class Param:
         layers numbered as Hugging Face numbers them."""
         ranges = [range(n) for n in self.shape[: self.lead]]
         if self.stacked:
-            ranges[0] = range(self.first, self.first + self.shape[0])
+            ranges[0] = range(self.first + self.sublayer, self.first + self.shape[0] * self.period, self.period)
         return list(itertools.product(*ranges))
+
+    def unit(self, layer: int) -> int:
+        """The unit of its stack that holds Hugging Face's layer `layer`."""
+        return (layer - self.first - self.sublayer) // self.period
 
     def local(self, index: tuple[int, ...]) -> tuple[int, ...]:
         """A Hugging Face tensor's index (`indices`) in this parameter's own array: its unit of the stack."""
-        return (index[0] - self.first, *index[1:]) if self.stacked else index
+        return (self.unit(index[0]), *index[1:]) if self.stacked else index
 
 
 def _key(entry: Any) -> str:
@@ -87,18 +97,23 @@ def params_of(cfg: ModelConfig, family: Family) -> list[Param]:
     """Every parameter of the model in tree order; a leaf the family's table does not know is an error."""
     by_path = {e.path: e for e in (*names.GLOBAL, names.HEAD)}
     stacks, first = {}, 0
-    for stack in blocks.stacks(cfg):  # each stack's table (its layers' kinds) and first Hugging Face layer
-        stacks[stack.name] = ({e.path: e for e in names.per_layer(family, cfg, stack.unit[-1])}, first)
+    for stack in blocks.stacks(cfg):  # each stack's tables (one per layer of its unit) and first Hugging Face layer
+        tables = [{e.path: e for e in names.per_layer(family, cfg, kind)} for kind in stack.unit]
+        stacks[stack.name] = (tables, first)
         first += stack.num_layers
     leaves, _ = jax.tree_util.tree_flatten_with_path(nn.unbox(model.abstract_params(cfg)))
     out = []
     for key_path, leaf in leaves:
         path = tuple(_key(k) for k in key_path)
         stacked = path[0] == "decoder" and path[1] in stacks
-        table, offset = stacks[path[1]] if stacked else (by_path, 0)
-        inner = (path[3:] if path[2:3] == (_MOE_LAYER,) else path[2:]) if stacked else path
-        entry = table.get(inner)
+        entry, offset, sublayer, period = by_path.get(path), 0, 0, 1
+        if stacked:
+            tables, offset = stacks[path[1]]
+            unit_layer = _UNIT_LAYER.fullmatch(path[2]) if len(path) > 2 else None
+            sublayer, inner = (int(unit_layer.group(1)), path[3:]) if unit_layer else (0, path[2:])
+            period = len(tables)
+            entry = tables[sublayer].get(inner) if sublayer < period else None
         if entry is None:
             raise ConfigError(f"parameter {'/'.join(path)} has no tensor in {family.architecture}")
-        out.append(Param(path, tuple(leaf.shape), entry, stacked, offset))
+        out.append(Param(path, tuple(leaf.shape), entry, stacked, offset, sublayer, period))
     return out

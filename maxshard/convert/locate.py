@@ -26,9 +26,9 @@ def locate(reader: orbax_io.Reader, param: layout.Param,
 
 
 def locate_layer(reader: orbax_io.Reader, param: layout.Param, layer: int) -> tuple[tuple[str, ...], tuple]:
-    """Hugging Face's layer `layer` of a stacked parameter: unit `layer - param.first` of its stack, scanned,
+    """Hugging Face's layer `layer` of a stacked parameter: its unit of its stack (`Param.unit`), scanned,
     unrolled, or (the main stack only) pipelined."""
-    rest, stack, unit = param.path[2:], param.stack, layer - param.first
+    rest, stack, unit = param.path[2:], param.stack, param.unit(layer)
     candidates = [(("decoder", stack, *rest), (unit,)), (("decoder", f"{stack}_{unit}", *rest), ())]
     pipelined = ("decoder", "pipeline", "layers", *rest)
     if stack == MAIN_STACK and pipelined in reader.arrays:

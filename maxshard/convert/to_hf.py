@@ -65,7 +65,7 @@ def _blocks(reader: orbax_io.Reader, path: tuple[str, ...], index: tuple, entry:
 
     Hugging Face's rows run along maxshard's first output dim (dim 0 for a "same" layout): a block of heads of
     q_proj, of embed rows of o_proj, of vocab rows of lm_head. So memory is one block, not the tensor."""
-    axis = 0 if entry.layout == "same" else entry.num_in
+    axis = names.row_axis(entry)
     if not layer_shape:
         yield reader.read(path, index).astype(target)
         return
@@ -81,18 +81,19 @@ def _order(params: list[layout.Param], family: Family, cfg: ModelConfig
            ) -> list[tuple[layout.Param, tuple[int, ...]]]:
     """Every Hugging Face tensor as (parameter, index), in Hugging Face's usual order: embeddings, each layer's
     tensors (each expert's inside its layer), final norm, head."""
-    by_entry = {(p.stack, p.entry): p for p in params}
-    order = [(by_entry["", e], ()) for e in names.GLOBAL[:1]]
+    by_entry = {(p.stack, p.sublayer, p.entry): p for p in params}
+    order = [(by_entry["", 0, e], ()) for e in names.GLOBAL[:1]]
     i = 0
     for stack in blocks.stacks(cfg):
-        for _ in range(stack.num_layers):
-            for entry in names.per_layer(family, cfg, stack.unit[-1]):
+        for layer in range(stack.num_layers):
+            sublayer = layer % len(stack.unit)  # a unit of several layers (model/blocks.py) holds each as layer_<j>
+            for entry in names.per_layer(family, cfg, stack.unit[sublayer]):
                 if entry.part and entry.part[0]:
                     continue  # written with the tensor's first part (`_joined`)
-                param = by_entry[stack.name, entry]
+                param = by_entry[stack.name, sublayer, entry]
                 order += [(param, (i, e)) for e in range(param.shape[1])] if entry.per_expert else [(param, (i,))]
             i += 1
-    return order + [(by_entry["", e], ()) for e in (*names.GLOBAL[1:], names.HEAD) if ("", e) in by_entry]
+    return order + [(by_entry["", 0, e], ()) for e in (*names.GLOBAL[1:], names.HEAD) if ("", 0, e) in by_entry]
 
 
 def _merged(reader: orbax_io.Reader, adapters: lora.Adapters, param: layout.Param, at: tuple[int, ...],
@@ -123,7 +124,8 @@ def _tensors(reader: orbax_io.Reader, params: list[layout.Param], family: Family
         target = DTYPES[dtype] if dtype else np.dtype(reader.arrays[path].dtype)
         spec = safetensors_io.TensorSpec(names.hf_name(entry, at), names.hf_shape(entry, param.layer_shape), target)
         if entry.part:
-            parts = [p for p in params if p.stack == param.stack and p.entry.hf == entry.hf]
+            parts = [p for p in params if p.stack == param.stack and p.sublayer == param.sublayer
+                     and p.entry.hf == entry.hf]
             produce = functools.partial(_joined, reader, parts, at, target)
         elif adapters is not None and adapters.has(param):
             produce = functools.partial(_merged, reader, adapters, param, at, target)
