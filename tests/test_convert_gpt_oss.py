@@ -51,6 +51,10 @@ def test_config_maps_to_the_model_keys(converted):
     released = {**hf_config.read(str(FIXTURES / "gpt_oss")), "layer_types": ["sliding_attention", "chunked"]}
     with pytest.raises(ConfigError, match="layer_types"):
         hf_config.model_keys(released)
+    mixtral = hf_config.read(str(FIXTURES / "mixtral"))  # what Mixtral's config.json cannot say is refused on export
+    with pytest.raises(ConfigError, match="cannot be written as MixtralForCausalLM"):
+        hf_config.to_hf(keys, "float32", mixtral)
+    assert hf_config.to_hf(keys, "float32")["architectures"] == ["GptOssForCausalLM"]  # without a template
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

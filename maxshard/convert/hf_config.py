@@ -278,6 +278,9 @@ def _check_family(keys: Mapping[str, Any], fam: Family) -> None:
     for key, has in (("attention_bias", fam.biases), ("moe_bias", fam.biases), ("attention_sinks", fam.sinks)):
         if not has:
             wants[key] = (bool(keys.get(key, False)), False)
+    wants.setdefault("mlp_activation", (keys.get("mlp_activation", "silu"), "silu"))
+    if not fam.layer_types:  # a window these families' config.json cannot say
+        wants["sliding_window"] = (keys.get("sliding_window", 0), 0)
     if fam.is_moe:
         wants["moe_layer_interval"] = (keys.get("moe_layer_interval", 1), 1)
         if not fam.shared_experts:
