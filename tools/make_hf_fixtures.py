@@ -36,6 +36,7 @@ Each fixture directory holds what `save_pretrained` writes plus `tokens.npy` (in
   gpt_oss_mxfp4  the same architecture in 2 layers with its expert weights stored as the released checkpoints
                store them: MXFP4 `*_blocks` + `*_scales` (quantized here, `mxfp4_pack`) with quantization_config
                mxfp4; logits.npy is what transformers computes after its own dequantization (float32).
+               Both were written with transformers 5.24.
 
 `python tools/make_hf_fixtures.py NAME ...` rewrites only the named fixtures (all of them without names).
 

@@ -98,8 +98,9 @@ def yarn_scaled(inv_freq: np.ndarray, s: YarnScaling, dim: int, theta: float) ->
 
     Frequency index i turns (original_max_position * inv_freq[i] / 2 pi) times over the original context; solving
     for i at `beta_fast` and `beta_slow` turns gives the band [low, high] (rounded outwards, clipped to the head:
-    transformers' `truncate`, its default; `yarn_truncate: false` keeps the fractional ends, as GPT-OSS). Below `low` the frequency is kept, above `high` divided by `factor`,
-    and between the two the weight of the divided one rises linearly in i."""
+    transformers' `truncate`, its default; `yarn_truncate: false` keeps the fractional ends, as GPT-OSS). Below `low`
+    the frequency is kept, above `high` divided by `factor`, and between the two the weight of the divided one rises
+    linearly in i."""
 
     def index_at(turns: float) -> float:  # the (fractional) frequency index that turns `turns` times
         return dim * math.log(s.original_max_position / (turns * 2 * math.pi)) / (2 * math.log(theta))
