@@ -12,13 +12,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
+from safetensors.numpy import save_file
 from test_convert import FIXTURES, TOLERANCE, apply, read_all, reference, start_from_converted
 
 from maxshard import config, generate
 from maxshard.convert import __main__ as cli
-from maxshard.convert import hf_config, mxfp4
+from maxshard.convert import hf_config, mxfp4, safetensors_io
 from maxshard.errors import ConfigError
 from maxshard.model import blocks
 from maxshard.model import transformer as model
@@ -135,3 +137,23 @@ def test_presets_have_the_published_shapes_and_sizes(name, layers, total):
     assert blocks.stacks(cfg)[0].unit == (blocks.Layer("gqa", "moe", True), blocks.Layer("gqa", "moe", False))
     assert cfg.num_units == layers // 2 and cfg.moe_bias and cfg.attention_sinks and cfg.attention_bias
     assert model.param_count(cfg) == pytest.approx(total, rel=1e-3)
+
+
+def test_mxfp4_pairs_read_as_the_sources_float_dtype_and_lone_halves_are_refused(tmp_path):
+    """A bfloat16 checkpoint (as released): its MXFP4 experts read as one bfloat16 tensor [experts, in, out], rows
+    (experts) dequantized on their own; a _blocks without its _scales is one line naming it."""
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (3, 4, 2, 16), dtype=np.uint8)
+    scales = rng.integers(120, 130, (3, 4, 2), dtype=np.uint8)
+    norm = np.ones(8, ml_dtypes.bfloat16)
+    save_file({"e.gate_up_proj_blocks": blocks, "e.gate_up_proj_scales": scales, "norm": norm},
+              str(tmp_path / "model.safetensors"))
+    with safetensors_io.Source(str(tmp_path)) as source:
+        info = source.tensors["e.gate_up_proj"]
+        assert (info.dtype, info.shape) == (np.dtype(ml_dtypes.bfloat16), (3, 64, 4))
+        whole = mxfp4.dequantize(blocks, scales, np.dtype(np.float32))
+        assert source.read(info, 1, 3).tobytes() == whole[1:3].astype(ml_dtypes.bfloat16).tobytes()
+        assert np.array_equal(whole.astype(ml_dtypes.bfloat16).astype(np.float32), whole)  # exact in bfloat16
+    save_file({"e.gate_up_proj_blocks": blocks, "norm": norm}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ConfigError, match="e.gate_up_proj_blocks has no _scales partner"):
+        safetensors_io.Source(str(tmp_path))
