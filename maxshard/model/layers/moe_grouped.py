@@ -11,6 +11,9 @@ Grouped matmul, `x [rows, embed] @ w[expert of the row]`, with rows sorted by ex
               With rows R and E experts, sum_e ceil(n_e / b) <= (R + E (b - 1)) // b tiles, a static bound for any
               routing; b ~ R / (5 E) keeps the padding <= ~1/5 of R and the gathered kernels ~6 x the experts'.
 `moe_dropless_impl=auto` takes ragged_dot on TPU and tiled elsewhere (`model/config.py`: `resolve_moe_impl`).
+The experts' activation is the model's (`mlp_activation`, layers/mlp.py `GatedActivation`); with `moe_bias` each row
+also gets its expert's biases: per tile (tiled) or gathered per row from the group sizes (ragged_dot), zero for the
+rows past the groups, so empty rows stay zero.
 
 Expert parallelism (the `exp` dimension of the kernels sharded over P devices, E_l = E / P experts each). The layer
 runs in `jax.shard_map`, manual over the mesh axes that split the tokens (the rules of activation_batch and
