@@ -136,9 +136,10 @@ def _moe(family: Family, cfg: ModelConfig) -> tuple[Entry, ...]:
     )
 
 
-def _fused_moe() -> tuple[Entry, ...]:
+def _fused_moe(family: Family) -> tuple[Entry, ...]:
     """GPT-OSS's MoE: a router with a bias, each layer's experts stacked, gate and up interleaved, with biases."""
-    router, experts = "model.layers.{i}.mlp.router", "model.layers.{i}.mlp.experts"
+    stem = f"model.layers.{{i}}.{family.moe_prefix}"
+    router, experts = f"{stem}.{family.router}", f"{stem}.experts"
     return (
         Entry(f"{router}.weight", ("moe", "gate", "kernel"), "linear"),
         Entry(f"{router}.bias", ("moe", "gate", "bias"), "same"),
@@ -167,7 +168,7 @@ def per_layer(family: Family, cfg: ModelConfig, layer: Layer) -> tuple[Entry, ..
     bias, experts, shared experts)."""
     attention = _latent_attention(cfg) if layer.attention == "mla" else (*ATTENTION, *(QK_NORM if family.qk_norm
                                                                                          else ()))
-    mlp = (_fused_moe() if family.fused_experts else _moe(family, cfg)) if layer.mlp == "moe" else MLP
+    mlp = (_fused_moe(family) if family.fused_experts else _moe(family, cfg)) if layer.mlp == "moe" else MLP
     return (*attention, *_attention_extras(cfg, family), MLP_NORM, *mlp)
 
 
