@@ -12,7 +12,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
+from maxshard.errors import ConfigError
 from maxshard.model import blocks, flops, transformer
 from maxshard.model.blocks import Layer, Stack
 from maxshard.model.config import ModelConfig
@@ -92,3 +94,92 @@ def test_dense_first_layers_run_before_the_pipeline_with_the_same_loss_and_gradi
     loss, grads = loss_and_grads(cfg, pipeline.from_scanned(params, cfg.model.pipeline), batch)
     np.testing.assert_allclose(loss, ref_loss, rtol=TOLERANCE)
     assert max_relative_difference(pipeline.to_scanned(grads), ref_grads) < TOLERANCE
+
+
+def test_attention_patterns_make_repeating_units_and_a_last_stack() -> None:
+    """Gemma 3 (62 layers, 5 local then 1 global): 10 units of 6 and the 2 local layers left over; GPT-OSS (MoE in
+    every layer, local and global alternating): units of 2; a window in every layer (Mistral): one local layer."""
+    local, glob = Layer("gqa", "dense", local=True), Layer("gqa", "dense")
+    gemma3 = ModelConfig(vocab_size=8, num_layers=62, sliding_window=1024,
+                         attention_pattern=("local",) * 5 + ("global",))
+    assert blocks.stacks(gemma3) == (Stack("layers", (local,) * 5 + (glob,), 10), Stack("last_layers", (local,) * 2, 1))
+    assert gemma3.num_units == 10 and [layer.local for layer in blocks.layers(gemma3)][-3:] == [False, True, True]
+    gpt_oss = ModelConfig(vocab_size=8, num_layers=24, num_experts=32, sliding_window=128,
+                          attention_pattern=("local", "global"))
+    assert blocks.stacks(gpt_oss) == (Stack("layers", (Layer("gqa", "moe", True), Layer("gqa", "moe")), 12),)
+    assert gpt_oss.num_units == 12 and gpt_oss.num_moe_layers == 24
+    mistral = ModelConfig(vocab_size=8, num_layers=4, sliding_window=4096, attention_pattern=("local",))
+    assert blocks.stacks(mistral) == (Stack("layers", (local,), 4),)
+    assert not blocks.stacks(dataclasses.replace(gemma3, sliding_window=0))[0].unit[0].local  # no window: global
+
+
+# Every option of the local/global families at once, at a window (3) shorter than the documents of packed_batch.
+LOCAL_GLOBAL = ("num_layers=5", "sliding_window=3", "attention_pattern=local,global", "post_norms=true",
+                "norm_unit_offset=true", "mlp_activation=gelu_tanh", "attn_logit_softcapping=2.0",
+                "final_logit_softcapping=3.0", "query_pre_attn_scalar=8", "attention_sinks=true",
+                "attention_bias=true", "embed_scale=true", "qk_norm=true", "rope_local_max_timescale=100",
+                "rope_scaling_type=linear", "rope_scaling_factor=2", "attention=dot_product")
+
+
+def test_a_local_global_model_keeps_its_function_under_a_pipeline() -> None:
+    """pipeline=2 x fsdp=4 (the main stack of 2 [local, global] units in 2 stages, the left-over local layer after
+    it on every stage) against fsdp=8: the same loss and gradients, with every Gemma/GPT-OSS option on."""
+    reference_cfg = small_config(*LOCAL_GLOBAL)
+    assert [s.name for s in blocks.stacks(reference_cfg.model)] == ["layers", "last_layers"]
+    trainer = Trainer(reference_cfg, mesh_for(reference_cfg))
+    params, batch = random_params(trainer), packed_batch(reference_cfg, trainer.mesh)
+    ref_loss, ref_grads = loss_and_grads(reference_cfg, params, batch)
+    cfg = small_config(*LOCAL_GLOBAL, "ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4",
+                       "num_layers_per_pipeline_stage=1")
+    loss, grads = loss_and_grads(cfg, pipeline.from_scanned(params, cfg.model.pipeline), batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=TOLERANCE)
+    assert max_relative_difference(pipeline.to_scanned(grads), ref_grads) < TOLERANCE
+    assert all(np.all(np.isfinite(g)) and np.any(g) for g in jax.tree.leaves(ref_grads))  # sinks, biases: all trained
+
+
+def test_a_local_layer_sees_only_its_window_and_a_global_layer_everything() -> None:
+    """One layer, window 3: changing token 0 moves the logits at positions 0-2 only; as a global layer, all."""
+    cfg = ModelConfig(vocab_size=32, emb_dim=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, mlp_dim=32,
+                      max_target_length=8, sliding_window=3, attention_pattern=("local",), attention_sinks=True)
+    params = transformer.init_params(cfg, jax.random.key(0))
+    tokens = jnp.arange(8, dtype=jnp.int32)[None] + 1
+    changed = tokens.at[0, 0].set(0)
+    ones, positions = jnp.ones_like(tokens), jnp.arange(8, dtype=jnp.int32)[None]
+
+    def moved(model_cfg: ModelConfig) -> np.ndarray:
+        model = transformer.Transformer(model_cfg)
+        a, b = (model.apply({"params": nn.unbox(params)}, t, ones, positions) for t in (tokens, changed))
+        return np.abs(np.asarray(a - b)).max(axis=-1)[0] > 1e-6
+
+    assert moved(cfg).tolist() == [True] * 3 + [False] * 5
+    assert moved(dataclasses.replace(cfg, attention_pattern=("global",), sliding_window=0)).all()
+
+
+def test_scanned_and_unrolled_pattern_stacks_compute_the_same_function() -> None:
+    cfg = ModelConfig(vocab_size=32, emb_dim=16, num_layers=5, num_heads=2, num_kv_heads=1, head_dim=8, mlp_dim=32,
+                      max_target_length=8, sliding_window=2, attention_pattern=("local", "global"), post_norms=True)
+    params = nn.unbox(transformer.init_params(cfg, jax.random.key(1)))
+    flat = params["decoder"]
+    unrolled = {**params, "decoder": {
+        **{f"layers_{i}": jax.tree.map(lambda w, i=i: w[i], flat["layers"]) for i in range(2)},
+        "last_layers_0": jax.tree.map(lambda w: w[0], flat["last_layers"])}}
+    tokens = jnp.arange(8, dtype=jnp.int32)[None] % 32
+    ones, positions = jnp.ones_like(tokens), jnp.arange(8, dtype=jnp.int32)[None]
+    scanned = transformer.Transformer(cfg).apply({"params": params}, tokens, ones, positions)
+    plain = transformer.Transformer(dataclasses.replace(cfg, scan_layers=False)).apply({"params": unrolled}, tokens,
+                                                                                         ones, positions)
+    np.testing.assert_allclose(scanned, plain, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (("attention_pattern=local,global",), "sliding_window"),
+    (("sliding_window=4",), "sliding_window"),
+    (("attention_pattern=local,sliding", "sliding_window=4"), "attention_pattern"),
+    (("attention_pattern=local", "sliding_window=4", "attention_type=mla"), "attention_pattern"),
+    (("attn_logit_softcapping=-1",), "attn_logit_softcapping"),
+    (("mlp_activation=clamped_swiglu", "swiglu_limit=0"), "swiglu_limit"),
+])
+def test_bad_local_global_keys_fail_in_one_line_naming_the_key(overrides: tuple[str, ...], key: str) -> None:
+    with pytest.raises(ConfigError, match=key) as err:
+        small_config(*overrides)
+    assert "\n" not in str(err.value)

@@ -131,8 +131,7 @@ def test_mxfp4_checkpoint_imports_to_transformers_dequantized_logits(converted, 
 def test_presets_have_the_published_shapes_and_sizes(name, layers, total):
     """configs/models/gpt_oss_*.yml: the released config.json's keys, and the parameter counts OpenAI's model card
     gives (20.91B, 116.83B total), counted from the model's own tree (eval_shape)."""
-    argv = [str(REPO / "configs" / "base.yml"), f"model_name={name}", "dataset_type=synthetic",
-            "attention=dot_product"]  # the blockwise kernel has no window yet (issue 41's kernel work)
+    argv = [str(REPO / "configs" / "base.yml"), f"model_name={name}", "dataset_type=synthetic"]
     cfg = loading.model_config(config.finalize(config.parse(argv), 8))
     assert blocks.stacks(cfg)[0].unit == (blocks.Layer("gqa", "moe", True), blocks.Layer("gqa", "moe", False))
     assert cfg.num_units == layers // 2 and cfg.moe_bias and cfg.attention_sinks and cfg.attention_bias

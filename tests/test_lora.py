@@ -325,3 +325,35 @@ def test_optimizer_state_and_gradients_are_the_adapters_alone():
     compiled = trainer.jit_train_step(batch).lower(*abstract_inputs(trainer, batch)).compile()
     batch_bytes = 5 * cfg.global_batch_size * cfg.max_target_length * 4
     assert compiled.memory_analysis().argument_size_in_bytes == _bytes(state) + batch_bytes
+
+
+def test_eval_scores_the_adapters_as_the_merged_export_scores(lora_run, tmp_path):
+    """maxshard.eval of the LoRA step (adapters on the base of its load_parameters_path) gives the per-request
+    log-likelihoods of its merged export imported back (which are not the base's:
+    test_merged_export_computes_what_the_adapters_compute)."""
+    pytest.importorskip("lm_eval")
+    from maxshard import eval as eval_cli
+    from tests.test_eval import TASKS_DIR, _numbers
+
+    root, argv, _ = lora_run
+    assert convert_cli.main(["to_hf", str(_step_dir(root)), str(tmp_path / "hf")]) == 0
+    assert convert_cli.main(["from_hf", str(tmp_path / "hf"), str(tmp_path / "back")]) == 0
+    tasks = ("local_choice", "local_rolling")
+
+    def loglikelihoods(name: str, *keys: str) -> list[float]:
+        out = tmp_path / name
+        ours = [f"tasks={','.join(tasks)}", f"eval_tasks_dir={TASKS_DIR}", "max_target_length=32",
+                f"eval_output={out}", f"base_output_directory={out}", "eval_batch_size=4"]
+        mine = {key.split("=")[0] for key in ours}
+        assert eval_cli.run([k for k in keys if k.split("=")[0] not in mine] + ours, jax.devices()[:1]) == 0
+        (directory,) = [p for p in out.iterdir() if p.is_dir() and p.name != "default"]
+        rows = []
+        for task in tasks:
+            (samples,) = directory.glob(f"samples_{task}_*.jsonl")
+            records = sorted((json.loads(line) for line in samples.read_text().splitlines()), key=lambda r: r["doc_id"])
+            rows += _numbers([r["resps"] for r in records])
+        return rows
+
+    with_adapters = loglikelihoods("lora", *argv, f"load_parameters_path={_step_dir(root)}")
+    merged = loglikelihoods("merged", str(tmp_path / "back" / "config.yml"))
+    assert with_adapters == pytest.approx(merged, abs=1e-4)

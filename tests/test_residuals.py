@@ -68,6 +68,7 @@ PROBES = {
     "swiglu_alpha": ({"mlp_activation": "clamped_swiglu"}, 1.5),
     "embed_scale": ({}, True),
     "moe_bias": (MOE, True),
+    "mtp_depth": ({}, 1),
 }
 
 

@@ -19,6 +19,7 @@ import jax
 import pytest
 
 from maxshard.launch import topologies
+from maxshard.model import blocks
 from maxshard.parallel import mesh
 from maxshard.planning.compiled import compile_init, compile_train_step, peak_bytes
 from maxshard.planning.tpu_compile import INSTALL, abstract_devices, topology_name
@@ -33,8 +34,13 @@ TARGET = topologies.parse("v5litepod-8")
 MODEL = ("dataset_type=synthetic", "emb_dim=256", "num_layers=2", "num_heads=4", "num_kv_heads=4", "head_dim=128",
          "mlp_dim=512", "max_target_length=256", "vocab_size=1024", "per_device_batch_size=1")
 MOE = ("num_experts=4", "num_experts_per_tok=2", "moe_layer_interval=2", "capacity_factor=-1")
+# Gemma's and GPT-OSS's options on a [local, global] unit and a left-over local layer: splash with its local mask
+# (a 128-key window of the 256 tokens), soft-cap and sinks (the other layouts compile the plain model).
+LOCAL_GLOBAL = ("num_layers=3", "sliding_window=128", "attention_pattern=local,global", "attn_logit_softcapping=50",
+                "attention_sinks=true", "post_norms=true", "norm_unit_offset=true", "mlp_activation=gelu_tanh",
+                "embed_scale=true", "final_logit_softcapping=30", "rope_local_max_timescale=10000")
 LAYOUTS = {
-    "fsdp": ("ici_fsdp_parallelism=8",),
+    "fsdp, local/global": ("ici_fsdp_parallelism=8", *LOCAL_GLOBAL),
     "context": ("ici_fsdp_parallelism=4", "ici_context_parallelism=2"),
     "sequence x tensor": ("ici_fsdp_parallelism=2", "ici_sequence_parallelism=2", "ici_tensor_parallelism=2"),
     "expert": ("ici_fsdp_parallelism=2", "ici_expert_parallelism=4", *MOE),
@@ -98,6 +104,8 @@ def test_init_and_step_compile_for_a_v5e_slice_with_the_tpu_defaults(layout, dev
     program = step.as_text()
     if "deepseek" in layout:
         assert cfg.model.attention_type == "mla" and cfg.model.first_k_dense_replace == 1
+    if "local" in layout:
+        assert [s.name for s in blocks.stacks(cfg.model)] == ["layers", "last_layers"]
     if layout == "context":  # ring attention: its steps pass K/V around the context ring (blockwise inside)
         assert "collective-permute" in program
     else:  # splash, lowered by Mosaic into the program

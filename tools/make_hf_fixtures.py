@@ -28,6 +28,14 @@ Each fixture directory holds what `save_pretrained` writes plus `tokens.npy` (in
                context of 8 tokens, mscale_all_dim 1, interleaved RoPE as the released config), one dense layer
                first then MoE: 8 experts in 4 groups, 2 groups kept, top-2 by sigmoid scores plus a random
                e_score_correction_bias, routed scaling 2.5, one shared expert; float32; the Llama-style tokenizer.
+  gemma2       Gemma2ForCausalLM: 4 layers alternating local (sliding window of 4 tokens, shorter than the 12-token
+               text and than prompt + generation) and global, (1 + w) norms before and after attention and MLP,
+               GeGLU (gelu_pytorch_tanh), embeddings x sqrt(width), query_pre_attn_scalar 12 (not head_dim 8),
+               attention and output soft-caps small enough to bite (1.0, 4.0), tied head, float32.
+  gemma3       Gemma3ForCausalLM (model_type gemma3_text): 8 layers, five local and one global then two local
+               (sliding_window_pattern 6: maxshard's unit of 6 plus a last_layers stack of 2), window 4, q/k norms,
+               global RoPE base 1000 with linear scaling x4, local base 50 unscaled, query_pre_attn_scalar 12,
+               no soft-caps, tied head, float32.
 
   gpt_oss      GptOssForCausalLM: 4 layers alternating sliding (window 4, shorter than the 12-token text) and full
                attention, sinks, q/k/v/o biases, 4 experts top-2 with router and expert biases, clamped SwiGLU with
@@ -62,6 +70,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Mi
 from transformers import MixtralConfig, MixtralForCausalLM, Qwen3Config, Qwen3ForCausalLM
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Tokenizer
+from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
 from transformers import GptOssConfig, GptOssForCausalLM, Mxfp4Config
 from safetensors.torch import load_file, save_file
 
@@ -79,13 +88,14 @@ LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_fre
           "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
 
 
-def redraw(model: torch.nn.Module, seed: int, bf16: bool) -> None:
-    """Random weights of a useful scale; bfloat16-representable when the fixture is stored in bfloat16."""
+def redraw(model: torch.nn.Module, seed: int, bf16: bool, norm_center: float = 1.0) -> None:
+    """Random weights of a useful scale; bfloat16-representable when the fixture is stored in bfloat16. Norm scales
+    are norm_center +- 0.1 (0 for Gemma's norms, which multiply by 1 + weight)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else 0.15 * noise)
+            p.copy_(norm_center + 0.1 * noise if name.endswith("norm.weight") else 0.15 * noise)
             if bf16:
                 p.copy_(p.to(torch.bfloat16).to(torch.float32))
 
@@ -101,12 +111,13 @@ def reference(model: torch.nn.Module, directory: pathlib.Path) -> np.ndarray:
     return logits
 
 
-def save(model: torch.nn.Module, name: str, seed: int, bf16: bool, **kwargs: object) -> pathlib.Path:
+def save(model: torch.nn.Module, name: str, seed: int, bf16: bool, norm_center: float = 1.0,
+         **kwargs: object) -> pathlib.Path:
     directory = OUT / name
     shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir(parents=True)
     model.eval()
-    redraw(model, seed, bf16)
+    redraw(model, seed, bf16, norm_center)
     reference(model, directory)
     to_save = model.to(torch.bfloat16) if bf16 else model
     to_save.save_pretrained(directory, **kwargs)
@@ -204,6 +215,32 @@ def deepseek_v3() -> None:
     with_tokenizer(model, llama_tok, save(model, "deepseek_v3", seed=7, bf16=False), [2])
 
 
+GEMMA = dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+             max_position_embeddings=256, sliding_window=4, query_pre_attn_scalar=12, tie_word_embeddings=True,
+             hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+             attn_implementation="eager")
+
+
+def gemma2() -> None:
+    llama_tok = llama_bos_tokenizer()
+    config = Gemma2Config(**GEMMA, vocab_size=len(llama_tok), num_hidden_layers=4, attn_logit_softcapping=1.0,
+                          final_logit_softcapping=4.0, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    model = Gemma2ForCausalLM(config)
+    assert model.config.layer_types == ["sliding_attention", "full_attention"] * 2
+    with_tokenizer(model, llama_tok, save(model, "gemma2", seed=14, bf16=False, norm_center=0.0), [2])
+
+
+def gemma3() -> None:
+    llama_tok = llama_bos_tokenizer()
+    rope = {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}}
+    config = Gemma3TextConfig(**GEMMA, vocab_size=len(llama_tok), num_hidden_layers=8, rope_parameters=rope,
+                              final_logit_softcapping=None, attn_logit_softcapping=None)
+    model = Gemma3ForCausalLM(config)
+    assert model.config.layer_types == ["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention"] * 2
+    with_tokenizer(model, llama_tok, save(model, "gemma3", seed=9, bf16=False, norm_center=0.0), [2])
+
+
 def gpt_oss_config(vocab: int, layers: int) -> GptOssConfig:
     # original context 64: the ramp's ends (0 and 2.01 of 8 frequencies) are fractional, so truncate matters
     yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
@@ -272,7 +309,8 @@ def gpt_oss_mxfp4() -> None:
 def main(names: list[str]) -> None:
     if names:
         for name in names:
-            {"deepseek_v3": deepseek_v3, "gpt_oss": gpt_oss, "gpt_oss_mxfp4": gpt_oss_mxfp4}[name]()
+            {"deepseek_v3": deepseek_v3, "gemma2": gemma2, "gemma3": gemma3, "gpt_oss": gpt_oss,
+             "gpt_oss_mxfp4": gpt_oss_mxfp4}[name]()
         return
     torch.manual_seed(0)
     llama = LlamaForCausalLM(LlamaConfig(**COMMON, intermediate_size=96, num_key_value_heads=2, head_dim=8,
@@ -320,6 +358,8 @@ def main(names: list[str]) -> None:
                                                rope_parameters={"rope_type": "default", "rope_theta": 1e6}))
     with_tokenizer(mixtral, llama_tok, save(mixtral, "mixtral", seed=6, bf16=True), [2])
     deepseek_v3()
+    gemma2()
+    gemma3()
     gpt_oss()
     gpt_oss_mxfp4()
 

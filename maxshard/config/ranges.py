@@ -283,6 +283,11 @@ def _check_local_global(cfg: Config) -> None:
     if cfg.rope_local_max_timescale and not cfg.rope_local_max_timescale > 1:
         raise ConfigError(f"rope_local_max_timescale must be 0 (as global layers) or > 1, got "
                           f"{cfg.rope_local_max_timescale}")
+    if cfg.mtp_depth < 0 or cfg.mtp_loss_weight < 0:
+        raise ConfigError(f"mtp_depth and mtp_loss_weight must be >= 0, got {cfg.mtp_depth} and {cfg.mtp_loss_weight}")
+    if cfg.mtp_depth and cfg.pipeline_schedule != "circular":
+        raise ConfigError(f"mtp_depth={cfg.mtp_depth} runs with pipeline_schedule=circular only (the table schedules' "
+                          f"runner computes the main head's loss alone), got {cfg.pipeline_schedule}")
     if cfg.mlp_activation == "clamped_swiglu" and not (cfg.swiglu_limit > 0 and cfg.swiglu_alpha > 0):
         raise ConfigError(f"swiglu_limit and swiglu_alpha must be > 0, got {cfg.swiglu_limit} and {cfg.swiglu_alpha}")
 

@@ -164,6 +164,8 @@ class Config:
     swiglu_limit: float = _model_default("swiglu_limit")
     swiglu_alpha: float = _model_default("swiglu_alpha")
     embed_scale: bool = _model_default("embed_scale")
+    mtp_depth: int = _model_default("mtp_depth")
+    mtp_loss_weight: float = 0.3
     rope_max_timescale: float = _model_default("rope_max_timescale")
     rope_scaling_type: Literal["none", "linear", "llama3", "yarn"] = _model_default("rope_scaling_type")
     rope_scaling_factor: float = _model_default("rope_scaling_factor")

@@ -42,9 +42,25 @@ class Family:
         2 x mlp] with the gate and up columns interleaved, down_proj [experts, mlp, embed], each with a bias.
     biases: q/k/v/o, router and expert biases (config.json's attention_bias; `attention_bias`, `moe_bias`).
     sinks: a learned softmax-denominator logit per head, `self_attn.sinks` (`attention_sinks`).
-    layer_types: config.json's layer_types and sliding_window give `attention_pattern` and `sliding_window`.
     quantized_experts: quantization_config.quant_method values whose expert tensors from_hf dequantizes
         (GPT-OSS's released "mxfp4": convert/mxfp4.py).
+    defaults: config.json fields' values when a file omits them: transformers' config class defaults where they
+        differ from Llama's (Gemma: tied head, head_dim 256, soft-caps), so a short config.json means what it
+        means to transformers.
+    activation_field, activation: the field naming the MLP's activation and the one value the family converts
+        (Gemma: hidden_activation gelu_pytorch_tanh, the tanh GELU of `mlp_activation: gelu_tanh`).
+    local_global: config.json's layer_types (sliding_attention / full_attention) and sliding_window become
+        attention_pattern and sliding_window (hf_local_global.py); without layer_types layer i is local unless
+        (i + 1) is a multiple of `pattern_period` (or the field `pattern_period_field` when present: Gemma 3's
+        sliding_window_pattern).
+    rope_per_layer_type: RoPE settings per layer type (Gemma 3: rope_parameters.{full_attention,
+        sliding_attention}; 4.x: rope_theta + rope_scaling for global layers, rope_local_base_freq for local ones).
+    carries: the layer options (hf_config.LAYER_OPTIONS) the family's config.json can give any value besides
+        those `keys` fixes; every other option must be at its default for a model to be written as the family.
+    null_when_zero: `fields` written as null when the key is 0 (a soft-cap of 0 means none; transformers reads
+        null so).
+    refuse_set: fields whose non-null value transformers ignores for this family (Gemma 3's
+        attn_logit_softcapping), refused rather than guessed.
     """
 
     architecture: str
@@ -69,8 +85,17 @@ class Family:
     fused_experts: bool = False
     biases: bool = False
     sinks: bool = False
-    layer_types: bool = False
     quantized_experts: tuple[str, ...] = ()
+    defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    activation_field: str = "hidden_act"
+    activation: str = "silu"
+    local_global: bool = False
+    pattern_period: int = 0
+    pattern_period_field: str | None = None
+    rope_per_layer_type: bool = False
+    carries: tuple[str, ...] = ()
+    null_when_zero: tuple[str, ...] = ()
+    refuse_set: tuple[str, ...] = ()
 
     @property
     def is_moe(self) -> bool:
@@ -98,14 +123,40 @@ FAMILIES = (
                    "first_k_dense_replace": "first_k_dense_replace", "n_group": "moe_n_group",
                    "topk_group": "moe_topk_group", "routed_scaling_factor": "moe_routed_scaling_factor",
                    "n_shared_experts": "num_shared_experts", "moe_intermediate_size": "moe_mlp_dim",
-                   "intermediate_size": "mlp_dim"},
+                   "intermediate_size": "mlp_dim", "num_nextn_predict_layers": "mtp_depth"},
            keys={"attention_type": "mla", "moe_router": "sigmoid", "moe_router_bias": True},
            must_equal={"moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid"},
            export={"attention_bias": False, "rope_interleave": True}),
     Family("GptOssForCausalLM", "gpt_oss", moe_prefix="mlp", experts_fields=("num_local_experts",), router="router",
-           fused_experts=True, biases=True, sinks=True, layer_types=True, quantized_experts=("mxfp4",),
-           keys={"attention_sinks": True, "moe_bias": True, "mlp_activation": "clamped_swiglu"},
-           export={"attention_bias": True}),
+           fused_experts=True, biases=True, sinks=True, quantized_experts=("mxfp4",), local_global=True,
+           pattern_period=2, carries=("sliding_window", "attention_pattern", "attention_bias"),
+           defaults={"attention_bias": True},  # transformers GptOssConfig's
+           keys={"attention_sinks": True, "moe_bias": True, "mlp_activation": "clamped_swiglu"}),
+)
+
+# Gemma 2 and 3 (text): (1 + w) RMSNorms before and after attention and MLP, GeGLU with tanh GELU, embeddings x
+# sqrt(width), query_pre_attn_scalar, local (sliding-window) and global layers; Gemma 2 soft-caps attention and
+# output logits, Gemma 3 normalises q/k per head and gives local layers their own RoPE base.
+_GEMMA_KEYS = {"norm_unit_offset": True, "post_norms": True, "embed_scale": True, "mlp_activation": "gelu_tanh"}
+_GEMMA_FIELDS = {"query_pre_attn_scalar": "query_pre_attn_scalar", "final_logit_softcapping": "final_logit_softcapping"}
+_GEMMA_DEFAULTS = {"tie_word_embeddings": True, "head_dim": 256, "query_pre_attn_scalar": 256,
+                   "sliding_window": 4096, "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6}
+FAMILIES += (
+    Family("Gemma2ForCausalLM", "gemma2", fields={**_GEMMA_FIELDS, "attn_logit_softcapping": "attn_logit_softcapping"},
+           keys=_GEMMA_KEYS, defaults={**_GEMMA_DEFAULTS, "final_logit_softcapping": 30.0,
+                                       "attn_logit_softcapping": 50.0, "rope_theta": 10000.0},
+           activation_field="hidden_activation", activation="gelu_pytorch_tanh", local_global=True, pattern_period=2,
+           carries=("sliding_window", "attention_pattern", "attn_logit_softcapping", "final_logit_softcapping",
+                    "query_pre_attn_scalar"),
+           null_when_zero=("final_logit_softcapping", "attn_logit_softcapping"), export={"attention_bias": False}),
+    Family("Gemma3ForCausalLM", "gemma3_text", qk_norm=True, fields=_GEMMA_FIELDS, keys=_GEMMA_KEYS,
+           defaults={**_GEMMA_DEFAULTS, "final_logit_softcapping": None, "attn_logit_softcapping": None},
+           activation_field="hidden_activation", activation="gelu_pytorch_tanh", local_global=True, pattern_period=6,
+           pattern_period_field="sliding_window_pattern", rope_per_layer_type=True,
+           carries=("sliding_window", "attention_pattern", "rope_local_max_timescale", "final_logit_softcapping",
+                    "query_pre_attn_scalar"),
+           null_when_zero=("final_logit_softcapping",), refuse_set=("attn_logit_softcapping",),
+           export={"attention_bias": False}),
 )
 
 

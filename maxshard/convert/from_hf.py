@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -81,12 +82,25 @@ def _tensor_plan(cfg: ModelConfig, family: Family, tensors: Mapping[str, safeten
             infos.append(info)
             used.add(name)
         plan.append((param, infos))
+    used |= {name for name, _ in names.mtp_copies(cfg)}  # copies of the shared embedding and head: kept once
     extra = sorted(n for n in tensors if n not in used and not names.IGNORED.fullmatch(n)
                    and not (cfg.logits_via_embedding and n == names.HEAD.hf))
     if extra:
         raise ConfigError(f"{source}: tensor {extra[0]} has no place in maxshard's model (biases and extra modules "
                           "do not convert)")
     return plan
+
+
+def _without_absent_mtp(keys: dict[str, Any], tensors: Mapping[str, Any]) -> dict[str, Any]:
+    """`keys` with mtp_depth 0 when config.json names multi-token prediction layers (DeepSeek's
+    num_nextn_predict_layers) that the checkpoint does not hold: transformers drops them when it loads, so a
+    checkpoint it saved (a fine-tune, our fixtures) keeps the field and loses the layers. Noted on stderr."""
+    depth = keys.get("mtp_depth", 0)
+    if depth and names.hf_name(names.MTP[0], (keys["num_layers"],)) not in tensors:
+        print(f"note: config.json names {depth} multi-token prediction layer(s) the checkpoint does not hold "
+              "(transformers drops them on save): converted without them (mtp_depth 0)", file=sys.stderr)
+        return {**keys, "mtp_depth": 0}
+    return keys
 
 
 def _scalar(value: Any) -> str:
@@ -155,6 +169,7 @@ def convert(hf_dir: str, out_dir: str, base_config: str | None = None) -> Result
     family, keys = hf_config.family(hf), hf_config.model_keys(hf)
     arch = family.architecture
     with safetensors_io.Source(hf_dir) as source:
+        keys = _without_absent_mtp(keys, source.tensors)
         plan = _tensor_plan(layout.model_config(keys), family, source.tensors, hf_dir)
         base = os.path.abspath(base_config or default_base_config())
         if not os.path.isfile(base):

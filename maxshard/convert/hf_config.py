@@ -9,16 +9,19 @@ top-level `rope_theta` + `rope_scaling` (transformers 4.x, what most published c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Mapping
 from typing import Any
 
+from maxshard.convert import hf_local_global
 from maxshard.convert.families import FAMILIES, Family, by_architecture, by_model_type
 from maxshard.errors import ConfigError
+from maxshard.model.config import ModelConfig
 
 __all__ = ["MAX_TARGET_LENGTH", "read", "family", "model_keys", "rope_keys", "to_hf", "default_max_position",
-           "family_of_keys"]
+           "family_of_keys", "LAYER_OPTIONS"]
 
 MAX_TARGET_LENGTH = 2048  # the training length config.yml gets when the model allows more (a key to override)
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -30,6 +33,11 @@ _YARN = {"factor": ("rope_scaling_factor", None), "original_max_position_embeddi
          "mscale_all_dim": ("yarn_mscale_all_dim", 0.0)}
 _REPLACED = ("rope_parameters", "rope_scaling", "rope_theta", "torch_dtype", "dtype", "transformers_version",
              "quantization_config")  # exports are plain tensors, whatever the source was
+# Model keys that change the function and that only some families' config.json can express (families.py `keys` and
+# `carries`): a model with any other value than the default cannot be written as a family that has neither.
+LAYER_OPTIONS = ("sliding_window", "attention_pattern", "rope_local_max_timescale", "attn_logit_softcapping",
+                 "final_logit_softcapping", "query_pre_attn_scalar", "attention_sinks", "attention_bias",
+                 "norm_unit_offset", "post_norms", "mlp_activation", "embed_scale", "moe_bias")
 
 
 def read(directory: str) -> dict[str, Any]:
@@ -76,16 +84,16 @@ def _check_representable(hf: Mapping[str, Any], fam: Family) -> None:
     for field in ("mlp_bias",) if fam.biases else ("attention_bias", "mlp_bias"):
         if hf.get(field):
             raise _refuse(field, hf[field], "maxshard's projections have no biases")
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise _refuse("hidden_act", act, "maxshard's MLP is SwiGLU with silu")
-    if fam.layer_types:
-        _attention_pattern(hf)  # refuses what it cannot read
+    act = hf.get(fam.activation_field, fam.activation)
+    if act != fam.activation:
+        raise _refuse(fam.activation_field, act, f"maxshard converts {fam.architecture}'s MLP with {fam.activation}")
+    if fam.local_global:
+        hf_local_global.check(hf, fam)
     else:
         _check_window(hf, fam)
-    kinds = sorted(set(hf.get("layer_types") or ["full_attention"]) - {"full_attention"})
-    if kinds and not fam.layer_types:
-        raise _refuse("layer_types", kinds, "maxshard attends over the whole context in every layer")
+        kinds = sorted(set(hf.get("layer_types") or ["full_attention"]) - {"full_attention"})
+        if kinds:
+            raise _refuse("layer_types", kinds, "maxshard attends over the whole context in every layer")
     for field, value in fam.must_equal.items():
         if field in hf and hf[field] != value:
             raise _refuse(field, hf[field], f"maxshard converts {fam.architecture} only with {field}={value}")
@@ -98,55 +106,9 @@ def _check_representable(hf: Mapping[str, Any], fam: Family) -> None:
             raise ConfigError(f"config.json has no integer {field}")
 
 
-_LAYER_KINDS = {"sliding_attention": "local", "full_attention": "global"}
-
-
-def _attention_pattern(hf: Mapping[str, Any]) -> dict[str, Any]:
-    """attention_pattern (the shortest period of config.json's layer_types, counted from layer 0) and
-    sliding_window (0 when no layer is local) of a family with layer_types."""
-    types = list(hf.get("layer_types") or ["full_attention"] * hf.get("num_hidden_layers", 1))
-    unknown = sorted(set(types) - set(_LAYER_KINDS))
-    if unknown:
-        raise _refuse("layer_types", unknown, "maxshard's layers are sliding_attention or full_attention")
-    kinds = [_LAYER_KINDS[t] for t in types]
-    period = next(p for p in range(1, len(kinds) + 1) if all(k == kinds[i % p] for i, k in enumerate(kinds)))
-    window = hf.get("sliding_window") or 0
-    if "local" in kinds and not (isinstance(window, int) and window > 0):
-        raise _refuse("sliding_window", window, "sliding_attention layers need a positive window")
-    return {"attention_pattern": kinds[:period], "sliding_window": window if "local" in kinds else 0}
-
-
-def _layer_types(keys: Mapping[str, Any]) -> dict[str, Any]:
-    """config.json's layer_types and sliding_window of attention_pattern and sliding_window (export)."""
-    pattern = list(keys.get("attention_pattern", ["global"]))
-    inverse = {v: k for k, v in _LAYER_KINDS.items()}
-    types = [inverse[pattern[i % len(pattern)]] for i in range(keys["num_layers"])]
-    return {"layer_types": types, "sliding_window": keys.get("sliding_window") or None}
-
-
-def _own_keys(hf: Mapping[str, Any], fam: Family) -> dict[str, Any]:
-    """The keys of the switches a family row turns on: local/global layers, biases, the clamped SwiGLU."""
-    out: dict[str, Any] = _attention_pattern(hf) if fam.layer_types else {}
-    if fam.biases:
-        out["attention_bias"] = bool(hf.get("attention_bias", False))
-    if fam.keys.get("mlp_activation") == "clamped_swiglu":  # transformers' defaults where config.json is silent
-        out["swiglu_limit"] = float(hf.get("swiglu_limit", 7.0))
-        out["swiglu_alpha"] = float(hf.get("swiglu_alpha", 1.702))
-    return out
-
-
-def _own_fields(keys: Mapping[str, Any], fam: Family) -> dict[str, Any]:
-    """config.json's fields of `_own_keys` (export)."""
-    out: dict[str, Any] = _layer_types(keys) if fam.layer_types else {}
-    if fam.biases:
-        out["attention_bias"] = bool(keys.get("attention_bias", False))
-    if fam.keys.get("mlp_activation") == "clamped_swiglu":
-        out["swiglu_limit"], out["swiglu_alpha"] = keys["swiglu_limit"], keys["swiglu_alpha"]
-    return out
-
-
-def rope_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
-    """rope_max_timescale and the rope_scaling_* keys from either spelling of the RoPE settings."""
+def rope_keys(hf: Mapping[str, Any], linear: bool = False) -> dict[str, Any]:
+    """rope_max_timescale and the rope_scaling_* keys from either spelling of the RoPE settings (`linear`: the
+    families whose linear scaling converts, Gemma's)."""
     if hf.get("rope_parameters") is not None:
         params, where = dict(hf["rope_parameters"]), "rope_parameters"
         if any(isinstance(v, Mapping) for v in params.values()):
@@ -161,6 +123,10 @@ def rope_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
         return keys
     if kind == "yarn":
         return {**keys, **_yarn_keys(params, where)}
+    if kind == "linear" and linear:
+        if "factor" not in params:
+            raise ConfigError(f"config.json: {where} has rope_type linear but no factor")
+        return {**keys, "rope_scaling_type": "linear", "rope_scaling_factor": float(params["factor"])}
     if kind != "llama3":
         raise _refuse(f"{where}.rope_type", kind, "maxshard implements default, llama3 and yarn RoPE")
     for field, key in _LLAMA3.items():
@@ -214,6 +180,7 @@ def _moe_keys(hf: Mapping[str, Any], fam: Family) -> dict[str, Any]:
 def model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
     """The maxshard model keys of a config.json of a supported family (ConfigError naming the field otherwise)."""
     fam = family(hf)
+    hf = {**fam.defaults, **hf}  # a field the file omits means transformers' default for the family
     _check_representable(hf, fam)
     if fam.is_moe and not isinstance(hf.get(fam.expert_width_field), int):
         raise ConfigError(f"config.json has no integer {fam.expert_width_field}")
@@ -231,11 +198,31 @@ def model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
         "logits_via_embedding": bool(hf.get("tie_word_embeddings", False)),  # Llama/Mistral default: untied
         "norm_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
         "qk_norm": fam.qk_norm,
-        **rope_keys(hf),
+        **(hf_local_global.rope_keys(hf, lambda h: rope_keys(h, linear=True)) if fam.rope_per_layer_type
+           else rope_keys(hf, linear=fam.local_global)),
         **(_moe_keys(hf, fam) if fam.is_moe else {}),
         **_family_fields(hf, fam),
+        **(hf_local_global.pattern_keys(hf, fam) if fam.local_global else {}),
         **_own_keys(hf, fam),
     }
+
+
+def _own_keys(hf: Mapping[str, Any], fam: Family) -> dict[str, Any]:
+    """The keys of GPT-OSS's switches: biases as config.json's attention_bias says, the clamped SwiGLU's constants
+    (transformers' defaults where config.json is silent: the released files give swiglu_limit only)."""
+    out: dict[str, Any] = {"attention_bias": bool(hf.get("attention_bias", False))} if fam.biases else {}
+    if fam.keys.get("mlp_activation") == "clamped_swiglu":
+        out["swiglu_limit"] = float(hf.get("swiglu_limit", 7.0))
+        out["swiglu_alpha"] = float(hf.get("swiglu_alpha", 1.702))
+    return out
+
+
+def _own_fields(keys: Mapping[str, Any], fam: Family) -> dict[str, Any]:
+    """config.json's fields of `_own_keys` (export)."""
+    out: dict[str, Any] = {"attention_bias": bool(keys.get("attention_bias", False))} if fam.biases else {}
+    if fam.keys.get("mlp_activation") == "clamped_swiglu":
+        out["swiglu_limit"], out["swiglu_alpha"] = keys["swiglu_limit"], keys["swiglu_alpha"]
+    return out
 
 
 def _rope_scaling(keys: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -246,6 +233,8 @@ def _rope_scaling(keys: Mapping[str, Any]) -> dict[str, Any] | None:
         truncate = {} if keys.get("yarn_truncate", True) else {"truncate": False}
         return {"rope_type": "yarn", **{field: keys.get(key, default) for field, (key, default) in _YARN.items()},
                 **truncate}
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": keys["rope_scaling_factor"]}
     return {"rope_type": "llama3", **{field: keys[key] for field, key in _LLAMA3.items()}}
 
 
@@ -259,6 +248,8 @@ def default_max_position(keys: Mapping[str, Any]) -> int:
 def family_of_keys(keys: Mapping[str, Any]) -> Family:
     """The family to export as when there is no template: the plainest row that computes these model keys."""
     moe, qk_norm = keys.get("num_experts", 1) > 1, bool(keys.get("qk_norm", False))
+    if keys.get("post_norms"):
+        return by_architecture("Gemma3ForCausalLM" if qk_norm else "Gemma2ForCausalLM")
     if keys.get("attention_type", "gqa") == "mla":
         return by_architecture("DeepseekV3ForCausalLM")
     if keys.get("moe_bias") or keys.get("attention_sinks"):
@@ -275,18 +266,18 @@ def _check_family(keys: Mapping[str, Any], fam: Family) -> None:
     wants["attention_type"] = (keys.get("attention_type", "gqa"), fam.attention)
     for key, value in fam.keys.items():
         wants[key] = (keys.get(key), value)
-    for key, has in (("attention_bias", fam.biases), ("moe_bias", fam.biases), ("attention_sinks", fam.sinks)):
-        if not has:
-            wants[key] = (bool(keys.get(key, False)), False)
-    wants.setdefault("mlp_activation", (keys.get("mlp_activation", "silu"), "silu"))
-    if not fam.layer_types:  # a window these families' config.json cannot say
-        wants["sliding_window"] = (keys.get("sliding_window", 0), 0)
     if fam.is_moe:
         wants["moe_layer_interval"] = (keys.get("moe_layer_interval", 1), 1)
         if not fam.shared_experts:
             wants["num_shared_experts"] = (keys.get("num_shared_experts", 0), 0)
         if fam.renormalize_field is None:
             wants["moe_renormalize_top_k"] = (bool(keys.get("moe_renormalize_top_k", True)), fam.renormalize_default)
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    for key in LAYER_OPTIONS:
+        if key not in fam.keys and key not in fam.carries:
+            have = keys.get(key, defaults[key])
+            wants[key] = (list(have) if isinstance(have, (list, tuple)) else have,
+                          list(defaults[key]) if isinstance(defaults[key], tuple) else defaults[key])
     for key, (have, need) in wants.items():
         if have != need:
             raise ConfigError(f"{key}={have} cannot be written as {fam.architecture} (which has {key}={need})")
@@ -320,7 +311,7 @@ def to_hf(keys: Mapping[str, Any], dtype: str, template: Mapping[str, Any] | Non
         "num_attention_heads": keys["num_heads"],
         "num_key_value_heads": keys["num_kv_heads"],
         "head_dim": keys["head_dim"],
-        "hidden_act": "silu",
+        fam.activation_field: fam.activation,
         "rms_norm_eps": keys["norm_epsilon"],
         "rope_theta": keys["rope_max_timescale"],
         "rope_scaling": _rope_scaling(keys),
@@ -334,7 +325,11 @@ def to_hf(keys: Mapping[str, Any], dtype: str, template: Mapping[str, Any] | Non
     else:
         out["intermediate_size"] = keys["mlp_dim"]
     for field, key in fam.fields.items():
+        if field == "num_nextn_predict_layers" and not keys.get(key) and out.get(field):
+            continue  # a template's MTP layers that its checkpoint did not hold (from_hf `_without_absent_mtp`)
         out[field] = keys[key] if keys.get(key) or field != "q_lora_rank" else None  # DeepSeek writes null
+    if fam.local_global:
+        out.update(hf_local_global.export_fields(keys, fam, out))
     out.update(_own_fields(keys, fam))
     for field, value in (token_ids or {}).items():
         out.setdefault(field, value)

@@ -27,15 +27,14 @@ __all__ = ["MODEL_KEYS", "model_config", "Param", "params_of"]
 # What a checkpoint's config keeps of the network for conversion (the training length and the capacity factor, which
 # the converter sets, are implementation fields; both are read when present).
 MODEL_KEYS = (*architecture_keys(), "max_target_length", "capacity_factor")
-# A stack's unit of several layers (an MoE block, a local/global pattern: model/blocks.py) holds each under layer_<j>.
-_UNIT_LAYER = re.compile(r"layer_(\d+)")
+_UNIT_LAYER = re.compile(r"layer_(\d+)")  # a stack whose unit is a block of layers names them layer_0, layer_1, ..
 
 
 def model_config(keys: Mapping[str, Any]) -> ModelConfig:
     """The network of these model keys (scanned layers, no pipeline, every other field at its default): all the
     converter needs to know the parameter tree, with no run, mesh or devices."""
     cfg = ModelConfig(**{k: keys[k] for k in MODEL_KEYS if k in keys}, scan_layers=True)
-    if cfg.is_moe and cfg.moe_layer_interval != 1:  # (a unit's layers would have different tables: supported)
+    if cfg.is_moe and cfg.moe_layer_interval != 1:
         raise ConfigError(f"moe_layer_interval={cfg.moe_layer_interval}: the converted MoE families route in every "
                           "layer after their dense first ones")
     return cfg
@@ -44,23 +43,23 @@ def model_config(keys: Mapping[str, Any]) -> ModelConfig:
 @dataclasses.dataclass(frozen=True)
 class Param:
     """One maxshard parameter: its path, shape (stacked [units, ...] when `stacked`) and the table row. A stacked
-    parameter belongs to one of the decoder's stacks (model/blocks.py), whose first layer is Hugging Face's layer
-    `first` (DeepSeek-V3's MoE stack starts after its dense first layers); it is layer `sublayer` of each unit of
-    `period` layers (GPT-OSS: 2, local then global), so unit u holds Hugging Face's layer
-    first + u * period + sublayer."""
+    parameter belongs to one of the decoder's stacks (model/blocks.py) and to one layer of its repeated unit of
+    `period` layers: its unit r is Hugging Face's layer `first + r * period` (DeepSeek-V3's MoE stack starts
+    after its dense first layers; in Gemma 3's units of 6, layer_2's parameters are layers 2, 8, 14, ...)."""
 
     path: tuple[str, ...]
     shape: tuple[int, ...]
     entry: names.Entry
     stacked: bool
     first: int = 0
-    sublayer: int = 0
     period: int = 1
+    layer: int | None = None  # a parameter of one Hugging Face layer, unstacked (a multi-token prediction module's)
 
     @property
     def stack(self) -> str:
-        """The decoder stack's name ("layers", "dense_layers"); "" for a global parameter."""
-        return self.path[1] if self.stacked else ""
+        """The decoder stack's name ("layers", "dense_layers"), the module's ("mtp_1") for a parameter of one
+        layer; "" for a global parameter."""
+        return self.path[1] if self.stacked else self.path[0] if self.layer is not None else ""
 
     @property
     def lead(self) -> int:
@@ -76,17 +75,17 @@ class Param:
         """Every Hugging Face tensor's index: [()] for a global one, (layer,) or (layer, expert) in file order,
         layers numbered as Hugging Face numbers them."""
         ranges = [range(n) for n in self.shape[: self.lead]]
+        if self.layer is not None:
+            return [(self.layer, *rest) for rest in itertools.product(*ranges)]
         if self.stacked:
-            ranges[0] = range(self.first + self.sublayer, self.first + self.shape[0] * self.period, self.period)
+            ranges[0] = range(self.first, self.first + self.period * self.shape[0], self.period)
         return list(itertools.product(*ranges))
-
-    def unit(self, layer: int) -> int:
-        """The unit of its stack that holds Hugging Face's layer `layer`."""
-        return (layer - self.first - self.sublayer) // self.period
 
     def local(self, index: tuple[int, ...]) -> tuple[int, ...]:
         """A Hugging Face tensor's index (`indices`) in this parameter's own array: its unit of the stack."""
-        return (self.unit(index[0]), *index[1:]) if self.stacked else index
+        if self.layer is not None:
+            return tuple(index[1:])
+        return ((index[0] - self.first) // self.period, *index[1:]) if self.stacked else index
 
 
 def _key(entry: Any) -> str:
@@ -97,23 +96,33 @@ def params_of(cfg: ModelConfig, family: Family) -> list[Param]:
     """Every parameter of the model in tree order; a leaf the family's table does not know is an error."""
     by_path = {e.path: e for e in (*names.GLOBAL, names.HEAD)}
     stacks, first = {}, 0
-    for stack in blocks.stacks(cfg):  # each stack's tables (one per layer of its unit) and first Hugging Face layer
-        tables = [{e.path: e for e in names.per_layer(family, cfg, kind)} for kind in stack.unit]
-        stacks[stack.name] = (tables, first)
+    for stack in blocks.stacks(cfg):  # each unit layer's table (its kinds) and first Hugging Face layer
+        stacks[stack.name] = [({e.path: e for e in names.per_layer(family, cfg, layer)}, first + j, len(stack.unit))
+                              for j, layer in enumerate(stack.unit)]
         first += stack.num_layers
+    last_kind = blocks.main_stack(cfg).unit[-1]
+    mtp_tables = {**{("layer", *e.path): e for e in names.per_layer(family, cfg, last_kind)},
+                  **{e.path: e for e in names.MTP}}
     leaves, _ = jax.tree_util.tree_flatten_with_path(nn.unbox(model.abstract_params(cfg)))
     out = []
     for key_path, leaf in leaves:
         path = tuple(_key(k) for k in key_path)
         stacked = path[0] == "decoder" and path[1] in stacks
-        entry, offset, sublayer, period = by_path.get(path), 0, 0, 1
+        mtp_layer = names.mtp_layer(cfg, path[0])
+        if mtp_layer is not None:  # a multi-token prediction module: one decoder layer and its own rows
+            entry = mtp_tables.get(path[1:])
+            if entry is None:
+                raise ConfigError(f"parameter {'/'.join(path)} has no tensor in {family.architecture}")
+            out.append(Param(path, tuple(leaf.shape), entry, False, mtp_layer, 1, mtp_layer))
+            continue
         if stacked:
-            tables, offset = stacks[path[1]]
-            unit_layer = _UNIT_LAYER.fullmatch(path[2]) if len(path) > 2 else None
-            sublayer, inner = (int(unit_layer.group(1)), path[3:]) if unit_layer else (0, path[2:])
-            period = len(tables)
-            entry = tables[sublayer].get(inner) if sublayer < period else None
+            unit_layer = _UNIT_LAYER.fullmatch(path[2])
+            table, offset, period = stacks[path[1]][int(unit_layer.group(1)) if unit_layer else 0]
+            inner = path[3:] if unit_layer else path[2:]
+        else:
+            table, offset, period, inner = by_path, 0, 1, path
+        entry = table.get(inner)
         if entry is None:
             raise ConfigError(f"parameter {'/'.join(path)} has no tensor in {family.architecture}")
-        out.append(Param(path, tuple(leaf.shape), entry, stacked, offset, sublayer, period))
+        out.append(Param(path, tuple(leaf.shape), entry, stacked, offset, period))
     return out

@@ -31,7 +31,9 @@ biases; its attention has q/k/v/o biases and sinks:
     self_attn.sinks [heads]                       -> attention/sinks
 
 The table of a layer is `per_layer(family, cfg, layer)`: Llama's rows, plus q/k norms with `qk_norm`, with the MLP
-replaced by the router and experts in the MoE layers (model/blocks.py says which layers those are).
+replaced by the router and experts in the MoE layers (model/blocks.py says which layers those are); Gemma's four
+norms a layer (`SANDWICH_NORMS`) in families with `post_norms`. A stack whose unit is several layers (Gemma 3's five
+local and one global) holds each as layer_<slot> (convert/layout.py maps Hugging Face layer i to its unit and slot).
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ from maxshard.model.blocks import Layer
 from maxshard.model.layers import rope
 from maxshard.model.config import ModelConfig
 
-__all__ = ["Entry", "GLOBAL", "ATTENTION", "QK_NORM", "MLP_NORM", "MLP", "HEAD", "IGNORED", "per_layer", "hf_name",
+__all__ = ["Entry", "GLOBAL", "ATTENTION", "QK_NORM", "MLP_NORM", "SANDWICH_NORMS", "MLP", "HEAD", "IGNORED", "MTP",
+           "MTP_COPIES", "mtp_layer", "mtp_copies", "per_layer", "hf_name",
            "hf_shape", "row_axis", "hf_rows_per_row", "whole_rows", "to_maxshard", "to_hf", "join_parts"]
 
 
@@ -89,6 +92,13 @@ QK_NORM = (
     Entry("model.layers.{i}.self_attn.k_norm.weight", ("attention", "key_norm", "scale"), "same"),
 )
 MLP_NORM = Entry("model.layers.{i}.post_attention_layernorm.weight", ("mlp_norm", "scale"), "same")
+# Gemma 2/3 (`post_norms`): a norm before and after each of attention and MLP; the name Llama gives its MLP's norm
+# is Gemma's norm after attention.
+SANDWICH_NORMS = (
+    Entry("model.layers.{i}.post_attention_layernorm.weight", ("post_attention_norm", "scale"), "same"),
+    Entry("model.layers.{i}.pre_feedforward_layernorm.weight", ("mlp_norm", "scale"), "same"),
+    Entry("model.layers.{i}.post_feedforward_layernorm.weight", ("post_mlp_norm", "scale"), "same"),
+)
 MLP = (
     Entry("model.layers.{i}.mlp.gate_proj.weight", ("mlp", "wi_0", "kernel"), "linear"),
     Entry("model.layers.{i}.mlp.up_proj.weight", ("mlp", "wi_1", "kernel"), "linear"),
@@ -169,7 +179,34 @@ def per_layer(family: Family, cfg: ModelConfig, layer: Layer) -> tuple[Entry, ..
     attention = _latent_attention(cfg) if layer.attention == "mla" else (*ATTENTION, *(QK_NORM if family.qk_norm
                                                                                          else ()))
     mlp = (_fused_moe(family) if family.fused_experts else _moe(family, cfg)) if layer.mlp == "moe" else MLP
-    return (*attention, *_attention_extras(cfg, family), MLP_NORM, *mlp)
+    norms = SANDWICH_NORMS if family.keys.get("post_norms") else (MLP_NORM,)
+    return (*attention, *_attention_extras(cfg, family), *norms, *mlp)
+
+
+# A multi-token prediction module (layers/mtp.py, DeepSeek-V3's `num_nextn_predict_layers`) is Hugging Face's layer
+# num_layers + k - 1: a decoder layer of the main stack's last kind (its rows under mtp_<k>/layer) and these.
+MTP = (
+    Entry("model.layers.{i}.enorm.weight", ("embed_norm", "scale"), "same"),
+    Entry("model.layers.{i}.hnorm.weight", ("hidden_norm", "scale"), "same"),
+    Entry("model.layers.{i}.eh_proj.weight", ("eh_proj", "kernel"), "linear", num_in=2),  # in: [enorm; hnorm]
+    Entry("model.layers.{i}.shared_head.norm.weight", ("head_norm", "scale"), "same"),
+)
+# ... and copies of the shared embedding and head, which the model keeps once: skipped on the way in, written from
+# the shared parameters on the way out.
+MTP_COPIES = (("model.layers.{i}.embed_tokens.weight", GLOBAL[0]), ("model.layers.{i}.shared_head.head.weight", HEAD))
+
+
+def mtp_layer(cfg: ModelConfig, module: str) -> int | None:
+    """Hugging Face's layer index of the MTP module named `module` ("mtp_<k>"), None for another name."""
+    found = re.fullmatch(r"mtp_(\d+)", module)
+    return cfg.num_layers + int(found.group(1)) - 1 if found else None
+
+
+def mtp_copies(cfg: ModelConfig) -> list[tuple[str, Entry]]:
+    """(Hugging Face name, the shared tensor it copies) of every MTP module's embedding and head copy; the head is
+    the embedding in a tied model."""
+    return [(name.format(i=cfg.num_layers + k), entry if entry is GLOBAL[0] or not cfg.logits_via_embedding
+             else GLOBAL[0]) for k in range(cfg.mtp_depth) for name, entry in MTP_COPIES]
 
 
 # Buffers some older checkpoints saved; recomputed from the config, never learned.

@@ -81,18 +81,26 @@ def _order(params: list[layout.Param], family: Family, cfg: ModelConfig
            ) -> list[tuple[layout.Param, tuple[int, ...]]]:
     """Every Hugging Face tensor as (parameter, index), in Hugging Face's usual order: embeddings, each layer's
     tensors (each expert's inside its layer), final norm, head."""
-    by_entry = {(p.stack, p.sublayer, p.entry): p for p in params}
+    by_entry = {(p.stack, p.first, p.entry): p for p in params}
     order = [(by_entry["", 0, e], ()) for e in names.GLOBAL[:1]]
     i = 0
     for stack in blocks.stacks(cfg):
-        for layer in range(stack.num_layers):
-            sublayer = layer % len(stack.unit)  # a unit of several layers (model/blocks.py) holds each as layer_<j>
-            for entry in names.per_layer(family, cfg, stack.unit[sublayer]):
-                if entry.part and entry.part[0]:
-                    continue  # written with the tensor's first part (`_joined`)
-                param = by_entry[stack.name, sublayer, entry]
-                order += [(param, (i, e)) for e in range(param.shape[1])] if entry.per_expert else [(param, (i,))]
-            i += 1
+        for r in range(stack.repeats):
+            for j, layer in enumerate(stack.unit):  # layer_j of the unit: its parameters' first layer is i - r * period
+                for entry in names.per_layer(family, cfg, layer):
+                    if entry.part and entry.part[0]:
+                        continue  # written with the tensor's first part (`_joined`)
+                    param = by_entry[stack.name, i - r * len(stack.unit), entry]
+                    order += ([(param, (i, e)) for e in range(param.shape[1])] if entry.per_expert
+                              else [(param, (i,))])
+                i += 1
+    for k in range(1, cfg.mtp_depth + 1):  # multi-token prediction modules: layers after the last (names.MTP)
+        module = f"mtp_{k}"
+        for entry in (*names.per_layer(family, cfg, blocks.main_stack(cfg).unit[-1]), *names.MTP):
+            if not (entry.part and entry.part[0]):
+                param = by_entry[module, i, entry]
+                order += [(param, (i, e)) for e in range(param.shape[0])] if entry.per_expert else [(param, (i,))]
+        i += 1
     return order + [(by_entry["", 0, e], ()) for e in (*names.GLOBAL[1:], names.HEAD) if ("", 0, e) in by_entry]
 
 
@@ -124,14 +132,19 @@ def _tensors(reader: orbax_io.Reader, params: list[layout.Param], family: Family
         target = DTYPES[dtype] if dtype else np.dtype(reader.arrays[path].dtype)
         spec = safetensors_io.TensorSpec(names.hf_name(entry, at), names.hf_shape(entry, param.layer_shape), target)
         if entry.part:
-            parts = [p for p in params if p.stack == param.stack and p.sublayer == param.sublayer
-                     and p.entry.hf == entry.hf]
+            parts = [p for p in params if (p.stack, p.first, p.entry.hf) == (param.stack, param.first, entry.hf)]
             produce = functools.partial(_joined, reader, parts, at, target)
         elif adapters is not None and adapters.has(param):
             produce = functools.partial(_merged, reader, adapters, param, at, target)
         else:
             produce = functools.partial(_blocks, reader, path, index, entry, param.layer_shape, target)
         out.append((spec, produce))
+    shared = {p.entry: p for p in params if not p.stacked and p.layer is None}
+    for name, entry in names.mtp_copies(cfg):  # the MTP modules' copies of the shared embedding and head
+        param = shared[entry]
+        target = DTYPES[dtype] if dtype else np.dtype(reader.arrays[param.path].dtype)
+        spec = safetensors_io.TensorSpec(name, names.hf_shape(entry, param.layer_shape), target)
+        out.append((spec, functools.partial(_blocks, reader, param.path, (), entry, param.layer_shape, target)))
     return out
 
 

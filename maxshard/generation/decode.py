@@ -4,15 +4,19 @@ Batch layout. Prompts are right-padded to the longest one, P tokens, so every se
 in cache slot p (see layers/kv_cache.py) and RoPE positions are simply 0, 1, 2, ... per sequence, as in training.
 Left-padding would align the write slot of all sequences instead, but then positions and the mask need a
 per-sequence offset; with right-padding only the write slot is per sequence, and an elementwise masked write
-handles that under any sharding. The batch is padded with one-token dummy rows up to a multiple of the devices
-the cache's batch dimension is sharded over (fsdp=8 needs 8 rows), and the dummy rows are dropped at the end.
+handles that under any sharding. The prefill gives the padding position -1: a global layer writes it anyway (the
+decode steps overwrite it before anything attends to it), but a local layer's ring of `window` slots must keep
+each row's last real tokens, and the position is how it tells them from the padding (layers/kv_cache.py). The
+batch is padded with one-token dummy rows up to a multiple of the devices the cache's batch dimension is sharded
+over (fsdp=8 needs 8 rows), and the dummy rows are dropped at the end.
 
 Steps (both compiled once, ahead of the timed run):
     prefill  [batch, P] prompt -> cache slots 0..P-1 written; the logits at each sequence's last real token give
              its first new token
     decode   [batch] last tokens at positions [batch] (each sequence's own length so far) -> one new token each
-Cache length S = P + max_new_tokens. A sequence that emits end-of-sequence is done: from then on it emits PAD, and
-the loop stops once every sequence is done (checked every few steps) or max_new_tokens are generated.
+Cache length S = P + max_new_tokens (a local layer keeps min(window, S) slots). A sequence that emits
+end-of-sequence is done: from then on it emits PAD, and the loop stops once every sequence is done (checked every
+few steps) or max_new_tokens are generated.
 
 MoE models route dropless here (`decode_model`): with capacity-based dropping a token's output would depend on
 which other tokens share its sequence in this call, so a cached decode could not match the full forward pass.
@@ -46,6 +50,7 @@ __all__ = ["decode_model", "Engine", "Result", "batch_multiple", "stop_tuple", "
 # The host asks whether every sequence is done only every this many steps: in between it queues steps without
 # waiting for the device. A finished batch runs at most this many - 1 extra steps, which only emit PAD.
 _CHECK_DONE_EVERY = 8
+_PAD_STOPS = jax.ShapeDtypeStruct((1 + MAX_STOP_IDS,), jnp.int32)  # PAD, then the stop ids
 
 
 def decode_model(model: ModelConfig) -> ModelConfig:
@@ -90,8 +95,9 @@ def whole_stream(rules: sharding.FlaxRules) -> sharding.FlaxRules:
 
 
 class Engine:
-    """A model's jitted prefill and decode steps on a mesh, compiled once per (batch, prompt length, cache length);
-    the sampling parameters and the seed are arguments, so one compilation serves them all."""
+    """A model's jitted prefill and decode steps on a mesh, the prefill compiled once per (batch, prompt length,
+    cache length), the decode step once per (batch, cache length); the sampling parameters and the seed are
+    arguments, so one compilation serves them all."""
 
     def __init__(self, model: ModelConfig, mesh: Mesh, rules: sharding.FlaxRules, params: Any, allowed: jax.Array
                  ) -> None:
@@ -99,6 +105,8 @@ class Engine:
         self.model = Transformer(self.cfg)
         self.allowed = jax.device_put(allowed, NamedSharding(mesh, PartitionSpec()))
         self._compiled: dict[tuple[int, int, int], tuple[Any, Any, Any]] = {}
+        self._decode_steps: dict[tuple[int, int], tuple[Any, Any]] = {}
+        self._layouts: dict[tuple[int, int], tuple[Any, Any, Any]] = {}
 
     # ------------------------------------------------------------------ the steps
 
@@ -113,7 +121,8 @@ class Engine:
                  pad_stops: jax.Array, sampling: tuple[jax.Array, ...]) -> Any:
         """prompts [batch, P] right-padded, lengths [batch] -> the first step's (tokens, logits [batch, vocab],
         cache, done, positions): the new tokens go to positions `lengths`."""
-        positions = jnp.broadcast_to(jnp.arange(prompts.shape[1], dtype=jnp.int32), prompts.shape)
+        index = jnp.arange(prompts.shape[1], dtype=jnp.int32)[None, :]
+        positions = jnp.where(index < lengths[:, None], index, -1)  # the padding at -1: no local layer keeps it
         logits, cache = self._apply(params, cache, prompts, positions)
         last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [batch, vocab]
         chosen = sample(last, self.allowed, jax.random.fold_in(key, 0), *sampling)
@@ -137,38 +146,59 @@ class Engine:
         with mesh_context(self.mesh, self.rules):
             return abstract_cache(self.cfg, self.params, batch, length)
 
+    def _layout(self, batch: int, cache_length: int) -> tuple[Any, Any, Any]:
+        """(cache shardings, cache shapes, the shardings of a step's outputs) for this shape."""
+        if (batch, cache_length) in self._layouts:
+            return self._layouts[batch, cache_length]
+        boxed = self.abstract_cache(batch, cache_length)
+        cache_shardings = sharding.tree_shardings(boxed, self.mesh, self.rules)
+        zeros = jax.tree.map(lambda b: jax.ShapeDtypeStruct(b.value.shape, b.value.dtype), boxed, is_leaf=_is_box)
+        rows = NamedSharding(self.mesh, sharding.logical_to_spec((ax.CACHE_BATCH,), self.rules))
+        step_out = (rows, rows, cache_shardings, rows, rows)  # tokens, logits, cache, done, positions
+        self._layouts[batch, cache_length] = (cache_shardings, zeros, step_out)
+        return self._layouts[batch, cache_length]
+
+    def compile_decode(self, batch: int, cache_length: int) -> tuple[Any, Any]:
+        """(new_cache, decode) compiled for this shape, cached per shape: the decode step does not depend on the
+        prompt length (its compiled memory is what benchmarks and tests read, `memory_analysis()`)."""
+        shape = (batch, cache_length)
+        if shape in self._decode_steps:
+            return self._decode_steps[shape]
+        cache_shardings, zeros, step_out = self._layout(batch, cache_length)
+        rows, replicated = step_out[0], NamedSharding(self.mesh, PartitionSpec())
+        vector = jax.ShapeDtypeStruct((batch,), jnp.int32)
+        with mesh_context(self.mesh, self.rules):
+            new_cache = jax.jit(lambda: jax.tree.map(lambda z: jnp.zeros(z.shape, z.dtype), zeros),
+                                out_shardings=cache_shardings).lower().compile()
+            decode = jax.jit(self._decode, donate_argnums=1, out_shardings=step_out,
+                             in_shardings=(self._params_shardings(), cache_shardings, rows, rows, rows, replicated,
+                                           replicated, replicated, (replicated,) * 3))
+            decode = decode.lower(self.params, zeros, vector, vector, jax.ShapeDtypeStruct((batch,), bool),
+                                  jax.random.key(0), jax.ShapeDtypeStruct((), jnp.int32), _PAD_STOPS,
+                                  Sampling().arrays()).compile()
+        self._decode_steps[shape] = (new_cache, decode)
+        return new_cache, decode
+
     def compile(self, batch: int, prompt_length: int, cache_length: int) -> tuple[Any, Any, Any]:
         """(new_cache, prefill, decode) compiled for this shape; cached per shape."""
         shape = (batch, prompt_length, cache_length)
         if shape in self._compiled:
             return self._compiled[shape]
-        boxed = self.abstract_cache(batch, cache_length)
-        cache_shardings = sharding.tree_shardings(boxed, self.mesh, self.rules)
-        zeros = jax.tree.map(lambda b: jax.ShapeDtypeStruct(b.value.shape, b.value.dtype), boxed, is_leaf=_is_box)
-        rows = NamedSharding(self.mesh, sharding.logical_to_spec((ax.CACHE_BATCH,), self.rules))
-        replicated = NamedSharding(self.mesh, PartitionSpec())
-        params_shardings = jax.tree.map(lambda x: x.sharding, self.params)
-        key = jax.random.key(0)
+        new_cache, decode = self.compile_decode(batch, cache_length)
+        cache_shardings, zeros, step_out = self._layout(batch, cache_length)
+        rows, replicated = step_out[0], NamedSharding(self.mesh, PartitionSpec())
+        scalars = (replicated, replicated, (replicated,) * 3)  # key, pad_stops, sampling
         with mesh_context(self.mesh, self.rules):
-            new_cache = jax.jit(lambda: jax.tree.map(lambda z: jnp.zeros(z.shape, z.dtype), zeros),
-                                out_shardings=cache_shardings).lower().compile()
-            vector = jax.ShapeDtypeStruct((batch,), jnp.int32)
-            pair = jax.ShapeDtypeStruct((1 + MAX_STOP_IDS,), jnp.int32)  # PAD, then the stop ids
-            knobs = Sampling().arrays()
-            step_out = (rows, rows, cache_shardings, rows, rows)  # tokens, logits, cache, done, positions
-            scalars = (replicated, replicated, (replicated,) * 3)  # key, pad_stops, sampling
-            index = jax.ShapeDtypeStruct((), jnp.int32)
             prefill = jax.jit(self._prefill, donate_argnums=1, out_shardings=step_out,
-                              in_shardings=(params_shardings, cache_shardings, rows, rows, *scalars))
+                              in_shardings=(self._params_shardings(), cache_shardings, rows, rows, *scalars))
             prefill = prefill.lower(self.params, zeros, jax.ShapeDtypeStruct((batch, prompt_length), jnp.int32),
-                                    vector, key, pair, knobs).compile()
-            decode = jax.jit(self._decode, donate_argnums=1, out_shardings=step_out,
-                             in_shardings=(params_shardings, cache_shardings, rows, rows, rows, replicated,
-                                           replicated, replicated, (replicated,) * 3))
-            decode = decode.lower(self.params, zeros, vector, vector, jax.ShapeDtypeStruct((batch,), bool), key,
-                                  index, pair, knobs).compile()
+                                    jax.ShapeDtypeStruct((batch,), jnp.int32), jax.random.key(0), _PAD_STOPS,
+                                    Sampling().arrays()).compile()
         self._compiled[shape] = (new_cache, prefill, decode)
         return self._compiled[shape]
+
+    def _params_shardings(self) -> Any:
+        return jax.tree.map(lambda x: x.sharding, self.params)
 
     # ------------------------------------------------------------------ the loop
 

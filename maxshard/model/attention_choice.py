@@ -23,6 +23,11 @@ parallelism shards attention heads over `sequence` (with the tensor axes), so th
 parallelism (ring attention) needs the length to split into 2 x context chunks and runs every implementation's ring
 steps with the blockwise kernel (a documented fallback: the fused kernels take no ring offsets), and does not combine
 with a pipeline.
+
+The model's local/global options (`sliding_window`, `attn_logit_softcapping`, `attention_sinks`: a window, Gemma 2's
+logit soft-cap, GPT-OSS's sinks) are what `attention_ops.attend` passes its kernel; a row of attention_kinds.py lists
+those its kernel takes. `auto` never picks a kernel that lacks one the model uses (blockwise takes them all), and an
+explicit choice that lacks one is a ConfigError naming the key.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from maxshard.model import attention_kinds
 from maxshard.parallel import axis_names as ax
 from maxshard.parallel.sharding import axes_of, flax_rules
 
-__all__ = ["platform_of", "resolve"]
+__all__ = ["platform_of", "resolve", "model_options"]
 
 def platform_of(device_kind: str) -> str:
     """'tpu', 'nvidia', or 'cpu' (CPU and anything else: only the portable implementations): the platforms of
@@ -51,6 +56,22 @@ def platform_of(device_kind: str) -> str:
     if kind.startswith("tpu"):
         return "tpu"
     return "nvidia" if "nvidia" in kind or kind.startswith(("b100", "b200", "gb200")) else "cpu"
+
+
+# The model keys behind `attention_ops.attend`'s options, and each key's "off" value.
+_OPTION_KEYS = {"window": ("sliding_window", 0), "softcap": ("attn_logit_softcapping", 0.0),
+                "sinks": ("attention_sinks", False)}
+
+
+def model_options(cfg: Config) -> tuple[str, ...]:
+    """The options of `attention_ops.attend` this model's attention layers use ("window", "softcap", "sinks"): those
+    whose key is set (a window: some layer of attention_pattern is local, config/ranges.py ties the two)."""
+    return tuple(name for name, (key, off) in _OPTION_KEYS.items() if getattr(cfg, key) != off)
+
+
+def _untaken(cfg: Config, supported: tuple[str, ...]) -> list[str]:
+    """The model keys of the options in use that a kernel taking `supported` lacks."""
+    return [_OPTION_KEYS[name][0] for name in model_options(cfg) if name not in supported]
 
 
 def _splash_problem(cfg: Config) -> str:
@@ -110,13 +131,16 @@ def _tokamax_problem(cfg: Config, dtype: str) -> str:
 
 
 def _auto(cfg: Config, dtype: str, platform: str) -> str:
-    """The fastest implementation that takes this config on `platform` (module docstring)."""
+    """The fastest implementation that takes this config on `platform` (module docstring), or blockwise, which
+    takes every option, when that one lacks an option the model uses (cudnn: soft-cap and sinks)."""
     if platform == "tpu":
-        return "splash" if not _splash_problem(cfg) else "blockwise"
-    if platform == "nvidia":
-        return "cudnn" if not _cudnn_problem(cfg, dtype) else "blockwise"
-    one_block = max(cfg.attention_block_q, cfg.attention_block_kv)
-    return "blockwise" if cfg.max_target_length > one_block else "dot_product"
+        choice = "splash" if not _splash_problem(cfg) else "blockwise"
+    elif platform == "nvidia":
+        choice = "cudnn" if not _cudnn_problem(cfg, dtype) else "blockwise"
+    else:
+        one_block = max(cfg.attention_block_q, cfg.attention_block_kv)
+        choice = "blockwise" if cfg.max_target_length > one_block else "dot_product"
+    return "blockwise" if _untaken(cfg, attention_kinds.kind(choice).options) else choice
 
 
 def _check_explicit(cfg: Config, dtype: str, platform: str) -> None:
@@ -127,6 +151,10 @@ def _check_explicit(cfg: Config, dtype: str, platform: str) -> None:
         raise ConfigError(f"attention={row.name} needs the {row.package} package: pip install -e '.[{row.package}]'")
     if platform not in row.platforms:
         raise ConfigError(f"attention={row.name} {row.off_platform} (device kind {device!r}); use {row.instead}")
+    untaken = _untaken(cfg, row.options)
+    if untaken:
+        raise ConfigError(f"attention={row.name} cannot take {', '.join(untaken)} (its kernel lacks them); use "
+                          "attention=blockwise, dot_product or auto")
     problem, instead = _problem(cfg, dtype, platform)
     if problem:
         raise ConfigError(f"attention={row.name} needs {problem}; use {instead}")
@@ -168,6 +196,10 @@ def _check_layout(cfg: Config, sizes: Mapping[str, int]) -> None:
         if sizes.get("stage", 1) > 1:
             raise ConfigError("context parallelism does not combine with pipeline parallelism; "
                               "set ici/dcn_context_parallelism=1 or ici/dcn_pipeline_parallelism=1")
+        untaken = _untaken(cfg, attention_kinds.RING_OPTIONS)
+        if untaken:
+            raise ConfigError(f"ici/dcn_context_parallelism={context}: ring attention cannot take "
+                              f"{', '.join(untaken)}; set ici/dcn_context_parallelism=1")
 
 
 def resolve(cfg: Config, dtype: str, sizes: Mapping[str, int]) -> str:

@@ -51,20 +51,24 @@ KINDS = (
          value_width=True, options=("window", "softcap", "sinks")),
     Kind("blockwise", PLATFORMS, PLATFORMS, True, True, False,
          "online softmax over blocks with a custom VJP (layers/blockwise_attention.py): linear memory, any backend",
-         value_width=True),
+         value_width=True, options=("window", "softcap", "sinks")),
     Kind("cudnn", ("nvidia",), ("nvidia",), False, False, False,
          "cuDNN flash attention (jax.nn.dot_product_attention), the documents as a dense [q, kv] mask",
-         off_platform="needs an NVIDIA GPU", instead="auto, blockwise or dot_product"),
+         off_platform="needs an NVIDIA GPU", instead="auto, blockwise or dot_product",
+         options=("window",)),  # jax.nn.dot_product_attention has local_window_size, no soft-cap, no sinks
     Kind("splash", ("tpu", "cpu"), ("tpu", "cpu"), True, True, True,
          "the Pallas TPU splash kernel (interpret mode elsewhere, for tests); lengths a multiple of the blocks",
-         off_platform="is a TPU kernel", instead="cudnn or auto", value_width=True),
+         off_platform="is a TPU kernel", instead="cudnn or auto", value_width=True,
+         options=("window", "softcap", "sinks")),  # LocalMask, attn_logits_soft_cap, sinks
     Kind("tokamax", ("nvidia", "cpu"), ("nvidia",), False, False, True,
          "tokamax's Pallas Mosaic GPU FlashAttention (Hopper, Blackwell), the documents as per-query key offsets; "
          "its XLA reference (whole scores) off a GPU",
-         off_platform="is a GPU kernel", instead="splash or auto", package="tokamax", value_width=True),
+         off_platform="is a GPU kernel", instead="splash or auto", package="tokamax", value_width=True,
+         options=("window", "softcap")),  # Mask(k_start), logits_soft_cap; tokamax 0.0.12 has no sinks
 )
 NAMES = tuple(k.name for k in KINDS)
-RING_OPTIONS: tuple[str, ...] = ()  # the options ring attention (context parallelism, a layout not a row) takes
+# the options ring attention (context parallelism, a layout not a row, blockwise steps) takes
+RING_OPTIONS: tuple[str, ...] = ("window", "softcap", "sinks")
 _BY_NAME = {k.name: k for k in KINDS}
 
 

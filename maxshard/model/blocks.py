@@ -34,8 +34,8 @@ import math
 
 from maxshard.model.config import ModelConfig
 
-__all__ = ["ATTENTION_KINDS", "MLP_KINDS", "Layer", "Stack", "MAIN_STACK", "LAST_STACK", "stacks", "layers", "main_stack", "stack_named",
-           "AttentionWidths", "attention_widths", "mlp_params"]
+__all__ = ["ATTENTION_KINDS", "MLP_KINDS", "Layer", "Stack", "MAIN_STACK", "LAST_STACK", "stacks", "layers",
+           "main_stack", "stack_named", "mtp_layers", "AttentionWidths", "attention_widths", "mlp_params"]
 
 ATTENTION_KINDS = ("gqa", "mla")
 MLP_KINDS = ("dense", "moe")
@@ -107,6 +107,11 @@ def stack_named(cfg: ModelConfig, name: str) -> Stack:
 def layers(cfg: ModelConfig) -> tuple[Layer, ...]:
     """Every decoder layer's kinds, first to last."""
     return tuple(layer for s in stacks(cfg) for _ in range(s.repeats) for layer in s.unit)
+
+
+def mtp_layers(cfg: ModelConfig) -> tuple[Layer, ...]:
+    """The decoder layer of each multi-token prediction module (layers/mtp.py): the main stack's last kind."""
+    return (main_stack(cfg).unit[-1],) * cfg.mtp_depth
 
 
 @dataclasses.dataclass(frozen=True)

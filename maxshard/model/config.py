@@ -129,6 +129,7 @@ class ModelConfig:
     swiglu_alpha: float = 1.702  # clamped_swiglu: gate * sigmoid(alpha * gate)
     embed_scale: bool = False  # token embeddings multiplied by sqrt(emb_dim) (Gemma)
     moe_bias: bool = False  # biases on the router and on every expert's projections (GPT-OSS)
+    mtp_depth: int = 0  # multi-token prediction modules after the last layer (DeepSeek-V3: 1; layers/mtp.py)
     rope_max_timescale: float = 10000.0
     rope_scaling_type: str = "none"  # "none", "linear", "llama3" or "yarn"
     rope_scaling_factor: float = 8.0

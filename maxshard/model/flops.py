@@ -31,7 +31,7 @@ class Matmuls:
     routed_experts: int
     shared_experts: int
     router: int
-    head: int  # the output projection (tied to the embedding or not)
+    head: int  # the output projection (tied to the embedding or not), and each MTP module's eh_proj and head
 
     @property
     def mlp(self) -> int:
@@ -43,15 +43,17 @@ class Matmuls:
 
 
 def matmuls(cfg: ModelConfig) -> Matmuls:
-    """The sum over every decoder layer's kinds (model/blocks.py) and the head."""
+    """The sum over every decoder layer's kinds (model/blocks.py), the multi-token prediction modules' layers
+    (layers/mtp.py: a layer of the main stack's last kind each) and the heads."""
     parts = dict.fromkeys(("qkv", "out", "dense_mlp", "routed_experts", "shared_experts", "router"), 0)
-    for layer in blocks.layers(cfg):
+    for layer in (*blocks.layers(cfg), *blocks.mtp_layers(cfg)):
         a = blocks.attention_widths(cfg, layer.attention)
         parts["qkv"] += a.qkv
         parts["out"] += a.out
         for part, params in blocks.mlp_params(cfg, layer.mlp).items():
             parts[part] += params
-    return Matmuls(**parts, head=cfg.emb_dim * cfg.vocab_size)
+    mtp = cfg.mtp_depth * 2 * cfg.emb_dim * cfg.emb_dim  # eh_proj: [2, embed] -> embed
+    return Matmuls(**parts, head=(1 + cfg.mtp_depth) * cfg.emb_dim * cfg.vocab_size + mtp)
 
 
 def attention_flops(cfg: ModelConfig) -> int:

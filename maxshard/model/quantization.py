@@ -128,7 +128,7 @@ def quantize(model: Any, mode: str) -> Any:
         return model
     if mode not in RECIPES:
         raise ValueError(f"quantization must be one of {', '.join(MODES)}, got {mode!r}")
-    return qwix.quantize_model(model, Provider(rules(mode)), methods=("__call__", "hidden", "head"))
+    return qwix.quantize_model(model, Provider(rules(mode)), methods=("__call__", "hidden", "hidden_with_mtp", "head"))
 
 
 def quantized_matmul_params(cfg: ModelConfig) -> int:

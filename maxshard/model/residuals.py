@@ -64,7 +64,9 @@ VALUES = frozenset({"norm_epsilon", "rope_max_timescale", "rope_scaling_type", "
                     "moe_n_group", "moe_topk_group", "moe_router_bias",
                     # biases, scales and constants of the local/global families: elementwise on what is kept anyway
                     "attention_bias", "moe_bias", "embed_scale", "final_logit_softcapping", "norm_unit_offset",
-                    "query_pre_attn_scalar", "rope_local_max_timescale", "swiglu_alpha", "swiglu_limit"})
+                    "query_pre_attn_scalar", "rope_local_max_timescale", "swiglu_alpha", "swiglu_limit",
+                    # modules after the last layer (layers/mtp.py): the stack's unit is unchanged
+                    "mtp_depth"})
 OPTIONS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in COUNTED | VALUES)
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name in OPTIONS}
 _VALUE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name in VALUES}

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from maxshard.model.config import ModelConfig
-from maxshard.model.layers import kv_cache, moe, pipeline, ring_attention
+from maxshard.model.layers import kv_cache, moe, mtp, pipeline, ring_attention
 from maxshard.model.layers.decoder import Decoder
 from maxshard.model.layers.embeddings import Embed
 from maxshard.model.layers.linears import DenseGeneral
@@ -46,6 +46,7 @@ class Transformer(nn.Module):
         self.token_embed = Embed(cfg.vocab_size, cfg.emb_dim, dt, wdt)
         self.decoder = Decoder(cfg, dt, wdt)
         self.final_norm = RMSNorm(cfg.norm_epsilon, dt, wdt, cfg.norm_unit_offset)
+        self.mtp = [mtp.PredictionModule(cfg, k, dt, wdt, name=f"mtp_{k}") for k in range(1, cfg.mtp_depth + 1)]
         if not cfg.logits_via_embedding:
             self.logits = DenseGeneral((cfg.vocab_size,), (ax.EMBED, ax.VOCAB), 1, dt, wdt)
 
@@ -55,14 +56,34 @@ class Transformer(nn.Module):
 
     def hidden(self, inputs: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
         """[batch, length] ids -> the normalised last residual stream [batch, length, embed] the head reads."""
+        return self.final_norm(self._stream(inputs, segment_ids, positions)[1])
+
+    def hidden_with_mtp(self, inputs: jax.Array, segment_ids: jax.Array, positions: jax.Array
+                        ) -> tuple[jax.Array, list[jax.Array]]:
+        """`hidden`, and what the head reads of each multi-token prediction module (layers/mtp.py), in order."""
+        embedded, last = self._stream(inputs, segment_ids, positions)
+        x, predicted = last, []
+        for module in self.mtp:
+            x, normed = module(x, embedded, segment_ids, positions)
+            predicted.append(normed)
+        return self.final_norm(last), predicted
+
+    def everything(self, inputs: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
+        """The logits, having run every module once (the prediction modules too): what init traces, so every
+        parameter is created."""
+        return self.head(self.hidden_with_mtp(inputs, segment_ids, positions)[0])
+
+    def _stream(self, inputs: jax.Array, segment_ids: jax.Array, positions: jax.Array
+                ) -> tuple[jax.Array, jax.Array]:
+        """(the token embeddings, the last residual stream before the final norm), both in token order."""
         x = self.token_embed(inputs)
         if self.cfg.embed_scale:  # Gemma: sqrt(width), rounded to the compute dtype as transformers does
             x = x * jnp.asarray(math.sqrt(self.cfg.emb_dim), x.dtype)
-        x = constrain(x, ax.EMBEDDED)
+        embedded = constrain(x, ax.EMBEDDED)
         # context parallelism: one early and one late chunk of the sequence per device (layers/ring_attention.py)
-        x, segment_ids, positions = (ring_attention.to_balanced(a) for a in (x, segment_ids, positions))
+        x, segment_ids, positions = (ring_attention.to_balanced(a) for a in (embedded, segment_ids, positions))
         x = self.decoder(x, segment_ids, positions)
-        return self.final_norm(ring_attention.from_balanced(x))
+        return embedded, ring_attention.from_balanced(x)
 
     def head(self, x: jax.Array) -> jax.Array:
         """[batch, tokens, embed] -> logits [batch, tokens, vocab] (float32), through the head or the tied embedding."""
@@ -115,7 +136,7 @@ def init_params(cfg: ModelConfig, rng: jax.Array) -> Any:
     """
     canonical = dataclasses.replace(cfg, pipeline=None)
     with without_layout():
-        params = Transformer(canonical).init(rng, *dummy_batch(canonical))["params"]
+        params = Transformer(canonical).init(rng, *dummy_batch(canonical), method="everything")["params"]
     return params if cfg.pipeline is None else pipeline.from_scanned(params, cfg.pipeline)
 
 
@@ -125,9 +146,9 @@ def abstract_params(cfg: ModelConfig) -> Any:
 
 
 def abstract_cache(cfg: ModelConfig, params: Any, batch: int, length: int) -> Any:
-    """The boxed KV cache generation keeps for `batch` sequences of `length` slots (layers/kv_cache.py): shapes and
-    logical names from the model itself, nothing allocated. `params` may be abstract. Call it inside the mesh and
-    rules it is to be laid out by."""
+    """The boxed KV cache generation keeps for `batch` sequences of `length` slots (a local layer keeps a ring of
+    min(window, length); layers/kv_cache.py): shapes and logical names from the model itself, nothing allocated.
+    `params` may be abstract. Call it inside the mesh and rules it is to be laid out by."""
     tokens = jnp.zeros((batch, length), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
     model = Transformer(cfg)

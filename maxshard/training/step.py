@@ -37,7 +37,7 @@ from maxshard import objectives
 from maxshard.config import MESH_AXES, Config, knob_name
 from maxshard.errors import ConfigError
 from maxshard.model import quantization, trainable
-from maxshard.model.layers import moe
+from maxshard.model.layers import moe, mtp
 from maxshard.model.transformer import Transformer, apply_with_stats, init_params
 from maxshard.objectives import kinds as objective_kinds
 from maxshard.parallel import axis_names as ax
@@ -167,13 +167,29 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
 
+    @property
+    def trains_mtp(self) -> bool:
+        """Whether the step trains the multi-token prediction modules (layers/mtp.py): a model with some, a weight
+        for their loss and the lm objective (the preference and GRPO objectives read the main head only)."""
+        return bool(self.cfg.model.mtp_depth and self.cfg.mtp_loss_weight and self.cfg.objective == "lm")
+
     def _token_logps(self, params: Any, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """(float32 log-probabilities of the targets [batch, length], MoE router statistics)."""
+        """(float32 log-probabilities of the targets [batch, length], MoE router statistics and, when the step
+        trains them, the prediction modules' sums `mtp.loss_sums`)."""
         inputs = (batch["inputs"], batch["segment_ids"], batch["positions"])
-        if self.cfg.loss_chunks > 1:  # the head over pieces of the sequence (maxshard/training/loss.py)
-            hidden, stats = apply_with_stats(self.model, params, *inputs, method="hidden")
+        if self.cfg.loss_chunks > 1 or self.trains_mtp:  # the head over pieces of the sequence (training/loss.py)
+            method = "hidden_with_mtp" if self.trains_mtp else "hidden"
+            out, stats = apply_with_stats(self.model, params, *inputs, method=method)
+            hidden, predicted = out if self.trains_mtp else (out, [])
             head = functools.partial(self.model.apply, {"params": params}, method="head")
-            return chunked_token_logps(head, hidden, batch["targets"], self.cfg.loss_chunks), stats
+            chunks = max(self.cfg.loss_chunks, 1)
+
+            def logps_of(head_fn: Any, h: jax.Array, targets: jax.Array) -> jax.Array:
+                return chunked_token_logps(head_fn, h, targets, chunks)
+
+            if predicted:
+                stats = {**stats, **mtp.loss_sums(head, predicted, batch, logps_of)}
+            return logps_of(head, hidden, batch["targets"]), stats
         logits, stats = apply_with_stats(self.model, params, *inputs)
         return token_logps(logits, batch["targets"]), stats
 
@@ -194,11 +210,13 @@ class Trainer:
         objective's normalisers over the whole batch (this one's when None)."""
         params = trainable.merge(trained, frozen or {})
         logps, stats = self._token_logps(params, batch)
+        predicted = {key: stats.pop(key) for key in mtp.SUMS if key in stats}
         totals = self.objective.totals(batch) if totals is None else totals
         loss_sum, sums = self.objective.sums(logps, batch, totals, self._reference_logps(params, reference, batch))
-        sums = {**sums, **moe.loss_sums(stats, sums["weight_sum"])}
+        sums = {**sums, **moe.loss_sums(stats, sums["weight_sum"]), **predicted}
         balance, z = self.cfg.load_balance_loss_weight, self.cfg.router_z_loss_weight
-        return loss_sum + moe.objective(sums, balance, z, self.cfg.moe_seq_balance_loss_weight), sums
+        extra = mtp.objective(sums, self.cfg.mtp_loss_weight)
+        return loss_sum + moe.objective(sums, balance, z, self.cfg.moe_seq_balance_loss_weight) + extra, sums
 
     def _grads(self, trained: Any, batch: Batch, frozen: Any = None,
                reference: Any = None) -> tuple[Any, dict[str, jax.Array]]:
@@ -242,6 +260,7 @@ class Trainer:
             "param_norm": optax.tree.norm(new_state.params),
             "learning_rate": self.schedule(state.step),
             **moe.metrics(sums, weight_sum),
+            **mtp.metrics(sums),
             **self.objective.metrics(sums),
         }
         return new_state, metrics

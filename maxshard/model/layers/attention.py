@@ -30,7 +30,13 @@ from maxshard.model.layers.norms import RMSNorm
 from maxshard.parallel import axis_names as ax
 from maxshard.parallel.sharding import constrain
 
-__all__ = ["Attention"]
+__all__ = ["Attention", "local_block"]
+
+
+def local_block(window: int) -> int:
+    """The largest block a local layer of `window` keys uses: window / 8 rounded down to a power of two, at least
+    128 (a TPU lane width, splash's smallest block)."""
+    return max(128, 1 << max((window // 8).bit_length() - 1, 0))
 
 
 class Attention(nn.Module):
@@ -49,6 +55,18 @@ class Attention(nn.Module):
     @property
     def window(self) -> int:
         return self.cfg.sliding_window if self.local else 0
+
+    def _blocks(self) -> tuple[int, int]:
+        """(block_q, block_kv) of the blockwise and splash kernels. A local layer's blocks shrink to
+        `local_block(window)` when that is smaller: a query block needs the window plus its own length of keys, in
+        whole key blocks, so blocks of B cost about (window + B) / window of the window-proportional ideal (1.5x at
+        a 1k window with 512-token blocks, 1.125x with 128: benchmarks/attention_window.py)."""
+        q, kv = self.cfg.attention_block_q, self.cfg.attention_block_kv
+        if not self.window:
+            return q, kv
+        small = local_block(self.window)
+        fits = self.cfg.max_target_length % small == 0
+        return (min(q, small), min(kv, small)) if fits else (q, kv)
 
     def _rope(self) -> tuple[np.ndarray, float]:
         """(inverse frequencies, cos/sin scale) of this layer: a local layer with its own base runs plain RoPE."""
@@ -81,8 +99,8 @@ class Attention(nn.Module):
             keys, values, mask = kv_cache.KVCache(self.dtype, self.window, name="cache")(k, v, positions)
             return self._output(kv_cache.attend(q, keys, values, mask, self.dtype, softcap, sinks))
 
-        out = attend(q, k, v, segment_ids, segment_ids, cfg.attention, cfg.attention_block_q, cfg.attention_block_kv,
-                     window=self.window, softcap=softcap, sinks=sinks)
+        out = attend(q, k, v, segment_ids, segment_ids, cfg.attention, *self._blocks(), window=self.window,
+                     softcap=softcap, sinks=sinks)
         return self._output(out)
 
     def _sinks(self) -> jax.Array:

@@ -99,16 +99,24 @@ def dot_product(q, k, v, q_segment_ids, kv_segment_ids, window: int = 0, softcap
     return out.reshape(batch, q_len, heads, v.shape[-1])
 
 
-def blockwise(q, k, v, q_segment_ids, kv_segment_ids, block_q: int = 512, block_kv: int = 512) -> jax.Array:
-    """Online-softmax attention with linear memory (layers/blockwise_attention.py)."""
+def blockwise(q, k, v, q_segment_ids, kv_segment_ids, block_q: int = 512, block_kv: int = 512, window: int = 0,
+              softcap: float = 0.0, sinks: jax.Array | None = None) -> jax.Array:
+    """Online-softmax attention with linear memory (layers/blockwise_attention.py); key blocks wholly outside the
+    window are never visited, so a local layer's cost follows its window."""
     batch, q_len, heads, _ = q.shape
+    kv_heads = k.shape[2]
     q_idx, kv_idx = token_indices(q_len, k.shape[1])
-    out = bw.blockwise_attention(_grouped(q, k.shape[2]), k, v, q_segment_ids, kv_segment_ids, q_idx, kv_idx,
-                                 block_q, block_kv)
+    out = bw.blockwise_attention(_grouped(q, kv_heads), k, v, q_segment_ids, kv_segment_ids, q_idx, kv_idx,
+                                 _grouped_sinks(sinks, kv_heads), block_q, block_kv, window, softcap)
     return out.reshape(batch, q_len, heads, v.shape[-1])
 
 
-def cudnn(q, k, v, q_segment_ids, kv_segment_ids, implementation: str | None = None) -> jax.Array:
+def _grouped_sinks(sinks: jax.Array | None, kv_heads: int) -> jax.Array | None:
+    """[heads] -> [kv_heads, group] float32 (query head h = kv head h // group), or None."""
+    return None if sinks is None else jnp.asarray(sinks, jnp.float32).reshape(kv_heads, -1)
+
+
+def cudnn(q, k, v, q_segment_ids, kv_segment_ids, implementation: str | None = None, window: int = 0) -> jax.Array:
     """cuDNN flash attention through `jax.nn.dot_product_attention` (grouped heads are native there).
 
     Causal masking is cuDNN's own (`is_causal`, no mask tensor). Packed documents have no segment-id input in that
@@ -117,18 +125,27 @@ def cudnn(q, k, v, q_segment_ids, kv_segment_ids, implementation: str | None = N
     `planning/memory.py` counts it. `implementation="xla"` runs the same call through XLA, which is how CPU tests
     check this mapping. By default it is "cudnn" on a GPU backend and "xla" elsewhere: a config can only choose
     cudnn for an NVIDIA device kind (attention_choice.py), so off a GPU this is the planner tracing a GPU run's
-    shapes on a CPU host (`jax.eval_shape`, nothing runs)."""
+    shapes on a CPU host (`jax.eval_shape`, nothing runs).
+
+    A window is the API's `local_window_size` (window - 1 keys left, none right; cuDNN's own sliding window, which
+    skips the blocks outside it). That API has no soft-cap and no sinks: attention_kinds.py leaves them out."""
     if implementation is None:
         implementation = "cudnn" if jax.default_backend() == "gpu" else "xla"
     if q.shape[1] != k.shape[1]:
         raise ValueError("attention=cudnn needs q_len == kv_len (training); use dot_product or blockwise to decode")
     same_doc = (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :])[:, None]  # [batch, 1, q, kv]
     return jax.nn.dot_product_attention(q, k, v, mask=same_doc, scale=1.0, is_causal=True,
+                                        local_window_size=(window - 1, 0) if window else None,
                                         implementation=implementation)
 
 
-def _splash_kernel(heads: int, q_len: int, kv_len: int, block_q: int, block_kv: int, interpret: bool) -> Callable:
+def _splash_kernel(heads: int, q_len: int, kv_len: int, block_q: int, block_kv: int, interpret: bool,
+                   window: int = 0, softcap: float = 0.0) -> Callable:
     """One splash MQA kernel (queries of one kv head against it), built anew in every trace.
+
+    A window is splash's `LocalMask` with `window - 1` keys to the left and none to the right, which is causal
+    too; its block-sparse mask info lets the kernel skip the key blocks wholly outside the window. The soft-cap is
+    the kernel's own `attn_logits_soft_cap` (forward and backward).
 
     Not cached: the kernel's block-mask arrays are made with jnp inside the trace that asks for it (Flax's scan
     traces its body through a partial-eval trace), so a kernel kept from one trace would leak that trace's tracers
@@ -136,20 +153,28 @@ def _splash_kernel(heads: int, q_len: int, kv_len: int, block_q: int, block_kv: 
     it takes ~0.3 s at 8k tokens with 512-token blocks."""
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
-    mask = splash.MultiHeadMask([splash.CausalMask((q_len, kv_len)) for _ in range(heads)])
+    shape = (q_len, kv_len)
+    if window:
+        one = splash.LocalMask(shape, window_size=(window - 1, 0), offset=kv_len - q_len)
+    else:
+        one = splash.CausalMask(shape)
+    mask = splash.MultiHeadMask([one for _ in range(heads)])
     sizes = splash.BlockSizes(block_q=block_q, block_kv=block_kv, block_kv_compute=block_kv, block_q_dkv=block_q,
                               block_kv_dkv=block_kv, block_kv_dkv_compute=block_kv, block_q_dq=block_q,
                               block_kv_dq=block_kv)
-    return splash.make_splash_mqa(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+    return splash.make_splash_mqa(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret,
+                                  attn_logits_soft_cap=softcap or None)
 
 
 def splash(q, k, v, q_segment_ids, kv_segment_ids, block_q: int = 512, block_kv: int = 512,
-           interpret: bool | None = None) -> jax.Array:
+           interpret: bool | None = None, window: int = 0, softcap: float = 0.0,
+           sinks: jax.Array | None = None) -> jax.Array:
     """The Pallas splash kernel, one MQA call per (batch row, kv head): its queries are that kv head's group.
 
     Splash takes [heads, length, head_dim] per row and its own SegmentIds; block sizes must divide the lengths
     (config_ranges checks max_target_length). `interpret` defaults to "not compiling for a TPU"
-    (`target_platform`; Pallas interpret mode: slow, for tests)."""
+    (`target_platform`; Pallas interpret mode: slow, for tests). Sinks are the kernel's own (`sinks` [group] per
+    MQA call, with their gradient)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
 
     if interpret is None:
@@ -157,13 +182,17 @@ def splash(q, k, v, q_segment_ids, kv_segment_ids, block_q: int = 512, block_kv:
     batch, q_len, heads, _ = q.shape
     kv_heads = k.shape[2]
     kernel = _splash_kernel(heads // kv_heads, q_len, k.shape[1], min(block_q, q_len), min(block_kv, k.shape[1]),
-                            interpret)
+                            interpret, window, softcap)
     qg = jnp.einsum("bqhgd->bhgqd", _grouped(q, kv_heads))  # [b, kv_heads, group, q, d]
     kt, vt = jnp.einsum("bkhd->bhkd", k), jnp.einsum("bkhd->bhkd", v)  # [b, kv_heads, kv, d]
+    grouped_sinks = _grouped_sinks(sinks, kv_heads)
 
     def row(qr, kr, vr, qs, ks):  # one batch row: [kv_heads, ...]
         segments = SegmentIds(q=qs, kv=ks)
-        return jax.vmap(lambda qh, kh, vh: kernel(qh, kh, vh, segment_ids=segments))(qr, kr, vr)
+        if grouped_sinks is None:
+            return jax.vmap(lambda qh, kh, vh: kernel(qh, kh, vh, segment_ids=segments))(qr, kr, vr)
+        return jax.vmap(lambda qh, kh, vh, sh: kernel(qh, kh, vh, segment_ids=segments, sinks=sh))(
+            qr, kr, vr, grouped_sinks)
 
     out = jax.vmap(row)(qg, kt, vt, q_segment_ids, kv_segment_ids)  # [b, kv_heads, group, q, d]
     return jnp.einsum("bhgqd->bqhgd", out).reshape(batch, q_len, heads, v.shape[-1]).astype(v.dtype)
@@ -198,7 +227,8 @@ def _tokamax_modules() -> tuple[ModuleType, ModuleType]:
     return api, base
 
 
-def tokamax(q, k, v, q_segment_ids, kv_segment_ids, implementation: str | None = None) -> jax.Array:
+def tokamax(q, k, v, q_segment_ids, kv_segment_ids, implementation: str | None = None, window: int = 0,
+            softcap: float = 0.0) -> jax.Array:
     """Tokamax's FlashAttention with the packed documents as ragged offsets: no [q, kv] mask or bias anywhere.
 
     The public `tokamax.dot_product_attention` takes documents only as a dense mask, so this calls the library's
@@ -208,14 +238,21 @@ def tokamax(q, k, v, q_segment_ids, kv_segment_ids, implementation: str | None =
     (grouped-query heads). Each row takes the kv ids' offsets, as q and kv share ids in self-attention.
     `implementation` is tokamax's: "mosaic_gpu" on a GPU backend by default (it needs sm90+ and 16-bit inputs:
     attention_choice.py checks), "xla" (its quadratic reference) elsewhere, which is how CPU tests and the
-    planner's shape traces run it."""
+    planner's shape traces run it.
+
+    A window moves each query's key start up to its window's first key (the later of the two starts), so the
+    same offsets carry documents and window and the GPU kernel skips what lies before either; the soft-cap is
+    tokamax's `logits_soft_cap`. Tokamax 0.0.12 has no sinks: attention_kinds.py leaves them out."""
     if implementation is None:
         implementation = "mosaic_gpu" if jax.default_backend() == "gpu" else "xla"
     if q.shape[1] != k.shape[1]:
         raise ValueError("attention=tokamax needs q_len == kv_len (training); use dot_product or blockwise to decode")
     api, base = _tokamax_modules()
-    mask = base.Mask(k_start=document_starts(kv_segment_ids)[:, None, :], is_causal=True)  # [batch, 1 (heads), q]
-    return api.IMPLEMENTATIONS[implementation](q, k, v, mask=mask, logits_scale=1.0)
+    starts = document_starts(kv_segment_ids)  # [batch, q]
+    if window:
+        starts = jnp.maximum(starts, jnp.arange(q.shape[1], dtype=jnp.int32) - (window - 1))
+    mask = base.Mask(k_start=starts[:, None, :], is_causal=True)  # [batch, 1 (heads), q]
+    return api.IMPLEMENTATIONS[implementation](q, k, v, mask=mask, logits_scale=1.0, logits_soft_cap=softcap or None)
 
 
 def attend(
@@ -253,9 +290,13 @@ def attend(
         value_width = v.shape[-1]
         if value_width != q.shape[-1] and not row.value_width:
             q, k, v = one_width(q, k, v)
-        kernel = functools.partial(kernel, **options) if options else kernel
+        statics = {name: value for name, value in options.items() if name != "sinks"}
+        kernel = functools.partial(kernel, **statics) if statics else kernel
         args = (q, k, v, q_segment_ids, kv_segment_ids)
-        out = ring_attention.manual_over_batch_and_heads(kernel, *args) if row.per_device else kernel(*args)
+        if row.per_device:  # the sinks go in sharded as q's heads, not closed over
+            out = ring_attention.manual_over_batch_and_heads(kernel, *args, sinks=sinks)
+        else:
+            out = kernel(*args, sinks=sinks) if sinks is not None else kernel(*args)
         out = out[..., :value_width]
     return constrain(out, ax.ATTN_QUERY)
 

@@ -26,7 +26,8 @@ from maxshard.model.layers.pipeline import Pipeline
 from maxshard.parallel import axis_names as ax
 from maxshard.parallel.sharding import constrain
 
-__all__ = ["ATTENTION_LAYERS", "DecoderLayer", "DecoderBlock", "MoEDecoderBlock", "Decoder", "norm", "remat_policy", "stack_unit"]
+__all__ = ["ATTENTION_LAYERS", "DecoderLayer", "DecoderBlock", "MoEDecoderBlock", "Decoder", "norm", "remat_policy",
+           "rematted", "stack_unit"]
 
 
 def remat_policy(name: str) -> Any:
@@ -132,7 +133,8 @@ def stack_unit(cfg: ModelConfig, stack: blocks.Stack | None = None) -> type[nn.M
     return DecoderBlock if stack.has_moe or len(stack.unit) > 1 else DecoderLayer
 
 
-def _remat(cfg: ModelConfig, unit: type[nn.Module]) -> type[nn.Module]:
+def rematted(cfg: ModelConfig, unit: type[nn.Module]) -> type[nn.Module]:
+    """`unit` under the model's remat policy (unchanged with remat_policy none)."""
     if cfg.remat_policy == "none":
         return unit
     return nn.remat(unit, policy=remat_policy(cfg.remat_policy), prevent_cse=not cfg.scan_layers)
@@ -159,9 +161,9 @@ class Decoder(nn.Module):
                                     name="pipeline")
                 x = pipeline(x, segment_ids, positions)
             elif cfg.scan_layers:
-                x = self._scanned(stack, _remat(cfg, unit), x, segment_ids, positions)
+                x = self._scanned(stack, rematted(cfg, unit), x, segment_ids, positions)
             else:
-                layer = _remat(cfg, unit)
+                layer = rematted(cfg, unit)
                 for i in range(stack.repeats):
                     block = layer(cfg, self.dtype, self.weight_dtype, stack=stack.name, name=f"{stack.name}_{i}")
                     x, _ = block(x, segment_ids, positions)

@@ -1,25 +1,41 @@
-"""The KV cache of generation: each attention layer keeps the keys and values of every position it has seen.
+"""The KV cache of generation: each global attention layer keeps the keys and values of every position it has
+seen; each local (sliding-window) layer only those of the last `window` positions, in a ring.
 
-Layout. One layer's cache is keys and values of [batch, kv_heads, max_length, head_dim], named
+Layout. One layer's cache is keys and values of [batch, kv_heads, slots, head_dim], named
 ("cache_batch", "cache_kv_heads", "cache_length", "cache_kv") so `logical_axis_rules` lay it out like the
-attention activations it feeds (batch over data/fsdp/expert, kv heads over tensor/autoregressive). nn.scan stacks
-the layers' caches into [layers, batch, kv_heads, max_length, head_dim] under the "cache" collection. Latent
-attention (layers/mla.py) keeps instead one latent [batch, max_length, kv_lora_rank] and one RoPE key
-[batch, max_length, qk_rope_head_dim] per layer (`LatentCache`), written the same way.
+attention activations it feeds (batch over data/fsdp/expert, kv heads over tensor/autoregressive). A global layer
+has slots = max_length, a local one slots = min(window, max_length). nn.scan stacks the layers' caches into
+[layers, batch, kv_heads, slots, head_dim] under the "cache" collection. Latent attention (layers/mla.py) keeps
+instead one latent [batch, max_length, kv_lora_rank] and one RoPE key [batch, max_length, qk_rope_head_dim] per layer
+(`LatentCache`), written as a global layer's.
 
-Slot = position. Prompts are right-padded, so the token at position p of a sequence always lives in slot p:
-a call writes its k/v at slots `positions` (contiguous per sequence: a prefill of [batch, prompt] from 0, or one
-decode token at each sequence's own length) and its queries attend to every slot <= their own position. Per
+Global layers: slot = position. Prompts are right-padded, so the token at position p of a sequence always lives in
+slot p: a call writes its k/v at slots `positions` (contiguous per sequence: a prefill of [batch, prompt] from 0, or
+one decode token at each sequence's own length) and its queries attend to every slot <= their own position. Per
 sequence the cache therefore holds exactly the keys and values the full forward pass computes for the same prefix,
 at the same RoPE positions. Slots beyond a sequence's position hold stale values (the padding of a shorter prompt,
 or zeros) and are masked; the decode step that reaches such a slot overwrites it before anything attends to it.
 
+Local layers: a ring, slot = position % slots. A query at position i sees keys i - window < j <= i (as
+`attention_ops.scores_mask` in training), so keys older than the window are never read again: keeping them would
+make the cache, and the memory a long generation needs, grow with the text for nothing (Gemma 3 has 5 local layers
+per global one). A slot's position is not stored: every row writes positions 0, 1, 2, ... in order, so once it has
+written up to position `last` slot s holds last - ((last - s) mod slots), or nothing while that is negative
+(`_ring_positions`), and the mask is causal and inside the window in position space. Two things follow:
+- a right-padded prefill must write each row's last real tokens, not the batch's last columns (a short prompt's
+  tokens would be overwritten by the padding after them), so the prefill marks its padding with position -1
+  (generation/decode.py) and a row writes only its tokens of position >= 0;
+- a prompt longer than the window overwrites, in the ring, keys that its own earlier queries still see, so a call of
+  more than one token attends over the ring as it was before the call plus its own k/v (slots + T keys), and only
+  then is written; a decode step (T = 1) attends over the ring as written (`window` keys).
+
 Why a masked write over the whole cache and not a dynamic slice: sequences are at different positions, so the
-write index differs per row; `where(slot in [start, start + length))` is elementwise, needs no scatter and
-partitions under any layout of the cache, and it costs one pass over the cache, as the attention that reads it.
+write index differs per row; `where(slot takes a new token)` is elementwise, needs no scatter and partitions under
+any layout of the cache, and it costs one pass over the cache, as the attention that reads it. The ring's write is
+the same select with another index per slot.
 
 Attention reads the cache with plain float32 logits and softmax (masked slots at the float32 minimum give exactly
-zero weight), one query or a prompt's worth of queries against `max_length` keys.
+zero weight), one query or a prompt's worth of queries against the cache's slots.
 """
 
 from __future__ import annotations
@@ -50,11 +66,11 @@ def _zeros(shape: tuple[int, ...], dtype: Any) -> jax.Array:
     return jnp.zeros(shape, dtype)
 
 
-def _write(cache: jax.Array, new: jax.Array, start: jax.Array, axis: int = 2) -> jax.Array:
-    """cache [b, ..., S, ...] with new [b, ..., T, ...] written at slots start[b] .. start[b] + T - 1 of each row;
+def _put(cache: jax.Array, new: jax.Array, offset: jax.Array, axis: int = 2) -> jax.Array:
+    """cache [b, ..., S, ...] with each slot s of row b replaced by new[b, ..., offset[b, s], ...] where offset is in
+    [0, T) (T: new's length on `axis`) and kept where it is not: one elementwise select over the cache, no scatter.
     `axis` is the slot axis (2 in [b, h, S, d], 1 in latent attention's [b, S, width])."""
     slots, length = cache.shape[axis], new.shape[axis]
-    offset = jnp.arange(slots)[None, :] - start[:, None]  # [b, S]: index into `new` of each slot
     inside = (offset >= 0) & (offset < length)
     shape = [1] * cache.ndim
     shape[0], shape[axis] = cache.shape[0], slots  # [b, 1, S, 1] or [b, S, 1]
@@ -63,36 +79,76 @@ def _write(cache: jax.Array, new: jax.Array, start: jax.Array, axis: int = 2) ->
     return jnp.where(inside.reshape(shape), picked, cache)
 
 
-class KVCache(nn.Module):
-    """Writes one call's keys and values into the layer's cache and returns the whole cache with its mask.
+def _write(cache: jax.Array, new: jax.Array, start: jax.Array, axis: int = 2) -> jax.Array:
+    """cache [b, ..., S, ...] with new [b, ..., T, ...] written at slots start[b] .. start[b] + T - 1 of each row
+    (slot = position)."""
+    return _put(cache, new, jnp.arange(cache.shape[axis])[None, :] - start[:, None], axis)
 
-    The cache is created (zeros) by the first call, with `max_length` = that call's length: generation creates it
-    with a [batch, max_length] shape pass (see maxshard/generation/decode.py) and then only writes into it.
+
+def _ring_positions(last: jax.Array, slots: int) -> jax.Array:
+    """[b] -> [b, slots] int32: the position each slot of a ring holds once positions 0 .. last[b] have been
+    written (slot = position % slots, the latest one wins), -1 where none has been (last[b] < slot)."""
+    held = last[:, None] - jnp.mod(last[:, None] - jnp.arange(slots)[None, :], slots)
+    return jnp.where(held >= 0, held, -1).astype(jnp.int32)
+
+
+class KVCache(nn.Module):
+    """Writes one call's keys and values into the layer's cache and returns the keys and values its queries attend
+    over, with their mask.
+
+    The cache is created (zeros) by the first call, from that call's length `max_length`: generation creates it
+    with a [batch, max_length] shape pass (see maxshard/generation/decode.py) and then only writes into it. A global
+    layer keeps `max_length` slots (slot = position); a local one (`window` > 0) a ring of min(window, max_length)
+    slots (slot = position % slots), whatever `max_length` is (module docstring).
     """
 
     dtype: jnp.dtype
-    window: int = 0  # a local layer: queries see only the last `window` positions (attention_ops.attend)
+    window: int = 0  # a local layer: queries see only the last `window` positions (attention_ops.scores_mask)
 
     @nn.compact
     def __call__(
         self, k: jax.Array, v: jax.Array, positions: jax.Array
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """k, v [batch, T, kv_heads, head_dim]; positions [batch, T] contiguous per row ->
-        (keys, values [batch, max_length, kv_heads, head_dim], mask [batch, 1, 1, T, max_length] bool)."""
+        """k, v [batch, T, kv_heads, head_dim]; positions [batch, T], contiguous per row from positions[:, 0], -1 on
+        a prefill's right padding -> (keys, values [batch, S, kv_heads, head_dim], mask [batch, 1, 1, T, S] bool).
+        S is max_length for a global layer; for a local one the ring's slots, or for a call of T > 1 tokens the
+        ring's slots followed by the call's own T keys."""
         batch, length, kv_heads, head_dim = k.shape
         init = nn.with_logical_partitioning(_zeros, CACHE_AXES)
-        shape = (batch, kv_heads, length, head_dim)
+        slots = min(self.window, length) if self.window else length  # used only where the cache is created
+        shape = (batch, kv_heads, slots, head_dim)
         keys = self.variable(COLLECTION, "key", init, shape, self.dtype)
         values = self.variable(COLLECTION, "value", init, shape, self.dtype)
-        start = positions[:, 0]
-        for var, new in ((keys, k), (values, v)):
-            written = _write(var.value, jnp.asarray(new, self.dtype).transpose(0, 2, 1, 3), start)
-            var.value = constrain(written, CACHE_AXES)
-        slots = jnp.arange(keys.value.shape[2])
-        mask = slots[None, None, :] <= positions[:, :, None]  # [b, T, S]: causal in slot (= position) space
+        new = [jnp.asarray(x, self.dtype).transpose(0, 2, 1, 3) for x in (k, v)]  # [b, kv_heads, T, d]
         if self.window:
-            mask &= slots[None, None, :] > positions[:, :, None] - self.window
+            return self._ring(keys, values, new, positions)
+        start = positions[:, 0]
+        for var, fresh in zip((keys, values), new):
+            var.value = constrain(_write(var.value, fresh, start), CACHE_AXES)
+        slot = jnp.arange(keys.value.shape[2])
+        mask = slot[None, None, :] <= positions[:, :, None]  # [b, T, S]: causal in slot (= position) space
         return keys.value.transpose(0, 2, 1, 3), values.value.transpose(0, 2, 1, 3), mask[:, None, None]
+
+    def _ring(self, keys: Any, values: Any, new: list[jax.Array], positions: jax.Array
+              ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The local layer's call: each row writes its last `slots` real tokens into the ring; a decode step
+        (T = 1) attends over the ring as written, a longer call over the ring as it was plus its own k/v."""
+        slots = keys.value.shape[2]
+        start = positions[:, 0]
+        last = start + jnp.sum(positions >= 0, axis=1) - 1  # [b]: the last real position of this call
+        before = _ring_positions(start - 1, slots)  # [b, S]: what each slot holds before this call
+        after = _ring_positions(last, slots)
+        old = (keys.value, values.value)
+        for var, fresh in zip((keys, values), new):  # slot s takes the token at position after[s] if it is new
+            var.value = constrain(_put(var.value, fresh, after - start[:, None]), CACHE_AXES)
+        if positions.shape[1] == 1:
+            held, key_positions = (keys.value, values.value), after
+        else:  # a prompt longer than the ring overwrites keys its own earlier queries still see
+            held = tuple(jnp.concatenate([o, fresh], axis=2) for o, fresh in zip(old, new))
+            key_positions = jnp.concatenate([before, jnp.where(positions >= 0, positions, -1)], axis=1)
+        query, key = positions[:, :, None], key_positions[:, None, :]
+        mask = (key >= 0) & (key <= query) & (key > query - self.window)  # [b, T, S]: causal and inside the window
+        return held[0].transpose(0, 2, 1, 3), held[1].transpose(0, 2, 1, 3), mask[:, None, None]
 
 
 class LatentCache(nn.Module):

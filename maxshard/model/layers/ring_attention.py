@@ -27,6 +27,13 @@ Worked example, C = 2, 4 chunks: device 0 holds (0, 3), device 1 holds (1, 2). S
 blocks that are wholly in the future (by token index), so no branch per case is needed, as long as the blocks
 divide n.
 
+With a sliding window, a step where no device's keys reach any of its queries' windows is skipped whole, compute
+and transfer (`needed_steps`): the K/V go from one needed step to the next in one ppermute of that many hops, and the
+gradients jump home after the last. A window of at most one chunk leaves steps 0, 1 and C - 1 (a chunk's
+neighbours are on the devices either side), whatever C. Inside a step the blockwise kernel skips the key blocks
+outside the window. A soft-cap is the kernel's; the sinks join once, in step 0's partial result, and their gradient
+is taken once from the merged output and log-sum-exp.
+
 Every step returns a partial output and its log-sum-exp over the keys seen, merged with `blockwise_attention.merge`.
 The backward pass is a second ring (custom VJP): with the final output and log-sum-exp, each step's key chunk gets
 exact gradients (see blockwise_attention.py); dK and dV travel with their K/V chunk and after C steps arrive home.
@@ -49,7 +56,7 @@ from maxshard.parallel import axis_names as ax
 from maxshard.parallel.sharding import active_mesh_axes, active_mesh_sizes, mesh_axes, partition_spec
 
 __all__ = ["context_axes", "context_size", "to_balanced", "from_balanced", "ring_attend",
-           "manual_over_batch_and_heads", "balanced_order"]
+           "manual_over_batch_and_heads", "balanced_order", "needed_steps"]
 
 def context_axes() -> tuple[str, ...]:
     """The mesh axes ring attention runs over: those (of size > 1) that the active rules give the length of the
@@ -87,16 +94,32 @@ def _specs(*logical: tuple[str | None, ...]) -> tuple[PartitionSpec, ...]:
     return tuple(partition_spec(mesh_axes(names, rules)) for names in logical)
 
 
-def manual_over_batch_and_heads(fn: Callable, q, k, v, q_segment_ids, kv_segment_ids) -> jax.Array:
+def manual_over_batch_and_heads(fn: Callable, q, k, v, q_segment_ids, kv_segment_ids,
+                                sinks: jax.Array | None = None) -> jax.Array:
     """`fn` on each device's [batch, length, heads] shard (shard_map), as kernels that XLA cannot partition need.
+    A per-head array `sinks` [heads] travels sharded as q's heads (`fn(..., sinks=local)`): closed over, a traced
+    array would enter every device whole, its heads no longer matching the local q's.
 
     Without an active mesh (a plain call, a test) `fn` runs on the whole arrays."""
+    args = (q, k, v, q_segment_ids, kv_segment_ids)
+    if sinks is not None:
+        fn = _with_sinks(fn)
+        args = (*args, sinks)
     if not active_mesh_sizes() or not nn.get_logical_axis_rules():
-        return fn(q, k, v, q_segment_ids, kv_segment_ids)
+        return fn(*args)
     q_spec, kv_spec, seg_spec = _specs(ax.ATTN_QUERY, ax.ATTN_KEY_VALUE, ax.ATTN_SEGMENTS)
-    mapped = jax.shard_map(fn, in_specs=(q_spec, kv_spec, kv_spec, seg_spec, seg_spec), out_specs=q_spec,
-                           check_vma=False)
-    return mapped(q, k, v, q_segment_ids, kv_segment_ids)
+    specs = (q_spec, kv_spec, kv_spec, seg_spec, seg_spec) + ((_head_spec(q_spec),) if sinks is not None else ())
+    mapped = jax.shard_map(fn, in_specs=specs, out_specs=q_spec, check_vma=False)
+    return mapped(*args)
+
+
+def _with_sinks(fn: Callable) -> Callable:
+    return lambda q, k, v, q_seg, kv_seg, sinks: fn(q, k, v, q_seg, kv_seg, sinks=sinks)
+
+
+def _head_spec(q_spec: PartitionSpec) -> PartitionSpec:
+    """The spec of a [heads] array sharded as the heads axis of q [batch, length, heads, head_dim]."""
+    return PartitionSpec(q_spec[2] if len(q_spec) > 2 else None)
 
 
 # --------------------------------------------------------------------------------------------- the ring
@@ -110,71 +133,106 @@ def _chunk_indices(device: jax.Array, local_len: int, shards: int) -> jax.Array:
     return chunk * n + t % n
 
 
-def _shift(axis: tuple[str, ...], shards: int, *xs: jax.Array) -> tuple[jax.Array, ...]:
-    """Every array one step along the ring, device c -> c+1."""
-    pairs = [(i, (i + 1) % shards) for i in range(shards)]
+def _shift(axis: tuple[str, ...], shards: int, hops: int, *xs: jax.Array) -> tuple[jax.Array, ...]:
+    """Every array `hops` steps along the ring, device c -> c + hops."""
+    pairs = [(i, (i + hops) % shards) for i in range(shards)]
     return tuple(jax.lax.ppermute(x, axis, pairs) for x in xs)
 
 
-def _ring_forward(q, k, v, q_seg, kv_seg, axis, shards, block_q, block_kv):
-    """(out float32 [b, q, h, g, d], lse [b, h, g, q]) of local queries over every device's keys."""
+def needed_steps(shards: int, local_len: int, window: int) -> tuple[int, ...]:
+    """The ring steps s (device c holds device c - s's K/V) where some device has a key in some query's window, by
+    chunk (`_chunk_indices`): all of them without a window. A step no device needs is skipped whole, compute and
+    transfer: the K/V jump from one needed step to the next in one ppermute. With a window of at most one chunk,
+    only steps 0, 1 and C - 1 remain (a chunk's neighbours live on the devices either side)."""
+    if not window:
+        return tuple(range(shards))
+    n = local_len // 2
+
+    def chunks(device: int) -> tuple[int, int]:
+        return device, 2 * shards - 1 - device
+
+    def sees(q_chunk: int, kv_chunk: int) -> bool:  # some key at or before some query, and after its window start
+        return kv_chunk * n <= q_chunk * n + n - 1 and kv_chunk * n + n - 1 > q_chunk * n - window
+
+    return tuple(step for step in range(shards)
+                 if any(sees(qc, kc) for c in range(shards) for qc in chunks(c)
+                        for kc in chunks((c - step) % shards)))
+
+
+def _ring_forward(q, k, v, q_seg, kv_seg, sinks, axis, shards, block_q, block_kv, window, softcap):
+    """(out float32 [b, q, h, g, d], lse [b, h, g, q]) of local queries over every device's keys. The sinks join
+    once, in step 0's partial result (as the initial running maximum), so the merges count them once."""
     me = jax.lax.axis_index(axis)
     q_idx = _chunk_indices(me, q.shape[1], shards)
-    out, lse = None, None
-    for step in range(shards):
+    out, lse, at = None, None, 0
+    for step in needed_steps(shards, q.shape[1], window):
+        if step != at:
+            k, v, kv_seg = _shift(axis, shards, step - at, k, v, kv_seg)
+            at = step
         kv_idx = _chunk_indices((me - step) % shards, k.shape[1], shards)
-        part, part_lse = bw.forward(q, k, v, q_seg, kv_seg, q_idx, kv_idx, block_q, block_kv)
+        part, part_lse = bw.forward(q, k, v, q_seg, kv_seg, q_idx, kv_idx, block_q, block_kv, window, softcap,
+                                    sinks if out is None else None)
         out, lse = (part.astype(jnp.float32), part_lse) if out is None else bw.merge(out, lse, part, part_lse)
-        if step < shards - 1:
-            k, v, kv_seg = _shift(axis, shards, k, v, kv_seg)
     return out, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _ring(q, k, v, q_seg, kv_seg, axis, shards, block_q, block_kv):
-    out, _ = _ring_forward(q, k, v, q_seg, kv_seg, axis, shards, block_q, block_kv)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
+def _ring(q, k, v, q_seg, kv_seg, sinks, axis, shards, block_q, block_kv, window, softcap):
+    out, _ = _ring_forward(q, k, v, q_seg, kv_seg, sinks, axis, shards, block_q, block_kv, window, softcap)
     return out.astype(v.dtype)
 
 
-def _ring_fwd(q, k, v, q_seg, kv_seg, axis, shards, block_q, block_kv):
-    out, lse = _ring_forward(q, k, v, q_seg, kv_seg, axis, shards, block_q, block_kv)
+def _ring_fwd(q, k, v, q_seg, kv_seg, sinks, axis, shards, block_q, block_kv, window, softcap):
+    out, lse = _ring_forward(q, k, v, q_seg, kv_seg, sinks, axis, shards, block_q, block_kv, window, softcap)
     out = out.astype(v.dtype)
-    return out, (q, k, v, q_seg, kv_seg, out, lse)
+    return out, (q, k, v, q_seg, kv_seg, sinks, out, lse)
 
 
-def _ring_bwd(axis, shards, block_q, block_kv, residuals, dout):
-    q, k, v, q_seg, kv_seg, out, lse = residuals
+def _ring_bwd(axis, shards, block_q, block_kv, window, softcap, residuals, dout):
+    """dK and dV travel with their K/V chunk and, after the last needed step, jump home; the sinks' gradient is
+    taken once from the merged out and lse (their share of every row is in lse)."""
+    q, k, v, q_seg, kv_seg, sinks, out, lse = residuals
     me = jax.lax.axis_index(axis)
     q_idx = _chunk_indices(me, q.shape[1], shards)
     dq = jnp.zeros(q.shape, jnp.float32)
     dk, dv = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
-    for step in range(shards):
+    at = 0
+    for step in needed_steps(shards, q.shape[1], window):
+        if step != at:
+            k, v, kv_seg, dk, dv = _shift(axis, shards, step - at, k, v, kv_seg, dk, dv)
+            at = step
         kv_idx = _chunk_indices((me - step) % shards, k.shape[1], shards)
         dq_s, dk_s, dv_s = bw.backward(q, k, v, q_seg, kv_seg, q_idx, kv_idx, out, lse, dout, None,
-                                       block_q, block_kv)
+                                       block_q, block_kv, window, softcap)
         dq, dk, dv = dq + dq_s, dk + dk_s, dv + dv_s
-        if step < shards - 1:
-            k, v, kv_seg = _shift(axis, shards, k, v, kv_seg)
-        dk, dv = _shift(axis, shards, dk, dv)  # the gradients travel with their chunk; C shifts bring them home
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+    if at:
+        dk, dv = _shift(axis, shards, shards - at, dk, dv)  # home: the chunk came from device c - at
+    dsinks = None if sinks is None else bw.sink_grad(sinks, lse, out, dout).astype(sinks.dtype)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, dsinks
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def ring_attend(q, k, v, q_segment_ids, kv_segment_ids, block_q: int, block_kv: int) -> jax.Array:
+def ring_attend(q, k, v, q_segment_ids, kv_segment_ids, block_q: int, block_kv: int, window: int = 0,
+                softcap: float = 0.0, sinks: jax.Array | None = None) -> jax.Array:
     """Ring attention of the balanced layout: q [b, length, heads, d], k, v [b, length, kv_heads, d] sharded over
-    the context axes on length (and batch and heads as the rules say) -> [b, length, heads, d]."""
+    the context axes on length (and batch and heads as the rules say) -> [b, length, heads, d]. `window`,
+    `softcap` and `sinks` [heads] as `attention_ops.attend`'s; the sinks are sharded as q's heads."""
     axis, shards = context_axes(), context_size()
 
-    def local(q, k, v, q_seg, kv_seg):
+    def local(q, k, v, q_seg, kv_seg, *head_sinks):
         b, length, heads, dim = q.shape
         local_kv_heads = k.shape[2]
         qg = q.reshape(b, length, local_kv_heads, heads // local_kv_heads, dim)
-        out = _ring(qg, k, v, q_seg, kv_seg, axis, shards, block_q, block_kv)
+        grouped = head_sinks[0].astype(jnp.float32).reshape(local_kv_heads, -1) if head_sinks else None
+        out = _ring(qg, k, v, q_seg, kv_seg, grouped, axis, shards, block_q, block_kv, window, softcap)
         return out.reshape(b, length, heads, v.shape[-1])  # v's head width (latent attention's may differ)
 
     q_spec, kv_spec, seg_spec = _specs(ax.ATTN_QUERY, ax.ATTN_KEY_VALUE, ax.ATTN_SEGMENTS)
-    mapped = jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec, seg_spec, seg_spec), out_specs=q_spec,
-                           check_vma=False)
-    return mapped(q, k, v, q_segment_ids, kv_segment_ids)
+    specs = (q_spec, kv_spec, kv_spec, seg_spec, seg_spec)
+    args = (q, k, v, q_segment_ids, kv_segment_ids)
+    if sinks is not None:
+        specs, args = (*specs, _head_spec(q_spec)), (*args, sinks)
+    mapped = jax.shard_map(local, in_specs=specs, out_specs=q_spec, check_vma=False)
+    return mapped(*args)

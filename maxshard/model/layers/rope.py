@@ -26,7 +26,8 @@ import numpy as np
 
 from maxshard.model.config import ModelConfig
 
-__all__ = ["Llama3Scaling", "YarnScaling", "LinearScaling", "inverse_frequencies", "llama3_scaled", "yarn_scaled", "yarn_mscale",
+__all__ = ["Llama3Scaling", "YarnScaling", "LinearScaling", "inverse_frequencies", "llama3_scaled", "yarn_scaled",
+           "yarn_mscale",
            "scaling_from", "rotary_dim", "frequencies_for", "cos_sin_scale", "softmax_scale", "deinterleaved",
            "apply_rope"]
 
