@@ -440,7 +440,7 @@ def family_copy(tmp_path: Path, name: str, change: dict[str, Any]) -> Path:
     ("mixtral", {"num_local_experts": 1}, "num_local_experts"),
     ("deepseek_v3", {"scoring_func": "softmax"}, "scoring_func"),
     ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
-                                         "truncate": False}}, "rope_parameters.truncate"),
+                                         "attention_factor": 1.5}}, "rope_parameters.attention_factor"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_family_fields_maxshard_cannot_compute_are_one_line(tmp_path, capsys, name, change, field):
     assert cli.main(["from_hf", str(family_copy(tmp_path, name, change)), str(tmp_path / "out")]) == 2

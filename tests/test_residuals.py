@@ -53,6 +53,7 @@ PROBES = {
     "yarn_beta_slow": (YARN, 2.0),
     "yarn_mscale": ({**YARN, "yarn_mscale_all_dim": 1.0}, 0.707),
     "yarn_mscale_all_dim": (YARN, 1.0),
+    "yarn_truncate": (YARN, False),
     "moe_routed_scaling_factor": (MOE, 2.5),
     "rope_local_max_timescale": ({"sliding_window": 4, "attention_pattern": ("local",)}, 10000.0),
     "attn_logit_softcapping": ({}, 50.0),

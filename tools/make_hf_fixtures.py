@@ -37,6 +37,15 @@ Each fixture directory holds what `save_pretrained` writes plus `tokens.npy` (in
                global RoPE base 1000 with linear scaling x4, local base 50 unscaled, query_pre_attn_scalar 12,
                no soft-caps, tied head, float32.
 
+  gpt_oss      GptOssForCausalLM: 4 layers alternating sliding (window 4, shorter than the 12-token text) and full
+               attention, sinks, q/k/v/o biases, 4 experts top-2 with router and expert biases, clamped SwiGLU with
+               swiglu_limit 1 (so the clamp binds), YaRN with truncate false (as released), head_dim 16 != hidden
+               / heads, float32, the Llama-style tokenizer (generate.json runs 16 tokens past the window).
+  gpt_oss_mxfp4  the same architecture in 2 layers with its expert weights stored as the released checkpoints
+               store them: MXFP4 `*_blocks` + `*_scales` (quantized here, `mxfp4_pack`) with quantization_config
+               mxfp4; logits.npy is what transformers computes after its own dequantization (float32).
+               Both were written with transformers 5.24.
+
 `python tools/make_hf_fixtures.py NAME ...` rewrites only the named fixtures (all of them without names).
 
 Every fixture with a tokenizer also gets `generate.json`: a prompt, `tokenizer(prompt)`'s ids and the tokens of
@@ -62,6 +71,8 @@ from transformers import MixtralConfig, MixtralForCausalLM, Qwen3Config, Qwen3Fo
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Tokenizer
 from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
+from transformers import GptOssConfig, GptOssForCausalLM, Mxfp4Config
+from safetensors.torch import load_file, save_file
 
 OUT = pathlib.Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "hf"
 VOCAB = 128
@@ -230,10 +241,76 @@ def gemma3() -> None:
     with_tokenizer(model, llama_tok, save(model, "gemma3", seed=9, bf16=False, norm_center=0.0), [2])
 
 
+def gpt_oss_config(vocab: int, layers: int) -> GptOssConfig:
+    # original context 64: the ramp's ends (0 and 2.01 of 8 frequencies) are fractional, so truncate matters
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+            "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
+    return GptOssConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, intermediate_size=32, num_local_experts=4,
+                        num_experts_per_tok=2, sliding_window=4, max_position_embeddings=256, rope_parameters=yarn,
+                        swiglu_limit=1.0, rms_norm_eps=1e-5, attention_bias=True, tie_word_embeddings=False,
+                        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def gpt_oss() -> None:
+    llama_tok = llama_bos_tokenizer()
+    model = GptOssForCausalLM(gpt_oss_config(len(llama_tok), 4))
+    directory = save(model, "gpt_oss", seed=8, bf16=False)
+    with_tokenizer(model, llama_tok, directory, [2])
+    # the tokens past the window are what the test is about
+    record = json.loads((directory / "generate.json").read_text())
+    assert len(record["input_ids"]) + len(record["new_tokens"]) > 4 * 2
+
+
+E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def mxfp4_pack(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[experts, in, out] float -> (blocks [experts, out, in/32, 16], scales [experts, out, in/32]) uint8: blocks of
+    32 inputs share a power-of-two scale (the largest magnitude maps to <= 6), each value rounded to the nearest
+    e2m1 code, two codes a byte, low nibble first: the layout of the released gpt-oss checkpoints."""
+    rows = np.swapaxes(weight, -1, -2)  # [experts, out, in]
+    groups = rows.reshape(*rows.shape[:-1], -1, 32)
+    peak = np.maximum(np.abs(groups).max(-1, keepdims=True), 1e-30)
+    exponent = np.ceil(np.log2(peak / 6.0)).astype(np.int32)
+    scaled = groups / np.exp2(exponent)
+    code = np.abs(np.abs(scaled)[..., None] - E2M1).argmin(-1) + 8 * (scaled < 0)
+    code = code.astype(np.uint8).reshape(*groups.shape[:-1], 16, 2)
+    blocks = code[..., 0] | (code[..., 1] << 4)
+    return blocks.astype(np.uint8), (exponent[..., 0] + 127).astype(np.uint8)
+
+
+def gpt_oss_mxfp4() -> None:
+    """The released checkpoints' storage: expert weights as MXFP4 blocks and scales, everything else float32."""
+    llama_tok = llama_bos_tokenizer()
+    model = GptOssForCausalLM(gpt_oss_config(len(llama_tok), 2))
+    directory = OUT / "gpt_oss_mxfp4"
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True)
+    model.eval()
+    redraw(model, 9, bf16=False)
+    model.save_pretrained(directory)
+    tensors = load_file(directory / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = mxfp4_pack(tensors.pop(name).numpy())
+        tensors[name + "_blocks"], tensors[name + "_scales"] = torch.from_numpy(blocks), torch.from_numpy(scales)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    loaded = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
+                                                  quantization_config=Mxfp4Config(dequantize=True)).eval()
+    weight = loaded.model.layers[0].mlp.experts.gate_up_proj
+    assert weight.dtype == torch.float32 and not torch.equal(weight, model.model.layers[0].mlp.experts.gate_up_proj)
+    reference(loaded, directory)
+
+
 def main(names: list[str]) -> None:
     if names:
         for name in names:
-            {"deepseek_v3": deepseek_v3, "gemma2": gemma2, "gemma3": gemma3}[name]()
+            {"deepseek_v3": deepseek_v3, "gemma2": gemma2, "gemma3": gemma3, "gpt_oss": gpt_oss,
+             "gpt_oss_mxfp4": gpt_oss_mxfp4}[name]()
         return
     torch.manual_seed(0)
     llama = LlamaForCausalLM(LlamaConfig(**COMMON, intermediate_size=96, num_key_value_heads=2, head_dim=8,
@@ -283,6 +360,8 @@ def main(names: list[str]) -> None:
     deepseek_v3()
     gemma2()
     gemma3()
+    gpt_oss()
+    gpt_oss_mxfp4()
 
     total = sum(p.stat().st_size for p in OUT.rglob("*") if p.is_file())
     print(f"wrote {OUT}: {total / 1024:.0f} KiB")

@@ -176,6 +176,7 @@ class Config:
     yarn_beta_slow: float = _model_default("yarn_beta_slow")
     yarn_mscale: float = _model_default("yarn_mscale")
     yarn_mscale_all_dim: float = _model_default("yarn_mscale_all_dim")
+    yarn_truncate: bool = _model_default("yarn_truncate")
     dtype: DType = "auto"
     weight_dtype: DType = _model_default("weight_dtype")
     quantization: Quantization = "none"

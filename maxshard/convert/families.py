@@ -37,6 +37,13 @@ class Family:
     window_switch: the field that turns `sliding_window` on (Qwen3's use_sliding_window); None: a window applies
         whenever it is set.
     export: fields to_hf writes whatever the template says (the family's constants).
+    router: the router's module under moe_prefix ("gate"; GPT-OSS: "router").
+    fused_experts: the experts are stacked tensors under `experts` (GPT-OSS): gate_up_proj [experts, embed,
+        2 x mlp] with the gate and up columns interleaved, down_proj [experts, mlp, embed], each with a bias.
+    biases: q/k/v/o, router and expert biases (config.json's attention_bias; `attention_bias`, `moe_bias`).
+    sinks: a learned softmax-denominator logit per head, `self_attn.sinks` (`attention_sinks`).
+    quantized_experts: quantization_config.quant_method values whose expert tensors from_hf dequantizes
+        (GPT-OSS's released "mxfp4": convert/mxfp4.py).
     defaults: config.json fields' values when a file omits them: transformers' config class defaults where they
         differ from Llama's (Gemma: tied head, head_dim 256, soft-caps), so a short config.json means what it
         means to transformers.
@@ -74,6 +81,11 @@ class Family:
     must_equal: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     window_switch: str | None = None
     export: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    router: str = "gate"
+    fused_experts: bool = False
+    biases: bool = False
+    sinks: bool = False
+    quantized_experts: tuple[str, ...] = ()
     defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     activation_field: str = "hidden_act"
     activation: str = "silu"
@@ -115,6 +127,11 @@ FAMILIES = (
            keys={"attention_type": "mla", "moe_router": "sigmoid", "moe_router_bias": True},
            must_equal={"moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid"},
            export={"attention_bias": False, "rope_interleave": True}),
+    Family("GptOssForCausalLM", "gpt_oss", moe_prefix="mlp", experts_fields=("num_local_experts",), router="router",
+           fused_experts=True, biases=True, sinks=True, quantized_experts=("mxfp4",), local_global=True,
+           pattern_period=2, carries=("sliding_window", "attention_pattern", "attention_bias"),
+           defaults={"attention_bias": True},  # transformers GptOssConfig's
+           keys={"attention_sinks": True, "moe_bias": True, "mlp_activation": "clamped_swiglu"}),
 )
 
 # Gemma 2 and 3 (text): (1 + w) RMSNorms before and after attention and MLP, GeGLU with tanh GELU, embeddings x

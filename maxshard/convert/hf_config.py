@@ -31,7 +31,8 @@ _LLAMA3 = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_low_freq_fa
 _YARN = {"factor": ("rope_scaling_factor", None), "original_max_position_embeddings": ("rope_original_max_position", None),
          "beta_fast": ("yarn_beta_fast", 32.0), "beta_slow": ("yarn_beta_slow", 1.0), "mscale": ("yarn_mscale", 1.0),
          "mscale_all_dim": ("yarn_mscale_all_dim", 0.0)}
-_REPLACED = ("rope_parameters", "rope_scaling", "rope_theta", "torch_dtype", "dtype", "transformers_version")
+_REPLACED = ("rope_parameters", "rope_scaling", "rope_theta", "torch_dtype", "dtype", "transformers_version",
+             "quantization_config")  # exports are plain tensors, whatever the source was
 # Model keys that change the function and that only some families' config.json can express (families.py `keys` and
 # `carries`): a model with any other value than the default cannot be written as a family that has neither.
 LAYER_OPTIONS = ("sliding_window", "attention_pattern", "rope_local_max_timescale", "attn_logit_softcapping",
@@ -80,7 +81,7 @@ def _check_window(hf: Mapping[str, Any], fam: Family) -> None:
 
 def _check_representable(hf: Mapping[str, Any], fam: Family) -> None:
     """Fields that change the function in ways maxshard's decoder cannot reproduce."""
-    for field in ("attention_bias", "mlp_bias"):
+    for field in ("mlp_bias",) if fam.biases else ("attention_bias", "mlp_bias"):
         if hf.get(field):
             raise _refuse(field, hf[field], "maxshard's projections have no biases")
     act = hf.get(fam.activation_field, fam.activation)
@@ -96,7 +97,8 @@ def _check_representable(hf: Mapping[str, Any], fam: Family) -> None:
     for field, value in fam.must_equal.items():
         if field in hf and hf[field] != value:
             raise _refuse(field, hf[field], f"maxshard converts {fam.architecture} only with {field}={value}")
-    if hf.get("quantization_config"):
+    method = (hf.get("quantization_config") or {}).get("quant_method")
+    if hf.get("quantization_config") and method not in fam.quantized_experts:
         raise _refuse("quantization_config", hf["quantization_config"].get("quant_method", "?"),
                       "quantized checkpoints cannot be converted")
     for field in _REQUIRED:
@@ -137,11 +139,11 @@ def rope_keys(hf: Mapping[str, Any], linear: bool = False) -> dict[str, Any]:
 
 def _yarn_keys(params: Mapping[str, Any], where: str) -> dict[str, Any]:
     """YaRN's constants, transformers' defaults where a field is absent; its variants maxshard lacks refused."""
-    if params.get("truncate", True) is not True:
-        raise _refuse(f"{where}.truncate", params["truncate"], "maxshard's YaRN truncates the correction range")
     if params.get("attention_factor") is not None:
         raise _refuse(f"{where}.attention_factor", params["attention_factor"], "maxshard derives it from mscale")
     keys: dict[str, Any] = {"rope_scaling_type": "yarn"}
+    if params.get("truncate", True) is not True:
+        keys["yarn_truncate"] = False  # GPT-OSS
     for field, (key, default) in _YARN.items():
         if field not in params and default is None:
             raise ConfigError(f"config.json: {where} has rope_type yarn but no {field}")
@@ -201,7 +203,26 @@ def model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
         **(_moe_keys(hf, fam) if fam.is_moe else {}),
         **_family_fields(hf, fam),
         **(hf_local_global.pattern_keys(hf, fam) if fam.local_global else {}),
+        **_own_keys(hf, fam),
     }
+
+
+def _own_keys(hf: Mapping[str, Any], fam: Family) -> dict[str, Any]:
+    """The keys of GPT-OSS's switches: biases as config.json's attention_bias says, the clamped SwiGLU's constants
+    (transformers' defaults where config.json is silent: the released files give swiglu_limit only)."""
+    out: dict[str, Any] = {"attention_bias": bool(hf.get("attention_bias", False))} if fam.biases else {}
+    if fam.keys.get("mlp_activation") == "clamped_swiglu":
+        out["swiglu_limit"] = float(hf.get("swiglu_limit", 7.0))
+        out["swiglu_alpha"] = float(hf.get("swiglu_alpha", 1.702))
+    return out
+
+
+def _own_fields(keys: Mapping[str, Any], fam: Family) -> dict[str, Any]:
+    """config.json's fields of `_own_keys` (export)."""
+    out: dict[str, Any] = {"attention_bias": bool(keys.get("attention_bias", False))} if fam.biases else {}
+    if fam.keys.get("mlp_activation") == "clamped_swiglu":
+        out["swiglu_limit"], out["swiglu_alpha"] = keys["swiglu_limit"], keys["swiglu_alpha"]
+    return out
 
 
 def _rope_scaling(keys: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -209,7 +230,9 @@ def _rope_scaling(keys: Mapping[str, Any]) -> dict[str, Any] | None:
     if kind == "none":
         return None
     if kind == "yarn":
-        return {"rope_type": "yarn", **{field: keys.get(key, default) for field, (key, default) in _YARN.items()}}
+        truncate = {} if keys.get("yarn_truncate", True) else {"truncate": False}
+        return {"rope_type": "yarn", **{field: keys.get(key, default) for field, (key, default) in _YARN.items()},
+                **truncate}
     if kind == "linear":
         return {"rope_type": "linear", "factor": keys["rope_scaling_factor"]}
     return {"rope_type": "llama3", **{field: keys[key] for field, key in _LLAMA3.items()}}
@@ -229,6 +252,8 @@ def family_of_keys(keys: Mapping[str, Any]) -> Family:
         return by_architecture("Gemma3ForCausalLM" if qk_norm else "Gemma2ForCausalLM")
     if keys.get("attention_type", "gqa") == "mla":
         return by_architecture("DeepseekV3ForCausalLM")
+    if keys.get("moe_bias") or keys.get("attention_sinks"):
+        return by_architecture("GptOssForCausalLM")
     if not moe:
         return by_architecture("Qwen3ForCausalLM" if qk_norm else "LlamaForCausalLM")
     return by_architecture("Qwen3MoeForCausalLM" if qk_norm else "MixtralForCausalLM")
@@ -305,6 +330,7 @@ def to_hf(keys: Mapping[str, Any], dtype: str, template: Mapping[str, Any] | Non
         out[field] = keys[key] if keys.get(key) or field != "q_lora_rank" else None  # DeepSeek writes null
     if fam.local_global:
         out.update(hf_local_global.export_fields(keys, fam, out))
+    out.update(_own_fields(keys, fam))
     for field, value in (token_ids or {}).items():
         out.setdefault(field, value)
     return out

@@ -121,8 +121,9 @@ def export_fields(keys: Mapping[str, Any], fam: Family, out: Mapping[str, Any]) 
     for field in fam.null_when_zero:
         if not keys.get(fam.fields[field]):
             fields[field] = None
-    scalar = keys.get("query_pre_attn_scalar") or keys["head_dim"]  # 0: head_dim ** -0.5, as maxshard computes
-    fields["query_pre_attn_scalar"] = int(scalar) if float(scalar).is_integer() else scalar
+    if "query_pre_attn_scalar" in fam.fields:  # Gemma's (GPT-OSS has none)
+        scalar = keys.get("query_pre_attn_scalar") or keys["head_dim"]  # 0: head_dim ** -0.5, as maxshard computes
+        fields["query_pre_attn_scalar"] = int(scalar) if float(scalar).is_integer() else scalar
     if fam.rope_per_layer_type:
         local = keys.get("rope_local_max_timescale") or 0.0
         if not local:

@@ -20,6 +20,16 @@ MoE families store each expert's projections as their own tensors ("{e}": expert
     experts.{e}.down_proj [embed, mlp]  -> moe/wo   [layers, experts, mlp, embed]   (w2 in Mixtral)
     gate [experts, embed]               -> moe/gate/kernel [layers, embed, experts] (the router)
 
+GPT-OSS (`Family.fused_experts`) stores each layer's experts stacked, the gate and up columns interleaved, with
+biases; its attention has q/k/v/o biases and sinks:
+
+    experts.gate_up_proj [experts, embed, 2 mlp]  -> moe/wi_0 = [..., 0::2], moe/wi_1 = [..., 1::2]  ("interleaved")
+    experts.gate_up_proj_bias [experts, 2 mlp]    -> moe/bi_0, moe/bi_1 the same way
+    experts.down_proj [experts, mlp, embed]       -> moe/wo (as it is), down_proj_bias -> moe/bo
+    router.weight [experts, embed], router.bias   -> moe/gate/kernel, moe/gate/bias
+    q_proj.bias [heads * head_dim]                -> attention/query/bias [heads, head_dim]  ("flat")
+    self_attn.sinks [heads]                       -> attention/sinks
+
 The table of a layer is `per_layer(family, cfg, layer)`: Llama's rows, plus q/k norms with `qk_norm`, with the MLP
 replaced by the router and experts in the MoE layers (model/blocks.py says which layers those are); Gemma's four
 norms a layer (`SANDWICH_NORMS`) in families with `post_norms`. A stack whose unit is several layers (Gemma 3's five
@@ -51,11 +61,12 @@ class Entry:
 
     hf: str
     path: tuple[str, ...]
-    layout: str
+    layout: str  # "same", "linear", "flat" (a 1-D tensor of maxshard's shape) or "interleaved" (with `part`)
     num_in: int = 1
     per_expert: bool = False  # one Hugging Face tensor per expert ("{e}"), stacked along maxshard's experts dim
     # A slice (start, stop, width) of each head's `width` Hugging Face rows: two maxshard kernels from one tensor
-    # (MLA's kv_b_proj holds each head's key rows, then its value rows).
+    # (MLA's kv_b_proj holds each head's key rows, then its value rows). "interleaved": every width-th column of
+    # the last dim from `start` (GPT-OSS's gate_up_proj: gate (0, 1, 2), up (1, 2, 2)).
     part: tuple[int, int, int] | None = None
     # The last `rope_tail` features of maxshard's last dim are a RoPE part that Hugging Face stores in interleaved
     # pairs (DeepSeek): they are reordered into the half layout (layers/rope.py `deinterleaved`) on the way in.
@@ -135,15 +146,41 @@ def _moe(family: Family, cfg: ModelConfig) -> tuple[Entry, ...]:
     )
 
 
+def _fused_moe(family: Family) -> tuple[Entry, ...]:
+    """GPT-OSS's MoE: a router with a bias, each layer's experts stacked, gate and up interleaved, with biases."""
+    stem = f"model.layers.{{i}}.{family.moe_prefix}"
+    router, experts = f"{stem}.{family.router}", f"{stem}.experts"
+    return (
+        Entry(f"{router}.weight", ("moe", "gate", "kernel"), "linear"),
+        Entry(f"{router}.bias", ("moe", "gate", "bias"), "same"),
+        Entry(f"{experts}.gate_up_proj", ("moe", "wi_0"), "interleaved", part=(0, 1, 2)),
+        Entry(f"{experts}.gate_up_proj", ("moe", "wi_1"), "interleaved", part=(1, 2, 2)),
+        Entry(f"{experts}.gate_up_proj_bias", ("moe", "bi_0"), "interleaved", part=(0, 1, 2)),
+        Entry(f"{experts}.gate_up_proj_bias", ("moe", "bi_1"), "interleaved", part=(1, 2, 2)),
+        Entry(f"{experts}.down_proj", ("moe", "wo"), "same"),
+        Entry(f"{experts}.down_proj_bias", ("moe", "bo"), "same"),
+    )
+
+
+def _attention_extras(cfg: ModelConfig, family: Family) -> tuple[Entry, ...]:
+    """q/k/v/o biases (`attention_bias`) and sinks (`attention_sinks`) of the families that have them."""
+    attn = "model.layers.{i}.self_attn"
+    biases = tuple(Entry(f"{attn}.{hf}.bias", ("attention", name, "bias"), "flat")
+                   for hf, name in (("q_proj", "query"), ("k_proj", "key"), ("v_proj", "value"), ("o_proj", "out"))
+                   ) if family.biases and cfg.attention_bias else ()
+    sinks = (Entry(f"{attn}.sinks", ("attention", "sinks"), "same"),) if family.sinks and cfg.attention_sinks else ()
+    return biases + sinks
+
+
 def per_layer(family: Family, cfg: ModelConfig, layer: Layer) -> tuple[Entry, ...]:
     """The rows of one layer of `layer`'s kinds (model/blocks.py): its attention (with the q/k norms of qk_norm
     families; latent attention's own rows), then the MLP's norm and the dense MLP or the MoE (router, its selection
     bias, experts, shared experts)."""
     attention = _latent_attention(cfg) if layer.attention == "mla" else (*ATTENTION, *(QK_NORM if family.qk_norm
                                                                                          else ()))
-    mlp = _moe(family, cfg) if layer.mlp == "moe" else MLP
+    mlp = (_fused_moe(family) if family.fused_experts else _moe(family, cfg)) if layer.mlp == "moe" else MLP
     norms = SANDWICH_NORMS if family.keys.get("post_norms") else (MLP_NORM,)
-    return (*attention, *norms, *mlp)
+    return (*attention, *_attention_extras(cfg, family), *norms, *mlp)
 
 
 # A multi-token prediction module (layers/mtp.py, DeepSeek-V3's `num_nextn_predict_layers`) is Hugging Face's layer
@@ -188,6 +225,10 @@ def hf_shape(entry: Entry, maxshard_shape: tuple[int, ...]) -> tuple[int, ...]:
     """The Hugging Face shape of a (per-layer) maxshard parameter shape (of the whole tensor a `part` is cut from)."""
     if entry.layout == "same":
         return maxshard_shape
+    if entry.layout == "flat":
+        return (math.prod(maxshard_shape),)
+    if entry.layout == "interleaved":
+        return (*maxshard_shape[:-1], maxshard_shape[-1] * entry.part[2])
     inputs, outputs = maxshard_shape[: entry.num_in], maxshard_shape[entry.num_in :]
     if entry.part:
         outputs = (*outputs[:-1], entry.part[2])
@@ -199,12 +240,14 @@ def row_axis(entry: Entry) -> int:
 
     A block of maxshard rows along it is a contiguous block of Hugging Face rows (q_proj: whole heads; o_proj:
     embed rows; lm_head: vocab rows), so both directions can stream a tensor in row blocks."""
-    return 0 if entry.layout == "same" else entry.num_in
+    return entry.num_in if entry.layout == "linear" else 0
 
 
 def hf_rows_per_row(entry: Entry, maxshard_shape: tuple[int, ...]) -> int:
     """Hugging Face rows per maxshard row along `row_axis` (head_dim for q/k/v, a part's whole width, 1
     otherwise)."""
+    if entry.layout == "flat":
+        return math.prod(maxshard_shape[1:])
     if entry.layout != "linear":
         return 1
     inner = maxshard_shape[row_axis(entry) + 1 :]
@@ -227,8 +270,11 @@ def _rope_order(entry: Entry, width: int, inverse: bool = False) -> np.ndarray:
 def to_maxshard(entry: Entry, array: np.ndarray, maxshard_shape: tuple[int, ...]) -> np.ndarray:
     """Hugging Face tensor (or a block of its rows) -> maxshard layout (or that block of rows along `row_axis`),
     as a view where no reordering is needed."""
-    if entry.layout == "same":
+    if entry.layout in ("same", "flat"):
         return array.reshape(maxshard_shape)
+    if entry.layout == "interleaved":
+        start, _, width = entry.part
+        return array[..., start::width].reshape(maxshard_shape)
     if entry.part:
         start, stop, width = entry.part
         return array.T.reshape(*maxshard_shape[:-1], width)[..., start:stop]
@@ -241,6 +287,8 @@ def to_hf(entry: Entry, array: np.ndarray) -> np.ndarray:
     written with its siblings (`join_parts`)."""
     if entry.layout == "same":
         return array
+    if entry.layout == "flat":
+        return array.reshape(-1)
     if entry.rope_tail:
         array = array[..., _rope_order(entry, array.shape[-1], inverse=True)]
     inputs = math.prod(array.shape[: entry.num_in])
@@ -249,5 +297,8 @@ def to_hf(entry: Entry, array: np.ndarray) -> np.ndarray:
 
 def join_parts(entry: Entry, parts: list[np.ndarray]) -> np.ndarray:
     """The Hugging Face rows of a tensor cut into `part`s (in part order), from those parts' maxshard blocks."""
+    if entry.layout == "interleaved":  # column j of part p is column j * width + p
+        stacked = np.stack(parts, axis=-1)
+        return stacked.reshape(*stacked.shape[:-2], -1)
     whole = np.concatenate(parts, axis=-1)
     return whole.reshape(math.prod(whole.shape[: entry.num_in]), -1).T

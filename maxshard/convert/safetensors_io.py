@@ -29,6 +29,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from maxshard.convert import mxfp4
 from maxshard.errors import ConfigError
 
 __all__ = ["TensorInfo", "TensorSpec", "Source", "parse_size", "write_checkpoint", "DTYPES", "INDEX", "SINGLE"]
@@ -52,6 +53,7 @@ class TensorInfo:
     name: str
     dtype: np.dtype
     shape: tuple[int, ...]
+    mxfp4: tuple[TensorInfo, TensorInfo] | None = None  # (blocks, scales) of an MXFP4 tensor read dequantized
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +102,17 @@ class Source:
             if missing:
                 self.close()
                 raise ConfigError(f"{INDEX} lists {missing[0]}, which none of its files holds")
+        if any(name.endswith(mxfp4.SUFFIXES) for name in self.tensors):
+            try:
+                self.tensors = mxfp4.pair(self.tensors, self._float_dtype())
+            except ConfigError:
+                self.close()
+                raise
+
+    def _float_dtype(self) -> np.dtype:
+        """The dtype most of the source's float tensors have: what its MXFP4 tensors are dequantized to."""
+        floats = [t.dtype for t in self.tensors.values() if t.dtype != np.uint8]
+        return max(set(floats), key=floats.count) if floats else np.dtype(np.float32)
 
     def _open(self, path: str) -> None:
         try:
@@ -110,12 +123,19 @@ class Source:
         for name in handle.keys():
             piece = handle.get_slice(name)
             code = piece.get_dtype()
+            if code == "U8" and name.endswith(mxfp4.SUFFIXES):  # MXFP4 halves, paired in __init__
+                self.tensors[name] = TensorInfo(path, name, np.dtype(np.uint8), tuple(piece.get_shape()))
+                continue
             if code not in DTYPES:
                 raise ConfigError(f"{path}: tensor {name} has dtype {code}, which maxshard does not convert")
             self.tensors[name] = TensorInfo(path, name, DTYPES[code], tuple(piece.get_shape()))
 
     def read(self, info: TensorInfo, start: int = 0, stop: int | None = None) -> np.ndarray:
-        """Rows [start, stop) of a tensor (all by default) as a numpy array of their own."""
+        """Rows [start, stop) of a tensor (all by default) as a numpy array of their own (an MXFP4 tensor's rows,
+        its experts, dequantized)."""
+        if info.mxfp4 is not None:
+            blocks, scales = info.mxfp4
+            return mxfp4.dequantize(self.read(blocks, start, stop), self.read(scales, start, stop), info.dtype)
         handle = self._handles[info.file]
         if not info.shape:
             return handle.get_tensor(info.name)

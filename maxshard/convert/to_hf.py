@@ -65,7 +65,7 @@ def _blocks(reader: orbax_io.Reader, path: tuple[str, ...], index: tuple, entry:
 
     Hugging Face's rows run along maxshard's first output dim (dim 0 for a "same" layout): a block of heads of
     q_proj, of embed rows of o_proj, of vocab rows of lm_head. So memory is one block, not the tensor."""
-    axis = 0 if entry.layout == "same" else entry.num_in
+    axis = names.row_axis(entry)
     if not layer_shape:
         yield reader.read(path, index).astype(target)
         return

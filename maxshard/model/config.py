@@ -140,6 +140,7 @@ class ModelConfig:
     yarn_beta_slow: float = 1.0  # yarn: rotations below which a frequency is fully interpolated
     yarn_mscale: float = 1.0  # yarn: with yarn_mscale_all_dim set, cos/sin x m(this) / m(all_dim) (configs/base.yml)
     yarn_mscale_all_dim: float = 0.0  # yarn: softmax scale x m(this)^2; 0: cos/sin x m(1), yarn_mscale unread
+    yarn_truncate: bool = True  # yarn: the ramp's ends rounded outwards to whole indices (GPT-OSS: false)
     dtype: str = "float32"
     weight_dtype: str = "float32"
     scan_layers: bool = True

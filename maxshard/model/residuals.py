@@ -58,6 +58,7 @@ COUNTED = frozenset({
 VALUES = frozenset({"norm_epsilon", "rope_max_timescale", "rope_scaling_type", "rope_scaling_factor",
                     "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position", "lora_alpha",
                     "yarn_beta_fast", "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim",
+                    "yarn_truncate",
                     "moe_routed_scaling_factor",
                     # which experts a token chooses: indices, no gradient, nothing kept (tests/test_residuals.py)
                     "moe_n_group", "moe_topk_group", "moe_router_bias",

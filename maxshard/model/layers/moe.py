@@ -61,6 +61,12 @@ never scaled by `moe_routed_scaling_factor`). The n shared experts are one MLP o
 "shared" with the dense MLP's logical axes: a SwiGLU of concatenated hidden units is exactly the sum of n separate
 SwiGLUs, and one wider matmul beats n narrow ones.
 
+Biases (`moe_bias`, GPT-OSS): the router's logits gain a bias `gate/bias` [experts] (it moves the choice and the
+weights alike, unlike DeepSeek's selection bias), and every expert's gate, up and down projections gain biases
+`bi_0`, `bi_1` [experts, mlp] and `bo` [experts, embed]; an expert's output (its `bo` included) is weighted by the
+router, as transformers' GptOssExperts computes it. Every path (dropping, dropless grouped and dense, under expert
+parallelism) applies them, and the experts' activation is the model's (`mlp_activation`: GPT-OSS's clamped SwiGLU).
+
 Router losses, per MoE layer, over the non-padding tokens T:
     load balance  num_experts * sum_i f_i * P_i, f_i = share of the T * k assignments that chose expert i (before
                   drops), P_i = mean normalised score of expert i (the softmax; sigmoid scores divided by their
@@ -87,7 +93,7 @@ from flax import traverse_util
 from maxshard.model.config import ModelConfig
 from maxshard.model.layers import moe_grouped
 from maxshard.model.layers.linears import DenseGeneral
-from maxshard.model.layers.mlp import MLP
+from maxshard.model.layers.mlp import MLP, activation
 from maxshard.model.layers.moe_routing import (Routing, Scoring, route, router_losses, router_scores,
                                                 sequence_balance_loss)
 from maxshard.parallel import axis_names as ax
@@ -179,7 +185,8 @@ def _expert_init(key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype = jnp.
 
 
 class MoEBlock(nn.Module):
-    """Routed SwiGLU experts replacing the MLP: x [batch, length, embed], segment_ids [batch, length]."""
+    """Routed gated-MLP experts replacing the MLP: x [batch, length, embed], segment_ids [batch, length]. With
+    `moe_bias` (GPT-OSS) the router's logits and every expert's three projections carry biases."""
 
     cfg: ModelConfig
     dtype: jnp.dtype
@@ -189,21 +196,38 @@ class MoEBlock(nn.Module):
         init = nn.with_logical_partitioning(_expert_init, axes)
         return jnp.asarray(self.param(name, init, shape, self.weight_dtype), self.dtype)
 
-    def _kernels(self) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """wi_0, wi_1 [experts, embed, mlp] and wo [experts, mlp, embed], in the compute dtype."""
+    def _bias(self, name: str, shape: tuple[int, ...], axes: tuple[str, ...]) -> jax.Array:
+        init = nn.with_logical_partitioning(nn.initializers.zeros_init(), axes)
+        return jnp.asarray(self.param(name, init, shape, self.weight_dtype), self.dtype)
+
+    def _kernels(self) -> moe_grouped.Kernels:
+        """wi_0, wi_1 [experts, embed, mlp] and wo [experts, mlp, embed], in the compute dtype; with `moe_bias`
+        (GPT-OSS) also each expert's biases bi_0, bi_1 [experts, mlp] (added to the gate and up projections) and
+        bo [experts, embed] (added to its output, before the router weight)."""
         e, m, h = self.cfg.num_experts, self.cfg.emb_dim, self.cfg.expert_dim
         wi_0 = self._kernel("wi_0", (e, m, h), ax.EXPERT_KERNEL)
         wi_1 = self._kernel("wi_1", (e, m, h), ax.EXPERT_KERNEL)
-        return wi_0, wi_1, self._kernel("wo", (e, h, m), (ax.EXP, ax.MLP, ax.EMBED))
+        kernels = (wi_0, wi_1, self._kernel("wo", (e, h, m), (ax.EXP, ax.MLP, ax.EMBED)))
+        if not self.cfg.moe_bias:
+            return kernels
+        return kernels + (self._bias("bi_0", (e, h), moe_grouped.EXPERT_BIAS_AXES[0]),
+                          self._bias("bi_1", (e, h), moe_grouped.EXPERT_BIAS_AXES[1]),
+                          self._bias("bo", (e, m), moe_grouped.EXPERT_BIAS_AXES[2]))
 
     def _experts(self, x: jax.Array, spec: str, token_axis: str | None) -> jax.Array:
-        """Every expert's SwiGLU. x is [experts, group, tokens, embed] ('egcm') or [group, tokens, embed] ('gcm',
-        shared by all experts); returns [experts, group, tokens, embed]."""
-        wi_0, wi_1, wo = self._kernels()
+        """Every expert's gated MLP (`mlp_activation`). x is [experts, group, tokens, embed] ('egcm') or [group,
+        tokens, embed] ('gcm', shared by all experts); returns [experts, group, tokens, embed]."""
+        kernels = self._kernels()
+        wi_0, wi_1, wo = kernels[:3]
         hidden_axes = (ax.ACT_EXP, ax.BATCH_NO_EXP, token_axis, ax.ACT_MLP)
-        gate = constrain(jnp.einsum(_EXPERT_IN[spec], x, wi_0), hidden_axes)
-        up = constrain(jnp.einsum(_EXPERT_IN[spec], x, wi_1), hidden_axes)
-        out = jnp.einsum(_EXPERT_OUT, nn.silu(gate) * up, wo)
+        gate = jnp.einsum(_EXPERT_IN[spec], x, wi_0)
+        up = jnp.einsum(_EXPERT_IN[spec], x, wi_1)
+        if len(kernels) > 3:  # per-expert biases, broadcast over [group, tokens]
+            gate, up = gate + kernels[3][:, None, None, :], up + kernels[4][:, None, None, :]
+        gate, up = constrain(gate, hidden_axes), constrain(up, hidden_axes)
+        out = jnp.einsum(_EXPERT_OUT, activation(self.cfg)(gate, up), wo)
+        if len(kernels) > 3:
+            out = out + kernels[5][:, None, None, :]
         return constrain(out, (ax.ACT_EXP, ax.BATCH_NO_EXP, token_axis, ax.ACT_EMBED))
 
     def _dropping(self, x: jax.Array, routing: Routing) -> jax.Array:
@@ -222,7 +246,8 @@ class MoEBlock(nn.Module):
         cfg = self.cfg
         if cfg.moe_dropless_impl != "dense":
             return moe_grouped.dropless(x, routing.top_experts, routing.top_weights, self._kernels(),
-                                        cfg.moe_dropless_impl, cfg.moe_exchange, cfg.moe_ragged_buffer_factor)
+                                        cfg.moe_dropless_impl, cfg.moe_exchange, cfg.moe_ragged_buffer_factor,
+                                        activation(cfg))
         x = constrain(x, (ax.BATCH_NO_EXP, ax.LENGTH, ax.ACT_EMBED))
         out = self._experts(x, "gcm", ax.LENGTH)  # [e, g, s, m]
         return jnp.einsum("egsm,gse->gsm", out, routing.weights.astype(self.dtype)), 0.0
@@ -256,14 +281,16 @@ class MoEBlock(nn.Module):
     def __call__(self, x: jax.Array, segment_ids: jax.Array) -> jax.Array:
         cfg = self.cfg
         x = constrain(jnp.asarray(x, self.dtype), ax.TOKENS)
-        router = DenseGeneral((cfg.num_experts,), (ax.EMBED, None), 1, jnp.float32, self.weight_dtype, name="gate")
+        router = DenseGeneral((cfg.num_experts,), (ax.EMBED, None), 1, jnp.float32, self.weight_dtype,
+                              use_bias=cfg.moe_bias, name="gate")  # GPT-OSS's router has a bias
         logits = router(x.astype(jnp.float32))  # [batch, length, experts] float32
         # float32 whatever weight_dtype: steps of moe_bias_update_rate (DeepSeek-V3: 0.001) vanish in bfloat16.
         bias = self.param(BIAS_PARAM, nn.with_logical_partitioning(nn.initializers.zeros_init(), (None,)),
                           (cfg.num_experts,), jnp.float32) if cfg.moe_router_bias else None
         y = self._routed(x, logits, segment_ids != 0, bias)
         if cfg.num_shared_experts > 0:
-            y = y + MLP(cfg.num_shared_experts * cfg.expert_dim, self.dtype, self.weight_dtype, name="shared")(x)
+            y = y + MLP(cfg.num_shared_experts * cfg.expert_dim, self.dtype, self.weight_dtype,
+                        gated=activation(cfg), name="shared")(x)
         return constrain(y, ax.TOKENS)
 
 

@@ -11,6 +11,9 @@ Grouped matmul, `x [rows, embed] @ w[expert of the row]`, with rows sorted by ex
               With rows R and E experts, sum_e ceil(n_e / b) <= (R + E (b - 1)) // b tiles, a static bound for any
               routing; b ~ R / (5 E) keeps the padding <= ~1/5 of R and the gathered kernels ~6 x the experts'.
 `moe_dropless_impl=auto` takes ragged_dot on TPU and tiled elsewhere (`model/config.py`: `resolve_moe_impl`).
+The experts' activation is the model's (`mlp_activation`, layers/mlp.py `GatedActivation`); with `moe_bias` each row
+also gets its expert's biases: per tile (tiled) or gathered per row from the group sizes (ragged_dot), zero for the
+rows past the groups, so empty rows stay zero.
 
 Expert parallelism (the `exp` dimension of the kernels sharded over P devices, E_l = E / P experts each). The layer
 runs in `jax.shard_map`, manual over the mesh axes that split the tokens (the rules of activation_batch and
@@ -60,15 +63,20 @@ from jax.sharding import PartitionSpec
 
 from maxshard.errors import ConfigError  # layout mistakes surface as the config errors they are
 from maxshard.model.layers import moe_ragged
+from maxshard.model.layers.mlp import GatedActivation
 from maxshard.parallel import axis_names as ax
 from maxshard.parallel.sharding import MeshAxes, active_mesh_axes, partition_spec
 
-__all__ = ["IMPLS", "EXCHANGES", "TILE_IN", "TILE_OUT", "tile_rows", "grouped_swiglu", "dropless_local", "dropless",
-           "exchange_slots"]
+__all__ = ["IMPLS", "EXCHANGES", "TILE_IN", "TILE_OUT", "EXPERT_BIAS_AXES", "Kernels", "tile_rows", "grouped_swiglu",
+           "dropless_local", "dropless", "exchange_slots"]
 
 IMPLS = ("ragged_dot", "tiled")
 EXCHANGES = ("all_to_all", "ragged")
-Kernels = tuple[jax.Array, jax.Array, jax.Array]  # wi_0 [E, embed, mlp], wi_1 [E, embed, mlp], wo [E, mlp, embed]
+# wi_0 [E, embed, mlp], wi_1 [E, embed, mlp], wo [E, mlp, embed]; with `moe_bias` (GPT-OSS) three more, each
+# expert's biases bi_0, bi_1 [E, mlp] and bo [E, embed] (layers/moe.py).
+Kernels = tuple[jax.Array, ...]
+EXPERT_BIAS_AXES = ((ax.EXP, ax.MLP), (ax.EXP, ax.MLP), (ax.EXP, ax.EMBED))  # bi_0, bi_1, bo
+_SILU = GatedActivation()
 
 
 # --------------------------------------------------------------------------------------------- grouped matmul
@@ -110,16 +118,21 @@ def _tiles(sizes: jax.Array, rows: int) -> _Tiles:
 TILE_IN, TILE_OUT = "tbm,tmh->tbh", "tbh,thm->tbm"
 
 
-def _swiglu_tiled(x: jax.Array, sizes: jax.Array, kernels: Kernels) -> jax.Array:
-    """x [rows, embed] sorted by group -> [rows, embed]; each tile one matmul with its group's kernels."""
-    wi_0, wi_1, wo = kernels
+def _swiglu_tiled(x: jax.Array, sizes: jax.Array, kernels: Kernels, act: GatedActivation) -> jax.Array:
+    """x [rows, embed] sorted by group -> [rows, embed]; each tile one matmul with its group's kernels (and its
+    group's biases, broadcast over the tile's rows; padding rows get them too, and are never read back)."""
+    wi_0, wi_1, wo = kernels[:3]
     t = _tiles(sizes, x.shape[0])
     padded = jnp.zeros((t.count * t.size, x.shape[1]), x.dtype).at[t.dest].set(x, mode="drop", unique_indices=True)
     tiles = padded.reshape(t.count, t.size, x.shape[1])  # [tiles, b, embed]; padding rows are zero
     gate = jnp.einsum(TILE_IN, tiles, wi_0[t.group])
     up = jnp.einsum(TILE_IN, tiles, wi_1[t.group])
-    out = jnp.einsum(TILE_OUT, nn.silu(gate) * up, wo[t.group]).reshape(-1, x.shape[1])
-    return out.at[t.dest].get(mode="fill", fill_value=0, unique_indices=True)
+    if len(kernels) > 3:
+        gate, up = gate + kernels[3][t.group][:, None, :], up + kernels[4][t.group][:, None, :]
+    out = jnp.einsum(TILE_OUT, act(gate, up), wo[t.group])
+    if len(kernels) > 3:
+        out = out + kernels[5][t.group][:, None, :]
+    return out.reshape(-1, x.shape[1]).at[t.dest].get(mode="fill", fill_value=0, unique_indices=True)
 
 
 @jax.custom_batching.sequential_vmap
@@ -157,26 +170,39 @@ def _ragged_dot_unbatched_bwd(residuals, g):
 _ragged_dot_unbatched.defvjp(_ragged_dot_unbatched_fwd, _ragged_dot_unbatched_bwd)
 
 
-def _swiglu_ragged(x: jax.Array, sizes: jax.Array, kernels: Kernels, dot=jax.lax.ragged_dot) -> jax.Array:
-    wi_0, wi_1, wo = kernels
+def _row_biases(biases: Kernels, sizes: jax.Array, rows: int) -> list[jax.Array]:
+    """Each sorted row's group's bias [rows, width] (zero for the rows past sum(sizes), which stay zero)."""
+    row = jnp.arange(rows, dtype=sizes.dtype)
+    group = jnp.sum(row[:, None] >= jnp.cumsum(sizes)[None, :], axis=1)  # [rows]; len(sizes) past the end
+    inside = (group < sizes.shape[0])[:, None]
+    return [jnp.where(inside, b[jnp.minimum(group, sizes.shape[0] - 1)], 0).astype(b.dtype) for b in biases]
+
+
+def _swiglu_ragged(x: jax.Array, sizes: jax.Array, kernels: Kernels, act: GatedActivation,
+                   dot=jax.lax.ragged_dot) -> jax.Array:
+    wi_0, wi_1, wo = kernels[:3]
     gate = dot(x, wi_0, sizes)
     up = dot(x, wi_1, sizes)
-    return dot(nn.silu(gate) * up, wo, sizes)
+    if len(kernels) > 3:
+        b_gate, b_up, b_out = _row_biases(kernels[3:], sizes, x.shape[0])
+        return dot(act(gate + b_gate, up + b_up), wo, sizes) + b_out
+    return dot(act(gate, up), wo, sizes)
 
 
 # ragged_dot inside the pipeline's stage vmap (`dropless` picks it there): `_ragged_dot_unbatched`.
 _RAGGED_IN_VMAP = "ragged_dot in vmap"
 
 
-def grouped_swiglu(x: jax.Array, sizes: jax.Array, kernels: Kernels, impl: str) -> jax.Array:
-    """Every group's SwiGLU on its rows: x [rows, embed] sorted by group, sizes [groups] (sum <= rows; the rows
-    past the sum come out zero) -> [rows, embed]."""
+def grouped_swiglu(x: jax.Array, sizes: jax.Array, kernels: Kernels, impl: str, act: GatedActivation = _SILU
+                   ) -> jax.Array:
+    """Every group's gated MLP (`act`, with its biases when `kernels` has them) on its rows: x [rows, embed] sorted
+    by group, sizes [groups] (sum <= rows; the rows past the sum come out zero) -> [rows, embed]."""
     if impl == "tiled":
-        return _swiglu_tiled(x, sizes, kernels)
+        return _swiglu_tiled(x, sizes, kernels, act)
     if impl == "ragged_dot":
-        return _swiglu_ragged(x, sizes, kernels)
+        return _swiglu_ragged(x, sizes, kernels, act)
     if impl == _RAGGED_IN_VMAP:
-        return _swiglu_ragged(x, sizes, kernels, _ragged_dot_unbatched)
+        return _swiglu_ragged(x, sizes, kernels, act, _ragged_dot_unbatched)
     raise ValueError(f"grouped matmul impl must be one of {IMPLS}, got {impl!r}")
 
 
@@ -200,11 +226,12 @@ def _combine(y: jax.Array, weights: jax.Array) -> jax.Array:
     return jnp.einsum("tkm,tk->tm", y.reshape(tokens, k, -1), weights.astype(y.dtype))
 
 
-def dropless_local(x: jax.Array, experts: jax.Array, weights: jax.Array, kernels: Kernels, impl: str) -> jax.Array:
+def dropless_local(x: jax.Array, experts: jax.Array, weights: jax.Array, kernels: Kernels, impl: str,
+                   act: GatedActivation = _SILU) -> jax.Array:
     """All experts on this device: x [tokens, embed], experts and weights [tokens, k] -> [tokens, embed]."""
     k = experts.shape[1]
     order, sizes = _sort(experts.reshape(-1), kernels[0].shape[0])
-    y = grouped_swiglu(x[order // k], sizes, kernels, impl)  # [tokens * k, embed], sorted by expert
+    y = grouped_swiglu(x[order // k], sizes, kernels, impl, act)  # [tokens * k, embed], sorted by expert
     return _combine(y[_inverse(order)], weights)
 
 
@@ -248,7 +275,8 @@ def _fixed_back(y: jax.Array, fixed: _Fixed, axis: tuple[str, ...], p: int) -> j
 
 
 def _dropless_exchange(
-    x: jax.Array, experts: jax.Array, weights: jax.Array, kernels: Kernels, impl: str, axis: tuple[str, ...], p: int
+    x: jax.Array, experts: jax.Array, weights: jax.Array, kernels: Kernels, impl: str, axis: tuple[str, ...], p: int,
+    act: GatedActivation = _SILU
 ) -> jax.Array:
     """Per device (inside shard_map): x [T, embed], experts/weights [T, k]; kernels hold E_l = E / p experts."""
     tokens, k = experts.shape
@@ -256,12 +284,13 @@ def _dropless_exchange(
     order, sizes = _sort(experts.reshape(-1), p * local)  # sizes [E]
     received, fixed = _fixed_there(x[order // k], experts.reshape(-1)[order], sizes, local,
                                    exchange_slots(tokens, k, local), axis, p)
-    y = grouped_swiglu(received, fixed.local_sizes, kernels, impl)
+    y = grouped_swiglu(received, fixed.local_sizes, kernels, impl, act)
     return _combine(_fixed_back(y, fixed, axis, p)[_inverse(order)], weights)
 
 
 def _dropless_ragged(x: jax.Array, experts: jax.Array, weights: jax.Array, kernels: Kernels, impl: str,
-                     axis: tuple[str, ...], p: int, factor: float) -> tuple[jax.Array, jax.Array]:
+                     axis: tuple[str, ...], p: int, factor: float, act: GatedActivation = _SILU
+                     ) -> tuple[jax.Array, jax.Array]:
     """Per device (inside shard_map), the ragged exchange (`moe_ragged.py`): (y [T, embed], rows left home)."""
     tokens, k = experts.shape
     local = kernels[0].shape[0]
@@ -269,7 +298,7 @@ def _dropless_ragged(x: jax.Array, experts: jax.Array, weights: jax.Array, kerne
     rows = moe_ragged.buffer_rows(tokens, k, p * local, p, factor)
     plan = moe_ragged.plan(jax.lax.all_gather(sizes, axis), jax.lax.axis_index(axis), rows)
     received = moe_ragged.exchange(x[order // k], rows, plan.there, axis)  # [rows, embed], sorted by local expert
-    y = grouped_swiglu(received, plan.local_sizes, kernels, impl)
+    y = grouped_swiglu(received, plan.local_sizes, kernels, impl, act)
     y = moe_ragged.exchange(y, tokens * k, plan.back, axis)  # [T * k, embed] in sorted order; rows not sent: zero
     return _combine(y[_inverse(order)], weights), plan.unsent
 
@@ -287,10 +316,11 @@ def _gather(w: jax.Array, dims: list[tuple[str, ...]]) -> jax.Array:
     return w
 
 
-def _dropless_here(x: jax.Array, experts: jax.Array, weights: jax.Array, kernels: Kernels, impl: str) -> jax.Array:
+def _dropless_here(x: jax.Array, experts: jax.Array, weights: jax.Array, kernels: Kernels, impl: str,
+                   act: GatedActivation = _SILU) -> jax.Array:
     """`dropless_local` on [batch, length, ...] arrays."""
     k, embed = experts.shape[-1], x.shape[-1]
-    flat = dropless_local(x.reshape(-1, embed), experts.reshape(-1, k), weights.reshape(-1, k), kernels, impl)
+    flat = dropless_local(x.reshape(-1, embed), experts.reshape(-1, k), weights.reshape(-1, k), kernels, impl, act)
     return flat.reshape(x.shape)
 
 
@@ -299,7 +329,8 @@ def _none_dropped() -> jax.Array:
 
 
 def dropless(x: jax.Array, experts: jax.Array, weights: jax.Array, kernels: Kernels, impl: str,
-             exchange: str = "all_to_all", buffer_factor: float = 0.0) -> tuple[jax.Array, jax.Array]:
+             exchange: str = "all_to_all", buffer_factor: float = 0.0, act: GatedActivation = _SILU
+             ) -> tuple[jax.Array, jax.Array]:
     """x [batch, length, embed], experts and weights [batch, length, k] -> ([batch, length, embed], dropped), where
     dropped (int32) counts the assignments a full ragged receive buffer left home (0 for any other path).
 
@@ -312,7 +343,7 @@ def dropless(x: jax.Array, experts: jax.Array, weights: jax.Array, kernels: Kern
         raise ValueError(f"dropless exchange must be one of {EXCHANGES}, got {exchange!r}")
     mesh, rules = jax.sharding.get_abstract_mesh(), nn.get_logical_axis_rules()
     if mesh.empty or not rules:
-        return _dropless_here(x, experts, weights, kernels, impl), _none_dropped()
+        return _dropless_here(x, experts, weights, kernels, impl, act), _none_dropped()
     # Inside the pipeline the layer is vmapped over stages with spmd_axis_name, which adds the stage axes to the
     # shard_map's specs: they must be manual too (outside a pipeline they have size 1 and are left out), and the
     # body is batched over the device's stage, a batch dimension XLA:TPU's ragged-dot does not take.
@@ -329,9 +360,9 @@ def dropless(x: jax.Array, experts: jax.Array, weights: jax.Array, kernels: Kern
     if not any(token_dims) or x.shape[0] % shards[0] or x.shape[1] % shards[1]:
         # Nothing splits the tokens, or this batch does not split evenly (init's batch of 1, a small decode batch):
         # one logical computation, partitioned by XLA.
-        return _dropless_here(x, experts, weights, kernels, impl), _none_dropped()
+        return _dropless_here(x, experts, weights, kernels, impl, act), _none_dropped()
     manual = tuple(a for a in names if any(a in d for d in token_dims) or a in stage_axes)
-    kernel_names = (ax.EXPERT_KERNEL, ax.EXPERT_KERNEL, (ax.EXP, ax.MLP, ax.EMBED))
+    kernel_names = (ax.EXPERT_KERNEL, ax.EXPERT_KERNEL, (ax.EXP, ax.MLP, ax.EMBED), *EXPERT_BIAS_AXES)[:len(kernels)]
     kernel_dims = [_within(active_mesh_axes(n), manual) for n in kernel_names]
     p = math.prod(mesh.shape[a] for a in expert_axes)
 
@@ -339,13 +370,13 @@ def dropless(x: jax.Array, experts: jax.Array, weights: jax.Array, kernels: Kern
              ) -> tuple[jax.Array, jax.Array]:
         kernels = tuple(_gather(w, dims) for w, dims in zip(kernels, kernel_dims))
         if p == 1:
-            return _dropless_here(x, experts, weights, kernels, impl), _none_dropped()[None]
+            return _dropless_here(x, experts, weights, kernels, impl, act), _none_dropped()[None]
         k, embed = experts.shape[-1], x.shape[-1]
         flat = (x.reshape(-1, embed), experts.reshape(-1, k), weights.reshape(-1, k), kernels, impl, expert_axes, p)
         if exchange == "ragged":
-            y, unsent = _dropless_ragged(*flat, buffer_factor)
+            y, unsent = _dropless_ragged(*flat, buffer_factor, act)
             return y.reshape(x.shape), unsent[None]
-        return _dropless_exchange(*flat).reshape(x.shape), _none_dropped()[None]
+        return _dropless_exchange(*flat, act).reshape(x.shape), _none_dropped()[None]
 
     token_spec = partition_spec([*token_dims, ()])
     per_device = PartitionSpec(tuple(a for d in token_dims for a in d))  # one count per token shard

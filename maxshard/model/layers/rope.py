@@ -54,6 +54,7 @@ class YarnScaling:
     beta_slow: float
     mscale: float
     mscale_all_dim: float
+    truncate: bool = True  # the ramp's ends rounded outwards to whole indices (transformers' default; GPT-OSS: no)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,14 +99,17 @@ def yarn_scaled(inv_freq: np.ndarray, s: YarnScaling, dim: int, theta: float) ->
 
     Frequency index i turns (original_max_position * inv_freq[i] / 2 pi) times over the original context; solving
     for i at `beta_fast` and `beta_slow` turns gives the band [low, high] (rounded outwards, clipped to the head:
-    transformers' `truncate`, its default). Below `low` the frequency is kept, above `high` divided by `factor`,
-    and between the two the weight of the divided one rises linearly in i."""
+    transformers' `truncate`, its default; `yarn_truncate: false` keeps the fractional ends, as GPT-OSS). Below `low`
+    the frequency is kept, above `high` divided by `factor`, and between the two the weight of the divided one rises
+    linearly in i."""
 
     def index_at(turns: float) -> float:  # the (fractional) frequency index that turns `turns` times
         return dim * math.log(s.original_max_position / (turns * 2 * math.pi)) / (2 * math.log(theta))
 
-    low = max(math.floor(index_at(s.beta_fast)), 0)
-    high = min(math.ceil(index_at(s.beta_slow)), dim - 1)
+    low, high = index_at(s.beta_fast), index_at(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # transformers' guard against a zero-width ramp
     ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
@@ -125,7 +129,7 @@ def scaling_from(cfg: ModelConfig) -> Scaling | None:
         return LinearScaling(cfg.rope_scaling_factor)
     if cfg.rope_scaling_type == "yarn":
         return YarnScaling(cfg.rope_scaling_factor, cfg.rope_original_max_position, cfg.yarn_beta_fast,
-                           cfg.yarn_beta_slow, cfg.yarn_mscale, cfg.yarn_mscale_all_dim)
+                           cfg.yarn_beta_slow, cfg.yarn_mscale, cfg.yarn_mscale_all_dim, cfg.yarn_truncate)
     return Llama3Scaling(cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
                          cfg.rope_original_max_position)
 
