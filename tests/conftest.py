@@ -19,10 +19,18 @@ ON_CPU = not PLATFORMS or "cpu" in PLATFORMS.split(",")  # "" lets JAX pick ever
 # the same program, as planning/compiled.py's memory figures already rely on; the kernels compute the same operations,
 # float32 results moving in the last bits (a loss after three steps by 2e-7 relative). Runs of the suite are compared
 # with each other, bit for bit where a test says so, and with references at 1e-5 and up. The caller's level in
-# XLA_FLAGS wins; accelerator runs (-m gpu, -m tpu) are left as they are.
+# XLA_FLAGS wins (for each flag below); accelerator runs (-m gpu, -m tpu) are left as they are.
 OPTIMIZATION_LEVEL = "--xla_backend_optimization_level=0"
-if ON_CPU and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {OPTIMIZATION_LEVEL}".strip()
+# Likewise its fusions are emitted by the classic LLVM IR emitter, not by the MLIR fusion emitters (jax 0.10.2's
+# default), which build an MLIR context and pipeline per fusion: XLA:CPU's compile is 3x cheaper (test_plan_memory's
+# 25 train steps: 66 -> 20 CPU seconds; tests/test_parity.py 64 -> 33). Sharding, collectives and the fusions of
+# dense layers are the same; the emitter decides how a few ops fuse (a scatter), so some buffers move: of those 25
+# compiled peaks 23 by under 0.05%, two MoE ones by +4.3% (dropping, expert=4) and -0.7%. A jax whose XLA has no
+# such flag stops every test process at start ("Unknown flag in XLA_FLAGS"): drop it here then.
+FUSION_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+for flag in (OPTIMIZATION_LEVEL, FUSION_EMITTERS):
+    if ON_CPU and flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
@@ -125,3 +126,12 @@ def run_losses(run_dir: Path, steps: int) -> list[float]:
     losses = {r["step"]: r["loss"] for r in records if "loss" in r}
     assert sorted(losses) == list(range(1, steps + 1)), losses
     return [losses[s] for s in sorted(losses)]
+
+
+def process_env(env: dict[str, str]) -> dict[str, str]:
+    """The environment of a training process that sets its own CPU device count (`cpu_device_count`): conftest's
+    `env` less a device count forced in XLA_FLAGS (`--xla_force_host_platform_device_count`), which is not the
+    process's to inherit. The rest of XLA_FLAGS stays, conftest's optimization level among it: multi-process runs
+    compile like every other test (the bulk of their CPU time), and runs compared with each other compile alike."""
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S*", "", env.get("XLA_FLAGS", "")).split()
+    return {**{k: v for k, v in env.items() if k != "XLA_FLAGS"}, **({"XLA_FLAGS": " ".join(flags)} if flags else {})}

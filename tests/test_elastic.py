@@ -33,7 +33,7 @@ from maxshard.launch import topologies, xpk
 from maxshard.parallel import mesh
 from maxshard.planning import fit
 from maxshard.run import elastic, loading
-from tests.helpers import finished
+from tests.helpers import finished, process_env
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = str(REPO / "configs" / "base.yml")
@@ -53,7 +53,7 @@ def _corpus(root: Path, name: str, count: int, max_words: int = 31) -> str:
 
 def _trainer(env: dict[str, str], args: list[str]) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "maxshard.train", BASE, *args]
-    env = {k: v for k, v in env.items() if k != "XLA_FLAGS"}
+    env = process_env(env)
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

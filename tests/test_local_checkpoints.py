@@ -33,6 +33,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from helpers import process_env
 
 from maxshard.checkpoint import emergency
 from maxshard.errors import ConfigError
@@ -58,7 +59,7 @@ def _free_port() -> int:
 def _start(env: dict[str, str], base: Path) -> Iterator[tuple[list[subprocess.Popen], list[list[str]]]]:
     """Every process, the output of all but process 0 collected by threads; SIGKILLed and reaped on the way out."""
     port = _free_port()
-    env = {k: v for k, v in env.items() if k != "XLA_FLAGS"}
+    env = process_env(env)
     procs, outputs = [], [[], [], []]
     for i in range(3):
         args = [*KEYS, f"base_output_directory={base}", f"checkpoint_local_dir={base / 'local'}",

@@ -24,7 +24,7 @@ from maxshard.errors import ConfigError
 from maxshard.parallel import mesh as mesh_lib
 from maxshard.run import loading
 from test_data import load_tool
-from tests.helpers import finished
+from tests.helpers import finished, process_env
 
 REPO = Path(__file__).resolve().parent.parent
 BATCH, LENGTH, CHUNK = 16, 64, 8  # global rows (8 devices x 2), tokens a row, ids a store record
@@ -94,7 +94,7 @@ def _workers(env: dict[str, str], tmp_path: Path, name: str, processes: int, ste
     from test_distributed import free_ports
 
     port = free_ports()[0]
-    env = {k: v for k, v in env.items() if k != "XLA_FLAGS"}
+    env = process_env(env)
     outs = [tmp_path / f"{name}{i}" for i in range(processes)]
     procs = [subprocess.Popen(
         [sys.executable, "tests/store_worker.py", str(out), str(steps), *([str(state)] if state else []), *keys,
