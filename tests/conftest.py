@@ -59,7 +59,8 @@ def _device_platforms() -> list[str]:
 # cores the run is CPU-bound, and its length is the CPU work / 2 only if no file is left to run on by itself.
 LONGEST_FILES = ("test_plan_tpu.py", "test_tpu_aot.py", "test_multiprocess.py", "test_local_checkpoints.py",
                  "test_plan_memory.py", "test_moe_routing.py", "test_elastic.py", "test_eval.py",
-                 "test_pipeline_runner.py", "test_checkpoint_layouts.py", "test_same_model.py", "test_store.py")
+                 "test_pipeline_runner.py", "test_checkpoint_layouts.py", "test_same_model.py", "test_store.py",
+                 "test_convert_gemma.py", "test_convert_gpt_oss.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -71,8 +71,9 @@ def test_scanned_and_unrolled_stacks_compute_the_same_function() -> None:
         **{f"layers_{i}": jax.tree.map(lambda w, i=i: w[i], flat["layers"]) for i in range(2)}}}
     tokens = jnp.arange(8, dtype=jnp.int32)[None] % 32
     ones, positions = jnp.ones_like(tokens), jnp.arange(8, dtype=jnp.int32)[None]
-    scanned_logits = transformer.Transformer(cfg).apply({"params": nn.unbox(params)}, tokens, ones, positions)
-    unrolled_logits = transformer.Transformer(unrolled_cfg).apply({"params": unrolled}, tokens, ones, positions)
+    scanned_logits = jax.jit(transformer.Transformer(cfg).apply)({"params": nn.unbox(params)}, tokens, ones, positions)
+    unrolled_logits = jax.jit(transformer.Transformer(unrolled_cfg).apply)({"params": unrolled}, tokens, ones,
+                                                                            positions)
     np.testing.assert_allclose(scanned_logits, unrolled_logits, rtol=1e-5, atol=1e-5)
 
 
@@ -147,8 +148,8 @@ def test_a_local_layer_sees_only_its_window_and_a_global_layer_everything() -> N
     ones, positions = jnp.ones_like(tokens), jnp.arange(8, dtype=jnp.int32)[None]
 
     def moved(model_cfg: ModelConfig) -> np.ndarray:
-        model = transformer.Transformer(model_cfg)
-        a, b = (model.apply({"params": nn.unbox(params)}, t, ones, positions) for t in (tokens, changed))
+        apply = jax.jit(transformer.Transformer(model_cfg).apply)
+        a, b = (apply({"params": nn.unbox(params)}, t, ones, positions) for t in (tokens, changed))
         return np.abs(np.asarray(a - b)).max(axis=-1)[0] > 1e-6
 
     assert moved(cfg).tolist() == [True] * 3 + [False] * 5
@@ -165,9 +166,9 @@ def test_scanned_and_unrolled_pattern_stacks_compute_the_same_function() -> None
         "last_layers_0": jax.tree.map(lambda w: w[0], flat["last_layers"])}}
     tokens = jnp.arange(8, dtype=jnp.int32)[None] % 32
     ones, positions = jnp.ones_like(tokens), jnp.arange(8, dtype=jnp.int32)[None]
-    scanned = transformer.Transformer(cfg).apply({"params": params}, tokens, ones, positions)
-    plain = transformer.Transformer(dataclasses.replace(cfg, scan_layers=False)).apply({"params": unrolled}, tokens,
-                                                                                         ones, positions)
+    scanned = jax.jit(transformer.Transformer(cfg).apply)({"params": params}, tokens, ones, positions)
+    plain = jax.jit(transformer.Transformer(dataclasses.replace(cfg, scan_layers=False)).apply)(
+        {"params": unrolled}, tokens, ones, positions)
     np.testing.assert_allclose(scanned, plain, rtol=1e-5, atol=1e-5)
 
 
