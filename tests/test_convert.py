@@ -91,19 +91,25 @@ LAYOUTS = {"one_device": ((), 1), "fsdp8": (("ici_fsdp_parallelism=8",), 8),
            "expert4xfsdp2": (("ici_expert_parallelism=4", "ici_fsdp_parallelism=2"), 8)}
 
 
-@pytest.fixture(scope="module")
-def started(converted, tmp_path_factory) -> Any:
-    """started(name, layout) -> (trainer, state), each started once for the module (compiling is the slow part)."""
+def starter(converted: dict[str, Path], tmp_path_factory: pytest.TempPathFactory, *keys: str) -> Any:
+    """start(name, layout) -> (trainer, state) of a converted fixture on a LAYOUTS layout (with `keys`), each
+    started once (compiling is the slow part)."""
     cache: dict[tuple[str, str], tuple[Trainer, Any]] = {}
 
     def start(name: str, layout: str) -> tuple[Trainer, Any]:
         if (name, layout) not in cache:
             extra, devices = LAYOUTS[layout]
             run_dir = tmp_path_factory.mktemp(f"run_{name}_{layout}")
-            cache[name, layout] = start_from_converted(converted[name], run_dir, *extra, num_devices=devices)
+            cache[name, layout] = start_from_converted(converted[name], run_dir, *extra, *keys, num_devices=devices)
         return cache[name, layout]
 
     return start
+
+
+@pytest.fixture(scope="module")
+def started(converted, tmp_path_factory) -> Any:
+    """started(name, layout) -> (trainer, state), each started once for the module."""
+    return starter(converted, tmp_path_factory)
 
 
 # --------------------------------------------------------------------------------------------- import

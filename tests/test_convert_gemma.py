@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_convert import FIXTURES, LAYOUTS, REPO, TOLERANCE, apply, read_all, reference, start_from_converted
+from test_convert import FIXTURES, REPO, TOLERANCE, apply, read_all, reference, starter
 
 from maxshard import config, generate
 from maxshard.checkpoint import manager as checkpoint
@@ -43,16 +43,7 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def started(converted, tmp_path_factory) -> Any:
-    cache: dict[tuple[str, str], tuple[Trainer, Any]] = {}
-
-    def start(name: str, where: str) -> tuple[Trainer, Any]:
-        if (name, where) not in cache:
-            extra, devices = LAYOUTS[where]
-            run_dir = tmp_path_factory.mktemp(f"run_{name}_{where}")
-            cache[name, where] = start_from_converted(converted[name], run_dir, *extra, *EXTRA, num_devices=devices)
-        return cache[name, where]
-
-    return start
+    return starter(converted, tmp_path_factory, *EXTRA)
 
 
 # --------------------------------------------------------------------------------------------- import
