@@ -49,13 +49,17 @@ APPLY = ("dataset_type=synthetic", "dtype=float32", "weight_dtype=float32", "ena
 TOLERANCE = 1e-4
 
 
+def convert_all(tmp_path_factory: pytest.TempPathFactory, names: tuple[str, ...]) -> dict[str, Path]:
+    """Each named fixture converted once by the CLI: {name: OUT_DIR}."""
+    root = tmp_path_factory.mktemp("converted")
+    for name in names:
+        assert cli.main(["from_hf", str(FIXTURES / name), str(root / name)]) == 0
+    return {name: root / name for name in names}
+
+
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Each fixture converted once by the CLI: {name: OUT_DIR}."""
-    root = tmp_path_factory.mktemp("converted")
-    for name in NAMES:
-        assert cli.main(["from_hf", str(FIXTURES / name), str(root / name)]) == 0
-    return {name: root / name for name in NAMES}
+    return convert_all(tmp_path_factory, NAMES)
 
 
 def start_from_converted(out_dir: Path, run_dir: Path, *extra: str, num_devices: int = 1) -> tuple[Trainer, Any]:

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_convert import FIXTURES, REPO, TOLERANCE, apply, read_all, reference, starter
+from test_convert import FIXTURES, REPO, TOLERANCE, apply, convert_all, read_all, reference, starter
 
 from maxshard import config, generate
 from maxshard.checkpoint import manager as checkpoint
@@ -35,10 +35,7 @@ EXTRA = ("remat_policy=full",)
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("converted_gemma")
-    for name in NAMES:
-        assert cli.main(["from_hf", str(FIXTURES / name), str(root / name)]) == 0
-    return {name: root / name for name in NAMES}
+    return convert_all(tmp_path_factory, NAMES)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
-from test_convert import FIXTURES, TOLERANCE, apply, read_all, reference, start_from_converted
+from test_convert import FIXTURES, TOLERANCE, apply, convert_all, read_all, reference, start_from_converted
 
 from maxshard import config, generate
 from maxshard.convert import __main__ as cli
@@ -37,10 +37,7 @@ LAYOUTS = {"one_device": ((), 1), "fsdp4xtensor2": (("ici_fsdp_parallelism=4", "
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("converted")
-    for name in ("gpt_oss", "gpt_oss_mxfp4"):
-        assert cli.main(["from_hf", str(FIXTURES / name), str(root / name)]) == 0
-    return {name: root / name for name in ("gpt_oss", "gpt_oss_mxfp4")}
+    return convert_all(tmp_path_factory, ("gpt_oss", "gpt_oss_mxfp4"))
 
 
 def test_config_maps_to_the_model_keys(converted):
