@@ -130,8 +130,10 @@ FAMILIES = (
     Family("GptOssForCausalLM", "gpt_oss", moe_prefix="mlp", experts_fields=("num_local_experts",), router="router",
            fused_experts=True, biases=True, sinks=True, quantized_experts=("mxfp4",), local_global=True,
            pattern_period=2, carries=("sliding_window", "attention_pattern", "attention_bias"),
-           defaults={"attention_bias": True},  # transformers GptOssConfig's
-           keys={"attention_sinks": True, "moe_bias": True, "mlp_activation": "clamped_swiglu"}),
+           fields={"attention_bias": "attention_bias", "swiglu_limit": "swiglu_limit"},
+           defaults={"attention_bias": True, "swiglu_limit": 7.0},  # transformers GptOssConfig's
+           keys={"attention_sinks": True, "moe_bias": True, "mlp_activation": "clamped_swiglu",
+                 "swiglu_alpha": 1.702}),  # transformers' GptOssExperts fixes alpha (no config.json field)
 )
 
 # Gemma 2 and 3 (text): (1 + w) RMSNorms before and after attention and MLP, GeGLU with tanh GELU, embeddings x

@@ -203,26 +203,7 @@ def model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
         **(_moe_keys(hf, fam) if fam.is_moe else {}),
         **_family_fields(hf, fam),
         **(hf_local_global.pattern_keys(hf, fam) if fam.local_global else {}),
-        **_own_keys(hf, fam),
     }
-
-
-def _own_keys(hf: Mapping[str, Any], fam: Family) -> dict[str, Any]:
-    """The keys of GPT-OSS's switches: biases as config.json's attention_bias says, the clamped SwiGLU's constants
-    (transformers' defaults where config.json is silent: the released files give swiglu_limit only)."""
-    out: dict[str, Any] = {"attention_bias": bool(hf.get("attention_bias", False))} if fam.biases else {}
-    if fam.keys.get("mlp_activation") == "clamped_swiglu":
-        out["swiglu_limit"] = float(hf.get("swiglu_limit", 7.0))
-        out["swiglu_alpha"] = float(hf.get("swiglu_alpha", 1.702))
-    return out
-
-
-def _own_fields(keys: Mapping[str, Any], fam: Family) -> dict[str, Any]:
-    """config.json's fields of `_own_keys` (export)."""
-    out: dict[str, Any] = {"attention_bias": bool(keys.get("attention_bias", False))} if fam.biases else {}
-    if fam.keys.get("mlp_activation") == "clamped_swiglu":
-        out["swiglu_limit"], out["swiglu_alpha"] = keys["swiglu_limit"], keys["swiglu_alpha"]
-    return out
 
 
 def _rope_scaling(keys: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -330,7 +311,6 @@ def to_hf(keys: Mapping[str, Any], dtype: str, template: Mapping[str, Any] | Non
         out[field] = keys[key] if keys.get(key) or field != "q_lora_rank" else None  # DeepSeek writes null
     if fam.local_global:
         out.update(hf_local_global.export_fields(keys, fam, out))
-    out.update(_own_fields(keys, fam))
     for field, value in (token_ids or {}).items():
         out.setdefault(field, value)
     return out

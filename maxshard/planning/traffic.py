@@ -143,7 +143,6 @@ def geometry(cfg: Config, sizes: Mapping[str, int], compute_itemsize: int) -> Ge
     main = blocks.main_stack(cfg.model)
     extra = sum(s.num_layers for s in stacks if s.name != blocks.MAIN_STACK) + cfg.model.mtp_depth
     extra_moe = cfg.model.mtp_depth if main.unit[-1].mlp == "moe" else 0
-    moe_layers = cfg.model.num_moe_layers + extra_moe * stages
     return Geometry(
         tokens=batch * length,
         outer_tokens=outer * outer_length,
@@ -153,7 +152,7 @@ def geometry(cfg: Config, sizes: Mapping[str, int], compute_itemsize: int) -> Ge
         microbatches=microbatches,
         repeats=repeats,
         compute_itemsize=compute_itemsize,
-        moe_layers=moe_layers // stages,
+        moe_layers=cfg.model.num_moe_layers // stages + extra_moe,
         iterations=schedule.iterations if schedule else 1,
         bubble_fraction=schedule.bubble_fraction if schedule else 0.0,
         kept_inputs=schedule.kept_inputs if schedule else 0,

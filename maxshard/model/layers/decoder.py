@@ -26,7 +26,7 @@ from maxshard.model.layers.pipeline import Pipeline
 from maxshard.parallel import axis_names as ax
 from maxshard.parallel.sharding import constrain
 
-__all__ = ["ATTENTION_LAYERS", "DecoderLayer", "DecoderBlock", "MoEDecoderBlock", "Decoder", "norm", "remat_policy",
+__all__ = ["ATTENTION_LAYERS", "DecoderLayer", "DecoderBlock", "Decoder", "norm", "remat_policy",
            "rematted", "stack_unit"]
 
 
@@ -120,9 +120,6 @@ class DecoderBlock(nn.Module):
             layer = DecoderLayer(self.cfg, self.dtype, self.weight_dtype, self.stack, i, name=f"layer_{i}")
             x, _ = layer(x, segment_ids, positions)
         return x, None
-
-
-MoEDecoderBlock = DecoderBlock  # its name before blocks of local and global layers
 
 
 def stack_unit(cfg: ModelConfig, stack: blocks.Stack | None = None) -> type[nn.Module]:
