@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
-__all__ = ["STATS_COLLECTION", "STATS_NAME", "LOAD_STAT", "BIAS_PARAM", "BIAS_LOAD", "collect_stats", "loss_sums", "objective", "move_bias", "metrics"]
+__all__ = ["STATS_COLLECTION", "STATS_NAME", "LOAD_STAT", "BIAS_PARAM", "BIAS_LOAD", "collect_stats", "loss_sums",
+           "objective", "move_bias", "metrics"]
 
 STATS_COLLECTION = "intermediates"
 STATS_NAME = "moe_stats"
