@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+import yaml
+from safetensors.numpy import save_file
 from test_convert import FIXTURES, REPO, TOLERANCE, apply, convert_all, read_all, reference, starter
 
 from maxshard import config, generate
@@ -135,6 +137,40 @@ def test_to_hf_from_a_training_checkpoint(started, tmp_path):
     assert all(back[name].tobytes() == array.tobytes() for name, array in source.items())
 
 
+def training_keys(out_dir: Path) -> dict[str, Any]:
+    """A converted config.yml's keys but its paths."""
+    keys = yaml.safe_load((out_dir / "config.yml").read_text())
+    return {k: v for k, v in keys.items() if not k.endswith("_path") and k != "base_config"}
+
+
+def test_the_multimodal_release_converts_its_language_model(converted, tmp_path, capsys):
+    """Gemma3ForConditionalGeneration, as Google publishes Gemma 3 4B-27B (a sparse text_config, the language model
+    under language_model.model.*, a vision tower beside it), around gemma3's text model: from_hf converts the
+    language model to gemma3's keys and parameters and says what it left out; to_hf writes Gemma3ForCausalLM whose
+    tensors are gemma3's bit for bit (whose logits test_logits_match_transformers checks; the fixture's tool checks
+    that the wrapper computes them too)."""
+    out = tmp_path / "mm"
+    assert cli.main(["from_hf", str(FIXTURES / "gemma3_mm"), str(out)]) == 0
+    assert "Gemma3ForConditionalGeneration: converting its language model as Gemma3ForCausalLM" in capsys.readouterr().err
+    assert training_keys(out) == training_keys(converted["gemma3"])
+    assert cli.main(["to_hf", str(out / "checkpoints" / "0"), str(tmp_path / "hf")]) == 0
+    back, text = read_all(tmp_path / "hf"), read_all(FIXTURES / "gemma3")
+    assert sorted(back) == sorted(text) and all(back[k].tobytes() == v.tobytes() for k, v in text.items())
+    exported = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert exported["architectures"] == ["Gemma3ForCausalLM"]
+    assert hf_config.model_keys(exported) == hf_config.model_keys(hf_config.read(str(FIXTURES / "gemma3")))
+
+
+def test_a_multimodal_tensor_of_no_known_part_is_one_line(tmp_path, capsys):
+    directory = gemma_copy(tmp_path, "gemma3_mm", {})
+    tensors = read_all(directory)
+    save_file({**tensors, "audio_tower.weight": np.zeros(2, np.float32)}, str(directory / "model.safetensors"))
+    assert cli.main(["from_hf", str(directory), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "tensor audio_tower.weight belongs to no part of Gemma3ForConditionalGeneration" in err, err
+    assert err.count("\n") == 1 and not (tmp_path / "out").exists()
+
+
 def spelled_4x(gemma3: dict[str, Any]) -> dict[str, Any]:
     """The Gemma 3 fixture's config.json as transformers 4.x checkpoints spell it (google/gemma-3-*: rope_theta and
     rope_scaling for global layers, rope_local_base_freq, sliding_window_pattern instead of layer_types)."""
@@ -200,7 +236,6 @@ def gemma_copy(tmp_path: Path, name: str, change: dict[str, Any], remove: tuple[
 
 
 @pytest.mark.parametrize(("name", "change", "field"), [
-    ("gemma3", {"architectures": ["Gemma3ForConditionalGeneration"]}, "architectures"),  # text models only
     ("gemma3", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
     ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
     ("gemma2", {"hidden_activation": "gelu"}, "hidden_activation"),

@@ -36,6 +36,10 @@ Each fixture directory holds what `save_pretrained` writes plus `tokens.npy` (in
                (sliding_window_pattern 6: maxshard's unit of 6 plus a last_layers stack of 2), window 4, q/k norms,
                global RoPE base 1000 with linear scaling x4, local base 50 unscaled, query_pre_attn_scalar 12,
                no soft-caps, tied head, float32.
+  gemma3_mm    Gemma3ForConditionalGeneration (how Google publishes Gemma 3 4B/12B/27B) around gemma3's text
+               model and weights, with a one-layer vision tower: a sparse text_config (fields at Gemma3TextConfig's
+               defaults left out, as released), tensors under language_model.model.*, the tower and
+               projector beside them; logits.npy is the wrapper's text-only forward (gemma3's within 1e-5, checked).
 
   gpt_oss      GptOssForCausalLM: 4 layers alternating sliding (window 4, shorter than the 12-token text) and full
                attention, sinks, q/k/v/o biases, 4 experts top-2 with router and expert biases, clamped SwiGLU with
@@ -71,6 +75,7 @@ from transformers import MixtralConfig, MixtralForCausalLM, Qwen3Config, Qwen3Fo
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Tokenizer
 from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
+from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 from transformers import GptOssConfig, GptOssForCausalLM, Mxfp4Config
 from safetensors.torch import load_file, save_file
 
@@ -102,7 +107,7 @@ def redraw(model: torch.nn.Module, seed: int, bf16: bool, norm_center: float = 1
 
 def reference(model: torch.nn.Module, directory: pathlib.Path) -> np.ndarray:
     """Saves fixed token ids and transformers' float32 logits for them."""
-    vocab = model.config.vocab_size
+    vocab = model.config.get_text_config().vocab_size  # a multimodal wrapper keeps it in its text config
     tokens = np.random.default_rng(0).integers(0, vocab, size=(2, 12)).astype(np.int32)
     with torch.no_grad():
         logits = model(torch.from_numpy(tokens.astype(np.int64))).logits.float().numpy()
@@ -241,6 +246,35 @@ def gemma3() -> None:
     with_tokenizer(model, llama_tok, save(model, "gemma3", seed=9, bf16=False, norm_center=0.0), [2])
 
 
+def gemma3_multimodal() -> None:
+    """gemma3's text model inside the multimodal wrapper: the same weights, so the same text-only logits."""
+    text = Gemma3ForCausalLM.from_pretrained(OUT / "gemma3", dtype=torch.float32).eval()
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    # as released: text_config names no architectures and omits what equals Gemma3TextConfig's defaults
+    defaults = Gemma3TextConfig().to_dict()
+    text_config = {k: v for k, v in text.config.to_dict().items()
+                   if k not in ("architectures", "_name_or_path") and (k == "model_type" or defaults.get(k) != v)}
+    model = Gemma3ForConditionalGeneration(Gemma3Config(text_config=text_config, vision_config=vision,
+                                                        mm_tokens_per_image=4)).eval()
+    with torch.no_grad():
+        model.model.language_model.load_state_dict(text.model.state_dict())
+    directory = OUT / "gemma3_mm"
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True)
+    logits = reference(model, directory)
+    np.testing.assert_allclose(logits, np.load(OUT / "gemma3" / "logits.npy"), rtol=0, atol=1e-5)  # same model
+    model.save_pretrained(directory)
+    saved = json.loads((directory / "config.json").read_text())  # transformers writes text_config in full
+    (directory / "config.json").write_text(json.dumps({**saved, "text_config": text_config}, indent=2) + "\n")
+    reloaded = Gemma3ForConditionalGeneration.from_pretrained(directory, dtype=torch.float32).eval()
+    with torch.no_grad():
+        again = reloaded(torch.from_numpy(np.load(directory / "tokens.npy").astype(np.int64))).logits.numpy()
+    np.testing.assert_array_equal(again, logits)  # the sparse text_config means the same model to transformers
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copyfile(OUT / "gemma3" / name, directory / name)
+
+
 def gpt_oss_config(vocab: int, layers: int) -> GptOssConfig:
     # original context 64: the ramp's ends (0 and 2.01 of 8 frequencies) are fractional, so truncate matters
     yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
@@ -309,7 +343,7 @@ def gpt_oss_mxfp4() -> None:
 def main(names: list[str]) -> None:
     if names:
         for name in names:
-            {"deepseek_v3": deepseek_v3, "gemma2": gemma2, "gemma3": gemma3, "gpt_oss": gpt_oss,
+            {"deepseek_v3": deepseek_v3, "gemma2": gemma2, "gemma3": gemma3, "gemma3_mm": gemma3_multimodal, "gpt_oss": gpt_oss,
              "gpt_oss_mxfp4": gpt_oss_mxfp4}[name]()
         return
     torch.manual_seed(0)
@@ -360,6 +394,7 @@ def main(names: list[str]) -> None:
     deepseek_v3()
     gemma2()
     gemma3()
+    gemma3_multimodal()
     gpt_oss()
     gpt_oss_mxfp4()
 

@@ -58,9 +58,10 @@ def parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> None:
     if args.command == "from_hf":
-        from maxshard.convert import hf_config
+        from maxshard.convert import hf_config, multimodal
 
-        hf_config.model_keys(hf_config.read(args.hf_dir))  # refuse an unsupported model before importing jax
+        # refuse an unsupported model before importing jax
+        hf_config.model_keys(multimodal.text_model(hf_config.read(args.hf_dir))[0])
         from maxshard.convert import from_hf
 
         r = from_hf.convert(args.hf_dir, args.out_dir, args.base_config)

@@ -143,6 +143,10 @@ _GEMMA_KEYS = {"norm_unit_offset": True, "post_norms": True, "embed_scale": True
 _GEMMA_FIELDS = {"query_pre_attn_scalar": "query_pre_attn_scalar", "final_logit_softcapping": "final_logit_softcapping"}
 _GEMMA_DEFAULTS = {"tie_word_embeddings": True, "head_dim": 256, "query_pre_attn_scalar": 256,
                    "sliding_window": 4096, "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6}
+# Gemma3TextConfig's shape defaults: the text_config Google publishes inside Gemma3ForConditionalGeneration
+# (convert/multimodal.py) omits some (4B: the heads; all: vocab_size, max_position_embeddings)
+_GEMMA3_SHAPE = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                 "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 131072}
 FAMILIES += (
     Family("Gemma2ForCausalLM", "gemma2", fields={**_GEMMA_FIELDS, "attn_logit_softcapping": "attn_logit_softcapping"},
            keys=_GEMMA_KEYS, defaults={**_GEMMA_DEFAULTS, "final_logit_softcapping": 30.0,
@@ -152,7 +156,8 @@ FAMILIES += (
                     "query_pre_attn_scalar"),
            null_when_zero=("final_logit_softcapping", "attn_logit_softcapping"), export={"attention_bias": False}),
     Family("Gemma3ForCausalLM", "gemma3_text", qk_norm=True, fields=_GEMMA_FIELDS, keys=_GEMMA_KEYS,
-           defaults={**_GEMMA_DEFAULTS, "final_logit_softcapping": None, "attn_logit_softcapping": None},
+           defaults={**_GEMMA_DEFAULTS, **_GEMMA3_SHAPE, "final_logit_softcapping": None,
+                     "attn_logit_softcapping": None},
            activation_field="hidden_activation", activation="gelu_pytorch_tanh", local_global=True, pattern_period=6,
            pattern_period_field="sliding_window_pattern", rope_per_layer_type=True,
            carries=("sliding_window", "attention_pattern", "rope_local_max_timescale", "final_logit_softcapping",

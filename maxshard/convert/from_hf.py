@@ -19,6 +19,7 @@ leaves a checkpoint that looks complete.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import sys
@@ -33,7 +34,7 @@ import maxshard
 from maxshard import config
 from maxshard.checkpoint import format as checkpoint_format
 from maxshard.checkpoint import orbax_io
-from maxshard.convert import hf_config, layout, names, safetensors_io
+from maxshard.convert import hf_config, layout, multimodal, names, safetensors_io
 from maxshard.convert.families import Family
 from maxshard.errors import ConfigError
 from maxshard.model.config import ModelConfig
@@ -165,12 +166,17 @@ def _write_params(state_dir: epath.Path, source: safetensors_io.Source,
 def convert(hf_dir: str, out_dir: str, base_config: str | None = None) -> Result:
     """Converts; every problem with the source is a ConfigError before anything is written."""
     hf_dir, out_dir = os.path.abspath(hf_dir), os.path.abspath(out_dir)
-    hf = hf_config.read(hf_dir)
+    hf, wrapper = multimodal.text_model(hf_config.read(hf_dir))
     family, keys = hf_config.family(hf), hf_config.model_keys(hf)
     arch = family.architecture
     with safetensors_io.Source(hf_dir) as source:
-        keys = _without_absent_mtp(keys, source.tensors)
-        plan = _tensor_plan(layout.model_config(keys), family, source.tensors, hf_dir)
+        tensors = source.tensors
+        if wrapper is not None:
+            tensors, left_out = multimodal.text_tensors(tensors, wrapper, hf_dir)
+            print(f"note: {wrapper.architecture}: converting its language model as {arch}; {left_out} tensors of "
+                  "the vision tower and projector are left out (maxshard trains text models)", file=sys.stderr)
+        keys = _without_absent_mtp(keys, tensors)
+        plan = _tensor_plan(layout.model_config(keys), family, tensors, hf_dir)
         base = os.path.abspath(base_config or default_base_config())
         if not os.path.isfile(base):
             raise ConfigError(f"base config {base} not found; pass --base-config PATH_TO/configs/base.yml")
@@ -179,6 +185,9 @@ def convert(hf_dir: str, out_dir: str, base_config: str | None = None) -> Result
             raise ConfigError(f"{out_dir} already holds a converted model ({step_dir}); choose another OUT_DIR")
 
         tokenizer_path = _copy_hf_files(hf_dir, os.path.join(out_dir, "hf"))
+        if wrapper is not None:  # the template to_hf exports into: the text model that was converted
+            with open(os.path.join(out_dir, "hf", "config.json"), "w", encoding="utf-8") as f:
+                json.dump(hf, f, indent=2, sort_keys=True)
         config_path = os.path.join(out_dir, "config.yml")
         with open(config_path, "w", encoding="utf-8") as f:
             paths = {"base_config": base, "tokenizer_path": tokenizer_path, "load_parameters_path": step_dir}
