@@ -5,22 +5,20 @@ ahead in the same document, the main model and generation do not change, and lay
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
-from safetensors.numpy import load_file, save_file
 
 from maxshard import data
 from maxshard.checkpoint import format as checkpoint_format
-from maxshard.checkpoint import orbax_io
 from maxshard.convert import __main__ as cli
 from maxshard.model import flops, transformer
 from maxshard.model.config import ModelConfig
 from maxshard.model.layers import pipeline
-from maxshard.training.step import Trainer
+from maxshard.training.step import Trainer, mesh_context
 from tests.helpers import max_relative_difference, mesh_for, tiny_config
 from tests.test_convert import FIXTURES, apply, read_all, reference, start_from_converted
 from tests.test_pipeline import SMALL, TOLERANCE, packed_batch, random_params, small_config, sums_and_grads
@@ -92,48 +90,36 @@ def test_the_modules_keep_their_function_under_pipeline_tensor_and_fsdp() -> Non
     assert max_relative_difference(pipeline.to_scanned(grads), ref_grads) < TOLERANCE
 
 
-def _with_mtp_module(source: Path, dest: Path) -> dict[str, np.ndarray]:
-    """The DeepSeek-V3 fixture plus one MTP module as DeepSeek's checkpoints keep it (layer num_layers: a layer like
-    the last, enorm, hnorm, eh_proj, shared_head.norm, copies of the embedding and head) and
-    num_nextn_predict_layers 1. transformers skips that layer when it loads (so the fixture's logits stand); the
-    added tensors are random. Returns the added tensors."""
-    shutil.copytree(source, dest)
-    tensors = load_file(str(dest / "model.safetensors"))
-    hf = json.loads((dest / "config.json").read_text())
-    last, new = hf["num_hidden_layers"] - 1, hf["num_hidden_layers"]
-    rng = np.random.default_rng(0)
-    added = {name.replace(f"layers.{last}.", f"layers.{new}."): rng.normal(0, 0.05, a.shape).astype(a.dtype)
-             for name, a in tensors.items() if name.startswith(f"model.layers.{last}.")}
-    width = hf["hidden_size"]
-    added.update({f"model.layers.{new}.{name}": rng.normal(0, 0.05, shape).astype(np.float32) for name, shape in (
-        ("enorm.weight", (width,)), ("hnorm.weight", (width,)), ("eh_proj.weight", (width, 2 * width)),
-        ("shared_head.norm.weight", (width,)))})
-    added[f"model.layers.{new}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"]
-    added[f"model.layers.{new}.shared_head.head.weight"] = tensors["lm_head.weight"]
-    save_file({**tensors, **added}, str(dest / "model.safetensors"), metadata={"format": "pt"})
-    (dest / "config.json").write_text(json.dumps({**hf, "num_nextn_predict_layers": 1}, indent=2))
-    return added
+def _logits_with_modules(trainer: Trainer, params, tokens: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    """(the main logits, each module's logits) for `tokens`, one segment, on the trainer's mesh."""
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+
+    def run(p, t, s, pos):
+        main, predicted = trainer.model.apply({"params": p}, t, s, pos, method="hidden_with_mtp")
+        return [trainer.model.apply({"params": p}, h, method="head") for h in (main, *predicted)]
+
+    with mesh_context(trainer.mesh, trainer.rules):
+        main, *modules = jax.jit(run)(params, jnp.asarray(tokens), jnp.ones_like(positions), positions)
+    return np.asarray(main), [np.asarray(m) for m in modules]
 
 
-def test_deepseek_mtp_layer_imports_into_the_module_and_exports_bit_identical(tmp_path: Path) -> None:
-    """from_hf puts layer num_layers into mtp_1 (eh_proj's input halves: [enorm(embedding); hnorm(hidden)]), the
-    logits stay transformers' (the module is not in the forward pass), to_hf writes every tensor back bit for bit,
-    the copies of the embedding and head included."""
-    hf_dir = tmp_path / "hf"
-    added = _with_mtp_module(FIXTURES / "deepseek_v3", hf_dir)
+def test_deepseek_mtp_layer_predicts_as_transformers_and_exports_bit_identical(tmp_path: Path) -> None:
+    """The released layout (tests/fixtures/hf/deepseek_v3_mtp: layer num_layers with enorm, hnorm, eh_proj,
+    shared_head.norm and copies of the embedding and head) imports into mtp_1, whose predictions of token i + 2
+    equal those of transformers' own MTP module (MtpModel, loading the same files, fed the main model's normalised
+    last hidden states as its use_mtp generation feeds them); the main logits stay transformers'; to_hf writes
+    every tensor back bit for bit."""
+    hf_dir = FIXTURES / "deepseek_v3_mtp"
     assert cli.main(["from_hf", str(hf_dir), str(tmp_path / "out")]) == 0
     step = tmp_path / "out" / "checkpoints" / "0"
-    reader = orbax_io.Reader(str(step))
-    saved = checkpoint_format.read_config(str(step))
-    assert saved["mtp_depth"] == 1
-    width, new = saved["emb_dim"], saved["num_layers"]
-    eh = added[f"model.layers.{new}.eh_proj.weight"]
-    np.testing.assert_array_equal(reader.read(("mtp_1", "eh_proj", "kernel"), ()), eh.T.reshape(2, width, width))
-    np.testing.assert_array_equal(reader.read(("mtp_1", "hidden_norm", "scale"), ()),
-                                  added[f"model.layers.{new}.hnorm.weight"])
+    assert checkpoint_format.read_config(str(step))["mtp_depth"] == 1
     trainer, state = start_from_converted(tmp_path / "out", tmp_path / "run")
-    tokens, logits = reference("deepseek_v3")
-    np.testing.assert_allclose(apply(trainer, state.params, tokens), logits, atol=1e-4, rtol=1e-4)
+    tokens, logits = reference("deepseek_v3_mtp")
+    main, (ahead,) = _logits_with_modules(trainer, state.params, tokens)
+    np.testing.assert_allclose(main, logits, atol=1e-4, rtol=1e-4)
+    want = np.load(hf_dir / "mtp_logits.npy")  # [batch, length - 1, vocab]: position i predicts token i + 2
+    assert np.std(want) > 0.5
+    np.testing.assert_allclose(ahead[:, :-1], want, atol=1e-4, rtol=1e-4)
     assert cli.main(["to_hf", str(step), str(tmp_path / "back")]) == 0
     source, back = read_all(hf_dir), read_all(tmp_path / "back")
     assert sorted(back) == sorted(source)

@@ -28,6 +28,11 @@ Each fixture directory holds what `save_pretrained` writes plus `tokens.npy` (in
                context of 8 tokens, mscale_all_dim 1, interleaved RoPE as the released config), one dense layer
                first then MoE: 8 experts in 4 groups, 2 groups kept, top-2 by sigmoid scores plus a random
                e_score_correction_bias, routed scaling 2.5, one shared expert; float32; the Llama-style tokenizer.
+  deepseek_v3_mtp  deepseek_v3's shape with its multi-token-prediction layer stored as DeepSeek-V3 releases it (layer
+               num_hidden_layers: enorm, hnorm, eh_proj, shared_head.norm, the layer's own tensors with experts one by
+               one, copies of the embedding and head), read back by transformers' own MtpModel.from_pretrained;
+               mtp_logits.npy: that module's logits for token i + 2 from the main model's normalised last hidden
+               states (as transformers' use_mtp generation feeds them), no tokenizer.
   gemma2       Gemma2ForCausalLM: 4 layers alternating local (sliding window of 4 tokens, shorter than the 12-token
                text and than prompt + generation) and global, (1 + w) norms before and after attention and MLP,
                GeGLU (gelu_pytorch_tanh), embeddings x sqrt(width), query_pre_attn_scalar 12 (not head_dim 8),
@@ -78,6 +83,7 @@ from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gem
 from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 from transformers import GptOssConfig, GptOssForCausalLM, Mxfp4Config
 from safetensors.torch import load_file, save_file
+from transformers.modeling_layers import MtpModel
 
 OUT = pathlib.Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "hf"
 VOCAB = 128
@@ -200,24 +206,94 @@ def to_4x_spelling(directory: pathlib.Path) -> None:
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
-def deepseek_v3() -> None:
-    llama_tok = llama_bos_tokenizer()
+def deepseek_v3_config(vocab: int) -> DeepseekV3Config:
     yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8,
             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
-    config = DeepseekV3Config(**dict(COMMON, vocab_size=len(llama_tok), num_hidden_layers=2, max_position_embeddings=32),
-                              intermediate_size=96,
-                              moe_intermediate_size=32, num_key_value_heads=4, n_shared_experts=1,
-                              n_routed_experts=8, routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24,
-                              qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, n_group=4, topk_group=2,
-                              num_experts_per_tok=2, first_k_dense_replace=1, norm_topk_prob=True,
-                              rope_parameters=yarn, rope_interleave=True, rms_norm_eps=1e-6)
-    model = DeepseekV3ForCausalLM(config)
-    gen = torch.Generator().manual_seed(70)
-    with torch.no_grad():  # a buffer, not a parameter: `redraw` leaves it at zero, where it would choose nothing
+    return DeepseekV3Config(**dict(COMMON, vocab_size=vocab, num_hidden_layers=2, max_position_embeddings=32),
+                            intermediate_size=96,
+                            moe_intermediate_size=32, num_key_value_heads=4, n_shared_experts=1,
+                            n_routed_experts=8, routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24,
+                            qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, n_group=4, topk_group=2,
+                            num_experts_per_tok=2, first_k_dense_replace=1, norm_topk_prob=True,
+                            rope_parameters=yarn, rope_interleave=True, rms_norm_eps=1e-6)
+
+
+def correction_biases(model: torch.nn.Module, seed: int) -> None:
+    """Random e_score_correction_bias buffers: a buffer, not a parameter, so `redraw` leaves it at zero, where it
+    would choose nothing."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(0.1 * torch.randn(buffer.shape, generator=gen))
+
+
+def deepseek_v3() -> None:
+    llama_tok = llama_bos_tokenizer()
+    model = DeepseekV3ForCausalLM(deepseek_v3_config(len(llama_tok)))
+    correction_biases(model, 70)
     with_tokenizer(model, llama_tok, save(model, "deepseek_v3", seed=7, bf16=False), [2])
+
+
+def mtp_tensors(mtp: MtpModel, main: DeepseekV3ForCausalLM) -> dict[str, torch.Tensor]:
+    """The MTP module's tensors as DeepSeek-V3 releases them: decoder layer num_hidden_layers with enorm, hnorm,
+    eh_proj, shared_head.norm beside the layer's own tensors, plus copies of the embedding and head."""
+    layer = f"model.layers.{main.config.num_hidden_layers}."
+    out = {}
+    for name, tensor in mtp.state_dict().items():
+        if not name.startswith("layers.0."):
+            continue
+        rest = name.removeprefix("layers.0.")
+        rest = "shared_head.norm." + rest.removeprefix("post_norm.") if rest.startswith("post_norm.") else \
+            rest.removeprefix("mtp_block.")
+        if rest == "mlp.experts.gate_up_proj":  # transformers' fused [experts, 2 x mlp, embed]: the file's are per expert
+            gate, up = tensor.chunk(2, dim=1)
+            for e in range(tensor.shape[0]):
+                out[f"{layer}mlp.experts.{e}.gate_proj.weight"] = gate[e].clone()
+                out[f"{layer}mlp.experts.{e}.up_proj.weight"] = up[e].clone()
+        elif rest == "mlp.experts.down_proj":
+            for e in range(tensor.shape[0]):
+                out[f"{layer}mlp.experts.{e}.down_proj.weight"] = tensor[e].clone()
+        else:
+            out[layer + rest] = tensor.clone()
+    out[layer + "embed_tokens.weight"] = main.model.embed_tokens.weight.detach().clone()
+    out[layer + "shared_head.head.weight"] = main.lm_head.weight.detach().clone()
+    return out
+
+
+def deepseek_v3_mtp() -> None:
+    """deepseek_v3's architecture with its multi-token-prediction layer, stored as released; mtp_logits.npy is what
+    transformers' own MTP module (MtpModel, loaded from those tensors) predicts from the main model's last hidden
+    states, as its use_mtp generation feeds it."""
+    model = DeepseekV3ForCausalLM(deepseek_v3_config(VOCAB)).eval()
+    correction_biases(model, 71)
+    directory = save(model, "deepseek_v3_mtp", seed=17, bf16=False)
+    mtp = MtpModel(model, 1).eval()
+    gen = torch.Generator().manual_seed(18)
+    with torch.no_grad():  # the module's own weights (its embedding and head are the main model's)
+        for name, p in mtp.named_parameters():
+            if name.startswith("layers."):
+                noise = torch.randn(p.shape, generator=gen)
+                p.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else 0.15 * noise)
+    correction_biases(mtp, 72)
+    path = directory / "model.safetensors"
+    save_file({**load_file(path), **mtp_tensors(mtp, model)}, path, metadata={"format": "pt"})
+    # transformers reads the released layout (MtpModel.from_pretrained), but finds the module by the 671B's layer
+    # number (`_keys_to_ignore_on_load_unexpected`, model.layers.61, read when the main model loads): point it at
+    # this model's
+    layer = model.config.num_hidden_layers
+    DeepseekV3ForCausalLM._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{layer}.*"]
+    reloaded = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    loaded = MtpModel.from_pretrained(reloaded).eval()
+    for name, tensor in mtp.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    tokens = torch.from_numpy(np.load(directory / "tokens.npy").astype(np.int64))
+    with torch.no_grad():
+        last = reloaded(tokens, output_hidden_states=True).hidden_states[-1]
+        positions = torch.arange(1, tokens.shape[1])[None]
+        hidden = loaded.forward_layer(0, last[:, :-1], positions, None, input_ids=tokens[:, 1:])
+        logits = loaded._project_to_logits(hidden)
+    np.save(directory / "mtp_logits.npy", logits.float().numpy())  # [batch, length - 1, vocab]: token i + 2
 
 
 GEMMA = dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -343,7 +419,7 @@ def gpt_oss_mxfp4() -> None:
 def main(names: list[str]) -> None:
     if names:
         for name in names:
-            {"deepseek_v3": deepseek_v3, "gemma2": gemma2, "gemma3": gemma3, "gemma3_mm": gemma3_multimodal, "gpt_oss": gpt_oss,
+            {"deepseek_v3": deepseek_v3, "deepseek_v3_mtp": deepseek_v3_mtp, "gemma2": gemma2, "gemma3": gemma3, "gemma3_mm": gemma3_multimodal, "gpt_oss": gpt_oss,
              "gpt_oss_mxfp4": gpt_oss_mxfp4}[name]()
         return
     torch.manual_seed(0)
@@ -392,6 +468,7 @@ def main(names: list[str]) -> None:
                                                rope_parameters={"rope_type": "default", "rope_theta": 1e6}))
     with_tokenizer(mixtral, llama_tok, save(mixtral, "mixtral", seed=6, bf16=True), [2])
     deepseek_v3()
+    deepseek_v3_mtp()
     gemma2()
     gemma3()
     gemma3_multimodal()

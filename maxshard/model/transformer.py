@@ -62,11 +62,12 @@ class Transformer(nn.Module):
                         ) -> tuple[jax.Array, list[jax.Array]]:
         """`hidden`, and what the head reads of each multi-token prediction module (layers/mtp.py), in order."""
         embedded, last = self._stream(inputs, segment_ids, positions)
-        x, predicted = last, []
-        for module in self.mtp:
-            x, normed = module(x, embedded, segment_ids, positions)
-            predicted.append(normed)
-        return self.final_norm(last), predicted
+        hidden = x = self.final_norm(last)
+        predicted = []
+        for module in self.mtp:  # each reads what the head read one depth before (layers/mtp.py)
+            x = module(x, embedded, segment_ids, positions)
+            predicted.append(x)
+        return hidden, predicted
 
     def everything(self, inputs: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
         """The logits, having run every module once (the prediction modules too): what init traces, so every

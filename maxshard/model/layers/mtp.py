@@ -1,12 +1,16 @@
 """Multi-token prediction (DeepSeek-V3's MTP modules, `mtp_depth`): module k predicts the token k + 1 places after
 the next one, trained beside the main head, never run by generation.
 
-Module k (1-based) at position i combines what module k - 1 computed there (the main model's last residual
-stream, before its final norm, for k = 1) with the embedding of token t_{i+k}:
+Module k (1-based) at position i combines what the head read one depth before (g^0: the main model's last hidden
+state after its final norm; g^{k-1}: module k - 1's output after its head norm) with the embedding of token t_{i+k}:
 
-    h'_i = eh_proj([RMSNorm_e(embed(t_{i+k})); RMSNorm_h(h_i^{k-1})])     ([2, embed] -> embed)
+    h'_i = eh_proj([RMSNorm_e(embed(t_{i+k})); RMSNorm_h(g_i^{k-1})])     ([2, embed] -> embed)
     h^k  = one decoder layer of the main stack's last kind (DeepSeek-V3: attention + MoE), under the remat policy
-    p(t_{i+k+1}) = softmax(head(RMSNorm_head(h^k_i)))                      (the main head, shared)
+    g^k  = RMSNorm_head(h^k);  p(t_{i+k+1}) = softmax(head(g^k_i))          (the main head, shared)
+
+That is transformers' `MtpModel` (and vLLM's DeepSeek MTP for k = 1): they feed the normalised last hidden state,
+which differs from the raw residual stream by the final norm's weights; tests/test_mtp.py checks module 1 against
+MtpModel on the released layout (tests/fixtures/hf/deepseek_v3_mtp).
 
 Hugging Face checkpoints keep module k as decoder layer `num_layers + k - 1` with extra tensors (enorm, hnorm,
 eh_proj, shared_head.norm; embed_tokens and shared_head.head are copies of the shared embedding and head:
@@ -50,8 +54,8 @@ def shifted(x: jax.Array, k: int, fill: int | float = 0) -> jax.Array:
 
 
 class PredictionModule(nn.Module):
-    """MTP module `depth` (1-based; module docstring): (h^{k-1} in token order, the embedded inputs) -> (h^k, the
-    next module's input; h^k after its head norm, what the shared head reads)."""
+    """MTP module `depth` (1-based; module docstring): (g^{k-1} in token order, the embedded inputs) -> g^k, what
+    the shared head reads and the next module's input."""
 
     cfg: ModelConfig
     depth: int
@@ -60,7 +64,7 @@ class PredictionModule(nn.Module):
 
     @nn.compact
     def __call__(self, previous: jax.Array, embedded: jax.Array, segment_ids: jax.Array,
-                 positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+                 positions: jax.Array) -> jax.Array:
         cfg, dt, wdt = self.cfg, self.dtype, self.weight_dtype
 
         def rms(name: str) -> RMSNorm:
@@ -74,7 +78,7 @@ class PredictionModule(nn.Module):
         layer = rematted(cfg, DecoderLayer)(cfg, dt, wdt, stack.name, len(stack.unit) - 1, name="layer")
         x, _ = layer(x, segments, where)
         x = ring_attention.from_balanced(constrain(x, ax.RESIDUAL))
-        return x, norm(rms("head_norm"), x)
+        return norm(rms("head_norm"), x)
 
 
 def loss_sums(head: Callable[[jax.Array], jax.Array], hiddens: Sequence[jax.Array], batch: dict[str, jax.Array],
