@@ -122,15 +122,26 @@ LOCAL_GLOBAL = ("num_layers=5", "sliding_window=3", "attention_pattern=local,glo
                 "rope_scaling_type=linear", "rope_scaling_factor=2", "attention=dot_product")
 
 
-def test_a_local_global_model_keeps_its_function_under_a_pipeline() -> None:
+# GPT-OSS's own: sinks and q/k/v/o biases on alternating windows, MoE in every layer with router and expert biases
+# and the clamped SwiGLU (a limit low enough to clamp), dropless
+GPT_OSS_LIKE = ("num_layers=5", "sliding_window=3", "attention_pattern=local,global", "attention_sinks=true",
+                "attention_bias=true", "num_experts=4", "num_experts_per_tok=2", "capacity_factor=-1",
+                "moe_mlp_dim=64", "moe_bias=true", "mlp_activation=clamped_swiglu", "swiglu_limit=0.5",
+                "load_balance_loss_weight=0", "router_z_loss_weight=0",  # per-microbatch means, as DEEPSEEK_LIKE's
+                "attention=dot_product")
+
+
+@pytest.mark.parametrize("options", [LOCAL_GLOBAL, GPT_OSS_LIKE], ids=["gemma_options", "gpt_oss_moe"])
+def test_a_local_global_model_keeps_its_function_under_a_pipeline(options) -> None:
     """pipeline=2 x fsdp=4 (the main stack of 2 [local, global] units in 2 stages, the left-over local layer after
-    it on every stage) against fsdp=8: the same loss and gradients, with every Gemma/GPT-OSS option on."""
-    reference_cfg = small_config(*LOCAL_GLOBAL)
+    it on every stage) against fsdp=8: the same loss and gradients, with every Gemma option on, and with GPT-OSS's
+    MoE layers."""
+    reference_cfg = small_config(*options)
     assert [s.name for s in blocks.stacks(reference_cfg.model)] == ["layers", "last_layers"]
     trainer = Trainer(reference_cfg, mesh_for(reference_cfg))
     params, batch = random_params(trainer), packed_batch(reference_cfg, trainer.mesh)
     ref_loss, ref_grads = loss_and_grads(reference_cfg, params, batch)
-    cfg = small_config(*LOCAL_GLOBAL, "ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4",
+    cfg = small_config(*options, "ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4",
                        "num_layers_per_pipeline_stage=1")
     loss, grads = loss_and_grads(cfg, pipeline.from_scanned(params, cfg.model.pipeline), batch)
     np.testing.assert_allclose(loss, ref_loss, rtol=TOLERANCE)
