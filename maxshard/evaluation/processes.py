@@ -1,0 +1,51 @@
+"""Several JAX processes (multi-host) scoring as one: every process runs lm-eval on the same requests, and that is
+checked, not assumed.
+
+Each process runs the whole harness: lm-eval builds the requests, the scorer and the engine turn them into global
+arrays from host batches that every process holds whole (as training's input does, data/pipeline.py), and every
+process reads back the same scores and tokens. That is only right while the processes were given the same requests:
+a host with another copy of a task's data files, another limit or another lm-eval would hand its devices other rows
+of the same global array, scoring garbage without a word, or compile other shapes and wait forever. So before each
+batch of requests reaches the devices, the processes compare a digest of them (one small all-gather), and compare
+the answers afterwards; a difference is a ConfigError naming the processes that differ. Only process 0 writes files
+and prints (`is_primary`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import jax
+import numpy as np
+
+from maxshard.errors import ConfigError
+
+__all__ = ["is_primary", "check_same"]
+
+
+def is_primary() -> bool:
+    """Whether this process writes eval_output and prints the scores (process 0, like training's metrics)."""
+    return jax.process_index() == 0
+
+
+def digest(what: str, items: Any) -> np.ndarray:
+    """uint32 [8]: the SHA-256 of `what` and `items` (JSON: token ids, floats, strings) as one array."""
+    text = json.dumps([what, items], separators=(",", ":"), default=str)
+    return np.frombuffer(hashlib.sha256(text.encode()).digest(), np.uint32)
+
+
+def check_same(what: str, items: Any) -> None:
+    """Every process holds the same `items` (what it calls `what`), else a ConfigError on every process. A no-op
+    for one process; with several, every process must call it at the same point (it is an all-gather)."""
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils  # deferred: one process never needs it
+
+    digests = np.asarray(multihost_utils.process_allgather(digest(what, items)))  # [processes, 8]
+    differ = [index for index in range(len(digests)) if not np.array_equal(digests[index], digests[0])]
+    if differ:
+        raise ConfigError(f"the {len(digests)} processes hold different {what}: process(es) "
+                          f"{', '.join(map(str, differ))} differ from process 0. Every host must run the same "
+                          "command on the same task files (eval_tasks_dir), eval_tasks_limit and lm-eval version")
