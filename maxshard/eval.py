@@ -43,7 +43,8 @@ e.g. a model converted from Hugging Face on the example tasks shipped in configs
       eval_tasks_dir=configs/eval_tasks eval_output=eval_results
 Keys: eval_tasks_dir (task YAMLs over local files), eval_tasks_limit (documents per task), eval_batch_size,
 eval_output (results + samples as lm_eval writes them), seed; the model comes from the checkpoint, the mesh knobs
-from the command line (no pipeline). Needs lm-eval: pip install -e ".[eval]"."""
+from the command line (no pipeline). Multi-host: the same command on every host (coordinator_address, process_count,
+process_id, or the launcher's variables); process 0 prints and writes. Needs lm-eval: pip install -e ".[eval]"."""
 
 
 def load(argv: Sequence[str], devices: Sequence[jax.Device] | None = None) -> tuple[Config, str, Any, Any]:
