@@ -153,25 +153,33 @@ def test_a_sampling_task_samples_and_stops_at_its_stop_sequences(one_device):
 # ---------------------------------------------------------------------------------------------- multi-host
 
 
-def test_two_processes_score_as_one_and_only_process_0_writes(converted, one_device, env, tmp_path):
-    """The CLI as every host of a cluster runs it: the same command line on two processes of 4 CPU devices each
-    (joined on loopback), fsdp over all 8. Each process runs lm-eval on every request and checks the other's
-    requests, log-likelihoods and generated texts against its own (a difference would fail it); the scores equal
-    the one-process run's, and process 0 alone prints and writes eval_output."""
-    from helpers import finished, process_env
+def two_processes(converted: dict[str, Path], env: dict[str, str], tmp_path: Path, tasks: tuple,
+                  limits: tuple[int, int] = (2, 2)) -> list[subprocess.Popen]:
+    """The CLI as every host of a cluster runs it: the same command line (but each process's eval_tasks_limit) on
+    two processes of 4 CPU devices each, joined on loopback, fsdp over all 8; eval_output under tmp_path/out."""
+    from helpers import process_env
 
-    tasks, out = ("local_choice", "local_generate", "local_sample"), tmp_path / "out"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     argv = [str(converted["qwen3"] / "config.yml"), f"tasks={','.join(tasks)}", f"eval_tasks_dir={TASKS_DIR}",
-            "max_target_length=32", f"eval_output={out}", f"base_output_directory={tmp_path}", "eval_batch_size=4",
-            "eval_tasks_limit=2", "cpu_device_count=4", "ici_fsdp_parallelism=8",
+            "max_target_length=32", f"eval_output={tmp_path / 'out'}", f"base_output_directory={tmp_path}",
+            "eval_batch_size=4", "cpu_device_count=4", "ici_fsdp_parallelism=8",
             f"coordinator_address=127.0.0.1:{port}", "process_count=2", "distributed_timeout=60"]
-    procs = [subprocess.Popen([sys.executable, "-m", "maxshard.eval", *argv, f"process_id={i}"], cwd=REPO,
-                              env=process_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]
-    printed = finished(procs, timeout=300)
+    return [subprocess.Popen([sys.executable, "-m", "maxshard.eval", *argv, f"process_id={i}",
+                              f"eval_tasks_limit={limits[i]}"], cwd=REPO, env=process_env(env),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for i in range(2)]
+
+
+def test_two_processes_score_as_one_and_only_process_0_writes(converted, one_device, env, tmp_path):
+    """Each process runs lm-eval on every request and checks the other's requests, log-likelihoods and generated
+    texts (greedy and sampled) against its own (a difference would fail it); the scores equal the one-process
+    run's, and process 0 alone prints and writes eval_output."""
+    from helpers import finished
+
+    tasks, out = ("local_choice", "local_generate", "local_sample"), tmp_path / "out"
+    printed = finished(two_processes(converted, env, tmp_path, tasks), timeout=300)
     assert "mesh: fsdp=8" in printed[0] and "local_choice: acc " in printed[0] and "(2 documents)" in printed[0]
     assert not any(line.startswith(("checkpoint:", "local_", "wrote ")) for line in printed[1].splitlines())
     resps, results, docs = written(out, tasks)  # exactly one results file and one samples file per task
@@ -183,6 +191,23 @@ def test_two_processes_score_as_one_and_only_process_0_writes(converted, one_dev
         assert [[d[m] for m in metrics] for d in docs[task]] == [[d[m] for m in metrics] for d in single_docs[task][:2]]
     assert all(results["n-samples"][task]["effective"] == 2 for task in tasks)
     assert not any(stop in doc[0][0] for doc in resps["local_sample"] for stop in (" the", " a"))
+
+
+def test_processes_given_other_requests_stop_in_one_line_before_scoring(converted, env, tmp_path):
+    """A host that would score other documents (here: another eval_tasks_limit, as other task files would) is found
+    before any request reaches the devices: both processes exit 2 naming it, and nothing is written."""
+    procs = two_processes(converted, env, tmp_path, ("local_choice",), limits=(2, 1))
+    try:
+        printed = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [2, 2], printed
+    for out in printed:
+        assert "maxshard: error: process 1 of 2 holds other log-likelihood requests than process 0: " in out
+    assert not (tmp_path / "out").exists()
 
 
 # ---------------------------------------------------------------------------------------------- in training

@@ -46,6 +46,7 @@ def check_same(what: str, items: Any) -> None:
     digests = np.asarray(multihost_utils.process_allgather(digest(what, items)))  # [processes, 8]
     differ = [index for index in range(len(digests)) if not np.array_equal(digests[index], digests[0])]
     if differ:
-        raise ConfigError(f"the {len(digests)} processes hold different {what}: process(es) "
-                          f"{', '.join(map(str, differ))} differ from process 0. Every host must run the same "
-                          "command on the same task files (eval_tasks_dir), eval_tasks_limit and lm-eval version")
+        which = f"process {differ[0]}" if len(differ) == 1 else f"processes {', '.join(map(str, differ))}"
+        raise ConfigError(f"{which} of {len(digests)} {'holds' if len(differ) == 1 else 'hold'} other {what} than "
+                          "process 0: every host must run the same command on the same task files (eval_tasks_dir), "
+                          "tokenizer and lm-eval version")
