@@ -99,9 +99,9 @@ class MaxshardLM(TemplateLM):
         for _, context, continuation in requests:
             whole = (context + continuation)[-(self.max_length + 1) :]
             rows.append(Row(tuple(whole[:-1]), tuple(continuation)))
-        processes.check_same("log-likelihood requests", [[r.inputs, r.targets] for r in rows])
+        processes.check_same("log-likelihood requests", ([r.inputs for r in rows], [r.targets for r in rows]))
         answers = self.scorer.score(rows, self.tok.pad_id)
-        processes.check_same("log-likelihoods", answers)
+        processes.check_same("log-likelihoods", other=answers)
         for (key, _, _), answer in zip(requests, answers):
             if key is not None:
                 self.cache_hook.add_partial("loglikelihood", key, answer)
@@ -130,7 +130,7 @@ class MaxshardLM(TemplateLM):
         others were given the same prompts and ends with the same texts (processes.py)."""
         settings = [json.dumps(request.args[1], sort_keys=True, default=str) for request in requests]
         encoded = [self._encode_prompt(request.args[0]) for request in requests]
-        processes.check_same("generation requests", [encoded, settings, self.seed, self._calls])  # keys shared
+        processes.check_same("generation requests", (encoded,), [settings, self.seed, self._calls])  # keys shared
         groups: dict[str, list[int]] = {}
         for i, key in enumerate(settings):
             groups.setdefault(key, []).append(i)
@@ -157,7 +157,7 @@ class MaxshardLM(TemplateLM):
                     text = postprocess_generated_text(self.tok_decode(ids), until, None)
                     outputs[i] = text
                     self.cache_hook.add_partial("generate_until", requests[i].args, text)
-        processes.check_same("generations", outputs)
+        processes.check_same("generations", other=outputs)
         return outputs
 
 

@@ -14,7 +14,9 @@ and prints (`is_primary`).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -30,20 +32,24 @@ def is_primary() -> bool:
     return jax.process_index() == 0
 
 
-def digest(what: str, items: Any) -> np.ndarray:
-    """uint32 [8]: the SHA-256 of `what` and `items` (JSON: token ids, floats, strings) as one array."""
-    text = json.dumps([what, items], separators=(",", ":"), default=str)
-    return np.frombuffer(hashlib.sha256(text.encode()).digest(), np.uint32)
+def digest(what: str, sequences: Sequence[Sequence[Sequence[int]]] = (), other: Any = None) -> np.ndarray:
+    """uint32 [8]: the SHA-256 of `what`, lists of token sequences (hashed as arrays: a task's requests hold
+    millions of tokens) and `other` (JSON: floats, strings, settings)."""
+    hashed = hashlib.sha256(json.dumps([what, other], separators=(",", ":"), default=str).encode())
+    for rows in sequences:
+        hashed.update(np.fromiter(map(len, rows), np.int64, len(rows)).tobytes())
+        hashed.update(np.fromiter(itertools.chain.from_iterable(rows), np.int64).tobytes())
+    return np.frombuffer(hashed.digest(), np.uint32)
 
 
-def check_same(what: str, items: Any) -> None:
-    """Every process holds the same `items` (what it calls `what`), else a ConfigError on every process. A no-op
-    for one process; with several, every process must call it at the same point (it is an all-gather)."""
+def check_same(what: str, sequences: Sequence[Sequence[Sequence[int]]] = (), other: Any = None) -> None:
+    """Every process holds the same `sequences` and `other` (what it calls `what`), else a ConfigError on every
+    process. A no-op for one process; with several, every process must call it at the same point (an all-gather)."""
     if jax.process_count() == 1:
         return
     from jax.experimental import multihost_utils  # deferred: one process never needs it
 
-    digests = np.asarray(multihost_utils.process_allgather(digest(what, items)))  # [processes, 8]
+    digests = np.asarray(multihost_utils.process_allgather(digest(what, sequences, other)))  # [processes, 8]
     differ = [index for index in range(len(digests)) if not np.array_equal(digests[index], digests[0])]
     if differ:
         which = f"process {differ[0]}" if len(differ) == 1 else f"processes {', '.join(map(str, differ))}"
