@@ -6,6 +6,11 @@ the checkpoint, its model and tokenizer are found and restored as `maxshard.gene
 names, and lm-eval's evaluator runs the tasks through maxshard/evaluation/harness.py. One line per task on the
 console; `eval_output=DIR` also writes what `lm_eval --output_path DIR --log_samples` writes. Unknown tasks and every
 other user mistake are one line and exit code 2, before the parameters are read.
+
+Multi-host: every host runs the same command (joining the others as `maxshard.train` does: coordinator_address,
+process_count, process_id or the launcher's variables); every process scores every request on the mesh over all of
+them and checks that the others were given the same (evaluation/processes.py); process 0 alone prints the scores and
+writes eval_output.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from maxshard.checkpoint import format as checkpoint_format
 from maxshard.config import Config
 from maxshard.data.tokenizer import make_tokenizer
 from maxshard.errors import ConfigError
-from maxshard.evaluation import tasks
+from maxshard.evaluation import processes, tasks
 from maxshard.generation import inference
 from maxshard.model.transformer import count_params
 from maxshard.parallel import mesh, sharding
@@ -38,7 +43,8 @@ e.g. a model converted from Hugging Face on the example tasks shipped in configs
       eval_tasks_dir=configs/eval_tasks eval_output=eval_results
 Keys: eval_tasks_dir (task YAMLs over local files), eval_tasks_limit (documents per task), eval_batch_size,
 eval_output (results + samples as lm_eval writes them), seed; the model comes from the checkpoint, the mesh knobs
-from the command line (no pipeline). Needs lm-eval: pip install -e ".[eval]"."""
+from the command line (no pipeline). Multi-host: the same command on every host (coordinator_address, process_count,
+process_id, or the launcher's variables); process 0 prints and writes. Needs lm-eval: pip install -e ".[eval]"."""
 
 
 def load(argv: Sequence[str], devices: Sequence[jax.Device] | None = None) -> tuple[Config, str, Any, Any]:
@@ -57,9 +63,11 @@ def load(argv: Sequence[str], devices: Sequence[jax.Device] | None = None) -> tu
     tokenizer = make_tokenizer(cfg)
     eval_mesh, rules = mesh.build(cfg, devices), sharding.flax_rules(cfg)
     params = inference.restore_params(step_dir, cfg, eval_mesh, rules, saved.get("load_parameters_path", ""))
-    print(f"checkpoint: {step_dir} ({count_params(params) / 1e6:.2f}M parameters), mesh: "
-          f"{mesh.describe(eval_mesh)}, tasks: {', '.join(found.names)}", flush=True)
     from maxshard.evaluation import harness  # deferred: lm-eval is optional; tasks.find said so in one line
+
+    if processes.is_primary():
+        print(f"checkpoint: {step_dir} ({count_params(params) / 1e6:.2f}M parameters), mesh: "
+              f"{mesh.describe(eval_mesh)}, tasks: {', '.join(found.names)}", flush=True)
 
     return cfg, step_dir, found, harness.build(cfg, eval_mesh, rules, params, tokenizer)
 
@@ -67,8 +75,10 @@ def load(argv: Sequence[str], devices: Sequence[jax.Device] | None = None) -> tu
 def run(argv: Sequence[str], devices: Sequence[jax.Device] | None = None) -> int:
     """The command, on `devices` (default: all of this process's)."""
     cfg, step_dir, found, lm = load(argv, devices)
-    output = cfg.eval_output if jax.process_index() == 0 else ""
+    output = cfg.eval_output if processes.is_primary() else ""
     results = tasks.evaluate(lm, found, cfg.eval_tasks_limit, cfg.seed, model_name=step_dir, output=output)
+    if not processes.is_primary():
+        return 0
     for line in tasks.summary_lines(results):
         print(line, flush=True)
     if output:

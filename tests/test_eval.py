@@ -1,10 +1,11 @@
 """`python -m maxshard.eval` and `eval_tasks` in training, against lm-eval's own Hugging Face backend.
 
 The Hugging Face fixtures (tests/fixtures/hf) are converted by `maxshard.convert` and scored by the CLI on the example
-tasks of configs/eval_tasks (multiple choice, rolling perplexity, greedy and sampled generation); tests/fixtures/eval holds what
-lm-eval 0.4.13's Hugging Face backend scored on the same models (tools/make_eval_fixtures.py, float32,
+tasks of configs/eval_tasks (multiple choice, rolling perplexity, greedy and sampled generation); tests/fixtures/eval
+holds what lm-eval 0.4.13's Hugging Face backend scored on the same models (tools/make_eval_fixtures.py, float32,
 max_length 32 so the longer rolling documents take several windows). The CLI runs in this process; each
-model's single-device scores are computed once and shared by the layout tests.
+model's single-device scores are computed once and shared by the layout tests and by the one multi-host test, whose
+two processes run the CLI as subprocesses.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import socket
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -39,22 +43,31 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def score(converted: dict[str, Path], out: Path, name: str, *keys: str, devices: Any = None, tasks: tuple = TASKS
-          ) -> tuple[dict[str, list], dict, str]:
+          ) -> tuple[dict[str, list], dict, str, dict[str, list]]:
     """Runs the CLI's command (on `devices`, default all 8); returns ({task: every document's resps, in document
-    order}, lm-eval's results JSON) as read back from the files `eval_output` wrote, and what it printed."""
+    order}, lm-eval's results JSON) as read back from the files `eval_output` wrote, what it printed, and {task:
+    every document's sample record}."""
     argv = [str(converted[name] / "config.yml"), f"tasks={','.join(tasks)}", f"eval_tasks_dir={TASKS_DIR}",
             "max_target_length=32", f"eval_output={out}", f"base_output_directory={out}", "eval_batch_size=4", *keys]
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         assert (eval_cli.main(argv) if devices is None else eval_cli.run(argv, devices)) == 0
+    resps, results, docs = written(out, tasks)
+    return resps, results, printed.getvalue(), docs
+
+
+def written(out: Path, tasks: tuple) -> tuple[dict[str, list], dict, dict[str, list]]:
+    """({task: every document's resps, in document order}, the results JSON, {task: the documents' sample records})
+    from the files `eval_output=out` holds: one results file and one samples file per task (a second writer would
+    have added its own)."""
     (directory,) = [p for p in out.iterdir() if p.is_dir() and p.name != "default"]
     (results_file,) = directory.glob("results_*.json")
-    resps = {}
+    resps, docs = {}, {}
     for task in tasks:
         (samples_file,) = directory.glob(f"samples_{task}_*.jsonl")
         rows = sorted((json.loads(line) for line in samples_file.read_text().splitlines()), key=lambda r: r["doc_id"])
-        resps[task] = [r["resps"] for r in rows]
-    return resps, json.loads(results_file.read_text()), printed.getvalue()
+        resps[task], docs[task] = [r["resps"] for r in rows], rows
+    return resps, json.loads(results_file.read_text()), docs
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +97,7 @@ def _greedy(resps: list) -> list[str]:
 def test_scores_equal_lm_evals_hugging_face_backend(one_device, name):
     """Per-request log-likelihoods within 1e-4 of the Hugging Face backend's, the same greedy flags, accuracies and
     rolling perplexities, and the same greedy generations cut at the same stop sequences."""
-    resps, results, _ = one_device[name]
+    resps, results, *_ = one_device[name]
     want = json.loads((FIXTURES / "eval" / f"{name}.json").read_text())
     for task in ("local_choice", "local_rolling"):
         got, expected = _numbers(resps[task]), _numbers(want[task]["resps"])
@@ -106,8 +119,8 @@ def test_scores_equal_lm_evals_hugging_face_backend(one_device, name):
 def test_layouts_give_the_scores_of_one_device(converted, one_device, tmp_path, name, layout):
     """The log-likelihood tasks on 8 devices (the generation engine's layouts are test_generate.py's)."""
     tasks = ("local_choice", "local_rolling")
-    resps, results, _ = score(converted, tmp_path, name, *layout, tasks=tasks)
-    single, single_results, _ = one_device[name]
+    resps, results, *_ = score(converted, tmp_path, name, *layout, tasks=tasks)
+    single, single_results, *_ = one_device[name]
     for task in tasks:
         assert _numbers(resps[task]) == pytest.approx(_numbers(single[task]), abs=TOLERANCE), task
         assert {k: v for k, v in results["results"][task].items() if "acc" in k} == \
@@ -135,6 +148,66 @@ def test_a_sampling_task_samples_and_stops_at_its_stop_sequences(one_device):
     sampled, greedy = [doc[0][0] for doc in resps["local_sample"]], [doc[0][0] for doc in resps["local_generate"]]
     assert len(sampled) == 4 and sampled != greedy
     assert not any(stop in text for text in sampled for stop in (" the", " a"))
+
+
+# ---------------------------------------------------------------------------------------------- multi-host
+
+
+def two_processes(converted: dict[str, Path], env: dict[str, str], tmp_path: Path, tasks: tuple,
+                  limits: tuple[int, int] = (2, 2)) -> list[subprocess.Popen]:
+    """The CLI as every host of a cluster runs it: the same command line (but each process's eval_tasks_limit) on
+    two processes of 4 CPU devices each, joined on loopback, fsdp over all 8; eval_output under tmp_path/out."""
+    from helpers import process_env
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [str(converted["qwen3"] / "config.yml"), f"tasks={','.join(tasks)}", f"eval_tasks_dir={TASKS_DIR}",
+            "max_target_length=32", f"eval_output={tmp_path / 'out'}", f"base_output_directory={tmp_path}",
+            "eval_batch_size=4", "cpu_device_count=4", "ici_fsdp_parallelism=8",
+            f"coordinator_address=127.0.0.1:{port}", "process_count=2", "distributed_timeout=60"]
+    return [subprocess.Popen([sys.executable, "-m", "maxshard.eval", *argv, f"process_id={i}",
+                              f"eval_tasks_limit={limits[i]}"], cwd=REPO, env=process_env(env),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for i in range(2)]
+
+
+def test_two_processes_score_as_one_and_only_process_0_writes(converted, one_device, env, tmp_path):
+    """Each process runs lm-eval on every request and checks the other's requests, log-likelihoods and generated
+    texts (greedy and sampled) against its own (a difference would fail it); the scores equal the one-process
+    run's, and process 0 alone prints and writes eval_output."""
+    from helpers import finished
+
+    tasks, out = ("local_choice", "local_generate", "local_sample"), tmp_path / "out"
+    printed = finished(two_processes(converted, env, tmp_path, tasks), timeout=300)
+    assert "mesh: fsdp=8" in printed[0] and "local_choice: acc " in printed[0] and "(2 documents)" in printed[0]
+    assert not any(line.startswith(("checkpoint:", "local_", "wrote ")) for line in printed[1].splitlines())
+    resps, results, docs = written(out, tasks)  # exactly one results file and one samples file per task
+    single, _, _, single_docs = one_device["qwen3"]
+    assert _numbers(resps["local_choice"]) == pytest.approx(_numbers(single["local_choice"][:2]), abs=TOLERANCE)
+    assert _greedy(resps["local_choice"]) == _greedy(single["local_choice"][:2])
+    assert [doc[0][0] for doc in resps["local_generate"]] == [doc[0][0] for doc in single["local_generate"][:2]]
+    for task, metrics in (("local_choice", ("acc", "acc_norm")), ("local_generate", ("exact_match",))):
+        assert [[d[m] for m in metrics] for d in docs[task]] == [[d[m] for m in metrics] for d in single_docs[task][:2]]
+    assert all(results["n-samples"][task]["effective"] == 2 for task in tasks)
+    assert not any(stop in doc[0][0] for doc in resps["local_sample"] for stop in (" the", " a"))
+
+
+def test_processes_given_other_requests_stop_in_one_line_before_scoring(converted, env, tmp_path):
+    """A host that would score other documents (here: another eval_tasks_limit, as other task files would) is found
+    before any request reaches the devices: both processes exit 2 naming it, and nothing is written."""
+    procs = two_processes(converted, env, tmp_path, ("local_choice",), limits=(2, 1))
+    try:
+        printed = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [2, 2], printed
+    for out in printed:
+        assert "maxshard: error: process 1 of 2 holds other log-likelihood requests than process 0: " in out
+    assert not (tmp_path / "out").exists()
 
 
 # ---------------------------------------------------------------------------------------------- in training

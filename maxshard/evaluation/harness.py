@@ -15,7 +15,8 @@ so a score here is the score that backend gives the same model and tokenizer:
   (`generation/decode.py`) up to max_gen_toks tokens or an EOS id, decoded without special tokens and cut at the
   first stop sequence (the task's `until` and the EOS text), greedy unless the task samples.
 
-`max_length` is the model's `max_target_length` (the context it was trained on).
+`max_length` is the model's `max_target_length` (the context it was trained on). With several processes
+(multi-host) every one runs every request, and checks that the others were given the same (`processes.py`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from jax.sharding import Mesh
 
 from maxshard.config import Config
 from maxshard.data.tokenizer import Tokenizer
+from maxshard.evaluation import processes
 from maxshard.evaluation.scoring import Row, Scorer, bucket_length
 from maxshard.generation.decode import Engine
 from maxshard.generation.sampling import Sampling, allowed_tokens
@@ -97,7 +99,9 @@ class MaxshardLM(TemplateLM):
         for _, context, continuation in requests:
             whole = (context + continuation)[-(self.max_length + 1) :]
             rows.append(Row(tuple(whole[:-1]), tuple(continuation)))
+        processes.check_same("log-likelihood requests", ([r.inputs for r in rows], [r.targets for r in rows]))
         answers = self.scorer.score(rows, self.tok.pad_id)
+        processes.check_same("log-likelihoods", other=answers)
         for (key, _, _), answer in zip(requests, answers):
             if key is not None:
                 self.cache_hook.add_partial("loglikelihood", key, answer)
@@ -122,10 +126,14 @@ class MaxshardLM(TemplateLM):
 
     def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
         """Requests grouped by their generation settings (one compiled engine serves all of them), each group's
-        contexts longest first in calls of `scorer.rows` prompts."""
+        contexts longest first in calls of `scorer.rows` prompts. With several processes, each checks that the
+        others were given the same prompts and ends with the same texts (processes.py)."""
+        settings = [json.dumps(request.args[1], sort_keys=True, default=str) for request in requests]
+        encoded = [self._encode_prompt(request.args[0]) for request in requests]
+        processes.check_same("generation requests", (encoded,), [settings, self.seed, self._calls])  # keys shared
         groups: dict[str, list[int]] = {}
-        for i, request in enumerate(requests):
-            groups.setdefault(json.dumps(request.args[1], sort_keys=True, default=str), []).append(i)
+        for i, key in enumerate(settings):
+            groups.setdefault(key, []).append(i)
         outputs: list[str] = [""] * len(requests)
         eos_text = self._token_text(self.eot_token_id) or None
         for indices in groups.values():
@@ -137,7 +145,7 @@ class MaxshardLM(TemplateLM):
             if keep <= 0:
                 raise ValueError(f"max_gen_toks={max_gen_toks} leaves no room for a context in the model's "
                                  f"max_target_length={self.max_length}")
-            prompts = {i: self._encode_prompt(requests[i].args[0])[-keep:] for i in indices}
+            prompts = {i: encoded[i][-keep:] for i in indices}
             order = sorted(indices, key=lambda i: -len(prompts[i]))
             for start in range(0, len(order), self.scorer.rows):
                 chosen = order[start : start + self.scorer.rows]
@@ -149,6 +157,7 @@ class MaxshardLM(TemplateLM):
                     text = postprocess_generated_text(self.tok_decode(ids), until, None)
                     outputs[i] = text
                     self.cache_hook.add_partial("generate_until", requests[i].args, text)
+        processes.check_same("generations", other=outputs)
         return outputs
 
 

@@ -5,7 +5,8 @@ Nothing the run resumes from is touched: the parameters are only read (before th
 data iterator is never asked, and the global `random` / `numpy.random` states that lm-eval's evaluator seeds are
 put back afterwards, so a run's losses are those of the same run without `eval_tasks`. The scorer and the engine
 are built once and keep their compiled programs; each evaluation hands them the current parameters, which have the
-same shapes and shardings every step.
+same shapes and shardings every step. With several processes every one scores every request on the training mesh
+(checked alike, processes.py); process 0 prints, and writes the metrics as it writes every other.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import numpy as np
 from maxshard.config import Config
 from maxshard.data.tokenizer import make_tokenizer
 from maxshard.errors import ConfigError
-from maxshard.evaluation import tasks
+from maxshard.evaluation import processes, tasks
 from maxshard.training.step import Trainer
 
 __all__ = ["TaskEvaluation"]
@@ -58,8 +59,9 @@ class TaskEvaluation:
         self._lm.scorer.params = self._lm.engine.params = params
         with _global_rng_kept():
             results = tasks.evaluate(self._lm, self.found, self.cfg.eval_tasks_limit, self.cfg.seed)
-        for line in tasks.summary_lines(results):
-            print(f"eval_tasks at step {step}: {line}", flush=True)
+        if processes.is_primary():
+            for line in tasks.summary_lines(results):
+                print(f"eval_tasks at step {step}: {line}", flush=True)
         return tasks.scalars(results)
 
 

@@ -18,6 +18,10 @@ Cache length S = P + max_new_tokens (a local layer keeps min(window, S) slots). 
 end-of-sequence is done: from then on it emits PAD, and the loop stops once every sequence is done (checked every
 few steps) or max_new_tokens are generated.
 
+Several processes (multi-host) run this loop together, each on the same prompts (a global batch every process
+holds whole, as training's input does); the host's reads of a step's output (the done flags, the tokens at the end)
+gather the rows the other processes' devices hold, so every process returns the same tokens.
+
 MoE models route dropless here (`decode_model`): with capacity-based dropping a token's output would depend on
 which other tokens share its sequence in this call, so a cached decode could not match the full forward pass.
 """
@@ -250,7 +254,7 @@ class _Run:
         logits_kept.append(logits)
         started = time.perf_counter()
         while steps + 1 < max_new_tokens:
-            if steps % _CHECK_DONE_EVERY == 0 and bool(np.all(jax.device_get(done)[:real_rows])):
+            if steps % _CHECK_DONE_EVERY == 0 and bool(np.all(_host(done)[:real_rows])):
                 break
             steps += 1
             token, logits, cache, done, positions = self.decode(params, cache, token, positions, done, self.key,
@@ -260,7 +264,7 @@ class _Run:
                 logits_kept.append(logits)
         jax.block_until_ready(generated[-1])
         decode_seconds = time.perf_counter() - started
-        ids = np.stack(jax.device_get(generated), axis=1)[:real_rows]  # [real_rows, new tokens]
+        ids = _host_columns(generated)[:real_rows]  # [real_rows, new tokens]
         return Result(
             tokens=[_until_eos(row, stops) for row in ids.tolist()],
             prompt_tokens=int(lengths[:real_rows].sum()),
@@ -268,8 +272,25 @@ class _Run:
             decode_steps=steps,
             decode_seconds=decode_seconds,
             compile_seconds=compile_seconds,
-            step_logits=[np.asarray(x)[:real_rows] for x in logits_kept] if self.keep_logits else [],
+            step_logits=[_host(x)[:real_rows] for x in logits_kept] if self.keep_logits else [],
         )
+
+
+def _host(x: jax.Array) -> np.ndarray:
+    """A step's output whole on this host. With several processes (multi-host) each holds only its devices' rows:
+    the rest are gathered from the others, which run the same loop and so gather at the same point."""
+    if x.is_fully_addressable or x.is_fully_replicated:
+        return np.asarray(jax.device_get(x))
+    from jax.experimental import multihost_utils  # deferred: one process never needs it
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def _host_columns(columns: list[jax.Array]) -> np.ndarray:
+    """[batch] outputs of the steps -> [batch, steps] on this host; several processes gather once, stacked."""
+    if all(c.is_fully_addressable for c in columns):
+        return np.stack(jax.device_get(columns), axis=1)
+    return _host(jnp.stack(columns, axis=1))
 
 
 def _until_eos(row: list[int], stops: tuple[int, ...]) -> list[int]:
