@@ -81,7 +81,7 @@ def whole_model_under(step_dir: str) -> str:
     saved = saved_config(step_dir)
     while saved.get("lora_rank"):
         base = saved.get("load_parameters_path") or ""
-        if not base or base in seen or not (epath.Path(base) / STATE).exists():
+        if not base or base in seen or len(seen) > 64 or not (epath.Path(base) / STATE).exists():
             raise ConfigError(f"{seen[-1]} holds LoRA adapters whose base load_parameters_path={base!r} is not a "
                               "checkpoint step directory here")
         seen.append(base)

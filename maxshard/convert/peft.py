@@ -46,7 +46,8 @@ HF_MODULES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_
 # adapter_config.json keys whose non-default values change what the adapters compute, and the value maxshard has.
 _MUST_BE = {"use_rslora": False, "use_dora": False, "bias": "none", "lora_bias": False, "fan_in_fan_out": False,
             "rank_pattern": {}, "alpha_pattern": {}, "modules_to_save": None, "layers_to_transform": None,
-            "layer_replication": None, "target_parameters": None, "trainable_token_indices": None}
+            "layer_replication": None, "target_parameters": None, "trainable_token_indices": None,
+            "use_qalora": False, "alora_invocation_tokens": None}
 _EMPTY = (None, {}, [], False)
 
 
