@@ -5,8 +5,9 @@ noise and whose assistant always gives one reply (tests/test_chat.py's set), thr
 then check what the issue asks of it: only the adapters trained and were saved, the export merges them (each
 targeted matrix moved by a matrix of rank <= lora_rank, every other tensor the base's bit for bit), PEFT's adapter
 files hold the same update, generation applies them, a resume reads the base again, and the layouts agree.
-That PEFT itself loads the adapter files as the merged model is checked by hand with the reference library
-(tools/check_peft_export.py; torch and peft never enter CI).
+PEFT's own files (adapters it saved and the logits it computed) are compared in tests/test_peft.py; that PEFT
+loads this run's adapter files as the merged model is checked by hand (tools/check_peft_export.py; torch and peft
+never enter CI).
 """
 
 from __future__ import annotations
@@ -199,15 +200,16 @@ def test_lora_keys_fail_in_one_line(tmp_path):
 
 
 def test_the_base_is_the_one_the_adapters_were_trained_on(lora_run):
-    """Resuming on another base, or starting from a LoRA step as if it were a whole model: one line each."""
+    """Resuming on another base, or starting a new run from a LoRA step (its adapters on its base) with other LoRA
+    keys than the step's: one line each. (Starting from a LoRA step with its keys: tests/test_peft.py.)"""
     root, argv, _ = lora_run
     other = f"load_parameters_path={_step_dir(root, 20)}"  # a LoRA step: adapters only
     with pytest.raises(ConfigError, match="adapters in .* were trained on .*imported") as info:
         train.run([*argv, other])
     assert "\n" not in str(info.value)
-    fresh = [a for a in argv if not a.startswith("run_name=")] + ["run_name=lora_on_lora", other]
-    with pytest.raises(ConfigError, match="holds a LoRA run's adapters, not a whole model: its base is .*imported"):
-        train.run(fresh)
+    fresh = [a for a in argv if not a.startswith(("run_name=", "lora_rank="))] + ["run_name=lora_on_lora", other]
+    with pytest.raises(ConfigError, match="^lora_rank=8: the adapters of load_parameters_path=.* have lora_rank=4"):
+        train.run([*fresh, "lora_rank=8"])
 
 
 def test_generation_with_the_training_command_samples_the_adapters(lora_run, tmp_path):

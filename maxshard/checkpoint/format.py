@@ -18,7 +18,7 @@ from etils import epath
 from maxshard.errors import ConfigError
 
 __all__ = ["STATE", "DATA", "CONFIG", "ITEMS", "config_json", "write_config", "saved_config", "read_config",
-           "read_config_or_none"]
+           "read_config_or_none", "whole_model_under"]
 
 STATE, DATA, CONFIG = "state", "data", "config"
 ITEMS = (STATE, DATA, CONFIG)
@@ -71,3 +71,19 @@ def read_config_or_none(step_dir: epath.PathLike) -> dict[str, Any] | None:
         return saved_config(step_dir)
     except ConfigError:
         return None
+
+
+def whole_model_under(step_dir: str) -> str:
+    """The step holding a whole model under `step_dir`: itself, or for a LoRA step (lora_rank > 0: adapters only)
+    the base its config names, followed while that is a LoRA step too (a run that started from another run's
+    adapters, or from PEFT adapters `from_hf --adapters` imported). One line when the chain breaks or loops."""
+    seen = [step_dir]
+    saved = saved_config(step_dir)
+    while saved.get("lora_rank"):
+        base = saved.get("load_parameters_path") or ""
+        if not base or base in seen or len(seen) > 64 or not (epath.Path(base) / STATE).exists():
+            raise ConfigError(f"{seen[-1]} holds LoRA adapters whose base load_parameters_path={base!r} is not a "
+                              "checkpoint step directory here")
+        seen.append(base)
+        saved = saved_config(base)
+    return seen[-1]

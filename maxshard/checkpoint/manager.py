@@ -49,8 +49,8 @@ from maxshard.checkpoint import layout as checkpoint_layout
 from maxshard.checkpoint.health import (CheckpointError, Damaged, Outcome, QuietBackground, SaveFailed, agree,
                                         outcome_of, reason)
 from maxshard.checkpoint.layout import check_matches
-from maxshard.checkpoint.params import (check_same_base, read_base, read_params, require_base, saved_part,
-                                        step_state_dir, target_state, with_base)
+from maxshard.checkpoint.params import (check_same_base, read_base, read_params, read_start_adapters, require_base,
+                                        saved_part, step_state_dir, target_state, with_base)
 from maxshard.config import Config
 from maxshard.errors import ConfigError
 from maxshard.model import trainable
@@ -135,12 +135,15 @@ def load_full_state(path: str, trainer: Trainer) -> TrainState:
 
 def load_parameters(path: str, trainer: Trainer) -> TrainState:
     """A fresh state (step 0, new optimizer moments) whose params come from a checkpoint: fine-tuning. With LoRA
-    the checkpoint gives the frozen base and the adapters start fresh."""
+    the checkpoint gives the frozen base and the adapters start fresh, or from a LoRA step's (its adapters on
+    its base: another run's, or PEFT's that `from_hf --adapters` imported)."""
     if trainable.trains_everything(trainer.cfg.model):
         state_dir = step_state_dir(path, "load_parameters_path")
         params = read_params(state_dir, target_state(trainer).params, f"load_parameters_path={path}")
     else:
-        params = read_base(path, target_state(trainer).params, trainer.cfg.model)
+        target = target_state(trainer).params
+        adapters = read_start_adapters(trainer.cfg, target)
+        params = trainable.merge(adapters, read_base(path, target, trainer.cfg.model))
     # No full init: it would hold a second, random copy of every parameter (`Trainer.state_from`).
     return trainer.state_from(params)
 

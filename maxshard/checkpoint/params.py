@@ -25,7 +25,7 @@ from maxshard.model.config import ModelConfig
 from maxshard.training.step import Trainer, TrainState
 
 __all__ = ["target_state", "step_state_dir", "read_params", "saved_part", "with_base", "read_base",
-           "check_same_base", "require_base"]
+           "read_start_adapters", "check_same_base", "require_base", "LORA_KEYS"]
 
 
 def target_state(trainer: Trainer) -> TrainState:
@@ -56,14 +56,38 @@ def with_base(state: TrainState, trainer: Trainer) -> TrainState:
 
 def read_base(path: str, target_params: Any, model: ModelConfig, where: str = "") -> Any:
     """The frozen parameters of a LoRA model (every parameter of `target_params` but the adapters) from the
-    checkpoint `path`; a LoRA run's own checkpoint, which holds adapters only, is refused naming its base."""
+    checkpoint `path`, or for a LoRA step (adapters only) from the whole model under it (its base)."""
     where = where or f"load_parameters_path={path}"
-    state_dir = step_state_dir(path, "load_parameters_path")
+    step_state_dir(path, "load_parameters_path")
+    base = checkpoint_format.whole_model_under(path)
+    if base != path:
+        where = f"{where} (the base {base} of its adapters)"
+    return read_params(step_state_dir(base, "load_parameters_path"), trainable.frozen_subset(target_params, model),
+                       where)
+
+
+LORA_KEYS = ("lora_rank", "lora_alpha", "lora_targets")
+
+
+def read_start_adapters(cfg: Config, target_params: Any) -> Any:
+    """A fresh LoRA run's starting adapters: those of `load_parameters_path` when it is a LoRA step (another run's,
+    or PEFT's imported by `from_hf --adapters`), {} for a whole model (the adapters are then drawn fresh). The run's
+    LoRA keys must be the step's: one line naming the first that differs."""
+    path = cfg.load_parameters_path
     saved = checkpoint_format.saved_config(path)
-    if saved.get("lora_rank"):
-        raise ConfigError(f"{where} holds a LoRA run's adapters, not a whole model: its base is "
-                          f"{saved.get('load_parameters_path') or '(unknown)'}")
-    return read_params(state_dir, trainable.frozen_subset(target_params, model), where)
+    if not saved.get("lora_rank"):
+        return {}
+    for key in LORA_KEYS:
+        mine, theirs = getattr(cfg, key), saved.get(key)
+        same = (set(mine) == set(theirs or ())) if key == "lora_targets" else mine == theirs
+        if not same:
+            shown = list(theirs) if isinstance(theirs, (list, tuple)) else theirs
+            raise ConfigError(f"{key}={list(mine) if key == 'lora_targets' else mine}: the adapters of "
+                              f"load_parameters_path={path} have {key}={shown}; start from them with their "
+                              f"{', '.join(LORA_KEYS)}, or from their base {saved.get('load_parameters_path')} "
+                              "with fresh adapters")
+    adapters = trainable.saved_subset(target_params, cfg.model)
+    return read_params(step_state_dir(path, "load_parameters_path"), adapters, f"load_parameters_path={path}")
 
 
 def check_same_base(cfg: Config, step_dir: epath.Path) -> None:

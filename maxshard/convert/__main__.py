@@ -35,6 +35,9 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("out_dir", metavar="OUT_DIR")
     a.add_argument("--base-config", default=None,
                    help="the base config config.yml extends (default: this repository's configs/base.yml)")
+    a.add_argument("--adapters", default=None, metavar="PEFT_DIR",
+                   help="a PEFT LoRA directory (adapter_config.json, adapter_model.safetensors) saved on this model: "
+                        "imported as OUT_DIR/adapters/0, a LoRA step that config.yml's run starts from")
     b = sub.add_parser("to_hf", help="maxshard checkpoint step directory -> Hugging Face directory",
                        description="Writes config.json, model.safetensors (sharded with an index above "
                                    "--max-shard-size) and the tokenizer files, loadable by transformers.")
@@ -64,9 +67,11 @@ def run(args: argparse.Namespace) -> None:
         hf_config.model_keys(multimodal.text_model(hf_config.read(args.hf_dir))[0])
         from maxshard.convert import from_hf
 
-        r = from_hf.convert(args.hf_dir, args.out_dir, args.base_config)
+        r = from_hf.convert(args.hf_dir, args.out_dir, args.base_config, args.adapters)
         print(f"converted {r.architecture} ({r.num_params:,} parameters, {'/'.join(r.dtypes)}) from {args.hf_dir}")
         print(f"  parameters: {r.step_dir}")
+        if args.adapters:
+            print(f"  adapters:   {r.adapters_dir} (LoRA from {args.adapters})")
         print(f"  config:     {r.config_path}")
         print(f"  tokenizer:  {r.tokenizer_path or 'none in the source: set tokenizer_path before training on text'}")
         print(f"fine-tune: python -m maxshard.train {r.config_path} dataset_path=YOUR_TEXT run_name=NAME")

@@ -14,6 +14,11 @@ fixed cost of jax + orbax, whatever the size of the largest tensor; the pages of
 page cache on top (see safetensors_io.py); benchmarks/convert_memory.py measures both.
 The checkpoint is built under OUT_DIR/.partial and renamed into place last, so an interrupted conversion never
 leaves a checkpoint that looks complete.
+
+With `--adapters PEFT_DIR` (convert/peft.py) the PEFT LoRA adapters also become OUT_DIR/adapters/0, a LoRA step on
+the converted base, and config.yml carries their lora_rank, lora_alpha, lora_targets and names that step as
+load_parameters_path: training continues from the adapters, generation and eval apply them. The base step's own
+config has lora_rank 0 (it is a whole model).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import maxshard
 from maxshard import config
 from maxshard.checkpoint import format as checkpoint_format
 from maxshard.checkpoint import orbax_io
-from maxshard.convert import hf_config, layout, multimodal, names, safetensors_io
+from maxshard.convert import hf_config, layout, multimodal, names, peft, safetensors_io
 from maxshard.convert.families import Family
 from maxshard.errors import ConfigError
 from maxshard.model.config import ModelConfig
@@ -54,6 +59,7 @@ class Result:
     num_params: int
     dtypes: tuple[str, ...]
     tokenizer_path: str
+    adapters_dir: str = ""  # the imported PEFT adapters' LoRA step (--adapters), else ""
 
 
 def default_base_config() -> str:
@@ -111,7 +117,7 @@ def _scalar(value: Any) -> str:
 
 
 def _config_text(keys: Mapping[str, Any], paths: Mapping[str, str], arch: str, hf_dir: str,
-                 max_position: Any) -> str:
+                 max_position: Any, lora: peft.PeftLora | None = None) -> str:
     """config.yml. Paths are absolute: tokenizer_path and load_parameters_path are read relative to the working
     directory and base_config relative to this file, so absolute ones work wherever training is started."""
     comments = {"max_target_length": f"training length; the model's max_position_embeddings is {max_position}",
@@ -126,7 +132,14 @@ def _config_text(keys: Mapping[str, Any], paths: Mapping[str, str], arch: str, h
     tokenizer = paths["tokenizer_path"]
     lines.append(f"tokenizer_path: {_scalar(tokenizer)}" + ("" if tokenizer else
                                                             "  # the source has none: set one before training on text"))
-    lines.append(f"load_parameters_path: {_scalar(paths['load_parameters_path'])}")
+    if lora is not None:
+        lines += ["", f"# ---- LoRA (from {peft.ADAPTER_CONFIG} of {lora.directory}; a run must keep these to start "
+                      "from the adapters)"]
+        lines += [f"{key}: {_scalar(value)}" for key, value in lora.config_keys().items()]
+        lines.append(f"load_parameters_path: {_scalar(paths['adapters'])}  # the adapters, on the base "
+                     f"{paths['load_parameters_path']}")
+    else:
+        lines.append(f"load_parameters_path: {_scalar(paths['load_parameters_path'])}")
     return "\n".join(lines) + "\n"
 
 
@@ -163,12 +176,14 @@ def _write_params(state_dir: epath.Path, source: safetensors_io.Source,
                 orbax_io.write_rows(store, leaf, param.local(index), start, block)
 
 
-def convert(hf_dir: str, out_dir: str, base_config: str | None = None) -> Result:
-    """Converts; every problem with the source is a ConfigError before anything is written."""
+def convert(hf_dir: str, out_dir: str, base_config: str | None = None, adapters: str | None = None) -> Result:
+    """Converts (with `adapters`, a PEFT LoRA directory, also them); every problem with the source is a
+    ConfigError before anything is written."""
     hf_dir, out_dir = os.path.abspath(hf_dir), os.path.abspath(out_dir)
     hf, wrapper = multimodal.text_model(hf_config.read(hf_dir))
     family, keys = hf_config.family(hf), hf_config.model_keys(hf)
     arch = family.architecture
+    lora = peft.read(os.path.abspath(adapters)) if adapters else None
     with safetensors_io.Source(hf_dir) as source:
         tensors = source.tensors
         if wrapper is not None:
@@ -177,6 +192,10 @@ def convert(hf_dir: str, out_dir: str, base_config: str | None = None) -> Result
                   "the vision tower and projector are left out (maxshard trains text models)", file=sys.stderr)
         keys = _without_absent_mtp(keys, tensors)
         plan = _tensor_plan(layout.model_config(keys), family, tensors, hf_dir)
+        adapter_arrays = peft.adapter_arrays(lora, [p for p, _ in plan], family) if lora else []
+        if lora and keys.get("moe_router_bias"):
+            raise ConfigError(f"{arch} with moe_router_bias: a LoRA step holds the selection biases its run moved, "
+                              "which imported adapters lack; import the model without --adapters")
         base = os.path.abspath(base_config or default_base_config())
         if not os.path.isfile(base):
             raise ConfigError(f"base config {base} not found; pass --base-config PATH_TO/configs/base.yml")
@@ -184,24 +203,40 @@ def convert(hf_dir: str, out_dir: str, base_config: str | None = None) -> Result
         if os.path.exists(step_dir):
             raise ConfigError(f"{out_dir} already holds a converted model ({step_dir}); choose another OUT_DIR")
 
+        adapters_dir = os.path.join(out_dir, peft.ADAPTERS_STEP)
+        if lora and os.path.exists(adapters_dir):
+            raise ConfigError(f"{out_dir} already holds imported adapters ({adapters_dir}); choose another OUT_DIR")
+
         tokenizer_path = _copy_hf_files(hf_dir, os.path.join(out_dir, "hf"))
         if wrapper is not None:  # the template to_hf exports into: the text model that was converted
             with open(os.path.join(out_dir, "hf", "config.json"), "w", encoding="utf-8") as f:
                 json.dump(hf, f, indent=2, sort_keys=True)
         config_path = os.path.join(out_dir, "config.yml")
         with open(config_path, "w", encoding="utf-8") as f:
-            paths = {"base_config": base, "tokenizer_path": tokenizer_path, "load_parameters_path": step_dir}
-            f.write(_config_text(keys, paths, arch, hf_dir, hf.get("max_position_embeddings")))
+            paths = {"base_config": base, "tokenizer_path": tokenizer_path, "load_parameters_path": step_dir,
+                     "adapters": adapters_dir}
+            f.write(_config_text(keys, paths, arch, hf_dir, hf.get("max_position_embeddings"), lora))
         cfg = config.parse([config_path])  # the file must be one that training accepts
+        if lora:  # the base step is a whole model; the adapters' step names it as their base
+            lora_cfg = config.parse([config_path, f"load_parameters_path={step_dir}"])
+            cfg = config.parse([config_path, "lora_rank=0", f"load_parameters_path={step_dir}"])
 
         partial = epath.Path(out_dir) / ".partial" / STEP
         if partial.exists():
             shutil.rmtree(partial)
         _write_params(partial / checkpoint_format.STATE, source, plan)
     checkpoint_format.write_config(partial, cfg)
+    if lora:
+        partial_adapters = partial.parent / "adapters"
+        if partial_adapters.exists():
+            shutil.rmtree(partial_adapters)
+        peft.write(adapter_arrays, partial_adapters / checkpoint_format.STATE)
+        checkpoint_format.write_config(partial_adapters, lora_cfg)
+        os.makedirs(os.path.dirname(adapters_dir), exist_ok=True)
+        os.rename(partial_adapters, adapters_dir)
     os.makedirs(os.path.dirname(step_dir), exist_ok=True)
     os.rename(partial, step_dir)
     shutil.rmtree(partial.parent, ignore_errors=True)
     num_params = sum(int(np.prod(p.shape)) for p, _ in plan)
     dtypes = tuple(sorted({infos[0].dtype.name for _, infos in plan}))
-    return Result(config_path, step_dir, arch, num_params, dtypes, tokenizer_path)
+    return Result(config_path, step_dir, arch, num_params, dtypes, tokenizer_path, adapters_dir if lora else "")

@@ -24,17 +24,18 @@ from etils import epath
 from safetensors.numpy import save_file
 
 from maxshard.checkpoint import orbax_io
+from maxshard.checkpoint.format import whole_model_under
 from maxshard.convert import layout, names
 from maxshard.convert.families import Family
 from maxshard.convert.locate import locate
 from maxshard.errors import ConfigError
 from maxshard.model.layers.lora import ADAPTER_PARAMS
 
-__all__ = ["Adapters", "adapters_of", "export_adapters", "ADAPTER_FILE", "ADAPTER_CONFIG"]
+__all__ = ["Adapters", "adapters_of", "export_adapters", "ADAPTER_FILE", "ADAPTER_CONFIG", "PEFT_PREFIX"]
 
 ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
-_PEFT_PREFIX = "base_model.model."  # PEFT's name for the wrapped causal LM
+PEFT_PREFIX = "base_model.model."  # PEFT's name for the wrapped causal LM
 
 
 @dataclasses.dataclass
@@ -88,7 +89,8 @@ def adapters_of(step_dir: str, saved: Mapping[str, Any]) -> tuple[Adapters | Non
     if not base or not (epath.Path(base) / "state").exists():
         raise ConfigError(f"{step_dir} holds LoRA adapters whose base load_parameters_path={base!r} is not a "
                           "checkpoint step directory here")
-    return Adapters(orbax_io.Reader(step_dir), rank, float(saved["lora_alpha"])), base
+    # A run that started from other adapters (another run's, or PEFT's through from_hf --adapters) names their step.
+    return Adapters(orbax_io.Reader(step_dir), rank, float(saved["lora_alpha"])), whole_model_under(base)
 
 
 def merged(kernel: np.ndarray, delta: np.ndarray) -> np.ndarray:
@@ -109,7 +111,7 @@ def export_adapters(adapters: Adapters, params: list[layout.Param], family: Fami
         modules.append(entry.hf.split(".")[-2])
         for (layer,) in param.indices():
             a, b = adapters.pair(param, (layer,))
-            stem = _PEFT_PREFIX + names.hf_name(entry, (layer,)).removesuffix(".weight")
+            stem = PEFT_PREFIX + names.hf_name(entry, (layer,)).removesuffix(".weight")
             tensors[f"{stem}.lora_A.weight"] = np.ascontiguousarray(a.reshape(-1, adapters.rank).T, dtype or a.dtype)
             tensors[f"{stem}.lora_B.weight"] = np.ascontiguousarray(b.reshape(adapters.rank, -1).T, dtype or b.dtype)
     if not tensors:

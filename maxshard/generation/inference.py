@@ -39,17 +39,30 @@ _FROM_CHECKPOINT = (*model_fields(), "tokenizer_path")  # what defines the netwo
 
 def find_checkpoint(cfg: Config) -> str:
     """`load_parameters_path`, else the latest committed step of this run (base_output_directory/run_name). A LoRA
-    run's load_parameters_path is its frozen base: its own latest step (the adapters) is what it samples from."""
-    if cfg.load_parameters_path:
-        checkpoint_params.step_state_dir(cfg.load_parameters_path, "load_parameters_path")
-        if not (cfg.lora_rank and not checkpoint_format.read_config(cfg.load_parameters_path).get("lora_rank")):
-            return cfg.load_parameters_path
-    directory = epath.Path(cfg.checkpoint_dir)
-    steps = [int(p.name) for p in directory.iterdir() if p.name.isdigit()] if directory.exists() else []
-    if not steps:
+    run's load_parameters_path is its frozen base: its own latest step (the adapters) is what it samples from.
+    It may also be a LoRA step the run started from (imported PEFT adapters, another run's): that step, unless
+    this run has trained on from it, whose latest step is then what the training command samples."""
+    path = cfg.load_parameters_path
+    if path:
+        checkpoint_params.step_state_dir(path, "load_parameters_path")
+        if not cfg.lora_rank:
+            return path
+        if checkpoint_format.read_config(path).get("lora_rank"):
+            own = _latest_step(cfg)
+            started_here = own and checkpoint_format.saved_config(own).get("load_parameters_path") == path
+            return own if started_here else path
+    own = _latest_step(cfg)
+    if not own:
         raise ConfigError(f"no checkpoint in {cfg.checkpoint_dir}: train run_name={cfg.run_name} first (python -m "
                           "maxshard.train with the same arguments) or set load_parameters_path to a step")
-    return str(directory / str(max(steps)))
+    return own
+
+
+def _latest_step(cfg: Config) -> str:
+    """The latest step directory of this run's checkpoint_dir, '' when it has none."""
+    directory = epath.Path(cfg.checkpoint_dir)
+    steps = [int(p.name) for p in directory.iterdir() if p.name.isdigit()] if directory.exists() else []
+    return str(directory / str(max(steps))) if steps else ""
 
 
 def with_saved_model(cfg: Config, saved: dict[str, Any]) -> Config:

@@ -152,12 +152,13 @@ class Trainer:
     def state_from(self, params: Any, seed: int | None = None) -> TrainState:
         """Step 0 with `params` (sharded like the state's): every parameter, or with LoRA the frozen base, whose
         adapters are then drawn fresh from `seed` (the random base the same init would draw is never computed:
-        only the adapters leave the jitted function). Fresh optimizer moments for what trains."""
+        only the adapters leave the jitted function) unless `params` holds them (a LoRA step's). Fresh optimizer
+        moments for what trains."""
         model = self.cfg.model
 
         def fresh(loaded: Any, rng: jax.Array) -> TrainState:
             drawn, _ = trainable.split(nn.unbox(init_params(model, rng)), model)
-            whole = loaded if trainable.trains_everything(model) else trainable.merge(drawn, loaded)
+            whole = loaded if trainable.trains_everything(model) else trainable.merge(loaded, drawn)  # loaded's win
             trained = trainable.trainable_subset(whole, model)
             reference = _copy(whole) if self.reference_kind == "frozen" else None
             return TrainState(jnp.zeros((), jnp.int32), whole, self.tx.init(trained), reference)
