@@ -25,6 +25,8 @@ from safetensors.numpy import load_file
 from maxshard import config, data, generate, train
 from maxshard.checkpoint import format as checkpoint_format
 from maxshard.convert import __main__ as convert_cli
+from maxshard.convert import hf_config, layout, names
+from maxshard.convert import lora as convert_lora
 from maxshard.errors import ConfigError
 from maxshard.generation import inference
 from maxshard.model import trainable
@@ -38,6 +40,7 @@ from maxshard.run import loading
 from maxshard.training.step import Trainer, mesh_context
 from tests.helpers import max_relative_difference, mesh_for, tiny_config
 from tests.test_chat import QWEN, REPLY, imported_sft_argv, template
+from tests.test_convert import FIXTURES
 
 RANK, ALPHA = 4, 8.0
 TARGETS = ("q", "v", "o", "gate", "up", "down")  # all but k: a projection without adapters stays the base's
@@ -134,6 +137,58 @@ def test_merged_export_computes_what_the_adapters_compute(lora_run, tmp_path):
     base = _logits(root / "imported" / "checkpoints" / "0", config_yml, tokens)
     np.testing.assert_allclose(merged, with_adapters, atol=1e-4)
     assert np.max(np.abs(base - with_adapters)) > 1e-2
+
+
+class _RandomAdapters:
+    """Adapters as `convert.lora.Adapters` reads them from a checkpoint, drawn at random for every MLA projection
+    LoRA adapts (q: query_down and query; k: key; v: value; o: out), rank 2."""
+
+    rank, alpha = 2, 3.0
+    scale = alpha / rank
+    targets = ("query_down", "query", "key", "value", "out")
+
+    def has(self, param: layout.Param) -> bool:
+        return param.path[-1] == "kernel" and param.path[-2] in self.targets and "attention" in param.path
+
+    def pair(self, param: layout.Param, at: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+        rng = np.random.default_rng(abs(hash((param.path, at))) % 2**32)
+        shape, num_in = param.layer_shape, param.entry.num_in
+        return (rng.normal(size=(*shape[:num_in], self.rank)).astype(np.float32),
+                rng.normal(size=(self.rank, *shape[num_in:])).astype(np.float32))
+
+    def delta(self, param: layout.Param, at: tuple[int, ...]) -> np.ndarray:
+        a, b = self.pair(param, at)
+        return self.scale * np.tensordot(a, b, axes=1)
+
+
+def test_adapters_only_export_of_latent_attention_is_the_merged_update(tmp_path):
+    """DeepSeek-V3's latent attention (the fixture's q_a/q_b_proj, whose RoPE rows are reordered, and kv_b_proj,
+    which holds each head's key rows then its value rows): for every module, PEFT's update alpha_m / r_m x lora_B
+    @ lora_A from the written files equals the update the merged export adds in Hugging Face's layout. kv_b_proj's
+    two adapters become one module of rank 4 (rank_pattern, alpha_pattern keep the scale)."""
+    hf = hf_config.read(str(FIXTURES / "deepseek_v3"))
+    family, params = hf_config.family(hf), layout.params_of(layout.model_config(hf_config.model_keys(hf)),
+                                                            hf_config.family(hf))
+    adapters = _RandomAdapters()
+    convert_lora.export_adapters(adapters, params, family, str(tmp_path), "base")
+    written = load_file(str(tmp_path / convert_lora.ADAPTER_FILE))
+    settings = json.loads((tmp_path / convert_lora.ADAPTER_CONFIG).read_text())
+    assert settings["rank_pattern"] == {"kv_b_proj": 4} and settings["alpha_pattern"] == {"kv_b_proj": 6.0}
+    want: dict[str, list] = {}
+    for param in (p for p in params if p.stacked and adapters.has(p)):
+        for (layer,) in param.indices():
+            want.setdefault(names.hf_name(param.entry, (layer,)), []).append((param.entry,
+                                                                                adapters.delta(param, (layer,))))
+    assert {n.split(".")[-2] for n in want} == {"q_a_proj", "q_b_proj", "kv_b_proj", "o_proj"}
+    for name, parts in want.items():
+        entry = parts[0][0]
+        update = names.join_parts(entry, [d for _, d in sorted(parts, key=lambda p: p[0].part)]) if entry.part \
+            else names.to_hf(entry, parts[0][1])
+        stem, module = convert_lora.PEFT_PREFIX + name.removesuffix(".weight"), name.split(".")[-2]
+        scale = settings["alpha_pattern"].get(module, settings["lora_alpha"]) / settings["rank_pattern"].get(
+            module, settings["r"])
+        got = scale * written[f"{stem}.lora_B.weight"] @ written[f"{stem}.lora_A.weight"]
+        np.testing.assert_allclose(got, update, rtol=1e-5, atol=1e-5, err_msg=name)
 
 
 def test_adapters_only_export_is_peft_s_layout_of_the_same_update(lora_run, tmp_path, monkeypatch):

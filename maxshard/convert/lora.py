@@ -8,7 +8,9 @@ config names the frozen base (`load_parameters_path`) and the scale alpha / rank
 - `--adapters-only`: `adapter_model.safetensors` + `adapter_config.json` as PEFT writes them, for
   `PeftModel.from_pretrained(base, dir)`. A Hugging Face linear is W[out, in] applied as x @ W.T and PEFT adds
   scale * (x @ lora_A.T) @ lora_B.T, so lora_A.weight = A flattened to [in, rank] and transposed, lora_B.weight
-  = B flattened to [rank, out] and transposed: B.T @ A.T is then exactly the merged update in Hugging Face's layout.
+  = B's rows in the order the kernel's are written (`peft_pair`: a RoPE part reordered, as MLA's query): lora_B @
+  lora_A is then exactly the merged update in Hugging Face's layout. Kernels cut from one Hugging Face tensor (MLA's
+  kv_b_proj: keys and values) become one module whose ranks add up (`_joined_pair`, PEFT's rank_pattern).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from maxshard.convert.locate import locate
 from maxshard.errors import ConfigError
 from maxshard.model.layers.lora import ADAPTER_PARAMS
 
-__all__ = ["Adapters", "adapters_of", "export_adapters", "ADAPTER_FILE", "ADAPTER_CONFIG", "PEFT_PREFIX"]
+__all__ = ["Adapters", "adapters_of", "export_adapters", "peft_pair", "ADAPTER_FILE", "ADAPTER_CONFIG", "PEFT_PREFIX"]
 
 ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -98,12 +100,38 @@ def merged(kernel: np.ndarray, delta: np.ndarray) -> np.ndarray:
     return (kernel.astype(np.float32) + delta).astype(kernel.dtype)
 
 
+def peft_pair(entry: names.Entry, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One projection's (lora_A [rank, in], lora_B [out, rank]) in Hugging Face's layout: A's inputs as the
+    kernel's, B's outputs in the order `names.to_hf` writes the kernel's rows (a RoPE part reordered: MLA's query)."""
+    rank = a.shape[-1]
+    lora_b = names.to_hf(dataclasses.replace(entry, num_in=1), b)
+    return a.reshape(-1, rank).T, lora_b
+
+
+def _joined_pair(parts: list[tuple[names.Entry, np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """Adapters of kernels cut from one Hugging Face tensor (MLA's kv_b_proj: each head's key rows, then its value
+    rows) as one PEFT module of rank sum(ranks): A stacked, B block-diagonal across the parts' rows, so
+    lora_B @ lora_A is each part's own update in its own rows."""
+    width = parts[0][0].part[2]
+    heads = parts[0][2].shape[1]
+    ranks = [a.shape[-1] for _, a, _ in parts]
+    lora_b = np.zeros((heads, width, sum(ranks)), parts[0][2].dtype)
+    column = 0
+    for (entry, _, b), rank in zip(parts, ranks):
+        start, stop, _ = entry.part
+        lora_b[:, start:stop, column:column + rank] = b.reshape(rank, heads, stop - start).transpose(1, 2, 0)
+        column += rank
+    lora_a = np.concatenate([a.reshape(-1, a.shape[-1]).T for _, a, _ in parts])
+    return lora_a, lora_b.reshape(heads * width, -1)
+
+
 def export_adapters(adapters: Adapters, params: list[layout.Param], family: Family, hf_dir: str, base_name: str,
                     dtype: np.dtype | None = None) -> tuple[str, int, str]:
     """Writes PEFT's adapter_model.safetensors and adapter_config.json in `dtype` (default: as saved);
-    (file name, tensors written, dtype written)."""
+    (file name, tensors written, dtype written). A module joined from several adapted kernels (`_joined_pair`) gets
+    its own rank in `rank_pattern` and alpha in `alpha_pattern`, so PEFT scales it by alpha / rank as the rest."""
     tensors: dict[str, np.ndarray] = {}
-    modules = []
+    modules, joined = [], {}
     for param in params:
         if not (param.stacked and adapters.has(param)):
             continue
@@ -112,8 +140,19 @@ def export_adapters(adapters: Adapters, params: list[layout.Param], family: Fami
         for (layer,) in param.indices():
             a, b = adapters.pair(param, (layer,))
             stem = PEFT_PREFIX + names.hf_name(entry, (layer,)).removesuffix(".weight")
-            tensors[f"{stem}.lora_A.weight"] = np.ascontiguousarray(a.reshape(-1, adapters.rank).T, dtype or a.dtype)
-            tensors[f"{stem}.lora_B.weight"] = np.ascontiguousarray(b.reshape(adapters.rank, -1).T, dtype or b.dtype)
+            if entry.part:
+                joined.setdefault(stem, []).append((entry, a, b))
+                continue
+            lora_a, lora_b = peft_pair(entry, a, b)
+            tensors[f"{stem}.lora_A.weight"] = np.ascontiguousarray(lora_a, dtype or a.dtype)
+            tensors[f"{stem}.lora_B.weight"] = np.ascontiguousarray(lora_b, dtype or b.dtype)
+    patterns = {}
+    for stem, parts in joined.items():
+        lora_a, lora_b = _joined_pair(parts)
+        tensors[f"{stem}.lora_A.weight"] = np.ascontiguousarray(lora_a, dtype or lora_a.dtype)
+        tensors[f"{stem}.lora_B.weight"] = np.ascontiguousarray(lora_b, dtype or lora_b.dtype)
+        if lora_a.shape[0] != adapters.rank:
+            patterns[stem.split(".")[-1]] = lora_a.shape[0]
     if not tensors:
         raise ConfigError("the checkpoint's adapters match no Hugging Face projection of "
                           f"{family.architecture}")
@@ -124,6 +163,7 @@ def export_adapters(adapters: Adapters, params: list[layout.Param], family: Fami
         "target_modules": sorted(set(modules)), "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
         "use_rslora": False, "init_lora_weights": True, "inference_mode": True,
         "base_model_name_or_path": base_name, "modules_to_save": None,
+        "rank_pattern": patterns, "alpha_pattern": {m: adapters.alpha * r / adapters.rank for m, r in patterns.items()},
     }
     with open(os.path.join(hf_dir, ADAPTER_CONFIG), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2, sort_keys=True)
