@@ -39,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from maxshard.data.tokenizer import MAX_STOP_IDS
 from maxshard.generation.sampling import Sampling, sample
 from maxshard.model.config import ModelConfig
-from maxshard.model.layers import kv_cache
+from maxshard.model.layers import kv_cache, pipeline
 from maxshard.model.transformer import Transformer, abstract_cache
 from maxshard.parallel import axis_names as ax
 from maxshard.parallel import sharding
@@ -103,6 +103,8 @@ class Engine:
                  ) -> None:
         self.cfg, self.mesh, self.rules, self.params = decode_model(model), mesh, whole_stream(rules), params
         self.model = Transformer(self.cfg)
+        # A pipelined run's parameters, as they train, read as the unpipelined stack inside the jitted steps
+        self._view = pipeline.to_scanned if model.pipeline is not None else (lambda p: p)
         self.allowed = jax.device_put(allowed, NamedSharding(mesh, PartitionSpec()))
         self._compiled: dict[tuple[int, int, int], tuple[Any, Any, Any]] = {}
         self._decode_steps: dict[tuple[int, int], tuple[Any, Any]] = {}
@@ -113,7 +115,7 @@ class Engine:
     def _apply(self, params: Any, cache: Any, tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, Any]:
         """tokens, positions [batch, T] -> (logits [batch, T, vocab], the cache with this call's k/v written)."""
         segments = jnp.ones_like(tokens)
-        logits, state = self.model.apply({"params": params, kv_cache.COLLECTION: cache}, tokens, segments, positions,
+        logits, state = self.model.apply({"params": self._view(params), kv_cache.COLLECTION: cache}, tokens, segments, positions,
                                          mutable=[kv_cache.COLLECTION])
         return logits, state[kv_cache.COLLECTION]
 
@@ -144,7 +146,7 @@ class Engine:
     def abstract_cache(self, batch: int, length: int) -> Any:
         """The boxed cache of `batch` sequences of `length` slots (shapes and logical names, nothing allocated)."""
         with mesh_context(self.mesh, self.rules):
-            return abstract_cache(self.cfg, self.params, batch, length)
+            return abstract_cache(self.cfg, jax.eval_shape(self._view, self.params), batch, length)
 
     def _layout(self, batch: int, cache_length: int) -> tuple[Any, Any, Any]:
         """(cache shardings, cache shapes, the shardings of a step's outputs) for this shape."""
