@@ -4,7 +4,8 @@ The loss test reads the rollouts TRL 1.16 scored (tests/fixtures/preference/case
 completions on the qwen3 fixture, the log-probabilities of an older policy, a perturbed reference model) and checks
 that maxshard's step on the same rows gives TRL's loss, KL and clip fraction and every parameter's gradient within
 1e-5 (TRL's `loss_type: grpo` with the plain k3 KL, `use_bias_correction_kl: false`). The CLI test trains a tiny model
-on a task a reward function in a file verifies, from a mean reward below 0.3 to at least 0.8.
+on a task a reward function in a file verifies, from a mean reward below 0.3 to at least 0.8; another samples and
+trains under a pipeline as on one device.
 """
 
 from __future__ import annotations
@@ -170,17 +171,19 @@ def test_with_lora_the_reference_is_the_base_and_the_adapters_learn(imported, tm
 
 
 def test_a_pipeline_samples_and_trains_as_one_device(env, tmp_path):
-    """GRPO under pipeline=2 x fsdp=4 (circular): rollouts are sampled from the stage-laid parameters as they train
-    (decode.Engine reads them as the unpipelined stack inside its jitted steps, no copy kept), and three steps
-    through `maxshard.train` log one device's rewards, losses and KL within 1e-5 (one device: a subprocess, side by
-    side with the pipelined run in this process)."""
+    """GRPO under pipeline=2 x fsdp=4 (1f1b): rollouts are sampled from the stage-laid parameters as they train
+    (decode.Engine reads them as the unpipelined stack inside its jitted steps, no copy kept), the rollout policy's
+    and the reference's log-probabilities come from the pipelined forward, the loss from the table runner per
+    pipeline microbatch; three steps through `maxshard.train` log one device's rewards, losses and KL within 1e-5
+    (one device: a subprocess, side by side with the pipelined run in this process)."""
     keys = ("steps=3", "log_period=1", "enable_checkpointing=false", "grpo_group_size=4")
-    one = subprocess.Popen([sys.executable, "-m", "maxshard.train",
-                            *grpo_argv(tmp_path, "run_name=one", *keys, "per_device_batch_size=16", "cpu_device_count=1")],
-                           cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    argv = grpo_argv(tmp_path, "run_name=one", *keys, "per_device_batch_size=16", "cpu_device_count=1")
+    one = subprocess.Popen([sys.executable, "-m", "maxshard.train", *argv], cwd=REPO, env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         assert train.main(grpo_argv(tmp_path, "run_name=piped", *keys, "per_device_batch_size=2",
-                                    "ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4")) == 0
+                                    "ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4",
+                                    "pipeline_schedule=1f1b")) == 0
     finally:
         out = finished([one], timeout=300)[0]
     assert "mesh: single device" in out, out[:2000]

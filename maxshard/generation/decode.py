@@ -20,6 +20,15 @@ few steps) or max_new_tokens are generated.
 
 MoE models route dropless here (`decode_model`): with capacity-based dropping a token's output would depend on
 which other tokens share its sequence in this call, so a cached decode could not match the full forward pass.
+
+Pipelined parameters. Generation runs the model unpipelined, but GRPO samples on the training mesh from the train
+state itself, whose main stack a pipeline keeps as [repeats, stages, layers per stage, ...] split over `stage`.
+The engine takes those arrays as they are and reshapes them to the scanned [layers, ...] inside its jitted steps
+(`pipeline.to_scanned`: the same weights, layer r*S*L + s*L + l at [r, s, l]), so the unpipelined stack runs
+layer after layer through the stages' weights and no second copy is kept. Its cost: the scanned stack and the
+cache are split over `stage` along layers, and XLA's partitioner gathers both across the stages inside each step
+(per device, transiently, `stage` times its share of the stack and of the cache; benchmarks/README.md), where a
+pipelined decode would pass activations between stages instead.
 """
 
 from __future__ import annotations
@@ -54,8 +63,9 @@ _PAD_STOPS = jax.ShapeDtypeStruct((1 + MAX_STOP_IDS,), jnp.int32)  # PAD, then t
 
 
 def decode_model(model: ModelConfig) -> ModelConfig:
-    """The model as generation runs it: no remat (no backward pass), no pipeline, MoE routing dropless, and a
-    ragged exchange with its worst-case buffer (`moe_ragged_buffer_factor` 0), which no routing overflows."""
+    """The model as generation runs it: no remat (no backward pass), no pipeline (pipelined parameters are read as
+    the scanned stack: module docstring), MoE routing dropless, and a ragged exchange with its worst-case buffer
+    (`moe_ragged_buffer_factor` 0), which no routing overflows."""
     capacity = 0.0 if model.is_moe else model.capacity_factor
     return dataclasses.replace(model, remat_policy="none", pipeline=None, capacity_factor=capacity,
                                moe_ragged_buffer_factor=0.0)
@@ -103,7 +113,8 @@ class Engine:
                  ) -> None:
         self.cfg, self.mesh, self.rules, self.params = decode_model(model), mesh, whole_stream(rules), params
         self.model = Transformer(self.cfg)
-        # A pipelined run's parameters, as they train, read as the unpipelined stack inside the jitted steps
+        # A pipelined model's parameters (GRPO samples from them as they train) are read as the unpipelined stack
+        # inside the jitted steps (module docstring)
         self._view = pipeline.to_scanned if model.pipeline is not None else (lambda p: p)
         self.allowed = jax.device_put(allowed, NamedSharding(mesh, PartitionSpec()))
         self._compiled: dict[tuple[int, int, int], tuple[Any, Any, Any]] = {}
@@ -115,8 +126,8 @@ class Engine:
     def _apply(self, params: Any, cache: Any, tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, Any]:
         """tokens, positions [batch, T] -> (logits [batch, T, vocab], the cache with this call's k/v written)."""
         segments = jnp.ones_like(tokens)
-        logits, state = self.model.apply({"params": self._view(params), kv_cache.COLLECTION: cache}, tokens, segments, positions,
-                                         mutable=[kv_cache.COLLECTION])
+        variables = {"params": self._view(params), kv_cache.COLLECTION: cache}
+        logits, state = self.model.apply(variables, tokens, segments, positions, mutable=[kv_cache.COLLECTION])
         return logits, state[kv_cache.COLLECTION]
 
     def _prefill(self, params: Any, cache: Any, prompts: jax.Array, lengths: jax.Array, key: jax.Array,
