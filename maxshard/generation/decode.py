@@ -25,10 +25,12 @@ Pipelined parameters. Generation runs the model unpipelined, but GRPO samples on
 state itself, whose main stack a pipeline keeps as [repeats, stages, layers per stage, ...] split over `stage`.
 The engine takes those arrays as they are and reshapes them to the scanned [layers, ...] inside its jitted steps
 (`pipeline.to_scanned`: the same weights, layer r*S*L + s*L + l at [r, s, l]), so the unpipelined stack runs
-layer after layer through the stages' weights and no second copy is kept. Its cost: the scanned stack and the
-cache are split over `stage` along layers, and XLA's partitioner gathers both across the stages inside each step
-(per device, transiently, `stage` times its share of the stack and of the cache; benchmarks/README.md), where a
-pipelined decode would pass activations between stages instead.
+layer after layer through the stages' weights and no second copy is kept. The cache and the activations split
+their batch over `stage` as well (`stages_as_batch`): a cache split by layers would be gathered whole across the
+stages in every step, since the layer scan slices it at a step-dependent layer. What remains is the weights': the
+scan gathers the stack across the stages inside each step (per device, transiently, `stage` times its share of
+the stack; benchmarks/README.md). A decode that passed activations from stage to stage would not; it is a larger
+piece (a cache per stage, a schedule of one-token microbatches).
 """
 
 from __future__ import annotations
@@ -104,6 +106,24 @@ def whole_stream(rules: sharding.FlaxRules) -> sharding.FlaxRules:
     return tuple((name, length if name == ax.NORM_LENGTH else axes) for name, axes in rules)
 
 
+def stages_as_batch(rules: sharding.FlaxRules) -> sharding.FlaxRules:
+    """`rules` for sampling from a pipelined model on its training mesh (module docstring): the mesh axes that split
+    the layer stack (`stage`) split the batch of the cache and of the activations instead, and the cache keeps its
+    layers whole, so the step's layer scan reads its cache where it lies."""
+    stage = dict(rules).get(ax.LAYERS)
+    if not stage:
+        return rules
+    stage_axes = (stage,) if isinstance(stage, str) else tuple(stage)
+    out = []
+    for name, axes in rules:
+        if name == ax.LAYERS:
+            axes = None
+        elif name in (ax.CACHE_BATCH, ax.BATCH, ax.BATCH_NO_EXP):
+            axes = (*stage_axes, *(() if axes is None else (axes,) if isinstance(axes, str) else axes))
+        out.append((name, axes))
+    return tuple(out)
+
+
 class Engine:
     """A model's jitted prefill and decode steps on a mesh, the prefill compiled once per (batch, prompt length,
     cache length), the decode step once per (batch, cache length); the sampling parameters and the seed are
@@ -116,6 +136,8 @@ class Engine:
         # A pipelined model's parameters (GRPO samples from them as they train) are read as the unpipelined stack
         # inside the jitted steps (module docstring)
         self._view = pipeline.to_scanned if model.pipeline is not None else (lambda p: p)
+        if model.pipeline is not None:
+            self.rules = stages_as_batch(self.rules)
         self.allowed = jax.device_put(allowed, NamedSharding(mesh, PartitionSpec()))
         self._compiled: dict[tuple[int, int, int], tuple[Any, Any, Any]] = {}
         self._decode_steps: dict[tuple[int, int], tuple[Any, Any]] = {}
