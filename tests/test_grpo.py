@@ -4,19 +4,22 @@ The loss test reads the rollouts TRL 1.16 scored (tests/fixtures/preference/case
 completions on the qwen3 fixture, the log-probabilities of an older policy, a perturbed reference model) and checks
 that maxshard's step on the same rows gives TRL's loss, KL and clip fraction and every parameter's gradient within
 1e-5 (TRL's `loss_type: grpo` with the plain k3 KL, `use_bias_correction_kl: false`). The CLI test trains a tiny model
-on a task a reward function in a file verifies, from a mean reward below 0.3 to at least 0.8.
+on a task a reward function in a file verifies, from a mean reward below 0.3 to at least 0.8; another samples and
+trains under a pipeline as on one device.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
-from helpers import max_relative_difference
+from helpers import finished, max_relative_difference
 from test_objectives import CASES, LAYOUTS, import_fixtures, start
 
 from maxshard import data, train
@@ -24,6 +27,7 @@ from maxshard.generation import rollouts
 from maxshard.model import trainable
 from maxshard.training.step import mesh_context
 
+REPO = Path(__file__).resolve().parent.parent
 GRPO = CASES["grpo"]
 CASE = GRPO["grpo_k3"]
 LENGTH = 64
@@ -75,17 +79,19 @@ def digits(prompt, completion, record):
 
 
 def grpo_argv(root: Path, *keys: str) -> list[str]:
-    """A tiny byte-level GRPO run under `root`: prompts from JSONL, a reward from a file, `keys` on top."""
+    """A tiny byte-level GRPO run under `root`: prompts from JSONL, a reward from a file, `keys` on top (each
+    replaces the default of its key: the CLI refuses a key given twice)."""
     (root / "reward.py").write_text(REWARD)
     rng = np.random.default_rng(0)
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": "".join(rng.choice(list("abcdef"), 3)) + "="}) + "\n"
                                for _ in range(64)))
-    return ["configs/base.yml", "model_name=tiny", "cpu_device_count=8", "dataset_type=prompts",
+    argv = ["configs/base.yml", "model_name=tiny", "cpu_device_count=8", "dataset_type=prompts",
             f"dataset_path={prompts}", "objective=grpo", f"reward={root / 'reward.py'}:digits", "grpo_group_size=8",
             "grpo_max_new_tokens=4", "grpo_max_prompt_length=8", "max_target_length=16", "override_model_config=true",
             "per_device_batch_size=4", "learning_rate=1e-2", "warmup_steps_fraction=0", "eval_fraction=0",
             f"base_output_directory={root}", "enable_tensorboard=false", *keys]
+    return list({item.split("=")[0]: item for item in argv}.values())  # a key of `keys` replaces the default
 
 
 def logged(run_dir: Path) -> dict[int, dict]:
@@ -162,3 +168,28 @@ def test_with_lora_the_reference_is_the_base_and_the_adapters_learn(imported, tm
     leaves = jax.tree_util.tree_flatten_with_path(lora_grads)[0]
     assert leaves and all(str(path[-1].key) in ("lora_a", "lora_b") for path, _ in leaves)
     assert max(float(np.abs(g).max()) for path, g in leaves if str(path[-1].key) == "lora_b") > 0
+
+
+def test_a_pipeline_samples_and_trains_as_one_device(env, tmp_path):
+    """GRPO under pipeline=2 x fsdp=4 (1f1b): rollouts are sampled from the stage-laid parameters as they train
+    (decode.Engine reads them as the unpipelined stack inside its jitted steps, no copy kept), the rollout policy's
+    and the reference's log-probabilities come from the pipelined forward, the loss from the table runner per
+    pipeline microbatch; three steps through `maxshard.train` log one device's rewards, losses and KL within 1e-5
+    (one device: a subprocess, side by side with the pipelined run in this process)."""
+    keys = ("steps=3", "log_period=1", "enable_checkpointing=false", "grpo_group_size=4")
+    argv = grpo_argv(tmp_path, "run_name=one", *keys, "per_device_batch_size=16", "cpu_device_count=1")
+    one = subprocess.Popen([sys.executable, "-m", "maxshard.train", *argv], cwd=REPO, env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert train.main(grpo_argv(tmp_path, "run_name=piped", *keys, "per_device_batch_size=2",
+                                    "ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4",
+                                    "pipeline_schedule=1f1b")) == 0
+    finally:
+        out = finished([one], timeout=300)[0]
+    assert "mesh: single device" in out, out[:2000]
+    one_device, piped = logged(tmp_path / "one"), logged(tmp_path / "piped")
+    assert sorted(piped) == sorted(one_device) == [1, 2, 3]
+    for step in (1, 2, 3):
+        for key in ("loss", "reward/mean", "kl", "completion_length"):
+            assert piped[step][key] == pytest.approx(one_device[step][key], abs=1e-5), (step, key)
+    assert len({r["loss"] for r in piped.values()}) > 1  # the steps moved the model

@@ -1,7 +1,11 @@
 """Preference objectives against TRL's own numbers (tests/fixtures/preference, made by tools/make_preference_fixtures.py
 with TRL 1.16): on the imported qwen3 fixture, DPO (sigmoid and robust), SimPO and ORPO give TRL's loss, logged
 metrics and gradients w.r.t. every parameter within 1e-5, with the pairs packed into rows as the preference reader
-packs them (several pairs in a row, rows left empty), on one device, fsdp=4 x tensor=2 and context=2 x fsdp=4.
+packs them (several pairs in a row, rows left empty), on one device; and the same on other layouts as on one
+device: fsdp=4 x tensor=2, context=2 x fsdp=4, sequence=2 x fsdp=4 (with 2 accumulation microbatches),
+pipeline=2 x fsdp=4 (circular, and 1f1b: the table runner computes the objective per pipeline microbatch, ORPO's
+batch-wide normaliser from `totals`), and a tiny MoE on synthetic pairs under expert=4 x fsdp=2. Every split of
+the batch (accumulation, pipeline microbatches) is by rows, so a pair is never cut.
 
 TRL's gradients are keyed by Hugging Face names; they are brought into maxshard's layout by the converter itself: a
 copy of the policy's config.json beside the gradients is a Hugging Face checkpoint that `from_hf` imports.
@@ -24,6 +28,7 @@ from test_convert import start_from_converted
 from maxshard import data, generate, train
 from maxshard.checkpoint import manager as checkpoint
 from maxshard.convert import __main__ as convert_cli
+from maxshard.model.layers import pipeline
 from maxshard.objectives import preference
 from maxshard.planning import estimate
 from maxshard.training.step import Trainer, mesh_context
@@ -45,7 +50,13 @@ OBJECTIVES = {
 }
 LAYOUTS = {"one_device": (("ici_fsdp_parallelism=1",), 1),  # name -> (mesh knobs, devices)
            "fsdp4_tensor2": (("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"), 8),
-           "context2_fsdp4": (("ici_fsdp_parallelism=4", "ici_context_parallelism=2"), 8)}
+           "context2_fsdp4": (("ici_fsdp_parallelism=4", "ici_context_parallelism=2"), 8),
+           # and 2 accumulation microbatches (rows 0, 2, 4, 6 and 1, 3, 5, 7: pairs 0, 1 and 2, 3)
+           "sequence2_fsdp4": (("ici_fsdp_parallelism=4", "ici_sequence_parallelism=2",
+                                "gradient_accumulation_steps=2"), 8),
+           "pipeline2_fsdp4": (("ici_fsdp_parallelism=4", "ici_pipeline_parallelism=2"), 8),
+           "pipeline2_fsdp4_1f1b": (("ici_fsdp_parallelism=4", "ici_pipeline_parallelism=2",
+                                     "pipeline_schedule=1f1b"), 8)}
 
 
 def pair_rows() -> dict[str, np.ndarray]:
@@ -110,9 +121,11 @@ def runs(imported, tmp_path_factory) -> Any:
             with mesh_context(trainer.mesh, trainer.rules):
                 grads, sums = jax.jit(trainer._grads)(state.params, batch, None, reference[layout])
                 metrics = jax.jit(trainer.objective.metrics)(sums)
-            pairs = float(sums["weight_sum"])
+            pairs, grads = float(sums["weight_sum"]), jax.device_get(grads)
+            if trainer.cfg.model.pipeline is not None:  # [repeats, stages, layers per stage, ...] -> [layers, ...]
+                grads = pipeline.to_scanned(grads)
             cache[case, layout] = (float(sums["loss_sum"]) / pairs, jax.device_get(metrics),
-                                    jax.tree.map(lambda g: np.asarray(g) / pairs, jax.device_get(grads)))
+                                    jax.tree.map(lambda g: np.asarray(g) / pairs, grads))
         return cache[case, layout]
 
     return run
@@ -138,7 +151,9 @@ def test_loss_metrics_and_gradients_equal_trl(runs, imported, tmp_path, case):
 
 
 @pytest.mark.parametrize(("case", "layout"), [("dpo", "fsdp4_tensor2"), ("orpo", "fsdp4_tensor2"),
-                                              ("dpo", "context2_fsdp4")])
+                                              ("dpo", "context2_fsdp4"), ("dpo", "sequence2_fsdp4"),
+                                              ("orpo", "pipeline2_fsdp4"),
+                                              ("dpo", "pipeline2_fsdp4_1f1b"), ("orpo", "pipeline2_fsdp4_1f1b")])
 def test_layouts_equal_one_device(runs, case, layout):
     loss, metrics, grads = runs(case, layout)
     one_loss, one_metrics, one_grads = runs(case, "one_device")
@@ -146,6 +161,33 @@ def test_layouts_equal_one_device(runs, case, layout):
     assert max_relative_difference(grads, one_grads) < 1e-5
     for name, value in one_metrics.items():
         assert float(metrics[name]) == pytest.approx(float(value), abs=1e-5), name
+
+
+# A tiny MoE (top-2 of 8 experts, dropless: the same function under any expert layout) on synthetic pairs
+MOE = ("num_experts=8", "num_experts_per_tok=2", "moe_layer_interval=2", "capacity_factor=-1", "objective=simpo",
+       "simpo_beta=2.0", "simpo_gamma=0.5")
+
+
+def test_simpo_on_a_moe_under_expert_parallelism_equals_one_device():
+    """expert=4 x fsdp=2: SimPO's loss, its sums (rewards, log-probabilities, pairs) with the router's losses, and
+    every gradient equal one device's on the same parameters and batch of synthetic pairs."""
+    results = []
+    for knobs, devices in ((("ici_fsdp_parallelism=1",), 1),
+                           (("ici_expert_parallelism=4", "ici_fsdp_parallelism=2"), 8)):
+        cfg = tiny_config(*MOE, *knobs, num_devices=devices)
+        trainer = Trainer(cfg, mesh_for(cfg))
+        if not results:
+            params = jax.device_get(trainer.init_state().params)
+            host = jax.device_get(next(data.make_input(cfg, trainer.mesh)))
+        batch = jax.device_put(host, trainer.batch_shardings(data.batch_sharding(cfg, trainer.mesh)))
+        with mesh_context(trainer.mesh, trainer.rules):
+            results.append(jax.device_get(jax.jit(trainer._grads)(
+                jax.device_put(params, trainer.state_shardings.params), batch)))
+    (one_grads, one_sums), (grads, sums) = results
+    assert float(one_sums["weight_sum"]) > 8 and float(one_sums["moe_lb_loss"]) > 0
+    for name, value in one_sums.items():
+        np.testing.assert_allclose(sums[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+    assert max_relative_difference(grads, one_grads) < 1e-5
 
 
 def test_pairs_are_found_from_segments_alone():

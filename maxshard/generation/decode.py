@@ -24,6 +24,17 @@ gather the rows the other processes' devices hold, so every process returns the 
 
 MoE models route dropless here (`decode_model`): with capacity-based dropping a token's output would depend on
 which other tokens share its sequence in this call, so a cached decode could not match the full forward pass.
+
+Pipelined parameters. Generation runs the model unpipelined, but GRPO samples on the training mesh from the train
+state itself, whose main stack a pipeline keeps as [repeats, stages, layers per stage, ...] split over `stage`.
+The engine takes those arrays as they are and reshapes them to the scanned [layers, ...] inside its jitted steps
+(`pipeline.to_scanned`: the same weights, layer r*S*L + s*L + l at [r, s, l]), so the unpipelined stack runs
+layer after layer through the stages' weights and no second copy is kept. The cache and the activations split
+their batch over `stage` as well (`stages_as_batch`): a cache split by layers would be gathered whole across the
+stages in every step, since the layer scan slices it at a step-dependent layer. What remains is the weights': the
+scan gathers the stack across the stages inside each step (per device, transiently, `stage` times its share of
+the stack; benchmarks/README.md). A decode that passed activations from stage to stage would not; it is a larger
+piece (a cache per stage, a schedule of one-token microbatches).
 """
 
 from __future__ import annotations
@@ -43,7 +54,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from maxshard.data.tokenizer import MAX_STOP_IDS
 from maxshard.generation.sampling import Sampling, sample
 from maxshard.model.config import ModelConfig
-from maxshard.model.layers import kv_cache
+from maxshard.model.layers import kv_cache, pipeline
 from maxshard.model.transformer import Transformer, abstract_cache
 from maxshard.parallel import axis_names as ax
 from maxshard.parallel import sharding
@@ -58,8 +69,9 @@ _PAD_STOPS = jax.ShapeDtypeStruct((1 + MAX_STOP_IDS,), jnp.int32)  # PAD, then t
 
 
 def decode_model(model: ModelConfig) -> ModelConfig:
-    """The model as generation runs it: no remat (no backward pass), no pipeline, MoE routing dropless, and a
-    ragged exchange with its worst-case buffer (`moe_ragged_buffer_factor` 0), which no routing overflows."""
+    """The model as generation runs it: no remat (no backward pass), no pipeline (pipelined parameters are read as
+    the scanned stack: module docstring), MoE routing dropless, and a ragged exchange with its worst-case buffer
+    (`moe_ragged_buffer_factor` 0), which no routing overflows."""
     capacity = 0.0 if model.is_moe else model.capacity_factor
     return dataclasses.replace(model, remat_policy="none", pipeline=None, capacity_factor=capacity,
                                moe_ragged_buffer_factor=0.0)
@@ -98,6 +110,24 @@ def whole_stream(rules: sharding.FlaxRules) -> sharding.FlaxRules:
     return tuple((name, length if name == ax.NORM_LENGTH else axes) for name, axes in rules)
 
 
+def stages_as_batch(rules: sharding.FlaxRules) -> sharding.FlaxRules:
+    """`rules` for sampling from a pipelined model on its training mesh (module docstring): the mesh axes that split
+    the layer stack (`stage`) split the batch of the cache and of the activations instead, and the cache keeps its
+    layers whole, so the step's layer scan reads its cache where it lies."""
+    stage = dict(rules).get(ax.LAYERS)
+    if not stage:
+        return rules
+    stage_axes = (stage,) if isinstance(stage, str) else tuple(stage)
+    out = []
+    for name, axes in rules:
+        if name == ax.LAYERS:
+            axes = None
+        elif name in (ax.CACHE_BATCH, ax.BATCH, ax.BATCH_NO_EXP):
+            axes = (*stage_axes, *(() if axes is None else (axes,) if isinstance(axes, str) else axes))
+        out.append((name, axes))
+    return tuple(out)
+
+
 class Engine:
     """A model's jitted prefill and decode steps on a mesh, the prefill compiled once per (batch, prompt length,
     cache length), the decode step once per (batch, cache length); the sampling parameters and the seed are
@@ -107,6 +137,11 @@ class Engine:
                  ) -> None:
         self.cfg, self.mesh, self.rules, self.params = decode_model(model), mesh, whole_stream(rules), params
         self.model = Transformer(self.cfg)
+        # A pipelined model's parameters (GRPO samples from them as they train) are read as the unpipelined stack
+        # inside the jitted steps (module docstring)
+        self._view = pipeline.to_scanned if model.pipeline is not None else (lambda p: p)
+        if model.pipeline is not None:
+            self.rules = stages_as_batch(self.rules)
         self.allowed = jax.device_put(allowed, NamedSharding(mesh, PartitionSpec()))
         self._compiled: dict[tuple[int, int, int], tuple[Any, Any, Any]] = {}
         self._decode_steps: dict[tuple[int, int], tuple[Any, Any]] = {}
@@ -117,8 +152,8 @@ class Engine:
     def _apply(self, params: Any, cache: Any, tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, Any]:
         """tokens, positions [batch, T] -> (logits [batch, T, vocab], the cache with this call's k/v written)."""
         segments = jnp.ones_like(tokens)
-        logits, state = self.model.apply({"params": params, kv_cache.COLLECTION: cache}, tokens, segments, positions,
-                                         mutable=[kv_cache.COLLECTION])
+        variables = {"params": self._view(params), kv_cache.COLLECTION: cache}
+        logits, state = self.model.apply(variables, tokens, segments, positions, mutable=[kv_cache.COLLECTION])
         return logits, state[kv_cache.COLLECTION]
 
     def _prefill(self, params: Any, cache: Any, prompts: jax.Array, lengths: jax.Array, key: jax.Array,
@@ -148,7 +183,7 @@ class Engine:
     def abstract_cache(self, batch: int, length: int) -> Any:
         """The boxed cache of `batch` sequences of `length` slots (shapes and logical names, nothing allocated)."""
         with mesh_context(self.mesh, self.rules):
-            return abstract_cache(self.cfg, self.params, batch, length)
+            return abstract_cache(self.cfg, jax.eval_shape(self._view, self.params), batch, length)
 
     def _layout(self, batch: int, cache_length: int) -> tuple[Any, Any, Any]:
         """(cache shardings, cache shapes, the shardings of a step's outputs) for this shape."""

@@ -49,9 +49,6 @@ def check(cfg: Config) -> None:
     if longest > cfg.max_target_length + 1:
         raise ConfigError(f"grpo_max_prompt_length + grpo_max_new_tokens = {longest} tokens do not fit a row of "
                           f"max_target_length={cfg.max_target_length} (at most max_target_length + 1)")
-    if cfg.model.pipeline is not None:
-        raise ConfigError("objective=grpo samples with the training parameters, which a pipeline lays out by stage: "
-                          "set ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1")
 
 
 def advantages(scores: np.ndarray, group: int) -> np.ndarray:
