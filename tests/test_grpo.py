@@ -162,3 +162,40 @@ def test_with_lora_the_reference_is_the_base_and_the_adapters_learn(imported, tm
     leaves = jax.tree_util.tree_flatten_with_path(lora_grads)[0]
     assert leaves and all(str(path[-1].key) in ("lora_a", "lora_b") for path, _ in leaves)
     assert max(float(np.abs(g).max()) for path, g in leaves if str(path[-1].key) == "lora_b") > 0
+
+
+
+
+def test_each_grpo_loss_type_equals_trl_s(imported, tmp_path):
+    """grpo_loss_type dapo and dr_grpo (TRL's loss_type of the name, with the plain k3 KL): the run's objective, on
+    the fixture's rollouts, gives TRL's loss within 1e-5; KL and completion length do not depend on the type. (The
+    per-token terms and their gradients are the `grpo` type's, checked against TRL's above.)"""
+    from helpers import tiny_config
+
+    from maxshard import objectives
+
+    trainer, state = start(imported, tmp_path, "policy", *KEYS)
+    reference = start(imported, tmp_path, "reference")[1].params
+    batch = jax.device_put(fixture_rows(), trainer.batch_shardings(data.batch_sharding(trainer.cfg, trainer.mesh)))
+    types = {}
+    for case in ("dapo_k3", "dr_grpo_k3"):
+        want = GRPO[case]
+        assert want["config"]["loss_type"] == case[:-3] and want["config"]["use_bias_correction_kl"] is False
+        cfg = tiny_config(*KEYS[:4], "dataset_type=prompts", f"grpo_loss_type={case[:-3]}",
+                          f"grpo_max_new_tokens={want['config']['max_completion_length']}")
+        types[case] = objectives.of(cfg)
+
+    def sums_of_each(params, batch, reference):
+        logps, ref = trainer._token_logps(params, batch)[0], trainer._token_logps(reference, batch)[0]
+        return {case: objective.sums(logps, batch, {}, ref)[1] for case, objective in types.items()}
+
+    with mesh_context(trainer.mesh, trainer.rules):
+        got = jax.device_get(jax.jit(sums_of_each)(state.params, batch, reference))
+    for case, sums in got.items():
+        assert float(sums["loss_sum"]) / float(sums["weight_sum"]) == pytest.approx(GRPO[case]["loss"], abs=1e-5)
+        assert GRPO[case]["loss"] != pytest.approx(CASE["loss"], abs=1e-3)  # the normalisation matters here
+        metrics = types[case].metrics(sums)
+        assert float(metrics["kl"]) == pytest.approx(GRPO[case]["metrics"]["kl"], rel=1e-5)
+        assert float(metrics["completion_length"]) == pytest.approx(CASE["num_items_in_batch"] / 8)
+    assert float(got["dapo_k3"]["weight_sum"]) == CASE["num_items_in_batch"]
+    assert float(got["dr_grpo_k3"]["weight_sum"]) == 8
