@@ -108,17 +108,22 @@ def imported(tmp_path_factory):
 
 
 def test_a_resumed_grpo_run_samples_and_trains_as_the_uninterrupted_one(tmp_path):
-    """Checkpoint at step 3 of 6, resume from it: the same prompts, sampling keys and reference give steps 4-6 the
-    uninterrupted run's rewards and losses."""
-    keys = ("steps=6", "log_period=1", "checkpoint_period=3", "async_checkpointing=false")
+    """Two updates per rollout, checkpoint at step 3 of 6, inside the second rollout's updates: the checkpoint keeps
+    that rollout's batch (sampled from parameters it no longer holds), so step 4 trains on the very rows and the
+    same prompts, sampling keys and reference give steps 5-6 (a fresh rollout) the uninterrupted run's rewards and
+    losses, bit for bit."""
+    keys = ("steps=6", "log_period=1", "checkpoint_period=3", "async_checkpointing=false",
+            "grpo_updates_per_rollout=2")
     assert train.main(grpo_argv(tmp_path, "run_name=straight", *keys)) == 0
+    saved = tmp_path / "straight" / "checkpoints"
+    assert (saved / "3" / "batch").is_dir() and not (saved / "6" / "batch").exists()  # kept only inside a rollout
     (tmp_path / "resumed" / "checkpoints").mkdir(parents=True)
-    shutil.copytree(tmp_path / "straight" / "checkpoints" / "3", tmp_path / "resumed" / "checkpoints" / "3")
+    shutil.copytree(saved / "3", tmp_path / "resumed" / "checkpoints" / "3")
     assert train.main(grpo_argv(tmp_path, "run_name=resumed", *keys)) == 0
     straight, resumed = logged(tmp_path / "straight"), logged(tmp_path / "resumed")
     assert sorted(resumed) == [4, 5, 6]
     for step in (4, 5, 6):
-        for key in ("loss", "reward/mean", "kl", "grad_norm"):
+        for key in ("loss", "reward/mean", "kl", "clip_fraction", "grad_norm"):
             assert resumed[step][key] == straight[step][key], (step, key)
 
 
@@ -199,3 +204,17 @@ def test_each_grpo_loss_type_equals_trl_s(imported, tmp_path):
         assert float(metrics["completion_length"]) == pytest.approx(CASE["num_items_in_batch"] / 8)
     assert float(got["dapo_k3"]["weight_sum"]) == CASE["num_items_in_batch"]
     assert float(got["dr_grpo_k3"]["weight_sum"]) == 8
+
+
+def test_local_checkpoints_refuse_a_rollout_batch_they_cannot_keep(tmp_path):
+    """The emergency tiers keep the state and the data position only: GRPO with several updates per rollout, whose
+    checkpoint inside a rollout needs its batch, is refused there in one line before anything is built."""
+    from helpers import tiny_config
+
+    from maxshard.checkpoint import emergency
+    from maxshard.errors import ConfigError
+
+    cfg = tiny_config("objective=grpo", "dataset_type=prompts", "grpo_updates_per_rollout=2",
+                      f"checkpoint_local_dir={tmp_path}")
+    with pytest.raises(ConfigError, match="grpo_updates_per_rollout"):
+        emergency.open_checkpoints(cfg, trainer=None)
