@@ -1,9 +1,9 @@
 """Prompts for GRPO (`dataset_type: prompts`): records the training loop samples completions from and the reward
 scores, read by `make_prompts` (not `make_input`: GRPO's rows are made from its own samples, not from documents).
 
-A record is a JSON object (JSONL, plain, .gz or .zst) or a row of a Hugging Face dataset (map-style or streamed), holding
-`prompt` (text) or `messages` (a conversation ending with a user turn), and any other fields (an expected answer, an
-id, test cases), all kept in `Prompt.record` for the reward. A prompt becomes the ids generation starts from:
+A record is a JSON object (JSONL, plain, .gz or .zst) or a row of a Hugging Face dataset (map-style or streamed),
+holding `prompt` (text) or `messages` (a conversation ending with a user turn), and any other fields (an expected
+answer, an id, test cases), all kept in `Prompt.record` for the reward. A prompt becomes the ids generation starts from:
 
     text       `tokenizer.encode_prompt(prompt)`, as `maxshard.generate` encodes a prompt (BOS where the tokenizer
                adds one)
