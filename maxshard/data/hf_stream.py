@@ -29,7 +29,6 @@ indices are kept here through the stream itself, with the `datasets` library doi
   not JSON at all is not a record to `datasets`: it fails the file, a one-line ConfigError.) A stream cannot
   tell in advance that it holds no usable document, so an epoch (of this process's share) that ends without one is
   a ConfigError here: an empty split, a process without documents or a wrong `text_field` never loop forever.
-
 - Records, not text (`dataset_type: preference` and `prompts`): the source's reader gives `whole`, which turns a
   row into its record (or BadRecord), and the pipeline may give `encode`, which turns the record into what the
   stream yields (a preference pair's example, a prompt's ids), so "usable" above means usable after encoding: a
