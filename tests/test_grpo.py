@@ -114,17 +114,22 @@ def imported(tmp_path_factory):
 
 
 def test_a_resumed_grpo_run_samples_and_trains_as_the_uninterrupted_one(tmp_path):
-    """Checkpoint at step 3 of 6, resume from it: the same prompts, sampling keys and reference give steps 4-6 the
-    uninterrupted run's rewards and losses."""
-    keys = ("steps=6", "log_period=1", "checkpoint_period=3", "async_checkpointing=false")
+    """Two updates per rollout, checkpoint at step 3 of 6, inside the second rollout's updates: the checkpoint keeps
+    that rollout's batch (sampled from parameters it no longer holds), so step 4 trains on the very rows and the
+    same prompts, sampling keys and reference give steps 5-6 (a fresh rollout) the uninterrupted run's rewards and
+    losses, bit for bit."""
+    keys = ("steps=6", "log_period=1", "checkpoint_period=3", "async_checkpointing=false",
+            "grpo_updates_per_rollout=2")
     assert train.main(grpo_argv(tmp_path, "run_name=straight", *keys)) == 0
+    saved = tmp_path / "straight" / "checkpoints"
+    assert (saved / "3" / "batch").is_dir() and not (saved / "6" / "batch").exists()  # kept only inside a rollout
     (tmp_path / "resumed" / "checkpoints").mkdir(parents=True)
-    shutil.copytree(tmp_path / "straight" / "checkpoints" / "3", tmp_path / "resumed" / "checkpoints" / "3")
+    shutil.copytree(saved / "3", tmp_path / "resumed" / "checkpoints" / "3")
     assert train.main(grpo_argv(tmp_path, "run_name=resumed", *keys)) == 0
     straight, resumed = logged(tmp_path / "straight"), logged(tmp_path / "resumed")
     assert sorted(resumed) == [4, 5, 6]
     for step in (4, 5, 6):
-        for key in ("loss", "reward/mean", "kl", "grad_norm"):
+        for key in ("loss", "reward/mean", "kl", "clip_fraction", "grad_norm"):
             assert resumed[step][key] == straight[step][key], (step, key)
 
 
@@ -193,3 +198,52 @@ def test_a_pipeline_samples_and_trains_as_one_device(env, tmp_path):
         for key in ("loss", "reward/mean", "kl", "completion_length"):
             assert piped[step][key] == pytest.approx(one_device[step][key], abs=1e-5), (step, key)
     assert len({r["loss"] for r in piped.values()}) > 1  # the steps moved the model
+
+
+def test_each_grpo_loss_type_equals_trl_s(imported, tmp_path):
+    """grpo_loss_type dapo and dr_grpo (TRL's loss_type of the name, with the plain k3 KL): the run's objective, on
+    the fixture's rollouts, gives TRL's loss within 1e-5; KL and completion length do not depend on the type. (The
+    per-token terms and their gradients are the `grpo` type's, checked against TRL's above.)"""
+    from helpers import tiny_config
+
+    from maxshard import objectives
+
+    trainer, state = start(imported, tmp_path, "policy", *KEYS)
+    reference = start(imported, tmp_path, "reference")[1].params
+    batch = jax.device_put(fixture_rows(), trainer.batch_shardings(data.batch_sharding(trainer.cfg, trainer.mesh)))
+    types = {}
+    for case in ("dapo_k3", "dr_grpo_k3"):
+        want = GRPO[case]
+        assert want["config"]["loss_type"] == case[:-3] and want["config"]["use_bias_correction_kl"] is False
+        cfg = tiny_config(*KEYS[:4], "dataset_type=prompts", f"grpo_loss_type={case[:-3]}",
+                          f"grpo_max_new_tokens={want['config']['max_completion_length']}")
+        types[case] = objectives.of(cfg)
+
+    def sums_of_each(params, batch, reference):
+        logps, ref = trainer._token_logps(params, batch)[0], trainer._token_logps(reference, batch)[0]
+        return {case: objective.sums(logps, batch, {}, ref)[1] for case, objective in types.items()}
+
+    with mesh_context(trainer.mesh, trainer.rules):
+        got = jax.device_get(jax.jit(sums_of_each)(state.params, batch, reference))
+    for case, sums in got.items():
+        assert float(sums["loss_sum"]) / float(sums["weight_sum"]) == pytest.approx(GRPO[case]["loss"], abs=1e-5)
+        assert GRPO[case]["loss"] != pytest.approx(CASE["loss"], abs=1e-3)  # the normalisation matters here
+        metrics = types[case].metrics(sums)
+        assert float(metrics["kl"]) == pytest.approx(GRPO[case]["metrics"]["kl"], rel=1e-5)
+        assert float(metrics["completion_length"]) == pytest.approx(CASE["num_items_in_batch"] / 8)
+    assert float(got["dapo_k3"]["weight_sum"]) == CASE["num_items_in_batch"]
+    assert float(got["dr_grpo_k3"]["weight_sum"]) == 8
+
+
+def test_local_checkpoints_refuse_a_rollout_batch_they_cannot_keep(tmp_path):
+    """The emergency tiers keep the state and the data position only: GRPO with several updates per rollout, whose
+    checkpoint inside a rollout needs its batch, is refused there in one line before anything is built."""
+    from helpers import tiny_config
+
+    from maxshard.checkpoint import emergency
+    from maxshard.errors import ConfigError
+
+    cfg = tiny_config("objective=grpo", "dataset_type=prompts", "grpo_updates_per_rollout=2",
+                      f"checkpoint_local_dir={tmp_path}")
+    with pytest.raises(ConfigError, match="grpo_updates_per_rollout"):
+        emergency.open_checkpoints(cfg, trainer=None)

@@ -294,3 +294,47 @@ def test_halves_are_trl_dpo_ids():
                 tokens = [*example["inputs"][mine].tolist(), int(example["targets"][mine][-1])]
                 assert tokens == trl["prompt_ids"] + completion, (record, half_id)
                 assert example["targets"][mine][example[WEIGHT][mine] > 0].tolist() == completion
+
+
+# --------------------------------------------------------------------------------------------- streamed
+
+
+def test_streamed_hf_pairs_split_shuffle_count_and_resume_exactly(tmp_path, monkeypatch):
+    """Parquet files read as a stream (`hf_streaming=always`: `load_dataset(..., streaming=True)`, the code path of
+    a hub name, offline): every row holds whole pairs of the records, train and eval (a hash of each record) do not
+    share one, a null and a too-long pair are skipped and counted, and a state taken mid-stream resumes with the
+    uninterrupted run's batches; a stream whose every pair is too long is one ConfigError, not an endless search."""
+    import datasets
+
+    from maxshard.data import hf_stream
+
+    monkeypatch.setattr(hf_stream, "SHUFFLE_WINDOW", 7)  # several windows in 40 records
+    records = text_records(40)
+    bad = [{"prompt": "p", "chosen": "c", "rejected": None}, {"prompt": "x" * 40, "chosen": "y", "rejected": "z"}]
+    (tmp_path / "pairs").mkdir()
+    datasets.Dataset.from_list(records[:20] + bad).to_parquet(str(tmp_path / "pairs" / "a.parquet"))
+    datasets.Dataset.from_list(records[20:]).to_parquet(str(tmp_path / "pairs" / "b.parquet"))
+    files, keys = f"{tmp_path}/pairs/*.parquet", ("hf_streaming=always", "eval_fraction=0.25")
+    cfg = pref_cfg(files, *keys)
+    expected = {expected_pair(r) for r in records}
+
+    def seen(batches):
+        return {p for b in batches for row in range(b["inputs"].shape[0])
+                for p in pairs_of({k: v[row] for k, v in b.items()})}
+
+    it = make_input(cfg, mesh_lib.build(cfg))
+    first = take(it, 1)
+    state = json.loads(json.dumps(it.get_state()))
+    after = take(it, 3)
+    train = seen(first + after)
+    assert train <= expected and len(train) > 20
+    assert it.stats()["data/skipped_records"] >= 2  # over an epoch of the train split
+    resumed = make_input(cfg, mesh_lib.build(cfg))
+    resumed.set_state(state)
+    assert_same(take(resumed, 3), after)
+    evaluation = seen(take(make_input(cfg, mesh_lib.build(cfg), "eval"), 2))
+    assert evaluation and evaluation <= expected and not evaluation & train
+    other = take(make_input(pref_cfg(files, *keys, "data_shuffle_seed=9"), mesh_lib.build(cfg)), 1)
+    assert seen(other) != seen(first)  # the window shuffle follows the seed
+    with pytest.raises(ConfigError, match="held no usable document"):
+        take(make_input(pref_cfg(files, *keys, "max_target_length=8"), mesh_lib.build(cfg)), 1)

@@ -217,6 +217,46 @@ def test_eval_split_differs_from_train(tmp_path):
     assert [p.record["id"] for p in make_prompts(cfg, "eval", 64).next_prompts(40)] == eval_
 
 
+def test_a_streamed_hf_source_splits_encodes_skips_and_resumes_exactly(tmp_path, monkeypatch):
+    """Parquet files read as a stream (`hf_streaming=always`: `load_dataset(..., streaming=True)`, offline): the
+    prompts are the JSONL reader's (same ids, every field kept), train and eval (a hash of each record) partition
+    the records, train follows the seed's window shuffle, a null and a too-long prompt are skipped and counted, a
+    state taken mid-window (through JSON) resumes exactly; a stream of only too-long prompts is one ConfigError."""
+    import datasets
+
+    from maxshard.data import hf_stream
+
+    monkeypatch.setattr(hf_stream, "SHUFFLE_WINDOW", 7)
+    data = records(30)
+    bad = [{"prompt": None, "answer": "x", "id": 98}, {"prompt": "x" * 80, "answer": "y", "id": 99}]
+    (tmp_path / "p").mkdir()
+    datasets.Dataset.from_list(data[:15] + bad).to_parquet(str(tmp_path / "p" / "a.parquet"))
+    datasets.Dataset.from_list(data[15:]).to_parquet(str(tmp_path / "p" / "b.parquet"))
+    cfg = prompts_cfg(f"{tmp_path}/p/*.parquet", "hf_streaming=always", "eval_fraction=0.3")
+    by_id = {p.record["id"]: p for p in make_prompts(prompts_cfg(write_jsonl(tmp_path / "p.jsonl", data)), "train",
+                                                      64).next_prompts(30)}
+    it = make_prompts(cfg, "train", 64)
+    assert isinstance(it, prompts.StreamedPromptIterator)
+    first = it.next_prompts(5)
+    state = json.loads(json.dumps(it.get_state()))
+    after = it.next_prompts(40)  # over an epoch of the train split
+    assert all(p.ids == by_id[p.record["id"]].ids and p.record == by_id[p.record["id"]].record for p in first + after)
+    train = {p.record["id"] for p in first + after}
+    eval_ = {p.record["id"] for p in make_prompts(cfg, "eval", 64).next_prompts(20)}
+    assert train and eval_ and not train & eval_ and train | eval_ == set(range(30))
+    assert [p.record["id"] for p in first] != sorted(p.record["id"] for p in first)  # shuffled in windows
+    assert it.stats()["data/skipped_records"] >= 1 and it.stats()["data/prompts"] == 45
+    resumed = make_prompts(cfg, "train", 64)
+    resumed.set_state(state)
+    assert resumed.next_prompts(40) == after and resumed.stats() == it.stats()
+    reseeded = make_prompts(dataclasses.replace(cfg, data_shuffle_seed=7), "train", 64)
+    assert [p.record["id"] for p in reseeded.next_prompts(5)] != [p.record["id"] for p in first]
+    with pytest.raises(ConfigError, match="^cannot resume the prompts"):
+        reseeded.set_state(state)
+    with pytest.raises(ConfigError, match="held no usable document"):
+        make_prompts(cfg, "train", 2).next_prompts(1)
+
+
 # --------------------------------------------------------------------------------------------- rewards
 
 

@@ -30,7 +30,9 @@ builds the batch, and `trainer.compute_loss` gives the loss (then `loss.backward
               _generate_and_score_completions score the rollouts with the model as it is then, which holds the old
               weights for that call). Three losses: "dapo" (TRL 1.16's default loss_type), "grpo", both with TRL
               1.16's default use_bias_correction_kl=True (the k3 KL multiplied by the policy/old ratio), and
-              "grpo_k3": loss_type "grpo" with use_bias_correction_kl=False, the GRPO paper's plain k3 term.
+              "grpo_k3": loss_type "grpo" with use_bias_correction_kl=False, the GRPO paper's plain k3 term; and
+              with that plain k3 term the other normalisations maxshard offers (`grpo_loss_type`): "dapo_k3" and
+              "dr_grpo_k3" (max_completion_length 64 divides it), their losses and metrics only.
 
 See tests/fixtures/preference/README.md for the file format and each loss's exact convention.
 """
@@ -412,11 +414,13 @@ def main() -> None:
     grpo = {}
     rollouts = None
     # TRL 1.16's defaults (loss_type "dapo", use_bias_correction_kl True), "grpo" with them, and "grpo" with the plain
-    # k3 KL of the GRPO paper
+    # k3 KL of the GRPO paper; then with that k3 term the normalisations of TRL's "dapo" and "dr_grpo" loss types
     for name, loss_type, bias_corrected_kl in (("dapo", "dapo", True), ("grpo", "grpo", True),
-                                               ("grpo_k3", "grpo", False)):
-        grpo[name], all_grads[f"grpo_{name}"], r = grpo_case(loss_type, bias_corrected_kl, reference_weights,
-                                                             old_weights)
+                                               ("grpo_k3", "grpo", False), ("dapo_k3", "dapo", False),
+                                               ("dr_grpo_k3", "dr_grpo", False)):
+        grpo[name], g, r = grpo_case(loss_type, bias_corrected_kl, reference_weights, old_weights)
+        if not name.endswith("_k3") or name == "grpo_k3":  # the others' are grpo_k3's per-token ones weighted
+            all_grads[f"grpo_{name}"] = g                     # otherwise: not worth 280 KiB each
         assert rollouts is None or r == rollouts
         rollouts = r
     conversational = chat_ids(load_policy(), ref_model())

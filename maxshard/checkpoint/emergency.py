@@ -31,7 +31,8 @@ What this module adds around orbax's manager, and why:
 Limits (honest): the persistent steps are written in orbax's single-item layout (`<step>/default`), not as
 state/data/config items, so the tools that read `checkpoint_dir` steps (generate, convert, elastic resume on other
 device counts) do not read them; damaged steps are not set aside as in `manager.py` (orbax's restore raises); one
-slice (no replica to hold a copy) is refused rather than silently writing persistent checkpoints only.
+slice (no replica to hold a copy) is refused rather than silently writing persistent checkpoints only; so is GRPO
+with `grpo_updates_per_rollout` > 1, whose rollout batch (manager.py's `batch` item) these tiers do not keep.
 """
 
 from __future__ import annotations
@@ -72,6 +73,10 @@ def open_checkpoints(cfg: Config, trainer: Trainer) -> checkpoint_manager.Checkp
         if "://" in cfg.checkpoint_local_dir:
             raise ConfigError(f"checkpoint_local_dir={cfg.checkpoint_local_dir} must be a path on each host (a RAM "
                               "disk, a local SSD), not a URL: persistent storage is checkpoint_dir's")
+        if cfg.objective == "grpo" and cfg.grpo_updates_per_rollout > 1:
+            raise ConfigError("checkpoint_local_dir keeps the train state and the data position only, not the rollout "
+                              "batch a step inside grpo_updates_per_rollout > 1 trains on again: set "
+                              "grpo_updates_per_rollout=1, or leave checkpoint_local_dir empty")
         return EmergencyCheckpoints(cfg, trainer)
     return checkpoint_manager.Checkpoints(cfg, trainer)
 

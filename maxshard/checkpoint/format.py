@@ -2,7 +2,9 @@
 
 A step directory `<checkpoint_dir>/<step>/` has three orbax items: `state` (the train state, or a LoRA run's
 adapters and their moments), `data` (every process's input position) and `config` (the run's Config as JSON, so
-generation, conversion and an elastic resume read the model keys and the layout that trained it). The trainer,
+generation, conversion and an elastic resume read the model keys and the layout that trained it). A fourth, `batch`,
+is there only when the next step trains on the batch the last one did (GRPO between the updates of one rollout):
+that batch's arrays, sharded as the train batch, since nothing else could make it again. The trainer,
 the converter (`from_hf` writes a step of its own) and every reader go through here, so the names and the JSON
 form cannot drift apart.
 """
@@ -17,11 +19,12 @@ from etils import epath
 
 from maxshard.errors import ConfigError
 
-__all__ = ["STATE", "DATA", "CONFIG", "ITEMS", "config_json", "write_config", "saved_config", "read_config",
+__all__ = ["STATE", "DATA", "CONFIG", "BATCH", "ITEMS", "config_json", "write_config", "saved_config", "read_config",
            "read_config_or_none", "whole_model_under"]
 
 STATE, DATA, CONFIG = "state", "data", "config"
 ITEMS = (STATE, DATA, CONFIG)
+BATCH = "batch"  # optional item; also the input state's key that holds it (manager.py)
 
 
 def config_json(cfg: Any) -> dict[str, Any]:

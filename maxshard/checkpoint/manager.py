@@ -6,9 +6,15 @@ A checkpoint is `checkpoint_dir/<step>/` with three orbax items:
             LoRA only the adapters (`saved_part`); the frozen base is read from `load_parameters_path` each start
     data    the input iterator state of every process, {"process_<i>": state} (JSON): the batch stream resumes exactly
     config  the Config that wrote it (JSON), for people and tools; never read back
+    batch   only when the input hands one over: the batch the next step trains on again (GRPO between the updates
+            of one rollout: sampled from parameters no checkpoint keeps), as sharded arrays
 
 There is no other random state: parameters are initialised from `seed` once, the train step draws no randomness,
 and the data order lives in the iterator state.
+
+An input's state is JSON, except under the key `batch` (checkpoint_format.BATCH): a {field: jax.Array} batch that
+is saved as its own item, each process writing its shards (JSON would hold the whole batch on every process, and
+gather it), and restored onto this run's batch sharding, then handed back under the same key.
 
 Why it is shaped this way:
 - Orbax writes a step into `<step>.orbax-checkpoint-tmp-*` and renames it when every item is written (on GCS a
@@ -44,6 +50,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
+from maxshard import data as input_data
 from maxshard.checkpoint import format as checkpoint_format
 from maxshard.checkpoint import layout as checkpoint_layout
 from maxshard.checkpoint.health import (CheckpointError, Damaged, Outcome, QuietBackground, SaveFailed, agree,
@@ -157,7 +164,8 @@ def _manager(cfg: Config) -> ocp.CheckpointManager:
     # Handlers named up front: without them a fresh manager cannot read an item's metadata before its first save.
     handlers = {checkpoint_format.STATE: ocp.StandardCheckpointHandler(),
                 checkpoint_format.DATA: ocp.JsonCheckpointHandler(),
-                checkpoint_format.CONFIG: ocp.JsonCheckpointHandler()}
+                checkpoint_format.CONFIG: ocp.JsonCheckpointHandler(),
+                checkpoint_format.BATCH: ocp.StandardCheckpointHandler()}
     return ocp.CheckpointManager(epath.Path(cfg.checkpoint_dir), item_handlers=handlers, options=options)
 
 
@@ -265,8 +273,24 @@ class Checkpoints:
         check_matches(saved, target, where)
         check_same_base(self.cfg, step_dir)
         state = restore(step_dir / checkpoint_format.STATE, target, saved)
-        data = ocp.JsonCheckpointHandler().restore(step_dir / checkpoint_format.DATA)
-        return jax.block_until_ready(state), this_process(data, f"checkpoint step {step}")
+        data = this_process(ocp.JsonCheckpointHandler().restore(step_dir / checkpoint_format.DATA),
+                            f"checkpoint step {step}")
+        if (step_dir / checkpoint_format.BATCH).exists():
+            data = {**data, checkpoint_format.BATCH: self._read_batch(step_dir / checkpoint_format.BATCH)}
+        return jax.block_until_ready(state), data
+
+    def _read_batch(self, item: epath.Path) -> dict[str, jax.Array] | None:
+        """The saved batch laid out as this run's train batch (any mesh); None when its rows are not this run's
+        batch shape (an elastic restart that changed the global batch): the input makes a new one."""
+        saved = ocp.PyTreeCheckpointHandler().metadata(item).tree
+        if not saved:
+            raise Damaged("the batch metadata is empty")
+        shape = (self.cfg.global_batch_size, self.cfg.max_target_length)
+        if any(tuple(m.shape) != shape for m in saved.values()):
+            return None
+        sharding = input_data.batch_sharding(self.cfg, self.trainer.mesh)
+        target = {k: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding) for k, m in saved.items()}
+        return ocp.StandardCheckpointHandler().restore(item, args=ocp.args.StandardRestore(target))
 
     def _aside_name(self, step: int) -> str:
         aside = epath.Path(self.cfg.checkpoint_dir) / f"{step}{DAMAGED_SUFFIX}"
@@ -298,11 +322,15 @@ class Checkpoints:
         """Returns once the state is copied to host memory (the next step may donate it); writing goes on behind."""
         self.wait()  # orbax would wait for the previous save anyway; this names its step if it failed
         print(f"saving checkpoint at step {step}", flush=True)
-        args = ocp.args.Composite(**{
+        position = {k: v for k, v in data_state.items() if k != checkpoint_format.BATCH}
+        items = {
             checkpoint_format.STATE: ocp.args.StandardSave(saved_part(state, self.trainer)),
-            checkpoint_format.DATA: ocp.args.JsonSave(gather_data_states(data_state)),
+            checkpoint_format.DATA: ocp.args.JsonSave(gather_data_states(position)),
             checkpoint_format.CONFIG: ocp.args.JsonSave(checkpoint_format.config_json(self.cfg)),
-        })
+        }
+        if data_state.get(checkpoint_format.BATCH) is not None:
+            items[checkpoint_format.BATCH] = ocp.args.StandardSave(data_state[checkpoint_format.BATCH])
+        args = ocp.args.Composite(**items)
         self._pending = step
         self._finish(lambda: self.manager.save(step, args=args, force=True))
 

@@ -40,6 +40,7 @@ LogicalRules = tuple[tuple[str, tuple[str, ...]], ...]
 MeshRules = tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]
 ObjectiveName = Literal[objective_kinds.NAMES]  # maxshard/objectives/kinds.py: the objectives
 DpoReference = Literal[objective_kinds.REFERENCES]
+GrpoLossType = Literal[objective_kinds.GRPO_LOSS_TYPES]
 DatasetType = Literal[dataset_types.NAMES]  # maxshard/dataset_types.py: the readers
 Mixture = tuple[tuple[str, float], ...]  # dataset_mixture: (source, weight) pairs
 
@@ -222,6 +223,7 @@ class Config:
     grpo_top_p: float = 1.0
     grpo_max_new_tokens: int = 32
     grpo_max_prompt_length: int = 64
+    grpo_loss_type: GrpoLossType = "grpo"
     reward: str = "exact_match"
     reward_answer_field: str = "answer"
     reward_answer_regex: str = ""

@@ -29,6 +29,11 @@ indices are kept here through the stream itself, with the `datasets` library doi
   not JSON at all is not a record to `datasets`: it fails the file, a one-line ConfigError.) A stream cannot
   tell in advance that it holds no usable document, so an epoch (of this process's share) that ends without one is
   a ConfigError here: an empty split, a process without documents or a wrong `text_field` never loop forever.
+- Records, not text (`dataset_type: preference` and `prompts`): the source's reader gives `whole`, which turns a
+  row into its record (or BadRecord), and the pipeline may give `encode`, which turns the record into what the
+  stream yields (a preference pair's example, a prompt's ids), so "usable" above means usable after encoding: a
+  stream whose pairs are all too long stops as one whose texts are all empty does. The split hashes the JSON of the
+  record's key fields (text or messages).
 
 `datasets` is imported only when a stream is opened.
 """
@@ -37,6 +42,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
+from collections.abc import Callable
 from typing import Any
 
 import grain
@@ -57,37 +64,68 @@ class HfStream:
     """One streamed source, opened (its files listed, nothing read) but not yet split or sharded."""
 
     dataset: Any  # datasets.IterableDataset: the whole `hf_split`
-    text_field: str
+    text_field: str | tuple[str, ...]  # the text, or a record's key fields (what the split hashes)
     where: str  # "dataset_path=..." for messages
+    whole: Callable[[dict[str, Any], str], Any] | None = None  # row -> record or BadRecord; None: the text field
 
-    def documents(self, split: str, eval_fraction: float, process_index: int, process_count: int
-                  ) -> StreamDocuments:
-        """This process's documents of `split` ("train" or "eval"), repeated forever (train reordered each epoch)."""
+    def documents(self, split: str, eval_fraction: float, process_index: int, process_count: int,
+                  encode: Callable[[Any, str], Any] | None = None) -> StreamDocuments:
+        """This process's documents of `split` ("train" or "eval"), repeated forever (train reordered each epoch);
+        `encode` (record, where) -> item or BadRecord, applied to each record (module docstring)."""
         in_split = self.dataset
         if eval_fraction > 0 or split == "eval":
             in_split = in_split.filter(InSplit(self.text_field, eval_fraction, split == "eval"))
         where = f"{self.where} ({split} split, process {process_index} of {process_count})"
-        return StreamDocuments(in_split, self.text_field, where, ((process_index, process_count),),
+        reader = _Reader(self.text_field, self.whole, encode)
+        return StreamDocuments(in_split, reader, where, ((process_index, process_count),),
                                reorder_epochs=split == "train")
 
 
-def open_stream(path: str, split: str, text_field: str, key: str = "dataset_path") -> HfStream:
-    """`path`'s `split` as a stream; a `text_field` that is not among its known columns is a ConfigError now."""
+def open_stream(path: str, split: str, text_field: str | tuple[str, ...], key: str = "dataset_path",
+                whole: Callable[[dict[str, Any], str], Any] | None = None) -> HfStream:
+    """`path`'s `split` as a stream; a `text_field` (for records: none of their key fields) that is not among its
+    known columns is a ConfigError now."""
     dataset = hf.load_streamed(path, split, key)
-    hf.check_text_field(dataset.column_names, text_field, f"{key}={path}")
-    return HfStream(dataset, text_field, f"{key}={path}")
+    fields = (text_field,) if isinstance(text_field, str) else text_field
+    columns = dataset.column_names
+    if columns is not None and not set(fields) & set(columns):
+        hf.check_text_field(columns, fields[0] if len(fields) == 1 else " or ".join(fields), f"{key}={path}",
+                            "text_field" if whole is None else "record field")
+    return HfStream(dataset, text_field, f"{key}={path}", whole)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Reader:
+    """A row of the stream -> what it yields: its text (or BadRecord), or `encode(whole(row))` (picklable)."""
+
+    text_field: str | tuple[str, ...]
+    whole: Callable[[dict[str, Any], str], Any] | None
+    encode: Callable[[Any, str], Any] | None
+
+    def __call__(self, example: dict[str, Any], where: str) -> Any:
+        if self.whole is None:
+            record = as_text(example.get(self.text_field), where)
+        else:
+            record = self.whole(example, where)
+        if self.encode is None or isinstance(record, BadRecord):
+            return record
+        return self.encode(record, where)
 
 
 @dataclasses.dataclass(frozen=True)
 class InSplit:
     """The `filter` of one split: True for the documents of eval (`want_eval`) or of train (picklable for workers)."""
 
-    text_field: str
+    text_field: str | tuple[str, ...]  # a tuple: a record's key fields, hashed as the JSON of their values
     eval_fraction: float
     want_eval: bool
 
     def __call__(self, example: dict[str, Any]) -> bool:
-        text = example.get(self.text_field)
+        if isinstance(self.text_field, str):
+            text = example.get(self.text_field)
+        else:
+            values = [example.get(f) for f in self.text_field]
+            text = None if all(v is None for v in values) else json.dumps(values, sort_keys=True, ensure_ascii=False)
         if isinstance(text, str):
             text = text.encode("utf-8", "surrogatepass")
         if not isinstance(text, bytes) or not text:  # a bad record: train counts it
@@ -99,11 +137,11 @@ class InSplit:
 class StreamDocuments(grain.IterDataset):
     """An endless stream of this process's documents (text or BadRecord) of one split; the source of a stream."""
 
-    def __init__(self, dataset: Any, text_field: str, where: str, splits: tuple[tuple[int, int], ...],
+    def __init__(self, dataset: Any, reader: _Reader, where: str, splits: tuple[tuple[int, int], ...],
                  reorder_epochs: bool):
         """`splits`: (rank, world_size) applied in turn with `split_dataset_by_node` (process, then grain worker)."""
         super().__init__()
-        self._dataset, self._text_field, self._where = dataset, text_field, where
+        self._dataset, self._reader, self._where = dataset, reader, where
         self._splits, self._reorder_epochs = splits, reorder_epochs
 
     def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
@@ -114,7 +152,7 @@ class StreamDocuments(grain.IterDataset):
         self._where = f"{self._where} (grain worker {sl.start or 0} of {sl.step or 1})"
 
     def __iter__(self) -> grain.DatasetIterator:
-        return _StreamIterator(self._dataset, self._text_field, self._where, self._splits, self._reorder_epochs)
+        return _StreamIterator(self._dataset, self._reader, self._where, self._splits, self._reorder_epochs)
 
     def __str__(self) -> str:
         return f"StreamDocuments({self._where})"
@@ -123,10 +161,10 @@ class StreamDocuments(grain.IterDataset):
 class _StreamIterator(grain.DatasetIterator):
     """Reads epoch after epoch; the state is the epoch and `datasets`' own position in it."""
 
-    def __init__(self, dataset: Any, text_field: str, where: str, splits: tuple[tuple[int, int], ...],
+    def __init__(self, dataset: Any, reader: _Reader, where: str, splits: tuple[tuple[int, int], ...],
                  reorder_epochs: bool):
         super().__init__()
-        self._base, self._text_field, self._where = dataset, text_field, where
+        self._base, self._reader, self._where = dataset, reader, where
         self._splits, self._reorder_epochs = splits, reorder_epochs
         self._epoch = self._read = self._good = 0  # epoch; records read and usable documents in it
         self._restart(None)
@@ -161,8 +199,7 @@ class _StreamIterator(grain.DatasetIterator):
                                   f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
             self._position = None  # from now on the dataset's own state_dict() is the position
             self._read += 1
-            document = as_text(example.get(self._text_field), f"{self._where} record {self._read} of epoch "
-                                                               f"{self._epoch}")
+            document = self._reader(example, f"{self._where} record {self._read} of epoch {self._epoch}")
             self._good += not isinstance(document, BadRecord)
             return document
 

@@ -113,7 +113,7 @@ def _document_pair(document: str | np.ndarray | chat.Conversation | preference.P
                    tokenizer: Tokenizer, where: str, encoder: Any = None) -> dict[str, np.ndarray] | BadRecord:
     """A document -> {inputs, targets} (a conversation: and its chat.WEIGHT; a preference record: its pair
     example), or its BadRecord."""
-    if isinstance(document, BadRecord):
+    if isinstance(document, (BadRecord, dict)):  # a dict: a pair example a stream encoded already (`hf_stream`)
         return document
     if isinstance(document, (chat.Conversation, preference.Preference)):
         assert encoder is not None, "a chat or preference source without its encoder"
@@ -375,7 +375,7 @@ def make_grain_input(cfg: Config, sharding: NamedSharding, split: str, batch_siz
         corpus = catalog.open_corpus(spec, tokenizer.fingerprint(), cfg.text_field, cfg.hf_split, cfg.data_cache_dir,
                                      cfg.hf_streaming, cfg.messages_field)
         if not isinstance(corpus, sources.Corpus):  # a streamed Hugging Face dataset, read whole by every process
-            documents = corpus.documents(split, cfg.eval_fraction, 0, 1)
+            documents = corpus.documents(split, cfg.eval_fraction, 0, 1, encoder if pairs else None)
             streams.append(StreamedSource(documents, spec.weight, corpus.where, hf_stream.SHUFFLE_WINDOW))
             continue
         indices = split_documents(corpus, cfg, split)

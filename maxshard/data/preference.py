@@ -4,7 +4,9 @@ DPO, SimPO and ORPO.
 A record is text, `{"prompt": str, "chosen": str, "rejected": str}`, or a conversation: `{"chosen": [messages],
 "rejected": [messages]}` (one conversation whose last assistant turn differs), or TRL's conversational form
 `{"prompt": [messages], "chosen": [assistant messages], "rejected": [...]}` (the prompt goes before each). From JSONL
-(plain, .gz, .zst) or a Hugging Face dataset read map-style (`prompt`, `chosen`, `rejected` columns).
+(plain, .gz, .zst) or a Hugging Face dataset (`prompt`, `chosen`, `rejected` columns), read map-style or streamed
+as `hf_streaming` says (`hf_stream`: each record encoded in the stream, split by a hash of its fields, shuffled in
+windows, resumed exactly from the stream's position).
 
 A record becomes one *pair example* of two halves, chosen first, each its own document shifted by one into
 inputs/targets (`packing.document_pair`):
@@ -76,14 +78,17 @@ def as_preference(record: dict[str, Any], where: str) -> Preference | BadRecord:
 # --------------------------------------------------------------------------------------------- reading
 
 
-def open_source(path: str, key: str, chat: bool, options: ReadOptions) -> Corpus:
-    """`dataset_type: preference` (maxshard/dataset_types.py): JSONL files, else a Hugging Face dataset read
-    map-style (streaming is refused, as for chat data)."""
+def open_source(path: str, key: str, chat: bool, options: ReadOptions) -> Corpus | Any:
+    """`dataset_type: preference` (maxshard/dataset_types.py): JSONL files, else a Hugging Face dataset, map-style
+    or (`hf.read_as_stream`) a `hf_stream.HfStream` of preference records."""
     if path.endswith(jsonl.SUFFIXES):  # as `dataset_type: chat` tells its readers apart
         return jsonl.jsonl_corpus(path, "chosen", options.data_cache_dir, key, whole=as_preference)
     if hf.read_as_stream(path, options.hf_streaming, key):
-        raise ConfigError(f"{key}={path}: preference data is read map-style (downloaded first), not streamed; "
-                          "set hf_streaming=never")
+        from maxshard.data import hf_stream  # deferred: imports grain
+
+        stream = hf_stream.open_stream(path, options.hf_split, FIELDS, key, whole=as_preference)
+        hf.check_text_field(stream.dataset.column_names, "chosen", f"{key}={path}", "record field")
+        return stream
     return _hf_corpus(path, options.hf_split, key)
 
 

@@ -1,9 +1,9 @@
 """Prompts for GRPO (`dataset_type: prompts`): records the training loop samples completions from and the reward
 scores, read by `make_prompts` (not `make_input`: GRPO's rows are made from its own samples, not from documents).
 
-A record is a JSON object (JSONL, plain, .gz or .zst) or a row of a Hugging Face dataset read map-style, holding
-`prompt` (text) or `messages` (a conversation ending with a user turn), and any other fields (an expected answer, an
-id, test cases), all kept in `Prompt.record` for the reward. A prompt becomes the ids generation starts from:
+A record is a JSON object (JSONL, plain, .gz or .zst) or a row of a Hugging Face dataset (map-style or streamed),
+holding `prompt` (text) or `messages` (a conversation ending with a user turn), and any other fields (an expected
+answer, an id, test cases), all kept in `Prompt.record` for the reward. A prompt becomes the ids generation starts from:
 
     text       `tokenizer.encode_prompt(prompt)`, as `maxshard.generate` encodes a prompt (BOS where the tokenizer
                adds one)
@@ -16,6 +16,13 @@ batch is small next to its completions). Train is reshuffled every epoch by `dat
 by the seed and the epoch number, so the stream is a pure function of the config), eval keeps corpus order. The state
 is one global position, the records taken so far, bad ones included: a changed tokenizer or `max_prompt_length`
 resumes from the same record, while a changed corpus, split or seed (another order) is refused by `set_state`.
+
+A streamed Hugging Face source (`hf_streaming`, `hf_stream`) has no length and no random access: every process
+reads the whole stream, records are encoded in it (so an epoch without one usable prompt stops there), the split is
+a hash of each record's prompt or messages, train is shuffled in windows of `hf_stream.SHUFFLE_WINDOW` seeded by
+`data_shuffle_seed` (grain's `WindowShuffleIterDataset`, as the training pipeline shuffles a stream), eval keeps
+stream order; the state is grain's iterator state (the window's start and the stream's own `state_dict()`), so a
+resume continues exactly (`StreamedPromptIterator`).
 
 Skipped and counted, never a crash (`BadRecord`, `data/skipped_records`): no prompt nor messages, both, a mistyped
 or empty field, a conversation that does not end with a user turn, a template that refuses it, invalid UTF-8, and a
@@ -41,7 +48,7 @@ from maxshard.data.tokenizer import make_tokenizer
 from maxshard.errors import ConfigError
 
 __all__ = ["FIELDS", "Prompt", "PromptRecord", "as_prompt", "open_source", "PromptEncoder", "PromptIterator",
-           "make_prompts"]
+           "StreamedPromptIterator", "make_prompts"]
 
 FIELDS = ("prompt", "messages")  # a record holds one of them
 
@@ -84,16 +91,17 @@ def as_prompt(record: dict[str, Any], where: str) -> PromptRecord | BadRecord:
 # --------------------------------------------------------------------------------------------- reading
 
 
-def open_source(path: str, key: str, chat: bool, options: ReadOptions) -> Corpus:
-    """`dataset_type: prompts` (maxshard/dataset_types.py): JSONL files, else a Hugging Face dataset read
-    map-style (streaming is refused, as for chat and preference data)."""
+def open_source(path: str, key: str, chat: bool, options: ReadOptions) -> Corpus | Any:
+    """`dataset_type: prompts` (maxshard/dataset_types.py): JSONL files, else a Hugging Face dataset, map-style or
+    (`hf.read_as_stream`) a `hf_stream.HfStream` of prompt records."""
     if not path:
         raise ConfigError(f"{key} is empty; dataset_type=prompts reads JSONL files or a Hugging Face dataset")
     if path.endswith(jsonl.SUFFIXES):  # as `dataset_type: chat` tells its readers apart
         return jsonl.jsonl_corpus(path, FIELDS, options.data_cache_dir, key, whole=as_prompt)
     if hf.read_as_stream(path, options.hf_streaming, key):
-        raise ConfigError(f"{key}={path}: prompts are read map-style (downloaded first), not streamed; "
-                          "set hf_streaming=never")
+        from maxshard.data import hf_stream  # deferred: imports grain
+
+        return hf_stream.open_stream(path, options.hf_split, FIELDS, key, whole=as_prompt)
     return _hf_corpus(path, options.hf_split, key)
 
 
@@ -121,7 +129,8 @@ class PromptEncoder:
     template: ChatTemplate  # the run's chat template (conversations)
     max_length: int  # max_prompt_length: a longer prompt is skipped
 
-    def __call__(self, record: PromptRecord) -> Prompt | BadRecord:
+    def __call__(self, record: PromptRecord, where: str = "") -> Prompt | BadRecord:
+        """`where`: unused (the record names itself); there for the stream's `encode(record, where)`."""
         try:
             if isinstance(record.prompt, str):
                 text, ids = record.prompt, list(self.tokenizer.encode_prompt(record.prompt))
@@ -206,7 +215,62 @@ class PromptIterator:
         return {"data/prompts": self._delivered, "data/skipped_records": self._skipped}
 
 
-def make_prompts(cfg: Config, split: str, max_prompt_length: int) -> PromptIterator:
+class StreamedPromptIterator:
+    """The split's prompts read from a stream (module docstring), with PromptIterator's interface."""
+
+    def __init__(self, prompts: Any, identity: dict[str, Any]) -> None:
+        """`prompts`: a grain IterDataset of Prompts and BadRecords, endless; `identity`: as PromptIterator's."""
+        self._prompts, self._identity = prompts, identity
+        self._iterator = iter(prompts)
+        self._skipped = self._delivered = 0
+
+    def next_prompts(self, count: int) -> list[Prompt]:
+        if count < 0:
+            raise ValueError(f"count must be >= 0, got {count}")
+        prompts: list[Prompt] = []
+        while len(prompts) < count:  # the stream stops an epoch without a usable prompt itself
+            result = next(self._iterator)
+            if isinstance(result, BadRecord):
+                self._skipped += 1
+            else:
+                prompts.append(result)
+        self._delivered += len(prompts)
+        return prompts
+
+    def get_state(self) -> dict[str, Any]:
+        """JSON: grain's iterator state (the window's start, the stream's position), the counters, the identity."""
+        return {"reader": self._iterator.get_state(), "skipped": self._skipped, "prompts": self._delivered,
+                "stream": dict(self._identity)}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        if state.get("stream") != self._identity or "reader" not in state:
+            raise ConfigError(f"cannot resume the prompts: the saved stream {state.get('stream')} is not this one "
+                              f"{self._identity} (another dataset_path, split, eval_fraction, data_shuffle_seed or "
+                              "hf_streaming)")
+        self._iterator = iter(self._prompts)
+        self._iterator.set_state(state["reader"])
+        self._skipped, self._delivered = int(state["skipped"]), int(state["prompts"])
+
+    def stats(self) -> dict[str, int]:
+        return {"data/prompts": self._delivered, "data/skipped_records": self._skipped}
+
+
+def _streamed(stream: Any, cfg: Config, split: str, encoder: PromptEncoder) -> StreamedPromptIterator:
+    """The prompts of a streamed source (module docstring)."""
+    from grain.experimental import WindowShuffleIterDataset  # deferred: grain only for a stream
+
+    from maxshard.data import hf_stream
+
+    prompts = stream.documents(split, cfg.eval_fraction, 0, 1, encoder)
+    seed = cfg.data_shuffle_seed if split == "train" else None
+    if seed is not None:  # the window shuffle seeds window w with seed + w (uint32): as the pipeline, halved
+        prompts = WindowShuffleIterDataset(prompts, window_size=hf_stream.SHUFFLE_WINDOW, seed=seed >> 1)
+    identity = {"where": stream.where, "split": split, "records": "streamed", "shuffle_seed": seed,
+                "eval_fraction": cfg.eval_fraction, "window": hf_stream.SHUFFLE_WINDOW}
+    return StreamedPromptIterator(prompts, identity)
+
+
+def make_prompts(cfg: Config, split: str, max_prompt_length: int) -> PromptIterator | StreamedPromptIterator:
     """The prompt stream of `cfg` (dataset_type prompts): `split` "train" or "eval" as the other readers split
     (`eval_fraction`, by a hash of each record's file and line); prompts of more than `max_prompt_length` tokens
     are skipped."""
@@ -221,11 +285,13 @@ def make_prompts(cfg: Config, split: str, max_prompt_length: int) -> PromptItera
     options = ReadOptions(tokenizer.fingerprint(), cfg.text_field, cfg.messages_field, cfg.hf_split,
                           cfg.data_cache_dir, cfg.hf_streaming)
     corpus = open_source(cfg.dataset_path, "dataset_path", False, options)
+    encoder = PromptEncoder(tokenizer, template, max_prompt_length)
+    if not isinstance(corpus, Corpus):  # a streamed Hugging Face dataset
+        return _streamed(corpus, cfg, split, encoder)
     indices = split_indices(corpus.keys, split, cfg.eval_fraction)
     if len(indices) == 0:
         raise ConfigError(f"{corpus.where}: the {split} split is empty ({len(corpus)} records, "
                           f"eval_fraction={cfg.eval_fraction})")
     seed = cfg.data_shuffle_seed if split == "train" else None
     identity = {"where": corpus.where, "split": split, "records": int(len(indices)), "shuffle_seed": seed}
-    return PromptIterator(corpus.documents, indices, PromptEncoder(tokenizer, template, max_prompt_length), seed,
-                          identity)
+    return PromptIterator(corpus.documents, indices, encoder, seed, identity)

@@ -12,9 +12,12 @@ reward against its group's (`objectives/grpo.py`). The rows the step trains on, 
     advantages   the completion's advantage, on every token of its row
 
 The sampling key of rollout r is derived from `seed` and r alone, and the prompts' position is saved with every
-checkpoint, so a resumed run samples what the uninterrupted one did. A resume between the updates of one rollout
-(`grpo_updates_per_rollout` > 1, a checkpoint inside the group) samples that rollout again from the saved, already
-updated parameters: not what the uninterrupted run trained on.
+checkpoint, so a resumed run samples what the uninterrupted one did. Between the updates of one rollout
+(`grpo_updates_per_rollout` > 1) the batch itself is saved too (the checkpoint's `batch` item, each process writing
+its shards; its reward figures and shown samples ride in the JSON state): the parameters that sampled it are gone
+by then, so nothing could sample it again, and a run resumed inside the group trains on the very rows the
+uninterrupted one did. Only where that batch cannot be had (a checkpoint written before it was kept, or an elastic
+restart that changed the global batch) is the rollout sampled again, from the saved parameters, and said so.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import jax
 import numpy as np
 
 from maxshard import rewards
+from maxshard.checkpoint import format as checkpoint_format
 from maxshard.config import Config
 from maxshard.data import prompts as prompt_data
 from maxshard.data.tokenizer import Tokenizer, make_tokenizer
@@ -137,11 +141,23 @@ class Rollouts:
         return list(self._samples)
 
     def get_state(self) -> dict[str, Any]:
-        return {"step": self.step, "prompts": self.prompts.get_state()}
+        """The position (JSON), and inside a rollout's updates the batch the next step trains on again (arrays,
+        under checkpoint_format.BATCH: the checkpoint writes them as an item of their own)."""
+        state = {"step": self.step, "prompts": self.prompts.get_state(), "rollout_stats": dict(self._stats),
+                 "rollout_samples": [list(sample) for sample in self._samples]}
+        if self._batch is not None and self.step % self.cfg.grpo_updates_per_rollout:
+            state[checkpoint_format.BATCH] = self._batch
+        return state
 
     def set_state(self, state: dict[str, Any]) -> None:
-        self.step, self._batch = int(state["step"]), None
+        self.step, self._batch = int(state["step"]), state.get(checkpoint_format.BATCH)
         self.prompts.set_state(state["prompts"])
+        self._stats = dict(state.get("rollout_stats", {}))
+        self._samples = [(p, c, float(r)) for p, c, r in state.get("rollout_samples", [])]
+        if self._batch is None and self.step % self.cfg.grpo_updates_per_rollout:
+            print(f"the checkpoint at step {self.step} holds no rollout batch (saved before batches were kept, or "
+                  "for another global batch): sampling it again from the saved parameters, so the next steps "
+                  "differ from the uninterrupted run", flush=True)
 
     def stats(self) -> dict[str, float]:
         """The last rollout's reward figures and the prompts' counters (skipped records)."""

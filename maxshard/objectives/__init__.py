@@ -53,5 +53,5 @@ def of(cfg: Any) -> Objective:
     if name == "orpo":
         return ORPO(cfg.orpo_lambda)
     if name == "grpo":
-        return GRPO(cfg.grpo_epsilon, cfg.grpo_kl_beta)
+        return GRPO(cfg.grpo_epsilon, cfg.grpo_kl_beta, cfg.grpo_loss_type, cfg.grpo_max_new_tokens)
     raise KeyError(name)

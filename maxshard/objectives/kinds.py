@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["FIELDS", "Kind", "KINDS", "NAMES", "kind", "fields", "REFERENCES", "REFERENCE_FIELD"]
+__all__ = ["FIELDS", "Kind", "KINDS", "NAMES", "kind", "fields", "REFERENCES", "REFERENCE_FIELD", "GRPO_LOSS_TYPES"]
 
 # name -> dtype of every batch field, [batch, length] each (maxshard/data/__init__.py says what each holds)
 FIELDS = {"inputs": "int32", "targets": "int32", "segment_ids": "int32", "positions": "int32",
@@ -29,6 +29,9 @@ FIELDS = {"inputs": "int32", "targets": "int32", "segment_ids": "int32", "positi
 # `precomputed`: a first pass writes them, training reads them as the batch field REFERENCE_FIELD)
 REFERENCES = ("auto", "frozen", "lora_base", "precomputed")
 REFERENCE_FIELD = "reference_logps"
+
+# grpo_loss_type: how GRPO's per-token losses become one (objectives/grpo.py), named as TRL's `loss_type`s
+GRPO_LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +55,8 @@ KINDS = (
     Kind("orpo", "pairs", False, ("orpo_lambda",),
          "ORPO: the chosen reply's cross-entropy plus a log-odds-ratio term, no reference"),
     Kind("grpo", "rollouts", True, ("grpo_group_size", "grpo_updates_per_rollout", "grpo_kl_beta", "grpo_epsilon",
-                                    "grpo_temperature", "grpo_top_p", "grpo_max_new_tokens", "reward"),
+                                    "grpo_temperature", "grpo_top_p", "grpo_max_new_tokens", "reward",
+                                    "grpo_loss_type"),
          "GRPO: completions sampled from the current model, rewarded, advantages normalised within each prompt's "
          "group, a clipped ratio and a KL term to the reference (objectives/grpo.py)",
          extra=("old_logps", "advantages")),
