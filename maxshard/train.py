@@ -164,7 +164,7 @@ def train_loop(
     profiler = Profiler.from_config(cfg, is_primary=jax.process_index() == 0)
 
     # Data counters are the run's: every process sees every row (data/pipeline.py), or counts the global rows (store.py)
-    deferred, log = metrics.DeferredMetrics(), console.StepLogger(cfg, writer, batches.stats, compiled.seconds)
+    deferred, log = metrics.DeferredMetrics(), console.StepLogger(cfg, writer, compiled.seconds)
     first = int(state.step)
     for step in range(first, cfg.steps):
         began = time.perf_counter()  # the iteration's time, less its waits for data and saves, is the step's
@@ -172,7 +172,8 @@ def train_loop(
             batch = rollouts.next_batch(batches, state)
             data_wait = time.perf_counter() - began
             state, step_metrics = train_step(state, batch)
-        log(deferred.push(step, step_metrics))
+        # the input's counters as this step read them (GRPO: this rollout's rewards), fetched with its metrics
+        log(deferred.push(step, {**step_metrics, **batches.stats()}))
         rollouts.show_samples(batches, step + 1, cfg.log_period)
         if step == first:  # dispatch returns at once: wait, so the compile of the first step is counted there
             jax.block_until_ready(state)

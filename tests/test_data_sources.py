@@ -509,20 +509,26 @@ def test_prepare_data_reads_jsonl_zst_and_parquet(corpora, tmp_path):
     assert rows["jsonl.zst"] == rows["parquet"] == {f"d{i}" for i in range(60)}
 
 
-def test_step_logger_records_the_input_counters(corpora, tmp_path):
-    """train.py writes what the iterator's stats() says next to the step's own metrics."""
+def test_step_logger_records_the_input_counters_of_the_step(corpora, tmp_path):
+    """train.py pushes the iterator's stats() with the step's device metrics, so the record of step k holds the
+    counters as step k read them, though it is written a step late, after the next batch was read (GRPO's reward
+    figures are such counters: the rollout of the step, not the next one)."""
+    import jax.numpy as jnp
+
     from maxshard.observe import metrics
     from maxshard.observe.console import StepLogger
     from maxshard.run import loading
 
     cfg = make_cfg(*type_overrides("mixture", corpora), "log_period=1", f"data_cache_dir={tmp_path}")
     it = make_input(cfg, mesh_lib.build(cfg))
-    take(it, 3)
     writer = metrics.MetricsWriter(str(tmp_path), str(tmp_path), is_primary=True, enable_tensorboard=False)
-    log = StepLogger(loading.complete(cfg), writer, it.stats)
+    deferred, log = metrics.DeferredMetrics(), StepLogger(loading.complete(cfg), writer)
+    read = []
     for step in range(3):
-        log(metrics.StepValues(step, {"loss": 1.0}, float(step)))
+        take(it, 1)
+        read.append(it.stats())
+        log(deferred.push(step, {"loss": jnp.float32(1.0), **it.stats()}))
     writer.close()
     last = json.loads(open(tmp_path / metrics.METRICS_FILE).read().splitlines()[-1])
-    assert {k: v for k, v in last.items() if k.startswith("data/")} == it.stats()
-    assert last["data/skipped_records"] == 0 and sum(v for k, v in it.stats().items() if "tokens" in k) > 0
+    assert last["step"] == 2 and {k: v for k, v in last.items() if k.startswith("data/")} == read[1] != it.stats()
+    assert last["data/skipped_records"] == 0 and sum(v for k, v in read[1].items() if "tokens" in k) > 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from maxshard.config import Config
@@ -151,11 +151,9 @@ class StepLogger:
     start to the first step's end (where JAX still compiles what the loop calls first, and the step runs).
     """
 
-    def __init__(self, cfg: Config, writer: MetricsWriter, data_stats: Callable[[], dict[str, int]] | None = None,
-                 compiled_seconds: float = 0.0):
+    def __init__(self, cfg: Config, writer: MetricsWriter, compiled_seconds: float = 0.0):
         self.cfg, self.writer = cfg, writer
         self.compiled_seconds = compiled_seconds
-        self.data_stats = data_stats or dict  # the input iterator's counters (tokens per source, skipped records)
         self.tokens_per_step = cfg.global_batch_size * cfg.max_target_length
         self.flops_per_step = flops_per_token(cfg.model) * self.tokens_per_step
         self.peak = quantization.peak_flops(cfg)  # the 8-bit peak's share for a quantized run
@@ -190,15 +188,13 @@ class StepLogger:
         self._write(step, dict(done.values), step_time)
 
     def _write_first(self, step: int, record: dict[str, Any]) -> None:
-        record.update(self.data_stats())  # what the first step read (GRPO: the untrained model's rewards)
         self.writer.write(step, record)
         print(f"step {step}/{self.cfg.steps} | loss {record['loss']:.3f} | compiled and ran in "
               f"{record['compile_time']:.1f}s", flush=True)
 
     def _write(self, step: int, record: dict[str, Any], step_time: float) -> None:
         figures = perf.step_perf(self.tokens_per_step, self.flops_per_step, step_time, self.cfg.num_devices, self.peak)
-        record.update({"step_time": step_time, **figures, **self.constants, **(memory_stats() or {}),
-                       **self.data_stats()})
+        record.update({"step_time": step_time, **figures, **self.constants, **(memory_stats() or {})})
         self.writer.write(step, record)
         eta = (self.cfg.steps - step) * step_time
         progress = format_progress(
