@@ -89,6 +89,7 @@ __all__ = ["Collective", "Geometry", "geometry", "planned_collectives"]
 
 _LAYER_NAME = re.compile(r"layer_\d+")  # a layer of a multi-layer unit, in a parameter's path
 _STACKED = (ax.LAYERS, ax.UNSTAGED_LAYERS)  # the leading axis of a scanned stack (model/blocks.py)
+_UNIT_AXES = (*_STACKED, ax.CIRCULAR_REPEATS, ax.LAYERS_PER_STAGE)  # a weight's axes that count the units it stacks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,11 +228,11 @@ def gathered_unit_bytes(cfg: Config, report: Report, sizes: Mapping[str, int], g
         if not gather:
             continue
         whole = p.bytes_per_device * _shards(gather, sizes) * geo.compute_itemsize / np.dtype(p.dtype).itemsize
-        if largest_layer:  # per stack and layer of its unit: the stack's own unit count divides it
+        if largest_layer:  # per stack and layer of its unit (params/decoder/<stack>[/layer_i]): its units divide it
             parts = p.name.split("/")
-            layer = "/".join(parts[:next((i + 1 for i, part in enumerate(parts) if _LAYER_NAME.fullmatch(part)), 2)])
-            stacked = next(i for i, (logical, _) in enumerate(dims) if logical in _STACKED)
-            by_layer[layer] = by_layer.get(layer, 0.0) + whole / max(p.local_shape[stacked], 1)
+            layer = "/".join(parts[:next((i + 1 for i, part in enumerate(parts) if _LAYER_NAME.fullmatch(part)), 3)])
+            units_here = math.prod(n for (logical, _), n in zip(dims, p.local_shape) if logical in _UNIT_AXES)
+            by_layer[layer] = by_layer.get(layer, 0.0) + whole / max(units_here, 1)
             continue
         experts = any(logical == ax.EXP for logical, _ in dims)
         by_layer[""] = by_layer.get("", 0.0) + whole / units * (2 if experts else 1)
