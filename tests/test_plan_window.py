@@ -68,3 +68,21 @@ def test_grpos_sampling_cache_keeps_a_window_of_keys_in_local_layers() -> None:
     plan = estimate.make_plan(cfg)
     per_slot = 2 * (cfg.global_batch_size // 4) * (cfg.num_kv_heads // 2) * cfg.head_dim * 4  # k and v, float32
     assert cfg.num_layers == 2 and plan.rollout_cache == per_slot * (8 + 32)
+
+
+def test_on_xla_tpu_a_pattern_unit_gathers_one_layer_and_the_loss_holds_the_tied_table() -> None:
+    """On a TPU target the layer being differentiated holds its gathered weights and their whole gradient: two copies
+    of one layer's weights in bfloat16, not of the whole 4-layer unit (fitted.py, seen in the gemma3_27b preset's
+    buffers); and the loss holds the tied embedding table whole twice, so `head` is the logits plus 2 x the table."""
+    keys = ("model_name=tiny", "override_model_config=true", "num_layers=4", "max_target_length=256", "vocab_size=512",
+            "logits_via_embedding=true", "attention=dot_product", "attention_pattern=[local,local,local,global]",
+            "sliding_window=32")
+    plan = plan_cli.plan_for(["configs/base.yml", *keys], "v5litepod-8")
+    m = plan.cfg.model
+    layer = m.emb_dim * (m.num_heads + 2 * m.num_kv_heads) * m.head_dim + m.num_heads * m.head_dim * m.emb_dim
+    layer += 3 * m.emb_dim * m.mlp_dim  # SwiGLU's gate, up and down
+    terms = plan.activation_terms
+    assert terms.gathered == pytest.approx(2 * layer * 2, rel=0.01)  # norm scales aside; a whole unit is 4x this
+    tokens = plan.cfg.global_batch_size * 256 // 8
+    logits = 2 * tokens * 512 * 4 / max(plan.cfg.loss_chunks, 1)
+    assert terms.head == pytest.approx(logits + 2 * 512 * m.emb_dim * 2)

@@ -208,9 +208,11 @@ def make_plan(cfg: Config, target: Target | None = None) -> Plan:
     geo = traffic.geometry(cfg, sizes, itemsize)
     collectives = traffic.planned_collectives(cfg, report, sizes, geo)
     link = hardware.interconnect(target.name) if target is not None else None
-    gathered = memory.gathered_bytes(cfg, traffic.gathered_unit_bytes(cfg, report, sizes, geo))
+    gathered = memory.gathered_bytes(cfg, traffic.gathered_unit_bytes(cfg, report, sizes, geo),
+                                     traffic.gathered_unit_bytes(cfg, report, sizes, geo, largest_layer=True))
+    head_weights = traffic.gathered_head_bytes(cfg, report, sizes, geo)
     terms = memory.activation_terms(cfg, sizes, geo, gathered, report.gradient_bytes_per_device,
-                                    report.param_bytes_per_device)
+                                    report.param_bytes_per_device, head_weights)
     model_flops = flops.flops_per_token(cfg.model) * cfg.global_batch_size * cfg.max_target_length / cfg.num_devices
     return Plan(
         cfg=cfg,
@@ -240,5 +242,6 @@ def activations_under(plan: Plan, policy: str) -> memory.ActivationTerms:
     """`plan`'s activation terms had the run used remat `policy`: only the per-layer terms change."""
     cfg = dataclasses.replace(plan.cfg, remat_policy=policy)
     geo = traffic.geometry(cfg, plan.mesh, np.dtype(cfg.model.compute_dtype).itemsize)
-    gathered = plan.activation_terms.gathered if plan.activation_terms is not None else 0.0
-    return memory.activation_terms(cfg, plan.mesh, geo, gathered, plan.gradients, plan.params)
+    terms = plan.activation_terms
+    gathered, table = (terms.gathered, terms.head_table) if terms is not None else (0.0, 0.0)
+    return memory.activation_terms(cfg, plan.mesh, geo, gathered, plan.gradients, plan.params, table)

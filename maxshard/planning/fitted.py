@@ -65,7 +65,12 @@ class Fitted:
     head_apart: bool = False  # the logits and one layer's backward are never live together: the peak has the larger
     weight_cast: bool = False  # the sharded weights are also held cast to the compute dtype (the cast hoisted)
     tile: tuple[int, int] | None = None  # (rows, lanes) a value's two minor dimensions are padded to
-    gathered_units: int = 1  # stacked units' gathered weights live at the peak (the one computed; XLA:TPU: + 1)
+    gathered_units: int = 1  # stacked units' gathered weights live at the peak (the one computed)
+    # if > 0, instead of `gathered_units`: this many copies of the largest layer of a unit gathered whole at the peak
+    # (XLA:TPU: 2, the layer being differentiated holds its gathered weights and their whole gradient)
+    gathered_layers: int = 0
+    # copies of the tied embedding table whole in the compute dtype beside the logits at the loss (XLA:TPU: 2)
+    head_weights: int = 0
     # of what a layer re-runs in a multi-layer unit's backward (memory.py `unit`), the share held for every layer
     # but the one being differentiated
     unit_kept: float = 1.0
@@ -73,28 +78,37 @@ class Fitted:
 
 # By compiler. XLA:CPU: the additive model of memory.py's docstring, its constants fitted there. XLA:TPU (libtpu
 # 0.0.42.1, ahead of time; benchmarks/README.md, tests/test_plan_tpu.py): XLA_TPU_WORKING (XLA:CPU's rows but one;
-# under full its layer backward agreed within 3% at 125m on v5e-8 once the rest was right), and four things its
+# under full its layer backward agreed within 3% at 125m on v5e-8 once the rest was right), and six things its
 # programs do that XLA:CPU's do not: (1) the chunked loss and the decoder's backward run one after the other, never
 # together (the peak of 125m on v5e-8 under full stayed at 782 MiB from loss_chunks 4 to 16, and a dumped buffer
 # assignment put the peak inside the loss with no layer buffer live); (2) the stacked weights cast to bfloat16 once,
-# before the layer loop, beside their float32 shards (convert ops of every layer's weights live at the peak; 24
-# layers instead of 12 added the state plus half the float32 weights plus the saved inputs); (3) the tiled layout
-# pads a value's two minor dimensions to tiles of 8 rows x 128 lanes (fewer rows take T(2,128) or T(4,128) tiles):
-# q, k, v [.., 12 heads, 64] of 125m are stored as [.., 16, 128], 2.7x their size (the host buffers of
-# offload_qkv_out_proj: 720 MiB, this plan to the byte); (4) two units' gathered weights at the peak, not one (the
-# next unit's all-gather in flight, or this one's whole gradient before its reduce-scatter: not told apart): over
-# the twenty compiled steps of benchmarks/README.md's XLA:TPU tables (125m on v5e-8 to a 405B shape on v5p-1024),
-# one unit planned 0.78-1.03x the compiled peak (the 405B and a 70B at fsdp_transpose 256 over 15% low), two plan
-# 0.89-1.13x; (5) in a stacked unit of several layers rematerialised as one (a local/global pattern), each layer
-# but the one being differentiated holds about half of what it re-runs (`unit_kept`; fitted on a 12 x 1024 model
-# with units of 6 layers, splash, full, on v5e-8: 1.37x the compiled peak with all of it held, 1.02x with half;
-# checked on units of 4 under save_qkv_proj at 4096 tokens: 0.93x, 1.13x with all; benchmarks/README.md
-# "Local/global"; XLA:CPU held all of it, units of 2 and 3 layers). A compiler without an entry (XLA:GPU) takes
-# XLA:CPU's (on an H100: within 25%, compile_check.py's docstring).
+# before the layer loop, beside their float32 shards (convert ops of every layer's weights live at the peak; 24 layers
+# instead of 12 added the state plus half the float32 weights plus the saved inputs); (3) the tiled layout pads a
+# value's two minor dimensions to tiles of 8 rows x 128 lanes (fewer rows take T(2,128) or T(4,128) tiles): q, k, v
+# [.., 12 heads, 64] of 125m are stored as [.., 16, 128], 2.7x their size (the host buffers of offload_qkv_out_proj:
+# 720 MiB, this plan to the byte); (4) the layer being differentiated holds its gathered weights and their whole
+# gradient (before the reduce-scatter): two copies of one layer's weights, of the largest layer of a stacked unit of
+# several (`gathered_layers`). Seen in the buffers live at the gemma3_27b preset's layer backward (v6e-64, fsdp 64:
+# the MLP's gathered bf16[5376, 2, 21504] and its gradient of the same shape, 441 MiB each, one layer of the 6-layer
+# unit); for one-layer units the same count as the earlier two units (0.89-1.13x over the twenty compiled steps of
+# benchmarks/README.md's XLA:TPU tables, one unit 0.78-1.03x), for the 6-layer unit 2 of 6 layers (two whole units
+# planned 9.5 GiB of weights for it); (5) with tied embeddings the loss's backward holds the embedding table whole in
+# the compute dtype twice (its gradient before and after the all-reduce XLA:TPU gives it: bf16[262208, 5376], 2.6 GiB
+# each, at the 27B preset's peak, which is in the loss), `head_weights`; it took the 125m rows of
+# tests/test_plan_tpu.py, whose peak is in the loss, from 0.90 and 0.93 to 0.99 and 1.04; (6) in a stacked unit of
+# several layers rematerialised as one (a local/global pattern), each layer but the one being differentiated holds a
+# share of what it re-runs (`unit_kept`). The buffers live at the 220M 6-layer unit's peak (benchmarks/README.md
+# "Local/global": each re-run layer's [tokens, 2F] gate/up output and [tokens, F] product, a few [tokens, E]) are half
+# of it, and so is that program's live peak (the plan at 0.5 was within 1% of it); but XLA:TPU's allocation
+# (`memory_analysis`: temp_size) exceeds the live peak by 16% there and by more at 27B, so the share is fitted to the
+# allocation: 0.8 brings the three local/global shapes (220M with units of 6 and 4 layers, the 27B preset) to 1.08,
+# 0.96 and 1.11 (0.5: 0.86, 0.83, 0.95, once (4) and (5) were counted). XLA:CPU held all of it, units of 2 and 3
+# layers. A compiler without an entry (XLA:GPU) takes XLA:CPU's (on an H100: within 25%, compile_check.py's
+# docstring).
 FITTED = {
     "xla:cpu": Fitted(XLA_CPU_WORKING),
-    "xla:tpu": Fitted(XLA_TPU_WORKING, head_apart=True, weight_cast=True, tile=(8, 128), gathered_units=2,
-                      unit_kept=0.5),
+    "xla:tpu": Fitted(XLA_TPU_WORKING, head_apart=True, weight_cast=True, tile=(8, 128), gathered_layers=2,
+                      head_weights=2, unit_kept=0.8),
 }
 
 

@@ -50,8 +50,8 @@ s = the compute dtype's itemsize:
     unit        a stacked unit of n layers (model/blocks.py: an MoE interval, an attention pattern; Gemma 3's is 6)
                 is rematerialised as one, so its backward re-runs the whole unit's forward: working = one layer's
                 + (n - 1) x what a layer keeps without remat less what the policy saves (x `Fitted.unit_kept`:
-                XLA:TPU held about half of it). Under none nothing re-runs, and XLA:CPU held n layers' working sets
-                (units of 2 and 3 layers, tests/test_plan_memory.py)
+                XLA:TPU held about half of it live and allocated 0.8 of it). Under none nothing re-runs, and XLA:CPU
+                held n layers' working sets (units of 2 and 3 layers, tests/test_plan_memory.py)
 
     local layers (sliding window, model/blocks.py) hold what their kernel holds, and no kernel's memory follows the
                 window: dot_product masks the whole [q, kv] scores (A as for a global layer), a fused kernel keeps
@@ -65,10 +65,12 @@ s = the compute dtype's itemsize:
                   their sum, + `cast` (the weights in the compute dtype), and q, k, v as the tiled layout stores
                   them (`Widths.stored`)
 
-    head        the logits [tokens, vocab / tensor] in float32 and their gradient, of one of `loss_chunks` pieces
+    head        the logits [tokens, vocab / tensor] in float32 and their gradient, of one of `loss_chunks` pieces;
+                with tied embeddings on XLA:TPU also the table whole in the compute dtype twice (`Fitted.head_weights`)
     gathered    one stacked unit's weights after the fsdp all-gather, in the compute dtype (what the layer being
                 computed holds whole); an MoE unit's expert weights twice (their gradient is also whole until it
-                is reduce-scattered); `Fitted.gathered_units` units of them (XLA:TPU: two, `gathered_bytes`)
+                is reduce-scattered); `Fitted.gathered_units` units of them; on XLA:TPU instead two copies of the
+                unit's largest layer (its weights and their whole gradient, `Fitted.gathered_layers`, `gathered_bytes`)
     MoE layer   (kept per layer by none; by minimal only its matmul outputs, r (2E + 2F) x s)
                 with token dropping, per token: the dispatch and combine masks, 2 g k c float32 (g tokens per
                 group, c = capacity_factor), and the expert activations k c (2E + 3F) x s in place of the dense
@@ -231,6 +233,9 @@ class Widths:
         return layer + (layers - 1) * recomputed * fitted(compiler_name).unit_kept
 
 
+_NOT_TERMS = ("host", "head_apart", "head_table")  # ActivationTerms fields `total` leaves out (host: as_json keeps it)
+
+
 @dataclasses.dataclass(frozen=True)
 class ActivationTerms:
     """The planned activation memory per device, by term (bytes); `total` is what the plan adds to the state."""
@@ -246,18 +251,20 @@ class ActivationTerms:
     cast: float = 0.0  # the sharded weights cast to the compute dtype, where the compiler keeps them (Fitted)
     host: float = 0.0  # what an offload policy moves to host memory: not device memory, not in `total`
     head_apart: bool = False  # Fitted.head_apart: `head` and `working + block` are not live together
+    head_table: float = 0.0  # the tied embedding table gathered whole (`traffic.gathered_head_bytes`): `head` has
+    # `Fitted.head_weights` of it; kept for `estimate.activations_under`, not a term of its own
 
     @property
     def total(self) -> int:
         """Device bytes: every term but `host`; with `head_apart`, the larger of `head` and `working + block`."""
-        device = sum(getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("host", "head_apart"))
+        device = sum(getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _NOT_TERMS)
         if self.head_apart:
             device -= min(self.head, self.working + self.block)
         return int(device)
 
     def as_json(self) -> dict[str, int]:
         """The byte terms."""
-        return {k: int(v) for k, v in dataclasses.asdict(self).items() if k != "head_apart"}
+        return {k: int(v) for k, v in dataclasses.asdict(self).items() if k not in _NOT_TERMS[1:]}
 
 
 def _split(n: int, axes: tuple[str, ...], sizes: Mapping[str, int]) -> int:
@@ -337,14 +344,16 @@ def _microbatch_tokens(tokens: int, length: int, accumulation: int) -> int:
     return -(-sequences // accumulation) * length
 
 
-def gathered_bytes(cfg: Config, unit_bytes: float) -> float:
+def gathered_bytes(cfg: Config, unit_bytes: float, layer_bytes: float = 0.0) -> float:
     """What the fsdp gathers hold at the peak: `unit_bytes` (`traffic.gathered_unit_bytes`) x the units the
-    compiler keeps gathered (`Fitted.gathered_units`)."""
-    return unit_bytes * fitted(compiler(cfg)).gathered_units
+    compiler keeps gathered (`Fitted.gathered_units`), or `layer_bytes` (the unit's largest layer) x
+    `Fitted.gathered_layers` where the compiler has that."""
+    f = fitted(compiler(cfg))
+    return layer_bytes * f.gathered_layers if f.gathered_layers else unit_bytes * f.gathered_units
 
 
 def activation_terms(cfg: Config, sizes: Mapping[str, int], geo: Geometry, gathered: float,
-                     gradients: float, params: float = 0.0) -> ActivationTerms:
+                     gradients: float, params: float = 0.0, head_weights: float = 0.0) -> ActivationTerms:
     """The terms of the module docstring. `gathered`: what the fsdp gathers hold (`gathered_bytes`); `gradients`:
     the gradient bytes per device (for accumulation); `params`: the parameter bytes per device (for the
     compute-dtype copy a compiler may keep, `Fitted.weight_cast`)."""
@@ -352,13 +361,13 @@ def activation_terms(cfg: Config, sizes: Mapping[str, int], geo: Geometry, gathe
     policy = effective_policy(cfg.remat_policy, target)
     local_length = _local_length(cfg, sizes)
     tokens = _microbatch_tokens(geo.tokens, local_length, geo.accumulation)
-    head = 2 * logits_bytes(cfg, sizes, geo) / max(cfg.loss_chunks, 1)
+    head = 2 * logits_bytes(cfg, sizes, geo) / max(cfg.loss_chunks, 1) + head_weights * fitted(target).head_weights
     moe_per_layer = moe_memory.token_bytes(cfg, w, sizes, size)
     moe_share = geo.moe_layers / max(geo.layers, 1)  # MoE layers per unit run (a unit may hold several layers)
     per_layer = len(blocks.main_stack(cfg.model).unit)  # layers in one stacked unit
     accumulation = gradients if geo.accumulation > 1 else 0.0
     common = dict(head=head, gathered=gathered, accumulation=accumulation, cast=_cast_bytes(cfg, params, size),
-                  head_apart=fitted(target).head_apart)
+                  head_apart=fitted(target).head_apart, head_table=head_weights)
     if geo.stages > 1 or geo.microbatches > 1:
         return _pipeline_terms(cfg, w, geo, tokens, per_layer, moe_per_layer * moe_share, common)
     moe_dots = moe_memory.matmul_bytes(cfg, w, sizes, size)

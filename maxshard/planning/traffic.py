@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Iterable, Mapping
 
 import numpy as np
@@ -86,7 +87,9 @@ from maxshard.planning.axes import rule_axes
 
 __all__ = ["Collective", "Geometry", "geometry", "planned_collectives"]
 
+_LAYER_NAME = re.compile(r"layer_\d+")  # a layer of a multi-layer unit, in a parameter's path
 _STACKED = (ax.LAYERS, ax.UNSTAGED_LAYERS)  # the leading axis of a scanned stack (model/blocks.py)
+_UNIT_AXES = (*_STACKED, ax.CIRCULAR_REPEATS, ax.LAYERS_PER_STAGE)  # a weight's axes that count the units it stacks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,11 +209,13 @@ def _weight_collectives(cfg: Config, p: ParamLayout, sizes: Mapping[str, int], g
     return out
 
 
-def gathered_unit_bytes(cfg: Config, report: Report, sizes: Mapping[str, int], geo: Geometry) -> float:
+def gathered_unit_bytes(cfg: Config, report: Report, sizes: Mapping[str, int], geo: Geometry,
+                        largest_layer: bool = False) -> float:
     """Bytes of one stacked unit's weights after the fsdp all-gather, in the compute dtype: what the layer being
     computed holds whole (planning/memory.py); an MoE unit's expert weights twice (their gradient is whole too
-    until it is reduce-scattered)."""
-    total = 0.0
+    until it is reduce-scattered). With `largest_layer`, those of the unit's largest layer alone (a unit of several
+    layers, model/blocks.py, names them layer_0 ..), each weight once."""
+    by_layer: dict[str, float] = {}
     units = max(geo.layers * cfg.model.num_units // max(cfg.num_layers, 1), 1)  # units one device runs
     for p in report.params:
         dims = _dim_axes(p, sizes)
@@ -223,8 +228,31 @@ def gathered_unit_bytes(cfg: Config, report: Report, sizes: Mapping[str, int], g
         if not gather:
             continue
         whole = p.bytes_per_device * _shards(gather, sizes) * geo.compute_itemsize / np.dtype(p.dtype).itemsize
+        if largest_layer:  # per stack and layer of its unit (params/decoder/<stack>[/layer_i]): its units divide it
+            parts = p.name.split("/")
+            layer = "/".join(parts[:next((i + 1 for i, part in enumerate(parts) if _LAYER_NAME.fullmatch(part)), 3)])
+            units_here = math.prod(n for (logical, _), n in zip(dims, p.local_shape) if logical in _UNIT_AXES)
+            by_layer[layer] = by_layer.get(layer, 0.0) + whole / max(units_here, 1)
+            continue
         experts = any(logical == ax.EXP for logical, _ in dims)
-        total += whole / units * (2 if experts else 1)
+        by_layer[""] = by_layer.get("", 0.0) + whole / units * (2 if experts else 1)
+    return max(by_layer.values()) if largest_layer and by_layer else sum(by_layer.values())
+
+
+def gathered_head_bytes(cfg: Config, report: Report, sizes: Mapping[str, int], geo: Geometry) -> float:
+    """Bytes of the tied embedding table gathered whole over its fsdp shards, in the compute dtype, where it is the
+    output head (`logits_via_embedding`); 0 for an untied head or a table no batch axis shards."""
+    if not cfg.logits_via_embedding:
+        return 0.0
+    total = 0.0
+    for p in report.params:
+        if not p.name.endswith("token_embed/embedding"):
+            continue
+        dims = _dim_axes(p, sizes)
+        batch = _token_axes(cfg, sizes, outer=True)
+        gather = tuple(a for a in sizes if a in batch and any(a in axes for _, axes in dims))
+        if gather:
+            total += p.bytes_per_device * _shards(gather, sizes) * geo.compute_itemsize / np.dtype(p.dtype).itemsize
     return total
 
 
