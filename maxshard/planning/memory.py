@@ -361,7 +361,9 @@ def activation_terms(cfg: Config, sizes: Mapping[str, int], geo: Geometry, gathe
     policy = effective_policy(cfg.remat_policy, target)
     local_length = _local_length(cfg, sizes)
     tokens = _microbatch_tokens(geo.tokens, local_length, geo.accumulation)
-    head = 2 * logits_bytes(cfg, sizes, geo) / max(cfg.loss_chunks, 1) + head_weights * fitted(target).head_weights
+    # every multi-token prediction module has its own head (layers/mtp.py): its logits and their gradient as the main one's
+    heads = 1 + cfg.model.mtp_depth
+    head = heads * 2 * logits_bytes(cfg, sizes, geo) / max(cfg.loss_chunks, 1) + head_weights * fitted(target).head_weights
     moe_per_layer = moe_memory.token_bytes(cfg, w, sizes, size)
     moe_share = geo.moe_layers / max(geo.layers, 1)  # MoE layers per unit run (a unit may hold several layers)
     per_layer = len(blocks.main_stack(cfg.model).unit)  # layers in one stacked unit
