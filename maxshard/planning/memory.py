@@ -366,7 +366,8 @@ def activation_terms(cfg: Config, sizes: Mapping[str, int], geo: Geometry, gathe
     return ActivationTerms(
         saved=geo.layers * tokens * (w.saved_bytes(policy, size) + _option_bytes(cfg, w, policy)),
         working=tokens * w.unit_working_bytes(policy, size, target, per_layer),
-        moe=geo.moe_layers * tokens * moe_saved + tokens * moe_per_layer,
+        moe=geo.moe_layers * tokens * moe_saved + tokens * moe_memory.working_bytes(
+            cfg, w, sizes, size, target, fitted(target).working[remat.on_device(policy).name]),
         pipeline=0.0,
         block=w.block_bytes(max(tokens // local_length, 1)),
         host=geo.layers * tokens * w.host_bytes(policy, size),
