@@ -76,6 +76,8 @@ s = the compute dtype's itemsize:
                 device) with expert parallelism over p devices (the fixed exchange buffer; the ragged one's is
                 min(that, k x moe_ragged_buffer_factor)), each held as sorted, sent, received and returned copies
                 and through the tiled SwiGLU: r (6E + 7F) x s (measured on the fixed exchange)
+                XLA:TPU holds less in the layer being differentiated: its measured rows, in place of the dense MLP's
+                share of the working set (planning/moe_memory.py `working_bytes`, `Fitted.moe_rows`)
     accumulation  with k > 1 microbatches, one microbatch's activations at a time (tokens / k in whole
                 sequences: a microbatch smaller than the batch shards still holds one per device) and one more
                 float32 gradient buffer (the running sum)
@@ -239,7 +241,7 @@ class ActivationTerms:
     working: float  # one layer's (or pipeline iteration's) backward
     head: float  # logits and their gradient
     gathered: float  # one unit's weights after the fsdp all-gather
-    moe: float  # dispatch masks and expert activations beyond the dense MLP's
+    moe: float  # dispatch masks and expert activations beyond the dense MLP's (XLA:TPU: may be < 0, moe_memory.py)
     pipeline: float  # per-iteration stage inputs and the circulation buffer
     accumulation: float  # the running gradient sum
     block: float  # the fused attention kernels' score block
