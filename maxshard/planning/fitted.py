@@ -70,8 +70,8 @@ class Fitted:
     # but the one being differentiated
     unit_kept: float = 1.0
     # what the MoE layer being differentiated holds per routed row, in (embed, expert width) elements of the compute
-    # dtype, by path ("dropping"; "local": dropless without an exchange), in place of the dense MLP
-    # (planning/moe_memory.py `working_bytes`); None or a path missing: memory.py's counts, beside the dense MLP
+    # dtype, by path ("dropping"; "local": dropless), in place of the dense MLP, with the experts unsplit (no expert
+    # axis; planning/moe_memory.py `working_bytes`); None, a path missing or an expert axis: memory.py's counts
     moe_rows: Mapping[str, tuple[int, int]] | None = None
 
 

@@ -68,16 +68,16 @@ def token_bytes(cfg: Config, w: Widths, sizes: Mapping[str, int], itemsize: int)
 def working_bytes(cfg: Config, w: Widths, sizes: Mapping[str, int], itemsize: int, compiler_name: str,
                   dense_working: tuple[float, float, float]) -> float:
     """Per token, what the MoE layer being differentiated adds to the layer working set: `token_bytes`, or where the
-    compiler's count was measured (`Fitted.moe_rows`: the dropping path, and dropless without an exchange) its rows
+    compiler's count was measured (`Fitted.moe_rows`: dropping and dropless, with the experts unsplit) its rows
     less the dense MLP's share of the working set (`dense_working`: the policy's row of `Fitted.working`, whose
     fraction of `dense` and mlp widths hold 6F and F of the dense MLP), which the MoE layer has in its place."""
     if not cfg.model.is_moe:
         return 0.0
     measured = fitted(compiler_name).moe_rows
     path = "dropping" if cfg.capacity_factor > 0 else "local"
-    if (measured is None or path not in measured or cfg.model.moe_dropless_impl == "dense"
-            or (path == "local" and _expert_shards(cfg, sizes) > 1)):
-        return token_bytes(cfg, w, sizes, itemsize)
+    dense_path = path == "local" and cfg.model.moe_dropless_impl == "dense"
+    if measured is None or path not in measured or dense_path or _expert_shards(cfg, sizes) > 1:
+        return token_bytes(cfg, w, sizes, itemsize)  # measured with the experts unsplit only
     e, f = measured[path]
     dense_share = (dense_working[0] * 6 + dense_working[2]) * w.mlp * itemsize
     return rows(cfg, sizes) * (e * w.embed + f * w.expert) * itemsize - dense_share
