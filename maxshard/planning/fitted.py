@@ -74,6 +74,10 @@ class Fitted:
     # of what a layer re-runs in a multi-layer unit's backward (memory.py `unit`), the share held for every layer
     # but the one being differentiated
     unit_kept: float = 1.0
+    # what the MoE layer being differentiated holds per routed row, in (embed, expert width) elements of the compute
+    # dtype, by path ("dropping"; "local": dropless), in place of the dense MLP, with the experts unsplit (no expert
+    # axis; planning/moe_memory.py `working_bytes`); None, a path missing or an expert axis: memory.py's counts
+    moe_rows: Mapping[str, tuple[int, int]] | None = None
 
 
 # By compiler. XLA:CPU: the additive model of memory.py's docstring, its constants fitted there. XLA:TPU (libtpu
@@ -108,7 +112,7 @@ class Fitted:
 FITTED = {
     "xla:cpu": Fitted(XLA_CPU_WORKING),
     "xla:tpu": Fitted(XLA_TPU_WORKING, head_apart=True, weight_cast=True, tile=(8, 128), gathered_layers=2,
-                      head_weights=2, unit_kept=0.8),
+                      head_weights=2, unit_kept=0.8, moe_rows={"dropping": (2, 1), "local": (2, 3)}),
 }
 
 

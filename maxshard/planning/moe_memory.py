@@ -1,5 +1,12 @@
 """The MoE terms of the activation plan (planning/memory.py's docstring, `MoE layer`): the expert rows a device
 computes per token, what they hold beyond the dense MLP the layer formula counts, and what `minimal` keeps of them.
+
+The working set of the MoE layer being differentiated (`working_bytes`) is that count on XLA:CPU. XLA:TPU holds far
+less (`Fitted.moe_rows`): one Mixtral MoE layer (emb 4096, 8 experts of 14336, top-2), rematerialised, forward and
+backward compiled for one v6e chip at 1 and 2 sequences of 4096 tokens, held per token 117,964 bytes dropping
+(capacity 1.25, whole-sequence groups: 2.5 rows of 2E + F, the one-hot masks fused into their einsums, never
+stored) and 204,487 dropless with ragged_dot (2 rows of 2E + 3F), in place of the dense MLP whose share of the layer
+working set the layer formula counts (so that share is taken off). Measured on that one shape.
 """
 
 from __future__ import annotations
@@ -11,11 +18,20 @@ from maxshard.config import Config
 from maxshard.model.layers.moe import group_size
 from maxshard.parallel import axis_names as ax
 from maxshard.planning.axes import rule_axes
+from maxshard.planning.fitted import fitted
 
 if TYPE_CHECKING:
     from maxshard.planning.memory import Widths
 
-__all__ = ["rows", "token_bytes", "matmul_bytes"]
+__all__ = ["rows", "token_bytes", "working_bytes", "matmul_bytes"]
+
+
+def _expert_shards(cfg: Config, sizes: Mapping[str, int]) -> int:
+    """Devices the experts are split over: those the dropless exchange runs between (layers/moe_grouped.py)."""
+    p = 1
+    for axis in rule_axes(cfg, ax.EXP, sizes):
+        p *= sizes[axis]
+    return p
 
 
 def rows(cfg: Config, sizes: Mapping[str, int]) -> float:
@@ -25,9 +41,7 @@ def rows(cfg: Config, sizes: Mapping[str, int]) -> float:
         return k * cfg.capacity_factor
     if cfg.model.moe_dropless_impl == "dense":
         return cfg.num_experts
-    p = 1
-    for axis in rule_axes(cfg, ax.EXP, sizes):  # the expert shards of the exchange (layers/moe_grouped.py)
-        p *= sizes[axis]
+    p = _expert_shards(cfg, sizes)
     if p == 1:
         return k
     worst = p * min(k, cfg.num_experts // p)
@@ -49,6 +63,24 @@ def token_bytes(cfg: Config, w: Widths, sizes: Mapping[str, int], itemsize: int)
         g = group_size(cfg.max_target_length, cfg.moe_group_size)
         masks = 2 * g * cfg.num_experts_per_tok * cfg.capacity_factor * 4
     return acts + masks
+
+
+def working_bytes(cfg: Config, w: Widths, sizes: Mapping[str, int], itemsize: int, compiler_name: str,
+                  dense_working: tuple[float, float, float]) -> float:
+    """Per token, what the MoE layer being differentiated adds to the layer working set: `token_bytes`, or where the
+    compiler's count was measured (`Fitted.moe_rows`: dropping and dropless, with the experts unsplit) its rows
+    less the dense MLP's share of the working set (`dense_working`: the policy's row of `Fitted.working`, whose
+    fraction of `dense` and mlp widths hold 6F and F of the dense MLP), which the MoE layer has in its place."""
+    if not cfg.model.is_moe:
+        return 0.0
+    measured = fitted(compiler_name).moe_rows
+    path = "dropping" if cfg.capacity_factor > 0 else "local"
+    dense_path = path == "local" and cfg.model.moe_dropless_impl == "dense"
+    if measured is None or path not in measured or dense_path or _expert_shards(cfg, sizes) > 1:
+        return token_bytes(cfg, w, sizes, itemsize)  # measured with the experts unsplit only
+    e, f = measured[path]
+    dense_share = (dense_working[0] * 6 + dense_working[2]) * w.mlp * itemsize
+    return rows(cfg, sizes) * (e * w.embed + f * w.expert) * itemsize - dense_share
 
 
 def matmul_bytes(cfg: Config, w: Widths, sizes: Mapping[str, int], itemsize: int) -> float:
