@@ -122,6 +122,10 @@ def value_and_grad(trainer: Any) -> Callable[..., tuple[tuple[jax.Array, dict], 
     def first_fn(ot: Any, of: Any, mb: dict) -> jax.Array:
         return model.apply({"params": trainable.merge(ot, of)}, mb["inputs"], method=_embed)
 
+    # the trained stack's state sharding, to which the runner pins each stage's weights and their gradient
+    state_specs = jax.tree.map(lambda s: s.spec, trainer.state_shardings.params)
+    stack_specs = _split_stack(trainable.split(state_specs, cfg.model)[0])[0]
+
     def grads(trained: Any, batch: dict, frozen: Any = None, reference: Any = None,
               totals: dict | None = None) -> tuple[tuple[jax.Array, dict], Any]:
         frozen = frozen or {}
@@ -134,7 +138,7 @@ def value_and_grad(trainer: Any) -> Callable[..., tuple[tuple[jax.Array, dict], 
             aux[_REFERENCE] = pipeline_runner.split_microbatches(ref, shape.microbatches)
         loss_of = lambda lt, lf, y, mb: last_fn(lt, lf, y, mb, totals)  # noqa: E731
         sums, stack_g, outer_g = pipeline_runner.run(table, first_fn, stage_fn, loss_of, (stack_t, stack_f),
-                                                     (outer_t, outer_f), aux, trainer.mesh)
+                                                     (outer_t, outer_f), aux, trainer.mesh, stack_specs)
         loss = sums["loss_sum"] + moe.objective(sums, cfg.load_balance_loss_weight, cfg.router_z_loss_weight)
         return (loss, sums), _join_stack(stack_g, outer_g)
 

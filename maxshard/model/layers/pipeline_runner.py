@@ -71,13 +71,21 @@ def _rules_without_stage() -> tuple:
 
 
 def run(table: Table, first_fn: FirstFn, stage_fn: StageFn, last_fn: LastFn, stack: tuple[Any, Any],
-        outer: tuple[Any, Any], aux: Any, mesh: Any) -> tuple[dict, Any, Any]:
+        outer: tuple[Any, Any], aux: Any, mesh: Any, stack_specs: Any = None) -> tuple[dict, Any, Any]:
     """(loss sums over the microbatches, gradient sums of the trained stack [R, S, L, ...], of the trained `outer`
     parameters).
 
     stack: (trained, frozen) weights [R, S, L, ...]; outer: (trained, frozen) parameters that `first_fn` (the
     embedding, on stage 0) and `last_fn` (final norm, head, objective, on the last stage) read; aux: a tree of
-    [M, ...] arrays (token ids, segment ids, positions, targets, ...), indexed by the microbatch of the action."""
+    [M, ...] arrays (token ids, segment ids, positions, targets, ...), indexed by the microbatch of the action;
+    stack_specs: the PartitionSpec of each trained stack leaf (its state sharding), or None (no constraint).
+
+    Why the specs: a stage's weight gradient is computed from its gathered weights, one layer at a time in the
+    backward of the layer scan. Without a constraint XLA:TPU's sharding propagation does not reach that scan
+    through the tick loop, the switch and the vjp, and the scan accumulates the stage's gradient whole (every fsdp
+    shard of every layer, float32) before reducing it once: 6.9 GiB per device for two 70B-width layers, above
+    what the in-flight activations save. Pinned to the state's sharding, each layer's gradient is reduce-scattered
+    inside the scan, as `jax.grad` of the circular pipeline does (benchmarks/README.md, pipeline schedules)."""
     s, j_last = table.stages, table.virtual * table.stages - 1
     branch = np.zeros(5, np.int32)
     branch[[IDLE, F, F_LAST, B, W]] = [0, 1, 1, 2, 3]  # the switch's branches: F and F_LAST share one
@@ -86,9 +94,12 @@ def run(table: Table, first_fn: FirstFn, stage_fn: StageFn, last_fn: LastFn, sta
     stack_spec = jax.tree.map(lambda _: P(None, STAGE), stack)
     rules = _rules_without_stage()
 
+    pin = _pin_fn(stack_specs)
+
     def body(stack: tuple[Any, Any], outer: tuple[Any, Any], aux: Any):
         with nn.logical_axis_rules(rules):
-            return _ticks(table, columns, first_fn, stage_fn, last_fn, stack, outer, aux, s, j_last)
+            pinned_stage = lambda w, wf, x, a: stage_fn(pin(w), wf, x, a)  # noqa: E731
+            return _ticks(table, columns, first_fn, pinned_stage, last_fn, stack, outer, aux, s, j_last)
 
     return jax.shard_map(body, mesh=mesh, axis_names={STAGE}, check_vma=False, in_specs=(stack_spec, P(), P()),
                          out_specs=(P(), stack_spec[0], P()))(stack, outer, aux)
@@ -185,6 +196,24 @@ def _ticks(table: Table, columns: tuple, first_fn: FirstFn, stage_fn: StageFn, l
     total = lambda tree: jax.tree.map(lambda a: jax.lax.psum(a, STAGE), tree)  # noqa: E731
     grads = jax.tree.map(lambda g: g[:, None], carry["grads"])  # [R, 1, L, ...]
     return total(carry["sums"]), grads, total(carry["outer_grads"])
+
+
+def _pin_fn(stack_specs: Any) -> Callable[[Any], Any]:
+    """A function that constrains one virtual stage's trained weights [L, ...] (and, transposed, their gradient)
+    to the sharding of the stack [R, S, L, ...] they come from, less R and the manual `stage` axis."""
+    if stack_specs is None:
+        return lambda w: w
+
+    def drop_stage(entry: Any) -> Any:
+        if isinstance(entry, (tuple, list)):
+            return tuple(a for a in entry if a != STAGE) or None
+        return None if entry == STAGE else entry
+
+    def inner(spec: P) -> P:
+        return P(*(drop_stage(e) for e in tuple(spec)[2:]))
+
+    specs = jax.tree.map(inner, stack_specs, is_leaf=lambda x: isinstance(x, P))
+    return lambda w: jax.tree.map(jax.lax.with_sharding_constraint, w, specs)
 
 
 def _at(tree: Any, m: jax.Array | int) -> Any:
