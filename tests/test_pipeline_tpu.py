@@ -7,7 +7,7 @@ state sharding (`pipeline_runner._pin_fn`). Without the pin the scan accumulates
 the stage's layers (every fsdp shard) before one reduce-scatter: at Llama-3-70B widths, 2 layers per stage, that
 is 6.9 GiB per device and put 1F1B's peak 5.2 GiB above circular's (benchmarks/README.md, pipeline schedules).
 XLA:CPU propagates the sharding either way, so only an XLA:TPU program shows it; the compiled 1f1b step at a small
-shape is checked for an array of the whole [layers per stage, emb, mlp] float32 shape.
+shape (v5e-4: stage=2 x fsdp=2) is checked for an array of the whole [layers per stage, emb, mlp] float32 shape.
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from maxshard.run.target import load_for_target
 if importlib.util.find_spec("libtpu") is None:  # a test dependency: missing means a broken install, not a skip
     raise ImportError(f"tests/test_pipeline_tpu.py needs libtpu: {INSTALL}")
 
-TARGET = topologies.parse("v5litepod-8")
+TARGET = topologies.parse("v5litepod-4")
 # the smallest shape that showed the whole gradient (40 arrays of it without the pin, none with it); dot_product
 # attention: no Mosaic kernel to compile, and attention has no part in the weight gradient's layout
-MODEL = ("dataset_type=synthetic", "pipeline_schedule=1f1b", "emb_dim=256", "num_heads=2", "num_kv_heads=2",
-         "head_dim=128", "mlp_dim=512", "max_target_length=256", "num_layers=4", "vocab_size=512",
-         "ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4", "num_layers_per_pipeline_stage=2",
+MODEL = ("dataset_type=synthetic", "pipeline_schedule=1f1b", "emb_dim=128", "num_heads=1", "num_kv_heads=1",
+         "head_dim=128", "mlp_dim=256", "max_target_length=128", "num_layers=4", "vocab_size=512",
+         "ici_pipeline_parallelism=2", "ici_fsdp_parallelism=2", "num_layers_per_pipeline_stage=2",
          "num_pipeline_microbatches=2", "per_device_batch_size=1", "remat_policy=full", "attention=dot_product")
 
 
