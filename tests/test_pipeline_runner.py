@@ -20,9 +20,11 @@ import pytest
 
 from maxshard import train
 from maxshard.errors import ConfigError
+from maxshard.model import blocks
 from maxshard.model.layers import pipeline
 from maxshard.training.step import Trainer
 from tests.helpers import max_relative_difference, mesh_for, run_losses
+from tests.test_blocks import LOCAL_GLOBAL
 from tests.test_pipeline import TOLERANCE, loss_and_grads, packed_batch, random_params, small_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -99,8 +101,23 @@ def test_the_runner_gives_the_scanned_model_s_gradients(schedule, scanned):
 
 
 def test_what_the_runner_does_not_run_is_one_line():
-    with pytest.raises(ConfigError, match="pipeline_schedule=1f1b runs dense models only"):
-        small_config("pipeline_schedule=1f1b", *P2_FSDP4, "num_layers_per_pipeline_stage=4", "num_experts=4",
-                     "num_experts_per_tok=2", "moe_layer_interval=1")
+    with pytest.raises(ConfigError, match="pipeline_schedule=1f1b does not run MoE layers after the pipeline"):
+        small_config("pipeline_schedule=1f1b", *P2_FSDP4, "num_layers=5", "num_layers_per_pipeline_stage=1",
+                     "num_experts=4", "num_experts_per_tok=2", "attention_pattern=local,global", "sliding_window=4")
     with pytest.raises(ConfigError, match="num_pipeline_repeats must be 1"):
         small_config("pipeline_schedule=zero_bubble", *P2_FSDP4)  # 8 layers, 1 per stage: 4 repeats
+
+
+def test_the_layers_around_the_pipeline_run_in_the_runner_s_first_and_last_parts():
+    """Gemma's options (tests/test_blocks.py): the scaled embedding on stage 0, the layer a [local, global] pattern
+    leaves over after the pipeline on the last stage, within 1e-5 of the scanned model (the dense layers before
+    the pipeline: tests/test_pipeline_runner_moe.py)."""
+    ref_cfg = small_config(*LOCAL_GLOBAL)
+    trainer = Trainer(ref_cfg, mesh_for(ref_cfg))
+    params, batch = random_params(trainer), packed_batch(ref_cfg, trainer.mesh)
+    ref_loss, ref_grads = loss_and_grads(ref_cfg, params, batch)
+    cfg = small_config(*LOCAL_GLOBAL, *P2_FSDP4, "num_layers_per_pipeline_stage=1", "pipeline_schedule=1f1b")
+    assert [s.name for s in blocks.stacks(cfg.model)] == ["layers", "last_layers"] and cfg.model.embed_scale
+    loss, grads = loss_and_grads(cfg, pipeline.from_scanned(params, cfg.model.pipeline), batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=TOLERANCE)
+    assert max_relative_difference(pipeline.to_scanned(grads), ref_grads) < TOLERANCE
