@@ -7,10 +7,12 @@ accumulation, the optimizer and the metrics are the same code for every schedule
 
 The model splits in three around the stack: the first part (the embedding and the stack of dense first layers,
 `first_k_dense_replace`; on stage 0, per microbatch, inside its forward; its gradient inside the stage's B), the
-stages, and the last part (the layers a pattern leaves over, final norm, head, objective), which runs on the last
-stage right after each microbatch's forward so that its backward can start at once (1F1B). No stage holds the
-whole batch's activations: only the token ids and the other batch fields travel whole. A frozen DPO reference is computed before, by
-the model's own forward (the circular order: the same function), and travels with its microbatch.
+stages, and the last part (the layers a pattern leaves over, final norm, head, objective; the multi-token
+prediction modules and their loss, `mtp_depth`, which read the microbatch's embedded tokens again there), which runs
+on the last stage right after each microbatch's forward so that its backward can start at once (1F1B). No stage
+holds the whole batch's activations: only the token ids and the other batch fields travel whole. A frozen DPO
+reference is computed before, by the model's own forward (the circular order: the same function), and travels with
+its microbatch.
 
 MoE router statistics: each stage returns what its layers sowed and its share of the router losses, computed by
 moe_stats' own `loss_sums` and `objective` with the batch's weight split evenly over the R x S x M
@@ -32,7 +34,7 @@ import jax.numpy as jnp
 
 from maxshard.config import Config
 from maxshard.model import blocks, pipeline_schedule, trainable
-from maxshard.model.layers import moe, pipeline_runner
+from maxshard.model.layers import moe, mtp, pipeline_runner
 from maxshard.model.layers.decoder import remat_policy, rematted, stack_unit
 from maxshard.model.layers.pipeline import _stage_class
 from maxshard.parallel import axis_names as ax
@@ -114,6 +116,17 @@ def _run_stacks(modules: list[tuple[str, nn.Module]], params: Any, x: jax.Array,
     return x
 
 
+def _hidden_with_mtp(module: Any, y: jax.Array, embedded: jax.Array, segment_ids: jax.Array, positions: jax.Array
+                     ) -> tuple[jax.Array, list[jax.Array]]:
+    """`Transformer.hidden_with_mtp` from the last stage's output: the final norm, then the prediction modules."""
+    hidden = x = module.final_norm(y)
+    predicted = []
+    for prediction in module.mtp:
+        x = prediction(x, embedded, segment_ids, positions)
+        predicted.append(x)
+    return hidden, predicted
+
+
 def _fields(mb: dict) -> dict:
     """The batch fields the objective reads (the runner's own entries taken out)."""
     return {k: v for k, v in mb.items() if k not in (_REFERENCE, _SHARE)}
@@ -156,13 +169,25 @@ def value_and_grad(trainer: Any) -> Callable[..., tuple[tuple[jax.Array, dict], 
 
     def last_fn(lt: Any, lf: Any, y: jax.Array, mb: dict, totals: dict) -> tuple[jax.Array, dict]:
         params = {"params": trainable.merge(lt, lf)}
-        hidden = model.apply(params, _run_stacks(after, params["params"], y, mb), method=_hidden_out)
+        y = _run_stacks(after, params["params"], y, mb)
+        predicted: list[jax.Array] = []
+        if trainer.trains_mtp:  # the prediction modules read the microbatch's embedded tokens, embedded again here
+            embedded = model.apply(params, mb["inputs"], method=_embed)
+            hidden, predicted = model.apply(params, y, embedded, mb["segment_ids"], mb["positions"],
+                                            method=_hidden_with_mtp)
+        else:
+            hidden = model.apply(params, y, method=_hidden_out)
         head = lambda h: model.apply(params, h, method="head")  # noqa: E731
         if cfg.loss_chunks > 1:
             logps = chunked_token_logps(head, hidden, mb["targets"], cfg.loss_chunks, _token_logps)
         else:
             logps = _token_logps(head(hidden), mb["targets"])
-        return objective.sums(logps, _fields(mb), totals, mb.get(_REFERENCE))
+        loss_sum, sums = objective.sums(logps, _fields(mb), totals, mb.get(_REFERENCE))
+        if predicted:  # as Trainer._token_logps: the head over pieces (one piece without loss_chunks)
+            logps_of = lambda fn, h, t: chunked_token_logps(fn, h, t, max(cfg.loss_chunks, 1), _token_logps)  # noqa
+            sums = {**sums, **mtp.loss_sums(head, predicted, mb, logps_of)}
+            loss_sum = loss_sum + mtp.objective(sums, cfg.mtp_loss_weight)  # linear in each microbatch's sums
+        return loss_sum, sums
 
     def first_fn(ot: Any, of: Any, mb: dict) -> jax.Array:
         params = {"params": trainable.merge(ot, of)}
@@ -192,7 +217,7 @@ def value_and_grad(trainer: Any) -> Callable[..., tuple[tuple[jax.Array, dict], 
         # where the circular pipeline puts its stages' sown values (layers/pipeline.py), whose paths moe_stats maps
         stats = moe.collect_stats({"decoder": {"pipeline": {"stages": sown}}}) if sown else {}
         sums = {**sums, **moe.loss_sums(stats, sums["weight_sum"])}
-        loss = sums["loss_sum"] + moe.objective(sums, *router_weights)
+        loss = sums["loss_sum"] + moe.objective(sums, *router_weights) + mtp.objective(sums, cfg.mtp_loss_weight)
         return (loss, sums), _join_stack(stack_g, outer_g)
 
     return grads
