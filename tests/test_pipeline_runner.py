@@ -6,7 +6,8 @@ update); the layouts alternate pipeline=2 x fsdp=4 and pipeline=4 x fsdp=2 (inte
 device). Gradients: the step's summed gradients (`Trainer._grads`, which takes them from the runner) against the
 scanned model's, for the runner's fused backward (1f1b, with gradient accumulation and the minimal remat policy) and
 its split one (zero_bubble, with tensor=2 inside a stage); each leaf within 1e-5 of its own largest value
-(tests/test_pipeline.py says why).
+(tests/test_pipeline.py says why). The parts around the stages (a scaled embedding, left-over layers, multi-token
+prediction) likewise; MoE models: tests/test_pipeline_runner_moe.py.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from maxshard.model import blocks
 from maxshard.model.layers import pipeline
 from maxshard.training.step import Trainer
 from tests.helpers import max_relative_difference, mesh_for, run_losses
-from tests.test_blocks import LOCAL_GLOBAL
 from tests.test_pipeline import TOLERANCE, loss_and_grads, packed_batch, random_params, small_config, sums_and_grads
 
 REPO = Path(__file__).resolve().parent.parent
@@ -54,6 +54,7 @@ GRADS = {
 
 
 MTP = ("mtp_depth=1", "mtp_loss_weight=0.5")
+AROUND = ("num_layers=5", "attention_pattern=local,global", "sliding_window=3", "embed_scale=true")
 
 
 def _keys(base: Path, name: str, devices: int, *layout: str) -> list[str]:
@@ -117,16 +118,15 @@ def test_what_the_runner_does_not_run_is_one_line():
 
 
 def test_the_layers_around_the_pipeline_run_in_the_runner_s_first_and_last_parts():
-    """Gemma's options (tests/test_blocks.py): the scaled embedding on stage 0, the layer a [local, global] pattern
-    leaves over after the pipeline on the last stage, and a multi-token prediction module after it (its loss beside
-    the main head's), within 1e-5 of the scanned model (the dense layers before the pipeline:
-    tests/test_pipeline_runner_moe.py)."""
-    ref_cfg = small_config(*LOCAL_GLOBAL, *MTP)
+    """Gemma's scaled embedding on stage 0, the layer a [local, global] pattern leaves over after the pipeline on the
+    last stage, and a multi-token prediction module after it (its loss beside the main head's), within 1e-5 of the
+    scanned model (the dense layers before the pipeline: tests/test_pipeline_runner_moe.py)."""
+    ref_cfg = small_config(*AROUND, *MTP)
     assert Trainer(ref_cfg, mesh_for(ref_cfg)).trains_mtp
     trainer = Trainer(ref_cfg, mesh_for(ref_cfg))
     params, batch = random_params(trainer), packed_batch(ref_cfg, trainer.mesh)
     ref_sums, ref_grads = sums_and_grads(ref_cfg, params, batch)
-    cfg = small_config(*LOCAL_GLOBAL, *MTP, *P2_FSDP4, "num_layers_per_pipeline_stage=1", "pipeline_schedule=1f1b")
+    cfg = small_config(*AROUND, *MTP, *P2_FSDP4, "num_layers_per_pipeline_stage=1", "pipeline_schedule=1f1b")
     assert [s.name for s in blocks.stacks(cfg.model)] == ["layers", "last_layers"] and cfg.model.embed_scale
     sums, grads = sums_and_grads(cfg, pipeline.from_scanned(params, cfg.model.pipeline), batch)
     for key in ("loss_sum", "weight_sum", "mtp_nll_sum", "mtp_weight_sum"):
