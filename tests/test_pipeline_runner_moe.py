@@ -28,13 +28,19 @@ DEEPSEEK_LIKE = ("num_layers=3", "first_k_dense_replace=1", "num_experts=4", "nu
                  "moe_bias_update_rate=0.01", "num_shared_experts=1", "load_balance_loss_weight=0.1",
                  "router_z_loss_weight=0.01", "moe_seq_balance_loss_weight=0.1", "num_layers_per_pipeline_stage=1",
                  "num_pipeline_microbatches=2")
+# Mixtral's: a softmax router, experts of limited capacity that drop tokens
+CAPACITY = ("num_layers=2", "num_experts=4", "num_experts_per_tok=2", "capacity_factor=0.5",
+            "load_balance_loss_weight=0.1", "router_z_loss_weight=0.01", "num_layers_per_pipeline_stage=1",
+            "num_pipeline_microbatches=2")
+MODELS = {"deepseek_like": DEEPSEEK_LIKE, "capacity": CAPACITY}
 P2_FSDP4 = ("ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4")
-CASES = {  # schedule -> layout: the fused backward with expert parallelism inside a stage, there with the grouped
-    # dropless experts (moe_grouped.py: their exchange is a shard_map over `expert` inside the runner's over `stage`;
-    # the same function as the dense reference, which compiles faster), and the split backward
-    "1f1b": ("ici_pipeline_parallelism=2", "ici_expert_parallelism=2", "ici_fsdp_parallelism=2",
-             "moe_dropless_impl=tiled"),
-    "zero_bubble": P2_FSDP4,
+CASES = {  # name -> (model, schedule, layout)
+    # the fused backward with expert parallelism inside a stage, there with the grouped dropless experts
+    # (moe_grouped.py: their exchange is a shard_map over `expert` inside the runner's over `stage`; the same
+    # function as the dense reference's, which compiles faster)
+    "deepseek_like_1f1b_expert2": ("deepseek_like", "1f1b", ("ici_pipeline_parallelism=2", "ici_expert_parallelism=2",
+                                                             "ici_fsdp_parallelism=2", "moe_dropless_impl=tiled")),
+    "capacity_zero_bubble": ("capacity", "zero_bubble", P2_FSDP4),  # the split backward
 }
 
 
@@ -48,28 +54,32 @@ def sums_and_grads(cfg, params, batch) -> tuple[dict, dict]:
     return jax.device_get(sums), jax.device_get(grads)
 
 
-@pytest.fixture(scope="module")
-def circular():
-    """The circular schedule (pipeline=2 x fsdp=4): parameters, a packed batch, the step's sums and gradients."""
-    cfg = small_config(*DEEPSEEK_LIKE, *P2_FSDP4)
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request):
+    """(the case's model and layout, parameters, a packed batch, the circular schedule's sums and gradients on
+    pipeline=2 x fsdp=4)."""
+    model, schedule, layout = CASES[request.param]
+    cfg = small_config(*MODELS[model], *P2_FSDP4)
     trainer = Trainer(cfg, mesh_for(cfg))
     params, batch = random_params(trainer), packed_batch(cfg, trainer.mesh)
-    return params, batch, *sums_and_grads(cfg, params, batch)
+    return (MODELS[model], schedule, layout), params, batch, *sums_and_grads(cfg, params, batch)
 
 
-@pytest.mark.parametrize("schedule", list(CASES))
-def test_the_runner_carries_the_router_statistics_like_the_circular_pipeline(schedule, circular):
-    params, batch, ref_sums, ref_grads = circular
-    cfg = small_config(*DEEPSEEK_LIKE, *CASES[schedule], f"pipeline_schedule={schedule}")
+def test_the_runner_carries_the_router_statistics_like_the_circular_pipeline(case):
+    (model, schedule, layout), params, batch, ref_sums, ref_grads = case
+    cfg = small_config(*model, *layout, f"pipeline_schedule={schedule}")
     assert cfg.model.pipeline.schedule == schedule
     sums, grads = sums_and_grads(cfg, params, batch)
     assert sorted(sums) == sorted(ref_sums)  # and below their shapes: the carry of gradient accumulation's scan
     for key in ("loss_sum", "weight_sum", "moe_lb_loss", "moe_z_loss", "moe_seq_loss", "moe_assigned",
                 "moe_dropped"):
         np.testing.assert_allclose(sums[key], ref_sums[key], rtol=TOLERANCE, err_msg=key)
-    assert min(ref_sums[key] for key in ("moe_lb_loss", "moe_z_loss", "moe_seq_loss")) > 0
+    assert ref_sums["moe_lb_loss"] > 0 and ref_sums["moe_z_loss"] > 0
     np.testing.assert_allclose(sums["moe_load"], ref_sums["moe_load"], rtol=TOLERANCE)  # per layer and microbatch
-    # what move_bias reads: each selection bias's load over every microbatch
-    assert sums["moe_bias_loads"].keys() == ref_sums["moe_bias_loads"].keys()
-    assert max_relative_difference(sums["moe_bias_loads"], ref_sums["moe_bias_loads"]) < TOLERANCE
+    if model is CAPACITY:
+        assert ref_sums["moe_dropped"] > 0  # the capacity drops
+    else:  # the sequence-wise loss, and what move_bias reads: each selection bias's load over every microbatch
+        assert ref_sums["moe_seq_loss"] > 0
+        assert sums["moe_bias_loads"].keys() == ref_sums["moe_bias_loads"].keys()
+        assert max_relative_difference(sums["moe_bias_loads"], ref_sums["moe_bias_loads"]) < TOLERANCE
     assert max_relative_difference(grads, ref_grads) < TOLERANCE
