@@ -6,7 +6,8 @@ update); the layouts alternate pipeline=2 x fsdp=4 and pipeline=4 x fsdp=2 (inte
 device). Gradients: the step's summed gradients (`Trainer._grads`, which takes them from the runner) against the
 scanned model's, for the runner's fused backward (1f1b, with gradient accumulation and the minimal remat policy) and
 its split one (zero_bubble, with tensor=2 inside a stage); each leaf within 1e-5 of its own largest value
-(tests/test_pipeline.py says why).
+(tests/test_pipeline.py says why). The parts around the stages (a scaled embedding, left-over layers, multi-token
+prediction) likewise; MoE models: tests/test_pipeline_runner_moe.py.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ import pytest
 
 from maxshard import train
 from maxshard.errors import ConfigError
+from maxshard.model import blocks
 from maxshard.model.layers import pipeline
 from maxshard.training.step import Trainer
 from tests.helpers import max_relative_difference, mesh_for, run_losses
-from tests.test_pipeline import TOLERANCE, loss_and_grads, packed_batch, random_params, small_config
+from tests.test_pipeline import (TOLERANCE, loss_and_grads, packed_batch, random_params, small_config,
+                                 sums_and_grads)
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = str(REPO / "configs" / "base.yml")
@@ -49,6 +52,10 @@ GRADS = {
     "zero_bubble": ("ici_pipeline_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2",
                     "num_layers_per_pipeline_stage=4", "num_pipeline_microbatches=4"),
 }
+
+
+MTP = ("mtp_depth=1", "mtp_loss_weight=0.5")
+AROUND = ("num_layers=5", "attention_pattern=local,global", "sliding_window=3", "embed_scale=true")
 
 
 def _keys(base: Path, name: str, devices: int, *layout: str) -> list[str]:
@@ -99,8 +106,29 @@ def test_the_runner_gives_the_scanned_model_s_gradients(schedule, scanned):
 
 
 def test_what_the_runner_does_not_run_is_one_line():
-    with pytest.raises(ConfigError, match="pipeline_schedule=1f1b runs dense models only"):
+    with pytest.raises(ConfigError, match="pipeline_schedule=1f1b does not run MoE layers after the pipeline"):
+        small_config("pipeline_schedule=1f1b", *P2_FSDP4, "num_layers=5", "num_layers_per_pipeline_stage=1",
+                     "num_experts=4", "num_experts_per_tok=2", "attention_pattern=local,global", "sliding_window=4")
+    with pytest.raises(ConfigError, match="mtp_depth=1 with MoE layers .* runs with pipeline_schedule=circular"):
         small_config("pipeline_schedule=1f1b", *P2_FSDP4, "num_layers_per_pipeline_stage=4", "num_experts=4",
-                     "num_experts_per_tok=2", "moe_layer_interval=1")
+                     "num_experts_per_tok=2", *MTP)
     with pytest.raises(ConfigError, match="num_pipeline_repeats must be 1"):
         small_config("pipeline_schedule=zero_bubble", *P2_FSDP4)  # 8 layers, 1 per stage: 4 repeats
+
+
+def test_the_layers_around_the_pipeline_run_in_the_runner_s_first_and_last_parts():
+    """Gemma's scaled embedding on stage 0, the layer a [local, global] pattern leaves over after the pipeline on the
+    last stage, and a multi-token prediction module after it (its loss beside the main head's), within 1e-5 of the
+    scanned model (the dense layers before the pipeline: tests/test_pipeline_runner_moe.py)."""
+    ref_cfg = small_config(*AROUND, *MTP)
+    trainer = Trainer(ref_cfg, mesh_for(ref_cfg))
+    assert trainer.trains_mtp
+    params, batch = random_params(trainer), packed_batch(ref_cfg, trainer.mesh)
+    ref_sums, ref_grads = sums_and_grads(ref_cfg, params, batch)
+    cfg = small_config(*AROUND, *MTP, *P2_FSDP4, "num_layers_per_pipeline_stage=1", "pipeline_schedule=1f1b")
+    assert [s.name for s in blocks.stacks(cfg.model)] == ["layers", "last_layers"] and cfg.model.embed_scale
+    sums, grads = sums_and_grads(cfg, pipeline.from_scanned(params, cfg.model.pipeline), batch)
+    for key in ("loss_sum", "weight_sum", "mtp_nll_sum", "mtp_weight_sum"):
+        np.testing.assert_allclose(sums[key], ref_sums[key], rtol=TOLERANCE, err_msg=key)
+    assert max_relative_difference(pipeline.to_scanned(grads), ref_grads) < TOLERANCE
+    assert np.any(grads["mtp_1"]["eh_proj"]["kernel"])  # the module trained

@@ -80,14 +80,23 @@ def _check_batch(cfg: Config, shape: PipelineShape, mesh_sizes: Mapping[str, int
                           f"{m}) is not divisible by the {shards} batch shards ({shown})")
 
 
+def _left_over_layers(cfg: Config) -> int:
+    """How many layers the main stack's unit leaves over (model/blocks.py's last stack): the runner computes
+    them per microbatch on the last stage, whose MoE statistics would be per-microbatch means where the circular
+    pipeline's are over the whole batch."""
+    body = cfg.num_layers - (cfg.first_k_dense_replace if cfg.num_experts > 1 else 0)
+    return body % math.lcm(len(cfg.attention_pattern), cfg.moe_layer_interval if cfg.num_experts > 1 else 1)
+
+
 def _check_runner(cfg: Config, mesh_sizes: Mapping[str, int]) -> None:
     """What the table schedules' runner (model/layers/pipeline_runner.py) does not run yet, refused in one line."""
     name = cfg.pipeline_schedule
     if name == "circular":
         return
-    if cfg.num_experts > 1:
-        raise ConfigError(f"pipeline_schedule={name} runs dense models only (num_experts=1; the runner does not carry "
-                          "MoE router statistics yet): use pipeline_schedule=circular")
+    if cfg.num_experts > 1 and _left_over_layers(cfg) >= cfg.moe_layer_interval:
+        raise ConfigError(f"pipeline_schedule={name} does not run MoE layers after the pipeline (the attention "
+                          "pattern leaves an MoE layer over: num_layers - first_k_dense_replace is not a multiple of "
+                          "lcm(attention_pattern length, moe_layer_interval)): use pipeline_schedule=circular")
     if cfg.quantization != "none":
         raise ConfigError(f"pipeline_schedule={name} does not run quantization={cfg.quantization} yet: use "
                           "pipeline_schedule=circular")

@@ -5,25 +5,37 @@ interleaved_1f1b | zero_bubble`), taken from the runner (model/layers/pipeline_r
 the function has the same signature and returns the same (loss, sums) and gradient trees, so gradient
 accumulation, the optimizer and the metrics are the same code for every schedule, and circular's path is untouched.
 
-The model splits in three around the stack: the embedding (on stage 0, per microbatch, inside its forward; its
-gradient inside the stage's B), the stages, and the last part (final norm, head, objective), which runs on the last
-stage right after each microbatch's forward so that its backward can start at once (1F1B). No stage holds the
-whole batch's activations: only the token ids and the other batch fields travel whole. A frozen DPO reference is computed before, by
-the model's own forward (the circular order: the same function), and travels with its microbatch.
+The model splits in three around the stack: the first part (the embedding and the stack of dense first layers,
+`first_k_dense_replace`; on stage 0, per microbatch, inside its forward; its gradient inside the stage's B), the
+stages, and the last part (the layers a pattern leaves over, final norm, head, objective; the multi-token
+prediction modules and their loss, `mtp_depth`, which read the microbatch's embedded tokens again there), which runs
+on the last stage right after each microbatch's forward so that its backward can start at once (1F1B). No stage
+holds the whole batch's activations: only the token ids and the other batch fields travel whole. A frozen DPO
+reference is computed before, by the model's own forward (the circular order: the same function), and travels with
+its microbatch.
+
+MoE router statistics: each stage returns what its layers sowed and its share of the router losses, computed by
+moe_stats' own `loss_sums` and `objective` with the batch's weight split evenly over the R x S x M
+stage-microbatches (the loss is linear in the summed statistics: each of them enters the circular pipeline's
+objective as weight_sum x its value / their number). The weight is the objective's `weight_sum` of the whole call,
+known from the batch before the run; the runner's statistics [R, M, S, ...] go where the circular pipeline puts
+them, so the sums, metrics and selection-bias moves are computed as for the circular schedule.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+import math
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from maxshard.config import Config
-from maxshard.model import pipeline_schedule, trainable
-from maxshard.model.layers import moe, pipeline_runner
-from maxshard.model.layers.decoder import remat_policy, stack_unit
+from maxshard.model import blocks, pipeline_schedule, trainable
+from maxshard.model.layers import moe, mtp, pipeline_runner
+from maxshard.model.layers.decoder import remat_policy, rematted, stack_unit
 from maxshard.model.layers.pipeline import _stage_class
 from maxshard.parallel import axis_names as ax
 from maxshard.parallel.sharding import constrain
@@ -32,6 +44,7 @@ from maxshard.training.loss import chunked_token_logps
 __all__ = ["runs", "value_and_grad"]
 
 _REFERENCE = "__reference_logps"  # the frozen reference's log-probabilities, beside the batch fields
+_SHARE = "__router_loss_weight"  # each stage-microbatch's share of the call's weight_sum (MoE router losses)
 
 
 def runs(cfg: Config) -> bool:
@@ -82,7 +95,41 @@ def _embed(module: Any, inputs: jax.Array) -> jax.Array:
 
     split = inputs.reshape(rows, pieces, length // pieces).swapaxes(0, 1)  # [pieces, rows, length / pieces]
     x = jax.lax.map(lookup, split).swapaxes(0, 1).reshape(rows, length, -1)
+    if module.cfg.embed_scale:  # Gemma: as Transformer._stream scales it
+        x = x * jnp.asarray(math.sqrt(module.cfg.emb_dim), x.dtype)
     return constrain(x, ax.EMBEDDED)
+
+
+def _side_stack(cfg: Any, name: str) -> nn.Module:
+    """The stack `name` that runs outside the pipeline (dense first layers, the layers a pattern leaves over), as
+    the decoder scans it (layers/decoder.py, `Decoder._scanned`), unbound: applied to params decoder/<name>."""
+    stack = blocks.stack_named(cfg, name)
+    scanned = nn.scan(rematted(cfg, stack_unit(cfg, stack)), variable_axes={"params": 0},
+                      split_rngs={"params": True}, in_axes=(nn.broadcast, nn.broadcast), length=stack.repeats,
+                      metadata_params={nn.PARTITION_NAME: ax.UNSTAGED_LAYERS})
+    return scanned(cfg, cfg.compute_dtype, cfg.param_dtype, stack=name, parent=None)
+
+
+def _run_stacks(modules: list[tuple[str, nn.Module]], params: Any, x: jax.Array, mb: dict) -> jax.Array:
+    for name, module in modules:
+        x, _ = module.apply({"params": params["decoder"][name]}, x, mb["segment_ids"], mb["positions"])
+    return x
+
+
+def _hidden_with_mtp(module: Any, y: jax.Array, embedded: jax.Array, segment_ids: jax.Array, positions: jax.Array
+                     ) -> tuple[jax.Array, list[jax.Array]]:
+    """`Transformer.hidden_with_mtp` from the last stage's output: the final norm, then the prediction modules."""
+    hidden = x = module.final_norm(y)
+    predicted = []
+    for prediction in module.mtp:
+        x = prediction(x, embedded, segment_ids, positions)
+        predicted.append(x)
+    return hidden, predicted
+
+
+def _fields(mb: dict) -> dict:
+    """The batch fields the objective reads (the runner's own entries taken out)."""
+    return {k: v for k, v in mb.items() if k not in (_REFERENCE, _SHARE)}
 
 
 def _hidden_out(module: Any, y: jax.Array) -> jax.Array:
@@ -100,27 +147,55 @@ def value_and_grad(trainer: Any) -> Callable[..., tuple[tuple[jax.Array, dict], 
     policy = jax.checkpoint_policies.dots_saveable if cfg.model.remat_policy == "none" else \
         remat_policy(cfg.model.remat_policy)
 
-    def stage(w: Any, wf: Any, x: jax.Array, aux: Any) -> jax.Array:
-        return layer.apply({"params": trainable.merge(w, wf)}, x, aux["segment_ids"], aux["positions"])[0]
+    names = [s.name for s in blocks.stacks(cfg.model)]
+    main = names.index(blocks.MAIN_STACK)
+    before = [(n, _side_stack(cfg.model, n)) for n in names[:main]]
+    after = [(n, _side_stack(cfg.model, n)) for n in names[main + 1:]]
+    stage_microbatches = shape.repeats * shape.stages * shape.microbatches
+    router_weights = (cfg.load_balance_loss_weight, cfg.router_z_loss_weight, cfg.moe_seq_balance_loss_weight)
+
+    def stage(w: Any, wf: Any, x: jax.Array, aux: Any) -> tuple[jax.Array, tuple[jax.Array, Any]]:
+        """(y, (the router losses' share of the objective, what the layers sowed)); 0 and {} for dense stacks."""
+        params = {"params": trainable.merge(w, wf)}
+        if not cfg.model.is_moe:
+            return layer.apply(params, x, aux["segment_ids"], aux["positions"])[0], (jnp.zeros((), jnp.float32), {})
+        (y, _), sown = layer.apply(params, x, aux["segment_ids"], aux["positions"], mutable=[moe.STATS_COLLECTION])
+        sown = sown.get(moe.STATS_COLLECTION, {})
+        share = moe.loss_sums(moe.collect_stats(sown), aux[_SHARE])
+        return y, (jnp.asarray(moe.objective(share, *router_weights), jnp.float32), sown)
 
     # B and W recompute the stage's forward; the policy decides what that recompute keeps for its backward
     stage_fn = jax.checkpoint(stage, policy=policy, prevent_cse=False)
 
     def last_fn(lt: Any, lf: Any, y: jax.Array, mb: dict, totals: dict) -> tuple[jax.Array, dict]:
         params = {"params": trainable.merge(lt, lf)}
-        hidden = model.apply(params, y, method=_hidden_out)
+        y = _run_stacks(after, params["params"], y, mb)
+        predicted: list[jax.Array] = []
+        if trainer.trains_mtp:  # the prediction modules read the microbatch's embedded tokens, embedded again here
+            embedded = model.apply(params, mb["inputs"], method=_embed)
+            hidden, predicted = model.apply(params, y, embedded, mb["segment_ids"], mb["positions"],
+                                            method=_hidden_with_mtp)
+        else:
+            hidden = model.apply(params, y, method=_hidden_out)
         head = lambda h: model.apply(params, h, method="head")  # noqa: E731
         if cfg.loss_chunks > 1:
             logps = chunked_token_logps(head, hidden, mb["targets"], cfg.loss_chunks, _token_logps)
         else:
             logps = _token_logps(head(hidden), mb["targets"])
-        fields = {k: v for k, v in mb.items() if k != _REFERENCE}
-        loss_sum, sums = objective.sums(logps, fields, totals, mb.get(_REFERENCE))
-        sums = {**sums, **moe.loss_sums({}, sums["weight_sum"])}
+        loss_sum, sums = objective.sums(logps, _fields(mb), totals, mb.get(_REFERENCE))
+        if predicted:  # as Trainer._token_logps: the head over pieces (one piece without loss_chunks)
+            logps_of = lambda fn, h, t: chunked_token_logps(fn, h, t, max(cfg.loss_chunks, 1), _token_logps)  # noqa
+            sums = {**sums, **mtp.loss_sums(head, predicted, mb, logps_of)}
+            loss_sum = loss_sum + mtp.objective(sums, cfg.mtp_loss_weight)  # linear in each microbatch's sums
         return loss_sum, sums
 
     def first_fn(ot: Any, of: Any, mb: dict) -> jax.Array:
-        return model.apply({"params": trainable.merge(ot, of)}, mb["inputs"], method=_embed)
+        params = {"params": trainable.merge(ot, of)}
+        return _run_stacks(before, params["params"], model.apply(params, mb["inputs"], method=_embed), mb)
+
+    # the trained stack's state sharding, to which the runner pins each stage's weights and their gradient
+    state_specs = jax.tree.map(lambda s: s.spec, trainer.state_shardings.params)
+    stack_specs = _split_stack(trainable.split(state_specs, cfg.model)[0])[0]
 
     def grads(trained: Any, batch: dict, frozen: Any = None, reference: Any = None,
               totals: dict | None = None) -> tuple[tuple[jax.Array, dict], Any]:
@@ -132,10 +207,17 @@ def value_and_grad(trainer: Any) -> Callable[..., tuple[tuple[jax.Array, dict], 
         aux = {k: pipeline_runner.split_microbatches(v, shape.microbatches) for k, v in batch.items()}
         if ref is not None:
             aux[_REFERENCE] = pipeline_runner.split_microbatches(ref, shape.microbatches)
+        if cfg.model.is_moe:  # the call's weight_sum (a function of the batch alone), shared by the stages
+            nothing = jnp.zeros(batch["targets"].shape, jnp.float32)
+            weight = objective.sums(nothing, _fields(batch), totals, nothing if ref is None else ref)[1]["weight_sum"]
+            aux[_SHARE] = jnp.full((shape.microbatches,), weight / stage_microbatches, jnp.float32)
         loss_of = lambda lt, lf, y, mb: last_fn(lt, lf, y, mb, totals)  # noqa: E731
-        sums, stack_g, outer_g = pipeline_runner.run(table, first_fn, stage_fn, loss_of, (stack_t, stack_f),
-                                                     (outer_t, outer_f), aux, trainer.mesh)
-        loss = sums["loss_sum"] + moe.objective(sums, cfg.load_balance_loss_weight, cfg.router_z_loss_weight)
+        sums, stack_g, outer_g, sown = pipeline_runner.run(table, first_fn, stage_fn, loss_of, (stack_t, stack_f),
+                                                           (outer_t, outer_f), aux, trainer.mesh, stack_specs)
+        # where the circular pipeline puts its stages' sown values (layers/pipeline.py), whose paths moe_stats maps
+        stats = moe.collect_stats({"decoder": {"pipeline": {"stages": sown}}}) if sown else {}
+        sums = {**sums, **moe.loss_sums(stats, sums["weight_sum"])}
+        loss = sums["loss_sum"] + moe.objective(sums, *router_weights) + mtp.objective(sums, cfg.mtp_loss_weight)
         return (loss, sums), _join_stack(stack_g, outer_g)
 
     return grads

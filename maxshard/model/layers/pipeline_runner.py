@@ -28,7 +28,14 @@ first), stored where the table says (`recv_forward`, `recv_backward`; -1: nothin
 the stage's forward (a checkpoint per stage and microbatch, with the remat policy inside), so between F and the
 last of B and W a microbatch costs one stage input, not the stage's activations.
 
-Sown values (MoE router statistics) are not carried: the table schedules refuse MoE models (parallel/stages.py).
+Sown values (MoE router statistics). A stage returns, beside its output, what its layers sowed and the share
+of the objective that depends on them (`penalty`, a scalar: the router losses, linear in the summed statistics
+once the batch's weight is known, so training/pipelined.py computes each stage-microbatch's share before the run).
+F keeps the sown values at their (virtual stage, microbatch) slot; B and W differentiate (output, penalty) with the
+cotangents (dy, 1): the router losses' gradient enters each stage's backward where it arises, as `jax.grad` of
+the circular pipeline gets it. The run returns them [R, M, S, ...], the circular pipeline's layout of its "stages"
+entry (layers/pipeline.py), so moe_stats.collect_stats reads both alike (loads per layer and microbatch; the
+selection biases' loads summed over microbatches).
 """
 
 from __future__ import annotations
@@ -48,7 +55,8 @@ __all__ = ["split_microbatches", "run"]
 
 STAGE = "stage"  # the mesh axis of the stages (parallel/axis_names: the rule of activation_stage)
 
-StageFn = Callable[[Any, Any, jax.Array, Any], jax.Array]  # (trained w, frozen w, x [mb, len, E], aux) -> y
+# (trained w, frozen w, x [mb, len, E], aux) -> (y, (penalty, sown)): the penalty a float32 scalar, sown a tree
+StageFn = Callable[[Any, Any, jax.Array, Any], tuple[jax.Array, tuple[jax.Array, Any]]]
 FirstFn = Callable[[Any, Any, Any], jax.Array]  # (trained, frozen, aux) -> x [mb, len, E]: the embedding
 LastFn = Callable[[Any, Any, jax.Array, Any], tuple[jax.Array, dict]]  # (trained, frozen, y, aux) -> (loss, sums)
 
@@ -71,13 +79,21 @@ def _rules_without_stage() -> tuple:
 
 
 def run(table: Table, first_fn: FirstFn, stage_fn: StageFn, last_fn: LastFn, stack: tuple[Any, Any],
-        outer: tuple[Any, Any], aux: Any, mesh: Any) -> tuple[dict, Any, Any]:
+        outer: tuple[Any, Any], aux: Any, mesh: Any, stack_specs: Any = None) -> tuple[dict, Any, Any, Any]:
     """(loss sums over the microbatches, gradient sums of the trained stack [R, S, L, ...], of the trained `outer`
-    parameters).
+    parameters, what the stages sowed [R, M, S, ...]: virtual stage, microbatch, device).
 
     stack: (trained, frozen) weights [R, S, L, ...]; outer: (trained, frozen) parameters that `first_fn` (the
     embedding, on stage 0) and `last_fn` (final norm, head, objective, on the last stage) read; aux: a tree of
-    [M, ...] arrays (token ids, segment ids, positions, targets, ...), indexed by the microbatch of the action."""
+    [M, ...] arrays (token ids, segment ids, positions, targets, ...), indexed by the microbatch of the action;
+    stack_specs: the PartitionSpec of each trained stack leaf (its state sharding), or None (no constraint).
+
+    Why the specs: a stage's weight gradient is computed from its gathered weights, one layer at a time in the
+    backward of the layer scan. Without a constraint XLA:TPU's sharding propagation does not reach that scan
+    through the tick loop, the switch and the vjp, and the scan accumulates the stage's gradient whole (every fsdp
+    shard of every layer, float32) before reducing it once: 6.9 GiB per device for two 70B-width layers, above
+    what the in-flight activations save. Pinned to the state's sharding, each layer's gradient is reduce-scattered
+    inside the scan, as `jax.grad` of the circular pipeline does (benchmarks/README.md, pipeline schedules)."""
     s, j_last = table.stages, table.virtual * table.stages - 1
     branch = np.zeros(5, np.int32)
     branch[[IDLE, F, F_LAST, B, W]] = [0, 1, 1, 2, 3]  # the switch's branches: F and F_LAST share one
@@ -86,12 +102,15 @@ def run(table: Table, first_fn: FirstFn, stage_fn: StageFn, last_fn: LastFn, sta
     stack_spec = jax.tree.map(lambda _: P(None, STAGE), stack)
     rules = _rules_without_stage()
 
+    pin = _pin_fn(stack_specs)
+
     def body(stack: tuple[Any, Any], outer: tuple[Any, Any], aux: Any):
         with nn.logical_axis_rules(rules):
-            return _ticks(table, columns, first_fn, stage_fn, last_fn, stack, outer, aux, s, j_last)
+            pinned_stage = lambda w, wf, x, a: stage_fn(pin(w), wf, x, a)  # noqa: E731
+            return _ticks(table, columns, first_fn, pinned_stage, last_fn, stack, outer, aux, s, j_last)
 
     return jax.shard_map(body, mesh=mesh, axis_names={STAGE}, check_vma=False, in_specs=(stack_spec, P(), P()),
-                         out_specs=(P(), stack_spec[0], P()))(stack, outer, aux)
+                         out_specs=(P(), stack_spec[0], P(), P(None, None, STAGE)))(stack, outer, aux)
 
 
 def _ticks(table: Table, columns: tuple, first_fn: FirstFn, stage_fn: StageFn, last_fn: LastFn,
@@ -102,7 +121,10 @@ def _ticks(table: Table, columns: tuple, first_fn: FirstFn, stage_fn: StageFn, l
     outer_t, outer_f = outer
     x_shape = jax.eval_shape(first_fn, outer_t, outer_f, _at(aux, 0))
     sums_shape = jax.eval_shape(lambda x: last_fn(outer_t, outer_f, x, _at(aux, 0))[1], x_shape)
+    sown_shape = jax.eval_shape(lambda w, wf, x: stage_fn(w, wf, x, _at(aux, 0))[1][1], _at(trained, 0),
+                                _at(frozen, 0), x_shape)
     zero = jnp.zeros(x_shape.shape, x_shape.dtype)
+    microbatches = jax.tree.leaves(aux)[0].shape[0]
 
     carry = dict(
         stash=jnp.zeros((table.in_flight, *x_shape.shape), x_shape.dtype),
@@ -110,6 +132,7 @@ def _ticks(table: Table, columns: tuple, first_fn: FirstFn, stage_fn: StageFn, l
         grads=jax.tree.map(jnp.zeros_like, trained),
         outer_grads=jax.tree.map(jnp.zeros_like, outer_t),
         sums=jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), sums_shape),
+        sown=jax.tree.map(lambda a: jnp.zeros((table.virtual, microbatches, *a.shape), a.dtype), sown_shape),
     )
 
     def tick(c: dict, t: jax.Array) -> tuple[dict, None]:
@@ -119,6 +142,13 @@ def _ticks(table: Table, columns: tuple, first_fn: FirstFn, stage_fn: StageFn, l
         wf = jax.tree.map(lambda a: a[v], frozen)
         a_m = _at(aux, m)
         x_kept, dy = c["stash"][ss], c["cots"][cs]
+
+        def differentiated(w: Any, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+            """(y, penalty): what B and W differentiate, with the cotangents `seeds` (the sown values take none)."""
+            y, (penalty, _) = stage_fn(w, wf, x, a_m)
+            return y, penalty
+
+        seeds = (dy, jnp.ones((), jnp.float32))
 
         def stage_input(c: dict) -> tuple[dict, jax.Array]:
             """Stage 0 embeds its microbatch; the others read what arrived. Kept until the stage's B and W."""
@@ -131,7 +161,8 @@ def _ticks(table: Table, columns: tuple, first_fn: FirstFn, stage_fn: StageFn, l
         def forward(c: dict) -> tuple[dict, jax.Array, jax.Array]:
             """F, and on the last logical stage (F_LAST) the head and objective with their gradient."""
             c, x = stage_input(c)
-            y = stage_fn(w, wf, x, a_m)
+            y, (_, sown) = stage_fn(w, wf, x, a_m)
+            c = {**c, "sown": jax.tree.map(lambda acc, s: acc.at[v, m].set(s), c["sown"], sown)}
 
             def head(c: dict) -> dict:
                 loss = lambda ot, y: last_fn(ot, outer_f, y, a_m)  # noqa: E731
@@ -156,16 +187,16 @@ def _ticks(table: Table, columns: tuple, first_fn: FirstFn, stage_fn: StageFn, l
             return {**c, "grads": jax.tree.map(lambda acc, g: acc.at[v].add(g), c["grads"], g_w)}
 
         def input_grad(c: dict) -> tuple[dict, jax.Array, jax.Array]:  # split (zero-bubble): dx alone
-            _, vjp = jax.vjp(lambda x: stage_fn(w, wf, x, a_m), x_kept)
-            return hand_back(c, vjp(dy)[0])
+            _, vjp = jax.vjp(lambda x: differentiated(w, x), x_kept)
+            return hand_back(c, vjp(seeds)[0])
 
         def weight_grad(c: dict) -> tuple[dict, jax.Array, jax.Array]:  # split (zero-bubble): dw alone
-            _, vjp = jax.vjp(lambda w: stage_fn(w, wf, x_kept, a_m), w)
-            return add_weight_grads(c, vjp(dy)[0]), zero, zero
+            _, vjp = jax.vjp(lambda w: differentiated(w, x_kept), w)
+            return add_weight_grads(c, vjp(seeds)[0]), zero, zero
 
         def whole_backward(c: dict) -> tuple[dict, jax.Array, jax.Array]:  # fused W: dw, and dx kept for B
-            _, vjp = jax.vjp(lambda w, x: stage_fn(w, wf, x, a_m), w, x_kept)
-            g_w, g_x = vjp(dy)
+            _, vjp = jax.vjp(differentiated, w, x_kept)
+            g_w, g_x = vjp(seeds)
             c = add_weight_grads(c, g_w)
             return {**c, "cots": c["cots"].at[cs].set(g_x.astype(zero.dtype))}, zero, zero
 
@@ -184,7 +215,26 @@ def _ticks(table: Table, columns: tuple, first_fn: FirstFn, stage_fn: StageFn, l
     # the embedding and head gradients and the loss sums were computed on the first and last device only
     total = lambda tree: jax.tree.map(lambda a: jax.lax.psum(a, STAGE), tree)  # noqa: E731
     grads = jax.tree.map(lambda g: g[:, None], carry["grads"])  # [R, 1, L, ...]
-    return total(carry["sums"]), grads, total(carry["outer_grads"])
+    sown = jax.tree.map(lambda a: a[:, :, None], carry["sown"])  # [R, M, 1, ...]
+    return total(carry["sums"]), grads, total(carry["outer_grads"]), sown
+
+
+def _pin_fn(stack_specs: Any) -> Callable[[Any], Any]:
+    """A function that constrains one virtual stage's trained weights [L, ...] (and, transposed, their gradient)
+    to the sharding of the stack [R, S, L, ...] they come from, less R and the manual `stage` axis."""
+    if stack_specs is None:
+        return lambda w: w
+
+    def drop_stage(entry: Any) -> Any:
+        if isinstance(entry, (tuple, list)):
+            return tuple(a for a in entry if a != STAGE) or None
+        return None if entry == STAGE else entry
+
+    def inner(spec: P) -> P:
+        return P(*(drop_stage(e) for e in tuple(spec)[2:]))
+
+    specs = jax.tree.map(inner, stack_specs, is_leaf=lambda x: isinstance(x, P))
+    return lambda w: jax.tree.map(jax.lax.with_sharding_constraint, w, specs)
 
 
 def _at(tree: Any, m: jax.Array | int) -> Any:

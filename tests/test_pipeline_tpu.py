@@ -1,0 +1,41 @@
+"""The table pipeline runner's program on XLA:TPU (libtpu ahead of time, no TPU): a stage's weight gradient is
+reduced to its fsdp shards layer by layer, never held whole.
+
+The runner takes each stage's backward by `jax.vjp` inside its tick loop and `lax.switch`; XLA:TPU's sharding
+propagation does not reach the layer scan's backward there unless the runner pins the stage's weights to their
+state sharding (`pipeline_runner._pin_fn`). Without the pin the scan accumulates the whole float32 gradient of
+the stage's layers (every fsdp shard) before one reduce-scatter: at Llama-3-70B widths, 2 layers per stage, that
+is 6.9 GiB per device and put 1F1B's peak 5.2 GiB above circular's (benchmarks/README.md, pipeline schedules).
+XLA:CPU propagates the sharding either way, so only an XLA:TPU program shows it; the compiled 1f1b step at a small
+shape (v5e-4: stage=2 x fsdp=2) is checked for an array of the whole [layers per stage, emb, mlp] float32 shape.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from maxshard.launch import topologies
+from maxshard.parallel import mesh
+from maxshard.planning.compiled import compile_train_step
+from maxshard.planning.tpu_compile import INSTALL, abstract_devices
+from maxshard.run.target import load_for_target
+
+if importlib.util.find_spec("libtpu") is None:  # a test dependency: missing means a broken install, not a skip
+    raise ImportError(f"tests/test_pipeline_tpu.py needs libtpu: {INSTALL}")
+
+TARGET = topologies.parse("v5litepod-4")
+# the smallest shape that showed the whole gradient (40 arrays of it without the pin, none with it); dot_product
+# attention: no Mosaic kernel to compile, and attention has no part in the weight gradient's layout
+MODEL = ("dataset_type=synthetic", "pipeline_schedule=1f1b", "emb_dim=128", "num_heads=1", "num_kv_heads=1",
+         "head_dim=128", "mlp_dim=256", "max_target_length=128", "num_layers=4", "vocab_size=512",
+         "ici_pipeline_parallelism=2", "ici_fsdp_parallelism=2", "num_layers_per_pipeline_stage=2",
+         "num_pipeline_microbatches=2", "per_device_batch_size=1", "remat_policy=full", "attention=dot_product")
+
+
+def test_1f1b_reduces_each_layer_s_weight_gradient_to_its_shard_on_tpu():
+    cfg = load_for_target(["configs/base.yml", *MODEL], TARGET)
+    text = compile_train_step(cfg, mesh.build(cfg, abstract_devices(TARGET))).as_text()
+    layers, emb, mlp, fsdp = cfg.model.pipeline.layers_per_stage, cfg.emb_dim, cfg.mlp_dim, cfg.ici_fsdp_parallelism
+    whole, shard = f"f32[{layers},{emb},{mlp}]", f"f32[{layers},{emb // fsdp},{mlp}]"
+    assert shard in text  # the stage's gradient, reduced per layer (the test reads the right program)
+    assert whole not in text, f"the stage's whole weight gradient {whole} is held before its reduce-scatter"
