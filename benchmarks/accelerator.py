@@ -26,7 +26,7 @@ import jax  # noqa: E402
 from maxshard import data  # noqa: E402
 from maxshard.config import Config  # noqa: E402
 from maxshard.model import flops, quantization
-from maxshard.observe import perf
+from maxshard import perf
 from maxshard.parallel import mesh
 from maxshard.run import loading
 from maxshard.training.step import Trainer  # noqa: E402

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from maxshard.launch import topologies
-from maxshard.model.config import ModelConfig
+from maxshard.spec.model_config import ModelConfig
 from maxshard.model.layers import moe
 from maxshard.planning.compiled import _FAST
 from maxshard.planning.tpu_compile import abstract_devices

@@ -20,7 +20,7 @@ import common  # first: 8 simulated CPU devices before any device query; the rep
 import jax
 
 from maxshard import data
-from maxshard.model import pipeline_schedule
+from maxshard.spec import pipeline_schedule
 from maxshard.parallel import mesh
 from maxshard.training.step import Trainer
 

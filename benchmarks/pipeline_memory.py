@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from maxshard.launch import topologies
-from maxshard.model import pipeline_schedule
+from maxshard.spec import pipeline_schedule
 from maxshard.parallel import mesh
 from maxshard.planning import compiled
 from maxshard.planning.tpu_compile import abstract_devices

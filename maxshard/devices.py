@@ -1,6 +1,6 @@
 """One registry of the chips maxshard knows: one row per chip, every figure with its source, in one place.
 
-MFU (`observe/perf.py` divides by the peak), quantization (which 8-bit peak a run gets, whether a GPU has fp8 tensor
+MFU (`perf.py` divides by the peak), quantization (which 8-bit peak a run gets, whether a GPU has fp8 tensor
 cores), the planner (`planning/hardware.py`: HBM, ICI and DCN bandwidth, host memory) and the launcher
 (`launch/topologies.py`: how XPK names a slice, chips per host, the device kind JAX reports there) all read a
 chip's facts here, so no number of a chip is written twice. A chip is known by two kinds of name:

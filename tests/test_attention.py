@@ -105,7 +105,7 @@ def test_attention_kinds_is_the_one_list_of_implementations() -> None:
     import typing
 
     from maxshard.config import schema
-    from maxshard.model import attention_kinds
+    from maxshard.spec import attention_kinds
 
     assert typing.get_args(schema.Attention) == ("auto", *attention_kinds.NAMES)
     assert all(callable(getattr(ops, name)) for name in attention_kinds.NAMES)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxshard.model import attention_kinds
+from maxshard.spec import attention_kinds
 from maxshard.model.layers import attention_ops as ops
 from maxshard.model.layers import ring_attention
 from maxshard.parallel.sharding import flax_rules

@@ -1,4 +1,4 @@
-"""The model-family seam (maxshard/model/blocks.py): the stacks a family is described by are the stacks the model
+"""The model-family seam (maxshard/spec/blocks.py): the stacks a family is described by are the stacks the model
 builds, the FLOP inventory counts the kernels those stacks hold, and dense first layers (DeepSeek-V3's
 `first_k_dense_replace`) keep the function under a pipeline.
 """
@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 
 from maxshard.errors import ConfigError
-from maxshard.model import blocks, flops, transformer
-from maxshard.model.blocks import Layer, Stack
-from maxshard.model.config import ModelConfig
+from maxshard.model import flops, transformer
+from maxshard.spec import blocks
+from maxshard.spec.blocks import Layer, Stack
+from maxshard.spec.model_config import ModelConfig
 from maxshard.model.layers import pipeline
 from maxshard.training.step import Trainer
 from tests.helpers import max_relative_difference, mesh_for

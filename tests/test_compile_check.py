@@ -14,7 +14,7 @@ import pytest
 
 from maxshard import train
 from maxshard.errors import ConfigError
-from maxshard.model.remat import NAMES
+from maxshard.spec.remat import NAMES
 from maxshard.planning import fit
 from maxshard.planning.compiled import compile_train_step, peak_bytes
 from maxshard.run import loading

@@ -73,7 +73,7 @@ def test_every_key_in_base_yml_has_a_trailing_comment() -> None:
 
 @pytest.mark.parametrize("key", ["attention", "remat_policy", "dataset_type"])
 def test_base_yml_comment_names_every_value_of_a_tabled_key(key: str) -> None:
-    """Keys whose values are the rows of one table (model/attention_kinds.py, model/remat.py, dataset_types.py): the
+    """Keys whose values are the rows of one table (spec/attention_kinds.py, spec/remat.py, dataset_types.py): the
     schema reads the table, and the one-line comment a user reads in base.yml names every value."""
     values = typing.get_args(typing.get_type_hints(Config)[key])
     comment = _base_lines()[key][1].split("#", 1)[1]

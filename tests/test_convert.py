@@ -37,7 +37,7 @@ from maxshard.convert.locate import locate
 from maxshard.data import pipeline
 from maxshard.data.tokenizer import ByteTokenizer, load_hf_tokenizer, make_tokenizer, resolve_vocab
 from maxshard.errors import ConfigError
-from maxshard.model.config import model_fields
+from maxshard.spec.model_config import model_fields
 from maxshard.run import loading
 from maxshard.training.step import Trainer, mesh_context
 

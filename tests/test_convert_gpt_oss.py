@@ -22,7 +22,7 @@ from maxshard import config, generate
 from maxshard.convert import __main__ as cli
 from maxshard.convert import hf_config, mxfp4, safetensors_io
 from maxshard.errors import ConfigError
-from maxshard.model import blocks
+from maxshard.spec import blocks
 from maxshard.model import transformer as model
 from maxshard.run import loading
 from maxshard.training.step import Trainer

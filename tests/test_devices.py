@@ -10,7 +10,7 @@ import pytest
 from maxshard import config, devices
 from maxshard.launch import topologies
 from maxshard.model import quantization
-from maxshard.observe import perf
+from maxshard import perf
 from maxshard.planning import hardware
 from maxshard.run import loading
 

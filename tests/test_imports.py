@@ -1,7 +1,8 @@
 """The one-way import rule, as a test: packages sit on levels that follow the data flow (config -> parallel -> data ->
 layers -> model -> training -> checkpoint/observe -> planning -> run -> entry points), and a module imports only
 lower levels, so a layer never learns about runs, the config loader depends on no model code, and no two packages
-depend on each other.
+depend on each other; nor do two folders (the bottom tables live in `spec/`, below every folder that
+reads them).
 
 Imports are read from the source with `ast` (deferred imports inside functions count too).
 """
@@ -20,13 +21,13 @@ PACKAGE = Path(__file__).resolve().parent.parent / "maxshard"
 # description that the run config reads, the layers below the rest of the model, the residual tracer above it, as
 # it traces the layers for the planner), the most specific name applies.
 LEVELS: tuple[tuple[str, ...], ...] = (
-    ("maxshard", "maxshard.errors", "maxshard.units", "maxshard.devices"),
-    ("maxshard.model.config", "maxshard.model.remat", "maxshard.model.attention_kinds", "maxshard.dataset_types",
-     "maxshard.model.pipeline_tables", "maxshard.parallel.axis_names", "maxshard.observe.perf",
+    ("maxshard", "maxshard.errors", "maxshard.units", "maxshard.devices", "maxshard.spec"),
+    ("maxshard.spec.model_config", "maxshard.spec.remat", "maxshard.spec.attention_kinds", "maxshard.dataset_types",
+     "maxshard.spec.pipeline_tables", "maxshard.parallel.axis_names", "maxshard.perf",
      "maxshard.objectives.kinds"),
     # the model-family seam: the stacks a ModelConfig describes; the pipeline schedules' seam: the circular order and
     # the tables' figures
-    ("maxshard.model.blocks", "maxshard.model.pipeline_schedule"),
+    ("maxshard.spec.blocks", "maxshard.spec.pipeline_schedule"),
     ("maxshard.config",),
     ("maxshard.parallel",),
     ("maxshard.objectives",),
@@ -47,8 +48,8 @@ LEVELS: tuple[tuple[str, ...], ...] = (
 # Leaves import nothing of maxshard but the error type; layers (and what traces them) never import the run config,
 # not even through another module (checked on the whole import closure below).
 LEAVES = LEVELS[0] + LEVELS[1]
-NO_RUN_CONFIG = ("maxshard.model.layers", "maxshard.model.config", "maxshard.model.remat",
-                 "maxshard.model.pipeline_schedule", "maxshard.model.pipeline_tables", "maxshard.model.residuals")
+NO_RUN_CONFIG = ("maxshard.model.layers", "maxshard.spec.model_config", "maxshard.spec.remat",
+                 "maxshard.spec.pipeline_schedule", "maxshard.spec.pipeline_tables", "maxshard.model.residuals")
 # Entry points: nothing of the package imports them (they wire everything together).
 ENTRY_POINTS = ("maxshard.train", "maxshard.generate", "maxshard.plan", "maxshard.eval", "maxshard.convert.__main__",
                 "maxshard.launch.__main__")
@@ -157,6 +158,25 @@ def test_the_rule_table_bites() -> None:
     assert violations("maxshard.planning.fit", {"maxshard.run.loading"})
     assert violations("maxshard.checkpoint.manager", {"maxshard.planning.memory"})
     assert violations("maxshard.checkpoint.manager", {"maxshard.train"})
-    assert violations("maxshard.model.remat", {"maxshard.units"})
-    assert not violations("maxshard.model.remat", {"maxshard.errors"})
+    assert violations("maxshard.spec.remat", {"maxshard.units"})
+    assert not violations("maxshard.spec.remat", {"maxshard.errors"})
     assert not violations("maxshard.run.loading", {"maxshard.planning.fit", "maxshard.training.step"})
+
+
+def folder_of(module: str) -> str | None:
+    """The top-level folder (subpackage) of `module`, None for the package's own top-level modules."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and (PACKAGE / parts[1]).is_dir()) else None
+
+
+def test_no_two_folders_import_each_other() -> None:
+    """Folders match levels: were folder A to import folder B and B to import A, a module would sit on a level its
+    folder does not (as the model description once did inside model/, read by config/ and parallel/)."""
+    edges: dict[str, set[str]] = {}
+    for path in MODULES:
+        source = folder_of(module_name(path))
+        for name in imports_of(path):
+            target = folder_of(name)
+            if source and target and target != source:
+                edges.setdefault(source, set()).add(target)
+    assert sorted((a, b) for a in edges for b in edges[a] if a < b and a in edges.get(b, set())) == []

@@ -17,7 +17,8 @@ import pytest
 from tensorboardX.proto import event_pb2
 
 from maxshard import config, devices, units
-from maxshard.observe import console, metrics, perf
+from maxshard.observe import console, metrics
+from maxshard import perf
 from maxshard.observe.profiling import Profiler
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

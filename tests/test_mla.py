@@ -32,7 +32,7 @@ from maxshard.errors import ConfigError
 from maxshard.generation.decode import Engine
 from maxshard.generation.sampling import allowed_tokens
 from maxshard.model import flops
-from maxshard.model.config import ModelConfig
+from maxshard.spec.model_config import ModelConfig
 from maxshard.model.layers import attention_ops as ops
 from maxshard.model.layers import mla, rope
 from maxshard.model.layers.attention import Attention
@@ -155,7 +155,7 @@ def test_grouped_query_attention_with_yarn_equals_transformers_qwen3() -> None:
 
 @pytest.mark.parametrize("q_lora_rank", [0, 16])
 def test_flop_inventory_counts_the_latent_attention_kernels(q_lora_rank: int) -> None:
-    """model/blocks.py's MLA widths (the FLOP count) are the kernels LatentAttention holds (and the head, MLP)."""
+    """spec/blocks.py's MLA widths (the FLOP count) are the kernels LatentAttention holds (and the head, MLP)."""
     model = ModelConfig(vocab_size=32, emb_dim=16, num_layers=2, num_heads=2, mlp_dim=48, max_target_length=8,
                         attention_type="mla", q_lora_rank=q_lora_rank, kv_lora_rank=8, qk_nope_head_dim=8,
                         qk_rope_head_dim=4, v_head_dim=6)

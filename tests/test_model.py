@@ -10,7 +10,7 @@ import pytest
 
 from maxshard import data
 from maxshard.model import flops as model_flops
-from maxshard.model import remat
+from maxshard.spec import remat
 from maxshard.model import transformer as model
 from maxshard.run import loading
 from maxshard.training.step import Trainer
@@ -69,7 +69,7 @@ def test_unrolled_layers_equal_scanned(scanned):
 
 @pytest.mark.parametrize("policy", [p for p in remat.NAMES if p != "none"])
 def test_remat_policy_changes_nothing_numerically(scanned, policy):
-    """Every policy of maxshard/model/remat.py, the offload ones included (they compile and run on XLA:CPU, which keeps
+    """Every policy of maxshard/spec/remat.py, the offload ones included (they compile and run on XLA:CPU, which keeps
     the offloaded values where they are)."""
     cfg, params, batch, loss, grads = scanned
     remat_loss, remat_grads = _loss_and_grads(loading.replace(cfg, remat_policy=policy), params, batch)

@@ -20,7 +20,7 @@ import pytest
 
 from maxshard.errors import ConfigError
 from maxshard.model import flops as model_flops
-from maxshard.model.config import ModelConfig
+from maxshard.spec.model_config import ModelConfig
 from maxshard.model.layers import moe, moe_grouped
 from maxshard.parallel import sharding
 from maxshard.run import loading

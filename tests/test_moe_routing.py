@@ -31,7 +31,7 @@ from maxshard import data, train
 from maxshard.checkpoint.manager import Checkpoints
 from maxshard.errors import ConfigError
 from maxshard.model import trainable
-from maxshard.model.config import ModelConfig
+from maxshard.spec.model_config import ModelConfig
 from maxshard.model.layers import moe, pipeline
 from maxshard.model.transformer import Transformer, apply_with_stats
 from maxshard.parallel import sharding

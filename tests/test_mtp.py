@@ -16,7 +16,7 @@ from maxshard import data
 from maxshard.checkpoint import format as checkpoint_format
 from maxshard.convert import __main__ as cli
 from maxshard.model import flops, transformer
-from maxshard.model.config import ModelConfig
+from maxshard.spec.model_config import ModelConfig
 from maxshard.model.layers import pipeline
 from maxshard.training.step import Trainer, mesh_context
 from tests.helpers import max_relative_difference, mesh_for, tiny_config

@@ -1,4 +1,4 @@
-"""Offload remat policies (maxshard/model/remat.py) on CPU: one table read everywhere, what XLA:CPU makes of an offload
+"""Offload remat policies (maxshard/spec/remat.py) on CPU: one table read everywhere, what XLA:CPU makes of an offload
 policy, the planner's device and host bytes, `auto`'s last resort, and the error on devices without host memory.
 
 What XLA:TPU makes of them (the host buffers in `memory_analysis()`) is tests/test_plan_tpu.py's.
@@ -14,7 +14,7 @@ import pytest
 
 from maxshard.errors import ConfigError
 from maxshard.launch import topologies
-from maxshard.model import remat
+from maxshard.spec import remat
 from maxshard.planning import estimate, fit, memory, traffic
 from maxshard.planning.compiled import peak_bytes
 from maxshard.planning.printout import format_plan, plan_json

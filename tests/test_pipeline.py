@@ -23,7 +23,7 @@ import pytest
 
 from maxshard import data
 from maxshard.errors import ConfigError
-from maxshard.model import pipeline_schedule
+from maxshard.spec import pipeline_schedule
 from maxshard.model.layers import pipeline
 from maxshard.model.layers.decoder import Decoder, DecoderLayer
 from maxshard.parallel import sharding

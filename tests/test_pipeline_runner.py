@@ -21,7 +21,7 @@ import pytest
 
 from maxshard import train
 from maxshard.errors import ConfigError
-from maxshard.model import blocks
+from maxshard.spec import blocks
 from maxshard.model.layers import pipeline
 from maxshard.training.step import Trainer
 from tests.helpers import max_relative_difference, mesh_for, run_losses

@@ -1,4 +1,4 @@
-"""Pipeline schedules (maxshard/model/pipeline_schedule.py): every row of SCHEDULES keeps the contract that
+"""Pipeline schedules (maxshard/spec/pipeline_schedule.py): every row of SCHEDULES keeps the contract that
 layers/pipeline.py and the planner rely on. Cheap: no model, no compile, a few small arrays.
 
 The contract: every microbatch runs every stage of every repeat exactly once, in model order (repeat by repeat,
@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from maxshard.errors import ConfigError
-from maxshard.model import pipeline_schedule
-from maxshard.model.config import PipelineShape
+from maxshard.spec import pipeline_schedule
+from maxshard.spec.model_config import PipelineShape
 
 SIZES = [(2, 1, 2), (2, 2, 4), (4, 2, 8), (4, 3, 4), (3, 2, 6), (8, 1, 16)]  # (stages, repeats, microbatches)
 

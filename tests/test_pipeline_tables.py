@@ -1,4 +1,4 @@
-"""The table schedules (maxshard/model/pipeline_tables.py): each table is checked for its dependencies, its idle
+"""The table schedules (maxshard/spec/pipeline_tables.py): each table is checked for its dependencies, its idle
 fraction equals its formula, zero-bubble idles less than 1F1B at equal sizes, 1F1B keeps fewer microbatches in
 flight than gpipe, and the planner reads the table's figures. Pure Python: no model, no compile.
 """
@@ -11,8 +11,8 @@ import pytest
 
 from maxshard import plan as plan_cli
 from maxshard.errors import ConfigError
-from maxshard.model import pipeline_schedule, pipeline_tables
-from maxshard.model.config import PipelineShape
+from maxshard.spec import pipeline_schedule, pipeline_tables
+from maxshard.spec.model_config import PipelineShape
 from maxshard.planning import printout
 
 # (stages, microbatches, virtual stages)

@@ -13,7 +13,7 @@ import pytest
 
 from maxshard import plan as plan_cli
 from maxshard.launch import topologies
-from maxshard.model import remat
+from maxshard.spec import remat
 from maxshard.parallel import mesh
 from maxshard.planning import fit, fitted, moe_memory
 from maxshard.planning.memory import widths

@@ -11,7 +11,7 @@ from helpers import tiny_config
 
 from maxshard import plan as plan_cli
 from maxshard.model import flops
-from maxshard.model.config import ModelConfig
+from maxshard.spec.model_config import ModelConfig
 from maxshard.planning import estimate
 from maxshard.planning.printout import format_plan
 

@@ -25,7 +25,8 @@ from maxshard.launch import topologies
 from maxshard.model import flops as model_flops
 from maxshard.model import quantization
 from maxshard.model.layers import moe
-from maxshard.observe import console, perf
+from maxshard.observe import console
+from maxshard import perf
 from maxshard.planning import estimate, printout
 from maxshard.planning.compiled import abstract_inputs
 from maxshard.run import loading

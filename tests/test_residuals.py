@@ -12,7 +12,7 @@ import jax
 import pytest
 
 from maxshard.model import residuals
-from maxshard.model.config import ModelConfig
+from maxshard.spec.model_config import ModelConfig
 
 TINY = dict(vocab_size=8, emb_dim=32, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64, max_target_length=16,
             remat_policy="none")

@@ -11,7 +11,7 @@ import pytest
 
 from maxshard.config import Config, parse
 from maxshard.errors import ConfigError
-from maxshard.model.config import ModelConfig
+from maxshard.spec.model_config import ModelConfig
 from maxshard.model.layers import rope
 from tests.helpers import tiny_config
 

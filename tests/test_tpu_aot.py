@@ -19,7 +19,7 @@ import jax
 import pytest
 
 from maxshard.launch import topologies
-from maxshard.model import blocks
+from maxshard.spec import blocks
 from maxshard.parallel import mesh
 from maxshard.planning.compiled import compile_init, compile_train_step, peak_bytes
 from maxshard.planning.tpu_compile import INSTALL, abstract_devices, topology_name

@@ -21,7 +21,7 @@ from maxshard.checkpoint.layout import check_matches
 from maxshard.config import Config
 from maxshard.errors import ConfigError
 from maxshard.model import trainable
-from maxshard.model.config import ModelConfig
+from maxshard.spec.model_config import ModelConfig
 from maxshard.training.step import Trainer, TrainState
 
 __all__ = ["target_state", "step_state_dir", "read_params", "saved_part", "with_base", "read_base",

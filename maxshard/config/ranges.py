@@ -12,7 +12,7 @@ import typing
 
 from maxshard.config.schema import MESH_AXES, Config, knob_name
 from maxshard.errors import ConfigError
-from maxshard.model.config import LORA_TARGETS
+from maxshard.spec.model_config import LORA_TARGETS
 from maxshard.objectives import kinds as objective_kinds
 
 __all__ = ["check_ranges", "check_group_batch"]

@@ -11,8 +11,8 @@ import dataclasses
 from typing import Any, Literal
 
 from maxshard import dataset_types
-from maxshard.model import attention_kinds, pipeline_schedule, remat
-from maxshard.model.config import ModelConfig
+from maxshard.spec import attention_kinds, pipeline_schedule, remat
+from maxshard.spec.model_config import ModelConfig
 from maxshard.objectives import kinds as objective_kinds
 
 # Mesh axes, outermost first. `stage` holds pipeline stages; its knobs are spelled `*_pipeline_parallelism`.
@@ -31,9 +31,9 @@ MESH_AXES = (
     "autoregressive",
 )
 
-Attention = Literal[("auto", *attention_kinds.NAMES)]  # maxshard/model/attention_kinds.py: the implementations
-RematPolicy = Literal[("auto", *remat.NAMES)]  # maxshard/model/remat.py: the table of policies
-PipelineSchedule = Literal[pipeline_schedule.NAMES]  # maxshard/model/pipeline_schedule.py, pipeline_tables.py
+Attention = Literal[("auto", *attention_kinds.NAMES)]  # maxshard/spec/attention_kinds.py: the implementations
+RematPolicy = Literal[("auto", *remat.NAMES)]  # maxshard/spec/remat.py: the table of policies
+PipelineSchedule = Literal[pipeline_schedule.NAMES]  # maxshard/spec/pipeline_schedule.py, pipeline_tables.py
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 Quantization = Literal["none", "int8", "fp8"]  # maxshard/model/quantization.py
 LogicalRules = tuple[tuple[str, tuple[str, ...]], ...]

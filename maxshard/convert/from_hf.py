@@ -42,7 +42,7 @@ from maxshard.checkpoint import orbax_io
 from maxshard.convert import hf_config, layout, multimodal, names, peft, safetensors_io
 from maxshard.convert.families import Family
 from maxshard.errors import ConfigError
-from maxshard.model.config import ModelConfig
+from maxshard.spec.model_config import ModelConfig
 
 __all__ = ["convert", "Result", "HF_FILES", "default_base_config"]
 

@@ -18,7 +18,7 @@ from typing import Any
 from maxshard.convert import hf_local_global
 from maxshard.convert.families import FAMILIES, Family, by_architecture, by_model_type
 from maxshard.errors import ConfigError
-from maxshard.model.config import ModelConfig
+from maxshard.spec.model_config import ModelConfig
 
 __all__ = ["MAX_TARGET_LENGTH", "read", "family", "model_keys", "rope_keys", "to_hf", "default_max_position",
            "family_of_keys", "LAYER_OPTIONS"]

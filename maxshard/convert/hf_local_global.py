@@ -2,7 +2,7 @@
 
 transformers describes each layer by `layer_types[i]` ("sliding_attention" or "full_attention", the former seeing
 the last `sliding_window` tokens, its own included: the same window as maxshard's `sliding_window`); maxshard by a
-repeating `attention_pattern` (layer i is pattern[i % length], model/blocks.py). Import takes the shortest period
+repeating `attention_pattern` (layer i is pattern[i % length], spec/blocks.py). Import takes the shortest period
 that reproduces every layer's type, so the model computes exactly the listed layers (Gemma 3 27B: 62 layers, a
 period of 6); export writes the list back out in full. Gemma 3 gives its global layers `rope_theta` and their
 scaling, its local ones `rope_local_base_freq` unscaled: maxshard's `rope_local_max_timescale`.

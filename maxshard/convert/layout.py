@@ -18,9 +18,9 @@ import jax
 from maxshard.convert import names
 from maxshard.convert.families import Family
 from maxshard.errors import ConfigError
-from maxshard.model import blocks
+from maxshard.spec import blocks
 from maxshard.model import transformer as model
-from maxshard.model.config import ModelConfig, architecture_keys
+from maxshard.spec.model_config import ModelConfig, architecture_keys
 
 __all__ = ["MODEL_KEYS", "model_config", "Param", "params_of"]
 
@@ -43,7 +43,7 @@ def model_config(keys: Mapping[str, Any]) -> ModelConfig:
 @dataclasses.dataclass(frozen=True)
 class Param:
     """One maxshard parameter: its path, shape (stacked [units, ...] when `stacked`) and the table row. A stacked
-    parameter belongs to one of the decoder's stacks (model/blocks.py) and to one layer of its repeated unit of
+    parameter belongs to one of the decoder's stacks (spec/blocks.py) and to one layer of its repeated unit of
     `period` layers: its unit r is Hugging Face's layer `first + r * period` (DeepSeek-V3's MoE stack starts
     after its dense first layers; in Gemma 3's units of 6, layer_2's parameters are layers 2, 8, 14, ...)."""
 

@@ -7,7 +7,7 @@ import numpy as np
 from maxshard.checkpoint import orbax_io
 from maxshard.convert import layout
 from maxshard.errors import ConfigError
-from maxshard.model.blocks import MAIN_STACK
+from maxshard.spec.blocks import MAIN_STACK
 
 __all__ = ["locate", "locate_layer"]
 

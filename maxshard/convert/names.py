@@ -31,7 +31,7 @@ biases; its attention has q/k/v/o biases and sinks:
     self_attn.sinks [heads]                       -> attention/sinks
 
 The table of a layer is `per_layer(family, cfg, layer)`: Llama's rows, plus q/k norms with `qk_norm`, with the MLP
-replaced by the router and experts in the MoE layers (model/blocks.py says which layers those are); Gemma's four
+replaced by the router and experts in the MoE layers (spec/blocks.py says which layers those are); Gemma's four
 norms a layer (`SANDWICH_NORMS`) in families with `post_norms`. A stack whose unit is several layers (Gemma 3's five
 local and one global) holds each as layer_<slot> (convert/layout.py maps Hugging Face layer i to its unit and slot).
 """
@@ -45,9 +45,9 @@ import re
 import numpy as np
 
 from maxshard.convert.families import Family
-from maxshard.model.blocks import Layer
+from maxshard.spec.blocks import Layer
 from maxshard.model.layers import rope
-from maxshard.model.config import ModelConfig
+from maxshard.spec.model_config import ModelConfig
 
 __all__ = ["Entry", "GLOBAL", "ATTENTION", "QK_NORM", "MLP_NORM", "SANDWICH_NORMS", "MLP", "HEAD", "IGNORED", "MTP",
            "MTP_COPIES", "mtp_layer", "mtp_copies", "per_layer", "hf_name",
@@ -173,7 +173,7 @@ def _attention_extras(cfg: ModelConfig, family: Family) -> tuple[Entry, ...]:
 
 
 def per_layer(family: Family, cfg: ModelConfig, layer: Layer) -> tuple[Entry, ...]:
-    """The rows of one layer of `layer`'s kinds (model/blocks.py): its attention (with the q/k norms of qk_norm
+    """The rows of one layer of `layer`'s kinds (spec/blocks.py): its attention (with the q/k norms of qk_norm
     families; latent attention's own rows), then the MLP's norm and the dense MLP or the MoE (router, its selection
     bias, experts, shared experts)."""
     attention = _latent_attention(cfg) if layer.attention == "mla" else (*ATTENTION, *(QK_NORM if family.qk_norm

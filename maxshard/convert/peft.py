@@ -34,7 +34,7 @@ from maxshard.convert import layout, names
 from maxshard.convert.families import Family
 from maxshard.convert.lora import ADAPTER_CONFIG, ADAPTER_FILE, PEFT_PREFIX
 from maxshard.errors import ConfigError
-from maxshard.model.config import LORA_TARGETS
+from maxshard.spec.model_config import LORA_TARGETS
 from maxshard.model.layers.lora import ADAPTER_PARAMS
 
 __all__ = ["PeftLora", "read", "adapter_arrays", "write", "HF_MODULES", "ADAPTERS_STEP"]

@@ -40,8 +40,8 @@ from maxshard.convert.families import Family
 from maxshard.convert.locate import locate
 from maxshard.data import tokenizer as tokenizers
 from maxshard.errors import ConfigError
-from maxshard.model import blocks
-from maxshard.model.config import ModelConfig
+from maxshard.spec import blocks
+from maxshard.spec.model_config import ModelConfig
 
 __all__ = ["export", "Result", "DTYPES"]
 

@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from maxshard.generation.decode import decode_model
-from maxshard.model.config import ModelConfig
+from maxshard.spec.model_config import ModelConfig
 from maxshard.model.transformer import Transformer
 from maxshard.parallel import axis_names as ax
 from maxshard.parallel import sharding

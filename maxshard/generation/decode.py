@@ -53,7 +53,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from maxshard.data.tokenizer import MAX_STOP_IDS
 from maxshard.generation.sampling import Sampling, sample
-from maxshard.model.config import ModelConfig
+from maxshard.spec.model_config import ModelConfig
 from maxshard.model.layers import kv_cache, pipeline
 from maxshard.model.transformer import Transformer, abstract_cache
 from maxshard.parallel import axis_names as ax

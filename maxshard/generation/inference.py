@@ -27,7 +27,7 @@ from maxshard.checkpoint import params as checkpoint_params
 from maxshard.config import Config
 from maxshard.errors import ConfigError
 from maxshard.model import trainable
-from maxshard.model.config import model_fields
+from maxshard.spec.model_config import model_fields
 from maxshard.model.transformer import abstract_params
 from maxshard.parallel import sharding
 from maxshard.run import loading

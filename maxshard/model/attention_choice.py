@@ -40,7 +40,7 @@ from collections.abc import Mapping
 from maxshard import devices
 from maxshard.config.schema import Config
 from maxshard.errors import ConfigError
-from maxshard.model import attention_kinds
+from maxshard.spec import attention_kinds
 from maxshard.parallel import axis_names as ax
 from maxshard.parallel.sharding import axes_of, flax_rules
 

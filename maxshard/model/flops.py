@@ -3,7 +3,7 @@ recompute cost, the 8-bit share of a quantized run and the LoRA count all read i
 
 Why one: the planner's recompute factors and the model's FLOPs were two hand-written copies, and the second one
 missed the shared experts, the router and `moe_layer_interval` (an MoE model whose dense layers have one MLP).
-Parts are named as the remat table names what a policy recomputes (`maxshard/model/remat.py`: qkv, out, attention,
+Parts are named as the remat table names what a policy recomputes (`maxshard/spec/remat.py`: qkv, out, attention,
 mlp), so a policy's cost is a sum over this inventory.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from maxshard.model import blocks
-from maxshard.model.config import ModelConfig
+from maxshard.spec import blocks
+from maxshard.spec.model_config import ModelConfig
 
 __all__ = ["Matmuls", "matmuls", "keys_seen", "attention_flops", "layer_flops", "matmul_params", "lora_matmul_params",
            "flops_per_token"]
@@ -43,7 +43,7 @@ class Matmuls:
 
 
 def matmuls(cfg: ModelConfig) -> Matmuls:
-    """The sum over every decoder layer's kinds (model/blocks.py), the multi-token prediction modules' layers
+    """The sum over every decoder layer's kinds (spec/blocks.py), the multi-token prediction modules' layers
     (layers/mtp.py: a layer of the main stack's last kind each) and the heads."""
     parts = dict.fromkeys(("qkv", "out", "dense_mlp", "routed_experts", "shared_experts", "router"), 0)
     for layer in (*blocks.layers(cfg), *blocks.mtp_layers(cfg)):

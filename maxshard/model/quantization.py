@@ -55,10 +55,10 @@ from maxshard import devices
 from maxshard.config.schema import Config
 from maxshard.errors import ConfigError
 from maxshard.model.attention_choice import platform_of
-from maxshard.model.config import ModelConfig
+from maxshard.spec.model_config import ModelConfig
 from maxshard.model.flops import flops_per_token, matmuls
 from maxshard.model.layers import lora, moe
-from maxshard.observe import perf
+from maxshard import perf
 
 __all__ = ["MODES", "Recipe", "RECIPES", "RULES", "check", "quantize", "rules", "quantized_matmul_params",
            "quantized_share", "peak_flops", "peak_precision"]

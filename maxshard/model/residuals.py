@@ -35,8 +35,9 @@ import jax
 import jax.numpy as jnp
 from jax._src.ad_checkpoint import saved_residuals  # the list jax.ad_checkpoint.print_saved_residuals prints
 
-from maxshard.model import blocks, trainable
-from maxshard.model.config import ModelConfig
+from maxshard.model import trainable
+from maxshard.spec import blocks
+from maxshard.spec.model_config import ModelConfig
 from maxshard.model.layers.decoder import remat_policy, stack_unit
 from maxshard.model.transformer import without_layout
 
@@ -52,7 +53,7 @@ COUNTED = frozenset({
     # the MoE shape: the MoE terms of planning/memory.py
     "num_experts", "num_experts_per_tok", "capacity_factor", "moe_layer_interval", "moe_group_size",
     "moe_dropless_impl", "moe_exchange", "moe_ragged_buffer_factor", "moe_mlp_dim", "first_k_dense_replace",
-    # which layers are local and what they see: the attention terms (model/blocks.py, planning/memory.py)
+    # which layers are local and what they see: the attention terms (spec/blocks.py, planning/memory.py)
     "sliding_window", "attention_pattern",
 })
 VALUES = frozenset({"norm_epsilon", "rope_max_timescale", "rope_scaling_type", "rope_scaling_factor",

@@ -16,7 +16,7 @@ from typing import Any
 
 from flax import traverse_util
 
-from maxshard.model.config import ModelConfig
+from maxshard.spec.model_config import ModelConfig
 from maxshard.model.layers.lora import ADAPTER_PARAMS
 from maxshard.model.layers.moe import BIAS_PARAM
 

@@ -17,7 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from maxshard.model.config import ModelConfig
+from maxshard.spec.model_config import ModelConfig
 from maxshard.model.layers import kv_cache, moe, mtp, pipeline, ring_attention
 from maxshard.model.layers.decoder import Decoder
 from maxshard.model.layers.embeddings import Embed

@@ -14,9 +14,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from maxshard.config import Config
-from maxshard.model import pipeline_schedule, quantization
+from maxshard.model import quantization
+from maxshard.spec import pipeline_schedule
 from maxshard.model.flops import flops_per_token
-from maxshard.observe import perf
+from maxshard import perf
 from maxshard.observe.metrics import MetricsWriter, StepValues, memory_stats
 from maxshard.parallel import mesh as mesh_lib
 from maxshard.units import format_bytes, format_count, format_duration, format_flops

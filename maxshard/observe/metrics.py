@@ -7,7 +7,7 @@ Three rules shape this module:
 - Reading a metric must never stall the device: `DeferredMetrics` turns step N's device arrays into Python floats
   only after step N+1 has been dispatched, so the host waits for work that is already done or nearly so.
 
-The throughput arithmetic (tokens/s, TFLOP/s, MFU) lives in `maxshard/observe/perf.py`, each chip's peak in the
+The throughput arithmetic (tokens/s, TFLOP/s, MFU) lives in `maxshard/perf.py`, each chip's peak in the
 device registry `maxshard/devices.py`; trace capture lives in `maxshard/observe/profiling.py`.
 """
 

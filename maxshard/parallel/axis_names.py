@@ -6,7 +6,7 @@ produces are often laid out differently (FSDP shards a kernel's "embed" dimensio
 
 # ---- parameter dimensions
 LAYERS = "layers"  # leading axis of scanned layer stacks
-UNSTAGED_LAYERS = "unstaged_layers"  # leading axis of a stack that runs before the pipeline (model/blocks.py)
+UNSTAGED_LAYERS = "unstaged_layers"  # leading axis of a stack that runs before the pipeline (spec/blocks.py)
 CIRCULAR_REPEATS = "circular_repeats"  # leading axis of a circular pipeline's repeats
 LAYERS_PER_STAGE = "layers_per_stage"  # layers one pipeline stage runs in a row
 VOCAB = "vocab"

@@ -1,7 +1,7 @@
 """The circular pipeline's shape, worked out once from the config and the mesh's axis sizes.
 
 Stages S are the size of the `stage` mesh axis; layers per stage L, repeats R and microbatches M come from their
-keys, with -1 derived: R = units / (S x L), M = S. The result is a `PipelineShape` (in `model/config.py`) that the
+keys, with -1 derived: R = units / (S x L), M = S. The result is a `PipelineShape` (in `spec/model_config.py`) that the
 loader puts into the `ModelConfig`, so the layers receive a resolved schedule and never read mesh knobs, the global
 batch or the logical rules. Every pipeline mistake is one `ConfigError` here, before anything is traced (what the
 schedule asks of the sizes, its `check`).
@@ -14,8 +14,8 @@ from collections.abc import Mapping
 
 from maxshard.config import Config
 from maxshard.errors import ConfigError
-from maxshard.model import pipeline_schedule
-from maxshard.model.config import PipelineShape, num_units
+from maxshard.spec import pipeline_schedule
+from maxshard.spec.model_config import PipelineShape, num_units
 from maxshard.parallel import axis_names as ax
 from maxshard.parallel.mesh import describe
 from maxshard.parallel.sharding import axes_of, flax_rules
@@ -81,7 +81,7 @@ def _check_batch(cfg: Config, shape: PipelineShape, mesh_sizes: Mapping[str, int
 
 
 def _left_over_layers(cfg: Config) -> int:
-    """How many layers the main stack's unit leaves over (model/blocks.py's last stack): the runner computes
+    """How many layers the main stack's unit leaves over (spec/blocks.py's last stack): the runner computes
     them per microbatch on the last stage, whose MoE statistics would be per-microbatch means where the circular
     pipeline's are over the whole batch."""
     body = cfg.num_layers - (cfg.first_k_dense_replace if cfg.num_experts > 1 else 0)

@@ -28,7 +28,8 @@ import numpy as np
 
 from maxshard.config import Config
 from maxshard.launch.topologies import Target
-from maxshard.model import flops, quantization, remat
+from maxshard.model import flops, quantization
+from maxshard.spec import remat
 from maxshard.model import transformer as model
 from maxshard.model.layers import moe
 from maxshard.observe.report import build_report
@@ -150,7 +151,7 @@ def remat_factors(cfg: Config) -> dict[str, float]:
     one third of training FLOPs if it re-ran all of them (full). The forward FLOPs of the decoder stack by part come
     from the model's one inventory (`flops.layer_flops`: q/k/v projections, output projection, attention, MLP with an
     MoE layer's routed and shared experts and router). Each policy recomputes the parts of the layer its row of
-    maxshard/model/remat.py names (`recomputes`), and every policy but none re-runs a fused attention kernel
+    maxshard/spec/remat.py names (`recomputes`), and every policy but none re-runs a fused attention kernel
     (`memory.Widths.fused`: not a matmul that a policy keeps):
         none                 nothing
         minimal              elementwise work only (it keeps every matmul output), and a fused attention

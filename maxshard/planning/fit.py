@@ -7,7 +7,7 @@ and `minimal` both re-run no matmul, and `minimal` keeps only the matmul outputs
 it wins unless a fused attention kernel makes it re-run the attention. (On XLA:CPU at benchmarks/maxtext_compare.py's
 shape, `minimal` took 0.93x `none`'s CPU time and 0.93x its wall time.)
 
-An offload policy (maxshard/model/remat.py) is the last resort, taken only when no policy that keeps everything on the
+An offload policy (maxshard/spec/remat.py) is the last resort, taken only when no policy that keeps everything on the
 device fits: it moves every layer's saved activations over the host link twice a step, a cost no FLOP count shows
 and no bandwidth figure of the planner prices. Offload policies are candidates only where the compiler moves values
 to host memory (XLA:TPU, XLA:GPU; `memory.policies`); on XLA:CPU each would be the policy it is `like`. Its host
@@ -42,7 +42,7 @@ from jax.experimental import multihost_utils
 from maxshard.config import Config
 from maxshard.config.schema import MemoryFit
 from maxshard.errors import ConfigError
-from maxshard.model import remat
+from maxshard.spec import remat
 from maxshard.planning import estimate, memory
 from maxshard.units import format_bytes
 
@@ -247,7 +247,7 @@ def verdict(cfg: Config, capacity: Capacity) -> tuple[bool, str]:
 def check_host_memory(cfg: Config, devices: list | None = None) -> None:
     """A policy that offloads needs host memory its devices can move values to (the 'pinned_host' memory kind):
     one error line naming remat_policy and what is allowed where they have none (default: this process's devices).
-    XLA:CPU's devices have one (and keep the values where they are: maxshard/model/remat.py)."""
+    XLA:CPU's devices have one (and keep the values where they are: maxshard/spec/remat.py)."""
     policy = cfg.remat_policy
     if policy not in remat.NAMES or not remat.policy(policy).offloads:
         return

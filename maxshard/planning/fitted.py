@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from maxshard.config import Config
-from maxshard.model import remat
+from maxshard.spec import remat
 from maxshard.model.attention_choice import platform_of
 
 __all__ = ["OFFLOADING", "Fitted", "FITTED", "XLA_CPU_WORKING", "XLA_TPU_WORKING", "compiler", "policies",

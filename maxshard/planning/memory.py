@@ -15,10 +15,10 @@ s = the compute dtype's itemsize:
                                       length's (tensor_sequence: layers/decoder.py), 5 of the 7E are E / r
                                       and 2 stay whole (attention's and the MLP's inputs, gathered back)
     attention, dot_product: 8 A bytes (float32 exponentials and probabilities); a fused kernel (ring, or a row
-                                      of model/attention_kinds.py fused on the device kind's platform) keeps its
+                                      of spec/attention_kinds.py fused on the device kind's platform) keeps its
                                       output and float32 log-sum-exp instead: Q x s + 4 H
 
-    what a policy saves per layer and token (maxshard/model/remat.py names what each keeps):
+    what a policy saves per layer and token (maxshard/spec/remat.py names what each keeps):
         none               dense + attention
         minimal            matmul outputs: (2E / r + 2Q + 2K + 2F) x s + float32 scores 4 A (fused: log-sum-exp 4 H)
         save_qkv_out_proj  layer input + q, k, v + output projection: (E / r + E + Q + 2K) x s
@@ -47,13 +47,13 @@ s = the compute dtype's itemsize:
     layers/blockwise_attention.py instead (block q, output, dq, stacked dk/dv in float32 and the log-sum-exp:
     Q(5s + 8) + K(4s + 8) + 12 H per token, plus one float32 score block per sequence a device holds).
 
-    unit        a stacked unit of n layers (model/blocks.py: an MoE interval, an attention pattern; Gemma 3's is 6)
+    unit        a stacked unit of n layers (spec/blocks.py: an MoE interval, an attention pattern; Gemma 3's is 6)
                 is rematerialised as one, so its backward re-runs the whole unit's forward: working = one layer's
                 + (n - 1) x what a layer keeps without remat less what the policy saves (x `Fitted.unit_kept`:
                 XLA:TPU held about half of it live and allocated 0.8 of it). Under none nothing re-runs, and XLA:CPU
                 held n layers' working sets (units of 2 and 3 layers, tests/test_plan_memory.py)
 
-    local layers (sliding window, model/blocks.py) hold what their kernel holds, and no kernel's memory follows the
+    local layers (sliding window, spec/blocks.py) hold what their kernel holds, and no kernel's memory follows the
                 window: dot_product masks the whole [q, kv] scores (A as for a global layer), a fused kernel keeps
                 one block and a log-sum-exp per query whatever keys it visits (a window skips blocks: FLOPs,
                 model/flops.py, not memory). What a window bounds is generation's KV cache, a local layer needing
@@ -105,7 +105,8 @@ from collections.abc import Mapping
 import numpy as np
 
 from maxshard.config import Config
-from maxshard.model import attention_kinds, blocks, remat, residuals
+from maxshard.model import residuals
+from maxshard.spec import attention_kinds, blocks, remat
 from maxshard.model.attention_choice import platform_of
 from maxshard.parallel import axis_names as ax
 from maxshard.planning import moe_memory
@@ -130,7 +131,7 @@ class Widths:
     heads: int  # query heads per device
     length: int  # the whole sequence length: a dot-product score row, in a local layer too (its window is a mask)
     attention: str = "dot_product"  # resolved implementation
-    kernel_fused: bool = False  # it is a fused kernel on the device kind's platform (model/attention_kinds.py)
+    kernel_fused: bool = False  # it is a fused kernel on the device kind's platform (spec/attention_kinds.py)
     context: int = 1  # context shards (ring attention)
     tensor: bool = False  # heads or mlp split over the `tensor` axis (partial sums before their reduction)
     residual: int = 1  # shards of the residual stream's length beyond the activation length's (tensor_sequence)
@@ -195,7 +196,7 @@ class Widths:
         return padded * -(-self.head_dim // lanes) * lanes
 
     def name_width(self, name: str) -> int:
-        """Per-token elements of a value a policy names (maxshard/model/remat.py), as stored."""
+        """Per-token elements of a value a policy names (maxshard/spec/remat.py), as stored."""
         widths = {remat.LAYER_INPUT: self.stream, "query_proj": self.stored(self.q), "key_proj": self.stored(self.kv),
                   "value_proj": self.stored(self.kv), "out_proj": self.embed}
         return widths[name]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from maxshard.model import blocks, flops, pipeline_schedule, quantization, remat
+from maxshard.model import flops, quantization
+from maxshard.spec import blocks, pipeline_schedule, remat
 from maxshard.planning.estimate import AxisTime, Plan
 from maxshard.planning.memory import ActivationTerms, Widths, compiler, effective_policy, widths
 from maxshard.units import format_bytes

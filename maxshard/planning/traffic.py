@@ -20,7 +20,7 @@ it meets the activations:
   The token embedding is a lookup, not a matmul: XLA keeps the table sharded and moves the looked-up rows with an
   all-to-all ([tokens, E], forward in the compute dtype, backward in the table's dtype); its gradient needs no
   reduction over the gather axes.
-  A pipeline (stage > 1) runs each stage's weights once per iteration of its schedule (model/pipeline_schedule.py;
+  A pipeline (stage > 1) runs each stage's weights once per iteration of its schedule (spec/pipeline_schedule.py;
   M*R + S - 1 iterations for the circular one): stacked gathers and their gradient reduce-scatters x iterations / R
   (XLA keeps the per-repeat gather inside the schedule loop: a 4-layer, 2-stage, 4-microbatch compile on XLA:CPU
   gathered 4% more than this plan, and reduced 7% more).
@@ -77,7 +77,8 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 from maxshard.config import Config
-from maxshard.model import blocks, pipeline_schedule, remat, trainable
+from maxshard.model import trainable
+from maxshard.spec import blocks, pipeline_schedule, remat
 from maxshard.model.layers.moe import capacity, group_size
 from maxshard.model.layers.moe_grouped import exchange_slots
 from maxshard.observe.report import Report
@@ -88,7 +89,7 @@ from maxshard.planning.axes import rule_axes
 __all__ = ["Collective", "Geometry", "geometry", "planned_collectives"]
 
 _LAYER_NAME = re.compile(r"layer_\d+")  # a layer of a multi-layer unit, in a parameter's path
-_STACKED = (ax.LAYERS, ax.UNSTAGED_LAYERS)  # the leading axis of a scanned stack (model/blocks.py)
+_STACKED = (ax.LAYERS, ax.UNSTAGED_LAYERS)  # the leading axis of a scanned stack (spec/blocks.py)
 _UNIT_AXES = (*_STACKED, ax.CIRCULAR_REPEATS, ax.LAYERS_PER_STAGE)  # a weight's axes that count the units it stacks
 
 
@@ -214,7 +215,7 @@ def gathered_unit_bytes(cfg: Config, report: Report, sizes: Mapping[str, int], g
     """Bytes of one stacked unit's weights after the fsdp all-gather, in the compute dtype: what the layer being
     computed holds whole (planning/memory.py); an MoE unit's expert weights twice (their gradient is whole too
     until it is reduce-scattered). With `largest_layer`, those of the unit's largest layer alone (a unit of several
-    layers, model/blocks.py, names them layer_0 ..), each weight once."""
+    layers, spec/blocks.py, names them layer_0 ..), each weight once."""
     by_layer: dict[str, float] = {}
     units = max(geo.layers * cfg.model.num_units // max(cfg.num_layers, 1), 1)  # units one device runs
     for p in report.params:
@@ -269,7 +270,7 @@ def _grad_itemsize(p: ParamLayout, lookup: bool, geo: Geometry) -> int:
 
 def _recompute_count(policy: str) -> int:
     """Tensor-parallel all-reduces (of 2 per layer: the attention output's and the MLP's) that a remat policy
-    recomputes in the backward pass: those of the parts it re-runs (maxshard/model/remat.py)."""
+    recomputes in the backward pass: those of the parts it re-runs (maxshard/spec/remat.py)."""
     p = remat.policy(policy)
     return ("out" in p.recomputes) + ("mlp" in p.recomputes)
 

@@ -13,7 +13,7 @@ from maxshard.config import Config
 from maxshard.data.tokenizer import resolve_vocab
 from maxshard.errors import ConfigError
 from maxshard.model import attention_choice, quantization
-from maxshard.model.config import ModelConfig, model_fields, resolve_dtype, resolve_moe_exchange, resolve_moe_impl
+from maxshard.spec.model_config import ModelConfig, model_fields, resolve_dtype, resolve_moe_exchange, resolve_moe_impl
 from maxshard.parallel import mesh, stages
 from maxshard.planning import fit, memory
 from maxshard.planning.fit import Capacity
@@ -132,7 +132,7 @@ def load_run(
     first joins the others (multi-host), which must precede every device query. With `check_fit` (a run that will
     allocate its state) an explicit remat policy whose planned peak does not fit the devices is a ConfigError. With
     `resume` (training) a run with checkpoints keeps their global batch on any device count (`resume_layout`). A
-    policy that offloads (maxshard/model/remat.py) on devices without host memory to offload to is a ConfigError too.
+    policy that offloads (maxshard/spec/remat.py) on devices without host memory to offload to is a ConfigError too.
     """
     parsed = config.parse(argv)
     if join_processes:

@@ -17,7 +17,7 @@ fit). Then the other policies for the meshes that fit, fastest first, while the 
 lasts; on one 8-GPU node it always lasts, so that search is exhaustive. A first round larger than the budget is
 refused with a hint to pin keys.
 
-The offload policies (maxshard/model/remat.py) are the last resort, as for `remat_policy: auto` (planning/fit.py:
+The offload policies (maxshard/spec/remat.py) are the last resort, as for `remat_policy: auto` (planning/fit.py:
 their host transfers are not priced): only when no layout fits under the others, and the target's compiler moves values
 to host memory (TPU, GPU: `memory.policies`), the two rounds run again with them, `offload_full` first.
 
@@ -44,7 +44,7 @@ from maxshard.config import Config
 from maxshard.config.schema import RematPolicy
 from maxshard.errors import ConfigError
 from maxshard.launch.topologies import Target
-from maxshard.model import remat
+from maxshard.spec import remat
 from maxshard.parallel import axis_names as ax
 from maxshard.parallel import mesh
 from maxshard.planning import hardware, memory

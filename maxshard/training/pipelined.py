@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 
 from maxshard.config import Config
-from maxshard.model import blocks, pipeline_schedule, trainable
+from maxshard.model import trainable
+from maxshard.spec import blocks, pipeline_schedule
 from maxshard.model.layers import moe, mtp, pipeline_runner
 from maxshard.model.layers.decoder import remat_policy, rematted, stack_unit
 from maxshard.model.layers.pipeline import _stage_class

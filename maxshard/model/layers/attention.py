@@ -7,7 +7,7 @@ softmax and value math is `attention_ops.attend`, one of several implementations
 For generation (the "cache" collection mutable in an apply) k/v go to the KV cache and the queries attend over it
 (layers/kv_cache.py); otherwise, as in training, over this call's own k/v.
 
-Local/global models (model/blocks.py): a `local` layer sees only the last `sliding_window` keys (and uses
+Local/global models (spec/blocks.py): a `local` layer sees only the last `sliding_window` keys (and uses
 `rope_local_max_timescale`, unscaled, when set: Gemma 3); `attn_logit_softcapping` caps the scaled logits (Gemma 2);
 `query_pre_attn_scalar` replaces head_dim in the softmax scale (Gemma); `attention_sinks` adds a learned logit per
 query head, "sinks" [heads], to each softmax's denominator (GPT-OSS); `attention_bias` puts biases on q, k, v and
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from maxshard.model.config import ModelConfig
+from maxshard.spec.model_config import ModelConfig
 from maxshard.model.layers import kv_cache, rope
 from maxshard.model.layers.attention_ops import attend
 from maxshard.model.layers.linears import DenseGeneral
@@ -43,7 +43,7 @@ class Attention(nn.Module):
     cfg: ModelConfig
     dtype: jnp.dtype
     weight_dtype: jnp.dtype
-    local: bool = False  # a sliding-window layer (model/blocks.py)
+    local: bool = False  # a sliding-window layer (spec/blocks.py)
 
     def _proj(self, x: jax.Array, heads: int, heads_axis: str, name: str, target: str) -> jax.Array:
         """One of the q/k/v projections (`target`: its lora_targets name), named for the remat policies."""

@@ -1,4 +1,4 @@
-"""The attention kernels behind one function, `attend`: one function per row of `maxshard/model/attention_kinds.py`,
+"""The attention kernels behind one function, `attend`: one function per row of `maxshard/spec/attention_kinds.py`,
 named as the row (which says where each runs, whether it is fused, how it takes the documents).
 
 Inputs are post-RoPE and pre-scaled: q [batch, q_len, heads, head_dim] (already multiplied by 1/sqrt(head_dim)),
@@ -24,7 +24,7 @@ from types import ModuleType
 import jax
 import jax.numpy as jnp
 
-from maxshard.model import attention_kinds
+from maxshard.spec import attention_kinds
 from maxshard.model.layers import blockwise_attention as bw
 from maxshard.model.layers import ring_attention
 from maxshard.parallel import axis_names as ax

@@ -1,6 +1,6 @@
 """The decoder block and the stack of blocks (scanned or unrolled, with a configurable remat policy).
 
-Remat policies (`remat_policy`) are rows of `maxshard/model/remat.py`: what each keeps for the backward pass (every
+Remat policies (`remat_policy`) are rows of `maxshard/spec/remat.py`: what each keeps for the backward pass (every
 activation, the matmul outputs, or named values), and where (device or host memory). A layer names its input
 `layer_input`, so a policy can move it to host memory; the attention projections name theirs (layers/attention.py).
 """
@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from maxshard.model import blocks, remat
-from maxshard.model.config import ModelConfig
+from maxshard.spec import blocks, remat
+from maxshard.spec.model_config import ModelConfig
 from maxshard.model.layers import kv_cache
 from maxshard.model.layers.attention import Attention
 from maxshard.model.layers.mla import LatentAttention
@@ -60,7 +60,7 @@ def norm(layer: nn.Module, x: jax.Array) -> jax.Array:
     return constrain(layer(constrain(x, ax.RESIDUAL)), ax.RESIDUAL)
 
 
-# The layer kinds of model/blocks.py, by name: a new attention or MLP kind is a row here and one there.
+# The layer kinds of spec/blocks.py, by name: a new attention or MLP kind is a row here and one there.
 ATTENTION_LAYERS: dict[str, type[nn.Module]] = {"gqa": Attention, "mla": LatentAttention}
 
 
@@ -68,7 +68,7 @@ class DecoderLayer(nn.Module):
     """One decoder layer: x + attn(norm(x)), then x + mlp(norm(x)); with `post_norms` (Gemma 2/3) each branch's
     output is normalised again before its residual add. Returns (x, None) so `nn.scan` can carry x.
 
-    Its kinds are layer `index` of the unit of stack `stack` (model/blocks.py): the attention module of its kind
+    Its kinds are layer `index` of the unit of stack `stack` (spec/blocks.py): the attention module of its kind
     (ATTENTION_LAYERS), local or global, and a dense MLP ("mlp") or a routed MoEBlock ("moe").
     """
 
@@ -102,7 +102,7 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderBlock(nn.Module):
-    """The repeated unit of a stack of more than one layer, or of MoE layers (model/blocks.py): its layers
+    """The repeated unit of a stack of more than one layer, or of MoE layers (spec/blocks.py): its layers
     `layer_0 ..`, e.g. `moe_layer_interval` layers the last one MoE, or Gemma 3's five local layers and a global one.
 
     nn.scan needs identical iterations, so a stack whose layers differ scans over blocks of layers (the unit that
@@ -138,7 +138,7 @@ def rematted(cfg: ModelConfig, unit: type[nn.Module]) -> type[nn.Module]:
 
 
 class Decoder(nn.Module):
-    """The stacks of model/blocks.py, in order. Each is one scanned unit with a leading "layers" axis (params under
+    """The stacks of spec/blocks.py, in order. Each is one scanned unit with a leading "layers" axis (params under
     its name: "layers", "dense_layers" for `first_k_dense_replace`, "last_layers" for the layers a pattern leaves
     over), or unrolled `<name>_0 .. <name>_{n-1}`; with more than one pipeline stage the main stack is a circular
     pipeline (params under "pipeline", see layers/pipeline.py) and the other stacks run before and after it on

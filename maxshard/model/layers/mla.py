@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from maxshard.model.config import ModelConfig
+from maxshard.spec.model_config import ModelConfig
 from maxshard.model.layers import kv_cache, rope
 from maxshard.model.layers.attention_ops import attend
 from maxshard.model.layers.linears import DenseGeneral

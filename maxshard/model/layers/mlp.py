@@ -16,7 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from maxshard.model.config import ModelConfig
+from maxshard.spec.model_config import ModelConfig
 from maxshard.model.layers import lora
 from maxshard.model.layers.initializers import default_kernel_init
 from maxshard.model.layers.linears import DenseGeneral

@@ -88,7 +88,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from maxshard.model.config import ModelConfig
+from maxshard.spec.model_config import ModelConfig
 from maxshard.model.layers import moe_grouped
 from maxshard.model.layers.linears import DenseGeneral
 from maxshard.model.layers.mlp import MLP, activation

@@ -10,7 +10,7 @@ Grouped matmul, `x [rows, embed] @ w[expert of the row]`, with rows sorted by ex
               each tile is one [b, embed] @ [embed, mlp] matmul against its expert's kernel (gathered per tile).
               With rows R and E experts, sum_e ceil(n_e / b) <= (R + E (b - 1)) // b tiles, a static bound for any
               routing; b ~ R / (5 E) keeps the padding <= ~1/5 of R and the gathered kernels ~6 x the experts'.
-`moe_dropless_impl=auto` takes ragged_dot on TPU and tiled elsewhere (`model/config.py`: `resolve_moe_impl`).
+`moe_dropless_impl=auto` takes ragged_dot on TPU and tiled elsewhere (`spec/model_config.py`: `resolve_moe_impl`).
 The experts' activation is the model's (`mlp_activation`, layers/mlp.py `GatedActivation`); with `moe_bias` each row
 also gets its expert's biases: per tile (tiled) or gathered per row from the group sizes (ragged_dot), zero for the
 rows past the groups, so empty rows stay zero.
@@ -20,7 +20,7 @@ runs in `jax.shard_map`, manual over the mesh axes that split the tokens (the ru
 activation_length) and the expert axes (plus the stage axes inside the pipeline, whose vmap adds them); tensor-like
 axes stay automatic, and kernel dimensions sharded over manual axes (FSDP) are all-gathered in the body, their
 gradients reduce-scattered by its transpose. Each device routes its own T tokens and exchanges them with the devices
-holding their experts, in one of two ways (`moe_exchange`, resolved by `model/config.py`'s `resolve_moe_exchange`):
+holding their experts, in one of two ways (`moe_exchange`, resolved by `spec/model_config.py`'s `resolve_moe_exchange`):
 
   ragged      (TPU and GPU) `jax.lax.ragged_all_to_all` moves only the rows routed, and each device computes a
               buffer of ~`moe_ragged_buffer_factor` x T x k rows; rows over it are dropped and counted: `moe_ragged.py`.

@@ -11,7 +11,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from maxshard.model.config import ModelConfig
+from maxshard.spec.model_config import ModelConfig
 
 __all__ = ["Routing", "Scoring", "route", "router_losses", "router_scores", "sequence_balance_loss"]
 

@@ -31,8 +31,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from maxshard.model import blocks
-from maxshard.model.config import ModelConfig
+from maxshard.spec import blocks
+from maxshard.spec.model_config import ModelConfig
 from maxshard.model.layers import ring_attention
 from maxshard.model.layers.decoder import DecoderLayer, norm, rematted
 from maxshard.model.layers.linears import DenseGeneral

@@ -1,4 +1,4 @@
-"""Pipeline parallelism over the `stage` mesh axis: the mechanics that run a schedule (model/pipeline_schedule.py).
+"""Pipeline parallelism over the `stage` mesh axis: the mechanics that run a schedule (spec/pipeline_schedule.py).
 
 Knobs: S stages (the `stage` mesh axis, ici_pipeline_parallelism x dcn_pipeline_parallelism), L layers per stage
 (`num_layers_per_pipeline_stage`), R repeats (`num_pipeline_repeats`), M microbatches (`num_pipeline_microbatches`).
@@ -56,8 +56,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from maxshard.model import pipeline_schedule
-from maxshard.model.config import ModelConfig, PipelineShape
+from maxshard.spec import pipeline_schedule
+from maxshard.spec.model_config import ModelConfig, PipelineShape
 from maxshard.parallel import axis_names as ax
 from maxshard.parallel.sharding import axes_of, constrain
 

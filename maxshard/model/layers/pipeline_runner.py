@@ -1,4 +1,4 @@
-"""The runner of the table schedules (gpipe, 1f1b, interleaved_1f1b, zero_bubble; model/pipeline_tables.py): the
+"""The runner of the table schedules (gpipe, 1f1b, interleaved_1f1b, zero_bubble; spec/pipeline_tables.py): the
 loss and every gradient of a pipelined decoder stack, each stage's backward computed explicitly per microbatch.
 
 Why a runner and not `jax.grad`: in 1F1B a stage starts the backward of microbatch m while later microbatches are
@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from maxshard.model.pipeline_tables import B, F, F_LAST, IDLE, W, Table
+from maxshard.spec.pipeline_tables import B, F, F_LAST, IDLE, W, Table
 
 __all__ = ["split_microbatches", "run"]
 

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxshard.model.config import ModelConfig
+from maxshard.spec.model_config import ModelConfig
 
 __all__ = ["Llama3Scaling", "YarnScaling", "LinearScaling", "inverse_frequencies", "llama3_scaled", "yarn_scaled",
            "yarn_mscale",

@@ -32,7 +32,7 @@ import dataclasses
 import functools
 import math
 
-from maxshard.model.config import ModelConfig
+from maxshard.spec.model_config import ModelConfig
 
 __all__ = ["ATTENTION_KINDS", "MLP_KINDS", "Layer", "Stack", "MAIN_STACK", "LAST_STACK", "stacks", "layers",
            "main_stack", "stack_named", "mtp_layers", "AttentionWidths", "attention_widths", "mlp_params"]

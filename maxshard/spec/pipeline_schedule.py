@@ -1,14 +1,14 @@
 """Pipeline schedules: which microbatch and repeat each stage works on at each iteration, and what that order costs.
 
 A schedule owns the order of work of a pipeline of S stages, R repeats and M microbatches (a `PipelineShape` of
-model/config.py): the number of iterations, the bubble (the stage-iterations that hold no microbatch), which
+spec/model_config.py): the number of iterations, the bubble (the stage-iterations that hold no microbatch), which
 microbatch and repeat stage s runs at iteration t or that it idles, and the buffer figures the planner counts.
 `layers/pipeline.py` runs it (the circulation buffer, the shift, one checkpoint per iteration), and the planner
 (planning/traffic.py, memory.py, printout.py) and the console read its figures; none of them works out the order
 itself. A new order of work on the same mechanics (stage 0 reads the circulation buffer of all M microbatches, one
 shift and one checkpoint per iteration) is one class with the members of `Schedule` and its row in `SCHEDULES`;
 tests/test_pipeline_schedule.py checks every row's contract. Schedules that interleave forward and backward work
-(`pipeline_schedule: gpipe | 1f1b | interleaved_1f1b | zero_bubble`) are tables (model/pipeline_tables.py) run by
+(`pipeline_schedule: gpipe | 1f1b | interleaved_1f1b | zero_bubble`) are tables (spec/pipeline_tables.py) run by
 layers/pipeline_runner.py: `Tabled` gives the planner and the console their figures, and the layer's forward-only
 calls (eval, a frozen reference, generation) keep the circular order, which computes the same function. `of` reads
 the name the shape carries (`PipelineShape.schedule`, from the `pipeline_schedule` key).
@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxshard.errors import ConfigError
-from maxshard.model import pipeline_tables
+from maxshard.spec import pipeline_tables
 
 __all__ = ["Schedule", "Circular", "Tabled", "SCHEDULES", "NAMES", "of", "circular_of"]
 
@@ -134,7 +134,7 @@ class Circular:
 
 @dataclasses.dataclass(frozen=True)
 class Tabled:
-    """A schedule that is a table (model/pipeline_tables.py): the figures the planner and console read.
+    """A schedule that is a table (spec/pipeline_tables.py): the figures the planner and console read.
 
     The runner (layers/pipeline_runner.py) keeps a stage input per microbatch in flight and recomputes the stage's
     forward inside its backward, so only the one microbatch whose backward runs holds what the remat policy saves:

@@ -56,7 +56,7 @@ def resolve_moe_exchange(name: str, platform: str) -> str:
 def num_units(num_layers: int, num_experts: int, moe_layer_interval: int, first_k_dense_replace: int = 0,
               pattern_length: int = 1) -> int:
     """Repeated units of the main decoder stack (the one a pipeline runs): layers, or blocks of the shortest run of
-    layers that repeats (model/blocks.py `stacks`): lcm(`moe_layer_interval` in an MoE model, the attention
+    layers that repeats (spec/blocks.py `stacks`): lcm(`moe_layer_interval` in an MoE model, the attention
     pattern's length), counted after the `first_k_dense_replace` dense layers (a stack of their own). Layers left
     over run once after them (blocks.LAST_STACK), outside the pipeline.
 
@@ -70,13 +70,13 @@ def num_units(num_layers: int, num_experts: int, moe_layer_interval: int, first_
 @dataclasses.dataclass(frozen=True)
 class PipelineShape:
     """A pipeline's sizes, resolved (no -1 left). The order of work, its iterations and bubble are its schedule's
-    (`maxshard/model/pipeline_schedule.py`, `of(shape)`); `maxshard/model/layers/pipeline.py` runs it."""
+    (`maxshard/spec/pipeline_schedule.py`, `of(shape)`); `maxshard/model/layers/pipeline.py` runs it."""
 
     stages: int
     layers_per_stage: int
     repeats: int
     microbatches: int
-    schedule: str = "circular"  # `pipeline_schedule` (model/pipeline_schedule.py, pipeline_tables.py)
+    schedule: str = "circular"  # `pipeline_schedule` (spec/pipeline_schedule.py, pipeline_tables.py)
 
     @property
     def units(self) -> int:
@@ -104,7 +104,7 @@ class ModelConfig:
     logits_via_embedding: bool = False
     norm_epsilon: float = 1e-6
     qk_norm: bool = False  # RMSNorm over head_dim of each query and key head before RoPE (Qwen3)
-    # The attention kind of every layer (a row of model/blocks.py ATTENTION): "gqa" (grouped-query, the fields
+    # The attention kind of every layer (a row of spec/blocks.py ATTENTION): "gqa" (grouped-query, the fields
     # above) or "mla" (DeepSeek-V2/V3 multi-head latent attention, the five fields below; num_kv_heads unused).
     attention_type: str = "gqa"
     q_lora_rank: int = 0  # mla: the query's low-rank latent width (0: a plain [embed, heads, qk_head_dim] projection)
@@ -112,7 +112,7 @@ class ModelConfig:
     qk_nope_head_dim: int = 128  # mla: the part of each query/key head without RoPE
     qk_rope_head_dim: int = 64  # mla: the RoPE part of each query head; the key's is one head shared by all heads
     v_head_dim: int = 128  # mla: each value head's width
-    # Local/global attention (Gemma 2/3, GPT-OSS; model/blocks.py): layer i is `attention_pattern[i % len]`, "global"
+    # Local/global attention (Gemma 2/3, GPT-OSS; spec/blocks.py): layer i is `attention_pattern[i % len]`, "global"
     # (every earlier key) or "local" (the last `sliding_window` keys, its own included)
     sliding_window: int = 0
     attention_pattern: tuple[str, ...] = ("global",)
@@ -145,7 +145,7 @@ class ModelConfig:
     weight_dtype: str = "float32"
     scan_layers: bool = True
     remat_policy: str = "full"
-    attention: str = "dot_product"  # resolved: a row of model/attention_kinds.py (never auto)
+    attention: str = "dot_product"  # resolved: a row of spec/attention_kinds.py (never auto)
     attention_block_q: int = 512
     attention_block_kv: int = 512
     num_experts: int = 1
