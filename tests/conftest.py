@@ -7,6 +7,8 @@ devices are asked for only when the CPU backend is among the platforms; on an ac
 """
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 PLATFORMS = os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -25,12 +27,25 @@ OPTIMIZATION_LEVEL = "--xla_backend_optimization_level=0"
 # default), which build an MLIR context and pipeline per fusion: XLA:CPU's compile is 3x cheaper (test_plan_memory's
 # 25 train steps: 66 -> 20 CPU seconds; tests/test_parity.py 64 -> 33). Sharding, collectives and the fusions of
 # dense layers are the same; the emitter decides how a few ops fuse (a scatter), so some buffers move: of those 25
-# compiled peaks 23 by under 0.05%, two MoE ones by +4.3% (dropping, expert=4) and -0.7%. A jax whose XLA has no
-# such flag stops every test process at start ("Unknown flag in XLA_FLAGS"): drop it here then.
+# compiled peaks 23 by under 0.05%, two MoE ones by +4.3% (dropping, expert=4) and -0.7%. jax 0.12's XLA has no
+# such flag (the fusion emitters are its only ones) and stops any process that names it ("Unknown flag in XLA_FLAGS",
+# a fatal abort, so it cannot be caught here): a throwaway process tries it first, and it is left out where it fails.
 FUSION_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
-for flag in (OPTIMIZATION_LEVEL, FUSION_EMITTERS):
-    if ON_CPU and flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+
+
+def _xla_accepts(flag: str) -> bool:
+    """Whether this jaxlib's XLA starts its CPU backend with `flag` in XLA_FLAGS (about 2 s, once per pytest run)."""
+    env = {**os.environ, "XLA_FLAGS": flag, "JAX_PLATFORMS": "cpu"}
+    probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True)
+    return probe.returncode == 0
+
+
+# xdist's workers inherit the XLA_FLAGS their controller settled on (set before it starts them), so only it decides.
+if ON_CPU and "PYTEST_XDIST_WORKER" not in os.environ:
+    for flag in (OPTIMIZATION_LEVEL, FUSION_EMITTERS):
+        if flag.split("=")[0] not in os.environ.get("XLA_FLAGS", "") and (flag != FUSION_EMITTERS
+                                                                         or _xla_accepts(flag)):
+            os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
