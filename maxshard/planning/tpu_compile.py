@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import re
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -134,4 +135,7 @@ def compile_run(cfg: Config, target: Target, devices: list[Any],
 def _first_oom_line(message: str) -> str:
     """XLA's sentence that says what the program needs and what the chip has."""
     lines = [line.strip() for line in message.splitlines() if line.strip()]
-    return next((line for line in lines if "exceeds" in line or "Ran out of memory" in line), lines[0])
+    line = next((line for line in lines if "exceeds" in line or "Ran out of memory" in line), lines[0])
+    # newer libtpu (0.0.50+) goes on after the figures on the same line (". HLO module: ..."): cut it there
+    figures = re.match(r"(.*?exceeds available HBM \([^)]*\))", line)
+    return f"{figures.group(1)}." if figures else line
