@@ -62,9 +62,15 @@ class Transformer(nn.Module):
                         ) -> tuple[jax.Array, list[jax.Array]]:
         """`hidden`, and what the head reads of each multi-token prediction module (layers/mtp.py), in order."""
         embedded, last = self._stream(inputs, segment_ids, positions)
+        return self.after_stack(last, embedded, segment_ids, positions)
+
+    def after_stack(self, last: jax.Array, embedded: jax.Array, segment_ids: jax.Array, positions: jax.Array
+                    ) -> tuple[jax.Array, list[jax.Array]]:
+        """From the last residual stream (and the embedded tokens): the final norm, then each prediction module on
+        what the head read one depth before (layers/mtp.py). Also the table pipelines' last part."""
         hidden = x = self.final_norm(last)
         predicted = []
-        for module in self.mtp:  # each reads what the head read one depth before (layers/mtp.py)
+        for module in self.mtp:
             x = module(x, embedded, segment_ids, positions)
             predicted.append(x)
         return hidden, predicted

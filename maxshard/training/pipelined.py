@@ -36,7 +36,7 @@ from maxshard.config import Config
 from maxshard.model import trainable
 from maxshard.spec import blocks, pipeline_schedule
 from maxshard.model.layers import moe, mtp, pipeline_runner
-from maxshard.model.layers.decoder import remat_policy, rematted, stack_unit
+from maxshard.model.layers.decoder import remat_policy, rematted, scanned_stack, stack_unit
 from maxshard.model.layers.pipeline import _stage_class
 from maxshard.parallel import axis_names as ax
 from maxshard.parallel.sharding import constrain
@@ -103,11 +103,9 @@ def _embed(module: Any, inputs: jax.Array) -> jax.Array:
 
 def _side_stack(cfg: Any, name: str) -> nn.Module:
     """The stack `name` that runs outside the pipeline (dense first layers, the layers a pattern leaves over), as
-    the decoder scans it (layers/decoder.py, `Decoder._scanned`), unbound: applied to params decoder/<name>."""
+    the decoder scans it (layers/decoder.py `scanned_stack`), unbound: applied to params decoder/<name>."""
     stack = blocks.stack_named(cfg, name)
-    scanned = nn.scan(rematted(cfg, stack_unit(cfg, stack)), variable_axes={"params": 0},
-                      split_rngs={"params": True}, in_axes=(nn.broadcast, nn.broadcast), length=stack.repeats,
-                      metadata_params={nn.PARTITION_NAME: ax.UNSTAGED_LAYERS})
+    scanned = scanned_stack(stack, rematted(cfg, stack_unit(cfg, stack)))
     return scanned(cfg, cfg.compute_dtype, cfg.param_dtype, stack=name, parent=None)
 
 
@@ -115,17 +113,6 @@ def _run_stacks(modules: list[tuple[str, nn.Module]], params: Any, x: jax.Array,
     for name, module in modules:
         x, _ = module.apply({"params": params["decoder"][name]}, x, mb["segment_ids"], mb["positions"])
     return x
-
-
-def _hidden_with_mtp(module: Any, y: jax.Array, embedded: jax.Array, segment_ids: jax.Array, positions: jax.Array
-                     ) -> tuple[jax.Array, list[jax.Array]]:
-    """`Transformer.hidden_with_mtp` from the last stage's output: the final norm, then the prediction modules."""
-    hidden = x = module.final_norm(y)
-    predicted = []
-    for prediction in module.mtp:
-        x = prediction(x, embedded, segment_ids, positions)
-        predicted.append(x)
-    return hidden, predicted
 
 
 def _fields(mb: dict) -> dict:
@@ -175,7 +162,7 @@ def value_and_grad(trainer: Any) -> Callable[..., tuple[tuple[jax.Array, dict], 
         if trainer.trains_mtp:  # the prediction modules read the microbatch's embedded tokens, embedded again here
             embedded = model.apply(params, mb["inputs"], method=_embed)
             hidden, predicted = model.apply(params, y, embedded, mb["segment_ids"], mb["positions"],
-                                            method=_hidden_with_mtp)
+                                            method="after_stack")
         else:
             hidden = model.apply(params, y, method=_hidden_out)
         head = lambda h: model.apply(params, h, method="head")  # noqa: E731

@@ -26,7 +26,7 @@ from maxshard.model.layers.pipeline import Pipeline
 from maxshard.parallel import axis_names as ax
 from maxshard.parallel.sharding import constrain
 
-__all__ = ["ATTENTION_LAYERS", "DecoderLayer", "DecoderBlock", "Decoder", "norm", "remat_policy",
+__all__ = ["ATTENTION_LAYERS", "DecoderLayer", "DecoderBlock", "Decoder", "scanned_stack", "norm", "remat_policy",
            "rematted", "stack_unit"]
 
 
@@ -137,6 +137,20 @@ def rematted(cfg: ModelConfig, unit: type[nn.Module]) -> type[nn.Module]:
     return nn.remat(unit, policy=remat_policy(cfg.remat_policy), prevent_cse=not cfg.scan_layers)
 
 
+def scanned_stack(stack: blocks.Stack, layer: type[nn.Module]) -> type[nn.Module]:
+    """`layer` (a stack's unit, rematted) scanned over the stack's repeats, its parameters stacked on the layers axis:
+    how the decoder runs a scanned stack, and how the table pipelines' runner runs the stacks outside the pipeline
+    (training/pipelined.py)."""
+    return nn.scan(
+        layer,
+        variable_axes={"params": 0, "intermediates": 0, kv_cache.COLLECTION: 0},
+        split_rngs={"params": True},
+        in_axes=(nn.broadcast, nn.broadcast),
+        length=stack.repeats,
+        metadata_params={nn.PARTITION_NAME: ax.LAYERS if stack.name == blocks.MAIN_STACK else ax.UNSTAGED_LAYERS},
+    )
+
+
 class Decoder(nn.Module):
     """The stacks of spec/blocks.py, in order. Each is one scanned unit with a leading "layers" axis (params under
     its name: "layers", "dense_layers" for `first_k_dense_replace`, "last_layers" for the layers a pattern leaves
@@ -168,14 +182,7 @@ class Decoder(nn.Module):
 
     def _scanned(self, stack: blocks.Stack, layer: type[nn.Module], x: jax.Array, segment_ids: jax.Array,
                  positions: jax.Array) -> jax.Array:
-        scanned = nn.scan(
-            layer,
-            variable_axes={"params": 0, "intermediates": 0, kv_cache.COLLECTION: 0},
-            split_rngs={"params": True},
-            in_axes=(nn.broadcast, nn.broadcast),
-            length=stack.repeats,
-            metadata_params={nn.PARTITION_NAME: ax.LAYERS if stack.name == blocks.MAIN_STACK else ax.UNSTAGED_LAYERS},
-        )
+        scanned = scanned_stack(stack, layer)
         x, _ = scanned(self.cfg, self.dtype, self.weight_dtype, stack=stack.name, name=stack.name)(x, segment_ids,
                                                                                                  positions)
         return x
