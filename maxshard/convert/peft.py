@@ -149,7 +149,9 @@ def adapter_arrays(lora: PeftLora, params: list[layout.Param], family: Family
                 pair.append(tensor)
             unit = param.local((layer,))[0]
             stacked[ADAPTER_PARAMS[0]][unit] = pair[0].T.reshape(*in_dims, r)
-            stacked[ADAPTER_PARAMS[1]][unit] = pair[1].T.reshape(r, *out_dims)
+            # B's rows as the kernel's are read (a RoPE part reordered): the inverse of lora.peft_pair
+            stacked[ADAPTER_PARAMS[1]][unit] = names.to_maxshard(dataclasses.replace(param.entry, num_in=1), pair[1],
+                                                                 (r, *out_dims))
         dtype = lora.tensors[f"{_stem(param, param.indices()[0][0])}.lora_A.weight"].dtype
         for name, array in stacked.items():
             leaf = orbax_io.Leaf((*param.path[:-1], name), array.shape, np.dtype(dtype), 1, 0)
