@@ -52,7 +52,7 @@ from maxshard.data import hf
 from maxshard.data.sources import BadRecord, as_text
 from maxshard.errors import ConfigError
 
-__all__ = ["HfStream", "InSplit", "StreamDocuments", "open_stream", "SHUFFLE_WINDOW"]
+__all__ = ["HfStream", "InSplit", "StreamDocuments", "open_stream", "window_shuffled", "SHUFFLE_WINDOW"]
 
 # Documents per shuffle window of a streamed train split: what the window holds in memory (text), and what a
 # restore reads again. Hub datasets are usually written in random order already; the window mixes neighbours.
@@ -79,6 +79,18 @@ class HfStream:
         reader = _Reader(self.text_field, self.whole, encode)
         return StreamDocuments(in_split, reader, where, ((process_index, process_count),),
                                reorder_epochs=split == "train")
+
+
+def window_shuffled(documents: Any, seed: int | None, window: int | None = None) -> Any:
+    """A stream's items in stream order (`seed` None: eval), or shuffled in windows of `window` (default
+    SHUFFLE_WINDOW, read at the call) (train). grain's
+    window shuffle seeds window w with seed + w as a uint32: halving the seed leaves 2**31 windows before that could
+    overflow (2e12 items at 1024 a window)."""
+    if seed is None:
+        return documents
+    from grain.experimental import WindowShuffleIterDataset
+
+    return WindowShuffleIterDataset(documents, window_size=window or SHUFFLE_WINDOW, seed=seed >> 1)
 
 
 def open_stream(path: str, split: str, text_field: str | tuple[str, ...], key: str = "dataset_path",

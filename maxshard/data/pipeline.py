@@ -54,7 +54,7 @@ import grain
 import jax
 import numpy as np
 from absl import flags
-from grain.experimental import ThreadPrefetchIterDataset, WindowShuffleIterDataset
+from grain.experimental import ThreadPrefetchIterDataset
 from jax.sharding import NamedSharding
 
 from maxshard.config import Config
@@ -202,13 +202,8 @@ def _source_pairs(stream: SourceStream | StreamedSource, tokenizer: Tokenizer, s
 
 
 def _streamed_pairs(stream: StreamedSource, tokenizer: Tokenizer, seed: int | None) -> grain.IterDataset:
-    """A stream's document pairs: in stream order (eval), or shuffled in windows (train).
-
-    The window shuffle seeds window w with seed + w as a uint32: halving the seed leaves 2**31 windows before that
-    could overflow (2e12 documents at 1024 a window)."""
-    documents = stream.documents
-    if seed is not None:
-        documents = WindowShuffleIterDataset(documents, window_size=stream.shuffle_window, seed=seed >> 1)
+    """A stream's document pairs: in stream order (eval), or shuffled in windows (train, `hf_stream.window_shuffled`)."""
+    documents = hf_stream.window_shuffled(stream.documents, seed, stream.shuffle_window)
     return documents.map(_TokenizePair(tokenizer))
 
 

@@ -257,14 +257,10 @@ class StreamedPromptIterator:
 
 def _streamed(stream: Any, cfg: Config, split: str, encoder: PromptEncoder) -> StreamedPromptIterator:
     """The prompts of a streamed source (module docstring)."""
-    from grain.experimental import WindowShuffleIterDataset  # deferred: grain only for a stream
+    from maxshard.data import hf_stream  # deferred: grain only for a stream
 
-    from maxshard.data import hf_stream
-
-    prompts = stream.documents(split, cfg.eval_fraction, 0, 1, encoder)
     seed = cfg.data_shuffle_seed if split == "train" else None
-    if seed is not None:  # the window shuffle seeds window w with seed + w (uint32): as the pipeline, halved
-        prompts = WindowShuffleIterDataset(prompts, window_size=hf_stream.SHUFFLE_WINDOW, seed=seed >> 1)
+    prompts = hf_stream.window_shuffled(stream.documents(split, cfg.eval_fraction, 0, 1, encoder), seed)
     identity = {"where": stream.where, "split": split, "records": "streamed", "shuffle_seed": seed,
                 "eval_fraction": cfg.eval_fraction, "window": hf_stream.SHUFFLE_WINDOW}
     return StreamedPromptIterator(prompts, identity)
