@@ -402,10 +402,10 @@ def test_8b_at_8k_fits_one_h100_node_with_auto_attention() -> None:
 def test_planner_counts_tokamax_as_a_fused_kernel_only_on_a_gpu(device_kind: str, fused: bool) -> None:
     """Off a GPU attention=tokamax runs tokamax's XLA reference, which holds whole score matrices."""
     from maxshard.parallel import mesh
-    from maxshard.planning import memory
+    from maxshard.planning import widths
 
     cfg = _load("attention=tokamax", device_kind=device_kind)
-    assert memory.widths(cfg, mesh.axis_sizes(cfg)).fused is fused
+    assert widths.widths(cfg, mesh.axis_sizes(cfg)).fused is fused
 
 
 # --------------------------------------------------------------------------------------------- the CLI

@@ -16,7 +16,7 @@ from maxshard import plan as plan_cli
 from maxshard.spec import remat
 from maxshard.parallel import mesh
 from maxshard.planning import fitted, moe_memory
-from maxshard.planning.memory import widths
+from maxshard.planning.widths import widths
 
 MIXTRAL = ["configs/base.yml", "model_name=mixtral_8x7b", "per_device_batch_size=12"]
 TARGET = "v6e-256"

@@ -44,7 +44,7 @@ from maxshard.model.transformer import without_layout
 __all__ = ["COUNTED", "VALUES", "OPTIONS", "defaults", "at_defaults", "traced_bytes", "option_bytes"]
 
 COUNTED = frozenset({
-    # the dimensions of the formula (planning/memory.py Widths) and the head
+    # the dimensions of the formula (planning/widths.py Widths) and the head
     "vocab_size", "emb_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim", "max_target_length",
     "logits_via_embedding",
     # dtypes, remat, attention, the stack: knobs the formula takes

@@ -34,7 +34,7 @@ from maxshard.model import transformer as model
 from maxshard.model.layers import moe
 from maxshard.observe.report import build_report
 from maxshard.parallel import mesh
-from maxshard.planning import hardware, memory, rollout_memory, traffic
+from maxshard.planning import hardware, memory, rollout_memory, traffic, widths
 from maxshard.planning.traffic import Collective
 from maxshard.training.step import abstract_state
 
@@ -152,7 +152,7 @@ def remat_factors(cfg: Config) -> dict[str, float]:
     from the model's one inventory (`flops.layer_flops`: q/k/v projections, output projection, attention, MLP with an
     MoE layer's routed and shared experts and router). Each policy recomputes the parts of the layer its row of
     maxshard/spec/remat.py names (`recomputes`), and every policy but none re-runs a fused attention kernel
-    (`memory.Widths.fused`: not a matmul that a policy keeps):
+    (`widths.Widths.fused`: not a matmul that a policy keeps):
         none                 nothing
         minimal              elementwise work only (it keeps every matmul output), and a fused attention
         save_qkv_out_proj    attention and MLP (offload_qkv_out_proj alike: where a value is kept costs no FLOPs)
@@ -161,7 +161,7 @@ def remat_factors(cfg: Config) -> dict[str, float]:
         full                 everything (offload_full alike)
     """
     parts = flops.layer_flops(cfg.model)
-    fused = memory.widths(cfg, mesh.axis_sizes(cfg)).fused
+    fused = widths.widths(cfg, mesh.axis_sizes(cfg)).fused
     layer = sum(parts.values())
     factors = {}
     for p in remat.POLICIES:

@@ -21,7 +21,7 @@ from maxshard.planning.axes import rule_axes
 from maxshard.planning.fitted import fitted
 
 if TYPE_CHECKING:
-    from maxshard.planning.memory import Widths
+    from maxshard.planning.widths import Widths
 
 __all__ = ["rows", "token_bytes", "working_bytes", "matmul_bytes"]
 

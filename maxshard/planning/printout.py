@@ -7,7 +7,8 @@ from typing import Any
 from maxshard.model import flops, quantization
 from maxshard.spec import blocks, pipeline_schedule, remat
 from maxshard.planning.estimate import AxisTime, Plan
-from maxshard.planning.memory import ActivationTerms, Widths, compiler, effective_policy, widths
+from maxshard.planning.memory import ActivationTerms, compiler, effective_policy
+from maxshard.planning.widths import Widths, widths
 from maxshard.units import format_bytes
 
 __all__ = ["format_plan", "plan_json"]
