@@ -12,16 +12,13 @@ working set the layer formula counts (so that share is taken off). Measured on t
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 from maxshard.config import Config
 from maxshard.model.layers.moe import group_size
 from maxshard.parallel import axis_names as ax
 from maxshard.planning.axes import rule_axes
 from maxshard.planning.fitted import fitted
-
-if TYPE_CHECKING:
-    from maxshard.planning.widths import Widths
+from maxshard.planning.widths import Widths
 
 __all__ = ["rows", "token_bytes", "working_bytes", "matmul_bytes"]
 
