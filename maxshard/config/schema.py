@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from maxshard import dataset_types
 from maxshard.spec import attention_kinds, pipeline_schedule, remat
-from maxshard.spec.model_config import ModelConfig
+from maxshard.spec.model_config import ModelConfig, ModelKeys
 from maxshard.objectives import kinds as objective_kinds
 
 # Mesh axes, outermost first. `stage` holds pipeline stages; its knobs are spelled `*_pipeline_parallelism`.
@@ -71,15 +71,6 @@ def _derived(default: Any) -> Any:
     return dataclasses.field(default=default, metadata={"derived": True})
 
 
-_MODEL_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.default is not dataclasses.MISSING}
-
-
-def _model_default(key: str) -> Any:
-    """A model key's default, from `ModelConfig`, its one home: the run config copies the key into the model, so a
-    default written twice could disagree between a trained and a converted or generated model."""
-    return _MODEL_DEFAULTS[key]
-
-
 def _path(default: str = "") -> Any:
     """A filesystem path: `config.finalize` resolves a relative one against the working directory, once."""
     return dataclasses.field(default=default, metadata={"path": True})
@@ -91,7 +82,11 @@ def path_keys() -> tuple[str, ...]:
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
+class Config(ModelKeys):
+    """Every YAML key. The model keys the network reads as they are (`emb_dim`, `num_experts`, ...) are inherited
+    from `ModelKeys` (spec/model_config.py), their one home; the keys below are the run's own, and the model keys
+    whose value is a request the run resolves (`dtype: auto`, `attention: auto`, ...)."""
+
     # ---- run
     run_name: str = "default"
     base_output_directory: str = _path("runs")
@@ -130,64 +125,19 @@ class Config:
     check_sharding: bool = False
     max_replicated_fraction: float = 0.02
 
-    # ---- model
+    # ---- model (the network's own keys are ModelKeys's, inherited)
     model_name: str = ""
     override_model_config: bool = False
     vocab_size: int = 0
     vocab_size_multiple: int = 128
-    emb_dim: int = _model_default("emb_dim")
-    num_layers: int = _model_default("num_layers")
-    num_heads: int = _model_default("num_heads")
-    num_kv_heads: int = _model_default("num_kv_heads")
-    head_dim: int = _model_default("head_dim")
-    mlp_dim: int = _model_default("mlp_dim")
-    max_target_length: int = _model_default("max_target_length")
-    logits_via_embedding: bool = _model_default("logits_via_embedding")
-    norm_epsilon: float = _model_default("norm_epsilon")
-    qk_norm: bool = _model_default("qk_norm")
-    attention_type: Literal["gqa", "mla"] = _model_default("attention_type")
-    q_lora_rank: int = _model_default("q_lora_rank")
-    kv_lora_rank: int = _model_default("kv_lora_rank")
-    qk_nope_head_dim: int = _model_default("qk_nope_head_dim")
-    qk_rope_head_dim: int = _model_default("qk_rope_head_dim")
-    v_head_dim: int = _model_default("v_head_dim")
-    sliding_window: int = _model_default("sliding_window")
-    attention_pattern: tuple[str, ...] = _model_default("attention_pattern")
-    rope_local_max_timescale: float = _model_default("rope_local_max_timescale")
-    attn_logit_softcapping: float = _model_default("attn_logit_softcapping")
-    final_logit_softcapping: float = _model_default("final_logit_softcapping")
-    query_pre_attn_scalar: float = _model_default("query_pre_attn_scalar")
-    attention_sinks: bool = _model_default("attention_sinks")
-    attention_bias: bool = _model_default("attention_bias")
-    norm_unit_offset: bool = _model_default("norm_unit_offset")
-    post_norms: bool = _model_default("post_norms")
-    mlp_activation: Literal["silu", "gelu_tanh", "clamped_swiglu"] = _model_default("mlp_activation")
-    swiglu_limit: float = _model_default("swiglu_limit")
-    swiglu_alpha: float = _model_default("swiglu_alpha")
-    embed_scale: bool = _model_default("embed_scale")
-    mtp_depth: int = _model_default("mtp_depth")
     mtp_loss_weight: float = 0.3
-    rope_max_timescale: float = _model_default("rope_max_timescale")
-    rope_scaling_type: Literal["none", "linear", "llama3", "yarn"] = _model_default("rope_scaling_type")
-    rope_scaling_factor: float = _model_default("rope_scaling_factor")
-    rope_low_freq_factor: float = _model_default("rope_low_freq_factor")
-    rope_high_freq_factor: float = _model_default("rope_high_freq_factor")
-    rope_original_max_position: int = _model_default("rope_original_max_position")
-    yarn_beta_fast: float = _model_default("yarn_beta_fast")
-    yarn_beta_slow: float = _model_default("yarn_beta_slow")
-    yarn_mscale: float = _model_default("yarn_mscale")
-    yarn_mscale_all_dim: float = _model_default("yarn_mscale_all_dim")
-    yarn_truncate: bool = _model_default("yarn_truncate")
     dtype: DType = "auto"
-    weight_dtype: DType = _model_default("weight_dtype")
+    weight_dtype: DType = "float32"
     quantization: Quantization = "none"
-    scan_layers: bool = _model_default("scan_layers")
     remat_policy: RematPolicy = "auto"
     memory_headroom: float = 0.1
     device_memory_gb: float = 0.0
     attention: Attention = "auto"
-    attention_block_q: int = _model_default("attention_block_q")
-    attention_block_kv: int = _model_default("attention_block_kv")
     loss_chunks: int = 0
 
     # ---- training
@@ -257,34 +207,13 @@ class Config:
     process_id: int = -1
     distributed_timeout: int = 300
 
-    # ---- moe
-    num_experts: int = _model_default("num_experts")
-    num_experts_per_tok: int = _model_default("num_experts_per_tok")
-    capacity_factor: float = _model_default("capacity_factor")
-    moe_layer_interval: int = _model_default("moe_layer_interval")
-    moe_group_size: int = _model_default("moe_group_size")
+    # ---- moe (the layer's shape and routing are ModelKeys's)
     moe_dropless_impl: Literal["auto", "ragged_dot", "tiled", "dense"] = "auto"
     moe_exchange: Literal["auto", "all_to_all", "ragged"] = "auto"
-    moe_ragged_buffer_factor: float = _model_default("moe_ragged_buffer_factor")
-    num_shared_experts: int = _model_default("num_shared_experts")
-    moe_renormalize_top_k: bool = _model_default("moe_renormalize_top_k")
-    moe_mlp_dim: int = _model_default("moe_mlp_dim")
-    first_k_dense_replace: int = _model_default("first_k_dense_replace")
-    moe_router: Literal["softmax", "sigmoid"] = _model_default("moe_router")
-    moe_n_group: int = _model_default("moe_n_group")
-    moe_topk_group: int = _model_default("moe_topk_group")
-    moe_routed_scaling_factor: float = _model_default("moe_routed_scaling_factor")
-    moe_router_bias: bool = _model_default("moe_router_bias")
-    moe_bias: bool = _model_default("moe_bias")
     moe_bias_update_rate: float = 0.0
     moe_seq_balance_loss_weight: float = 0.0
     load_balance_loss_weight: float = 0.01
     router_z_loss_weight: float = 0.001
-
-    # ---- LoRA (maxshard/model/layers/lora.py): adapters train, the base parameters of load_parameters_path stay frozen
-    lora_rank: int = _model_default("lora_rank")
-    lora_alpha: float = _model_default("lora_alpha")
-    lora_targets: tuple[str, ...] = _model_default("lora_targets")
 
     # ---- pipeline
     num_layers_per_pipeline_stage: int = 1

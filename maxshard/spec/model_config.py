@@ -6,7 +6,7 @@ So a model can be built, initialised and applied with no mesh, data or checkpoin
 checkpoint conversion and tests build it from the same type.
 
 Field names equal the run config's model keys, so `cfg.model.emb_dim` reads like `cfg.emb_dim`, and their defaults
-are the run config's (config/schema.py reads them from here). This module imports
+are the run config's: both inherit `ModelKeys`, the one declaration of each. This module imports
 nothing else of maxshard: it sits below both the config loader and the layers.
 """
 
@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Literal
 
 import jax.numpy as jnp
 
-__all__ = ["IMPLEMENTATION", "LORA_TARGETS", "ModelConfig", "PipelineShape", "architecture_keys", "model_fields", "num_units", "resolve_dtype",
+__all__ = ["IMPLEMENTATION", "LORA_TARGETS", "ModelConfig", "ModelKeys", "PipelineShape", "architecture_keys", "model_fields", "num_units", "resolve_dtype",
            "resolve_moe_impl", "resolve_moe_exchange"]
 
 # The projections LoRA can adapt (`lora_targets`): attention's query, key, value and output, and a dense MLP's
@@ -84,16 +84,15 @@ class PipelineShape:
         return self.repeats * self.stages * self.layers_per_stage
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """The network: dimensions, heads, vocabulary, norm and RoPE constants, MoE shape, dtypes, scan and remat.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelKeys:
+    """The model keys a user sets and the network reads as they are, declared once with their types and defaults.
 
-    `dtype` and `weight_dtype` are resolved names ('float32', 'bfloat16', 'float16'; never 'auto'); so is
-    `attention` (see `maxshard/model/attention_choice.py`).
-    `pipeline` is None without pipeline parallelism; otherwise the decoder runs as a pipeline of that shape.
+    The run `Config` (config/schema.py) and `ModelConfig` both inherit these fields, so a new model option is one
+    line here (plus its comment in configs/base.yml). Keys whose user value is a request the run resolves
+    (`dtype: auto`, `attention: auto`, ...) are declared by each class with its own meaning.
     """
 
-    vocab_size: int
     emb_dim: int = 128
     num_layers: int = 4
     num_heads: int = 4
@@ -106,7 +105,7 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm over head_dim of each query and key head before RoPE (Qwen3)
     # The attention kind of every layer (a row of spec/blocks.py ATTENTION): "gqa" (grouped-query, the fields
     # above) or "mla" (DeepSeek-V2/V3 multi-head latent attention, the five fields below; num_kv_heads unused).
-    attention_type: str = "gqa"
+    attention_type: Literal["gqa", "mla"] = "gqa"
     q_lora_rank: int = 0  # mla: the query's low-rank latent width (0: a plain [embed, heads, qk_head_dim] projection)
     kv_lora_rank: int = 512  # mla: the compressed key/value latent width (what generation caches per token)
     qk_nope_head_dim: int = 128  # mla: the part of each query/key head without RoPE
@@ -124,14 +123,14 @@ class ModelConfig:
     attention_bias: bool = False  # biases on the query, key, value and output projections (GPT-OSS)
     norm_unit_offset: bool = False  # RMSNorm scales by (1 + weight), the weight starting at 0 (Gemma)
     post_norms: bool = False  # RMSNorm on the attention's and the MLP's outputs before each residual add (Gemma 2/3)
-    mlp_activation: str = "silu"  # gated MLP: silu (SwiGLU), gelu_tanh (GeGLU), clamped_swiglu (GPT-OSS)
+    mlp_activation: Literal["silu", "gelu_tanh", "clamped_swiglu"] = "silu"  # gated MLP: silu (SwiGLU), gelu_tanh (GeGLU), clamped_swiglu (GPT-OSS)
     swiglu_limit: float = 7.0  # clamped_swiglu: gate clamped to <= limit, up to [-limit, limit]
     swiglu_alpha: float = 1.702  # clamped_swiglu: gate * sigmoid(alpha * gate)
     embed_scale: bool = False  # token embeddings multiplied by sqrt(emb_dim) (Gemma)
     moe_bias: bool = False  # biases on the router and on every expert's projections (GPT-OSS)
     mtp_depth: int = 0  # multi-token prediction modules after the last layer (DeepSeek-V3: 1; layers/mtp.py)
     rope_max_timescale: float = 10000.0
-    rope_scaling_type: str = "none"  # "none", "linear", "llama3" or "yarn"
+    rope_scaling_type: Literal["none", "linear", "llama3", "yarn"] = "none"  # "none", "linear", "llama3" or "yarn"
     rope_scaling_factor: float = 8.0
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
@@ -141,11 +140,7 @@ class ModelConfig:
     yarn_mscale: float = 1.0  # yarn: with yarn_mscale_all_dim set, cos/sin x m(this) / m(all_dim) (configs/base.yml)
     yarn_mscale_all_dim: float = 0.0  # yarn: softmax scale x m(this)^2; 0: cos/sin x m(1), yarn_mscale unread
     yarn_truncate: bool = True  # yarn: the ramp's ends rounded outwards to whole indices (GPT-OSS: false)
-    dtype: str = "float32"
-    weight_dtype: str = "float32"
     scan_layers: bool = True
-    remat_policy: str = "full"
-    attention: str = "dot_product"  # resolved: a row of spec/attention_kinds.py (never auto)
     attention_block_q: int = 512
     attention_block_kv: int = 512
     num_experts: int = 1
@@ -153,14 +148,12 @@ class ModelConfig:
     capacity_factor: float = 1.25
     moe_layer_interval: int = 1
     moe_group_size: int = 0
-    moe_dropless_impl: str = "tiled"
-    moe_exchange: str = "all_to_all"  # resolved: all_to_all or ragged (never auto)
     moe_ragged_buffer_factor: float = 0.0
     num_shared_experts: int = 0
     moe_renormalize_top_k: bool = True  # top-k router weights rescaled to sum to 1 (False: the softmax's own)
     moe_mlp_dim: int = 0  # hidden width of each routed and shared expert (0: mlp_dim, which dense layers keep)
     first_k_dense_replace: int = 0  # the first k layers are dense (their own scanned stack), the rest MoE
-    moe_router: str = "softmax"  # router scores: "softmax" or "sigmoid" (DeepSeek-V3)
+    moe_router: Literal["softmax", "sigmoid"] = "softmax"  # router scores: "softmax" or "sigmoid" (DeepSeek-V3)
     moe_n_group: int = 1  # experts in n groups; a token picks its top-k among the best `moe_topk_group` groups
     moe_topk_group: int = 1
     moe_routed_scaling_factor: float = 1.0  # the routed experts' output is scaled by this (DeepSeek-V3: 2.5)
@@ -168,6 +161,24 @@ class ModelConfig:
     lora_rank: int = 0  # LoRA adapters of this rank on the `lora_targets` projections (0: none; layers/lora.py)
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] = ("q", "k", "v", "o")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig(ModelKeys):
+    """The network: dimensions, heads, vocabulary, norm and RoPE constants, MoE shape, dtypes, scan and remat.
+
+    `dtype` and `weight_dtype` are resolved names ('float32', 'bfloat16', 'float16'; never 'auto'); so is
+    `attention` (see `maxshard/model/attention_choice.py`).
+    `pipeline` is None without pipeline parallelism; otherwise the decoder runs as a pipeline of that shape.
+    """
+
+    vocab_size: int
+    dtype: str = "float32"
+    weight_dtype: str = "float32"
+    remat_policy: str = "full"
+    attention: str = "dot_product"  # resolved: a row of spec/attention_kinds.py (never auto)
+    moe_dropless_impl: str = "tiled"
+    moe_exchange: str = "all_to_all"  # resolved: all_to_all or ragged (never auto)
     pipeline: PipelineShape | None = None
 
     def __post_init__(self) -> None:
