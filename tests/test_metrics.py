@@ -205,6 +205,27 @@ def test_deferred_metrics_come_out_one_step_late_and_in_order():
     assert deferred.flush() is None
 
 
+def test_the_step_after_an_evaluation_keeps_its_record(tmp_path, capsys):
+    """train.py restarts the step clock after an evaluation (its time is not a step's). The first step after it has
+    no time to divide by, but its loss record must still be written when it is a log step: it was dropped."""
+    from maxshard.run import loading
+
+    argv = [os.path.join(REPO, "configs", "base.yml"), f"base_output_directory={tmp_path}", "model_name=tiny",
+            "log_period=1", "steps=4"]
+    cfg = loading.complete(config.load(argv, num_devices=1))
+    writer = metrics.MetricsWriter(str(tmp_path), str(tmp_path), is_primary=True, enable_tensorboard=False)
+    log = console.StepLogger(cfg, writer)
+    for step in range(4):
+        log(metrics.StepValues(step, {"loss": float(step)}, ready_time=time.perf_counter() + step))
+        if step == 1:  # an evaluation after step 2
+            log.restart()
+    writer.close()
+    records = [json.loads(line) for line in (tmp_path / metrics.METRICS_FILE).read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4] and [r["loss"] for r in records] == [0.0, 1.0, 2.0, 3.0]
+    assert "step_time" not in records[2] and records[3]["step_time"] > 0
+    assert "step 3/4 | loss 2.000 | timed from the next step" in capsys.readouterr().out
+
+
 # --------------------------------------------------------------------------------------------- memory
 
 

@@ -179,10 +179,13 @@ class StepLogger:
             compile_time = self.compiled_seconds + done.ready_time - self.started
             self._write_first(step, {**done.values, "compile_time": compile_time})
             return
-        if self.reference is None:
-            self.reference = done
-            return
         if step % self.cfg.log_period and step != self.cfg.steps:
+            if self.reference is None:
+                self.reference = done
+            return
+        if self.reference is None:  # the first step after an evaluation: its values, with no time to divide
+            self.reference = done
+            self._write_untimed(step, dict(done.values))
             return
         step_time = (done.ready_time - self.reference.ready_time) / (done.step - self.reference.step)
         self.reference = done
@@ -192,6 +195,10 @@ class StepLogger:
         self.writer.write(step, record)
         print(f"step {step}/{self.cfg.steps} | loss {record['loss']:.3f} | compiled and ran in "
               f"{record['compile_time']:.1f}s", flush=True)
+
+    def _write_untimed(self, step: int, record: dict[str, Any]) -> None:
+        self.writer.write(step, record)
+        print(f"step {step}/{self.cfg.steps} | loss {record['loss']:.3f} | timed from the next step", flush=True)
 
     def _write(self, step: int, record: dict[str, Any], step_time: float) -> None:
         figures = perf.step_perf(self.tokens_per_step, self.flops_per_step, step_time, self.cfg.num_devices, self.peak)
