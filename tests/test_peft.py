@@ -22,6 +22,7 @@ from maxshard import train
 from maxshard.checkpoint import format as checkpoint_format
 from maxshard.checkpoint import params as checkpoint_params
 from maxshard.convert import __main__ as convert_cli
+from maxshard.convert import peft
 from maxshard.errors import ConfigError
 from maxshard.generation import inference
 from maxshard.model.transformer import Transformer
@@ -138,3 +139,15 @@ def test_adapters_maxshard_cannot_compute_fail_in_one_line(tmp_path, edit, messa
                                                          "--adapters", str(adapters)]))
     assert "\n" not in str(e.value)
     assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+def test_lora_dropout_is_named_as_not_applied(tmp_path, capsys):
+    """PEFT's lora_dropout is a training option: the adapters import as they are, and the user is told the run
+    trains them without it."""
+    adapters = tmp_path / "adapters"
+    shutil.copytree(PEFT, adapters)
+    config = {**json.loads((PEFT / "adapter_config.json").read_text()), "lora_dropout": 0.05}
+    (adapters / "adapter_config.json").write_text(json.dumps(config))
+    assert peft.read(str(adapters)).rank == peft.read(str(PEFT)).rank
+    out = capsys.readouterr().out
+    assert out.count("note:") == 1 and "lora_dropout=0.05 is not applied" in out  # none for the 0.0 fixture

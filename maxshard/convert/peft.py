@@ -100,6 +100,9 @@ def read(directory: str) -> PeftLora:
     rank, alpha = config.get("r"), config.get("lora_alpha")
     if not isinstance(rank, int) or rank <= 0 or not isinstance(alpha, (int, float)) or alpha <= 0:
         raise ConfigError(f"{where}: r={rank!r} and lora_alpha={alpha!r} must be a positive integer and number")
+    dropout = config.get("lora_dropout") or 0.0
+    if dropout:  # a training option, not part of what the adapters compute: the import is right, the run differs
+        print(f"note: {where}: lora_dropout={dropout} is not applied: maxshard's LoRA trains without dropout")
     if not os.path.isfile(tensors_path):
         raise ConfigError(f"--adapters {directory}: no {ADAPTER_FILE} (adapter_model.bin, PEFT's pickle format, "
                           "does not import: save with safe_serialization)")
