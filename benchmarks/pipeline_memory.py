@@ -7,8 +7,8 @@ Llama-3-70B's widths (emb 8192, 64 heads / 8 kv heads of 128, mlp 28672) at leng
 1024-token vocabulary, on a v5p-256 slice (128 chips): stage=8 x fsdp=16, 2 layers per stage, M=16 microbatches of
 16 sequences (one per device), remat `full`, so what a stage keeps for its backward is its microbatch stage inputs
 alone, [1 x 4096 x 8192] bf16 = 64 MiB each. (The whole preset, 80 layers of which 10 per stage and its 128256
-vocabulary, compiles for both: `num_layers=80 vocab_size=128256 num_layers_per_pipeline_stage=10`.) XLA:TPU compiles each
-schedule's real train step (`memory_analysis`). The table's prediction of the peak difference to circular is
+vocabulary, compiles for both: `num_layers=80 vocab_size=128256 num_layers_per_pipeline_stage=10`.) XLA:TPU compiles
+each schedule's real train step (`memory_analysis`). The table's prediction of the peak difference to circular is
   (circular: M*R + S - 1 kept stage inputs + the M-microbatch circulation buffer)
   - (a table schedule: its most in-flight stage inputs + output cotangents, `pipeline_tables.Table`)
 times one stage input; printed beside the measured difference. Two measured peaks: the project's
