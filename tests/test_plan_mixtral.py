@@ -43,6 +43,9 @@ def test_the_moe_backward_is_a_phase_of_its_own_on_xla_tpu(plan) -> None:
     assert rows > layer - share  # Mixtral's peak is the MoE backward (benchmarks/README.md)
     assert moe_memory.working_bytes(cfg, w, sizes, 2, "xla:tpu", row, layer) == rows - layer
     assert moe_memory.working_bytes(cfg, w, sizes, 2, "xla:cpu", row, layer) == moe_memory.token_bytes(cfg, w, sizes, 2)
+    dropless = dataclasses.replace(cfg, capacity_factor=-1.0)  # 2 rows of 2E + 5F (benchmarks/README.md)
+    dropless_rows = 2 * (2 * 4096 + 5 * 14336) * 2
+    assert moe_memory.working_bytes(dropless, w, sizes, 2, "xla:tpu", row, layer) == dropless_rows - layer
     small = dataclasses.replace(cfg, capacity_factor=0.01)  # few rows: the layer's own working set is the larger
     assert moe_memory.working_bytes(small, w, sizes, 2, "xla:tpu", row, layer) == -share
 
@@ -51,6 +54,16 @@ def test_the_published_dropping_run_does_not_fit_at_12_sequences(plan) -> None:
     """The preset compiled to 30.9 GiB per chip, over the usable 28.1: the plan says so (no policy fits)."""
     assert not plan.cfg.memory_fit.fits
     assert plan.peak_bytes > plan.cfg.memory_fit.usable_bytes
+
+
+def test_the_dropless_grouped_path_fits_and_auto_offloads_the_projections() -> None:
+    """Dropless (`capacity_factor=-1`: ragged_dot over 2 rows per token, MaxText's other Mixtral recipe) at the same
+    12 x 4096 tokens per chip: `auto` keeps the published offload policy, under the usable memory, as the compiled
+    step is."""
+    dropless = [*MIXTRAL, "capacity_factor=-1"]
+    fit = plan_cli.plan_for(dropless, TARGET)
+    assert fit.cfg.memory_fit.fits and fit.cfg.remat_policy == "offload_qkv_out_proj"
+    assert fit.peak_bytes <= fit.cfg.memory_fit.usable_bytes
 
 
 def test_two_microbatches_fit_and_auto_keeps_the_work_on_the_device() -> None:

@@ -114,7 +114,7 @@ class Fitted:
 FITTED = {
     "xla:cpu": Fitted(XLA_CPU_WORKING),
     "xla:tpu": Fitted(XLA_TPU_WORKING, head_apart=True, weight_cast=True, tile=(8, 128), gathered_layers=2,
-                      head_weights=2, unit_kept=0.8, moe_rows={"dropping": (2, 6), "local": (2, 3)}),
+                      head_weights=2, unit_kept=0.8, moe_rows={"dropping": (2, 6), "local": (2, 5)}),
 }
 
 
