@@ -5,14 +5,14 @@ The working set of the MoE layer being differentiated (`working_bytes`) is that 
 layer's backward is a phase of its own (`Fitted.moe_rows`). The buffers live at the peak of the whole Mixtral 8x7B
 step (v6e-256, fsdp 256, 12 x 4096 tokens per chip, capacity 1.25, whole-sequence groups; libtpu 0.0.42.1, dumped
 with `--xla_dump_to`, benchmarks/README.md "Mixtral 8x7B") are the MoE backward's: six [experts, groups, capacity,
-14336] bfloat16 values (the recomputed gate and up, their SwiGLU product, its gradient and the gate's and up's
-gradients, 3.28 GiB each), two [experts, groups, capacity, 4096] (the dispatched rows and their gradient), two of the
-layer's gathered expert kernels and a [tokens, 4096]; no attention buffer. So per routed row 2E + 6F in the compute
-dtype, and the unit holds the larger of that and its layer's working set without the dense MLP's share. The one-hot
-masks are fused into the dispatch and combine einsums, never stored. One MoE layer alone (benchmarks/moe_layer_tpu.py,
-`sum` of the output as its loss) held 2.5 rows of 2E + F: a constant output gradient that XLA folds, not what a step
-holds, and the plan built on it was 0.69 of the compiled step. Fitted on that one shape (the dropless rows, 2E + 3F,
-are still the one-layer figure); held out: tests/test_plan_moe_tpu.py.
+14336] bfloat16 values (the recomputed gate and up projections and the SwiGLU backward's fusions, 3.28 GiB each),
+two [experts, groups, capacity, 4096], two of the layer's gathered expert kernels and a [tokens, 4096]; no attention
+buffer. So per routed row 2E + 6F in the compute dtype, and the unit holds the larger of that and its layer's working
+set without the dense MLP's share. The one-hot masks are fused into the dispatch and combine einsums, never stored.
+Dropless (ragged_dot, 2 rows per token, the same step): five [rows, 14336] and two [rows, 4096] live, 2E + 5F per row.
+One MoE layer alone (benchmarks/moe_layer_tpu.py, `sum` of the output as its loss) had held 2E + F and 2E + 3F: a
+constant output gradient that XLA folds is not what a step holds, and the plan built on it was 0.69 of the compiled
+step. Fitted on those two Mixtral programs; held out: tests/test_plan_moe_tpu.py (125m with 8 experts on v5e-8).
 """
 
 from __future__ import annotations
