@@ -4,9 +4,10 @@ remat full), compiled ahead of time without a TPU (libtpu 0.0.42.1; maxshard/pla
 
 Held out: the MoE constant the plan uses on XLA:TPU (`Fitted.moe_rows`, planning/moe_memory.py) was read off the
 buffers of one other program only, the Mixtral 8x7B step on v6e-256 (benchmarks/README.md, "Mixtral 8x7B"); nothing
-was fitted on this shape. Its peak is the MoE layer's backward too (a dumped buffer assignment: the recomputed
-[experts, groups, capacity, 3072] gate and up values and their gradients live, no attention buffer), a phase the plan
-counted inside the layer's working set before: planned / compiled 0.91 then, 0.965 now (2.50 of 2.59 GiB).
+was fitted on this shape. Its peak is the MoE layer's backward too (a dumped buffer assignment,
+benchmarks/live_buffers.py: four [experts, groups, capacity, 3072] values of the SwiGLU's backward, 60 MiB each, the
+largest live), a phase the plan counted inside the layer's working set before: planned / compiled 0.91 then, 0.965
+now (2.50 of 2.59 GiB). One such compile takes ~90 s of CPU (466 s wall on a shared, loaded 2-core machine).
 The bound is one-sided toward safety: under-planning is what runs out of memory, so the plan may be at most 5% under
 the compiled peak and 15% over it.
 """
