@@ -69,7 +69,7 @@ def token_bytes(cfg: Config, w: Widths, sizes: Mapping[str, int], itemsize: int)
 
 
 def working_bytes(cfg: Config, w: Widths, sizes: Mapping[str, int], itemsize: int, compiler_name: str,
-                  dense_working: tuple[float, float, float], layer_working: float = 0.0) -> float:
+                  dense_working: tuple[float, float, float], layer_working: float) -> float:
     """Per token, what the MoE layer being differentiated adds to the working set of its unit: `token_bytes`, or
     where the compiler's count was measured (`Fitted.moe_rows`: dropping and dropless, with the experts unsplit) the
     MoE backward as a phase of its own (module docstring): the unit holds the larger of its layer's working set
