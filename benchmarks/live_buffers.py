@@ -5,7 +5,8 @@ optimisation and the live range of every value over the scheduled program), then
 peaks and the values of the largest temporary allocation live at the instruction where their sizes sum highest,
 largest first, and that sum by shape. The sum is below XLA's allocation (the heap leaves gaps), and XLA:TPU's
 `memory_analysis()` temporaries can exceed the dumped allocation further (its backend adds buffers after the dump):
-the live set says which values make the peak, not the last byte of it.
+the live set says which values make the peak, not the last byte of it. A value carried through a loop under
+another name (a while loop's parameter) can be missed by the sum; the allocation's size is printed beside it.
 
     flock /tmp/tpu_compile.lock python benchmarks/live_buffers.py --topology v6e-256 --dump /tmp/mixtral \\
         model_name=mixtral_8x7b per_device_batch_size=12
@@ -49,9 +50,9 @@ def compile_with_dump(argv: list[str], topology: str, dump: str) -> tuple[int, i
     return estimate.make_plan(cfg, target).peak_bytes, compiled
 
 
-def live_at_peak(dump: str) -> tuple[int, list[tuple[int, str, str]]]:
-    """(the instruction's index, [(bytes, value, shape)]) of the largest temporary allocation's values live where
-    their sizes sum highest."""
+def live_at_peak(dump: str) -> tuple[int, list[tuple[int, str, str]], int]:
+    """(the instruction's index, [(bytes, value, shape)], the allocation's bytes) of the largest temporary
+    allocation's values live where their sizes sum highest."""
     assignment = open(glob.glob(os.path.join(dump, "*train_step*after_optimizations-buffer-assignment.txt"))[0]).read()
     ranges = open(glob.glob(os.path.join(dump, "*train_step*after_optimizations-live-range.txt"))[0]).read()
     allocations = re.split(r"\n(?=allocation \d+:)", assignment)
@@ -69,7 +70,7 @@ def live_at_peak(dump: str) -> tuple[int, list[tuple[int, str, str]]]:
     peak = max(totals, key=totals.__getitem__)
     live = sorted(((size, name, shape) for name, size, shape in values if span[name][0] <= peak <= span[name][1]),
                   reverse=True)
-    return peak, live
+    return peak, live, int(re.search(r"size (\d+)", temp).group(1))
 
 
 def main() -> None:
@@ -82,8 +83,9 @@ def main() -> None:
     planned, compiled = compile_with_dump(args.overrides, args.topology, args.dump)
     print(f"planned {planned / 2**30:.2f} GiB, compiled {compiled / 2**30:.2f} GiB per device "
           f"(planned / compiled {planned / compiled:.3f})")
-    peak, live = live_at_peak(args.dump)
-    print(f"live at instruction {peak}: {sum(v[0] for v in live) / 2**30:.2f} GiB in {len(live)} values")
+    peak, live, allocated = live_at_peak(args.dump)
+    print(f"live at instruction {peak}: {sum(v[0] for v in live) / 2**30:.2f} GiB in {len(live)} values, of a "
+          f"{allocated / 2**30:.2f} GiB temporary allocation")
     for size, name, shape in live[:args.top]:
         print(f"  {size / 2**20:9.1f} MiB  {name:<32} {shape}")
     by_shape = collections.Counter()
