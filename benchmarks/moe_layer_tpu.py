@@ -1,7 +1,9 @@
 """What one MoE layer holds on XLA:TPU per token: a Mixtral 8x7B MoE layer (emb 4096, 8 experts of 14336, top-2),
 rematerialised as remat does, forward and backward, compiled ahead of time for one v6e chip (libtpu, no TPU) at 1 and
-2 sequences of 4096 tokens; the temporaries' slope is the per-token figure the planner takes
-(`maxshard/planning/fitted.py` `Fitted.moe_rows`, `maxshard/planning/moe_memory.py` `working_bytes`).
+2 sequences of 4096 tokens; the temporaries' slope per token. Not what a train step holds: the loss here is the
+`sum` of the output, a constant output gradient XLA folds into the backward, so the slope (2E + F per routed row
+dropping) is far below the whole step's (2E + 6F, benchmarks/live_buffers.py); the planner takes the step's
+(`maxshard/planning/fitted.py` `Fitted.moe_rows`, benchmarks/README.md "Mixtral 8x7B").
 
     python benchmarks/moe_layer_tpu.py [--batches 1,2] [capacity_factor=1.25] [moe_group_size=0] [emb_dim=...]
 

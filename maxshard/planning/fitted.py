@@ -75,8 +75,10 @@ class Fitted:
     # but the one being differentiated
     unit_kept: float = 1.0
     # what the MoE layer being differentiated holds per routed row, in (embed, expert width) elements of the compute
-    # dtype, by path ("dropping"; "local": dropless), in place of the dense MLP, with the experts unsplit (no expert
-    # axis; planning/moe_memory.py `working_bytes`); None, a path missing or an expert axis: memory.py's counts
+    # dtype, by path ("dropping"; "local": dropless), as a phase of its own: the unit holds the larger of these rows
+    # and its layer's working set less the dense MLP's share, with the experts unsplit (no expert axis;
+    # planning/moe_memory.py `working_bytes`, which says where each was measured); None, a path missing or an expert
+    # axis: memory.py's counts
     moe_rows: Mapping[str, tuple[int, int]] | None = None
 
 
@@ -112,7 +114,7 @@ class Fitted:
 FITTED = {
     "xla:cpu": Fitted(XLA_CPU_WORKING),
     "xla:tpu": Fitted(XLA_TPU_WORKING, head_apart=True, weight_cast=True, tile=(8, 128), gathered_layers=2,
-                      head_weights=2, unit_kept=0.8, moe_rows={"dropping": (2, 1), "local": (2, 3)}),
+                      head_weights=2, unit_kept=0.8, moe_rows={"dropping": (2, 6), "local": (2, 5)}),
 }
 
 

@@ -78,8 +78,9 @@ s = the compute dtype's itemsize:
                 device) with expert parallelism over p devices (the fixed exchange buffer; the ragged one's is
                 min(that, k x moe_ragged_buffer_factor)), each held as sorted, sent, received and returned copies
                 and through the tiled SwiGLU: r (6E + 7F) x s (measured on the fixed exchange)
-                XLA:TPU holds less in the layer being differentiated: its measured rows, in place of the dense MLP's
-                share of the working set (planning/moe_memory.py `working_bytes`, `Fitted.moe_rows`)
+                XLA:TPU differentiates the MoE layer as a phase of its own: the unit holds the larger of its
+                measured rows and the layer's working set less the dense MLP's share (planning/moe_memory.py
+                `working_bytes`, `Fitted.moe_rows`)
     accumulation  with k > 1 microbatches, one microbatch's activations at a time (tokens / k in whole
                 sequences: a microbatch smaller than the batch shards still holds one per device) and one more
                 float32 gradient buffer (the running sum)
@@ -221,7 +222,8 @@ def activation_terms(cfg: Config, sizes: Mapping[str, int], geo: Geometry, gathe
         saved=geo.layers * tokens * (w.saved_bytes(policy, size) + _option_bytes(cfg, w, policy)),
         working=tokens * w.unit_working_bytes(policy, size, target, per_layer),
         moe=geo.moe_layers * tokens * moe_saved + tokens * moe_memory.working_bytes(
-            cfg, w, sizes, size, target, fitted(target).working[remat.on_device(policy).name]),
+            cfg, w, sizes, size, target, fitted(target).working[remat.on_device(policy).name],
+            w.working_bytes(policy, size, target)),
         pipeline=0.0,
         block=w.block_bytes(max(tokens // local_length, 1)),
         host=geo.layers * tokens * w.host_bytes(policy, size),

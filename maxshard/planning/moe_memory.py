@@ -1,12 +1,18 @@
 """The MoE terms of the activation plan (planning/memory.py's docstring, `MoE layer`): the expert rows a device
 computes per token, what they hold beyond the dense MLP the layer formula counts, and what `minimal` keeps of them.
 
-The working set of the MoE layer being differentiated (`working_bytes`) is that count on XLA:CPU. XLA:TPU holds far
-less (`Fitted.moe_rows`): one Mixtral MoE layer (emb 4096, 8 experts of 14336, top-2), rematerialised, forward and
-backward compiled for one v6e chip at 1 and 2 sequences of 4096 tokens, held per token 117,964 bytes dropping
-(capacity 1.25, whole-sequence groups: 2.5 rows of 2E + F, the one-hot masks fused into their einsums, never
-stored) and 204,487 dropless with ragged_dot (2 rows of 2E + 3F), in place of the dense MLP whose share of the layer
-working set the layer formula counts (so that share is taken off). Measured on that one shape.
+The working set of the MoE layer being differentiated (`working_bytes`) is that count on XLA:CPU. On XLA:TPU the MoE
+layer's backward is a phase of its own (`Fitted.moe_rows`). The buffers live at the peak of the whole Mixtral 8x7B
+step (v6e-256, fsdp 256, 12 x 4096 tokens per chip, capacity 1.25, whole-sequence groups; libtpu 0.0.42.1, dumped
+with `--xla_dump_to`, benchmarks/README.md "Mixtral 8x7B") are the MoE backward's: six [experts, groups, capacity,
+14336] bfloat16 values (the recomputed gate and up projections and the SwiGLU backward's fusions, 3.28 GiB each),
+two [experts, groups, capacity, 4096], two of the layer's gathered expert kernels and a [tokens, 4096]; no attention
+buffer. So per routed row 2E + 6F in the compute dtype, and the unit holds the larger of that and its layer's working
+set without the dense MLP's share. The one-hot masks are fused into the dispatch and combine einsums, never stored.
+Dropless (ragged_dot, 2 rows per token, the same step): five [rows, 14336] and two [rows, 4096] live, 2E + 5F per row.
+One MoE layer alone (benchmarks/moe_layer_tpu.py, `sum` of the output as its loss) had held 2E + F and 2E + 3F: a
+constant output gradient that XLA folds is not what a step holds, and the plan built on it was 0.69 of the compiled
+step. Fitted on those two Mixtral programs; held out: tests/test_plan_moe_tpu.py (125m with 8 experts on v5e-8).
 """
 
 from __future__ import annotations
@@ -63,11 +69,14 @@ def token_bytes(cfg: Config, w: Widths, sizes: Mapping[str, int], itemsize: int)
 
 
 def working_bytes(cfg: Config, w: Widths, sizes: Mapping[str, int], itemsize: int, compiler_name: str,
-                  dense_working: tuple[float, float, float]) -> float:
-    """Per token, what the MoE layer being differentiated adds to the layer working set: `token_bytes`, or where the
-    compiler's count was measured (`Fitted.moe_rows`: dropping and dropless, with the experts unsplit) its rows
-    less the dense MLP's share of the working set (`dense_working`: the policy's row of `Fitted.working`, whose
-    fraction of `dense` and mlp widths hold 6F and F of the dense MLP), which the MoE layer has in its place."""
+                  dense_working: tuple[float, float, float], layer_working: float) -> float:
+    """Per token, what the MoE layer being differentiated adds to the working set of its unit: `token_bytes`, or
+    where the compiler's count was measured (`Fitted.moe_rows`: dropping and dropless, with the experts unsplit) the
+    MoE backward as a phase of its own (module docstring): the unit holds the larger of its layer's working set
+    without the dense MLP's share (`dense_working`: the policy's row of `Fitted.working`, whose fraction of `dense`
+    and mlp widths hold 6F and F of the dense MLP, which the MoE layer has in its place) and the measured rows, so
+    the term is max(rows - `layer_working`, - that share); `layer_working`: one layer's working set per token
+    (`Widths.working_bytes`)."""
     if not cfg.model.is_moe:
         return 0.0
     measured = fitted(compiler_name).moe_rows
@@ -77,7 +86,8 @@ def working_bytes(cfg: Config, w: Widths, sizes: Mapping[str, int], itemsize: in
         return token_bytes(cfg, w, sizes, itemsize)  # measured with the experts unsplit only
     e, f = measured[path]
     dense_share = (dense_working[0] * 6 + dense_working[2]) * w.mlp * itemsize
-    return rows(cfg, sizes) * (e * w.embed + f * w.expert) * itemsize - dense_share
+    moe = rows(cfg, sizes) * (e * w.embed + f * w.expert) * itemsize
+    return max(moe - layer_working, -dense_share)
 
 
 def matmul_bytes(cfg: Config, w: Widths, sizes: Mapping[str, int], itemsize: int) -> float:

@@ -1,0 +1,100 @@
+"""Which buffers are live at the peak of a train step compiled for a TPU slice: the evidence behind a planner term.
+
+Compiles the step ahead of time (libtpu, no TPU) with XLA's dumps on (`--xla_dump_to`: the buffer assignment after
+optimisation and the live range of every value over the scheduled program), then prints the planned and compiled
+peaks and the values of the largest temporary allocation live at the instruction where their sizes sum highest,
+largest first, and that sum by shape. The sum is below XLA's allocation (the heap leaves gaps), and XLA:TPU's
+`memory_analysis()` temporaries can exceed the dumped allocation further (its backend adds buffers after the dump):
+the live set says which values make the peak, not the last byte of it. A value carried through a loop under
+another name (a while loop's parameter) can be missed by the sum; the allocation's size is printed beside it.
+
+    flock /tmp/tpu_compile.lock python benchmarks/live_buffers.py --topology v6e-256 --dump /tmp/mixtral \\
+        model_name=mixtral_8x7b per_device_batch_size=12
+
+(benchmarks/README.md, "Mixtral 8x7B on v6e-256"; the whole Mixtral step takes 2-10 minutes to compile.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import os
+import re
+
+import common  # noqa: F401 - the repository on sys.path
+
+from maxshard import data
+from maxshard.launch import topologies
+from maxshard.parallel import mesh
+from maxshard.planning import estimate
+from maxshard.planning.compiled import _FAST, abstract_inputs, peak_bytes
+from maxshard.planning.tpu_compile import abstract_devices
+from maxshard.run.target import load_for_target
+from maxshard.training.step import Trainer
+
+_VALUE = re.compile(r"value: <\d+ (\S+) @\d+> \(size=(\d+),offset=\d+\): (\S+)")
+_RANGE = re.compile(r"^    (\S+):(\d+)-(\d+)$", re.M)
+
+
+def compile_with_dump(argv: list[str], topology: str, dump: str) -> tuple[int, int]:
+    """(planned, compiled) peak bytes per device of the step, its buffer assignment and live ranges under `dump`."""
+    target = topologies.parse(topology)
+    cfg = load_for_target([common.BASE, *argv], target)
+    trainer = Trainer(cfg, mesh.build(cfg, abstract_devices(target)))
+    batch_sharding = data.batch_sharding(cfg, trainer.mesh)
+    options = {**_FAST, "xla_dump_to": dump, "xla_dump_hlo_as_text": True, "xla_dump_hlo_pass_re": "",
+               "xla_dump_hlo_module_re": "train_step"}
+    lowered = trainer.jit_train_step(batch_sharding).lower(*abstract_inputs(trainer, batch_sharding))
+    compiled = peak_bytes(lowered.compile(options).memory_analysis())
+    return estimate.make_plan(cfg, target).peak_bytes, compiled
+
+
+def live_at_peak(dump: str) -> tuple[int, list[tuple[int, str, str]], int]:
+    """(the instruction's index, [(bytes, value, shape)], the allocation's bytes) of the largest temporary
+    allocation's values live where their sizes sum highest."""
+    assignment = open(glob.glob(os.path.join(dump, "*train_step*after_optimizations-buffer-assignment.txt"))[0]).read()
+    ranges = open(glob.glob(os.path.join(dump, "*train_step*after_optimizations-live-range.txt"))[0]).read()
+    allocations = re.split(r"\n(?=allocation \d+:)", assignment)
+    heads = [a.split("\n", 1)[0] for a in allocations]
+    temps = [a for a, head in zip(allocations, heads) if "preallocated-temp" in head and "color" not in head]
+    temp = max(temps, key=lambda a: int(re.search(r"size (\d+)", a).group(1)))
+    # the live-range dump names a value by its instruction and shape index ("fusion.3{}", "fusion.4{1}")
+    values = [(name if "{" in name else name + "{}", int(size), shape) for name, size, shape in _VALUE.findall(temp)]
+    span = {name: (int(start), int(end)) for name, start, end in _RANGE.findall(ranges)}
+    totals = collections.Counter()
+    for name, size, _ in values:
+        start, end = span[name]
+        for t in range(start, end + 1):
+            totals[t] += size
+    peak = max(totals, key=totals.__getitem__)
+    live = sorted(((size, name, shape) for name, size, shape in values if span[name][0] <= peak <= span[name][1]),
+                  reverse=True)
+    return peak, live, int(re.search(r"size (\d+)", temp).group(1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--topology", required=True, help="a TPU slice: v6e-256, v5litepod-8, ...")
+    parser.add_argument("--dump", required=True, help="an empty directory for XLA's dumps")
+    parser.add_argument("--top", type=int, default=20, help="values to list (default 20)")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides of configs/base.yml")
+    args = parser.parse_args()
+    planned, compiled = compile_with_dump(args.overrides, args.topology, args.dump)
+    print(f"planned {planned / 2**30:.2f} GiB, compiled {compiled / 2**30:.2f} GiB per device "
+          f"(planned / compiled {planned / compiled:.3f})")
+    peak, live, allocated = live_at_peak(args.dump)
+    print(f"live at instruction {peak}: {sum(v[0] for v in live) / 2**30:.2f} GiB in {len(live)} values, of a "
+          f"{allocated / 2**30:.2f} GiB temporary allocation")
+    for size, name, shape in live[:args.top]:
+        print(f"  {size / 2**20:9.1f} MiB  {name:<32} {shape}")
+    by_shape = collections.Counter()
+    for size, _, shape in live:
+        by_shape[re.sub(r"\{.*", "", shape)] += size
+    print("by shape:")
+    for shape, size in by_shape.most_common(args.top):
+        print(f"  {size / 2**20:9.1f} MiB  {shape}")
+
+
+if __name__ == "__main__":
+    main()
