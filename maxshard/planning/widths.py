@@ -19,7 +19,7 @@ from maxshard.planning.axes import rule_axes
 from maxshard.planning.fitted import compiler, fitted
 from maxshard.spec import attention_kinds, remat
 
-__all__ = ["Widths", "widths", "split"]
+__all__ = ["Widths", "widths", "split", "latent_query_pad"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +42,7 @@ class Widths:
     head_dim: int = 0  # for `tile`
     tile: tuple[int, int] | None = None  # Fitted.tile of the compiler: how per-head values are stored
     expert: int = 0  # an expert's hidden width per device (moe_mlp_dim, or the dense mlp's)
+    query_pad: int = 0  # latent attention: lanes the tile adds to the stored query (`latent_query_pad`)
 
     @property
     def fused(self) -> bool:
@@ -99,7 +100,8 @@ class Widths:
 
     def name_width(self, name: str) -> int:
         """Per-token elements of a value a policy names (maxshard/spec/remat.py), as stored."""
-        widths = {remat.LAYER_INPUT: self.stream, "query_proj": self.stored(self.q), "key_proj": self.stored(self.kv),
+        widths = {remat.LAYER_INPUT: self.stream, "query_proj": self.stored(self.q) + self.query_pad,
+                  "key_proj": self.stored(self.kv),
                   "value_proj": self.stored(self.kv), "out_proj": self.embed}
         return widths[name]
 
@@ -110,7 +112,8 @@ class Widths:
             return self.dense_bytes(itemsize) + self.kernel_saved_bytes(itemsize)
         if policy.keeps == "dots":  # the projections' q, k, v as stored, the attention output (not [.., heads, dim])
             kernel = 4 * self.heads if self.fused else 4 * self.scores
-            matmuls = 2 * self.stream + self.stored(q) + q + 2 * kv + 2 * f  # row-parallel outputs split
+            # row-parallel outputs split
+            matmuls = 2 * self.stream + self.stored(q) + self.query_pad + q + 2 * kv + 2 * f
             return matmuls * itemsize + kernel
         kept = (remat.LAYER_INPUT, *policy.device) if remat.LAYER_INPUT not in policy.host else policy.device
         return sum(self.name_width(n) for n in kept) * itemsize
@@ -136,6 +139,19 @@ class Widths:
         if not recomputed:  # nothing re-runs (none): XLA:CPU held every layer's working set (tests/test_plan_memory)
             return layers * layer
         return layer + (layers - 1) * recomputed * fitted(compiler_name).unit_kept
+
+
+def latent_query_pad(cfg: Config, heads: int, tile: tuple[int, int] | None) -> int:
+    """Per token, the lanes the tiled layout adds to latent attention's stored query [.., heads, n + p] (per device)
+    beyond its n + p features: what the layer trace cannot see. `residuals.option_bytes` counts the query's p RoPE
+    features beyond a grouped-query head (its elements, unpadded); the tile pads n + p to whole lanes, 128 + 64 ->
+    256 for DeepSeek-V3 and Moonlight. Measured: the moonlight_16b preset's saved query on v6e-16 (libtpu 0.0.42.1,
+    save_qkv_out_proj) is bf16[layers, 1, 4096, 16, 192] in T(8,128) tiles, 8192 bytes per token and layer, where
+    the elements are 6144 (benchmarks/README.md, "DeepSeek-style on XLA:TPU")."""
+    if tile is None or cfg.attention_type != "mla":
+        return 0
+    width = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    return heads * (-(-width // tile[1]) * tile[1] - width)
 
 
 def split(n: int, axes: tuple[str, ...], sizes: Mapping[str, int]) -> int:
@@ -180,4 +196,5 @@ def widths(cfg: Config, sizes: Mapping[str, int]) -> Widths:
         head_dim=cfg.head_dim,
         tile=fitted(compiler(cfg)).tile,
         expert=expert,
+        query_pad=latent_query_pad(cfg, heads, fitted(compiler(cfg)).tile),
     )
