@@ -78,6 +78,15 @@ class Fitted:
     # dtype, by path ("dropping"; "local": dropless), in place of the dense MLP, with the experts unsplit (no expert
     # axis; planning/moe_memory.py `working_bytes`); None, a path missing or an expert axis: memory.py's counts
     moe_rows: Mapping[str, tuple[int, int]] | None = None
+    # bytes per element of the pipeline's bubble mask that the backward keeps beside each kept stage input: the
+    # `where(valid, x, 0)` of layers/pipeline.py `_stage_inputs` saved as a broadcast boolean of the input's shape
+    # (XLA:TPU: pred[M*R+S-1, 1, microbatch, length, embed], 1 byte, in the 125m v5e-8 pipeline's buffer assignment)
+    bubble_mask: int = 0
+    # the share of a layer's backward working set held where the layer's base weights are frozen (LoRA: no weight
+    # gradients, so nothing is held for them but the adapters'). XLA:TPU: 0.54, the layer-backward peak of 125m on
+    # v5e-8 under full at rank 16 on q, k, v, o (loss_chunks=8: 327 MiB of temporaries where the whole working set
+    # planned 461); fitted on that one shape, held out in tests/test_plan_heldout_tpu.py
+    frozen_working: float = 1.0
 
 
 # By compiler. XLA:CPU: the additive model of memory.py's docstring, its constants fitted there. XLA:TPU (libtpu
@@ -112,7 +121,8 @@ class Fitted:
 FITTED = {
     "xla:cpu": Fitted(XLA_CPU_WORKING),
     "xla:tpu": Fitted(XLA_TPU_WORKING, head_apart=True, weight_cast=True, tile=(8, 128), gathered_layers=2,
-                      head_weights=2, unit_kept=0.8, moe_rows={"dropping": (2, 1), "local": (2, 3)}),
+                      head_weights=2, unit_kept=0.8, moe_rows={"dropping": (2, 1), "local": (2, 3)}, bubble_mask=1,
+                      frozen_working=0.54),
 }
 
 

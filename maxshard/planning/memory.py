@@ -80,13 +80,16 @@ s = the compute dtype's itemsize:
                 and through the tiled SwiGLU: r (6E + 7F) x s (measured on the fixed exchange)
                 XLA:TPU holds less in the layer being differentiated: its measured rows, in place of the dense MLP's
                 share of the working set (planning/moe_memory.py `working_bytes`, `Fitted.moe_rows`)
+    frozen      with LoRA (the base weights frozen, no weight gradients) the layer's working set is
+                `Fitted.frozen_working` of it (XLA:TPU: 0.54, measured at one shape)
     accumulation  with k > 1 microbatches, one microbatch's activations at a time (tokens / k in whole
                 sequences: a microbatch smaller than the batch shards still holds one per device) and one more
                 float32 gradient buffer (the running sum)
     pipeline    the schedule's kept stage inputs (circular: one per iteration, M x R + S - 1), each one microbatch's
                 [microbatch tokens, E] and what the policy saves of the stage's layers (none saves matmul outputs
                 there: see layers/pipeline.py); the working set is one stage's layers' on one microbatch; plus the
-                schedule's circulation buffer, `buffer_microbatches` microbatches (circular: all M, [tokens, E])
+                schedule's circulation buffer, `buffer_microbatches` microbatches (circular: all M, [tokens, E]);
+                circular on XLA:TPU: also the bubble mask by each kept input, a byte an element (`Fitted.bubble_mask`)
 
 What the plan leaves out (a few % of XLA:CPU's temporaries in the grid of tests/test_plan_memory.py): the
 embedding's gradient buffers, loss reductions and XLA's fusion scratch; and what layer options add to one layer's
@@ -105,7 +108,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from maxshard.config import Config
-from maxshard.model import residuals
+from maxshard.model import residuals, trainable
 from maxshard.spec import blocks, remat
 from maxshard.parallel import axis_names as ax
 from maxshard.planning import moe_memory
@@ -215,11 +218,12 @@ def activation_terms(cfg: Config, sizes: Mapping[str, int], geo: Geometry, gathe
                   head_apart=fitted(target).head_apart, head_table=head_weights)
     if geo.stages > 1 or geo.microbatches > 1:
         return _pipeline_terms(cfg, w, geo, tokens, per_layer, moe_per_layer * moe_share, common)
+    frozen = _frozen_share(cfg)
     moe_dots = moe_memory.matmul_bytes(cfg, w, sizes, size)
     moe_saved = {"everything": moe_per_layer, "dots": moe_dots}.get(policy.keeps, 0.0)
     return ActivationTerms(
         saved=geo.layers * tokens * (w.saved_bytes(policy, size) + _option_bytes(cfg, w, policy)),
-        working=tokens * w.unit_working_bytes(policy, size, target, per_layer),
+        working=tokens * w.unit_working_bytes(policy, size, target, per_layer) * frozen,
         moe=geo.moe_layers * tokens * moe_saved + tokens * moe_memory.working_bytes(
             cfg, w, sizes, size, target, fitted(target).working[remat.on_device(policy).name]),
         pipeline=0.0,
@@ -237,6 +241,12 @@ def _option_bytes(cfg: Config, w: Widths, policy: remat.Policy) -> float:
                                 attention="blockwise" if w.fused else "dot_product",
                                 remat_policy=remat.on_device(policy).name)
     return residuals.option_bytes(local)
+
+
+def _frozen_share(cfg: Config) -> float:
+    """The share of a layer's backward working set the compiler holds for the run's layers: `Fitted.frozen_working`
+    where their base weights are frozen (LoRA: model/trainable.py), else all of it."""
+    return 1.0 if trainable.trains_everything(cfg.model) else fitted(compiler(cfg)).frozen_working
 
 
 def _cast_bytes(cfg: Config, params: float, itemsize: int) -> float:
@@ -260,11 +270,13 @@ def _pipeline_terms(cfg: Config, w: Widths, geo: Geometry, tokens: int, per_laye
     layer = w.saved_bytes(policy, size) + _option_bytes(cfg, w, policy)
     inside = 0 if policy.name == "full" else stage_layers * layer
     local_length = cfg.max_target_length
+    # the circular layer's bubble select (layers/pipeline.py); the table runner (pipeline_runner.py) has none
+    mask = fitted(target).bubble_mask if cfg.model.pipeline.schedule == "circular" else 0
     return ActivationTerms(
         saved=geo.kept_inputs * microbatch * inside,
-        working=microbatch * stage_layers * w.working_bytes(policy, size, target),
+        working=microbatch * stage_layers * w.working_bytes(policy, size, target) * _frozen_share(cfg),
         moe=microbatch * moe_per_layer * stage_layers,
-        pipeline=(geo.kept_inputs + geo.buffer_microbatches) * microbatch * w.stream * size,
+        pipeline=(geo.kept_inputs * (size + mask) + geo.buffer_microbatches * size) * microbatch * w.stream,
         block=w.block_bytes(max(microbatch // local_length, 1)),
         host=geo.kept_inputs * microbatch * stage_layers * w.host_bytes(policy, size),
         **common,
