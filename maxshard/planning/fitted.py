@@ -116,7 +116,9 @@ class Fitted:
 # (`memory_analysis`: temp_size) exceeds the live peak by 16% there and by more at 27B, so the share is fitted to the
 # allocation: 0.8 brings the three local/global shapes (220M with units of 6 and 4 layers, the 27B preset) to 1.08,
 # 0.96 and 1.11 (0.5: 0.86, 0.83, 0.95, once (4) and (5) were counted). XLA:CPU held all of it, units of 2 and 3
-# layers. A compiler without an entry (XLA:GPU) takes XLA:CPU's (on an H100: within 25%, compile_check.py's
+# layers. Two more, read off the 125m v5e-8 shapes and held out on others (tests/test_plan_heldout_tpu.py): the
+# circular pipeline's kept bubble mask (`bubble_mask`) and a LoRA run's smaller layer backward (`frozen_working`).
+# A compiler without an entry (XLA:GPU) takes XLA:CPU's (on an H100: within 25%, compile_check.py's
 # docstring).
 FITTED = {
     "xla:cpu": Fitted(XLA_CPU_WORKING),

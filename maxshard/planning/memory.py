@@ -45,7 +45,8 @@ s = the compute dtype's itemsize:
     on the widths and lengths of tests/test_plan_memory.py, + 3E x s under tensor parallelism (the column-parallel
     projections' input gradients before they are reduced); the fused kernels' backward is counted from
     layers/blockwise_attention.py instead (block q, output, dq, stacked dk/dv in float32 and the log-sum-exp:
-    Q(5s + 8) + K(4s + 8) + 12 H per token, plus one float32 score block per sequence a device holds).
+    Q(5s + 8) + K(4s + 8) + 12 H per token, plus one float32 score block per sequence a device holds; the ring over
+    C context shards adds (C - 1)(4Q + K(2s + 8)): its unrolled steps each hold a K/V chunk, dq, dK and dV).
 
     unit        a stacked unit of n layers (spec/blocks.py: an MoE interval, an attention pattern; Gemma 3's is 6)
                 is rematerialised as one, so its backward re-runs the whole unit's forward: working = one layer's
