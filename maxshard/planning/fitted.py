@@ -87,6 +87,10 @@ class Fitted:
     # v5e-8 under full at rank 16 on q, k, v, o (loss_chunks=8: 327 MiB of temporaries where the whole working set
     # planned 461); fitted on that one shape, held out in tests/test_plan_heldout_tpu.py
     frozen_working: float = 1.0
+    # in a circular pipeline the loss runs before the stages' float32 gradients and compute-dtype weights exist: at
+    # the loss their memory holds the logits (the 125m v5e-8 pipeline's buffer assignment gives f32[6, 1, 1, ..]
+    # and bf16[1, 6, 1, ..] the offsets of the logits), so the head's side of `head_apart` leaves them out
+    pipeline_loss_first: bool = False
 
 
 # By compiler. XLA:CPU: the additive model of memory.py's docstring, its constants fitted there. XLA:TPU (libtpu
@@ -124,7 +128,7 @@ FITTED = {
     "xla:cpu": Fitted(XLA_CPU_WORKING),
     "xla:tpu": Fitted(XLA_TPU_WORKING, head_apart=True, weight_cast=True, tile=(8, 128), gathered_layers=2,
                       head_weights=2, unit_kept=0.8, moe_rows={"dropping": (2, 1), "local": (2, 3)}, bubble_mask=1,
-                      frozen_working=0.54),
+                      frozen_working=0.54, pipeline_loss_first=True),
 }
 
 

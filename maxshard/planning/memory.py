@@ -90,7 +90,8 @@ s = the compute dtype's itemsize:
                 [microbatch tokens, E] and what the policy saves of the stage's layers (none saves matmul outputs
                 there: see layers/pipeline.py); the working set is one stage's layers' on one microbatch; plus the
                 schedule's circulation buffer, `buffer_microbatches` microbatches (circular: all M, [tokens, E]);
-                circular on XLA:TPU: also the bubble mask by each kept input, a byte an element (`Fitted.bubble_mask`)
+                circular on XLA:TPU: also the bubble mask by each kept input, a byte an element (`Fitted.bubble_mask`),
+                and the loss runs before the gradients and cast weights exist: `head` less them (`pipeline_loss_first`)
 
 What the plan leaves out (a few % of XLA:CPU's temporaries in the grid of tests/test_plan_memory.py): the
 embedding's gradient buffers, loss reductions and XLA's fusion scratch; and what layer options add to one layer's
@@ -218,7 +219,7 @@ def activation_terms(cfg: Config, sizes: Mapping[str, int], geo: Geometry, gathe
     common = dict(head=head, gathered=gathered, accumulation=accumulation, cast=_cast_bytes(cfg, params, size),
                   head_apart=fitted(target).head_apart, head_table=head_weights)
     if geo.stages > 1 or geo.microbatches > 1:
-        return _pipeline_terms(cfg, w, geo, tokens, per_layer, moe_per_layer * moe_share, common)
+        return _pipeline_terms(cfg, w, geo, tokens, per_layer, moe_per_layer * moe_share, common, gradients)
     frozen = _frozen_share(cfg)
     moe_dots = moe_memory.matmul_bytes(cfg, w, sizes, size)
     moe_saved = {"everything": moe_per_layer, "dots": moe_dots}.get(policy.keeps, 0.0)
@@ -260,9 +261,13 @@ def _cast_bytes(cfg: Config, params: float, itemsize: int) -> float:
 
 
 def _pipeline_terms(cfg: Config, w: Widths, geo: Geometry, tokens: int, per_layer: int, moe_per_layer: float,
-                    common: dict) -> ActivationTerms:
+                    common: dict, gradients: float = 0.0) -> ActivationTerms:
     """A device runs `layers_per_stage` units per iteration on one microbatch, checkpointed per iteration."""
     size, target = geo.compute_itemsize, compiler(cfg)
+    f = fitted(target)
+    if f.head_apart and f.pipeline_loss_first and cfg.model.pipeline.schedule == "circular":
+        # the loss holds what the stages' gradients and cast weights will hold later (`Fitted.pipeline_loss_first`)
+        common = {**common, "head": max(common["head"] - gradients - common["cast"], 0.0)}
     policy = effective_policy(cfg.remat_policy, target)
     if policy.keeps == "everything":  # layers/pipeline.py: none saves matmul outputs in a stage
         policy = remat.policy("minimal")
