@@ -45,7 +45,8 @@ s = the compute dtype's itemsize:
     on the widths and lengths of tests/test_plan_memory.py, + 3E x s under tensor parallelism (the column-parallel
     projections' input gradients before they are reduced); the fused kernels' backward is counted from
     layers/blockwise_attention.py instead (block q, output, dq, stacked dk/dv in float32 and the log-sum-exp:
-    Q(5s + 8) + K(4s + 8) + 12 H per token, plus one float32 score block per sequence a device holds).
+    Q(5s + 8) + K(4s + 8) + 12 H per token, plus one float32 score block per sequence a device holds; the ring over
+    C context shards adds (C - 1)(4Q + K(2s + 8)): its unrolled steps each hold a K/V chunk, dq, dK and dV).
 
     unit        a stacked unit of n layers (spec/blocks.py: an MoE interval, an attention pattern; Gemma 3's is 6)
                 is rematerialised as one, so its backward re-runs the whole unit's forward: working = one layer's
@@ -81,13 +82,17 @@ s = the compute dtype's itemsize:
                 XLA:TPU differentiates the MoE layer as a phase of its own: the unit holds the larger of its
                 measured rows and the layer's working set less the dense MLP's share (planning/moe_memory.py
                 `working_bytes`, `Fitted.moe_rows`)
+    frozen      with LoRA (the base weights frozen, no weight gradients) the layer's working set is
+                `Fitted.frozen_working` of it (XLA:TPU: 0.54, measured at one shape)
     accumulation  with k > 1 microbatches, one microbatch's activations at a time (tokens / k in whole
                 sequences: a microbatch smaller than the batch shards still holds one per device) and one more
                 float32 gradient buffer (the running sum)
     pipeline    the schedule's kept stage inputs (circular: one per iteration, M x R + S - 1), each one microbatch's
                 [microbatch tokens, E] and what the policy saves of the stage's layers (none saves matmul outputs
                 there: see layers/pipeline.py); the working set is one stage's layers' on one microbatch; plus the
-                schedule's circulation buffer, `buffer_microbatches` microbatches (circular: all M, [tokens, E])
+                schedule's circulation buffer, `buffer_microbatches` microbatches (circular: all M, [tokens, E]);
+                circular on XLA:TPU: the loss runs before the gradients and cast weights exist: `head` less them
+                (`pipeline_loss_first`)
 
 What the plan leaves out (a few % of XLA:CPU's temporaries in the grid of tests/test_plan_memory.py): the
 embedding's gradient buffers, loss reductions and XLA's fusion scratch; and what layer options add to one layer's
@@ -106,7 +111,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from maxshard.config import Config
-from maxshard.model import residuals
+from maxshard.model import residuals, trainable
 from maxshard.spec import blocks, remat
 from maxshard.parallel import axis_names as ax
 from maxshard.planning import moe_memory
@@ -215,12 +220,13 @@ def activation_terms(cfg: Config, sizes: Mapping[str, int], geo: Geometry, gathe
     common = dict(head=head, gathered=gathered, accumulation=accumulation, cast=_cast_bytes(cfg, params, size),
                   head_apart=fitted(target).head_apart, head_table=head_weights)
     if geo.stages > 1 or geo.microbatches > 1:
-        return _pipeline_terms(cfg, w, geo, tokens, per_layer, moe_per_layer * moe_share, common)
+        return _pipeline_terms(cfg, w, geo, tokens, per_layer, moe_per_layer * moe_share, common, gradients)
+    frozen = _frozen_share(cfg)
     moe_dots = moe_memory.matmul_bytes(cfg, w, sizes, size)
     moe_saved = {"everything": moe_per_layer, "dots": moe_dots}.get(policy.keeps, 0.0)
     return ActivationTerms(
         saved=geo.layers * tokens * (w.saved_bytes(policy, size) + _option_bytes(cfg, w, policy)),
-        working=tokens * w.unit_working_bytes(policy, size, target, per_layer),
+        working=tokens * w.unit_working_bytes(policy, size, target, per_layer) * frozen,
         moe=geo.moe_layers * tokens * moe_saved + tokens * moe_memory.working_bytes(
             cfg, w, sizes, size, target, fitted(target).working[remat.on_device(policy).name],
             w.working_bytes(policy, size, target)),
@@ -241,6 +247,12 @@ def _option_bytes(cfg: Config, w: Widths, policy: remat.Policy) -> float:
     return residuals.option_bytes(local)
 
 
+def _frozen_share(cfg: Config) -> float:
+    """The share of a layer's backward working set the compiler holds for the run's layers: `Fitted.frozen_working`
+    where their base weights are frozen (LoRA: model/trainable.py), else all of it."""
+    return 1.0 if trainable.trains_everything(cfg.model) else fitted(compiler(cfg)).frozen_working
+
+
 def _cast_bytes(cfg: Config, params: float, itemsize: int) -> float:
     """The compute-dtype copy of the sharded weights, where the compiler keeps one (`Fitted.weight_cast`) and the
     dtypes differ."""
@@ -251,9 +263,13 @@ def _cast_bytes(cfg: Config, params: float, itemsize: int) -> float:
 
 
 def _pipeline_terms(cfg: Config, w: Widths, geo: Geometry, tokens: int, per_layer: int, moe_per_layer: float,
-                    common: dict) -> ActivationTerms:
+                    common: dict, gradients: float = 0.0) -> ActivationTerms:
     """A device runs `layers_per_stage` units per iteration on one microbatch, checkpointed per iteration."""
     size, target = geo.compute_itemsize, compiler(cfg)
+    f = fitted(target)
+    if f.head_apart and f.pipeline_loss_first and cfg.model.pipeline.schedule == "circular":
+        # the loss holds what the stages' gradients and cast weights will hold later (`Fitted.pipeline_loss_first`)
+        common = {**common, "head": max(common["head"] - gradients - common["cast"], 0.0)}
     policy = effective_policy(cfg.remat_policy, target)
     if policy.keeps == "everything":  # layers/pipeline.py: none saves matmul outputs in a stage
         policy = remat.policy("minimal")
@@ -264,9 +280,9 @@ def _pipeline_terms(cfg: Config, w: Widths, geo: Geometry, tokens: int, per_laye
     local_length = cfg.max_target_length
     return ActivationTerms(
         saved=geo.kept_inputs * microbatch * inside,
-        working=microbatch * stage_layers * w.working_bytes(policy, size, target),
+        working=microbatch * stage_layers * w.working_bytes(policy, size, target) * _frozen_share(cfg),
         moe=microbatch * moe_per_layer * stage_layers,
-        pipeline=(geo.kept_inputs + geo.buffer_microbatches) * microbatch * w.stream * size,
+        pipeline=(geo.kept_inputs + geo.buffer_microbatches) * size * microbatch * w.stream,
         block=w.block_bytes(max(microbatch // local_length, 1)),
         host=geo.kept_inputs * microbatch * stage_layers * w.host_bytes(policy, size),
         **common,
