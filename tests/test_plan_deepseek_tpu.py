@@ -6,6 +6,11 @@ step's; and the query as the tiled layout stores it ([.., heads, 128 + 64] padde
 `widths.latent_query_pad`, measured in the moonlight_16b buffer assignment: benchmarks/README.md, "DeepSeek-style on
 XLA:TPU"). Measured: 1.020 (0.997 before the padding, 6 MiB of the 261 MiB plan); with 4 layers and 2 sequences per
 chip 0.948 (0.923 before), just outside, so the bound is kept and that shape is not the one tested.
+
+It is also CI's MoE shape held out from the fit: the MoE constant the plan uses on XLA:TPU (`Fitted.moe_rows`,
+planning/moe_memory.py) was read off the Mixtral 8x7B step's buffers only. (A second held-out MoE, the 125m preset
+with 8 experts under token dropping, plans 0.965 of its compile; one more ~90 s CPU compile, so it is a row of
+benchmarks/README.md "Mixtral 8x7B", not a CI test.)
 """
 
 from __future__ import annotations
