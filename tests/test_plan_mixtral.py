@@ -18,8 +18,9 @@ import pytest
 from maxshard import plan as plan_cli
 from maxshard.spec import remat
 from maxshard.parallel import mesh
-from maxshard.planning import fitted, moe_memory
+from maxshard.planning import fit, fitted, moe_memory
 from maxshard.planning.widths import widths
+from maxshard.run.target import target_capacity
 
 MIXTRAL = ["configs/base.yml", "model_name=mixtral_8x7b", "per_device_batch_size=12"]
 TARGET = "v6e-256"
@@ -51,9 +52,14 @@ def test_the_moe_backward_is_a_phase_of_its_own_on_xla_tpu(plan) -> None:
 
 
 def test_the_published_dropping_run_does_not_fit_at_12_sequences(plan) -> None:
-    """The preset compiled to 30.9 GiB per chip, over the usable 28.1: the plan says so (no policy fits)."""
+    """The preset compiled to 30.9 GiB per chip, over the usable 28.1: the plan says so (no policy fits), and its
+    verdict names the setting that does fit, the dropless grouped path under the published offload policy."""
     assert not plan.cfg.memory_fit.fits
     assert plan.peak_bytes > plan.cfg.memory_fit.usable_bytes
+    fits, line = fit.verdict(plan.cfg, target_capacity(plan.cfg, plan.target))
+    assert not fits and "\n" not in line
+    assert "no remat policy fits" in line and "capacity_factor=-1 (dropless" in line
+    assert line.endswith("fits with remat_policy=offload_qkv_out_proj (23.5 GiB)"), line
 
 
 def test_the_dropless_grouped_path_fits_and_auto_offloads_the_projections() -> None:

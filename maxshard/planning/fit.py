@@ -196,6 +196,23 @@ def cheapest(cfg: Config, fitting: list[str], peaks: dict[str, int]) -> str:
 _SHARD_MORE = "shard more (ici_fsdp_parallelism, ici_tensor_parallelism) or lower per_device_batch_size"
 
 
+def _dropless_instead(cfg: Config, capacity: Capacity) -> str:
+    """Where no policy fits an MoE that drops tokens: the dropless grouped path (`capacity_factor=-1`) and the
+    policy `auto` would pick for it, when that fits. It holds fewer rows per token than capacity 1.25 with whole-
+    sequence groups (Mixtral 8x7B at 12 x 4096 tokens per v6e chip: benchmarks/README.md), and drops nothing."""
+    if not cfg.model.is_moe or cfg.capacity_factor <= 0:
+        return ""
+    dropless = dataclasses.replace(cfg, capacity_factor=-1.0, remat_policy="auto",
+                                   model=dataclasses.replace(cfg.model, capacity_factor=-1.0))
+    peaks, hosts = _planned(dropless)
+    fitting = _fitting(dropless, peaks, hosts, usable(cfg, capacity), usable_host(cfg, capacity))
+    if not fitting:
+        return ""
+    policy = cheapest(dropless, fitting, peaks)
+    return (f"; capacity_factor=-1 (dropless: no token dropped) fits with remat_policy={policy} "
+            f"({format_bytes(peaks[policy])})")
+
+
 def _shortfall(cfg: Config, peaks: dict[str, int], hosts: dict[str, int], capacity: Capacity) -> str:
     limit, host_limit = usable(cfg, capacity), usable_host(cfg, capacity)
     room = (f"the {format_bytes(limit)} usable per device ({capacity.source}, "
@@ -216,7 +233,7 @@ def _shortfall(cfg: Config, peaks: dict[str, int], hosts: dict[str, int], capaci
     least = peaks[smallest]
     return (f"remat_policy={policy}: no remat policy fits; even remat_policy={smallest} needs "
             f"{format_bytes(least)} per device (planned peak), {format_bytes(least - limit)} more than {room}; "
-            f"{_SHARD_MORE} or raise device_memory_gb")
+            f"{_SHARD_MORE} or raise device_memory_gb{_dropless_instead(cfg, capacity)}")
 
 
 def verdict(cfg: Config, capacity: Capacity) -> tuple[bool, str]:
@@ -235,7 +252,7 @@ def verdict(cfg: Config, capacity: Capacity) -> tuple[bool, str]:
     fitting = _fitting(cfg, peaks, hosts, decided.usable_bytes, host_limit)
     best = cheapest(cfg, fitting, peaks) if fitting else None
     instead = (f"remat_policy={best} fits ({format_bytes(peaks[best])})" if best else
-               f"no remat policy fits: {_SHARD_MORE}")
+               f"no remat policy fits: {_SHARD_MORE}{_dropless_instead(cfg, capacity)}")
     if decided.planned_bytes <= decided.usable_bytes:  # the device fits: the host does not
         over = format_bytes(hosts[decided.policy] - host_limit)
         return False, (f"fit: no, {over} over the {format_bytes(host_limit)} of host memory usable per device "
