@@ -205,8 +205,8 @@ def _weight_collectives(cfg: Config, p: ParamLayout, sizes: Mapping[str, int], g
         if trains:
             out.append(Collective("all-reduce", gather, k * p.bytes_per_device * _shards(gather, sizes),
                                   "embedding gradient over the gather axes"))
-            out.append(Collective("collective-permute", gather, k * p.bytes_per_device,
-                                  "embedding gradient into its shard"))
+            out.append(Collective("collective-permute", tuple(a for a in sizes if a in gather or a in vocab),
+                                  k * p.bytes_per_device, "embedding gradient into its shard"))
     elif gather and lookup:
         rows = geo.outer_tokens * cfg.emb_dim * (geo.compute_itemsize + np.dtype(p.dtype).itemsize)
         out.append(Collective("all-to-all", gather, rows, "embedding rows, forward and backward"))
