@@ -16,6 +16,8 @@ Agreement measured on jax 0.10.2 (bytes per device, plan as XLA:CPU compiles it 
     fsdp=4 tensor=2   all-gather 376,832 / 379,904   reductions 697,600 / 699,360     all-to-all 65,536 / 65,536
     tensor=8                                         reductions 1,835,008 / 1,841,260
     tensor_sequence=8 all-gather 1,835,008 / 1,835,008   reductions 1,835,008 / 1,842,540 (the residual stream split)
+On jax 0.12.0.1 (Python 3.12) the same, except fsdp=4 tensor=2, whose embedding gradient XLA partitions another way
+(planning/traffic.py): reductions 722,176 / 723,936, all-to-all 32,768 / 32,768, collective-permute 12,288 / 12,800.
 Memory: exact in all four. XLA:TPU (the libtpu test below) needs neither translation.
 MoE (8 experts, top-2, expert=4 x fsdp=2), all-to-all bytes planned / measured: dropping, remat none 237,568 /
 237,568; grouped dropless, remat full 819,264 / 819,264 (exchange buffers, row counts and the embedding's rows).
@@ -87,7 +89,7 @@ def as_cpu_compiles(plan: estimate.Plan) -> dict[str, float]:
     reductions = kinds.get("reduce-scatter", 0.0) + kinds.get("all-reduce", 0.0) + extra
     split = "tensor_sequence" in rule_axes(cfg, ax.NORM_LENGTH, plan.mesh)
     return {"all-gather": kinds.get("all-gather", 0.0) + (head if split else 0.0), "reductions": reductions,
-            "all-to-all": kinds.get("all-to-all", 0.0)}
+            "all-to-all": kinds.get("all-to-all", 0.0), "collective-permute": kinds.get("collective-permute", 0.0)}
 
 
 # --------------------------------------------------------------------------------------------- HLO counter
@@ -176,7 +178,8 @@ def test_plan_matches_compiled_train_step(layout: str) -> None:
     reductions = measured["all-reduce"]["bytes"] + measured["reduce-scatter"]["bytes"]
     assert abs(reductions - planned["reductions"]) <= REDUCTION_TOLERANCE * reductions
     assert measured["all-to-all"]["bytes"] == planned["all-to-all"]
-    assert measured["collective-permute"]["bytes"] <= 1024  # token ids moved between layouts; none planned
+    permutes = measured["collective-permute"]["bytes"] - planned["collective-permute"]  # jax 0.12: the table's
+    assert 0 <= permutes <= 1024  # gradient (planned, see traffic.py); token ids moved between layouts (not planned)
 
     # within 15%, as in the 27-configuration check of tests/test_plan_memory.py
     assert abs(plan.peak_bytes / compiled.peak_bytes(stats) - 1) <= 0.15
@@ -193,7 +196,8 @@ def test_plan_matches_an_xla_tpu_compile(monkeypatch: pytest.MonkeyPatch) -> Non
     XLA:TPU reassociates the tensor-parallel all-reduces, so the plan needs no translation; it too reduces these
     small gradients with all-reduce + slice rather than reduce-scatter. Measured on libtpu 0.0.42.1: all-gather
     188,416 planned / 192,512 measured (the token ids of the lookup), reductions 312,576 / 313,936, all-to-all
-    49,152 / 49,152. With tensor_sequence=2 instead (the residual stream split, layers/decoder.py) the same compile
+    49,152 / 49,152; on libtpu 0.0.50.1 (jax 0.12) reductions 337,152 / 338,512, all-to-all 16,384 / 16,384. With
+    tensor_sequence=2 instead (the residual stream split, layers/decoder.py) the same compile
     gathers 421,888 (planned 417,792): the stream's gathers, 6 per layer + 2 for the head. Memory is not compared:
     TPU tiles pad this model's small arrays several-fold.
     """
@@ -203,6 +207,7 @@ def test_plan_matches_an_xla_tpu_compile(monkeypatch: pytest.MonkeyPatch) -> Non
     from maxshard.parallel import mesh
 
     monkeypatch.setenv("TPU_SKIP_MDS_QUERY", "1")
+    monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # no chip is opened: another compiling process holds the lock
     devices = get_topology_desc(platform="tpu", topology_name="v5e:2x4").devices
     cfg = tiny_config(*LAYOUTS["fsdp=4 tensor=2"], "remat_policy=none", "dtype=bfloat16")
     plan = estimate.make_plan(cfg, topologies.parse("v5litepod-8"))

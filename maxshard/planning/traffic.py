@@ -19,7 +19,11 @@ it meets the activations:
                   norm scales, reduced in float32), once per microbatch, shard bytes.
   The token embedding is a lookup, not a matmul: XLA keeps the table sharded and moves the looked-up rows with an
   all-to-all ([tokens, E], forward in the compute dtype, backward in the table's dtype); its gradient needs no
-  reduction over the gather axes.
+  reduction over the gather axes. With the table sharded over the vocabulary too, jax 0.10.2 scatters the rows'
+  gradients into the whole vocabulary and all-reduces that over the vocabulary axes, [vocab, E / gather shards]
+  (below); jax 0.12 moves no rows back: each device scatters its own tokens' gradients into a buffer of vocab x E /
+  vocabulary shards elements, all-reduces it over the gather axes and permutes one table shard into place (XLA:CPU with
+  fsdp=4 x tensor=2 and fsdp=2 x tensor=4, XLA:TPU libtpu 0.0.50.1 with fsdp=4 x tensor=2: exactly these bytes).
   A pipeline (stage > 1) runs each stage's weights once per iteration of its schedule (spec/pipeline_schedule.py;
   M*R + S - 1 iterations for the circular one): stacked gathers and their gradient reduce-scatters x iterations / R
   (XLA keeps the per-repeat gather inside the schedule loop: a 4-layer, 2-stage, 4-microbatch compile on XLA:CPU
@@ -74,6 +78,7 @@ import math
 import re
 from collections.abc import Iterable, Mapping
 
+import jax
 import numpy as np
 
 from maxshard.config import Config
@@ -91,6 +96,9 @@ __all__ = ["Collective", "Geometry", "geometry", "planned_collectives"]
 _LAYER_NAME = re.compile(r"layer_\d+")  # a layer of a multi-layer unit, in a parameter's path
 _STACKED = (ax.LAYERS, ax.UNSTAGED_LAYERS)  # the leading axis of a scanned stack (spec/blocks.py)
 _UNIT_AXES = (*_STACKED, ax.CIRCULAR_REPEATS, ax.LAYERS_PER_STAGE)  # a weight's axes that count the units it stacks
+# How XLA partitions the lookup's gradient when the table is sharded over the vocabulary *and* gather axes changed
+# with jax 0.12 (what Python 3.12 installs; README): see "The token embedding" in the module docstring.
+_SCATTERS_INTO_VOCAB_SHARDS = jax.__version_info__ >= (0, 12)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,10 +198,18 @@ def _weight_collectives(cfg: Config, p: ParamLayout, sizes: Mapping[str, int], g
     k, shard = geo.accumulation, p.bytes_per_device * _grad_itemsize(p, lookup, geo) / np.dtype(p.dtype).itemsize
     trains = trainable.is_trainable(cfg.model, p.name)  # a frozen weight (LoRA's base) has no gradient to reduce
     out = []
-    if gather and lookup:
+    vocab = tuple(a for logical, axes in dims if logical == ax.VOCAB for a in axes)
+    if gather and lookup and vocab and _SCATTERS_INTO_VOCAB_SHARDS:
+        out.append(Collective("all-to-all", gather, geo.outer_tokens * cfg.emb_dim * geo.compute_itemsize,
+                              "embedding rows, forward"))
+        if trains:
+            out.append(Collective("all-reduce", gather, k * p.bytes_per_device * _shards(gather, sizes),
+                                  "embedding gradient over the gather axes"))
+            out.append(Collective("collective-permute", tuple(a for a in sizes if a in gather or a in vocab),
+                                  k * p.bytes_per_device, "embedding gradient into its shard"))
+    elif gather and lookup:
         rows = geo.outer_tokens * cfg.emb_dim * (geo.compute_itemsize + np.dtype(p.dtype).itemsize)
         out.append(Collective("all-to-all", gather, rows, "embedding rows, forward and backward"))
-        vocab = tuple(a for logical, axes in dims if logical == ax.VOCAB for a in axes)
         if vocab and trains:  # XLA scatters into the whole vocabulary, then all-reduces it over the vocabulary axes
             whole = p.bytes_per_device * _shards(vocab, sizes)
             out.append(Collective("all-reduce", vocab, k * whole, "embedding gradient over the vocabulary"))
