@@ -30,6 +30,7 @@ from maxshard.training.step import mesh_context
 REPO = Path(__file__).resolve().parent.parent
 GRPO = CASES["grpo"]
 CASE = GRPO["grpo_k3"]
+JAX_0_12 = jax.__version_info__ >= (0, 12)  # its XLA:CPU rounds the KL of test_a_pipeline_samples_... otherwise
 LENGTH = 64
 KEYS = ("objective=grpo", "grpo_group_size=4", f"grpo_kl_beta={CASE['config']['beta']}",
         f"grpo_epsilon={CASE['config']['epsilon_low']}", "grpo_max_prompt_length=8", "grpo_max_new_tokens=16")
@@ -180,7 +181,7 @@ def test_a_pipeline_samples_and_trains_as_one_device(env, tmp_path):
     (decode.Engine reads them as the unpipelined stack inside its jitted steps, no copy kept), the rollout policy's
     and the reference's log-probabilities come from the pipelined forward, the loss from the table runner per
     pipeline microbatch; three steps through `maxshard.train` log one device's rewards and losses within 1e-5 and
-    its KL within 5e-5 (one device: a subprocess, side by side with the pipelined run in this process)."""
+    its KL within 1e-5 (5e-5 on jax 0.12) (one device: a subprocess, side by side with the pipelined run in this process)."""
     keys = ("steps=3", "log_period=1", "enable_checkpointing=false", "grpo_group_size=4")
     argv = grpo_argv(tmp_path, "run_name=one", *keys, "per_device_batch_size=16", "cpu_device_count=1")
     one = subprocess.Popen([sys.executable, "-m", "maxshard.train", *argv], cwd=REPO, env=env,
@@ -199,7 +200,7 @@ def test_a_pipeline_samples_and_trains_as_one_device(env, tmp_path):
     # fusion emitters round otherwise; README, "Which Python gives which toolchain"). The rest stays within 1e-5.
     for step in (1, 2, 3):
         for key in ("loss", "reward/mean", "kl", "completion_length"):
-            bound = 5e-5 if key == "kl" else 1e-5
+            bound = 5e-5 if key == "kl" and JAX_0_12 else 1e-5
             assert piped[step][key] == pytest.approx(one_device[step][key], abs=bound), (step, key)
     assert len({r["loss"] for r in piped.values()}) > 1  # the steps moved the model
 
