@@ -21,8 +21,9 @@ Python gives which toolchain"). Each system runs in its own process (one full-de
 MaxText's program is the one its `train_compile.main` compiles (its config, mesh, shardings): the module function
 that compiles is wrapped to keep the compiled object, and its `compile_xla_flags` carry the compiler options
 maxshard's compile uses (`planning/compiled.py`'s `_FAST`: code generation at the lowest effort; buffer assignment
-is unchanged), so both programs go through the same XLA:TPU with the same options. The recipes' LIBTPU_INIT_ARGS
-(VMEM limits, collective fusion) are left out for both. Peaks are `planning/compiled.py`'s (arguments +
+is unchanged) and the recipe's scoped VMEM limit (`VMEM_KIB`, from its LIBTPU_INIT_ARGS), so both programs go
+through the same XLA:TPU with the same options; the recipes' other flags (collective fusion, overlap) are left out
+for both. Peaks are `planning/compiled.py`'s (arguments +
 temporaries + outputs - donated) and collective bytes per device per step (`planning/collectives.py`, a scanned
 body's collectives counted once per layer) for both, from the same `memory_analysis()` and HLO text. A program
 over the chip's memory fails to compile on XLA:TPU; its line then carries the figures of the error. FLOPs are not
@@ -75,13 +76,17 @@ RECIPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
          "attention_block_kv=512")),
 }
 
+# The recipes' scoped VMEM limit (their LIBTPU_INIT_ARGS): without it MaxText's fused splash backward at 2048-row
+# blocks does not fit XLA:TPU's default 32 MiB.
+VMEM_KIB = {"llama3.1-8b": 98304, "llama3.1-70b": 98304, "mixtral-8x7b": 81920}
 
-def compile_options(dump: str | None) -> dict[str, Any]:
-    """maxshard's compile options (`_FAST`), with XLA's dump of the train step (HLO text, buffer assignment, memory
-    usage report) into `dump` when given."""
+
+def compile_options(recipe: str, dump: str | None) -> dict[str, Any]:
+    """maxshard's compile options (`_FAST`) and the recipe's scoped VMEM limit, with XLA's dump of the train step
+    (HLO text, buffer assignment, memory usage report) into `dump` when given."""
     dumping = {} if dump is None else {"xla_dump_to": dump, "xla_dump_hlo_as_text": True,
                                        "xla_dump_hlo_module_re": "train_step"}
-    return {**_FAST, **dumping}
+    return {**_FAST, "xla_tpu_scoped_vmem_limit_kib": VMEM_KIB[recipe], **dumping}
 
 
 def maxtext_compiled(recipe: str, layers: int | None, options: dict[str, Any]) -> Any:
@@ -134,7 +139,7 @@ def main() -> None:
     build = maxtext_compiled if args.system == "maxtext" else maxshard_compiled
     started = time.perf_counter()
     try:
-        compiled = build(args.recipe, args.layers, compile_options(args.dump))
+        compiled = build(args.recipe, args.layers, compile_options(args.recipe, args.dump))
     except Exception as e:  # XLA:TPU's refusal of a program over the chip: its figures are the result
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
