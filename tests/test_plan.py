@@ -143,6 +143,20 @@ def test_count_collectives_multiplies_loop_bodies_and_reads_operand_shapes() -> 
     assert counts["all-to-all"] == {"count": 0, "bytes": 0}
 
 
+def test_loop_counted_from_its_condition_in_newer_hlo_text() -> None:
+    """Without `known_trip_count` (XLA:TPU drops it) the trips come from `i < N`; jax 0.12's XLA:TPU writes the
+    counter as `%param#0` (MaxText's peeled layer loop), not as a get-tuple-element instruction."""
+    cond = """%cond (p: (s32[], f32[8])) -> pred[] {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  %n = s32[] constant(5)
+  ROOT %lt = pred[] compare(%p#0, %n), direction=LT
+}"""
+    hlo = re.sub(r"%cond \(p.*?\n\}", lambda m: cond, _HLO, flags=re.S).replace(
+        ', backend_config={"known_trip_count":{"n":"3"}}', "")
+    assert "#0" in hlo and "known_trip_count" not in hlo
+    assert count_collectives(hlo)["reduce-scatter"] == {"count": 5, "bytes": 5 * 64 * 4}
+
+
 def test_shard_map_collectives_sharing_one_channel_count_apart() -> None:
     """XLA:CPU gives every all_to_all written in shard_map channel_id=1: two of them in one computation are two."""
     hlo = """HloModule m

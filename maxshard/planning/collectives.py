@@ -52,6 +52,7 @@ _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CALLEE = re.compile(r"\b(?:body|calls|to_apply|true_computation|false_computation)=%([\w.\-]+)")
 _CONDITION = re.compile(r"\bcondition=%([\w.\-]+)")
 _INDEX = re.compile(r"\bindex=(\d+)")
+_ELEMENT = re.compile(r"^\s*%[\w.\-]+#(\d+)\s*,")  # `%param#k`: newer HLO text's element k of a tuple
 _CHANNEL = re.compile(r"\bchannel_id=(\d+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 
@@ -137,8 +138,9 @@ def _by_name(comp: _Computation, name: str) -> _Instr | None:
 def _counted_trips(instr: _Instr, comp: _Computation, comps: dict[str, _Computation]) -> int | None:
     """Trip count of `while (i < N)` started from a constant i, for HLO without `known_trip_count` (XLA:TPU).
 
-    The condition's root must be `compare(get-tuple-element(param, index=k), constant(N)), direction=LT`, and
-    element k of the while's initial tuple a constant.
+    The condition's root must be `compare(get-tuple-element(param, index=k), constant(N)), direction=LT` (or
+    `compare(%param#k, constant(N))`, as jax 0.12's XLA prints it), and element k of the while's initial tuple a
+    constant.
     """
     condition = _CONDITION.search(instr.rest)
     cond = comps.get(condition.group(1)) if condition else None
@@ -147,6 +149,7 @@ def _counted_trips(instr: _Instr, comp: _Computation, comps: dict[str, _Computat
         return None
     counter, bound = (_by_name(cond, n) for n in root.operands)
     index = _INDEX.search(counter.rest) if counter is not None and counter.op == "get-tuple-element" else None
+    index = index or _ELEMENT.match(root.args)
     init = _by_name(comp, instr.operands[0]) if instr.operands else None
     if index is None or bound is None or bound.op != "constant" or init is None or init.op != "tuple":
         return None
