@@ -181,7 +181,8 @@ def test_a_pipeline_samples_and_trains_as_one_device(env, tmp_path):
     (decode.Engine reads them as the unpipelined stack inside its jitted steps, no copy kept), the rollout policy's
     and the reference's log-probabilities come from the pipelined forward, the loss from the table runner per
     pipeline microbatch; three steps through `maxshard.train` log one device's rewards and losses within 1e-5 and
-    its KL within 1e-5 (5e-5 on jax 0.12) (one device: a subprocess, side by side with the pipelined run in this process)."""
+    its KL within 1e-5 (5e-5 on jax 0.12) (one device: a subprocess, side by side with the pipelined run in this
+    process)."""
     keys = ("steps=3", "log_period=1", "enable_checkpointing=false", "grpo_group_size=4")
     argv = grpo_argv(tmp_path, "run_name=one", *keys, "per_device_batch_size=16", "cpu_device_count=1")
     one = subprocess.Popen([sys.executable, "-m", "maxshard.train", *argv], cwd=REPO, env=env,

@@ -18,7 +18,8 @@ from typing import Any, Literal
 
 import jax.numpy as jnp
 
-__all__ = ["IMPLEMENTATION", "LORA_TARGETS", "ModelConfig", "ModelKeys", "PipelineShape", "architecture_keys", "model_fields", "num_units", "resolve_dtype",
+__all__ = ["IMPLEMENTATION", "LORA_TARGETS", "ModelConfig", "ModelKeys", "PipelineShape", "architecture_keys",
+           "model_fields", "num_units", "resolve_dtype",
            "resolve_moe_impl", "resolve_moe_exchange"]
 
 # The projections LoRA can adapt (`lora_targets`): attention's query, key, value and output, and a dense MLP's
@@ -123,7 +124,8 @@ class ModelKeys:
     attention_bias: bool = False  # biases on the query, key, value and output projections (GPT-OSS)
     norm_unit_offset: bool = False  # RMSNorm scales by (1 + weight), the weight starting at 0 (Gemma)
     post_norms: bool = False  # RMSNorm on the attention's and the MLP's outputs before each residual add (Gemma 2/3)
-    mlp_activation: Literal["silu", "gelu_tanh", "clamped_swiglu"] = "silu"  # gated MLP: silu (SwiGLU), gelu_tanh (GeGLU), clamped_swiglu (GPT-OSS)
+    # gated MLP: silu (SwiGLU), gelu_tanh (GeGLU), clamped_swiglu (GPT-OSS)
+    mlp_activation: Literal["silu", "gelu_tanh", "clamped_swiglu"] = "silu"
     swiglu_limit: float = 7.0  # clamped_swiglu: gate clamped to <= limit, up to [-limit, limit]
     swiglu_alpha: float = 1.702  # clamped_swiglu: gate * sigmoid(alpha * gate)
     embed_scale: bool = False  # token embeddings multiplied by sqrt(emb_dim) (Gemma)
