@@ -100,10 +100,14 @@ class Widths:
         padded = 1 << (heads - 1).bit_length() if heads < rows else -(-heads // rows) * rows
         return padded * -(-self.head_dim // lanes) * lanes
 
+    @property
+    def stored_query(self) -> int:
+        """Elements per token of the query projection's output as stored, latent attention's lane padding included."""
+        return self.stored(self.q) + self.query_pad
+
     def name_width(self, name: str) -> int:
         """Per-token elements of a value a policy names (maxshard/spec/remat.py), as stored."""
-        widths = {remat.LAYER_INPUT: self.stream, "query_proj": self.stored(self.q) + self.query_pad,
-                  "key_proj": self.stored(self.kv),
+        widths = {remat.LAYER_INPUT: self.stream, "query_proj": self.stored_query, "key_proj": self.stored(self.kv),
                   "value_proj": self.stored(self.kv), "out_proj": self.embed}
         return widths[name]
 
@@ -114,8 +118,7 @@ class Widths:
             return self.dense_bytes(itemsize) + self.kernel_saved_bytes(itemsize)
         if policy.keeps == "dots":  # the projections' q, k, v as stored, the attention output (not [.., heads, dim])
             kernel = 4 * self.heads if self.fused else 4 * self.scores
-            # row-parallel outputs split
-            matmuls = 2 * self.stream + self.stored(q) + self.query_pad + q + 2 * kv + 2 * f
+            matmuls = 2 * self.stream + self.stored_query + q + 2 * kv + 2 * f  # row-parallel outputs split
             return matmuls * itemsize + kernel
         kept = (remat.LAYER_INPUT, *policy.device) if remat.LAYER_INPUT not in policy.host else policy.device
         return sum(self.name_width(n) for n in kept) * itemsize
