@@ -13,6 +13,8 @@ fresh tiny run with attention=tokamax. Tolerance 1e-5 relative (float32): the sa
 
 from __future__ import annotations
 
+import importlib.util
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -283,16 +285,24 @@ def _load(*overrides: str, device_kind: str = "cpu", num_devices: int = 8) -> co
     ("TPU v5 lite", (), "splash"),
     ("TPU v5 lite", ("max_target_length=1000",), "blockwise"),  # blocks do not divide: splash cannot
     ("TPU v5 lite", ("max_target_length=64",), "blockwise"),  # a 64-token key block: splash needs 128 lanes
-    ("NVIDIA H100 80GB HBM3", (), "cudnn"),
-    ("NVIDIA H100 80GB HBM3", ("dtype=float32",), "blockwise"),  # cuDNN flash needs 16-bit inputs
+    ("NVIDIA H100 80GB HBM3", (), "tokamax"),  # Hopper with tokamax installed (the test extra has it)
+    ("NVIDIA H100 80GB HBM3", ("max_target_length=1000",), "cudnn"),  # tokamax's tiles need a multiple of 128
+    ("NVIDIA A100-SXM4-40GB", (), "cudnn"),  # before Hopper: no Mosaic GPU kernel
+    ("NVIDIA H100 80GB HBM3", ("dtype=float32",), "blockwise"),  # both fused kernels need 16-bit inputs
     ("cpu", ("max_target_length=256",), "dot_product"),
     ("cpu", ("max_target_length=2048",), "blockwise"),
-    ("NVIDIA H100 80GB HBM3", ("attention=tokamax",), "tokamax"),  # explicit only: auto stays cudnn until timed
+    ("NVIDIA H100 80GB HBM3", ("attention=cudnn",), "cudnn"),
     ("NVIDIA GH200 480GB", ("attention=tokamax",), "tokamax"),
     ("cpu", ("attention=tokamax",), "tokamax"),  # tokamax's XLA reference
 ])
 def test_auto_resolves_once_for_the_device(device_kind: str, overrides: tuple[str, ...], expected: str) -> None:
     assert _load(*overrides, device_kind=device_kind).model.attention == expected
+
+
+def test_auto_on_a_hopper_without_tokamax_installed_takes_cudnn(monkeypatch) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tokamax" else real(name, *a))
+    assert _load(device_kind="NVIDIA H100 80GB HBM3").model.attention == "cudnn"
 
 
 @pytest.mark.parametrize("overrides,device_kind,message", [
@@ -393,7 +403,7 @@ def test_8b_at_8k_fits_one_h100_node_with_auto_attention() -> None:
     from maxshard import plan as plan_cli
 
     plan = plan_cli.plan_for(["configs/base.yml", "model_name=8b"], "h100-80gb-8")
-    assert plan.cfg.model.attention == "cudnn" and plan.cfg.max_target_length == 8192
+    assert plan.cfg.model.attention == "tokamax" and plan.cfg.max_target_length == 8192  # installed here
     total = plan.params + plan.optimizer + plan.gradients + plan.activations
     assert total < plan.link.hbm
 

@@ -291,9 +291,11 @@ H100 = "NVIDIA H100 80GB HBM3"
 
 
 @pytest.mark.parametrize("device_kind,keys,expected", [
-    (H100, LOCAL, "cudnn"),  # cuDNN's own sliding window
-    (H100, GEMMA2, "blockwise"),  # cuDNN has no soft-cap
-    (H100, ("attention_sinks=true",), "blockwise"),
+    (H100, LOCAL, "tokamax"),  # tokamax's window (Hopper, installed)
+    (H100, GEMMA2, "tokamax"),  # and its soft-cap
+    ("NVIDIA A100-SXM4-40GB", LOCAL, "cudnn"),  # cuDNN's own sliding window
+    ("NVIDIA A100-SXM4-40GB", GEMMA2, "blockwise"),  # cuDNN has no soft-cap
+    (H100, ("attention_sinks=true",), "blockwise"),  # neither fused GPU kernel takes sinks
     ("TPU v5 lite", (*GEMMA2, "attention_sinks=true"), "splash"),
     ("cpu", GEMMA2, "dot_product"),  # the reference takes them all: the choice stays
 ])

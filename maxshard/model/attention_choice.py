@@ -4,11 +4,11 @@
 
     TPU           splash (the Pallas kernel), or blockwise when the blocks do not suit it (they must divide the
                   length, and the key block must be a multiple of 128)
-    NVIDIA GPU    cudnn when the compute dtype is bfloat16/float16 and head_dim suits cuDNN, else blockwise.
-                  Never tokamax yet, though its Mosaic GPU kernel takes everything a packed batch needs (document
-                  offsets, causal, grouped heads): it has not been timed against cudnn on an H100
-                  (benchmarks/attention_gpu.py --tokamax), auto picks for speed, and the kernel is reached
-                  through tokamax's private modules (layers/attention_ops.py), pinned to one release
+    NVIDIA GPU    tokamax on Hopper/Blackwell where the package is installed (`.[cuda]` installs it) and the
+                  config suits its kernel, else cudnn when the compute dtype is bfloat16/float16 and head_dim suits
+                  cuDNN, else blockwise. Measured on an H200 (benchmarks/README.md): tokamax's Mosaic GPU kernel
+                  takes the documents as key offsets and skips the blocks before a document, where cuDNN gets a
+                  dense mask: forward + backward at 8k 0.51x cudnn's time, the 1b step at 8k 1.08x faster
     CPU, other    blockwise when the length exceeds one block (max of attention_block_q/kv), dot_product up to
                   one block, where both hold the same [length, length] scores (measured: equal temporaries at
                   512 tokens with 512-token blocks, blockwise 3.3x smaller at 1024; benchmarks/README.md)
@@ -136,11 +136,20 @@ def _auto(cfg: Config, dtype: str, platform: str) -> str:
     if platform == "tpu":
         choice = "splash" if not _splash_problem(cfg) else "blockwise"
     elif platform == "nvidia":
-        choice = "cudnn" if not _cudnn_problem(cfg, dtype) else "blockwise"
+        return _auto_nvidia(cfg, dtype)
     else:
         one_block = max(cfg.attention_block_q, cfg.attention_block_kv)
         choice = "blockwise" if cfg.max_target_length > one_block else "dot_product"
     return "blockwise" if _untaken(cfg, attention_kinds.kind(choice).options) else choice
+
+
+def _auto_nvidia(cfg: Config, dtype: str) -> str:
+    """The first of tokamax (installed, Hopper or later), cudnn that takes this config and every option the model
+    uses (tokamax: window and soft-cap; cudnn: window), else blockwise (it takes them all)."""
+    candidates = (("tokamax", importlib.util.find_spec("tokamax") is not None and not _tokamax_problem(cfg, dtype)),
+                  ("cudnn", not _cudnn_problem(cfg, dtype)))
+    return next((name for name, runs in candidates
+                 if runs and not _untaken(cfg, attention_kinds.kind(name).options)), "blockwise")
 
 
 def _check_explicit(cfg: Config, dtype: str, platform: str) -> None:
