@@ -59,7 +59,8 @@ def flax_rules(cfg: HasRules) -> FlaxRules:
     return tuple((name, axes if axes else None) for name, axes in cfg.logical_axis_rules)
 
 
-def _as_axes(entry: str | tuple[str, ...] | None) -> MeshAxes:
+def as_axes(entry: str | tuple[str, ...] | None) -> MeshAxes:
+    """A PartitionSpec entry or a rule's mesh axes as a tuple: None -> (), "x" -> ("x",)."""
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
@@ -74,7 +75,7 @@ def mesh_axes(
     the answer; they still count as taken while resolving, as they do in Flax. A name without a rule gets ()
     (`logical_to_spec` refuses it); a name twice in the array is a ValueError (Flax's).
     """
-    dims = tuple(_as_axes(entry) for entry in nn.logical_to_mesh_axes(tuple(logical_axes), rules))
+    dims = tuple(as_axes(entry) for entry in nn.logical_to_mesh_axes(tuple(logical_axes), rules))
     if mesh_sizes is None:
         return dims
     return tuple(tuple(a for a in d if mesh_sizes.get(a, 1) > 1) for d in dims)
@@ -109,11 +110,11 @@ def active_mesh_axes(logical_axes: Sequence[str | None]) -> tuple[MeshAxes, ...]
 
 
 def _shard_count(entry: str | tuple[str, ...] | None, mesh_sizes: Mapping[str, int]) -> int:
-    return math.prod(mesh_sizes[a] for a in _as_axes(entry))
+    return math.prod(mesh_sizes[a] for a in as_axes(entry))
 
 
 def _entry_text(entry: str | tuple[str, ...], mesh_sizes: Mapping[str, int]) -> str:
-    return " x ".join(f"{a}={mesh_sizes[a]}" for a in _as_axes(entry))
+    return " x ".join(f"{a}={mesh_sizes[a]}" for a in as_axes(entry))
 
 
 def logical_to_spec(

@@ -211,9 +211,10 @@ def make_plan(cfg: Config, target: Target | None = None) -> Plan:
     link = hardware.interconnect(target.name) if target is not None else None
     gathered = memory.gathered_bytes(cfg, traffic.gathered_unit_bytes(cfg, report, sizes, geo),
                                      traffic.gathered_unit_bytes(cfg, report, sizes, geo, largest_layer=True))
-    head_weights = traffic.gathered_head_bytes(cfg, report, sizes, geo)
+    grouped_head = traffic.grouped_head_bytes(cfg, report, sizes, geo)
+    head_weights = 0.0 if any(grouped_head) else traffic.gathered_head_bytes(cfg, report, sizes, geo)
     terms = memory.activation_terms(cfg, sizes, geo, gathered, report.gradient_bytes_per_device,
-                                    report.param_bytes_per_device, head_weights)
+                                    report.param_bytes_per_device, head_weights, grouped_head)
     model_flops = flops.flops_per_token(cfg.model) * cfg.global_batch_size * cfg.max_target_length / cfg.num_devices
     return Plan(
         cfg=cfg,
@@ -244,5 +245,6 @@ def activations_under(plan: Plan, policy: str) -> memory.ActivationTerms:
     cfg = dataclasses.replace(plan.cfg, remat_policy=policy)
     geo = traffic.geometry(cfg, plan.mesh, np.dtype(cfg.model.compute_dtype).itemsize)
     terms = plan.activation_terms
-    gathered, table = (terms.gathered, terms.head_table) if terms is not None else (0.0, 0.0)
-    return memory.activation_terms(cfg, plan.mesh, geo, gathered, plan.gradients, plan.params, table)
+    gathered, table, grouped = ((terms.gathered, terms.head_table, terms.head_grouped) if terms is not None
+                                else (0.0, 0.0, (0.0, 0.0)))
+    return memory.activation_terms(cfg, plan.mesh, geo, gathered, plan.gradients, plan.params, table, grouped)

@@ -67,7 +67,9 @@ s = the compute dtype's itemsize:
                   them (`Widths.stored`)
 
     head        the logits [tokens, vocab / tensor] in float32 and their gradient, of one of `loss_chunks` pieces;
-                with tied embeddings on XLA:TPU also the table whole in the compute dtype twice (`Fitted.head_weights`)
+                with tied embeddings on XLA:TPU also the table whole in the compute dtype twice (`Fitted.head_weights`);
+                over pieces of split tokens, the head (or the tied table) whole instead, and its gradient whole
+                until its one reduction (`traffic.grouped_head_bytes`)
     gathered    one stacked unit's weights after the fsdp all-gather, in the compute dtype (what the layer being
                 computed holds whole); an MoE unit's expert weights twice (their gradient is also whole until it
                 is reduce-scattered); `Fitted.gathered_units` units of them; on XLA:TPU instead two copies of the
@@ -126,7 +128,7 @@ __all__ = ["ActivationTerms", "gathered_bytes", "activation_terms", "compiler", 
 # `loss_chunks: 0` (auto) splits the loss until one piece's float32 logits per device fit this (training/loss.py).
 LOSS_PIECE_BYTES = 256 * 2**20
 
-_NOT_TERMS = ("host", "head_apart", "head_table")  # ActivationTerms fields `total` leaves out (host: as_json keeps it)
+_NOT_TERMS = ("host", "head_apart", "head_table", "head_grouped")  # ActivationTerms fields `total` leaves out (host: as_json keeps it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +148,7 @@ class ActivationTerms:
     head_apart: bool = False  # Fitted.head_apart: `head` and `working + block` are not live together
     head_table: float = 0.0  # the tied embedding table gathered whole (`traffic.gathered_head_bytes`): `head` has
     # `Fitted.head_weights` of it; kept for `estimate.activations_under`, not a term of its own
+    head_grouped: tuple[float, float] = (0.0, 0.0)  # `traffic.grouped_head_bytes`, kept likewise
 
     @property
     def total(self) -> int:
@@ -202,7 +205,8 @@ def gathered_bytes(cfg: Config, unit_bytes: float, layer_bytes: float = 0.0) -> 
 
 
 def activation_terms(cfg: Config, sizes: Mapping[str, int], geo: Geometry, gathered: float,
-                     gradients: float, params: float = 0.0, head_weights: float = 0.0) -> ActivationTerms:
+                     gradients: float, params: float = 0.0, head_weights: float = 0.0,
+                     grouped_head: tuple[float, float] = (0.0, 0.0)) -> ActivationTerms:
     """The terms of the module docstring. `gathered`: what the fsdp gathers hold (`gathered_bytes`); `gradients`:
     the gradient bytes per device (for accumulation); `params`: the parameter bytes per device (for the
     compute-dtype copy a compiler may keep, `Fitted.weight_cast`)."""
@@ -212,13 +216,14 @@ def activation_terms(cfg: Config, sizes: Mapping[str, int], geo: Geometry, gathe
     tokens = _microbatch_tokens(geo.tokens, local_length, geo.accumulation)
     # every multi-token prediction module has its own head (layers/mtp.py): its logits and their gradient as the main one's
     heads = 1 + cfg.model.mtp_depth
-    head = heads * 2 * logits_bytes(cfg, sizes, geo) / max(cfg.loss_chunks, 1) + head_weights * fitted(target).head_weights
+    head = (heads * 2 * logits_bytes(cfg, sizes, geo) / max(cfg.loss_chunks, 1) + sum(grouped_head)
+            + head_weights * fitted(target).head_weights)
     moe_per_layer = moe_memory.token_bytes(cfg, w, sizes, size)
     moe_share = geo.moe_layers / max(geo.layers, 1)  # MoE layers per unit run (a unit may hold several layers)
     per_layer = len(blocks.main_stack(cfg.model).unit)  # layers in one stacked unit
     accumulation = gradients if geo.accumulation > 1 else 0.0
     common = dict(head=head, gathered=gathered, accumulation=accumulation, cast=_cast_bytes(cfg, params, size),
-                  head_apart=fitted(target).head_apart, head_table=head_weights)
+                  head_apart=fitted(target).head_apart, head_table=head_weights, head_grouped=grouped_head)
     if geo.stages > 1 or geo.microbatches > 1:
         return _pipeline_terms(cfg, w, geo, tokens, per_layer, moe_per_layer * moe_share, common, gradients)
     frozen = _frozen_share(cfg)

@@ -273,6 +273,34 @@ def gathered_head_bytes(cfg: Config, report: Report, sizes: Mapping[str, int], g
     return total
 
 
+def grouped_head_bytes(cfg: Config, report: Report, sizes: Mapping[str, int], geo: Geometry) -> tuple[float, float]:
+    """(weights, gradient): what the output head holds when the loss pieces group it (training/loss.py
+    `grouped_token_logps`). Its weights whole over the token axes in their own dtype, during the loss (for a tied
+    table, in place of `gathered_head_bytes`'s copies); and their gradient, whole until its one reduction, less the
+    gradient's shard (counted with the gradients; a frozen head has none); both during the loss alone (its
+    backward reduces the gradient before the layers' backward starts, training/loss.py). (0, 0) where the head
+    is not grouped (step.Trainer._head): one piece, tokens on one device, fewer rows than batch shards, a table
+    pipeline schedule (its loss runs per stage, training/pipelined.py)."""
+    batch = rule_axes(cfg, ax.EMBED_AND_LOGITS_BATCH, sizes, ax.LOGITS)
+    length = rule_axes(cfg, ax.LENGTH, sizes, ax.LOGITS)
+    pipe = cfg.model.pipeline
+    rows = cfg.global_batch_size // max(cfg.gradient_accumulation_steps, 1)  # of one microbatch
+    if (cfg.loss_chunks <= 1 or not (batch or length) or rows % _shards(batch, sizes)
+            or (cfg.max_target_length // cfg.loss_chunks) % _shards(length, sizes)
+            or (pipe is not None and pipe.schedule != "circular")):
+        return 0.0, 0.0
+    tokens = set(batch) | set(length)
+    head = "token_embed/embedding" if cfg.logits_via_embedding else "/logits/"
+    weights = gradient = 0.0
+    for p in report.params:
+        if head in f"/{p.name}/":
+            shards = _shards(tuple(a for _, axes in _dim_axes(p, sizes) for a in axes if a in tokens), sizes)
+            weights += p.bytes_per_device * shards
+            if trainable.is_trainable(cfg.model, p.name):  # a frozen table (LoRA's base) has no gradient
+                gradient += p.bytes_per_device * (shards - 1)
+    return weights, gradient
+
+
 def _grad_itemsize(p: ParamLayout, lookup: bool, geo: Geometry) -> int:
     """Bytes per gradient element where it is reduced: at the matmul's output, in the compute dtype; norm scales
     (applied in float32) and the embedding table (a float32 lookup, cast afterwards) in their own dtype."""

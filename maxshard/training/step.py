@@ -43,7 +43,8 @@ from maxshard.objectives import kinds as objective_kinds
 from maxshard.parallel import axis_names as ax
 from maxshard.parallel import sharding
 from maxshard.training import pipelined
-from maxshard.training.loss import chunked_token_logps, token_logps
+from maxshard.parallel.token_groups import TokenGroups
+from maxshard.training.loss import GroupedHead, chunked_token_logps, grouped_token_logps, token_logps
 from maxshard.training.optim import learning_rate_schedule, make_optimizer
 
 __all__ = ["TrainState", "Trainer", "mesh_context", "boxed_state", "abstract_state", "reference_kind"]
@@ -182,10 +183,12 @@ class Trainer:
             method = "hidden_with_mtp" if self.trains_mtp else "hidden"
             out, stats = apply_with_stats(self.model, params, *inputs, method=method)
             hidden, predicted = out if self.trains_mtp else (out, [])
-            head = functools.partial(self.model.apply, {"params": params}, method="head")
+            head = self._head(params, batch["inputs"].shape[0])
             chunks = max(self.cfg.loss_chunks, 1)
 
             def logps_of(head_fn: Any, h: jax.Array, targets: jax.Array) -> jax.Array:
+                if isinstance(head_fn, GroupedHead):
+                    return grouped_token_logps(head_fn, h, targets, chunks)
                 return chunked_token_logps(head_fn, h, targets, chunks)
 
             if predicted:
@@ -193,6 +196,27 @@ class Trainer:
             return logps_of(head, hidden, batch["targets"]), stats
         logits, stats = apply_with_stats(self.model, params, *inputs)
         return token_logps(logits, batch["targets"]), stats
+
+    def _head(self, params: Any, rows: int) -> GroupedHead | Callable[[jax.Array], jax.Array]:
+        """The output head as the loss pieces call it: grouped (training/loss.py `grouped_token_logps`: its weights
+        gathered once and their gradient reduced once, not at every piece) where the loss has pieces, their tokens
+        (`rows` x the piece's length) split over devices in whole groups (parallel/token_groups.py) and `params` is
+        the state's tree; else the plain `head(x)` (one piece; one device's tokens; fewer rows than batch shards,
+        which XLA pads; LoRA's reference without its adapters)."""
+        key = "token_embed" if self.cfg.model.logits_via_embedding else "logits"
+        plain = functools.partial(self.model.apply, {"params": params}, method="head")
+        shardings = self.state_shardings.params
+        dims = sharding.mesh_axes(ax.LOGITS, self.rules, dict(self.mesh.shape))
+        groups = TokenGroups(self.mesh, self.rules, dims[0], dims[1])
+        if (self.cfg.loss_chunks <= 1 or groups.size == 1 or key not in params
+                or jax.tree.structure(params[key]) != jax.tree.structure(shardings[key])
+                or not groups.fits(rows, self.cfg.max_target_length // self.cfg.loss_chunks)):
+            return plain
+
+        def apply(weights: Any, x: jax.Array) -> jax.Array:  # the head reads its own weights only
+            return self.model.apply({"params": {key: weights}}, x, method="head")
+
+        return GroupedHead(apply, params[key], shardings[key], groups)
 
     def _reference_logps(self, params: Any, reference: Any, batch: Batch) -> jax.Array | None:
         """The reference model's log-probabilities (no gradient), or None when the objective needs none."""
