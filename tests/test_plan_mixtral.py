@@ -59,7 +59,7 @@ def test_the_published_dropping_run_does_not_fit_at_12_sequences(plan) -> None:
     fits, line = fit.verdict(plan.cfg, target_capacity(plan.cfg, plan.target))
     assert not fits and "\n" not in line
     assert "no remat policy fits" in line and "capacity_factor=-1 (dropless" in line
-    assert line.endswith("fits with remat_policy=offload_qkv_out_proj (24.0 GiB)"), line
+    assert line.endswith("fits with remat_policy=offload_qkv_out_proj (23.5 GiB)"), line
 
 
 def test_the_dropless_grouped_path_fits_and_auto_offloads_the_projections() -> None:
