@@ -15,7 +15,7 @@ pieces, and their loss is split (loss_chunks=16) so that the peak is in the laye
 test are, not in the loss. Each shape compiles once (XLA:TPU ahead of time, as tests/test_plan_tpu.py). Measured:
 pipeline 1.05 (0.99 before circular stopped keeping its bubble mask, and the plan counting it), context (8 shards)
 1.11, LoRA 1.09. Since the loss pieces hold the tied table whole over the token shards, in float32 with its
-gradient, for one gather and one reduction (parallel/token_groups.py, counted by `traffic.grouped_head_bytes` in
+gradient, for one gather and one reduction (parallel/token_groups.py, counted by `gather_memory.grouped_head_bytes` in
 place of `Fitted.head_weights`): pipeline 0.986, context 1.109, LoRA 0.985 (libtpu 0.0.42.1). Before its backward
 reduced the gradient ahead of the layers' (training/loss.py `_reduced_before_the_layers`), XLA:TPU held it whole
 into the layers' backward or to the step's end: pipeline 0.902 with the plan of the loss alone.

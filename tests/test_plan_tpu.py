@@ -9,7 +9,7 @@ Measured (planned / compiled device peak): 0.90, 0.93, 0.90 (0.88, 0.91, 0.88 wi
 before `Fitted.gathered_units`); host bytes equal to the byte. With `Fitted.head_weights` (the tied embedding table
 twice at the loss, where the two 125m steps peak) the plan of the 125m rows grows 10.4% and 11.3%: 0.99 and 1.04 of
 the same compiled peaks; the 1b row (untied head, one-layer units) plans the same bytes. Since the loss pieces
-hold the head whole over the token shards with its gradient (parallel/token_groups.py, `traffic.grouped_head_bytes`;
+hold the head whole over the token shards with its gradient (parallel/token_groups.py, `gather_memory.grouped_head_bytes`;
 libtpu 0.0.42.1): 1.104 and 0.904. The 125m row under full,
 which fitted several constants, is no longer compiled here: the shapes held out from every fit
 (tests/test_plan_heldout_tpu.py, test_plan_deepseek_tpu.py) check the plan, and that policies which offload

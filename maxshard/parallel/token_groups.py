@@ -13,7 +13,7 @@ those axes: each device holds the head whole, gathered once before the scan, and
 tokens (`jax.vmap` over the groups). The gradient of a device's copy is that device's partial sum; it accumulates
 over the pieces where it is, and the broadcast's transpose (a sum over the groups) reduces it once after the scan.
 Same numbers, one gather and one reduction; the price is the head and its gradient whole over those axes for the
-length of the loss (planning/traffic.py `grouped_head_bytes`).
+length of the loss (planning/gather_memory.py `grouped_head_bytes`).
 """
 
 from __future__ import annotations

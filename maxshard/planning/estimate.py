@@ -34,7 +34,7 @@ from maxshard.model import transformer as model
 from maxshard.model.layers import moe
 from maxshard.observe.report import build_report
 from maxshard.parallel import mesh
-from maxshard.planning import hardware, memory, rollout_memory, traffic, widths
+from maxshard.planning import gather_memory, hardware, memory, rollout_memory, traffic, widths
 from maxshard.planning.traffic import Collective
 from maxshard.training.step import abstract_state
 
@@ -209,10 +209,10 @@ def make_plan(cfg: Config, target: Target | None = None) -> Plan:
     geo = traffic.geometry(cfg, sizes, itemsize)
     collectives = traffic.planned_collectives(cfg, report, sizes, geo)
     link = hardware.interconnect(target.name) if target is not None else None
-    gathered = memory.gathered_bytes(cfg, traffic.gathered_unit_bytes(cfg, report, sizes, geo),
-                                     traffic.gathered_unit_bytes(cfg, report, sizes, geo, largest_layer=True))
-    grouped_head = traffic.grouped_head_bytes(cfg, report, sizes, geo)
-    head_weights = 0.0 if any(grouped_head) else traffic.gathered_head_bytes(cfg, report, sizes, geo)
+    gathered = memory.gathered_bytes(cfg, gather_memory.gathered_unit_bytes(cfg, report, sizes, geo),
+                                     gather_memory.gathered_unit_bytes(cfg, report, sizes, geo, largest_layer=True))
+    grouped_head = gather_memory.grouped_head_bytes(cfg, report, sizes, geo)
+    head_weights = 0.0 if any(grouped_head) else gather_memory.gathered_head_bytes(cfg, report, sizes, geo)
     terms = memory.activation_terms(cfg, sizes, geo, gathered, report.gradient_bytes_per_device,
                                     report.param_bytes_per_device, head_weights, grouped_head)
     model_flops = flops.flops_per_token(cfg.model) * cfg.global_batch_size * cfg.max_target_length / cfg.num_devices

@@ -69,7 +69,7 @@ s = the compute dtype's itemsize:
     head        the logits [tokens, vocab / tensor] in float32 and their gradient, of one of `loss_chunks` pieces;
                 with tied embeddings on XLA:TPU also the table whole in the compute dtype twice (`Fitted.head_weights`);
                 over pieces of split tokens, the head (or the tied table) whole instead, and its gradient whole
-                until its one reduction (`traffic.grouped_head_bytes`)
+                until its one reduction (`gather_memory.grouped_head_bytes`)
     gathered    one stacked unit's weights after the fsdp all-gather, in the compute dtype (what the layer being
                 computed holds whole); an MoE unit's expert weights twice (their gradient is also whole until it
                 is reduce-scattered); `Fitted.gathered_units` units of them; on XLA:TPU instead two copies of the
@@ -146,9 +146,9 @@ class ActivationTerms:
     cast: float = 0.0  # the sharded weights cast to the compute dtype, where the compiler keeps them (Fitted)
     host: float = 0.0  # what an offload policy moves to host memory: not device memory, not in `total`
     head_apart: bool = False  # Fitted.head_apart: `head` and `working + block` are not live together
-    head_table: float = 0.0  # the tied embedding table gathered whole (`traffic.gathered_head_bytes`): `head` has
+    head_table: float = 0.0  # the tied embedding table gathered whole (`gather_memory.gathered_head_bytes`): `head` has
     # `Fitted.head_weights` of it; kept for `estimate.activations_under`, not a term of its own
-    head_grouped: tuple[float, float] = (0.0, 0.0)  # `traffic.grouped_head_bytes`, kept likewise
+    head_grouped: tuple[float, float] = (0.0, 0.0)  # `gather_memory.grouped_head_bytes`, kept likewise
 
     @property
     def total(self) -> int:
@@ -197,7 +197,7 @@ def _microbatch_tokens(tokens: int, length: int, accumulation: int) -> int:
 
 
 def gathered_bytes(cfg: Config, unit_bytes: float, layer_bytes: float = 0.0) -> float:
-    """What the fsdp gathers hold at the peak: `unit_bytes` (`traffic.gathered_unit_bytes`) x the units the
+    """What the fsdp gathers hold at the peak: `unit_bytes` (`gather_memory.gathered_unit_bytes`) x the units the
     compiler keeps gathered (`Fitted.gathered_units`), or `layer_bytes` (the unit's largest layer) x
     `Fitted.gathered_layers` where the compiler has that."""
     f = fitted(compiler(cfg))

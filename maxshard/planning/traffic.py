@@ -75,7 +75,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from collections.abc import Iterable, Mapping
 
 import jax
@@ -91,11 +90,9 @@ from maxshard.parallel import axis_names as ax
 from maxshard.parallel.sharding import ParamLayout
 from maxshard.planning.axes import rule_axes
 
-__all__ = ["Collective", "Geometry", "geometry", "planned_collectives"]
+__all__ = ["Collective", "Geometry", "geometry", "planned_collectives", "shards", "dim_axes", "token_axes", "STACKED"]
 
-_LAYER_NAME = re.compile(r"layer_\d+")  # a layer of a multi-layer unit, in a parameter's path
-_STACKED = (ax.LAYERS, ax.UNSTAGED_LAYERS)  # the leading axis of a scanned stack (spec/blocks.py)
-_UNIT_AXES = (*_STACKED, ax.CIRCULAR_REPEATS, ax.LAYERS_PER_STAGE)  # a weight's axes that count the units it stacks
+STACKED = (ax.LAYERS, ax.UNSTAGED_LAYERS)  # the leading axis of a scanned stack (spec/blocks.py)
 # How XLA partitions the lookup's gradient when the table is sharded over the vocabulary *and* gather axes changed
 # with jax 0.12 (what Python 3.12 installs; README): see "The token embedding" in the module docstring.
 _SCATTERS_INTO_VOCAB_SHARDS = jax.__version_info__ >= (0, 12)
@@ -128,11 +125,11 @@ class Geometry:
     buffer_microbatches: int  # microbatches in the schedule's circulation buffer (0 without a pipeline)
 
 
-def _shards(axes: Iterable[str], sizes: Mapping[str, int]) -> int:
+def shards(axes: Iterable[str], sizes: Mapping[str, int]) -> int:
     return math.prod(sizes[a] for a in axes)
 
 
-def _token_axes(cfg: Config, sizes: Mapping[str, int], outer: bool) -> set[str]:
+def token_axes(cfg: Config, sizes: Mapping[str, int], outer: bool) -> set[str]:
     """Mesh axes that split the [batch, length] positions: of the decoder's activations, or (`outer`) of the
     embedding and the output head (ax.EMBEDDED, whose batch may also split over `stage`)."""
     batch, array = (ax.EMBED_AND_LOGITS_BATCH, ax.EMBEDDED) if outer else (ax.BATCH, ax.QUERY)
@@ -141,10 +138,10 @@ def _token_axes(cfg: Config, sizes: Mapping[str, int], outer: bool) -> set[str]:
 
 def geometry(cfg: Config, sizes: Mapping[str, int], compute_itemsize: int) -> Geometry:
     """Token and layer counts per device for `cfg` on a mesh of `sizes`."""
-    length = cfg.max_target_length // _shards(rule_axes(cfg, ax.LENGTH, sizes), sizes)
-    batch = cfg.global_batch_size // _shards(rule_axes(cfg, ax.BATCH, sizes), sizes)
-    outer = cfg.global_batch_size // _shards(rule_axes(cfg, ax.EMBED_AND_LOGITS_BATCH, sizes), sizes)
-    outer_length = cfg.max_target_length // _shards(rule_axes(cfg, ax.LENGTH, sizes, ax.EMBEDDED), sizes)
+    length = cfg.max_target_length // shards(rule_axes(cfg, ax.LENGTH, sizes), sizes)
+    batch = cfg.global_batch_size // shards(rule_axes(cfg, ax.BATCH, sizes), sizes)
+    outer = cfg.global_batch_size // shards(rule_axes(cfg, ax.EMBED_AND_LOGITS_BATCH, sizes), sizes)
+    outer_length = cfg.max_target_length // shards(rule_axes(cfg, ax.LENGTH, sizes, ax.EMBEDDED), sizes)
     pipe = cfg.model.pipeline
     schedule = pipeline_schedule.of(pipe) if pipe is not None else None
     stages = pipe.stages if pipe is not None else 1
@@ -175,7 +172,7 @@ def geometry(cfg: Config, sizes: Mapping[str, int], compute_itemsize: int) -> Ge
 # --------------------------------------------------------------------------------------------- weights
 
 
-def _dim_axes(p: ParamLayout, sizes: Mapping[str, int]) -> list[tuple[str | None, tuple[str, ...]]]:
+def dim_axes(p: ParamLayout, sizes: Mapping[str, int]) -> list[tuple[str | None, tuple[str, ...]]]:
     """(logical name, mesh axes of size > 1) per dimension of a parameter."""
     out = []
     for i, logical in enumerate(p.logical_axes):
@@ -187,11 +184,11 @@ def _dim_axes(p: ParamLayout, sizes: Mapping[str, int]) -> list[tuple[str | None
 
 def _weight_collectives(cfg: Config, p: ParamLayout, sizes: Mapping[str, int], geo: Geometry) -> list[Collective]:
     """Gathers and gradient reductions of one parameter (see the module docstring)."""
-    dims = _dim_axes(p, sizes)
-    stacked = any(logical in _STACKED for logical, _ in dims)
-    owned = {a for logical, axes in dims if logical in (ax.EXP, *_STACKED) for a in axes}
+    dims = dim_axes(p, sizes)
+    stacked = any(logical in STACKED for logical, _ in dims)
+    owned = {a for logical, axes in dims if logical in (ax.EXP, *STACKED) for a in axes}
     sharded = {a for _, axes in dims for a in axes}
-    batch = _token_axes(cfg, sizes, outer=not stacked)
+    batch = token_axes(cfg, sizes, outer=not stacked)
     gather = tuple(a for a in sizes if a in sharded and a in batch and a not in owned)
     reduce_only = tuple(a for a in sizes if a in batch and a not in sharded)
     lookup = p.name.endswith("token_embed/embedding") and not cfg.logits_via_embedding
@@ -203,7 +200,7 @@ def _weight_collectives(cfg: Config, p: ParamLayout, sizes: Mapping[str, int], g
         out.append(Collective("all-to-all", gather, geo.outer_tokens * cfg.emb_dim * geo.compute_itemsize,
                               "embedding rows, forward"))
         if trains:
-            out.append(Collective("all-reduce", gather, k * p.bytes_per_device * _shards(gather, sizes),
+            out.append(Collective("all-reduce", gather, k * p.bytes_per_device * shards(gather, sizes),
                                   "embedding gradient over the gather axes"))
             out.append(Collective("collective-permute", tuple(a for a in sizes if a in gather or a in vocab),
                                   k * p.bytes_per_device, "embedding gradient into its shard"))
@@ -211,94 +208,19 @@ def _weight_collectives(cfg: Config, p: ParamLayout, sizes: Mapping[str, int], g
         rows = geo.outer_tokens * cfg.emb_dim * (geo.compute_itemsize + np.dtype(p.dtype).itemsize)
         out.append(Collective("all-to-all", gather, rows, "embedding rows, forward and backward"))
         if vocab and trains:  # XLA scatters into the whole vocabulary, then all-reduces it over the vocabulary axes
-            whole = p.bytes_per_device * _shards(vocab, sizes)
+            whole = p.bytes_per_device * shards(vocab, sizes)
             out.append(Collective("all-reduce", vocab, k * whole, "embedding gradient over the vocabulary"))
     elif gather:
         passes = 2 * k * geo.iterations / geo.repeats if stacked else k
-        gathered = p.bytes_per_device * _shards(gather, sizes) * geo.compute_itemsize / np.dtype(p.dtype).itemsize
+        gathered = p.bytes_per_device * shards(gather, sizes) * geo.compute_itemsize / np.dtype(p.dtype).itemsize
         out.append(Collective("all-gather", gather, passes * gathered, "weights" if stacked else "head weights"))
         scatters = passes / 2 if stacked else k  # the gradient of each forward gather
         if trains:
-            out.append(Collective("reduce-scatter", gather, scatters * shard * _shards(gather, sizes),
+            out.append(Collective("reduce-scatter", gather, scatters * shard * shards(gather, sizes),
                                   "weight gradients"))
     if reduce_only and trains:
         out.append(Collective("all-reduce", reduce_only, k * shard, "weight gradients"))
     return out
-
-
-def gathered_unit_bytes(cfg: Config, report: Report, sizes: Mapping[str, int], geo: Geometry,
-                        largest_layer: bool = False) -> float:
-    """Bytes of one stacked unit's weights after the fsdp all-gather, in the compute dtype: what the layer being
-    computed holds whole (planning/memory.py); an MoE unit's expert weights twice (their gradient is whole too
-    until it is reduce-scattered). With `largest_layer`, those of the unit's largest layer alone (a unit of several
-    layers, spec/blocks.py, names them layer_0 ..), each weight once."""
-    by_layer: dict[str, float] = {}
-    units = max(geo.layers * cfg.model.num_units // max(cfg.num_layers, 1), 1)  # units one device runs
-    for p in report.params:
-        dims = _dim_axes(p, sizes)
-        if not any(logical in _STACKED for logical, _ in dims):
-            continue
-        owned = {a for logical, axes in dims if logical in (ax.EXP, *_STACKED) for a in axes}
-        sharded = {a for _, axes in dims for a in axes}
-        batch = _token_axes(cfg, sizes, outer=False)
-        gather = tuple(a for a in sizes if a in sharded and a in batch and a not in owned)
-        if not gather:
-            continue
-        whole = p.bytes_per_device * _shards(gather, sizes) * geo.compute_itemsize / np.dtype(p.dtype).itemsize
-        if largest_layer:  # per stack and layer of its unit (params/decoder/<stack>[/layer_i]): its units divide it
-            parts = p.name.split("/")
-            layer = "/".join(parts[:next((i + 1 for i, part in enumerate(parts) if _LAYER_NAME.fullmatch(part)), 3)])
-            units_here = math.prod(n for (logical, _), n in zip(dims, p.local_shape) if logical in _UNIT_AXES)
-            by_layer[layer] = by_layer.get(layer, 0.0) + whole / max(units_here, 1)
-            continue
-        experts = any(logical == ax.EXP for logical, _ in dims)
-        by_layer[""] = by_layer.get("", 0.0) + whole / units * (2 if experts else 1)
-    return max(by_layer.values()) if largest_layer and by_layer else sum(by_layer.values())
-
-
-def gathered_head_bytes(cfg: Config, report: Report, sizes: Mapping[str, int], geo: Geometry) -> float:
-    """Bytes of the tied embedding table gathered whole over its fsdp shards, in the compute dtype, where it is the
-    output head (`logits_via_embedding`); 0 for an untied head or a table no batch axis shards."""
-    if not cfg.logits_via_embedding:
-        return 0.0
-    total = 0.0
-    for p in report.params:
-        if not p.name.endswith("token_embed/embedding"):
-            continue
-        dims = _dim_axes(p, sizes)
-        batch = _token_axes(cfg, sizes, outer=True)
-        gather = tuple(a for a in sizes if a in batch and any(a in axes for _, axes in dims))
-        if gather:
-            total += p.bytes_per_device * _shards(gather, sizes) * geo.compute_itemsize / np.dtype(p.dtype).itemsize
-    return total
-
-
-def grouped_head_bytes(cfg: Config, report: Report, sizes: Mapping[str, int], geo: Geometry) -> tuple[float, float]:
-    """(weights, gradient): what the output head holds when the loss pieces group it (training/loss.py
-    `grouped_token_logps`). Its weights whole over the token axes in their own dtype, during the loss (for a tied
-    table, in place of `gathered_head_bytes`'s copies); and their gradient, whole until its one reduction, less the
-    gradient's shard (counted with the gradients; a frozen head has none); both during the loss alone (its
-    backward reduces the gradient before the layers' backward starts, training/loss.py). (0, 0) where the head
-    is not grouped (step.Trainer._head): one piece, tokens on one device, fewer rows than batch shards, a table
-    pipeline schedule (its loss runs per stage, training/pipelined.py)."""
-    batch = rule_axes(cfg, ax.EMBED_AND_LOGITS_BATCH, sizes, ax.LOGITS)
-    length = rule_axes(cfg, ax.LENGTH, sizes, ax.LOGITS)
-    pipe = cfg.model.pipeline
-    rows = cfg.global_batch_size // max(cfg.gradient_accumulation_steps, 1)  # of one microbatch
-    if (cfg.loss_chunks <= 1 or not (batch or length) or rows % _shards(batch, sizes)
-            or (cfg.max_target_length // cfg.loss_chunks) % _shards(length, sizes)
-            or (pipe is not None and pipe.schedule != "circular")):
-        return 0.0, 0.0
-    tokens = set(batch) | set(length)
-    head = "token_embed/embedding" if cfg.logits_via_embedding else "/logits/"
-    weights = gradient = 0.0
-    for p in report.params:
-        if head in f"/{p.name}/":
-            shards = _shards(tuple(a for _, axes in _dim_axes(p, sizes) for a in axes if a in tokens), sizes)
-            weights += p.bytes_per_device * shards
-            if trainable.is_trainable(cfg.model, p.name):  # a frozen table (LoRA's base) has no gradient
-                gradient += p.bytes_per_device * (shards - 1)
-    return weights, gradient
 
 
 def _grad_itemsize(p: ParamLayout, lookup: bool, geo: Geometry) -> int:
@@ -354,7 +276,7 @@ def _tensor(cfg: Config, report: Report, sizes: Mapping[str, int], geo: Geometry
         per_layer = 4 + _recompute_count(cfg.remat_policy)
         out = [Collective("all-reduce", axes, per_layer * geo.layers * act,
                           f"layer activations ({per_layer} per layer)")]
-    vocab = {a for p in report.params for logical, dim in _dim_axes(p, sizes) if logical == ax.VOCAB for a in dim}
+    vocab = {a for p in report.params for logical, dim in dim_axes(p, sizes) if logical == ax.VOCAB for a in dim}
     vocab_axes = tuple(a for a in sizes if a in vocab)
     if vocab_axes:
         table = next(p for p in report.params if p.name.endswith("token_embed/embedding"))
@@ -368,8 +290,8 @@ def _sequence(cfg: Config, sizes: Mapping[str, int], geo: Geometry) -> list[Coll
     axes = tuple(a for a in rule_axes(cfg, ax.LENGTH, sizes) if a not in context)
     if not axes:
         return []
-    q_local = cfg.num_heads // _shards(rule_axes(cfg, ax.ACT_HEADS, sizes), sizes) * cfg.head_dim
-    kv_local = cfg.num_kv_heads // _shards(rule_axes(cfg, ax.ACT_KV_HEADS, sizes), sizes) * cfg.head_dim
+    q_local = cfg.num_heads // shards(rule_axes(cfg, ax.ACT_HEADS, sizes), sizes) * cfg.head_dim
+    kv_local = cfg.num_kv_heads // shards(rule_axes(cfg, ax.ACT_KV_HEADS, sizes), sizes) * cfg.head_dim
     per_pass = geo.tokens * (2 * q_local + 2 * kv_local) * geo.compute_itemsize
     passes = 2 + (not remat.policy(cfg.remat_policy).keeps_matmul_outputs)
     return [Collective("all-to-all", axes, passes * geo.layers * per_pass, "attention: length <-> heads")]
@@ -379,9 +301,9 @@ def _context(cfg: Config, sizes: Mapping[str, int], geo: Geometry) -> list[Colle
     axes = rule_axes(cfg, ax.ATTN_LENGTH, sizes)
     if not axes:
         return []
-    ring = _shards(axes, sizes)
-    sequence = _shards(rule_axes(cfg, ax.LENGTH, sizes), sizes) // ring
-    kv_local = cfg.num_kv_heads // _shards(rule_axes(cfg, ax.ACT_KV_HEADS, sizes), sizes) * cfg.head_dim
+    ring = shards(axes, sizes)
+    sequence = shards(rule_axes(cfg, ax.LENGTH, sizes), sizes) // ring
+    kv_local = cfg.num_kv_heads // shards(rule_axes(cfg, ax.ACT_KV_HEADS, sizes), sizes) * cfg.head_dim
     chunk = geo.tokens * kv_local * geo.compute_itemsize  # one of K, V on one device
     step = 2 * chunk + geo.tokens * sequence * 4  # K, V and the int32 segment ids
     passes = 2 + (not remat.policy(cfg.remat_policy).keeps_matmul_outputs)
@@ -405,8 +327,8 @@ def _expert(cfg: Config, sizes: Mapping[str, int], geo: Geometry) -> list[Collec
     if not cfg.model.is_moe or geo.moe_layers == 0:
         return []
     axes = rule_axes(cfg, ax.ACT_EXP if cfg.capacity_factor > 0 else ax.EXP, sizes)  # the exchange's, as compiled
-    shards = _shards(axes, sizes)
-    if shards == 1:
+    ways = shards(axes, sizes)
+    if ways == 1:
         return []
     k, experts, row = cfg.num_experts_per_tok, cfg.num_experts, cfg.emb_dim * geo.compute_itemsize
     if cfg.capacity_factor > 0:
@@ -417,7 +339,7 @@ def _expert(cfg: Config, sizes: Mapping[str, int], geo: Geometry) -> list[Collec
                            f"MoE dispatch and combine ({count} per layer)")]
     if cfg.moe_dropless_impl == "dense":
         return []
-    rows = shards * exchange_slots(geo.tokens, k, experts // shards)  # summed over microbatches: linear in tokens
+    rows = ways * exchange_slots(geo.tokens, k, experts // ways)  # summed over microbatches: linear in tokens
     if cfg.model.moe_exchange == "ragged":
         rows = geo.tokens * k  # what a balanced routing moves; the receive buffer's padding stays put
     forwards = 1 if remat.policy(cfg.remat_policy).keeps == "everything" else 2  # the forward, and its recompute
