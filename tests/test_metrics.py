@@ -295,6 +295,9 @@ def test_startup_summary():
     ]
     cpu = console.format_startup_summary(_figures(device_kind="cpu", peak_flops=None))
     assert cpu.splitlines()[-2] == "device: cpu, peak unknown: MFU not reported"
+    gpu = console.format_startup_summary(_figures(device_kind="NVIDIA H200", peak_flops=989e12,
+                                                  attention={"requested": "auto", "kernel": "tokamax"}))
+    assert gpu.splitlines()[-2] == "device: NVIDIA H200, peak 989 TFLOP/s bf16; attention auto -> tokamax"
     lora = {"rank": 8, "alpha": 16.0, "targets": ["q", "v"]}
     text = console.format_startup_summary(_figures(trainable_param_count=65_536, lora=lora))
     assert text.splitlines()[2] == ("parameters: 3.41M (3,407,872), 65.5k trainable (65,536, 1.92%: LoRA rank 8 on "

@@ -70,6 +70,10 @@ def format_startup_summary(figures: Mapping[str, Any]) -> str:
     peak = figures["peak_flops"]
     precision = figures.get("peak_precision", "bf16")
     peak_text = f"peak {peak / 1e12:.0f} TFLOP/s {precision}" if peak else "peak unknown: MFU not reported"
+    attention = figures.get("attention")
+    if attention:  # which kernel `attention: auto` resolved to on this device (model/attention_choice.py)
+        how = f"auto -> {attention['kernel']}" if attention["requested"] == "auto" else f"{attention['kernel']} (as set)"
+        peak_text += f"; attention {how}"
     lines.append(f"device: {figures['device_kind']}, {peak_text}")
     if figures.get("quantization", "none") != "none":
         lines.append(f"quantization: {figures['quantization']} on the attention and MLP matmuls, forward and backward "
@@ -129,6 +133,7 @@ def startup_figures(cfg: Config, mesh_shape: Mapping[str, int], param_count: int
         "peak_flops": quantization.peak_flops(cfg),
         "peak_precision": quantization.peak_precision(cfg),
         "quantization": cfg.quantization,
+        "attention": {"requested": cfg.attention, "kernel": cfg.model.attention},
         "pipeline": pipeline,
         "remat_policy": cfg.remat_policy,
         "memory_fit": None if cfg.memory_fit is None else cfg.memory_fit.as_json(),
