@@ -74,3 +74,13 @@ def test_chunks_that_do_not_divide_the_length_are_one_line():
         tiny_config("loss_chunks=3")
     with pytest.raises(ConfigError, match="loss_chunks=-1"):
         loading.complete(tiny_config("loss_chunks=-1"))
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["head", "tied"])
+def test_a_fresh_model_starts_near_a_uniform_guess(tied):
+    """The first loss of a fresh run is near log(vocab) for a separate and a tied head (a tied table drawn at unit
+    spread gave logits of spread sqrt(emb_dim): the 1b preset's first loss was 717 nats on an H200)."""
+    loss, _ = _loss_and_grads(1, 1, "ici_fsdp_parallelism=1", f"logits_via_embedding={str(tied).lower()}",
+                              "emb_dim=256", "head_dim=64")
+    vocab = tiny_config(num_devices=1).model.vocab_size
+    assert abs(float(loss) - np.log(vocab)) < 1.0, (float(loss), np.log(vocab))

@@ -43,7 +43,8 @@ class Transformer(nn.Module):
     def setup(self) -> None:
         cfg = self.cfg
         dt, wdt = cfg.compute_dtype, cfg.param_dtype
-        self.token_embed = Embed(cfg.vocab_size, cfg.emb_dim, dt, wdt)
+        self.token_embed = Embed(cfg.vocab_size, cfg.emb_dim, dt, wdt,
+                                 init_stddev=cfg.emb_dim**-0.5 if cfg.logits_via_embedding else 1.0)
         self.decoder = Decoder(cfg, dt, wdt)
         self.final_norm = RMSNorm(cfg.norm_epsilon, dt, wdt, cfg.norm_unit_offset)
         self.mtp = [mtp.PredictionModule(cfg, k, dt, wdt, name=f"mtp_{k}") for k in range(1, cfg.mtp_depth + 1)]
