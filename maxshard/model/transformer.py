@@ -30,6 +30,13 @@ __all__ = ["Transformer", "init_params", "count_params", "param_count", "abstrac
            "abstract_cache"]
 
 
+def scale_embedded(x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Token embeddings as the stack reads them: Gemma (`embed_scale`) multiplies them by sqrt(width), rounded to
+    the compute dtype as transformers does; other families read them as looked up. The one home of that rule
+    (the table pipeline's stage-0 lookup, training/pipelined.py, applies it too)."""
+    return x * jnp.asarray(math.sqrt(cfg.emb_dim), x.dtype) if cfg.embed_scale else x
+
+
 class Transformer(nn.Module):
     """The whole network, built from a `ModelConfig` alone.
 
@@ -84,10 +91,7 @@ class Transformer(nn.Module):
     def _stream(self, inputs: jax.Array, segment_ids: jax.Array, positions: jax.Array
                 ) -> tuple[jax.Array, jax.Array]:
         """(the token embeddings, the last residual stream before the final norm), both in token order."""
-        x = self.token_embed(inputs)
-        if self.cfg.embed_scale:  # Gemma: sqrt(width), rounded to the compute dtype as transformers does
-            x = x * jnp.asarray(math.sqrt(self.cfg.emb_dim), x.dtype)
-        embedded = constrain(x, ax.EMBEDDED)
+        embedded = constrain(scale_embedded(self.token_embed(inputs), self.cfg), ax.EMBEDDED)
         # context parallelism: one early and one late chunk of the sequence per device (layers/ring_attention.py)
         x, segment_ids, positions = (ring_attention.to_balanced(a) for a in (embedded, segment_ids, positions))
         x = self.decoder(x, segment_ids, positions)

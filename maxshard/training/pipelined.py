@@ -25,7 +25,6 @@ them, so the sums, metrics and selection-bias moves are computed as for the circ
 from __future__ import annotations
 
 from collections.abc import Callable
-import math
 from typing import Any
 
 import flax.linen as nn
@@ -38,6 +37,7 @@ from maxshard.spec import blocks, pipeline_schedule
 from maxshard.model.layers import moe, mtp, pipeline_runner
 from maxshard.model.layers.decoder import remat_policy, rematted, scanned_stack, stack_unit
 from maxshard.model.layers.pipeline import _stage_class
+from maxshard.model.transformer import scale_embedded
 from maxshard.parallel import axis_names as ax
 from maxshard.parallel.sharding import constrain
 from maxshard.training.loss import chunked_token_logps
@@ -96,9 +96,7 @@ def _embed(module: Any, inputs: jax.Array) -> jax.Array:
 
     split = inputs.reshape(rows, pieces, length // pieces).swapaxes(0, 1)  # [pieces, rows, length / pieces]
     x = jax.lax.map(lookup, split).swapaxes(0, 1).reshape(rows, length, -1)
-    if module.cfg.embed_scale:  # Gemma: as Transformer._stream scales it
-        x = x * jnp.asarray(math.sqrt(module.cfg.emb_dim), x.dtype)
-    return constrain(x, ax.EMBEDDED)
+    return constrain(scale_embedded(x, module.cfg), ax.EMBEDDED)
 
 
 def _side_stack(cfg: Any, name: str) -> nn.Module:
