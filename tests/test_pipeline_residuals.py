@@ -31,9 +31,17 @@ def _backward_scan_inputs(jaxpr, iterations: int) -> list:
     found = []
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "scan" and eqn.params["reverse"] and eqn.params["length"] == iterations:
-            skip = eqn.params["num_consts"] + eqn.params["num_carry"]
-            found += [v.aval for v in eqn.invars[skip:]]
+            found += [v.aval for v in eqn.invars[_consts_and_carry(eqn.params):]]
     return found
+
+
+def _consts_and_carry(params: dict) -> int:
+    """How many of a scan's inputs come before its xs: jax 0.10 counts them in `num_consts` and `num_carry`;
+    jax 0.12 keeps the tree of its inputs as `ft_in` (a flat tree of (consts, carry, xs)), one leaf an input."""
+    if "num_consts" in params:
+        return params["num_consts"] + params["num_carry"]
+    consts, carry, _ = params["ft_in"].tree.children()
+    return consts.num_leaves + carry.num_leaves
 
 
 def test_the_circular_backward_keeps_one_stage_input_per_iteration_and_no_mask():
