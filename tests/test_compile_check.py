@@ -40,7 +40,7 @@ def compiled_peaks() -> dict[str, int]:
 @pytest.fixture
 def plan_too_low(monkeypatch):
     """A plan that says every policy needs one byte: it lets everything through."""
-    monkeypatch.setattr(fit, "peaks_by_policy", lambda cfg: {policy: 1 for policy in NAMES})
+    monkeypatch.setattr(fit, "_planned", lambda cfg: (dict.fromkeys(NAMES, 1), dict.fromkeys(NAMES, 0)))
 
 
 def _gb_for(usable_bytes: float) -> str:

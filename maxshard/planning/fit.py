@@ -33,7 +33,9 @@ program fits.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
+from collections.abc import Callable, Iterator, Mapping
 
 import jax
 import numpy as np
@@ -46,7 +48,8 @@ from maxshard.spec import remat
 from maxshard.planning import estimate, memory
 from maxshard.units import format_bytes
 
-__all__ = ["Capacity", "cheapest", "configured_capacity", "local_capacity", "peaks_by_policy", "decide", "usable",
+__all__ = ["Capacity", "cheapest", "configured_capacity", "local_capacity", "peaks_by_policy", "planned_peak", "decide",
+           "usable",
            "verdict", "check_host_memory", "host_by_policy"]
 
 _GB = 1e9
@@ -112,29 +115,66 @@ def usable_host(cfg: Config, capacity: Capacity) -> int | None:
     return None if capacity.host is None else int(capacity.host * (1 - cfg.memory_headroom))
 
 
+class _ByPolicy(Mapping):
+    """Planned bytes by remat policy, each policy planned when first asked for. Planning a policy may trace one unit
+    of the model (`residuals.option_bytes`, for layer options the formula does not count): `auto` usually settles
+    on the first policy it asks about (`_cheapest_fitting`), so a run's start pays for one policy, not all."""
+
+    def __init__(self, names: tuple[str, ...], plan_one: Callable[[str], int]):
+        self._names, self._plan_one, self._planned = names, plan_one, {}
+
+    def __getitem__(self, policy: str) -> int:
+        if policy not in self._names:
+            raise KeyError(policy)
+        if policy not in self._planned:
+            self._planned[policy] = self._plan_one(policy)
+        return self._planned[policy]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+def _planned(cfg: Config) -> tuple[Mapping[str, int], Mapping[str, int]]:
+    """(device peaks, host bytes) per device by policy (`_planned_names`), planned as they are asked for. State,
+    gradients and the fsdp-gathered weights do not depend on the policy: they are planned once, with the first."""
+    names = _planned_names(cfg)
+    base: list[estimate.Plan] = []
+    terms: dict[str, memory.ActivationTerms] = {}
+
+    def activations(policy: str) -> tuple[estimate.Plan, memory.ActivationTerms]:
+        if not base:
+            base.append(estimate.make_plan(dataclasses.replace(cfg, remat_policy="full")))
+        if policy not in terms:
+            terms[policy] = estimate.activations_under(base[0], policy)
+        return base[0], terms[policy]
+
+    def peak(policy: str) -> int:
+        plan, planned = activations(policy)
+        return plan.params + plan.optimizer + plan.reference + plan.working(planned.total)
+
+    offloading = any(remat.policy(p).offloads for p in memory.policies(memory.compiler(cfg)))
+    return _ByPolicy(names, peak), _ByPolicy(names, lambda p: int(activations(p)[1].host) if offloading else 0)
+
+
 def peaks_by_policy(cfg: Config) -> dict[str, int]:
     """The planned device peak bytes per device under every remat policy the config's compiler runs as such
     (`memory.policies`), most memory first, and the config's own policy if it is not one of them (an offload policy
-    on XLA:CPU). State, gradients and the fsdp-gathered weights do not depend on the policy: they are planned once."""
-    base = estimate.make_plan(dataclasses.replace(cfg, remat_policy="full"))
-    state = base.params + base.optimizer + base.reference
-    return {policy: state + base.working(estimate.activations_under(base, policy).total)
-            for policy in _planned_names(cfg)}
+    on XLA:CPU)."""
+    return dict(_planned(cfg)[0])
+
+
+def planned_peak(cfg: Config, policy: str) -> int:
+    """The planned device peak bytes per device under `policy` alone (one of `_planned_names`)."""
+    return _planned(cfg)[0][policy]
 
 
 def host_by_policy(cfg: Config) -> dict[str, int]:
     """The host bytes per device an offload policy moves there, by policy as `peaks_by_policy` (0 for the rest, and
     for every policy where the compiler offloads nothing)."""
-    names = _planned_names(cfg)
-    if not any(remat.policy(p).offloads for p in memory.policies(memory.compiler(cfg))):
-        return dict.fromkeys(names, 0)
-    base = estimate.make_plan(dataclasses.replace(cfg, remat_policy="full"))
-    return {policy: int(estimate.activations_under(base, policy).host) for policy in names}
-
-
-def _planned(cfg: Config) -> tuple[dict[str, int], dict[str, int]]:
-    """(device peaks, host bytes) per device by policy."""
-    return peaks_by_policy(cfg), host_by_policy(cfg)
+    return dict(_planned(cfg)[1])
 
 
 def _planned_names(cfg: Config) -> tuple[str, ...]:
@@ -145,7 +185,7 @@ def _planned_names(cfg: Config) -> tuple[str, ...]:
     return names
 
 
-def _candidates(cfg: Config, hosts: dict[str, int] | None = None, host_limit: int | None = None) -> tuple[str, ...]:
+def _candidates(cfg: Config, hosts: Mapping[str, int] | None = None, host_limit: int | None = None) -> tuple[str, ...]:
     """The policies `auto` chooses from, most device memory first: the compiler's (`memory.policies`), less the
     offload policies whose host bytes exceed `host_limit` (where known)."""
     names = memory.policies(memory.compiler(cfg))
@@ -169,24 +209,40 @@ def decide(cfg: Config, capacity: Capacity, strict: bool = True) -> MemoryFit:
     return decided
 
 
-def _fit(cfg: Config, peaks: dict[str, int], hosts: dict[str, int], capacity: Capacity) -> MemoryFit:
+def _fit(cfg: Config, peaks: Mapping[str, int], hosts: Mapping[str, int], capacity: Capacity) -> MemoryFit:
     """`decide` on peaks already planned."""
     limit, host_limit = usable(cfg, capacity), usable_host(cfg, capacity)
     policy = cfg.remat_policy
     if policy == "auto":
-        fitting = _fitting(cfg, peaks, hosts, limit, host_limit)
-        policy = cheapest(cfg, fitting, peaks) if fitting else _candidates(cfg)[-1]
+        policy = _cheapest_fitting(cfg, peaks, hosts, limit, host_limit) or _candidates(cfg)[-1]
     fits = peaks[policy] <= limit and (host_limit is None or hosts[policy] <= host_limit)
     return MemoryFit(cfg.remat_policy, policy, peaks[policy], limit, capacity.bytes, capacity.source, fits)
 
 
-def _fitting(cfg: Config, peaks: dict[str, int], hosts: dict[str, int], limit: int,
+def _fitting(cfg: Config, peaks: Mapping[str, int], hosts: Mapping[str, int], limit: int,
              host_limit: int | None) -> list[str]:
     """The candidates (`_candidates`) planned within `limit` on the device and `host_limit` on the host."""
     return [p for p in _candidates(cfg, hosts, host_limit) if peaks[p] <= limit]
 
 
-def cheapest(cfg: Config, fitting: list[str], peaks: dict[str, int]) -> str:
+def _cheapest_fitting(cfg: Config, peaks: Mapping[str, int], hosts: Mapping[str, int], limit: int,
+                      host_limit: int | None) -> str | None:
+    """`cheapest` of `_fitting`, planning as few policies as it can: the candidates by cost (on the device first,
+    then the fewest FLOPs re-run), one cost at a time; the first cost at which any fits decides, its smallest peak
+    wins (None: none fits)."""
+    factors = estimate.remat_factors(cfg)
+
+    def cost(policy: str) -> tuple[bool, float]:
+        return remat.policy(policy).offloads, factors[policy]
+
+    for _, same_cost in itertools.groupby(sorted(_candidates(cfg), key=cost), key=cost):
+        fitting = [p for p in same_cost if peaks[p] <= limit and (host_limit is None or hosts[p] <= host_limit)]
+        if fitting:
+            return min(fitting, key=lambda p: peaks[p])
+    return None
+
+
+def cheapest(cfg: Config, fitting: list[str], peaks: Mapping[str, int]) -> str:
     """Of the policies that fit, one that keeps everything on the device if any does (module docstring), then the
     one whose backward re-runs the fewest FLOPs; of equal ones, the smallest."""
     factors = estimate.remat_factors(cfg)
@@ -213,7 +269,7 @@ def _dropless_instead(cfg: Config, capacity: Capacity) -> str:
             f"({format_bytes(peaks[policy])})")
 
 
-def _shortfall(cfg: Config, peaks: dict[str, int], hosts: dict[str, int], capacity: Capacity) -> str:
+def _shortfall(cfg: Config, peaks: Mapping[str, int], hosts: Mapping[str, int], capacity: Capacity) -> str:
     limit, host_limit = usable(cfg, capacity), usable_host(cfg, capacity)
     room = (f"the {format_bytes(limit)} usable per device ({capacity.source}, "
             f"memory_headroom={cfg.memory_headroom:g})")

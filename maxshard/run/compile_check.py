@@ -93,7 +93,7 @@ def _next_policy(cfg: Config) -> str | None:
 def _with_policy(cfg: Config, policy: str) -> Config:
     """`cfg` with `policy` in place of the one that did not fit; its fit record keeps the request (`auto`)."""
     changed = loading.replace(cfg, remat_policy=policy)
-    planned = fit.peaks_by_policy(changed)[policy]
+    planned = fit.planned_peak(changed, policy)
     return dataclasses.replace(changed, memory_fit=dataclasses.replace(cfg.memory_fit, policy=policy,
                                                                        planned_bytes=planned, fits=True))
 
