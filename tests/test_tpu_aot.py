@@ -1,5 +1,5 @@
 """TPU programs compiled in CI without a TPU: the fresh-run init and the train step for a v5e 2x4 slice (8 chips),
-with the TPU defaults, under six layouts; and what the ragged dropless MoE exchange computes (FLOPs).
+with the TPU defaults, under five layouts; and what the ragged dropless MoE exchange computes (FLOPs).
 
 libtpu (a test dependency through the `tpu-aot` extra) describes the slice as abstract devices; the config is loaded
 as the trainer would load it there (`run.target.load_for_target`): `attention: auto` -> splash, `dtype: auto`
@@ -33,7 +33,6 @@ TARGET = topologies.parse("v5litepod-8")
 # head_dim 128 fills the TPU's lanes; length 256 is one splash block (its key block must be a multiple of 128).
 MODEL = ("dataset_type=synthetic", "emb_dim=256", "num_layers=2", "num_heads=4", "num_kv_heads=4", "head_dim=128",
          "mlp_dim=512", "max_target_length=256", "vocab_size=1024", "per_device_batch_size=1")
-MOE = ("num_experts=4", "num_experts_per_tok=2", "moe_layer_interval=2", "capacity_factor=-1")
 # Gemma's and GPT-OSS's options on a [local, global] unit and a left-over local layer: splash with its local mask
 # (a 128-key window of the 256 tokens), soft-cap and sinks (the other layouts compile the plain model).
 LOCAL_GLOBAL = ("num_layers=3", "sliding_window=128", "attention_pattern=local,global", "attn_logit_softcapping=50",
@@ -43,11 +42,7 @@ LAYOUTS = {
     "fsdp, local/global": ("ici_fsdp_parallelism=8", *LOCAL_GLOBAL),
     "context": ("ici_fsdp_parallelism=4", "ici_context_parallelism=2"),
     "sequence x tensor": ("ici_fsdp_parallelism=2", "ici_sequence_parallelism=2", "ici_tensor_parallelism=2"),
-    "expert": ("ici_fsdp_parallelism=2", "ici_expert_parallelism=4", *MOE),
     "pipeline": ("ici_fsdp_parallelism=4", "ici_pipeline_parallelism=2", "per_device_batch_size=2"),
-    # ragged_dot inside the stage vmap: XLA:TPU's ragged-dot takes no batch dimension (layers/moe_grouped.py)
-    "pipeline x expert": ("ici_fsdp_parallelism=2", "ici_expert_parallelism=2", "ici_pipeline_parallelism=2",
-                          "per_device_batch_size=2", *MOE, "num_layers=4"),
 }
 # DeepSeek-V3's kinds at a small shape: latent attention with a query latent, a dense first layer, then MoE layers
 # routed by sigmoid scores among the best of 2 groups with a selection bias, and a shared expert.
@@ -57,7 +52,10 @@ DEEPSEEK = ("attention_type=mla", "q_lora_rank=128", "kv_lora_rank=128", "qk_nop
             "moe_router=sigmoid", "moe_n_group=2", "moe_topk_group=1", "moe_router_bias=true",
             "moe_bias_update_rate=0.001")
 # fsdp, expert and pipeline in one program (each compile costs a minute of CI): the dense layer runs before the
-# pipeline of the two MoE units, whose experts are split over `expert` and whose weights over `fsdp`.
+# pipeline of the two MoE units, whose experts are split over `expert` and whose weights over `fsdp`; ragged_dot
+# inside the stage vmap (XLA:TPU's ragged-dot takes no batch dimension: layers/moe_grouped.py) and the ragged
+# exchange between the expert shards. (The plain MoE layouts, expert=4 and pipeline x expert, compiled here
+# before; this one program holds what each checked.)
 LAYOUTS["deepseek: pipeline x expert x fsdp"] = ("ici_fsdp_parallelism=2", "ici_expert_parallelism=2",
                                                  "ici_pipeline_parallelism=2", "per_device_batch_size=2", *DEEPSEEK)
 

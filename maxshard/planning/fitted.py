@@ -92,7 +92,7 @@ class Fitted:
 
 
 # By compiler. XLA:CPU: the additive model of memory.py's docstring, its constants fitted there. XLA:TPU (libtpu
-# 0.0.42.1, ahead of time; benchmarks/README.md, tests/test_plan_tpu.py): XLA_TPU_WORKING (XLA:CPU's rows but one;
+# 0.0.42.1, ahead of time; benchmarks/README.md): XLA_TPU_WORKING (XLA:CPU's rows but one;
 # under full its layer backward agreed within 3% at 125m on v5e-8 once the rest was right), and six things its
 # programs do that XLA:CPU's do not: (1) the chunked loss and the decoder's backward run one after the other, never
 # together (the peak of 125m on v5e-8 under full stayed at 782 MiB from loss_chunks 4 to 16, and a dumped buffer
@@ -110,7 +110,7 @@ class Fitted:
 # planned 9.5 GiB of weights for it); (5) with tied embeddings the loss's backward holds the embedding table whole in
 # the compute dtype twice (its gradient before and after the all-reduce XLA:TPU gives it: bf16[262208, 5376], 2.6 GiB
 # each, at the 27B preset's peak, which is in the loss), `head_weights`; it took the 125m rows of
-# tests/test_plan_tpu.py, whose peak is in the loss, from 0.90 and 0.93 to 0.99 and 1.04; (6) in a stacked unit of
+# benchmarks/README.md, whose peak is in the loss, from 0.90 and 0.93 to 0.99 and 1.04; (6) in a stacked unit of
 # several layers rematerialised as one (a local/global pattern), each layer but the one being differentiated holds a
 # share of what it re-runs (`unit_kept`). The buffers live at the 220M 6-layer unit's peak (benchmarks/README.md
 # "Local/global": each re-run layer's [tokens, 2F] gate/up output and [tokens, F] product, a few [tokens, E]) are half
