@@ -6,9 +6,12 @@ when the user names the platform: `JAX_PLATFORMS=cuda python -m pytest -m gpu` (
 devices are asked for only when the CPU backend is among the platforms; on an accelerator they change nothing.
 """
 
+import atexit
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 PLATFORMS = os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -46,6 +49,19 @@ if ON_CPU and "PYTEST_XDIST_WORKER" not in os.environ:
         if flag.split("=")[0] not in os.environ.get("XLA_FLAGS", "") and (flag != FUSION_EMITTERS
                                                                          or _xla_accepts(flag)):
             os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+
+# One persistent compilation cache for the whole run: both xdist workers and every training subprocess they start
+# (all inherit this environment). Tests build the same small programs again and again in new jitted functions (each
+# layout's one-device reference, the CLI's step after a test's own), which JAX's in-memory caches do not share; a
+# program already compiled by any process of the run is loaded from disk instead (tests/test_lora.py: 122 -> 104 CPU
+# s, -n 0). A loaded executable has the same buffers, memory analysis and instructions (only its text loses source
+# locations). Made fresh for each run, so no earlier run or other jaxlib can answer, and removed at the end. A
+# caller's JAX_COMPILATION_CACHE_DIR wins.
+if "PYTEST_XDIST_WORKER" not in os.environ and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _CACHE = tempfile.mkdtemp(prefix="maxshard-tests-jax-cache-")
+    atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+    os.environ.update({"JAX_COMPILATION_CACHE_DIR": _CACHE, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                       "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"})
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -109,11 +125,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 @pytest.fixture(scope="session")
-def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """The environment of training subprocesses: one persistent compilation cache for the whole session."""
-    cache = tmp_path_factory.mktemp("jax_cache")
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(cache),
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+def env() -> dict[str, str]:
+    """The environment of training subprocesses: on the CPU, with the run's persistent compilation cache (above)."""
+    return {**os.environ, "JAX_PLATFORMS": "cpu"}
 
 
 @pytest.fixture(scope="session")
