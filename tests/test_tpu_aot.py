@@ -1,5 +1,5 @@
 """TPU programs compiled in CI without a TPU: the fresh-run init and the train step for a v5e 2x4 slice (8 chips),
-with the TPU defaults, under five layouts; and what the ragged dropless MoE exchange computes (FLOPs).
+with the TPU defaults, under four layouts; and what the ragged dropless MoE exchange computes (FLOPs).
 
 libtpu (a test dependency through the `tpu-aot` extra) describes the slice as abstract devices; the config is loaded
 as the trainer would load it there (`run.target.load_for_target`): `attention: auto` -> splash, `dtype: auto`
@@ -42,7 +42,6 @@ LAYOUTS = {
     "fsdp, local/global": ("ici_fsdp_parallelism=8", *LOCAL_GLOBAL),
     "context": ("ici_fsdp_parallelism=4", "ici_context_parallelism=2"),
     "sequence x tensor": ("ici_fsdp_parallelism=2", "ici_sequence_parallelism=2", "ici_tensor_parallelism=2"),
-    "pipeline": ("ici_fsdp_parallelism=4", "ici_pipeline_parallelism=2", "per_device_batch_size=2"),
 }
 # DeepSeek-V3's kinds at a small shape: latent attention with a query latent, a dense first layer, then MoE layers
 # routed by sigmoid scores among the best of 2 groups with a selection bias, and a shared expert.
@@ -54,8 +53,8 @@ DEEPSEEK = ("attention_type=mla", "q_lora_rank=128", "kv_lora_rank=128", "qk_nop
 # fsdp, expert and pipeline in one program (each compile costs a minute of CI): the dense layer runs before the
 # pipeline of the two MoE units, whose experts are split over `expert` and whose weights over `fsdp`; ragged_dot
 # inside the stage vmap (XLA:TPU's ragged-dot takes no batch dimension: layers/moe_grouped.py) and the ragged
-# exchange between the expert shards. (The plain MoE layouts, expert=4 and pipeline x expert, compiled here
-# before; this one program holds what each checked.)
+# exchange between the expert shards, splash inside the stages. (The dense pipeline and the plain MoE layouts,
+# expert=4 and pipeline x expert, compiled here before; this one program holds what each checked.)
 LAYOUTS["deepseek: pipeline x expert x fsdp"] = ("ici_fsdp_parallelism=2", "ici_expert_parallelism=2",
                                                  "ici_pipeline_parallelism=2", "per_device_batch_size=2", *DEEPSEEK)
 
