@@ -120,7 +120,7 @@ def test_every_entry_point_and_stack_is_quantized(overrides: tuple[str, ...]) ->
 def test_the_routed_experts_run_on_8_bit_operands_on_every_moe_path(path: tuple[str, ...]) -> None:
     """The experts' einsums (by their subscripts, in the dot's location) are int8 on the dropping, tiled dropless and
     dense paths; the MoE layer's other einsums (dispatch, combine, routing statistics) and its router stay float,
-    though they run in the same module (quantization.Provider)."""
+    though they run in the same module (qwix_training.Provider)."""
     dots = lowered_dots("quantization=int8", "num_experts=4", "num_experts_per_tok=2", *path)
     experts = [d for d in dots if any(f'"{eq}/' in d[2] or f"/{eq}/" in d[2] for eq in moe.EXPERT_EINSUMS)]
     assert len(experts) >= 9 and all(lhs == rhs == "i8" for lhs, rhs, _ in experts), experts  # 3 x (fwd + 2 bwd)
@@ -131,7 +131,7 @@ def test_the_routed_experts_run_on_8_bit_operands_on_every_moe_path(path: tuple[
 
 def test_lora_adapters_stay_in_the_compute_dtype_beside_their_8_bit_kernels() -> None:
     """Under LoRA the frozen kernels' matmuls are quantized and the adapters' thin ones (rank 3 here, a size no other
-    dimension has) are not, though they run in the same module (quantization.Provider)."""
+    dimension has) are not, though they run in the same module (qwix_training.Provider)."""
     dots = lowered_dot_types("quantization=int8", "lora_rank=3", "lora_targets=[q,k,v,o,gate,up,down]")
     adapter = re.compile(r"[<x]3x")  # a dimension of size 3: the adapter's rank
     in_projections = [d for d in dots if QUANTIZED.search(d[2]) or "/mlp/wi_" in d[2]]

@@ -1,7 +1,8 @@
 """Quantized training (`quantization: int8 | fp8`): the matmuls of attention and the MLP in 8 bits, through qwix.
 
 Google's qwix (the library MaxText trains with) does the quantization; this module only says where and in which
-types. `quantize` hands the Transformer to `qwix.quantize_model` with a `QtProvider`: while the model's methods
+types. `quantize` hands the Transformer to `qwix.quantize_model` with a `QtProvider` (`model/qwix_training.py`,
+imported only by a run that quantizes): while the model's methods
 run, qwix intercepts `jax.lax.dot_general`, `jnp.einsum` and `jax.lax.ragged_dot`, and every op whose module path
 and name match a rule below becomes qwix's quantized-training dot. Both operands are quantized in the forward pass
 (absmax scales per channel of the non-contracted dimensions, computed from the values of this step: dynamic
@@ -46,10 +47,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
 import jax.numpy as jnp
-import qwix
-from qwix._src.utils import flax_util  # private: which parameter of the current module an operand is (as MaxText)
 
 from maxshard import devices
 from maxshard.config.schema import Config
@@ -57,10 +55,9 @@ from maxshard.errors import ConfigError
 from maxshard.model.attention_choice import platform_of
 from maxshard.spec.model_config import ModelConfig
 from maxshard.model.flops import flops_per_token, matmuls
-from maxshard.model.layers import lora, moe
 from maxshard import perf
 
-__all__ = ["MODES", "Recipe", "RECIPES", "RULES", "check", "quantize", "rules", "quantized_matmul_params",
+__all__ = ["MODES", "Recipe", "RECIPES", "RULES", "MOE_PATH", "check", "quantize", "quantized_matmul_params",
            "quantized_share", "peak_flops", "peak_precision"]
 
 MODES = ("none", "int8", "fp8")
@@ -89,37 +86,6 @@ RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
-def rules(mode: str) -> list[qwix.QtRule]:
-    """qwix's quantized-training rules of `mode` ('int8' or 'fp8')."""
-    recipe = RECIPES[mode]
-    return [qwix.QtRule(module_path=path, op_names=ops, weight_qtype=recipe.forward, act_qtype=recipe.forward,
-                        bwd_qtype=recipe.gradient)
-            for path, ops in RULES]
-
-
-class Provider(qwix.QtProvider):
-    """qwix's quantized training, less two kinds of matmul that run in a quantized module but stay in the compute
-    dtype, since a rule (module path and op name) cannot single them out:
-
-    - LoRA's adapter matmuls (layers/lora.py), which run in the module of the projection they correct. They are what
-      trains under LoRA and run at rank r, where 8 bits save nothing and cost the adapters precision: QLoRA's split,
-      the frozen base in 8 bits and the adapters not.
-    - an MoE layer's einsums other than its experts' (`moe.EXPERT_EINSUMS`): the dispatch and combine with one-hot
-      masks and router weights, and the routing statistics.
-    """
-
-    def einsum(self, einsum_str: str, *operands: Any, **kwargs: Any) -> jax.Array:
-        rule, _ = self._get_current_rule_and_op_id("einsum", only_rule=True)  # qwix's lookup, meant for subclasses
-        if rule is not None and rule.module_path == MOE_PATH and einsum_str not in moe.EXPERT_EINSUMS:
-            return jnp.einsum(einsum_str, *operands, **kwargs)  # not intercepted again inside the interceptor
-        return super().einsum(einsum_str, *operands, **kwargs)
-
-    def dot_general(self, lhs: Any, rhs: Any, *args: Any, **kwargs: Any) -> jax.Array:
-        if any(flax_util.find_param(x) in lora.ADAPTER_PARAMS for x in (lhs, rhs)):
-            return jax.lax.dot_general(lhs, rhs, *args, **kwargs)  # not intercepted again inside the interceptor
-        return super().dot_general(lhs, rhs, *args, **kwargs)
-
-
 def quantize(model: Any, mode: str) -> Any:
     """The Transformer whose methods run under qwix's interception with the rules of `mode`; `model` itself for
     'none'. Every entry point the step applies (`__call__`, `hidden`, `head`) is intercepted, so a loss over pieces
@@ -128,7 +94,9 @@ def quantize(model: Any, mode: str) -> Any:
         return model
     if mode not in RECIPES:
         raise ValueError(f"quantization must be one of {', '.join(MODES)}, got {mode!r}")
-    return qwix.quantize_model(model, Provider(rules(mode)), methods=("__call__", "hidden", "hidden_with_mtp", "head"))
+    from maxshard.model import qwix_training  # qwix only where a run quantizes: 0.4 s of every CLI start
+
+    return qwix_training.quantize(model, mode)
 
 
 def quantized_matmul_params(cfg: ModelConfig) -> int:
