@@ -33,6 +33,7 @@ program fits.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -48,9 +49,8 @@ from maxshard.spec import remat
 from maxshard.planning import estimate, memory
 from maxshard.units import format_bytes
 
-__all__ = ["Capacity", "cheapest", "configured_capacity", "local_capacity", "peaks_by_policy", "planned_peak", "decide",
-           "usable",
-           "verdict", "check_host_memory", "host_by_policy"]
+__all__ = ["Capacity", "cheapest", "configured_capacity", "local_capacity", "peaks_by_policy", "planned_peak",
+           "decide", "usable", "verdict", "check_host_memory", "host_by_policy"]
 
 _GB = 1e9
 # How far over the usable memory a plan may be before it alone refuses a policy: the bound within which the planner
@@ -116,19 +116,17 @@ def usable_host(cfg: Config, capacity: Capacity) -> int | None:
 
 
 class _ByPolicy(Mapping):
-    """Planned bytes by remat policy, each policy planned when first asked for. Planning a policy may trace one unit
-    of the model (`residuals.option_bytes`, for layer options the formula does not count): `auto` usually settles
-    on the first policy it asks about (`_cheapest_fitting`), so a run's start pays for one policy, not all."""
+    """Planned bytes by remat policy (`plan_one`, called when a policy is asked for). Planning a policy may trace one
+    unit of the model (`residuals.option_bytes`, for layer options the formula does not count): `auto` usually
+    settles on the first policies it asks about (`_cheapest_fitting`), so a run's start pays for those, not all."""
 
     def __init__(self, names: tuple[str, ...], plan_one: Callable[[str], int]):
-        self._names, self._plan_one, self._planned = names, plan_one, {}
+        self._names, self._plan_one = names, plan_one
 
     def __getitem__(self, policy: str) -> int:
         if policy not in self._names:
             raise KeyError(policy)
-        if policy not in self._planned:
-            self._planned[policy] = self._plan_one(policy)
-        return self._planned[policy]
+        return self._plan_one(policy)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)
@@ -138,25 +136,24 @@ class _ByPolicy(Mapping):
 
 
 def _planned(cfg: Config) -> tuple[Mapping[str, int], Mapping[str, int]]:
-    """(device peaks, host bytes) per device by policy (`_planned_names`), planned as they are asked for. State,
-    gradients and the fsdp-gathered weights do not depend on the policy: they are planned once, with the first."""
-    names = _planned_names(cfg)
-    base: list[estimate.Plan] = []
-    terms: dict[str, memory.ActivationTerms] = {}
+    """(device peaks, host bytes) per device by policy (`_planned_names`), each policy planned once, when first asked
+    for. State, gradients and the fsdp-gathered weights do not depend on the policy: they are planned with the first."""
 
-    def activations(policy: str) -> tuple[estimate.Plan, memory.ActivationTerms]:
-        if not base:
-            base.append(estimate.make_plan(dataclasses.replace(cfg, remat_policy="full")))
-        if policy not in terms:
-            terms[policy] = estimate.activations_under(base[0], policy)
-        return base[0], terms[policy]
+    @functools.cache
+    def base() -> estimate.Plan:
+        return estimate.make_plan(dataclasses.replace(cfg, remat_policy="full"))
+
+    @functools.cache
+    def activations(policy: str) -> memory.ActivationTerms:
+        return estimate.activations_under(base(), policy)
 
     def peak(policy: str) -> int:
-        plan, planned = activations(policy)
-        return plan.params + plan.optimizer + plan.reference + plan.working(planned.total)
+        plan = base()
+        return plan.params + plan.optimizer + plan.reference + plan.working(activations(policy).total)
 
     offloading = any(remat.policy(p).offloads for p in memory.policies(memory.compiler(cfg)))
-    return _ByPolicy(names, peak), _ByPolicy(names, lambda p: int(activations(p)[1].host) if offloading else 0)
+    names = _planned_names(cfg)
+    return _ByPolicy(names, peak), _ByPolicy(names, lambda p: int(activations(p).host) if offloading else 0)
 
 
 def peaks_by_policy(cfg: Config) -> dict[str, int]:
@@ -225,28 +222,29 @@ def _fitting(cfg: Config, peaks: Mapping[str, int], hosts: Mapping[str, int], li
     return [p for p in _candidates(cfg, hosts, host_limit) if peaks[p] <= limit]
 
 
+def _cost(cfg: Config) -> Callable[[str], tuple[bool, float]]:
+    """How `auto` ranks a policy: keeping everything on the device first (module docstring), then the fewest FLOPs
+    its backward re-runs."""
+    factors = estimate.remat_factors(cfg)
+    return lambda policy: (remat.policy(policy).offloads, factors[policy])
+
+
 def _cheapest_fitting(cfg: Config, peaks: Mapping[str, int], hosts: Mapping[str, int], limit: int,
                       host_limit: int | None) -> str | None:
-    """`cheapest` of `_fitting`, planning as few policies as it can: the candidates by cost (on the device first,
-    then the fewest FLOPs re-run), one cost at a time; the first cost at which any fits decides, its smallest peak
-    wins (None: none fits)."""
-    factors = estimate.remat_factors(cfg)
-
-    def cost(policy: str) -> tuple[bool, float]:
-        return remat.policy(policy).offloads, factors[policy]
-
+    """`cheapest` of `_fitting`, planning as few policies as it can: the candidates by `_cost`, one cost at a time;
+    the first cost at which any fits decides, its smallest peak wins (None: none fits)."""
+    cost = _cost(cfg)
     for _, same_cost in itertools.groupby(sorted(_candidates(cfg), key=cost), key=cost):
         fitting = [p for p in same_cost if peaks[p] <= limit and (host_limit is None or hosts[p] <= host_limit)]
         if fitting:
-            return min(fitting, key=lambda p: peaks[p])
+            return cheapest(cfg, fitting, peaks)
     return None
 
 
 def cheapest(cfg: Config, fitting: list[str], peaks: Mapping[str, int]) -> str:
-    """Of the policies that fit, one that keeps everything on the device if any does (module docstring), then the
-    one whose backward re-runs the fewest FLOPs; of equal ones, the smallest."""
-    factors = estimate.remat_factors(cfg)
-    return min(fitting, key=lambda policy: (remat.policy(policy).offloads, factors[policy], peaks[policy]))
+    """Of the policies that fit, the one of least `_cost`; of equal ones, the smallest."""
+    cost = _cost(cfg)
+    return min(fitting, key=lambda policy: (cost(policy), peaks[policy]))
 
 
 _SHARD_MORE = "shard more (ici_fsdp_parallelism, ici_tensor_parallelism) or lower per_device_batch_size"
