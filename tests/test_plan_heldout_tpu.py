@@ -22,7 +22,8 @@ into the layers' backward or to the step's end: pipeline 0.902 with the plan of 
 was then halved in length for CI time (an XLA:TPU compile's time grows with the sequence): 1 x 2048 tokens per
 chip, 1.024 (~120 CPU s; libtpu 0.0.42.1; 1.047 with 0.0.50.1). The others keep theirs: LoRA at 4 x 512 would
 plan 1.122, and the pipeline at 4 x 512 plans 1.029 of libtpu 0.0.42.1's compile but 0.731 of 0.0.50.1's (0.898
-at 4 x 1024).
+at 4 x 1024). The context shape's program also shows ring attention on XLA:TPU, its steps passing K/V around the
+ring (collective-permute), which tests/test_tpu_aot.py compiled as a layout of its own before (~40 CPU s).
 """
 
 from __future__ import annotations
@@ -59,9 +60,11 @@ def _ratio(case: str) -> float:
     the plan's host bytes and the program's are both 0."""
     target = topologies.parse(TARGET)
     cfg = load_for_target(["configs/base.yml", *CASES[case]], target)
-    stats = compile_train_step(cfg, mesh.build(cfg, abstract_devices(target))).memory_analysis()
-    plan = estimate.make_plan(cfg, target)
+    step = compile_train_step(cfg, mesh.build(cfg, abstract_devices(target)))
+    stats, plan = step.memory_analysis(), estimate.make_plan(cfg, target)
     assert plan.host_bytes == stats.host_temp_size_in_bytes == 0, case
+    if cfg.ici_context_parallelism > 1:  # ring attention: its steps pass K/V around the context ring
+        assert "collective-permute" in step.as_text(), case
     return plan.peak_bytes / peak_bytes(stats)
 
 

@@ -218,13 +218,15 @@ def test_config_files_are_read_once_only_inside_the_block(tmp_path: Path) -> Non
 
 
 def test_the_train_state_shapes_are_traced_once_per_model() -> None:
-    """Mesh knobs change where the state lives, not its shapes: one trace serves every layout of a model, while a
-    pipeline (its stage count is in the model) and a remat policy get their own."""
+    """Mesh knobs and the remat policy change where the state lives and what the backward pass recomputes, not the
+    state's shapes: one trace serves every layout and policy of a model (`remat_policy: auto` plans under `full`, then
+    the trainer asks for the chosen policy's state), while a pipeline (its stage count is in the model) gets its own."""
     from maxshard.training.step import abstract_state
 
     fsdp = tiny_config("ici_fsdp_parallelism=8")
     assert abstract_state(fsdp) is abstract_state(tiny_config("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"))
+    assert abstract_state(tiny_config("ici_fsdp_parallelism=8", "remat_policy=none")) is abstract_state(fsdp)
     staged = tiny_config("ici_fsdp_parallelism=4", "ici_pipeline_parallelism=2")
     shapes = lambda cfg: jax.tree.map(lambda leaf: leaf.shape, nn.unbox(abstract_state(cfg).params))  # noqa: E731
     assert shapes(staged) != shapes(fsdp)
-    assert abstract_state(tiny_config("ici_fsdp_parallelism=8", "remat_policy=none")) is not abstract_state(fsdp)
+    assert abstract_state(tiny_config("ici_fsdp_parallelism=8", "emb_dim=32")) is not abstract_state(fsdp)

@@ -99,12 +99,15 @@ def _copy(params: Any) -> Any:
 def abstract_state(cfg: Config) -> TrainState:
     """Shapes, dtypes and logical names of the whole train state; allocates nothing, needs no devices.
 
-    Memoised on the config without its mesh knobs: they decide where the state lives, never its shapes (a pipeline's
-    stage count reaches the shapes through `cfg.model`, which stays in the key). The planner's layout search
-    (`maxshard/run/search.py`) asks for one model's state once per layout, and tracing the init of the 8B
-    model takes ~0.3 s each time.
+    Memoised on the config without its mesh knobs and its remat policy: they decide where the state lives and what
+    the backward pass recomputes, never the state's shapes (a pipeline's stage count reaches the shapes through
+    `cfg.model`, which stays in the key). The planner's layout search (`maxshard/run/search.py`) asks for one model's
+    state once per layout, and `remat_policy: auto` plans the run under `full` before the trainer asks for the chosen
+    policy's: tracing the init of the 8B model takes ~0.3 s each time.
     """
-    key = dataclasses.replace(cfg, explicit_keys=(), mesh_rule_applied="", **{k: 1 for k in _MESH_KNOBS})
+    model = cfg.model and dataclasses.replace(cfg.model, remat_policy="full")
+    key = dataclasses.replace(cfg, explicit_keys=(), mesh_rule_applied="", remat_policy="full", memory_fit=None,
+                              model=model, **{k: 1 for k in _MESH_KNOBS})
     try:
         hash(key)
     except TypeError:  # an unhashable value in some key: no memo
