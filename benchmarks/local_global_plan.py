@@ -10,7 +10,7 @@ sequences per chip, fsdp=8 on a v5e 2x4 slice, remat full, bfloat16; beside it t
 takes the window everywhere on main (a mask over the whole [q, kv] scores); `attention=splash` runs the TPU kernel
 once it takes the window. libtpu describes the slice (`planning/tpu_compile.py`) and XLA:TPU compiles each variant's
 train step (2-7 minutes each on 2 busy cores); the plan is `maxshard.plan`'s. Printed per variant: planned and
-compiled peak, their ratio (tests/test_plan_tpu.py holds the presets within 15%), the planned model FLOPs per device
+compiled peak, their ratio (tests/test_plan_heldout_tpu.py holds held-out shapes within 0.95-1.15), the planned model FLOPs per device
 and step, and their ratio to the same model with every layer global. Figures: benchmarks/README.md, "Local/global".
 """
 

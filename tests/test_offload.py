@@ -1,7 +1,7 @@
 """Offload remat policies (maxshard/spec/remat.py) on CPU: one table read everywhere, what XLA:CPU makes of an offload
 policy, the planner's device and host bytes, `auto`'s last resort, and the error on devices without host memory.
 
-What XLA:TPU makes of them (the host buffers in `memory_analysis()`) is tests/test_plan_tpu.py's.
+What XLA:TPU makes of them (the host buffers in `memory_analysis()`) is tests/test_plan_heldout_tpu.py's (its LoRA shape).
 """
 
 from __future__ import annotations
@@ -79,8 +79,11 @@ def test_the_plan_counts_host_bytes_apart_from_the_device_peak():
     layer_inputs = 12 * 2 * 2048 * 768 * 2  # layers x sequences x length x embed x bfloat16, per chip
     assert full.activation_terms.saved == offload.host_bytes == layer_inputs and full.host_bytes == 0
     assert offload.activation_terms.saved == 0 and offload.peak_bytes < full.peak_bytes
-    padded = 16 * 128  # q, k, v [.., 12 heads, 64] as XLA:TPU stores them (fitted.FITTED; tests/test_plan_tpu.py)
+    padded = 16 * 128  # q, k, v [.., 12 heads, 64] as XLA:TPU stores them (fitted.FITTED; no LoRA adapter)
     assert plans["offload_qkv_proj"].host_bytes == 12 * 2 * 2048 * (768 + 3 * padded) * 2
+    # with LoRA adapters on q, k and v their heads are not padded to the tile's rows: [.., 12, 128] (widths.py)
+    lora = load_for_target([*PRESET, "remat_policy=offload_qkv_proj", "lora_rank=8"], V5E_8)
+    assert estimate.make_plan(lora, V5E_8).host_bytes == 12 * 2 * 2048 * (768 + 3 * 12 * 128) * 2
     text = format_plan(offload)
     assert "host memory         72.0 MiB  offload_full moves every layer's input there (not in the total)" in text
     as_json = plan_json(offload)

@@ -43,6 +43,7 @@ class Widths:
     tile: tuple[int, int] | None = None  # Fitted.tile of the compiler: how per-head values are stored
     expert: int = 0  # an expert's hidden width per device (moe_mlp_dim, or the dense mlp's)
     query_pad: int = 0  # latent attention: lanes the tile adds to the stored query (`latent_query_pad`)
+    adapted: tuple[str, ...] = ()  # the attention projections ("q", "k", "v") that carry LoRA adapters (`stored`)
 
     @property
     def fused(self) -> bool:
@@ -89,36 +90,47 @@ class Widths:
         fused += (self.context - 1) * (4 * self.q + self.kv * (2 * itemsize + 8))
         return fused
 
-    def stored(self, width: int) -> int:
+    def stored(self, width: int, projection: str = "") -> int:
         """Elements per token of a projection's per-head output (width = heads x head_dim, [.., heads, head_dim]) as
         the compiler stores it (`tile`): head_dim padded to whole lanes, heads to whole rows (fewer than a tile's rows
-        take the smallest power of two that holds them, as XLA:TPU picks T(2,128) or T(4,128) tiles for them)."""
+        take the smallest power of two that holds them, as XLA:TPU picks T(2,128) or T(4,128) tiles for them).
+
+        A projection with a LoRA adapter (`adapted`) is stored with its heads unpadded, [.., heads, lanes]: measured
+        on XLA:TPU (libtpu 0.0.42.1, 125m with lora_rank=8 on q, k, v, o, v5e-8, 4 x 512 tokens per chip), whose
+        host buffers under offload_qkv_out_proj are 12,288 bytes per token and layer (the layer input and out_proj,
+        1536 each, and q, k, v at 12 x 128 x 2 bytes), 301,989,888 in all, not the 16 rows of the unadapted layout
+        (377,487,360 planned before); under offload_qkv_proj 10,752 (264,241,152). The same layout is assumed for
+        q, k, v saved on the device under a save_qkv_* policy with adapters (not measured)."""
         if self.tile is None or not self.head_dim:
             return width
         rows, lanes = self.tile
         heads = width // self.head_dim
-        padded = 1 << (heads - 1).bit_length() if heads < rows else -(-heads // rows) * rows
+        if projection in self.adapted:
+            padded = heads
+        else:
+            padded = 1 << (heads - 1).bit_length() if heads < rows else -(-heads // rows) * rows
         return padded * -(-self.head_dim // lanes) * lanes
 
     @property
     def stored_query(self) -> int:
         """Elements per token of the query projection's output as stored, latent attention's lane padding included."""
-        return self.stored(self.q) + self.query_pad
+        return self.stored(self.q, "q") + self.query_pad
 
     def name_width(self, name: str) -> int:
         """Per-token elements of a value a policy names (maxshard/spec/remat.py), as stored."""
-        widths = {remat.LAYER_INPUT: self.stream, "query_proj": self.stored_query, "key_proj": self.stored(self.kv),
-                  "value_proj": self.stored(self.kv), "out_proj": self.embed}
+        widths = {remat.LAYER_INPUT: self.stream, "query_proj": self.stored_query,
+                  "key_proj": self.stored(self.kv, "k"), "value_proj": self.stored(self.kv, "v"),
+                  "out_proj": self.embed}
         return widths[name]
 
     def saved_bytes(self, policy: remat.Policy, itemsize: int) -> int:
         """What `policy` keeps per layer and token in device memory for the backward pass."""
-        q, kv, f = self.q, self.stored(self.kv), self.mlp
+        q, k, v, f = self.q, self.stored(self.kv, "k"), self.stored(self.kv, "v"), self.mlp
         if policy.keeps == "everything":
             return self.dense_bytes(itemsize) + self.kernel_saved_bytes(itemsize)
         if policy.keeps == "dots":  # the projections' q, k, v as stored, the attention output (not [.., heads, dim])
             kernel = 4 * self.heads if self.fused else 4 * self.scores
-            matmuls = 2 * self.stream + self.stored_query + q + 2 * kv + 2 * f  # row-parallel outputs split
+            matmuls = 2 * self.stream + self.stored_query + q + k + v + 2 * f  # row-parallel outputs split
             return matmuls * itemsize + kernel
         kept = (remat.LAYER_INPUT, *policy.device) if remat.LAYER_INPUT not in policy.host else policy.device
         return sum(self.name_width(n) for n in kept) * itemsize
@@ -202,4 +214,5 @@ def widths(cfg: Config, sizes: Mapping[str, int]) -> Widths:
         tile=fitted(compiler(cfg)).tile,
         expert=expert,
         query_pad=latent_query_pad(cfg, heads, fitted(compiler(cfg)).tile),
+        adapted=tuple(t for t in ("q", "k", "v") if cfg.model is not None and cfg.model.lora_rank_of(t)),
     )
