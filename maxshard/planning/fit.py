@@ -182,13 +182,9 @@ def _planned_names(cfg: Config) -> tuple[str, ...]:
     return names
 
 
-def _candidates(cfg: Config, hosts: Mapping[str, int] | None = None, host_limit: int | None = None) -> tuple[str, ...]:
-    """The policies `auto` chooses from, most device memory first: the compiler's (`memory.policies`), less the
-    offload policies whose host bytes exceed `host_limit` (where known)."""
-    names = memory.policies(memory.compiler(cfg))
-    if hosts is None or host_limit is None:
-        return names
-    return tuple(p for p in names if hosts[p] <= host_limit)
+def _candidates(cfg: Config) -> tuple[str, ...]:
+    """The policies `auto` chooses from, most device memory first: the compiler's (`memory.policies`)."""
+    return memory.policies(memory.compiler(cfg))
 
 
 def decide(cfg: Config, capacity: Capacity, strict: bool = True) -> MemoryFit:
@@ -212,14 +208,19 @@ def _fit(cfg: Config, peaks: Mapping[str, int], hosts: Mapping[str, int], capaci
     policy = cfg.remat_policy
     if policy == "auto":
         policy = _cheapest_fitting(cfg, peaks, hosts, limit, host_limit) or _candidates(cfg)[-1]
-    fits = peaks[policy] <= limit and (host_limit is None or hosts[policy] <= host_limit)
+    fits = _fits(policy, peaks, hosts, limit, host_limit)
     return MemoryFit(cfg.remat_policy, policy, peaks[policy], limit, capacity.bytes, capacity.source, fits)
 
 
 def _fitting(cfg: Config, peaks: Mapping[str, int], hosts: Mapping[str, int], limit: int,
              host_limit: int | None) -> list[str]:
     """The candidates (`_candidates`) planned within `limit` on the device and `host_limit` on the host."""
-    return [p for p in _candidates(cfg, hosts, host_limit) if peaks[p] <= limit]
+    return [p for p in _candidates(cfg) if _fits(p, peaks, hosts, limit, host_limit)]
+
+
+def _fits(policy: str, peaks: Mapping[str, int], hosts: Mapping[str, int], limit: int, host_limit: int | None) -> bool:
+    """Whether `policy` is planned within `limit` on the device and `host_limit` (None: unknown) on the host."""
+    return peaks[policy] <= limit and (host_limit is None or hosts[policy] <= host_limit)
 
 
 def _cost(cfg: Config) -> Callable[[str], tuple[bool, float]]:
@@ -235,7 +236,7 @@ def _cheapest_fitting(cfg: Config, peaks: Mapping[str, int], hosts: Mapping[str,
     the first cost at which any fits decides, its smallest peak wins (None: none fits)."""
     cost = _cost(cfg)
     for _, same_cost in itertools.groupby(sorted(_candidates(cfg), key=cost), key=cost):
-        fitting = [p for p in same_cost if peaks[p] <= limit and (host_limit is None or hosts[p] <= host_limit)]
+        fitting = [p for p in same_cost if _fits(p, peaks, hosts, limit, host_limit)]
         if fitting:
             return cheapest(cfg, fitting, peaks)
     return None
