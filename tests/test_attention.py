@@ -27,6 +27,7 @@ from maxshard.model.layers import ring_attention
 from maxshard.run import loading
 from maxshard.training.step import Trainer
 from tests.helpers import layout_overrides, max_relative_difference, mesh_for, tiny_config
+import cli_processes
 
 TOLERANCE = 1e-5
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}  # same numbers
@@ -437,7 +438,7 @@ def test_cli_trains_with_tokamax_on_cpu(tmp_path) -> None:
     cmd = [sys.executable, "-c", script, "configs/base.yml", "model_name=tiny", "cpu_device_count=8",
            "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2", "attention=tokamax", "steps=6", "log_period=1",
            "eval_period=0", "enable_checkpointing=false", f"base_output_directory={tmp_path}", "run_name=tokamax"]
-    result = subprocess.run(cmd, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True,
+    result = cli_processes.run(cmd, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "tokamax traced 0 times" not in result.stdout and "tokamax traced" in result.stdout

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+import cli_processes
 from helpers import mesh_for, tiny_config
 from jax.experimental import multihost_utils
 from training_runs import BASE, REPO, TIMEOUT, keys
@@ -36,7 +37,7 @@ from maxshard.training.step import Trainer
 @pytest.mark.slow
 def test_failed_commit_stops_the_run_within_a_step_in_one_line(env, tmp_path):
     command = [sys.executable, str(REPO / "tests" / "failing_commit.py"), BASE, *keys(tmp_path, "checkpoint_period=2")]
-    done = subprocess.run(command, cwd=REPO, env={**env, "FAIL_STEP": "2"}, capture_output=True, text=True,
+    done = cli_processes.run(command, cwd=REPO, env={**env, "FAIL_STEP": "2"}, capture_output=True, text=True,
                           timeout=TIMEOUT)
     assert done.returncode == 1, done.stdout + done.stderr
     problems = [line for line in done.stderr.splitlines() if line.strip()]

@@ -25,6 +25,7 @@ from maxshard.config import schema as config_schema
 from maxshard.errors import ConfigError
 from maxshard.model import transformer as model
 from maxshard.run import loading
+import cli_processes
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = str(REPO / "configs" / "base.yml")
@@ -362,7 +363,7 @@ def test_any_override_loads_or_raises_config_error(tokens: list[str]) -> None:
 def run_train(*overrides: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     argv = [sys.executable, "-m", "maxshard.train", BASE, "cpu_device_count=8", "dataset_type=synthetic", *overrides]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    return cli_processes.run(argv, capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import cli_processes
 from helpers import mesh_for
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
@@ -515,7 +516,7 @@ def write(directory: Path, tensors: dict[str, np.ndarray]) -> None:
 
 def test_cli_exit_code_and_help(tmp_path):
     bad = broken_copy(tmp_path, {"architectures": ["Qwen2ForCausalLM"]})
-    run = subprocess.run([sys.executable, "-m", "maxshard.convert", "from_hf", str(bad), str(tmp_path / "o")],
+    run = cli_processes.run([sys.executable, "-m", "maxshard.convert", "from_hf", str(bad), str(tmp_path / "o")],
                          capture_output=True, text=True, cwd=REPO, timeout=120)
     assert run.returncode == 2 and run.stderr.strip().count("\n") == 0
     assert run.stderr.startswith("maxshard: error: config.json: architectures=['Qwen2ForCausalLM']"), run.stderr

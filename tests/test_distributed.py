@@ -18,6 +18,7 @@ from maxshard.config import Config
 from maxshard.errors import ConfigError
 from maxshard.launch import distributed
 from maxshard.launch.distributed import Plan
+import cli_processes
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "tests" / "distributed_worker.py"
@@ -127,7 +128,7 @@ def start_worker(*keys: str, env_extra: dict[str, str] | None = None) -> subproc
             *distributed.TPU_HOSTS_ENV, "MEGASCALE_NUM_SLICES"}
     env = {k: v for k, v in os.environ.items() if k not in drop}
     env.update(JAX_PLATFORMS="cpu", **(env_extra or {}))
-    return subprocess.Popen([sys.executable, str(WORKER), *keys], cwd=REPO, env=env, text=True,
+    return cli_processes.popen([sys.executable, str(WORKER), *keys], cwd=REPO, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 

@@ -34,6 +34,7 @@ from maxshard.parallel import mesh
 from maxshard.planning import fit
 from maxshard.run import elastic, loading
 from tests.helpers import finished, process_env
+import cli_processes
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = str(REPO / "configs" / "base.yml")
@@ -54,7 +55,7 @@ def _corpus(root: Path, name: str, count: int, max_words: int = 31) -> str:
 def _trainer(env: dict[str, str], args: list[str]) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "maxshard.train", BASE, *args]
     env = process_env(env)
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return cli_processes.popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def _records(run_dir: Path) -> dict[int, dict]:

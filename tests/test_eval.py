@@ -26,6 +26,7 @@ pytest.importorskip("lm_eval")
 
 from maxshard import eval as eval_cli  # noqa: E402
 from maxshard.convert import __main__ as convert_cli  # noqa: E402
+import cli_processes
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures"
@@ -166,7 +167,7 @@ def two_processes(converted: dict[str, Path], env: dict[str, str], tmp_path: Pat
             "max_target_length=32", f"eval_output={tmp_path / 'out'}", f"base_output_directory={tmp_path}",
             "eval_batch_size=4", "cpu_device_count=4", "ici_fsdp_parallelism=8",
             f"coordinator_address=127.0.0.1:{port}", "process_count=2", "distributed_timeout=60"]
-    return [subprocess.Popen([sys.executable, "-m", "maxshard.eval", *argv, f"process_id={i}",
+    return [cli_processes.popen([sys.executable, "-m", "maxshard.eval", *argv, f"process_id={i}",
                               f"eval_tasks_limit={limits[i]}"], cwd=REPO, env=process_env(env),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for i in range(2)]

@@ -30,6 +30,7 @@ from maxshard.model.layers.pipeline import to_scanned
 from maxshard.parallel import mesh, sharding
 from maxshard.run import loading
 from maxshard.training.step import Trainer, TrainState
+import cli_processes
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = str(REPO / "configs" / "base.yml")
@@ -108,7 +109,7 @@ def test_bad_input_is_one_line_and_exit_code_2(base, capsys, keys, fragment):
 def test_the_module_entry_point_exits_2_with_one_line():
     argv = [sys.executable, "-m", "maxshard.generate", BASE, "cpu_device_count=8", "prompt=x", "top_k=-1"]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    done = cli_processes.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.splitlines() == ["maxshard: error: top_k must be >= 0, got -1"]
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+import cli_processes
 from helpers import finished, max_relative_difference
 from test_objectives import CASES, LAYOUTS, import_fixtures, start
 
@@ -185,7 +186,7 @@ def test_a_pipeline_samples_and_trains_as_one_device(env, tmp_path):
     process)."""
     keys = ("steps=3", "log_period=1", "enable_checkpointing=false", "grpo_group_size=4")
     argv = grpo_argv(tmp_path, "run_name=one", *keys, "per_device_batch_size=16", "cpu_device_count=1")
-    one = subprocess.Popen([sys.executable, "-m", "maxshard.train", *argv], cwd=REPO, env=env,
+    one = cli_processes.popen([sys.executable, "-m", "maxshard.train", *argv], cwd=REPO, env=env,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         assert train.main(grpo_argv(tmp_path, "run_name=piped", *keys, "per_device_batch_size=2",

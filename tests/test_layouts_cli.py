@@ -23,6 +23,7 @@ import pytest
 
 from maxshard import train
 from tests.helpers import run_losses
+import cli_processes
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = str(REPO / "configs" / "base.yml")
@@ -74,7 +75,7 @@ def _losses(base: Path, name: str) -> list[float]:
 def one_device(env, tmp_path_factory) -> dict[str, list[float]]:
     """Each model's losses from the CLI on one device; both subprocesses run side by side."""
     base = tmp_path_factory.mktemp("one_device")
-    procs = {model: subprocess.Popen([sys.executable, "-m", "maxshard.train", BASE, *_keys(base, model, model, 1)],
+    procs = {model: cli_processes.popen([sys.executable, "-m", "maxshard.train", BASE, *_keys(base, model, model, 1)],
                                      cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for model in MODELS}
     try:

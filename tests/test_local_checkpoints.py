@@ -33,6 +33,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+import cli_processes
 from helpers import process_env
 
 from maxshard.checkpoint import emergency
@@ -64,7 +65,7 @@ def _start(env: dict[str, str], base: Path) -> Iterator[tuple[list[subprocess.Po
     for i in range(3):
         args = [*KEYS, f"base_output_directory={base}", f"checkpoint_local_dir={base / 'local'}",
                 f"coordinator_address=127.0.0.1:{port}", f"process_id={i}"]
-        procs.append(subprocess.Popen([sys.executable, "-m", "maxshard.train", "configs/base.yml", *args], cwd=REPO,
+        procs.append(cli_processes.popen([sys.executable, "-m", "maxshard.train", "configs/base.yml", *args], cwd=REPO,
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     readers = [threading.Thread(target=lambda p=p, out=out: out.extend(p.stdout), daemon=True)
                for p, out in zip(procs[1:], outputs[1:])]

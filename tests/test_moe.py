@@ -30,6 +30,7 @@ from maxshard.observe import metrics
 from maxshard.run import loading
 from maxshard.training.step import Trainer, mesh_context
 from tests.helpers import layout_overrides, max_relative_difference, mesh_for, tiny_config
+import cli_processes
 
 route = jax.jit(moe.route, static_argnums=(1, 2))
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -272,7 +273,7 @@ def test_moe_trains_through_the_cli(tmp_path):
         "steps=20", "log_period=5", "eval_period=0", "enable_checkpointing=false", f"base_output_directory={tmp_path}",
     ]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    result = cli_processes.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     losses = [float(v) for v in re.findall(r"^step \d+/20 \| loss ([0-9.]+)", result.stdout, re.MULTILINE)]
     assert len(losses) >= 4 and all(math.isfinite(v) for v in losses), result.stdout[-2000:]

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import cli_processes
 from helpers import process_env
 
 pytestmark = pytest.mark.slow
@@ -43,7 +44,7 @@ def _trainer(env: dict[str, str], args: list[str], **kwargs) -> subprocess.Popen
     overrides = {item.split("=", 1)[0]: item for item in (*TINY, *args)}  # later wins
     cmd = [sys.executable, "-m", "maxshard.train", "configs/base.yml", *overrides.values()]
     env = process_env(env)
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
+    return cli_processes.popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
 
 
 @contextlib.contextmanager

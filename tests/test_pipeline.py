@@ -30,6 +30,7 @@ from maxshard.parallel import sharding
 from maxshard.parallel.mesh import device_slices
 from maxshard.training.step import Trainer, TrainState, mesh_context
 from tests.helpers import max_relative_difference, mesh_for, tiny_config
+import cli_processes
 
 SMALL = ("emb_dim=32", "num_heads=2", "num_kv_heads=2", "head_dim=16", "mlp_dim=64", "max_target_length=16",
          "num_layers=8")
@@ -292,7 +293,7 @@ def test_cli_trains_a_pipelined_model(tmp_path):
         "learning_rate=1e-2", "warmup_steps_fraction=0", "enable_checkpointing=false",
         f"base_output_directory={tmp_path}",
     ]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1])
+    result = cli_processes.run(command, capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1])
     assert result.returncode == 0, result.stderr[-2000:]
     losses = [float(v) for v in re.findall(r"^step \d+/6 .*?loss ([0-9.]+)", result.stdout, re.MULTILINE)]
     assert len(losses) >= 3 and all(np.isfinite(losses))

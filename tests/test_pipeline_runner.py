@@ -27,6 +27,7 @@ from maxshard.training.step import Trainer
 from tests.helpers import max_relative_difference, mesh_for, run_losses
 from tests.test_pipeline import (TOLERANCE, loss_and_grads, packed_batch, random_params, small_config,
                                  sums_and_grads)
+import cli_processes
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = str(REPO / "configs" / "base.yml")
@@ -71,7 +72,7 @@ def _losses(base: Path, name: str) -> list[float]:
 @pytest.fixture(scope="module")
 def one_device(env, tmp_path_factory) -> list[float]:
     base = tmp_path_factory.mktemp("one_device")
-    out = subprocess.run([sys.executable, "-m", "maxshard.train", BASE, *_keys(base, "one", 1)], cwd=REPO, env=env,
+    out = cli_processes.run([sys.executable, "-m", "maxshard.train", BASE, *_keys(base, "one", 1)], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     losses = _losses(base, "one")

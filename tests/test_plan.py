@@ -38,6 +38,7 @@ from types import ModuleType
 
 import jax
 import pytest
+import cli_processes
 from helpers import layout_overrides, mesh_for, tiny_config
 
 from maxshard import plan as plan_cli
@@ -310,7 +311,7 @@ def test_pipeline_bubble_and_stage_shift() -> None:
 
 
 def test_a_mesh_that_does_not_fit_the_target_is_one_line_and_exit_2() -> None:
-    result = subprocess.run(
+    result = cli_processes.run(
         [sys.executable, "-m", "maxshard.plan", "configs/base.yml", "model_name=8b", "ici_fsdp_parallelism=3",
          "--topology", "v5p-1024", "--num-slices", "4"],
         capture_output=True, text=True, cwd=REPO, timeout=120,

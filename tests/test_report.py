@@ -19,6 +19,7 @@ import pytest
 from maxshard.config import MESH_AXES
 from maxshard.observe import report
 from maxshard.parallel.sharding import ParamLayout
+import cli_processes
 
 REPO = Path(__file__).resolve().parent.parent
 TOOL = REPO / "tools" / "sharding_report.py"
@@ -178,7 +179,7 @@ def test_tool_errors_are_one_line(capsys: pytest.CaptureFixture[str], argv: list
 def test_tool_runs_as_a_script() -> None:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     argv = [sys.executable, str(TOOL), "configs/fsdp_tp.yml", "model_name=tiny", "--num-devices", "8", "--json"]
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    result = cli_processes.run(argv, capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
     assert result.returncode == 0, result.stderr
     assert shown(json.loads(result.stdout)["mesh"]) == {"fsdp": 4, "tensor": 2}
 

@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from benchmarks import sweep, sweep_report, sweep_run, sweep_spec
+import cli_processes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SWEEP = """
@@ -51,7 +52,7 @@ def sweep_file(tmp_path_factory) -> str:
 def local_results(sweep_file, tmp_path_factory) -> str:
     out = str(tmp_path_factory.mktemp("out"))
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run([sys.executable, "benchmarks/sweep.py", sweep_file, "--out", out], cwd=REPO, env=env,
+    done = cli_processes.run([sys.executable, "benchmarks/sweep.py", sweep_file, "--out", out], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     return out

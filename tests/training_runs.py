@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import cli_processes
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = str(REPO / "configs" / "base.yml")
@@ -43,7 +44,7 @@ def argv(base: Path, *extra: str) -> list[str]:
 
 def train(env: dict[str, str], base: Path, *extra: str) -> str:
     """Runs a training subprocess to its end; returns its output (stdout and stderr)."""
-    done = subprocess.run(argv(base, *extra), cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    done = cli_processes.run(argv(base, *extra), cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
 
@@ -51,7 +52,7 @@ def train(env: dict[str, str], base: Path, *extra: str) -> str:
 @contextlib.contextmanager
 def started(env: dict[str, str], base: Path, *extra: str) -> Iterator[subprocess.Popen]:
     """A training subprocess (stdout and stderr in one pipe), killed on the way out if still running."""
-    proc = subprocess.Popen(argv(base, *extra), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = cli_processes.popen(argv(base, *extra), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     try:
         yield proc
