@@ -38,14 +38,21 @@ READ_AT_IMPORT = re.compile(r"^(JAX_|XLA_|TF_|TPU_|LIBTPU|CUDA|NCCL|PYTHON|LD_)"
 # What pytest puts on sys.path (the tests and the repository), which a fresh interpreter does not have.
 _TEST_PATHS = {os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
 _context: Any = None
+_server_saw: dict[str, str] = {}  # what of READ_AT_IMPORT the fork server's environment held when it started
+
+
+def _read_at_import(env: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if READ_AT_IMPORT.match(k)}
 
 
 def _fork_server() -> Any:
-    """This process's forkserver context, its server to import TOOLS when it starts (once per test worker)."""
-    global _context
+    """This process's forkserver context, its server to import TOOLS when it starts (once per test worker, with
+    this process's environment of now)."""
+    global _context, _server_saw
     if _context is None:
         _context = multiprocessing.get_context("forkserver")
         _context.set_forkserver_preload(list(TOOLS))
+        _server_saw = _read_at_import(os.environ)
     return _context
 
 
@@ -67,9 +74,8 @@ def _forkable(args: Sequence[str], env: Mapping[str, str] | None, kwargs: Mappin
         return False
     if any(kwargs.get(stream) not in (None, subprocess.PIPE, subprocess.STDOUT) for stream in ("stdout", "stderr")):
         return False
-    ours = {k: v for k, v in os.environ.items() if READ_AT_IMPORT.match(k)}
-    theirs = {k: v for k, v in (os.environ if env is None else env).items() if READ_AT_IMPORT.match(k)}
-    return ours == theirs
+    server = _server_saw if _context is not None else _read_at_import(os.environ)  # it starts with os.environ
+    return _read_at_import(os.environ if env is None else env) == server
 
 
 def _exit_code(error: SystemExit) -> int:
