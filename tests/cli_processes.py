@@ -18,10 +18,13 @@ through `subprocess` as before: `run` and `Popen` take subprocess's arguments an
 from __future__ import annotations
 
 import atexit
+import functools
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import re
 import runpy
+import signal
 import subprocess
 import sys
 import threading
@@ -37,23 +40,20 @@ TOOLS = ("maxshard.train", "maxshard.eval", "maxshard.generate", "maxshard.conve
 READ_AT_IMPORT = re.compile(r"^(JAX_|XLA_|TF_|TPU_|LIBTPU|CUDA|NCCL|PYTHON|LD_)")
 # What pytest puts on sys.path (the tests and the repository), which a fresh interpreter does not have.
 _TEST_PATHS = {os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
-_context: Any = None
-_server_saw: dict[str, str] = {}  # what of READ_AT_IMPORT the fork server's environment held when it started
 
 
 def _read_at_import(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if READ_AT_IMPORT.match(k)}
 
 
-def _fork_server() -> Any:
-    """This process's forkserver context, its server to import TOOLS when it starts (once per test worker, with
-    this process's environment of now)."""
-    global _context, _server_saw
-    if _context is None:
-        _context = multiprocessing.get_context("forkserver")
-        _context.set_forkserver_preload(list(TOOLS))
-        _server_saw = _read_at_import(os.environ)
-    return _context
+@functools.cache
+def _fork_server() -> tuple[Any, dict[str, str]]:
+    """This process's forkserver context, its server started now (once per test worker) to import TOOLS, and what
+    of READ_AT_IMPORT the server's environment (this process's of now) holds."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(TOOLS))
+    multiprocessing.forkserver.ensure_running()
+    return context, _read_at_import(os.environ)
 
 
 def _program(args: Sequence[str]) -> list[str] | None:
@@ -74,8 +74,7 @@ def _forkable(args: Sequence[str], env: Mapping[str, str] | None, kwargs: Mappin
         return False
     if any(kwargs.get(stream) not in (None, subprocess.PIPE, subprocess.STDOUT) for stream in ("stdout", "stderr")):
         return False
-    server = _server_saw if _context is not None else _read_at_import(os.environ)  # it starts with os.environ
-    return _read_at_import(os.environ if env is None else env) == server
+    return _read_at_import(os.environ if env is None else env) == _fork_server()[1]
 
 
 def _exit_code(error: SystemExit) -> int:
@@ -143,7 +142,7 @@ class Popen:
                 reads[name], writes[name] = os.pipe()
         out = writes.get("stdout", 1)
         err = out if stderr == subprocess.STDOUT else writes.get("stderr", 2)
-        self._process = _fork_server().Process(
+        self._process = _fork_server()[0].Process(
             target=_main, args=(_program(self.args), None if cwd is None else str(cwd),
                                 dict(os.environ if env is None else env), DupFd(out), DupFd(err)))
         self._process.start()
@@ -166,15 +165,15 @@ class Popen:
             raise subprocess.TimeoutExpired(self.args, timeout)
         return self.returncode
 
-    def send_signal(self, signal: int) -> None:
+    def send_signal(self, number: int) -> None:
         if self.poll() is None:
-            os.kill(self.pid, signal)
+            os.kill(self.pid, number)
 
     def kill(self) -> None:
-        self.send_signal(9)
+        self.send_signal(signal.SIGKILL)
 
     def terminate(self) -> None:
-        self.send_signal(15)
+        self.send_signal(signal.SIGTERM)
 
     def communicate(self, timeout: float | None = None) -> tuple[Any, Any]:
         """Both streams read to their end (in threads: a full pipe would stall the process), then the exit."""
@@ -202,13 +201,10 @@ def popen(args: Sequence[str], **kwargs: Any) -> Popen | subprocess.Popen:
 
 def run(args: Sequence[str], *, capture_output: bool = False, timeout: float | None = None,
         **kwargs: Any) -> subprocess.CompletedProcess:
-    """`subprocess.run(args, ...)`, forked from the fork server where the command allows; the process is killed
-    on a timeout (TimeoutExpired) as subprocess.run kills it."""
+    """`subprocess.run(args, ...)` with Popen's arguments, the process from `popen`: killed on a timeout
+    (TimeoutExpired) as subprocess.run kills it."""
     if capture_output:
         kwargs.update(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    env = kwargs.get("env")
-    if not _forkable(args, env, {k: v for k, v in kwargs.items() if k != "env"}):
-        return subprocess.run(args, timeout=timeout, **kwargs)
     process = popen(args, **kwargs)
     try:
         stdout, stderr = process.communicate(timeout=timeout)
