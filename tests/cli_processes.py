@@ -18,6 +18,7 @@ through `subprocess` as before: `run` and `Popen` take subprocess's arguments an
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import multiprocessing
 import multiprocessing.forkserver
@@ -166,8 +167,11 @@ class Popen:
         return self.returncode
 
     def send_signal(self, number: int) -> None:
+        """As subprocess does: nothing once the process has ended, also when it ends between the poll and the kill
+        (the fork server reaps it, so its pid can be gone before its exit reaches this process)."""
         if self.poll() is None:
-            os.kill(self.pid, number)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, number)
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
