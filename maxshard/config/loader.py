@@ -25,6 +25,7 @@ from typing import Any
 import yaml
 
 from maxshard import dataset_types
+from maxshard.config import yaml_text
 from maxshard.config.ranges import check_group_batch, check_ranges
 from maxshard.config.schema import MESH_AXES, Config, knob_name, path_keys
 from maxshard.config.structures import parse_logical_rules, parse_mixture, parse_names
@@ -80,7 +81,7 @@ def _load_yaml(path: str) -> dict[str, Any]:
         raise ConfigError(f"config file not found: {path}")
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+            data = yaml_text.safe_load(f)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
@@ -243,7 +244,7 @@ def _parse_override(token: str) -> tuple[str, Any]:
     if hint is str or _is_text_choice(hint):  # keep text exactly as typed: run_name=007 stays "007", profiler= is ""
         return key, raw
     try:
-        value = yaml.safe_load(raw)
+        value = yaml_text.safe_load(raw)
     except Exception as e:  # noqa: BLE001 - any YAML failure is a user mistake
         raise ConfigError(f"{key}={raw!r} is not a valid YAML value: {type(e).__name__}") from None
     return key, value

@@ -12,6 +12,7 @@ from typing import Any
 
 import yaml
 
+from maxshard.config import yaml_text
 from maxshard.config.schema import MESH_AXES
 from maxshard.errors import ConfigError
 
@@ -51,7 +52,7 @@ def parse_mixture(value: Any, source: str) -> tuple[tuple[str, float], ...]:
     """
     if isinstance(value, str) and value.strip():  # written as a quoted YAML list
         try:
-            value = yaml.safe_load(value)
+            value = yaml_text.safe_load(value)
         except yaml.YAMLError:
             pass
     if value in ("", None):

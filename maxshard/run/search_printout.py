@@ -8,6 +8,7 @@ from typing import Any
 
 import yaml
 
+from maxshard.config import yaml_text
 from maxshard.planning import hardware
 from maxshard.run.search import Candidate, SearchResult
 from maxshard.units import format_bytes
@@ -133,7 +134,7 @@ def _typed(raw: str) -> Any:
     """A command-line value as YAML would type it, when the sweep runner writes it back exactly as typed
     (`sweep_spec.format_value`); the text otherwise (run_name=007 must stay '007')."""
     try:
-        value = yaml.safe_load(raw)
+        value = yaml_text.safe_load(raw)
     except yaml.YAMLError:
         return raw
     if isinstance(value, bool):
