@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import gc
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -98,9 +99,12 @@ def _forget_tools() -> None:
             delattr(sys.modules[package], name)
 
 
-def _main(program: list[str], cwd: str | None, env: dict[str, str], out: DupFd, err: DupFd) -> None:
+def _main(program: list[str], cwd: str | None, env: dict[str, str], out: DupFd, err: DupFd,
+          gc_threshold: tuple[int, ...]) -> None:
     """In the fork: `python *program` (`-m TOOL ...` or `SCRIPT ...`) with this environment and working directory,
-    output on the test's pipes, sys.path as that interpreter starts it (the test process's additions left out)."""
+    output on the test's pipes, sys.path as that interpreter starts it (the test process's additions left out), and
+    the test process's garbage collector thresholds (tests/conftest.py)."""
+    gc.set_threshold(*gc_threshold)
     for fd, target in ((out.detach(), 1), (err.detach(), 2)):
         os.dup2(fd, target)
         os.close(fd)
@@ -145,7 +149,7 @@ class Popen:
         err = out if stderr == subprocess.STDOUT else writes.get("stderr", 2)
         self._process = _fork_server()[0].Process(
             target=_main, args=(_program(self.args), None if cwd is None else str(cwd),
-                                dict(os.environ if env is None else env), DupFd(out), DupFd(err)))
+                                dict(os.environ if env is None else env), DupFd(out), DupFd(err), gc.get_threshold()))
         self._process.start()
         for fd in writes.values():
             os.close(fd)
