@@ -37,6 +37,10 @@ from typing import Any
 
 # The modules the fork server imports (those of every tool the tests run; `maxshard.train` imports most of them).
 TOOLS = ("maxshard.train", "maxshard.eval", "maxshard.generate", "maxshard.convert", "maxshard.plan")
+# And what a training run imports only when it gets there (the input pipeline with grain, the metrics writer, jax's
+# MLIR dialect for the sharding annotations): ~0.35 s of each run's imports (python -X importtime), none of them
+# starting a thread.
+IMPORTED_LATER = ("maxshard.data.pipeline", "tensorboardX", "jaxlib.mlir.dialects.mhlo")
 # Environment variables read at import (by jax's config, jaxlib, libtpu, the CUDA plugin): a run that sets them
 # otherwise than the fork server saw them gets a fresh interpreter.
 READ_AT_IMPORT = re.compile(r"^(JAX_|XLA_|TF_|TPU_|LIBTPU|CUDA|NCCL|PYTHON|LD_)")
@@ -53,7 +57,7 @@ def _fork_server() -> tuple[Any, dict[str, str]]:
     """This process's forkserver context, its server started now (once per test worker) to import TOOLS, and what
     of READ_AT_IMPORT the server's environment (this process's of now) holds."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(list(TOOLS))
+    context.set_forkserver_preload([*TOOLS, *IMPORTED_LATER])
     multiprocessing.forkserver.ensure_running()
     return context, _read_at_import(os.environ)
 
