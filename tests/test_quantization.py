@@ -101,9 +101,12 @@ def test_unquantized_runs_have_no_8_bit_dot() -> None:
     ("loss_chunks=2",),  # the step applies Transformer.hidden and .head, not __call__
     ("scan_layers=false",),
     ("ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4", "num_layers=4"),  # stages applied as their own root
+    # the table runner applies each stage and the layer a pattern leaves over as roots of their own
+    ("ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4", "num_layers=5", "num_layers_per_pipeline_stage=1",
+     "attention_pattern=local,global", "sliding_window=3", "pipeline_schedule=1f1b"),
     ("num_experts=4", "num_experts_per_tok=2", "capacity_factor=0", "moe_dropless_impl=ragged_dot",
      "num_shared_experts=1"),
-], ids=["loss_chunks", "unrolled", "pipeline", "moe_ragged_dot"])
+], ids=["loss_chunks", "unrolled", "pipeline", "pipeline_1f1b", "moe_ragged_dot"])
 def test_every_entry_point_and_stack_is_quantized(overrides: tuple[str, ...]) -> None:
     dots = lowered_dots("quantization=int8", *overrides)
     quantized, others = split_by_rule(dots)

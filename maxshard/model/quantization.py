@@ -10,8 +10,8 @@ scaling, no state), the dot runs on the 8-bit values, and in the backward pass t
 too, so all three matmuls of a projection (forward, input gradient, weight gradient) take 8-bit operands. Gradients
 reach the float parameters straight through the rounding. The layers are untouched and never see the run config.
 
-What is quantized, by module path (scanned, unrolled and pipelined stacks alike; the stage of a pipeline is applied
-as its own root, so no rule names the decoder):
+What is quantized, by module path (scanned, unrolled and pipelined stacks alike, under every pipeline schedule; the
+stage of a pipeline is applied as its own root, so no rule names the decoder):
 
     attention/{query,key,value,out}   the projections (DenseGeneral's dot_general)
     mlp, mlp/wo                       the SwiGLU MLP: the stacked gate/up einsum and the down projection
@@ -87,9 +87,10 @@ RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 
 def quantize(model: Any, mode: str) -> Any:
-    """The Transformer whose methods run under qwix's interception with the rules of `mode`; `model` itself for
-    'none'. Every entry point the step applies (`__call__`, `hidden`, `head`) is intercepted, so a loss over pieces
-    of the sequence (`loss_chunks`) quantizes exactly as the whole one."""
+    """The Transformer (or a stack or stage that a table pipeline schedule applies as its own root,
+    training/pipelined.py) whose methods run under qwix's interception with the rules of `mode`; `model` itself for
+    'none'. Every entry point the step applies (`__call__`, `hidden`, `head`, ...) is intercepted, so a loss over
+    pieces of the sequence (`loss_chunks`) quantizes exactly as the whole one."""
     if mode == "none":
         return model
     if mode not in RECIPES:

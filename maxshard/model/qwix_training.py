@@ -15,7 +15,7 @@ from qwix._src.utils import flax_util  # private: which parameter of the current
 from maxshard.model.layers import lora, moe
 from maxshard.model.quantization import MOE_PATH, RECIPES, RULES
 
-__all__ = ["Provider", "quantize", "rules"]
+__all__ = ["ENTRY_POINTS", "Provider", "quantize", "rules"]
 
 
 def rules(mode: str) -> list[qwix.QtRule]:
@@ -49,6 +49,14 @@ class Provider(qwix.QtProvider):
         return super().dot_general(lhs, rhs, *args, **kwargs)
 
 
+# The methods a caller applies a module through: the Transformer's entry points (`after_stack` is the table
+# pipelines' last part, training/pipelined.py), a layer's or a stack's `__call__`. Interception nests: a method
+# called from an intercepted one (`__call__` -> `hidden`, `head`) runs under the one interception.
+ENTRY_POINTS = ("__call__", "hidden", "hidden_with_mtp", "after_stack", "head")
+
+
 def quantize(model: Any, mode: str) -> Any:
-    """`model` with its methods run under qwix's interception with the rules of `mode` ('int8' or 'fp8')."""
-    return qwix.quantize_model(model, Provider(rules(mode)), methods=("__call__", "hidden", "hidden_with_mtp", "head"))
+    """`model` (the Transformer, or a stack or stage a table pipeline applies as its own root) with those of its
+    methods that are `ENTRY_POINTS` run under qwix's interception with the rules of `mode` ('int8' or 'fp8')."""
+    methods = tuple(name for name in ENTRY_POINTS if hasattr(type(model), name))
+    return qwix.quantize_model(model, Provider(rules(mode)), methods=methods)

@@ -97,9 +97,6 @@ def _check_runner(cfg: Config, mesh_sizes: Mapping[str, int]) -> None:
         raise ConfigError(f"pipeline_schedule={name} does not run MoE layers after the pipeline (the attention "
                           "pattern leaves an MoE layer over: num_layers - first_k_dense_replace is not a multiple of "
                           "lcm(attention_pattern length, moe_layer_interval)): use pipeline_schedule=circular")
-    if cfg.quantization != "none":
-        raise ConfigError(f"pipeline_schedule={name} does not run quantization={cfg.quantization} yet: use "
-                          "pipeline_schedule=circular")
     if mesh_sizes.get("context", 1) > 1:
         raise ConfigError(f"pipeline_schedule={name} does not run context parallelism (ici/dcn_context_parallelism) "
                           "yet: use pipeline_schedule=circular")

@@ -12,7 +12,8 @@ prediction modules and their loss, `mtp_depth`, which read the microbatch's embe
 on the last stage right after each microbatch's forward so that its backward can start at once (1F1B). No stage
 holds the whole batch's activations: only the token ids and the other batch fields travel whole. A frozen DPO
 reference is computed before, by the model's own forward (the circular order: the same function), and travels with
-its microbatch.
+its microbatch. Under `quantization` the stages and stacks, applied as roots of their own, are quantized as the
+Transformer is (`_Root`), and the Transformer's entry points the last part uses are intercepted already.
 
 MoE router statistics: each stage returns what its layers sowed and its share of the router losses, computed by
 moe_stats' own `loss_sums` and `objective` with the batch's weight split evenly over the R x S x M
@@ -32,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from maxshard.config import Config
-from maxshard.model import trainable
+from maxshard.model import quantization, trainable
 from maxshard.spec import blocks, pipeline_schedule
 from maxshard.model.layers import moe, mtp, pipeline_runner
 from maxshard.model.layers.decoder import remat_policy, rematted, scanned_stack, stack_unit
@@ -107,6 +108,25 @@ def _side_stack(cfg: Any, name: str) -> nn.Module:
     return scanned(cfg, cfg.compute_dtype, cfg.param_dtype, stack=name, parent=None)
 
 
+class _Root(nn.Module):
+    """`stack` (a stage, or a stack outside the pipeline) applied as its own root through a plain method, which qwix can
+    intercept under `quantization`: qwix wraps a class's methods after unwrapping Linen's wrappers, and for a scanned
+    module's `__call__` that strips the scan. The scope is shared: parameters and sown values keep their paths."""
+
+    stack: nn.Module
+
+    def setup(self) -> None:
+        nn.share_scope(self, self.stack)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.stack(*args, **kwargs)
+
+
+def _quantized(module: nn.Module, mode: str) -> nn.Module:
+    """`module`, its matmuls quantized as the Transformer's are (model/quantization.py) when `mode` is not none."""
+    return module if mode == "none" else quantization.quantize(_Root(module), mode)
+
+
 def _run_stacks(modules: list[tuple[str, nn.Module]], params: Any, x: jax.Array, mb: dict) -> jax.Array:
     for name, module in modules:
         x, _ = module.apply({"params": params["decoder"][name]}, x, mb["segment_ids"], mb["positions"])
@@ -128,15 +148,15 @@ def value_and_grad(trainer: Any) -> Callable[..., tuple[tuple[jax.Array, dict], 
     cfg, model, objective = trainer.cfg, trainer.model, trainer.objective
     shape = cfg.model.pipeline
     table = pipeline_schedule.of(shape).table  # type: ignore[union-attr]
-    layer = _stage_class(stack_unit(cfg.model), shape.layers_per_stage)(
-        cfg.model, cfg.model.compute_dtype, cfg.model.param_dtype, parent=None)
+    layer = _quantized(_stage_class(stack_unit(cfg.model), shape.layers_per_stage)(
+        cfg.model, cfg.model.compute_dtype, cfg.model.param_dtype, parent=None), cfg.quantization)
     policy = jax.checkpoint_policies.dots_saveable if cfg.model.remat_policy == "none" else \
         remat_policy(cfg.model.remat_policy)
 
     names = [s.name for s in blocks.stacks(cfg.model)]
     main = names.index(blocks.MAIN_STACK)
-    before = [(n, _side_stack(cfg.model, n)) for n in names[:main]]
-    after = [(n, _side_stack(cfg.model, n)) for n in names[main + 1:]]
+    before = [(n, _quantized(_side_stack(cfg.model, n), cfg.quantization)) for n in names[:main]]
+    after = [(n, _quantized(_side_stack(cfg.model, n), cfg.quantization)) for n in names[main + 1:]]
     stage_microbatches = shape.repeats * shape.stages * shape.microbatches
     router_weights = (cfg.load_balance_loss_weight, cfg.router_z_loss_weight, cfg.moe_seq_balance_loss_weight)
 
