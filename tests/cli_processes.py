@@ -54,8 +54,8 @@ def _read_at_import(env: Mapping[str, str]) -> dict[str, str]:
 
 @functools.cache
 def _fork_server() -> tuple[Any, dict[str, str]]:
-    """This process's forkserver context, its server started now (once per test worker) to import TOOLS, and what
-    of READ_AT_IMPORT the server's environment (this process's of now) holds."""
+    """This process's forkserver context, its server started now (once per test worker) to import TOOLS and
+    IMPORTED_LATER, and what of READ_AT_IMPORT the server's environment (this process's of now) holds."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([*TOOLS, *IMPORTED_LATER])
     multiprocessing.forkserver.ensure_running()

@@ -2,7 +2,8 @@
 
 Why a frozen dataclass and not pydantic: it is in the standard library (no new dependency), the field types read as
 documentation, and freezing it means no code can mutate configuration behind another module's back. The schema
-lives in `maxshard/config/schema.py`; this module only loads, merges, coerces and derives.
+lives in `maxshard/config/schema.py`, the files are read by `maxshard/config/files.py`; this module merges, coerces and
+derives.
 
 Precedence, lowest first: the `base_config:` chain of YAML files (root first, the file on the command line last),
 the model preset (`model_name` -> `models/NAME.yml` beside a file of the chain), then `key=value` overrides. `mesh_rules` are applied last, for keys the command line did not set.
@@ -11,21 +12,18 @@ Every user mistake raises `ConfigError` with one line that names the key and wha
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import dataclasses
 import difflib
 import math
 import os
 import re
 import typing
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import yaml
-
 from maxshard import dataset_types
-from maxshard.config import yaml_text
+from maxshard.config import files, yaml_text
+from maxshard.config.files import reading_files_once  # re-exported: config.reading_files_once
 from maxshard.config.ranges import check_group_batch, check_ranges
 from maxshard.config.schema import MESH_AXES, Config, knob_name, path_keys
 from maxshard.config.structures import parse_logical_rules, parse_mixture, parse_names
@@ -43,97 +41,6 @@ _USER_KEY_SET = frozenset(_USER_KEYS)  # every key of every file is looked up: a
 def user_keys() -> tuple[str, ...]:
     """Keys a user may set (derived fields are computed, never set)."""
     return _USER_KEYS
-
-
-# --------------------------------------------------------------------------------------------- YAML files
-
-
-_file_cache: dict[str, dict[str, Any]] | None = None  # a dict only inside `reading_files_once()`
-
-
-@contextlib.contextmanager
-def reading_files_once() -> Iterator[None]:
-    """Inside the block each config file is read from disk once; later parses get a copy of what was read.
-
-    For tools that parse the same files hundreds of times, as the planner's layout search does (YAML parsing is
-    most of what `parse` costs). Outside the block every parse reads the files again, so an edited file is seen.
-    """
-    global _file_cache
-    outer = _file_cache
-    _file_cache = {} if outer is None else outer
-    try:
-        yield
-    finally:
-        _file_cache = outer
-
-
-def _read_yaml(path: str) -> dict[str, Any]:
-    if _file_cache is None:
-        return _load_yaml(path)
-    key = os.path.realpath(path)
-    if key not in _file_cache:
-        _file_cache[key] = _load_yaml(path)
-    return copy.deepcopy(_file_cache[key])  # callers pop base_config from what they get
-
-
-def _load_yaml(path: str) -> dict[str, Any]:
-    if not os.path.isfile(path):
-        raise ConfigError(f"config file not found: {path}")
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml_text.safe_load(f)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark is not None else ""
-        problem = getattr(e, "problem", None) or type(e).__name__
-        raise ConfigError(f"invalid YAML in {path}{where}: {problem}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"cannot read config file {path}: {e}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of key: value, not {type(data).__name__}")
-    return data
-
-
-def _file_chain(path: str) -> list[tuple[str, dict[str, Any]]]:
-    """The file and its `base_config:` ancestors, root first."""
-    chain: list[tuple[str, dict[str, Any]]] = []
-    seen: set[str] = set()
-    current: str | None = path
-    while current is not None:
-        real = os.path.realpath(current)
-        if real in seen:
-            raise ConfigError(f"base_config cycle: {current} is its own ancestor")
-        seen.add(real)
-        data = _read_yaml(current)
-        parent = data.pop("base_config", None)
-        chain.append((current, data))
-        if parent is None:
-            current = None
-        elif not isinstance(parent, str):
-            raise ConfigError(f"base_config in {current} must be a file path")
-        else:
-            current = os.path.join(os.path.dirname(current), parent)
-    return list(reversed(chain))
-
-
-def _model_file(model_name: str, chain: list[tuple[str, dict[str, Any]]]) -> str:
-    """`configs/models/NAME.yml` next to any file of the chain (nearest to the command line first), or a path."""
-    if model_name.endswith((".yml", ".yaml")):
-        return model_name
-    for path, _ in reversed(chain):
-        candidate = os.path.join(os.path.dirname(path), "models", f"{model_name}.yml")
-        if os.path.isfile(candidate):
-            return candidate
-    presets = sorted(
-        {name[:-4] for path, _ in chain for name in _listdir(os.path.join(os.path.dirname(path), "models"))}
-    )
-    raise ConfigError(f"model_name={model_name!r} has no preset; available: {', '.join(presets) or 'none'}")
-
-
-def _listdir(path: str) -> list[str]:
-    return [n for n in os.listdir(path) if n.endswith(".yml")] if os.path.isdir(path) else []
 
 
 # --------------------------------------------------------------------------------------------- coercion
@@ -270,15 +177,15 @@ def parse(argv: Sequence[str]) -> Config:
             raise ConfigError(f"{key} is given twice on the command line")
         overrides[key] = value
 
-    chain = _file_chain(path)
+    chain = files.file_chain(path)
     values: dict[str, Any] = {}
     for file_path, data in chain:
         _merge_file(values, data, file_path)
     model_name = overrides.get("model_name", values.get("model_name", ""))
     if model_name:
-        model_path = _model_file(str(model_name), chain)
+        model_path = files.model_file(str(model_name), chain)
         model_values: dict[str, Any] = {}
-        _merge_file(model_values, _read_yaml(model_path), model_path)
+        _merge_file(model_values, files.read_yaml(model_path), model_path)
         values.update(model_values)
         allow = overrides.get("override_model_config", values.get("override_model_config", False)) is True
         if not allow:
