@@ -116,6 +116,10 @@ def test_what_the_runner_does_not_run_is_one_line():
                      "num_experts_per_tok=2", *MTP)
     with pytest.raises(ConfigError, match="num_pipeline_repeats must be 1"):
         small_config("pipeline_schedule=zero_bubble", *P2_FSDP4)  # 8 layers, 1 per stage: 4 repeats
+    for schedule in ("1f1b", "circular"):  # ring attention runs under no pipeline schedule
+        with pytest.raises(ConfigError, match="context parallelism does not combine with pipeline parallelism"):
+            small_config(f"pipeline_schedule={schedule}", "ici_pipeline_parallelism=2", "ici_context_parallelism=2",
+                         "ici_fsdp_parallelism=2")
 
 
 @pytest.fixture(scope="module")

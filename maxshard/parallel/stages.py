@@ -88,7 +88,7 @@ def _left_over_layers(cfg: Config) -> int:
     return body % math.lcm(len(cfg.attention_pattern), cfg.moe_layer_interval if cfg.num_experts > 1 else 1)
 
 
-def _check_runner(cfg: Config, mesh_sizes: Mapping[str, int]) -> None:
+def _check_runner(cfg: Config) -> None:
     """What the table schedules' runner (model/layers/pipeline_runner.py) does not run yet, refused in one line."""
     name = cfg.pipeline_schedule
     if name == "circular":
@@ -97,9 +97,6 @@ def _check_runner(cfg: Config, mesh_sizes: Mapping[str, int]) -> None:
         raise ConfigError(f"pipeline_schedule={name} does not run MoE layers after the pipeline (the attention "
                           "pattern leaves an MoE layer over: num_layers - first_k_dense_replace is not a multiple of "
                           "lcm(attention_pattern length, moe_layer_interval)): use pipeline_schedule=circular")
-    if mesh_sizes.get("context", 1) > 1:
-        raise ConfigError(f"pipeline_schedule={name} does not run context parallelism (ici/dcn_context_parallelism) "
-                          "yet: use pipeline_schedule=circular")
 
 
 def resolve(cfg: Config, mesh_sizes: Mapping[str, int]) -> PipelineShape | None:
@@ -110,7 +107,7 @@ def resolve(cfg: Config, mesh_sizes: Mapping[str, int]) -> PipelineShape | None:
     if not cfg.scan_layers:
         raise ConfigError("pipeline parallelism needs scan_layers=true (each stage scans its layers)")
     shape = pipeline_shape(cfg, stages)
-    _check_runner(cfg, mesh_sizes)
+    _check_runner(cfg)
     if cfg.global_batch_size:
         _check_batch(cfg, shape, mesh_sizes)
     return shape
