@@ -89,6 +89,14 @@ class Fitted:
     # the loss their memory holds the logits (the 125m v5e-8 pipeline's buffer assignment gives f32[6, 1, 1, ..]
     # and bf16[1, 6, 1, ..] the offsets of the logits), so the head's side of `head_apart` leaves them out
     pipeline_loss_first: bool = False
+    # layer working sets live at the peak for every multi-token prediction module after the first (`mtp_depth` > 1),
+    # beside the one `working` counts, where the policy recomputes the layer: XLA:CPU runs a module's recomputed layer
+    # while the next one's backward is live (not under none: 1.08 without the term, 1.22 with it)
+    # (the depth-2 step of tests/test_plan_memory.py's wide widths holds 16 more [tokens, embed] and 3 more [tokens,
+    # mlp] float32 values at its peak than the depth-1 step, and each module from the second on adds ~7.7 MB where
+    # its logits and their gradient are 2.1: planned 0.76 and 0.65 at depths 2 and 3 without them); XLA:TPU's
+    # modules add about their logits (benchmarks/README.md, "Multi-token prediction modules")
+    mtp_working_sets: int = 0
 
 
 # By compiler. XLA:CPU: the additive model of memory.py's docstring, its constants fitted there. XLA:TPU (libtpu
@@ -125,7 +133,7 @@ class Fitted:
 # A compiler without an entry (XLA:GPU) takes XLA:CPU's (on an H100: within 25%, compile_check.py's
 # docstring).
 FITTED = {
-    "xla:cpu": Fitted(XLA_CPU_WORKING),
+    "xla:cpu": Fitted(XLA_CPU_WORKING, mtp_working_sets=1),
     "xla:tpu": Fitted(XLA_TPU_WORKING, head_apart=True, weight_cast=True, tile=(8, 128), gathered_layers=2,
                       head_weights=2, unit_kept=0.8, moe_rows={"dropping": (2, 6), "local": (2, 5)},
                       frozen_working=0.54, pipeline_loss_first=True),

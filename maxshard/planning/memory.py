@@ -84,6 +84,9 @@ s = the compute dtype's itemsize:
                 XLA:TPU differentiates the MoE layer as a phase of its own: the unit holds the larger of its
                 measured rows and the layer's working set less the dense MLP's share (planning/moe_memory.py
                 `working_bytes`, `Fitted.moe_rows`)
+    prediction  each multi-token prediction module (`mtp_depth`): its layer as one more saved layer, its head's
+                logits and their gradient as the main head's; on XLA:CPU every module after the first also
+                a layer working set where the policy recomputes the layer (`Fitted.mtp_working_sets`)
     frozen      with LoRA (the base weights frozen, no weight gradients) the layer's working set is
                 `Fitted.frozen_working` of it (XLA:TPU: 0.54, measured at one shape)
     accumulation  with k > 1 microbatches, one microbatch's activations at a time (tokens / k in whole
@@ -229,9 +232,14 @@ def activation_terms(cfg: Config, sizes: Mapping[str, int], geo: Geometry, gathe
     frozen = _frozen_share(cfg)
     moe_dots = moe_memory.matmul_bytes(cfg, w, sizes, size)
     moe_saved = {"everything": moe_per_layer, "dots": moe_dots}.get(policy.keeps, 0.0)
+    # the prediction modules after the first: a layer working set each where the compiler holds one (`Fitted`): the
+    # recomputed layer of one beside the next one's backward, so not under none, which recomputes nothing
+    recomputes = policy.keeps != "everything"
+    modules = max(cfg.model.mtp_depth - 1, 0) * fitted(target).mtp_working_sets * recomputes
     return ActivationTerms(
         saved=geo.layers * tokens * (w.saved_bytes(policy, size) + _option_bytes(cfg, w, policy)),
-        working=tokens * w.unit_working_bytes(policy, size, target, per_layer) * frozen,
+        working=tokens * (w.unit_working_bytes(policy, size, target, per_layer)
+                          + modules * w.working_bytes(policy, size, target)) * frozen,
         moe=geo.moe_layers * tokens * moe_saved + tokens * moe_memory.working_bytes(
             cfg, w, sizes, size, target, fitted(target).working[remat.on_device(policy).name],
             w.working_bytes(policy, size, target)),
