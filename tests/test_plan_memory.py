@@ -2,15 +2,15 @@
 
 For 29 configurations (dense and MoE, local/global layer patterns, multi-token prediction; data, fsdp, tensor,
 sequence, context, tensor_sequence, pipeline and expert parallelism, gradient accumulation; every remat policy;
-dot-product and blockwise attention) the train step is compiled from abstract inputs on the 8 simulated CPU devices and its peak
-per device,
+dot-product and blockwise attention) the train step is compiled from abstract inputs on the 8 simulated CPU devices
+and its peak per device,
 
     arguments + temporaries + outputs - aliased (the donated state is updated in place)
 
 is compared with the plan's params + optimizer + gradients + activations. Bound: 15%. Measured on jax 0.10.2:
-largest deviation +13% (a pipeline with 2 microbatches, over; +16% on jax 0.12), most within 5%. float32 only: XLA:CPU emulates
-bfloat16 through float32 temporaries (a bfloat16 run without remat compiles to 1.4x the plan), which no
-accelerator does.
+largest deviation +13% (a pipeline with 2 microbatches, over; +16% on jax 0.12), most within 5%. float32 only:
+XLA:CPU emulates bfloat16 through float32 temporaries (a bfloat16 run without remat compiles to 1.4x the plan),
+which no accelerator does.
 
 A layer option (qk_norm) adds what is traced from the layers (model/residuals.py): the plan's growth per layer is
 checked against the compiled step's.
