@@ -91,11 +91,11 @@ class Fitted:
     pipeline_loss_first: bool = False
     # layer working sets live at the peak for every multi-token prediction module after the first (`mtp_depth` > 1),
     # beside the one `working` counts, where the policy recomputes the layer: XLA:CPU runs a module's recomputed layer
-    # while the next one's backward is live (not under none: 1.08 without the term, 1.22 with it)
-    # (the depth-2 step of tests/test_plan_memory.py's wide widths holds 16 more [tokens, embed] and 3 more [tokens,
-    # mlp] float32 values at its peak than the depth-1 step, and each module from the second on adds ~7.7 MB where
-    # its logits and their gradient are 2.1: planned 0.76 and 0.65 at depths 2 and 3 without them); XLA:TPU's
-    # modules add about their logits (benchmarks/README.md, "Multi-token prediction modules")
+    # while the next one's backward is live. The depth-2 step of tests/test_plan_memory.py's wide widths holds 16
+    # more [tokens, embed] and 3 more [tokens, mlp] float32 values at its peak than the depth-1 step, and each module
+    # from the second on adds ~7.7 MB where its logits and their gradient are 2.1 (planned 0.76 and 0.65 at depths 2
+    # and 3 without the term); under none nothing recomputes (1.08 without it, 1.22 with). XLA:TPU's modules add
+    # about their logits (benchmarks/README.md, "Multi-token prediction modules").
     mtp_working_sets: int = 0
 
 

@@ -232,17 +232,15 @@ def activation_terms(cfg: Config, sizes: Mapping[str, int], geo: Geometry, gathe
     frozen = _frozen_share(cfg)
     moe_dots = moe_memory.matmul_bytes(cfg, w, sizes, size)
     moe_saved = {"everything": moe_per_layer, "dots": moe_dots}.get(policy.keeps, 0.0)
+    layer_working = w.working_bytes(policy, size, target)
     # the prediction modules after the first: a layer working set each where the compiler holds one (`Fitted`): the
     # recomputed layer of one beside the next one's backward, so not under none, which recomputes nothing
-    recomputes = policy.keeps != "everything"
-    modules = max(cfg.model.mtp_depth - 1, 0) * fitted(target).mtp_working_sets * recomputes
+    modules = max(cfg.model.mtp_depth - 1, 0) * fitted(target).mtp_working_sets if policy.keeps != "everything" else 0
     return ActivationTerms(
         saved=geo.layers * tokens * (w.saved_bytes(policy, size) + _option_bytes(cfg, w, policy)),
-        working=tokens * (w.unit_working_bytes(policy, size, target, per_layer)
-                          + modules * w.working_bytes(policy, size, target)) * frozen,
+        working=tokens * (w.unit_working_bytes(policy, size, target, per_layer) + modules * layer_working) * frozen,
         moe=geo.moe_layers * tokens * moe_saved + tokens * moe_memory.working_bytes(
-            cfg, w, sizes, size, target, fitted(target).working[remat.on_device(policy).name],
-            w.working_bytes(policy, size, target)),
+            cfg, w, sizes, size, target, fitted(target).working[remat.on_device(policy).name], layer_working),
         pipeline=0.0,
         block=w.block_bytes(max(tokens // local_length, 1)),
         host=geo.layers * tokens * w.host_bytes(policy, size),
