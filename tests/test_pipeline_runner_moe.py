@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from flax import traverse_util
 
 from maxshard.model import trainable
 from maxshard.training.step import Trainer, mesh_context
@@ -83,3 +84,43 @@ def test_the_runner_carries_the_router_statistics_like_the_circular_pipeline(cas
         assert sums["moe_bias_loads"].keys() == ref_sums["moe_bias_loads"].keys()
         assert max_relative_difference(sums["moe_bias_loads"], ref_sums["moe_bias_loads"]) < TOLERANCE
     assert max_relative_difference(grads, ref_grads) < TOLERANCE
+
+
+def _padded(batch: dict) -> dict:
+    """`batch` with padding (segment 0) at the ends of the first rows, more in the earlier ones, and one row all
+    padding: the microbatches hold different numbers of real tokens and of sequences holding one."""
+    batch = dict(batch)
+    rows, length = batch["segment_ids"].shape
+    t = np.arange(length)[None, :]
+    real = t < np.where(np.arange(rows) < rows // 4, 4 + np.arange(rows), length)[:, None]
+    real[rows // 2] = False
+    batch["segment_ids"] = np.where(real, batch["segment_ids"], 0).astype(np.int32)
+    batch["loss_weights"] = np.where(real, batch["loss_weights"], 0.0).astype(np.float32)
+    return batch
+
+
+def test_the_prediction_module_s_moe_layer_runs_in_the_last_part_as_in_the_circular_pipeline():
+    """DeepSeek-V3 with its multi-token prediction module, whose layer is an MoE layer, under 1f1b: the runner's last
+    part runs the module per microbatch, where the circular pipeline runs it on the whole batch after its stages.
+    The module's z-loss and sequence-wise loss are its microbatches' weighted by their share of the batch's real
+    tokens and sequences (training/pipelined.py), so with padding that differs between microbatches the loss, the
+    router statistics and the gradients equal the circular pipeline's within 1e-5; its load is one more row of the
+    per-layer loads and its selection bias moves with the whole batch's. The Switch balance loss is off
+    (config/ranges.py refuses it here); its statistic, a metric, is the microbatches' mean."""
+    model = (*DEEPSEEK_LIKE, "mtp_depth=1", "mtp_loss_weight=0.5", "load_balance_loss_weight=0")
+    ref_cfg = small_config(*model, *P2_FSDP4)
+    trainer = Trainer(ref_cfg, mesh_for(ref_cfg))
+    params, batch = random_params(trainer), _padded(packed_batch(ref_cfg, trainer.mesh))
+    ref_sums, ref_grads = sums_and_grads(ref_cfg, params, batch)
+    sums, grads = sums_and_grads(small_config(*model, *P2_FSDP4, "pipeline_schedule=1f1b"), params, batch)
+    assert sorted(sums) == sorted(ref_sums)
+    for key in ("loss_sum", "weight_sum", "mtp_nll_sum", "moe_z_loss", "moe_seq_loss", "moe_assigned", "moe_dropped",
+                "moe_load"):
+        np.testing.assert_allclose(sums[key], ref_sums[key], rtol=TOLERANCE, err_msg=key)
+    assert sums["moe_load"].shape[0] == 2 * 2 + 1  # 2 stage layers x 2 microbatches, then the module's layer
+    assert sums["moe_bias_loads"].keys() == ref_sums["moe_bias_loads"].keys() and any(
+        k.startswith("mtp_1/") for k in sums["moe_bias_loads"])
+    assert max_relative_difference(sums["moe_bias_loads"], ref_sums["moe_bias_loads"]) < TOLERANCE
+    assert max_relative_difference(grads, ref_grads) < TOLERANCE
+    module = traverse_util.flatten_dict(grads["mtp_1"], sep="/")
+    assert any("gate" in path and np.any(g) for path, g in module.items()), sorted(module)  # its router trained

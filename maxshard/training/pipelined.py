@@ -16,11 +16,20 @@ its microbatch. Under `quantization` the stages and stacks, applied as roots of 
 Transformer is (`_Root`), and the Transformer's entry points the last part uses are intercepted already.
 
 MoE router statistics: each stage returns what its layers sowed and its share of the router losses, computed by
-moe_stats' own `loss_sums` and `objective` with the batch's weight split evenly over the R x S x M
-stage-microbatches (the loss is linear in the summed statistics: each of them enters the circular pipeline's
-objective as weight_sum x its value / their number). The weight is the objective's `weight_sum` of the whole call,
-known from the batch before the run; the runner's statistics [R, M, S, ...] go where the circular pipeline puts
-them, so the sums, metrics and selection-bias moves are computed as for the circular schedule.
+moe_stats' own `loss_sums` and `objective` with the batch's weight split evenly over the MoE layers of the
+R x S x M stage-microbatches (and the prediction modules', below; the loss is linear in the summed statistics:
+each of them enters the circular pipeline's objective as weight_sum x its value / their number). The weight is the
+objective's `weight_sum` of the whole call, known from the batch before the run; the runner's statistics
+[R, M, S, ...] go where the circular pipeline puts them, so the sums, metrics and selection-bias moves are computed
+as for the circular schedule.
+
+The prediction modules' MoE layers (`mtp_depth` on an MoE model) run in the last part, per microbatch, where the
+circular pipeline runs them once on the whole batch: each counts as one entry of the router statistics' mean, as
+there, and its z-loss and sequence-wise loss are its microbatches' weighted by their share of the batch's real
+tokens and of its sequences holding one (`_mtp_router_parts`), which add up to the whole batch's exactly. The
+Switch balance loss is a product of two whole-batch means, whose backward would need every microbatch's routing
+before the first backward: config/ranges.py refuses its weight there, and its statistic (a metric) is the
+microbatches' mean. Loads, counts and the selection biases' loads add up.
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ import jax.numpy as jnp
 from maxshard.config import Config
 from maxshard.model import quantization, trainable
 from maxshard.spec import blocks, pipeline_schedule
-from maxshard.model.layers import moe, mtp, pipeline_runner
+from maxshard.model.layers import moe, moe_stats, mtp, pipeline_runner
 from maxshard.model.layers.decoder import remat_policy, rematted, scanned_stack, stack_unit
 from maxshard.model.layers.pipeline import _stage_class
 from maxshard.model.transformer import scale_embedded
@@ -47,6 +56,10 @@ __all__ = ["runs", "value_and_grad"]
 
 _REFERENCE = "__reference_logps"  # the frozen reference's log-probabilities, beside the batch fields
 _SHARE = "__router_loss_weight"  # each stage-microbatch's share of the call's weight_sum (MoE router losses)
+_MTP_SHARE = "__mtp_router_loss_weight"  # the prediction modules' MoE layers' share of it
+_MTP_PARTS = "__mtp_router_parts"  # a microbatch's parts of the prediction modules' router statistics [3]
+_MTP_ROUTER = "__mtp_router_stats"  # the last part's router statistics, in its sums (summed over microbatches)
+_RUNNER_FIELDS = (_REFERENCE, _SHARE, _MTP_SHARE, _MTP_PARTS)
 
 
 def runs(cfg: Config) -> bool:
@@ -135,11 +148,26 @@ def _run_stacks(modules: list[tuple[str, nn.Module]], params: Any, x: jax.Array,
 
 def _fields(mb: dict) -> dict:
     """The batch fields the objective reads (the runner's own entries taken out)."""
-    return {k: v for k, v in mb.items() if k not in (_REFERENCE, _SHARE)}
+    return {k: v for k, v in mb.items() if k not in _RUNNER_FIELDS}
 
 
 def _hidden_out(module: Any, y: jax.Array) -> jax.Array:
     return module.final_norm(y)
+
+
+def _moe_layers(layers: Any) -> int:
+    return sum(layer.mlp == "moe" for layer in layers)
+
+
+def _mtp_router_parts(segment_ids: jax.Array, microbatches: int) -> jax.Array:
+    """[M, 3]: each microbatch's part of the prediction modules' whole-batch router statistics: 1 / M of the balance
+    loss (the microbatches' mean), its share of the real tokens (the z-loss is a mean over them) and of the
+    sequences holding one (the sequence-wise loss is a mean over those); 0 where the batch has none."""
+    real = pipeline_runner.split_microbatches(segment_ids != 0, microbatches)  # [M, rows, length]
+    tokens = jnp.sum(real, axis=(1, 2)).astype(jnp.float32)
+    sequences = jnp.sum(jnp.any(real, axis=2), axis=1).astype(jnp.float32)
+    share = lambda part: part / jnp.maximum(jnp.sum(part), 1.0)  # noqa: E731
+    return jnp.stack([jnp.full((microbatches,), 1.0 / microbatches), share(tokens), share(sequences)], axis=1)
 
 
 def value_and_grad(trainer: Any) -> Callable[..., tuple[tuple[jax.Array, dict], Any]]:
@@ -159,6 +187,11 @@ def value_and_grad(trainer: Any) -> Callable[..., tuple[tuple[jax.Array, dict], 
     after = [(n, _quantized(_side_stack(cfg.model, n), cfg.quantization)) for n in names[main + 1:]]
     stage_microbatches = shape.repeats * shape.stages * shape.microbatches
     router_weights = (cfg.load_balance_loss_weight, cfg.router_z_loss_weight, cfg.moe_seq_balance_loss_weight)
+    # the router statistics' entries the circular pipeline averages: each MoE layer of a stage once per
+    # stage-microbatch, each of the prediction modules' once (on the whole batch)
+    stage_moe = shape.layers_per_stage * _moe_layers(blocks.main_stack(cfg.model).unit)
+    mtp_moe = _moe_layers(blocks.mtp_layers(cfg.model)) if trainer.trains_mtp else 0
+    entries = stage_microbatches * stage_moe + mtp_moe
 
     def stage(w: Any, wf: Any, x: jax.Array, aux: Any) -> tuple[jax.Array, tuple[jax.Array, Any]]:
         """(y, (the router losses' share of the objective, what the layers sowed)); 0 and {} for dense stacks."""
@@ -177,10 +210,13 @@ def value_and_grad(trainer: Any) -> Callable[..., tuple[tuple[jax.Array, dict], 
         params = {"params": trainable.merge(lt, lf)}
         y = _run_stacks(after, params["params"], y, mb)
         predicted: list[jax.Array] = []
+        router: dict = {}
         if trainer.trains_mtp:  # the prediction modules read the microbatch's embedded tokens, embedded again here
             embedded = model.apply(params, mb["inputs"], method=_embed)
-            hidden, predicted = model.apply(params, y, embedded, mb["segment_ids"], mb["positions"],
-                                            method="after_stack")
+            (hidden, predicted), sown = model.apply(params, y, embedded, mb["segment_ids"], mb["positions"],
+                                                    method="after_stack", mutable=[moe.STATS_COLLECTION])
+            if mtp_moe:  # their MoE layers' statistics, as this microbatch's part of the whole batch's
+                router = moe_stats.scaled(moe.collect_stats(sown[moe.STATS_COLLECTION]), *mb[_MTP_PARTS])
         else:
             hidden = model.apply(params, y, method=_hidden_out)
         head = lambda h: model.apply(params, h, method="head")  # noqa: E731
@@ -193,6 +229,9 @@ def value_and_grad(trainer: Any) -> Callable[..., tuple[tuple[jax.Array, dict], 
             logps_of = lambda fn, h, t: chunked_token_logps(fn, h, t, max(cfg.loss_chunks, 1), _token_logps)  # noqa
             sums = {**sums, **mtp.loss_sums(head, predicted, mb, logps_of)}
             loss_sum = loss_sum + mtp.objective(sums, cfg.mtp_loss_weight)  # linear in each microbatch's sums
+        if router:  # the modules' router losses, each layer one entry of the mean as the stages' layers are
+            loss_sum = loss_sum + moe.objective(moe.loss_sums(router, mb[_MTP_SHARE]), *router_weights)
+            sums = {**sums, _MTP_ROUTER: router}
         return loss_sum, sums
 
     def first_fn(ot: Any, of: Any, mb: dict) -> jax.Array:
@@ -216,12 +255,17 @@ def value_and_grad(trainer: Any) -> Callable[..., tuple[tuple[jax.Array, dict], 
         if cfg.model.is_moe:  # the call's weight_sum (a function of the batch alone), shared by the stages
             nothing = jnp.zeros(batch["targets"].shape, jnp.float32)
             weight = objective.sums(nothing, _fields(batch), totals, nothing if ref is None else ref)[1]["weight_sum"]
-            aux[_SHARE] = jnp.full((shape.microbatches,), weight / stage_microbatches, jnp.float32)
+            aux[_SHARE] = jnp.full((shape.microbatches,), weight * stage_moe / entries, jnp.float32)
+            if mtp_moe:
+                aux[_MTP_SHARE] = jnp.full((shape.microbatches,), weight * mtp_moe / entries, jnp.float32)
+                aux[_MTP_PARTS] = _mtp_router_parts(batch["segment_ids"], shape.microbatches)
         loss_of = lambda lt, lf, y, mb: last_fn(lt, lf, y, mb, totals)  # noqa: E731
         sums, stack_g, outer_g, sown = pipeline_runner.run(table, first_fn, stage_fn, loss_of, (stack_t, stack_f),
                                                            (outer_t, outer_f), aux, trainer.mesh, stack_specs)
         # where the circular pipeline puts its stages' sown values (layers/pipeline.py), whose paths moe_stats maps
         stats = moe.collect_stats({"decoder": {"pipeline": {"stages": sown}}}) if sown else {}
+        if _MTP_ROUTER in sums:
+            stats = moe_stats.joined(stats, sums.pop(_MTP_ROUTER))  # the circular order: the modules sow last
         sums = {**sums, **moe.loss_sums(stats, sums["weight_sum"])}
         loss = sums["loss_sum"] + moe.objective(sums, *router_weights) + mtp.objective(sums, cfg.mtp_loss_weight)
         return (loss, sums), _join_stack(stack_g, outer_g)

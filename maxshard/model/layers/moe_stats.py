@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
-__all__ = ["STATS_COLLECTION", "STATS_NAME", "LOAD_STAT", "BIAS_PARAM", "BIAS_LOAD", "collect_stats", "loss_sums",
-           "objective", "move_bias", "metrics"]
+__all__ = ["STATS_COLLECTION", "STATS_NAME", "LOAD_STAT", "BIAS_PARAM", "BIAS_LOAD", "collect_stats", "scaled",
+           "joined", "loss_sums", "objective", "move_bias", "metrics"]
 
 STATS_COLLECTION = "intermediates"
 STATS_NAME = "moe_stats"
@@ -74,6 +74,23 @@ def collect_stats(intermediates: Mapping[str, Any]) -> dict[str, Any]:
     bias_loads: dict[str, jax.Array] = {}
     _find_bias_loads(intermediates, (), bias_loads)
     return {**stats, _BIAS_LOADS: bias_loads} if bias_loads else stats
+
+
+def scaled(stats: Mapping[str, Any], balance: jax.Array, z: jax.Array, sequence: jax.Array) -> dict[str, Any]:
+    """`collect_stats`' statistics with each layer's balance, z and sequence-wise losses times these factors, the
+    counts and loads as they are: one microbatch's part of a whole batch's statistics, summed over the microbatches
+    (training/pipelined.py: the prediction modules under a table pipeline schedule)."""
+    return {**stats, "lb_loss": stats["lb_loss"] * balance, "z_loss": stats["z_loss"] * z,
+            "seq_loss": stats["seq_loss"] * sequence}
+
+
+def joined(first: Mapping[str, Any], second: Mapping[str, Any]) -> dict[str, Any]:
+    """Two `collect_stats` results as one: `first`'s layers, then `second`'s."""
+    if not first or not second:
+        return dict(first or second)
+    out: dict[str, Any] = {name: jnp.concatenate([first[name], second[name]]) for name in first if name != _BIAS_LOADS}
+    loads = {**first.get(_BIAS_LOADS, {}), **second.get(_BIAS_LOADS, {})}
+    return {**out, _BIAS_LOADS: loads} if loads else out
 
 
 def loss_sums(stats: Mapping[str, Any], weight_sum: jax.Array) -> dict[str, Any]:
