@@ -8,7 +8,8 @@ and its peak per device,
     arguments + temporaries + outputs - aliased (the donated state is updated in place)
 
 is compared with the plan's params + optimizer + gradients + activations. Bound: 15%. Measured on jax 0.10.2:
-largest deviation +13% (a pipeline with 2 microbatches, over; +16% on jax 0.12), most within 5%. float32 only:
+largest deviation +9% (a local/global unit and a pipeline, over), most within 7%; the pipeline with 2 microbatches
++7% (+9% on jax 0.12), +13% (+16%) while the plan counted its stages' first layer input twice. float32 only:
 XLA:CPU emulates bfloat16 through float32 temporaries (a bfloat16 run without remat compiles to 1.4x the plan),
 which no accelerator does.
 

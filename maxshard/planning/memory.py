@@ -93,8 +93,9 @@ s = the compute dtype's itemsize:
                 sequences: a microbatch smaller than the batch shards still holds one per device) and one more
                 float32 gradient buffer (the running sum)
     pipeline    the schedule's kept stage inputs (circular: one per iteration, M x R + S - 1), each one microbatch's
-                [microbatch tokens, E] and what the policy saves of the stage's layers (none saves matmul outputs
-                there: see layers/pipeline.py); the working set is one stage's layers' on one microbatch; plus the
+                [microbatch tokens, E] and what the policy saves of the stage's layers but their first layer's
+                input, which is the kept stage input (none saves matmul outputs there: see layers/pipeline.py);
+                the working set is one stage's layers' on one microbatch; plus the
                 schedule's circulation buffer, `buffer_microbatches` microbatches (circular: all M, [tokens, E]);
                 circular on XLA:TPU: the loss runs before the gradients and cast weights exist: `head` less them
                 (`pipeline_loss_first`)
@@ -287,7 +288,9 @@ def _pipeline_terms(cfg: Config, w: Widths, geo: Geometry, tokens: int, per_laye
     microbatch = tokens // geo.microbatches
     stage_layers = cfg.model.pipeline.layers_per_stage * per_layer
     layer = w.saved_bytes(policy, size) + _option_bytes(cfg, w, policy)
-    inside = 0 if policy.name == "full" else stage_layers * layer
+    # the stage's first layer input is the iteration's kept input, counted once, in `pipeline`
+    first_input = w.stream * size if policy.keeps == "names" and remat.LAYER_INPUT not in policy.host else 0
+    inside = 0 if policy.name == "full" else stage_layers * layer - first_input
     local_length = cfg.max_target_length
     return ActivationTerms(
         saved=geo.kept_inputs * microbatch * inside,
