@@ -82,8 +82,7 @@ def _check_batch(cfg: Config, shape: PipelineShape, mesh_sizes: Mapping[str, int
 
 def _left_over_layers(cfg: Config) -> int:
     """How many layers the main stack's unit leaves over (spec/blocks.py's last stack): the runner computes
-    them per microbatch on the last stage, whose MoE statistics would be per-microbatch means where the circular
-    pipeline's are over the whole batch."""
+    them per microbatch on the last stage, where the circular pipeline runs them on the whole batch."""
     body = cfg.num_layers - (cfg.first_k_dense_replace if cfg.num_experts > 1 else 0)
     return body % math.lcm(len(cfg.attention_pattern), cfg.moe_layer_interval if cfg.num_experts > 1 else 1)
 
@@ -93,10 +92,13 @@ def _check_runner(cfg: Config) -> None:
     name = cfg.pipeline_schedule
     if name == "circular":
         return
-    if cfg.num_experts > 1 and _left_over_layers(cfg) >= cfg.moe_layer_interval:
-        raise ConfigError(f"pipeline_schedule={name} does not run MoE layers after the pipeline (the attention "
-                          "pattern leaves an MoE layer over: num_layers - first_k_dense_replace is not a multiple of "
-                          "lcm(attention_pattern length, moe_layer_interval)): use pipeline_schedule=circular")
+    if cfg.num_experts > 1 and cfg.load_balance_loss_weight and _left_over_layers(cfg) >= cfg.moe_layer_interval:
+        raise ConfigError(f"load_balance_loss_weight={cfg.load_balance_loss_weight} with an MoE layer after the "
+                          f"pipeline (the attention pattern leaves one over: num_layers - first_k_dense_replace is not "
+                          f"a multiple of lcm(attention_pattern length, moe_layer_interval)) runs with "
+                          f"pipeline_schedule=circular only (the table schedules run that layer per microbatch, and "
+                          f"its balance loss needs the whole batch's routing before any backward): set "
+                          f"load_balance_loss_weight=0 or use pipeline_schedule=circular, got {name}")
 
 
 def resolve(cfg: Config, mesh_sizes: Mapping[str, int]) -> PipelineShape | None:

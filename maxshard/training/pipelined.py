@@ -23,13 +23,14 @@ objective's `weight_sum` of the whole call, known from the batch before the run;
 [R, M, S, ...] go where the circular pipeline puts them, so the sums, metrics and selection-bias moves are computed
 as for the circular schedule.
 
-The prediction modules' MoE layers (`mtp_depth` on an MoE model) run in the last part, per microbatch, where the
-circular pipeline runs them once on the whole batch: each counts as one entry of the router statistics' mean, as
-there, and its z-loss and sequence-wise loss are its microbatches' weighted by their share of the batch's real
-tokens and of its sequences holding one (`_mtp_router_parts`), which add up to the whole batch's exactly. The
-Switch balance loss is a product of two whole-batch means, whose backward would need every microbatch's routing
-before the first backward: config/ranges.py refuses its weight there, and its statistic (a metric) is the
-microbatches' mean. Loads, counts and the selection biases' loads add up.
+The last part's MoE layers (a layer the attention pattern leaves over after the pipeline, and the prediction
+modules' with `mtp_depth` on an MoE model) run per microbatch, where the circular pipeline runs them once on the
+whole batch: each counts as one entry of the router statistics' mean, as there, and its z-loss and sequence-wise
+loss are its microbatches' weighted by their share of the batch's real tokens and of its sequences holding one
+(`_last_router_parts`), which add up to the whole batch's exactly. The Switch balance loss is a product of two
+whole-batch means, whose backward would need every microbatch's routing before the first backward:
+config/ranges.py refuses its weight there, and its statistic (a metric) is the microbatches' mean. Loads, counts
+and the selection biases' loads add up.
 """
 
 from __future__ import annotations
@@ -56,10 +57,10 @@ __all__ = ["runs", "value_and_grad"]
 
 _REFERENCE = "__reference_logps"  # the frozen reference's log-probabilities, beside the batch fields
 _SHARE = "__router_loss_weight"  # each stage-microbatch's share of the call's weight_sum (MoE router losses)
-_MTP_SHARE = "__mtp_router_loss_weight"  # the prediction modules' MoE layers' share of it
-_MTP_PARTS = "__mtp_router_parts"  # a microbatch's parts of the prediction modules' router statistics [3]
-_MTP_ROUTER = "__mtp_router_stats"  # the last part's router statistics, in its sums (summed over microbatches)
-_RUNNER_FIELDS = (_REFERENCE, _SHARE, _MTP_SHARE, _MTP_PARTS)
+_LAST_SHARE = "__last_router_loss_weight"  # the last part's MoE layers' share of it
+_LAST_PARTS = "__last_router_parts"  # a microbatch's parts of the last part's router statistics [3]
+_LAST_ROUTER = "__last_router_stats"  # the last part's router statistics, in its sums (summed over microbatches)
+_RUNNER_FIELDS = (_REFERENCE, _SHARE, _LAST_SHARE, _LAST_PARTS)
 
 
 def runs(cfg: Config) -> bool:
@@ -140,10 +141,14 @@ def _quantized(module: nn.Module, mode: str) -> nn.Module:
     return module if mode == "none" else quantization.quantize(_Root(module), mode)
 
 
-def _run_stacks(modules: list[tuple[str, nn.Module]], params: Any, x: jax.Array, mb: dict) -> jax.Array:
+def _run_stacks(modules: list[tuple[str, nn.Module]], params: Any, x: jax.Array, mb: dict) -> tuple[jax.Array, dict]:
+    """(the stacks' output, what their MoE layers sowed, under decoder/<stack> as in the whole model)."""
+    sown: dict = {}
     for name, module in modules:
-        x, _ = module.apply({"params": params["decoder"][name]}, x, mb["segment_ids"], mb["positions"])
-    return x
+        (x, _), values = module.apply({"params": params["decoder"][name]}, x, mb["segment_ids"], mb["positions"],
+                                      mutable=[moe.STATS_COLLECTION])
+        sown[name] = values.get(moe.STATS_COLLECTION, {})
+    return x, {"decoder": sown}
 
 
 def _fields(mb: dict) -> dict:
@@ -159,8 +164,8 @@ def _moe_layers(layers: Any) -> int:
     return sum(layer.mlp == "moe" for layer in layers)
 
 
-def _mtp_router_parts(segment_ids: jax.Array, microbatches: int) -> jax.Array:
-    """[M, 3]: each microbatch's part of the prediction modules' whole-batch router statistics: 1 / M of the balance
+def _last_router_parts(segment_ids: jax.Array, microbatches: int) -> jax.Array:
+    """[M, 3]: each microbatch's part of the last part's whole-batch router statistics: 1 / M of the balance
     loss (the microbatches' mean), its share of the real tokens (the z-loss is a mean over them) and of the
     sequences holding one (the sequence-wise loss is a mean over those); 0 where the batch has none."""
     real = pipeline_runner.split_microbatches(segment_ids != 0, microbatches)  # [M, rows, length]
@@ -188,10 +193,12 @@ def value_and_grad(trainer: Any) -> Callable[..., tuple[tuple[jax.Array, dict], 
     stage_microbatches = shape.repeats * shape.stages * shape.microbatches
     router_weights = (cfg.load_balance_loss_weight, cfg.router_z_loss_weight, cfg.moe_seq_balance_loss_weight)
     # the router statistics' entries the circular pipeline averages: each MoE layer of a stage once per
-    # stage-microbatch, each of the prediction modules' once (on the whole batch)
+    # stage-microbatch, each of the last part's once (on the whole batch: the layers left over, the modules')
     stage_moe = shape.layers_per_stage * _moe_layers(blocks.main_stack(cfg.model).unit)
-    mtp_moe = _moe_layers(blocks.mtp_layers(cfg.model)) if trainer.trains_mtp else 0
-    entries = stage_microbatches * stage_moe + mtp_moe
+    left_over = [blocks.stack_named(cfg.model, n) for n, _ in after]
+    last_moe = (sum(s.repeats * _moe_layers(s.unit) for s in left_over)
+                + (_moe_layers(blocks.mtp_layers(cfg.model)) if trainer.trains_mtp else 0))
+    entries = stage_microbatches * stage_moe + last_moe
 
     def stage(w: Any, wf: Any, x: jax.Array, aux: Any) -> tuple[jax.Array, tuple[jax.Array, Any]]:
         """(y, (the router losses' share of the objective, what the layers sowed)); 0 and {} for dense stacks."""
@@ -208,17 +215,17 @@ def value_and_grad(trainer: Any) -> Callable[..., tuple[tuple[jax.Array, dict], 
 
     def last_fn(lt: Any, lf: Any, y: jax.Array, mb: dict, totals: dict) -> tuple[jax.Array, dict]:
         params = {"params": trainable.merge(lt, lf)}
-        y = _run_stacks(after, params["params"], y, mb)
+        y, sown = _run_stacks(after, params["params"], y, mb)
         predicted: list[jax.Array] = []
-        router: dict = {}
         if trainer.trains_mtp:  # the prediction modules read the microbatch's embedded tokens, embedded again here
             embedded = model.apply(params, mb["inputs"], method=_embed)
-            (hidden, predicted), sown = model.apply(params, y, embedded, mb["segment_ids"], mb["positions"],
-                                                    method="after_stack", mutable=[moe.STATS_COLLECTION])
-            if mtp_moe:  # their MoE layers' statistics, as this microbatch's part of the whole batch's
-                router = moe_stats.scaled(moe.collect_stats(sown[moe.STATS_COLLECTION]), *mb[_MTP_PARTS])
+            (hidden, predicted), modules = model.apply(params, y, embedded, mb["segment_ids"], mb["positions"],
+                                                       method="after_stack", mutable=[moe.STATS_COLLECTION])
+            sown = {**sown, **modules.get(moe.STATS_COLLECTION, {})}  # the circular order: the modules sow last
         else:
             hidden = model.apply(params, y, method=_hidden_out)
+        # the MoE layers' statistics, as this microbatch's part of the whole batch's
+        router = moe_stats.scaled(moe.collect_stats(sown), *mb[_LAST_PARTS]) if last_moe else {}
         head = lambda h: model.apply(params, h, method="head")  # noqa: E731
         if cfg.loss_chunks > 1:
             logps = chunked_token_logps(head, hidden, mb["targets"], cfg.loss_chunks, _token_logps)
@@ -229,14 +236,14 @@ def value_and_grad(trainer: Any) -> Callable[..., tuple[tuple[jax.Array, dict], 
             logps_of = lambda fn, h, t: chunked_token_logps(fn, h, t, max(cfg.loss_chunks, 1), _token_logps)  # noqa
             sums = {**sums, **mtp.loss_sums(head, predicted, mb, logps_of)}
             loss_sum = loss_sum + mtp.objective(sums, cfg.mtp_loss_weight)  # linear in each microbatch's sums
-        if router:  # the modules' router losses, each layer one entry of the mean as the stages' layers are
-            loss_sum = loss_sum + moe.objective(moe.loss_sums(router, mb[_MTP_SHARE]), *router_weights)
-            sums = {**sums, _MTP_ROUTER: router}
+        if router:  # their router losses, each layer one entry of the mean as the stages' layers are
+            loss_sum = loss_sum + moe.objective(moe.loss_sums(router, mb[_LAST_SHARE]), *router_weights)
+            sums = {**sums, _LAST_ROUTER: router}
         return loss_sum, sums
 
     def first_fn(ot: Any, of: Any, mb: dict) -> jax.Array:
         params = {"params": trainable.merge(ot, of)}
-        return _run_stacks(before, params["params"], model.apply(params, mb["inputs"], method=_embed), mb)
+        return _run_stacks(before, params["params"], model.apply(params, mb["inputs"], method=_embed), mb)[0]
 
     # the trained stack's state sharding, to which the runner pins each stage's weights and their gradient
     state_specs = jax.tree.map(lambda s: s.spec, trainer.state_shardings.params)
@@ -256,16 +263,16 @@ def value_and_grad(trainer: Any) -> Callable[..., tuple[tuple[jax.Array, dict], 
             nothing = jnp.zeros(batch["targets"].shape, jnp.float32)
             weight = objective.sums(nothing, _fields(batch), totals, nothing if ref is None else ref)[1]["weight_sum"]
             aux[_SHARE] = jnp.full((shape.microbatches,), weight * stage_moe / entries, jnp.float32)
-            if mtp_moe:
-                aux[_MTP_SHARE] = jnp.full((shape.microbatches,), weight * mtp_moe / entries, jnp.float32)
-                aux[_MTP_PARTS] = _mtp_router_parts(batch["segment_ids"], shape.microbatches)
+            if last_moe:
+                aux[_LAST_SHARE] = jnp.full((shape.microbatches,), weight * last_moe / entries, jnp.float32)
+                aux[_LAST_PARTS] = _last_router_parts(batch["segment_ids"], shape.microbatches)
         loss_of = lambda lt, lf, y, mb: last_fn(lt, lf, y, mb, totals)  # noqa: E731
         sums, stack_g, outer_g, sown = pipeline_runner.run(table, first_fn, stage_fn, loss_of, (stack_t, stack_f),
                                                            (outer_t, outer_f), aux, trainer.mesh, stack_specs)
         # where the circular pipeline puts its stages' sown values (layers/pipeline.py), whose paths moe_stats maps
         stats = moe.collect_stats({"decoder": {"pipeline": {"stages": sown}}}) if sown else {}
-        if _MTP_ROUTER in sums:
-            stats = moe_stats.joined(stats, sums.pop(_MTP_ROUTER))  # the circular order: the modules sow last
+        if _LAST_ROUTER in sums:  # the circular order: the layers after the pipeline sow after its stages
+            stats = moe_stats.joined(stats, sums.pop(_LAST_ROUTER))
         sums = {**sums, **moe.loss_sums(stats, sums["weight_sum"])}
         loss = sums["loss_sum"] + moe.objective(sums, *router_weights) + mtp.objective(sums, cfg.mtp_loss_weight)
         return (loss, sums), _join_stack(stack_g, outer_g)
