@@ -285,13 +285,6 @@ def _check_local_global(cfg: Config) -> None:
                           f"{cfg.rope_local_max_timescale}")
     if cfg.mtp_depth < 0 or cfg.mtp_loss_weight < 0:
         raise ConfigError(f"mtp_depth and mtp_loss_weight must be >= 0, got {cfg.mtp_depth} and {cfg.mtp_loss_weight}")
-    if (cfg.mtp_depth and cfg.num_experts > 1 and cfg.load_balance_loss_weight
-            and cfg.pipeline_schedule != "circular"):
-        raise ConfigError(f"load_balance_loss_weight={cfg.load_balance_loss_weight} with mtp_depth={cfg.mtp_depth} on "
-                          f"an MoE model runs with pipeline_schedule=circular only (the table schedules run the "
-                          f"prediction modules per microbatch, and their balance loss needs the whole batch's "
-                          f"routing before any backward): set load_balance_loss_weight=0 (aux-loss-free balancing: "
-                          f"moe_router_bias) or use pipeline_schedule=circular, got {cfg.pipeline_schedule}")
     if cfg.mlp_activation == "clamped_swiglu" and not (cfg.swiglu_limit > 0 and cfg.swiglu_alpha > 0):
         raise ConfigError(f"swiglu_limit and swiglu_alpha must be > 0, got {cfg.swiglu_limit} and {cfg.swiglu_alpha}")
 

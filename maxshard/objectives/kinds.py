@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["FIELDS", "Kind", "KINDS", "NAMES", "kind", "fields", "REFERENCES", "REFERENCE_FIELD", "GRPO_LOSS_TYPES"]
+__all__ = ["FIELDS", "Kind", "KINDS", "NAMES", "kind", "fields", "trains_mtp", "REFERENCES", "REFERENCE_FIELD",
+           "GRPO_LOSS_TYPES"]
 
 # name -> dtype of every batch field, [batch, length] each (maxshard/data/__init__.py says what each holds)
 FIELDS = {"inputs": "int32", "targets": "int32", "segment_ids": "int32", "positions": "int32",
@@ -73,3 +74,9 @@ def kind(name: str) -> Kind:
 def fields(name: str) -> dict[str, str]:
     """name -> dtype of every batch field objective `name` reads: FIELDS and its own."""
     return {**FIELDS, **dict.fromkeys(kind(name).extra, "float32")}
+
+
+def trains_mtp(name: str, mtp_depth: int, mtp_loss_weight: float) -> bool:
+    """Whether a step of objective `name` trains the multi-token prediction modules (layers/mtp.py): a model with
+    some, a weight for their loss, and the lm objective (the others read the main head only)."""
+    return bool(mtp_depth and mtp_loss_weight and name == "lm")

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 
 from maxshard.config import Config
 from maxshard.errors import ConfigError
+from maxshard.objectives import kinds as objective_kinds
 from maxshard.spec import pipeline_schedule
 from maxshard.spec.model_config import PipelineShape, num_units
 from maxshard.parallel import axis_names as ax
@@ -87,18 +88,29 @@ def _left_over_layers(cfg: Config) -> int:
     return body % math.lcm(len(cfg.attention_pattern), cfg.moe_layer_interval if cfg.num_experts > 1 else 1)
 
 
+def _after_the_pipeline(cfg: Config) -> str:
+    """The MoE layers the runner's last part computes per microbatch, where the circular pipeline runs them on the
+    whole batch, in words ("" for none): a layer the main stack's unit leaves over, the prediction modules'."""
+    if cfg.num_experts <= 1:
+        return ""
+    if _left_over_layers(cfg) >= cfg.moe_layer_interval:
+        return ("an MoE layer after the pipeline (the attention pattern leaves one over: num_layers - "
+                "first_k_dense_replace is not a multiple of lcm(attention_pattern length, moe_layer_interval))")
+    trains = objective_kinds.trains_mtp(cfg.objective, cfg.mtp_depth, cfg.mtp_loss_weight)
+    return f"mtp_depth={cfg.mtp_depth} on an MoE model" if trains else ""
+
+
 def _check_runner(cfg: Config) -> None:
-    """What the table schedules' runner (model/layers/pipeline_runner.py) does not run yet, refused in one line."""
-    name = cfg.pipeline_schedule
-    if name == "circular":
-        return
-    if cfg.num_experts > 1 and cfg.load_balance_loss_weight and _left_over_layers(cfg) >= cfg.moe_layer_interval:
-        raise ConfigError(f"load_balance_loss_weight={cfg.load_balance_loss_weight} with an MoE layer after the "
-                          f"pipeline (the attention pattern leaves one over: num_layers - first_k_dense_replace is not "
-                          f"a multiple of lcm(attention_pattern length, moe_layer_interval)) runs with "
-                          f"pipeline_schedule=circular only (the table schedules run that layer per microbatch, and "
-                          f"its balance loss needs the whole batch's routing before any backward): set "
-                          f"load_balance_loss_weight=0 or use pipeline_schedule=circular, got {name}")
+    """What the table schedules' runner (model/layers/pipeline_runner.py) does not run, refused in one line: the
+    Switch balance loss of the MoE layers its last part runs per microbatch (training/pipelined.py), a product of
+    two whole-batch means whose backward needs every microbatch's routing before the first backward."""
+    name, after = cfg.pipeline_schedule, _after_the_pipeline(cfg)
+    if name != "circular" and after and cfg.load_balance_loss_weight:
+        raise ConfigError(f"load_balance_loss_weight={cfg.load_balance_loss_weight} with {after} runs with "
+                          f"pipeline_schedule=circular only (the table schedules run those layers per microbatch, "
+                          f"and their balance loss needs the whole batch's routing before any backward): set "
+                          f"load_balance_loss_weight=0 (aux-loss-free balancing: moe_router_bias) or use "
+                          f"pipeline_schedule=circular, got {name}")
 
 
 def resolve(cfg: Config, mesh_sizes: Mapping[str, int]) -> PipelineShape | None:

@@ -176,7 +176,7 @@ class Trainer:
     def trains_mtp(self) -> bool:
         """Whether the step trains the multi-token prediction modules (layers/mtp.py): a model with some, a weight
         for their loss and the lm objective (the preference and GRPO objectives read the main head only)."""
-        return bool(self.cfg.model.mtp_depth and self.cfg.mtp_loss_weight and self.cfg.objective == "lm")
+        return objective_kinds.trains_mtp(self.cfg.objective, self.cfg.model.mtp_depth, self.cfg.mtp_loss_weight)
 
     def _token_logps(self, params: Any, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
         """(float32 log-probabilities of the targets [batch, length], MoE router statistics and, when the step
