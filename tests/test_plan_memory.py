@@ -1,6 +1,6 @@
 """The planner's per-device peak against XLA's, and `remat_policy: auto` (maxshard/planning/memory.py, fit.py).
 
-For 29 configurations (dense and MoE, local/global layer patterns, multi-token prediction; data, fsdp, tensor,
+For 30 configurations (dense and MoE, local/global layer patterns, multi-token prediction; data, fsdp, tensor,
 sequence, context, tensor_sequence, pipeline and expert parallelism, gradient accumulation; every remat policy;
 dot-product and blockwise attention) the train step is compiled from abstract inputs on the 8 simulated CPU devices
 and its peak per device,
@@ -69,6 +69,12 @@ CASES: dict[str, tuple[str, ...]] = {
                                            "remat_policy=save_qkv_proj"),
     "wide pipeline2 fsdp4 M2 save_qkv_out_proj": (*WIDE, *PIPE2, "num_layers=4", "num_pipeline_microbatches=2",
                                                   "remat_policy=save_qkv_out_proj"),
+    # two layers a stage: one scan inside the iteration's checkpoint, whose backward holds both layers' residuals
+    # whole (memory.py `_stage_working`; 0.76 when the plan counted two layer working sets)
+    "wide pipeline2 fsdp4 2 layers a stage save_qkv_out_proj": (*WIDE, *PIPE2, "num_layers=8",
+                                                                 "num_layers_per_pipeline_stage=2",
+                                                                 "num_pipeline_microbatches=2",
+                                                                 "remat_policy=save_qkv_out_proj"),
     "wide fsdp8 accumulate4 save_qkv_out_proj": (*WIDE, *FSDP8, "gradient_accumulation_steps=4",
                                                  "remat_policy=save_qkv_out_proj"),
     "wide moe fsdp8 group32 none": (*WIDE, *FSDP8, "num_experts=4", "num_experts_per_tok=2", "moe_group_size=32",
