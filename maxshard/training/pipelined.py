@@ -17,7 +17,7 @@ Transformer is (`_Root`), and the Transformer's entry points the last part uses 
 
 MoE router statistics: each stage returns what its layers sowed and its share of the router losses, computed by
 moe_stats' own `loss_sums` and `objective` with the batch's weight split evenly over the MoE layers of the
-R x S x M stage-microbatches (and the prediction modules', below; the loss is linear in the summed statistics:
+R x S x M stage-microbatches (and the last part's, below; the loss is linear in the summed statistics:
 each of them enters the circular pipeline's objective as weight_sum x its value / their number). The weight is the
 objective's `weight_sum` of the whole call, known from the batch before the run; the runner's statistics
 [R, M, S, ...] go where the circular pipeline puts them, so the sums, metrics and selection-bias moves are computed
@@ -29,7 +29,7 @@ whole batch: each counts as one entry of the router statistics' mean, as there, 
 loss are its microbatches' weighted by their share of the batch's real tokens and of its sequences holding one
 (`_last_router_parts`), which add up to the whole batch's exactly. The Switch balance loss is a product of two
 whole-batch means, whose backward would need every microbatch's routing before the first backward:
-config/ranges.py refuses its weight there, and its statistic (a metric) is the microbatches' mean. Loads, counts
+parallel/stages.py refuses its weight there, and its statistic (a metric) is the microbatches' mean. Loads, counts
 and the selection biases' loads add up.
 """
 
