@@ -35,7 +35,8 @@ import math
 from maxshard.spec.model_config import ModelConfig
 
 __all__ = ["ATTENTION_KINDS", "MLP_KINDS", "Layer", "Stack", "MAIN_STACK", "LAST_STACK", "stacks", "layers",
-           "main_stack", "stack_named", "mtp_layers", "AttentionWidths", "attention_widths", "mlp_params"]
+           "main_stack", "stack_named", "mtp_layers", "moe_layers", "AttentionWidths", "attention_widths",
+           "mlp_params"]
 
 ATTENTION_KINDS = ("gqa", "mla")
 MLP_KINDS = ("dense", "moe")
@@ -64,7 +65,7 @@ class Stack:
 
     @property
     def has_moe(self) -> bool:
-        return any(layer.mlp == "moe" for layer in self.unit)
+        return moe_layers(self.unit) > 0
 
 
 @functools.lru_cache(maxsize=64)
@@ -107,6 +108,11 @@ def stack_named(cfg: ModelConfig, name: str) -> Stack:
 def layers(cfg: ModelConfig) -> tuple[Layer, ...]:
     """Every decoder layer's kinds, first to last."""
     return tuple(layer for s in stacks(cfg) for _ in range(s.repeats) for layer in s.unit)
+
+
+def moe_layers(kinds: tuple[Layer, ...]) -> int:
+    """How many of these layers are MoE layers."""
+    return sum(layer.mlp == "moe" for layer in kinds)
 
 
 def mtp_layers(cfg: ModelConfig) -> tuple[Layer, ...]:

@@ -160,10 +160,6 @@ def _hidden_out(module: Any, y: jax.Array) -> jax.Array:
     return module.final_norm(y)
 
 
-def _moe_layers(layers: Any) -> int:
-    return sum(layer.mlp == "moe" for layer in layers)
-
-
 def _last_router_parts(segment_ids: jax.Array, microbatches: int) -> jax.Array:
     """[M, 3]: each microbatch's part of the last part's whole-batch router statistics: 1 / M of the balance
     loss (the microbatches' mean), its share of the real tokens (the z-loss is a mean over them) and of the
@@ -194,10 +190,10 @@ def value_and_grad(trainer: Any) -> Callable[..., tuple[tuple[jax.Array, dict], 
     router_weights = (cfg.load_balance_loss_weight, cfg.router_z_loss_weight, cfg.moe_seq_balance_loss_weight)
     # the router statistics' entries the circular pipeline averages: each MoE layer of a stage once per
     # stage-microbatch, each of the last part's once (on the whole batch: the layers left over, the modules')
-    stage_moe = shape.layers_per_stage * _moe_layers(blocks.main_stack(cfg.model).unit)
+    stage_moe = shape.layers_per_stage * blocks.moe_layers(blocks.main_stack(cfg.model).unit)
     left_over = [blocks.stack_named(cfg.model, n) for n, _ in after]
-    last_moe = (sum(s.repeats * _moe_layers(s.unit) for s in left_over)
-                + (_moe_layers(blocks.mtp_layers(cfg.model)) if trainer.trains_mtp else 0))
+    last_moe = (sum(s.repeats * blocks.moe_layers(s.unit) for s in left_over)
+                + (blocks.moe_layers(blocks.mtp_layers(cfg.model)) if trainer.trains_mtp else 0))
     entries = stage_microbatches * stage_moe + last_moe
 
     def stage(w: Any, wf: Any, x: jax.Array, aux: Any) -> tuple[jax.Array, tuple[jax.Array, Any]]:

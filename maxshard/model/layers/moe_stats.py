@@ -79,7 +79,7 @@ def collect_stats(intermediates: Mapping[str, Any]) -> dict[str, Any]:
 def scaled(stats: Mapping[str, Any], balance: jax.Array, z: jax.Array, sequence: jax.Array) -> dict[str, Any]:
     """`collect_stats`' statistics with each layer's balance, z and sequence-wise losses times these factors, the
     counts and loads as they are: one microbatch's part of a whole batch's statistics, summed over the microbatches
-    (training/pipelined.py: the prediction modules under a table pipeline schedule)."""
+    (training/pipelined.py: the MoE layers after the pipeline under a table schedule)."""
     return {**stats, "lb_loss": stats["lb_loss"] * balance, "z_loss": stats["z_loss"] * z,
             "seq_loss": stats["seq_loss"] * sequence}
 
