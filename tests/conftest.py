@@ -95,7 +95,7 @@ def _device_platforms() -> list[str]:
 # XLA:TPU compiles, multi-process trainings), longest first. pytest-xdist's loadfile hands out files by number of
 # tests, most first, so these would start last and run on alone after the other worker has run out of files: on 2
 # cores the run is CPU-bound, and its length is the CPU work / 2 only if no file is left to run on by itself.
-LONGEST_FILES = ("test_plan_heldout_tpu.py", "test_plan_deepseek_tpu.py", "test_tpu_aot.py", "test_multiprocess.py",
+LONGEST_FILES = ("test_plan_heldout_tpu.py", "test_tpu_aot.py", "test_multiprocess.py",
                  "test_grpo.py", "test_objectives.py", "test_local_checkpoints.py", "test_plan_memory.py",
                  "test_moe_routing.py", "test_elastic.py",
                  "test_eval.py", "test_pipeline_runner.py", "test_mtp.py", "test_blocks.py", "test_peft.py",

@@ -13,7 +13,7 @@ Dropless (ragged_dot, 2 rows per token, the same step): five [rows, 14336] and t
 One MoE layer alone (benchmarks/moe_layer_tpu.py, `sum` of the output as its loss) had held 2E + F and 2E + 3F: a
 constant output gradient that XLA folds is not what a step holds, and the plan built on it was 0.69 of the compiled
 step. Fitted on those two Mixtral programs; held out: a DeepSeek-style shape
-(tests/test_plan_deepseek_tpu.py) and 125m with 8 experts on v5e-8 (benchmarks/README.md, "Mixtral 8x7B").
+(tests/test_tpu_aot.py) and 125m with 8 experts on v5e-8 (benchmarks/README.md, "Mixtral 8x7B").
 """
 
 from __future__ import annotations
