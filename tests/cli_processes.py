@@ -35,6 +35,8 @@ from collections.abc import Mapping, Sequence
 from multiprocessing.reduction import DupFd
 from typing import Any
 
+from maxshard.planning.tpu_compile import ABSTRACT_TPU_VARIABLES
+
 # The modules the fork server imports (those of every tool the tests run; `maxshard.train` imports most of them).
 TOOLS = ("maxshard.train", "maxshard.eval", "maxshard.generate", "maxshard.convert", "maxshard.plan")
 # And what a training run imports only when it gets there (the input pipeline with grain, the metrics writer, jax's
@@ -49,7 +51,11 @@ _TEST_PATHS = {os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.pa
 
 
 def _read_at_import(env: Mapping[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if READ_AT_IMPORT.match(k)}
+    """What of `env` JAX reads at import. Not the variables an ahead-of-time TPU compile in the test process sets
+    for libtpu (planning/tpu_compile.py): libtpu reads them when a backend starts, which each fork does afresh; with
+    them counted, every run after a worker's first XLA:TPU compile started a fresh interpreter when the fork server
+    was started before it."""
+    return {k: v for k, v in env.items() if READ_AT_IMPORT.match(k) and k not in ABSTRACT_TPU_VARIABLES}
 
 
 @functools.cache

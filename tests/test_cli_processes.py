@@ -71,3 +71,16 @@ def test_what_jax_reads_at_import_set_otherwise_gets_a_fresh_interpreter(tmp_pat
     script.write_text(PROBE)
     process = cli_processes.popen([sys.executable, str(script), "none"], env={**os.environ, "JAX_ENABLE_X64": "1"})
     assert isinstance(process, subprocess.Popen) and process.wait(timeout=60) == 0
+
+
+def test_what_an_xla_tpu_compile_sets_for_libtpu_still_forks(tmp_path, monkeypatch):
+    """An ahead-of-time TPU compile in the test process sets libtpu's variables (planning/tpu_compile.py); a run
+    started after it is still a fork, whenever the fork server started."""
+    cli_processes._fork_server()  # started before the compile sets them
+    monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "v5litepod-8")
+    monkeypatch.setenv("TPU_SKIP_MDS_QUERY", "1")
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    process = cli_processes.popen([sys.executable, str(script), "none"], stdout=subprocess.PIPE, text=True)
+    assert isinstance(process, cli_processes.Popen) and process.wait(timeout=60) == 0
+    process.stdout.close()
