@@ -70,10 +70,14 @@ def _slice_shape(chips: int, rank: int) -> tuple[int, ...]:
     return tuple(d for d in best if d > 1) + tuple(d for d in best if d == 1)
 
 
-# What abstract_devices sets in this process's environment for libtpu, which reads them when it describes a topology
-# (a backend starting), not when jax is imported.
-ABSTRACT_TPU_VARIABLES = (
-    "TPU_SKIP_MDS_QUERY", "TPU_WORKER_HOSTNAMES", "TPU_ACCELERATOR_TYPE", "ALLOW_MULTIPLE_LIBTPU_LOAD")
+def _abstract_tpu_environment(target_name: str) -> dict[str, str]:
+    """What abstract_devices sets in this process's environment for libtpu, which reads it when it describes a
+    topology (a backend starting), not when jax is imported."""
+    return {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost", "TPU_ACCELERATOR_TYPE": target_name,
+            "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+
+
+ABSTRACT_TPU_VARIABLES = tuple(_abstract_tpu_environment(""))
 
 
 def abstract_devices(target: Target) -> list[Any]:
@@ -84,7 +88,7 @@ def abstract_devices(target: Target) -> list[Any]:
     # No TPU VM here: libtpu is not to ask a metadata server, and is told the host and slice type it would ask for
     # (without them it prints a screen of warnings). No chip is opened either, so several processes may compile at
     # once (libtpu's lockfile would refuse the second).
-    for variable, value in zip(ABSTRACT_TPU_VARIABLES, ("1", "localhost", target.name, "1")):
+    for variable, value in _abstract_tpu_environment(target.name).items():
         os.environ.setdefault(variable, value)
     from jax.experimental.topologies import get_topology_desc
 
