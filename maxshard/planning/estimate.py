@@ -34,7 +34,7 @@ from maxshard.model import transformer as model
 from maxshard.model.layers import moe
 from maxshard.observe.report import build_report
 from maxshard.parallel import mesh
-from maxshard.planning import gather_memory, hardware, memory, rollout_memory, traffic, widths
+from maxshard.planning import gather_memory, hardware, memory, moe_memory, rollout_memory, traffic, widths
 from maxshard.planning.traffic import Collective
 from maxshard.training.step import abstract_state
 
@@ -214,7 +214,8 @@ def make_plan(cfg: Config, target: Target | None = None) -> Plan:
     grouped_head = gather_memory.grouped_head_bytes(cfg, report, sizes, geo)
     head_weights = 0.0 if any(grouped_head) else gather_memory.gathered_head_bytes(cfg, report, sizes, geo)
     terms = memory.activation_terms(cfg, sizes, geo, gathered, report.gradient_bytes_per_device,
-                                    report.param_bytes_per_device, head_weights, grouped_head)
+                                    report.param_bytes_per_device, head_weights, grouped_head,
+                                    moe_memory.stack_bytes(cfg, report, itemsize))
     model_flops = flops.flops_per_token(cfg.model) * cfg.global_batch_size * cfg.max_target_length / cfg.num_devices
     return Plan(
         cfg=cfg,
@@ -245,6 +246,7 @@ def activations_under(plan: Plan, policy: str) -> memory.ActivationTerms:
     cfg = dataclasses.replace(plan.cfg, remat_policy=policy)
     geo = traffic.geometry(cfg, plan.mesh, np.dtype(cfg.model.compute_dtype).itemsize)
     terms = plan.activation_terms
-    gathered, table, grouped = ((terms.gathered, terms.head_table, terms.head_grouped) if terms is not None
-                                else (0.0, 0.0, (0.0, 0.0)))
-    return memory.activation_terms(cfg, plan.mesh, geo, gathered, plan.gradients, plan.params, table, grouped)
+    gathered, table, grouped, moe_stack = ((terms.gathered, terms.head_table, terms.head_grouped, terms.moe_stack)
+                                           if terms is not None else (0.0, 0.0, (0.0, 0.0), 0.0))
+    return memory.activation_terms(cfg, plan.mesh, geo, gathered, plan.gradients, plan.params, table, grouped,
+                                   moe_stack)

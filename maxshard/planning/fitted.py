@@ -97,6 +97,14 @@ class Fitted:
     # and 3 without the term); under none nothing recomputes (1.08 without it, 1.22 with). XLA:TPU's modules add
     # about their logits (benchmarks/README.md, "Multi-token prediction modules").
     mtp_working_sets: int = 0
+    # the heap's gaps beside the MoE layers' stacked values, as a multiple of those layers' float32 weight gradient
+    # and compute-dtype weights per device (planning/moe_memory.py `stack_bytes`). XLA:TPU (libtpu's own accounting,
+    # its "Program hbm requirement" lines): a dense model's fragmentation stays flat with depth (125m, 12 and 24
+    # layers: 54.9 and 55.9 MiB), an MoE model's grows with its MoE layers: 5.8 MiB per MoE layer from 6 to 12
+    # layers of a DeepSeek-style shape whose MoE layer holds 1.14M parameters per device (6.5 MiB of float32
+    # gradient and bfloat16 cast), 0.9 of them; fitted there, held out on Moonlight-16B at full depth and Mixtral
+    # 8x7B (benchmarks/README.md, "DeepSeek-style on XLA:TPU")
+    moe_stack_gaps: float = 0.0
 
 
 # By compiler. XLA:CPU: the additive model of memory.py's docstring, its constants fitted there. XLA:TPU (libtpu
@@ -136,7 +144,7 @@ FITTED = {
     "xla:cpu": Fitted(XLA_CPU_WORKING, mtp_working_sets=1),
     "xla:tpu": Fitted(XLA_TPU_WORKING, head_apart=True, weight_cast=True, tile=(8, 128), gathered_layers=2,
                       head_weights=2, unit_kept=0.8, moe_rows={"dropping": (2, 6), "local": (2, 5)},
-                      frozen_working=0.54, pipeline_loss_first=True),
+                      frozen_working=0.54, pipeline_loss_first=True, moe_stack_gaps=0.9),
 }
 
 

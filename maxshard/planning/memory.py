@@ -84,6 +84,9 @@ s = the compute dtype's itemsize:
                 XLA:TPU differentiates the MoE layer as a phase of its own: the unit holds the larger of its
                 measured rows and the layer's working set less the dense MLP's share (planning/moe_memory.py
                 `working_bytes`, `Fitted.moe_rows`)
+    gaps        XLA:TPU's heap fragments with the MoE layers' stacked values: `Fitted.moe_stack_gaps` x the MoE
+                layers' float32 gradient and compute-dtype weights per device (`moe_memory.stack_bytes`), a term
+                that grows with the MoE depth as the compiled peaks do (a dense stack's gaps stay flat)
     prediction  each multi-token prediction module (`mtp_depth`): its layer as one more saved layer, its head's
                 logits and their gradient as the main head's; on XLA:CPU every module after the first also
                 a layer working set where the policy recomputes the layer (`Fitted.mtp_working_sets`)
@@ -132,7 +135,8 @@ __all__ = ["ActivationTerms", "gathered_bytes", "activation_terms", "compiler", 
 # `loss_chunks: 0` (auto) splits the loss until one piece's float32 logits per device fit this (training/loss.py).
 LOSS_PIECE_BYTES = 256 * 2**20
 
-_NOT_TERMS = ("host", "head_apart", "head_table", "head_grouped")  # ActivationTerms fields `total` leaves out (host: as_json keeps it)
+# ActivationTerms fields `total` leaves out (host: as_json keeps it)
+_NOT_TERMS = ("host", "head_apart", "head_table", "head_grouped", "moe_stack")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,11 +152,13 @@ class ActivationTerms:
     accumulation: float  # the running gradient sum
     block: float  # the fused attention kernels' score block
     cast: float = 0.0  # the sharded weights cast to the compute dtype, where the compiler keeps them (Fitted)
+    gaps: float = 0.0  # the heap's gaps beside the MoE layers' stacked values (`Fitted.moe_stack_gaps`)
     host: float = 0.0  # what an offload policy moves to host memory: not device memory, not in `total`
     head_apart: bool = False  # Fitted.head_apart: `head` and `working + block` are not live together
     head_table: float = 0.0  # the tied embedding table gathered whole (`gather_memory.gathered_head_bytes`): `head` has
     # `Fitted.head_weights` of it; kept for `estimate.activations_under`, not a term of its own
     head_grouped: tuple[float, float] = (0.0, 0.0)  # `gather_memory.grouped_head_bytes`, kept likewise
+    moe_stack: float = 0.0  # `moe_memory.stack_bytes`, kept likewise (`gaps` has `Fitted.moe_stack_gaps` of it)
 
     @property
     def total(self) -> int:
@@ -210,10 +216,11 @@ def gathered_bytes(cfg: Config, unit_bytes: float, layer_bytes: float = 0.0) -> 
 
 def activation_terms(cfg: Config, sizes: Mapping[str, int], geo: Geometry, gathered: float,
                      gradients: float, params: float = 0.0, head_weights: float = 0.0,
-                     grouped_head: tuple[float, float] = (0.0, 0.0)) -> ActivationTerms:
+                     grouped_head: tuple[float, float] = (0.0, 0.0), moe_stack: float = 0.0) -> ActivationTerms:
     """The terms of the module docstring. `gathered`: what the fsdp gathers hold (`gathered_bytes`); `gradients`:
     the gradient bytes per device (for accumulation); `params`: the parameter bytes per device (for the
-    compute-dtype copy a compiler may keep, `Fitted.weight_cast`)."""
+    compute-dtype copy a compiler may keep, `Fitted.weight_cast`); `moe_stack`: the MoE layers' gradient and cast
+    weights per device (`moe_memory.stack_bytes`)."""
     w, size, target = widths(cfg, sizes), geo.compute_itemsize, compiler(cfg)
     policy = effective_policy(cfg.remat_policy, target)
     local_length = _local_length(cfg, sizes)
@@ -227,7 +234,8 @@ def activation_terms(cfg: Config, sizes: Mapping[str, int], geo: Geometry, gathe
     per_layer = len(blocks.main_stack(cfg.model).unit)  # layers in one stacked unit
     accumulation = gradients if geo.accumulation > 1 else 0.0
     common = dict(head=head, gathered=gathered, accumulation=accumulation, cast=_cast_bytes(cfg, params, size),
-                  head_apart=fitted(target).head_apart, head_table=head_weights, head_grouped=grouped_head)
+                  head_apart=fitted(target).head_apart, head_table=head_weights, head_grouped=grouped_head,
+                  gaps=moe_stack * fitted(target).moe_stack_gaps, moe_stack=moe_stack)
     if geo.stages > 1 or geo.microbatches > 1:
         return _pipeline_terms(cfg, w, geo, tokens, per_layer, moe_per_layer * moe_share, common, gradients)
     frozen = _frozen_share(cfg)

@@ -18,16 +18,24 @@ step. Fitted on those two Mixtral programs; held out: a DeepSeek-style shape
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
+import numpy as np
+
 from maxshard.config import Config
+from maxshard.model import trainable
 from maxshard.model.layers.moe import group_size
+from maxshard.observe.report import Report
 from maxshard.parallel import axis_names as ax
 from maxshard.planning.axes import rule_axes
 from maxshard.planning.fitted import fitted
 from maxshard.planning.widths import Widths
+from maxshard.spec import blocks
 
-__all__ = ["rows", "token_bytes", "working_bytes", "matmul_bytes"]
+__all__ = ["rows", "token_bytes", "working_bytes", "matmul_bytes", "stack_bytes"]
+
+_LAYER_NAME = re.compile(r"layer_(\d+)")  # a layer of a stacked unit, in a parameter's path
 
 
 def _expert_shards(cfg: Config, sizes: Mapping[str, int]) -> int:
@@ -97,3 +105,32 @@ def matmul_bytes(cfg: Config, w: Widths, sizes: Mapping[str, int], itemsize: int
     if not cfg.model.is_moe:
         return 0.0
     return rows(cfg, sizes) * (2 * w.embed + 2 * w.expert) * itemsize
+
+
+def _in_moe_layer(cfg: Config, name: str) -> bool:
+    """Whether the parameter `name` ("params/decoder/[pipeline/]<stack>/[layer_i/]...") belongs to an MoE layer of
+    a decoder stack (spec/blocks.py); the prediction modules' layers are not in a stack."""
+    parts = name.split("/")
+    if parts[:2] != ["params", "decoder"]:
+        return False
+    for stack in blocks.stacks(cfg.model):
+        if stack.name in parts[2:4]:
+            rest = parts[parts.index(stack.name, 2) + 1:]
+            layer = _LAYER_NAME.fullmatch(rest[0]) if rest else None
+            kinds = (stack.unit[int(layer.group(1))],) if layer else stack.unit
+            return blocks.moe_layers(kinds) == len(kinds)
+    return False
+
+
+def stack_bytes(cfg: Config, report: Report, itemsize: int) -> float:
+    """Per device, the MoE layers' float32 weight gradient (what trains of them) and their weights cast to the
+    compute dtype (`itemsize` bytes an element): the stacked values beside which XLA:TPU's heap leaves gaps
+    (`Fitted.moe_stack_gaps`); 0 for a dense model."""
+    if not cfg.model.is_moe:
+        return 0.0
+    total = 0.0
+    for p in report.params:
+        if _in_moe_layer(cfg, p.name):
+            gradient = p.bytes_per_device if trainable.is_trainable(cfg.model, p.name) else 0
+            total += gradient + p.bytes_per_device * itemsize / np.dtype(p.dtype).itemsize
+    return total
