@@ -89,7 +89,8 @@ s = the compute dtype's itemsize:
                 that grows with the MoE depth as the compiled peaks do (a dense stack's gaps stay flat)
     prediction  each multi-token prediction module (`mtp_depth`): its layer as one more saved layer, its head's
                 logits and their gradient as the main head's; on XLA:CPU every module after the first also
-                a layer working set where the policy recomputes the layer (`Fitted.mtp_working_sets`)
+                a layer working set where the policy recomputes the layer (`Fitted.mtp_working_sets`), and
+                under save_out_proj the first module 0.75 of one (`Fitted.mtp_first_working`)
     frozen      with LoRA (the base weights frozen, no weight gradients) the layer's working set is
                 `Fitted.frozen_working` of it (XLA:TPU: 0.54, measured at one shape)
     accumulation  with k > 1 microbatches, one microbatch's activations at a time (tokens / k in whole
@@ -242,9 +243,13 @@ def activation_terms(cfg: Config, sizes: Mapping[str, int], geo: Geometry, gathe
     moe_dots = moe_memory.matmul_bytes(cfg, w, sizes, size)
     moe_saved = {"everything": moe_per_layer, "dots": moe_dots}.get(policy.keeps, 0.0)
     layer_working = w.working_bytes(policy, size, target)
-    # the prediction modules after the first: a layer working set each where the compiler holds one (`Fitted`): the
-    # recomputed layer of one beside the next one's backward, so not under none, which recomputes nothing
-    modules = max(cfg.model.mtp_depth - 1, 0) * fitted(target).mtp_working_sets if policy.keeps != "everything" else 0
+    # the prediction modules: a layer working set each after the first where the compiler holds one (`Fitted`): the
+    # recomputed layer of one beside the next one's backward, so not under none, which recomputes nothing; and the
+    # first module's share where the policy has one (`Fitted.mtp_first_working`)
+    modules = 0.0
+    if cfg.model.mtp_depth and policy.keeps != "everything":
+        f = fitted(target)
+        modules = (cfg.model.mtp_depth - 1) * f.mtp_working_sets + f.mtp_first_working.get(policy.name, 0.0)
     return ActivationTerms(
         saved=geo.layers * tokens * (w.saved_bytes(policy, size) + _option_bytes(cfg, w, policy)),
         working=tokens * (w.unit_working_bytes(policy, size, target, per_layer) + modules * layer_working) * frozen,
