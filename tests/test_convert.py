@@ -44,7 +44,7 @@ from maxshard.training.step import Trainer, mesh_context
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures" / "hf"
-NAMES = ("llama_gqa", "mistral", "llama_tied", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3")
+NAMES = ("llama_gqa", "mistral", "llama_tied", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "kimi_k2")
 GENERATING = ("llama_gqa", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3")  # the fixtures with a tokenizer and generate.json
 APPLY = ("dataset_type=synthetic", "dtype=float32", "weight_dtype=float32", "enable_tensorboard=false")
 TOLERANCE = 1e-4

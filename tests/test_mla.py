@@ -27,17 +27,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxshard import data
+from maxshard import config, data
 from maxshard.errors import ConfigError
 from maxshard.generation.decode import Engine
 from maxshard.generation.sampling import allowed_tokens
-from maxshard.model import flops
+from maxshard.model import flops, transformer
 from maxshard.spec.model_config import ModelConfig
 from maxshard.model.layers import attention_ops as ops
 from maxshard.model.layers import mla, rope
 from maxshard.model.layers.attention import Attention
 from maxshard.model.transformer import Transformer, abstract_params
 from maxshard.parallel import sharding
+from maxshard.run import loading
 from maxshard.training.step import Trainer, mesh_context
 from tests.helpers import layout_overrides, max_relative_difference, mesh_for, tiny_config
 
@@ -332,11 +333,23 @@ def test_decode_from_the_latent_cache_equals_the_full_forward() -> None:
 # --------------------------------------------------------------------------------------------- config
 
 
+@pytest.mark.parametrize(("name", "extra", "count"), [
+    ("deepseek_v3", ("mtp_depth=0", "override_model_config=true"), 671_026_419_200),  # the released "671B main model"
+    ("deepseek_v3", (), 682_636_487_424),  # with its one prediction module (its embedding and head shared)
+    ("moonlight_16b", (), 15_960_110_208),  # Moonlight-16B-A3B: "16B total"
+])
+def test_presets_have_the_published_parameter_counts(name: str, extra: tuple[str, ...], count: int) -> None:
+    """configs/models/deepseek_v3.yml and moonlight_16b.yml load and hold the published models' parameters (what
+    `python -m maxshard.plan ... model_name=NAME` prints)."""
+    parsed = config.parse(["configs/base.yml", f"model_name={name}", *extra])
+    assert transformer.param_count(loading.model_config(config.finalize(parsed, 1))) == count
+
+
 @pytest.mark.parametrize("overrides,message", [
     (("attention_type=mla", "qk_rope_head_dim=5"), "qk_rope_head_dim must be even"),
     (("attention_type=mla", "qk_norm=true"), "set qk_norm=false"),
     (("kv_lora_rank=0",), "kv_lora_rank must be >= 1"),
-    (("rope_scaling_type=yarn", "yarn_beta_fast=1", "yarn_beta_slow=2"), "0 < slow < fast"),
+    (("rope_scaling_type=yarn", "yarn_beta_fast=1", "yarn_beta_slow=2"), "0 < slow <= fast"),
 ])
 def test_bad_latent_attention_and_yarn_keys_are_one_config_error(overrides, message: str) -> None:
     with pytest.raises(ConfigError, match=message):

@@ -33,6 +33,9 @@ Each fixture directory holds what `save_pretrained` writes plus `tokens.npy` (in
                one, copies of the embedding and head), read back by transformers' own MtpModel.from_pretrained;
                mtp_logits.npy: that module's logits for token i + 2 from the main model's normalised last hidden
                states (as transformers' use_mtp generation feeds them), no tokenizer.
+  kimi_k2      deepseek_v3's shape with Kimi-K2's settings (one routing group, routed scaling 2.827, RoPE base 50000,
+               YaRN with beta_fast = beta_slow = 1) and its config.json as Kimi publishes it: model_type kimi_k2,
+               auto_map, topk_method noaux_tc, rope_scaling with "type"; no tokenizer.
   gemma2       Gemma2ForCausalLM: 4 layers alternating local (sliding window of 4 tokens, shorter than the 12-token
                text and than prompt + generation) and global, (1 + w) norms before and after attention and MLP,
                GeGLU (gelu_pytorch_tanh), embeddings x sqrt(width), query_pre_attn_scalar 12 (not head_dim 8),
@@ -206,16 +209,16 @@ def to_4x_spelling(directory: pathlib.Path) -> None:
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
-def deepseek_v3_config(vocab: int) -> DeepseekV3Config:
+def deepseek_v3_config(vocab: int, **changes: object) -> DeepseekV3Config:
     yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8,
             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+    fields = dict(intermediate_size=96, moe_intermediate_size=32, num_key_value_heads=4, n_shared_experts=1,
+                  n_routed_experts=8, routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24,
+                  qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, n_group=4, topk_group=2,
+                  num_experts_per_tok=2, first_k_dense_replace=1, norm_topk_prob=True,
+                  rope_parameters=yarn, rope_interleave=True, rms_norm_eps=1e-6)
     return DeepseekV3Config(**dict(COMMON, vocab_size=vocab, num_hidden_layers=2, max_position_embeddings=32),
-                            intermediate_size=96,
-                            moe_intermediate_size=32, num_key_value_heads=4, n_shared_experts=1,
-                            n_routed_experts=8, routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24,
-                            qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, n_group=4, topk_group=2,
-                            num_experts_per_tok=2, first_k_dense_replace=1, norm_topk_prob=True,
-                            rope_parameters=yarn, rope_interleave=True, rms_norm_eps=1e-6)
+                            **{**fields, **changes})
 
 
 def correction_biases(model: torch.nn.Module, seed: int) -> None:
@@ -233,6 +236,36 @@ def deepseek_v3() -> None:
     model = DeepseekV3ForCausalLM(deepseek_v3_config(len(llama_tok)))
     correction_biases(model, 70)
     with_tokenizer(model, llama_tok, save(model, "deepseek_v3", seed=7, bf16=False), [2])
+
+
+# What Kimi-K2's published config.json (moonshotai/Kimi-K2-Instruct-0905, Kimi-K2-Thinking) holds beyond
+# DeepSeek-V3's: its own model_type and remote-code classes, one routing group, and YaRN with beta_fast = beta_slow.
+KIMI_K2_FIELDS = {
+    "model_type": "kimi_k2",
+    "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                 "AutoModel": "modeling_deepseek.DeepseekV3Model",
+                 "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"},
+    "aux_loss_alpha": 0.001, "ep_size": 1, "moe_layer_freq": 1, "num_nextn_predict_layers": 0, "scoring_func": "sigmoid",
+    "seq_aux": True, "topk_method": "noaux_tc",
+}
+
+
+def kimi_k2() -> None:
+    """DeepseekV3ForCausalLM with Kimi-K2's settings (one group of 8 experts, routed scaling 2.827, RoPE base 50000,
+    YaRN with beta_fast = beta_slow = 1: a step from kept to interpolated frequencies, here over an original context
+    of 8 tokens so that it shows in 12), its config.json then rewritten as Kimi publishes it (KIMI_K2_FIELDS, the
+    transformers 4.x spelling); transformers has no `kimi_k2` model type, so no reload and no generate.json."""
+    yarn = {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 4.0, "original_max_position_embeddings": 8,
+            "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+    model = DeepseekV3ForCausalLM(deepseek_v3_config(VOCAB, rope_parameters=yarn, n_group=1, topk_group=1,
+                                                     routed_scaling_factor=2.827))
+    correction_biases(model, 71)
+    directory = save(model, "kimi_k2", seed=8, bf16=False)
+    to_4x_spelling(directory)
+    path = directory / "config.json"
+    fields = json.loads(path.read_text())
+    fields["rope_scaling"]["type"] = fields["rope_scaling"].pop("rope_type")  # as the released file spells it
+    path.write_text(json.dumps({**fields, **KIMI_K2_FIELDS}, indent=2, sort_keys=True) + "\n")
 
 
 def mtp_tensors(mtp: MtpModel, main: DeepseekV3ForCausalLM) -> dict[str, torch.Tensor]:
@@ -419,7 +452,7 @@ def gpt_oss_mxfp4() -> None:
 def main(names: list[str]) -> None:
     if names:
         for name in names:
-            {"deepseek_v3": deepseek_v3, "deepseek_v3_mtp": deepseek_v3_mtp, "gemma2": gemma2, "gemma3": gemma3, "gemma3_mm": gemma3_multimodal, "gpt_oss": gpt_oss,
+            {"deepseek_v3": deepseek_v3, "deepseek_v3_mtp": deepseek_v3_mtp, "kimi_k2": kimi_k2, "gemma2": gemma2, "gemma3": gemma3, "gemma3_mm": gemma3_multimodal, "gpt_oss": gpt_oss,
              "gpt_oss_mxfp4": gpt_oss_mxfp4}[name]()
         return
     torch.manual_seed(0)
@@ -469,6 +502,7 @@ def main(names: list[str]) -> None:
     with_tokenizer(mixtral, llama_tok, save(mixtral, "mixtral", seed=6, bf16=True), [2])
     deepseek_v3()
     deepseek_v3_mtp()
+    kimi_k2()
     gemma2()
     gemma3()
     gemma3_multimodal()
