@@ -223,7 +223,8 @@ MLA = ("attention_type=mla", "q_lora_rank=16", "kv_lora_rank=16", "qk_nope_head_
        "num_layers=1")
 LAYOUTS = {
     "fsdp4_tensor2": ("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"),
-    "context2_fsdp4": ("ici_context_parallelism=2", "ici_fsdp_parallelism=4"),
+    # the ring over context shards and the sequence axis splitting the length again, in one program
+    "context2_sequence2_fsdp2": ("ici_context_parallelism=2", "ici_sequence_parallelism=2", "ici_fsdp_parallelism=2"),
 }
 
 
