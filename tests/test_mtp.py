@@ -15,6 +15,8 @@ import numpy as np
 from maxshard import data
 from maxshard.checkpoint import format as checkpoint_format
 from maxshard.convert import __main__ as cli
+from maxshard.generation.decode import Engine
+from maxshard.generation.sampling import allowed_tokens
 from maxshard.model import flops, transformer
 from maxshard.spec.model_config import ModelConfig
 from maxshard.model.layers import pipeline
@@ -52,7 +54,8 @@ def _reference_nll(cfg, params, batch) -> tuple[np.ndarray, np.ndarray]:
 
 def test_each_module_learns_the_tokens_ahead_in_its_document_and_the_main_head_is_unchanged() -> None:
     """A fresh run's init and train step (one device): `mtp/loss_k` equals module k's cross-entropy computed
-    position by position; the step's loss is the main head's alone, equal to the same model's without modules."""
+    position by position; the step's loss is the main head's alone, equal to the same model's without modules, and
+    so is what greedy generation decodes from the state."""
     cfg = tiny_config(*SMALL, *MTP, num_devices=1, global_batch=2)
     trainer = Trainer(cfg, mesh_for(cfg))
     state = trainer.init_state()
@@ -72,6 +75,14 @@ def test_each_module_learns_the_tokens_ahead_in_its_document_and_the_main_head_i
     logps = np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)), batch["targets"][..., None], -1)[..., 0]
     w = batch["loss_weights"]
     np.testing.assert_allclose(metrics["loss"], -(logps * w).sum() / w.sum(), rtol=1e-5)
+
+    # generation skips the modules: greedy decoding from the whole state equals the plain model's, logit for logit
+    prompts, allowed = [[1, 5, 9, 4], [1, 7]], allowed_tokens(cfg.model.vocab_size, 259, (0, 1))
+    with_modules = Engine(cfg.model, trainer.mesh, trainer.rules, state.params, allowed)
+    plain_engine = Engine(plain_cfg.model, trainer.mesh, trainer.rules, jax.device_put(main), allowed)
+    ours, theirs = (e.generate(prompts, 4, 2, 0, keep_logits=True) for e in (with_modules, plain_engine))
+    assert ours.tokens == theirs.tokens
+    np.testing.assert_array_equal(np.asarray(ours.step_logits), np.asarray(theirs.step_logits))
 
 
 def test_the_modules_keep_their_function_under_pipeline_tensor_and_fsdp() -> None:
