@@ -33,8 +33,9 @@ def plan():
 
 
 def test_the_moe_backward_is_a_phase_of_its_own_on_xla_tpu(plan) -> None:
-    """Per token, the unit holds the larger of the MoE rows (2.5 rows of 2E + 6F) and the layer's working set less the
-    dense MLP's share; XLA:CPU keeps its count."""
+    """Per token, the unit holds the larger of the MoE rows (2.5 rows of 2E + 6F; dropless 2 rows of 2E + 5F, or with
+    the experts split the exchange buffer's rows of 2E + 6F) and the layer's working set less the dense MLP's share;
+    XLA:CPU keeps its count."""
     cfg, sizes = plan.cfg, mesh.axis_sizes(plan.cfg)
     w = widths(cfg, sizes)
     policy = remat.policy(cfg.remat_policy)
@@ -50,6 +51,14 @@ def test_the_moe_backward_is_a_phase_of_its_own_on_xla_tpu(plan) -> None:
     assert moe_memory.working_bytes(dropless, w, sizes, 2, "xla:tpu", row, layer) == dropless_rows - layer
     small = dataclasses.replace(cfg, capacity_factor=0.01)  # few rows: the layer's own working set is the larger
     assert moe_memory.working_bytes(small, w, sizes, 2, "xla:tpu", row, layer) == -share
+    # the experts split over 4 devices (the ragged exchange): the rows of its worst-case buffer, 4 x top-2 a token,
+    # each 2E + 6F (Moonlight-16B's buffers, moe_memory.py); dropping there keeps XLA:CPU's count (not measured)
+    split = {**sizes, "fsdp": sizes["fsdp"] // 4, "expert": 4}
+    exchange = dataclasses.replace(dropless, moe_exchange="ragged")
+    assert moe_memory.rows(exchange, split) == 8
+    want = 8 * (2 * 4096 + 6 * 14336) * 2 - layer
+    assert moe_memory.working_bytes(exchange, w, split, 2, "xla:tpu", row, layer) == want
+    assert moe_memory.working_bytes(cfg, w, split, 2, "xla:tpu", row, layer) == moe_memory.token_bytes(cfg, w, split, 2)
 
 
 def test_the_published_dropping_run_does_not_fit_at_12_sequences(plan) -> None:

@@ -75,10 +75,10 @@ class Fitted:
     # but the one being differentiated
     unit_kept: float = 1.0
     # what the MoE layer being differentiated holds per routed row, in (embed, expert width) elements of the compute
-    # dtype, by path ("dropping"; "local": dropless), as a phase of its own: the unit holds the larger of these rows
-    # and its layer's working set less the dense MLP's share, with the experts unsplit (no expert axis;
-    # planning/moe_memory.py `working_bytes`, which says where each was measured); None, a path missing or an expert
-    # axis: memory.py's counts
+    # dtype, by path ("dropping" with the experts unsplit; dropless: "local" with them unsplit, "exchange" with them
+    # split over an expert axis), as a phase of its own: the unit holds the larger of these rows and its layer's
+    # working set less the dense MLP's share (planning/moe_memory.py `working_bytes`, which says where each was
+    # measured); None, a path missing or dropping under an expert axis: memory.py's counts
     moe_rows: Mapping[str, tuple[int, int]] | None = None
     # the share of a layer's backward working set held where the layer's base weights are frozen (LoRA: no weight
     # gradients, so nothing is held for them but the adapters'). XLA:TPU: 0.54, the layer-backward peak of 125m on
@@ -149,7 +149,7 @@ class Fitted:
 FITTED = {
     "xla:cpu": Fitted(XLA_CPU_WORKING, mtp_working_sets=1, mtp_first_working={"save_out_proj": 0.75}),
     "xla:tpu": Fitted(XLA_TPU_WORKING, head_apart=True, weight_cast=True, tile=(8, 128), gathered_layers=2,
-                      head_weights=2, unit_kept=0.8, moe_rows={"dropping": (2, 6), "local": (2, 5)},
+                      head_weights=2, unit_kept=0.8, moe_rows={"dropping": (2, 6), "local": (2, 5), "exchange": (2, 6)},
                       frozen_working=0.54, pipeline_loss_first=True, moe_stack_gaps=0.9),
 }
 

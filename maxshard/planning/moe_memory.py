@@ -10,6 +10,9 @@ two [experts, groups, capacity, 4096], two of the layer's gathered expert kernel
 buffer. So per routed row 2E + 6F in the compute dtype, and the unit holds the larger of that and its layer's working
 set without the dense MLP's share. The one-hot masks are fused into the dispatch and combine einsums, never stored.
 Dropless (ragged_dot, 2 rows per token, the same step): five [rows, 14336] and two [rows, 4096] live, 2E + 5F per row.
+Dropless with the experts split over an expert axis (Moonlight-16B, 3 layers, v6e-16, fsdp 4 x expert 4, 1 x 4096
+tokens per chip, the ragged exchange): the rows of the exchange's worst-case buffer (24 per token: 4 shards x top-6),
+six [rows, 1408] and two [rows, 2048] live at the step's peak, 2E + 6F per row.
 One MoE layer alone (benchmarks/moe_layer_tpu.py, `sum` of the output as its loss) had held 2E + F and 2E + 3F: a
 constant output gradient that XLA folds is not what a step holds, and the plan built on it was 0.69 of the compiled
 step. Fitted on those two Mixtral programs; held out: a DeepSeek-style shape
@@ -80,7 +83,8 @@ def token_bytes(cfg: Config, w: Widths, sizes: Mapping[str, int], itemsize: int)
 def working_bytes(cfg: Config, w: Widths, sizes: Mapping[str, int], itemsize: int, compiler_name: str,
                   dense_working: tuple[float, float, float], layer_working: float) -> float:
     """Per token, what the MoE layer being differentiated adds to the working set of its unit: `token_bytes`, or
-    where the compiler's count was measured (`Fitted.moe_rows`: dropping and dropless, with the experts unsplit) the
+    where the compiler's count was measured (`Fitted.moe_rows`: dropping with the experts unsplit, dropless with
+    them unsplit and split over an expert axis, whose rows are the exchange's buffer, `rows`) the
     MoE backward as a phase of its own (module docstring): the unit holds the larger of its layer's working set
     without the dense MLP's share (`dense_working`: the policy's row of `Fitted.working`, whose fraction of `dense`
     and mlp widths hold 6F and F of the dense MLP, which the MoE layer has in its place) and the measured rows, so
@@ -89,10 +93,11 @@ def working_bytes(cfg: Config, w: Widths, sizes: Mapping[str, int], itemsize: in
     if not cfg.model.is_moe:
         return 0.0
     measured = fitted(compiler_name).moe_rows
-    path = "dropping" if cfg.capacity_factor > 0 else "local"
-    dense_path = path == "local" and cfg.model.moe_dropless_impl == "dense"
-    if measured is None or path not in measured or dense_path or _expert_shards(cfg, sizes) > 1:
-        return token_bytes(cfg, w, sizes, itemsize)  # measured with the experts unsplit only
+    split = _expert_shards(cfg, sizes) > 1
+    path = "dropping" if cfg.capacity_factor > 0 else "exchange" if split else "local"
+    dense_path = cfg.capacity_factor <= 0 and cfg.model.moe_dropless_impl == "dense"
+    if measured is None or path not in measured or dense_path or (split and path == "dropping"):
+        return token_bytes(cfg, w, sizes, itemsize)  # dropping was measured with the experts unsplit only
     e, f = measured[path]
     dense_share = (dense_working[0] * 6 + dense_working[2]) * w.mlp * itemsize
     moe = rows(cfg, sizes) * (e * w.embed + f * w.expert) * itemsize
