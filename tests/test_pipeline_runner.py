@@ -24,6 +24,8 @@ from maxshard import train
 from maxshard.errors import ConfigError
 from maxshard.spec import blocks
 from maxshard.model.layers import pipeline
+from maxshard.training import loss as loss_module
+from maxshard.training import pipelined
 from maxshard.training.step import Trainer
 from tests.helpers import max_relative_difference, mesh_for, run_losses
 from tests.test_pipeline import (TOLERANCE, loss_and_grads, packed_batch, random_params, small_config,
@@ -50,7 +52,7 @@ CLI = {  # schedule -> layout; 4 layers
 # gpipe's and interleaved's gradients through their losses after the first step.
 GRADS = {
     "1f1b": (*P2_FSDP4, "num_layers_per_pipeline_stage=4", "num_pipeline_microbatches=2",
-             "gradient_accumulation_steps=2", "remat_policy=minimal"),
+             "gradient_accumulation_steps=2", "remat_policy=minimal", "loss_chunks=2"),
     "zero_bubble": ("ici_pipeline_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2",
                     "num_layers_per_pipeline_stage=4", "num_pipeline_microbatches=4"),
 }
@@ -98,13 +100,19 @@ def scanned():
 
 
 @pytest.mark.parametrize("schedule", list(GRADS))
-def test_the_runner_gives_the_scanned_model_s_gradients(schedule, scanned):
+def test_the_runner_gives_the_scanned_model_s_gradients(schedule, scanned, monkeypatch):
+    """1f1b's loss in 2 pieces takes the head grouped over each microbatch's 4 fsdp shards on the last stage
+    (training/pipelined.py `_last_stage_groups`: gathered once a microbatch, not at every piece)."""
     params, batch, ref_loss, ref_grads = scanned
     cfg = small_config(f"pipeline_schedule={schedule}", *GRADS[schedule])
     assert cfg.model.pipeline.schedule == schedule
+    grouped = []
+    monkeypatch.setattr(pipelined, "grouped_token_logps",
+                        lambda *a, **k: grouped.append(a[0].groups.size) or loss_module.grouped_token_logps(*a, **k))
     loss, grads = loss_and_grads(cfg, pipeline.from_scanned(params, cfg.model.pipeline), batch)
     np.testing.assert_allclose(loss, ref_loss, rtol=TOLERANCE)
     assert max_relative_difference(pipeline.to_scanned(grads), ref_grads) < TOLERANCE
+    assert set(grouped) == ({4} if cfg.loss_chunks > 1 else set())
 
 
 def test_what_the_runner_does_not_run_is_one_line():

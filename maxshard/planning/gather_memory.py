@@ -78,16 +78,19 @@ def grouped_head_bytes(cfg: Config, report: Report, sizes: Mapping[str, int], ge
     `grouped_token_logps`). Its weights whole over the token axes in their own dtype, during the loss (for a tied
     table, in place of `gathered_head_bytes`'s copies); and their gradient, whole until its one reduction, less the
     gradient's shard (counted with the gradients; a frozen head has none); both during the loss alone (its
-    backward reduces the gradient before the layers' backward starts, training/loss.py). (0, 0) where the head
-    is not grouped (step.Trainer._head): one piece, tokens on one device, fewer rows than batch shards, a table
-    pipeline schedule (its loss runs per stage, training/pipelined.py)."""
+    backward reduces the gradient before the layers' backward starts, training/loss.py). Under a table pipeline
+    schedule the last stage groups each pipeline microbatch's tokens over the batch and length shards within it
+    (training/pipelined.py). (0, 0) where the head is not grouped (step.Trainer._head): one piece, tokens on one
+    device, fewer rows than batch shards."""
     batch = rule_axes(cfg, ax.EMBED_AND_LOGITS_BATCH, sizes, ax.LOGITS)
     length = rule_axes(cfg, ax.LENGTH, sizes, ax.LOGITS)
     pipe = cfg.model.pipeline
     rows = cfg.global_batch_size // max(cfg.gradient_accumulation_steps, 1)  # of one microbatch
+    if pipe is not None and pipe.schedule != "circular":  # the stage axis is manual in the runner: no group
+        stage = rule_axes(cfg, ax.ACT_STAGE, sizes)
+        batch, rows = tuple(a for a in batch if a not in stage), rows // pipe.microbatches
     if (cfg.loss_chunks <= 1 or not (batch or length) or rows % traffic.shards(batch, sizes)
-            or (cfg.max_target_length // cfg.loss_chunks) % traffic.shards(length, sizes)
-            or (pipe is not None and pipe.schedule != "circular")):
+            or (cfg.max_target_length // cfg.loss_chunks) % traffic.shards(length, sizes)):
         return 0.0, 0.0
     tokens = set(batch) | set(length)
     head = "token_embed/embedding" if cfg.logits_via_embedding else "/logits/"

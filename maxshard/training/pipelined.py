@@ -9,7 +9,9 @@ The model splits in three around the stack: the first part (the embedding and th
 `first_k_dense_replace`; on stage 0, per microbatch, inside its forward; its gradient inside the stage's B), the
 stages, and the last part (the layers a pattern leaves over, final norm, head, objective; the multi-token
 prediction modules and their loss, `mtp_depth`, which read the microbatch's embedded tokens again there), which runs
-on the last stage right after each microbatch's forward so that its backward can start at once (1F1B). No stage
+on the last stage right after each microbatch's forward so that its backward can start at once (1F1B). Its output
+head over loss pieces is grouped over the microbatch's token shards within the stage, as `Trainer._head` groups the
+whole batch's (one gather and one reduction a microbatch, not one a piece: `_last_stage_groups`). No stage
 holds the whole batch's activations: only the token ids and the other batch fields travel whole. A frozen DPO
 reference is computed before, by the model's own forward (the circular order: the same function), and travels with
 its microbatch. Under `quantization` the stages and stacks, applied as roots of their own, are quantized as the
@@ -50,8 +52,10 @@ from maxshard.model.layers.decoder import remat_policy, rematted, scanned_stack,
 from maxshard.model.layers.pipeline import _stage_class
 from maxshard.model.transformer import scale_embedded
 from maxshard.parallel import axis_names as ax
+from maxshard.parallel import sharding
 from maxshard.parallel.sharding import constrain
-from maxshard.training.loss import chunked_token_logps
+from maxshard.parallel.token_groups import TokenGroups
+from maxshard.training.loss import GroupedHead, chunked_token_logps, grouped_token_logps
 
 __all__ = ["runs", "value_and_grad"]
 
@@ -156,6 +160,15 @@ def _fields(mb: dict) -> dict:
     return {k: v for k, v in mb.items() if k not in _RUNNER_FIELDS}
 
 
+def _last_stage_groups(trainer: Any) -> TokenGroups:
+    """The token groups of a microbatch on the last stage (parallel/token_groups.py), called inside the runner's
+    shard_map: its mesh is the abstract one there and its rules the runner's, both with `stage` manual, so the
+    groups are the microbatch's batch and length shards within the stage."""
+    rules = tuple(nn.get_logical_axis_rules())
+    dims = sharding.mesh_axes(ax.LOGITS, rules, dict(trainer.mesh.shape))
+    return TokenGroups(jax.sharding.get_abstract_mesh(), rules, dims[0], dims[1])
+
+
 def _hidden_out(module: Any, y: jax.Array) -> jax.Array:
     return module.final_norm(y)
 
@@ -222,14 +235,20 @@ def value_and_grad(trainer: Any) -> Callable[..., tuple[tuple[jax.Array, dict], 
             hidden = model.apply(params, y, method=_hidden_out)
         # the MoE layers' statistics, as this microbatch's part of the whole batch's
         router = moe_stats.scaled(moe.collect_stats(sown), *mb[_LAST_PARTS]) if last_moe else {}
-        head = lambda h: model.apply(params, h, method="head")  # noqa: E731
-        if cfg.loss_chunks > 1:
-            logps = chunked_token_logps(head, hidden, mb["targets"], cfg.loss_chunks, _token_logps)
-        else:
-            logps = _token_logps(head(hidden), mb["targets"])
+        head = trainer._head(params["params"], hidden.shape[0], _last_stage_groups(trainer))
+        chunks = max(cfg.loss_chunks, 1)
+
+        def logps_of(head_fn: Any, h: jax.Array, targets: jax.Array) -> jax.Array:
+            """As Trainer._token_logps: the head grouped over the microbatch's token shards, or over pieces (one
+            piece without loss_chunks)."""
+            if isinstance(head_fn, GroupedHead):
+                return grouped_token_logps(head_fn, h, targets, chunks, _token_logps)
+            return chunked_token_logps(head_fn, h, targets, chunks, _token_logps)
+
+        whole = not isinstance(head, GroupedHead) and cfg.loss_chunks <= 1
+        logps = _token_logps(head(hidden), mb["targets"]) if whole else logps_of(head, hidden, mb["targets"])
         loss_sum, sums = objective.sums(logps, _fields(mb), totals, mb.get(_REFERENCE))
-        if predicted:  # as Trainer._token_logps: the head over pieces (one piece without loss_chunks)
-            logps_of = lambda fn, h, t: chunked_token_logps(fn, h, t, max(cfg.loss_chunks, 1), _token_logps)  # noqa
+        if predicted:
             sums = {**sums, **mtp.loss_sums(head, predicted, mb, logps_of)}
             loss_sum = loss_sum + mtp.objective(sums, cfg.mtp_loss_weight)  # linear in each microbatch's sums
         if router:  # their router losses, each layer one entry of the mean as the stages' layers are

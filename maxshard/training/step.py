@@ -200,17 +200,20 @@ class Trainer:
         logits, stats = apply_with_stats(self.model, params, *inputs)
         return token_logps(logits, batch["targets"]), stats
 
-    def _head(self, params: Any, rows: int) -> GroupedHead | Callable[[jax.Array], jax.Array]:
+    def _head(self, params: Any, rows: int, groups: TokenGroups | None = None
+              ) -> GroupedHead | Callable[[jax.Array], jax.Array]:
         """The output head as the loss pieces call it: grouped (training/loss.py `grouped_token_logps`: its weights
         gathered once and their gradient reduced once, not at every piece) where the loss has pieces, their tokens
         (`rows` x the piece's length) split over devices in whole groups (parallel/token_groups.py) and `params` is
         the state's tree; else the plain `head(x)` (one piece; one device's tokens; fewer rows than batch shards,
-        which XLA pads; LoRA's reference without its adapters)."""
+        which XLA pads; LoRA's reference without its adapters). `groups`: the token groups where the caller's mesh
+        and rules are not the step's (a pipeline stage's, training/pipelined.py)."""
         key = "token_embed" if self.cfg.model.logits_via_embedding else "logits"
         plain = functools.partial(self.model.apply, {"params": params}, method="head")
         shardings = self.state_shardings.params
-        dims = sharding.mesh_axes(ax.LOGITS, self.rules, dict(self.mesh.shape))
-        groups = TokenGroups(self.mesh, self.rules, dims[0], dims[1])
+        if groups is None:
+            dims = sharding.mesh_axes(ax.LOGITS, self.rules, dict(self.mesh.shape))
+            groups = TokenGroups(self.mesh, self.rules, dims[0], dims[1])
         if (self.cfg.loss_chunks <= 1 or groups.size == 1 or key not in params
                 or jax.tree.structure(params[key]) != jax.tree.structure(shardings[key])
                 or not groups.fits(rows, self.cfg.max_target_length // self.cfg.loss_chunks)):
