@@ -245,8 +245,8 @@ KIMI_K2_FIELDS = {
     "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
                  "AutoModel": "modeling_deepseek.DeepseekV3Model",
                  "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"},
-    "aux_loss_alpha": 0.001, "ep_size": 1, "moe_layer_freq": 1, "num_nextn_predict_layers": 0, "scoring_func": "sigmoid",
-    "seq_aux": True, "topk_method": "noaux_tc",
+    "aux_loss_alpha": 0.001, "ep_size": 1, "moe_layer_freq": 1, "num_nextn_predict_layers": 0,
+    "scoring_func": "sigmoid", "seq_aux": True, "topk_method": "noaux_tc",
 }
 
 
