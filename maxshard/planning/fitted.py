@@ -85,10 +85,6 @@ class Fitted:
     # v5e-8 under full at rank 16 on q, k, v, o (loss_chunks=8: 327 MiB of temporaries where the whole working set
     # planned 461); fitted on that one shape, held out in tests/test_plan_heldout_tpu.py
     frozen_working: float = 1.0
-    # in a circular pipeline the loss runs before the stages' float32 gradients and compute-dtype weights exist: at
-    # the loss their memory holds the logits (the 125m v5e-8 pipeline's buffer assignment gives f32[6, 1, 1, ..]
-    # and bf16[1, 6, 1, ..] the offsets of the logits), so the head's side of `head_apart` leaves them out
-    pipeline_loss_first: bool = False
     # layer working sets live at the peak for every multi-token prediction module after the first (`mtp_depth` > 1),
     # beside the one `working` counts, where the policy recomputes the layer: XLA:CPU runs a module's recomputed layer
     # while the next one's backward is live. The depth-2 step of tests/test_plan_memory.py's wide widths holds 16
@@ -141,16 +137,17 @@ class Fitted:
 # allocation: 0.8 brings the three local/global shapes (220M with units of 6 and 4 layers, the 27B preset) to 1.08,
 # 0.96 and 1.11 (0.5: 0.86, 0.83, 0.95, once (4) and (5) were counted). XLA:CPU held all of it, units of 2 and 3
 # layers. Two more, read off the 125m v5e-8 shapes and held out on others (tests/test_plan_heldout_tpu.py): a LoRA
-# run's smaller layer backward (`frozen_working`) and the circular pipeline's loss before its gradients
-# (`pipeline_loss_first`). (The circular pipeline's bubble mask, a byte per kept stage-input element that the same
-# dump held, is no longer kept: layers/pipeline.py zeroes the bubbles inside the iteration's checkpoint.)
+# run's smaller layer backward (`frozen_working`); and the circular pipeline's loss before its gradients, left out of
+# the loss's side (dropped 2026-11-29: with the grouped head that under-planned, memory.py). (The circular pipeline's
+# bubble mask, a byte per kept stage-input element that the same dump held, is no longer kept: layers/pipeline.py
+# zeroes the bubbles inside the iteration's checkpoint.)
 # A compiler without an entry (XLA:GPU) takes XLA:CPU's (on an H100: within 25%, compile_check.py's
 # docstring).
 FITTED = {
     "xla:cpu": Fitted(XLA_CPU_WORKING, mtp_working_sets=1, mtp_first_working={"save_out_proj": 0.75}),
     "xla:tpu": Fitted(XLA_TPU_WORKING, head_apart=True, weight_cast=True, tile=(8, 128), gathered_layers=2,
                       head_weights=2, unit_kept=0.8, moe_rows={"dropping": (2, 6), "local": (2, 5), "exchange": (2, 6)},
-                      frozen_working=0.54, pipeline_loss_first=True, moe_stack_gaps=0.9),
+                      frozen_working=0.54, moe_stack_gaps=0.9),
 }
 
 

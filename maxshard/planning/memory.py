@@ -100,9 +100,10 @@ s = the compute dtype's itemsize:
                 [microbatch tokens, E] and what the policy saves of the stage's layers but their first layer's
                 input, which is the kept stage input (none saves matmul outputs there: see layers/pipeline.py);
                 the working set is one stage's layers' on one microbatch; plus the
-                schedule's circulation buffer, `buffer_microbatches` microbatches (circular: all M, [tokens, E]);
-                circular on XLA:TPU: the loss runs before the gradients and cast weights exist: `head` less them
-                (`pipeline_loss_first`)
+                schedule's circulation buffer, `buffer_microbatches` microbatches (circular: all M, [tokens, E]).
+                (The circular pipeline's loss was once planned without the stages' gradients and cast weights,
+                which run later, as one buffer assignment placed them: since the loss groups its head, that
+                under-planned the loss-phase peak on XLA:TPU, 0.907 at the 125m pipeline shape; dropped 2026-11-29)
 
 What the plan leaves out (a few % of XLA:CPU's temporaries in the grid of tests/test_plan_memory.py): the
 embedding's gradient buffers, loss reductions and XLA's fusion scratch; and what layer options add to one layer's
@@ -238,7 +239,7 @@ def activation_terms(cfg: Config, sizes: Mapping[str, int], geo: Geometry, gathe
                   head_apart=fitted(target).head_apart, head_table=head_weights, head_grouped=grouped_head,
                   gaps=moe_stack * fitted(target).moe_stack_gaps, moe_stack=moe_stack)
     if geo.stages > 1 or geo.microbatches > 1:
-        return _pipeline_terms(cfg, w, geo, tokens, per_layer, moe_per_layer * moe_share, common, gradients)
+        return _pipeline_terms(cfg, w, geo, tokens, per_layer, moe_per_layer * moe_share, common)
     frozen = _frozen_share(cfg)
     moe_dots = moe_memory.matmul_bytes(cfg, w, sizes, size)
     moe_saved = {"everything": moe_per_layer, "dots": moe_dots}.get(policy.keeps, 0.0)
@@ -304,13 +305,9 @@ def _cast_bytes(cfg: Config, params: float, itemsize: int) -> float:
 
 
 def _pipeline_terms(cfg: Config, w: Widths, geo: Geometry, tokens: int, per_layer: int, moe_per_layer: float,
-                    common: dict, gradients: float = 0.0) -> ActivationTerms:
+                    common: dict) -> ActivationTerms:
     """A device runs `layers_per_stage` units per iteration on one microbatch, checkpointed per iteration."""
     size, target = geo.compute_itemsize, compiler(cfg)
-    f = fitted(target)
-    if f.head_apart and f.pipeline_loss_first and cfg.model.pipeline.schedule == "circular":
-        # the loss holds what the stages' gradients and cast weights will hold later (`Fitted.pipeline_loss_first`)
-        common = {**common, "head": max(common["head"] - gradients - common["cast"], 0.0)}
     policy = effective_policy(cfg.remat_policy, target)
     if policy.keeps == "everything":  # layers/pipeline.py: none saves matmul outputs in a stage
         policy = remat.policy("minimal")
