@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,7 +26,6 @@ __all__ = ["MODEL_KEYS", "model_config", "Param", "params_of"]
 # What a checkpoint's config keeps of the network for conversion (the training length and the capacity factor, which
 # the converter sets, are implementation fields; both are read when present).
 MODEL_KEYS = (*architecture_keys(), "max_target_length", "capacity_factor")
-_UNIT_LAYER = re.compile(r"layer_(\d+)")  # a stack whose unit is a block of layers names them layer_0, layer_1, ..
 
 
 def model_config(keys: Mapping[str, Any]) -> ModelConfig:
@@ -116,9 +114,9 @@ def params_of(cfg: ModelConfig, family: Family) -> list[Param]:
             out.append(Param(path, tuple(leaf.shape), entry, False, mtp_layer, 1, mtp_layer))
             continue
         if stacked:
-            unit_layer = _UNIT_LAYER.fullmatch(path[2])
-            table, offset, period = stacks[path[1]][int(unit_layer.group(1)) if unit_layer else 0]
-            inner = path[3:] if unit_layer else path[2:]
+            unit_layer = blocks.unit_layer_index(path[2])
+            table, offset, period = stacks[path[1]][unit_layer or 0]
+            inner = path[3:] if unit_layer is not None else path[2:]
         else:
             table, offset, period, inner = by_path, 0, 1, path
         entry = table.get(inner)

@@ -7,7 +7,6 @@ leave live, which planning/memory.py adds to the activations.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping
 
 import numpy as np
@@ -19,10 +18,10 @@ from maxshard.parallel import axis_names as ax
 from maxshard.planning import traffic
 from maxshard.planning.axes import rule_axes
 from maxshard.planning.traffic import Geometry
+from maxshard.spec import blocks
 
 __all__ = ["gathered_unit_bytes", "gathered_head_bytes", "grouped_head_bytes"]
 
-_LAYER_NAME = re.compile(r"layer_\d+")  # a layer of a multi-layer unit, in a parameter's path
 _UNIT_AXES = (*traffic.STACKED, ax.CIRCULAR_REPEATS, ax.LAYERS_PER_STAGE)  # a weight's axes that count its units
 
 
@@ -47,7 +46,8 @@ def gathered_unit_bytes(cfg: Config, report: Report, sizes: Mapping[str, int], g
         whole = p.bytes_per_device * traffic.shards(gather, sizes) * geo.compute_itemsize / np.dtype(p.dtype).itemsize
         if largest_layer:  # per stack and layer of its unit (params/decoder/<stack>[/layer_i]): its units divide it
             parts = p.name.split("/")
-            layer = "/".join(parts[:next((i + 1 for i, part in enumerate(parts) if _LAYER_NAME.fullmatch(part)), 3)])
+            end = next((i + 1 for i, part in enumerate(parts) if blocks.unit_layer_index(part) is not None), 3)
+            layer = "/".join(parts[:end])
             units_here = math.prod(n for (logical, _), n in zip(dims, p.local_shape) if logical in _UNIT_AXES)
             by_layer[layer] = by_layer.get(layer, 0.0) + whole / max(units_here, 1)
             continue

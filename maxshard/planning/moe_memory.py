@@ -21,7 +21,6 @@ step. Fitted on those two Mixtral programs; held out: a DeepSeek-style shape
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 
 import numpy as np
@@ -38,7 +37,6 @@ from maxshard.spec import blocks
 
 __all__ = ["rows", "token_bytes", "working_bytes", "matmul_bytes", "stack_bytes"]
 
-_LAYER_NAME = re.compile(r"layer_(\d+)")  # a layer of a stacked unit, in a parameter's path
 
 
 def _expert_shards(cfg: Config, sizes: Mapping[str, int]) -> int:
@@ -121,8 +119,8 @@ def _in_moe_layer(cfg: Config, name: str) -> bool:
     for stack in blocks.stacks(cfg.model):
         if stack.name in parts[2:4]:
             rest = parts[parts.index(stack.name, 2) + 1:]
-            layer = _LAYER_NAME.fullmatch(rest[0]) if rest else None
-            kinds = (stack.unit[int(layer.group(1))],) if layer else stack.unit
+            layer = blocks.unit_layer_index(rest[0]) if rest else None
+            kinds = stack.unit if layer is None else (stack.unit[layer],)
             return blocks.moe_layers(kinds) == len(kinds)
     return False
 

@@ -31,17 +31,31 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 
 from maxshard.spec.model_config import ModelConfig
 
 __all__ = ["ATTENTION_KINDS", "MLP_KINDS", "Layer", "Stack", "MAIN_STACK", "LAST_STACK", "stacks", "layers",
            "main_stack", "stack_named", "mtp_layers", "moe_layers", "AttentionWidths", "attention_widths",
-           "mlp_params"]
+           "mlp_params", "unit_layer_name", "unit_layer_index"]
 
 ATTENTION_KINDS = ("gqa", "mla")
 MLP_KINDS = ("dense", "moe")
 MAIN_STACK = "layers"  # the stack every model has (and the one a pipeline runs); its params' name since v1
 LAST_STACK = "last_layers"  # the layers left over when the main stack's unit does not divide them (runs once)
+_UNIT_LAYER = re.compile(r"layer_(\d+)")
+
+
+def unit_layer_name(i: int) -> str:
+    """The name of layer i of a stacked unit in its parameters' path ("decoder/<stack>/layer_<i>/..."): one home for
+    the decoder that names it, the converter's tables and the planner's per-layer terms that read it."""
+    return f"layer_{i}"
+
+
+def unit_layer_index(name: str) -> int | None:
+    """i for a path element `unit_layer_name(i)`, else None."""
+    match = _UNIT_LAYER.fullmatch(name)
+    return int(match.group(1)) if match else None
 
 
 @dataclasses.dataclass(frozen=True)

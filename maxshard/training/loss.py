@@ -28,7 +28,8 @@ import optax
 
 from maxshard.parallel.token_groups import TokenGroups
 
-__all__ = ["token_logps", "chunked_token_logps", "GroupedHead", "grouped_token_logps", "loss_sums"]
+__all__ = ["token_logps", "chunked_token_logps", "GroupedHead", "grouped_token_logps", "head_token_logps",
+           "loss_sums"]
 
 
 def token_logps(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -103,6 +104,15 @@ def grouped_token_logps(head: GroupedHead, hidden: jax.Array, targets: jax.Array
         return _unstrided(pieces)
 
     return _reduced_before_the_layers(pieces_of)(head.weights, hidden)
+
+
+def head_token_logps(head: GroupedHead | Callable[[jax.Array], jax.Array], hidden: jax.Array, targets: jax.Array,
+                     chunks: int, logps: Callable[[jax.Array, jax.Array], jax.Array] = token_logps) -> jax.Array:
+    """The targets' log-probabilities over `chunks` pieces with the head a step chose (Trainer._head): grouped when it
+    is a GroupedHead, else the plain head piece by piece."""
+    if isinstance(head, GroupedHead):
+        return grouped_token_logps(head, hidden, targets, chunks, logps)
+    return chunked_token_logps(head, hidden, targets, chunks, logps)
 
 
 def _reduced_before_the_layers(fn: Callable[[Any, jax.Array], jax.Array]) -> Callable[[Any, jax.Array], jax.Array]:

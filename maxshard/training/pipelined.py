@@ -37,6 +37,7 @@ and the selection biases' loads add up.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -55,7 +56,7 @@ from maxshard.parallel import axis_names as ax
 from maxshard.parallel import sharding
 from maxshard.parallel.sharding import constrain
 from maxshard.parallel.token_groups import TokenGroups
-from maxshard.training.loss import GroupedHead, chunked_token_logps, grouped_token_logps
+from maxshard.training.loss import GroupedHead, head_token_logps
 
 __all__ = ["runs", "value_and_grad"]
 
@@ -236,15 +237,8 @@ def value_and_grad(trainer: Any) -> Callable[..., tuple[tuple[jax.Array, dict], 
         # the MoE layers' statistics, as this microbatch's part of the whole batch's
         router = moe_stats.scaled(moe.collect_stats(sown), *mb[_LAST_PARTS]) if last_moe else {}
         head = trainer._head(params["params"], hidden.shape[0], _last_stage_groups(trainer))
-        chunks = max(cfg.loss_chunks, 1)
-
-        def logps_of(head_fn: Any, h: jax.Array, targets: jax.Array) -> jax.Array:
-            """As Trainer._token_logps: the head grouped over the microbatch's token shards, or over pieces (one
-            piece without loss_chunks)."""
-            if isinstance(head_fn, GroupedHead):
-                return grouped_token_logps(head_fn, h, targets, chunks, _token_logps)
-            return chunked_token_logps(head_fn, h, targets, chunks, _token_logps)
-
+        # as Trainer._token_logps: grouped over the microbatch's token shards, or over pieces (one without loss_chunks)
+        logps_of = functools.partial(head_token_logps, chunks=max(cfg.loss_chunks, 1), logps=_token_logps)
         whole = not isinstance(head, GroupedHead) and cfg.loss_chunks <= 1
         logps = _token_logps(head(hidden), mb["targets"]) if whole else logps_of(head, hidden, mb["targets"])
         loss_sum, sums = objective.sums(logps, _fields(mb), totals, mb.get(_REFERENCE))

@@ -44,7 +44,7 @@ from maxshard.parallel import axis_names as ax
 from maxshard.parallel import sharding
 from maxshard.training import pipelined
 from maxshard.parallel.token_groups import TokenGroups
-from maxshard.training.loss import GroupedHead, chunked_token_logps, grouped_token_logps, token_logps
+from maxshard.training.loss import GroupedHead, head_token_logps, token_logps
 from maxshard.training.optim import learning_rate_schedule, make_optimizer
 
 __all__ = ["TrainState", "Trainer", "mesh_context", "boxed_state", "abstract_state", "reference_kind"]
@@ -187,12 +187,7 @@ class Trainer:
             out, stats = apply_with_stats(self.model, params, *inputs, method=method)
             hidden, predicted = out if self.trains_mtp else (out, [])
             head = self._head(params, batch["inputs"].shape[0])
-            chunks = max(self.cfg.loss_chunks, 1)
-
-            def logps_of(head_fn: Any, h: jax.Array, targets: jax.Array) -> jax.Array:
-                if isinstance(head_fn, GroupedHead):
-                    return grouped_token_logps(head_fn, h, targets, chunks)
-                return chunked_token_logps(head_fn, h, targets, chunks)
+            logps_of = functools.partial(head_token_logps, chunks=max(self.cfg.loss_chunks, 1))
 
             if predicted:
                 stats = {**stats, **mtp.loss_sums(head, predicted, batch, logps_of)}

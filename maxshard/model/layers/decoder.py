@@ -117,7 +117,7 @@ class DecoderBlock(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> tuple[jax.Array, None]:
         for i in range(len(blocks.stack_named(self.cfg, self.stack).unit)):
-            layer = DecoderLayer(self.cfg, self.dtype, self.weight_dtype, self.stack, i, name=f"layer_{i}")
+            layer = DecoderLayer(self.cfg, self.dtype, self.weight_dtype, self.stack, i, name=blocks.unit_layer_name(i))
             x, _ = layer(x, segment_ids, positions)
         return x, None
 
