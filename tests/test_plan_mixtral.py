@@ -5,13 +5,16 @@ XLA:TPU holds it, a phase of its own (planning/moe_memory.py `working_bytes`, `F
 
 The whole step compiled for v6e-256 (libtpu 0.0.42.1, benchmarks/README.md): the preset to 30.9 GiB per chip, over
 the 28.1 GiB usable, which the plan now says (31.3 GiB; it said 21.2 and "fits" before); dropless
-(`capacity_factor=-1`, ragged_dot) to 24.6 GiB, under it, which the plan says too (24.4 GiB, offload_qkv_out_proj
-chosen by `remat_policy: auto`).
+(`capacity_factor=-1`, ragged_dot) to 24.6 GiB, under it, which the plan says too (offload_qkv_out_proj chosen by
+`remat_policy: auto`): 24.1 GiB on jax 0.10, 24.0 on jax 0.12 (24.4 before splash's block term became the kernel's
+own float32 outputs, 72 MiB per chip on jax 0.10 and none on 0.12, where 12 rows x 32 heads of score blocks were
+384 MiB: planning/splash_outputs.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -69,7 +72,8 @@ def test_the_published_dropping_run_does_not_fit_at_12_sequences(plan) -> None:
     fits, line = fit.verdict(plan.cfg, target_capacity(plan.cfg, plan.target))
     assert not fits and "\n" not in line
     assert "no remat policy fits" in line and "capacity_factor=-1 (dropless" in line
-    assert line.endswith("fits with remat_policy=offload_qkv_out_proj (24.4 GiB)"), line
+    planned = re.search(r"fits with remat_policy=offload_qkv_out_proj \(([\d.]+) GiB\)$", line)
+    assert planned and 0.95 * 24.6 <= float(planned.group(1)) <= 24.6, line  # compiled: 24.6 GiB
 
 
 def test_the_dropless_grouped_path_fits_and_auto_offloads_the_projections() -> None:

@@ -107,6 +107,11 @@ class Fitted:
     # gradient and bfloat16 cast), 0.9 of them; fitted there, held out on Moonlight-16B at full depth and Mixtral
     # 8x7B (benchmarks/README.md, "DeepSeek-style on XLA:TPU")
     moe_stack_gaps: float = 0.0
+    # a frozen head grouped over the token shards (`gather_memory.grouped_head_bytes`) is gathered in the compute
+    # dtype: XLA:TPU casts the table before it gathers it where no float32 gradient is taken (every all-gather of the
+    # table in that LoRA step is bf16[32000, 768]); XLA:CPU gathers it in float32 (a bfloat16 LoRA step's all-gathers
+    # of its [128, 8192] table are f32)
+    frozen_head_cast: bool = False
 
 
 # By compiler. XLA:CPU: the additive model of memory.py's docstring, its constants fitted there. XLA:TPU (libtpu
@@ -147,7 +152,7 @@ FITTED = {
     "xla:cpu": Fitted(XLA_CPU_WORKING, mtp_working_sets=1, mtp_first_working={"save_out_proj": 0.75}),
     "xla:tpu": Fitted(XLA_TPU_WORKING, head_apart=True, weight_cast=True, tile=(8, 128), gathered_layers=2,
                       head_weights=2, unit_kept=0.8, moe_rows={"dropping": (2, 6), "local": (2, 5), "exchange": (2, 6)},
-                      frozen_working=0.54, moe_stack_gaps=0.9),
+                      frozen_working=0.54, moe_stack_gaps=0.9, frozen_head_cast=True),
 }
 
 

@@ -17,6 +17,7 @@ from maxshard.observe.report import Report
 from maxshard.parallel import axis_names as ax
 from maxshard.planning import traffic
 from maxshard.planning.axes import rule_axes
+from maxshard.planning.fitted import compiler, fitted
 from maxshard.planning.traffic import Geometry
 from maxshard.spec import blocks
 
@@ -76,7 +77,8 @@ def gathered_head_bytes(cfg: Config, report: Report, sizes: Mapping[str, int], g
 def grouped_head_bytes(cfg: Config, report: Report, sizes: Mapping[str, int], geo: Geometry) -> tuple[float, float]:
     """(weights, gradient): what the output head holds when the loss pieces group it (training/loss.py
     `grouped_token_logps`). Its weights whole over the token axes in their own dtype, during the loss (for a tied
-    table, in place of `gathered_head_bytes`'s copies); and their gradient, whole until its one reduction, less the
+    table, in place of `gathered_head_bytes`'s copies), or in the compute dtype where they are frozen and the
+    compiler casts before it gathers (`Fitted.frozen_head_cast`); and their gradient, whole until its one reduction, less the
     gradient's shard (counted with the gradients; a frozen head has none); both during the loss alone (its
     backward reduces the gradient before the layers' backward starts, training/loss.py). Under a table pipeline
     schedule the last stage groups each pipeline microbatch's tokens over the batch and length shards within it
@@ -95,10 +97,14 @@ def grouped_head_bytes(cfg: Config, report: Report, sizes: Mapping[str, int], ge
     tokens = set(batch) | set(length)
     head = "token_embed/embedding" if cfg.logits_via_embedding else "/logits/"
     weights = gradient = 0.0
+    cast_first = fitted(compiler(cfg)).frozen_head_cast
     for p in report.params:
         if head in f"/{p.name}/":
             shards = traffic.shards(tuple(a for _, axes in traffic.dim_axes(p, sizes) for a in axes if a in tokens), sizes)
-            weights += p.bytes_per_device * shards
-            if trainable.is_trainable(cfg.model, p.name):  # a frozen table (LoRA's base) has no gradient
+            if trainable.is_trainable(cfg.model, p.name):
+                weights += p.bytes_per_device * shards
                 gradient += p.bytes_per_device * (shards - 1)
+            else:  # a frozen table (LoRA's base): no gradient, and gathered cast where the compiler casts first
+                itemsize = geo.compute_itemsize if cast_first else np.dtype(p.dtype).itemsize
+                weights += p.bytes_per_device * shards * itemsize / np.dtype(p.dtype).itemsize
     return weights, gradient

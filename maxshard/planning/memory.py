@@ -45,7 +45,9 @@ s = the compute dtype's itemsize:
     on the widths and lengths of tests/test_plan_memory.py, + 3E x s under tensor parallelism (the column-parallel
     projections' input gradients before they are reduced); the fused kernels' backward is counted from
     layers/blockwise_attention.py instead (block q, output, dq, stacked dk/dv in float32 and the log-sum-exp:
-    Q(5s + 8) + K(4s + 8) + 12 H per token, plus one float32 score block per sequence a device holds; the ring over
+    Q(5s + 8) + K(4s + 8) + 12 H per token, plus one float32 score block per sequence a device holds (splash on
+    XLA:TPU: what its calls write as block-sized float32 outputs per sequence and kv head instead, read off the
+    installed kernel, planning/splash_outputs.py: 0 from jax 0.12 on, which keeps them in scratch); the ring over
     C context shards adds (C - 1)(4Q + K(2s + 8)): its unrolled steps each hold a K/V chunk, dq, dK and dV).
 
     unit        a stacked unit of n layers (spec/blocks.py: an MoE interval, an attention pattern; Gemma 3's is 6)
@@ -92,7 +94,9 @@ s = the compute dtype's itemsize:
                 a layer working set where the policy recomputes the layer (`Fitted.mtp_working_sets`), and
                 under save_out_proj the first module 0.75 of one (`Fitted.mtp_first_working`)
     frozen      with LoRA (the base weights frozen, no weight gradients) the layer's working set is
-                `Fitted.frozen_working` of it (XLA:TPU: 0.54, measured at one shape)
+                `Fitted.frozen_working` of it (XLA:TPU: 0.54, measured at one shape); a frozen head grouped over
+                the token shards is gathered in the compute dtype where the compiler casts first
+                (`Fitted.frozen_head_cast`, `gather_memory.grouped_head_bytes`)
     accumulation  with k > 1 microbatches, one microbatch's activations at a time (tokens / k in whole
                 sequences: a microbatch smaller than the batch shards still holds one per device) and one more
                 float32 gradient buffer (the running sum)
@@ -152,7 +156,7 @@ class ActivationTerms:
     moe: float  # dispatch masks and expert activations beyond the dense MLP's (XLA:TPU: may be < 0, moe_memory.py)
     pipeline: float  # per-iteration stage inputs and the circulation buffer
     accumulation: float  # the running gradient sum
-    block: float  # the fused attention kernels' score block
+    block: float  # the fused attention kernels' block-sized float32 buffers (Widths.block_bytes)
     cast: float = 0.0  # the sharded weights cast to the compute dtype, where the compiler keeps them (Fitted)
     gaps: float = 0.0  # the heap's gaps beside the MoE layers' stacked values (`Fitted.moe_stack_gaps`)
     host: float = 0.0  # what an offload policy moves to host memory: not device memory, not in `total`

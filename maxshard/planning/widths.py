@@ -16,6 +16,7 @@ from maxshard.config import Config
 from maxshard.model.attention_choice import platform_of
 from maxshard.parallel import axis_names as ax
 from maxshard.planning.axes import rule_axes
+from maxshard.planning import splash_outputs
 from maxshard.planning.fitted import compiler, fitted
 from maxshard.spec import attention_kinds, remat
 
@@ -44,6 +45,9 @@ class Widths:
     expert: int = 0  # an expert's hidden width per device (moe_mlp_dim, or the dense mlp's)
     query_pad: int = 0  # latent attention: lanes the tile adds to the stored query (`latent_query_pad`)
     adapted: tuple[str, ...] = ()  # the attention projections ("q", "k", "v") that carry LoRA adapters (`stored`)
+    # splash on XLA:TPU: the bytes its largest call writes as block-sized float32 outputs, per sequence row and kv
+    # head (planning/splash_outputs.py, read off the installed kernel); None: the kernel's score block instead
+    block_outputs: int | None = None
 
     @property
     def fused(self) -> bool:
@@ -56,9 +60,12 @@ class Widths:
         return self.heads * self.length
 
     def block_bytes(self, rows: int) -> int:
-        """The float32 score block of the fused kernels, per device; 0 for dot_product."""
+        """The fused kernels' block-sized float32 buffers per device: a score block per row and head, or what the
+        splash kernel writes per row and kv head (`block_outputs`); 0 for dot_product."""
         if not self.fused:
             return 0
+        if self.block_outputs is not None:
+            return rows * (self.kv // self.head_dim) * self.block_outputs
         length = self.length // self.context
         return rows * self.heads * min(self.block_q, length) * min(self.block_kv, length) * 4
 
@@ -215,4 +222,17 @@ def widths(cfg: Config, sizes: Mapping[str, int]) -> Widths:
         expert=expert,
         query_pad=latent_query_pad(cfg, heads, fitted(compiler(cfg)).tile),
         adapted=tuple(t for t in ("q", "k", "v") if cfg.model is not None and cfg.model.lora_rank_of(t)),
+        block_outputs=_splash_outputs(cfg, attention, context, heads, kv_heads),
     )
+
+
+def _splash_outputs(cfg: Config, attention: str, context: int, heads: int, kv_heads: int) -> int | None:
+    """`Widths.block_outputs`: splash's block-sized float32 outputs where XLA:TPU runs the kernel itself (not the
+    ring's steps, which run blockwise), per sequence row and kv head; None elsewhere."""
+    tile = fitted(compiler(cfg)).tile
+    if attention != "splash" or context > 1 or tile is None:
+        return None
+    length = cfg.max_target_length
+    return splash_outputs.largest_call_bytes(max(heads // max(kv_heads, 1), 1), cfg.head_dim,
+                                             min(cfg.attention_block_q, length), min(cfg.attention_block_kv, length),
+                                             tile)
