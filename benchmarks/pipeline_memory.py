@@ -67,7 +67,7 @@ def main() -> None:
     target = None if cpu else topologies.parse(args.target)
     devices = jax.devices() if cpu else abstract_devices(target)
     print(f"{'schedule':<18}{'held':>6}{'compiled peak':>15}{'vs circular':>13}{'table says':>12}"
-          f"{'libtpu peak':>13}{'vs circular':>13}{'compile s':>11}")
+          f"{'libtpu peak':>13}{'vs circular':>13}{'compile s':>11}{'peak MiB':>11}{'libtpu MiB':>12}")
     reference = None
     for name in args.schedules.split(","):
         keys = (*(CPU_MODEL if cpu else MODEL), f"pipeline_schedule={name}", *args.overrides)
@@ -87,7 +87,7 @@ def main() -> None:
         predicted = (held(cfg) - reference[1]) * stage_input
         own = f"{format_bytes(libtpu):>13}{_signed(libtpu - reference[2]):>13}" if libtpu else f"{'-':>13}{'-':>13}"
         print(f"{name:<18}{held(cfg):>6}{format_bytes(peak):>15}{_signed(measured):>13}{_signed(predicted):>12}"
-              f"{own}{seconds:>11.0f}", flush=True)
+              f"{own}{seconds:>11.0f}{peak / 2**20:>11.1f}{libtpu / 2**20:>12.1f}", flush=True)
 
 
 def _signed(n: int) -> str:

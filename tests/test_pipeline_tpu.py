@@ -1,5 +1,6 @@
-"""The table pipeline runner's program on XLA:TPU (libtpu ahead of time, no TPU): a stage's weight gradient is
-reduced to its fsdp shards layer by layer, never held whole.
+"""The pipelines' programs on XLA:TPU (libtpu ahead of time, no TPU): the table runner reduces a stage's weight
+gradient to its fsdp shards layer by layer, never holding it whole; the circular pipeline hands each stage only its
+share of the output.
 
 The runner takes each stage's backward by `jax.vjp` inside its tick loop and `lax.switch`; XLA:TPU's sharding
 propagation does not reach the layer scan's backward there unless the runner pins the stage's weights to their
@@ -13,6 +14,8 @@ shape (v5e-4: stage=2 x fsdp=2) is checked for an array of the whole [layers per
 from __future__ import annotations
 
 import importlib.util
+import math
+import re
 
 from maxshard.launch import topologies
 from maxshard.parallel import mesh
@@ -39,3 +42,36 @@ def test_1f1b_reduces_each_layer_s_weight_gradient_to_its_shard_on_tpu():
     whole, shard = f"f32[{layers},{emb},{mlp}]", f"f32[{layers},{emb // fsdp},{mlp}]"
     assert shard in text  # the stage's gradient, reduced per layer (the test reads the right program)
     assert whole not in text, f"the stage's whole weight gradient {whole} is held before its reduce-scatter"
+
+
+def _collective_shapes(text: str) -> list[tuple[int, ...]]:
+    """The shapes of the bfloat16 values the collectives of an HLO `text` produce (an async start's tuple too)."""
+    op = re.compile(r" (?:all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
+    shapes = []
+    for line in text.splitlines():
+        found = op.search(line)
+        if found and " = " in line[:found.start()]:
+            result = line[line.index(" = ") + 3:found.start()]
+            shapes += [tuple(int(d) for d in dims.split(",")) for dims in re.findall(r"bf16\[([\d,]+)\]", result)]
+    return shapes
+
+
+def test_circular_hands_each_stage_only_its_share_of_the_output_on_tpu():
+    """The circular pipeline's output is stage 0's slot of its buffer, all M microbatches; the batch's sharding
+    puts M / S of them on each stage. Taken as `buffer[0]`, XLA:TPU moved the whole slot to every stage first, in
+    the forward and again in the backward (1 GiB per device at Llama-3-70B widths, 8 stages, 16 microbatches:
+    benchmarks/README.md); `layers/pipeline._finished` hands each stage its share. Two collectives hold all M
+    microbatches' tokens by the schedule: the inputs gathered into every stage's slot of the buffer, and the
+    output's cotangent gathered into stage 0's (7 with `buffer[0]` at this shape)."""
+    model = [m for m in MODEL if not m.startswith(("pipeline_schedule", "num_pipeline_microbatches",
+                                                   "per_device_batch_size", "max_target_length"))]
+    cfg = load_for_target(["configs/base.yml", *model, "pipeline_schedule=circular", "num_pipeline_microbatches=4",
+                           "per_device_batch_size=2", "max_target_length=256"], TARGET)
+    text = compile_train_step(cfg, mesh.build(cfg, abstract_devices(TARGET))).as_text()
+    shape = cfg.model.pipeline
+    rows = cfg.global_batch_size // shape.microbatches // cfg.ici_fsdp_parallelism  # a microbatch's rows per device
+    microbatch = rows * cfg.max_target_length * cfg.emb_dim
+    sizes = [math.prod(s) for s in _collective_shapes(text) if s[-2:] == (cfg.max_target_length, cfg.emb_dim)]
+    assert shape.microbatches // shape.stages * microbatch in sizes, sizes  # each stage's share handed over
+    whole = [n for n in sizes if n >= shape.microbatches * microbatch]
+    assert len(whole) <= 2, f"{len(whole)} collectives hold every microbatch's tokens: {sizes}"

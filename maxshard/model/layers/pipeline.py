@@ -142,6 +142,17 @@ def _stage_inputs(buffer: jax.Array, state: jax.Array, microbatch: jax.Array) ->
     return jnp.where(first, fresh, state)
 
 
+def _finished(buffer: jax.Array) -> jax.Array:
+    """[stages, M, mb, length, embed] -> [M, mb, length, embed]: stage 0's slot, where the finished microbatches
+    are kept, as a sum over the stages with the others' slots masked to zero (exact). Taken as `buffer[0]`, XLA's
+    partitioner sent stage 0's whole slot to every stage before cutting it to the batch's sharding: the whole
+    batch's output live on every device (1 GiB at Llama-3-70B widths, 8 stages, 16 microbatches of 4096 tokens);
+    as a sum, only stage 0's term is nonzero and XLA sends each stage its own share (collective permutes of M / S
+    microbatches): 1.4 GiB off that step's compiled peak (tests/test_pipeline_tpu.py, benchmarks/README.md)."""
+    first = (jnp.arange(buffer.shape[0]) == 0)[:, None, None, None, None]
+    return jnp.sum(jnp.where(first, buffer, jnp.zeros_like(buffer)), axis=0)
+
+
 def _zero_bubbles(x: jax.Array, valid: jax.Array) -> jax.Array:
     """Stages in a bubble get zeros. Called inside the iteration's checkpoint: outside it the backward would keep
     the mask broadcast to the stage input's shape for every iteration (a bool per element, half a bf16 stage input
@@ -245,7 +256,7 @@ class Pipeline(nn.Module):
 
         (state, buffer), sown = jax.lax.scan(iteration, (state, buffer), jnp.arange(schedule.iterations))
         buffer = _store_finished(buffer, state, jnp.asarray(schedule.iterations), schedule)
-        y = constrain(_merge(buffer[0]), ax.EMBEDDED)
+        y = constrain(_merge(_finished(buffer)), ax.EMBEDDED)
         slots = schedule.slots()
         return y, jax.tree.map(lambda v: v[slots], sown)  # [iterations, stages, ...] -> [R, M, S, ...]
 
