@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import re
 
 from maxshard.launch import topologies
 from maxshard.parallel import mesh
+from maxshard.planning.collectives import collective_arrays
 from maxshard.planning.compiled import compile_train_step
 from maxshard.planning.tpu_compile import INSTALL, abstract_devices
 from maxshard.run.target import load_for_target
@@ -44,25 +44,13 @@ def test_1f1b_reduces_each_layer_s_weight_gradient_to_its_shard_on_tpu():
     assert whole not in text, f"the stage's whole weight gradient {whole} is held before its reduce-scatter"
 
 
-def _collective_shapes(text: str) -> list[tuple[int, ...]]:
-    """The shapes of the bfloat16 values the collectives of an HLO `text` produce (an async start's tuple too)."""
-    op = re.compile(r" (?:all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
-    shapes = []
-    for line in text.splitlines():
-        found = op.search(line)
-        if found and " = " in line[:found.start()]:
-            result = line[line.index(" = ") + 3:found.start()]
-            shapes += [tuple(int(d) for d in dims.split(",")) for dims in re.findall(r"bf16\[([\d,]+)\]", result)]
-    return shapes
-
-
 def test_circular_hands_each_stage_only_its_share_of_the_output_on_tpu():
     """The circular pipeline's output is stage 0's slot of its buffer, all M microbatches; the batch's sharding
     puts M / S of them on each stage. Taken as `buffer[0]`, XLA:TPU moved the whole slot to every stage first, in
     the forward and again in the backward (1 GiB per device at Llama-3-70B widths, 8 stages, 16 microbatches:
     benchmarks/README.md); `layers/pipeline._finished` hands each stage its share. Two collectives hold all M
     microbatches' tokens by the schedule: the inputs gathered into every stage's slot of the buffer, and the
-    output's cotangent gathered into stage 0's (7 with `buffer[0]` at this shape)."""
+    output's cotangent gathered into stage 0's (5 with `buffer[0]` at this shape)."""
     model = [m for m in MODEL if not m.startswith(("pipeline_schedule", "num_pipeline_microbatches",
                                                    "per_device_batch_size", "max_target_length"))]
     cfg = load_for_target(["configs/base.yml", *model, "pipeline_schedule=circular", "num_pipeline_microbatches=4",
@@ -71,7 +59,8 @@ def test_circular_hands_each_stage_only_its_share_of_the_output_on_tpu():
     shape = cfg.model.pipeline
     rows = cfg.global_batch_size // shape.microbatches // cfg.ici_fsdp_parallelism  # a microbatch's rows per device
     microbatch = rows * cfg.max_target_length * cfg.emb_dim
-    sizes = [math.prod(s) for s in _collective_shapes(text) if s[-2:] == (cfg.max_target_length, cfg.emb_dim)]
+    sizes = [math.prod(dims) for dtype, dims in collective_arrays(text)
+             if dtype == "bf16" and dims[-2:] == (cfg.max_target_length, cfg.emb_dim)]
     assert shape.microbatches // shape.stages * microbatch in sizes, sizes  # each stage's share handed over
     whole = [n for n in sizes if n >= shape.microbatches * microbatch]
     assert len(whole) <= 2, f"{len(whole)} collectives hold every microbatch's tokens: {sizes}"

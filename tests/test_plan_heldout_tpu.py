@@ -34,8 +34,8 @@ q, k and v [.., 12 heads, 64] move to host memory, q, k and v stored as the tile
 (`widths.Widths.stored`; an unadapted projection's heads are padded to 16 rows too), 288 MiB. Device peak 1.122 of
 the compile (libtpu 0.0.42.1; 1.09 at 4 x 1024 under full), 1.217 of libtpu 0.0.50.1's; since the splash kernel's
 block term is read off the installed kernel (planning/splash_outputs.py: jax 0.12's keeps its accumulators in
-scratch) and a frozen table is planned gathered in bfloat16 (`Fitted.frozen_head_cast`), 1.072 and 1.001. One compile serves both claims (~100 CPU s, where a
-separate 125m offload compile took ~75 more). The context shape's program also shows ring attention on XLA:TPU, its steps passing K/V around the
+scratch) and a frozen table is planned gathered in bfloat16 (`Fitted.frozen_head_cast`), 1.072 and 1.001. One
+compile serves both claims (~100 CPU s, where a separate 125m offload compile took ~75 more). The context shape's program also shows ring attention on XLA:TPU, its steps passing K/V around the
 ring (collective-permute), which tests/test_tpu_aot.py compiled as a layout of its own before (~40 CPU s).
 """
 

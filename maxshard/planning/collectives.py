@@ -36,7 +36,7 @@ import re
 from collections import Counter
 from collections.abc import Iterator
 
-__all__ = ["KINDS", "count_collectives", "shape_bytes"]
+__all__ = ["KINDS", "collective_arrays", "count_collectives", "shape_bytes"]
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
@@ -206,6 +206,14 @@ def _bytes(instr: _Instr, comp: _Computation) -> int:
         operands = start.operands if start is not None else []
     operand_bytes = sum(shape_bytes(comp.shapes.get(name, "")) for name in operands)
     return max(shape_bytes(instr.shape), operand_bytes)
+
+
+def collective_arrays(hlo_text: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(dtype, dims) of every array the collectives of an HLO module text produce (a synchronous one's result, an
+    asynchronous one's `-done`), once per instruction however often it runs."""
+    return [(dtype, tuple(int(d) for d in dims.split(",") if d))
+            for comp, _ in _computations(hlo_text) for instr in comp.instrs if _kind(instr.op)
+            for dtype, dims in _ARRAY.findall(instr.shape)]
 
 
 def count_collectives(hlo_text: str) -> dict[str, dict[str, int]]:

@@ -15,6 +15,7 @@ from maxshard.config import Config
 from maxshard.model import trainable
 from maxshard.observe.report import Report
 from maxshard.parallel import axis_names as ax
+from maxshard.parallel.sharding import ParamLayout
 from maxshard.planning import traffic
 from maxshard.planning.axes import rule_axes
 from maxshard.planning.fitted import compiler, fitted
@@ -24,6 +25,11 @@ from maxshard.spec import blocks
 __all__ = ["gathered_unit_bytes", "gathered_head_bytes", "grouped_head_bytes"]
 
 _UNIT_AXES = (*traffic.STACKED, ax.CIRCULAR_REPEATS, ax.LAYERS_PER_STAGE)  # a weight's axes that count its units
+
+
+def _cast_bytes(p: ParamLayout, geo: Geometry) -> float:
+    """A parameter's bytes per device in the compute dtype."""
+    return p.bytes_per_device * geo.compute_itemsize / np.dtype(p.dtype).itemsize
 
 
 def gathered_unit_bytes(cfg: Config, report: Report, sizes: Mapping[str, int], geo: Geometry,
@@ -44,7 +50,7 @@ def gathered_unit_bytes(cfg: Config, report: Report, sizes: Mapping[str, int], g
         gather = tuple(a for a in sizes if a in sharded and a in batch and a not in owned)
         if not gather:
             continue
-        whole = p.bytes_per_device * traffic.shards(gather, sizes) * geo.compute_itemsize / np.dtype(p.dtype).itemsize
+        whole = _cast_bytes(p, geo) * traffic.shards(gather, sizes)
         if largest_layer:  # per stack and layer of its unit (params/decoder/<stack>[/layer_i]): its units divide it
             parts = p.name.split("/")
             end = next((i + 1 for i, part in enumerate(parts) if blocks.unit_layer_index(part) is not None), 3)
@@ -70,7 +76,7 @@ def gathered_head_bytes(cfg: Config, report: Report, sizes: Mapping[str, int], g
         batch = traffic.token_axes(cfg, sizes, outer=True)
         gather = tuple(a for a in sizes if a in batch and any(a in axes for _, axes in dims))
         if gather:
-            total += p.bytes_per_device * traffic.shards(gather, sizes) * geo.compute_itemsize / np.dtype(p.dtype).itemsize
+            total += _cast_bytes(p, geo) * traffic.shards(gather, sizes)
     return total
 
 
@@ -78,12 +84,12 @@ def grouped_head_bytes(cfg: Config, report: Report, sizes: Mapping[str, int], ge
     """(weights, gradient): what the output head holds when the loss pieces group it (training/loss.py
     `grouped_token_logps`). Its weights whole over the token axes in their own dtype, during the loss (for a tied
     table, in place of `gathered_head_bytes`'s copies), or in the compute dtype where they are frozen and the
-    compiler casts before it gathers (`Fitted.frozen_head_cast`); and their gradient, whole until its one reduction, less the
-    gradient's shard (counted with the gradients; a frozen head has none); both during the loss alone (its
-    backward reduces the gradient before the layers' backward starts, training/loss.py). Under a table pipeline
-    schedule the last stage groups each pipeline microbatch's tokens over the batch and length shards within it
-    (training/pipelined.py). (0, 0) where the head is not grouped (step.Trainer._head): one piece, tokens on one
-    device, fewer rows than batch shards."""
+    compiler casts before it gathers (`Fitted.frozen_head_cast`); and their gradient, whole until its one
+    reduction, less the gradient's shard (counted with the gradients; a frozen head has none); both during the
+    loss alone (its backward reduces the gradient before the layers' backward starts, training/loss.py). Under a
+    table pipeline schedule the last stage groups each pipeline microbatch's tokens over the batch and length
+    shards within it (training/pipelined.py). (0, 0) where the head is not grouped (step.Trainer._head): one
+    piece, tokens on one device, fewer rows than batch shards."""
     batch = rule_axes(cfg, ax.EMBED_AND_LOGITS_BATCH, sizes, ax.LOGITS)
     length = rule_axes(cfg, ax.LENGTH, sizes, ax.LOGITS)
     pipe = cfg.model.pipeline
@@ -105,6 +111,5 @@ def grouped_head_bytes(cfg: Config, report: Report, sizes: Mapping[str, int], ge
                 weights += p.bytes_per_device * shards
                 gradient += p.bytes_per_device * (shards - 1)
             else:  # a frozen table (LoRA's base): no gradient, and gathered cast where the compiler casts first
-                itemsize = geo.compute_itemsize if cast_first else np.dtype(p.dtype).itemsize
-                weights += p.bytes_per_device * shards * itemsize / np.dtype(p.dtype).itemsize
+                weights += (_cast_bytes(p, geo) if cast_first else p.bytes_per_device) * shards
     return weights, gradient

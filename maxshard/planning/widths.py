@@ -15,8 +15,8 @@ from collections.abc import Mapping
 from maxshard.config import Config
 from maxshard.model.attention_choice import platform_of
 from maxshard.parallel import axis_names as ax
-from maxshard.planning.axes import rule_axes
 from maxshard.planning import splash_outputs
+from maxshard.planning.axes import rule_axes
 from maxshard.planning.fitted import compiler, fitted
 from maxshard.spec import attention_kinds, remat
 
@@ -203,6 +203,7 @@ def widths(cfg: Config, sizes: Mapping[str, int]) -> Widths:
     for axis in rule_axes(cfg, ax.ATTN_LENGTH, sizes):
         context *= sizes[axis]
     attention = cfg.model.attention if cfg.model is not None else "dot_product"
+    tile = fitted(compiler(cfg)).tile
     return Widths(
         embed=cfg.emb_dim,
         q=heads * cfg.head_dim,
@@ -218,21 +219,21 @@ def widths(cfg: Config, sizes: Mapping[str, int]) -> Widths:
         block_q=cfg.attention_block_q,
         block_kv=cfg.attention_block_kv,
         head_dim=cfg.head_dim,
-        tile=fitted(compiler(cfg)).tile,
+        tile=tile,
         expert=expert,
-        query_pad=latent_query_pad(cfg, heads, fitted(compiler(cfg)).tile),
+        query_pad=latent_query_pad(cfg, heads, tile),
         adapted=tuple(t for t in ("q", "k", "v") if cfg.model is not None and cfg.model.lora_rank_of(t)),
-        block_outputs=_splash_outputs(cfg, attention, context, heads, kv_heads),
+        block_outputs=_splash_outputs(cfg, attention, context, heads // max(kv_heads, 1), tile),
     )
 
 
-def _splash_outputs(cfg: Config, attention: str, context: int, heads: int, kv_heads: int) -> int | None:
-    """`Widths.block_outputs`: splash's block-sized float32 outputs where XLA:TPU runs the kernel itself (not the
-    ring's steps, which run blockwise), per sequence row and kv head; None elsewhere."""
-    tile = fitted(compiler(cfg)).tile
+def _splash_outputs(cfg: Config, attention: str, context: int, group: int,
+                    tile: tuple[int, int] | None) -> int | None:
+    """`Widths.block_outputs`: splash's block-sized float32 outputs where a tiled compiler (XLA:TPU) runs the kernel
+    itself (not the ring's steps, which run blockwise), per sequence row and kv head of `group` query heads; None
+    elsewhere."""
     if attention != "splash" or context > 1 or tile is None:
         return None
     length = cfg.max_target_length
-    return splash_outputs.largest_call_bytes(max(heads // max(kv_heads, 1), 1), cfg.head_dim,
-                                             min(cfg.attention_block_q, length), min(cfg.attention_block_kv, length),
-                                             tile)
+    return splash_outputs.largest_call_bytes(max(group, 1), cfg.head_dim, min(cfg.attention_block_q, length),
+                                             min(cfg.attention_block_kv, length), tile)
