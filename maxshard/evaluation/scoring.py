@@ -27,7 +27,7 @@ from maxshard.generation.decode import decode_model
 from maxshard.spec.model_config import ModelConfig
 from maxshard.model.transformer import Transformer
 from maxshard.parallel import axis_names as ax
-from maxshard.parallel import sharding
+from maxshard.parallel import sharding, xla_options
 from maxshard.training.loss import token_logps
 from maxshard.training.step import mesh_context
 
@@ -88,7 +88,8 @@ class Scorer:
             out = NamedSharding(self.mesh, PartitionSpec())
             params = jax.tree.map(lambda x: x.sharding, self.params)
             with mesh_context(self.mesh, self.rules):
-                step = jax.jit(self._score, in_shardings=(params, rows, rows, rows), out_shardings=(out, out))
+                step = jax.jit(self._score, in_shardings=(params, rows, rows, rows), out_shardings=(out, out),
+                               compiler_options=xla_options.for_mesh(self.mesh))
                 tokens = jax.ShapeDtypeStruct((self.rows, length), jnp.int32)
                 mask = jax.ShapeDtypeStruct((self.rows, length), bool)
                 self._compiled[length] = (step.lower(self.params, tokens, tokens, mask).compile(), rows)

@@ -57,7 +57,7 @@ from maxshard.spec.model_config import ModelConfig
 from maxshard.model.layers import kv_cache, pipeline
 from maxshard.model.transformer import Transformer, abstract_cache
 from maxshard.parallel import axis_names as ax
-from maxshard.parallel import sharding
+from maxshard.parallel import sharding, xla_options
 from maxshard.training.step import mesh_context
 
 __all__ = ["decode_model", "Engine", "Result", "batch_multiple", "stop_tuple", "whole_stream", "MAX_STOP_IDS"]
@@ -136,6 +136,7 @@ class Engine:
     def __init__(self, model: ModelConfig, mesh: Mesh, rules: sharding.FlaxRules, params: Any, allowed: jax.Array
                  ) -> None:
         self.cfg, self.mesh, self.rules, self.params = decode_model(model), mesh, whole_stream(rules), params
+        self._options = xla_options.for_mesh(mesh)  # the ragged-dot kernel on TPU (parallel/xla_options.py)
         self.model = Transformer(self.cfg)
         # A pipelined model's parameters (GRPO samples from them as they train) are read as the unpipelined stack
         # inside the jitted steps (module docstring)
@@ -209,7 +210,7 @@ class Engine:
         with mesh_context(self.mesh, self.rules):
             new_cache = jax.jit(lambda: jax.tree.map(lambda z: jnp.zeros(z.shape, z.dtype), zeros),
                                 out_shardings=cache_shardings).lower().compile()
-            decode = jax.jit(self._decode, donate_argnums=1, out_shardings=step_out,
+            decode = jax.jit(self._decode, donate_argnums=1, out_shardings=step_out, compiler_options=self._options,
                              in_shardings=(self._params_shardings(), cache_shardings, rows, rows, rows, replicated,
                                            replicated, replicated, (replicated,) * 3))
             decode = decode.lower(self.params, zeros, vector, vector, jax.ShapeDtypeStruct((batch,), bool),
@@ -228,7 +229,7 @@ class Engine:
         rows, replicated = step_out[0], NamedSharding(self.mesh, PartitionSpec())
         scalars = (replicated, replicated, (replicated,) * 3)  # key, pad_stops, sampling
         with mesh_context(self.mesh, self.rules):
-            prefill = jax.jit(self._prefill, donate_argnums=1, out_shardings=step_out,
+            prefill = jax.jit(self._prefill, donate_argnums=1, out_shardings=step_out, compiler_options=self._options,
                               in_shardings=(self._params_shardings(), cache_shardings, rows, rows, *scalars))
             prefill = prefill.lower(self.params, zeros, jax.ShapeDtypeStruct((batch, prompt_length), jnp.int32),
                                     jax.ShapeDtypeStruct((batch,), jnp.int32), jax.random.key(0), _PAD_STOPS,

@@ -37,6 +37,7 @@ from maxshard.errors import ConfigError
 from maxshard.generation.decode import Engine
 from maxshard.generation.sampling import Sampling, allowed_tokens
 from maxshard.objectives import kinds
+from maxshard.parallel import xla_options
 from maxshard.training.step import Trainer, TrainState, mesh_context
 
 __all__ = ["Rollouts", "advantages", "rows", "next_batch", "check"]
@@ -93,7 +94,7 @@ class Rollouts:
         self._samples: list[tuple[str, str, float]] = []
         self._logps = jax.jit(lambda params, batch: trainer._token_logps(params, batch)[0],
                               in_shardings=(trainer.state_shardings.params, trainer.batch_shardings(batch_sharding)),
-                              out_shardings=batch_sharding)
+                              out_shardings=batch_sharding, compiler_options=xla_options.for_mesh(trainer.mesh))
 
     def next_for(self, state: TrainState) -> dict[str, jax.Array]:
         """The batch of step `self.step`: a new rollout at every `grpo_updates_per_rollout`-th step (or the first

@@ -29,6 +29,7 @@ from maxshard.config import Config
 from maxshard.errors import ConfigError
 from maxshard.objectives.kinds import FIELDS
 from maxshard.objectives.kinds import REFERENCE_FIELD as FIELD
+from maxshard.parallel import xla_options
 from maxshard.training.step import Trainer, mesh_context
 
 __all__ = ["FIELD", "store_dir", "ensure", "WithReference"]
@@ -67,7 +68,7 @@ def _write(cfg: Config, trainer: Trainer, params: Any, directory: str) -> None:
     sharding = data.batch_sharding(cfg, trainer.mesh)
     score = jax.jit(lambda p, b: trainer._token_logps(p, b)[0],
                     in_shardings=(trainer.state_shardings.params, dict.fromkeys(FIELDS, sharding)),
-                    out_shardings=sharding)
+                    out_shardings=sharding, compiler_options=xla_options.for_mesh(trainer.mesh))
     batches, started = data.make_input(cfg, trainer.mesh, "train"), time.perf_counter()
     print(f"dpo_reference=precomputed: scoring the train batches of {cfg.steps} steps with the starting parameters "
           f"into {directory}", flush=True)

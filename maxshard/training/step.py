@@ -41,7 +41,7 @@ from maxshard.model.layers import moe, mtp
 from maxshard.model.transformer import Transformer, apply_with_stats, init_params
 from maxshard.objectives import kinds as objective_kinds
 from maxshard.parallel import axis_names as ax
-from maxshard.parallel import sharding
+from maxshard.parallel import sharding, xla_options
 from maxshard.training import pipelined
 from maxshard.parallel.token_groups import TokenGroups
 from maxshard.training.loss import GroupedHead, head_token_logps, token_logps
@@ -317,6 +317,7 @@ class Trainer:
             in_shardings=(self.state_shardings, self.batch_shardings(batch_sharding)),
             out_shardings=(self.state_shardings, replicated),
             donate_argnums=0,
+            compiler_options=xla_options.for_mesh(self.mesh),
         )
         return self._in_context(step)
 
@@ -328,6 +329,7 @@ class Trainer:
             in_shardings=(self.state_shardings.params, self.batch_shardings(batch_sharding),
                           self.state_shardings.reference),
             out_shardings=replicated,
+            compiler_options=xla_options.for_mesh(self.mesh),
         )
         return self._in_context(step)
 
