@@ -26,7 +26,8 @@ they keep 32000). The pipeline keeps its shape: at 4 x 512 it plans
 1.029 of libtpu 0.0.42.1's compile but 0.731 of 0.0.50.1's (0.898 at 4 x 1024). Since the circular pipeline's loss
 is planned with the stages' gradients and cast weights beside it (the fitted `pipeline_loss_first`, which left them
 out, under-planned the loss-phase peak once the head was grouped: 0.907 at its own fit shape): 1.072 on libtpu
-0.0.42.1 and 0.977 on 0.0.50.1 (4 x 512: about 1.22 and 0.87; not in CI).
+0.0.42.1 and 0.977 on 0.0.50.1 (4 x 512: about 1.22 and 0.87; not in CI); since the splash block term is read
+off the installed kernel, 1.069 and 0.958 (2026-11-29).
 
 The LoRA shape also holds the plan's host bytes (what an offload policy moves off the device) to XLA:TPU's host
 buffers, to the byte: at 4 x 512 tokens per chip under offload_qkv_out_proj, the layer input, out_proj and the adapted
@@ -34,7 +35,11 @@ q, k and v [.., 12 heads, 64] move to host memory, q, k and v stored as the tile
 (`widths.Widths.stored`; an unadapted projection's heads are padded to 16 rows too), 288 MiB. Device peak 1.122 of
 the compile (libtpu 0.0.42.1; 1.09 at 4 x 1024 under full), 1.217 of libtpu 0.0.50.1's; since the splash kernel's
 block term is read off the installed kernel (planning/splash_outputs.py: jax 0.12's keeps its accumulators in
-scratch) and a frozen table is planned gathered in bfloat16 (`Fitted.frozen_head_cast`), 1.072 and 1.001. One
+scratch) and a frozen table is planned gathered in bfloat16 (`Fitted.frozen_head_cast`), 1.072 and 1.001. Under
+libtpu 0.0.52 its loss holds three copies of that table (planning/fitted.py `XLA_TPU_BY_LIBTPU`): 0.768 with one
+planned, 1.078 with three. (0.0.52 reports its temporaries as the HBM heap, where the releases the constants were
+fitted on add the heap's fragmentation again, so the pipeline and context shapes plan 1.18 and 1.28 of its figures:
+README.md, "Which Python gives which toolchain".) One
 compile serves both claims (~100 CPU s, where a separate 125m offload compile took ~75 more). The context shape's program also shows ring attention on XLA:TPU, its steps passing K/V around the
 ring (collective-permute), which tests/test_tpu_aot.py compiled as a layout of its own before (~40 CPU s).
 """

@@ -84,7 +84,7 @@ def grouped_head_bytes(cfg: Config, report: Report, sizes: Mapping[str, int], ge
     """(weights, gradient): what the output head holds when the loss pieces group it (training/loss.py
     `grouped_token_logps`). Its weights whole over the token axes in their own dtype, during the loss (for a tied
     table, in place of `gathered_head_bytes`'s copies), or in the compute dtype where they are frozen and the
-    compiler casts before it gathers (`Fitted.frozen_head_cast`); and their gradient, whole until its one
+    compiler casts before it gathers (`Fitted.frozen_head_cast`), `Fitted.frozen_head_copies` times; and their gradient, whole until its one
     reduction, less the gradient's shard (counted with the gradients; a frozen head has none); both during the
     loss alone (its backward reduces the gradient before the layers' backward starts, training/loss.py). Under a
     table pipeline schedule the last stage groups each pipeline microbatch's tokens over the batch and length
@@ -103,13 +103,15 @@ def grouped_head_bytes(cfg: Config, report: Report, sizes: Mapping[str, int], ge
     tokens = set(batch) | set(length)
     head = "token_embed/embedding" if cfg.logits_via_embedding else "/logits/"
     weights = gradient = 0.0
-    cast_first = fitted(compiler(cfg)).frozen_head_cast
+    f = fitted(compiler(cfg))
     for p in report.params:
         if head in f"/{p.name}/":
             shards = traffic.shards(tuple(a for _, axes in traffic.dim_axes(p, sizes) for a in axes if a in tokens), sizes)
             if trainable.is_trainable(cfg.model, p.name):
                 weights += p.bytes_per_device * shards
                 gradient += p.bytes_per_device * (shards - 1)
-            else:  # a frozen table (LoRA's base): no gradient, and gathered cast where the compiler casts first
-                weights += (_cast_bytes(p, geo) if cast_first else p.bytes_per_device) * shards
+            else:  # a frozen table (LoRA's base): no gradient, gathered cast where the compiler casts first, in
+                # as many copies as the compiler's loss holds
+                copy = _cast_bytes(p, geo) if f.frozen_head_cast else p.bytes_per_device
+                weights += copy * shards * f.frozen_head_copies
     return weights, gradient

@@ -1,0 +1,47 @@
+"""The planner's XLA:TPU constants follow the installed libtpu release (planning/fitted.py `XLA_TPU_BY_LIBTPU`):
+a release with an entry of its own plans what its programs hold (0.0.52's loss holds three gathered copies of a
+LoRA run's frozen head), an older one FITTED's entry. Planned only, no compile (the compiles behind the figures are
+tests/test_plan_heldout_tpu.py's, run under each release)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+
+import pytest
+
+from maxshard.launch import topologies
+from maxshard.planning import estimate, fitted
+from maxshard.run.target import load_for_target
+
+LORA = ("model_name=125m", "override_model_config=true", "loss_chunks=16", "per_device_batch_size=4",
+        "max_target_length=512", "lora_rank=8", "remat_policy=offload_qkv_out_proj")
+
+
+def test_the_installed_release_is_read_as_numbers() -> None:
+    version = importlib.metadata.version("libtpu")  # a test dependency (the tpu-aot extra)
+    assert fitted.libtpu_release() == tuple(int(n) for n in re.findall(r"\d+", version)[:4])
+
+
+@pytest.mark.parametrize("release, copies", [((0, 0, 42, 1), 1), ((0, 0, 50, 1), 1), ((0, 0, 51), 1),
+                                             ((0, 0, 52), 3), ((0, 0, 53), 3), (None, 1)])
+def test_each_release_takes_its_own_entry(monkeypatch, release, copies) -> None:
+    monkeypatch.setattr(fitted, "libtpu_release", lambda: release)
+    assert fitted.fitted("xla:tpu").frozen_head_copies == copies
+    assert fitted.fitted("xla:cpu") is fitted.FITTED["xla:cpu"]
+
+
+def test_a_frozen_head_is_planned_in_as_many_copies_as_the_release_holds(monkeypatch) -> None:
+    target = topologies.parse("v5litepod-8")
+    cfg = load_for_target(["configs/base.yml", *LORA], target)
+    planned = {}
+    for release in ((0, 0, 50, 1), (0, 0, 52)):
+        monkeypatch.setattr(fitted, "libtpu_release", lambda release=release: release)
+        planned[release] = estimate.make_plan(cfg, target)
+    before, after = planned[(0, 0, 50, 1)], planned[(0, 0, 52)]
+    table = before.activation_terms.head_grouped[0]  # bf16[32000, 768] gathered whole: 46.9 MiB
+    assert table == 32000 * 768 * 2
+    assert after.activation_terms.head_grouped[0] == 3 * table
+    # the loss phase grows by two tables; the peak is the larger phase (head_apart on XLA:TPU), so it grows by at
+    # most that (on jax 0.10 the layers' backward was the larger before)
+    assert 0 < after.peak_bytes - before.peak_bytes <= 2 * table
