@@ -84,10 +84,10 @@ def grouped_head_bytes(cfg: Config, report: Report, sizes: Mapping[str, int], ge
     """(weights, gradient): what the output head holds when the loss pieces group it (training/loss.py
     `grouped_token_logps`). Its weights whole over the token axes in their own dtype, during the loss (for a tied
     table, in place of `gathered_head_bytes`'s copies), or in the compute dtype where they are frozen and the
-    compiler casts before it gathers (`Fitted.frozen_head_cast`), `Fitted.frozen_head_copies` times; and their gradient, whole until its one
-    reduction, less the gradient's shard (counted with the gradients; a frozen head has none); both during the
-    loss alone (its backward reduces the gradient before the layers' backward starts, training/loss.py). Under a
-    table pipeline schedule the last stage groups each pipeline microbatch's tokens over the batch and length
+    compiler casts before it gathers (`Fitted.frozen_head_cast`), `Fitted.frozen_head_copies` times; and their
+    gradient, whole until its one reduction, less the gradient's shard (counted with the gradients; a frozen head
+    has none); both during the loss alone (its backward reduces the gradient before the layers' backward starts,
+    training/loss.py). Under a table pipeline schedule the last stage groups each pipeline microbatch's tokens over the batch and length
     shards within it (training/pipelined.py). (0, 0) where the head is not grouped (step.Trainer._head): one
     piece, tokens on one device, fewer rows than batch shards."""
     batch = rule_axes(cfg, ax.EMBED_AND_LOGITS_BATCH, sizes, ax.LOGITS)
