@@ -87,9 +87,9 @@ def grouped_head_bytes(cfg: Config, report: Report, sizes: Mapping[str, int], ge
     compiler casts before it gathers (`Fitted.frozen_head_cast`), `Fitted.frozen_head_copies` times; and their
     gradient, whole until its one reduction, less the gradient's shard (counted with the gradients; a frozen head
     has none); both during the loss alone (its backward reduces the gradient before the layers' backward starts,
-    training/loss.py). Under a table pipeline schedule the last stage groups each pipeline microbatch's tokens over the batch and length
-    shards within it (training/pipelined.py). (0, 0) where the head is not grouped (step.Trainer._head): one
-    piece, tokens on one device, fewer rows than batch shards."""
+    training/loss.py). Under a table pipeline schedule the last stage groups each pipeline microbatch's tokens over
+    the batch and length shards within it (training/pipelined.py). (0, 0) where the head is not grouped
+    (step.Trainer._head): one piece, tokens on one device, fewer rows than batch shards."""
     batch = rule_axes(cfg, ax.EMBED_AND_LOGITS_BATCH, sizes, ax.LOGITS)
     length = rule_axes(cfg, ax.LENGTH, sizes, ax.LOGITS)
     pipe = cfg.model.pipeline
