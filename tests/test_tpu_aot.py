@@ -126,7 +126,8 @@ def test_init_and_step_compile_for_a_v5e_slice_with_the_tpu_defaults(layout, dev
     assert "tpu_custom_call" in program  # splash, lowered by Mosaic into the program
     if "expert" in layout:  # the ragged exchange's instruction: "ragged" alone, ragged_dot's name would satisfy
         assert (cfg.model.moe_dropless_impl, cfg.model.moe_exchange) == ("ragged_dot", "ragged")
-        assert "ragged-all-to-all" in program
+        # and the grouped matmuls as XLA:TPU's ragged-dot kernel, inside the stages' loop too (parallel/xla_options.py)
+        assert "ragged-all-to-all" in program and "ragged-dot" in program
 
 
 def test_the_deepseek_style_layout_plans_within_its_xla_tpu_compile():
