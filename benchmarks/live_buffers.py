@@ -37,8 +37,9 @@ _VALUE = re.compile(r"value: <\d+ (\S+) @\d+> \(size=(\d+),offset=\d+\): (\S+)")
 _RANGE = re.compile(r"^    (\S+):(\d+)-(\d+)$", re.M)
 
 
-def compile_with_dump(argv: list[str], topology: str, dump: str) -> tuple[int, int]:
-    """(planned, compiled) peak bytes per device of the step, its buffer assignment and live ranges under `dump`."""
+def compile_with_dump(argv: list[str], topology: str, dump: str) -> tuple[int, int, int]:
+    """(planned, compiled peak, reported temporaries) bytes per device of the step, its buffer assignment and live
+    ranges under `dump`."""
     target = topologies.parse(topology)
     cfg = load_for_target([common.BASE, *argv], target)
     trainer = Trainer(cfg, mesh.build(cfg, abstract_devices(target)))
@@ -46,8 +47,8 @@ def compile_with_dump(argv: list[str], topology: str, dump: str) -> tuple[int, i
     options = {**_FAST, "xla_dump_to": dump, "xla_dump_hlo_as_text": True, "xla_dump_hlo_pass_re": "",
                "xla_dump_hlo_module_re": "train_step"}
     lowered = trainer.jit_train_step(batch_sharding).lower(*abstract_inputs(trainer, batch_sharding))
-    compiled = peak_bytes(lowered.compile(options).memory_analysis())
-    return estimate.make_plan(cfg, target).peak_bytes, compiled
+    stats = lowered.compile(options).memory_analysis()
+    return estimate.make_plan(cfg, target).peak_bytes, peak_bytes(stats), stats.temp_size_in_bytes
 
 
 def live_at_peak(dump: str) -> tuple[int, list[tuple[int, str, str]], int]:
@@ -80,12 +81,17 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=20, help="values to list (default 20)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides of configs/base.yml")
     args = parser.parse_args()
-    planned, compiled = compile_with_dump(args.overrides, args.topology, args.dump)
+    planned, compiled, temp = compile_with_dump(args.overrides, args.topology, args.dump)
     print(f"planned {planned / 2**30:.2f} GiB, compiled {compiled / 2**30:.2f} GiB per device "
           f"(planned / compiled {planned / compiled:.3f})")
     peak, live, allocated = live_at_peak(args.dump)
     print(f"live at instruction {peak}: {sum(v[0] for v in live) / 2**30:.2f} GiB in {len(live)} values, of a "
           f"{allocated / 2**30:.2f} GiB temporary allocation")
+    # libtpu before 0.0.52 reports the heap plus what its log calls the heap's fragmentation as its temporaries;
+    # 0.0.52 the heap (benchmarks/README.md, "libtpu 0.0.52: the same heap, reported once")
+    on_heap = compiled - temp + allocated
+    print(f"reported temporaries {temp / 2**30:.3f} GiB, the heap {allocated / 2**30:.3f} GiB: the peak on the heap "
+          f"{on_heap / 2**30:.3f} GiB (planned / that {planned / on_heap:.3f})")
     for size, name, shape in live[:args.top]:
         print(f"  {size / 2**20:9.1f} MiB  {name:<32} {shape}")
     by_shape = collections.Counter()
