@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
-import os
 import re
 
 import common  # noqa: F401 - the repository on sys.path
@@ -27,15 +25,11 @@ import common  # noqa: F401 - the repository on sys.path
 from maxshard import data
 from maxshard.launch import topologies
 from maxshard.parallel import mesh
-from maxshard.planning import estimate
+from maxshard.planning import buffer_dump, estimate
 from maxshard.planning.compiled import _FAST, abstract_inputs, peak_bytes
 from maxshard.planning.tpu_compile import abstract_devices
 from maxshard.run.target import load_for_target
 from maxshard.training.step import Trainer
-
-_VALUE = re.compile(r"value: <\d+ (\S+) @\d+> \(size=(\d+),offset=\d+\): (\S+)")
-_RANGE = re.compile(r"^    (\S+):(\d+)-(\d+)$", re.M)
-
 
 def compile_with_dump(argv: list[str], topology: str, dump: str) -> tuple[int, int, int]:
     """(planned, compiled peak, reported temporaries) bytes per device of the step, its buffer assignment and live
@@ -44,34 +38,10 @@ def compile_with_dump(argv: list[str], topology: str, dump: str) -> tuple[int, i
     cfg = load_for_target([common.BASE, *argv], target)
     trainer = Trainer(cfg, mesh.build(cfg, abstract_devices(target)))
     batch_sharding = data.batch_sharding(cfg, trainer.mesh)
-    options = {**_FAST, "xla_dump_to": dump, "xla_dump_hlo_as_text": True, "xla_dump_hlo_pass_re": "",
-               "xla_dump_hlo_module_re": "train_step"}
+    options = {**_FAST, **buffer_dump.options(dump)}
     lowered = trainer.jit_train_step(batch_sharding).lower(*abstract_inputs(trainer, batch_sharding))
     stats = lowered.compile(options).memory_analysis()
     return estimate.make_plan(cfg, target).peak_bytes, peak_bytes(stats), stats.temp_size_in_bytes
-
-
-def live_at_peak(dump: str) -> tuple[int, list[tuple[int, str, str]], int]:
-    """(the instruction's index, [(bytes, value, shape)], the allocation's bytes) of the largest temporary
-    allocation's values live where their sizes sum highest."""
-    assignment = open(glob.glob(os.path.join(dump, "*train_step*after_optimizations-buffer-assignment.txt"))[0]).read()
-    ranges = open(glob.glob(os.path.join(dump, "*train_step*after_optimizations-live-range.txt"))[0]).read()
-    allocations = re.split(r"\n(?=allocation \d+:)", assignment)
-    heads = [a.split("\n", 1)[0] for a in allocations]
-    temps = [a for a, head in zip(allocations, heads) if "preallocated-temp" in head and "color" not in head]
-    temp = max(temps, key=lambda a: int(re.search(r"size (\d+)", a).group(1)))
-    # the live-range dump names a value by its instruction and shape index ("fusion.3{}", "fusion.4{1}")
-    values = [(name if "{" in name else name + "{}", int(size), shape) for name, size, shape in _VALUE.findall(temp)]
-    span = {name: (int(start), int(end)) for name, start, end in _RANGE.findall(ranges)}
-    totals = collections.Counter()
-    for name, size, _ in values:
-        start, end = span[name]
-        for t in range(start, end + 1):
-            totals[t] += size
-    peak = max(totals, key=totals.__getitem__)
-    live = sorted(((size, name, shape) for name, size, shape in values if span[name][0] <= peak <= span[name][1]),
-                  reverse=True)
-    return peak, live, int(re.search(r"size (\d+)", temp).group(1))
 
 
 def main() -> None:
@@ -84,7 +54,7 @@ def main() -> None:
     planned, compiled, temp = compile_with_dump(args.overrides, args.topology, args.dump)
     print(f"planned {planned / 2**30:.2f} GiB, compiled {compiled / 2**30:.2f} GiB per device "
           f"(planned / compiled {planned / compiled:.3f})")
-    peak, live, allocated = live_at_peak(args.dump)
+    peak, live, allocated = buffer_dump.live_at_peak(args.dump)
     print(f"live at instruction {peak}: {sum(v[0] for v in live) / 2**30:.2f} GiB in {len(live)} values, of a "
           f"{allocated / 2**30:.2f} GiB temporary allocation")
     # libtpu before 0.0.52 reports the heap plus what its log calls the heap's fragmentation as its temporaries;

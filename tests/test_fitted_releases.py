@@ -28,6 +28,7 @@ def test_the_installed_release_is_read_as_numbers() -> None:
 def test_each_release_takes_its_own_entry(monkeypatch, release, copies) -> None:
     monkeypatch.setattr(fitted, "libtpu_release", lambda: release)
     assert fitted.fitted("xla:tpu").frozen_head_copies == copies
+    assert fitted.fitted("xla:tpu").kept_without_remat == ((6, 2, 6, 4) if copies == 3 else (6, 2, 5, 4))
     assert fitted.fitted("xla:cpu") is fitted.FITTED["xla:cpu"]
 
 

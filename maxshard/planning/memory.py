@@ -19,7 +19,10 @@ s = the compute dtype's itemsize:
                                       output and float32 log-sum-exp instead: Q x s + 4 H
 
     what a policy saves per layer and token (maxshard/spec/remat.py names what each keeps):
-        none               dense + attention
+        none               dense + attention; on XLA:TPU with a fused kernel what it keeps instead
+                           (`Fitted.kept_without_remat`, widths.py `kept_bytes`): the norms' inputs as six float32
+                           and two compute-dtype E-wide values, 5 Q-wide, 4 K-wide (0.0.52: 6 Q-wide), 6F, and the
+                           float32 log-sum-exp
         minimal            matmul outputs: (2E / r + 2Q + 2K + 2F) x s + float32 scores 4 A (fused: log-sum-exp 4 H)
         save_qkv_out_proj  layer input + q, k, v + output projection: (E / r + E + Q + 2K) x s
         save_qkv_proj      (E / r + Q + 2K) x s

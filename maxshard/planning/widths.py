@@ -48,6 +48,8 @@ class Widths:
     # splash on XLA:TPU: the bytes its largest call writes as block-sized float32 outputs, per sequence row and kv
     # head (planning/splash_outputs.py, read off the installed kernel); None: the kernel's score block instead
     block_outputs: int | None = None
+    # Fitted.kept_without_remat of the compiler: what a layer keeps without remat, where it differs from `dense`
+    kept_without_remat: tuple[int, int, int, int] | None = None
 
     @property
     def fused(self) -> bool:
@@ -79,6 +81,18 @@ class Widths:
         partial = self.embed if self.tensor else 0  # a row-parallel projection's partial sum before its reduction
         gathered = 2 * (self.embed - self.stream)  # attention's and the MLP's inputs, gathered back to full length
         return (7 * self.stream + gathered + 3 * self.q + self.kv + 6 * self.mlp + partial) * itemsize
+
+    def kept_bytes(self, itemsize: int) -> int:
+        """What one layer keeps without remat, its attention kernel's residuals included: `dense` and the kernel's,
+        or, where the compiler keeps other values (`kept_without_remat`, XLA:TPU) and the kernel is fused, those
+        counts of E, Q and K-wide values, 6 F-wide and the kernel's float32 log-sum-exp."""
+        if self.kept_without_remat is None or not self.fused:
+            return self.dense_bytes(itemsize) + self.kernel_saved_bytes(itemsize)
+        e32, e, q, k = self.kept_without_remat
+        partial = self.embed if self.tensor else 0
+        gathered = 2 * (self.embed - self.stream)
+        return ((e * self.stream + gathered + q * self.q + k * self.kv + 6 * self.mlp + partial) * itemsize
+                + e32 * self.stream * 4 + 4 * self.heads)
 
     def kernel_saved_bytes(self, itemsize: int) -> int:
         """What the attention kernel keeps for its backward without remat."""
@@ -134,7 +148,7 @@ class Widths:
         """What `policy` keeps per layer and token in device memory for the backward pass."""
         q, k, v, f = self.q, self.stored(self.kv, "k"), self.stored(self.kv, "v"), self.mlp
         if policy.keeps == "everything":
-            return self.dense_bytes(itemsize) + self.kernel_saved_bytes(itemsize)
+            return self.kept_bytes(itemsize)
         if policy.keeps == "dots":  # the projections' q, k, v as stored, the attention output (not [.., heads, dim])
             kernel = 4 * self.heads if self.fused else 4 * self.scores
             matmuls = 2 * self.stream + self.stored_query + q + k + v + 2 * f  # row-parallel outputs split
@@ -157,7 +171,8 @@ class Widths:
         """The backward working set per token of one stacked unit of `layers` layers, rematerialised as one: its
         forward re-runs whole, so every layer but the one being differentiated holds what the policy did not keep
         (everything a layer keeps without remat, less what the policy saves) beside that layer's working set."""
-        everything = self.saved_bytes(remat.policy("none"), itemsize)
+        # `dense`, not `kept_bytes`: the share `Fitted.unit_kept` of it was fitted on that count
+        everything = self.dense_bytes(itemsize) + self.kernel_saved_bytes(itemsize)
         recomputed = max(everything - self.saved_bytes(remat.on_device(policy), itemsize), 0)
         layer = self.working_bytes(policy, itemsize, compiler_name)
         if not recomputed:  # nothing re-runs (none): XLA:CPU held every layer's working set (tests/test_plan_memory)
@@ -203,7 +218,8 @@ def widths(cfg: Config, sizes: Mapping[str, int]) -> Widths:
     for axis in rule_axes(cfg, ax.ATTN_LENGTH, sizes):
         context *= sizes[axis]
     attention = cfg.model.attention if cfg.model is not None else "dot_product"
-    tile = fitted(compiler(cfg)).tile
+    f = fitted(compiler(cfg))
+    tile = f.tile
     return Widths(
         embed=cfg.emb_dim,
         q=heads * cfg.head_dim,
@@ -224,6 +240,7 @@ def widths(cfg: Config, sizes: Mapping[str, int]) -> Widths:
         query_pad=latent_query_pad(cfg, heads, tile),
         adapted=tuple(t for t in ("q", "k", "v") if cfg.model is not None and cfg.model.lora_rank_of(t)),
         block_outputs=_splash_outputs(cfg, attention, context, heads // max(kv_heads, 1), tile),
+        kept_without_remat=f.kept_without_remat,
     )
 
 
