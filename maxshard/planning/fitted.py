@@ -123,9 +123,10 @@ class Fitted:
     # Q-wide, K-wide) per token beside its 6 F-wide (planning/widths.py `Widths.kept_bytes`), where the compiler keeps
     # other values than `dense` counts (None: `dense`, read off XLA:CPU). XLA:TPU (libtpu 0.0.42.1, remat none,
     # splash, v5e-8, the saved stacks of the layer scan in the buffer assignment): the norms' inputs in float32, six
-    # [tokens, E] f32 a layer, and q in two layouts and k in four, (6, 2, 5, 4): 72,192 bytes a token and layer at
-    # 125m (dense + the kernel's output: 55,344), 68,096 at 125m with 4 kv heads, 92,160 at emb 1024 / 16 and 8
-    # heads / mlp 4096, each to the byte (benchmarks/README.md, "libtpu 0.0.52: the same heap, reported once")
+    # [tokens, E] f32 a layer, five Q-wide values (q in two layouts) and four K-wide, (6, 2, 5, 4): 72,192 bytes
+    # a token and layer at 125m (dense + the kernel's output: 55,344), 68,096 with 4 kv heads, 92,160 at emb 1024 /
+    # 16 and 8 heads / mlp 4096, each to the byte (benchmarks/README.md, "libtpu 0.0.52: the same heap, reported
+    # once")
     kept_without_remat: tuple[int, int, int, int] | None = None
 
 

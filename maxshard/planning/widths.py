@@ -78,9 +78,13 @@ class Widths:
 
     def dense_bytes(self, itemsize: int) -> int:
         """What one layer keeps without remat, attention kernel aside (module docstring: `dense`)."""
-        partial = self.embed if self.tensor else 0  # a row-parallel projection's partial sum before its reduction
-        gathered = 2 * (self.embed - self.stream)  # attention's and the MLP's inputs, gathered back to full length
-        return (7 * self.stream + gathered + 3 * self.q + self.kv + 6 * self.mlp + partial) * itemsize
+        return (7 * self.stream + self._layout_extra + 3 * self.q + self.kv + 6 * self.mlp) * itemsize
+
+    @property
+    def _layout_extra(self) -> int:
+        """E-wide elements a layer keeps per token because of the layout: attention's and the MLP's inputs gathered
+        back to full length (tensor_sequence), and a row-parallel projection's partial sum before its reduction."""
+        return 2 * (self.embed - self.stream) + (self.embed if self.tensor else 0)
 
     def kept_bytes(self, itemsize: int) -> int:
         """What one layer keeps without remat, its attention kernel's residuals included: `dense` and the kernel's,
@@ -89,9 +93,7 @@ class Widths:
         if self.kept_without_remat is None or not self.fused:
             return self.dense_bytes(itemsize) + self.kernel_saved_bytes(itemsize)
         e32, e, q, k = self.kept_without_remat
-        partial = self.embed if self.tensor else 0
-        gathered = 2 * (self.embed - self.stream)
-        return ((e * self.stream + gathered + q * self.q + k * self.kv + 6 * self.mlp + partial) * itemsize
+        return ((e * self.stream + self._layout_extra + q * self.q + k * self.kv + 6 * self.mlp) * itemsize
                 + e32 * self.stream * 4 + 4 * self.heads)
 
     def kernel_saved_bytes(self, itemsize: int) -> int:
