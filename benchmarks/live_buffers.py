@@ -22,25 +22,20 @@ import re
 
 import common  # noqa: F401 - the repository on sys.path
 
-from maxshard import data
 from maxshard.launch import topologies
 from maxshard.parallel import mesh
 from maxshard.planning import buffer_dump, estimate
-from maxshard.planning.compiled import _FAST, abstract_inputs, peak_bytes
+from maxshard.planning.compiled import compile_train_step, peak_bytes
 from maxshard.planning.tpu_compile import abstract_devices
 from maxshard.run.target import load_for_target
-from maxshard.training.step import Trainer
 
 def compile_with_dump(argv: list[str], topology: str, dump: str) -> tuple[int, int, int]:
     """(planned, compiled peak, reported temporaries) bytes per device of the step, its buffer assignment and live
     ranges under `dump`."""
     target = topologies.parse(topology)
     cfg = load_for_target([common.BASE, *argv], target)
-    trainer = Trainer(cfg, mesh.build(cfg, abstract_devices(target)))
-    batch_sharding = data.batch_sharding(cfg, trainer.mesh)
-    options = {**_FAST, **buffer_dump.options(dump)}
-    lowered = trainer.jit_train_step(batch_sharding).lower(*abstract_inputs(trainer, batch_sharding))
-    stats = lowered.compile(options).memory_analysis()
+    step = compile_train_step(cfg, mesh.build(cfg, abstract_devices(target)), buffer_dump.options(dump))
+    stats = step.memory_analysis()
     return estimate.make_plan(cfg, target).peak_bytes, peak_bytes(stats), stats.temp_size_in_bytes
 
 

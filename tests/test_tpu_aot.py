@@ -20,17 +20,15 @@ import flax.linen as nn
 import jax
 import pytest
 
-from maxshard import data
 from maxshard.launch import topologies
 from maxshard.spec import blocks
 from maxshard.parallel import mesh
 from maxshard.planning import buffer_dump, estimate
-from maxshard.planning.compiled import _FAST as FAST_OPTIONS
-from maxshard.planning.compiled import abstract_inputs, compile_init, compile_train_step, peak_bytes
+from maxshard.planning.compiled import compile_init, compile_train_step, peak_bytes
 from maxshard.planning.tpu_compile import INSTALL, abstract_devices, topology_name
 from maxshard.planning.widths import widths
 from maxshard.run.target import load_for_target
-from maxshard.training.step import Trainer, abstract_state
+from maxshard.training.step import abstract_state
 from tests.test_plan_heldout_tpu import HIGH, LOW  # the planner's bound on XLA:TPU, one home
 
 if importlib.util.find_spec("libtpu") is None:  # a test dependency: missing means a broken install, not a skip
@@ -201,24 +199,17 @@ def test_what_a_layer_keeps_without_remat_is_planned_as_xla_tpu_keeps_it(devices
     in several layouts; `dense`, read off XLA:CPU, planned 54,320 bytes here where XLA:TPU keeps 68,144). The counts
     were read off 125m with 12 and 4 kv heads at 2 x 2048 and a wider shape; this length is held out."""
     cfg = load_for_target(["configs/base.yml", *KEEP_EVERYTHING], TARGET)
-    step_mesh = mesh.build(cfg, devices)
-    trainer = Trainer(cfg, step_mesh)
-    batch = data.batch_sharding(cfg, trainer.mesh)
-    lowered = trainer.jit_train_step(batch).lower(*abstract_inputs(trainer, batch))
-    lowered.compile({**FAST_OPTIONS, **buffer_dump.options(str(tmp_path))})
+    compile_train_step(cfg, mesh.build(cfg, devices), buffer_dump.options(str(tmp_path)))
     _, live, _ = buffer_dump.live_at_peak(str(tmp_path))
     layers, rows, length = cfg.num_layers, int(cfg.per_device_batch_size), cfg.max_target_length
-    saved = [(size, shape) for size, _, shape in live
-             if shape.startswith(f"{_dtype(shape)}[{layers},{rows},") and str(length) in _dims(shape)]
-    kept = sum(size for size, _ in saved) / (layers * rows * length)
+    saved = [size for size, _, shape in live if _dims(shape)[:2] == [layers, rows] and length in _dims(shape)]
+    kept = sum(saved) / (layers * rows * length)
     planned = widths(cfg, mesh.axis_sizes(cfg)).kept_bytes(2)
     print(f"\nkept per token and layer: {kept:.0f} bytes, planned {planned}")
     assert abs(kept - planned) <= 0.01 * planned, (kept, planned, live[:8])
 
 
-def _dtype(shape: str) -> str:
-    return shape.split("[", 1)[0]
-
-
-def _dims(shape: str) -> list[str]:
-    return shape.split("[", 1)[1].split("]", 1)[0].split(",")
+def _dims(shape: str) -> list[int]:
+    """The dimensions of a dumped value's shape ("bf16[12,2,1024,768]{...}"); [] for a tuple or a scalar."""
+    inner = shape.split("[", 1)[1].split("]", 1)[0] if "[" in shape and not shape.startswith("(") else ""
+    return [int(d) for d in inner.split(",") if d.isdigit()]

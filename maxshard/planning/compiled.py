@@ -34,11 +34,13 @@ def abstract_inputs(trainer: Trainer, batch_sharding: jax.sharding.NamedSharding
     return state, batch
 
 
-def compile_train_step(cfg: Config, mesh: jax.sharding.Mesh) -> Any:
-    """The compiled train step of `cfg` on `mesh`, lowered from abstract sharded state and batch."""
+def compile_train_step(cfg: Config, mesh: jax.sharding.Mesh, options: dict[str, Any] | None = None) -> Any:
+    """The compiled train step of `cfg` on `mesh`, lowered from abstract sharded state and batch; `options`: more
+    compile options (XLA's dumps: planning/buffer_dump.py)."""
     trainer = Trainer(cfg, mesh)
     batch_sharding = data.batch_sharding(cfg, trainer.mesh)
-    return trainer.jit_train_step(batch_sharding).lower(*abstract_inputs(trainer, batch_sharding)).compile(_FAST)
+    lowered = trainer.jit_train_step(batch_sharding).lower(*abstract_inputs(trainer, batch_sharding))
+    return lowered.compile({**_FAST, **(options or {})})
 
 
 def compile_init(cfg: Config, mesh: jax.sharding.Mesh) -> Any:
