@@ -112,6 +112,12 @@ s = the compute dtype's itemsize:
                 which run later, as one buffer assignment placed them: since the loss groups its head, that
                 under-planned the loss-phase peak on XLA:TPU, 0.907 at the 125m pipeline shape; dropped 2026-11-29)
 
+    heap share  libtpu from 0.0.52 reports its temporaries as the HBM heap, where the releases XLA:TPU's constants
+                were fitted on add the heap's fragmentation again (benchmarks/README.md, "libtpu 0.0.52: the same
+                heap, reported once"): under it the terms fitted to those totals take `Fitted.heap_share` (0.66);
+                what was counted value by value (saved stacks, kept stage inputs, the running gradient sum, the
+                head's gathered table) keeps its bytes (`on_the_heap`)
+
 What the plan leaves out (a few % of XLA:CPU's temporaries in the grid of tests/test_plan_memory.py): the
 embedding's gradient buffers, loss reductions and XLA's fusion scratch; and what layer options add to one layer's
 working set, which is no fixed share of what they add to `dense` (measured on XLA:CPU, per token: qk_norm 0.64x its
@@ -138,7 +144,7 @@ from maxshard.planning.fitted import compiler, effective_policy, fitted, policie
 from maxshard.planning.traffic import Geometry, geometry
 from maxshard.planning.widths import Widths, split, widths
 
-__all__ = ["ActivationTerms", "gathered_bytes", "activation_terms", "compiler", "policies",
+__all__ = ["ActivationTerms", "gathered_bytes", "activation_terms", "on_the_heap", "compiler", "policies",
            "effective_policy", "logits_bytes", "auto_loss_chunks"]
 
 # `loss_chunks: 0` (auto) splits the loss until one piece's float32 logits per device fit this (training/loss.py).
@@ -245,8 +251,11 @@ def activation_terms(cfg: Config, sizes: Mapping[str, int], geo: Geometry, gathe
     common = dict(head=head, gathered=gathered, accumulation=accumulation, cast=_cast_bytes(cfg, params, size),
                   head_apart=fitted(target).head_apart, head_table=head_weights, head_grouped=grouped_head,
                   gaps=moe_stack * fitted(target).moe_stack_gaps, moe_stack=moe_stack)
+    # the head's gathered table, counted value by value: its grouped copies, or the tied table's copies
+    table = grouped_head[0] + head_weights * fitted(target).head_weights
     if geo.stages > 1 or geo.microbatches > 1:
-        return _pipeline_terms(cfg, w, geo, tokens, per_layer, moe_per_layer * moe_share, common)
+        terms = _pipeline_terms(cfg, w, geo, tokens, per_layer, moe_per_layer * moe_share, common)
+        return on_the_heap(terms, table, fitted(target).heap_share)
     frozen = _frozen_share(cfg)
     moe_dots = moe_memory.matmul_bytes(cfg, w, sizes, size)
     moe_saved = {"everything": moe_per_layer, "dots": moe_dots}.get(policy.keeps, 0.0)
@@ -258,7 +267,7 @@ def activation_terms(cfg: Config, sizes: Mapping[str, int], geo: Geometry, gathe
     if cfg.model.mtp_depth and policy.keeps != "everything":
         f = fitted(target)
         modules = (cfg.model.mtp_depth - 1) * f.mtp_working_sets + f.mtp_first_working.get(policy.name, 0.0)
-    return ActivationTerms(
+    terms = ActivationTerms(
         saved=geo.layers * tokens * (w.saved_bytes(policy, size) + _option_bytes(cfg, w, policy)),
         working=tokens * (w.unit_working_bytes(policy, size, target, per_layer) + modules * layer_working) * frozen,
         moe=geo.moe_layers * tokens * moe_saved + tokens * moe_memory.working_bytes(
@@ -268,6 +277,19 @@ def activation_terms(cfg: Config, sizes: Mapping[str, int], geo: Geometry, gathe
         host=geo.layers * tokens * w.host_bytes(policy, size),
         **common,
     )
+    return on_the_heap(terms, table, fitted(target).heap_share)
+
+
+def on_the_heap(terms: ActivationTerms, table: float, share: float) -> ActivationTerms:
+    """`terms` as the compiler's heap holds them where its report no longer counts the heap's fragmentation twice
+    (`Fitted.heap_share`): the terms fitted to the older report's totals take `share`; the values counted one by
+    one (the saved stacks, the pipeline's kept inputs, the running gradient sum, the head's gathered `table`) keep
+    their bytes."""
+    if share == 1.0:
+        return terms
+    fitted_terms = ("working", "gathered", "moe", "block", "cast", "gaps")
+    return dataclasses.replace(terms, head=table + (terms.head - table) * share,
+                               **{name: getattr(terms, name) * share for name in fitted_terms})
 
 
 def _stage_working(cfg: Config, w: Widths, policy: remat.Policy, itemsize: int, stage_layers: int) -> float:
