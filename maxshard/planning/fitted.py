@@ -131,8 +131,8 @@ class Fitted:
     # the share of the terms fitted to the compiled totals that is the HBM heap (memory.py `on_the_heap`): libtpu
     # before 0.0.52 reports its temporaries as the heap plus what its log calls the heap's fragmentation, counted a
     # second time, and the constants above were fitted to that report (1.0); 0.0.52 reports the heap. The values
-    # counted one by one against a buffer dump (the saved stacks, a pipeline's kept stage inputs, the output
-    # head's gathered table, the running gradient sum) are the heap's own and keep their bytes; the rest (the
+    # counted one by one (the saved stacks, a pipeline's kept stage inputs, the fused kernels' score blocks, the
+    # output head's gathered table, the running gradient sum) are the heap's own and keep their bytes; the rest (the
     # backward working sets, the logits, the fsdp gathers, the cast weights, the MoE terms) take the share.
     # 0.0.52: 0.66, fitted on 125m at 2 x 2048 tokens per chip under full on v5e-8 (plan / heap 1.261 -> 1.002);
     # the 8b step on v6e-256 (4 x 8192, full: 1.312 -> 1.063) and the held-out shapes of

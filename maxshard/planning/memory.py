@@ -116,7 +116,7 @@ s = the compute dtype's itemsize:
                 were fitted on add the heap's fragmentation again (benchmarks/README.md, "libtpu 0.0.52: the same
                 heap, reported once"): under it the terms fitted to those totals take `Fitted.heap_share` (0.66);
                 what was counted value by value (saved stacks, kept stage inputs, the running gradient sum, the
-                head's gathered table) keeps its bytes (`on_the_heap`)
+                kernels' score blocks, the head's gathered table) keeps its bytes (`on_the_heap`)
 
 What the plan leaves out (a few % of XLA:CPU's temporaries in the grid of tests/test_plan_memory.py): the
 embedding's gradient buffers, loss reductions and XLA's fusion scratch; and what layer options add to one layer's
@@ -283,11 +283,11 @@ def activation_terms(cfg: Config, sizes: Mapping[str, int], geo: Geometry, gathe
 def on_the_heap(terms: ActivationTerms, table: float, share: float) -> ActivationTerms:
     """`terms` as the compiler's heap holds them where its report no longer counts the heap's fragmentation twice
     (`Fitted.heap_share`): the terms fitted to the older report's totals take `share`; the values counted one by
-    one (the saved stacks, the pipeline's kept inputs, the running gradient sum, the head's gathered `table`) keep
-    their bytes."""
+    one (the saved stacks, the pipeline's kept inputs, the running gradient sum, the kernels' score blocks, the
+    head's gathered `table`) keep their bytes."""
     if share == 1.0:
         return terms
-    fitted_terms = ("working", "gathered", "moe", "block", "cast", "gaps")
+    fitted_terms = ("working", "gathered", "moe", "cast", "gaps")
     return dataclasses.replace(terms, head=table + (terms.head - table) * share,
                                **{name: getattr(terms, name) * share for name in fitted_terms})
 
