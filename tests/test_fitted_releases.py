@@ -12,7 +12,7 @@ import re
 import pytest
 
 from maxshard.launch import topologies
-from maxshard.planning import estimate, fitted
+from maxshard.planning import estimate, fitted, printout
 from maxshard.run.target import load_for_target
 
 LORA = ("model_name=125m", "override_model_config=true", "loss_chunks=16", "per_device_batch_size=4",
@@ -73,3 +73,17 @@ def test_where_the_report_is_the_heap_only_the_terms_fitted_to_the_older_report_
         assert getattr(before, name) > 0 and getattr(after, name) == pytest.approx(share * getattr(before, name))
     table = before.head_grouped[0]
     assert table > 0 and after.head == pytest.approx(table + share * (before.head - table))
+
+
+@pytest.mark.parametrize("release, says", [((0, 0, 52), "XLA:TPU as the installed libtpu 0.0.52 compiles"),
+                                           ((0, 0, 42, 1), "XLA:TPU as the installed libtpu 0.0.42.1 compiles"),
+                                           (None, "XLA:TPU as libtpu before 0.0.52 compiles (libtpu is not "
+                                                  "installed here)")])
+def test_the_plan_says_which_release_it_is_for(monkeypatch, release, says) -> None:
+    """A TPU plan made where libtpu is absent (a laptop) takes the older releases' constants: the printout says so,
+    since the TPU may run 0.0.52, whose plan is a quarter smaller for most steps."""
+    monkeypatch.setattr(fitted, "libtpu_release", lambda: release)
+    target = topologies.parse("v5litepod-8")
+    plan = estimate.make_plan(load_for_target(["configs/base.yml", *LORA], target), target)
+    assert f"  planned for {says}" in printout.format_plan(plan).splitlines()
+    assert printout.plan_json(plan)["planned_for"] == says

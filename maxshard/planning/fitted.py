@@ -16,7 +16,7 @@ from maxshard.spec import remat
 from maxshard.model.attention_choice import platform_of
 
 __all__ = ["OFFLOADING", "Fitted", "FITTED", "XLA_CPU_WORKING", "XLA_TPU_WORKING", "XLA_TPU_BY_LIBTPU", "compiler",
-           "policies", "effective_policy", "fitted", "libtpu_release"]
+           "policies", "effective_policy", "fitted", "libtpu_release", "described"]
 
 # The compiler of a device kind (attention_choice.platform_of), whose measured constants the plan uses.
 _COMPILERS = {"tpu": "xla:tpu", "nvidia": "xla:gpu", "cpu": "xla:cpu"}
@@ -205,6 +205,19 @@ def libtpu_release() -> tuple[int, ...] | None:
     except importlib.metadata.PackageNotFoundError:
         return None
     return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:4])
+
+
+def described(compiler_name: str) -> str:
+    """Whose programs the memory plan is for, for a person: the compiler and, for XLA:TPU, the libtpu release whose
+    constants it takes (a plan made where libtpu is absent takes the releases' before the first entry, which may not
+    be what the TPU will run)."""
+    if compiler_name != "xla:tpu":
+        return "XLA:CPU" if compiler_name == "xla:cpu" else f"{compiler_name.upper()}, with XLA:CPU's constants"
+    release = libtpu_release()
+    if release is None:
+        first = ".".join(map(str, XLA_TPU_BY_LIBTPU[-1][0]))
+        return f"XLA:TPU as libtpu before {first} compiles (libtpu is not installed here)"
+    return f"XLA:TPU as the installed libtpu {'.'.join(map(str, release))} compiles"
 
 
 def fitted(compiler_name: str) -> Fitted:

@@ -7,6 +7,7 @@ from typing import Any
 from maxshard.model import flops, quantization
 from maxshard.spec import blocks, pipeline_schedule, remat
 from maxshard.planning.estimate import AxisTime, Plan
+from maxshard.planning.fitted import described
 from maxshard.planning.memory import ActivationTerms, compiler, effective_policy
 from maxshard.planning.widths import Widths, widths
 from maxshard.units import format_bytes
@@ -90,6 +91,7 @@ def _memory(plan: Plan) -> list[str]:
         verdict = "fits" if fit.fits else "does NOT fit"
         lines.append(f"  remat_policy: {chosen}; {verdict} the {format_bytes(fit.usable_bytes)} usable "
                      f"({fit.capacity_source}, memory_headroom={plan.cfg.memory_headroom:g})")
+    lines.append(f"  planned for {described(compiler(plan.cfg))}")
     return lines
 
 
@@ -198,6 +200,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "activation_terms": None if plan.activation_terms is None else plan.activation_terms.as_json(),
         "remat_policy": plan.cfg.remat_policy,
         "memory_fit": None if plan.cfg.memory_fit is None else plan.cfg.memory_fit.as_json(),
+        "planned_for": described(compiler(plan.cfg)),
         "collectives": [{"kind": c.kind, "axes": list(c.axes), "bytes": c.bytes, "what": c.what}
                         for c in plan.collectives],
         "bubble": plan.bubble,
