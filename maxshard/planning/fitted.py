@@ -213,11 +213,10 @@ def described(compiler_name: str) -> str:
     be what the TPU will run)."""
     if compiler_name != "xla:tpu":
         return "XLA:CPU" if compiler_name == "xla:cpu" else f"{compiler_name.upper()}, with XLA:CPU's constants"
-    release = libtpu_release()
+    release, dotted = libtpu_release(), lambda numbers: ".".join(map(str, numbers))  # noqa: E731
     if release is None:
-        first = ".".join(map(str, XLA_TPU_BY_LIBTPU[-1][0]))
-        return f"XLA:TPU as libtpu before {first} compiles (libtpu is not installed here)"
-    return f"XLA:TPU as the installed libtpu {'.'.join(map(str, release))} compiles"
+        return f"XLA:TPU as libtpu before {dotted(XLA_TPU_BY_LIBTPU[-1][0])} compiles (libtpu is not installed here)"
+    return f"XLA:TPU as the installed libtpu {dotted(release)} compiles"
 
 
 def fitted(compiler_name: str) -> Fitted:

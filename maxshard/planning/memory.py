@@ -140,7 +140,7 @@ from maxshard.spec import blocks, remat
 from maxshard.parallel import axis_names as ax
 from maxshard.planning import moe_memory
 from maxshard.planning.axes import rule_axes
-from maxshard.planning.fitted import compiler, effective_policy, fitted, policies
+from maxshard.planning.fitted import Fitted, compiler, effective_policy, fitted, policies
 from maxshard.planning.traffic import Geometry, geometry
 from maxshard.planning.widths import Widths, split, widths
 
@@ -251,11 +251,9 @@ def activation_terms(cfg: Config, sizes: Mapping[str, int], geo: Geometry, gathe
     common = dict(head=head, gathered=gathered, accumulation=accumulation, cast=_cast_bytes(cfg, params, size),
                   head_apart=fitted(target).head_apart, head_table=head_weights, head_grouped=grouped_head,
                   gaps=moe_stack * fitted(target).moe_stack_gaps, moe_stack=moe_stack)
-    # the head's gathered table, counted value by value: its grouped copies, or the tied table's copies
-    table = grouped_head[0] + head_weights * fitted(target).head_weights
     if geo.stages > 1 or geo.microbatches > 1:
         terms = _pipeline_terms(cfg, w, geo, tokens, per_layer, moe_per_layer * moe_share, common)
-        return on_the_heap(terms, table, fitted(target).heap_share)
+        return on_the_heap(terms, fitted(target))
     frozen = _frozen_share(cfg)
     moe_dots = moe_memory.matmul_bytes(cfg, w, sizes, size)
     moe_saved = {"everything": moe_per_layer, "dots": moe_dots}.get(policy.keeps, 0.0)
@@ -277,16 +275,18 @@ def activation_terms(cfg: Config, sizes: Mapping[str, int], geo: Geometry, gathe
         host=geo.layers * tokens * w.host_bytes(policy, size),
         **common,
     )
-    return on_the_heap(terms, table, fitted(target).heap_share)
+    return on_the_heap(terms, fitted(target))
 
 
-def on_the_heap(terms: ActivationTerms, table: float, share: float) -> ActivationTerms:
+def on_the_heap(terms: ActivationTerms, f: Fitted) -> ActivationTerms:
     """`terms` as the compiler's heap holds them where its report no longer counts the heap's fragmentation twice
-    (`Fitted.heap_share`): the terms fitted to the older report's totals take `share`; the values counted one by
+    (`Fitted.heap_share`): the terms fitted to the older report's totals take the share; the values counted one by
     one (the saved stacks, the pipeline's kept inputs, the running gradient sum, the kernels' score blocks, the
-    head's gathered `table`) keep their bytes."""
+    head's gathered table: its grouped copies or the tied table's copies) keep their bytes."""
+    share = f.heap_share
     if share == 1.0:
         return terms
+    table = terms.head_grouped[0] + terms.head_table * f.head_weights
     fitted_terms = ("working", "gathered", "moe", "cast", "gaps")
     return dataclasses.replace(terms, head=table + (terms.head - table) * share,
                                **{name: getattr(terms, name) * share for name in fitted_terms})
