@@ -2,11 +2,10 @@
 
 Compiles the step ahead of time (libtpu, no TPU) with XLA's dumps on (`--xla_dump_to`: the buffer assignment after
 optimisation and the live range of every value over the scheduled program), then prints the planned and compiled
-peaks and the values of the largest temporary allocation live at the instruction where their sizes sum highest,
-largest first, and that sum by shape. The sum is below XLA's allocation (the heap leaves gaps), and XLA:TPU's
-`memory_analysis()` temporaries can exceed the dumped allocation further (its backend adds buffers after the dump):
-the live set says which values make the peak, not the last byte of it. A value carried through a loop under
-another name (a while loop's parameter) can be missed by the sum; the allocation's size is printed beside it.
+peaks and the buffers of the largest temporary allocation live at the instruction where their bytes sum highest,
+largest first (each under one of the values naming it: a loop's carried buffer is one buffer), and that sum by
+shape. The sum is below XLA's allocation by the gaps its placement leaves, and XLA:TPU's `memory_analysis()`
+temporaries before libtpu 0.0.52 exceed the allocation further: the live set says which values make the peak.
 
     flock /tmp/tpu_compile.lock python benchmarks/live_buffers.py --topology v6e-256 --dump /tmp/mixtral \\
         model_name=mixtral_8x7b per_device_batch_size=12

@@ -5,9 +5,9 @@ reports the heap; 0.0.42.1 and 0.0.50.1 add what their log calls the heap's frag
 benchmarks/README.md, "libtpu 0.0.52: the same heap, reported once"). The buffer assignment XLA writes under
 `--xla_dump_to` (`OPTIONS`, passed as compile options) holds the heap itself, the largest `preallocated-temp`
 allocation of the default memory space, and every value in it with its size; the live-range dump says when each
-is live. The sum of the values live at one instruction is below the heap (it has gaps), and misses a value a while
-loop carries under the loop's own names. Used by benchmarks/live_buffers.py and the XLA:TPU tests that check a plan
-term against the values the compiler keeps.
+is live. The bytes of the buffers live at one instruction are below the heap by its gaps: what XLA's placement of
+buffers of different lifetimes leaves unusable. Used by benchmarks/live_buffers.py, benchmarks/pipeline_memory.py
+and the XLA:TPU tests that check a plan term or a schedule against the buffers the compiler keeps.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ __all__ = ["OPTIONS", "options", "live_at_peak"]
 # XLA's dump of the optimised train step's module only, as text (the buffer assignment and live ranges with it)
 OPTIONS = {"xla_dump_hlo_as_text": True, "xla_dump_hlo_pass_re": "", "xla_dump_hlo_module_re": "train_step"}
 
-_VALUE = re.compile(r"value: <\d+ (\S+) @\d+> \(size=(\d+),offset=\d+\): (\S+)")
+# a value of the heap: its instruction and shape index, "(phi)" for what a loop carries, its size, offset and shape
+_VALUE = re.compile(r"value: <\d+ (\S+)(?: \(phi\))? @\d+> \(size=(\d+),offset=(\d+)\): (\S+)")
 _RANGE = re.compile(r"^    (\S+):(\d+)-(\d+)$", re.M)
 
 
@@ -32,26 +33,37 @@ def options(directory: str) -> dict[str, object]:
 
 
 def live_at_peak(directory: str) -> tuple[int, list[tuple[int, str, str]], int]:
-    """(the instruction's index, [(bytes, value, shape)] largest first, the heap's bytes): the values of the train
-    step's largest temporary allocation in the default memory space live where their sizes sum highest."""
+    """(the instruction's index, [(bytes, value, shape)] largest first, the heap's bytes): the buffers of the train
+    step's largest temporary allocation in the default memory space live where their bytes sum highest.
+
+    A buffer is a range of the heap (offset, size); several values can name it at once (a while loop's result, its
+    body's parameter and what the body returns are one buffer), so each buffer counts once at each instruction,
+    under the name of its largest-ranged value live there."""
     assignment = _read(directory, "after_optimizations-buffer-assignment.txt")
     ranges = _read(directory, "after_optimizations-live-range.txt")
     allocations = re.split(r"\n(?=allocation \d+:)", assignment)
     heads = [a.split("\n", 1)[0] for a in allocations]
     temps = [a for a, head in zip(allocations, heads) if "preallocated-temp" in head and "color" not in head]
     heap = max(temps, key=lambda a: int(re.search(r"size (\d+)", a).group(1)))
-    # the live-range dump names a value by its instruction and shape index ("fusion.3{}", "fusion.4{1}")
-    values = [(name if "{" in name else name + "{}", int(size), shape) for name, size, shape in _VALUE.findall(heap)]
     span = {name: (int(start), int(end)) for name, start, end in _RANGE.findall(ranges)}
+    # the live-range dump names a value by its instruction and shape index ("fusion.3{}", "fusion.4{1}")
+    buffers: dict[tuple[int, int], list[tuple[str, str]]] = collections.defaultdict(list)
+    for name, size, offset, shape in _VALUE.findall(heap):
+        buffers[int(offset), int(size)].append((name if "{" in name else name + "{}", shape))
+    live_times = {key: set().union(*(range(span[n][0], span[n][1] + 1) for n, _ in named))
+                  for key, named in buffers.items()}
     totals: collections.Counter[int] = collections.Counter()
-    for name, size, _ in values:
-        start, end = span[name]
-        for t in range(start, end + 1):
+    for (_, size), times in live_times.items():
+        for t in times:
             totals[t] += size
     peak = max(totals, key=totals.__getitem__)
-    live = sorted(((size, name, shape) for name, size, shape in values if span[name][0] <= peak <= span[name][1]),
-                  reverse=True)
-    return peak, live, int(re.search(r"size (\d+)", heap).group(1))
+    live = []
+    for (offset, size), named in buffers.items():
+        if peak in live_times[offset, size]:
+            name, shape = max((n for n in named if span[n[0]][0] <= peak <= span[n[0]][1]),
+                              key=lambda n: span[n[0]][1] - span[n[0]][0])
+            live.append((size, name, shape))
+    return peak, sorted(live, reverse=True), int(re.search(r"size (\d+)", heap).group(1))
 
 
 def _read(directory: str, suffix: str) -> str:
