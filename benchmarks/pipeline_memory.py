@@ -1,5 +1,5 @@
 """In-flight activations of the pipeline schedules: the train step of a 70B-class pipeline compiled for a TPU slice
-ahead of time (libtpu, no TPU), its peak per device per schedule, against what the schedule tables say.
+ahead of time (libtpu, no TPU), its memory per device per schedule, against what the schedule tables say.
 
     python benchmarks/pipeline_memory.py [--schedules circular,1f1b,...] [--target v5p-256] [key=value ...]
 
@@ -11,18 +11,20 @@ vocabulary, compiles for both: `num_layers=80 vocab_size=128256 num_layers_per_p
 each schedule's real train step (`memory_analysis`). The table's prediction of the peak difference to circular is
   (circular: M*R + S - 1 kept stage inputs + the M-microbatch circulation buffer)
   - (a table schedule: its most in-flight stage inputs + output cotangents, `pipeline_tables.Table`)
-times one stage input; printed beside the measured difference. Two measured peaks: the project's
-(`compiled.peak_bytes`: arguments + temporaries + outputs - aliased, the planner's check) and libtpu's own
-`peak_memory_in_bytes` (XLA:TPU only), which stays near the HBM heap of the buffer assignment while libtpu's
-temporaries exceed that heap by a few hundred MiB that its dump does not place (benchmarks/README.md, pipeline
-schedules, says how the difference to circular breaks down). `--target cpu` compiles a small shape for the 8
-simulated CPU devices instead (XLA:CPU, float32; stage=4 x fsdp=2, M=16, 1 MiB stage inputs). Not a test: run it,
-read the table.
+times one stage input; printed beside three measured differences. `live`: the bytes of the buffers live where the
+step's HBM heap is fullest, read off XLA's buffer assignment and live ranges (planning/buffer_dump.py) - what
+the schedule holds; `heap`: that heap's size, which adds the gaps XLA's placement leaves between buffers of
+different lifetimes (they differ by schedule: 0.41 GiB in 1F1B's heap at the default shape, 0.16 in circular's);
+`peak`: the project's compiled peak (`compiled.peak_bytes`: arguments + temporaries + outputs - aliased, the
+planner's check), whose temporaries are the heap on libtpu 0.0.52 and more on older releases (benchmarks/README.md,
+pipeline schedules). `--target cpu` compiles a small shape for the 8 simulated CPU devices instead (XLA:CPU, float32;
+stage=4 x fsdp=2, M=16, 1 MiB stage inputs). Not a test: run it, read the table.
 """
 
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
 
 import common  # 8 simulated devices, before anything queries JAX
@@ -32,10 +34,9 @@ import jax.numpy as jnp
 from maxshard.launch import topologies
 from maxshard.spec import pipeline_schedule
 from maxshard.parallel import mesh
-from maxshard.planning import compiled
+from maxshard.planning import buffer_dump, compiled
 from maxshard.planning.tpu_compile import abstract_devices
 from maxshard.run.target import load_for_target
-from maxshard.units import format_bytes
 
 MODEL = ("dataset_type=synthetic", "emb_dim=8192", "num_heads=64", "num_kv_heads=8", "head_dim=128", "mlp_dim=28672",
          "max_target_length=4096", "num_layers=16", "vocab_size=1024", "ici_pipeline_parallelism=8",
@@ -50,10 +51,8 @@ CPU_MODEL = ("dataset_type=synthetic", "emb_dim=256", "num_heads=4", "num_kv_hea
 
 
 def held(cfg) -> int:
-    """Microbatch stage inputs the schedule's table says a device holds at its peak (module docstring)."""
+    """Microbatch stage inputs (and output cotangents) the schedule holds at its peak: the planner's pipeline term."""
     schedule = pipeline_schedule.of(cfg.model.pipeline)
-    if isinstance(schedule, pipeline_schedule.Tabled):
-        return schedule.table.in_flight + schedule.table.cotangents
     return schedule.kept_inputs + schedule.buffer_microbatches
 
 
@@ -66,8 +65,8 @@ def main() -> None:
     cpu = args.target == "cpu"
     target = None if cpu else topologies.parse(args.target)
     devices = jax.devices() if cpu else abstract_devices(target)
-    print(f"{'schedule':<18}{'held':>6}{'compiled peak':>15}{'vs circular':>13}{'table says':>12}"
-          f"{'libtpu peak':>13}{'vs circular':>13}{'compile s':>11}{'peak MiB':>11}{'libtpu MiB':>12}")
+    print(f"{'schedule':<14}{'held':>6}{'table says':>13}{'live':>13}{'vs circular':>13}{'heap':>13}"
+          f"{'vs circular':>13}{'peak':>13}{'vs circular':>13}{'compile s':>11}")
     reference = None
     for name in args.schedules.split(","):
         keys = (*(CPU_MODEL if cpu else MODEL), f"pipeline_schedule={name}", *args.overrides)
@@ -78,20 +77,19 @@ def main() -> None:
         stage_input = (cfg.global_batch_size // shape.microbatches // cfg.ici_fsdp_parallelism
                        * cfg.max_target_length * cfg.emb_dim * jnp.dtype(cfg.model.compute_dtype).itemsize)
         started = time.perf_counter()
-        step = compiled.compile_train_step(cfg, mesh.build(cfg, devices))
+        with tempfile.TemporaryDirectory() as dump:
+            step = compiled.compile_train_step(cfg, mesh.build(cfg, devices), buffer_dump.options(dump))
+            _, live, heap = buffer_dump.live_at_peak(dump)
         seconds = time.perf_counter() - started
-        stats = step.memory_analysis()
-        peak, libtpu = compiled.peak_bytes(stats), getattr(stats, "peak_memory_in_bytes", 0) if not cpu else 0
-        reference = reference or (peak, held(cfg), libtpu)
-        measured = peak - reference[0]
-        predicted = (held(cfg) - reference[1]) * stage_input
-        own = f"{format_bytes(libtpu):>13}{_signed(libtpu - reference[2]):>13}" if libtpu else f"{'-':>13}{'-':>13}"
-        print(f"{name:<18}{held(cfg):>6}{format_bytes(peak):>15}{_signed(measured):>13}{_signed(predicted):>12}"
-              f"{own}{seconds:>11.0f}{peak / 2**20:>11.1f}{libtpu / 2**20:>12.1f}", flush=True)
+        row = (held(cfg), sum(size for size, _, _ in live), heap, compiled.peak_bytes(step.memory_analysis()))
+        reference = reference or row
+        predicted = (row[0] - reference[0]) * stage_input
+        figures = "".join(f"{_mib(n):>13}{_mib(n - r, '+'):>13}" for n, r in zip(row[1:], reference[1:]))
+        print(f"{name:<14}{row[0]:>6}{_mib(predicted, '+'):>13}{figures}{seconds:>11.0f}", flush=True)
 
 
-def _signed(n: int) -> str:
-    return ("-" if n < 0 else "+") + format_bytes(abs(n))
+def _mib(n: int, sign: str = "") -> str:
+    return f"{n / 2**20:{sign}.1f} MiB"
 
 
 if __name__ == "__main__":
