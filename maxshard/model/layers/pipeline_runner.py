@@ -12,8 +12,9 @@ mesh axis (fsdp, tensor, data, ...) stays automatically partitioned inside a sta
 sharding constraints (the logical rules inside the runner drop `stage`, which is manual there). At each tick a
 device does what its column of the table says, by `lax.switch`:
   F       its virtual stage on a microbatch (stage 0 embeds the microbatch's tokens first, `first_fn`), keeping the
-          stage input in its stash slot; on the last logical stage (F_LAST) also `last_fn` (final norm, head, objective) with its value
-          and gradient: the loss sums and the cotangent that starts the backward, kept in a cotangent slot;
+          stage input in its stash slot; on the last logical stage (F_LAST) also `last_fn` (final norm, head,
+          objective) with its value and gradient: the loss sums and the cotangent that starts the backward, kept in
+          a cotangent slot;
   B       `jax.vjp` of the stage with respect to its input, from the stash and the cotangent slots: the input
           gradient, handed back (on stage 0 it goes through the embedding's vjp into the embedding's gradient);
   W       `jax.vjp` of the stage with respect to its trained weights, added to their gradient sum.
@@ -123,7 +124,12 @@ def _ticks(table: Table, columns: tuple, first_fn: FirstFn, stage_fn: StageFn, l
     sums_shape = jax.eval_shape(lambda x: last_fn(outer_t, outer_f, x, _at(aux, 0))[1], x_shape)
     sown_shape = jax.eval_shape(lambda w, wf, x: stage_fn(w, wf, x, _at(aux, 0))[1][1], _at(trained, 0),
                                 _at(frozen, 0), x_shape)
-    zero = jnp.zeros(x_shape.shape, x_shape.dtype)
+
+    def zero() -> jax.Array:
+        """A stage input of zeros, made in each branch that sends nothing: one array made once outside the tick loop
+        is held for the whole step (a stage input's bytes, 64 MiB per device at Llama-3-70B widths)."""
+        return jnp.zeros(x_shape.shape, x_shape.dtype)
+
     microbatches = jax.tree.leaves(aux)[0].shape[0]
 
     carry = dict(
@@ -141,7 +147,15 @@ def _ticks(table: Table, columns: tuple, first_fn: FirstFn, stage_fn: StageFn, l
         w = jax.tree.map(lambda a: a[v], trained)
         wf = jax.tree.map(lambda a: a[v], frozen)
         a_m = _at(aux, m)
-        x_kept, dy = c["stash"][ss], c["cots"][cs]
+
+        # The tick's stage input is read inside the branches that use it: read before the switch it was a copy of a
+        # stage input live through every tick's work (64 MiB per device at Llama-3-70B widths; benchmarks/README.md,
+        # pipeline schedules). The output cotangent is read before: the fused W writes the input gradient to its
+        # slot, and with the read inside, XLA:CPU copies the whole cotangent buffer first (M stage inputs in gpipe).
+        def x_kept(c: dict) -> jax.Array:
+            return c["stash"][ss]
+
+        dy = c["cots"][cs]
 
         def differentiated(w: Any, x: jax.Array) -> tuple[jax.Array, jax.Array]:
             """(y, penalty): what B and W differentiate, with the cotangents `seeds` (the sown values take none)."""
@@ -152,11 +166,12 @@ def _ticks(table: Table, columns: tuple, first_fn: FirstFn, stage_fn: StageFn, l
 
         def stage_input(c: dict) -> tuple[dict, jax.Array]:
             """Stage 0 embeds its microbatch; the others read what arrived. Kept until the stage's B and W."""
-            x = jax.lax.cond(j == 0, lambda: first_fn(outer_t, outer_f, a_m).astype(zero.dtype), lambda: x_kept)
+            kept = x_kept(c)  # outside the cond: XLA:TPU rejects a cond whose branches shard the read apart
+            x = jax.lax.cond(j == 0, lambda: first_fn(outer_t, outer_f, a_m).astype(x_shape.dtype), lambda: kept)
             return {**c, "stash": c["stash"].at[ss].set(x)}, x
 
         def idle(c: dict) -> tuple[dict, jax.Array, jax.Array]:
-            return c, zero, zero
+            return c, zero(), zero()
 
         def forward(c: dict) -> tuple[dict, jax.Array, jax.Array]:
             """F, and on the last logical stage (F_LAST) the head and objective with their gradient."""
@@ -167,11 +182,11 @@ def _ticks(table: Table, columns: tuple, first_fn: FirstFn, stage_fn: StageFn, l
             def head(c: dict) -> dict:
                 loss = lambda ot, y: last_fn(ot, outer_f, y, a_m)  # noqa: E731
                 (_, sums), (g_outer, g_y) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(outer_t, y)
-                return {**c, "cots": c["cots"].at[cs].set(g_y.astype(zero.dtype)),
+                return {**c, "cots": c["cots"].at[cs].set(g_y.astype(x_shape.dtype)),
                         "outer_grads": jax.tree.map(jnp.add, c["outer_grads"], g_outer),
                         "sums": jax.tree.map(jnp.add, c["sums"], sums)}
 
-            return jax.lax.cond(kind == F_LAST, head, lambda c: c, c), y, zero  # nothing receives the last's y
+            return jax.lax.cond(kind == F_LAST, head, lambda c: c, c), y, zero()  # nothing receives the last's y
 
         def hand_back(c: dict, g_x: jax.Array) -> tuple[dict, jax.Array, jax.Array]:
             """The input gradient goes to the previous stage; on stage 0 through the embedding's vjp instead."""
@@ -181,24 +196,24 @@ def _ticks(table: Table, columns: tuple, first_fn: FirstFn, stage_fn: StageFn, l
                 return jax.tree.map(jnp.add, acc, embed_vjp(g_x.astype(x_shape.dtype))[0])
 
             outer_grads = jax.lax.cond(j == 0, embedding_grad, lambda acc: acc, c["outer_grads"])
-            return {**c, "outer_grads": outer_grads}, zero, g_x
+            return {**c, "outer_grads": outer_grads}, zero(), g_x
 
         def add_weight_grads(c: dict, g_w: Any) -> dict:
             return {**c, "grads": jax.tree.map(lambda acc, g: acc.at[v].add(g), c["grads"], g_w)}
 
         def input_grad(c: dict) -> tuple[dict, jax.Array, jax.Array]:  # split (zero-bubble): dx alone
-            _, vjp = jax.vjp(lambda x: differentiated(w, x), x_kept)
+            _, vjp = jax.vjp(lambda x: differentiated(w, x), x_kept(c))
             return hand_back(c, vjp(seeds)[0])
 
         def weight_grad(c: dict) -> tuple[dict, jax.Array, jax.Array]:  # split (zero-bubble): dw alone
-            _, vjp = jax.vjp(lambda w: differentiated(w, x_kept), w)
-            return add_weight_grads(c, vjp(seeds)[0]), zero, zero
+            _, vjp = jax.vjp(lambda w: differentiated(w, x_kept(c)), w)
+            return add_weight_grads(c, vjp(seeds)[0]), zero(), zero()
 
         def whole_backward(c: dict) -> tuple[dict, jax.Array, jax.Array]:  # fused W: dw, and dx kept for B
-            _, vjp = jax.vjp(differentiated, w, x_kept)
+            _, vjp = jax.vjp(differentiated, w, x_kept(c))
             g_w, g_x = vjp(seeds)
             c = add_weight_grads(c, g_w)
-            return {**c, "cots": c["cots"].at[cs].set(g_x.astype(zero.dtype))}, zero, zero
+            return {**c, "cots": c["cots"].at[cs].set(g_x.astype(x_shape.dtype))}, zero(), zero()
 
         def send_input_grad(c: dict) -> tuple[dict, jax.Array, jax.Array]:  # fused B: what W computed
             return hand_back(c, dy)
