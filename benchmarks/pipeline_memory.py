@@ -9,7 +9,7 @@ Llama-3-70B's widths (emb 8192, 64 heads / 8 kv heads of 128, mlp 28672) at leng
 alone, [1 x 4096 x 8192] bf16 = 64 MiB each. (The whole preset, 80 layers of which 10 per stage and its 128256
 vocabulary, compiles for both: `num_layers=80 vocab_size=128256 num_layers_per_pipeline_stage=10`.) XLA:TPU compiles
 each schedule's real train step (`memory_analysis`). The table's prediction of the peak difference to circular is
-  (circular: M*R + S - 1 kept stage inputs + the M-microbatch circulation buffer)
+  (circular: M*R + S - 1 kept stage inputs + the M-microbatch circulation buffer + its M/S output microbatches)
   - (a table schedule: its most in-flight stage inputs + output cotangents, `pipeline_tables.Table`)
 times one stage input; printed beside three measured differences. `live`: the bytes of the buffers live where the
 step's HBM heap is fullest, read off XLA's buffer assignment and live ranges (planning/buffer_dump.py) - what
@@ -51,9 +51,9 @@ CPU_MODEL = ("dataset_type=synthetic", "emb_dim=256", "num_heads=4", "num_kv_hea
 
 
 def held(cfg) -> int:
-    """Microbatch stage inputs (and output cotangents) the schedule holds at its peak: the planner's pipeline term."""
+    """Microbatch stage inputs (and output cotangents, and pipeline outputs) the schedule holds at its peak."""
     schedule = pipeline_schedule.of(cfg.model.pipeline)
-    return schedule.kept_inputs + schedule.buffer_microbatches
+    return schedule.kept_inputs + schedule.buffer_microbatches + schedule.output_microbatches
 
 
 def main() -> None:

@@ -80,17 +80,18 @@ IN_FLIGHT = ("dataset_type=synthetic", "emb_dim=1024", "num_heads=8", "num_kv_he
 def test_1f1b_holds_less_than_circular_by_what_its_table_says_on_tpu(tmp_path):
     """1F1B's in-flight activations, as XLA:TPU keeps them: the bytes live where the step's heap is fullest (the
     buffer assignment's own live ranges, planning/buffer_dump.py) fall below circular's by the stage inputs the
-    two schedules' tables hold (35 - 5 of 4 MiB here; 1.02-1.04 of it measured on libtpu 0.0.42.1 and 0.0.52).
-    The heap's size adds its placement gaps, which differ by schedule (1.4x the difference here); benchmarks/
-    pipeline_memory.py measures the same at Llama-3-70B widths (benchmarks/README.md, pipeline schedules)."""
+    two schedules hold by their tables (circular: 19 kept, a buffer of 16 and its output share of 4; 1F1B: a stash
+    of 4 and one cotangent; 34 of 4 MiB here; 1.034 of it measured on libtpu 0.0.42.1, 0.960 on 0.0.52). The
+    heap's size adds its placement gaps, which differ by schedule; benchmarks/pipeline_memory.py measures the same
+    at Llama-3-70B widths (benchmarks/README.md, pipeline schedules)."""
     live, held = {}, {}
     for schedule in ("circular", "1f1b"):
         cfg = load_for_target(["configs/base.yml", *IN_FLIGHT, f"pipeline_schedule={schedule}"], TARGET_8)
         dump = str(tmp_path / schedule)
         compile_train_step(cfg, mesh.build(cfg, abstract_devices(TARGET_8)), buffer_dump.options(dump))
         live[schedule] = sum(size for size, _, _ in buffer_dump.live_at_peak(dump)[1])
-        order = pipeline_schedule.of(cfg.model.pipeline)  # what the planner's pipeline term counts (memory.py)
-        held[schedule] = order.kept_inputs + order.buffer_microbatches
+        order = pipeline_schedule.of(cfg.model.pipeline)
+        held[schedule] = order.kept_inputs + order.buffer_microbatches + order.output_microbatches
     shape = cfg.model.pipeline
     stage_input = cfg.global_batch_size // shape.microbatches // cfg.ici_fsdp_parallelism \
         * cfg.max_target_length * cfg.emb_dim * 2  # bfloat16 activations

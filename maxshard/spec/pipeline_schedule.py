@@ -70,6 +70,10 @@ class Schedule(Protocol):
         """Microbatches the circulation buffer holds per stage."""
 
     @property
+    def output_microbatches(self) -> int:
+        """Microbatches of the pipeline's output a stage holds for the head (0 where the head runs per microbatch)."""
+
+    @property
     def in_flight(self) -> int:
         """Microbatch stage inputs a stage keeps at once for backward work still to come (the console's figure)."""
 
@@ -111,6 +115,14 @@ class Circular:
     def buffer_microbatches(self) -> int:
         """All M: the input of repeat 0 until stage 0 reads it, then the wrapped activation."""
         return self.microbatches
+
+    @property
+    def output_microbatches(self) -> int:
+        """M / S: the head runs on the whole batch after the pipeline, and each stage gets its share of the output
+        (layers/pipeline._finished). Live at the compiled step's peak at the 70B-width shape of
+        benchmarks/pipeline_memory.py and the v5e-8 shape of tests/test_pipeline_tpu.py; the planner's pipeline
+        term does not count it (benchmarks/README.md, pipeline schedules)."""
+        return self.microbatches // self.stages
 
     @property
     def in_flight(self) -> int:
@@ -175,6 +187,11 @@ class Tabled:
     def buffer_microbatches(self) -> int:
         table = self.table
         return table.in_flight - 1 + table.cotangents
+
+    @property
+    def output_microbatches(self) -> int:
+        """None: the last stage runs the head on each microbatch as it arrives (F_LAST)."""
+        return 0
 
     def check(self) -> None:
         Circular(self.stages, self.repeats, self.microbatches).check()  # the forward-only calls run circular
