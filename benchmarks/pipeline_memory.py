@@ -50,12 +50,6 @@ CPU_MODEL = ("dataset_type=synthetic", "emb_dim=256", "num_heads=4", "num_kv_hea
              "per_device_batch_size=4", "remat_policy=full", "attention=dot_product")
 
 
-def held(cfg) -> int:
-    """Microbatch stage inputs (and output cotangents, and pipeline outputs) the schedule holds at its peak."""
-    schedule = pipeline_schedule.of(cfg.model.pipeline)
-    return schedule.kept_inputs + schedule.buffer_microbatches + schedule.output_microbatches
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--schedules", default="circular,1f1b")
@@ -81,7 +75,8 @@ def main() -> None:
             step = compiled.compile_train_step(cfg, mesh.build(cfg, devices), buffer_dump.options(dump))
             _, live, heap = buffer_dump.live_at_peak(dump)
         seconds = time.perf_counter() - started
-        row = (held(cfg), sum(size for size, _, _ in live), heap, compiled.peak_bytes(step.memory_analysis()))
+        held = pipeline_schedule.held_at_peak(pipeline_schedule.of(shape))
+        row = (held, sum(size for size, _, _ in live), heap, compiled.peak_bytes(step.memory_analysis()))
         reference = reference or row
         predicted = (row[0] - reference[0]) * stage_input
         figures = "".join(f"{_mib(n):>13}{_mib(n - r, '+'):>13}" for n, r in zip(row[1:], reference[1:]))

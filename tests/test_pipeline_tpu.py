@@ -90,8 +90,7 @@ def test_1f1b_holds_less_than_circular_by_what_its_table_says_on_tpu(tmp_path):
         dump = str(tmp_path / schedule)
         compile_train_step(cfg, mesh.build(cfg, abstract_devices(TARGET_8)), buffer_dump.options(dump))
         live[schedule] = sum(size for size, _, _ in buffer_dump.live_at_peak(dump)[1])
-        order = pipeline_schedule.of(cfg.model.pipeline)
-        held[schedule] = order.kept_inputs + order.buffer_microbatches + order.output_microbatches
+        held[schedule] = pipeline_schedule.held_at_peak(pipeline_schedule.of(cfg.model.pipeline))
     shape = cfg.model.pipeline
     stage_input = cfg.global_batch_size // shape.microbatches // cfg.ici_fsdp_parallelism \
         * cfg.max_target_length * cfg.emb_dim * 2  # bfloat16 activations

@@ -42,7 +42,7 @@ import numpy as np
 from maxshard.errors import ConfigError
 from maxshard.spec import pipeline_tables
 
-__all__ = ["Schedule", "Circular", "Tabled", "SCHEDULES", "NAMES", "of", "circular_of"]
+__all__ = ["Schedule", "Circular", "Tabled", "SCHEDULES", "NAMES", "of", "circular_of", "held_at_peak"]
 
 
 class Schedule(Protocol):
@@ -213,6 +213,13 @@ def of(shape: Any) -> Schedule:
     if name in SCHEDULES:
         return SCHEDULES[name](shape.stages, shape.repeats, shape.microbatches)
     return Tabled(name, shape.stages, shape.repeats, shape.microbatches)  # type: ignore[return-value]
+
+
+def held_at_peak(schedule: Schedule) -> int:
+    """Microbatch-sized activations a stage holds at once: kept stage inputs, the buffer (or stash and output
+    cotangents) and the pipeline's output share. What benchmarks/pipeline_memory.py and tests/test_pipeline_tpu.py
+    compare with the compiled step's live bytes; the planner's pipeline term counts the first two."""
+    return schedule.kept_inputs + schedule.buffer_microbatches + schedule.output_microbatches
 
 
 def circular_of(shape: Any) -> Circular:
