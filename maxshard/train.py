@@ -21,7 +21,7 @@ from maxshard import cli, data
 from maxshard.checkpoint import emergency
 from maxshard.checkpoint import manager as checkpoint
 from maxshard.config import Config
-from maxshard.data import chat
+from maxshard.data import chat, preflight
 from maxshard.generation import rollouts
 from maxshard.errors import ConfigError
 from maxshard.evaluation.in_training import TaskEvaluation
@@ -204,6 +204,7 @@ def train_loop(
 def run(argv: Sequence[str]) -> int:
     started = time.time()  # goodput's wall time of this start begins here
     cfg = loading.load_run(argv, join_processes=True, resume=True)
+    preflight.check(cfg)  # the inputs, before the model is built
     trainer = Trainer(cfg, mesh.build(cfg))
     report = check_layout(cfg, trainer)
     task_eval = TaskEvaluation.from_config(cfg, trainer)  # unknown tasks fail here, before anything compiles
