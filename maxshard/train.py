@@ -32,7 +32,7 @@ from maxshard.observe import console, goodput, metrics
 from maxshard.observe.profiling import Profiler
 from maxshard.observe.report import Report, build_report
 from maxshard.parallel import mesh
-from maxshard.run import compile_check, loading
+from maxshard.run import compile_check, loading, lock
 from maxshard.training import precomputed
 from maxshard.training.step import Trainer, TrainState
 
@@ -175,10 +175,13 @@ def train_loop(
         # the input's counters as this step read them (GRPO: this rollout's rewards), fetched with its metrics
         log(deferred.push(step, {**step_metrics, **batches.stats()}))
         rollouts.show_samples(batches, step + 1, cfg.log_period)
-        if step == first:  # dispatch returns at once: wait, so the compile of the first step is counted there
+        evaluates = eval_step is not None and (step + 1) % cfg.eval_period == 0
+        if step == first or evaluates or step + 1 == cfg.steps or ckpt.due(step + 1, False):
+            # Dispatch returns at once: where a wait follows anyway (the first step's compile, an evaluation, a
+            # save, the end), wait here, so that the step's compute is counted as the step's.
             jax.block_until_ready(state)
         eval_began = time.perf_counter()
-        if eval_step is not None and (step + 1) % cfg.eval_period == 0:
+        if evaluates:
             log(deferred.flush())
             eval_loss = evaluate(cfg, trainer, state, eval_step)
             writer.write(step + 1, {"eval_loss": eval_loss})
@@ -188,8 +191,6 @@ def train_loop(
             log(deferred.flush())
             writer.write(step + 1, task_eval(state.params, step + 1))
             log.restart()
-        if ckpt.due(step + 1, False):  # the save waits for the step anyway: the step's time is the step's
-            jax.block_until_ready(state)
         save_began = time.perf_counter()
         stop = end_of_step(step + 1, state, batches, ckpt, sigterm)
         # The step's own time ends where evaluation begins (goodput counts evaluation as other).
@@ -205,6 +206,16 @@ def run(argv: Sequence[str]) -> int:
     started = time.time()  # goodput's wall time of this start begins here
     cfg = loading.load_run(argv, join_processes=True, resume=True)
     preflight.check(cfg)  # the inputs, before the model is built
+    run_lock = lock.hold(cfg.run_dir, jax.process_index() == 0, jax.process_count())  # before anything is written
+    try:
+        return train(cfg, started)
+    finally:
+        if run_lock is not None:
+            run_lock.release()
+
+
+def train(cfg: Config, started: float) -> int:
+    """Builds the model and trains it; `started` is when this start began (goodput's wall time)."""
     trainer = Trainer(cfg, mesh.build(cfg))
     report = check_layout(cfg, trainer)
     task_eval = TaskEvaluation.from_config(cfg, trainer)  # unknown tasks fail here, before anything compiles
@@ -233,15 +244,24 @@ def run(argv: Sequence[str]) -> int:
     return 0
 
 
+LOG_NOTE = f"its log ({goodput.LOG_FILE} in the run directory) could not be read"
+
+
 def report_goodput(step: int, ckpt: checkpoint.Checkpoints, clock: goodput.Recorder,
                    writer: metrics.MetricsWriter) -> None:
     """The run's goodput over all its starts so far: one console line, and scalars in metrics.jsonl/TensorBoard."""
     began = time.perf_counter()
     ckpt.wait()  # the last save's commit is part of the run's checkpoint time
     clock.phase("checkpoint_save", time.perf_counter() - began)
-    summary = clock.end()
+    try:
+        summary = clock.end()
+    except (OSError, ValueError, KeyError, TypeError) as e:  # an unreadable log: the training itself succeeded
+        print(f"goodput: not reported, {LOG_NOTE}: {e}", flush=True)
+        return
     if summary:
         print(goodput.format_summary(summary), flush=True)
+        if goodput.warning(summary):
+            print(goodput.warning(summary), flush=True)
         writer.write(step, goodput.metrics(summary))
 
 

@@ -17,8 +17,13 @@ brackets), computed here from a log the run keeps itself:
                         [INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION]
     other               the rest of the wall time: evaluation, logging, the untracked tail of a killed start [OTHER]
 
-So the categories sum to the wall time by construction; what can fail is `other` going negative (time counted
-twice), which `summarize` refuses.
+So the categories sum to the wall time by construction. Starts that overlap in time (two runs on one directory,
+which the run directory's lock refuses, or a lock taken over from a host that still ran) count some time twice:
+`summarize` then reports what it can, with `other` at 0 and the excess in `overcounted`, and `warning` says so in a
+line. An accounting check never fails a run whose work is done.
+
+Each event names its start (`start_id`: host, pid and start time), so the events of starts that overlap, interleaved
+in one file, are still told apart; the wall time is the union of the starts' spans and their recovery gaps.
 
 Why not the package itself: ml-goodput-measurement 0.2.3 records to and reads from Google Cloud Logging only. Its
 `GoodputRecorder`/`GoodputCalculator` build a Cloud Logging client (a GCP project and credentials) unless given a
@@ -32,13 +37,14 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from maxshard.units import format_duration
 
-__all__ = ["CATEGORIES", "LOG_FILE", "Recorder", "summarize", "read_log", "format_summary", "metrics"]
+__all__ = ["CATEGORIES", "LOG_FILE", "Recorder", "summarize", "read_log", "format_summary", "warning", "metrics"]
 
 LOG_FILE = "goodput.jsonl"
 CATEGORIES = ("productive", "initialization", "compile", "data_loading", "checkpoint_save", "checkpoint_restore",
@@ -54,14 +60,16 @@ class Recorder:
         self._file = None
         self._first_step = True
         self._phases = 0.0
+        began = time.time() if started is None else started
+        self._start_id = f"{socket.gethostname()}:{os.getpid()}:{began:.6f}"
         if is_primary:
             os.makedirs(run_dir, exist_ok=True)
             self._file = open(self.path, "a", buffering=1, encoding="utf-8")  # line-buffered
-            self._event({"event": "start", "time": time.time() if started is None else started})
+            self._event({"event": "start", "time": began})
 
     def _event(self, record: dict[str, Any]) -> None:
         if self._file is not None:
-            self._file.write(json.dumps({"time": time.time(), **record}) + "\n")
+            self._file.write(json.dumps({"time": time.time(), **record, "start_id": self._start_id}) + "\n")
 
     def phase(self, name: str, seconds: float) -> None:
         """Time outside the steps: before the loop (initialization, compile, checkpoint_restore) or after it (the
@@ -110,36 +118,54 @@ def read_log(path: str) -> list[dict[str, Any]]:
 
 
 def _starts(events: Iterable[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-    starts: list[list[dict[str, Any]]] = []
-    for event in events:
+    """The events grouped by start, in the order the starts began.
+
+    Events that name their start (`start_id`) join it wherever they are in the file; a log written before starts
+    were named groups each event with the start above it."""
+    starts: dict[str, list[dict[str, Any]]] = {}
+    current = None
+    for n, event in enumerate(events):
         if event["event"] == "start":
-            starts.append([])
-        if starts:
-            starts[-1].append(event)
-    return starts
+            current = event.get("start_id", f"line {n}")
+            starts.setdefault(current, [])
+        key = event.get("start_id", current)
+        if key in starts:
+            starts[key].append(event)
+    return sorted(starts.values(), key=lambda start: start[0]["time"])
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    """Seconds covered by the union of `intervals` (each [begin, end])."""
+    covered, reached = 0.0, float("-inf")
+    for begin, end in sorted(intervals):
+        if end > reached:
+            covered += end - max(begin, reached)
+            reached = end
+    return covered
 
 
 def summarize(events: Iterable[dict[str, Any]]) -> dict[str, float]:
-    """Seconds per category over every start, plus `wall` and `goodput` (productive / wall) and `restarts`."""
+    """Seconds per category over every start, plus `wall` and `goodput` (productive / wall), `restarts`, and
+    `overcounted`: seconds the categories exceed the wall time by (0 unless starts overlapped: `warning`)."""
     starts = _starts(events)
     totals = dict.fromkeys(CATEGORIES, 0.0)
-    wall = 0.0
-    last_run: dict[int, tuple[int, int]] = {}  # step -> (start index, event index) of its last execution
+    spans: list[tuple[float, float]] = []
+    last_run: dict[int, tuple[float, int, int]] = {}  # step -> (time, start, event) of its last execution
     for i, start in enumerate(starts):
-        span = start[-1]["time"] - start[0]["time"]
-        wall += span
+        spans.append((start[0]["time"], start[-1]["time"]))
         ended = start[-1]["event"] == "end"
         if i + 1 < len(starts) and not ended:  # killed: until the next start the job was recovering
             gap = max(0.0, starts[i + 1][0]["time"] - start[-1]["time"])
             totals["recovery"] += gap
-            wall += gap
+            spans.append((start[-1]["time"], start[-1]["time"] + gap))
         for j, event in enumerate(start):
             if event["event"] == "phase":
                 totals[event["name"]] += event["seconds"]
             elif event["event"] == "step":
                 totals["data_loading"] += event["data"]
                 totals["checkpoint_save"] += event["save"]
-                last_run[event["step"]] = (i, j)
+                last_run[event["step"]] = max(last_run.get(event["step"], (float("-inf"), -1, -1)),
+                                              (event["time"], i, j))
     for i, start in enumerate(starts):
         for j, event in enumerate(start):
             if event["event"] != "step":
@@ -147,13 +173,21 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, float]:
             if event["first"]:
                 totals["compile"] += event["seconds"]
             else:
-                totals["productive" if last_run[event["step"]] == (i, j) else "lost_progress"] += event["seconds"]
-    totals["other"] = wall - sum(totals[c] for c in CATEGORIES if c != "other")
-    if totals["other"] < -1e-6 * max(wall, 1.0):
-        raise ValueError(f"goodput categories exceed the wall time by {-totals['other']:.3f}s: time counted twice")
-    totals["other"] = max(totals["other"], 0.0)
-    return {**totals, "wall": wall, "goodput": totals["productive"] / wall if wall > 0 else 0.0,
-            "restarts": float(max(len(starts) - 1, 0))}
+                totals["productive" if last_run[event["step"]][1:] == (i, j) else "lost_progress"] += event["seconds"]
+    wall = _union(spans)
+    counted = sum(totals[c] for c in CATEGORIES if c != "other")
+    overcounted = counted - wall if counted - wall > 1e-6 * max(wall, 1.0) else 0.0
+    totals["other"] = max(wall - counted, 0.0)
+    return {**totals, "wall": wall, "goodput": min(totals["productive"] / wall, 1.0) if wall > 0 else 0.0,
+            "restarts": float(max(len(starts) - 1, 0)), "overcounted": overcounted}
+
+
+def warning(summary: Mapping[str, float]) -> str | None:
+    """A line for a summary whose categories exceed the wall time (starts that overlapped), else None."""
+    if not summary.get("overcounted"):
+        return None
+    return (f"warning: goodput's categories exceed the wall time by {format_duration(summary['overcounted'])}: "
+            "starts on this run directory overlapped in time, so some time is counted twice")
 
 
 def metrics(summary: Mapping[str, float]) -> dict[str, float]:
