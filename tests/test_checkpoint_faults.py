@@ -52,6 +52,47 @@ def test_failed_commit_stops_the_run_within_a_step_in_one_line(env, tmp_path):
     assert not (tmp_path / "default" / "checkpoints" / "2").exists()
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1.8 MiB tmpfs (the tiny run's checkpoints take about 1 MiB each), grown with `grow()`; unmounted after."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1800k", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"a disk that fills needs a tmpfs mount, which needs root: {mounted.stderr.decode().strip()}")
+
+    def grow():
+        subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
+
+    try:
+        yield disk, grow
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+@pytest.mark.slow
+def test_a_disk_that_fills_stops_the_run_in_one_line_and_the_next_start_resumes_exactly(env, reference,
+                                                                                         small_disk):
+    """A real full disk (ENOSPC from tensorstore, every fragment of the save at once): one line, no asyncio
+    tracebacks at exit, the last committed checkpoint kept; with room again the run resumes from it and matches
+    the straight run step by step."""
+    from training_runs import losses, resumed_step, train
+
+    disk, grow = small_disk
+    command = [sys.executable, "-m", "maxshard.train", BASE, *keys(disk, "checkpoint_period=2")]
+    done = cli_processes.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert done.returncode == 1, done.stdout + done.stderr
+    problems = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(problems) == 1 and "the disk is full" in problems[0], done.stderr
+    failed = int(re.match(r"maxshard: error: checkpoint save at step (\d+) failed", problems[0]).group(1))
+    grow()
+    resumed = train(env, disk, "checkpoint_period=2")
+    assert resumed_step(resumed) == failed - 2  # the last committed save, never the one the disk refused
+    reference_losses = losses(reference)
+    assert losses(disk) == {step: reference_losses[step] for step in losses(disk)}
+    assert sorted(losses(disk)) == sorted(reference_losses)
+
+
 # --------------------------------------------------------------------------------------------- damage or not
 
 

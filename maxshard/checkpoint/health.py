@@ -13,10 +13,12 @@ allgather: all use it, all set it aside (some process saw damage), or all stop (
 from __future__ import annotations
 
 import enum
+import errno
 import json
 import logging
 import re
 import sys
+import traceback
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,8 +38,15 @@ class SaveFailed(CheckpointError):
     """A save (usually its background commit) failed: the run must not train on believing it is saved."""
 
     def __init__(self, step: int, cause: BaseException) -> None:
-        super().__init__(f"checkpoint save at step {step} failed: {one_line(cause)}")
+        reason = "the disk is full (no space left on device); free space and start again: the run resumes from " \
+                 "its last committed checkpoint. " if _disk_full(cause) else ""
+        super().__init__(f"checkpoint save at step {step} failed: {reason}{one_line(cause)}")
         self.step = step
+
+
+def _disk_full(error: BaseException) -> bool:
+    """Whether `error` (or what caused it) is ENOSPC: an OSError, or tensorstore's message that quotes it."""
+    return any(getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e) for e in _chain(error))
 
 
 class Damaged(Exception):
@@ -116,6 +125,19 @@ def agree(mine: Outcome) -> Outcome:
     return Outcome(int(np.max(multihost_utils.process_allgather(np.int32(mine)))))
 
 
+class _AbandonedWrites(logging.Filter):
+    """Drops asyncio's reports of orbax write tasks whose error nobody retrieved (QuietBackground)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.getMessage().startswith("Task exception was never retrieved") or not record.exc_info:
+            return True
+        frames = traceback.extract_tb(record.exc_info[2])
+        return not any("/orbax/" in frame.filename.replace("\\", "/") for frame in frames)
+
+
+_ABANDONED_WRITES = _AbandonedWrites()
+
+
 class QuietBackground(logging.Filter):
     """Keeps the tracebacks of orbax's background work off the console while a run's checkpoints are open.
 
@@ -123,6 +145,9 @@ class QuietBackground(logging.Filter):
       the run as an exception that `Checkpoints` reports in one line (SaveFailed, CheckpointError, damage).
     - "Event loop is closed" from tensorstore reads still in flight when a failed read has already ended orbax's
       event loop: they finish into nothing (Python reports them as unraisable), whatever the checkpoint holds.
+    - asyncio's "Task exception was never retrieved" for the other writes of a save that failed (a full disk fails
+      every fragment at once; orbax takes the first error): logged when the tasks are collected, often at exit, so
+      that filter stays for the life of the process (`_ABANDONED_WRITES`).
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -136,6 +161,7 @@ class QuietBackground(logging.Filter):
 
     def __enter__(self) -> QuietBackground:
         logging.getLogger("absl").addFilter(self)
+        logging.getLogger("asyncio").addFilter(_ABANDONED_WRITES)  # once: a logger holds a filter at most once
         self._previous_hook = sys.unraisablehook
         sys.unraisablehook = self._unraisable
         return self
