@@ -195,3 +195,20 @@ def test_sigterm_to_one_process_stops_both_at_one_step_and_resume_is_exact(env, 
     _run_two(env, straight, finish)
     assert len(_losses(straight / "multi")) == stopped + 2
     assert _losses(interrupted / "multi") == _losses(straight / "multi")  # steps 1..N, then N+1 and N+2 resumed
+
+
+def test_a_held_run_directory_stops_every_process_in_one_line(env, tmp_path):
+    """The primary finds the run directory locked (by this test's process, alive): both processes stop at once,
+    each with one line, instead of the other one waiting for a peer that left."""
+    from maxshard.run import lock
+
+    with lock.RunLock(str(tmp_path / "multi")) as held:
+        held.acquire()
+        with _killed_on_exit(_two_processes(env, tmp_path, ["dcn_data_parallelism=2", "ici_fsdp_parallelism=4"])) \
+                as procs:
+            outputs = [p.communicate(timeout=240)[0] for p in procs]
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 2, out[-3000:]
+    assert f"in use by host {socket.gethostname()} pid {os.getpid()}" in outputs[0]
+    assert "maxshard: error: run_dir" in outputs[1] and "(process 0 says who)" in outputs[1]
+    assert not (tmp_path / "multi" / "metrics.jsonl").exists()
