@@ -106,3 +106,29 @@ def test_the_heartbeat_refreshes_the_lock(tmp_path, monkeypatch):
         os.utime(held.path, (old, old))
         time.sleep(0.3)
         assert time.time() - os.stat(held.path).st_mtime < 100
+
+
+def test_a_killed_holder_not_yet_reaped_is_gone(tmp_path):
+    """SIGKILLed but not waited for (a zombie, as a supervisor that restarts at once leaves it): taken over."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        child.kill()
+        time.sleep(0.5)  # dead, not reaped
+        run_dir = str(tmp_path / "run")
+        _write_lock(run_dir, host=socket.gethostname(), pid=child.pid, process_start=lock._process_start(child.pid))
+        with lock.RunLock(run_dir) as taken:
+            assert "which no longer runs" in taken.acquire()
+    finally:
+        child.wait()
+
+
+def test_a_live_holder_with_its_start_time_is_refused(tmp_path):
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        run_dir = str(tmp_path / "run")
+        _write_lock(run_dir, host=socket.gethostname(), pid=child.pid, process_start=lock._process_start(child.pid))
+        with pytest.raises(ConfigError, match=f"pid {child.pid} "):
+            lock.RunLock(run_dir).acquire()
+    finally:
+        child.kill()
+        child.wait()

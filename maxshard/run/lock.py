@@ -37,28 +37,38 @@ HEARTBEAT_SECONDS = 15.0  # how often the holder refreshes the file's modificati
 STALE_SECONDS = 120.0  # a lock from another host without a heartbeat for this long is taken over
 
 
-def _process_start(pid: int) -> str | None:
-    """The kernel's start time of `pid` (clock ticks since boot, from /proc), or None where /proc has none.
-
-    With the pid it names one process for the life of the machine: a pid reused by another program differs here."""
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state first), or None where /proc has none."""
     try:
         with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
             stat = f.read()
     except OSError:
         return None
-    return stat.rsplit(")", 1)[1].split()[19]  # field 22 (starttime), counted after the command's closing ")"
+    return stat.rsplit(")", 1)[1].split()  # the command, in parentheses, may hold spaces
+
+
+def _process_start(pid: int) -> str | None:
+    """The kernel's start time of `pid` (clock ticks since boot), or None where /proc has none.
+
+    With the pid it names one process for the life of the machine: a pid reused by another program differs here."""
+    fields = _stat(pid)
+    return None if fields is None else fields[19]  # field 22 of the file: starttime
 
 
 def _alive(pid: int, start: str | None) -> bool:
-    """Whether process `pid` of this host still runs the program that wrote the lock."""
+    """Whether process `pid` of this host still runs the program that wrote the lock.
+
+    A process killed but not yet reaped by its parent (a zombie) has ended: it will never write again."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # exists, owned by another user
         return True
-    now = _process_start(pid)
-    return start is None or now is None or now == start
+    fields = _stat(pid)
+    if fields is None:
+        return True  # no /proc: the signal's answer is all there is
+    return fields[0] not in ("Z", "X") and (start is None or fields[19] == start)
 
 
 class RunLock:
