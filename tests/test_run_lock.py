@@ -132,3 +132,8 @@ def test_a_live_holder_with_its_start_time_is_refused(tmp_path):
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_remote_run_directory_is_not_locked_and_says_so(capsys):
+    assert lock.hold("gs://bucket/runs/a", is_primary=True) is None
+    assert "gs://bucket/runs/a: not locked" in capsys.readouterr().out

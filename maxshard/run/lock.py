@@ -13,7 +13,8 @@ Taking the lock is atomic (`O_CREAT | O_EXCL`), and so is taking over (the stale
 one renamer wins), so two starts at the same moment cannot both win. With several processes the primary takes the
 lock and tells the others whether it got it, so every process of a refused run stops at the same point.
 
-Not an `fcntl` lock: the filesystems runs share across hosts (NFS, Filestore, gcsfuse) do not all honour one, and an
+A remote run directory (`gs://...`) is not locked, and a line says so: an object store offers no atomic
+create-if-absent through a file API. Not an `fcntl` lock: the filesystems runs share across hosts (NFS, Filestore, gcsfuse) do not all honour one, and an
 advisory lock would not tell the user who holds it.
 """
 
@@ -201,6 +202,10 @@ def hold(run_dir: str, is_primary: bool, process_count: int = 1) -> RunLock | No
 
     With several processes the others learn whether the primary got it (a refusal stops every process alike);
     returns the lock (the primary's) to release at exit, or None on the other processes."""
+    if "://" in run_dir:  # an object store has no atomic create-if-absent through the file API
+        if is_primary:
+            print(f"run_dir {run_dir}: not locked (a remote run directory); start one run per run_name", flush=True)
+        return None
     lock, refusal = (RunLock(run_dir), "") if is_primary else (None, "")
     if lock is not None:
         try:
