@@ -9,8 +9,10 @@ config key `reward`.
                        directory when the config is loaded, as path keys are), loaded once with importlib; it gets
                        the prompt as rendered text, the completion's text and the prompt's whole record.
 
-Loading is checked before anything trains (`load_reward`): a missing file or function, a file that does not import
-(its own error, shortened) are one ConfigError line naming `reward`. Scoring (`score`) is strict: a reward that raises,
+Loading is checked before anything trains (`load_reward`, which the preflight calls before the model is built): a
+missing file or function, a file that does not import (its own error, shortened) are one ConfigError line naming
+`reward`. A file is imported once per process while it is unchanged (same size and modification time), so that check
+does not run its top-level code twice. Scoring (`score`) is strict: a reward that raises,
 returns something that is not a number (bool counts as one) or returns NaN or infinity stops the run with one line
 naming the record's index in the batch and what went wrong (`RewardError`, a ConfigError, so the CLI prints one line
 and exits 2): a silently wrong reward would train the model on noise.
@@ -39,6 +41,7 @@ __all__ = ["RewardError", "Reward", "ExactMatch", "load_reward", "score"]
 
 Reward = Callable[[str, str, dict], float]
 _MESSAGE_CHARS = 160  # of a reward's or a reward file's own error text
+_IMPORTED: dict[str, tuple[tuple[int, int], Any]] = {}  # path -> ((size, mtime_ns), module) of reward files imported
 
 
 class RewardError(ConfigError):
@@ -112,6 +115,10 @@ def _load_file(path: str, setting: str) -> Any:
     pickling need); any failure of the file itself is one line with its error."""
     if not os.path.isfile(path):
         raise ConfigError(f"reward={setting}: no such file {path}")
+    stat = os.stat(path)
+    version = (stat.st_size, stat.st_mtime_ns)
+    if path in _IMPORTED and _IMPORTED[path][0] == version:
+        return _IMPORTED[path][1]
     module_name = "maxshard_reward_" + hashlib.sha256(path.encode()).hexdigest()[:12]
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
@@ -126,6 +133,7 @@ def _load_file(path: str, setting: str) -> Any:
     except (Exception, SystemExit) as e:  # noqa: BLE001 - whatever the file does on import is its own error
         sys.modules.pop(module_name, None)
         raise ConfigError(f"reward={setting}: importing {path} failed: {_describe(e)}") from None
+    _IMPORTED[path] = (version, module)
     return module
 
 

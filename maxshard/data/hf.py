@@ -41,8 +41,8 @@ from maxshard.errors import ConfigError
 if TYPE_CHECKING:
     from maxshard.data.hf_stream import HfStream
 
-__all__ = ["HfDocuments", "hf_corpus", "open_source", "load", "load_streamed", "source_kind", "read_as_stream",
-           "check_text_field", "STREAMING_MODES"]
+__all__ = ["HfDocuments", "hf_corpus", "open_source", "check_source", "check_fields", "load", "load_streamed",
+           "source_kind", "read_as_stream", "check_text_field", "STREAMING_MODES"]
 
 _BUILDERS = {".jsonl": "json", ".json": "json", ".jsonl.gz": "json", ".jsonl.zst": "json", ".parquet": "parquet",
              ".csv": "csv", ".txt": "text"}
@@ -137,10 +137,14 @@ def load_streamed(path: str, split: str, key: str = "dataset_path") -> Any:
         return _load_dataset(datasets, path, kind, split, streaming=True)
 
 
-def check_text_field(columns: Sequence[str] | None, text_field: str, where: str, name: str = "text_field") -> None:
-    """ConfigError when the dataset's columns are known and `text_field` is not one of them (a wrong name)."""
-    if columns is not None and text_field not in columns:
-        raise ConfigError(f"{name}={text_field}: {where} has no such column (columns: {', '.join(columns[:12])})")
+def check_text_field(columns: Sequence[str] | None, text_field: str | tuple[str, ...], where: str,
+                     name: str = "text_field") -> None:
+    """ConfigError when the dataset's columns are known and `text_field` is not one of them (a wrong name; a
+    tuple: none of them is)."""
+    wanted = (text_field,) if isinstance(text_field, str) else text_field
+    if columns is not None and not any(field in columns for field in wanted):
+        raise ConfigError(f"{name}={' or '.join(wanted)}: {where} has no such column "
+                          f"(columns: {', '.join(columns[:12])})")
 
 
 def open_source(path: str, key: str, chat: bool, options: ReadOptions) -> Corpus | HfStream:
@@ -157,11 +161,38 @@ def open_source(path: str, key: str, chat: bool, options: ReadOptions) -> Corpus
 
 def _chat_corpus(path: str, key: str, options: ReadOptions) -> Corpus:
     """Conversations in `messages_field`, map-style: streaming them is refused rather than done silently otherwise."""
-    streaming = options.hf_streaming
+    _refuse_streamed_chat(path, key, options.hf_streaming)
+    return hf_corpus(path, options.hf_split, options.messages_field, key, chat=True)
+
+
+def _refuse_streamed_chat(path: str, key: str, streaming: str) -> None:
     if streaming == "always" or (streaming == "auto" and source_kind(path, key) == "hub"):
         raise ConfigError(f"{key}={path}: chat data is read map-style (downloaded first), not streamed; "
                           "set hf_streaming=never")
-    return hf_corpus(path, options.hf_split, options.messages_field, key, chat=True)
+
+
+def check_source(path: str, key: str, chat: bool, options: ReadOptions) -> None:
+    """What `open_source` would refuse that is cheap to find (the preflight, `data/preflight.py`): `check_fields`
+    with the field the reader needs, and chat data that would be streamed."""
+    if chat:
+        _refuse_streamed_chat(path, key, options.hf_streaming)
+    check_fields(path, key, options.field(chat), options.hf_split, options.hf_streaming,
+                 "messages_field" if chat else "text_field")
+
+
+def check_fields(path: str, key: str, fields: str | tuple[str, ...], split: str, streaming: str,
+                 name: str = "text_field") -> None:
+    """A local path that does not exist and cannot be a hub name, an unknown `hf_streaming` (`read_as_stream`),
+    and, for a `save_to_disk` directory (memory-mapped, nothing copied), a missing split, column (`fields`, one of
+    them) or an empty split: ConfigError naming the key. Data files and hub names are left to the reader: reading
+    their columns means converting or downloading them."""
+    read_as_stream(path, streaming, key)
+    if source_kind(path, key) != "saved":
+        return
+    dataset = load(path, split, key)
+    check_text_field(dataset.column_names, fields, f"{key}={path}", name)
+    if len(dataset) == 0:
+        raise ConfigError(f"{key}={path}: the {split} split has no rows (empty corpus)")
 
 
 def hf_corpus(path: str, split: str, text_field: str, key: str = "dataset_path", chat: bool = False) -> Corpus:

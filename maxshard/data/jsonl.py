@@ -9,6 +9,12 @@ start. They are therefore decompressed (or copied) once, streaming, into `cache_
 files. Why not keep them in memory: a corpus is often larger than RAM, while local disk is cheap; why not decode from
 the start for each document: that is quadratic. The cache entry is named by a hash of the source's path, size and
 modification time, written under a temporary name and renamed, so concurrent processes and later runs reuse it safely.
+A compressed file must decode to its end: a `.gz` cut short fails in `gzip`, a `.zst` whose last frame is
+incomplete fails here (zstandard's stream reader would stop there silently), so a truncated download is a
+ConfigError naming the file, never a smaller corpus.
+
+`check_source` (the preflight, `data/preflight.py`) reads only the first bytes of each file: the gzip or zstd header
+(checked by the libraries themselves) and the first lines, which must hold the field the reader needs.
 
 Every line is a record (its line number, counted from 0, names it in the split hash and in messages). A line that is
 blank, not JSON, not an object, lacks `text_field`, holds a non-string or an empty string there, or is not UTF-8 is a
@@ -21,9 +27,8 @@ import gzip
 import hashlib
 import json
 import os
-import shutil
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import IO, Any
 
 import numpy as np
@@ -34,12 +39,17 @@ from maxshard.data.chat import as_conversation
 from maxshard.data.sources import BadRecord, Corpus, ReadOptions, row_keys
 from maxshard.errors import ConfigError
 
-__all__ = ["SUFFIXES", "JsonlDocuments", "jsonl_corpus", "open_source", "parse_record", "line_bounds"]
+__all__ = ["SUFFIXES", "JsonlDocuments", "jsonl_corpus", "open_source", "check_source", "check_files", "parse_record",
+           "line_bounds"]
 
 SUFFIXES = dataset_types.reader("jsonl").suffixes  # .jsonl and .ndjson, plain, .gz or .zst
 _CHUNK_BYTES = 16 << 20  # read/scan granularity: bounded memory whatever the file size
 _SAMPLE_LINES_PER_FILE = 8  # lines per file looked at before the first batch, to catch a wrong text_field
 _SAMPLE_LINES = 256
+_HEAD_READ = 64 << 10  # bytes read at a time from a file's start by the preflight
+_HEAD_LIMIT = 1 << 20  # at most this much of each file's start, however long its first lines
+_ZSTD_READ = 1 << 20  # compressed bytes decoded at a time: text expands some 5x, so chunks stay small
+_CACHE_VERSION = "frames-checked"  # in cache entries' names: copies made before truncation was checked are not reused
 
 
 def parse_record(line: bytes, text_field: str, where: str, chat: bool = False,
@@ -180,22 +190,78 @@ def jsonl_corpus(dataset_path: str, text_field: str | tuple[str, ...], cache_dir
 def _check_text_field(documents: JsonlDocuments, text_field: str | tuple[str, ...], where: str,
                       name: str = "text_field") -> None:
     """ConfigError when the first lines of the files hold JSON objects but none has `text_field` (a wrong name; a
-    tuple: none has any of them)."""
+    tuple: none has any of them), or when none of them is a JSON object at all (`_check_fields`)."""
+    lines = (documents.raw(index) for index in documents.sample(_SAMPLE_LINES_PER_FILE, _SAMPLE_LINES))
+    _check_fields(lines, text_field, where, name)
+
+
+def _check_fields(lines: Iterable[bytes], text_field: str | tuple[str, ...], where: str, name: str) -> None:
+    """ConfigError unless some line is a JSON object with `text_field` (a tuple: one of them).
+
+    Lines that are not JSON objects are bad records, skipped and counted later; only when every line looked at is
+    one is the source refused here (not JSON Lines, another encoding, a compressed file without its suffix), and
+    so is a source whose objects all lack the field (a wrong name).
+    """
     wanted = (text_field,) if isinstance(text_field, str) else text_field
     fields: set[str] = set()
-    for index in documents.sample(_SAMPLE_LINES_PER_FILE, _SAMPLE_LINES):
-        try:
-            record = json.loads(documents.raw(index))
-        except ValueError:  # invalid JSON or UTF-8: a bad record, counted later
+    bad = ""  # why the first line that is no JSON object is not (blank lines say nothing)
+    for line in lines:
+        record = parse_record(line, "", "", whole=lambda obj, _: obj)
+        if isinstance(record, BadRecord):
+            bad = bad or ("" if record.reason == "empty line" else record.reason)
             continue
-        if isinstance(record, dict):
-            if any(field in record for field in wanted):
-                return
-            fields.update(record)
+        if any(field in record for field in wanted):
+            return
+        fields.update(record)
     if fields:
         shown = ", ".join(sorted(fields)[:12])
         raise ConfigError(f"{name}={' or '.join(wanted)}: no record of {where} has that field "
                           f"(fields of its first records: {shown})")
+    if bad:
+        raise ConfigError(f"{where}: none of its first lines is a JSON object (the first: {bad}); is it JSON Lines, "
+                          "in UTF-8, compressed as its name says?")
+
+
+def check_source(path: str, key: str, chat: bool, options: ReadOptions) -> None:
+    """What `open_source` would refuse, from the start of each file only (`check_files`)."""
+    check_files(path, options.field(chat), key, "messages_field" if chat else "text_field")
+
+
+def check_files(dataset_path: str, text_field: str | tuple[str, ...], key: str = "dataset_path",
+                name: str = "text_field") -> None:
+    """ConfigError (one line naming `key`, or `name` for the field, and the file) for what `jsonl_corpus` would
+    refuse, found from the first bytes of each file (`_head`): no file; a file that is not gzip or zstd although
+    its name says so; no line at all; first lines that are not JSON objects or lack `text_field`. A file cut short
+    further on is only found when it is decompressed (`_plain_local_copy`), which needs the whole file."""
+    paths = files.list_files(dataset_path, SUFFIXES, key)
+    lines: list[bytes] = []
+    empty = True
+    for path in paths:
+        head, has_bytes = _head(path, key)
+        empty = empty and not has_bytes
+        lines += head[: max(_SAMPLE_LINES - len(lines), 0)]
+    where = f"{key}={dataset_path}"
+    if empty:
+        raise ConfigError(f"{where}: the files hold no lines (empty corpus)")
+    _check_fields(lines, text_field, where, name)
+
+
+def _head(path: str, key: str) -> tuple[list[bytes], bool]:
+    """(the first whole lines of a file, decompressed, up to `_SAMPLE_LINES_PER_FILE`; whether it holds any byte),
+    read a little at a time and at most `_HEAD_LIMIT` bytes: a line cut there is left out, not taken for a bad one."""
+    data, ended = b"", True
+    try:
+        with files.open_binary(path) as raw:
+            for chunk in _decoded_chunks(raw, _compression(path), _HEAD_READ):
+                data += chunk
+                if data.count(b"\n") >= _SAMPLE_LINES_PER_FILE or len(data) >= _HEAD_LIMIT:
+                    ended = False
+                    break
+    except Exception as e:  # noqa: BLE001 - OSError, EOFError, gzip.BadGzipFile, zstandard.ZstdError: a bad file
+        raise ConfigError(f"{key}: cannot read {path} ({type(e).__name__}: {e})") from None
+    lines = data.split(b"\n")
+    whole = lines if ended else lines[:-1]  # the piece after the last newline is whole only at the file's end
+    return whole[:_SAMPLE_LINES_PER_FILE], bool(data)
 
 
 # --------------------------------------------------------------------------------------------- compressed, remote
@@ -212,7 +278,8 @@ def _plain_local_copy(path: str, cache_dir: str, key: str) -> str:
     tmp = f"{target}.tmp-{os.getpid()}-{threading.get_ident()}"
     try:
         with files.open_binary(path) as raw, open(tmp, "wb") as out:
-            shutil.copyfileobj(_decompressed(raw, compression), out, _CHUNK_BYTES)
+            for chunk in _decoded_chunks(raw, compression, _CHUNK_BYTES):
+                out.write(chunk)
         os.replace(tmp, target)
     except Exception as e:  # noqa: BLE001 - OSError, EOFError, gzip.BadGzipFile, zstandard.ZstdError: a bad file
         _remove(tmp)
@@ -224,14 +291,35 @@ def _compression(path: str) -> str:
     return ".gz" if path.endswith(".gz") else ".zst" if path.endswith(".zst") else ""
 
 
-def _decompressed(raw: IO[bytes], compression: str) -> IO[bytes]:
-    if compression == ".gz":
-        return gzip.GzipFile(fileobj=raw)
+def _decoded_chunks(raw: IO[bytes], compression: str, size: int) -> Iterator[bytes]:
+    """The decompressed bytes of `raw`, about `size` at a time; an input that ends before its compressed stream
+    does raises (EOFError), so a truncated file is never read as a shorter one."""
     if compression == ".zst":
-        import zstandard  # deferred: only .zst files need it
+        yield from _zstd_chunks(raw, min(size, _ZSTD_READ))
+        return
+    stream = gzip.GzipFile(fileobj=raw) if compression == ".gz" else raw  # gzip checks its end and CRC itself
+    while chunk := stream.read(size):
+        yield chunk
 
-        return zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
-    return raw
+
+def _zstd_chunks(raw: IO[bytes], size: int) -> Iterator[bytes]:
+    """The frames of a zstd stream, decoded one after another (a file may hold several), reading `size`
+    compressed bytes at a time (what each decodes to is one chunk); EOFError when the input ends inside a frame.
+    zstandard's one-frame decompressor says where its frame ends (`eof`), while its stream reader returns what it
+    decoded so far when the input stops."""
+    import zstandard  # deferred: only .zst files need it
+
+    decompressor = zstandard.ZstdDecompressor()
+    frame = None
+    while data := raw.read(size):
+        while data:
+            if frame is None:
+                frame = decompressor.decompressobj()
+            if out := frame.decompress(data):
+                yield out
+            data, frame = (frame.unused_data, None) if frame.eof else (b"", frame)
+    if frame is not None:
+        raise EOFError("the file ends inside a zstd frame (truncated)")
 
 
 def _cache_root(cache_dir: str) -> str:
@@ -253,7 +341,7 @@ def _fingerprint(path: str) -> str:
         stat = os.stat(path)
         size, mtime = stat.st_size, stat.st_mtime_ns
     where = path if files.is_remote(path) else os.path.abspath(path)
-    return hashlib.sha256(f"{where}|{size}|{mtime}".encode()).hexdigest()[:16]
+    return hashlib.sha256(f"{where}|{size}|{mtime}|{_CACHE_VERSION}".encode()).hexdigest()[:16]
 
 
 def _plain_name(path: str) -> str:

@@ -8,6 +8,10 @@ tokens without BOS/EOS: the pipeline adds those for both kinds, so packing does 
 `tools/prepare_data.py` writes token records with the same tokenizer the training run must use; it leaves
 `maxshard_data.json` beside the shards so a run with another tokenizer fails at once instead of training on
 foreign ids.
+
+A shard cut short or damaged in its footer does not open (a ConfigError naming it, before the first batch: opening
+reads only the footer, `check_source`); a chunk whose bytes were damaged fails its Riegeli hash when it is read,
+a ConfigError naming the shard and record: the file is damaged, not one record.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from maxshard.data.sources import Corpus, ReadOptions, index_keys
 from maxshard.errors import ConfigError
 
 __all__ = ["TOKENS_TAG", "METADATA_FILE", "encode_tokens", "decode_record", "RecordDocuments", "array_record_corpus",
-           "open_source", "check_metadata"]
+           "open_source", "check_source", "check_metadata"]
 
 TOKENS_TAG = b"MXSTOK\0\1"
 METADATA_FILE = "maxshard_data.json"
@@ -61,7 +65,12 @@ class RecordDocuments(Sequence):
         return len(self._source)
 
     def __getitem__(self, index: int) -> str | np.ndarray:  # type: ignore[override]
-        return decode_record(self._source[index], self._where(index))
+        try:
+            record = self._source[index]
+        except RuntimeError as e:  # array_record reports a damaged chunk (its hash does not match) as RuntimeError
+            raise ConfigError(f"dataset_path: {self._where(index)} is unreadable, the file is damaged "
+                              f"({_first_line(e)})") from None
+        return decode_record(record, self._where(index))
 
     def _where(self, index: int) -> str:
         shard = bisect.bisect_right(self._ends, index)
@@ -78,10 +87,15 @@ def _count_records(path: str) -> int:
     try:
         reader.close()  # a reader that failed to open reports why only here, as RuntimeError
     except RuntimeError as e:
-        raise ConfigError(f"dataset_path: {path} is not an ArrayRecord file ({e})") from None
+        why = _first_line(e) or "it does not open: cut short, or its footer is damaged"
+        raise ConfigError(f"dataset_path: {path} is not an ArrayRecord file ({why})") from None
     if not ok:
         raise ConfigError(f"dataset_path: {path} is not an ArrayRecord file")
     return count
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else ""
 
 
 def open_source(path: str, key: str, chat: bool, options: ReadOptions) -> Corpus:
@@ -90,11 +104,25 @@ def open_source(path: str, key: str, chat: bool, options: ReadOptions) -> Corpus
     return array_record_corpus(path, options.tokenizer_id)
 
 
+def check_source(path: str, key: str, chat: bool, options: ReadOptions) -> None:
+    """What `open_source` would refuse (the preflight, `data/preflight.py`): the shards' listing, footers and
+    metadata (`_shards`), without building the reader."""
+    _shards(path, options.tokenizer_id)
+
+
 def array_record_corpus(dataset_path: str, tokenizer_id: str) -> Corpus:
     """Every ArrayRecord file matching `dataset_path` (a file, a glob, or a directory's `*.arecord`), sorted.
 
     `tokenizer_id` is the run's `tokenizer.fingerprint()`; it must match the one `tools/prepare_data.py` recorded.
     """
+    paths, counts = _shards(dataset_path, tokenizer_id)
+    return Corpus(RecordDocuments(paths, counts), index_keys(sum(counts)), f"dataset_path={dataset_path}")
+
+
+def _shards(dataset_path: str, tokenizer_id: str) -> tuple[list[str], list[int]]:
+    """The shards of `dataset_path` and their record counts (each opened, which reads its footer), checked against
+    the tokenizer their `maxshard_data.json` names; ConfigError for no shard, a shard that does not open, or no
+    record at all."""
     if not dataset_path:
         raise ConfigError("dataset_path is empty; dataset_type=array_record needs a glob of shards "
                           "(tools/prepare_data.py writes them)")
@@ -109,7 +137,7 @@ def array_record_corpus(dataset_path: str, tokenizer_id: str) -> Corpus:
         raise ConfigError(f"dataset_path={dataset_path}: the shards hold no records (empty corpus)")
     for meta_path in sorted({os.path.join(os.path.dirname(p), METADATA_FILE) for p in paths}):
         check_metadata(meta_path, tokenizer_id)
-    return Corpus(RecordDocuments(paths, counts), index_keys(sum(counts)), f"dataset_path={dataset_path}")
+    return paths, counts
 
 
 def check_metadata(path: str, tokenizer_id: str) -> None:

@@ -7,7 +7,7 @@ process count, and adding a document never moves another one across the split.
 
 Errors are found before the first batch where that is cheap: a missing path, a pattern matching nothing, a file whose
 first 4 KiB are not UTF-8 text. A file that turns bad later in its body fails when it is read, still as a ConfigError
-naming the file.
+naming the file. An empty file is no document: a `BadRecord`, skipped and counted.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ __all__ = [
     "ReadOptions",
     "TextDocuments",
     "open_source",
+    "check_source",
     "default_corpus",
     "text_corpus",
     "name_keys",
@@ -118,15 +119,24 @@ class TextDocuments(Sequence):
     def __len__(self) -> int:
         return len(self.paths)
 
-    def __getitem__(self, index: int) -> str:  # type: ignore[override]
-        return read_text(self.paths[index])
+    def __getitem__(self, index: int) -> str | BadRecord:  # type: ignore[override]
+        text = read_text(self.paths[index])
+        return text if text else BadRecord("empty text", self.paths[index])
 
 
 def read_text(path: str) -> str:
     """The whole file as text; NUL bytes or invalid UTF-8 mean it is not a text document."""
-    with open(path, "rb") as f:
-        data = f.read()
-    return _decode(data, path, final=True)
+    return _decode(_read_bytes(path), path, final=True)
+
+
+def _read_bytes(path: str, size: int = -1) -> bytes:
+    """The file's first `size` bytes (-1: all); one that cannot be read (removed since it was listed, no permission)
+    is a ConfigError naming it, as a file that is not text is."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(size)
+    except OSError as e:
+        raise ConfigError(f"dataset_path: cannot read {path} ({type(e).__name__}: {e.strerror or e})") from None
 
 
 def _decode(data: bytes, path: str, final: bool) -> str:
@@ -139,8 +149,7 @@ def _decode(data: bytes, path: str, final: bool) -> str:
 
 
 def _check_head(path: str) -> None:
-    with open(path, "rb") as f:
-        _decode(f.read(_HEAD_BYTES), path, final=False)
+    _decode(_read_bytes(path, _HEAD_BYTES), path, final=False)
 
 
 # --------------------------------------------------------------------------------------------- listing
@@ -152,11 +161,19 @@ def open_source(path: str, key: str, chat: bool, options: ReadOptions) -> Corpus
     return text_corpus(path) if path else default_corpus()
 
 
+def check_source(path: str, key: str, chat: bool, options: ReadOptions) -> None:
+    """What `open_source` would refuse (the preflight, `data/preflight.py`): `text_corpus` reads only each file's
+    first bytes; the stdlib corpus (no path) always loads."""
+    if path:
+        text_corpus(path)
+
+
 def default_corpus() -> Corpus:
     """Python's own standard library `.py` files: real text on every machine, no download.
 
     Installed packages (site-packages) are left out, and so are the few stdlib files that are deliberately not UTF-8
-    (encoding tests): the default must always load.
+    (encoding tests) and the empty ones (`__init__.py`, which would be skipped records): the default must always
+    load, with nothing to skip.
     """
     root = sysconfig.get_paths()["stdlib"]
     paths = [p for p in _walk(root, suffix=".py", skip=_SKIPPED_DIRS) if _is_utf8(p)]
@@ -196,11 +213,11 @@ def _walk(root: str, suffix: str, skip: frozenset[str]) -> list[str]:
 
 
 def _is_utf8(path: str) -> bool:
+    """Whether the file is a non-empty UTF-8 text document."""
     try:
-        read_text(path)
-    except (ConfigError, OSError):
+        return bool(read_text(path))
+    except ConfigError:
         return False
-    return True
 
 
 def _has_magic(pattern: str) -> bool:
