@@ -295,6 +295,7 @@ def _load(*overrides: str, device_kind: str = "cpu", num_devices: int = 8) -> co
     ("NVIDIA H100 80GB HBM3", ("attention=cudnn",), "cudnn"),
     ("NVIDIA GH200 480GB", ("attention=tokamax",), "tokamax"),
     ("cpu", ("attention=tokamax",), "tokamax"),  # tokamax's XLA reference
+    ("cpu", ("attention=cudnn",), "cudnn"),  # its call through XLA (float32: the dtype check is the GPU's)
 ])
 def test_auto_resolves_once_for_the_device(device_kind: str, overrides: tuple[str, ...], expected: str) -> None:
     assert _load(*overrides, device_kind=device_kind).model.attention == expected
@@ -307,7 +308,7 @@ def test_auto_on_a_hopper_without_tokamax_installed_takes_cudnn(monkeypatch) -> 
 
 
 @pytest.mark.parametrize("overrides,device_kind,message", [
-    (("attention=cudnn",), "cpu", "attention=cudnn needs an NVIDIA GPU"),
+    (("attention=cudnn",), "TPU v5 lite", "attention=cudnn needs an NVIDIA GPU"),
     (("attention=cudnn", "dtype=float32"), "NVIDIA H100 80GB HBM3", "attention=cudnn needs dtype bfloat16"),
     (("attention=splash", "max_target_length=1000"), "TPU v5 lite", "multiple of attention_block_q=512"),
     (("attention=splash", "attention_block_kv=64"), "TPU v5 lite", "multiple of 128"),

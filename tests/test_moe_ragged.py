@@ -8,14 +8,20 @@ promise (each receiver's buffer packed, sorted by local expert, never past its r
 on the 8 CPU devices (expert=4 x fsdp=2), against the fixed exchange itself: the rows the offsets name are, row for
 row, the buffer the fixed exchange's all_to_all delivers and sorts (`moe_grouped._fixed_there`), and the way back
 names every row's origin (row moves read off the offsets on the host, following the collective's documented
-semantics). Last, the dropless layer with the ragged exchange runs: with the buffer no routing overflows its output
+semantics). Then the dropless layer with the ragged exchange runs: with the buffer no routing overflows its output
 and gradients are the fixed exchange's, and with a small one it drops exactly what the overflow rule says.
+
+Last, the config users run: an explicit `moe_exchange=ragged` on CPU loads (`loading.load_run`) and runs through the
+stand-in, named in one startup line (`run/stand_ins.py`); a whole model's step (loss, router statistics, gradients)
+is the fixed exchange's on expert=4 x fsdp=2 and inside a pipeline (stage x expert x fsdp), and `maxshard.train`
+trains it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -23,18 +29,22 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
+from maxshard import train
 from maxshard.errors import ConfigError
 from maxshard.generation import decode
-from maxshard.model.layers import moe_grouped, moe_ragged
+from maxshard.model.layers import moe_grouped, moe_ragged, ragged_all_to_all
 from maxshard.parallel import axis_names as ax
 from maxshard.parallel import sharding
 from maxshard.run import loading
-from maxshard.training.step import mesh_context
+from maxshard.run.stand_ins import stand_ins
+from maxshard.training.step import Trainer, mesh_context
 from tests.helpers import layout_overrides, max_relative_difference, mesh_for, ragged_all_to_all_reference, tiny_config
 
 P_, E, K, TOKENS, WIDTH = 4, 8, 2, 16, 4  # expert shards, experts, top-k, tokens per device, embed
 LOCAL = E // P_
 WORST = moe_ragged.buffer_rows(TOKENS, K, E, P_, 0.0)
+RAGGED_LINE = ("moe_exchange=ragged: XLA:CPU has no ragged all-to-all; using its CPU stand-in (same contract, "
+               "slower)")
 
 
 # --------------------------------------------------------------------------------------------- sizes and offsets
@@ -303,13 +313,80 @@ def test_auto_exchange_is_ragged_on_tpu_and_gpu_only(device_kind, exchange):
     assert loading.model_config(explicit).moe_exchange == "all_to_all"  # an explicit choice is kept
 
 
-def test_ragged_on_cpu_and_a_bad_value_are_one_line_naming_the_key():
-    with pytest.raises(ConfigError, match="moe_exchange=ragged needs a TPU or an NVIDIA GPU") as info:
-        tiny_config("num_experts=8", "capacity_factor=-1", "moe_exchange=ragged")
-    assert "\n" not in str(info.value)
+def test_ragged_on_cpu_loads_through_the_users_path_and_is_named_the_stand_in():
+    """`load_run`, where train and generate start, on this process's CPU devices: an explicit ragged exchange stays
+    ragged (no refusal), and the startup lines name its stand-in once; `auto` there is the fixed exchange, no line."""
+    argv = ["configs/base.yml", "model_name=tiny_moe", "capacity_factor=-1", "dataset_type=synthetic",
+            *layout_overrides(["ici_expert_parallelism=4", "ici_fsdp_parallelism=2"])]
+    cfg = loading.load_run([*argv, "moe_exchange=ragged"])
+    assert (cfg.device_kind, cfg.model.moe_exchange) == ("cpu", "ragged")
+    assert [line for line in stand_ins(cfg) if line.startswith("moe_exchange=")] == [RAGGED_LINE]
+    auto = loading.load_run(argv)
+    assert auto.model.moe_exchange == "all_to_all" and not stand_ins(auto)
+
+
+def test_a_bad_exchange_is_one_line_naming_the_key():
     with pytest.raises(ConfigError, match="moe_exchange") as info:
         tiny_config("num_experts=8", "moe_exchange=ragged_fast")
     assert "all_to_all" in str(info.value) and "\n" not in str(info.value)
+
+
+# --------------------------------------------------------------------------------------------- the model
+
+
+# Every layer MoE, 8 dropless experts of top-2 with the grouped matmuls (auto on CPU), the balance loss on.
+MOE_MODEL = ("num_layers=2", "num_experts=8", "num_experts_per_tok=2", "capacity_factor=-1",
+             "moe_dropless_impl=tiled", "load_balance_loss_weight=0.01")
+MODEL_LAYOUTS = {  # 8 simulated CPU devices; the pipeline's stages vmap the exchange (spmd_axis_name)
+    "expert4_fsdp2": ("ici_expert_parallelism=4", "ici_fsdp_parallelism=2"),
+    "pipeline2_expert2_fsdp2": ("ici_pipeline_parallelism=2", "ici_expert_parallelism=2", "ici_fsdp_parallelism=2",
+                                "num_layers_per_pipeline_stage=1", "num_pipeline_microbatches=2"),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(MODEL_LAYOUTS))
+def test_the_model_computes_the_same_step_with_either_exchange(layout):
+    """A config that changes only `moe_exchange` changes only the layout of the step: with the CPU stand-in of the
+    ragged all-to-all the loss, router statistics and every gradient (float32) are the fixed exchange's, on the
+    same parameters and packed batch, with nothing dropped (the default buffer no routing overflows)."""
+    from tests.test_pipeline import packed_batch, random_params, small_config
+    from tests.test_pipeline_runner_moe import sums_and_grads
+
+    cfgs = {exchange: small_config(*MOE_MODEL, *layout_overrides(MODEL_LAYOUTS[layout]), f"moe_exchange={exchange}")
+            for exchange in ("all_to_all", "ragged")}
+    assert cfgs["ragged"].model.moe_exchange == "ragged" and RAGGED_LINE in stand_ins(cfgs["ragged"])
+    trainer = Trainer(cfgs["ragged"], mesh_for(cfgs["ragged"]))
+    params, batch = random_params(trainer), packed_batch(cfgs["ragged"], trainer.mesh)
+    (fixed_sums, fixed_grads), (sums, grads) = (sums_and_grads(cfgs[e], params, batch) for e in cfgs)
+    assert float(sums["moe_dropped"]) == float(fixed_sums["moe_dropped"]) == 0
+    np.testing.assert_allclose(float(sums["loss_sum"]), float(fixed_sums["loss_sum"]), rtol=1e-5)
+    assert max_relative_difference(sums, fixed_sums) < 1e-5
+    assert max_relative_difference(grads, fixed_grads) < 1e-5
+    assert float(sums["moe_lb_loss"]) > 0  # the router's statistics reach the sums
+
+
+@pytest.mark.slow
+def test_a_ragged_run_trains_on_cpu_through_the_cli(tmp_path, monkeypatch):
+    """`maxshard.train` in this process, tiny_moe dropless with the ragged exchange over expert=4 x fsdp=2: the
+    run starts (no refusal), its step exchanges through the CPU stand-in, and it logs finite losses for 2 steps."""
+    traced = []
+
+    def emulated(*args, **kwargs):
+        traced.append(kwargs["axis_name"])
+        return real(*args, **kwargs)
+
+    real = ragged_all_to_all.emulated_ragged_all_to_all
+    monkeypatch.setattr(ragged_all_to_all, "emulated_ragged_all_to_all", emulated)
+    argv = ["configs/base.yml", "model_name=tiny_moe", "capacity_factor=-1", "moe_exchange=ragged",
+            "dataset_type=synthetic", "per_device_batch_size=1", "steps=2", "log_period=1",
+            "eval_period=0", "enable_checkpointing=false", "enable_tensorboard=false", "remat_policy=full",
+            "run_name=ragged", f"base_output_directory={tmp_path}",
+            *layout_overrides(["ici_expert_parallelism=4", "ici_fsdp_parallelism=2"])]
+    assert train.main(argv) == 0
+    assert traced  # the step's trace went through the stand-in
+    records = [json.loads(line) for line in (tmp_path / "ragged" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert len(losses) == 2 and np.all(np.isfinite(losses)), losses
 
 
 def test_generation_takes_the_buffer_no_routing_overflows():

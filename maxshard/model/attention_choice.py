@@ -13,8 +13,11 @@
                   one block, where both hold the same [length, length] scores (measured: equal temporaries at
                   512 tokens with 512-token blocks, blockwise 3.3x smaller at 1024; benchmarks/README.md)
 
-`attention: tokamax` runs tokamax's Mosaic GPU kernel on Hopper/Blackwell GPUs and its XLA reference (quadratic
-memory, for checks) on CPU; it is refused on TPUs (splash is the TPU kernel).
+An explicit kernel of an accelerator runs on CPU through its stand-in (attention_kinds.py `cpu_stand_in`, the
+startup line): splash in Pallas interpret mode, tokamax's XLA reference, cudnn's call through XLA; so a TPU or GPU
+config runs on a laptop. The XLA stand-ins take any config, so the GPU kernels' checks (dtype, head_dim, length)
+apply on a GPU only; interpreted splash is the same kernel and keeps its blocks' needs. tokamax is refused on TPUs
+(splash is the TPU kernel).
 
 An explicit choice that cannot work is a ConfigError here, before anything compiles, naming the key and what is
 allowed: where each implementation runs and what it needs installed are its row of `attention_kinds.py`, what it
@@ -171,8 +174,8 @@ def _check_explicit(cfg: Config, dtype: str, platform: str) -> None:
 
 def _problem(cfg: Config, dtype: str, platform: str) -> tuple[str, str]:
     """What keeps the chosen kernel from this config on its platform ('' when nothing), and what to use instead.
-    Tokamax is checked on a GPU only: elsewhere it runs its XLA reference, which takes any config."""
-    if cfg.attention == "cudnn":
+    cudnn and tokamax are checked on a GPU only: on CPU their XLA stand-ins take any config."""
+    if cfg.attention == "cudnn" and platform == "nvidia":
         return _cudnn_problem(cfg, dtype), "attention=blockwise or auto"
     if cfg.attention == "splash":
         return _splash_problem(cfg), "attention=blockwise (any length) or auto"

@@ -11,7 +11,6 @@ from collections.abc import Sequence
 from maxshard import config
 from maxshard.config import Config
 from maxshard.data.tokenizer import resolve_vocab
-from maxshard.errors import ConfigError
 from maxshard.model import attention_choice, quantization
 from maxshard.spec.model_config import ModelConfig, model_fields, resolve_dtype, resolve_moe_exchange, resolve_moe_impl
 from maxshard.parallel import mesh, stages
@@ -37,12 +36,10 @@ def model_config(cfg: Config, mesh_sizes: dict[str, int] | None = None) -> Model
 
 
 def _moe_exchange(cfg: Config) -> str:
-    """`moe_exchange` for the config's device kind; ConfigError (one line) for `ragged` where XLA cannot run it."""
-    platform = attention_choice.platform_of(cfg.device_kind or "cpu")
-    if cfg.moe_exchange == "ragged" and platform == "cpu":
-        raise ConfigError(f"moe_exchange=ragged needs a TPU or an NVIDIA GPU (device kind {cfg.device_kind or 'cpu'!r}:"
-                          " XLA:CPU has no ragged all-to-all); use moe_exchange=auto or all_to_all")
-    return resolve_moe_exchange(cfg.moe_exchange, platform)
+    """`moe_exchange` for the config's device kind. An explicit `ragged` runs on CPU too: XLA:CPU has no ragged
+    all-to-all, and the emulation in `layers/ragged_all_to_all.py` (the collective's contract, from fixed-size
+    all_to_alls) stands in for it there, so a TPU or GPU config runs unchanged on a laptop."""
+    return resolve_moe_exchange(cfg.moe_exchange, attention_choice.platform_of(cfg.device_kind or "cpu"))
 
 
 def complete(cfg: Config, capacity: Capacity | None = None) -> Config:

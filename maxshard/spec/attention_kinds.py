@@ -5,10 +5,11 @@ config schema (the allowed names), `attention_choice` (where an explicit choice 
 
 Platforms are `attention_choice.platform_of`'s: "tpu", "nvidia" (an NVIDIA GPU) and "cpu" (CPU and anything else).
 A row says where an explicit choice runs (anywhere else it is refused at load time with `off_platform` and
-`instead`), and where it is a fused kernel: one that never materialises a [q, kv] score matrix, holding a block of
-scores and a float32 log-sum-exp per query instead (the planner's memory model; ring attention, a layout rather than
-a row, is fused too). How `auto` picks among them, and the per-config checks (block sizes, dtype, head_dim), are
-`attention_choice`'s.
+`instead`; an accelerator's kernel runs on CPU only through a stand-in of the same contract, `cpu_stand_in`, which a
+run names at startup), and where it is a fused kernel: one that never materialises a [q, kv] score matrix, holding a
+block of scores and a float32 log-sum-exp per query instead (the planner's memory model; ring attention, a layout
+rather than a row, is fused too). How `auto` picks among them, and the per-config checks (block sizes, dtype,
+head_dim), are `attention_choice`'s.
 
 Packed documents reach every kernel as segment ids [batch, length]; `segment_ids` says whether the kernel takes
 them as such, or the implementation turns them into what its kernel takes (a dense mask, per-query key offsets).
@@ -43,6 +44,9 @@ class Kind:
     # the local/global options its kernel takes (`attention_ops.attend`: "window", "softcap", "sinks"); any other
     # is refused in one line
     options: tuple[str, ...] = ()
+    # an accelerator's kernel that "cpu" in `platforms` runs through a stand-in of the same contract: what runs
+    # there, the rest of the startup line "attention=NAME: ..." (run/stand_ins.py); "" where the kernel itself runs
+    cpu_stand_in: str = ""
 
 
 KINDS = (
@@ -52,19 +56,23 @@ KINDS = (
     Kind("blockwise", PLATFORMS, PLATFORMS, True, True, False,
          "online softmax over blocks with a custom VJP (layers/blockwise_attention.py): linear memory, any backend",
          value_width=True, options=("window", "softcap", "sinks")),
-    Kind("cudnn", ("nvidia",), ("nvidia",), False, False, False,
+    Kind("cudnn", ("nvidia", "cpu"), ("nvidia",), False, False, False,
          "cuDNN flash attention (jax.nn.dot_product_attention), the documents as a dense [q, kv] mask",
          off_platform="needs an NVIDIA GPU", instead="auto, blockwise or dot_product",
-         options=("window",)),  # jax.nn.dot_product_attention has local_window_size, no soft-cap, no sinks
+         options=("window",),  # jax.nn.dot_product_attention has local_window_size, no soft-cap, no sinks
+         cpu_stand_in="a GPU kernel; on CPU jax.nn.dot_product_attention computes the same call through XLA "
+                      "(same contract, the whole [q, kv] scores)"),
     Kind("splash", ("tpu", "cpu"), ("tpu", "cpu"), True, True, True,
-         "the Pallas TPU splash kernel (interpret mode elsewhere, for tests); lengths a multiple of the blocks",
+         "the Pallas TPU splash kernel; lengths a multiple of the blocks",
          off_platform="is a TPU kernel", instead="cudnn or auto", value_width=True,
-         options=("window", "softcap", "sinks")),  # LocalMask, attn_logits_soft_cap, sinks
+         options=("window", "softcap", "sinks"),  # LocalMask, attn_logits_soft_cap, sinks
+         cpu_stand_in="a TPU kernel; on CPU Pallas interprets it (the same kernel, much slower)"),
     Kind("tokamax", ("nvidia", "cpu"), ("nvidia",), False, False, True,
-         "tokamax's Pallas Mosaic GPU FlashAttention (Hopper, Blackwell), the documents as per-query key offsets; "
-         "its XLA reference (whole scores) off a GPU",
+         "tokamax's Pallas Mosaic GPU FlashAttention (Hopper, Blackwell), the documents as per-query key offsets",
          off_platform="is a GPU kernel", instead="splash or auto", package="tokamax", value_width=True,
-         options=("window", "softcap")),  # Mask(k_start), logits_soft_cap; tokamax 0.0.12 has no sinks
+         options=("window", "softcap"),  # Mask(k_start), logits_soft_cap; tokamax 0.0.12 has no sinks
+         cpu_stand_in="a GPU kernel; on CPU tokamax's XLA reference runs instead (same contract, the whole "
+                      "[q, kv] scores)"),
 )
 NAMES = tuple(k.name for k in KINDS)
 # the options ring attention (context parallelism, a layout not a row, blockwise steps) takes

@@ -47,8 +47,8 @@ def resolve_moe_impl(name: str, device_kind: str) -> str:
 
 def resolve_moe_exchange(name: str, platform: str) -> str:
     """'auto' is the ragged exchange on TPU and GPU (`platform` 'tpu' or 'nvidia'), the fixed all_to_all on CPU,
-    whose XLA has no ragged all-to-all (`layers/moe_ragged.py`): an explicit 'ragged' on CPU is refused at load
-    time (`loading.model_config`)."""
+    whose XLA has no ragged all-to-all: an explicit 'ragged' runs there through the collective's emulation
+    (`layers/ragged_all_to_all.py`), a stand-in for the same numbers, not for speed (`run/stand_ins.py`)."""
     if name == "auto":
         return "ragged" if platform in ("tpu", "nvidia") else "all_to_all"
     return name

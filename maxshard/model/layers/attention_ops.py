@@ -123,8 +123,8 @@ def cudnn(q, k, v, q_segment_ids, kv_segment_ids, implementation: str | None = N
     API: the document mask goes in as a boolean `mask` [batch, 1, q, kv] (one copy for all heads, in the compute
     dtype inside cuDNN's bias path), quadratic in length but without the float32 scores of every head;
     `planning/memory.py` counts it. `implementation="xla"` runs the same call through XLA, which is how CPU tests
-    check this mapping. By default it is "cudnn" on a GPU backend and "xla" elsewhere: a config can only choose
-    cudnn for an NVIDIA device kind (attention_choice.py), so off a GPU this is the planner tracing a GPU run's
+    check this mapping. By default it is "cudnn" on a GPU backend and "xla" elsewhere: on CPU, the stand-in of a
+    GPU config's `attention: cudnn` (spec/attention_kinds.py `cpu_stand_in`), or the planner tracing a GPU run's
     shapes on a CPU host (`jax.eval_shape`, nothing runs).
 
     A window is the API's `local_window_size` (window - 1 keys left, none right; cuDNN's own sliding window, which
@@ -173,8 +173,8 @@ def splash(q, k, v, q_segment_ids, kv_segment_ids, block_q: int = 512, block_kv:
 
     Splash takes [heads, length, head_dim] per row and its own SegmentIds; block sizes must divide the lengths
     (config_ranges checks max_target_length). `interpret` defaults to "not compiling for a TPU"
-    (`target_platform`; Pallas interpret mode: slow, for tests). Sinks are the kernel's own (`sinks` [group] per
-    MQA call, with their gradient)."""
+    (`target_platform`; Pallas interpret mode, slow: the CPU stand-in of a TPU config's `attention: splash`). Sinks
+    are the kernel's own (`sinks` [group] per MQA call, with their gradient)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
 
     if interpret is None:

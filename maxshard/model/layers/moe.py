@@ -49,9 +49,10 @@ parallelism) and are processed sharded over experts; the constraints below make 
 
 Dropless (`capacity_factor <= 0`): by default (`moe_dropless_impl` auto, ragged_dot or tiled) grouped matmuls over
 the tokens sorted by expert, with expert parallelism by an all-to-all exchange in shard_map: see `moe_grouped.py`.
-On TPU and GPU that exchange is ragged (`moe_exchange`, `moe_ragged.py`): only routed rows move, into a receive
-buffer no routing overflows by default; with `moe_ragged_buffer_factor` > 0 it holds that many times the balanced
-share of rows (fewer FLOPs), and the assignments a full buffer leaves home count as dropped (moe/dropped_fraction).
+On TPU and GPU that exchange is ragged by default (`moe_exchange`, `moe_ragged.py`; on CPU emulated if asked
+for): only routed rows move, into a receive buffer no routing overflows by default; with `moe_ragged_buffer_factor`
+> 0 it holds that many times the balanced share of rows (fewer FLOPs), and the assignments a full buffer leaves home
+count as dropped (moe/dropped_fraction).
 `moe_dropless_impl=dense` keeps the reference: every expert computes every token and the router weights (zero for
 experts a token did not choose) combine them, num_experts / k times the expert FLOPs.
 

@@ -22,11 +22,12 @@ axes stay automatic, and kernel dimensions sharded over manual axes (FSDP) are a
 gradients reduce-scattered by its transpose. Each device routes its own T tokens and exchanges them with the devices
 holding their experts, in one of two ways (`moe_exchange`, resolved by `spec/model_config.py`'s `resolve_moe_exchange`):
 
-  ragged      (TPU and GPU) `jax.lax.ragged_all_to_all` moves only the rows routed, and each device computes a
-              buffer of ~`moe_ragged_buffer_factor` x T x k rows; rows over it are dropped and counted: `moe_ragged.py`.
-              On a CPU mesh the collective is emulated (`ragged_all_to_all.py`): the tests compute it there.
-  all_to_all  (CPU: jax 0.10.2's XLA:CPU has no ragged all-to-all, "HLO opcode `ragged-all-to-all` is not supported
-              by XLA:CPU ThunkEmitter") a fixed buffer, never overflowing, described below.
+  ragged      (auto on TPU and GPU) `jax.lax.ragged_all_to_all` moves only the rows routed, and each device
+              computes a buffer of ~`moe_ragged_buffer_factor` x T x k rows; rows over it are dropped and counted:
+              `moe_ragged.py`. On a CPU mesh the collective is emulated (`ragged_all_to_all.py`, the same contract):
+              the tests, and a TPU or GPU config asking for it explicitly, compute it there.
+  all_to_all  (auto on CPU: jax 0.10.2's XLA:CPU has no ragged all-to-all, "HLO opcode `ragged-all-to-all` is not
+              supported by XLA:CPU ThunkEmitter") a fixed buffer, never overflowing, described below.
 
 The fixed exchange is an `all_to_all` of a buffer [P, slots, embed] with
 

@@ -20,16 +20,16 @@ the real op moves the routed ones: a CPU stand-in for correctness, not for speed
 
 Differentiation. The real op's gradient is its transpose rule (`jax._src.lax.parallel._ragged_all_to_all_transpose`):
 the same exchange with the roles swapped for the operand (the cotangent's received rows go back where they came
-from), and for `output` the cotangent with the received rows zeroed. The emulation is a custom_vjp with that very
-rule, computed by the emulation, so its backward is the real one's step for step. Forward mode (jax.jvp) is not
-defined; nothing here uses it. Known limit: under the pipeline's stage vmap (spmd_axis_name) the emulation's
-backward trips jax's varying-axes check (jax 0.10.2, "Primitive ge requires varying manual axes to match"), so
-pipeline x expert with the ragged exchange does not run on CPU (which `moe_exchange: auto` never picks there).
+from), and for `output` the cotangent with the received rows zeroed. The emulation is differentiated by jax itself,
+and its pieces transpose to exactly that: the scatter into `output` to a gather of the received rows' cotangent and
+`output`'s cotangent with those rows zeroed, the all_to_all to the all_to_all back, the sender's gather to a
+scatter-add into the rows it read (tests/test_ragged_all_to_all.py checks it against the rule). No custom_vjp: one
+whose backward is traced apart from its forward loses, under the pipeline's stage vmap (spmd_axis_name), the stage
+axis of the values it makes itself (jax 0.10.2: "Primitive ge requires varying manual axes to match"), so pipeline x
+expert with the ragged exchange would not run on CPU; plain autodiff traces the backward with the forward's values.
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -51,9 +51,8 @@ def _for_the_platform(*args: jax.Array, axis_name: AxisName) -> jax.Array:
 
     The mesh's devices, not the backend the Python process runs: a TPU program compiled ahead of time on a CPU host
     (tests/test_tpu_aot.py) has a mesh of abstract TPU devices and keeps the real op, and only the branch taken is
-    traced (the emulation's gradient under the pipeline's stage vmap trips jax's varying-axes checks, which must
-    not stop a TPU program). A mesh without devices (an AbstractMesh made by hand) leaves the choice to lowering,
-    `lax.platform_dependent`."""
+    traced (a TPU program holds no emulation). A mesh without devices (an AbstractMesh made by hand) leaves the
+    choice to lowering, `lax.platform_dependent`."""
     device = jax.sharding.get_abstract_mesh().abstract_device
     real = lambda *a: jax.lax.ragged_all_to_all(*a, axis_name=axis_name)  # noqa: E731
     emulated = lambda *a: emulated_ragged_all_to_all(*a, axis_name=axis_name)  # noqa: E731
@@ -108,7 +107,7 @@ def _landing(at: jax.Array, recv_sizes: jax.Array, peers: int, rows: int, size: 
 
 def _exchange(operand: jax.Array, output: jax.Array, input_offsets: jax.Array, send_sizes: jax.Array,
               output_offsets: jax.Array, recv_sizes: jax.Array, axis_name: AxisName) -> jax.Array:
-    """The emulation's forward: pack, one all_to_all of the blocks (and one of the offsets), scatter."""
+    """The emulation: pack, one all_to_all of the blocks (and one of the offsets), scatter."""
     peers = jax.lax.axis_size(axis_name)
     slices = input_offsets.shape[0]
     if slices % peers:
@@ -121,39 +120,10 @@ def _exchange(operand: jax.Array, output: jax.Array, input_offsets: jax.Array, s
     return output.at[dest].set(received.reshape(peers * rows, *received.shape[2:]), mode="drop", unique_indices=True)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _emulated(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name):
-    return _exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name)
-
-
-def _emulated_fwd(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name):
-    result = _exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name)
-    rows = jnp.zeros((operand.shape[0], 0), operand.dtype)  # the operand's rows and dtype, no data
-    return result, (rows, input_offsets, send_sizes, output_offsets, recv_sizes)
-
-
-def _emulated_bwd(axis_name, residuals, t):
-    """jax's transpose rule of the real op (`_ragged_all_to_all_transpose`), with the emulation: the cotangent's
-    received rows go back where they came from (the exchange with the roles swapped), and `output`'s cotangent is
-    the cotangent with those rows zeroed."""
-    rows, input_offsets, send_sizes, output_offsets, recv_sizes = residuals
-    at = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
-    came_from = jax.lax.all_to_all(input_offsets, axis_name, 0, 0, tiled=True)
-    zeros = _varying(jnp.zeros((rows.shape[0], *t.shape[1:]), t.dtype), t, axis_name)
-    operand_t = _exchange(t, zeros, at, recv_sizes, came_from, send_sizes, axis_name)
-    peers = jax.lax.axis_size(axis_name)
-    block = min(t.shape[0], input_offsets.shape[0] // peers * rows.shape[0])
-    output_t = t.at[_landing(at, recv_sizes, peers, block, t.shape[0])].set(0, mode="drop", unique_indices=True)
-    return operand_t, output_t, None, None, None, None
-
-
-_emulated.defvjp(_emulated_fwd, _emulated_bwd)
-
-
 def emulated_ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offsets: jax.Array,
                                send_sizes: jax.Array, output_offsets: jax.Array, recv_sizes: jax.Array, *,
                                axis_name: AxisName) -> jax.Array:
     """`jax.lax.ragged_all_to_all`'s result from an all_to_all of padded blocks (module docstring), for backends
-    without the op. Inside shard_map (or another mapped context over `axis_name`), as the real one. Reverse-mode
-    differentiable by the real op's transpose rule (a custom_vjp); forward mode (jax.jvp) is not defined."""
-    return _emulated(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name)
+    without the op. Inside shard_map (or another mapped context over `axis_name`), as the real one. Differentiated
+    by jax through its gather, all_to_all and scatter, whose transposes are the real op's rule (module docstring)."""
+    return _exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name)
