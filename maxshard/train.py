@@ -17,7 +17,7 @@ from typing import Any
 
 import jax
 
-from maxshard import cli, data
+from maxshard import cli, data, rewards
 from maxshard.checkpoint import emergency
 from maxshard.checkpoint import manager as checkpoint
 from maxshard.config import Config
@@ -32,7 +32,7 @@ from maxshard.observe import console, goodput, metrics
 from maxshard.observe.profiling import Profiler
 from maxshard.observe.report import Report, build_report
 from maxshard.parallel import mesh
-from maxshard.run import compile_check, loading, lock
+from maxshard.run import compile_check, loading, lock, stand_ins
 from maxshard.training import precomputed
 from maxshard.training.step import Trainer, TrainState
 
@@ -206,6 +206,8 @@ def run(argv: Sequence[str]) -> int:
     started = time.time()  # goodput's wall time of this start begins here
     cfg = loading.load_run(argv, join_processes=True, resume=True)
     preflight.check(cfg)  # the inputs, before the model is built
+    if objective_kinds.kind(cfg.objective).rows == "rollouts":
+        rewards.load_reward(cfg)  # and the reward that scores them (imported once per process)
     run_lock = lock.hold(cfg.run_dir, jax.process_index() == 0, jax.process_count())  # before anything is written
     try:
         return train(cfg, started)
@@ -231,6 +233,8 @@ def train(cfg: Config, started: float) -> int:
         emergency.open_checkpoints(cfg, trainer) as ckpt,
     ):
         console.print_startup(figures, writer)
+        for line in stand_ins.stand_ins(cfg):  # what this CPU run computes in place of an accelerator's op
+            print(line, flush=True)
         writer.write_config(cfg)
         state, batches = start(cfg, trainer, ckpt, clock)
         if int(state.step) >= cfg.steps:

@@ -370,7 +370,7 @@ def test_a_parquet_row_group_that_decodes_to_other_rows_than_its_footer_says_is_
         documents[0]
 
 
-def test_a_bad_tokenizer_chat_template_or_reward_fails_in_the_preflight(tmp_path):
+def test_a_bad_tokenizer_chat_template_or_reward_fails_in_the_preflight(tmp_path, capsys):
     (tmp_path / "data.jsonl").write_bytes(jsonl_bytes(chat_records()))
     chat = ("dataset_type=chat", f"dataset_path={tmp_path}/data.jsonl")
     (tmp_path / "tokenizer.json").write_bytes(b'{"version": "1.0", "mod')
@@ -393,9 +393,12 @@ def test_a_bad_tokenizer_chat_template_or_reward_fails_in_the_preflight(tmp_path
     (tmp_path / "prompts.jsonl").write_bytes(jsonl_bytes(prompt_records()))
     grpo = ("objective=grpo", "dataset_type=prompts", f"dataset_path={tmp_path}/prompts.jsonl")
     (tmp_path / "reward.py").write_text("def score(p, c, r)\n    return 0\n")
-    got = outcome(*grpo, f"reward={tmp_path}/reward.py:score")
-    assert got == Failed(f"reward={tmp_path}/reward.py:score: {tmp_path}/reward.py line 1: SyntaxError: expected ':'",
-                         "preflight"), got
+    assert train.main([BASE, "model_name=tiny", *grpo, f"reward={tmp_path}/reward.py:score",
+                       f"base_output_directory={tmp_path}/runs"]) == 2  # loaded beside the preflight
+    err = capsys.readouterr().err.strip()
+    assert err == (f"maxshard: error: reward={tmp_path}/reward.py:score: {tmp_path}/reward.py line 1: SyntaxError: "
+                   "expected ':'"), err
+    assert not (tmp_path / "runs").exists()  # before the run directory is touched
 
 
 def test_a_saved_hf_dataset_without_the_column_fails_in_the_preflight(tmp_path):

@@ -366,7 +366,7 @@ def test_the_model_computes_the_same_step_with_either_exchange(layout):
 
 
 @pytest.mark.slow
-def test_a_ragged_run_trains_on_cpu_through_the_cli(tmp_path, monkeypatch):
+def test_a_ragged_run_trains_on_cpu_through_the_cli(tmp_path, monkeypatch, capsys):
     """`maxshard.train` in this process, tiny_moe dropless with the ragged exchange over expert=4 x fsdp=2: the
     run starts (no refusal), its step exchanges through the CPU stand-in, and it logs finite losses for 2 steps."""
     traced = []
@@ -384,6 +384,7 @@ def test_a_ragged_run_trains_on_cpu_through_the_cli(tmp_path, monkeypatch):
             *layout_overrides(["ici_expert_parallelism=4", "ici_fsdp_parallelism=2"])]
     assert train.main(argv) == 0
     assert traced  # the step's trace went through the stand-in
+    assert "moe_exchange=ragged: XLA:CPU has no ragged all-to-all; using its CPU stand-in" in capsys.readouterr().out
     records = [json.loads(line) for line in (tmp_path / "ragged" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if "loss" in r]
     assert len(losses) == 2 and np.all(np.isfinite(losses)), losses

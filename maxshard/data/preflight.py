@@ -17,14 +17,14 @@ Only what is cheap whatever the corpus's size: each file's first bytes and foote
     tokenizer_path    it loads (`tokenizer.make_tokenizer`; the config loader loaded it already to size the
                       vocabulary)
     chat_template     the run's template reads and compiles as jinja2, when the run reads conversations
-    reward            GRPO's reward loads (`rewards.load_reward`: a reward file is imported once per process)
 
 Each reader's own check names the config key (`dataset_path`, `dataset_mixture[i]`, `text_field`, ...) and the file.
 What needs a whole file stays with the readers: a compressed file cut short fails when it is decompressed, a damaged
 Parquet row group or ArrayRecord chunk when it is read (both ConfigErrors naming the file), and a bad record is
-skipped and counted (`sources.BadRecord`). `eval_tasks` are found right after the model's shapes are derived,
-before anything compiles (`evaluation/in_training.py`); finding them imports lm-eval, which takes seconds, so they
-are not looked up here too.
+skipped and counted (`sources.BadRecord`). GRPO's reward, which scores what the data holds, is loaded beside this
+check by `maxshard.train` (`rewards` sits above the data in the import order). `eval_tasks` are found right after
+the model's shapes are derived, before anything compiles (`evaluation/in_training.py`); finding them imports
+lm-eval, which takes seconds, so they are not looked up here too.
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ def check(cfg: Config) -> None:
         for spec in catalog.source_specs(cfg):
             check_source(spec, options)
     _check_template(cfg)
-    _check_reward(cfg)
 
 
 def check_source(spec: catalog.SourceSpec, options: ReadOptions) -> None:
@@ -120,12 +119,3 @@ def _check_template(cfg: Config) -> None:
     except (OSError, UnicodeDecodeError) as e:  # the template file itself, or the tokenizer's, unreadable
         setting = cfg.chat_template or f"\"\" (the template beside tokenizer_path={cfg.tokenizer_path})"
         raise ConfigError(f"chat_template={setting}: cannot read it ({type(e).__name__}: {e})") from None
-
-
-def _check_reward(cfg: Config) -> None:
-    """GRPO's reward (`rewards.load_reward`): a missing file or function, a file that does not import."""
-    if cfg.objective != "grpo":
-        return
-    from maxshard import rewards  # deferred: only GRPO runs score completions
-
-    rewards.load_reward(cfg)
