@@ -81,7 +81,7 @@ def test_text_records_keep_every_field(tmp_path):
     for p in got:
         assert isinstance(p, Prompt) and p.record == data[p.record["id"]]
         assert p.text == p.record["prompt"] and p.ids == byte_ids(p.text)
-    assert it.stats() == {"data/prompts": 6, "data/skipped_records": 0}
+    assert it.stats() == {"data/prompts": 6, "data/skipped_records": 0, "data/records_read": 6}
 
 
 def test_messages_render_with_the_generation_prompt(tmp_path):
@@ -156,7 +156,8 @@ def test_bad_records_are_skipped_and_counted(tmp_path):
     ordered = prompts.PromptIterator(corpus.documents, np.arange(len(corpus)), encoder, None,
                                      {"where": "x", "split": "eval"})
     assert [p.record["id"] for p in ordered.next_prompts(4)] == [0, 1, 2, 0]
-    assert ordered.stats() == {"data/prompts": 4, "data/skipped_records": 2 * len(MALFORMED)}
+    assert ordered.stats() == {"data/prompts": 4, "data/skipped_records": 2 * len(MALFORMED),
+                              "data/records_read": 4 + 2 * len(MALFORMED)}
     template = tmp_path / "refusing.jinja"
     template.write_text(REFUSING)
     it = make_prompts(prompts_cfg(path, f"chat_template={template}"), "train", 32)

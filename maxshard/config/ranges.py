@@ -339,6 +339,7 @@ _POSITIVE_INTS = {
 _UNIT_INTERVALS = {  # key: (low, high, high included)
     "warmup_steps_fraction": (0.0, 1.0, True),
     "eval_fraction": (0.0, 1.0, False),
+    "max_bad_record_fraction": (0.0, 1.0, True),
     "cosine_final_fraction": (0.0, 1.0, True),
     "memory_headroom": (0.0, 1.0, False),
 }

@@ -192,6 +192,7 @@ class Config(ModelKeys):
     packing: bool = True
     data_shuffle_seed: int = 0
     eval_fraction: float = 0.02
+    max_bad_record_fraction: float = 0.01
     grain_worker_count: int = 0
     grain_prefetch: int = 2
 

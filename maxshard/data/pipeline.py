@@ -3,7 +3,8 @@
     per source: split (indices)  ->  MapDataset: shuffle(seed) . repeat()  .  read + tokenize
         ->  IterDataset: mix sources by token weight, drop bad records (`mixture`)  .  pack (or pad; pairs whole)
         .  batch(global rows)  ->  prefetch (thread, or `grain_worker_count` processes)
-        ->  GlobalBatchIterator: each process's rows of the global batch -> jax.Arrays, token and skip counters
+        ->  GlobalBatchIterator: each process's rows of the global batch -> jax.Arrays, token and skip counters,
+            the bound on bad records (`bad_records`)
 
 One global stream, whatever the layout (elastic restarts). Every process builds the same stream of packed rows from
 all documents of the split, cuts it into global batches of `global_batch_size` rows, and hands JAX only the rows its
@@ -58,8 +59,8 @@ from grain.experimental import ThreadPrefetchIterDataset
 from jax.sharding import NamedSharding
 
 from maxshard.config import Config
-from maxshard.data import catalog, chat, hf_stream, packing, preference, sources
-from maxshard.data.mixture import SKIPPED, SOURCE, TokenMixIterDataset
+from maxshard.data import bad_records, catalog, chat, hf_stream, packing, preference, sources
+from maxshard.data.mixture import RECORDS, SKIPPED, SOURCE, TokenMixIterDataset
 from maxshard.data.shuffle import BlockShuffleMapDataset
 from maxshard.data.sources import BadRecord
 from maxshard.data.tokenizer import Tokenizer, make_tokenizer
@@ -137,7 +138,13 @@ class _LoadPair:
     encoder: chat.ChatEncoder | preference.PreferenceEncoder | None = None  # chat and preference sources
 
     def __call__(self, index: int) -> dict[str, np.ndarray] | BadRecord:
-        return _document_pair(self.documents[int(index)], self.tokenizer, f"document {int(index)}", self.encoder)
+        return _document_pair(self.documents[int(index)], self.tokenizer, self._where(int(index)), self.encoder)
+
+    def _where(self, index: int) -> str:
+        """Where document `index` is, for a record found bad after reading (a template refused it, too long): the
+        reader's own words where it has them (JSONL: file and line), else its index."""
+        where = getattr(self.documents, "where", None)
+        return where(index) if callable(where) else f"document {index}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +166,8 @@ def local_batches(
 
 def mixed_batches(streams: Sequence[SourceStream | StreamedSource], tokenizer: Tokenizer,
                   opts: PipelineOptions) -> grain.IterDataset:
-    """An endless IterDataset of batches of several sources mixed by token weight; rows also carry SOURCE/SKIPPED.
+    """An endless IterDataset of batches of several sources mixed by token weight; rows also carry SOURCE, SKIPPED
+    and RECORDS (`mixture`).
 
     The mixture asks one source at a time for its next document and keeps each source's iterator state, so a
     stream mixes like any other source (it checks its own epochs for usable documents: epoch size None)."""
@@ -168,7 +176,7 @@ def mixed_batches(streams: Sequence[SourceStream | StreamedSource], tokenizer: T
     pairs = TokenMixIterDataset(parents, [s.weight for s in streams], epoch_sizes,
                                 [s.name for s in streams], token_cap=None if opts.packing else opts.length,
                                 row_length=opts.length if opts.packing and not opts.pairs else None)
-    extra = (SOURCE, SKIPPED, chat.WEIGHT)
+    extra = (SOURCE, SKIPPED, RECORDS, chat.WEIGHT)
     if opts.pairs:
         rows = packing.pack_pairs(pairs, opts.length, opts.packing, extra)
     elif opts.packing:
@@ -223,19 +231,30 @@ class GlobalBatchIterator:
 
     Each process computes the whole global batch and gives JAX the rows its devices hold, so the state is the same
     in every process and restores into any process count or batch sharding (module docstring). It also counts, for
-    the rows delivered, the tokens taken from each source (`labels`) and the bad records skipped to fill them:
-    `stats()`. The counts are the run's (every process sees every row), saved with the position, so a resumed run
-    continues them.
+    the rows delivered, per source, the tokens taken (`labels`), the records read and the bad ones skipped to fill
+    them: `stats()`. The counts are the run's (every process sees every row), saved with the position, so a resumed
+    run continues them. From them it bounds the share of bad records of each source (`bad_records.check`, with the
+    first reasons the mixture kept in grain's state), in every process alike; the primary process of the train
+    stream writes those reasons for the console (`examples_path`, `bad_records`).
     """
 
     def __init__(self, batches: grain.IterDataset, sharding: NamedSharding, identity: dict[str, Any],
-                 labels: Sequence[str] = ("documents",)) -> None:
+                 labels: Sequence[str] = ("documents",), names: Sequence[str] | None = None,
+                 max_bad_fraction: float | None = None, examples_path: str | None = None) -> None:
+        """`names`: each source as messages name it (default: `labels`); `max_bad_fraction`: the bound on each
+        source's share of bad records (None: none); `examples_path`: where to write the first bad records (None:
+        nowhere)."""
         self._held = [iter(batches)]  # the grain iterator; a list so that closing can drop it
         self._sharding = sharding
         self._identity = {**identity, "format": _STATE_FORMAT}
         self._labels = list(labels)
+        self._names = list(names or labels)
+        self._limit, self._examples_path = max_bad_fraction, examples_path
         self._tokens = np.zeros(len(self._labels), np.int64)  # tokens per source in delivered rows
-        self._skipped = 0  # bad records dropped to fill the delivered rows
+        self._skipped = np.zeros(len(self._labels), np.int64)  # bad records dropped to fill them, per source
+        self._read = np.zeros(len(self._labels), np.int64)  # records read to fill them (bad ones too), per source
+        self._skipped_before = 0  # bad records counted by a state from before per-source counts
+        self._examples: list[list[str]] = [[] for _ in self._labels]  # the first bad records of each source
         # Close and drop grain's iterators before interpreter shutdown tears down the modules their __del__ uses.
         self._finalizer = weakref.finalize(self, _close, self._held)
 
@@ -255,18 +274,46 @@ class GlobalBatchIterator:
             raise ConfigError(str(e).splitlines()[0]) from None
         real = rows["segment_ids"] > 0
         self._tokens += np.bincount(rows[SOURCE][real].astype(np.int64), minlength=len(self._labels))
-        self._skipped += int(rows[SKIPPED].sum())
+        skipped, read = _records_per_source(rows, len(self._labels))
+        self._read += read
+        if skipped.any():
+            self._skipped += skipped
+            self._skips_seen(np.flatnonzero(skipped))
         return {k: _global_array(np.asarray(rows[k]), self._sharding) for k in packing.FIELDS}
 
+    def _skips_seen(self, sources: np.ndarray) -> None:
+        """After a batch that skipped records of `sources`: the first reasons learned from grain's state while fewer
+        than `bad_records.SHOWN` are known (and written), and each of those sources' share bounded."""
+        over = [int(s) for s in sources if bad_records.exceeded(self._skipped[s], self._read[s], self._limit)]
+        if over or sum(map(len, self._examples)) < bad_records.SHOWN:
+            self._learn_examples(self._iter.get_state())
+        for source in over:
+            bad_records.check(self._names[source], int(self._skipped[source]), int(self._read[source]),
+                              self._limit, self._examples[source])
+
+    def _learn_examples(self, grain_state: Any) -> None:
+        """Takes the first bad records from grain's state (`_first_bad_records`); writes them where they grew.
+
+        grain's state of packed rows is the packer's last checkpoint, which can be a row's documents behind the rows
+        delivered: a bad record counted in the last row may be learned a batch later."""
+        examples = _first_bad_records(grain_state, len(self._labels))
+        if sum(map(len, examples)) > sum(map(len, self._examples)):
+            self._examples = examples
+            if self._examples_path is not None:
+                bad_records.write_examples(self._examples_path, [e for source in examples for e in source])
+
     def stats(self) -> dict[str, int]:
-        """Metrics: `data/tokens/<source>` (tokens delivered so far) and `data/skipped_records`, of the run."""
+        """Metrics of the run: `data/tokens/<source>` (tokens delivered so far), `data/skipped_records` (bad records
+        dropped to fill them) and `data/records_read` (records read to fill them, bad ones included)."""
         counts = {f"data/tokens/{label}": int(n) for label, n in zip(self._labels, self._tokens)}
-        return {**counts, "data/skipped_records": self._skipped}
+        return {**counts, "data/skipped_records": self._skipped_before + int(self._skipped.sum()),
+                "data/records_read": int(self._read.sum())}
 
     def get_state(self) -> dict[str, Any]:
         """The position in the global stream: the same in every process, restorable into any process count."""
-        return {"identity": dict(self._identity), "grain": _to_json(self._iter.get_state()),
-                "stats": {"tokens": self._tokens.tolist(), "skipped": self._skipped}}
+        stats = {"tokens": self._tokens.tolist(), "skipped": self._skipped.tolist(), "read": self._read.tolist(),
+                 "skipped_before": self._skipped_before}
+        return {"identity": dict(self._identity), "grain": _to_json(self._iter.get_state()), "stats": stats}
 
     def set_state(self, state: dict[str, Any]) -> None:
         saved = _upgraded(state.get("identity", {}))
@@ -274,9 +321,18 @@ class GlobalBatchIterator:
         if changed:
             diffs = ", ".join(f"{k}: {saved.get(k)!r} -> {self._identity.get(k)!r}" for k in changed)
             raise ConfigError(f"the data iterator state was saved by a different input pipeline ({diffs})")
-        self._iter.set_state(_from_json(state["grain"]))
-        self._tokens = np.asarray(state["stats"]["tokens"], np.int64)
-        self._skipped = int(state["stats"]["skipped"])
+        grain_state = _from_json(state["grain"])
+        self._iter.set_state(grain_state)
+        stats = state["stats"]
+        self._tokens = np.asarray(stats["tokens"], np.int64)
+        if "read" in stats:
+            self._skipped, self._read = np.asarray(stats["skipped"], np.int64), np.asarray(stats["read"], np.int64)
+            self._skipped_before = int(stats.get("skipped_before", 0))
+        else:  # a state from before records were counted: its total goes on, the share counts from here on
+            self._skipped, self._read = np.zeros_like(self._tokens), np.zeros_like(self._tokens)
+            self._skipped_before = int(stats["skipped"])
+        self._examples = [[] for _ in self._labels]
+        self._learn_examples(grain_state)
 
     def close(self) -> None:
         """Stops worker processes and prefetch threads (also done on garbage collection and at exit)."""
@@ -288,6 +344,39 @@ def _global_array(rows: np.ndarray, sharding: NamedSharding) -> jax.Array:
 
     Copied: from workers the rows arrive in shared memory, which a CPU jax.Array would alias and keep alive."""
     return jax.make_array_from_callback(rows.shape, sharding, lambda index: np.array(rows[index]))
+
+
+def _records_per_source(rows: dict[str, np.ndarray], sources: int) -> tuple[np.ndarray, np.ndarray]:
+    """int64 [sources] twice: the bad records skipped and the records read for the batch's documents, by source.
+
+    Both counts sit on a document's first token, where RECORDS is at least 1 (`mixture`): only those tokens are
+    looked up."""
+    first = np.flatnonzero(rows[RECORDS])
+    source = rows[SOURCE].ravel()[first].astype(np.int64)
+    return tuple(np.bincount(source, weights=rows[feature].ravel()[first], minlength=sources).astype(np.int64)
+                 for feature in (SKIPPED, RECORDS))
+
+
+def _first_bad_records(grain_state: Any, sources: int) -> list[list[str]]:
+    """The first bad records of each source (`bad_records.SHOWN` at most) that the mixture kept in a grain state:
+    its own, or with worker processes each worker's mixture's, taken in the workers' order."""
+    merged: list[list[str]] = [[] for _ in range(sources)]
+    for found in _found(grain_state, bad_records.STATE_KEY):
+        for kept, more in zip(merged, found):
+            kept.extend(more[: bad_records.SHOWN - len(kept)])
+    return merged
+
+
+def _found(tree: Any, key: str) -> Any:
+    """Every value of `key` in a nested state of dicts and lists (grain nests its transformations' states)."""
+    if isinstance(tree, dict):
+        if key in tree:
+            yield tree[key]
+            return
+        tree = list(tree.values())
+    if isinstance(tree, (list, tuple)):
+        for item in tree:
+            yield from _found(item, key)
 
 
 def _upgraded(identity: dict[str, Any]) -> dict[str, Any]:
@@ -397,4 +486,6 @@ def make_grain_input(cfg: Config, sharding: NamedSharding, split: str, batch_siz
         print(f"note: each of the {jax.process_count()} processes reads and tokenizes the whole global batch "
               f"({jax.process_count()}x the input work); a token store reads only each process's rows "
               "(tools/prepare_data.py --store, dataset_type=store)", flush=True)
-    return GlobalBatchIterator(mixed_batches(streams, tokenizer, opts), sharding, identity, [s.label for s in specs])
+    examples = bad_records.examples_path(cfg.run_dir, jax.process_index() == 0) if split == "train" else None
+    return GlobalBatchIterator(mixed_batches(streams, tokenizer, opts), sharding, identity, [s.label for s in specs],
+                               [s.name for s in streams], cfg.max_bad_record_fraction, examples)

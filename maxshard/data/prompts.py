@@ -24,10 +24,12 @@ a hash of each record's prompt or messages, train is shuffled in windows of `hf_
 stream order; the state is grain's iterator state (the window's start and the stream's own `state_dict()`), so a
 resume continues exactly (`StreamedPromptIterator`).
 
-Skipped and counted, never a crash (`BadRecord`, `data/skipped_records`): no prompt nor messages, both, a mistyped
-or empty field, a conversation that does not end with a user turn, a template that refuses it, invalid UTF-8, and a
-prompt of more than `max_prompt_length` tokens. Only a whole epoch of skipped records is a ConfigError (never an
-endless search), as is an empty split.
+Skipped and counted, never a crash (`BadRecord`, `data/skipped_records` of `data/records_read`): no prompt nor
+messages, both, a mistyped or empty field, a conversation that does not end with a user turn, a template that refuses
+it, invalid UTF-8, and a prompt of more than `max_prompt_length` tokens. A whole epoch of skipped records is a
+ConfigError (never an endless search), as is an empty split, and so is a share of bad records above
+`max_bad_record_fraction` once `bad_records.MIN_RECORDS` are read (checked at each bad record). The first bad records
+are kept in the state and, for the train stream of the primary process, written for the console (`bad_records`).
 """
 
 from __future__ import annotations
@@ -37,10 +39,11 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from maxshard.config import Config
-from maxshard.data import hf, jsonl
+from maxshard.data import bad_records, hf, jsonl
 from maxshard.data.chat import Conversation, as_conversation, encode_rendered, load_template
 from maxshard.data.chat_template import ChatTemplate, TemplateError
 from maxshard.data.sources import BadRecord, Corpus, ReadOptions, as_text, row_keys, split_indices
@@ -151,16 +154,58 @@ class PromptEncoder:
 # --------------------------------------------------------------------------------------------- the stream
 
 
-class PromptIterator:
+class _Counted:
+    """What both prompt streams share: prompts delivered and records skipped (records read: the two together, as
+    a stream reads one record at a time), the first bad records and the bound on their share (`bad_records`)."""
+
+    def __init__(self, identity: dict[str, Any], max_bad_fraction: float | None, examples_path: str | None) -> None:
+        """`max_bad_fraction`: the bound (None: none); `examples_path`: where the first bad records are written
+        (None: nowhere)."""
+        self._identity, self._limit, self._examples_path = identity, max_bad_fraction, examples_path
+        self._skipped = self._delivered = 0
+        self._examples: list[str] = []
+
+    def _skip(self, record: BadRecord) -> None:
+        """Counts a bad record, keeps it (and writes the kept ones) while fewer than `bad_records.SHOWN` are kept,
+        and bounds the share."""
+        self._skipped += 1
+        if len(self._examples) < bad_records.SHOWN:
+            bad_records.keep(self._examples, record.where, record.reason)
+            if self._examples_path is not None:
+                bad_records.write_examples(self._examples_path, self._examples)
+        bad_records.check(self._identity["where"], self._skipped, self._skipped + self._delivered, self._limit,
+                          self._examples)
+
+    def _counts_state(self) -> dict[str, Any]:
+        """The counters and the first bad records, for `get_state`."""
+        return {"skipped": self._skipped, "prompts": self._delivered, bad_records.STATE_KEY: list(self._examples)}
+
+    def _restore_counts(self, state: dict[str, Any]) -> None:
+        """The counters and first bad records of `state`; the latter written again for this start's console."""
+        self._skipped, self._delivered = int(state["skipped"]), int(state["prompts"])
+        self._examples = [str(e) for e in state.get(bad_records.STATE_KEY, [])]  # none in older states
+        if self._examples and self._examples_path is not None:  # this start's run_dir may be another one
+            bad_records.write_examples(self._examples_path, self._examples)
+
+    def stats(self) -> dict[str, int]:
+        """The stream's counters so far: prompts delivered, records skipped and read (the run's, as every process
+        has the same)."""
+        return {"data/prompts": self._delivered, "data/skipped_records": self._skipped,
+                "data/records_read": self._skipped + self._delivered}
+
+
+class PromptIterator(_Counted):
     """The split's prompts as one endless, deterministic stream (module docstring); the same on every process."""
 
     def __init__(self, documents: Sequence[PromptRecord | BadRecord], indices: np.ndarray, encoder: PromptEncoder,
-                 shuffle_seed: int | None, identity: dict[str, Any]) -> None:
+                 shuffle_seed: int | None, identity: dict[str, Any], max_bad_fraction: float | None = None,
+                 examples_path: str | None = None) -> None:
         """`indices`: the split's records; `shuffle_seed`: None keeps corpus order (eval); `identity`: what makes
-        the record order, which a restored state must match (JSON values)."""
+        the record order, which a restored state must match (JSON values); the rest as `_Counted`'s."""
+        super().__init__(identity, max_bad_fraction, examples_path)
         self._documents, self._indices, self._encoder = documents, np.asarray(indices, np.int64), encoder
-        self._seed, self._identity = shuffle_seed, identity
-        self._position = self._skipped = self._delivered = 0
+        self._seed = shuffle_seed
+        self._position = 0
         self._order: tuple[int, np.ndarray] | None = None  # (epoch, permutation) of the current epoch
 
     def next_prompts(self, count: int) -> list[Prompt]:
@@ -173,7 +218,7 @@ class PromptIterator:
             result = self._read(self._position)
             self._position += 1
             if isinstance(result, BadRecord):
-                self._skipped += 1
+                self._skip(result)
                 bad_run += 1
                 if bad_run >= len(self._indices):
                     raise ConfigError(f"{self._identity['where']}: no usable prompt in the {self._identity['split']} "
@@ -182,7 +227,7 @@ class PromptIterator:
                 continue
             bad_run = 0
             prompts.append(result)
-        self._delivered += len(prompts)
+            self._delivered += 1
         return prompts
 
     def _read(self, position: int) -> Prompt | BadRecord:
@@ -197,32 +242,28 @@ class PromptIterator:
         return record if isinstance(record, BadRecord) else self._encoder(record)
 
     def get_state(self) -> dict[str, Any]:
-        """JSON-serializable: the global position (records taken), the counters, and what the order depends on."""
-        return {"position": self._position, "skipped": self._skipped, "prompts": self._delivered,
-                "stream": dict(self._identity)}
+        """JSON-serializable: the global position (records taken), the counters, the first bad records, and what
+        the order depends on."""
+        return {"position": self._position, **self._counts_state(), "stream": dict(self._identity)}
 
     def set_state(self, state: dict[str, Any]) -> None:
         """Goes on from `state` (`get_state` of the same stream, in this process or another)."""
         if state.get("stream") != self._identity:
             raise ConfigError(f"cannot resume the prompts: the saved stream {state.get('stream')} is not this one "
                               f"{self._identity} (another dataset_path, split, eval_fraction or data_shuffle_seed)")
-        self._position, self._skipped = int(state["position"]), int(state["skipped"])
-        self._delivered = int(state["prompts"])
-
-    def stats(self) -> dict[str, int]:
-        """The stream's counters so far: prompts delivered and records skipped (the run's, as every process has
-        the same)."""
-        return {"data/prompts": self._delivered, "data/skipped_records": self._skipped}
+        self._position = int(state["position"])
+        self._restore_counts(state)
 
 
-class StreamedPromptIterator:
+class StreamedPromptIterator(_Counted):
     """The split's prompts read from a stream (module docstring), with PromptIterator's interface."""
 
-    def __init__(self, prompts: Any, identity: dict[str, Any]) -> None:
-        """`prompts`: a grain IterDataset of Prompts and BadRecords, endless; `identity`: as PromptIterator's."""
-        self._prompts, self._identity = prompts, identity
+    def __init__(self, prompts: Any, identity: dict[str, Any], max_bad_fraction: float | None = None,
+                 examples_path: str | None = None) -> None:
+        """`prompts`: a grain IterDataset of Prompts and BadRecords, endless; the rest as PromptIterator's."""
+        super().__init__(identity, max_bad_fraction, examples_path)
+        self._prompts = prompts
         self._iterator = iter(prompts)
-        self._skipped = self._delivered = 0
 
     def next_prompts(self, count: int) -> list[Prompt]:
         if count < 0:
@@ -231,16 +272,16 @@ class StreamedPromptIterator:
         while len(prompts) < count:  # the stream stops an epoch without a usable prompt itself
             result = next(self._iterator)
             if isinstance(result, BadRecord):
-                self._skipped += 1
+                self._skip(result)
             else:
                 prompts.append(result)
-        self._delivered += len(prompts)
+                self._delivered += 1
         return prompts
 
     def get_state(self) -> dict[str, Any]:
-        """JSON: grain's iterator state (the window's start, the stream's position), the counters, the identity."""
-        return {"reader": self._iterator.get_state(), "skipped": self._skipped, "prompts": self._delivered,
-                "stream": dict(self._identity)}
+        """JSON: grain's iterator state (the window's start, the stream's position), the counters, the first bad
+        records, the identity."""
+        return {"reader": self._iterator.get_state(), **self._counts_state(), "stream": dict(self._identity)}
 
     def set_state(self, state: dict[str, Any]) -> None:
         if state.get("stream") != self._identity or "reader" not in state:
@@ -249,13 +290,11 @@ class StreamedPromptIterator:
                               "hf_streaming)")
         self._iterator = iter(self._prompts)
         self._iterator.set_state(state["reader"])
-        self._skipped, self._delivered = int(state["skipped"]), int(state["prompts"])
-
-    def stats(self) -> dict[str, int]:
-        return {"data/prompts": self._delivered, "data/skipped_records": self._skipped}
+        self._restore_counts(state)
 
 
-def _streamed(stream: Any, cfg: Config, split: str, encoder: PromptEncoder) -> StreamedPromptIterator:
+def _streamed(stream: Any, cfg: Config, split: str, encoder: PromptEncoder,
+              examples_path: str | None) -> StreamedPromptIterator:
     """The prompts of a streamed source (module docstring)."""
     from maxshard.data import hf_stream  # deferred: grain only for a stream
 
@@ -263,13 +302,13 @@ def _streamed(stream: Any, cfg: Config, split: str, encoder: PromptEncoder) -> S
     prompts = hf_stream.window_shuffled(stream.documents(split, cfg.eval_fraction, 0, 1, encoder), seed)
     identity = {"where": stream.where, "split": split, "records": "streamed", "shuffle_seed": seed,
                 "eval_fraction": cfg.eval_fraction, "window": hf_stream.SHUFFLE_WINDOW}
-    return StreamedPromptIterator(prompts, identity)
+    return StreamedPromptIterator(prompts, identity, cfg.max_bad_record_fraction, examples_path)
 
 
 def make_prompts(cfg: Config, split: str, max_prompt_length: int) -> PromptIterator | StreamedPromptIterator:
     """The prompt stream of `cfg` (dataset_type prompts): `split` "train" or "eval" as the other readers split
     (`eval_fraction`, by a hash of each record's file and line); prompts of more than `max_prompt_length` tokens
-    are skipped."""
+    are skipped; the train stream of the primary process writes its first bad records for the console."""
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     if cfg.dataset_type != "prompts":
@@ -282,12 +321,13 @@ def make_prompts(cfg: Config, split: str, max_prompt_length: int) -> PromptItera
                           cfg.data_cache_dir, cfg.hf_streaming)
     corpus = open_source(cfg.dataset_path, "dataset_path", False, options)
     encoder = PromptEncoder(tokenizer, template, max_prompt_length)
+    examples = bad_records.examples_path(cfg.run_dir, jax.process_index() == 0) if split == "train" else None
     if not isinstance(corpus, Corpus):  # a streamed Hugging Face dataset
-        return _streamed(corpus, cfg, split, encoder)
+        return _streamed(corpus, cfg, split, encoder, examples)
     indices = split_indices(corpus.keys, split, cfg.eval_fraction)
     if len(indices) == 0:
         raise ConfigError(f"{corpus.where}: the {split} split is empty ({len(corpus)} records, "
                           f"eval_fraction={cfg.eval_fraction})")
     seed = cfg.data_shuffle_seed if split == "train" else None
     identity = {"where": corpus.where, "split": split, "records": int(len(indices)), "shuffle_seed": seed}
-    return PromptIterator(corpus.documents, indices, encoder, seed, identity)
+    return PromptIterator(corpus.documents, indices, encoder, seed, identity, cfg.max_bad_record_fraction, examples)

@@ -3,7 +3,9 @@
 The startup figures (mesh, parameter count, per-device memory, pipeline, batch) are printed once and written as the
 first record of `metrics.jsonl` (`{"step": 0, "startup": {...}}`), so sweeps and tools read them instead of
 parsing console text. `StepLogger` turns each finished step into throughput figures, prints the progress line and
-writes the record every `log_period` steps. Number formats live in `maxshard/units.py`.
+writes the record every `log_period` steps; where the input's count of skipped bad records grew since the last line,
+a second line says how many, their share of the records read and the first few (`format_skipped`). Number formats
+live in `maxshard/units.py`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from maxshard.config import Config
+from maxshard.data import bad_records
 from maxshard.model import quantization
 from maxshard.spec import pipeline_schedule
 from maxshard.model.flops import flops_per_token
@@ -22,7 +25,8 @@ from maxshard.observe.metrics import MetricsWriter, StepValues, memory_stats
 from maxshard.parallel import mesh as mesh_lib
 from maxshard.units import format_bytes, format_count, format_duration, format_flops
 
-__all__ = ["format_progress", "format_startup_summary", "startup_figures", "print_startup", "StepLogger"]
+__all__ = ["format_progress", "format_skipped", "format_startup_summary", "startup_figures", "print_startup",
+           "StepLogger"]
 
 
 def format_progress(
@@ -49,6 +53,15 @@ def format_progress(
     if eta_seconds is not None:
         parts.append(f"ETA {format_duration(eta_seconds)}")
     return " | ".join(parts)
+
+
+def format_skipped(skipped: int, read: int | None, first: list[str], limit: float) -> str:
+    """The skipped-records line: the count, its share of the records read (left out where no count of them is
+    known) with the bound `limit` (`max_bad_record_fraction`), and the first bad records as `where: reason`."""
+    share = (f" of {read:,} read ({skipped / read:.1%}; the run stops above max_bad_record_fraction={limit:g} "
+             f"from {bad_records.MIN_RECORDS:,} read)") if read and read >= skipped else ""
+    shown = f"; first: {'; '.join(first[: bad_records.SHOWN])}" if first else ""
+    return f"skipped records: {skipped:,}{share}{shown}"
 
 
 def format_startup_summary(figures: Mapping[str, Any]) -> str:
@@ -155,6 +168,10 @@ class StepLogger:
     Step time is measured between the ends of two steps, so the first step is logged with its loss and a
     `compile_time` but no throughput: the compile before the loop (`compiled_seconds`) plus the time from the loop's
     start to the first step's end (where JAX still compiles what the loop calls first, and the step runs).
+
+    Skipped records (`data/skipped_records`, the run's count) are reported at each logged step where the count grew
+    since the last logged step (so a resumed run says at its first line what it skipped before); the first reasons
+    come from the run directory (`bad_records.read_examples`), where the input wrote them.
     """
 
     def __init__(self, cfg: Config, writer: MetricsWriter, compiled_seconds: float = 0.0):
@@ -169,6 +186,7 @@ class StepLogger:
         self.started = time.perf_counter()
         self.compiled = False
         self.reference: StepValues | None = None  # timing reference: the last logged (or first) step
+        self.skipped_shown = 0  # the count of skipped records at the last line that reported it
 
     def restart(self) -> None:
         """Forget the timing reference, e.g. after an evaluation that would otherwise count as step time."""
@@ -200,10 +218,12 @@ class StepLogger:
         self.writer.write(step, record)
         print(f"step {step}/{self.cfg.steps} | loss {record['loss']:.3f} | compiled and ran in "
               f"{record['compile_time']:.1f}s", flush=True)
+        self._report_skipped(record)
 
     def _write_untimed(self, step: int, record: dict[str, Any]) -> None:
         self.writer.write(step, record)
         print(f"step {step}/{self.cfg.steps} | loss {record['loss']:.3f} | timed from the next step", flush=True)
+        self._report_skipped(record)
 
     def _write(self, step: int, record: dict[str, Any], step_time: float) -> None:
         figures = perf.step_perf(self.tokens_per_step, self.flops_per_step, step_time, self.cfg.num_devices, self.peak)
@@ -220,3 +240,14 @@ class StepLogger:
         if "rewards/accuracy" in record:  # a preference objective (maxshard/objectives/preference.py)
             progress += f" | reward accuracy {record['rewards/accuracy']:.2f} margin {record['rewards/margin']:.3f}"
         print(progress, flush=True)
+        self._report_skipped(record)
+
+    def _report_skipped(self, record: Mapping[str, Any]) -> None:
+        """Prints the skipped-records line (`format_skipped`) where the count grew since the last one."""
+        skipped = record.get("data/skipped_records") or 0
+        if skipped <= self.skipped_shown:
+            return
+        self.skipped_shown = skipped
+        first = bad_records.read_examples(self.cfg.run_dir)
+        print(format_skipped(skipped, record.get("data/records_read"), first, self.cfg.max_bad_record_fraction),
+              flush=True)
