@@ -259,15 +259,15 @@ def test_the_console_reports_skipped_records_where_the_count_grew(tmp_path, caps
     cfg = tiny_config("steps=5", "log_period=1", f"base_output_directory={tmp_path}")
     os.makedirs(cfg.run_dir, exist_ok=True)
     bad_records.write_examples(os.path.join(cfg.run_dir, bad_records.EXAMPLES_FILE),
-                               ["a.jsonl line 3: invalid JSON", "a.jsonl line 6: missing field"])
+                               ["a.jsonl:3: invalid JSON", "a.jsonl:6: missing field"])
     log = console.StepLogger(cfg, MetricsWriter(cfg.run_dir, cfg.tensorboard_dir, is_primary=False))
     for step, (skipped, read) in enumerate([(0, 10), (2, 30), (2, 50), (5, 70), (5, 90)]):
         log(StepValues(step, {"loss": 1.0, "data/skipped_records": skipped, "data/records_read": read}, float(step)))
     shown = [line for line in capsys.readouterr().out.splitlines() if line.startswith("skipped records")]
     assert shown == [
         "skipped records: 2 of 30 read (6.7%; the run stops above max_bad_record_fraction=0.01 from 1,000 read); "
-        "first: a.jsonl line 3: invalid JSON; a.jsonl line 6: missing field",
+        "first: a.jsonl:3: invalid JSON; a.jsonl:6: missing field",
         "skipped records: 5 of 70 read (7.1%; the run stops above max_bad_record_fraction=0.01 from 1,000 read); "
-        "first: a.jsonl line 3: invalid JSON; a.jsonl line 6: missing field",
+        "first: a.jsonl:3: invalid JSON; a.jsonl:6: missing field",
     ]
     assert console.format_skipped(3, None, [], 0.01) == "skipped records: 3"  # a reader that counts no reads

@@ -307,7 +307,7 @@ def test_a_source_of_only_bad_records_is_an_error_not_a_hang(tmp_path):
     with pytest.raises(ConfigError) as info:
         next(make_input(cfg, mesh_lib.build(cfg)))
     assert re.fullmatch(r"dataset_path=.*all_bad\.jsonl: every document of a whole epoch is a bad record \(e\.g\. "
-                        r"all_bad\.jsonl line \d: (not a string|missing field)\); check text_field and the files",
+                        r"all_bad\.jsonl:\d: (not a string|missing field)\); check text_field and the files",
                         str(info.value)), str(info.value)
 
 

@@ -155,7 +155,7 @@ def test_malformed_records_are_bad_records_naming_their_line(tmp_path):
     assert isinstance(documents[0], preference.Preference) and documents[0].prompt == "q0"
     bad = [documents[i] for i in range(2, 2 + len(MALFORMED))]
     assert [b.reason for b in bad] == REASONS and all(isinstance(b, BadRecord) for b in bad)
-    assert [b.where for b in bad] == [f"bad.jsonl line {i}" for i in range(3, 3 + len(MALFORMED))]
+    assert [b.where for b in bad] == [f"bad.jsonl:{i}" for i in range(3, 3 + len(MALFORMED))]
     encoder = preference.PreferenceEncoder(ByteTokenizer(), None, 16)
     long = encoder(preference.Preference("prompt", "chosen", "rejected"), "bad.jsonl line 9")
     assert long == BadRecord("longer than max_target_length", "bad.jsonl line 9")
@@ -163,7 +163,7 @@ def test_malformed_records_are_bad_records_naming_their_line(tmp_path):
     gz = tmp_path / "bad.jsonl.gz"
     gz.write_bytes(gzip.compress(path.read_bytes()))  # compressed JSONL: the same records
     again = preference.open_source(str(gz), "dataset_path", False, OPTIONS).documents
-    assert [again[i] for i in range(2)] == [documents[i] for i in range(2)] and again[2].where == "bad.jsonl.gz line 3"
+    assert [again[i] for i in range(2)] == [documents[i] for i in range(2)] and again[2].where == "bad.jsonl.gz:3"
 
 
 def test_bad_and_long_records_are_skipped_and_counted_exactly(tmp_path):

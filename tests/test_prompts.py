@@ -151,7 +151,7 @@ def test_bad_records_are_skipped_and_counted(tmp_path):
     results = [corpus.documents[i] if isinstance(corpus.documents[i], BadRecord) else encoder(corpus.documents[i])
                for i in range(len(MALFORMED))]
     assert [r.reason for r in results] == REASONS
-    assert [r.where.split(" (")[0] for r in results] == [f"bad.jsonl line {i}" for i in range(1, 11)]
+    assert [r.where.split(" (")[0] for r in results] == [f"bad.jsonl:{i}" for i in range(1, 11)]
     assert "no system turns" in results[-1].where  # the template's own words
     ordered = prompts.PromptIterator(corpus.documents, np.arange(len(corpus)), encoder, None,
                                      {"where": "x", "split": "eval"})

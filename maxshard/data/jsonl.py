@@ -122,7 +122,7 @@ class JsonlDocuments(Sequence):
 
     def where(self, index: int) -> str:
         file, line = self._locate(index)
-        return f"{self.names[file]} line {line + 1}"
+        return f"{self.names[file]}:{line + 1}"
 
     def sample(self, per_file: int, total: int) -> list[int]:
         """Indices of the first `per_file` lines of each file, at most `total` in all."""
