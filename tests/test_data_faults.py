@@ -469,3 +469,14 @@ def test_fuzzed_files_give_one_line_or_counted_skips_never_anything_else(name, t
         got = run_on(where, fmt, mutated(fmt.data(), rng))
         if isinstance(got, Read) and name in CHECKED:
             assert got.good == original.good and not got.bad, (case, got)
+
+
+def test_the_cli_refuses_a_zstd_corpus_cut_in_half_instead_of_training_on_the_half(tmp_path, capsys):
+    """A truncated download is not a smaller corpus: one line naming the file, exit 2, no step trained."""
+    import zstandard
+
+    whole = zstandard.ZstdCompressor(write_checksum=True).compress(jsonl_bytes([{"text": t} for t in TEXTS * 20]))
+    (tmp_path / "cut.jsonl.zst").write_bytes(whole[: len(whole) // 2])
+    code, out, err = cli(tmp_path, capsys, "dataset_type=jsonl", f"dataset_path={tmp_path}/cut.jsonl.zst")
+    assert code == 2 and "step 1/1" not in out, out
+    assert re.fullmatch(r"maxshard: error: dataset_path: cannot read \S+cut\.jsonl\.zst \(EOFError: .*\)\n", err), err
