@@ -63,6 +63,15 @@ def as_conversation(value: Any, where: str) -> Conversation | BadRecord:
     return Conversation(tuple(dict(m) for m in value))
 
 
+def _read_template(path: str, key: str) -> str:
+    """A template file's text; ConfigError (one line naming `key`) when it cannot be read as UTF-8."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{key}: cannot read it ({type(e).__name__}: {e})") from None
+
+
 def _template_source(tokenizer_path: str, setting: str) -> tuple[str, str, dict[str, Any]]:
     """(source, name, tokenizer_config) of the template that `chat_template` selects (see configs/base.yml)."""
     config: dict[str, Any] = {}
@@ -78,12 +87,10 @@ def _template_source(tokenizer_path: str, setting: str) -> tuple[str, str, dict[
     if setting:
         if not os.path.isfile(setting):
             raise ConfigError(f"chat_template={setting}: no such file (auto, default, or a .jinja file)")
-        with open(setting, encoding="utf-8") as f:
-            return f.read(), setting, config
+        return _read_template(setting, f"chat_template={setting}"), setting, config
     jinja = os.path.join(directory, "chat_template.jinja") if directory else ""
     if jinja and os.path.isfile(jinja):
-        with open(jinja, encoding="utf-8") as f:
-            return f.read(), jinja, config
+        return _read_template(jinja, f"chat_template: {jinja}"), jinja, config
     named = config.get("chat_template")
     if isinstance(named, list):  # [{"name": "default", "template": ...}, ...]
         named = next((t.get("template") for t in named if t.get("name") == "default"), None)
