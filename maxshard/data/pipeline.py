@@ -4,7 +4,7 @@
         ->  IterDataset: mix sources by token weight, drop bad records (`mixture`)  .  pack (or pad; pairs whole)
         .  batch(global rows)  ->  prefetch (thread, or `grain_worker_count` processes)
         ->  GlobalBatchIterator: each process's rows of the global batch -> jax.Arrays, token and skip counters,
-            the bound on bad records (`bad_records`)
+            the records read and skipped per source and the bound on bad ones (`record_counts`)
 
 One global stream, whatever the layout (elastic restarts). Every process builds the same stream of packed rows from
 all documents of the split, cuts it into global batches of `global_batch_size` rows, and hands JAX only the rows its
@@ -60,6 +60,7 @@ from jax.sharding import NamedSharding
 
 from maxshard.config import Config
 from maxshard.data import bad_records, catalog, chat, hf_stream, packing, preference, sources
+from maxshard.data.record_counts import RecordCounts
 from maxshard.data.mixture import RECORDS, SKIPPED, SOURCE, TokenMixIterDataset
 from maxshard.data.shuffle import BlockShuffleMapDataset
 from maxshard.data.sources import BadRecord
@@ -233,9 +234,7 @@ class GlobalBatchIterator:
     in every process and restores into any process count or batch sharding (module docstring). It also counts, for
     the rows delivered, per source, the tokens taken (`labels`), the records read and the bad ones skipped to fill
     them: `stats()`. The counts are the run's (every process sees every row), saved with the position, so a resumed
-    run continues them. From them it bounds the share of bad records of each source (`bad_records.check`, with the
-    first reasons the mixture kept in grain's state), in every process alike; the primary process of the train
-    stream writes those reasons for the console (`examples_path`, `bad_records`).
+    run continues them. The records' counts, their bound and the first reasons are `record_counts.RecordCounts`'.
     """
 
     def __init__(self, batches: grain.IterDataset, sharding: NamedSharding, identity: dict[str, Any],
@@ -248,13 +247,8 @@ class GlobalBatchIterator:
         self._sharding = sharding
         self._identity = {**identity, "format": _STATE_FORMAT}
         self._labels = list(labels)
-        self._names = list(names or labels)
-        self._limit, self._examples_path = max_bad_fraction, examples_path
         self._tokens = np.zeros(len(self._labels), np.int64)  # tokens per source in delivered rows
-        self._skipped = np.zeros(len(self._labels), np.int64)  # bad records dropped to fill them, per source
-        self._read = np.zeros(len(self._labels), np.int64)  # records read to fill them (bad ones too), per source
-        self._skipped_before = 0  # bad records counted by a state from before per-source counts
-        self._examples: list[list[str]] = [[] for _ in self._labels]  # the first bad records of each source
+        self._records = RecordCounts(names or labels, max_bad_fraction, examples_path)  # read and skipped
         # Close and drop grain's iterators before interpreter shutdown tears down the modules their __del__ uses.
         self._finalizer = weakref.finalize(self, _close, self._held)
 
@@ -274,45 +268,18 @@ class GlobalBatchIterator:
             raise ConfigError(str(e).splitlines()[0]) from None
         real = rows["segment_ids"] > 0
         self._tokens += np.bincount(rows[SOURCE][real].astype(np.int64), minlength=len(self._labels))
-        skipped, read = _records_per_source(rows, len(self._labels))
-        self._read += read
-        if skipped.any():
-            self._skipped += skipped
-            self._skips_seen(np.flatnonzero(skipped))
+        self._records.count(rows, self._iter.get_state)
         return {k: _global_array(np.asarray(rows[k]), self._sharding) for k in packing.FIELDS}
-
-    def _skips_seen(self, sources: np.ndarray) -> None:
-        """After a batch that skipped records of `sources`: the first reasons learned from grain's state while fewer
-        than `bad_records.SHOWN` are known (and written), and each of those sources' share bounded."""
-        over = [int(s) for s in sources if bad_records.exceeded(self._skipped[s], self._read[s], self._limit)]
-        if over or sum(map(len, self._examples)) < bad_records.SHOWN:
-            self._learn_examples(self._iter.get_state())
-        for source in over:
-            bad_records.check(self._names[source], int(self._skipped[source]), int(self._read[source]),
-                              self._limit, self._examples[source])
-
-    def _learn_examples(self, grain_state: Any) -> None:
-        """Takes the first bad records from grain's state (`_first_bad_records`); writes them where they grew.
-
-        grain's state of packed rows is the packer's last checkpoint, which can be a row's documents behind the rows
-        delivered: a bad record counted in the last row may be learned a batch later."""
-        examples = _first_bad_records(grain_state, len(self._labels))
-        if sum(map(len, examples)) > sum(map(len, self._examples)):
-            self._examples = examples
-            if self._examples_path is not None:
-                bad_records.write_examples(self._examples_path, [e for source in examples for e in source])
 
     def stats(self) -> dict[str, int]:
         """Metrics of the run: `data/tokens/<source>` (tokens delivered so far), `data/skipped_records` (bad records
         dropped to fill them) and `data/records_read` (records read to fill them, bad ones included)."""
         counts = {f"data/tokens/{label}": int(n) for label, n in zip(self._labels, self._tokens)}
-        return {**counts, "data/skipped_records": self._skipped_before + int(self._skipped.sum()),
-                "data/records_read": int(self._read.sum())}
+        return {**counts, **self._records.stats()}
 
     def get_state(self) -> dict[str, Any]:
         """The position in the global stream: the same in every process, restorable into any process count."""
-        stats = {"tokens": self._tokens.tolist(), "skipped": self._skipped.tolist(), "read": self._read.tolist(),
-                 "skipped_before": self._skipped_before}
+        stats = {"tokens": self._tokens.tolist(), **self._records.state()}
         return {"identity": dict(self._identity), "grain": _to_json(self._iter.get_state()), "stats": stats}
 
     def set_state(self, state: dict[str, Any]) -> None:
@@ -325,14 +292,7 @@ class GlobalBatchIterator:
         self._iter.set_state(grain_state)
         stats = state["stats"]
         self._tokens = np.asarray(stats["tokens"], np.int64)
-        if "read" in stats:
-            self._skipped, self._read = np.asarray(stats["skipped"], np.int64), np.asarray(stats["read"], np.int64)
-            self._skipped_before = int(stats.get("skipped_before", 0))
-        else:  # a state from before records were counted: its total goes on, the share counts from here on
-            self._skipped, self._read = np.zeros_like(self._tokens), np.zeros_like(self._tokens)
-            self._skipped_before = int(stats["skipped"])
-        self._examples = [[] for _ in self._labels]
-        self._learn_examples(grain_state)
+        self._records.restore(stats, grain_state)
 
     def close(self) -> None:
         """Stops worker processes and prefetch threads (also done on garbage collection and at exit)."""
@@ -344,39 +304,6 @@ def _global_array(rows: np.ndarray, sharding: NamedSharding) -> jax.Array:
 
     Copied: from workers the rows arrive in shared memory, which a CPU jax.Array would alias and keep alive."""
     return jax.make_array_from_callback(rows.shape, sharding, lambda index: np.array(rows[index]))
-
-
-def _records_per_source(rows: dict[str, np.ndarray], sources: int) -> tuple[np.ndarray, np.ndarray]:
-    """int64 [sources] twice: the bad records skipped and the records read for the batch's documents, by source.
-
-    Both counts sit on a document's first token, where RECORDS is at least 1 (`mixture`): only those tokens are
-    looked up."""
-    first = np.flatnonzero(rows[RECORDS])
-    source = rows[SOURCE].ravel()[first].astype(np.int64)
-    return tuple(np.bincount(source, weights=rows[feature].ravel()[first], minlength=sources).astype(np.int64)
-                 for feature in (SKIPPED, RECORDS))
-
-
-def _first_bad_records(grain_state: Any, sources: int) -> list[list[str]]:
-    """The first bad records of each source (`bad_records.SHOWN` at most) that the mixture kept in a grain state:
-    its own, or with worker processes each worker's mixture's, taken in the workers' order."""
-    merged: list[list[str]] = [[] for _ in range(sources)]
-    for found in _found(grain_state, bad_records.STATE_KEY):
-        for kept, more in zip(merged, found):
-            kept.extend(more[: bad_records.SHOWN - len(kept)])
-    return merged
-
-
-def _found(tree: Any, key: str) -> Any:
-    """Every value of `key` in a nested state of dicts and lists (grain nests its transformations' states)."""
-    if isinstance(tree, dict):
-        if key in tree:
-            yield tree[key]
-            return
-        tree = list(tree.values())
-    if isinstance(tree, (list, tuple)):
-        for item in tree:
-            yield from _found(item, key)
 
 
 def _upgraded(identity: dict[str, Any]) -> dict[str, Any]:
