@@ -248,9 +248,6 @@ def train(cfg: Config, started: float) -> int:
     return 0
 
 
-LOG_NOTE = f"its log ({goodput.LOG_FILE} in the run directory) could not be read"
-
-
 def report_goodput(step: int, ckpt: checkpoint.Checkpoints, clock: goodput.Recorder,
                    writer: metrics.MetricsWriter) -> None:
     """The run's goodput over all its starts so far: one console line, and scalars in metrics.jsonl/TensorBoard."""
@@ -260,12 +257,14 @@ def report_goodput(step: int, ckpt: checkpoint.Checkpoints, clock: goodput.Recor
     try:
         summary = clock.end()
     except (OSError, ValueError, KeyError, TypeError) as e:  # an unreadable log: the training itself succeeded
-        print(f"goodput: not reported, {LOG_NOTE}: {e}", flush=True)
+        print(f"goodput: not reported, its log ({goodput.LOG_FILE} in the run directory) could not be read: {e}",
+              flush=True)
         return
     if summary:
         print(goodput.format_summary(summary), flush=True)
-        if goodput.warning(summary):
-            print(goodput.warning(summary), flush=True)
+        warning = goodput.warning(summary)
+        if warning:
+            print(warning, flush=True)
         writer.write(step, goodput.metrics(summary))
 
 
