@@ -7,6 +7,11 @@ Run once, by hand, in a venv of its own: torch, transformers and trl are never d
     /work/trlvenv/bin/pip install torch==2.14.1 transformers==5.24.0 trl==1.16.0 datasets==5.2.0 accelerate==1.15.0 \
         safetensors==0.8.0 tokenizers==0.23.3 numpy==2.4.6
     /work/trlvenv/bin/python tools/make_preference_fixtures.py
+    /work/trlvenv/bin/python tools/make_preference_fixtures.py --only grpo.dapo_t07,grpo.gspo   # those cases only
+
+`--only` recomputes the named GRPO cases and writes them into the cases.json already there (each with the versions
+that computed it) and their gradients, leaving every other file byte-identical: another torch build moves the
+log-probs in their last bits (2.13 against 2.14: 5e-7), so a whole rerun there would rewrite every file.
 
 Everything runs on CPU in float32 with dropout off, no truncation (max lengths far above the batch), no padding-free
 batches, no packing, no liger kernels and no precomputed reference log-probs. Every number comes out of TRL's own code
@@ -32,7 +37,10 @@ builds the batch, and `trainer.compute_loss` gives the loss (then `loss.backward
               1.16's default use_bias_correction_kl=True (the k3 KL multiplied by the policy/old ratio), and
               "grpo_k3": loss_type "grpo" with use_bias_correction_kl=False, the GRPO paper's plain k3 term; and
               with that plain k3 term the other normalisations maxshard offers (`grpo_loss_type`): "dapo_k3" and
-              "dr_grpo_k3" (max_completion_length 64 divides it), their losses and metrics only.
+              "dr_grpo_k3" (max_completion_length 64 divides it), their losses and metrics only. Then TRL's defaults
+              with one change each: "dr_grpo" (losses and metrics only), "dapo_t07" (temperature 0.7: old,
+              reference and policy log-probs all from logits / 0.7), "dapo_eps_high" (epsilon_high 0.28) and
+              "gspo" (importance_sampling_level "sequence"), with gradients.
 
 See tests/fixtures/preference/README.md for the file format and each loss's exact convention.
 """
@@ -43,6 +51,7 @@ import json
 import os
 import pathlib
 import shutil
+import sys
 import tempfile
 
 import accelerate
@@ -92,6 +101,9 @@ GRPO_COMPLETIONS = [
 ]
 GRPO_EOS = [[True, True, False, True], [True, False, True, True]]  # whether the rollout ended on <|endoftext|>
 GRPO_REWARDS = [[1.0, 0.0, 0.5, 2.0], [-1.0, 0.25, 0.25, 3.0]]
+# GRPO cases kept without gradients (280 KiB each): their per-token terms are another case's, only weighted otherwise
+# (dapo_k3, dr_grpo_k3: grpo_k3's; dr_grpo: dapo's times num_items_in_batch / (completions x max_completion_length))
+GRPO_LOSS_ONLY = ("dapo_k3", "dr_grpo_k3", "dr_grpo")
 
 
 def versions() -> dict:
@@ -281,8 +293,10 @@ def grpo_rollouts(tok) -> tuple[list[list[int]], list[list[int]], dict[tuple, fl
     return prompt_ids, completion_ids, rewards
 
 
-def grpo_case(loss_type: str, bias_corrected_kl: bool, reference_weights: dict,
-              old_weights: dict) -> tuple[dict, dict, dict]:
+def grpo_case(loss_type: str, bias_corrected_kl: bool, reference_weights: dict, old_weights: dict,
+              **variant) -> tuple[dict, dict, dict]:
+    """One GRPO loss on the fixed rollouts; `variant`: GRPOConfig keys beyond the shared ones (temperature,
+    epsilon_high, importance_sampling_level)."""
     tok = tokenizer()
     prompt_ids, completion_ids, reward_table = grpo_rollouts(tok)
     group = len(GRPO_COMPLETIONS[0])
@@ -298,10 +312,10 @@ def grpo_case(loss_type: str, bias_corrected_kl: bool, reference_weights: dict,
     policy_weights = weights(policy)
     args = GRPOConfig(**common_args(per_device_train_batch_size=len(prompt_ids), num_generations=group,
                                     max_completion_length=64, beta=0.04, epsilon=0.2, loss_type=loss_type,
-                                    num_iterations=2, gradient_accumulation_steps=1, temperature=1.0,
+                                    num_iterations=2, gradient_accumulation_steps=1,
                                     scale_rewards="group", mask_truncated_completions=False, disable_dropout=True,
                                     use_bias_correction_kl=bias_corrected_kl,
-                                    shuffle_dataset=False))
+                                    shuffle_dataset=False, **{"temperature": 1.0, **variant}))
     dataset = Dataset.from_list([{"prompt": RECORDS[r]["prompt"]} for r in GRPO_PROMPTS])
     trainer = GRPOTrainer(model=policy, reward_funcs=[fixed_reward], args=args, train_dataset=dataset,
                           processing_class=tok, rollout_func=rollout_func)
@@ -329,6 +343,9 @@ def grpo_case(loss_type: str, bias_corrected_kl: bool, reference_weights: dict,
                                                                  batch["completion_ids"].size(1))
     mask = batch["completion_mask"]
     ratio = torch.exp(logps - batch["old_per_token_logps"])
+    if trainer.importance_sampling_level == "sequence":  # one ratio per completion: its mean log-ratio's exp
+        log_ratio = ((logps - batch["old_per_token_logps"]) * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+        ratio = torch.exp(log_ratio).unsqueeze(1).expand_as(logps)
     adv = batch["advantages"].unsqueeze(1)
     clipped = ((ratio < 1 - trainer.epsilon_low) & (adv < 0)) | ((ratio > 1 + trainer.epsilon_high) & (adv > 0))
     record = {
@@ -372,16 +389,64 @@ def grpo_case(loss_type: str, bias_corrected_kl: bool, reference_weights: dict,
 
 
 # ---------------------------------------------------------------------------------------------------------- main
+def grpo_cases(reference_weights: dict, old_weights: dict, all_grads: dict) -> tuple[dict, dict]:
+    """Every GRPO case (name -> record; their gradients into `all_grads`) and the rollouts they share."""
+    grpo, rollouts = {}, None
+    # TRL 1.16's defaults (loss_type "dapo", use_bias_correction_kl True), "grpo" with them, and "grpo" with the plain
+    # k3 KL of the GRPO paper; then with that k3 term the normalisations of TRL's "dapo" and "dr_grpo" loss types;
+    # then TRL's defaults with one thing changed each: "dr_grpo", temperature 0.7 (every log-prob of the loss from
+    # logits / 0.7), DAPO's asymmetric clip (epsilon_high 0.28) and GSPO's sequence-level importance ratio
+    for name, loss_type, bias_corrected_kl, variant in (
+            ("dapo", "dapo", True, {}), ("grpo", "grpo", True, {}), ("grpo_k3", "grpo", False, {}),
+            ("dapo_k3", "dapo", False, {}), ("dr_grpo_k3", "dr_grpo", False, {}), ("dr_grpo", "dr_grpo", True, {}),
+            ("dapo_t07", "dapo", True, {"temperature": 0.7}), ("dapo_eps_high", "dapo", True, {"epsilon_high": 0.28}),
+            ("gspo", "dapo", True, {"importance_sampling_level": "sequence"})):
+        grpo[name], g, r = grpo_case(loss_type, bias_corrected_kl, reference_weights, old_weights, **variant)
+        if name not in GRPO_LOSS_ONLY:
+            all_grads[f"grpo_{name}"] = g
+        assert rollouts is None or r == rollouts
+        rollouts = r
+    return grpo, rollouts
+
+
+def main_only(names: list[str], ref_dir: pathlib.Path) -> None:
+    """The GRPO cases `names` only, from the reference model already in `ref_dir` (write_only)."""
+    reference_weights = weights(AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32))
+    old_weights = weights(perturb(load_policy(), OLD_SEED, PERTURBATION))
+    all_grads = {}
+    grpo, rollouts = grpo_cases(reference_weights, old_weights, all_grads)
+    write_only(names, grpo, rollouts, all_grads)
+
+
+def write_only(names: list[str], grpo: dict, rollouts: dict, all_grads: dict) -> None:
+    """`--only grpo.NAME,...`: adds (or replaces) those GRPO cases in the cases.json already there, each with the
+    versions that computed it, and writes their gradients; every other file stays as it is, byte for byte (another
+    torch build moves the log-probs in their last bits)."""
+    fixture = json.loads((OUT / "cases.json").read_text())
+    assert fixture["grpo"]["rollouts"] == rollouts, "the stored rollouts are not the ones this script makes"
+    for name in names:
+        case = name.removeprefix("grpo.")
+        fixture["grpo"][case] = {**grpo[case], "versions": versions()}
+        if f"grpo_{case}" in all_grads:
+            save_file(all_grads[f"grpo_{case}"], str(OUT / f"grpo_{case}_grads.safetensors"),
+                      metadata={"format": "pt"})
+    (OUT / "cases.json").write_text(json.dumps(fixture, indent=1) + "\n")
+    print(f"wrote {', '.join(names)} into {OUT}")
+
+
 def main() -> None:
+    only = sys.argv[2].split(",") if sys.argv[1:2] == ["--only"] else []
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental; the warning says so
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
     OUT.mkdir(parents=True, exist_ok=True)
+    ref_dir = OUT / "reference"
+    if only:
+        return main_only(only, ref_dir)
     for stale in OUT.glob("*_grads.safetensors"):
         stale.unlink()
 
     reference = perturb(load_policy(), REFERENCE_SEED, PERTURBATION)
-    ref_dir = OUT / "reference"
     shutil.rmtree(ref_dir, ignore_errors=True)
     reference.save_pretrained(ref_dir)
     tokenizer().save_pretrained(ref_dir)
@@ -411,18 +476,7 @@ def main() -> None:
     cases["orpo"], all_grads["orpo"], orpo_pairs = cpo_like_case("orpo", load_policy(), beta=0.1)
     assert simpo_pairs == pairs and orpo_pairs == pairs, (pairs, simpo_pairs, orpo_pairs)
 
-    grpo = {}
-    rollouts = None
-    # TRL 1.16's defaults (loss_type "dapo", use_bias_correction_kl True), "grpo" with them, and "grpo" with the plain
-    # k3 KL of the GRPO paper; then with that k3 term the normalisations of TRL's "dapo" and "dr_grpo" loss types
-    for name, loss_type, bias_corrected_kl in (("dapo", "dapo", True), ("grpo", "grpo", True),
-                                               ("grpo_k3", "grpo", False), ("dapo_k3", "dapo", False),
-                                               ("dr_grpo_k3", "dr_grpo", False)):
-        grpo[name], g, r = grpo_case(loss_type, bias_corrected_kl, reference_weights, old_weights)
-        if not name.endswith("_k3") or name == "grpo_k3":  # the others' are grpo_k3's per-token ones weighted
-            all_grads[f"grpo_{name}"] = g                     # otherwise: not worth 280 KiB each
-        assert rollouts is None or r == rollouts
-        rollouts = r
+    grpo, rollouts = grpo_cases(reference_weights, old_weights, all_grads)
     conversational = chat_ids(load_policy(), ref_model())
 
     for name, g in all_grads.items():
