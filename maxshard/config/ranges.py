@@ -155,6 +155,8 @@ def _check_moe(cfg: Config) -> None:
                           f"{cfg.moe_ragged_buffer_factor}")
     if cfg.num_shared_experts < 0:
         raise ConfigError(f"num_shared_experts must be >= 0, got {cfg.num_shared_experts}")
+    if cfg.shared_expert_gate and not cfg.num_shared_experts:
+        raise ConfigError("shared_expert_gate=true gates the shared experts: set num_shared_experts > 0")
     for key in ("load_balance_loss_weight", "router_z_loss_weight", "moe_seq_balance_loss_weight",
                 "moe_bias_update_rate"):
         if not getattr(cfg, key) >= 0:
@@ -262,6 +264,13 @@ def _check_rope(cfg: Config) -> None:
     if cfg.attention_type == "mla" and cfg.qk_norm:
         raise ConfigError("qk_norm normalises grouped-query heads; attention_type=mla normalises its latents: "
                           "set qk_norm=false")
+    rotary = cfg.head_dim * cfg.partial_rotary_factor
+    if not 0 < cfg.partial_rotary_factor <= 1 or rotary != int(rotary) or int(rotary) % 2:
+        raise ConfigError(f"partial_rotary_factor={cfg.partial_rotary_factor} must be in (0, 1] with head_dim x it "
+                          f"an even whole number (RoPE rotates pairs), head_dim={cfg.head_dim}")
+    if cfg.partial_rotary_factor != 1 and cfg.attention_type == "mla":
+        raise ConfigError("partial_rotary_factor applies to grouped-query heads; attention_type=mla has its own RoPE "
+                          "part (qk_rope_head_dim): set partial_rotary_factor=1")
 
 
 def _check_local_global(cfg: Config) -> None:

@@ -104,6 +104,10 @@ class ModelKeys:
     logits_via_embedding: bool = False
     norm_epsilon: float = 1e-6
     qk_norm: bool = False  # RMSNorm over head_dim of each query and key head before RoPE (Qwen3)
+    # the query projection also gives each head a gate: attention output x sigmoid(gate) before the output
+    # projection (Qwen3-Next, Qwen3.5; layers/attention.py)
+    attention_output_gate: bool = False
+    partial_rotary_factor: float = 1.0  # RoPE rotates the first head_dim x this features of a head (Qwen3-Next: 0.25)
     # The attention kind of every layer (a row of spec/blocks.py ATTENTION): "gqa" (grouped-query, the fields
     # above) or "mla" (DeepSeek-V2/V3 multi-head latent attention, the five fields below; num_kv_heads unused).
     attention_type: Literal["gqa", "mla"] = "gqa"
@@ -152,6 +156,7 @@ class ModelKeys:
     moe_group_size: int = 0
     moe_ragged_buffer_factor: float = 0.0
     num_shared_experts: int = 0
+    shared_expert_gate: bool = False  # the shared experts' output x sigmoid(x @ w), w [embed, 1] (Qwen3-Next)
     moe_renormalize_top_k: bool = True  # top-k router weights rescaled to sum to 1 (False: the softmax's own)
     moe_mlp_dim: int = 0  # hidden width of each routed and shared expert (0: mlp_dim, which dense layers keep)
     first_k_dense_replace: int = 0  # the first k layers are dense (their own scanned stack), the rest MoE

@@ -12,6 +12,12 @@ Local/global models (spec/blocks.py): a `local` layer sees only the last `slidin
 `query_pre_attn_scalar` replaces head_dim in the softmax scale (Gemma); `attention_sinks` adds a learned logit per
 query head, "sinks" [heads], to each softmax's denominator (GPT-OSS); `attention_bias` puts biases on q, k, v and
 the output (GPT-OSS).
+
+Qwen3-Next / Qwen3.5: with `attention_output_gate` the query projection is twice as wide, each head's
+[query (head_dim), gate (head_dim)] side by side as transformers' q_proj rows hold them (one kernel
+[embed, heads, 2 x head_dim], so a checkpoint's q_proj maps as it is and a LoRA on "q" adapts both halves, as PEFT's
+on q_proj does); the attention output is multiplied by sigmoid(gate) before the output projection. With
+`partial_rotary_factor` < 1 RoPE turns only the first head_dim x factor features of each head (layers/rope.py).
 """
 
 from __future__ import annotations
@@ -45,9 +51,10 @@ class Attention(nn.Module):
     weight_dtype: jnp.dtype
     local: bool = False  # a sliding-window layer (spec/blocks.py)
 
-    def _proj(self, x: jax.Array, heads: int, heads_axis: str, name: str, target: str) -> jax.Array:
-        """One of the q/k/v projections (`target`: its lora_targets name), named for the remat policies."""
-        dense = DenseGeneral((heads, self.cfg.head_dim), (ax.EMBED, heads_axis, ax.KV), 1, self.dtype,
+    def _proj(self, x: jax.Array, heads: int, heads_axis: str, name: str, target: str, width: int = 0) -> jax.Array:
+        """One of the q/k/v projections (`target`: its lora_targets name) to heads of `width` (head_dim by
+        default), named for the remat policies."""
+        dense = DenseGeneral((heads, width or self.cfg.head_dim), (ax.EMBED, heads_axis, ax.KV), 1, self.dtype,
                              self.weight_dtype, self.cfg.lora_rank_of(target), self.cfg.lora_scale,
                              self.cfg.attention_bias, name=name)
         return checkpoint_name(dense(x), f"{name}_proj")
@@ -72,7 +79,7 @@ class Attention(nn.Module):
         """(inverse frequencies, cos/sin scale) of this layer: a local layer with its own base runs plain RoPE."""
         cfg = self.cfg
         if self.local and cfg.rope_local_max_timescale:
-            return rope.inverse_frequencies(cfg.head_dim, cfg.rope_local_max_timescale), 1.0
+            return rope.inverse_frequencies(rope.rotary_dim(cfg), cfg.rope_local_max_timescale), 1.0
         return rope.frequencies_for(cfg), rope.cos_sin_scale(cfg)  # YaRN scales both (rope.py)
 
     def _scale(self) -> float:
@@ -83,7 +90,7 @@ class Attention(nn.Module):
     def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
         cfg = self.cfg
         kv_heads = cfg.num_kv_heads
-        q = constrain(self._proj(x, cfg.num_heads, ax.HEADS, "query", "q"), ax.QUERY)
+        q, gate = self._query(x)
         k = constrain(self._proj(x, kv_heads, ax.KV_HEADS, "key", "k"), ax.KEY_VALUE)
         v = constrain(self._proj(x, kv_heads, ax.KV_HEADS, "value", "v"), ax.KEY_VALUE)
         if cfg.qk_norm:  # Qwen3: each head normalised over head_dim, before RoPE
@@ -97,20 +104,33 @@ class Attention(nn.Module):
 
         if kv_cache.decoding(self):  # generation: this call's k/v join the cache; queries attend over it
             keys, values, mask = kv_cache.KVCache(self.dtype, self.window, name="cache")(k, v, positions)
-            return self._output(kv_cache.attend(q, keys, values, mask, self.dtype, softcap, sinks))
+            return self._output(kv_cache.attend(q, keys, values, mask, self.dtype, softcap, sinks), gate)
 
         out = attend(q, k, v, segment_ids, segment_ids, cfg.attention, *self._blocks(), window=self.window,
                      softcap=softcap, sinks=sinks)
-        return self._output(out)
+        return self._output(out, gate)
+
+    def _query(self, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        """(q [batch, length, heads, head_dim], the output gate of the same shape or None): with
+        `attention_output_gate` one projection to [query, gate] per head, split."""
+        cfg = self.cfg
+        if not cfg.attention_output_gate:
+            return constrain(self._proj(x, cfg.num_heads, ax.HEADS, "query", "q"), ax.QUERY), None
+        both = self._proj(x, cfg.num_heads, ax.HEADS, "query", "q", 2 * cfg.head_dim)
+        q, gate = jnp.split(both, 2, axis=-1)
+        return constrain(q, ax.QUERY), constrain(gate, ax.QUERY)
 
     def _sinks(self) -> jax.Array:
         """GPT-OSS's per-head sink logits [heads] (float32 in the softmax)."""
         init = nn.with_logical_partitioning(nn.initializers.zeros, (ax.HEADS,))
         return jnp.asarray(self.param("sinks", init, (self.cfg.num_heads,), self.weight_dtype), jnp.float32)
 
-    def _output(self, out: jax.Array) -> jax.Array:
-        """[batch, length, heads, head_dim] -> the output projection [batch, length, embed]."""
+    def _output(self, out: jax.Array, gate: jax.Array | None = None) -> jax.Array:
+        """[batch, length, heads, head_dim] (times sigmoid(gate) when gated) -> the output projection
+        [batch, length, embed]."""
         out = constrain(out, ax.QUERY)
+        if gate is not None:
+            out = out * jax.nn.sigmoid(gate.astype(out.dtype))
         proj = DenseGeneral((self.cfg.emb_dim,), (ax.HEADS, ax.KV, ax.EMBED), 2, self.dtype, self.weight_dtype,
                             self.cfg.lora_rank_of("o"), self.cfg.lora_scale, self.cfg.attention_bias, name="out")
         return checkpoint_name(proj(out), "out_proj")

@@ -60,7 +60,9 @@ Routed experts are `expert_dim` wide (`moe_mlp_dim`, else mlp_dim). Shared exper
 a dense SwiGLU every token passes through, beside the routed experts and added to their output (DeepSeek-style,
 never scaled by `moe_routed_scaling_factor`). The n shared experts are one MLP of width n x expert_dim, params under
 "shared" with the dense MLP's logical axes: a SwiGLU of concatenated hidden units is exactly the sum of n separate
-SwiGLUs, and one wider matmul beats n narrow ones.
+SwiGLUs, and one wider matmul beats n narrow ones. With `shared_expert_gate` (Qwen3-Next, Qwen3.5-MoE) their output
+is multiplied per token by sigmoid(x @ w), w [embed, 1] ("shared_gate", transformers' shared_expert_gate), before it
+joins the routed experts'.
 
 Biases (`moe_bias`, GPT-OSS): the router's logits gain a bias `gate/bias` [experts] (it moves the choice and the
 weights alike, unlike DeepSeek's selection bias), and every expert's gate, up and down projections gain biases
@@ -284,6 +286,16 @@ class MoEBlock(nn.Module):
                           (cfg.num_experts,), jnp.float32) if cfg.moe_router_bias else None
         y = self._routed(x, logits, segment_ids != 0, bias)
         if cfg.num_shared_experts > 0:
-            y = y + MLP(cfg.num_shared_experts * cfg.expert_dim, self.dtype, self.weight_dtype,
-                        gated=activation(cfg), name="shared")(x)
+            y = y + self._shared(x)
         return constrain(y, ax.TOKENS)
+
+    def _shared(self, x: jax.Array) -> jax.Array:
+        """The shared experts' output [batch, length, embed]; with `shared_expert_gate` scaled per token by
+        sigmoid(x @ w) ([embed, 1], in the compute dtype as transformers' Linear)."""
+        cfg = self.cfg
+        out = MLP(cfg.num_shared_experts * cfg.expert_dim, self.dtype, self.weight_dtype, gated=activation(cfg),
+                  name="shared")(x)
+        if not cfg.shared_expert_gate:
+            return out
+        gate = DenseGeneral((1,), (ax.EMBED, None), 1, self.dtype, self.weight_dtype, name="shared_gate")(x)
+        return out * jax.nn.sigmoid(gate)

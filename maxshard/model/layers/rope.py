@@ -1,12 +1,13 @@
 """Rotary position embedding (RoPE): inverse frequencies, optionally Llama-3 or YaRN scaled, and the rotation itself.
 
-Convention: the pair rotated together is (x[i], x[i + rotary_dim/2]), i.e. the first half of a head against its
-second half. This is Hugging Face's `rotate_half` layout, so Llama/Mistral q/k weights from Hugging Face are used
-as they are (Meta's original checkpoints rotate interleaved pairs (x[2i], x[2i+1]); Hugging Face's own conversion
-already permuted their rows into the half layout). DeepSeek-V2/V3 checkpoints keep the interleaved pairs in their
-RoPE columns and transformers rotates them as such (`rope_interleave`, `apply_rotary_pos_emb_interleave`), returning
-the rotated pairs in the half layout; the same numbers come out here when a converter reorders those columns with
-`deinterleaved` (evens, then odds), so the half layout is the only one the layers know.
+Convention: the pair rotated together is (x[i], x[i + rotary_dim/2]), i.e. the first half of a head's rotary part
+against its second half (the whole head, or its first head_dim x `partial_rotary_factor` features, the rest
+unrotated: Qwen3-Next). This is Hugging Face's `rotate_half` layout, so Llama/Mistral q/k weights from Hugging Face
+are used as they are (Meta's original checkpoints rotate interleaved pairs (x[2i], x[2i+1]); Hugging Face's own
+conversion already permuted their rows into the half layout). DeepSeek-V2/V3 checkpoints keep the interleaved pairs
+in their RoPE columns and transformers rotates them as such (`rope_interleave`, `apply_rotary_pos_emb_interleave`),
+returning the rotated pairs in the half layout; the same numbers come out here when a converter reorders those
+columns with `deinterleaved` (evens, then odds), so the half layout is the only one the layers know.
 
 The frequencies depend only on static configuration (rotary width, base, scaling), so they are computed here in
 float64 numpy and enter the traced computation as a float32 constant; only the angles depend on positions.
@@ -135,8 +136,12 @@ def scaling_from(cfg: ModelConfig) -> Scaling | None:
 
 
 def rotary_dim(cfg: ModelConfig) -> int:
-    """How many features of a head RoPE rotates: the whole head, or latent attention's RoPE part."""
-    return cfg.qk_rope_head_dim if cfg.attention_type == "mla" else cfg.head_dim
+    """How many features of a head RoPE rotates: the whole head, its first head_dim x `partial_rotary_factor`
+    (Qwen3-Next; transformers' int(head_dim * partial_rotary_factor), config/ranges.py keeps it even and whole),
+    or latent attention's RoPE part."""
+    if cfg.attention_type == "mla":
+        return cfg.qk_rope_head_dim
+    return int(cfg.head_dim * cfg.partial_rotary_factor)
 
 
 def frequencies_for(cfg: ModelConfig) -> np.ndarray:
@@ -175,12 +180,18 @@ def deinterleaved(dim: int) -> np.ndarray:
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0) -> jax.Array:
-    """Rotates pairs (first half, second half) of the last dim by positions x inv_freq, in float32, cos and sin
-    multiplied by `scale` (`cos_sin_scale`).
+    """Rotates pairs (first half, second half) of the rotary part of the last dim by positions x inv_freq, in
+    float32, cos and sin multiplied by `scale` (`cos_sin_scale`).
 
     x: [batch, length, heads, dim] (or [batch, length, dim], one shared head); positions: [batch, length];
-    inv_freq: [dim // 2].
+    inv_freq: [rotary // 2], rotary <= dim. The rotary part is the first `rotary` features (partial rotary,
+    transformers' `apply_rotary_pos_emb`: the halves are those of the rotary part, x[i] with x[i + rotary / 2]);
+    the features after it pass unchanged.
     """
+    rotary = 2 * len(inv_freq)
+    if rotary < x.shape[-1]:
+        turned = apply_rope(x[..., :rotary], positions, inv_freq, scale)
+        return jnp.concatenate([turned, x[..., rotary:]], axis=-1)
     freq = jnp.asarray(np.asarray(inv_freq, np.float32))
     extra = (None,) * (x.ndim - 2)
     angle = positions[(..., *extra)].astype(jnp.float32) * freq  # [batch, length, (1,) half]
