@@ -11,12 +11,13 @@ Run once, by hand, in the reference venv (torch and transformers are never depen
                0..11 of 2 rows, causal; `rope.*` apply_rotary_pos_emb's query for the same positions (rotary part 8
                of 32 features); `norm.*` Qwen3NextRMSNorm (1 + w); `moe.*` Qwen3NextSparseMoeBlock (4 experts,
                top-2 renormalised, a shared expert of width 32 = 2 x moe_intermediate_size 16, its sigmoid gate).
-  qwen3_next   Qwen3NextForCausalLM: 4 layers, 3 linear_attention (gated DeltaNet: 2 key heads, 4 value heads of 8,
-               conv 4) then 1 full_attention (gated, partial rotary 0.25, head_dim 16), every layer MoE as pieces',
-               untied head, float32, a byte-level BPE Qwen tokenizer; generate.json: 16 greedy tokens.
+  qwen3_next   Qwen3NextForCausalLM, width 32: 4 layers, 3 linear_attention (gated DeltaNet: 2 key heads, 4 value
+               heads of 8, conv 4) then 1 full_attention (gated, partial rotary 0.25 of head_dim 16), every layer MoE
+               as pieces', untied head, bfloat16, a byte-level BPE Qwen tokenizer; generate.json: 16 greedy tokens.
   qwen3_5_text Qwen3_5ForCausalLM (model_type qwen3_5_text): the same hybrid layout with a dense SwiGLU MLP and
-               Qwen3.5's separate in_proj_qkv / in_proj_z / in_proj_b / in_proj_a.
-  qwen3_5_moe_text  Qwen3_5MoeForCausalLM: qwen3_5_text's attention with the gated-shared-expert MoE.
+               Qwen3.5's separate in_proj_qkv / in_proj_z / in_proj_b / in_proj_a, float32, mRoPE sections in
+               rope_parameters as released (plain RoPE for text).
+  qwen3_5_moe_text  Qwen3_5MoeForCausalLM: qwen3_5_text's attention with the gated-shared-expert MoE, bfloat16.
   qwen3_5_mm   Qwen3_5ForConditionalGeneration (how Qwen publishes Qwen3.5) around qwen3_5_text's weights with a
                one-block vision tower; logits.npy is the wrapper's text-only forward (qwen3_5_text's, checked).
 
@@ -47,16 +48,20 @@ from make_hf_fixtures import NEW_TOKENS, greedy, qwen_tokenizer, reference  # no
 OUT = pathlib.Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "qwen3_next"
 VOCAB = 128
 LAYER_TYPES = ["linear_attention"] * 3 + ["full_attention"]
-SHAPE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+SHAPE = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6, layer_types=LAYER_TYPES,
              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
              linear_conv_kernel_dim=4, tie_word_embeddings=False, bos_token_id=None, eos_token_id=0, pad_token_id=0,
              rope_parameters={"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.25})
+# Qwen3.5's released configs carry mRoPE's sections (for image positions); text positions are equal on its three
+# axes, where mRoPE is plain RoPE, and the converter accepts them so
+MROPE = {"mrope_section": [1, 1, 0], "mrope_interleaved": True}
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=32)
 
 
-def redraw(model: torch.nn.Module, seed: int) -> None:
-    """std 0.15 weights; norms multiplying by (1 + w) at 0 +- 0.1, the DeltaNet's gated norm (w itself) at 1 +- 0.1."""
+def redraw(model: torch.nn.Module, seed: int, bf16: bool = False) -> None:
+    """std 0.15 weights; norms multiplying by (1 + w) at 0 +- 0.1, the DeltaNet's gated norm (w itself) at 1 +- 0.1;
+    bfloat16-representable when the fixture is stored in bfloat16, so the float32 reference is the stored model."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -67,6 +72,8 @@ def redraw(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(0.1 * noise)
             else:
                 p.copy_(0.15 * noise)
+            if bf16:
+                p.copy_(p.to(torch.bfloat16).to(torch.float32))
 
 
 def fresh(name: str) -> pathlib.Path:
@@ -76,13 +83,14 @@ def fresh(name: str) -> pathlib.Path:
     return directory
 
 
-def save_model(model: torch.nn.Module, name: str, seed: int) -> pathlib.Path:
-    """The model's weights redrawn, its reference logits, its files, a tokenizer and 16 greedy tokens."""
+def save_model(model: torch.nn.Module, name: str, seed: int, bf16: bool) -> pathlib.Path:
+    """The model's weights redrawn, its reference logits (float32), its files (bfloat16 with `bf16`), a tokenizer
+    and 16 greedy tokens."""
     directory = fresh(name)
     model.eval()
-    redraw(model, seed)
+    redraw(model, seed, bf16)
     reference(model, directory)
-    model.save_pretrained(directory)
+    (model.to(torch.bfloat16) if bf16 else model).save_pretrained(directory)
     tok = qwen_tokenizer()
     tok.save_pretrained(directory)
     model.generation_config.eos_token_id, model.generation_config.pad_token_id = 0, 0
@@ -97,21 +105,24 @@ def save_model(model: torch.nn.Module, name: str, seed: int) -> pathlib.Path:
 
 def qwen3_next() -> None:
     save_model(Qwen3NextForCausalLM(Qwen3NextConfig(**SHAPE, **MOE, norm_topk_prob=True, decoder_sparse_step=1,
-                                                    intermediate_size=48)), "qwen3_next", seed=21)
+                                                    intermediate_size=48)), "qwen3_next", seed=41, bf16=True)
 
 
 def qwen3_5_text() -> None:
-    save_model(Qwen3_5ForCausalLM(Qwen3_5TextConfig(**SHAPE, intermediate_size=48)), "qwen3_5_text", seed=22)
+    config = Qwen3_5TextConfig(**{**SHAPE, "rope_parameters": {**SHAPE["rope_parameters"], **MROPE}},
+                               intermediate_size=48)
+    save_model(Qwen3_5ForCausalLM(config), "qwen3_5_text", seed=22, bf16=False)
 
 
 def qwen3_5_moe_text() -> None:
-    save_model(Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**SHAPE, **MOE)), "qwen3_5_moe_text", seed=23)
+    config = Qwen3_5MoeTextConfig(**{**SHAPE, "rope_parameters": {**SHAPE["rope_parameters"], **MROPE}}, **MOE)
+    save_model(Qwen3_5MoeForCausalLM(config), "qwen3_5_moe_text", seed=23, bf16=True)
 
 
 def qwen3_5_mm() -> None:
     """qwen3_5_text's model inside the multimodal wrapper: the same weights, so the same text-only logits."""
     text = Qwen3_5ForCausalLM.from_pretrained(OUT / "qwen3_5_text", dtype=torch.float32).eval()
-    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=4, out_hidden_size=64,
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=4, out_hidden_size=32,
                   num_position_embeddings=16, spatial_merge_size=2, temporal_patch_size=2)
     text_config = {k: v for k, v in text.config.to_dict().items() if k not in ("architectures", "_name_or_path")}
     model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text_config, vision_config=vision)).eval()
