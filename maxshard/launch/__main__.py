@@ -1,14 +1,14 @@
-"""`python -m maxshard.launch COMMAND ...`; one command today: `xpk` (see maxshard/launch/xpk.py)."""
+"""`python -m maxshard.launch COMMAND ...`: `xpk` (GKE, maxshard/launch/xpk.py) or `slurm` (maxshard/launch/slurm.py)."""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
 
-from maxshard.launch import xpk
+from maxshard.launch import slurm, xpk
 
-COMMANDS = {"xpk": xpk.main}
-USAGE = "usage: python -m maxshard.launch xpk --help  (commands: " + ", ".join(COMMANDS) + ")"
+COMMANDS = {"xpk": xpk.main, "slurm": slurm.main}
+USAGE = "usage: python -m maxshard.launch COMMAND --help  (commands: " + ", ".join(COMMANDS) + ")"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
