@@ -41,6 +41,7 @@ def check_ranges(cfg: Config) -> Config:
     _check_data(cfg)
     _check_rope(cfg)
     _check_local_global(cfg)
+    _check_deltanet(cfg)
     for axis in MESH_AXES:
         for family in ("ici", "dcn"):
             value = getattr(cfg, knob_name(family, axis))
@@ -273,6 +274,13 @@ def _check_rope(cfg: Config) -> None:
                           "part (qk_rope_head_dim): set partial_rotary_factor=1")
 
 
+def _check_deltanet(cfg: Config) -> None:
+    """Gated DeltaNet's value heads repeat its key heads, so they come in whole groups (layers/gated_deltanet.py)."""
+    if cfg.linear_num_value_heads % cfg.linear_num_key_heads:
+        raise ConfigError(f"linear_num_value_heads={cfg.linear_num_value_heads} must be a multiple of "
+                          f"linear_num_key_heads={cfg.linear_num_key_heads} (each key head serves whole value heads)")
+
+
 def _check_local_global(cfg: Config) -> None:
     """The local/global attention keys (Gemma 2/3, GPT-OSS): a pattern of known kinds, a window for its local layers,
     caps and scales that are unset (0) or positive."""
@@ -317,6 +325,12 @@ _POSITIVE_INTS = {
     "qk_nope_head_dim": 1,
     "qk_rope_head_dim": 2,
     "v_head_dim": 1,
+    "linear_num_key_heads": 1,
+    "linear_num_value_heads": 1,
+    "linear_key_head_dim": 1,
+    "linear_value_head_dim": 1,
+    "linear_conv_kernel_dim": 1,
+    "delta_chunk_size": 1,
     "mlp_dim": 1,
     "attention_block_q": 1,
     "attention_block_kv": 1,

@@ -116,6 +116,14 @@ class ModelKeys:
     qk_nope_head_dim: int = 128  # mla: the part of each query/key head without RoPE
     qk_rope_head_dim: int = 64  # mla: the RoPE part of each query head; the key's is one head shared by all heads
     v_head_dim: int = 128  # mla: each value head's width
+    # gated DeltaNet, the linear-attention layers of Qwen3-Next/Qwen3.5 (layers/gated_deltanet.py): query/key heads,
+    # value heads (a multiple: each key head serves consecutive value heads), their widths, the short conv's width
+    linear_num_key_heads: int = 4
+    linear_num_value_heads: int = 4
+    linear_key_head_dim: int = 32
+    linear_value_head_dim: int = 32
+    linear_conv_kernel_dim: int = 4
+    delta_chunk_size: int = 64  # tokens per chunk of the chunked delta rule (training and prefill; layers/delta_rule.py)
     # Local/global attention (Gemma 2/3, GPT-OSS; spec/blocks.py): layer i is `attention_pattern[i % len]`, "global"
     # (every earlier key) or "local" (the last `sliding_window` keys, its own included)
     sliding_window: int = 0
@@ -244,7 +252,7 @@ def model_fields() -> tuple[str, ...]:
 IMPLEMENTATION = frozenset({
     "max_target_length", "dtype", "weight_dtype", "scan_layers", "remat_policy", "attention", "attention_block_q",
     "attention_block_kv", "capacity_factor", "moe_group_size", "moe_dropless_impl", "moe_exchange",
-    "moe_ragged_buffer_factor", "lora_rank", "lora_alpha", "lora_targets", "pipeline",
+    "moe_ragged_buffer_factor", "lora_rank", "lora_alpha", "lora_targets", "pipeline", "delta_chunk_size",
 })
 
 
