@@ -8,6 +8,8 @@ Each fact keeps one home, and the guides are generated from it, so they cannot d
 - every key's type and default: `maxshard/config/schema.py` (`Config`, model keys inherited from
   `spec/model_config.py`); its one-line comment and its section: `configs/base.yml` (tests/test_config.py keeps the
   two in agreement). -> docs/configuration.md, "Every key".
+- the presets: the leading comment of each `configs/models/NAME.yml` and layout file `configs/*.yml`.
+  -> docs/configuration.md, "Presets".
 - the logical axis rules: the `logical_axis_rules` table of `configs/base.yml`. -> docs/parallelism.md.
 - what each package is for: the first paragraph of its `__init__.py` docstring (of a top-level module or a tools/
   script: its docstring's first paragraph). -> docs/code-map.md.
@@ -172,6 +174,29 @@ def rules_table(text: str) -> str:
     return "\n".join(out) + "\n"
 
 
+def _leading_comment(path: Path) -> str:
+    """The comment lines a YAML file starts with, as one line (a preset says what it is there)."""
+    lines = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.startswith("#"):
+            break
+        lines.append(line.lstrip("# ").rstrip())
+    if not lines:
+        raise DocsError(f"{path.relative_to(REPO).as_posix()} starts with no '# comment' saying what it is")
+    return " ".join(lines)
+
+
+def presets() -> str:
+    """docs/configuration.md's table of the presets: `model_name=NAME` (configs/models/) and the layout files."""
+    out = ["| preset | use | what it is |", "|---|---|---|"]
+    for path in sorted((REPO / "configs" / "models").glob("*.yml")):
+        out.append(f"| `{path.stem}` | `model_name={path.stem}` | {_cell(_leading_comment(path))} |")
+    for path in sorted((REPO / "configs").glob("*.yml")):
+        if path != BASE_YML:
+            out.append(f"| `{path.name}` | `configs/{path.name}` | {_cell(_leading_comment(path))} |")
+    return "\n".join(out) + "\n"
+
+
 def _first_paragraph(source: str, where: str) -> str:
     docstring = ast.get_docstring(ast.parse(source))
     if not docstring:
@@ -204,7 +229,7 @@ def generated_parts() -> dict[Path, dict[str, str]]:
     text = BASE_YML.read_text(encoding="utf-8")
     docs = REPO / "docs"
     return {
-        docs / "configuration.md": {"config-keys": configuration_reference(text)},
+        docs / "configuration.md": {"presets": presets(), "config-keys": configuration_reference(text)},
         docs / "parallelism.md": {"logical-axis-rules": rules_table(text)},
         docs / "code-map.md": {"code-map": code_map()},
     }
