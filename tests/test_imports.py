@@ -25,6 +25,8 @@ LEVELS: tuple[tuple[str, ...], ...] = (
     ("maxshard.spec.model_config", "maxshard.spec.remat", "maxshard.spec.attention_kinds", "maxshard.dataset_types",
      "maxshard.spec.pipeline_tables", "maxshard.parallel.axis_names", "maxshard.perf",
      "maxshard.objectives.kinds"),
+    # the token-mixer kinds: a row per kind, arithmetic on ModelConfig (its module named, not imported)
+    ("maxshard.spec.mixer_kinds",),
     # the model-family seam: the stacks a ModelConfig describes; the pipeline schedules' seam: the circular order and
     # the tables' figures
     ("maxshard.spec.blocks", "maxshard.spec.pipeline_schedule"),

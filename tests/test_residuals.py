@@ -69,6 +69,7 @@ PROBES = {
     "embed_scale": ({}, True),
     "moe_bias": (MOE, True),
     "mtp_depth": ({}, 1),
+    "layer_types": ({}, ("linear_attention", "full_attention") * 2),  # gated DeltaNet's layers keep their own
 }
 
 

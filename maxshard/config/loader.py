@@ -137,7 +137,8 @@ def _parse_mesh_rules(value: Any, source: str) -> tuple[tuple[str, tuple[tuple[s
 
 _SPECIAL_PARSERS = {"logical_axis_rules": parse_logical_rules, "mesh_rules": _parse_mesh_rules,
                     "dataset_mixture": parse_mixture, "lora_targets": parse_names,
-                    "attention_pattern": lambda value, source: parse_names(value, source, "attention_pattern")}
+                    "attention_pattern": lambda value, source: parse_names(value, source, "attention_pattern"),
+                    "layer_types": lambda value, source: parse_names(value, source, "layer_types")}
 
 
 def _parse_override(token: str) -> tuple[str, Any]:

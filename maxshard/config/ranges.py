@@ -12,6 +12,7 @@ import typing
 
 from maxshard.config.schema import MESH_AXES, Config, knob_name
 from maxshard.errors import ConfigError
+from maxshard.spec import mixer_kinds
 from maxshard.spec.model_config import LORA_TARGETS
 from maxshard.objectives import kinds as objective_kinds
 
@@ -40,6 +41,7 @@ def check_ranges(cfg: Config) -> Config:
         raise ConfigError(f"run_name must be a non-empty name without '/', got {cfg.run_name!r}")
     _check_data(cfg)
     _check_rope(cfg)
+    _check_layer_types(cfg)
     _check_local_global(cfg)
     _check_deltanet(cfg)
     for axis in MESH_AXES:
@@ -67,34 +69,37 @@ def _check_objective(cfg: Config) -> None:
         raise ConfigError(f"dpo_label_smoothing must be in [0, 0.5), got {cfg.dpo_label_smoothing}")
     if cfg.orpo_lambda < 0:
         raise ConfigError(f"orpo_lambda must be >= 0, got {cfg.orpo_lambda}")
-    rows = objective_kinds.kind(cfg.objective).rows
+    objective = objective_kinds.kind(cfg.objective)
     pair_data = cfg.dataset_type in PAIR_DATASETS and not cfg.dataset_mixture
-    if rows == "pairs" and not pair_data:
+    if objective.pairs and not pair_data:
         raise ConfigError(f"objective={cfg.objective} trains on preference pairs: set dataset_type to one of "
                           f"{', '.join(PAIR_DATASETS)} (dataset_type={cfg.dataset_type}"
                           f"{', with a dataset_mixture' if cfg.dataset_mixture else ''})")
-    if rows == "documents" and cfg.dataset_type in PAIR_DATASETS[1:]:
-        raise ConfigError(f"dataset_type={cfg.dataset_type} holds preference pairs: set objective to dpo, simpo or "
-                          f"orpo (objective={cfg.objective})")
-    if cfg.objective == "dpo" and cfg.dpo_reference == "frozen" and cfg.lora_rank:
-        raise ConfigError("dpo_reference=frozen with lora_rank > 0 would keep a second copy of the frozen base: use "
+    if objective.documents and cfg.dataset_type in PAIR_DATASETS[1:]:
+        raise ConfigError(f"dataset_type={cfg.dataset_type} holds preference pairs: set objective to one of "
+                          f"{', '.join(objective_kinds.names_where('pairs'))} (objective={cfg.objective})")
+    source, key = objective_kinds.reference_source(cfg), objective.reference_key
+    if source == "frozen" and cfg.lora_rank:
+        raise ConfigError(f"{key}=frozen with lora_rank > 0 would keep a second copy of the frozen base: use "
                           "lora_base (or auto)")
-    if cfg.objective == "dpo" and cfg.dpo_reference == "precomputed" and cfg.elastic_allow_batch_change:
-        raise ConfigError("dpo_reference=precomputed stores the reference per global batch: it cannot follow "
+    if source == "precomputed" and cfg.elastic_allow_batch_change:
+        raise ConfigError(f"{key}=precomputed stores the reference per global batch: it cannot follow "
                           "elastic_allow_batch_change=true")
-    if cfg.objective == "dpo" and cfg.dpo_reference == "lora_base" and not cfg.lora_rank:
-        raise ConfigError("dpo_reference=lora_base needs lora_rank > 0 (the base is the model with its adapters "
+    if source == "lora_base" and not cfg.lora_rank:
+        raise ConfigError(f"{key}=lora_base needs lora_rank > 0 (the base is the model with its adapters "
                           "off): use frozen (or auto)")
 
 
 def _check_grpo(cfg: Config) -> None:
-    """GRPO's sampling and loss keys, its reward, and its data: prompts are only read for objective grpo (named as
-    a string: the objective's row is another module's)."""
+    """GRPO's sampling and loss keys, its reward, and its data: prompts are only read by an objective that samples
+    (its Kind's `samples`)."""
     if not cfg.grpo_kl_beta >= 0:
         raise ConfigError(f"grpo_kl_beta must be >= 0 (0: no reference kept), got {cfg.grpo_kl_beta}")
     for key in ("grpo_epsilon", "grpo_temperature"):
         if not getattr(cfg, key) > 0:
             raise ConfigError(f"{key} must be > 0, got {getattr(cfg, key)}")
+    if not cfg.grpo_epsilon_high >= 0:
+        raise ConfigError(f"grpo_epsilon_high must be >= 0 (0: grpo_epsilon), got {cfg.grpo_epsilon_high}")
     if not 0 < cfg.grpo_top_p <= 1:
         raise ConfigError(f"grpo_top_p must be in (0, 1] (1: off), got {cfg.grpo_top_p}")
     if cfg.reward != "exact_match":
@@ -109,16 +114,16 @@ def _check_grpo(cfg: Config) -> None:
     except re.error as e:
         raise ConfigError(f"reward_answer_regex={cfg.reward_answer_regex!r} is not a regular expression: {e}") \
             from None
-    if cfg.dataset_type == "prompts" and cfg.objective != "grpo":
-        raise ConfigError(f"dataset_type=prompts holds prompts to sample completions from: set objective to grpo "
-                          f"(objective={cfg.objective})")
+    if cfg.dataset_type == "prompts" and not objective_kinds.kind(cfg.objective).samples:
+        raise ConfigError(f"dataset_type=prompts holds prompts to sample completions from: set objective to "
+                          f"{' or '.join(objective_kinds.names_where('samples'))} (objective={cfg.objective})")
     check_group_batch(cfg)
 
 
 def check_group_batch(cfg: Config) -> Config:
     """objective grpo: the global batch holds whole groups of `grpo_group_size` completions of one prompt each.
     Checked again once `global_batch_size` is derived (0 before: `config.finalize`)."""
-    if cfg.objective == "grpo" and cfg.global_batch_size % cfg.grpo_group_size:
+    if objective_kinds.kind(cfg.objective).samples and cfg.global_batch_size % cfg.grpo_group_size:
         raise ConfigError(f"global_batch_size={cfg.global_batch_size} (per_device_batch_size x devices) must be a "
                           f"multiple of grpo_group_size={cfg.grpo_group_size} (objective=grpo: a prompt's "
                           "completions are one group)")
@@ -281,6 +286,30 @@ def _check_deltanet(cfg: Config) -> None:
                           f"linear_num_key_heads={cfg.linear_num_key_heads} (each key head serves whole value heads)")
 
 
+def _check_layer_types(cfg: Config) -> None:
+    """layer_types (spec/mixer_kinds.py): one known mixer a layer; an attention entry is attention_type's kind (the
+    attention keys configure every attention layer); which layers are local is its to say, so attention_pattern
+    stays [global] beside it."""
+    types = cfg.layer_types
+    if not types:
+        return
+    allowed = ", ".join(mixer_kinds.spellings())
+    if len(types) != cfg.num_layers:
+        raise ConfigError(f"layer_types has {len(types)} entries and num_layers={cfg.num_layers}: one a layer, each "
+                          f"one of {allowed}")
+    for i, entry in enumerate(types):
+        try:
+            row, _ = mixer_kinds.resolve(entry)
+        except KeyError:
+            raise ConfigError(f"layer_types[{i}]={entry!r}: expected one of {allowed}") from None
+        if row.attention and row.name != cfg.attention_type:
+            raise ConfigError(f"layer_types[{i}]={entry!r} is {row.name} attention with attention_type="
+                              f"{cfg.attention_type}: set attention_type={row.name} (one attention kind a model)")
+    if tuple(cfg.attention_pattern) != ("global",):
+        raise ConfigError(f"attention_pattern={list(cfg.attention_pattern)} with layer_types: layer_types says which "
+                          "layers are local (sliding_attention); leave attention_pattern at [global]")
+
+
 def _check_local_global(cfg: Config) -> None:
     """The local/global attention keys (Gemma 2/3, GPT-OSS): a pattern of known kinds, a window for its local layers,
     caps and scales that are unset (0) or positive."""
@@ -289,9 +318,11 @@ def _check_local_global(cfg: Config) -> None:
         raise ConfigError(f"attention_pattern={list(pattern)}: a non-empty list of local and global")
     if cfg.sliding_window < 0:
         raise ConfigError(f"sliding_window must be >= 0 (0: no local layers), got {cfg.sliding_window}")
-    if ("local" in pattern) != (cfg.sliding_window > 0):
-        raise ConfigError(f"sliding_window={cfg.sliding_window} with attention_pattern={list(pattern)}: local layers "
-                          "need a sliding_window > 0, and a window needs a local layer in the pattern")
+    local = any(mixer_kinds.resolve(e)[1] for e in cfg.layer_types) if cfg.layer_types else "local" in pattern
+    if local != (cfg.sliding_window > 0):
+        where = "layer_types" if cfg.layer_types else f"attention_pattern={list(pattern)}"
+        raise ConfigError(f"sliding_window={cfg.sliding_window} with {where}: local layers need a sliding_window > 0, "
+                          "and a window needs a local layer")
     if "local" in pattern and cfg.attention_type == "mla":
         raise ConfigError("attention_pattern with local layers needs attention_type=gqa (latent attention has no "
                           "sliding window)")

@@ -41,6 +41,8 @@ MeshRules = tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]
 ObjectiveName = Literal[objective_kinds.NAMES]  # maxshard/objectives/kinds.py: the objectives
 DpoReference = Literal[objective_kinds.REFERENCES]
 GrpoLossType = Literal[objective_kinds.GRPO_LOSS_TYPES]
+GrpoKlEstimator = Literal[objective_kinds.GRPO_KL_ESTIMATORS]
+GrpoImportanceSampling = Literal[objective_kinds.GRPO_IMPORTANCE_SAMPLING]
 DatasetType = Literal[dataset_types.NAMES]  # maxshard/dataset_types.py: the readers
 Mixture = tuple[tuple[str, float], ...]  # dataset_mixture: (source, weight) pairs
 
@@ -173,7 +175,10 @@ class Config(ModelKeys):
     grpo_top_p: float = 1.0
     grpo_max_new_tokens: int = 32
     grpo_max_prompt_length: int = 64
-    grpo_loss_type: GrpoLossType = "grpo"
+    grpo_loss_type: GrpoLossType = "dapo"
+    grpo_kl_estimator: GrpoKlEstimator = "bias_corrected"
+    grpo_epsilon_high: float = 0.0
+    grpo_importance_sampling: GrpoImportanceSampling = "token"
     reward: str = "exact_match"
     reward_answer_field: str = "answer"
     reward_answer_regex: str = ""

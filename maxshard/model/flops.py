@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from maxshard.spec import blocks
+from maxshard.spec import blocks, mixer_kinds
 from maxshard.spec.model_config import ModelConfig
 
 __all__ = ["Matmuls", "matmuls", "keys_seen", "attention_flops", "layer_flops", "matmul_params", "lora_matmul_params",
@@ -47,36 +47,25 @@ def matmuls(cfg: ModelConfig) -> Matmuls:
     (layers/mtp.py: a layer of the main stack's last kind each) and the heads."""
     parts = dict.fromkeys(("qkv", "out", "dense_mlp", "routed_experts", "shared_experts", "router"), 0)
     for layer in (*blocks.layers(cfg), *blocks.mtp_layers(cfg)):
-        a = blocks.attention_widths(cfg, layer.attention)
-        parts["qkv"] += a.qkv
-        parts["out"] += a.out
-        for part, params in blocks.mlp_params(cfg, layer.mlp).items():
+        for part, params in (*layer.mixer.params(cfg).items(), *blocks.mlp_params(cfg, layer.mlp).items()):
             parts[part] += params
     mtp = cfg.mtp_depth * 2 * cfg.emb_dim * cfg.emb_dim  # eh_proj: [2, embed] -> embed
     return Matmuls(**parts, head=(1 + cfg.mtp_depth) * cfg.emb_dim * cfg.vocab_size + mtp)
 
 
-def keys_seen(length: int, window: int = 0) -> float:
-    """Keys one query sees, on average over a causal sequence of `length`: min(position + 1, window) (window 0:
-    every earlier key), with the query's own key counted half, as the causal convention counts a global layer's
-    length / 2 (the [length, length] triangle's area, not length (length + 1) / 2). A local layer's band of the
-    score matrix is length x window less the window's own triangle: window - window^2 / (2 length) per query, which
-    is length / 2 again once the window reaches the length."""
-    seen = min(window, length) if window else length
-    return seen - seen * seen / (2 * length)
+keys_seen = mixer_kinds.keys_seen  # one home (spec/mixer_kinds.py): the attention rows' FLOPs read it there
 
 
 def attention_flops(cfg: ModelConfig) -> int:
-    """Forward FLOPs per token of attention's scores and values over the stack: q.k is 2 x keys x heads x
-    qk_head_dim and p.v 2 x keys x heads x v_head_dim, where keys are the ones a query sees (`keys_seen`: length / 2
-    causal, about the window in a local layer). What the model needs, as MFU counts it, not what a kernel executes:
-    dot_product computes the whole [length, length] scores and masks them, for a window as for causality. The
-    multi-token prediction modules' layers (`blocks.mtp_layers`) count as decoder layers."""
+    """Forward FLOPs per token of the token mixers beyond their matmuls, over the stack: each row's `flops`
+    (spec/mixer_kinds.py). For softmax attention, its scores and values: q.k is 2 x keys x heads x qk_head_dim and
+    p.v 2 x keys x heads x v_head_dim, where keys are the ones a query sees (`keys_seen`: length / 2 causal, about the
+    window in a local layer). What the model needs, as MFU counts it, not what a kernel executes: dot_product
+    computes the whole [length, length] scores and masks them, for a window as for causality. The multi-token
+    prediction modules' layers (`blocks.mtp_layers`) count as decoder layers."""
     total = 0.0
     for layer in (*blocks.layers(cfg), *blocks.mtp_layers(cfg)):
-        a = blocks.attention_widths(cfg, layer.attention)
-        keys = keys_seen(cfg.max_target_length, cfg.sliding_window if layer.local else 0)
-        total += 2 * keys * a.heads * (a.qk_head_dim + a.v_head_dim)
+        total += layer.mixer.flops(cfg, cfg.sliding_window if layer.local else 0)
     return round(total)
 
 
@@ -92,15 +81,18 @@ def matmul_params(cfg: ModelConfig) -> int:
 
 
 def lora_matmul_params(cfg: ModelConfig) -> int:
-    """LoRA adapter parameters that take part in a matmul per token: rank x (in + out) per targeted projection,
-    attention's in every layer, the MLP's in dense layers only (experts take none)."""
+    """LoRA adapter parameters that take part in a matmul per token: rank x (in + out) per targeted projection of
+    every layer, the mixer's as its row declares them (spec/mixer_kinds.py `lora`), a dense MLP's gate, up and down
+    (experts take none)."""
     if not cfg.lora_rank:
         return 0
-    e, q, kv, f = cfg.emb_dim, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.mlp_dim
-    widths = {"q": e + q, "k": e + kv, "v": e + kv, "o": q + e, "gate": e + f, "up": e + f, "down": f + e}
-    attention = sum(widths[t] for t in cfg.lora_targets if t in ("q", "k", "v", "o"))
-    mlp = sum(widths[t] for t in cfg.lora_targets if t in ("gate", "up", "down"))
-    return cfg.lora_rank * (cfg.num_layers * attention + (cfg.num_layers - cfg.num_moe_layers) * mlp)
+    e, f = cfg.emb_dim, cfg.mlp_dim
+    dense = {"gate": e + f, "up": e + f, "down": f + e}
+    total = 0
+    for layer in blocks.layers(cfg):
+        widths = {**layer.mixer.lora(cfg), **({} if layer.routed else dense)}
+        total += sum(widths.get(target, 0) for target in cfg.lora_targets)
+    return cfg.lora_rank * total
 
 
 def flops_per_token(cfg: ModelConfig) -> float:

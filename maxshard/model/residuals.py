@@ -89,10 +89,12 @@ def at_defaults(model: ModelConfig) -> bool:
 
 def _unit(model: ModelConfig) -> ModelConfig:
     """One unit of `model`'s main stack, alone: no dense first layers (the formula counts their dense MLPs), no scan,
-    no pipeline, no vocabulary to speak of."""
+    no pipeline, no vocabulary to speak of; its layer_types the unit's own."""
     layers = len(blocks.main_stack(dataclasses.replace(model, pipeline=None)).unit)
+    first = model.first_k_dense_replace if model.is_moe else 0
+    types = model.layer_types[first:first + layers]
     return dataclasses.replace(model, num_layers=layers, scan_layers=False, pipeline=None, vocab_size=1,
-                               first_k_dense_replace=0)
+                               first_k_dense_replace=0, layer_types=types)
 
 
 @functools.lru_cache(maxsize=512)

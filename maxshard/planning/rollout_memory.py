@@ -24,7 +24,7 @@ __all__ = ["rollout_cache_bytes"]
 
 def rollout_cache_bytes(cfg: Config, sizes: Mapping[str, int]) -> int:
     """Bytes per device of the KV cache GRPO's sampling keeps for the global batch (0 for other objectives)."""
-    if objective_kinds.kind(cfg.objective).rows != "rollouts":
+    if not objective_kinds.kind(cfg.objective).samples:
         return 0
     rules = sharding.flax_rules(cfg)
     spec = sharding.logical_to_spec((ax.CACHE_BATCH,), rules)

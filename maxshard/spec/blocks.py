@@ -2,9 +2,11 @@
 
 A family is described by the model keys, read here once into data:
 
-    Layer(attention, mlp, local) one decoder layer's kinds: attention "gqa" (grouped-query) or "mla" (multi-head
-                              latent), MLP "dense" (one gated MLP of mlp_dim) or "moe" (routed experts of expert_dim),
-                              and whether its attention is local (the last `sliding_window` keys) or global
+    Layer(attention, mlp, local) one decoder layer's kinds: its token mixer `attention`, a row of
+                              spec/mixer_kinds.py ("gqa" grouped-query, "mla" multi-head latent, "gated_deltanet"
+                              linear attention, ...), its MLP ("dense": one gated MLP of mlp_dim, "moe": routed
+                              experts of expert_dim; mixer_kinds.MLP_KINDS), and whether its mixer is local (the
+                              last `sliding_window` keys) or global
     Stack(name, unit, repeats) a unit of layers repeated `repeats` times: one nn.scan (or one pipeline) each
 
 Llama:                 Stack("layers", (gqa+dense,), num_layers)
@@ -13,15 +15,19 @@ an MoE every 2nd layer: Stack("layers", (gqa+dense, gqa+moe), num_layers / 2)
 DeepSeek-V3:           Stack("dense_layers", (mla+dense,), 3), Stack("layers", (mla+moe,), 58)
 GPT-OSS-20B:           Stack("layers", (local gqa+moe, gqa+moe), 12)
 Gemma 3 27B:           Stack("layers", (5 x local gqa+dense, gqa+dense), 10), Stack("last_layers", (2 x local ..,), 1)
+Qwen3-Next (3:1):      Stack("layers", (3 x gated_deltanet+moe, gqa+moe), 12)
 
-A stack's unit is the shortest run of layers that repeats: the lcm of `moe_layer_interval` and the length of
-`attention_pattern` (layer i's attention is pattern[i % length], counted from the first layer). Layers left over
-when the unit does not divide the stack (Gemma 3: 62 layers, a 6-layer pattern) form a stack of their own that runs
-once, after it ("last_layers"; "dense_layers" itself is one unit when the pattern does not divide it).
+Each layer's mixer comes from `layer_types` where the model has one (an entry a layer, Hugging Face's spelling,
+resolved by `mixer_kinds.resolve`), else from `attention_type` (every layer) and `attention_pattern` (local or
+global: layer i is pattern[i % length], counted from the first layer). A stack's unit is the shortest run of layers
+that repeats: the lcm of `moe_layer_interval` and the mixers' period (`ModelConfig.pattern_length`: the pattern's
+length, or layer_types' shortest period). Layers left over when the unit does not divide the stack (Gemma 3: 62
+layers, a 6-layer pattern) form a stack of their own that runs once, after it ("last_layers"; "dense_layers" itself
+is one unit when the period does not divide it).
 
-The decoder (layers/decoder.py) assembles its stacks from `stacks(cfg)`; the FLOP count (model/flops.py) sums the
-kinds' matmuls over `layers(cfg)`, so a family that needs no new layer kind touches neither. A new kind is a row
-in each: its module in decoder.py's tables, its matmul widths here (`attention_widths`, `mlp_params`).
+The decoder (layers/decoder.py) assembles its stacks from `stacks(cfg)` and builds each layer's mixer from its row;
+the FLOP count (model/flops.py) sums the rows' matmuls and FLOPs over `layers(cfg)`. A new mixer kind is its module
+and its row in spec/mixer_kinds.py; neither this module nor the decoder changes.
 
 This module is arithmetic on ModelConfig only: no layer imports it back.
 """
@@ -33,14 +39,13 @@ import functools
 import math
 import re
 
+from maxshard.spec import mixer_kinds
 from maxshard.spec.model_config import ModelConfig
 
-__all__ = ["ATTENTION_KINDS", "MLP_KINDS", "Layer", "Stack", "MAIN_STACK", "LAST_STACK", "stacks", "layers",
-           "main_stack", "stack_named", "mtp_layers", "moe_layers", "AttentionWidths", "attention_widths",
-           "mlp_params", "unit_layer_name", "unit_layer_index"]
+__all__ = ["Layer", "Stack", "MAIN_STACK", "LAST_STACK", "stacks", "layers", "main_stack", "stack_named",
+           "mtp_layers", "moe_layers", "mlp_params", "unit_layer_name",
+           "unit_layer_index"]
 
-ATTENTION_KINDS = ("gqa", "mla")
-MLP_KINDS = ("dense", "moe")
 MAIN_STACK = "layers"  # the stack every model has (and the one a pipeline runs); its params' name since v1
 LAST_STACK = "last_layers"  # the layers left over when the main stack's unit does not divide them (runs once)
 _UNIT_LAYER = re.compile(r"layer_(\d+)")
@@ -60,9 +65,19 @@ def unit_layer_index(name: str) -> int | None:
 
 @dataclasses.dataclass(frozen=True)
 class Layer:
-    attention: str  # a row of ATTENTION_KINDS
-    mlp: str  # a row of MLP_KINDS
+    attention: str  # its token mixer: a row of spec/mixer_kinds.py
+    mlp: str  # a row of mixer_kinds.MLP_KINDS
     local: bool = False  # sliding-window attention over the last `sliding_window` keys (else global)
+
+    @property
+    def mixer(self) -> mixer_kinds.Mixer:
+        """The row of its token mixer."""
+        return mixer_kinds.kind(self.attention)
+
+    @property
+    def routed(self) -> bool:
+        """Whether its MLP is routed experts (an MoE layer)."""
+        return mixer_kinds.mlp_kind(self.mlp).routed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +103,7 @@ def stacks(cfg: ModelConfig) -> tuple[Stack, ...]:
     of repeated units (module docstring), then the layers left over, if any."""
     kinds = [_layer(cfg, i) for i in range(cfg.num_layers)]
     first = cfg.first_k_dense_replace if cfg.is_moe else 0
-    period = len(cfg.attention_pattern)
+    period = cfg.pattern_length
     out: list[Stack] = []
     if first:
         unit = period if first % period == 0 else first
@@ -103,12 +118,16 @@ def stacks(cfg: ModelConfig) -> tuple[Stack, ...]:
 
 
 def _layer(cfg: ModelConfig, i: int) -> Layer:
-    """Layer i's kinds: MoE for the last of every `moe_layer_interval` layers after the dense first ones; local
-    where the attention pattern says so."""
+    """Layer i's kinds: MoE for the last of every `moe_layer_interval` layers after the dense first ones; its mixer
+    and locality from layer_types[i], or attention_type and the attention pattern."""
     first, n = cfg.first_k_dense_replace, cfg.moe_layer_interval
     moe = cfg.is_moe and i >= first and (i - first) % n == n - 1
+    mlp = "moe" if moe else "dense"
+    if cfg.layer_types:
+        row, local = mixer_kinds.resolve(cfg.layer_types[i])
+        return Layer(row.name, mlp, local and cfg.sliding_window > 0)
     local = cfg.has_local_layers and cfg.attention_pattern[i % len(cfg.attention_pattern)] == "local"
-    return Layer(cfg.attention_type, "moe" if moe else "dense", local)
+    return Layer(cfg.attention_type, mlp, local)
 
 
 def main_stack(cfg: ModelConfig) -> Stack:
@@ -126,7 +145,7 @@ def layers(cfg: ModelConfig) -> tuple[Layer, ...]:
 
 def moe_layers(kinds: tuple[Layer, ...]) -> int:
     """How many of these layers are MoE layers."""
-    return sum(layer.mlp == "moe" for layer in kinds)
+    return sum(layer.routed for layer in kinds)
 
 
 def mtp_layers(cfg: ModelConfig) -> tuple[Layer, ...]:
@@ -134,39 +153,7 @@ def mtp_layers(cfg: ModelConfig) -> tuple[Layer, ...]:
     return (main_stack(cfg).unit[-1],) * cfg.mtp_depth
 
 
-@dataclasses.dataclass(frozen=True)
-class AttentionWidths:
-    """One attention layer's matmuls per token (parameters that meet a token) and the widths its scores use."""
-
-    qkv: int  # the input projections: query (through its latent, for mla), key and value (through theirs)
-    out: int  # the output projection
-    heads: int
-    qk_head_dim: int  # width of a query/key head in the scores
-    v_head_dim: int  # width of a value head
-
-
-def attention_widths(cfg: ModelConfig, attention: str) -> AttentionWidths:
-    e, h = cfg.emb_dim, cfg.num_heads
-    if attention == "gqa":
-        q, kv = h * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        return AttentionWidths(e * (q + 2 * kv), q * e, h, cfg.head_dim, cfg.head_dim)
-    if attention == "mla":
-        qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-        r = cfg.q_lora_rank
-        query = e * r + r * h * qk if r else e * h * qk
-        kv = e * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim
-                                                                                     + cfg.v_head_dim)
-        return AttentionWidths(query + kv, h * cfg.v_head_dim * e, h, qk, cfg.v_head_dim)
-    raise ValueError(f"attention_type={attention!r}: expected one of {', '.join(ATTENTION_KINDS)}")
-
-
-def mlp_params(cfg: ModelConfig, mlp: str) -> dict[str, int]:
+def mlp_params(cfg: ModelConfig, kind: str) -> dict[str, int]:
     """One MLP's matmul parameters per token by part: a dense SwiGLU, or the k routed experts a token visits, the
     shared experts and the router."""
-    if mlp == "dense":
-        return {"dense_mlp": 3 * cfg.emb_dim * cfg.mlp_dim}
-    if mlp == "moe":
-        expert = 3 * cfg.emb_dim * cfg.expert_dim
-        return {"routed_experts": cfg.num_experts_per_tok * expert, "shared_experts": cfg.num_shared_experts * expert,
-                "router": cfg.emb_dim * cfg.num_experts}
-    raise ValueError(f"MLP kind {mlp!r}: expected one of {', '.join(MLP_KINDS)}")
+    return mixer_kinds.mlp_kind(kind).params(cfg)

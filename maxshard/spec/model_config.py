@@ -19,7 +19,7 @@ from typing import Any, Literal
 import jax.numpy as jnp
 
 __all__ = ["IMPLEMENTATION", "LORA_TARGETS", "ModelConfig", "ModelKeys", "PipelineShape", "architecture_keys",
-           "model_fields", "num_units", "resolve_dtype",
+           "model_fields", "num_units", "resolve_dtype", "shortest_period",
            "resolve_moe_impl", "resolve_moe_exchange"]
 
 # The projections LoRA can adapt (`lora_targets`): attention's query, key, value and output, and a dense MLP's
@@ -68,6 +68,11 @@ def num_units(num_layers: int, num_experts: int, moe_layer_interval: int, first_
     return (num_layers - (first_k_dense_replace if moe else 0)) // unit
 
 
+def shortest_period(items: tuple[str, ...]) -> int:
+    """The smallest p with items[i] == items[i % p] for every i (len(items) when nothing shorter repeats)."""
+    return next(p for p in range(1, len(items) + 1) if all(x == items[i % p] for i, x in enumerate(items)))
+
+
 @dataclasses.dataclass(frozen=True)
 class PipelineShape:
     """A pipeline's sizes, resolved (no -1 left). The order of work, its iterations and bubble are its schedule's
@@ -108,7 +113,7 @@ class ModelKeys:
     # projection (Qwen3-Next, Qwen3.5; layers/attention.py)
     attention_output_gate: bool = False
     partial_rotary_factor: float = 1.0  # RoPE rotates the first head_dim x this features of a head (Qwen3-Next: 0.25)
-    # The attention kind of every layer (a row of spec/blocks.py ATTENTION): "gqa" (grouped-query, the fields
+    # The attention kind of every layer (a row of spec/mixer_kinds.py): "gqa" (grouped-query, the fields
     # above) or "mla" (DeepSeek-V2/V3 multi-head latent attention, the five fields below; num_kv_heads unused).
     attention_type: Literal["gqa", "mla"] = "gqa"
     q_lora_rank: int = 0  # mla: the query's low-rank latent width (0: a plain [embed, heads, qk_head_dim] projection)
@@ -128,6 +133,10 @@ class ModelKeys:
     # (every earlier key) or "local" (the last `sliding_window` keys, its own included)
     sliding_window: int = 0
     attention_pattern: tuple[str, ...] = ("global",)
+    # Each layer's token mixer, one entry a layer in Hugging Face's `layer_types` spelling ("full_attention",
+    # "sliding_attention", "linear_attention") or a row's name (spec/mixer_kinds.py); empty: attention_type and
+    # attention_pattern decide every layer
+    layer_types: tuple[str, ...] = ()
     rope_local_max_timescale: float = 0.0  # RoPE base of local layers, unscaled (Gemma 3: 10000); 0: as global ones
     attn_logit_softcapping: float = 0.0  # scaled logits -> c * tanh(logits / c) before the softmax (Gemma 2); 0: none
     final_logit_softcapping: float = 0.0  # the output logits capped the same way (Gemma 2); 0: none
@@ -177,6 +186,11 @@ class ModelKeys:
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] = ("q", "k", "v", "o")
 
+    @property
+    def pattern_length(self) -> int:
+        """The period of the layers' mixers (spec/blocks.py): layer_types' shortest, else attention_pattern's length."""
+        return shortest_period(self.layer_types) if self.layer_types else len(self.attention_pattern)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig(ModelKeys):
@@ -197,7 +211,7 @@ class ModelConfig(ModelKeys):
     pipeline: PipelineShape | None = None
 
     def __post_init__(self) -> None:
-        for name in ("attention_pattern", "lora_targets"):  # lists from JSON/YAML: hashable like every other field
+        for name in ("attention_pattern", "lora_targets", "layer_types"):  # lists from JSON/YAML: hashable too
             object.__setattr__(self, name, tuple(getattr(self, name)))
 
     @property
@@ -221,7 +235,7 @@ class ModelConfig(ModelKeys):
     def num_units(self) -> int:
         """Repeated units of the main decoder stack (see `num_units`)."""
         return num_units(self.num_layers, self.num_experts, self.moe_layer_interval, self.first_k_dense_replace,
-                         len(self.attention_pattern))
+                         self.pattern_length)
 
     @property
     def has_local_layers(self) -> bool:

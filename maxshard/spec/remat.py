@@ -10,8 +10,10 @@ A policy keeps one of three things:
     names       only the values named with `checkpoint_name` in `device` and `host`, besides each layer's input
                 (the input of the checkpointed layer, which the scan keeps); everything else is recomputed
 
-Names: the attention projections name their outputs `query_proj`, `key_proj`, `value_proj` and `out_proj`
-(layers/attention.py); the decoder layer names its input `layer_input` (layers/decoder.py). A name in `host` is
+Names: a token mixer names its projections' outputs as its row's `remat_names` say (spec/mixer_kinds.py; the
+attention kinds and gated DeltaNet: `query_proj`, `key_proj`, `value_proj` and `out_proj`, layers/attention.py), so
+a policy that keeps a name keeps it in every layer whose mixer gives it; the decoder layer names its input
+`layer_input` (layers/decoder.py). A name in `host` is
 moved to host memory in the forward pass and back for the backward pass (`save_and_offload_only_these_names`,
 device -> pinned_host): it frees device memory for PCIe traffic. An offload policy names the layer input too, so
 the device keeps nothing per layer. Only accelerators move anything: JAX lowers the transfer to host as nothing on

@@ -9,16 +9,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import functools
+import importlib
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from maxshard.spec import blocks, remat
+from maxshard.spec import blocks, mixer_kinds, remat
 from maxshard.spec.model_config import ModelConfig
 from maxshard.model.layers import kv_cache
-from maxshard.model.layers.attention import Attention
-from maxshard.model.layers.mla import LatentAttention
 from maxshard.model.layers.mlp import MLP, activation
 from maxshard.model.layers.moe import MoEBlock
 from maxshard.model.layers.norms import RMSNorm
@@ -26,7 +27,7 @@ from maxshard.model.layers.pipeline import Pipeline
 from maxshard.parallel import axis_names as ax
 from maxshard.parallel.sharding import constrain
 
-__all__ = ["ATTENTION_LAYERS", "DecoderLayer", "DecoderBlock", "Decoder", "scanned_stack", "norm", "remat_policy",
+__all__ = ["mixer_module", "DecoderLayer", "DecoderBlock", "Decoder", "scanned_stack", "norm", "remat_policy",
            "rematted", "stack_unit"]
 
 
@@ -60,16 +61,21 @@ def norm(layer: nn.Module, x: jax.Array) -> jax.Array:
     return constrain(layer(constrain(x, ax.RESIDUAL)), ax.RESIDUAL)
 
 
-# The layer kinds of spec/blocks.py, by name: a new attention or MLP kind is a row here and one there.
-ATTENTION_LAYERS: dict[str, type[nn.Module]] = {"gqa": Attention, "mla": LatentAttention}
+@functools.cache
+def mixer_module(row: mixer_kinds.Mixer) -> type[nn.Module]:
+    """The Flax module of a token-mixer row ("package.module:Class", spec/mixer_kinds.py), imported when a layer of
+    its kind is first built: the row names it so that spec/ stays below the layers."""
+    module, _, name = row.module.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 class DecoderLayer(nn.Module):
     """One decoder layer: x + attn(norm(x)), then x + mlp(norm(x)); with `post_norms` (Gemma 2/3) each branch's
     output is normalised again before its residual add. Returns (x, None) so `nn.scan` can carry x.
 
-    Its kinds are layer `index` of the unit of stack `stack` (spec/blocks.py): the attention module of its kind
-    (ATTENTION_LAYERS), local or global, and a dense MLP ("mlp") or a routed MoEBlock ("moe").
+    Its kinds are layer `index` of the unit of stack `stack` (spec/blocks.py): the token mixer of its row
+    (spec/mixer_kinds.py: its module, under its scope, local or global), and a dense MLP ("mlp") or a routed
+    MoEBlock ("moe").
     """
 
     cfg: ModelConfig
@@ -84,12 +90,12 @@ class DecoderLayer(nn.Module):
         kinds = blocks.stack_named(cfg, self.stack).unit[self.index]
         x = checkpoint_name(constrain(x, ax.RESIDUAL), remat.LAYER_INPUT)  # what an offload policy moves to host
         h = norm(self._norm("attention_norm"), x)
-        attention = ATTENTION_LAYERS[kinds.attention]
-        h = attention(cfg, dt, wdt, **({"local": True} if kinds.local else {}), name="attention")(h, segment_ids,
-                                                                                                  positions)
+        mixer = mixer_module(kinds.mixer)
+        local = {"local": True} if kinds.local else {}
+        h = mixer(cfg, dt, wdt, **local, name=kinds.mixer.scope)(h, segment_ids, positions)
         x = x + (norm(self._norm("post_attention_norm"), h) if cfg.post_norms else h)
         h = norm(self._norm("mlp_norm"), x)
-        if kinds.mlp == "moe":
+        if kinds.routed:
             h = MoEBlock(cfg, dt, wdt, name="moe")(h, segment_ids)
         else:
             ranks = (cfg.lora_rank_of("gate"), cfg.lora_rank_of("up"), cfg.lora_rank_of("down"))
