@@ -111,7 +111,7 @@ def train_input(cfg: Config, trainer: Trainer, state: TrainState) -> Any:
     """The train batches: the data pipeline's (with DPO's precomputed reference beside them, scored first from the
     starting parameters if not yet stored), or GRPO's rollouts sampled from the state being trained."""
     sharding = data.batch_sharding(cfg, trainer.mesh)
-    if objective_kinds.kind(cfg.objective).rows == "rollouts":
+    if objective_kinds.kind(cfg.objective).samples:
         return rollouts.Rollouts(cfg, trainer, sharding)
     if trainer.reference_kind == "precomputed":
         precomputed.ensure(cfg, trainer, state.params, int(state.step))
@@ -159,7 +159,7 @@ def train_loop(
     cfg = trainer.cfg
     batch_sharding = data.batch_sharding(cfg, trainer.mesh)
     # No eval for sampled batches (GRPO) nor for a reference stored for the train batches only
-    no_eval = objective_kinds.kind(cfg.objective).rows == "rollouts" or trainer.reference_kind == "precomputed"
+    no_eval = objective_kinds.kind(cfg.objective).samples or trainer.reference_kind == "precomputed"
     eval_step = trainer.jit_eval_step(batch_sharding) if cfg.eval_period and not no_eval else None
     profiler = Profiler.from_config(cfg, is_primary=jax.process_index() == 0)
 
@@ -206,7 +206,7 @@ def run(argv: Sequence[str]) -> int:
     started = time.time()  # goodput's wall time of this start begins here
     cfg = loading.load_run(argv, join_processes=True, resume=True)
     preflight.check(cfg)  # the inputs, before the model is built
-    if objective_kinds.kind(cfg.objective).rows == "rollouts":
+    if objective_kinds.kind(cfg.objective).samples:
         rewards.load_reward(cfg)  # and the reward that scores them (imported once per process)
     run_lock = lock.hold(cfg.run_dir, jax.process_index() == 0, jax.process_count())  # before anything is written
     try:

@@ -1,9 +1,11 @@
 """GRPO (`objective: grpo`): the loss against TRL's own numbers, and training through `maxshard.train`.
 
-The loss test reads the rollouts TRL 1.16 scored (tests/fixtures/preference/cases.json, `grpo`: 2 prompts x 4
-completions on the qwen3 fixture, the log-probabilities of an older policy, a perturbed reference model) and checks
+The loss tests read the rollouts TRL 1.16 scored (tests/fixtures/preference/cases.json, `grpo`: 2 prompts x 4
+completions on the qwen3 fixture, the log-probabilities of an older policy, a perturbed reference model) and check
 that maxshard's step on the same rows gives TRL's loss, KL and clip fraction and every parameter's gradient within
-1e-5 (TRL's `loss_type: grpo` with the plain k3 KL, `use_bias_correction_kl: false`). The CLI test trains a tiny model
+1e-5 for TRL's defaults (`loss_type: dapo`, `use_bias_correction_kl: true`: maxshard's) and each variant
+(VARIANTS: the grpo normalisation, the plain k3 KL, temperature 0.7, DAPO's epsilon_high, GSPO's sequence ratio;
+dr_grpo), and the rollout policy's log-probabilities at temperature 0.7 as TRL takes them. The CLI test trains a tiny model
 on a task a reward function in a file verifies, from a mean reward below 0.3 to at least 0.8; another samples and
 trains under a pipeline as on one device.
 """
@@ -35,14 +37,41 @@ JAX_0_12 = jax.__version_info__ >= (0, 12)  # its XLA:CPU rounds the KL of test_
 LENGTH = 64
 KEYS = ("objective=grpo", "grpo_group_size=4", f"grpo_kl_beta={CASE['config']['beta']}",
         f"grpo_epsilon={CASE['config']['epsilon_low']}", "grpo_max_prompt_length=8", "grpo_max_new_tokens=16")
+# fixture case -> the keys beyond KEYS that ask maxshard for TRL's configuration of it (none: TRL's defaults are
+# maxshard's: loss_type dapo, the bias-corrected KL, the ratio per token, one clip range, temperature 1)
+VARIANTS = {
+    "dapo": (),
+    "grpo": ("grpo_loss_type=grpo",),
+    "grpo_k3": ("grpo_loss_type=grpo", "grpo_kl_estimator=k3"),
+    "dapo_t07": ("grpo_temperature=0.7",),
+    "dapo_eps_high": ("grpo_epsilon_high=0.28",),
+    "gspo": ("grpo_importance_sampling=sequence",),
+}
+TRL_OPTIONS = {  # the fixture's TRL config key -> maxshard's value of it, as VARIANTS set them
+    "loss_type": lambda keys: _value(keys, "grpo_loss_type", "dapo"),
+    "use_bias_correction_kl": lambda keys: _value(keys, "grpo_kl_estimator", "bias_corrected") == "bias_corrected",
+    "temperature": lambda keys: float(_value(keys, "grpo_temperature", "1.0")),
+    "epsilon_high": lambda keys: float(_value(keys, "grpo_epsilon_high", CASE["config"]["epsilon_low"])),
+    "importance_sampling_level": lambda keys: _value(keys, "grpo_importance_sampling", "token"),
+}
 
 
-def fixture_rows() -> dict[str, np.ndarray]:
-    """The fixture's rollouts as maxshard lays them out (rollouts.rows), with TRL's old log-probabilities on each
-    completion target."""
+def _value(keys: tuple[str, ...], key: str, default: str) -> str:
+    return dict(item.split("=") for item in keys).get(key, default)
+
+
+def merged(*groups: tuple[str, ...]) -> list[str]:
+    """key=value items of `groups` in order, a later one replacing an earlier one of its key (the loader refuses a
+    key given twice)."""
+    return list({item.split("=")[0]: item for group in groups for item in group}.values())
+
+
+def fixture_rows(case: dict = CASE) -> dict[str, np.ndarray]:
+    """The fixture's rollouts as maxshard lays them out (rollouts.rows), with TRL's old log-probabilities of `case`
+    (at its temperature) on each completion target."""
     out = GRPO["rollouts"]
-    host = rollouts.rows(out["prompt_ids"], out["completion_ids"], np.asarray(CASE["advantages"], np.float32), LENGTH)
-    for i, old in enumerate(CASE["old_token_logps"]):
+    host = rollouts.rows(out["prompt_ids"], out["completion_ids"], np.asarray(case["advantages"], np.float32), LENGTH)
+    for i, old in enumerate(case["old_token_logps"]):
         host["old_logps"][i, host["loss_weights"][i] > 0] = old
     return host
 
@@ -53,24 +82,89 @@ def test_advantages_are_trl_s():
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("layout", ["one_device", "fsdp4_tensor2"])
-def test_loss_kl_clipping_and_gradients_equal_trl(imported, tmp_path, layout):
-    knobs, devices = LAYOUTS[layout]
-    trainer, state = start(imported, tmp_path, "policy", *KEYS, *knobs, devices=devices)
+def test_each_variant_asks_for_the_trl_configuration_of_its_fixture():
+    """The keys of VARIANTS are what TRL ran for each case: otherwise the comparisons below prove nothing."""
+    for case, keys in VARIANTS.items():
+        config = GRPO[case]["config"]
+        for option, ours in TRL_OPTIONS.items():
+            assert ours(keys) == pytest.approx(config[option]) if isinstance(config[option], float) \
+                else ours(keys) == config[option], (case, option)
+
+
+def grads_and_metrics(imported, tmp_path, case: str, *knobs: str, devices: int = 1):
+    """maxshard's (loss, metrics, gradients / weight_sum, weight_sum) for the fixture case `case` on its rows."""
+    trainer, state = start(imported, tmp_path, "policy", *merged(KEYS, VARIANTS.get(case, ()), knobs), devices=devices)
     reference = start(imported, tmp_path, "reference", *knobs, devices=devices)[1].params
-    host = fixture_rows()
-    assert int(host["loss_weights"].sum()) == CASE["num_items_in_batch"]
-    batch = jax.device_put(host, trainer.batch_shardings(data.batch_sharding(trainer.cfg, trainer.mesh)))
+    batch = jax.device_put(fixture_rows(GRPO[case]),
+                           trainer.batch_shardings(data.batch_sharding(trainer.cfg, trainer.mesh)))
     with mesh_context(trainer.mesh, trainer.rules):
         grads, sums = jax.jit(trainer._grads)(state.params, batch, None, reference)
         metrics = jax.device_get(jax.jit(trainer.objective.metrics)(sums))
-    sequences = float(sums["weight_sum"])
-    assert sequences == 8
-    assert float(sums["loss_sum"]) / sequences == pytest.approx(CASE["loss"], abs=1e-5)
-    assert float(metrics["kl"]) == pytest.approx(CASE["metrics"]["kl"], rel=1e-5)
-    assert float(metrics["clip_fraction"]) == pytest.approx(CASE["clip_fraction"], abs=1e-6)
-    trl = start(imported, tmp_path, "grpo_grpo_k3")[1].params
-    assert max_relative_difference(jax.tree.map(lambda g: np.asarray(g) / sequences, grads), trl) < 1e-5
+    weight = float(sums["weight_sum"])
+    return float(sums["loss_sum"]) / weight, metrics, jax.tree.map(lambda g: np.asarray(g) / weight, grads), weight
+
+
+@pytest.mark.parametrize("case, layout, chunks", [(case, "one_device", 0) for case in VARIANTS] +
+                         [("dapo", "fsdp4_tensor2", 0), ("dapo_t07", "fsdp4_tensor2", 2)])
+def test_loss_kl_clipping_and_gradients_equal_trl(imported, tmp_path, case, layout, chunks):
+    """Each GRPO variant (VARIANTS) on TRL's rollouts: TRL's loss, KL and clip fraction (`clip_ratio/region_mean`:
+    of tokens, of completions with the sequence ratio) and every parameter's gradient within 1e-5; sharded, and at
+    a temperature with the head over loss pieces (its logits divided there: `Trainer._head`)."""
+    want = GRPO[case]
+    knobs, devices = LAYOUTS[layout]
+    loss, metrics, grads, weight = grads_and_metrics(imported, tmp_path, case, *knobs, f"loss_chunks={chunks}",
+                                                     devices=devices)
+    assert weight == (8 if want["config"]["loss_type"] == "grpo" else want["num_items_in_batch"])
+    assert loss == pytest.approx(want["loss"], abs=1e-5)
+    assert float(metrics["kl"]) == pytest.approx(want["metrics"]["kl"], rel=1e-5)
+    assert float(metrics["clip_fraction"]) == pytest.approx(want["metrics"]["clip_ratio/region_mean"], abs=1e-6)
+    trl = start(imported, tmp_path, f"grpo_{case}")[1].params
+    assert max_relative_difference(grads, trl) < 1e-5
+
+
+def test_each_variant_changes_the_loss():
+    """The fixture's variants differ from TRL's defaults where they should: otherwise a key that did nothing
+    would pass the comparisons above."""
+    default = GRPO["dapo"]
+    for case in ("grpo", "grpo_k3", "dapo_t07", "dapo_eps_high", "gspo", "dr_grpo"):
+        assert GRPO[case]["loss"] != pytest.approx(default["loss"], abs=1e-3), case
+    assert GRPO["dapo_eps_high"]["metrics"]["clip_ratio/high_mean"] < default["metrics"]["clip_ratio/high_mean"]
+    assert GRPO["dapo_t07"]["old_token_logps"] != default["old_token_logps"]
+
+
+def test_at_a_temperature_every_log_probability_is_trl_s(imported, tmp_path):
+    """grpo_temperature 0.7: the rollout policy's log-probabilities (`rollouts.logps_of`, the function that writes
+    old_logps after sampling) of the policy and of the reference model are TRL's, from logits / 0.7, within 1e-5;
+    at temperature 1 they are not (the bug this guards: sampling at the temperature, scoring at 1)."""
+    want = GRPO["dapo_t07"]
+    host = fixture_rows(want)
+    mask = host["loss_weights"] > 0
+    for name, key in (("policy", "policy_token_logps"), ("reference", "reference_token_logps")):
+        got = {}
+        for temperature in (0.7, 1.0):
+            trainer, state = start(imported, tmp_path, name, *KEYS, f"grpo_temperature={temperature}")
+            sharding = data.batch_sharding(trainer.cfg, trainer.mesh)
+            batch = jax.device_put(host, trainer.batch_shardings(sharding))
+            with mesh_context(trainer.mesh, trainer.rules):
+                got[temperature] = np.asarray(rollouts.logps_of(trainer, sharding)(state.params, batch))
+        wanted = np.concatenate(want[key])
+        np.testing.assert_allclose(got[0.7][mask], wanted, atol=1e-5, rtol=0)
+        assert np.max(np.abs(got[1.0][mask] - wanted)) > 1e-2, name
+
+
+def test_dr_grpo_equals_trl_s(imported, tmp_path):
+    """grpo_loss_type dr_grpo with TRL's defaults otherwise: TRL's loss within 1e-5, and the gradient TRL's dapo
+    gradient times num_items_in_batch / (completions x max_completion_length) (TRL divides the same masked sum by
+    that constant instead; the fixture keeps dapo's gradients only)."""
+    want = GRPO["dr_grpo"]
+    length = want["config"]["max_completion_length"]
+    loss, metrics, grads, weight = grads_and_metrics(imported, tmp_path, "dr_grpo", "grpo_loss_type=dr_grpo",
+                                                     f"grpo_max_new_tokens={length}")
+    assert weight == 8 and loss == pytest.approx(want["loss"], abs=1e-5)
+    assert float(metrics["kl"]) == pytest.approx(want["metrics"]["kl"], rel=1e-5)
+    scale = want["num_items_in_batch"] / (8 * length)
+    trl = jax.tree.map(lambda g: np.asarray(g) * scale, start(imported, tmp_path, "grpo_dapo")[1].params)
+    assert max_relative_difference(grads, trl) < 1e-5
 
 
 REWARD = '''
@@ -112,7 +206,7 @@ def test_grpo_through_the_cli_learns_what_the_reward_asks(tmp_path):
 
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
-    return import_fixtures(tmp_path_factory.mktemp("imported"), ("grpo_grpo_k3",))
+    return import_fixtures(tmp_path_factory.mktemp("imported"), tuple(f"grpo_{case}" for case in VARIANTS))
 
 
 def test_a_resumed_grpo_run_samples_and_trains_as_the_uninterrupted_one(tmp_path):
@@ -178,13 +272,14 @@ def test_with_lora_the_reference_is_the_base_and_the_adapters_learn(imported, tm
 
 
 def test_a_pipeline_samples_and_trains_as_one_device(env, tmp_path):
-    """GRPO under pipeline=2 x fsdp=4 (1f1b): rollouts are sampled from the stage-laid parameters as they train
+    """GRPO under pipeline=2 x fsdp=4 (1f1b), at temperature 0.7 (the pipelined head divides the logits as the
+    step's does): rollouts are sampled from the stage-laid parameters as they train
     (decode.Engine reads them as the unpipelined stack inside its jitted steps, no copy kept), the rollout policy's
     and the reference's log-probabilities come from the pipelined forward, the loss from the table runner per
     pipeline microbatch; three steps through `maxshard.train` log one device's rewards and losses within 1e-5 and
     its KL within 1e-5 (5e-5 on jax 0.12) (one device: a subprocess, side by side with the pipelined run in this
     process)."""
-    keys = ("steps=3", "log_period=1", "enable_checkpointing=false", "grpo_group_size=4")
+    keys = ("steps=3", "log_period=1", "enable_checkpointing=false", "grpo_group_size=4", "grpo_temperature=0.7")
     argv = grpo_argv(tmp_path, "run_name=one", *keys, "per_device_batch_size=16", "cpu_device_count=1")
     one = cli_processes.popen([sys.executable, "-m", "maxshard.train", *argv], cwd=REPO, env=env,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -222,7 +317,7 @@ def test_each_grpo_loss_type_equals_trl_s(imported, tmp_path):
     for case in ("dapo_k3", "dr_grpo_k3"):
         want = GRPO[case]
         assert want["config"]["loss_type"] == case[:-3] and want["config"]["use_bias_correction_kl"] is False
-        cfg = tiny_config(*KEYS[:4], "dataset_type=prompts", f"grpo_loss_type={case[:-3]}",
+        cfg = tiny_config(*KEYS[:4], "dataset_type=prompts", f"grpo_loss_type={case[:-3]}", "grpo_kl_estimator=k3",
                           f"grpo_max_new_tokens={want['config']['max_completion_length']}")
         types[case] = objectives.of(cfg)
 

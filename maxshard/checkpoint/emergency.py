@@ -57,6 +57,7 @@ from maxshard.checkpoint.health import CheckpointError, reason
 from maxshard.checkpoint.params import saved_part, target_state, with_base
 from maxshard.config import Config
 from maxshard.errors import ConfigError
+from maxshard.objectives import kinds as objective_kinds
 from maxshard.training.step import Trainer, TrainState
 
 __all__ = ["EmergencyCheckpoints", "open_checkpoints", "local_root", "REPLICA_AXIS", "POSITIONS"]
@@ -73,7 +74,7 @@ def open_checkpoints(cfg: Config, trainer: Trainer) -> checkpoint_manager.Checkp
         if "://" in cfg.checkpoint_local_dir:
             raise ConfigError(f"checkpoint_local_dir={cfg.checkpoint_local_dir} must be a path on each host (a RAM "
                               "disk, a local SSD), not a URL: persistent storage is checkpoint_dir's")
-        if cfg.objective == "grpo" and cfg.grpo_updates_per_rollout > 1:
+        if objective_kinds.kind(cfg.objective).samples and cfg.grpo_updates_per_rollout > 1:
             raise ConfigError("checkpoint_local_dir keeps the train state and the data position only, not the rollout "
                               "batch a step inside grpo_updates_per_rollout > 1 trains on again: set "
                               "grpo_updates_per_rollout=1, or leave checkpoint_local_dir empty")

@@ -8,7 +8,8 @@ reward against its group's (`objectives/grpo.py`). The rows the step trains on, 
     inputs       prompt c1 c2 ... c(n-1)          the prompt's ids as generation started them, then the completion
     targets      p2 ... c1 c2 ... cn              (ending with the EOS that stopped it, if one did)
     loss_weights 0  ... 1  1  ... 1               the completion's targets only
-    old_logps    log p of each target under the parameters that sampled it (one forward pass after sampling)
+    old_logps    log p of each target under the parameters that sampled it (one forward pass after sampling), of
+                 the logits / grpo_temperature as the step's (`logps_of`)
     advantages   the completion's advantage, on every token of its row
 
 The sampling key of rollout r is derived from `seed` and r alone, and the prompts' position is saved with every
@@ -40,7 +41,7 @@ from maxshard.objectives import kinds
 from maxshard.parallel import xla_options
 from maxshard.training.step import Trainer, TrainState, mesh_context
 
-__all__ = ["Rollouts", "advantages", "rows", "next_batch", "check"]
+__all__ = ["Rollouts", "advantages", "rows", "logps_of", "next_batch", "check"]
 
 _SHOWN_SAMPLES = 2  # completions printed (with their rewards) every log_period steps
 
@@ -68,7 +69,7 @@ def rows(prompt_ids: Sequence[Sequence[int]], completions: Sequence[Sequence[int
          length: int) -> dict[str, np.ndarray]:
     """The batch rows [n, length] of prompt + completion pairs (module docstring), old_logps still zero."""
     n = len(prompt_ids)
-    out = {k: np.zeros((n, length), np.dtype(dtype)) for k, dtype in kinds.fields("grpo").items()}
+    out = {k: np.zeros((n, length), np.dtype(dtype)) for k, dtype in kinds.rollout_fields().items()}
     for i, (prompt, completion) in enumerate(zip(prompt_ids, completions)):
         tokens = np.asarray([*prompt, *completion], np.int32)
         used = len(tokens) - 1
@@ -77,6 +78,14 @@ def rows(prompt_ids: Sequence[Sequence[int]], completions: Sequence[Sequence[int
         out["loss_weights"][i, :used] = np.arange(1, used + 1) >= len(prompt)
         out["advantages"][i, :used] = advantage[i]
     return out
+
+
+def logps_of(trainer: Trainer, batch_sharding: jax.sharding.NamedSharding) -> Callable[[Any, Any], jax.Array]:
+    """(params, batch) -> the targets' log-probabilities under `params` [batch, length], jitted: the rollout policy's
+    `old_logps`, taken as the step takes the policy's (at the objective's temperature: `Trainer._tempered`)."""
+    return jax.jit(lambda params, batch: trainer._token_logps(params, batch)[0],
+                   in_shardings=(trainer.state_shardings.params, trainer.batch_shardings(batch_sharding)),
+                   out_shardings=batch_sharding, compiler_options=xla_options.for_mesh(trainer.mesh))
 
 
 class Rollouts:
@@ -92,9 +101,7 @@ class Rollouts:
         self.step, self._batch, self._engine = 0, None, None
         self._stats: dict[str, float] = {}
         self._samples: list[tuple[str, str, float]] = []
-        self._logps = jax.jit(lambda params, batch: trainer._token_logps(params, batch)[0],
-                              in_shardings=(trainer.state_shardings.params, trainer.batch_shardings(batch_sharding)),
-                              out_shardings=batch_sharding, compiler_options=xla_options.for_mesh(trainer.mesh))
+        self._logps = logps_of(trainer, batch_sharding)
 
     def next_for(self, state: TrainState) -> dict[str, jax.Array]:
         """The batch of step `self.step`: a new rollout at every `grpo_updates_per_rollout`-th step (or the first

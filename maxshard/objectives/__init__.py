@@ -10,6 +10,8 @@ targets [batch, length] and hands them over with the batch:
                                            sums["weight_sum"], summed likewise; every entry of sums adds up across
                                            microbatches; `reference` is the reference model's log-probabilities
     metrics(sums)                          what the objective reports beyond loss (from the summed sums)
+    temperature                            the log-probabilities are of the logits divided by it (the step divides
+                                           them, for the reference and GRPO's rollout policy too: Trainer._head)
 
 so k microbatches give exactly the gradient of the whole batch for every objective, as they do for cross-entropy.
 """
@@ -32,6 +34,7 @@ Batch = dict[str, jax.Array]
 
 class Objective(Protocol):
     kind: kinds.Kind
+    temperature: float  # every log-probability it reads is of the logits / this (GRPO's sampling temperature; else 1)
 
     def totals(self, batch: Batch) -> dict[str, jax.Array]: ...
 
@@ -53,5 +56,7 @@ def of(cfg: Any) -> Objective:
     if name == "orpo":
         return ORPO(cfg.orpo_lambda)
     if name == "grpo":
-        return GRPO(cfg.grpo_epsilon, cfg.grpo_kl_beta, cfg.grpo_loss_type, cfg.grpo_max_new_tokens)
+        return GRPO(cfg.grpo_epsilon, cfg.grpo_kl_beta, cfg.grpo_loss_type, cfg.grpo_max_new_tokens,
+                    cfg.grpo_epsilon_high or cfg.grpo_epsilon, cfg.grpo_kl_estimator, cfg.grpo_importance_sampling,
+                    cfg.grpo_temperature)
     raise KeyError(name)

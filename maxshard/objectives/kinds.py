@@ -18,9 +18,11 @@ differs is what a row holds:
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
-__all__ = ["FIELDS", "Kind", "KINDS", "NAMES", "kind", "fields", "trains_mtp", "REFERENCES", "REFERENCE_FIELD",
-           "GRPO_LOSS_TYPES"]
+__all__ = ["FIELDS", "Kind", "KINDS", "NAMES", "kind", "fields", "rollout_fields", "trains_mtp", "REFERENCES",
+           "REFERENCE_FIELD", "reference_source", "names_where", "GRPO_LOSS_TYPES", "GRPO_KL_ESTIMATORS",
+           "GRPO_IMPORTANCE_SAMPLING"]
 
 # name -> dtype of every batch field, [batch, length] each (maxshard/data/__init__.py says what each holds)
 FIELDS = {"inputs": "int32", "targets": "int32", "segment_ids": "int32", "positions": "int32",
@@ -33,6 +35,10 @@ REFERENCE_FIELD = "reference_logps"
 
 # grpo_loss_type: how GRPO's per-token losses become one (objectives/grpo.py), named as TRL's `loss_type`s
 GRPO_LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+# grpo_kl_estimator: bias_corrected (TRL 1.16's default use_bias_correction_kl: k3 x the policy/old ratio) or k3
+GRPO_KL_ESTIMATORS = ("bias_corrected", "k3")
+# grpo_importance_sampling: the ratio per token, or one per completion (GSPO; TRL's importance_sampling_level)
+GRPO_IMPORTANCE_SAMPLING = ("token", "sequence")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,27 +46,46 @@ class Kind:
     """One objective (module docstring)."""
 
     name: str
-    rows: str  # "documents" or "pairs": what a batch row holds
+    rows: str  # "documents", "pairs" or "rollouts": what a batch row holds
     reference: bool  # it compares with a reference model's log-probabilities
     keys: tuple[str, ...]  # its config keys
     summary: str
     extra: tuple[str, ...] = ()  # float32 [batch, length] batch fields beyond FIELDS
+    reference_key: str = ""  # the config key saying where the reference comes from (one of REFERENCES); "": auto
+    reference_weight_key: str = ""  # a config key whose 0 keeps no reference at all
+
+    @property
+    def samples(self) -> bool:
+        """Its rows are completions sampled from the model being trained (generation/rollouts.py), not read."""
+        return self.rows == "rollouts"
+
+    @property
+    def pairs(self) -> bool:
+        """Its rows hold preference pairs."""
+        return self.rows == "pairs"
+
+    @property
+    def documents(self) -> bool:
+        """Its rows hold packed documents."""
+        return self.rows == "documents"
 
 
 KINDS = (
     Kind("lm", "documents", False, (), "next-token cross-entropy (pre-training, SFT)"),
     Kind("dpo", "pairs", True, ("dpo_beta", "dpo_label_smoothing", "dpo_reference"),
-         "direct preference optimisation against a reference model (objectives/preference.py)"),
+         "direct preference optimisation against a reference model (objectives/preference.py)",
+         reference_key="dpo_reference"),
     Kind("simpo", "pairs", False, ("simpo_beta", "simpo_gamma"),
          "SimPO: length-normalised log-probabilities with a target margin, no reference"),
     Kind("orpo", "pairs", False, ("orpo_lambda",),
          "ORPO: the chosen reply's cross-entropy plus a log-odds-ratio term, no reference"),
     Kind("grpo", "rollouts", True, ("grpo_group_size", "grpo_updates_per_rollout", "grpo_kl_beta", "grpo_epsilon",
                                     "grpo_temperature", "grpo_top_p", "grpo_max_new_tokens", "reward",
-                                    "grpo_loss_type"),
+                                    "grpo_loss_type", "grpo_kl_estimator", "grpo_epsilon_high",
+                                    "grpo_importance_sampling"),
          "GRPO: completions sampled from the current model, rewarded, advantages normalised within each prompt's "
          "group, a clipped ratio and a KL term to the reference (objectives/grpo.py)",
-         extra=("old_logps", "advantages")),
+         extra=("old_logps", "advantages"), reference_weight_key="grpo_kl_beta"),
 )
 NAMES = tuple(k.name for k in KINDS)
 _BY_NAME = {k.name: k for k in KINDS}
@@ -76,7 +101,27 @@ def fields(name: str) -> dict[str, str]:
     return {**FIELDS, **dict.fromkeys(kind(name).extra, "float32")}
 
 
+def rollout_fields() -> dict[str, str]:
+    """name -> dtype of every field of a sampled row (generation/rollouts.py): the sampling objectives' (one)."""
+    return {k: v for name in names_where("samples") for k, v in fields(name).items()}
+
+
+def names_where(prop: str) -> tuple[str, ...]:
+    """The objectives whose Kind property `prop` holds, for messages that list them."""
+    return tuple(k.name for k in KINDS if getattr(k, prop))
+
+
+def reference_source(cfg: Any) -> str:
+    """Where the run's reference log-probabilities come from as configured: "" (its objective keeps none, or its
+    reference weight is 0), else its `reference_key`'s value (one of REFERENCES; "auto" without one). `cfg` is the
+    run Config (read by attribute: this module sits below the config)."""
+    k = kind(cfg.objective)
+    if not k.reference or (k.reference_weight_key and not getattr(cfg, k.reference_weight_key)):
+        return ""
+    return getattr(cfg, k.reference_key) if k.reference_key else "auto"
+
+
 def trains_mtp(name: str, mtp_depth: int, mtp_loss_weight: float) -> bool:
     """Whether a step of objective `name` trains the multi-token prediction modules (layers/mtp.py): a model with
-    some, a weight for their loss, and the lm objective (the others read the main head only)."""
-    return bool(mtp_depth and mtp_loss_weight and name == "lm")
+    some, a weight for their loss, and an objective on documents (lm: the others read the main head only)."""
+    return bool(mtp_depth and mtp_loss_weight and kind(name).documents)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ class LanguageModel:
     token-weighted mean cross-entropy."""
 
     kind: kinds.Kind = kinds.kind("lm")
+    temperature: ClassVar[float] = 1.0
 
     def totals(self, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
         return {}

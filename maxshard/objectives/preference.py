@@ -29,7 +29,7 @@ Rewards (reported, as TRL logs them): DPO beta (logp - ref logp); SimPO beta x m
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -122,6 +122,7 @@ class DPO:
     beta: float
     label_smoothing: float = 0.0
     kind: kinds.Kind = kinds.kind("dpo")
+    temperature: ClassVar[float] = 1.0
 
     def totals(self, batch: Batch) -> dict[str, jax.Array]:
         return {}
@@ -147,6 +148,7 @@ class SimPO:
     beta: float
     gamma: float
     kind: kinds.Kind = kinds.kind("simpo")
+    temperature: ClassVar[float] = 1.0
 
     def totals(self, batch: Batch) -> dict[str, jax.Array]:
         return {}
@@ -174,6 +176,7 @@ class ORPO:
 
     lam: float
     kind: kinds.Kind = kinds.kind("orpo")
+    temperature: ClassVar[float] = 1.0
 
     def totals(self, batch: Batch) -> dict[str, jax.Array]:
         """Pairs and chosen-half targets of the whole batch: the NLL term is a mean over all those targets."""

@@ -5,7 +5,8 @@ plus the logical rules, and the init itself runs under `jax.jit(out_shardings=..
 optimizer moment is born in its final layout.
 
 Loss: the run's objective (`maxshard/objectives`: next-token cross-entropy for `lm`, DPO/SimPO/ORPO on preference
-pairs) from the model's float32 per-token log-probabilities of the targets. Gradient accumulation splits the batch
+pairs, GRPO on sampled completions) from the model's float32 per-token log-probabilities of the targets, of the
+logits divided by the objective's temperature (`_tempered`: GRPO's sampling temperature, else 1). Gradient accumulation splits the batch
 into k microbatches (by rows, so a preference pair stays whole) and sums losses, gradients and the objective's sums
 before one division by the total weight, so k microbatches give exactly the gradient of the whole batch.
 MoE models add their router losses (weighted by `load_balance_loss_weight` / `router_z_loss_weight` /
@@ -76,10 +77,9 @@ def reference_kind(cfg: Config) -> str:
     """Where the run's reference log-probabilities come from: "" (its objective needs none), "frozen" (a copy of
     the starting parameters in the state), "lora_base" (the LoRA base, adapters off) or "precomputed" (the batch's
     `reference_logps`, written by a first pass: training/precomputed.py)."""
-    if not objective_kinds.kind(cfg.objective).reference or (cfg.objective == "grpo" and not cfg.grpo_kl_beta):
-        return ""
-    if cfg.objective == "dpo" and cfg.dpo_reference != "auto":
-        return cfg.dpo_reference
+    source = objective_kinds.reference_source(cfg)
+    if source != "auto":
+        return source
     return "frozen" if trainable.trains_everything(cfg.model) else "lora_base"
 
 
@@ -193,7 +193,14 @@ class Trainer:
                 stats = {**stats, **mtp.loss_sums(head, predicted, batch, logps_of)}
             return logps_of(head, hidden, batch["targets"]), stats
         logits, stats = apply_with_stats(self.model, params, *inputs)
-        return token_logps(logits, batch["targets"]), stats
+        return token_logps(self._tempered(logits), batch["targets"]), stats
+
+    def _tempered(self, logits: jax.Array) -> jax.Array:
+        """The logits every log-probability of the loss is taken from: divided by the objective's temperature (GRPO
+        samples its rollouts at `grpo_temperature`, and TRL scores the policy, the rollout policy and the reference
+        at it too); the same array at 1."""
+        temperature = self.objective.temperature
+        return logits if temperature == 1 else logits / temperature
 
     def _head(self, params: Any, rows: int, groups: TokenGroups | None = None
               ) -> GroupedHead | Callable[[jax.Array], jax.Array]:
@@ -204,7 +211,8 @@ class Trainer:
         which XLA pads; LoRA's reference without its adapters). `groups`: the token groups where the caller's mesh
         and rules are not the step's (a pipeline stage's, training/pipelined.py)."""
         key = "token_embed" if self.cfg.model.logits_via_embedding else "logits"
-        plain = functools.partial(self.model.apply, {"params": params}, method="head")
+        head = functools.partial(self.model.apply, {"params": params}, method="head")
+        plain = head if self.objective.temperature == 1 else lambda x: self._tempered(head(x))
         shardings = self.state_shardings.params
         if groups is None:
             dims = sharding.mesh_axes(ax.LOGITS, self.rules, dict(self.mesh.shape))
@@ -215,7 +223,7 @@ class Trainer:
             return plain
 
         def apply(weights: Any, x: jax.Array) -> jax.Array:  # the head reads its own weights only
-            return self.model.apply({"params": {key: weights}}, x, method="head")
+            return self._tempered(self.model.apply({"params": {key: weights}}, x, method="head"))
 
         return GroupedHead(apply, params[key], shardings[key], groups)
 
