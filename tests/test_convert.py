@@ -199,7 +199,7 @@ def test_documents_and_prompts_start_as_the_tokenizer_says(name, bos, stops):
     """BOS only where the tokenizer's template adds one, EOS ends every document, prompts as tokenizer(prompt)
     encodes them, generation stops at every EOS id of generation_config.json."""
     tok = load_hf_tokenizer(str(FIXTURES / name / "tokenizer.json"))
-    assert tok.bos_id == bos and tok.stop_ids == stops
+    assert tok.start_id == bos and tok.stop_ids == stops
     want = json.loads((FIXTURES / name / "generate.json").read_text())
     assert tok.encode_prompt(want["prompt"]) == want["input_ids"]  # what transformers' tokenizer(prompt) gave
     text = "the lazy dog"

@@ -3,9 +3,11 @@
 The Hugging Face fixtures (tests/fixtures/hf) are converted by `maxshard.convert` and scored by the CLI on the example
 tasks of configs/eval_tasks (multiple choice, rolling perplexity, greedy and sampled generation); tests/fixtures/eval
 holds what lm-eval 0.4.13's Hugging Face backend scored on the same models (tools/make_eval_fixtures.py, float32,
-max_length 32 so the longer rolling documents take several windows). The CLI runs in this process; each
-model's single-device scores are computed once and shared by the layout tests and by the one multi-host test, whose
-two processes run the CLI as subprocesses.
+max_length 32 so the longer rolling documents take several windows). The models cover every way a tokenizer treats
+BOS: named and never added (llama_gqa), named and added by its template (mixtral), none (qwen3, qwen3_moe), and
+none named though the vocabulary holds <s> (qwen3_bos_in_vocab: qwen3's weights, the tokenizer of
+tests/fixtures/eval/qwen3_bos_in_vocab). The CLI runs in this process; each model's single-device scores are computed
+once and shared by the layout tests and by the one multi-host test, whose two processes run the CLI as subprocesses.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -26,6 +29,8 @@ pytest.importorskip("lm_eval")
 
 from maxshard import eval as eval_cli  # noqa: E402
 from maxshard.convert import __main__ as convert_cli  # noqa: E402
+from maxshard.data.tokenizer import load_hf_tokenizer  # noqa: E402
+from maxshard.evaluation.harness import MaxshardLM  # noqa: E402
 import cli_processes
 
 REPO = Path(__file__).resolve().parent.parent
@@ -33,14 +38,29 @@ FIXTURES = REPO / "tests" / "fixtures"
 TASKS_DIR = REPO / "configs" / "eval_tasks"
 TASKS = ("local_choice", "local_rolling", "local_generate")
 TOLERANCE = 1e-4
+MODELS = ("llama_gqa", "mixtral", "qwen3", "qwen3_moe", "qwen3_bos_in_vocab")
+BOS_IN_VOCAB = ("config.json", "generation_config.json", "model.safetensors")  # from qwen3, beside its own tokenizer
+
+
+def checkpoint(name: str, scratch: Path) -> Path:
+    """The Hugging Face directory of `name`, as tools/make_eval_fixtures.py scored it: qwen3_bos_in_vocab is
+    assembled in `scratch` from qwen3's weights and the tokenizer files of tests/fixtures/eval/qwen3_bos_in_vocab."""
+    if name != "qwen3_bos_in_vocab":
+        return FIXTURES / "hf" / name
+    for file in BOS_IN_VOCAB:
+        shutil.copyfile(FIXTURES / "hf" / "qwen3" / file, scratch / file)
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(FIXTURES / "eval" / name / file, scratch / file)
+    return scratch
 
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("converted")
-    for name in ("llama_gqa", "qwen3", "qwen3_moe"):
-        assert convert_cli.main(["from_hf", str(FIXTURES / "hf" / name), str(root / name)]) == 0
-    return {name: root / name for name in ("llama_gqa", "qwen3", "qwen3_moe")}
+    for name in MODELS:
+        source = checkpoint(name, tmp_path_factory.mktemp(f"{name}_hf"))
+        assert convert_cli.main(["from_hf", str(source), str(root / name)]) == 0
+    return {name: root / name for name in MODELS}
 
 
 def score(converted: dict[str, Path], out: Path, name: str, *keys: str, devices: Any = None, tasks: tuple = TASKS
@@ -94,10 +114,11 @@ def _greedy(resps: list) -> list[str]:
     return [str(answer[1]) for doc in resps for (answer,) in doc]
 
 
-@pytest.mark.parametrize("name", ["llama_gqa", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("name", MODELS)
 def test_scores_equal_lm_evals_hugging_face_backend(one_device, name):
     """Per-request log-likelihoods within 1e-4 of the Hugging Face backend's, the same greedy flags, accuracies and
-    rolling perplexities, and the same greedy generations cut at the same stop sequences."""
+    rolling perplexities (every rolling document's first window conditioned on the same prefix token), and the same
+    greedy generations cut at the same stop sequences."""
     resps, results, *_ = one_device[name]
     want = json.loads((FIXTURES / "eval" / f"{name}.json").read_text())
     for task in ("local_choice", "local_rolling"):
@@ -111,6 +132,16 @@ def test_scores_equal_lm_evals_hugging_face_backend(one_device, name):
                 assert results["results"][task][metric] == value, (task, metric)
             elif metric != "name" and metric != "sample_len":
                 assert results["results"][task][metric] == pytest.approx(value, rel=1e-5), (task, metric)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_special_tokens_and_the_prefix_are_transformers_and_lm_evals(tmp_path, name):
+    """BOS and EOS as transformers reads them from the tokenizer's config, and the prefix token lm-eval conditions
+    an empty context on (BOS, else EOS; <s> in qwen3_bos_in_vocab's vocabulary is no BOS)."""
+    tok = load_hf_tokenizer(str(checkpoint(name, tmp_path) / "tokenizer.json"))
+    want = json.loads((FIXTURES / "eval" / f"{name}.json").read_text())["tokenizer"]
+    assert (tok.bos_id, tok.eos_id) == (want["bos_token_id"], want["eos_token_id"])
+    assert MaxshardLM(None, None, tok, 32).prefix_token_id == want["prefix_token_id"]
 
 
 @pytest.mark.parametrize(("name", "layout"), [

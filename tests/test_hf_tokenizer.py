@@ -30,25 +30,25 @@ def cfg_with(*overrides: str) -> config.Config:
 
 def test_ids_round_trip_and_specials_from_tokenizer_config():
     tok = load_hf_tokenizer(str(TOKENIZER))
-    assert (tok.pad_id, tok.bos_token_id, tok.eos_id, tok.vocab_size) == (0, 1, 2, 128)  # <unk> doubles as pad
-    assert tok.bos_id is None  # its tokenizer.json has no template: texts start without BOS
+    assert (tok.pad_id, tok.bos_id, tok.eos_id, tok.vocab_size) == (0, 1, 2, 128)  # <unk> doubles as pad
+    assert tok.start_id is None  # its tokenizer.json has no template: texts start without BOS
     ids = tok.encode(TEXT)
-    assert tok.bos_token_id not in ids and tok.eos_id not in ids  # the pipeline adds EOS (and BOS) itself, once
+    assert tok.bos_id not in ids and tok.eos_id not in ids  # the pipeline adds EOS (and BOS) itself, once
     assert tok.encode_prompt(TEXT) == ids
-    assert tok.decode(ids) == TEXT and tok.decode([tok.bos_token_id, *ids, tok.eos_id]) == TEXT
+    assert tok.decode(ids) == TEXT and tok.decode([tok.bos_id, *ids, tok.eos_id]) == TEXT
     assert tok.encode_array(TEXT).dtype == np.int32 and tok.encode_array(TEXT).tolist() == ids
     copy = pickle.loads(pickle.dumps(tok))  # grain workers get their own copy
     assert copy.encode(TEXT) == ids and copy.fingerprint() == tok.fingerprint()
     assert tok.fingerprint().startswith("hf-tokenizers:") and tok.fingerprint() != ByteTokenizer().fingerprint()
 
 
-def test_without_tokenizer_config_known_names_are_used(tmp_path):
+def test_without_tokenizer_config_only_the_eos_falls_back_to_known_names(tmp_path):
     shutil.copyfile(TOKENIZER, tmp_path / "tokenizer.json")  # no tokenizer_config.json beside it
     tok = load_hf_tokenizer(str(tmp_path / "tokenizer.json"))
-    assert (tok.bos_token_id, tok.eos_id) == (1, 2)  # "<s>", "</s>"
+    assert (tok.bos_id, tok.eos_id) == (None, 2)  # "</s>"; its "<s>" is named by no file, so no BOS
     (tmp_path / "tokenizer_config.json").write_text('{"bos_token": {"content": "</s>"}, "eos_token": "<unk>"}')
     tok = load_hf_tokenizer(str(tmp_path / "tokenizer.json"))
-    assert (tok.bos_token_id, tok.eos_id) == (2, 0)  # the config wins, in either spelling
+    assert (tok.bos_id, tok.eos_id) == (2, 0)  # the config wins, in either spelling
 
 
 def test_make_tokenizer_and_vocab_and_errors(tmp_path):

@@ -1,15 +1,28 @@
 """Writes tests/fixtures/eval/NAME.json: what lm-eval's own Hugging Face backend scores on the example tasks of
 configs/eval_tasks/ for the Hugging Face fixtures of tests/fixtures/hf (tools/make_hf_fixtures.py).
 
-Run once, by hand, in the venv that holds torch and transformers (never a dependency of maxshard or its CI):
+Run once, by hand, in the venv that holds torch, transformers and lm-eval (never dependencies of maxshard or its CI):
 
-    /work/trlvenv/bin/pip install lm-eval==0.4.13
-    /work/trlvenv/bin/python tools/make_eval_fixtures.py
+    /work/refvenv/bin/pip install lm-eval==0.4.13
+    /work/refvenv/bin/python tools/make_eval_fixtures.py
 
-The backend loads each fixture in float32 (the fixtures' bfloat16 weights exactly, computed as maxshard computes
+The models cover the three ways a tokenizer treats BOS, since lm-eval conditions an empty context and the first
+rolling window on transformers' `bos_token_id`, else on EOS:
+
+  llama_gqa            its config names <s> as BOS, its template adds none: texts start without BOS, the prefix is <s>.
+  mixtral              its config names <s> and its template adds it before every text.
+  qwen3, qwen3_moe     Qwen's byte-level BPE: no BOS anywhere; the prefix is EOS.
+  qwen3_bos_in_vocab   qwen3's weights with a tokenizer whose config has no BOS (bos_token null) but whose
+                       vocabulary holds <s>: qwen3's tokenizer with <|im_start|> (id 1) renamed <s>, written to
+                       tests/fixtures/eval/qwen3_bos_in_vocab/ (tokenizer.json, tokenizer_config.json). The prefix is
+                       EOS (0), not <s>: a token the vocabulary holds is no BOS unless the config names it.
+
+The backend loads each model in float32 (the fixtures' bfloat16 weights exactly, computed as maxshard computes
 on CPU) with `max_length=32`, so the longer rolling documents span several windows and generation left-truncates
 as it would at a model's full context; batch size 1. Each file holds, per task, lm-eval's metrics and every
-document's `resps` (log-likelihoods and greedy flags, rolling log-likelihoods, or generated text), in document order.
+document's `resps` (log-likelihoods and greedy flags, rolling log-likelihoods, or generated text), in document
+order, and under "tokenizer" the ids transformers reads (`bos_token_id`, `eos_token_id`) and lm-eval's
+`prefix_token_id`.
 """
 
 from __future__ import annotations
@@ -17,6 +30,8 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
+import tempfile
 
 import lm_eval
 from lm_eval.models.huggingface import HFLM
@@ -24,18 +39,46 @@ from lm_eval.tasks import TaskManager
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 TASKS_DIR = REPO / "configs" / "eval_tasks"
+HF = REPO / "tests" / "fixtures" / "hf"
 OUT = REPO / "tests" / "fixtures" / "eval"
-NAMES = ("llama_gqa", "qwen3", "qwen3_moe")
+NAMES = ("llama_gqa", "mixtral", "qwen3", "qwen3_moe", "qwen3_bos_in_vocab")
 TASKS = ["local_choice", "local_rolling", "local_generate"]
 MAX_LENGTH = 32
+WEIGHTS = ("config.json", "generation_config.json", "model.safetensors")  # what qwen3_bos_in_vocab takes from qwen3
 
 
-def score(name: str) -> dict:
-    model = HFLM(pretrained=str(REPO / "tests" / "fixtures" / "hf" / name), dtype="float32", batch_size=1,
-                 max_length=MAX_LENGTH, device="cpu")
+def bos_in_vocab_tokenizer(directory: pathlib.Path) -> None:
+    """qwen3's tokenizer files with <|im_start|> renamed <s> (bos_token stays null in tokenizer_config.json)."""
+    tok = json.loads((HF / "qwen3" / "tokenizer.json").read_text())
+    (added,) = [t for t in tok["added_tokens"] if t["content"] == "<|im_start|>"]
+    added["content"] = "<s>"
+    tok["model"]["vocab"]["<s>"] = tok["model"]["vocab"].pop("<|im_start|>")
+    named = json.loads((HF / "qwen3" / "tokenizer_config.json").read_text())
+    assert named["bos_token"] is None and "<|im_start|>" not in json.dumps(named)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "tokenizer.json").write_text(json.dumps(tok, indent=2, ensure_ascii=False) + "\n")
+    (directory / "tokenizer_config.json").write_text(json.dumps(named, indent=2) + "\n")
+
+
+def model_dir(name: str, scratch: pathlib.Path) -> pathlib.Path:
+    """The checkpoint directory of `name`: a fixture of tests/fixtures/hf, or qwen3_bos_in_vocab assembled in
+    `scratch` from qwen3's weights and its own tokenizer (as tests/test_eval.py assembles it)."""
+    if name != "qwen3_bos_in_vocab":
+        return HF / name
+    for file in WEIGHTS:
+        shutil.copyfile(HF / "qwen3" / file, scratch / file)
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(OUT / name / file, scratch / file)
+    return scratch
+
+
+def score(path: pathlib.Path) -> dict:
+    model = HFLM(pretrained=str(path), dtype="float32", batch_size=1, max_length=MAX_LENGTH, device="cpu")
     results = lm_eval.simple_evaluate(model=model, tasks=TASKS, task_manager=TaskManager(include_path=str(TASKS_DIR)),
                                       log_samples=True, bootstrap_iters=0)
-    out = {}
+    out: dict = {"tokenizer": {"bos_token_id": model.tokenizer.bos_token_id,
+                               "eos_token_id": model.tokenizer.eos_token_id,
+                               "prefix_token_id": model.prefix_token_id}}
     for task in TASKS:
         samples = sorted(results["samples"][task], key=lambda s: s["doc_id"])
         metrics = {k: v for k, v in results["results"][task].items() if k != "alias" and "stderr" not in k}
@@ -46,9 +89,12 @@ def score(name: str) -> dict:
 
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
+    bos_in_vocab_tokenizer(OUT / "qwen3_bos_in_vocab")
     os.chdir(TASKS_DIR)  # lm_eval reads the tasks' relative data_files from the working directory
     for name in NAMES:
-        (OUT / f"{name}.json").write_text(json.dumps(score(name), indent=1) + "\n")
+        with tempfile.TemporaryDirectory() as scratch:
+            scores = score(model_dir(name, pathlib.Path(scratch)))
+        (OUT / f"{name}.json").write_text(json.dumps(scores, indent=1) + "\n")
         print(f"wrote {OUT / name}.json")
 
 

@@ -127,7 +127,7 @@ def _document_pair(document: str | np.ndarray | chat.Conversation | preference.P
             tokens = tokenizer.encode_array(document)
         except UnicodeEncodeError:  # a lone surrogate ("\ud800" in JSON) is no UTF-8 text
             return BadRecord("invalid UTF-8", where)
-    return packing.document_pair(tokens, tokenizer.bos_id, tokenizer.eos_id)
+    return packing.document_pair(tokens, tokenizer.start_id, tokenizer.eos_id)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -133,7 +133,7 @@ class PreferenceEncoder:
 
     def _text_halves(self, record: Preference) -> list[tuple[np.ndarray, np.ndarray]]:
         """[BOS] prompt completion EOS for each completion, weighted 1 from the completion's first token."""
-        start = [] if self.tokenizer.bos_id is None else [self.tokenizer.bos_id]
+        start = [] if self.tokenizer.start_id is None else [self.tokenizer.start_id]
         prompt = np.concatenate([start, self.tokenizer.encode_array(record.prompt)]).astype(np.int32)
         halves = []
         for completion in (record.chosen, record.rejected):

@@ -74,7 +74,7 @@ class ShardWriter:
         from array_record.python import array_record_module  # deferred: only writers and readers need it
 
         self.stem, self.chunk = path_stem, chunk
-        self._start = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+        self._start = [] if tokenizer.start_id is None else [tokenizer.start_id]
         self._eos = tokenizer.eos_id
         self._meta = {"format": FORMAT, "tokenizer": tokenizer_name, "tokenizer_id": tokenizer.fingerprint(),
                       "chunk_tokens": chunk}

@@ -2,14 +2,21 @@
 
 `tokenizer_path` names a SentencePiece model instead (`tools/train_tokenizer.py` trains a small one), or a Hugging Face
 `tokenizer.json` (what Hugging Face checkpoints ship; `python -m maxshard.convert from_hf` points at it). All
-kinds have the same surface: `vocab_size`, `pad_id`/`bos_id`/`eos_id`, `encode`/`decode` on lists and `encode_array`
-for the input pipeline, which wants int32 arrays without a Python list per token. All pickle, so grain worker
-processes get their own copy.
+kinds have the same surface: `vocab_size`, `pad_id`/`bos_id`/`eos_id`/`start_id`, `stop_ids`, `encode`/`decode`
+on lists and `encode_array` for the input pipeline, which wants int32 arrays without a Python list per token. All
+pickle, so grain worker processes get their own copy. These attributes are the one home of the special tokens:
+training, generation and evaluation read them and nothing else.
 
-Where texts start and end follows the tokenizer. Byte-level and SentencePiece: every document and prompt starts
-with BOS. A Hugging Face tokenizer.json decides by its own template (post-processor): `bos_id` is the token the
-template puts before a text, None where it puts none (Qwen has no BOS at all; a tokenizer.json without a template
-adds none either), so training documents start as `tokenizer(text)` starts them, and prompts are encoded exactly as
+Special tokens are the tokenizer's own. Byte-level and SentencePiece have fixed ids. A Hugging Face tokenizer.json
+takes them as transformers does: `bos_id`, `eos_id` and `pad_id` are the tokens `tokenizer_config.json` (else
+`special_tokens_map.json`) beside it names, so `bos_id` is transformers' `bos_token_id` (what lm-eval conditions an
+empty context on); a token the vocabulary merely holds (`<s>` in a tokenizer whose config names no BOS) is no BOS.
+Only EOS, which maxshard needs to end documents, falls back to well-known names where no file names one.
+
+Where texts start is a second fact, `start_id`: the id the tokenizer puts before every text. Byte-level and
+SentencePiece: BOS. A Hugging Face tokenizer.json: what its own template (post-processor) puts before a text, None
+where it puts none (Qwen has no BOS at all; a tokenizer.json without a template adds none even where its config
+names a BOS), so training documents start as `tokenizer(text)` starts them, and prompts are encoded exactly as
 `tokenizer(prompt)` encodes them (`encode_prompt`). EOS ends every training document (the separator the model
 learns to stop at). Generation stops at `stop_ids`: for a Hugging Face model the EOS ids its generation_config.json
 lists (several for Qwen), as transformers' generate does, plus the tokenizer's own EOS, the one fine-tuning taught
@@ -53,8 +60,9 @@ class Tokenizer(Protocol):
     """What the input pipeline and generation need from a tokenizer."""
 
     pad_id: int
-    bos_id: int | None  # the id every document and prompt starts with; None: the tokenizer adds none
+    bos_id: int | None  # the tokenizer's BOS token (transformers' bos_token_id); None: it names none
     eos_id: int
+    start_id: int | None  # the id every document and prompt starts with; None: the tokenizer adds none
     stop_ids: tuple[int, ...]  # generation stops at any of these
     never_generated: tuple[int, ...]  # ids generation never samples (PAD, BOS for byte-level and SentencePiece)
 
@@ -83,6 +91,11 @@ class _FixedSpecials:
     @property
     def never_generated(self) -> tuple[int, ...]:
         return (self.pad_id, self.bos_id)  # type: ignore[attr-defined]
+
+    @property
+    def start_id(self) -> int:
+        """Every document and prompt starts with BOS."""
+        return self.bos_id  # type: ignore[attr-defined]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,21 +190,18 @@ def load_sentencepiece(path: str) -> SentencePieceTokenizer:
     return SentencePieceTokenizer(processor, path)
 
 
-# Special-token names to fall back on when no tokenizer_config.json says which token is BOS/EOS/PAD.
-_KNOWN_SPECIALS = {
-    "bos_token": ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>"),
-    "eos_token": ("<|end_of_text|>", "</s>", "<eos>", "<|endoftext|>"),
-    "pad_token": ("<pad>", "<|finetune_right_pad_id|>", "<|pad|>"),
-}
+_SPECIAL_FIELDS = ("bos_token", "eos_token", "pad_token")
+# EOS names to fall back on when neither tokenizer_config.json nor special_tokens_map.json names an EOS.
+_KNOWN_EOS = ("<|end_of_text|>", "</s>", "<eos>", "<|endoftext|>")
 
 
 class HuggingFaceTokenizer:
-    """A Hugging Face `tokenizer.json` (the `tokenizers` package). EOS/PAD (and the BOS token) are the tokens named
-    by the `tokenizer_config.json` beside it (as transformers reads them), else well-known names; PAD falls back
-    to 0.
+    """A Hugging Face `tokenizer.json` (the `tokenizers` package). BOS/EOS/PAD are the tokens named by the
+    `tokenizer_config.json` (else `special_tokens_map.json`) beside it, as transformers reads them; EOS falls back
+    to well-known names, PAD to 0.
 
-    `bos_id` is what the tokenizer's template adds before a text (None when it adds nothing), found by encoding a
-    probe text with and without special tokens; `encode` never applies the template (the pipeline adds `bos_id`
+    `start_id` is what the tokenizer's template adds before a text (None when it adds nothing), found by encoding a
+    probe text with and without special tokens; `encode` never applies the template (the pipeline adds `start_id`
     and EOS around each document), `encode_prompt` does. tokenizer_config.json's add_bos_token/add_eos_token, where
     set, must agree with the template. Decoding drops special tokens. Nothing is masked when generating
     (transformers masks nothing either).
@@ -200,18 +210,18 @@ class HuggingFaceTokenizer:
     def __init__(self, tokenizer: Any, path: str, special: dict[str, str], flags: Mapping[str, Any]) -> None:
         self.path = path
         self._tok = tokenizer
-        ids = {field: tokenizer.token_to_id(token) for field, token in special.items()}
+        ids = {field: _token_id(tokenizer, path, field, token) for field, token in special.items()}
         self.eos_id = ids.get("eos_token")
         if self.eos_id is None:
             raise ConfigError(f"tokenizer_path={path}: no EOS token found; put a tokenizer_config.json with "
                               "eos_token beside it")
         self.pad_id = ids.get("pad_token") if ids.get("pad_token") is not None else 0
-        self.bos_token_id = ids.get("bos_token")  # the tokenizer's BOS token, whether or not its template adds it
+        self.bos_id = ids.get("bos_token")  # whether or not its template adds it (start_id says what it adds)
         before, after = self._template(path)
         if len(before) > 1:
             raise ConfigError(f"tokenizer_path={path}: its template puts {len(before)} tokens before a text; "
                               "maxshard's documents start with at most one (BOS)")
-        self.bos_id = before[0] if before else None
+        self.start_id = before[0] if before else None
         _check_flags(path, flags, {"BOS": bool(before), "EOS": after[-1:] == [self.eos_id]})
         self.stop_ids = stop_ids(path, self.eos_id)
         self.never_generated: tuple[int, ...] = ()
@@ -252,7 +262,7 @@ class HuggingFaceTokenizer:
         return encoding.ids, encoding.offsets
 
     def fingerprint(self) -> str:
-        ids = f"{self.bos_id},{self.eos_id},{self.pad_id}".encode()
+        ids = f"{self.start_id},{self.eos_id},{self.pad_id}".encode()
         return "hf-tokenizers:" + hashlib.sha256(self._tok.to_str().encode() + ids).hexdigest()[:16]
 
     def decode(self, ids: list[int]) -> str:
@@ -304,17 +314,29 @@ def stop_ids(path: str, eos_id: int) -> tuple[int, ...]:
     return (eos_id,)
 
 
-def _special_tokens(named: Mapping[str, Any], tokenizer: Any) -> dict[str, str]:
-    """{"bos_token": text, ...}: from tokenizer_config.json (`named`), else the first known name present."""
+def _special_tokens(files: list[Mapping[str, Any]], tokenizer: Any) -> dict[str, str]:
+    """{"bos_token": text, ...}: each field from the first of `files` (tokenizer_config.json, then
+    special_tokens_map.json) that has it, a null there meaning none, as transformers reads them; an EOS no file
+    names is the first well-known EOS name the vocabulary holds. Nothing else is guessed from the vocabulary."""
     special = {}
-    for field, fallbacks in _KNOWN_SPECIALS.items():
-        value = named.get(field)
+    for field in _SPECIAL_FIELDS:
+        named = next((f for f in files if field in f), None)
+        value = named[field] if named is not None else None
         token = value.get("content") if isinstance(value, dict) else value
-        if token is None:
-            token = next((t for t in fallbacks if tokenizer.token_to_id(t) is not None), None)
+        if named is None and field == "eos_token":
+            token = next((t for t in _KNOWN_EOS if tokenizer.token_to_id(t) is not None), None)
         if token is not None:
             special[field] = token
     return special
+
+
+def _token_id(tokenizer: Any, path: str, field: str, token: str) -> int:
+    """The id of a special token a file names; ConfigError where the vocabulary lacks it."""
+    token_id = tokenizer.token_to_id(token)
+    if token_id is None:
+        raise ConfigError(f"tokenizer_path={path}: its config names {field} {token!r}, which tokenizer.json's "
+                          "vocabulary does not hold")
+    return token_id
 
 
 def load_hf_tokenizer(path: str) -> HuggingFaceTokenizer:
@@ -326,7 +348,8 @@ def load_hf_tokenizer(path: str) -> HuggingFaceTokenizer:
         raise ConfigError(f"tokenizer_path={path} is not a Hugging Face tokenizer.json: "
                           f"{str(e).splitlines()[0][:160]}") from None
     named = _json_beside(path, "tokenizer_config.json")
-    return HuggingFaceTokenizer(tokenizer, path, _special_tokens(named, tokenizer), named)
+    files = [named, _json_beside(path, "special_tokens_map.json")]
+    return HuggingFaceTokenizer(tokenizer, path, _special_tokens(files, tokenizer), named)
 
 
 def make_tokenizer(cfg: Config) -> ByteTokenizer | SentencePieceTokenizer | HuggingFaceTokenizer:

@@ -4,10 +4,11 @@ Requests become token rows exactly as lm-eval's Hugging Face backend makes them 
 so a score here is the score that backend gives the same model and tokenizer:
 
 - Encoding (`tok_encode`): the tokenizer's own template (`encode_prompt`: BOS where the tokenizer.json adds one,
-  byte-level and SentencePiece always), except for a text that already starts with the BOS text. The harness's
-  `_encode_pair` splits context and continuation where the context alone ends (trailing spaces go to the
-  continuation); an empty context becomes the prefix token: the tokenizer's BOS token (named, whether or not its
-  template adds it), else EOS.
+  byte-level and SentencePiece always), except for a text that already starts with the prefix token's text. The
+  harness's `_encode_pair` splits context and continuation where the context alone ends (trailing spaces go to the
+  continuation); an empty context becomes the prefix token: the tokenizer's BOS (`bos_id`, the token its config
+  names, whether or not its template adds it; transformers' `bos_token_id`), else EOS. A token the vocabulary holds
+  but the config does not name (`<s>` beside a Qwen config's null bos_token) is no BOS, here as there.
 - Log-likelihood: the model reads (context + continuation)[-(max_length + 1):][:-1]; the continuation's tokens are
   scored at its last positions (`scoring.py`: sorted by length, batched, padded rows never counted).
 - Rolling log-likelihood: lm-eval's own disjoint windows of `max_length` tokens after the prefix token, summed.
@@ -61,8 +62,7 @@ class MaxshardLM(TemplateLM):
     @property
     def prefix_token_id(self) -> int:
         """What an empty context and the first rolling window condition on: the BOS token, else EOS."""
-        bos = getattr(self.tok, "bos_token_id", self.tok.bos_id)
-        return bos if bos is not None else self.tok.eos_id
+        return self.tok.bos_id if self.tok.bos_id is not None else self.tok.eos_id
 
     @property
     def max_length(self) -> int:
@@ -85,7 +85,7 @@ class MaxshardLM(TemplateLM):
 
     def _encode_prompt(self, string: str) -> list[int]:
         """A generation context as the backend's batch encoding has it: no template after a leading BOS text."""
-        bos = self._token_text(getattr(self.tok, "bos_token_id", None))
+        bos = self._token_text(self.tok.bos_id)
         return self.tok_encode(string, add_special_tokens=not (bos and string.startswith(bos)))
 
     def tok_decode(self, tokens: Sequence[int]) -> str:
