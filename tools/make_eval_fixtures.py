@@ -4,7 +4,7 @@ configs/eval_tasks/ for the Hugging Face fixtures of tests/fixtures/hf (tools/ma
 Run once, by hand, in the venv that holds torch, transformers and lm-eval (never dependencies of maxshard or its CI):
 
     /work/refvenv/bin/pip install lm-eval==0.4.13
-    /work/refvenv/bin/python tools/make_eval_fixtures.py
+    /work/refvenv/bin/python tools/make_eval_fixtures.py  # --special-tokens-only: special_tokens.json alone
 
 The models cover the three ways a tokenizer treats BOS, since lm-eval conditions an empty context and the first
 rolling window on transformers' `bos_token_id`, else on EOS:
@@ -23,6 +23,11 @@ as it would at a model's full context; batch size 1. Each file holds, per task, 
 document's `resps` (log-likelihoods and greedy flags, rolling log-likelihoods, or generated text), in document
 order, and under "tokenizer" the ids transformers reads (`bos_token_id`, `eos_token_id`) and lm-eval's
 `prefix_token_id`.
+
+tests/fixtures/eval/special_tokens.json: how transformers' AutoTokenizer reads the special tokens of a
+tokenizer.json with each mix of files beside it (none, tokenizer_config.json with the key absent, null, a string
+or a dict, special_tokens_map.json alone or over tokenizer_config.json): per case the files, `bos_token_id`,
+`eos_token_id`, `pad_token_id` and `tokenizer(TEXT).input_ids`, which maxshard's tokenizer must read alike.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import json
 import os
 import pathlib
 import shutil
+import sys
 import tempfile
 
 import lm_eval
@@ -45,6 +51,26 @@ NAMES = ("llama_gqa", "mixtral", "qwen3", "qwen3_moe", "qwen3_bos_in_vocab")
 TASKS = ["local_choice", "local_rolling", "local_generate"]
 MAX_LENGTH = 32
 WEIGHTS = ("config.json", "generation_config.json", "model.safetensors")  # what qwen3_bos_in_vocab takes from qwen3
+TEXT = "the lazy dog"
+BACKEND = {"backend": "tokenizers", "tokenizer_class": "TokenizersBackend"}
+ADDED_EOS = {"__type": "AddedToken", "content": "</s>", "lstrip": False, "normalized": False, "rstrip": False,
+             "single_word": False, "special": True}  # the dict spelling older tokenizer_config.json files use
+# (case, the fixture whose tokenizer.json it takes, {file name: its JSON}); llama_gqa's has no template, mixtral's
+# adds <s>; both vocabularies hold <unk> <s> </s> as ids 0 1 2.
+SPECIAL_CASES = [
+    ("alone", "llama_gqa", {}),
+    ("alone_template_bos", "mixtral", {}),
+    ("config_without_bos", "llama_gqa", {"tokenizer_config.json": {**BACKEND, "eos_token": "</s>"}}),
+    ("config_without_bos_template_bos", "mixtral", {"tokenizer_config.json": {**BACKEND, "eos_token": "</s>"}}),
+    ("config_bos_null", "llama_gqa", {"tokenizer_config.json": {**BACKEND, "bos_token": None, "eos_token": "</s>"}}),
+    ("config_bos_dict", "llama_gqa", {"tokenizer_config.json": {**BACKEND, "bos_token": ADDED_EOS,
+                                                                "eos_token": "<unk>", "pad_token": "<s>"}}),
+    ("map_alone", "llama_gqa", {"special_tokens_map.json": {"bos_token": "</s>", "eos_token": "<unk>"}}),
+    ("map_over_config", "llama_gqa", {"special_tokens_map.json": {"bos_token": "</s>", "eos_token": "<unk>"},
+                                      "tokenizer_config.json": {**BACKEND, "bos_token": "<s>", "eos_token": "</s>"}}),
+    ("map_null_over_config", "mixtral", {"special_tokens_map.json": {"bos_token": None},
+                                         "tokenizer_config.json": {**BACKEND, "bos_token": "<s>", "eos_token": "</s>"}}),
+]
 
 
 def bos_in_vocab_tokenizer(directory: pathlib.Path) -> None:
@@ -87,8 +113,28 @@ def score(path: pathlib.Path) -> dict:
     return out
 
 
+def special_tokens() -> list[dict]:
+    """Each case of SPECIAL_CASES as transformers' AutoTokenizer reads it."""
+    from transformers import AutoTokenizer
+
+    cases = []
+    for case, fixture, files in SPECIAL_CASES:
+        with tempfile.TemporaryDirectory() as scratch:
+            shutil.copyfile(HF / fixture / "tokenizer.json", pathlib.Path(scratch) / "tokenizer.json")
+            for file, content in files.items():
+                (pathlib.Path(scratch) / file).write_text(json.dumps(content))
+            tok = AutoTokenizer.from_pretrained(scratch)
+            cases.append({"case": case, "tokenizer": fixture, "files": files, "bos_token_id": tok.bos_token_id,
+                          "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id,
+                          "input_ids": tok(TEXT).input_ids})
+    return cases
+
+
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "special_tokens.json").write_text(json.dumps(special_tokens(), indent=1) + "\n")
+    if "--special-tokens-only" in sys.argv:
+        return
     bos_in_vocab_tokenizer(OUT / "qwen3_bos_in_vocab")
     os.chdir(TASKS_DIR)  # lm_eval reads the tasks' relative data_files from the working directory
     for name in NAMES:

@@ -8,8 +8,8 @@ pickle, so grain worker processes get their own copy. These attributes are the o
 training, generation and evaluation read them and nothing else.
 
 Special tokens are the tokenizer's own. Byte-level and SentencePiece have fixed ids. A Hugging Face tokenizer.json
-takes them as transformers does: `bos_id`, `eos_id` and `pad_id` are the tokens `tokenizer_config.json` (else
-`special_tokens_map.json`) beside it names, so `bos_id` is transformers' `bos_token_id` (what lm-eval conditions an
+takes them as transformers does: `bos_id`, `eos_id` and `pad_id` are the tokens `special_tokens_map.json` (else
+`tokenizer_config.json`) beside it names, so `bos_id` is transformers' `bos_token_id` (what lm-eval conditions an
 empty context on); a token the vocabulary merely holds (`<s>` in a tokenizer whose config names no BOS) is no BOS.
 Only EOS, which maxshard needs to end documents, falls back to well-known names where no file names one.
 
@@ -197,7 +197,7 @@ _KNOWN_EOS = ("<|end_of_text|>", "</s>", "<eos>", "<|endoftext|>")
 
 class HuggingFaceTokenizer:
     """A Hugging Face `tokenizer.json` (the `tokenizers` package). BOS/EOS/PAD are the tokens named by the
-    `tokenizer_config.json` (else `special_tokens_map.json`) beside it, as transformers reads them; EOS falls back
+    `special_tokens_map.json` (else `tokenizer_config.json`) beside it, as transformers reads them; EOS falls back
     to well-known names, PAD to 0.
 
     `start_id` is what the tokenizer's template adds before a text (None when it adds nothing), found by encoding a
@@ -315,9 +315,10 @@ def stop_ids(path: str, eos_id: int) -> tuple[int, ...]:
 
 
 def _special_tokens(files: list[Mapping[str, Any]], tokenizer: Any) -> dict[str, str]:
-    """{"bos_token": text, ...}: each field from the first of `files` (tokenizer_config.json, then
-    special_tokens_map.json) that has it, a null there meaning none, as transformers reads them; an EOS no file
-    names is the first well-known EOS name the vocabulary holds. Nothing else is guessed from the vocabulary."""
+    """{"bos_token": text, ...}: each field from the first of `files` (special_tokens_map.json, then
+    tokenizer_config.json: transformers lets the first override the second) that has it, a null there meaning
+    none; an EOS no file names is the first well-known EOS name the vocabulary holds. Nothing else is guessed from
+    the vocabulary."""
     special = {}
     for field in _SPECIAL_FIELDS:
         named = next((f for f in files if field in f), None)
@@ -348,7 +349,7 @@ def load_hf_tokenizer(path: str) -> HuggingFaceTokenizer:
         raise ConfigError(f"tokenizer_path={path} is not a Hugging Face tokenizer.json: "
                           f"{str(e).splitlines()[0][:160]}") from None
     named = _json_beside(path, "tokenizer_config.json")
-    files = [named, _json_beside(path, "special_tokens_map.json")]
+    files = [_json_beside(path, "special_tokens_map.json"), named]
     return HuggingFaceTokenizer(tokenizer, path, _special_tokens(files, tokenizer), named)
 
 
