@@ -33,6 +33,16 @@ def readme_commands() -> tuple[str, str]:
     return first[1].strip(), second[1].strip()
 
 
+def test_the_front_page_is_short_and_starts_with_the_two_commands():
+    """README.md is the product's first screen: the two commands in its first 25 lines, at most ~150 lines, and no
+    compiler-release figures or dates (those live in docs/toolchains.md and benchmarks/README.md)."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    head = "\n".join(text.splitlines()[:25])
+    assert all(command in head for command in readme_commands())
+    assert len(text.splitlines()) <= 150
+    assert re.findall(r"libtpu \d|jax(?:lib)? \d|\b20\d\d-\d\d-\d\d\b", text) == []
+
+
 def ci_script() -> list[str]:
     lines = (REPO / ".ci" / "run").read_text(encoding="utf-8").splitlines()
     return [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
