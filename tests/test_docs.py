@@ -71,7 +71,7 @@ def runnable_commands(text: str) -> list[Command]:
 def _argv(command: Command) -> list[str]:
     """The command as the guide's reader runs it, with this interpreter for `python`."""
     program, *rest = command.argv
-    assert program in ("python", "python3", ".venv/bin/python"), f"a runnable command starts with python: {command.argv}"
+    assert program in ("python", "python3", ".venv/bin/python"), f"a runnable command runs python: {command.argv}"
     assert not set(rest) & {"|", "&&", ";", ">", "<", "&"}, f"one command a line, no shell: {command.argv}"
     return [sys.executable, *rest]
 
@@ -91,7 +91,8 @@ def _prints(expected: tuple[str, ...], output: str) -> str | None:
 
 
 def test_the_runnable_marker_parses() -> None:
-    text = "```bash runnable\npython -m maxshard.plan a b\n```\n```console runnable exit=2\n$ python x.py 'a b'\nout\n...\n```\n"
+    text = ("```bash runnable\npython -m maxshard.plan a b\n```\n"
+            "```console runnable exit=2\n$ python x.py 'a b'\nout\n...\n```\n")
     assert runnable_commands(text) == [Command(("python", "-m", "maxshard.plan", "a", "b"), (), 0),
                                        Command(("python", "x.py", "a b"), ("out", "..."), 2)]
     assert _prints(("a ... c", "...", "d"), "x\na b c\ny\nd\n") is None

@@ -41,6 +41,7 @@ BASE_YML = REPO / "configs" / "base.yml"
 PACKAGE = REPO / "maxshard"
 BLOCK_KEYS = ("logical_axis_rules",)  # a block value in base.yml: its comment is the paragraph above it
 COMMAND = "python tools/make_config_docs.py"
+RULES_LINK = "[the rules table](parallelism.md#the-logical-axis-rules)"  # the block key's default, in its own guide
 
 
 class DocsError(Exception):
@@ -125,7 +126,11 @@ def type_name(hint: object) -> str:
                 return "list of str"
             if typing.get_origin(inner) is tuple and typing.get_args(inner)[0] is str:
                 second = typing.get_args(inner)[1]
-                return {float: "list of [source, weight]"}.get(second, "list of [name, value] pairs")
+                if second is float:
+                    return "list of [source, weight]"
+                if typing.get_args(second) == (str, Ellipsis):
+                    return "list of [name, [mesh axes]]"
+                return "list of [regex, {key: value}]"
         return "list"
     return getattr(hint, "__name__", str(hint))
 
@@ -151,14 +156,15 @@ def configuration_reference(text: str) -> str:
     if unknown := sorted(written - user):
         raise DocsError(f"configs/base.yml: {unknown[0]} is not a key of maxshard/config/schema.py")
     if missing := sorted(user - written):
-        raise DocsError(f"configs/base.yml lacks {missing[0]}, a key of maxshard/config/schema.py: add it with a '# comment'")
+        raise DocsError(f"configs/base.yml lacks {missing[0]}, a key of maxshard/config/schema.py: "
+                        "add it with a '# comment'")
     if undocumented := [key.name for key in keys if not key.comment]:
         raise DocsError(f"configs/base.yml: {undocumented[0]} has no '# comment' to document it")
     out = []
     for title, group in _sections(keys):
         out += [f"### {_cell(_anchorable(title))}", "", "| key | type | default | what it does |", "|---|---|---|---|"]
         for key in group:
-            default = "the table below, in docs/parallelism.md" if key.name in BLOCK_KEYS else f"`{key.value}`"
+            default = RULES_LINK if key.name in BLOCK_KEYS else f"`{key.value}`"
             out.append(f"| `{key.name}` | {type_name(hints[key.name])} | {default} | {_cell(key.comment)} |")
         out.append("")
     return "\n".join(out).rstrip() + "\n"
@@ -212,7 +218,8 @@ def code_map() -> str:
         folder = init.parent.relative_to(REPO).as_posix()
         if folder == "maxshard":
             continue
-        out.append(f"| `{folder}/` | {_cell(_first_paragraph(init.read_text(encoding='utf-8'), f'{folder}/__init__.py'))} |")
+        line = _first_paragraph(init.read_text(encoding="utf-8"), f"{folder}/__init__.py")
+        out.append(f"| `{folder}/` | {_cell(line)} |")
     for module in [*sorted(PACKAGE.glob("*.py")), *sorted((REPO / "tools").glob("*.py"))]:
         if module.name == "__init__.py":
             continue
@@ -239,7 +246,8 @@ def fill(document: str, name: str, body: str, where: str) -> str:
     """`document` with the part between NAME's markers replaced by `body`."""
     pattern = re.compile(rf"(<!-- BEGIN GENERATED: {name}\b[^>]*-->\n).*?(<!-- END GENERATED: {name} -->)", re.S)
     if not pattern.search(document):
-        raise DocsError(f"{where} lacks the markers <!-- BEGIN GENERATED: {name} --> ... <!-- END GENERATED: {name} -->")
+        raise DocsError(f"{where} lacks the markers <!-- BEGIN GENERATED: {name} --> ... "
+                        f"<!-- END GENERATED: {name} -->")
     return pattern.sub(lambda m: m[1] + "\n" + body + "\n" + m[2], document, count=1)
 
 
