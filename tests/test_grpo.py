@@ -349,3 +349,18 @@ def test_local_checkpoints_refuse_a_rollout_batch_they_cannot_keep(tmp_path):
                       f"checkpoint_local_dir={tmp_path}")
     with pytest.raises(ConfigError, match="grpo_updates_per_rollout"):
         emergency.open_checkpoints(cfg, trainer=None)
+
+
+@pytest.mark.parametrize("key, message", [
+    ("grpo_kl_estimator=k2", "grpo_kl_estimator expects one of 'bias_corrected', 'k3', got 'k2'"),
+    ("grpo_importance_sampling=seq", "grpo_importance_sampling expects one of 'token', 'sequence', got 'seq'"),
+    ("grpo_epsilon_high=-0.1", r"grpo_epsilon_high must be >= 0 \(0: grpo_epsilon\), got -0.1"),
+])
+def test_a_bad_grpo_key_is_one_line_naming_it(key, message):
+    from helpers import tiny_config
+
+    from maxshard.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message) as raised:
+        tiny_config("objective=grpo", "dataset_type=prompts", key)
+    assert "\n" not in str(raised.value)
