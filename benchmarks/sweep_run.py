@@ -50,7 +50,7 @@ class Launch:
 
     returncode: int
     lines: list[tuple[float, str]]
-    wall_s: float
+    wall_s: float | None  # None for a point a batch system ran (sweep_slurm.py): its start is not seen from here
 
 
 def launch(argv: Sequence[str], timeout_s: float, echo: bool) -> Launch:
@@ -147,32 +147,56 @@ def step_figures(startup: Mapping[str, Any] | None, records: list[dict[str, Any]
     return row
 
 
-def summarize(point: Point, steps: Any, result: Launch, everything: list[dict[str, Any]]) -> dict[str, Any]:
-    """One results row for a finished point, from its metrics.jsonl records (and its output lines' arrival times)."""
+def trainer_timings(records: Sequence[dict[str, Any]], everything: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The timing figures of a point whose output was read from a log file afterwards (a SLURM job array), where no
+    line has an arrival time: only compile_s, from the trainer's own `compile_time`; the console timings stay blank."""
+    logged = [r["compile_time"] for r in everything if "compile_time" in r]
+    compile_s = float(logged[0]) - median_record(records)["step_time"] if logged else None
+    return {"startup_s": None, "time_to_first_step_s": None, "compile_s": compile_s,
+            "compile_from": "trainer" if logged else None}  # fmt: skip
+
+
+def summarize(
+    point: Point, steps: Any, result: Launch, everything: list[dict[str, Any]], timed: bool = True
+) -> dict[str, Any]:
+    """One results row for a finished point, from its metrics.jsonl records (and its output lines' arrival times,
+    when `timed`: a local run; a SLURM array's log files have none)."""
     records = [r for r in everything if "step_time" in r]
     overrides = " ".join(overrides_argv(point.overrides))
     row = {"index": point.index, "name": point.name, "overrides": overrides, "steps": steps,
-           "wall_s": round(result.wall_s, 2)}  # fmt: skip
+           "wall_s": None if result.wall_s is None else round(result.wall_s, 2)}  # fmt: skip
     if result.returncode == 2:
         return {**row, "status": "skipped", "error": error_line(result.lines)}
     if result.returncode != 0 or not records:
         why = error_line(result.lines) if result.returncode else "no step was logged (steps < 2?)"
         return {**row, "status": "failed", "error": f"exit {result.returncode}: {why}"}
-    figures = {**step_figures(startup_record(everything), records),
-               **timing_figures(result.lines, records, everything)}  # fmt: skip
+    timings = timing_figures(result.lines, records, everything) if timed else trainer_timings(records, everything)
+    figures = {**step_figures(startup_record(everything), records), **timings}
     return {**row, "status": "ok", **figures}
+
+
+def point_argv(sweep: Sweep, point: Point, runs_dir: str) -> list[str]:
+    """The trainer's argv for a point (config file first): its keys, with the runner's own (RUNNER_KEYS) set."""
+    owned = {"run_name": run_name(sweep, point), "base_output_directory": runs_dir, "log_period": 1}
+    values = {**{k: v for k, v in sweep.merged(point).items() if k not in RUNNER_KEYS}, **owned}
+    return [sweep.base_config, *overrides_argv(values)]
 
 
 def run_point(sweep: Sweep, point: Point, runs_dir: str, timeout_s: float, echo: bool) -> dict[str, Any]:
     """Trains one point in its own process and summarizes it."""
-    merged = sweep.merged(point)
     name = run_name(sweep, point)
-    owned = {"run_name": name, "base_output_directory": runs_dir, "log_period": 1}
-    values = {**{k: v for k, v in merged.items() if k not in RUNNER_KEYS}, **owned}
-    argv = [sys.executable, "-m", "maxshard.train", sweep.base_config, *overrides_argv(values)]
-    result = launch(argv, timeout_s, echo)
+    result = launch([sys.executable, "-m", "maxshard.train", *point_argv(sweep, point, runs_dir)], timeout_s, echo)
     records = read_metrics(os.path.join(runs_dir, name, "metrics.jsonl"))
-    return {**summarize(point, merged.get("steps"), result, records), "run_name": name}
+    return {**summarize(point, sweep.merged(point).get("steps"), result, records), "run_name": name}
+
+
+def collect_point(sweep: Sweep, point: Point, runs_dir: str, returncode: int, lines: Sequence[str]) -> dict[str, Any]:
+    """The row of a point a batch system ran (a SLURM array task, sweep_slurm.py): from its exit status, the lines
+    of its log files and its metrics.jsonl, as for a local point but without the console timings."""
+    name = run_name(sweep, point)
+    records = read_metrics(os.path.join(runs_dir, name, "metrics.jsonl"))
+    result = Launch(returncode, [(0.0, line) for line in lines], None)
+    return {**summarize(point, sweep.merged(point).get("steps"), result, records, timed=False), "run_name": name}
 
 
 def describe(row: Mapping[str, Any]) -> str:

@@ -9,7 +9,8 @@ environment to give them. The configuration avoids what needs systemd or cgroups
 that went down to service when its slurmd answers again.
 
 Why `release_hold`: SLURM holds a requeued job for a fixed two minutes (its `BeginTime`) before it may start again.
-The tests do not wait for that: `scontrol update StartTime=now` makes it eligible at once, as an operator could.
+The tests do not wait for that: `scontrol update StartTime=now` makes it eligible (two seconds after the requeue,
+see wait_job), as an operator could.
 """
 
 from __future__ import annotations
@@ -187,11 +188,21 @@ def release_hold(cluster: Cluster, job_id: str) -> None:
     cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", check=False)
 
 
+# slurmd refuses to start a job whose credential is no newer, to the second, than its last kill ("Job N already
+# killed, do not launch batch job"): a hold is released only this long after it was first seen.
+_RELEASE_AFTER_S = 2.0
+
+
 def wait_job(cluster: Cluster, job_id: str, timeout_s: float) -> None:
     """Until the job left the queue (requeue holds released on the way); RuntimeError after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
+    held_since = None
     while states := job_states(cluster, job_id):
-        if any(reason == "BeginTime" for _, reason in states):
+        if not any(reason == "BeginTime" for _, reason in states):
+            held_since = None
+        elif held_since is None:
+            held_since = time.monotonic()
+        elif time.monotonic() - held_since >= _RELEASE_AFTER_S:
             release_hold(cluster, job_id)
         if time.monotonic() > deadline:
             cluster.run("scancel", job_id, check=False)

@@ -1,0 +1,196 @@
+"""`python -m maxshard.launch slurm` against a real SLURM: a one-node cluster on localhost (tests/slurm_cluster.py;
+the packages are installed when missing and this is root, as on CI), jobs submitted through the CLI.
+
+- the generated scripts (one job, several tasks, an array) pass `sbatch --test-only`;
+- a 2-task job trains the tiny model with 2 processes (SLURM's task ids and nodelist wired into jax.distributed)
+  and logs the losses of the 1-process run, step by step;
+- `scancel --signal=TERM` mid-run: the run saves and stops, the job requeues itself, the next start resumes from
+  the checkpoint, and the losses are those of the uninterrupted run, bit for bit; a job that completes runs once;
+- a sweep of two points as one job array (benchmarks/sweep_slurm.py) runs both and collects their rows;
+- values with quotes, `$(...)`, backticks and newlines reach the program exactly and never run.
+
+The uninterrupted 1-process run is a job too (`straight`), shared by the tests; all runs share conftest's
+compilation cache (sbatch passes the environment on), so only the first 1-process and the 2-process job compile.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import slurm_cluster
+from helpers import process_env
+from test_multiprocess import TINY
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+# One process with 8 CPU devices; a schedule of fixed length, so the learning rate does not depend on `steps`.
+ONE = [*TINY, "cpu_device_count=8", "ici_fsdp_parallelism=8", "learning_rate_schedule_steps=100",
+       "checkpoint_period=100000", "enable_tensorboard=false"]
+TWO = ["cpu_device_count=4", "num_slices=2", "dcn_data_parallelism=2", "ici_fsdp_parallelism=4"]
+STEPS = 120  # the straight run; the preempted one is signalled after its first step
+JOB_TIMEOUT_S = 240
+
+
+def merged(*items: str) -> list[str]:
+    """key=value items, the later of a key winning (the trainer refuses a key given twice)."""
+    return list({item.split("=", 1)[0]: item for item in items}.values())
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory, env):
+    reason = slurm_cluster.install()
+    if reason is not None:
+        pytest.skip(reason)
+    started = slurm_cluster.start(tmp_path_factory.mktemp("slurm"), process_env(env))
+    yield started
+    slurm_cluster.stop(started)
+
+
+def launch(cluster, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """The launcher's CLI in the repository, in the cluster's environment."""
+    cmd = [sys.executable, "-m", "maxshard.launch", "slurm", *args]
+    done = subprocess.run(cmd, cwd=REPO, env=cluster.env, capture_output=True, text=True)
+    if check:
+        assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def submit(cluster, base: Path, name: str, overrides: list[str], *flags: str) -> str:
+    """Submits the tiny run `name` under `base` (logs there too); returns the job id."""
+    argv = ["configs/base.yml", *merged(*overrides, f"base_output_directory={base}", f"run_name={name}")]
+    job_id = launch(cluster, *argv, "--job-name", name, *flags, "--submit").stdout.strip()
+    assert job_id.isdigit(), job_id
+    return job_id
+
+
+def finished(cluster, base: Path, name: str, job_id: str) -> tuple[int, str, str]:
+    """Waits for the job; its exit status (from the script's .exit file), stdout and stderr."""
+    slurm_cluster.wait_job(cluster, job_id, JOB_TIMEOUT_S)
+    logs = base / name / f"slurm-{job_id}"
+    out, err = (Path(f"{logs}.{ext}").read_text() if Path(f"{logs}.{ext}").exists() else "" for ext in ("out", "err"))
+    exit_file = Path(f"{logs}.exit")
+    assert exit_file.exists(), f"no exit status written\n{out[-2000:]}\n{err[-3000:]}\n{cluster.logs()}"
+    return int(exit_file.read_text()), out, err
+
+
+def losses(run_dir: Path) -> list[float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["loss"] for line in lines if "loss" in json.loads(line)]
+
+
+@pytest.fixture(scope="session")
+def straight(cluster, tmp_path_factory) -> list[float]:
+    """The uninterrupted 1-process run's losses, STEPS of them, trained as a SLURM job."""
+    base = tmp_path_factory.mktemp("straight")
+    job_id = submit(cluster, base, "straight", [*ONE, f"steps={STEPS}"])
+    code, out, err = finished(cluster, base, "straight", job_id)
+    assert code == 0, err[-3000:]
+    result = losses(base / "straight")
+    assert len(result) == STEPS
+    return result
+
+
+def test_generated_scripts_pass_sbatch_test_only(cluster, tmp_path):
+    flags = ["--log-dir", str(tmp_path), "--partition", slurm_cluster.PARTITION, "--time", "10:00",
+             "--account", "research"]
+    script = tmp_path / "job.sbatch"
+    launch(cluster, "configs/base.yml", *TINY, "--tasks-per-node", str(cluster.cpus), *flags, "--script", str(script))
+    done = cluster.run("sbatch", "--test-only", str(script), check=False)
+    assert done.returncode == 0 and "to start at" in done.stderr, done.stderr
+    from benchmarks import sweep_slurm
+
+    sweep_file = tmp_path / "two.yml"
+    sweep_file.write_text("base_config: configs/base.yml\nfixed: {steps: 2}\npoints: [{name: a}, {name: b}]\n")
+    assert sweep_slurm.main([str(sweep_file), "--out", str(tmp_path / "sweep")]) == 0
+    script = tmp_path / "sweep" / "slurm" / "two.sbatch"
+    done = cluster.run("sbatch", "--test-only", str(script), check=False)
+    assert done.returncode == 0 and "to start at" in done.stderr, done.stderr
+    assert "#SBATCH --array=0-1" in script.read_text()
+
+
+def test_two_task_job_equals_the_one_process_run(cluster, straight, tmp_path):
+    job_id = submit(cluster, tmp_path, "two", [*ONE, *TWO, "steps=4"], "--tasks-per-node", "2")
+    code, out, err = finished(cluster, tmp_path, "two", job_id)
+    assert code == 0, err[-3000:]
+    assert "requeueing" not in err  # a run that completed is not requeued: one start
+    assert out.count("resuming from step") == 0 and len(losses(tmp_path / "two")) == 4
+    np_close = [abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses(tmp_path / "two"), straight[:4])]
+    assert all(np_close), (losses(tmp_path / "two"), straight[:4])
+
+
+def test_sigterm_saves_requeues_and_resumes_bit_exactly(cluster, straight, tmp_path):
+    job_id = submit(cluster, tmp_path, "preempted", [*ONE, f"steps={STEPS}"])
+    metrics = tmp_path / "preempted" / "metrics.jsonl"
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while not (metrics.exists() and '"loss"' in metrics.read_text()):
+        assert time.monotonic() < deadline and slurm_cluster.job_states(cluster, job_id), "training never started"
+        time.sleep(0.1)
+    cluster.run("scancel", "--signal=TERM", job_id)
+    code, out, err = finished(cluster, tmp_path, "preempted", job_id)
+    assert code == 0, err[-3000:]
+    stops = [line for line in out.splitlines() if line.startswith("preempted: stopping after step")]
+    assert len(stops) == 1, out[-3000:]
+    stopped = int(stops[0].split()[4].rstrip(","))
+    assert 0 < stopped < STEPS
+    assert f"requeueing job {job_id} (restart 0)" in err
+    assert f"resuming from step {stopped} " in out
+    assert losses(tmp_path / "preempted") == straight  # steps 1..N, then N+1..STEPS after the requeue
+
+
+def test_a_sweep_runs_as_one_job_array(cluster, straight, tmp_path):
+    from benchmarks import sweep_slurm
+
+    overrides = "".join(f"  {item.split('=', 1)[0]}: {item.split('=', 1)[1]}\n" for item in ONE if not item.startswith("steps="))
+    sweep_file = tmp_path / "pair.yml"
+    sweep_file.write_text(f"base_config: configs/base.yml\nfixed:\n{overrides}points: [{{name: four, steps: 4}}, "
+                          "{name: six, steps: 6}, {name: bad, emb_dim: x}]\n")
+    out = tmp_path / "out"
+    old = os.environ.copy()
+    os.environ.update(cluster.env)  # sbatch, run by the sweep in this process, finds the test cluster
+    try:
+        code = sweep_slurm.main([str(sweep_file), "--out", str(out)]) or sweep_slurm.main(
+            [str(sweep_file), "--out", str(out), "--submit"])
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+    assert code == 0
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [(r["name"], r["status"]) for r in rows] == [("four", "ok"), ("six", "ok"), ("bad", "skipped")]
+    assert "emb_dim" in rows[2]["error"]
+    for row, steps in zip(rows, (4, 6)):
+        assert row["steps"] == steps and row["final_loss"] == straight[steps - 1]
+        assert losses(out / "runs" / f"pair-{rows.index(row):02d}-{row['name']}") == straight[:steps]
+
+
+HOSTILE = [
+    "dataset_path=it's \"quoted\" ; echo $HOME `touch {pwned}/tick` $(touch {pwned}/dollar) \\ * ?",
+    "tokenizer_path=line one\nline two $(touch {pwned}/newline)\n",
+    "base_output_directory={pwned}/dir with 'quote' && touch {pwned}/and",
+]
+
+
+def test_hostile_values_reach_the_program_exactly_and_never_run(cluster, tmp_path):
+    pwned = tmp_path / "pwned"
+    pwned.mkdir()
+    record = tmp_path / "argv.json"
+    stand_in = tmp_path / "stand_in"
+    stand_in.write_text(f"#!{sys.executable}\nimport json, os, sys\n"
+                        f"json.dump([sys.argv[1:], os.environ['HOSTILE']], open({str(record)!r}, 'w'))\n")
+    stand_in.chmod(0o755)
+    values = [v.format(pwned=pwned) for v in HOSTILE]
+    env_value = f"a'b\"c $(touch {pwned}/env) `touch {pwned}/env2`\nnext"
+    job_id = launch(cluster, "configs/base.yml", *values, "run_name=hostile", "--python", str(stand_in),
+                    "--log-dir", str(tmp_path / "logs"), "--env", f"HOSTILE={env_value}", "--submit").stdout.strip()
+    slurm_cluster.wait_job(cluster, job_id, JOB_TIMEOUT_S)
+    assert (tmp_path / "logs" / f"slurm-{job_id}.exit").read_text() == "0\n"
+    argv, env_seen = json.loads(record.read_text())
+    assert argv == ["-m", "maxshard.train", "configs/base.yml", *values, "run_name=hostile"]
+    assert env_seen == env_value
+    assert list(pwned.iterdir()) == []  # (values on #SBATCH lines are refused: tests/test_slurm_script.py)
