@@ -69,7 +69,8 @@ SPECIAL_CASES = [
     ("map_over_config", "llama_gqa", {"special_tokens_map.json": {"bos_token": "</s>", "eos_token": "<unk>"},
                                       "tokenizer_config.json": {**BACKEND, "bos_token": "<s>", "eos_token": "</s>"}}),
     ("map_null_over_config", "mixtral", {"special_tokens_map.json": {"bos_token": None},
-                                         "tokenizer_config.json": {**BACKEND, "bos_token": "<s>", "eos_token": "</s>"}}),
+                                         "tokenizer_config.json": {**BACKEND, "bos_token": "<s>",
+                                                                   "eos_token": "</s>"}}),
 ]
 
 
