@@ -24,14 +24,16 @@ append to the same command (keys given on the command line are kept, so none is 
 It exits 0 when some layout fits, 1 when none does (one line: the closest layout and by how much it misses), and 2
 for a mistake. A progress line goes to stderr every 100 candidates.
 
-`--compile` (TPU targets) also compiles the run's fresh-run init and train step for the target with XLA:TPU ahead
-of time, on this machine, no TPU needed (libtpu: `pip install -e ".[tpu-aot]"`; `maxshard/planning/tpu_compile.py`),
-and prints each program's compiled peak per device beside the plan, then a verdict against the usable memory (HBM
-less memory_headroom, what the trainer checks the compiled step against on the target). It exits 1 when the step's
-compiled peak is over that, or when XLA:TPU finds a program over the chip (one line, XLA's own figures). The 8B preset
-on 256 chips compiles in about 1.5 minutes on 2 cores.
+`--compile` also compiles the run's fresh-run init and train step for the target ahead of time, on this machine,
+with no accelerator: XLA:TPU through libtpu for a TPU slice (`pip install -e ".[tpu-aot]"`;
+`maxshard/planning/tpu_compile.py`), XLA:GPU through JAX's CUDA plugin for a GPU node (`pip install -e
+".[gpu-aot]"`; `maxshard/planning/gpu_compile.py`). It prints each program's compiled peak per device beside the
+plan, then a verdict against the usable memory (HBM less memory_headroom, what the trainer checks the compiled step
+against on the target). It exits 1 when the step's compiled peak is over that, or when XLA:TPU finds a program over
+the chip (one line, XLA's own figures). Compile times are in benchmarks/README.md.
 
     python -m maxshard.plan configs/base.yml model_name=8b per_device_batch_size=4 --topology v6e-256 --compile
+    python -m maxshard.plan configs/base.yml model_name=1b max_target_length=8192 --topology h200-141gb-8 --compile
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ from maxshard.launch import topologies
 from maxshard.planning import fit
 from maxshard.planning.estimate import Plan, make_plan
 from maxshard.planning.printout import format_plan, plan_json
-from maxshard.planning.tpu_compile import TpuOutOfMemory, abstract_devices, compile_run
+from maxshard.planning import gpu_compile, tpu_compile
+from maxshard.planning.tpu_compile import TpuOutOfMemory, compile_run
 from maxshard.run import search
 from maxshard.run.search_printout import format_search, nothing_fits, search_json, sweep_yaml
 from maxshard.run.target import load_for_target, target_capacity
@@ -75,8 +78,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--topology", required=True, help="XPK device type: v5p-1024, v6e-256, h100-80gb-8, ...")
     parser.add_argument("--num-slices", type=int, default=1, help="TPU slices or GPU nodes (default 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
-    parser.add_argument("--compile", action="store_true", help="also compile init and train step for the TPU target "
-                        "with libtpu (ahead of time, no TPU needed) and print their compiled peaks")
+    parser.add_argument("--compile", action="store_true", help="also compile init and train step for the target "
+                        "(XLA:TPU with libtpu, XLA:GPU with JAX's CUDA plugin; ahead of time, no accelerator needed) "
+                        "and print their compiled peaks")
     found = parser.add_argument_group("layout search")
     found.add_argument("--search", action="store_true", help="rank every layout that fits by planned step time")
     found.add_argument("--top", type=int, default=5, help="layouts to print (default 5)")
@@ -145,19 +149,25 @@ def _verdict(plan: Plan, as_json: bool) -> int:
 
 
 def _compiled(plan: Plan, as_json: bool) -> int:
-    """The plan, then XLA:TPU's compiled peaks beside it and a verdict: 0 when the train step's compiled peak fits
+    """The plan, then the target compiler's peaks beside it and a verdict: 0 when the train step's compiled peak fits
     the usable memory (the trainer's own check on the target, `maxshard/run/compile_check.py`), 1 when it does not or
     when XLA:TPU finds a program over the chip (one line with XLA's own figures)."""
-    devices = abstract_devices(plan.target)  # a GPU target or no libtpu: one error line before anything is printed
+    devices, compiler, xla = _compile_only_devices(plan)  # no compiler installed: one line before anything printed
     if not as_json:
         print(format_plan(plan), flush=True)
     try:
         run = compile_run(plan.cfg, plan.target, devices,
-                          progress=lambda line: print(line, file=sys.stderr, flush=True))
+                          progress=lambda line: print(line, file=sys.stderr, flush=True), compiler=compiler)
     except TpuOutOfMemory as e:
         print(json.dumps({**plan_json(plan), "compiled": {"fits": False, "error": str(e)}}) if as_json else
               f"compiled: no, {e}")
         return 1
+    except Exception as e:
+        reason = gpu_compile.why_not_compiled(e) if plan.target.accelerator == "gpu" else None
+        if reason is None:
+            raise
+        raise ConfigError(f"cannot compile attention={plan.cfg.model.attention} for {plan.target.name} here: "
+                          f"{reason}") from None
     usable, source = _usable(plan)
     fits = run.step_peak <= usable
     if as_json:
@@ -165,7 +175,7 @@ def _compiled(plan: Plan, as_json: bool) -> int:
         return 0 if fits else 1
     host = (f"; host memory {format_bytes(run.step_host)} per device, planned {format_bytes(plan.host_bytes)}"
             if run.step_host or plan.host_bytes else "")
-    print(f"compiled with XLA:TPU for {plan.target.name}: init peak {format_bytes(run.init_peak)} per device "
+    print(f"compiled with {xla} for {plan.target.name}: init peak {format_bytes(run.init_peak)} per device "
           f"({run.init_seconds:.0f}s), train step peak {format_bytes(run.step_peak)} per device "
           f"({run.step_seconds:.0f}s); planned {format_bytes(plan.peak_bytes)}, "
           f"{run.step_peak / plan.peak_bytes:.2f}x the plan{host}")
@@ -174,6 +184,14 @@ def _compiled(plan: Plan, as_json: bool) -> int:
     print(f"compiled: {verdict} the {format_bytes(usable)} usable ({source}): the train step needs "
           f"{run.step_peak / plan.link.hbm:.0%} of {format_bytes(plan.link.hbm)} HBM{refused}")
     return 0 if fits else 1
+
+
+def _compile_only_devices(plan: Plan) -> tuple[list, str, str]:
+    """(the target's compile-only devices, what compiles for them, the XLA backend): libtpu's for a TPU slice, JAX's
+    CUDA plugin's for a GPU node."""
+    if plan.target.accelerator == "gpu":
+        return gpu_compile.abstract_devices(plan.target), "JAX's CUDA plugin", "XLA:GPU"
+    return tpu_compile.abstract_devices(plan.target), "libtpu", "XLA:TPU"
 
 
 def _usable(plan: Plan) -> tuple[int, str]:

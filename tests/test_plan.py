@@ -399,7 +399,8 @@ def test_compile_verdict_is_the_trainers_check(capsys: pytest.CaptureFixture[str
     tool = _plan_tool()
     usable = tool.plan_for(["configs/base.yml", "model_name=tiny"], "v5litepod-8").cfg.memory_fit.usable_bytes
     for step_peak, code in ((usable, 0), (usable + 1, 1)):
-        monkeypatch.setattr(tool, "compile_run", lambda cfg, target, devices, progress: CompiledRun(1, step_peak, 0.1, 0.2))
+        monkeypatch.setattr(tool, "compile_run", lambda cfg, target, devices, progress, compiler: CompiledRun(1, step_peak, 0.1,
+                                                                                                    0.2))
         assert tool.main(TINY_TPU) == code
         verdict = capsys.readouterr().out.strip().splitlines()[-1]
         assert verdict.startswith("compiled: yes, fits the" if code == 0 else "compiled: no, does NOT fit the"), verdict
@@ -421,13 +422,18 @@ def test_compile_reports_a_program_over_the_chip_in_one_line(capsys: pytest.Capt
                         r"\(\d+\.\d+G\) exceeds available HBM \(\d+\.\d+G\)\.?", line), line
 
 
-def test_compile_needs_a_tpu_target_and_libtpu(capsys: pytest.CaptureFixture[str],
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_compile_needs_the_targets_compiler(capsys: pytest.CaptureFixture[str],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """One line naming the install command when the target's compiler is missing: libtpu for a TPU slice, JAX's CUDA
+    plugin for a GPU node (tests/test_gpu_aot.py compiles with it)."""
     tool = _plan_tool()
+    from maxshard.planning import gpu_compile
+
+    monkeypatch.setattr(gpu_compile, "_installed", lambda module: False)
     assert tool.main(["configs/base.yml", "model_name=tiny", "--topology", "h100-80gb-8", "--compile"]) == 2
     out, err = capsys.readouterr()
-    assert (out, err.strip()) == ("", "plan: error: --compile compiles for TPU slices (XLA:TPU through libtpu); "
-                                  "h100-80gb-8 is a GPU node")
+    assert (out, err.strip()) == ("", "plan: error: compiling for a GPU without one needs JAX's CUDA plugin, which is "
+                                  'not installed: pip install -e ".[gpu-aot]"')
     assert tool.main([*TINY_TPU, "--search"]) == 2
     assert capsys.readouterr().err.strip() == ("plan: error: --compile compiles one layout; run it on a layout "
                                                "--search printed")

@@ -116,16 +116,17 @@ def _topology_options(target: Target) -> dict[str, Any]:
 
 
 def compile_run(cfg: Config, target: Target, devices: list[Any],
-                progress: Callable[[str], None] = lambda line: None) -> CompiledRun:
-    """The fresh-run init and the train step of `cfg` compiled for `target` on its `abstract_devices`;
-    TpuOutOfMemory (one line) when XLA:TPU finds a program over the chip's memory."""
+                progress: Callable[[str], None] = lambda line: None, compiler: str = "libtpu") -> CompiledRun:
+    """The fresh-run init and the train step of `cfg` compiled for `target` on its compile-only `devices` (this
+    module's `abstract_devices`, or `planning/gpu_compile.py`'s for a GPU node; `compiler` names what compiles them in
+    the progress lines); TpuOutOfMemory (one line) when XLA:TPU finds a program over the chip's memory."""
     from maxshard.parallel import mesh
     from maxshard.planning.compiled import compile_init, compile_train_step, peak_bytes
 
     run_mesh = mesh.build(cfg, devices)
     peaks, seconds = {}, {}
     for name, compile_one in (("init", compile_init), ("train step", compile_train_step)):
-        progress(f"compiling the {name} for {target.name} with libtpu ...")
+        progress(f"compiling the {name} for {target.name} with {compiler} ...")
         started = time.perf_counter()
         try:
             compiled = compile_one(cfg, run_mesh)

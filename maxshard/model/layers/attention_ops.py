@@ -130,7 +130,7 @@ def cudnn(q, k, v, q_segment_ids, kv_segment_ids, implementation: str | None = N
     A window is the API's `local_window_size` (window - 1 keys left, none right; cuDNN's own sliding window, which
     skips the blocks outside it). That API has no soft-cap and no sinks: attention_kinds.py leaves them out."""
     if implementation is None:
-        implementation = "cudnn" if jax.default_backend() == "gpu" else "xla"
+        implementation = "cudnn" if target_platform() == "gpu" else "xla"
     if q.shape[1] != k.shape[1]:
         raise ValueError("attention=cudnn needs q_len == kv_len (training); use dot_product or blockwise to decode")
     same_doc = (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :])[:, None]  # [batch, 1, q, kv]
@@ -244,7 +244,7 @@ def tokamax(q, k, v, q_segment_ids, kv_segment_ids, implementation: str | None =
     same offsets carry documents and window and the GPU kernel skips what lies before either; the soft-cap is
     tokamax's `logits_soft_cap`. Tokamax 0.0.12 has no sinks: attention_kinds.py leaves them out."""
     if implementation is None:
-        implementation = "mosaic_gpu" if jax.default_backend() == "gpu" else "xla"
+        implementation = "mosaic_gpu" if target_platform() == "gpu" else "xla"
     if q.shape[1] != k.shape[1]:
         raise ValueError("attention=tokamax needs q_len == kv_len (training); use dot_product or blockwise to decode")
     api, base = _tokamax_modules()
