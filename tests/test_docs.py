@@ -10,6 +10,8 @@
 - Generated parts. docs/configuration.md (every key), the logical axis rules of docs/parallelism.md and
   docs/code-map.md are what `python tools/make_config_docs.py` writes, so a key added to the schema without its
   comment in configs/base.yml, or a package without its docstring, fails here.
+- Shown commands. The commands a guide shows but does not run set only keys the config has and name only files of
+  the repository that exist.
 - Links. Every relative link of README.md and docs/*.md names a file that exists and, with `#anchor`, a heading
   of it (GitHub's anchors).
 """
@@ -119,6 +121,63 @@ def test_a_guides_runnable_commands_run_as_written(guide: Path, tmp_path: Path) 
         assert "Traceback" not in done.stderr, shown
         missing = _prints(command.expected, done.stdout + done.stderr)
         assert missing is None, f"does not print {missing!r}: {shown}"
+
+
+# --------------------------------------------------------------------------------------------- every command's keys
+
+CONFIGURED = ("maxshard.train", "maxshard.generate", "maxshard.eval", "maxshard.plan")  # take CONFIG key=value ...
+REPO_PATH = re.compile(r"^(configs|tests/fixtures|tools|benchmarks)/")
+
+
+def shown_commands(text: str) -> list[list[str]]:
+    """The python command lines of a guide's code blocks that are not runnable (those run above), as tokens:
+    fenced blocks and indented ones, `$ ` prompts and `&&` chains split, a trailing `&` dropped."""
+    blocks = [m[3] for m in FENCE.finditer(text) if "runnable" not in m[2].split()]
+    blocks += re.findall(r"^    (\S.*)$", FENCE.sub("", text), re.M)
+    commands = []
+    lines = (line.strip() for block in blocks for line in block.replace("\\\n", " ").splitlines())
+    for line in lines:
+        for part in line.removeprefix("$ ").split("&&"):
+            part = part.strip().removesuffix("&").strip()
+            if re.match(r"^(\.venv/bin/)?python3? ", part):
+                commands.append(shlex.split(part))
+    return commands
+
+
+def _settings(argv: list[str]) -> list[str]:
+    """The `key=value` tokens a command hands to a maxshard config (after `--` for a launcher)."""
+    if len(argv) > 2 and argv[1] == "-m" and argv[2] in CONFIGURED:
+        tokens = argv[3:]
+    elif len(argv) > 2 and argv[1] == "-m" and argv[2] == "maxshard.launch" and "--" in argv:
+        tokens = argv[argv.index("--") + 1:]
+    elif len(argv) > 1 and argv[1] == "tools/sharding_report.py":
+        tokens = argv[2:]
+    else:
+        return []
+    return [token for token in tokens if re.match(r"^\w+=", token)]
+
+
+def test_shown_commands_are_found_in_fenced_indented_and_continued_blocks() -> None:
+    text = ("```bash\npython -m maxshard.launch xpk --cluster C \\\n    -- configs/base.yml steps=5\n```\n\n"
+            "    python -m maxshard.train configs/base.yml a_key=1 &\n\n"
+            "```console runnable\n$ python -m maxshard.plan configs/base.yml wrong=1\n```\n")
+    commands = shown_commands(text)
+    assert [_settings(argv) for argv in commands] == [["steps=5"], ["a_key=1"]]  # the runnable one runs instead
+
+
+@pytest.mark.parametrize("guide", GUIDES, ids=_name)
+def test_every_command_a_guide_shows_sets_real_keys_and_names_real_files(guide: Path) -> None:
+    """What is not run is still checked: each `key=value` of a shown command names a config key, and each path of
+    this repository it names (configs/, tests/fixtures/, tools/, benchmarks/) exists."""
+    keys = set(make_config_docs.config.user_keys())
+    wrong = []
+    for argv in shown_commands(guide.read_text(encoding="utf-8")):
+        wrong += [f"{token} (no such key)" for token in _settings(argv) if token.split("=", 1)[0] not in keys]
+        for token in argv:
+            path = token.split("=", 1)[-1]
+            if REPO_PATH.match(path) and not any(REPO.glob(path)):
+                wrong.append(f"{path} (no such file)")
+    assert wrong == [], f"{_name(guide)}: {wrong}"
 
 
 # --------------------------------------------------------------------------------------------- generated parts
