@@ -61,6 +61,15 @@ class Family:
         null so).
     refuse_set: fields whose non-null value transformers ignores for this family (Gemma 3's
         attn_logit_softcapping), refused rather than guessed.
+    shared_expert_gate: the module under moe_prefix holding the shared experts' sigmoid gate ("": none).
+    shared_width_field: config.json's field of the shared experts' whole width (Qwen3-Next's
+        shared_expert_intermediate_size: num_shared_experts x the expert width); None: the family has none, or
+        counts them in `fields` (DeepSeek's n_shared_experts).
+    linear_attention: the hybrids' gated DeltaNet layers (layer_types "linear_attention", names.py): "fused"
+        (Qwen3-Next: in_proj_qkvz, in_proj_ba) or "split" (Qwen3.5: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a);
+        "" for families without. Their config.json's layer_types become the `layer_types` key as they are.
+    left_out: {prefix: what it is} of tensors a checkpoint carries that transformers' model of the family does
+        not load (Qwen3-Next's multi-token prediction head `mtp.*`): from_hf leaves them out and says so.
     """
 
     architecture: str
@@ -96,6 +105,10 @@ class Family:
     carries: tuple[str, ...] = ()
     null_when_zero: tuple[str, ...] = ()
     refuse_set: tuple[str, ...] = ()
+    shared_expert_gate: str = ""
+    shared_width_field: str | None = None
+    linear_attention: str = ""
+    left_out: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def is_moe(self) -> bool:
@@ -163,6 +176,34 @@ FAMILIES += (
            carries=("sliding_window", "attention_pattern", "rope_local_max_timescale", "final_logit_softcapping",
                     "query_pre_attn_scalar"),
            null_when_zero=("final_logit_softcapping",), refuse_set=("attn_logit_softcapping",),
+           export={"attention_bias": False}),
+)
+
+# Qwen3-Next and Qwen3.5 (text): hybrids of gated DeltaNet and gated full-attention layers (layer_types), q/k norms,
+# (1 + w) norms everywhere but the DeltaNet's gated one, partial rotary; the MoE variants route top-k softmax
+# with a sigmoid-gated shared expert. transformers' config defaults where they differ from Llama's (Qwen3NextConfig,
+# Qwen3_5TextConfig: head_dim 256, partial_rotary_factor 0.25, the DeltaNet's heads and widths).
+_QWEN3_NEXT_KEYS = {"norm_unit_offset": True, "attention_output_gate": True}
+_LINEAR_FIELDS = {f: f for f in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                                 "linear_value_head_dim", "linear_conv_kernel_dim")}
+_QWEN3_NEXT_DEFAULTS = {"head_dim": 256, "partial_rotary_factor": 0.25, "linear_num_key_heads": 16,
+                        "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                        "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6}
+_QWEN_MOE = dict(moe_prefix="mlp", experts_fields=("num_experts",), expert_width_field="moe_intermediate_size",
+                 shared_experts="shared_expert", shared_expert_gate="shared_expert_gate",
+                 shared_width_field="shared_expert_intermediate_size")
+_HYBRID = dict(qk_norm=True, fields=_LINEAR_FIELDS, carries=("partial_rotary_factor", "layer_types"),
+               left_out={"mtp.": "the multi-token prediction head, which transformers does not load either"})
+FAMILIES += (
+    Family("Qwen3NextForCausalLM", "qwen3_next", **_QWEN_MOE, **_HYBRID, linear_attention="fused",
+           renormalize_field="norm_topk_prob", renormalize_default=True,
+           keys={**_QWEN3_NEXT_KEYS, "shared_expert_gate": True}, defaults=_QWEN3_NEXT_DEFAULTS,
+           must_equal={"decoder_sparse_step": 1, "mlp_only_layers": []},
+           export={"attention_bias": False, "decoder_sparse_step": 1, "mlp_only_layers": []}),
+    Family("Qwen3_5ForCausalLM", "qwen3_5_text", **_HYBRID, linear_attention="split", keys=_QWEN3_NEXT_KEYS,
+           defaults=_QWEN3_NEXT_DEFAULTS, export={"attention_bias": False}),
+    Family("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", **_QWEN_MOE, **_HYBRID, linear_attention="split",
+           keys={**_QWEN3_NEXT_KEYS, "shared_expert_gate": True}, defaults=_QWEN3_NEXT_DEFAULTS,
            export={"attention_bias": False}),
 )
 

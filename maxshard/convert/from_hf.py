@@ -110,6 +110,19 @@ def _without_absent_mtp(keys: dict[str, Any], tensors: Mapping[str, Any]) -> dic
     return keys
 
 
+def _without_left_out(tensors: Mapping[str, Any], family: Family) -> Mapping[str, Any]:
+    """The tensors but those under a prefix the family's transformers model does not load (`Family.left_out`:
+    Qwen3-Next's mtp.*), each prefix left out noted in one line on stderr."""
+    kept = dict(tensors)
+    for prefix, what in family.left_out.items():
+        dropped = [name for name in kept if name.startswith(prefix)]
+        if dropped:
+            print(f"note: {family.architecture}: {len(dropped)} tensors under {prefix}* ({what}) are left out",
+                  file=sys.stderr)
+            kept = {name: info for name, info in kept.items() if not name.startswith(prefix)}
+    return kept
+
+
 def _scalar(value: Any) -> str:
     """One YAML scalar as training's config loader reads it back (floats keep their dot and exponent)."""
     return yaml.safe_dump(value, default_flow_style=True, default_style='"' if isinstance(value, str) else None
@@ -166,12 +179,13 @@ def _write_params(state_dir: epath.Path, source: safetensors_io.Source,
         store = orbax_io.create_array(state_dir, leaf)
         axis, dims = leaf.row_axis, param.layer_shape
         size = dims[axis]
-        step = size if names.whole_rows(param.entry, dims) else orbax_io.rows_per_chunk(leaf)
+        whole = names.whole_rows(param.entry, dims)
+        step = size if whole else orbax_io.rows_per_chunk(leaf)
         per_row = names.hf_rows_per_row(param.entry, dims)
         for index, info in zip(param.indices(), infos):
             for start in range(0, size, step):
                 stop = min(start + step, size)
-                rows = source.read(info, start * per_row, stop * per_row)
+                rows = source.read(info) if whole else source.read(info, start * per_row, stop * per_row)
                 block = names.to_maxshard(param.entry, rows, dims[:axis] + (stop - start,) + dims[axis + 1 :])
                 orbax_io.write_rows(store, leaf, param.local(index), start, block)
 
@@ -190,6 +204,7 @@ def convert(hf_dir: str, out_dir: str, base_config: str | None = None, adapters:
             tensors, left_out = multimodal.text_tensors(tensors, wrapper, hf_dir)
             print(f"note: {wrapper.architecture}: converting its language model as {arch}; {left_out} tensors of "
                   "the vision tower and projector are left out (maxshard trains text models)", file=sys.stderr)
+        tensors = _without_left_out(tensors, family)
         keys = _without_absent_mtp(keys, tensors)
         plan = _tensor_plan(layout.model_config(keys), family, tensors, hf_dir)
         adapter_arrays = peft.adapter_arrays(lora, [p for p, _ in plan], family) if lora else []

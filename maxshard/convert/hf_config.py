@@ -15,9 +15,10 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from maxshard.convert import hf_local_global
+from maxshard.convert import hf_local_global, names
 from maxshard.convert.families import FAMILIES, Family, by_architecture, by_model_type
 from maxshard.errors import ConfigError
+from maxshard.spec import mixer_kinds
 from maxshard.spec.model_config import ModelConfig
 
 __all__ = ["MAX_TARGET_LENGTH", "read", "family", "model_keys", "rope_keys", "to_hf", "default_max_position",
@@ -37,7 +38,12 @@ _REPLACED = ("rope_parameters", "rope_scaling", "rope_theta", "torch_dtype", "dt
 # `carries`): a model with any other value than the default cannot be written as a family that has neither.
 LAYER_OPTIONS = ("sliding_window", "attention_pattern", "rope_local_max_timescale", "attn_logit_softcapping",
                  "final_logit_softcapping", "query_pre_attn_scalar", "attention_sinks", "attention_bias",
-                 "norm_unit_offset", "post_norms", "mlp_activation", "embed_scale", "moe_bias")
+                 "norm_unit_offset", "post_norms", "mlp_activation", "embed_scale", "moe_bias",
+                 "attention_output_gate", "partial_rotary_factor", "shared_expert_gate", "layer_types")
+# The hybrids' (Qwen3-Next, Qwen3.5) layer_types without the field: transformers' rule, every n-th layer full
+# attention (config.json's full_attention_interval, default 4), the others linear attention, in config.json's words
+HYBRID_INTERVAL = ("full_attention_interval", 4)
+HF_LINEAR, HF_FULL = "linear_attention", "full_attention"
 
 
 def read(directory: str) -> dict[str, Any]:
@@ -89,6 +95,9 @@ def _check_representable(hf: Mapping[str, Any], fam: Family) -> None:
         raise _refuse(fam.activation_field, act, f"maxshard converts {fam.architecture}'s MLP with {fam.activation}")
     if fam.local_global:
         hf_local_global.check(hf, fam)
+    elif fam.linear_attention:
+        _check_window(hf, fam)
+        hybrid_layer_types(hf)
     else:
         _check_window(hf, fam)
         kinds = sorted(set(hf.get("layer_types") or ["full_attention"]) - {"full_attention"})
@@ -102,8 +111,48 @@ def _check_representable(hf: Mapping[str, Any], fam: Family) -> None:
         raise _refuse("quantization_config", hf["quantization_config"].get("quant_method", "?"),
                       "quantized checkpoints cannot be converted")
     for field in _REQUIRED:
+        if field == "intermediate_size" and fam.is_moe:
+            field = fam.expert_width_field  # the MLP width an MoE family's layers use (Qwen3.5-MoE has no other)
         if not isinstance(hf.get(field), int):
             raise ConfigError(f"config.json has no integer {field}")
+
+
+def hybrid_layer_types(hf: Mapping[str, Any]) -> list[str]:
+    """A hybrid's (Qwen3-Next, Qwen3.5) layer_types, the `layer_types` key as they are: config.json's list, or
+    transformers' rule (HYBRID_INTERVAL); each entry a global mixer maxshard converts (spec/mixer_kinds.py
+    spellings, convert/names.py MIXERS), one a layer."""
+    n = hf["num_hidden_layers"]
+    types = hf.get("layer_types")
+    if types is None:
+        field, default = HYBRID_INTERVAL
+        interval = hf.get(field, default)
+        if not isinstance(interval, int) or interval < 1:
+            raise _refuse(field, interval, "needs a positive integer")
+        types = [HF_LINEAR if (i + 1) % interval else HF_FULL for i in range(n)]
+    if not isinstance(types, list) or len(types) != n:
+        raise _refuse("layer_types", types, f"needs one entry a layer (num_hidden_layers is {n})")
+    for entry in types:
+        try:
+            row, local = mixer_kinds.resolve(entry)
+        except (KeyError, TypeError):
+            row, local = None, False
+        if row is None or local or row.name not in names.MIXERS:
+            raise _refuse("layer_types", entry, "maxshard converts global layers of "
+                          f"{', '.join(s for k in names.MIXERS for s in mixer_kinds.kind(k).hf)}")
+    return list(types)
+
+
+def partial_rotary(hf: Mapping[str, Any], fam: Family) -> float:
+    """The share of each head RoPE turns: rope_parameters' partial_rotary_factor (transformers 5.x), the top-level
+    field (4.x), else the family's default (Qwen3-Next's 0.25; 1 for the others)."""
+    params = hf.get("rope_parameters") or {}
+    value = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise _refuse("partial_rotary_factor", value, "needs a number in (0, 1]")
+    if value != 1 and "partial_rotary_factor" not in fam.carries:
+        raise _refuse("partial_rotary_factor", value, f"maxshard converts {fam.architecture} with RoPE on whole "
+                      "heads")
+    return float(value)
 
 
 def rope_keys(hf: Mapping[str, Any], linear: bool = False) -> dict[str, Any]:
@@ -174,7 +223,19 @@ def _moe_keys(hf: Mapping[str, Any], fam: Family) -> dict[str, Any]:
     renormalize = (fam.renormalize_default if fam.renormalize_field is None
                    else bool(hf.get(fam.renormalize_field, fam.renormalize_default)))
     return {"num_experts": experts, "num_experts_per_tok": k, "capacity_factor": -1.0, "moe_layer_interval": 1,
-            "num_shared_experts": 0, "moe_renormalize_top_k": renormalize}
+            "num_shared_experts": _shared_experts(hf, fam), "moe_renormalize_top_k": renormalize}
+
+
+def _shared_experts(hf: Mapping[str, Any], fam: Family) -> int:
+    """Shared experts of a family that gives their whole width (`shared_width_field`): that width over an expert's;
+    0 for one that has none (DeepSeek's count comes with its `fields`)."""
+    if fam.shared_width_field is None:
+        return 0
+    width, expert = hf.get(fam.shared_width_field, 0) or 0, hf[fam.expert_width_field]
+    if not isinstance(width, int) or width < 0 or width % expert:
+        raise _refuse(fam.shared_width_field, width, f"maxshard's shared experts are whole experts of "
+                      f"{fam.expert_width_field}={expert}")
+    return width // expert
 
 
 def model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
@@ -203,6 +264,8 @@ def model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
         **(_moe_keys(hf, fam) if fam.is_moe else {}),
         **_family_fields(hf, fam),
         **(hf_local_global.pattern_keys(hf, fam) if fam.local_global else {}),
+        **({"layer_types": hybrid_layer_types(hf)} if fam.linear_attention else {}),
+        **({"partial_rotary_factor": rot} if (rot := partial_rotary(hf, fam)) != 1 else {}),
     }
 
 
@@ -235,6 +298,8 @@ def family_of_keys(keys: Mapping[str, Any]) -> Family:
         return by_architecture("DeepseekV3ForCausalLM")
     if keys.get("moe_bias") or keys.get("attention_sinks"):
         return by_architecture("GptOssForCausalLM")
+    if keys.get("attention_output_gate"):  # the hybrids' gated attention
+        return by_architecture("Qwen3NextForCausalLM" if moe else "Qwen3_5ForCausalLM")
     if not moe:
         return by_architecture("Qwen3ForCausalLM" if qk_norm else "LlamaForCausalLM")
     return by_architecture("Qwen3MoeForCausalLM" if qk_norm else "MixtralForCausalLM")
@@ -271,6 +336,8 @@ def _moe_fields(keys: Mapping[str, Any], fam: Family, template: Mapping[str, Any
            fam.expert_width_field: keys["mlp_dim"]}
     if fam.renormalize_field is not None:
         out[fam.renormalize_field] = bool(keys.get("moe_renormalize_top_k", True))
+    if fam.shared_width_field is not None:
+        out[fam.shared_width_field] = keys.get("num_shared_experts", 0) * keys["mlp_dim"]
     if fam.expert_width_field != "intermediate_size" and "intermediate_size" not in template:
         out["intermediate_size"] = keys["mlp_dim"]  # unused (every layer routes): the expert width, not a default
     return out
@@ -311,6 +378,10 @@ def to_hf(keys: Mapping[str, Any], dtype: str, template: Mapping[str, Any] | Non
         out[field] = keys[key] if keys.get(key) or field != "q_lora_rank" else None  # DeepSeek writes null
     if fam.local_global:
         out.update(hf_local_global.export_fields(keys, fam, out))
+    if fam.linear_attention:
+        out["layer_types"] = list(keys["layer_types"])
+    if "partial_rotary_factor" in fam.carries:  # 4.x spelling, beside rope_theta; transformers 5 reads it too
+        out["partial_rotary_factor"] = keys.get("partial_rotary_factor", 1.0)
     for field, value in (token_ids or {}).items():
         out.setdefault(field, value)
     return out

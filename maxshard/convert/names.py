@@ -30,6 +30,19 @@ biases; its attention has q/k/v/o biases and sinks:
     q_proj.bias [heads * head_dim]                -> attention/query/bias [heads, head_dim]  ("flat")
     self_attn.sinks [heads]                       -> attention/sinks
 
+Qwen3-Next / Qwen3.5 (`Family.linear_attention`): the gated attention's q_proj holds each head's [query, gate] rows,
+maxshard's query kernel [embed, heads, 2 x head_dim] as it is; a gated DeltaNet layer's q, k, v (and z, b, a) come
+cut from fused tensors (`part` with groups: Qwen3-Next's in_proj_qkvz holds per key head [q, k, v, z], in_proj_ba
+per key head [b, a]; Qwen3.5's in_proj_qkv is [all q; all k; all v], one group), as is its depthwise conv1d
+[channels, 1, width] ("conv": the channels of q, k, v in a row) -> query_conv / key_conv / value_conv [width, heads,
+dim]; such tensors move whole (`Entry.whole`), one layer's projection at a time:
+
+    linear_attn.in_proj_qkvz [kh (2 dk + 2 r dv), embed] -> linear_attention/{query,key,value,z}/kernel  (r = vh / kh)
+    linear_attn.in_proj_ba [kh 2 r, embed]                -> linear_attention/{b,a}/kernel [embed, vh]
+    linear_attn.conv1d.weight [2 kh dk + vh dv, 1, width]  -> linear_attention/{query,key,value}_conv
+    linear_attn.A_log, dt_bias [vh]; norm.weight [dv]      -> linear_attention/A_log, dt_bias, norm/scale
+    mlp.shared_expert_gate.weight [1, embed]               -> moe/shared_gate/kernel [embed, 1]
+
 The table of a layer is `per_layer(family, cfg, layer)`: Llama's rows, plus q/k norms with `qk_norm`, with the MLP
 replaced by the router and experts in the MoE layers (spec/blocks.py says which layers those are); Gemma's four
 norms a layer (`SANDWICH_NORMS`) in families with `post_norms`. A stack whose unit is several layers (Gemma 3's five
@@ -45,11 +58,12 @@ import re
 import numpy as np
 
 from maxshard.convert.families import Family
+from maxshard.errors import ConfigError
 from maxshard.spec.blocks import Layer
 from maxshard.model.layers import rope
 from maxshard.spec.model_config import ModelConfig
 
-__all__ = ["Entry", "GLOBAL", "ATTENTION", "QK_NORM", "MLP_NORM", "SANDWICH_NORMS", "MLP", "HEAD", "IGNORED", "MTP",
+__all__ = ["Entry", "MIXERS", "GLOBAL", "ATTENTION", "QK_NORM", "MLP_NORM", "SANDWICH_NORMS", "MLP", "HEAD", "IGNORED", "MTP",
            "MTP_COPIES", "mtp_layer", "mtp_copies", "per_layer", "hf_name",
            "hf_shape", "row_axis", "hf_rows_per_row", "whole_rows", "to_maxshard", "to_hf", "join_parts"]
 
@@ -61,16 +75,21 @@ class Entry:
 
     hf: str
     path: tuple[str, ...]
-    layout: str  # "same", "linear", "flat" (a 1-D tensor of maxshard's shape) or "interleaved" (with `part`)
+    # "same", "linear", "flat" (a 1-D tensor of maxshard's shape), "interleaved" (with `part`) or "conv" (a
+    # depthwise conv1d weight [channels, 1, width], read as the linear weight [channels, width])
+    layout: str
     num_in: int = 1
     per_expert: bool = False  # one Hugging Face tensor per expert ("{e}"), stacked along maxshard's experts dim
-    # A slice (start, stop, width) of each head's `width` Hugging Face rows: two maxshard kernels from one tensor
-    # (MLA's kv_b_proj holds each head's key rows, then its value rows). "interleaved": every width-th column of
-    # the last dim from `start` (GPT-OSS's gate_up_proj: gate (0, 1, 2), up (1, 2, 2)).
+    # A slice (start, stop, width) of each group's `width` Hugging Face rows: two maxshard kernels from one tensor
+    # (MLA's kv_b_proj holds each head's key rows, then its value rows; the groups are as many as the part's rows
+    # make of maxshard's output: one per head there, one per key head for Qwen3-Next's in_proj_qkvz, one in all
+    # for Qwen3.5's in_proj_qkv). "interleaved": every width-th column of the last dim from `start` (GPT-OSS's
+    # gate_up_proj: gate (0, 1, 2), up (1, 2, 2)).
     part: tuple[int, int, int] | None = None
     # The last `rope_tail` features of maxshard's last dim are a RoPE part that Hugging Face stores in interleaved
     # pairs (DeepSeek): they are reordered into the half layout (layers/rope.py `deinterleaved`) on the way in.
     rope_tail: int = 0
+    whole: bool = False  # moved as one array, not in row blocks (a part whose groups are not maxshard's rows)
 
 
 GLOBAL = (
@@ -137,6 +156,9 @@ def _moe(family: Family, cfg: ModelConfig) -> tuple[Entry, ...]:
         stem = f"model.layers.{{i}}.{prefix}.{family.shared_experts}"
         shared = tuple(Entry(f"{stem}.{hf}.weight", ("moe", "shared", name, "kernel"), "linear")
                        for hf, name in (("gate_proj", "wi_0"), ("up_proj", "wi_1"), ("down_proj", "wo")))
+    if family.shared_expert_gate and cfg.shared_expert_gate:
+        shared += (Entry(f"model.layers.{{i}}.{prefix}.{family.shared_expert_gate}.weight",
+                         ("moe", "shared_gate", "kernel"), "linear"),)
     return (
         *router,
         Entry(f"{experts}.{gate}.weight", ("moe", "wi_0"), "linear", per_expert=True),
@@ -172,13 +194,66 @@ def _attention_extras(cfg: ModelConfig, family: Family) -> tuple[Entry, ...]:
     return biases + sinks
 
 
+def _grouped_attention(family: Family, cfg: ModelConfig, layer: Layer) -> tuple[Entry, ...]:
+    """Grouped-query attention (a gated one's q_proj is its query kernel as it is), with the q/k norms of
+    qk_norm families."""
+    return (*ATTENTION, *(QK_NORM if family.qk_norm else ()))
+
+
+def _cut(hf: str, scope: str, cuts: tuple[tuple[str, int, int], ...], width: int, layout: str = "linear",
+         leaf: str = "kernel") -> tuple[Entry, ...]:
+    """The maxshard kernels (name, start, stop) cut from each group of `width` rows of one Hugging Face tensor."""
+    return tuple(Entry(hf, (scope, name, leaf) if leaf else (scope, name), layout, part=(start, stop, width),
+                       whole=True) for name, start, stop in cuts)
+
+
+def _gated_deltanet(family: Family, cfg: ModelConfig, layer: Layer) -> tuple[Entry, ...]:
+    """Gated DeltaNet (layers/gated_deltanet.py) under its row's scope: Qwen3-Next's fused in_proj_qkvz (per key
+    head [q, k, v, z]) and in_proj_ba (per key head [b, a]), or Qwen3.5's in_proj_qkv ([q; k; v]) beside
+    in_proj_z, in_proj_b, in_proj_a; the conv1d's channels [q; k; v]; A_log, dt_bias, the gated norm, out_proj."""
+    attn, scope = "model.layers.{i}.linear_attn", layer.mixer.scope
+    kh, vh, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                      cfg.linear_value_head_dim)
+    key, value, r = kh * dk, vh * dv, vh // kh
+    qkv = (("query", 0, key), ("key", key, 2 * key), ("value", 2 * key, 2 * key + value))
+    if family.linear_attention == "fused":
+        per_head = (("query", 0, dk), ("key", dk, 2 * dk), ("value", 2 * dk, 2 * dk + r * dv),
+                    ("z", 2 * dk + r * dv, 2 * dk + 2 * r * dv))
+        projections = (*_cut(f"{attn}.in_proj_qkvz.weight", scope, per_head, 2 * dk + 2 * r * dv),
+                       *_cut(f"{attn}.in_proj_ba.weight", scope, (("b", 0, r), ("a", r, 2 * r)), 2 * r))
+    else:
+        projections = (*_cut(f"{attn}.in_proj_qkv.weight", scope, qkv, 2 * key + value),
+                       *(Entry(f"{attn}.in_proj_{n}.weight", (scope, n, "kernel"), "linear") for n in ("z", "b", "a")))
+    conv = tuple(dataclasses.replace(e, path=(scope, f"{e.path[1]}_conv"))
+                 for e in _cut(f"{attn}.conv1d.weight", scope, qkv, 2 * key + value, "conv", ""))
+    return (
+        ATTENTION[0],
+        *projections,
+        *conv,
+        Entry(f"{attn}.A_log", (scope, "A_log"), "same"),
+        Entry(f"{attn}.dt_bias", (scope, "dt_bias"), "same"),
+        Entry(f"{attn}.norm.weight", (scope, "norm", "scale"), "same"),
+        Entry(f"{attn}.out_proj.weight", (scope, "out", "kernel"), "linear", num_in=2),
+    )
+
+
+# Each token mixer's rows, by its row of spec/mixer_kinds.py: a new mixer kind that converts is one more entry.
+MIXERS = {
+    "gqa": _grouped_attention,
+    "mla": lambda family, cfg, layer: _latent_attention(cfg),
+    "gated_deltanet": _gated_deltanet,
+}
+
+
 def per_layer(family: Family, cfg: ModelConfig, layer: Layer) -> tuple[Entry, ...]:
-    """The rows of one layer of `layer`'s kinds (spec/blocks.py): its attention (with the q/k norms of qk_norm
-    families; latent attention's own rows), then the MLP's norm and the dense MLP or the MoE (router, its selection
-    bias, experts, shared experts)."""
-    attention = _latent_attention(cfg) if layer.attention == "mla" else (*ATTENTION, *(QK_NORM if family.qk_norm
-                                                                                         else ()))
-    mlp = (_fused_moe(family) if family.fused_experts else _moe(family, cfg)) if layer.mlp == "moe" else MLP
+    """The rows of one layer of `layer`'s kinds (spec/blocks.py): its token mixer (MIXERS: attention with the q/k
+    norms of qk_norm families, latent attention's own rows, gated DeltaNet's), then the MLP's norm and the dense
+    MLP or the MoE (router, its selection bias, experts, shared experts and their gate)."""
+    mixer = MIXERS.get(layer.attention)
+    if mixer is None:
+        raise ConfigError(f"{family.architecture} has no tensors for token mixer {layer.attention!r}")
+    attention = mixer(family, cfg, layer)
+    mlp = (_fused_moe(family) if family.fused_experts else _moe(family, cfg)) if layer.routed else MLP
     norms = SANDWICH_NORMS if family.keys.get("post_norms") else (MLP_NORM,)
     return (*attention, *_attention_extras(cfg, family), *norms, *mlp)
 
@@ -230,9 +305,14 @@ def hf_shape(entry: Entry, maxshard_shape: tuple[int, ...]) -> tuple[int, ...]:
     if entry.layout == "interleaved":
         return (*maxshard_shape[:-1], maxshard_shape[-1] * entry.part[2])
     inputs, outputs = maxshard_shape[: entry.num_in], maxshard_shape[entry.num_in :]
-    if entry.part:
-        outputs = (*outputs[:-1], entry.part[2])
-    return (math.prod(outputs), math.prod(inputs))
+    rows = _groups(entry, outputs) * entry.part[2] if entry.part else math.prod(outputs)
+    return (rows, 1, math.prod(inputs)) if entry.layout == "conv" else (rows, math.prod(inputs))
+
+
+def _groups(entry: Entry, outputs: tuple[int, ...]) -> int:
+    """How many groups of `part[2]` Hugging Face rows the tensor holds: maxshard's output size over the part's."""
+    start, stop, _ = entry.part
+    return math.prod(outputs) // (stop - start)
 
 
 def row_axis(entry: Entry) -> int:
@@ -240,7 +320,7 @@ def row_axis(entry: Entry) -> int:
 
     A block of maxshard rows along it is a contiguous block of Hugging Face rows (q_proj: whole heads; o_proj:
     embed rows; lm_head: vocab rows), so both directions can stream a tensor in row blocks."""
-    return entry.num_in if entry.layout == "linear" else 0
+    return entry.num_in if entry.layout in ("linear", "conv") else 0
 
 
 def hf_rows_per_row(entry: Entry, maxshard_shape: tuple[int, ...]) -> int:
@@ -256,8 +336,8 @@ def hf_rows_per_row(entry: Entry, maxshard_shape: tuple[int, ...]) -> int:
 
 def whole_rows(entry: Entry, maxshard_shape: tuple[int, ...]) -> bool:
     """Whether the tensor must be moved whole rather than in row blocks: a RoPE part reordered along the very
-    axis the rows run along (kv_a_proj_with_mqa's last rows)."""
-    return bool(entry.rope_tail) and row_axis(entry) == len(maxshard_shape) - 1
+    axis the rows run along (kv_a_proj_with_mqa's last rows), or an `Entry.whole` one."""
+    return entry.whole or (bool(entry.rope_tail) and row_axis(entry) == len(maxshard_shape) - 1)
 
 
 def _rope_order(entry: Entry, width: int, inverse: bool = False) -> np.ndarray:
@@ -275,9 +355,12 @@ def to_maxshard(entry: Entry, array: np.ndarray, maxshard_shape: tuple[int, ...]
     if entry.layout == "interleaved":
         start, _, width = entry.part
         return array[..., start::width].reshape(maxshard_shape)
+    if entry.layout == "conv":  # [channels, 1, width] -> the [channels, width] of a linear weight
+        array = array[:, 0, :]
     if entry.part:
         start, stop, width = entry.part
-        return array.T.reshape(*maxshard_shape[:-1], width)[..., start:stop]
+        inputs = maxshard_shape[: entry.num_in]
+        return array.T.reshape(*inputs, -1, width)[..., start:stop].reshape(maxshard_shape)
     out = array.T.reshape(maxshard_shape)
     return out[..., _rope_order(entry, out.shape[-1])] if entry.rope_tail else out
 
@@ -292,13 +375,18 @@ def to_hf(entry: Entry, array: np.ndarray) -> np.ndarray:
     if entry.rope_tail:
         array = array[..., _rope_order(entry, array.shape[-1], inverse=True)]
     inputs = math.prod(array.shape[: entry.num_in])
-    return array.reshape(inputs, -1).T
+    out = array.reshape(inputs, -1).T
+    return out[:, None, :] if entry.layout == "conv" else out
 
 
-def join_parts(entry: Entry, parts: list[np.ndarray]) -> np.ndarray:
-    """The Hugging Face rows of a tensor cut into `part`s (in part order), from those parts' maxshard blocks."""
+def join_parts(entry: Entry, parts: list[np.ndarray], entries: list[Entry] | None = None) -> np.ndarray:
+    """The Hugging Face rows of a tensor cut into `part`s (in part order), from those parts' maxshard blocks
+    (`entries`: each part's own row, for parts of different widths; `entry`'s for all by default)."""
     if entry.layout == "interleaved":  # column j of part p is column j * width + p
         stacked = np.stack(parts, axis=-1)
         return stacked.reshape(*stacked.shape[:-2], -1)
-    whole = np.concatenate(parts, axis=-1)
-    return whole.reshape(math.prod(whole.shape[: entry.num_in]), -1).T
+    entries = entries or [entry] * len(parts)
+    grouped = [p.reshape(*p.shape[: e.num_in], _groups(e, p.shape[e.num_in :]), -1) for p, e in zip(parts, entries)]
+    whole = np.concatenate(grouped, axis=-1)
+    out = whole.reshape(math.prod(whole.shape[: entry.num_in]), -1).T
+    return out[:, None, :] if entry.layout == "conv" else out

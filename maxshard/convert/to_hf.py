@@ -116,8 +116,9 @@ def _joined(reader: orbax_io.Reader, parts: list[layout.Param], at: tuple[int, .
             ) -> Iterator[np.ndarray]:
     """One Hugging Face tensor cut into maxshard `part`s (MLA's kv_b_proj: each head's key, then value rows), read
     whole: one layer's latent up-projection."""
-    arrays = [reader.read(*locate(reader, p, at)) for p in sorted(parts, key=lambda p: p.entry.part)]
-    yield names.join_parts(parts[0].entry, arrays).astype(target, copy=False)
+    ordered = sorted(parts, key=lambda p: p.entry.part)
+    arrays = [reader.read(*locate(reader, p, at)) for p in ordered]
+    yield names.join_parts(ordered[0].entry, arrays, [p.entry for p in ordered]).astype(target, copy=False)
 
 
 def _tensors(reader: orbax_io.Reader, params: list[layout.Param], family: Family, dtype: str | None,

@@ -1,0 +1,175 @@
+"""Qwen3-Next and Qwen3.5 (dense, MoE, multimodal) through the Hugging Face converter: logits and greedy tokens equal
+transformers', the round trip is bit for bit, and what maxshard cannot compute is refused in one line.
+
+The fixtures (tests/fixtures/qwen3_next/, tools/make_qwen3_next_fixtures.py with transformers 5.24) are 4-layer
+hybrids, 3 gated DeltaNet layers then 1 gated full-attention layer (layer_types), partial rotary 0.25, (1 + w)
+norms; the MoE ones route top-2 of 4 with a sigmoid-gated shared expert twice an expert's width. Logits are taken
+with delta_chunk_size 4, so the 12-token text crosses chunk boundaries (transformers' chunks are 64 wide).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+from test_convert import TOLERANCE, apply, read_all, start_from_converted
+
+from maxshard import generate
+from maxshard.convert import __main__ as cli
+from maxshard.convert import hf_config, layout, names
+from maxshard.errors import ConfigError
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "qwen3_next"
+NAMES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+# remat_policy=auto plans every policy (planning/fit.py); these tests check the function, which no policy changes
+EXTRA = ("remat_policy=full", "delta_chunk_size=4")
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("converted")
+    for name in (*NAMES, "qwen3_5_mm"):
+        assert cli.main(["from_hf", str(FIXTURES / name), str(root / name)]) == 0
+    return {name: root / name for name in (*NAMES, "qwen3_5_mm")}
+
+
+def reference(name: str) -> tuple[np.ndarray, np.ndarray]:
+    return np.load(FIXTURES / name / "tokens.npy"), np.load(FIXTURES / name / "logits.npy")
+
+
+# --------------------------------------------------------------------------------------------- import
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_logits_match_transformers(converted, name, tmp_path):
+    trainer, state = start_from_converted(converted[name], tmp_path, *EXTRA)
+    tokens, want = reference(name)
+    got = apply(trainer, state.params, tokens)
+    assert np.std(want) > 0.5  # logits of a useful scale: a wrong gate, rotary part or layer moves them by far more
+    np.testing.assert_allclose(got, want, rtol=0, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_generation_gives_transformers_tokens(converted, name, tmp_path):
+    """from_hf -> maxshard.generate temperature=0: transformers' 16 greedy tokens, decoded one at a time through
+    the DeltaNet layers' recurrent state and the full-attention layer's KV cache."""
+    want = json.loads((FIXTURES / name / "generate.json").read_text())
+    assert len(want["new_tokens"]) == want["max_new_tokens"] == 16
+    out = tmp_path / "out.jsonl"
+    argv = [str(converted[name] / "config.yml"), f"base_output_directory={tmp_path}", f"prompt={want['prompt']}",
+            f"max_new_tokens={want['max_new_tokens']}", "temperature=0", f"generate_output={out}", *EXTRA]
+    assert generate.main(argv) == 0
+    assert json.loads(out.read_text())["tokens"] == want["new_tokens"]
+
+
+def test_keys_and_tensors_are_the_checkpoints():
+    """config.json's layer_types become the layer_types key as they are; partial_rotary_factor, the gates, the
+    (1 + w) norms and the shared experts (shared_expert_intermediate_size 32 = 2 experts of 16) become keys; the
+    fused DeltaNet tensors are cut per key head (Qwen3-Next) or in one group (Qwen3.5)."""
+    keys = hf_config.model_keys(hf_config.read(str(FIXTURES / "qwen3_next")))
+    assert keys["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+    assert (keys["partial_rotary_factor"], keys["attention_output_gate"], keys["norm_unit_offset"], keys["qk_norm"],
+            keys["shared_expert_gate"], keys["num_shared_experts"], keys["mlp_dim"],
+            keys["moe_renormalize_top_k"]) == (0.25, True, True, True, True, 2, 16, True)
+    assert (keys["linear_num_key_heads"], keys["linear_num_value_heads"], keys["linear_key_head_dim"],
+            keys["linear_value_head_dim"], keys["linear_conv_kernel_dim"]) == (2, 4, 8, 8, 4)
+    dense = hf_config.model_keys(hf_config.read(str(FIXTURES / "qwen3_5_text")))
+    assert "num_experts" not in dense and not dense.get("shared_expert_gate") and dense["mlp_dim"] == 48
+    family = hf_config.family({"architectures": ["Qwen3NextForCausalLM"]})
+    params = {p.path: p for p in layout.params_of(layout.model_config(keys), family)}
+    value = params["decoder", "layers", "layer_0", "linear_attention", "value", "kernel"]
+    assert value.entry.hf == "model.layers.{i}.linear_attn.in_proj_qkvz.weight" and value.entry.part == (16, 32, 48)
+    assert names.hf_shape(value.entry, value.layer_shape) == (96, 32)  # 2 key heads x [q 8, k 8, v 16, z 16]
+    conv = params["decoder", "layers", "layer_0", "linear_attention", "value_conv"]
+    assert names.hf_shape(conv.entry, conv.layer_shape) == (64, 1, 4) and conv.entry.part == (32, 64, 64)
+    gate = params["decoder", "layers", "layer_3", "attention", "query", "kernel"]
+    assert gate.shape == (1, 32, 4, 32)  # [units, embed, heads, 2 x head_dim]: each head's query and gate
+
+
+def test_config_without_layer_types_follows_transformers_rule():
+    """Without layer_types, every full_attention_interval-th layer (4 by default) is full attention, as
+    transformers' Qwen3NextConfig builds the list; partial_rotary_factor at top level (the 4.x spelling published
+    Qwen3-Next checkpoints use) reads as inside rope_parameters."""
+    source = hf_config.read(str(FIXTURES / "qwen3_next"))
+    rope = source["rope_parameters"]
+    older = {k: v for k, v in source.items() if k not in ("layer_types", "rope_parameters")}
+    older |= {"rope_theta": rope["rope_theta"], "partial_rotary_factor": rope["partial_rotary_factor"]}
+    assert hf_config.model_keys(older) == hf_config.model_keys(source)
+    eight = hf_config.model_keys({**older, "num_hidden_layers": 8, "full_attention_interval": 2})
+    assert eight["layer_types"] == ["linear_attention", "full_attention"] * 4
+
+
+# --------------------------------------------------------------------------------------------- export
+
+
+@pytest.mark.parametrize("name", (*NAMES, "qwen3_5_mm"))
+def test_round_trip_is_bit_identical(converted, name, tmp_path):
+    """to_hf writes the source's tensors bit for bit (the multimodal one: its language model, as
+    Qwen3_5ForCausalLM, which is qwen3_5_text's), and a config.json of the same model keys."""
+    out = tmp_path / "hf"
+    assert cli.main(["to_hf", str(converted[name] / "checkpoints" / "0"), str(out)]) == 0
+    text = "qwen3_5_text" if name == "qwen3_5_mm" else name
+    source, back = read_all(FIXTURES / text), read_all(out)
+    assert sorted(back) == sorted(source)
+    for tensor, array in source.items():
+        assert back[tensor].dtype == array.dtype and back[tensor].tobytes() == array.tobytes(), tensor
+    exported, original = json.loads((out / "config.json").read_text()), hf_config.read(str(FIXTURES / text))
+    assert hf_config.model_keys(exported) == hf_config.model_keys(original)
+    for field in ("architectures", "model_type", "layer_types", "linear_num_value_heads", "head_dim"):
+        assert exported[field] == original[field], field
+    assert exported["partial_rotary_factor"] == original["rope_parameters"]["partial_rotary_factor"]
+
+
+def test_export_without_a_template_picks_the_family_by_its_keys():
+    """The gated attention picks the hybrids: Qwen3.5 dense, Qwen3-Next with experts (Qwen3.5-MoE computes the same
+    function; only its DeltaNet tensors are cut otherwise), whose config.json reads back as the same keys."""
+    for name, want in (("qwen3_next", "Qwen3NextForCausalLM"), ("qwen3_5_text", "Qwen3_5ForCausalLM"),
+                       ("qwen3_5_moe_text", "Qwen3NextForCausalLM")):
+        keys = hf_config.model_keys(hf_config.read(str(FIXTURES / name)))
+        exported = hf_config.to_hf(keys, "float32")
+        assert exported["architectures"] == [want] and hf_config.model_keys(exported) == keys
+
+
+def test_multimodal_and_mtp_tensors_are_left_out_with_one_line_each(tmp_path, capsys):
+    """Qwen3_5ForConditionalGeneration converts its language model and leaves the vision tower out; a checkpoint's
+    multi-token prediction head (mtp.*, which transformers does not load) is left out too, each with one line."""
+    directory = tmp_path / "mm"
+    shutil.copytree(FIXTURES / "qwen3_5_mm", directory)
+    tensors = load_file(str(directory / "model.safetensors"))
+    save_file({**tensors, "mtp.fc.weight": np.zeros((32, 64), np.float32)}, str(directory / "model.safetensors"))
+    assert cli.main(["from_hf", str(directory), str(tmp_path / "out")]) == 0
+    err = capsys.readouterr().err
+    assert "Qwen3_5ForConditionalGeneration: converting its language model as Qwen3_5ForCausalLM" in err
+    assert "note: Qwen3_5ForCausalLM: 1 tensors under mtp.* (the multi-token prediction head" in err
+    keys = {k: v for k, v in hf_config.model_keys(hf_config.read(str(tmp_path / "out" / "hf"))).items()}
+    assert keys == hf_config.model_keys(hf_config.read(str(FIXTURES / "qwen3_5_text")))
+
+
+def changed(name: str, change: dict[str, Any]) -> dict[str, Any]:
+    return {**hf_config.read(str(FIXTURES / name)), **change}
+
+
+@pytest.mark.parametrize(("name", "change", "field"), [
+    ("qwen3_next", {"layer_types": ["linear_attention"] * 3 + ["sliding_attention"]}, "layer_types"),
+    ("qwen3_next", {"layer_types": ["linear_attention", "full_attention"]}, "layer_types"),
+    ("qwen3_next", {"layer_types": ["mamba"] * 4}, "layer_types"),
+    ("qwen3_next", {"shared_expert_intermediate_size": 24}, "shared_expert_intermediate_size"),
+    ("qwen3_next", {"decoder_sparse_step": 2}, "decoder_sparse_step"),
+    ("qwen3_5_text", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e3, "partial_rotary_factor": 1.5}},
+     "partial_rotary_factor"),
+])
+def test_what_maxshard_cannot_compute_is_one_line(name, change, field):
+    with pytest.raises(ConfigError, match=f"config.json: {field}="):
+        hf_config.model_keys(changed(name, change))
+
+
+def test_partial_rotary_of_a_family_without_it_is_refused():
+    """A Llama config.json with a partial_rotary_factor (which transformers would apply) is refused, not dropped."""
+    llama = hf_config.read(str(Path(__file__).resolve().parent / "fixtures" / "hf" / "mistral"))
+    with pytest.raises(ConfigError, match="partial_rotary_factor=0.5 is not supported"):
+        hf_config.model_keys({**llama, "partial_rotary_factor": 0.5})
