@@ -70,6 +70,9 @@ PROBES = {
     "moe_bias": (MOE, True),
     "mtp_depth": ({}, 1),
     "layer_types": ({}, ("linear_attention", "full_attention") * 2),  # gated DeltaNet's layers keep their own
+    "attention_output_gate": ({}, True),  # the gate's half of the query projection and its sigmoid
+    "partial_rotary_factor": ({}, 0.5),  # the rotated part and the part passed through
+    "shared_expert_gate": ({**MOE, "num_shared_experts": 1}, True),
 }
 
 
