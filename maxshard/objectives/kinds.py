@@ -1,6 +1,8 @@
 """The training objectives (`objective`): one row each, so an objective is named here once. Read by the config
 schema (the allowed names), `maxshard.objectives.of` (the implementation), the input pipelines (what a row of the
-batch holds: documents, or preference pairs) and the train state (whether a reference model is kept).
+batch holds: documents, preference pairs, or rollouts sampled from the model: `samples`) and the train state (whether
+a reference model is kept and where it comes from: `reference_source`). Code outside `maxshard/objectives/` reads
+these properties, never an objective's name (tests/test_objective_kinds.py).
 
 A leaf, so that the config schema and the data pipelines can read it without the losses (jax).
 
