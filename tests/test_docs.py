@@ -180,6 +180,14 @@ def test_every_command_a_guide_shows_sets_real_keys_and_names_real_files(guide: 
     assert wrong == [], f"{_name(guide)}: {wrong}"
 
 
+def test_every_convertible_family_has_its_row_in_the_families_table() -> None:
+    from maxshard.convert import families
+
+    table = (REPO / "docs" / "models-and-conversion.md").read_text(encoding="utf-8").split("## Families", 1)[1]
+    missing = [f.architecture for f in families.FAMILIES if f"`{f.architecture}`" not in table]
+    assert missing == [], f"docs/models-and-conversion.md, Families: no row names {missing}"
+
+
 # --------------------------------------------------------------------------------------------- generated parts
 
 
