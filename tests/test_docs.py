@@ -188,6 +188,21 @@ def test_every_convertible_family_has_its_row_in_the_families_table() -> None:
     assert missing == [], f"docs/models-and-conversion.md, Families: no row names {missing}"
 
 
+def _in_code(name: str, text: str) -> bool:
+    return re.search(rf"`[^`\n]*(?<![\w.]){re.escape(name)}(?![\w])[^`\n]*`", text) is not None
+
+
+@pytest.mark.parametrize(("guide", "table"), [("data.md", "dataset_types"), ("alignment-and-rl.md", "objectives")])
+def test_every_reader_and_objective_is_in_its_guide(guide: str, table: str) -> None:
+    """The rows of maxshard/dataset_types.py and objectives/kinds.py, each named (in code) in its guide."""
+    from maxshard import dataset_types
+    from maxshard.objectives import kinds
+
+    names = dataset_types.NAMES if table == "dataset_types" else kinds.NAMES
+    text = (REPO / "docs" / guide).read_text(encoding="utf-8")
+    assert [name for name in names if not _in_code(name, text)] == [], f"docs/{guide} does not name them"
+
+
 # --------------------------------------------------------------------------------------------- generated parts
 
 
