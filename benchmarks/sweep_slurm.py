@@ -6,7 +6,7 @@ Each point's trainer argv is what the local runner gives it (sweep_run.point_arg
 `base_output_directory` = OUT/runs, `log_period=1`), checked by the trainer's config parser first: a point it rejects
 is left out of the array and recorded as `skipped` with the one-line error, as the XPK printout does. The script is
 maxshard.launch.slurm's (wiring, quoting, preemption and requeue as for one job), written to OUT/slurm/. With
-`--submit`, `sbatch --wait` blocks until every index ended, then the rows are collected from each index's exit
+`--submit`, it submits and waits until every index ended, then the rows are collected from each index's exit
 status, log files and metrics.jsonl (sweep_run.collect_point) and written as for a local sweep (results.csv,
 results.jsonl). The runs and the results directory must be on a file system the nodes share.
 """
@@ -19,6 +19,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -81,6 +82,16 @@ def collect(sweep: Sweep, out: str, job: slurm.Job, points: Sequence[Point], job
     return rows
 
 
+def wait_for(job_id: str, run: Callable[..., subprocess.CompletedProcess], poll_s: float = 1.0) -> None:
+    """Until no index of the array is in the queue (pending, running or requeued). Not `sbatch --wait`: it polls
+    ever more rarely, and lags a short job by tens of seconds."""
+    while True:
+        done = run(["squeue", "-h", "-j", job_id, "-o", "%i"], capture_output=True, text=True, check=False)
+        if (done.returncode == 0 and not done.stdout.strip()) or "Invalid job id" in done.stderr:
+            return  # ended (an ended job is forgotten after the cluster's MinJobAge)
+        time.sleep(poll_s)  # queued, or squeue could not reach the controller this time
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sweep", help="sweep YAML (benchmarks/sweep.py describes it)")
@@ -116,12 +127,14 @@ def main(argv: Sequence[str] | None = None, run: Callable[..., subprocess.Comple
     if not args.submit:
         print(f"wrote {script} ({len(points)} array indices); submit it with: sbatch {script}")
         return 0
-    done = run(slurm.sbatch_argv(script, "--wait"), capture_output=True, text=True, check=False, cwd=REPO)
+    done = run(slurm.sbatch_argv(script), capture_output=True, text=True, check=False, cwd=REPO)
     try:
         job_id = slurm.job_id_of(done.stdout)
     except ConfigError as e:
         print(f"sweep: error: {e} {done.stderr.strip()}", file=sys.stderr)
         return 1
+    print(f"submitted job array {job_id} ({len(points)} indices); waiting for all of them", flush=True)
+    wait_for(job_id, run)
     rows = sorted(collect(sweep, out, job, points, job_id) + skipped, key=lambda r: r["index"])
     for row in rows:
         print(describe(row), flush=True)

@@ -9,8 +9,8 @@ the packages are installed when missing and this is root, as on CI), jobs submit
 - a sweep of two points as one job array (benchmarks/sweep_slurm.py) runs both and collects their rows;
 - values with quotes, `$(...)`, backticks and newlines reach the program exactly and never run.
 
-The uninterrupted 1-process run is a job too (`straight`), shared by the tests; all runs share conftest's
-compilation cache (sbatch passes the environment on), so only the first 1-process and the 2-process job compile.
+The uninterrupted 1-process run the others compare with is index 0 of that job array (`straight`). All runs share
+conftest's compilation cache (sbatch passes the environment on to the jobs).
 """
 
 from __future__ import annotations
@@ -86,13 +86,34 @@ def losses(run_dir: Path) -> list[float]:
 
 
 @pytest.fixture(scope="session")
-def straight(cluster, tmp_path_factory) -> list[float]:
-    """The uninterrupted 1-process run's losses, STEPS of them, trained as a SLURM job."""
-    base = tmp_path_factory.mktemp("straight")
-    job_id = submit(cluster, base, "straight", [*ONE, f"steps={STEPS}"])
-    code, out, err = finished(cluster, base, "straight", job_id)
-    assert code == 0, err[-3000:]
-    result = losses(base / "straight")
+def sweep(cluster, tmp_path_factory) -> tuple[Path, list[dict]]:
+    """A sweep of two points as one job array (benchmarks/sweep_slurm.py, in this process): `straight`, the
+    uninterrupted 1-process run of STEPS steps that the other tests compare with, and `four`, the same for 4 steps;
+    and a third point the trainer's config parser rejects. Returns the results directory and its rows."""
+    from benchmarks import sweep_slurm
+
+    out = tmp_path_factory.mktemp("sweep")
+    fixed = "".join(f"  {key}: {value}\n" for key, value in (item.split("=", 1) for item in ONE) if key != "steps")
+    sweep_file = out / "pair.yml"
+    sweep_file.write_text(f"base_config: configs/base.yml\nfixed:\n{fixed}points: [{{name: straight, steps: {STEPS}}}, "
+                          "{name: four, steps: 4}, {name: bad, emb_dim: x}]\n")
+    old = os.environ.copy()
+    os.environ.update(cluster.env)  # sbatch and squeue, run by the sweep in this process, find the test cluster
+    try:
+        code = sweep_slurm.main([str(sweep_file), "--out", str(out), "--submit"])
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert code == 0, rows
+    return out, rows
+
+
+@pytest.fixture(scope="session")
+def straight(sweep) -> list[float]:
+    """The uninterrupted 1-process run's losses, STEPS of them (array index 0 of the sweep)."""
+    out, _ = sweep
+    result = losses(out / "runs" / "pair-00-straight")
     assert len(result) == STEPS
     return result
 
@@ -108,11 +129,9 @@ def test_generated_scripts_pass_sbatch_test_only(cluster, tmp_path):
 
     sweep_file = tmp_path / "two.yml"
     sweep_file.write_text("base_config: configs/base.yml\nfixed: {steps: 2}\npoints: [{name: a}, {name: b}]\n")
-    assert sweep_slurm.main([str(sweep_file), "--out", str(tmp_path / "sweep")]) == 0
-    script = tmp_path / "sweep" / "slurm" / "two.sbatch"
-    done = cluster.run("sbatch", "--test-only", str(script), check=False)
+    assert sweep_slurm.main([str(sweep_file), "--out", str(tmp_path / "sweep")]) == 0  # writes, submits nothing
+    done = cluster.run("sbatch", "--test-only", str(tmp_path / "sweep" / "slurm" / "two.sbatch"), check=False)
     assert done.returncode == 0 and "to start at" in done.stderr, done.stderr
-    assert "#SBATCH --array=0-1" in script.read_text()
 
 
 def test_two_task_job_equals_the_one_process_run(cluster, straight, tmp_path):
@@ -144,29 +163,14 @@ def test_sigterm_saves_requeues_and_resumes_bit_exactly(cluster, straight, tmp_p
     assert losses(tmp_path / "preempted") == straight  # steps 1..N, then N+1..STEPS after the requeue
 
 
-def test_a_sweep_runs_as_one_job_array(cluster, straight, tmp_path):
-    from benchmarks import sweep_slurm
-
-    overrides = "".join(f"  {item.split('=', 1)[0]}: {item.split('=', 1)[1]}\n" for item in ONE if not item.startswith("steps="))
-    sweep_file = tmp_path / "pair.yml"
-    sweep_file.write_text(f"base_config: configs/base.yml\nfixed:\n{overrides}points: [{{name: four, steps: 4}}, "
-                          "{name: six, steps: 6}, {name: bad, emb_dim: x}]\n")
-    out = tmp_path / "out"
-    old = os.environ.copy()
-    os.environ.update(cluster.env)  # sbatch, run by the sweep in this process, finds the test cluster
-    try:
-        code = sweep_slurm.main([str(sweep_file), "--out", str(out)]) or sweep_slurm.main(
-            [str(sweep_file), "--out", str(out), "--submit"])
-    finally:
-        os.environ.clear()
-        os.environ.update(old)
-    assert code == 0
-    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    assert [(r["name"], r["status"]) for r in rows] == [("four", "ok"), ("six", "ok"), ("bad", "skipped")]
+def test_a_sweep_runs_as_one_job_array(sweep, straight):
+    out, rows = sweep
+    assert [(r["name"], r["status"]) for r in rows] == [("straight", "ok"), ("four", "ok"), ("bad", "skipped")]
     assert "emb_dim" in rows[2]["error"]
-    for row, steps in zip(rows, (4, 6)):
-        assert row["steps"] == steps and row["final_loss"] == straight[steps - 1]
-        assert losses(out / "runs" / f"pair-{rows.index(row):02d}-{row['name']}") == straight[:steps]
+    assert [r["steps"] for r in rows[:2]] == [STEPS, 4] and rows[1]["final_loss"] == straight[3]
+    assert losses(out / "runs" / "pair-01-four") == straight[:4]  # the same run, bit for bit, for 4 steps
+    script = (out / "slurm" / "pair.sbatch").read_text()
+    assert "#SBATCH --array=0-1" in script and "#SBATCH --output=" + str(out / "slurm") + "/slurm-%A_%a.out" in script
 
 
 HOSTILE = [
