@@ -11,7 +11,8 @@ Special tokens are the tokenizer's own. Byte-level and SentencePiece have fixed 
 takes them as transformers does: `bos_id`, `eos_id` and `pad_id` are the tokens `special_tokens_map.json` (else
 `tokenizer_config.json`) beside it names, so `bos_id` is transformers' `bos_token_id` (what lm-eval conditions an
 empty context on); a token the vocabulary merely holds (`<s>` in a tokenizer whose config names no BOS) is no BOS.
-Only EOS, which maxshard needs to end documents, falls back to well-known names where no file names one.
+Only EOS, which maxshard needs to end documents, falls back to well-known names where no file names one; PAD is 0
+where none is named (padded positions carry no loss).
 
 Where texts start is a second fact, `start_id`: the id the tokenizer puts before every text. Byte-level and
 SentencePiece: BOS. A Hugging Face tokenizer.json: what its own template (post-processor) puts before a text, None
