@@ -17,12 +17,15 @@ from typing import Any
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
-from test_convert import TOLERANCE, apply, read_all, start_from_converted
+from test_convert import REPO, TOLERANCE, apply, read_all, start_from_converted
 
-from maxshard import generate
+from maxshard import config, generate
 from maxshard.convert import __main__ as cli
 from maxshard.convert import hf_config, layout, names
 from maxshard.errors import ConfigError
+from maxshard.model import transformer as model
+from maxshard.run import loading
+from maxshard.spec.model_config import architecture_keys
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "qwen3_next"
 NAMES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
@@ -173,3 +176,24 @@ def test_partial_rotary_of_a_family_without_it_is_refused():
     llama = hf_config.read(str(Path(__file__).resolve().parent / "fixtures" / "hf" / "mistral"))
     with pytest.raises(ConfigError, match="partial_rotary_factor=0.5 is not supported"):
         hf_config.model_keys({**llama, "partial_rotary_factor": 0.5})
+
+
+# --------------------------------------------------------------------------------------------- presets
+
+
+@pytest.mark.parametrize(("preset", "model_type", "low", "high"), [
+    ("qwen3_next_80b_a3b", "qwen3_next", 79e9, 81e9), ("qwen3_5_9b", "qwen3_5_text", 8.5e9, 9.5e9),
+    ("qwen3_5_35b_a3b", "qwen3_5_moe_text", 34e9, 36e9)])
+def test_presets_are_transformers_configs_of_the_published_sizes(preset, model_type, low, high):
+    """configs/models/<preset>.yml is the network of transformers' config class at its defaults (its docstring's
+    Qwen3-Next-80B-A3B / Qwen3.5-9B / Qwen3.5-35B-A3B style configuration, tests/fixtures/qwen3_next/defaults/),
+    every architecture key alike, with the size its name says (eval_shape only)."""
+    cfg = loading.model_config(config.finalize(config.parse([str(REPO / "configs" / "base.yml"),
+                                                             f"model_name={preset}"]), 1))
+    keys = hf_config.model_keys(json.loads((FIXTURES / "defaults" / f"{model_type}.json").read_text()))
+    want = layout.model_config(keys)
+    for key in architecture_keys():
+        if key != "vocab_size":  # a run pads the vocabulary to vocab_size_multiple; both are multiples of 128
+            assert getattr(cfg, key) == getattr(want, key), key
+    assert cfg.vocab_size == want.vocab_size
+    assert low <= model.param_count(cfg) <= high

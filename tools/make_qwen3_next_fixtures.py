@@ -18,6 +18,8 @@ Run once, by hand, in the reference venv (torch and transformers are never depen
                Qwen3.5's separate in_proj_qkv / in_proj_z / in_proj_b / in_proj_a, float32, mRoPE sections in
                rope_parameters as released (plain RoPE for text).
   qwen3_5_moe_text  Qwen3_5MoeForCausalLM: qwen3_5_text's attention with the gated-shared-expert MoE, bfloat16.
+  defaults/    each config class's config.json at transformers' defaults (the published sizes' shapes its docstrings
+               name), which the configs/models/ presets are checked against.
   qwen3_5_mm   Qwen3_5ForConditionalGeneration (how Qwen publishes Qwen3.5) around qwen3_5_text's weights with a
                one-block vision tower; logits.npy is the wrapper's text-only forward (qwen3_5_text's, checked).
 
@@ -168,7 +170,20 @@ def pieces() -> None:
     (OUT / "pieces.json").write_text(json.dumps({f: getattr(config, f) for f in fields}, indent=2) + "\n")
 
 
-BUILDERS = {"pieces": pieces, "qwen3_next": qwen3_next, "qwen3_5_text": qwen3_5_text,
+def defaults() -> None:
+    """defaults/<model_type>.json: the config.json of each config class at transformers' defaults (its docstring:
+    the Qwen3-Next-80B-A3B, Qwen3.5-9B and Qwen3.5-35B-A3B style configurations), which configs/models/ presets
+    are checked against."""
+    (OUT / "defaults").mkdir(parents=True, exist_ok=True)
+    for config, architecture in ((Qwen3NextConfig(), "Qwen3NextForCausalLM"),
+                                 (Qwen3_5TextConfig(), "Qwen3_5ForCausalLM"),
+                                 (Qwen3_5MoeTextConfig(), "Qwen3_5MoeForCausalLM")):
+        fields = {**config.to_dict(), "architectures": [architecture]}
+        fields = {k: v for k, v in fields.items() if k not in ("transformers_version", "_name_or_path")}
+        (OUT / "defaults" / f"{config.model_type}.json").write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
+
+
+BUILDERS = {"pieces": pieces, "defaults": defaults, "qwen3_next": qwen3_next, "qwen3_5_text": qwen3_5_text,
             "qwen3_5_moe_text": qwen3_5_moe_text, "qwen3_5_mm": qwen3_5_mm}
 
 
