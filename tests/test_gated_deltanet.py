@@ -102,6 +102,12 @@ def _layer(cfg: ModelConfig) -> GatedDeltaNet:
     return GatedDeltaNet(cfg, jnp.float32, jnp.float32)
 
 
+@functools.cache
+def _forward(cfg: ModelConfig):
+    """The layer's jitted forward pass (params, x, segment_ids, positions) -> out, one per config."""
+    return jax.jit(_layer(cfg).apply)
+
+
 def _params(name: str) -> tuple[ModelConfig, dict, dict[str, np.ndarray]]:
     fixture = _fixture(name)
     cfg = _config(fixture)
@@ -122,7 +128,7 @@ def test_layer_equals_transformers(name: str) -> None:
     shapes = jax.eval_shape(lambda: layer.init(jax.random.key(0), x, *_segments_and_positions(*x.shape[:2])))
     expected = jax.tree.map(lambda s: s.shape, nn.unbox(shapes["params"]))
     assert jax.tree.map(np.shape, params) == expected  # the table covers every parameter, in its shape
-    out = layer.apply({"params": params}, x, *_segments_and_positions(*x.shape[:2]))
+    out = _forward(cfg)({"params": params}, x, *_segments_and_positions(*x.shape[:2]))
     np.testing.assert_allclose(out, fixture["out"], atol=1e-4, rtol=1e-4)
 
 
@@ -130,8 +136,9 @@ def test_rule_equals_transformers() -> None:
     f = _fixture("rule")
     q, k = l2_normalize(f["q"]), l2_normalize(f["k"])
     args = (q, k, f["v"], f["g"], f["beta"])
-    chunk_out, chunk_state = chunked_gated_delta_rule(*args, chunk_size=4, initial_state=f["initial_state"])
-    rec_out, rec_state = recurrent_gated_delta_rule(*args, initial_state=f["initial_state"])
+    chunked = jax.jit(functools.partial(chunked_gated_delta_rule, chunk_size=4))
+    chunk_out, chunk_state = chunked(*args, initial_state=f["initial_state"])
+    rec_out, rec_state = jax.jit(recurrent_gated_delta_rule)(*args, initial_state=f["initial_state"])
     for got, want in ((chunk_out, "chunk_out"), (chunk_state, "chunk_state"), (rec_out, "recurrent_out"),
                       (rec_state, "recurrent_state")):
         np.testing.assert_allclose(got, f[want], atol=TOLERANCE, rtol=TOLERANCE, err_msg=want)
@@ -158,9 +165,9 @@ def test_chunked_equals_recurrent(segments: jax.Array | None) -> None:
     """Length 19 in chunks of 8 (padded inside to 24), with an initial state."""
     args = _rule_inputs()
     state = 0.1 * jnp.asarray(np.random.default_rng(1).standard_normal((2, 4, 8, 6)), jnp.float32)
-    chunk_out, chunk_state = chunked_gated_delta_rule(*args, chunk_size=8, segment_ids=segments,
-                                                      initial_state=state)
-    rec_out, rec_state = recurrent_gated_delta_rule(*args, segment_ids=segments, initial_state=state)
+    chunked = jax.jit(functools.partial(chunked_gated_delta_rule, chunk_size=8))
+    chunk_out, chunk_state = chunked(*args, segment_ids=segments, initial_state=state)
+    rec_out, rec_state = jax.jit(recurrent_gated_delta_rule)(*args, segment_ids=segments, initial_state=state)
     np.testing.assert_allclose(chunk_out, rec_out, atol=TOLERANCE, rtol=TOLERANCE)
     np.testing.assert_allclose(chunk_state, rec_state, atol=TOLERANCE, rtol=TOLERANCE)
     if segments is not None:  # the reset is real: without it the later documents read the earlier ones' state
@@ -171,14 +178,14 @@ def test_chunked_equals_recurrent(segments: jax.Array | None) -> None:
 def test_packed_row_equals_documents_alone() -> None:
     """The layer (conv and rule) on a packed row equals each document on its own."""
     cfg, params, _ = _params("qwen3_5")
-    layer = _layer(cfg)
+    forward = _forward(cfg)
     bounds = ((0, 5), (5, 6), (6, 13))  # a one-token document in the middle; chunks of 4 cut the others
     x = jnp.asarray(np.random.default_rng(2).standard_normal((1, 13, cfg.emb_dim)), jnp.float32)
     segments = jnp.asarray([[i + 1 for i, (lo, hi) in enumerate(bounds) for _ in range(lo, hi)]], jnp.int32)
     _, positions = _segments_and_positions(1, 13)
-    packed = layer.apply({"params": params}, x, segments, positions)
+    packed = forward({"params": params}, x, segments, positions)
     for lo, hi in bounds:
-        alone = layer.apply({"params": params}, x[:, lo:hi], *_segments_and_positions(1, hi - lo))
+        alone = forward({"params": params}, x[:, lo:hi], *_segments_and_positions(1, hi - lo))
         np.testing.assert_allclose(packed[:, lo:hi], alone, atol=TOLERANCE, rtol=TOLERANCE)
 
 
@@ -189,7 +196,7 @@ def test_decode_through_the_cache_equals_the_full_forward() -> None:
     layer = _layer(cfg)
     batch, prompt, total = 2, 6, 12
     x = jnp.asarray(np.random.default_rng(3).standard_normal((batch, total, cfg.emb_dim)), jnp.float32)
-    full = layer.apply({"params": params}, x, *_segments_and_positions(batch, total))
+    full = _forward(cfg)({"params": params}, x, *_segments_and_positions(batch, total))
     lengths = jnp.asarray([prompt, 3])
 
     def call(cache, tokens, positions):
@@ -204,10 +211,10 @@ def test_decode_through_the_cache_equals_the_full_forward() -> None:
     prompt_positions = jnp.where(index < lengths[:, None], index, -1)
     noise = jnp.asarray(np.random.default_rng(4).standard_normal(x[:, :prompt].shape), jnp.float32)
     prompts = jnp.where((prompt_positions >= 0)[..., None], x[:, :prompt], noise)  # padding must not leak
-    out, cache = call(cache, prompts, prompt_positions)
+    step = jax.jit(call)
+    out, cache = step(cache, prompts, prompt_positions)
     np.testing.assert_allclose(out[0], full[0, :prompt], atol=TOLERANCE, rtol=TOLERANCE)
     np.testing.assert_allclose(out[1, :3], full[1, :3], atol=TOLERANCE, rtol=TOLERANCE)
-    step = jax.jit(call)
     positions = lengths
     for _ in range(total - prompt):
         tokens = jnp.take_along_axis(x, positions[:, None, None], axis=1)
@@ -229,17 +236,17 @@ def test_gradients_chunked_equal_recurrent() -> None:
     chunked = functools.partial(chunked_gated_delta_rule, chunk_size=8, segment_ids=SEGMENTS)
     recurrent = functools.partial(recurrent_gated_delta_rule, segment_ids=SEGMENTS)
     argnums = tuple(range(1, 6))
-    got = jax.grad(loss, argnums)(chunked, *args)
-    want = jax.grad(loss, argnums)(recurrent, *args)
+    got = jax.jit(jax.grad(loss, argnums), static_argnums=0)(chunked, *args)
+    want = jax.jit(jax.grad(loss, argnums), static_argnums=0)(recurrent, *args)
     for a, b in zip(got, want):
         assert np.isfinite(np.asarray(a)).all()
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
 
     cfg, params, fixture = _params("qwen3_next")
     x = jnp.asarray(fixture["x"])
-    layer = _layer(cfg)
-    grads = jax.grad(lambda p: jnp.sum(layer.apply({"params": p}, x, *_segments_and_positions(*x.shape[:2])) ** 2)
-                     )(params)
+    forward = _forward(cfg)
+    grads = jax.jit(jax.grad(lambda p: jnp.sum(forward({"params": p}, x, *_segments_and_positions(*x.shape[:2])) ** 2)
+                             ))(params)
     leaves = jax.tree.leaves(grads)
     assert all(np.isfinite(np.asarray(leaf)).all() for leaf in leaves)
     assert all(np.abs(np.asarray(leaf)).max() > 0 for leaf in leaves)  # every parameter moves the output
