@@ -267,12 +267,13 @@ def render(job: Job) -> str:
 
 
 def write_script(job: Job, path: str) -> str:
-    """Writes the script (and the log directory sbatch needs to exist); returns the path."""
+    """Writes the script (and the log directory sbatch needs to exist); returns the path. Nothing is created for a
+    job that does not render."""
+    text = render(job)
     os.makedirs(job.log_dir, exist_ok=True)
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
-        f.write(render(job))
+        f.write(text)
     return path
 
 
@@ -329,7 +330,10 @@ def make_job(args: argparse.Namespace, suffix: str | None = None) -> Job:
         name = xpk.make_workload_name(config.parse(args.trainer).run_name if args.trainer else "",
                                       suffix or xpk.default_suffix())
     argv, cfg = prepare_trainer_argv(args.trainer, resources.nodes, name)
-    log_dir = os.path.abspath(args.log_dir) if args.log_dir else default_log_dir(cfg)
+    if args.log_dir:
+        log_dir = check_directive_value("--log-dir", os.path.abspath(args.log_dir))
+    else:
+        log_dir = check_directive_value("the run directory (give --log-dir for SLURM's files)", default_log_dir(cfg))
     program = (args.python, "-m", "maxshard.train")
     return Job(name, resources, ((*program, *argv),), log_dir, os.getcwd(), env)
 
