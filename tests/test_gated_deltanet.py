@@ -6,7 +6,7 @@ outputs and final states against `torch_chunk_gated_delta_rule` and `torch_recur
 Against itself: chunked == recurrent (float32, 1e-5) with and without documents, at a length no chunk divides; a
 packed row equals each document run alone; generation through the cache (a right-padded prefill, then one token at
 a time) equals the full forward pass; gradients finite and the chunked form's equal the recurrent form's; the
-chunked form's compiled temporary memory grows linearly with length.
+chunked form's compiled temporary memory grows linearly with length. A bad head count is one ConfigError line.
 
 HF -> maxshard parameter names of one gated DeltaNet layer (E = hidden_size, hk/hv key/value heads, dk/dv their
 widths, K = linear_conv_kernel_dim, g = hv // hk; torch Linear weights are [out, in]):
@@ -34,10 +34,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from maxshard.errors import ConfigError
 from maxshard.model.layers import kv_cache
 from maxshard.model.layers.delta_rule import chunked_gated_delta_rule, recurrent_gated_delta_rule
 from maxshard.model.layers.gated_deltanet import GatedDeltaNet, l2_normalize
 from maxshard.spec.model_config import ModelConfig
+from tests.helpers import tiny_config
 
 FIXTURES = Path(__file__).parent / "fixtures" / "deltanet"
 TOLERANCE = 1e-5
@@ -270,3 +272,8 @@ def test_chunked_memory_grows_linearly() -> None:
 
     ratio = temp_bytes(4096) / temp_bytes(1024)
     assert 2 < ratio < 6, ratio
+
+
+def test_value_heads_not_a_multiple_of_key_heads_is_one_line() -> None:
+    with pytest.raises(ConfigError, match="linear_num_value_heads=6 must be a multiple of linear_num_key_heads=4"):
+        tiny_config("linear_num_key_heads=4", "linear_num_value_heads=6")
