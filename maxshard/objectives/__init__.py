@@ -57,6 +57,6 @@ def of(cfg: Any) -> Objective:
         return ORPO(cfg.orpo_lambda)
     if name == "grpo":
         return GRPO(cfg.grpo_epsilon, cfg.grpo_kl_beta, cfg.grpo_loss_type, cfg.grpo_max_new_tokens,
-                    cfg.grpo_epsilon_high or cfg.grpo_epsilon, cfg.grpo_kl_estimator, cfg.grpo_importance_sampling,
+                    cfg.grpo_epsilon_high, cfg.grpo_kl_estimator, cfg.grpo_importance_sampling,
                     cfg.grpo_temperature)
     raise KeyError(name)
