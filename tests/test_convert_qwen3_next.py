@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
-from test_convert import REPO, TOLERANCE, apply, read_all, start_from_converted
+from test_convert import LAYOUTS, REPO, TOLERANCE, apply, read_all, start_from_converted
 
 from maxshard import config, generate
 from maxshard.convert import __main__ as cli
@@ -55,6 +55,17 @@ def test_logits_match_transformers(converted, name, tmp_path):
     got = apply(trainer, state.params, tokens)
     assert np.std(want) > 0.5  # logits of a useful scale: a wrong gate, rotary part or layer moves them by far more
     np.testing.assert_allclose(got, want, rtol=0, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize(("name", "where"), [("qwen3_next", "fsdp4xtensor2"), ("qwen3_5_moe_text", "expert4xfsdp2")])
+def test_restores_sharded_with_the_same_logits(converted, name, where, tmp_path):
+    """Heads over tensor=2 (the query's [query, gate] halves, DeltaNet's key and value heads) and experts over
+    expert=4: the checkpoint restores sharded and computes transformers' logits."""
+    extra, devices = LAYOUTS[where]
+    trainer, state = start_from_converted(converted[name], tmp_path, *extra, *EXTRA, num_devices=devices)
+    tokens, want = reference(name)
+    got = apply(trainer, state.params, np.tile(tokens, (4, 1)))  # a batch of 8 rows over the 8 devices
+    np.testing.assert_allclose(got, np.tile(want, (4, 1, 1)), rtol=0, atol=TOLERANCE)
 
 
 @pytest.mark.parametrize("name", NAMES)
