@@ -1,20 +1,38 @@
-"""Plan a training run for a cluster you do not have: memory, collectives, pipeline bubble and a roofline step time.
+"""Plan a training run for a cluster you do not have: does it fit, and memory, collectives, pipeline bubble and a
+roofline step time.
 
-    python -m maxshard.plan configs/base.yml model_name=8b --topology v5p-1024 --num-slices 4
-    python -m maxshard.plan configs/fsdp_tp.yml model_name=8b --topology h100-80gb-8 --num-slices 16 --json
+    python -m maxshard.plan configs/base.yml model_name=8b per_device_batch_size=4 --topology v6e-256
+    python -m maxshard.plan configs/base.yml model_name=1b max_target_length=8192 --topology h200-141gb-8
+    python -m maxshard.plan configs/base.yml model_name=8b --topology v5p-1024 --num-slices 4 --estimate
 
 The config is validated as the launcher validates it for the target (`maxshard.launch.xpk`): the device count,
 device kind and host count of `--topology` x `--num-slices` (TPU slices, or GPU nodes), `num_slices` set to match.
-Then only `jax.eval_shape` runs: no mesh of that size is built and nothing is compiled, so an 8B model on 2048 chips
-plans in seconds on a laptop. The last line is the verdict against one device's usable memory (allocatable HBM less
-`memory_headroom`): `fit: yes, <planned> of <usable> (<policy>)`, or `fit: no, <by how much> ...; <what would fit>`
-with exit code 1. A configuration mistake prints one line, `plan: error: ...`, and exits 2.
-The model behind every number is written out in `maxshard/planning/` (memory.py, traffic.py, estimate.py).
+The formula plan comes first, from `jax.eval_shape` alone (`maxshard/planning/`: estimate.py, memory.py,
+traffic.py): per-device memory, the collectives of a step per mesh axis, the bubble, the roofline and its MFU bound.
+
+The answer to "does it fit" is the compiler's wherever the target's compiler is installed on this machine: the
+run's fresh-run init and train step are compiled ahead of time for the target, with no accelerator, XLA:TPU through
+libtpu for a TPU slice (`pip install -e ".[tpu-aot]"`; `maxshard/planning/tpu_compile.py`), XLA:GPU through JAX's
+CUDA plugin for a GPU node (`pip install -e ".[gpu-aot]"`; `maxshard/planning/gpu_compile.py`). It prints the train
+step's peak per device (`planning/compiled.peak_bytes`, the one definition the trainer's compile check uses) split
+into parameters, optimizer state, batch (their shards' exact bytes), XLA's temporaries and the rest, against the
+usable memory (HBM less `memory_headroom`, what the trainer checks the compiled step against on the target); the
+last line is the verdict, `compiled: yes, fits ...` or `compiled: no, ...` with exit code 1, also when XLA:TPU
+finds a program over the chip (one line, XLA's own figures). This takes the compile's time (minutes for a large
+model: benchmarks/README.md); `--estimate` gives the formula's answer in seconds.
+
+Where no compiler for the target is installed (or `--estimate` asks), the line before the last says the plan is an
+estimate, how close the formulas are checked to be (`fit.PLAN_ERROR`), and the one command that gives the exact
+answer; the last line is the formula verdict against the same usable memory: `fit: yes, <planned> of <usable>
+(<policy>)`, or `fit: no, <by how much> ...; <what would fit>` with exit code 1. `--compile` insists on the compile:
+without the target's compiler it is one error line. A configuration mistake prints one line, `plan: error: ...`, and
+exits 2. `--json` prints one object: the plan, `answer` ("compiled" or "estimate") and the verdict's figures.
 
 `--search` asks that question for every sensible layout instead (`maxshard/run/search.py`: mesh knobs,
-remat_policy, pipeline microbatches; never the model or the global batch), keeps those whose planned peak fits
-HBM x (1 - `--headroom`), and prints the `--top` K by planned step time, each with the `key=value` overrides to
-append to the same command (keys given on the command line are kept, so none is given twice):
+remat_policy, pipeline microbatches; never the model or the global batch), by the formulas: it keeps those whose
+planned peak fits HBM x (1 - `--headroom`), and prints the `--top` K by planned step time, each with the `key=value`
+overrides to append to the same command (keys given on the command line are kept, so none is given twice); run the
+plan on a layout it prints to have the compiler's word on it:
 
     python -m maxshard.plan configs/base.yml model_name=8b --search --topology h100-80gb-8
     python -m maxshard.plan configs/base.yml model_name=8b --search --topology v5p-256 --json
@@ -23,22 +41,12 @@ append to the same command (keys given on the command line are kept, so none is 
 
 It exits 0 when some layout fits, 1 when none does (one line: the closest layout and by how much it misses), and 2
 for a mistake. A progress line goes to stderr every 100 candidates.
-
-`--compile` also compiles the run's fresh-run init and train step for the target ahead of time, on this machine,
-with no accelerator: XLA:TPU through libtpu for a TPU slice (`pip install -e ".[tpu-aot]"`;
-`maxshard/planning/tpu_compile.py`), XLA:GPU through JAX's CUDA plugin for a GPU node (`pip install -e
-".[gpu-aot]"`; `maxshard/planning/gpu_compile.py`). It prints each program's compiled peak per device beside the
-plan, then a verdict against the usable memory (HBM less memory_headroom, what the trainer checks the compiled step
-against on the target). It exits 1 when the step's compiled peak is over that, or when XLA:TPU finds a program over
-the chip (one line, XLA's own figures). Compile times are in benchmarks/README.md.
-
-    python -m maxshard.plan configs/base.yml model_name=8b per_device_batch_size=4 --topology v6e-256 --compile
-    python -m maxshard.plan configs/base.yml model_name=1b max_target_length=8192 --topology h200-141gb-8 --compile
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -51,7 +59,7 @@ from maxshard.errors import ConfigError
 from maxshard.launch import topologies
 from maxshard.planning import fit
 from maxshard.planning.estimate import Plan, make_plan
-from maxshard.planning.printout import format_plan, plan_json
+from maxshard.planning.printout import estimate_notice, format_compiled, format_plan, plan_json
 from maxshard.planning import gpu_compile, tpu_compile
 from maxshard.planning.tpu_compile import TpuOutOfMemory, compile_run
 from maxshard.run import search
@@ -78,9 +86,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--topology", required=True, help="XPK device type: v5p-1024, v6e-256, h100-80gb-8, ...")
     parser.add_argument("--num-slices", type=int, default=1, help="TPU slices or GPU nodes (default 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
-    parser.add_argument("--compile", action="store_true", help="also compile init and train step for the target "
-                        "(XLA:TPU with libtpu, XLA:GPU with JAX's CUDA plugin; ahead of time, no accelerator needed) "
-                        "and print their compiled peaks")
+    parser.add_argument("--compile", action="store_true", help="compile init and train step for the target, or "
+                        "fail (exit 2) where its compiler is not installed (the default compiles wherever it is: "
+                        "XLA:TPU with libtpu, XLA:GPU with JAX's CUDA plugin; ahead of time, no accelerator needed)")
+    parser.add_argument("--estimate", action="store_true", help="the formula plan only, compiling nothing (seconds)")
     found = parser.add_argument_group("layout search")
     found.add_argument("--search", action="store_true", help="rank every layout that fits by planned step time")
     found.add_argument("--top", type=int, default=5, help="layouts to print (default 5)")
@@ -127,71 +136,120 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.sweep_out and not args.search:
             raise ConfigError("--sweep-out writes the layouts of --search; add --search")
+        if args.compile and args.estimate:
+            raise ConfigError("--compile and --estimate ask for opposite answers; give one")
         if args.compile and args.search:
             raise ConfigError("--compile compiles one layout; run it on a layout --search printed")
         if args.search:
             return _search(args, raw_argv)
         plan = plan_for([args.config, *args.overrides], args.topology, args.num_slices)
-        if args.compile:
-            return _compiled(plan, args.json)
+        if args.estimate:
+            missing = _module(plan).missing()
+            exact = "this command without --estimate" if missing is None else _after_install(_module(plan).INSTALL)
+            return _verdict(plan, args.json, "--estimate", None if missing is None else _module(plan).INSTALL, exact)
+        compiler = _compiler(plan, asked=args.compile)
+        if isinstance(compiler, _NoCompiler):
+            return _verdict(plan, args.json, compiler.reason, compiler.command, compiler.exact)
+        return _compiled(plan, args.json, compiler, asked=args.compile)
     except (ConfigError, OSError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
-    return _verdict(plan, args.json)
 
 
-def _verdict(plan: Plan, as_json: bool) -> int:
-    """The plan and its one verdict line against the target's usable memory: 0 when it fits, 1 when not."""
+@dataclasses.dataclass(frozen=True)
+class _Compiler:
+    """What compiles for the target here: its compile-only devices, who builds them, the XLA backend."""
+
+    devices: list
+    name: str  # "libtpu", "JAX's CUDA plugin"
+    xla: str  # "XLA:TPU", "XLA:GPU"
+
+
+@dataclasses.dataclass(frozen=True)
+class _NoCompiler:
+    """Why nothing compiles for the target here, and the one command that would let it (None: none would)."""
+
+    reason: str
+    command: str | None
+    exact: str  # for a person: what gives the compiler's answer
+
+
+def _module(plan: Plan):  # noqa: ANN202 (a module)
+    """The module that compiles for the target's accelerator: planning/gpu_compile.py or planning/tpu_compile.py."""
+    return gpu_compile if plan.target.accelerator == "gpu" else tpu_compile
+
+
+def _after_install(command: str) -> str:
+    return f"{command}, then this command again"
+
+
+def _compiler(plan: Plan, asked: bool) -> _Compiler | _NoCompiler:
+    """The target's compiler: libtpu's devices for a TPU slice, JAX's CUDA plugin's for a GPU node. Where it is not
+    installed or cannot describe the target: ConfigError (one line) when `--compile` asked for it, else why not."""
+    module = _module(plan)
+    name, xla = ("JAX's CUDA plugin", "XLA:GPU") if module is gpu_compile else ("libtpu", "XLA:TPU")
+    missing = module.missing()
+    if missing is not None and not asked:
+        return _NoCompiler(f"{missing}, which is not installed here", module.INSTALL, _after_install(module.INSTALL))
+    try:
+        return _Compiler(module.abstract_devices(plan.target), name, xla)
+    except ConfigError as e:
+        if asked:
+            raise
+        return _NoCompiler(str(e), None, "none on this machine")
+
+
+def _verdict(plan: Plan, as_json: bool, reason: str, command: str | None, exact: str, printed: bool = False) -> int:
+    """The plan, the line that says it is an estimate, why, and what gives the exact answer (`command`: an install
+    line, or None), and its one verdict line against the target's usable memory (last): 0 when it fits, 1 when not.
+    `printed`: the plan's text is already out."""
     fits, line = fit.verdict(plan.cfg, target_capacity(plan.cfg, plan.target))
-    print(json.dumps({**plan_json(plan), "fit": {"fits": fits, "line": line}}) if as_json else
-          f"{format_plan(plan)}\n{line}")
+    if as_json:
+        estimate = {"reason": reason, "exact": command, "error_bound": fit.PLAN_ERROR}
+        print(json.dumps({**plan_json(plan), "answer": "estimate", "estimate": estimate,
+                          "fit": {"fits": fits, "line": line}}))
+    else:
+        notice = estimate_notice(reason, exact, fit.PLAN_ERROR)
+        print(f"{notice}\n{line}" if printed else f"{format_plan(plan)}\n{notice}\n{line}")
     return 0 if fits else 1
 
 
-def _compiled(plan: Plan, as_json: bool) -> int:
-    """The plan, then the target compiler's peaks beside it and a verdict: 0 when the train step's compiled peak fits
-    the usable memory (the trainer's own check on the target, `maxshard/run/compile_check.py`), 1 when it does not or
-    when XLA:TPU finds a program over the chip (one line with XLA's own figures)."""
-    devices, compiler, xla = _compile_only_devices(plan)  # no compiler installed: one line before anything printed
+def _compiled(plan: Plan, as_json: bool, compiler: _Compiler, asked: bool) -> int:
+    """The plan, then the target compiler's peaks beside it, the train step's peak split, and a verdict: 0 when the
+    train step's compiled peak fits the usable memory (the trainer's own check on the target,
+    `maxshard/run/compile_check.py`), 1 when it does not or when XLA:TPU finds a program over the chip (one line with
+    XLA's own figures). A compile that cannot be done here (`gpu_compile.why_not_compiled`) is one line (exit 2)
+    when `--compile` asked for it, else the estimate's verdict with the reason."""
     if not as_json:
         print(format_plan(plan), flush=True)
     try:
-        run = compile_run(plan.cfg, plan.target, devices,
-                          progress=lambda line: print(line, file=sys.stderr, flush=True), compiler=compiler)
+        run = compile_run(plan.cfg, plan.target, compiler.devices,
+                          progress=lambda line: print(line, file=sys.stderr, flush=True), compiler=compiler.name)
     except TpuOutOfMemory as e:
-        print(json.dumps({**plan_json(plan), "compiled": {"fits": False, "error": str(e)}}) if as_json else
-              f"compiled: no, {e}")
+        print(json.dumps({**plan_json(plan), "answer": "compiled", "compiled": {"fits": False, "error": str(e)}})
+              if as_json else f"compiled: no, {e}")
         return 1
     except Exception as e:
         reason = gpu_compile.why_not_compiled(e) if plan.target.accelerator == "gpu" else None
         if reason is None:
             raise
-        raise ConfigError(f"cannot compile attention={plan.cfg.model.attention} for {plan.target.name} here: "
-                          f"{reason}") from None
+        why = f"cannot compile attention={plan.cfg.model.attention} for {plan.target.name} here: {reason}"
+        if asked:
+            raise ConfigError(why) from None
+        return _verdict(plan, as_json, why, None, "a compile on the GPU itself (the trainer's compile check)",
+                        printed=not as_json)
     usable, source = _usable(plan)
     fits = run.step_peak <= usable
     if as_json:
-        print(json.dumps({**plan_json(plan), "compiled": {"fits": fits, "usable_bytes": usable, **vars(run)}}))
+        print(json.dumps({**plan_json(plan), "answer": "compiled",
+                          "compiled": {"fits": fits, "usable_bytes": usable, **run.as_json()}}))
         return 0 if fits else 1
-    host = (f"; host memory {format_bytes(run.step_host)} per device, planned {format_bytes(plan.host_bytes)}"
-            if run.step_host or plan.host_bytes else "")
-    print(f"compiled with {xla} for {plan.target.name}: init peak {format_bytes(run.init_peak)} per device "
-          f"({run.init_seconds:.0f}s), train step peak {format_bytes(run.step_peak)} per device "
-          f"({run.step_seconds:.0f}s); planned {format_bytes(plan.peak_bytes)}, "
-          f"{run.step_peak / plan.peak_bytes:.2f}x the plan{host}")
+    print("\n".join(format_compiled(plan, run, compiler.xla, usable, source)))
     verdict = "yes, fits" if fits else "no, does NOT fit"
     refused = "" if fits else f"; the trainer's compile check would not run remat_policy={plan.cfg.remat_policy}"
     print(f"compiled: {verdict} the {format_bytes(usable)} usable ({source}): the train step needs "
           f"{run.step_peak / plan.link.hbm:.0%} of {format_bytes(plan.link.hbm)} HBM{refused}")
     return 0 if fits else 1
-
-
-def _compile_only_devices(plan: Plan) -> tuple[list, str, str]:
-    """(the target's compile-only devices, what compiles for them, the XLA backend): libtpu's for a TPU slice, JAX's
-    CUDA plugin's for a GPU node."""
-    if plan.target.accelerator == "gpu":
-        return gpu_compile.abstract_devices(plan.target), "JAX's CUDA plugin", "XLA:GPU"
-    return tpu_compile.abstract_devices(plan.target), "libtpu", "XLA:TPU"
 
 
 def _usable(plan: Plan) -> tuple[int, str]:

@@ -182,13 +182,19 @@ ENTRY %main (a: f32[4,8]) -> f32[4,8] {
 def test_plan_matches_compiled_train_step(layout: str) -> None:
     cfg = tiny_config(*layout_overrides(LAYOUTS[layout]), "remat_policy=none")
     plan = estimate.make_plan(cfg)
-    step = _compile(cfg)
+    step, split = compiled.compile_step_memory(cfg, mesh_for(cfg))
 
     stats = step.memory_analysis()
     step_counter = 4  # int32
     assert plan.params + plan.optimizer + step_counter == stats.alias_size_in_bytes  # the donated train state
     batch_shard = 5 * cfg.global_batch_size * cfg.max_target_length * 4 // plan_batch_shards(plan)
     assert stats.argument_size_in_bytes == stats.alias_size_in_bytes + batch_shard
+    # the peak `maxshard.plan` prints, split: the state and the batch by their shards are XLA:CPU's arguments to the
+    # byte, so the rest of the peak is the outputs not donated (the metrics)
+    assert (split.params, split.optimizer, split.reference, split.batch) == (plan.params, plan.optimizer + 4, 0,
+                                                                              batch_shard)
+    assert (split.peak, split.temporaries) == (compiled.peak_bytes(stats), stats.temp_size_in_bytes)
+    assert split.other == stats.output_size_in_bytes - stats.alias_size_in_bytes > 0
 
     measured = count_collectives(step.as_text())
     planned = as_cpu_compiles(plan)
@@ -244,7 +250,8 @@ def test_plan_matches_an_xla_tpu_compile(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_8b_on_four_v5p_1024_slices_plans_in_seconds(capsys: pytest.CaptureFixture[str]) -> None:
     tool = _plan_tool()
     start = time.perf_counter()
-    assert tool.main(["configs/base.yml", "model_name=8b", "--topology", "v5p-1024", "--num-slices", "4"]) == 0
+    assert tool.main(["configs/base.yml", "model_name=8b", "--topology", "v5p-1024", "--num-slices", "4",
+                      "--estimate"]) == 0
     seconds = time.perf_counter() - start
     out = capsys.readouterr().out
     assert seconds < 30, seconds  # ~2 s of CPU; generous for a loaded test machine
@@ -274,10 +281,12 @@ def test_the_last_line_is_a_verdict_and_a_run_that_does_not_fit_exits_1(capsys: 
     """Against the allocatable HBM XLA:TPU reports for v6e (31.25 GiB, less memory_headroom 0.1 = 28.1 GiB): the
     8b preset at 4 x 8192 per chip fits under auto (full), not with remat_policy=none, which names what would
     (libtpu 0.0.42.1's constants; under 0.0.52's heap share auto takes save_qkv_proj, 27.3 GiB)."""
-    tool, argv = _plan_tool(), ["configs/base.yml", "model_name=8b", "--topology", "v6e-256"]
+    tool, argv = _plan_tool(), ["configs/base.yml", "model_name=8b", "--topology", "v6e-256", "--estimate"]
     assert tool.main([*argv, "per_device_batch_size=4"]) == 0
-    last = capsys.readouterr().out.splitlines()[-1]
+    notice, last = capsys.readouterr().out.splitlines()[-2:]
     assert re.fullmatch(r"fit: yes, \d+\.\d GiB of 28\.1 GiB usable \(full\)", last), last
+    assert notice.startswith("estimate: the formula plan, checked within 15% of XLA's compiled peaks, not a compile "
+                             "(--estimate); the exact answer: "), notice
     assert tool.main([*argv, "per_device_batch_size=4", "remat_policy=none"]) == 1
     last = capsys.readouterr().out.splitlines()[-1]
     assert re.fullmatch(r"fit: no, \d+\.\d GiB over the 28\.1 GiB usable \(none plans \d+\.\d GiB\); "
@@ -290,7 +299,7 @@ def test_the_last_line_is_a_verdict_and_a_run_that_does_not_fit_exits_1(capsys: 
 def test_gpu_nodes_put_the_dcn_axis_on_the_network(capsys: pytest.CaptureFixture[str]) -> None:
     tool = _plan_tool()
     assert tool.main(["configs/base.yml", "model_name=8b", "--topology", "h100-80gb-8", "--num-slices", "2",
-                      "--json"]) == 0
+                      "--json", "--estimate"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["mesh"]["fsdp"] == 8 and printed["dcn"]["data"] == 2
     plan = tool.plan_for(["configs/base.yml", "model_name=8b"], "h100-80gb-8", 2)
@@ -373,41 +382,97 @@ def test_lora_flops_match_what_xla_counts() -> None:
     assert planned_lora < 0.8 * planned_full and compiled_lora < 0.75 * compiled_full
 
 
-# --------------------------------------------------------------------------------------------- --compile (libtpu)
+# ------------------------------------------------------------------------- the compiled answer (libtpu, default)
 
-TINY_TPU = ["configs/base.yml", "model_name=tiny", "--topology", "v5litepod-8", "--compile"]
+TINY_TPU = ["configs/base.yml", "model_name=tiny", "--topology", "v5litepod-8"]
+USABLE = r"14\.2 GiB usable \(v5litepod-8 HBM, memory_headroom=0\.1\)"
 
 
-def test_compile_prints_the_tpu_programs_peaks_beside_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
-    assert _plan_tool().main(TINY_TPU) == 0
-    out, err = capsys.readouterr()
-    assert "memory per device:" in out  # the plan first
-    peaks, verdict = out.strip().splitlines()[-2:]
-    assert peaks.startswith("compiled with XLA:TPU for v5litepod-8: init peak ") and "x the plan" in peaks, peaks
-    assert re.fullmatch(r"compiled: yes, fits the 14\.2 GiB usable \(v5litepod-8 HBM, memory_headroom=0\.1\): the "
-                        r"train step needs \d+% of 15\.8 GiB HBM", verdict), verdict
+@pytest.fixture(scope="module")
+def tiny_on_v5e() -> dict:
+    """`maxshard.plan` on the tiny preset for a v5e 2x4 slice, as a user runs it (libtpu is installed, so it
+    compiles without being asked): its exit code, stdout, stderr and the compiled run, compiled once for the
+    tests below."""
+    import contextlib
+    import io
+
+    tool, runs = _plan_tool(), []
+    real = tool.compile_run
+
+    def recorded(*args, **kwargs):
+        runs.append(real(*args, **kwargs))
+        return runs[-1]
+
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        patch.setattr(tool, "compile_run", recorded)
+        code = tool.main(TINY_TPU)
+    return {"code": code, "out": out.getvalue(), "err": err.getvalue(), "run": runs[0]}
+
+
+def test_the_plan_is_the_tpu_compile_where_libtpu_is_installed(tiny_on_v5e: dict) -> None:
+    """No --compile asked: the verdict is XLA:TPU's, the train step's peak split into what holds it, the formula plan
+    (collectives, roofline) above it, and no estimate notice."""
+    out, err = tiny_on_v5e["out"], tiny_on_v5e["err"]
+    assert tiny_on_v5e["code"] == 0
+    assert "memory per device:" in out and "roofline: " in out and "estimate: " not in out  # the plan first
+    lines = out.strip().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("compiled with XLA:TPU for v5litepod-8: init peak "))
+    assert "x the plan" in lines[at], lines[at]
+    rows = [line.split()[0] for line in lines[at + 2:-1]]
+    assert lines[at + 1].startswith("compiled train step per device (XLA:TPU's memory_analysis()")
+    assert rows == ["parameters", "optimizer", "batch", "temporaries", "other", "peak"], rows
+    assert re.fullmatch(rf"  peak +\d+\.\d MiB  of {USABLE}", lines[-2]), lines[-2]
+    assert re.fullmatch(rf"compiled: yes, fits the {USABLE}: the train step needs \d+% of 15\.8 GiB HBM",
+                        lines[-1]), lines[-1]
     assert "compiling the train step for v5litepod-8 with libtpu ..." in err  # progress on stderr
     assert re.search(r"compiled the train step in \d+\.\ds", err), err
+
+
+def test_the_compiled_split_is_exact_where_it_can_be(tiny_on_v5e: dict, capsys: pytest.CaptureFixture[str],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The JSON of the same compile: the state's and the batch's bytes are their shards' (the plan's exact parameter
+    and optimizer bytes; 2 sequences x 64 tokens x 5 int32 fields per chip), and the split adds up to the peak the
+    verdict reads (`compiled.peak_bytes`). TPU tiles pad the tiny arrays, which `other` holds."""
+    tool, run = _plan_tool(), tiny_on_v5e["run"]
+    monkeypatch.setattr(tool, "compile_run", lambda *args, **kwargs: run)
+    assert tool.main([*TINY_TPU, "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["answer"] == "compiled" and "estimate" not in printed and "fit" not in printed
+    step, planned = printed["compiled"]["step"], printed["bytes_per_device"]
+    assert (step["params"], step["optimizer"], step["reference"]) == (planned["params"], planned["optimizer"] + 4, 0)
+    assert step["batch"] == 2 * 64 * 5 * 4
+    parts = ("params", "optimizer", "reference", "batch", "temporaries", "other")
+    assert sum(step[k] for k in parts) == step["peak"] == printed["compiled"]["step_peak"] == run.step_peak
+    assert step["temporaries"] > 0 and step["other"] >= 0
+    assert printed["compiled"]["fits"] and step["peak"] <= printed["compiled"]["usable_bytes"]
+
+
+def _faked_run(step_peak: int):
+    """A compiled run with these peaks, for the verdict's tests (nothing compiled)."""
+    from maxshard.planning.compiled import StepMemory
+    from maxshard.planning.tpu_compile import CompiledRun
+
+    return CompiledRun(1, 0.1, 0.2, StepMemory(10, 20, 0, 5, step_peak - 35, step_peak))
 
 
 def test_compile_verdict_is_the_trainers_check(capsys: pytest.CaptureFixture[str],
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """A step that compiles (XLA:TPU finds it within the chip) but over HBM less memory_headroom fails the
     trainer's compile check on the target (maxshard/run/compile_check.py): exit 1. Peaks faked: no compile here."""
-    from maxshard.planning.tpu_compile import CompiledRun
-
     tool = _plan_tool()
     usable = tool.plan_for(["configs/base.yml", "model_name=tiny"], "v5litepod-8").cfg.memory_fit.usable_bytes
     for step_peak, code in ((usable, 0), (usable + 1, 1)):
-        monkeypatch.setattr(tool, "compile_run", lambda cfg, target, devices, progress, compiler: CompiledRun(1, step_peak, 0.1,
-                                                                                                    0.2))
-        assert tool.main(TINY_TPU) == code
+        monkeypatch.setattr(tool, "compile_run", lambda *args, **kwargs: _faked_run(step_peak))
+        assert tool.main([*TINY_TPU, "--compile"]) == code
         verdict = capsys.readouterr().out.strip().splitlines()[-1]
         assert verdict.startswith("compiled: yes, fits the" if code == 0 else "compiled: no, does NOT fit the"), verdict
         assert tool.main([*TINY_TPU, "--json"]) == code
         compiled = json.loads(capsys.readouterr().out)["compiled"]
         assert compiled == {"fits": code == 0, "usable_bytes": usable, "init_peak": 1, "step_peak": step_peak,
-                            "init_seconds": 0.1, "step_seconds": 0.2, "step_host": 0}
+                            "init_seconds": 0.1, "step_seconds": 0.2, "step_host": 0,
+                            "step": {"params": 10, "optimizer": 20, "reference": 0, "batch": 5,
+                                     "temporaries": step_peak - 35, "other": 0, "peak": step_peak, "host": 0}}
     assert verdict.endswith("HBM; the trainer's compile check would not run remat_policy=none"), verdict
 
 
@@ -422,26 +487,39 @@ def test_compile_reports_a_program_over_the_chip_in_one_line(capsys: pytest.Capt
                         r"\(\d+\.\d+G\) exceeds available HBM \(\d+\.\d+G\)\.?", line), line
 
 
-def test_compile_needs_the_targets_compiler(capsys: pytest.CaptureFixture[str],
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """One line naming the install command when the target's compiler is missing: libtpu for a TPU slice, JAX's CUDA
-    plugin for a GPU node (tests/test_gpu_aot.py compiles with it)."""
-    tool = _plan_tool()
-    from maxshard.planning import gpu_compile
+def test_without_the_targets_compiler_the_plan_says_it_is_an_estimate(capsys: pytest.CaptureFixture[str],
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """No compiler for the target here: the formula's verdict stays the last line (its exit code as before), the
+    line before it says it is an estimate, within what, and the one command that gives the exact answer; the JSON
+    says so too. --compile insists: one error line naming the install (exit 2)."""
+    from maxshard.planning import gpu_compile, tpu_compile
 
+    tool, gpu = _plan_tool(), ["configs/base.yml", "model_name=tiny", "--topology", "h100-80gb-8"]
     monkeypatch.setattr(gpu_compile, "_installed", lambda module: False)
-    assert tool.main(["configs/base.yml", "model_name=tiny", "--topology", "h100-80gb-8", "--compile"]) == 2
-    out, err = capsys.readouterr()
-    assert (out, err.strip()) == ("", "plan: error: compiling for a GPU without one needs JAX's CUDA plugin, which is "
-                                  'not installed: pip install -e ".[gpu-aot]"')
-    assert tool.main([*TINY_TPU, "--search"]) == 2
-    assert capsys.readouterr().err.strip() == ("plan: error: --compile compiles one layout; run it on a layout "
-                                               "--search printed")
-    from maxshard.planning import tpu_compile
-
     real = importlib.util.find_spec
     monkeypatch.setattr(tpu_compile.importlib.util, "find_spec", lambda name: None if name == "libtpu" else real(name))
-    assert tool.main(TINY_TPU) == 2
-    out, err = capsys.readouterr()
-    assert out == "" and err.strip() == ('plan: error: compiling for a TPU needs libtpu, which is not installed: '
-                                         'pip install -e ".[tpu-aot]"'), err
+    for argv, needs, install in ((gpu, "compiling for a GPU without one needs JAX's CUDA plugin", gpu_compile.INSTALL),
+                                 (TINY_TPU, "compiling for a TPU needs libtpu", tpu_compile.INSTALL)):
+        assert tool.main(argv) == 0
+        notice, last = capsys.readouterr().out.splitlines()[-2:]
+        assert last.startswith("fit: yes, "), last
+        assert notice == (f"estimate: the formula plan, checked within 15% of XLA's compiled peaks, not a compile "
+                          f"({needs}, which is not installed here); the exact answer: {install}, then this command "
+                          f"again"), notice
+        assert tool.main([*argv, "--json"]) == 0
+        printed = json.loads(capsys.readouterr().out)
+        assert printed["answer"] == "estimate" and printed["fit"]["fits"] and "compiled" not in printed
+        assert printed["estimate"] == {"reason": f"{needs}, which is not installed here", "exact": install,
+                                       "error_bound": 0.15}
+        assert tool.main([*argv, "--compile"]) == 2
+        out, err = capsys.readouterr()
+        assert (out, err.strip()) == ("", f"plan: error: {needs}, which is not installed: {install}")
+
+
+def test_contradictory_flags_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    tool = _plan_tool()
+    for flags, line in ((["--search", "--compile"], "--compile compiles one layout; run it on a layout --search "
+                                                    "printed"),
+                        (["--compile", "--estimate"], "--compile and --estimate ask for opposite answers; give one")):
+        assert tool.main([*TINY_TPU, *flags]) == 2
+        assert capsys.readouterr().err.strip() == f"plan: error: {line}"

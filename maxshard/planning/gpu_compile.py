@@ -24,7 +24,7 @@ from maxshard import devices as chips
 from maxshard.errors import ConfigError
 from maxshard.launch.topologies import Target
 
-__all__ = ["INSTALL", "GpuSpec", "SPECS", "target_config", "abstract_devices", "why_not_compiled"]
+__all__ = ["INSTALL", "GpuSpec", "SPECS", "missing", "target_config", "abstract_devices", "why_not_compiled"]
 
 INSTALL = 'pip install -e ".[gpu-aot]"'
 # What a compile without a GPU cannot do, by the words the library raises with: cuDNN's fused attention is traced
@@ -93,8 +93,9 @@ def abstract_devices(target: Target) -> list[Any]:
     if chip is None:
         raise ConfigError(f"no chip row for device kind {target.device_kind!r} of {target.name}")
     config = target_config(chip, target.device_kind)
-    if not any(_installed(plugin) for plugin in _PLUGINS):
-        raise ConfigError(f"compiling for a GPU without one needs JAX's CUDA plugin, which is not installed: {INSTALL}")
+    reason = missing()
+    if reason is not None:
+        raise ConfigError(f"{reason}, which is not installed: {INSTALL}")
     from jax.experimental.topologies import get_topology_desc
 
     shape = f"{target.num_slices}x{target.hosts_per_slice}x{target.chips_per_host}"  # slices x hosts x GPUs
@@ -107,6 +108,13 @@ def abstract_devices(target: Target) -> list[Any]:
         raise ConfigError(f"JAX's CUDA plugin describes {shape} with {len(found)} devices, {target.name} x "
                           f"{target.num_slices} has {target.num_devices}")
     return found
+
+
+def missing() -> str | None:
+    """Why this machine cannot compile for a GPU (None: JAX's CUDA plugin is installed, so it can)."""
+    if any(_installed(plugin) for plugin in _PLUGINS):
+        return None
+    return "compiling for a GPU without one needs JAX's CUDA plugin"
 
 
 def why_not_compiled(error: Exception) -> str | None:

@@ -1,8 +1,10 @@
-"""The planner's printout: a few fixed-width blocks a person reads top to bottom, and the same as JSON."""
+"""The planner's printout: a few fixed-width blocks a person reads top to bottom, and the same as JSON; the compiled
+train step's peak split beside it (`format_compiled`), or the note that says the plan is an estimate
+(`estimate_notice`)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from maxshard.model import flops, quantization
 from maxshard.spec import blocks, pipeline_schedule, remat
@@ -12,7 +14,10 @@ from maxshard.planning.memory import ActivationTerms, compiler, effective_policy
 from maxshard.planning.widths import Widths, widths
 from maxshard.units import format_bytes
 
-__all__ = ["format_plan", "plan_json"]
+if TYPE_CHECKING:
+    from maxshard.planning.tpu_compile import CompiledRun
+
+__all__ = ["format_plan", "plan_json", "format_compiled", "estimate_notice"]
 
 _NAME_TEXT = {remat.LAYER_INPUT: "input", "query_proj": "q", "key_proj": "k", "value_proj": "v",
               "out_proj": "output projection"}
@@ -209,3 +214,32 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "seconds": {"compute": plan.compute_s, "step": plan.step_s, "serial": plan.serial_s,
                     "axes": {k: {"ici": v.ici_s, "dcn": v.dcn_s} for k, v in plan.axis_times.items()}},
     }
+
+
+def format_compiled(plan: Plan, run: CompiledRun, xla: str, usable: int, source: str) -> list[str]:
+    """The compiled programs' peaks beside the plan, and the train step's peak per device split into what holds it
+    (`compiled.StepMemory`): the state and the batch by their shards' bytes, XLA's temporaries, the rest."""
+    step = run.step
+    host = (f"; host memory {format_bytes(step.host)} per device, planned {format_bytes(plan.host_bytes)}"
+            if step.host or plan.host_bytes else "")
+    rows = [("parameters", step.params, ""), ("optimizer state", step.optimizer, "moments and the step counter"),
+            *([("reference model", step.reference, "a frozen copy of the parameters")] if step.reference else []),
+            ("batch", step.batch, ""),
+            ("temporaries", step.temporaries, f"gradients ({format_bytes(plan.gradients)} as arrays), activations "
+                                              "and working buffers, as XLA overlaps them"),
+            ("other", step.other, "outputs not donated to the state, layout padding of the arguments"),
+            ("peak", step.peak, f"of {format_bytes(usable)} usable ({source})")]
+    return [f"compiled with {xla} for {plan.target.name}: init peak {format_bytes(run.init_peak)} per device "
+            f"({run.init_seconds:.0f}s), train step peak {format_bytes(step.peak)} per device "
+            f"({run.step_seconds:.0f}s); planned {format_bytes(plan.peak_bytes)}, "
+            f"{step.peak / plan.peak_bytes:.2f}x the plan{host}",
+            f"compiled train step per device ({xla}'s memory_analysis(); state and batch: their shards' bytes):",
+            *(f"  {name:<16} {format_bytes(size):>11}{'  ' + what if what else ''}" for name, size, what in rows)]
+
+
+def estimate_notice(reason: str, exact: str, error: float) -> str:
+    """The line that says the plan is the formula estimate, why it is not a compile, how close the estimate is
+    checked to be, and `exact`: what gives the compiler's answer (an install line, or the command without
+    --estimate)."""
+    return (f"estimate: the formula plan, checked within {error:.0%} of XLA's compiled peaks, not a compile "
+            f"({reason}); the exact answer: {exact}")

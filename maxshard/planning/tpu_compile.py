@@ -19,14 +19,17 @@ import os
 import re
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from maxshard.config import Config
 from maxshard.devices import by_device_type
 from maxshard.errors import ConfigError
 from maxshard.launch.topologies import Target
 
-__all__ = ["INSTALL", "CompiledRun", "TpuOutOfMemory", "topology_name", "abstract_devices", "compile_run"]
+if TYPE_CHECKING:
+    from maxshard.planning.compiled import StepMemory
+
+__all__ = ["INSTALL", "CompiledRun", "TpuOutOfMemory", "missing", "topology_name", "abstract_devices", "compile_run"]
 
 INSTALL = 'pip install -e ".[tpu-aot]"'
 
@@ -37,13 +40,31 @@ class TpuOutOfMemory(ConfigError):
 
 @dataclasses.dataclass(frozen=True)
 class CompiledRun:
-    """Per-device peaks (bytes) and compile seconds of a run's two programs on the target."""
+    """Per-device peaks (bytes) and compile seconds of a run's two programs on the target; `step` splits the train
+    step's peak (`planning/compiled.StepMemory`: state, batch, temporaries)."""
 
     init_peak: int
-    step_peak: int
     init_seconds: float
     step_seconds: float
-    step_host: int = 0  # the train step's host memory buffers per device (what an offload policy moves there)
+    step: StepMemory
+
+    @property
+    def step_peak(self) -> int:
+        return self.step.peak
+
+    @property
+    def step_host(self) -> int:
+        """The train step's host memory buffers per device (what an offload policy moves there)."""
+        return self.step.host
+
+    def as_json(self) -> dict[str, Any]:
+        return {"init_peak": self.init_peak, "step_peak": self.step_peak, "init_seconds": self.init_seconds,
+                "step_seconds": self.step_seconds, "step_host": self.step_host, "step": self.step.as_json()}
+
+
+def missing() -> str | None:
+    """Why this machine cannot compile for a TPU (None: libtpu is installed, so it can)."""
+    return None if importlib.util.find_spec("libtpu") is not None else "compiling for a TPU needs libtpu"
 
 
 def topology_name(target: Target) -> str:
@@ -83,8 +104,9 @@ ABSTRACT_TPU_VARIABLES = tuple(_abstract_tpu_environment(""))
 def abstract_devices(target: Target) -> list[Any]:
     """The abstract TPU devices of `target` (all slices); ConfigError (one line) without libtpu or for a slice that
     libtpu does not describe."""
-    if importlib.util.find_spec("libtpu") is None:
-        raise ConfigError(f"compiling for a TPU needs libtpu, which is not installed: {INSTALL}")
+    reason = missing()
+    if reason is not None:
+        raise ConfigError(f"{reason}, which is not installed: {INSTALL}")
     # No TPU VM here: libtpu is not to ask a metadata server, and is told the host and slice type it would ask for
     # (without them it prints a screen of warnings). No chip is opened either, so several processes may compile at
     # once (libtpu's lockfile would refuse the second).
@@ -121,25 +143,26 @@ def compile_run(cfg: Config, target: Target, devices: list[Any],
     module's `abstract_devices`, or `planning/gpu_compile.py`'s for a GPU node; `compiler` names what compiles them in
     the progress lines); TpuOutOfMemory (one line) when XLA:TPU finds a program over the chip's memory."""
     from maxshard.parallel import mesh
-    from maxshard.planning.compiled import compile_init, compile_train_step, peak_bytes
+    from maxshard.planning.compiled import compile_init, compile_step_memory, peak_bytes
 
     run_mesh = mesh.build(cfg, devices)
-    peaks, seconds = {}, {}
-    for name, compile_one in (("init", compile_init), ("train step", compile_train_step)):
+    peaks, seconds, split = {}, {}, None
+    for name in ("init", "train step"):
         progress(f"compiling the {name} for {target.name} with {compiler} ...")
         started = time.perf_counter()
         try:
-            compiled = compile_one(cfg, run_mesh)
+            if name == "init":
+                peaks[name] = peak_bytes(compile_init(cfg, run_mesh).memory_analysis())
+            else:
+                split = compile_step_memory(cfg, run_mesh)[1]
         except Exception as e:
             message = str(e)
             if "RESOURCE_EXHAUSTED" not in message:
                 raise
             raise TpuOutOfMemory(f"XLA:TPU cannot fit the {name} on {target.name}: {_first_oom_line(message)}") from None
         seconds[name] = time.perf_counter() - started
-        stats = compiled.memory_analysis()
-        peaks[name], host = peak_bytes(stats), stats.host_temp_size_in_bytes
         progress(f"compiled the {name} in {seconds[name]:.1f}s")
-    return CompiledRun(peaks["init"], peaks["train step"], seconds["init"], seconds["train step"], host)
+    return CompiledRun(peaks["init"], seconds["init"], seconds["train step"], split)
 
 
 def _first_oom_line(message: str) -> str:
