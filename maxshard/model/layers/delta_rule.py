@@ -24,10 +24,17 @@ length: B * H * length * C floats); the scan keeps only the state-dependent matm
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 __all__ = ["chunked_gated_delta_rule", "recurrent_gated_delta_rule", "document_starts"]
+
+# Every product of the rule at full float32 precision: GPUs (TF32) and TPUs (one bfloat16 pass) multiply float32 at
+# reduced precision by default, and the state carries each product's error through the whole sequence. The rule's
+# products are a small part of the layer's (its projections dominate), so exactness costs little.
+_einsum = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
 
 
 def document_starts(segment_ids: jax.Array | None, length: int, batch: int) -> jax.Array:
@@ -72,9 +79,9 @@ def recurrent_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.
     def step(s: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
         q_t, k_t, v_t, g_t, b_t, start = xs  # [b, h, d], [b, h], [b]
         s = jnp.where(start[:, None, None, None], 0.0, s) * jnp.exp(g_t)[..., None, None]
-        remembered = jnp.einsum("bhkv,bhk->bhv", s, k_t)
-        s = s + jnp.einsum("bhk,bhv->bhkv", k_t, (v_t - remembered) * b_t[..., None])
-        return s, jnp.einsum("bhkv,bhk->bhv", s, q_t)
+        remembered = _einsum("bhkv,bhk->bhv", s, k_t)
+        s = s + _einsum("bhk,bhv->bhkv", k_t, (v_t - remembered) * b_t[..., None])
+        return s, _einsum("bhkv,bhk->bhv", s, q_t)
 
     xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta, starts))
     state, out = jax.lax.scan(step, state, xs)
@@ -113,14 +120,14 @@ def _intra_chunk(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: j
     live = causal & same
     pair = jnp.exp(jnp.where(live, cum[..., :, None] - cum[..., None, :], -jnp.inf))  # D_ij; 0 off `live`
     strict = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
-    system = jnp.where(strict, jnp.einsum("...ik,...jk->...ij", k * beta[..., None], k) * pair, 0.0)
+    system = jnp.where(strict, _einsum("...ik,...jk->...ij", k * beta[..., None], k) * pair, 0.0)
     carried = (seg == seg_in[..., None]).astype(jnp.float32)  # [n, b, 1, C]: r_i
     read = jnp.exp(cum) * carried  # how much of the incoming state each token still sees
     rhs = jnp.concatenate([v * beta[..., None], k * (beta * read)[..., None]], axis=-1)
     solved = jax.lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True,
                                              unit_diagonal=True)
     u, w = solved[..., : v.shape[-1]], solved[..., v.shape[-1]:]
-    attn = jnp.einsum("...ik,...jk->...ij", q, k) * pair
+    attn = _einsum("...ik,...jk->...ij", q, k) * pair
     last = cum[..., -1:]
     same_last = (seg == seg[..., -1:]).astype(jnp.float32)
     k_write = k * (jnp.exp(last - cum) * same_last)[..., None]
@@ -148,9 +155,9 @@ def chunked_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Ar
 
     def step(s: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
         q_read, attn, u, w, k_write, decay = xs
-        fresh = u - jnp.einsum("bhck,bhkv->bhcv", w, s)
-        out = jnp.einsum("bhck,bhkv->bhcv", q_read, s) + jnp.einsum("bhij,bhjv->bhiv", attn, fresh)
-        s = s * decay[..., None, None] + jnp.einsum("bhck,bhcv->bhkv", k_write, fresh)
+        fresh = u - _einsum("bhck,bhkv->bhcv", w, s)
+        out = _einsum("bhck,bhkv->bhcv", q_read, s) + _einsum("bhij,bhjv->bhiv", attn, fresh)
+        s = s * decay[..., None, None] + _einsum("bhck,bhcv->bhkv", k_write, fresh)
         return s, out
 
     state, out = jax.lax.scan(step, state, parts)  # out [n, b, h, C, dv]
