@@ -95,6 +95,14 @@ def _log_uniform(low: float, high: float) -> Any:
 
 
 class GatedDeltaNet(nn.Module):
+    """The gated DeltaNet token mixer (module docstring): x [batch, length, embed] -> [batch, length, embed].
+
+    Parameters: query, key [embed, key_heads, dk]; value, z [embed, value_heads, dv]; b, a [embed, value_heads];
+    query_conv, key_conv [width, key_heads, dk], value_conv [width, value_heads, dv]; A_log, dt_bias
+    [value_heads]; norm/scale [dv]; out [value_heads, dv, embed]. Cache (generation): query_conv, key_conv,
+    value_conv [batch, width - 1, heads, dim]; state [batch, value_heads, dk, dv] float32.
+    """
+
     cfg: ModelConfig
     dtype: jnp.dtype
     weight_dtype: jnp.dtype
@@ -136,18 +144,22 @@ class GatedDeltaNet(nn.Module):
         g = -jnp.exp(self._head_param("A_log", _log_uniform(0.01, 16.0))) * jax.nn.softplus(
             jnp.asarray(a, jnp.float32) + self._head_param("dt_bias", nn.initializers.ones))
 
+        projected = dict(query=q, key=k, value=v)
         if kv_cache.decoding(self):
-            out = self._decode(dict(query=q, key=k, value=v), kernels, g, beta, positions)
-        else:
-            width = cfg.linear_conv_kernel_dim
-            mixed = {}
-            for name, t in (("query", q), ("key", k), ("value", v)):
-                history = jnp.zeros((t.shape[0], width - 1, *t.shape[2:]), t.dtype)
-                mixed[name] = causal_conv(t, kernels[name], history, segment_ids)[0]
-            out, _ = chunked_gated_delta_rule(l2_normalize(mixed["query"]), l2_normalize(mixed["key"]),
-                                              mixed["value"], g, beta, chunk_size=cfg.delta_chunk_size,
-                                              segment_ids=segment_ids)
-        return self._output(out, z)
+            return self._output(self._decode(projected, kernels, g, beta, positions), z)
+        return self._output(self._train(projected, kernels, g, beta, segment_ids), z)
+
+    def _train(self, projected: dict[str, jax.Array], kernels: dict[str, jax.Array], g: jax.Array,
+               beta: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+        """Training (and any call without a cache): the conv from zeros and the chunked rule, per document."""
+        width = self.cfg.linear_conv_kernel_dim
+        mixed = {}
+        for name, t in projected.items():
+            history = jnp.zeros((t.shape[0], width - 1, *t.shape[2:]), t.dtype)
+            mixed[name] = causal_conv(t, kernels[name], history, segment_ids)[0]
+        out, _ = chunked_gated_delta_rule(l2_normalize(mixed["query"]), l2_normalize(mixed["key"]), mixed["value"],
+                                          g, beta, chunk_size=self.cfg.delta_chunk_size, segment_ids=segment_ids)
+        return out
 
     def _decode(self, projected: dict[str, jax.Array], kernels: dict[str, jax.Array], g: jax.Array,
                 beta: jax.Array, positions: jax.Array) -> jax.Array:
