@@ -21,8 +21,8 @@ s = the compute dtype's itemsize:
     what a policy saves per layer and token (maxshard/spec/remat.py names what each keeps):
         none               dense + attention; on XLA:TPU with a fused kernel what it keeps instead
                            (`Fitted.kept_without_remat`, widths.py `kept_bytes`): the norms' inputs as six float32
-                           and two compute-dtype E-wide values, 5 Q-wide, 4 K-wide (0.0.52: 6 Q-wide), 6F, and the
-                           float32 log-sum-exp
+                           and two compute-dtype E-wide values, 5 Q-wide, 4 K-wide (by libtpu release:
+                           `fitted.XLA_TPU_BY_LIBTPU`), 6F, and the float32 log-sum-exp
         minimal            matmul outputs: (2E / r + 2Q + 2K + 2F) x s + float32 scores 4 A (fused: log-sum-exp 4 H)
         save_qkv_out_proj  layer input + q, k, v + output projection: (E / r + E + Q + 2K) x s
         save_qkv_proj      (E / r + Q + 2K) x s
@@ -35,29 +35,26 @@ s = the compute dtype's itemsize:
                            the formula does not take, model/residuals.py) add, traced rather than written down: the
                            token-proportional residuals of one stacked unit under the policy, at one device's heads,
                            kv heads and mlp (blockwise attention for a fused kernel), less the same unit's with the
-                           options at their defaults (0 then, and nothing traced). XLA:CPU keeps what is traced:
-                           qk_norm under none, per token and layer, 1600 / 2000 / 1000 bytes traced, 1605 / 2002 /
-                           1001 compiled (the NARROW and WIDE shapes of tests/test_plan_memory.py at fsdp=8, WIDE at
-                           fsdp=4 x tensor=2); under minimal and full 0, as compiled. XLA:TPU (125m on v5e-8,
-                           bfloat16, ahead of time) kept 2.0x the traced 18,624 under none (bytes as traced, not as
-                           its tiles store them), 103 and 170 under minimal and full
+                           options at their defaults (0 then, and nothing traced). XLA:CPU keeps what is traced;
+                           XLA:TPU keeps more under none, as its tiles store values (benchmarks/README.md, "Layer
+                           options in the activation plan")
 
     the backward of one layer (its working set, while the layer is recomputed and differentiated) is measured, not
     derived: XLA fuses and frees its pieces in an order no formula follows. XLA_CPU_WORKING holds, per policy, the
-    fraction of `dense`, the bytes per attention score and the mlp widths it takes on XLA:CPU (jax 0.10.2), fitted
+    fraction of `dense`, the bytes per attention score and the mlp widths it takes on XLA:CPU, fitted
     on the widths and lengths of tests/test_plan_memory.py, + 3E x s under tensor parallelism (the column-parallel
     projections' input gradients before they are reduced); the fused kernels' backward is counted from
     layers/blockwise_attention.py instead (block q, output, dq, stacked dk/dv in float32 and the log-sum-exp:
     Q(5s + 8) + K(4s + 8) + 12 H per token, plus one float32 score block per sequence a device holds (splash on
     XLA:TPU: what its calls write as block-sized float32 outputs per sequence and kv head instead, read off the
-    installed kernel, planning/splash_outputs.py: 0 from jax 0.12 on, which keeps them in scratch); the ring over
+    installed kernel, planning/splash_outputs.py: 0 for a kernel that keeps them in scratch); the ring over
     C context shards adds (C - 1)(4Q + K(2s + 8)): its unrolled steps each hold a K/V chunk, dq, dK and dV).
 
     unit        a stacked unit of n layers (spec/blocks.py: an MoE interval, an attention pattern; Gemma 3's is 6)
                 is rematerialised as one, so its backward re-runs the whole unit's forward: working = one layer's
-                + (n - 1) x what a layer keeps without remat less what the policy saves (x `Fitted.unit_kept`:
-                XLA:TPU held about half of it live and allocated 0.8 of it). Under none nothing re-runs, and XLA:CPU
-                held n layers' working sets (units of 2 and 3 layers, tests/test_plan_memory.py)
+                + (n - 1) x what a layer keeps without remat less what the policy saves (x `Fitted.unit_kept`,
+                the share of it XLA:TPU allocates). Under none nothing re-runs, and XLA:CPU holds n layers' working
+                sets (tests/test_plan_memory.py)
 
     local layers (sliding window, spec/blocks.py) hold what their kernel holds, and no kernel's memory follows the
                 window: dot_product masks the whole [q, kv] scores (A as for a global layer), a fused kernel keeps
@@ -95,9 +92,9 @@ s = the compute dtype's itemsize:
     prediction  each multi-token prediction module (`mtp_depth`): its layer as one more saved layer, its head's
                 logits and their gradient as the main head's; on XLA:CPU every module after the first also
                 a layer working set where the policy recomputes the layer (`Fitted.mtp_working_sets`), and
-                under save_out_proj the first module 0.75 of one (`Fitted.mtp_first_working`)
+                the first module a policy's share of one (`Fitted.mtp_first_working`)
     frozen      with LoRA (the base weights frozen, no weight gradients) the layer's working set is
-                `Fitted.frozen_working` of it (XLA:TPU: 0.54, measured at one shape); a frozen head grouped over
+                `Fitted.frozen_working` of it (no weight gradients to form); a frozen head grouped over
                 the token shards is gathered in the compute dtype where the compiler casts first
                 (`Fitted.frozen_head_cast`, `gather_memory.grouped_head_bytes`)
     accumulation  with k > 1 microbatches, one microbatch's activations at a time (tokens / k in whole
@@ -108,22 +105,20 @@ s = the compute dtype's itemsize:
                 input, which is the kept stage input (none saves matmul outputs there: see layers/pipeline.py);
                 the working set is one stage's layers' on one microbatch; plus the
                 schedule's circulation buffer, `buffer_microbatches` microbatches (circular: all M, [tokens, E]).
-                (The circular pipeline's loss was once planned without the stages' gradients and cast weights,
-                which run later, as one buffer assignment placed them: since the loss groups its head, that
-                under-planned the loss-phase peak on XLA:TPU, 0.907 at the 125m pipeline shape; dropped 2026-11-29)
+                The circular pipeline's loss is planned with the stages' float32 gradients and cast weights beside
+                it: since the loss groups its head, XLA:TPU's heap holds them at the loss-phase peak (planning the
+                loss without them under-planned; benchmarks/README.md, "Held-out shapes")
 
-    heap share  libtpu from 0.0.52 reports its temporaries as the HBM heap, where the releases XLA:TPU's constants
-                were fitted on add the heap's fragmentation again (benchmarks/README.md, "libtpu 0.0.52: the same
-                heap, reported once"): under it the terms fitted to those totals take `Fitted.heap_share` (0.66);
+    heap share  a libtpu release that reports its temporaries as the HBM heap, where the releases XLA:TPU's
+                constants were fitted on add the heap's fragmentation again (benchmarks/README.md, "libtpu 0.0.52:
+                the same heap, reported once"), has the terms fitted to those totals take `Fitted.heap_share`;
                 what was counted value by value (saved stacks, kept stage inputs, the running gradient sum, the
                 kernels' score blocks, the head's gathered table) keeps its bytes (`on_the_heap`)
 
 What the plan leaves out (a few % of XLA:CPU's temporaries in the grid of tests/test_plan_memory.py): the
 embedding's gradient buffers, loss reductions and XLA's fusion scratch; and what layer options add to one layer's
-working set, which is no fixed share of what they add to `dense` (measured on XLA:CPU, per token: qk_norm 0.64x its
-none addition under none, 0.68x under minimal, save_qkv_proj and full, 0.16x under save_qkv_out_proj, 2.2x under
-save_out_proj; LoRA, whose none addition is negative (-800 bytes: the frozen base needs no input kept for its weight
-gradients), 1068 to 3388 bytes more).
+working set, which is no fixed share of what they add to `dense`, so no formula on the traced residuals holds it
+(benchmarks/README.md, "Layer options in the activation plan").
 """
 
 from __future__ import annotations
@@ -296,11 +291,9 @@ def _stage_working(cfg: Config, w: Widths, policy: remat.Policy, itemsize: int, 
     """One pipeline stage's backward working set per token. With several layers a stage (`layers_per_stage` > 1)
     its layers are one scan inside the iteration's checkpoint, not checkpointed again (layers/pipeline.py): the
     scan's backward holds every layer's residuals whole, what the policy saved included (a second copy, beside the
-    saved ones), and the working set of the layer being differentiated. XLA:CPU, tests/test_plan_memory.py's wide
-    widths, 8 layers over 2 stages, 2 microbatches: the compiled step grows 6.1 MB per stage layer from 2 to 4
-    layers a stage, 22.7 KB a token and layer against the 22.7 KB a layer keeps without remat (plan / compiled at 2
-    and 4 layers a stage, full: 0.79, 0.89 -> 0.99, 0.97; save_qkv_out_proj 0.76, 0.82 -> 0.97, 0.97; minimal
-    0.82, 0.77 -> 0.93, 0.86). One layer a stage: its working set alone (0.96-1.09 in the grid)."""
+    saved ones), and the working set of the layer being differentiated: XLA:CPU's compiled step grows by what a
+    layer keeps without remat per stage layer (benchmarks/README.md, "Held-out shapes", "Several layers a stage").
+    One layer a stage: its working set alone."""
     layer = w.working_bytes(policy, itemsize, compiler(cfg))
     if cfg.model.pipeline.layers_per_stage == 1:
         return stage_layers * layer
