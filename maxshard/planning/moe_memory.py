@@ -2,21 +2,17 @@
 computes per token, what they hold beyond the dense MLP the layer formula counts, and what `minimal` keeps of them.
 
 The working set of the MoE layer being differentiated (`working_bytes`) is that count on XLA:CPU. On XLA:TPU the MoE
-layer's backward is a phase of its own (`Fitted.moe_rows`). The buffers live at the peak of the whole Mixtral 8x7B
-step (v6e-256, fsdp 256, 12 x 4096 tokens per chip, capacity 1.25, whole-sequence groups; libtpu 0.0.42.1, dumped
-with `--xla_dump_to`, benchmarks/README.md "Mixtral 8x7B") are the MoE backward's: six [experts, groups, capacity,
-14336] bfloat16 values (the recomputed gate and up projections and the SwiGLU backward's fusions, 3.28 GiB each),
-two [experts, groups, capacity, 4096], two of the layer's gathered expert kernels and a [tokens, 4096]; no attention
-buffer. So per routed row 2E + 6F in the compute dtype, and the unit holds the larger of that and its layer's working
-set without the dense MLP's share. The one-hot masks are fused into the dispatch and combine einsums, never stored.
-Dropless (ragged_dot, 2 rows per token, the same step): five [rows, 14336] and two [rows, 4096] live, 2E + 5F per row.
-Dropless with the experts split over an expert axis (Moonlight-16B, 3 layers, v6e-16, fsdp 4 x expert 4, 1 x 4096
-tokens per chip, the ragged exchange): the rows of the exchange's worst-case buffer (24 per token: 4 shards x top-6),
-six [rows, 1408] and two [rows, 2048] live at the step's peak, 2E + 6F per row.
-One MoE layer alone (benchmarks/moe_layer_tpu.py, `sum` of the output as its loss) had held 2E + F and 2E + 3F: a
-constant output gradient that XLA folds is not what a step holds, and the plan built on it was 0.69 of the compiled
-step. Fitted on those two Mixtral programs; held out: a DeepSeek-style shape
-(tests/test_tpu_aot.py) and 125m with 8 experts on v5e-8 (benchmarks/README.md, "Mixtral 8x7B").
+layer's backward is a phase of its own (`Fitted.moe_rows`): the buffers live at a whole MoE step's peak are the MoE
+backward's (the recomputed gate and up projections, the SwiGLU backward's fusions, the dispatched rows and their
+gradient, two gathered expert kernels), no attention buffer, so the plan counts a number of (embed, expert width)
+values per routed row, and the unit holds the larger of that and its layer's working set without the dense MLP's
+share. The one-hot masks are fused into the dispatch and combine einsums, never stored. Each path has its row:
+dropping, dropless with the experts unsplit (ragged_dot), and dropless with the experts split over an expert axis
+(the rows of the exchange's worst-case buffer). The rows were read off whole train steps, not one MoE layer alone
+(benchmarks/moe_layer_tpu.py, `sum` of the output as its loss): a constant output gradient that XLA folds is not what
+a step holds. Fitted on Mixtral 8x7B and Moonlight-16B programs; held out on a DeepSeek-style shape
+(tests/test_tpu_aot.py) and 125m with 8 experts (benchmarks/README.md, "Mixtral 8x7B on v6e-256" and "DeepSeek-style
+on XLA:TPU").
 """
 
 from __future__ import annotations
