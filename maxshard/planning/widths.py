@@ -1,8 +1,8 @@
 """A layer's activation widths per token and device (`Widths`): heads, kv heads, the MLP and the experts divided
 over the mesh axes their activation rules name, the attention that runs and how it is tiled, and from them the
 bytes one layer saves, holds while it runs and sends to host memory under a remat policy. `planning/memory.py`
-combines these per-layer figures into the step's activation terms (its docstring holds the formulas and where each
-constant was measured); `planning/moe_memory.py` adds the MoE layer's.
+combines these per-layer figures into the step's activation terms (its docstring holds the formulas; where each
+constant was measured is benchmarks/README.md's); `planning/moe_memory.py` adds the MoE layer's.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ class Widths:
             fused += self.length * itemsize  # the packed-document mask cuDNN takes as a bias
         # each ring step after the first (its loop is unrolled, layers/ring_attention.py) holds its float32 dq partial,
         # the K/V chunk it received and the travelling float32 dK, dV: with q = kv at 2 shards, kv x (4 itemsize + 8).
-        # XLA:TPU, 125m on v5e-8 under full: 0.97 of the compiled peak at 2 shards, 0.97 at 4 (one step counted: 0.87)
+        # Counting one step alone under-planned from 4 shards on (benchmarks/README.md, "Held-out shapes", "Context")
         fused += (self.context - 1) * (4 * self.q + self.kv * (2 * itemsize + 8))
         return fused
 
@@ -118,12 +118,11 @@ class Widths:
         the compiler stores it (`tile`): head_dim padded to whole lanes, heads to whole rows (fewer than a tile's rows
         take the smallest power of two that holds them, as XLA:TPU picks T(2,128) or T(4,128) tiles for them).
 
-        A projection with a LoRA adapter (`adapted`) is stored with its heads unpadded, [.., heads, lanes]: measured
-        on XLA:TPU (libtpu 0.0.42.1, 125m with lora_rank=8 on q, k, v, o, v5e-8, 4 x 512 tokens per chip), whose
-        host buffers under offload_qkv_out_proj are 12,288 bytes per token and layer (the layer input and out_proj,
-        1536 each, and q, k, v at 12 x 128 x 2 bytes), 301,989,888 in all, not the 16 rows of the unadapted layout
-        (377,487,360 planned before); under offload_qkv_proj 10,752 (264,241,152). The same layout is assumed for
-        q, k, v saved on the device under a save_qkv_* policy with adapters (not measured)."""
+        A projection with a LoRA adapter (`adapted`) is stored with its heads unpadded, [.., heads, lanes]: XLA:TPU's
+        host buffers of an adapted layer under the offload policies hold q, k, v in that layout, to the byte, not in
+        the unadapted layout's whole tiles of rows (benchmarks/README.md, "Held-out shapes": the LoRA + offload rows,
+        tests/test_plan_heldout_tpu.py). The same layout is assumed for q, k, v saved on the device under a
+        save_qkv_* policy with adapters (not measured)."""
         if self.tile is None or not self.head_dim:
             return width
         rows, lanes = self.tile
@@ -186,9 +185,8 @@ def latent_query_pad(cfg: Config, heads: int, tile: tuple[int, int] | None) -> i
     """Per token, the lanes the tiled layout adds to latent attention's stored query [.., heads, n + p] (per device)
     beyond its n + p features: what the layer trace cannot see. `residuals.option_bytes` counts the query's p RoPE
     features beyond a grouped-query head (its elements, unpadded); the tile pads n + p to whole lanes, 128 + 64 ->
-    256 for DeepSeek-V3 and Moonlight. Measured: the moonlight_16b preset's saved query on v6e-16 (libtpu 0.0.42.1,
-    save_qkv_out_proj) is bf16[layers, 1, 4096, 16, 192] in T(8,128) tiles, 8192 bytes per token and layer, where
-    the elements are 6144 (benchmarks/README.md, "DeepSeek-style on XLA:TPU")."""
+    256 for DeepSeek-V3 and Moonlight, as the moonlight_16b preset's saved query in XLA:TPU's buffer assignment
+    shows (benchmarks/README.md, "DeepSeek-style on XLA:TPU")."""
     if tile is None or cfg.attention_type != "mla":
         return 0
     width = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
