@@ -19,15 +19,14 @@ it meets the activations:
                   norm scales, reduced in float32), once per microbatch, shard bytes.
   The token embedding is a lookup, not a matmul: XLA keeps the table sharded and moves the looked-up rows with an
   all-to-all ([tokens, E], forward in the compute dtype, backward in the table's dtype); its gradient needs no
-  reduction over the gather axes. With the table sharded over the vocabulary too, jax 0.10.2 scatters the rows'
-  gradients into the whole vocabulary and all-reduces that over the vocabulary axes, [vocab, E / gather shards]
-  (below); jax 0.12 moves no rows back: each device scatters its own tokens' gradients into a buffer of vocab x E /
-  vocabulary shards elements, all-reduces it over the gather axes and permutes one table shard into place (XLA:CPU with
-  fsdp=4 x tensor=2 and fsdp=2 x tensor=4, XLA:TPU libtpu 0.0.50.1 with fsdp=4 x tensor=2: exactly these bytes).
+  reduction over the gather axes. With the table sharded over the vocabulary too, the partitioner of jax before 0.12
+  scatters the rows' gradients into the whole vocabulary and all-reduces that over the vocabulary axes, [vocab, E /
+  gather shards] (below); from 0.12 on it moves no rows back: each device scatters its own tokens' gradients into a
+  buffer of vocab x E / vocabulary shards elements, all-reduces it over the gather axes and permutes one table shard
+  into place (`_SCATTERS_INTO_VOCAB_SHARDS`).
   A pipeline (stage > 1) runs each stage's weights once per iteration of its schedule (spec/pipeline_schedule.py;
   M*R + S - 1 iterations for the circular one): stacked gathers and their gradient reduce-scatters x iterations / R
-  (XLA keeps the per-repeat gather inside the schedule loop: a 4-layer, 2-stage, 4-microbatch compile on XLA:CPU
-  gathered 4% more than this plan, and reduced 7% more).
+  (XLA keeps the per-repeat gather inside the schedule loop, so a compile gathers and reduces a little more).
 Activations:
   tensor (axes of activation_heads / activation_mlp)  with the residual stream's length split over them
                   (tensor_sequence, layers/decoder.py): the measured counts of `_SP_REDUCES` and `_SP_GATHERS`.
@@ -42,22 +41,21 @@ Activations:
   sequence        outside attention the length is sharded over `sequence`, inside it the heads are
                   (layers/attention_ops.py): all-to-all of q, k, v to head-sharded and of the output back, 2Q + 2K
                   per token (Q, K: heads, kv heads x head_dim over the tensor axes), once forward, once backward
-                  (their transposes) and once more in a remat recompute (any policy but none/minimal); measured
-                  exactly on XLA:CPU for sequence=2 x fsdp=4 (393,216 B). The small all-gathers of the RoPE
-                  angles and segment ids over `sequence` are left out.
+                  (their transposes) and once more in a remat recompute (any policy but none/minimal). The small
+                  all-gathers of the RoPE angles and segment ids over `sequence` are left out.
   context         ring attention (layers/ring_attention.py): per layer, C - 1 collective-permutes of the local
                   K and V chunks (+ int32 segment ids) forward, again in a remat recompute, again in the backward
-                  ring, which also passes the float32 dK and dV C times (they travel home). Measured for
-                  context=2 x fsdp=4 (tiny, XLA:CPU): 262,400 B against 329,216 planned, because at C = 2 XLA
-                  folds the two shifts of the first step's dK, dV (a permute applied twice is the identity) and
-                  hoists the segment-id permute out of the layer loop; the plan counts the general ring. The balanced
+                  ring, which also passes the float32 dK and dV C times (they travel home). At C = 2 XLA folds
+                  the two shifts of the first step's dK, dV (a permute applied twice is the identity) and hoists
+                  the segment-id permute out of the layer loop, so it moves less; the plan counts the general
+                  ring. The balanced
                   chunk order is applied at model entry and exit with a gather along the length, which XLA
                   lowers to an all-gather of [batch, length, embed] over context (2 per step, seen on XLA:CPU).
   stage           collective-permute of [microbatch, length, E] per pipeline iteration, forward and backward:
                   2 x iterations x k. (XLA:CPU lowers the backward roll as two permutes, and moves small
-                  position and segment-id slices too: 2.3x this in the compile above.)
-  expert          MoE all-to-alls, only when the config has experts (XLA:CPU compiles of expert=4 x fsdp=2 agree
-                  exactly on jax 0.10.2, see tests/test_plan.py). Dropping: dispatch and combine, each the
+                  position and segment-id slices too, so its compile moves more.)
+  expert          MoE all-to-alls, only when the config has experts (tests/test_plan.py holds them to XLA:CPU's
+                  compiled step). Dropping: dispatch and combine, each the
                   [experts, groups, capacity, E] buffer, ~[tokens x top-k x capacity_factor, E]; 2 per MoE layer
                   forward, 3 backward (the gradients to the experts and to the tokens, and the experts' output
                   moved to the token layout for the router's gradient through the combine weights); a policy that
@@ -69,6 +67,7 @@ Activations:
                   TPU and GPU) moves only the rows routed, [tokens x top-k, E] when balanced, as often. The
                   all-experts reference (dense) has none.
 Small reductions (loss sums, the cross-entropy max and sum over a sharded vocabulary, gradient norms) are left out.
+How each count compares with compiled steps: benchmarks/README.md, "The collectives plan against compiled steps".
 """
 
 from __future__ import annotations
@@ -94,7 +93,7 @@ __all__ = ["Collective", "Geometry", "geometry", "planned_collectives", "shards"
 
 STACKED = (ax.LAYERS, ax.UNSTAGED_LAYERS)  # the leading axis of a scanned stack (spec/blocks.py)
 # How XLA partitions the lookup's gradient when the table is sharded over the vocabulary *and* gather axes changed
-# with jax 0.12 (what Python 3.12 installs; README): see "The token embedding" in the module docstring.
+# with jax 0.12 (what Python 3.12 installs; docs/toolchains.md): see "The token embedding" in the module docstring.
 _SCATTERS_INTO_VOCAB_SHARDS = jax.__version_info__ >= (0, 12)
 
 
@@ -242,8 +241,8 @@ def _recompute_count(policy: str) -> int:
 
 
 # Under sequence-parallel residuals (layers/decoder.py), per layer and [tokens, E] of the compute dtype, as XLA:TPU
-# compiles a tiny model (libtpu 0.0.42.1, tensor_sequence=8 and fsdp=4 x tensor_sequence=2, 2 and 4 layers;
-# XLA:CPU the same for `none`): the reductions of the row-parallel outputs and column-parallel input gradients (a
+# compiles a tiny model (XLA:CPU the same for `none`; benchmarks/README.md, "The collectives plan against compiled
+# steps"): the reductions of the row-parallel outputs and column-parallel input gradients (a
 # recompute adds the attention output's, never the MLP's, whose output the backward does not need), and the gathers
 # of the residual stream before each projection, forward and backward, again in a recompute. Plus 2 for the head.
 # In remat.py's terms: 4 reduces, 5 when the output projection is recomputed (save_qkv_proj, full); 6 gathers, 9 when
