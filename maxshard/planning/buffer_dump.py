@@ -1,8 +1,8 @@
 """What XLA's dumps say about a compiled step's memory: its HBM heap and the values live where that heap is fullest.
 
-Why. `memory_analysis()` gives totals, and its temporaries are not the same figure on every libtpu release (0.0.52
-reports the heap; 0.0.42.1 and 0.0.50.1 add what their log calls the heap's fragmentation a second time:
-benchmarks/README.md, "libtpu 0.0.52: the same heap, reported once"). The buffer assignment XLA writes under
+Why. `memory_analysis()` gives totals, and its temporaries are not the same figure on every libtpu release (some
+report the heap, older ones add what their log calls the heap's fragmentation a second time: benchmarks/README.md,
+"libtpu 0.0.52: the same heap, reported once"). The buffer assignment XLA writes under
 `--xla_dump_to` (`OPTIONS`, passed as compile options) holds the heap itself, the largest `preallocated-temp`
 allocation of the default memory space, and every value in it with its size; the live-range dump says when each
 is live. The bytes of the buffers live at one instruction are below the heap by its gaps: what XLA's placement of
