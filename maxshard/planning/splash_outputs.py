@@ -1,13 +1,13 @@
 """The splash kernel's block-sized float32 outputs: what one call of it writes to device memory besides its output
 and log-sum-exp, read off the installed kernel rather than written down, because it changes with the toolchain.
 
-jax 0.10's splash (`jax.experimental.pallas.ops.tpu.splash_attention`) returns its running max, running sum and
-output accumulator, [block_q, 128 | head_dim] float32, as outputs of the forward call, and its dK/dV and dQ
-accumulators as outputs of the backward calls. XLA:TPU gives each its own buffer per (sequence row, kv head) call:
-at 125m with LoRA on v5e-8 (4 x 512 tokens per chip, 512-token blocks) the layer backward's peak holds the forward's
-three, f32[4, 12, 512, 128] each (the [.., 64] accumulator stored in 128 lanes), 36 MiB of 0.24 GiB
-(`benchmarks/live_buffers.py`). jax 0.12's kernel keeps them in scratch (the core's vector memory): its calls
-return only the output, the log-sum-exp and the gradients, and the same step compiles 19 MiB smaller.
+The splash kernel of older jax releases (`jax.experimental.pallas.ops.tpu.splash_attention`) returns its running
+max, running sum and output accumulator, [block_q, 128 | head_dim] float32, as outputs of the forward call, and its
+dK/dV and dQ accumulators as outputs of the backward calls; XLA:TPU gives each its own buffer per (sequence row, kv
+head) call, and the layer backward's peak holds the forward's three. Newer kernels keep them in scratch (the core's
+vector memory): their calls return only the output, the log-sum-exp and the gradients, and the step compiles
+smaller by those buffers (benchmarks/README.md, "Held-out shapes": the splash block term, and the LoRA step's live
+sets under each jax).
 
 `largest_call_bytes` traces the kernel's backward abstractly at a length that no block, group or head width equals,
 keeps the float32 outputs with no length-sized dimension, pads them to the compiler's tile and takes the largest
