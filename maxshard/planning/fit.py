@@ -4,8 +4,8 @@ and `remat_policy: auto`: the least recomputation that fits.
 Recomputation is counted in FLOPs, as the planner prices a step (`estimate.remat_factors`): the forward matmuls and
 attention the backward re-runs. Of policies that recompute equally, the one with the smaller peak is taken: `none`
 and `minimal` both re-run no matmul, and `minimal` keeps only the matmul outputs instead of every intermediate, so
-it wins unless a fused attention kernel makes it re-run the attention. (On XLA:CPU at benchmarks/maxtext_compare.py's
-shape, `minimal` took 0.93x `none`'s CPU time and 0.93x its wall time.)
+it wins unless a fused attention kernel makes it re-run the attention (and it is no slower: benchmarks/README.md,
+"MaxText").
 
 An offload policy (maxshard/spec/remat.py) is the last resort, taken only when no policy that keeps everything on the
 device fits: it moves every layer's saved activations over the host link twice a step, a cost no FLOP count shows
