@@ -22,6 +22,8 @@ from test_convert import LAYOUTS, REPO, TOLERANCE, apply, read_all, start_from_c
 from maxshard import config, generate
 from maxshard.convert import __main__ as cli
 from maxshard.convert import hf_config, layout, names
+from maxshard.convert import lora as convert_lora
+from maxshard.convert import to_hf as to_hf_module
 from maxshard.errors import ConfigError
 from maxshard.model import transformer as model
 from maxshard.run import loading
@@ -208,3 +210,61 @@ def test_presets_are_transformers_configs_of_the_published_sizes(preset, model_t
             assert getattr(cfg, key) == getattr(want, key), key
     assert cfg.vocab_size == want.vocab_size
     assert low <= model.param_count(cfg) <= high
+
+
+# --------------------------------------------------------------------------------------------- LoRA out
+
+
+class RandomAdapters:
+    """A LoRA run's adapters stand-in: random (A, B) pairs of rank 2 on the attention's and gated DeltaNet's query,
+    key, value and output kernels (what lora_targets q, k, v, o adapt in both mixers)."""
+
+    rank, alpha = 2, 1.0
+    scale = alpha / rank
+    targets = ("query", "key", "value", "out")
+
+    def has(self, param: layout.Param) -> bool:
+        return param.path[-1] == "kernel" and param.path[-2] in self.targets and param.stacked
+
+    def pair(self, param: layout.Param, at: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+        rng = np.random.default_rng(abs(hash((param.path, at))) % 2**32)
+        shape, num_in = param.layer_shape, param.entry.num_in
+        return (rng.normal(size=(*shape[:num_in], self.rank)).astype(np.float32),
+                rng.normal(size=(self.rank, *shape[num_in:])).astype(np.float32))
+
+    def delta(self, param: layout.Param, at: tuple[int, ...]) -> np.ndarray:
+        a, b = self.pair(param, at)
+        return self.scale * np.tensordot(a, b, axes=1)
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5_text"])
+def test_lora_on_cut_tensors_exports_merged_and_as_peft(converted, name, tmp_path):
+    """LoRA on DeltaNet's query, key and value, cut from one in_proj_qkvz (per key head) or in_proj_qkv (one
+    group): the merged export adds each part's update in its own rows (the base's elsewhere), and PEFT's one module
+    of rank 3 x 2 (lora_B block-diagonal over the parts' rows) is that same update."""
+    keys = hf_config.model_keys(hf_config.read(str(FIXTURES / name)))
+    family, cfg = hf_config.family(hf_config.read(str(FIXTURES / name))), layout.model_config(keys)
+    params, adapters = layout.params_of(cfg, family), RandomAdapters()
+    fused = "in_proj_qkvz" if name == "qwen3_next" else "in_proj_qkv"
+    hf_name = f"model.layers.0.linear_attn.{fused}.weight"
+    parts = sorted((p for p in params if p.entry.hf.endswith(f"{fused}.weight") and p.first == 0),
+                   key=lambda p: p.entry.part)
+    update = names.join_parts(parts[0].entry, [adapters.delta(p, (0,)) if adapters.has(p) else
+                                               np.zeros(p.layer_shape, np.float32) for p in parts],
+                              [p.entry for p in parts])
+    assert np.count_nonzero(update.any(axis=1)) == sum(p.entry.part[1] - p.entry.part[0] for p in parts
+                                                       if adapters.has(p)) * update.shape[0] // parts[0].entry.part[2]
+    reader = to_hf_module.orbax_io.Reader(str(converted[name] / "checkpoints" / "0"))
+    tensors = dict((spec.name, produce) for spec, produce in to_hf_module._tensors(reader, params, family, None, cfg,
+                                                                                  adapters))
+    merged = np.concatenate(list(tensors[hf_name]()))
+    base = load_file(str(FIXTURES / name / "model.safetensors"))[hf_name].astype(np.float32)
+    np.testing.assert_allclose(merged.astype(np.float32), base + update, rtol=0, atol=1e-2)
+    convert_lora.export_adapters(adapters, params, family, str(tmp_path), "base")
+    written = load_file(str(tmp_path / convert_lora.ADAPTER_FILE))
+    settings = json.loads((tmp_path / convert_lora.ADAPTER_CONFIG).read_text())
+    stem = convert_lora.PEFT_PREFIX + hf_name.removesuffix(".weight")
+    assert settings["rank_pattern"][fused] == 6
+    scale = settings["alpha_pattern"][fused] / settings["rank_pattern"][fused]
+    got = scale * written[f"{stem}.lora_B.weight"] @ written[f"{stem}.lora_A.weight"]
+    np.testing.assert_allclose(got, update, rtol=1e-5, atol=1e-5)

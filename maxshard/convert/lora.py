@@ -110,19 +110,21 @@ def peft_pair(entry: names.Entry, a: np.ndarray, b: np.ndarray) -> tuple[np.ndar
 
 def _joined_pair(parts: list[tuple[names.Entry, np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
     """Adapters of kernels cut from one Hugging Face tensor (MLA's kv_b_proj: each head's key rows, then its value
-    rows) as one PEFT module of rank sum(ranks): A stacked, B block-diagonal across the parts' rows, so
-    lora_B @ lora_A is each part's own update in its own rows."""
+    rows; gated DeltaNet's in_proj_qkvz per key head, in_proj_qkv in one group) as one PEFT module of rank
+    sum(ranks): A stacked, B block-diagonal across the parts' rows, so lora_B @ lora_A is each part's own update in
+    its own rows. The tensor's groups of `width` rows are as many as a part's outputs make (names.py)."""
     width = parts[0][0].part[2]
-    heads = parts[0][2].shape[1]
+    entry0, b0 = parts[0][0], parts[0][2]
+    groups = int(np.prod(b0.shape[1:])) // (entry0.part[1] - entry0.part[0])
     ranks = [a.shape[-1] for _, a, _ in parts]
-    lora_b = np.zeros((heads, width, sum(ranks)), parts[0][2].dtype)
+    lora_b = np.zeros((groups, width, sum(ranks)), b0.dtype)
     column = 0
     for (entry, _, b), rank in zip(parts, ranks):
         start, stop, _ = entry.part
-        lora_b[:, start:stop, column:column + rank] = b.reshape(rank, heads, stop - start).transpose(1, 2, 0)
+        lora_b[:, start:stop, column:column + rank] = b.reshape(rank, groups, stop - start).transpose(1, 2, 0)
         column += rank
     lora_a = np.concatenate([a.reshape(-1, a.shape[-1]).T for _, a, _ in parts])
-    return lora_a, lora_b.reshape(heads * width, -1)
+    return lora_a, lora_b.reshape(groups * width, -1)
 
 
 def export_adapters(adapters: Adapters, params: list[layout.Param], family: Family, hf_dir: str, base_name: str,

@@ -112,12 +112,14 @@ def _merged(reader: orbax_io.Reader, adapters: lora.Adapters, param: layout.Para
     yield names.to_hf(param.entry, kernel).astype(target, copy=False)
 
 
-def _joined(reader: orbax_io.Reader, parts: list[layout.Param], at: tuple[int, ...], target: np.dtype
-            ) -> Iterator[np.ndarray]:
-    """One Hugging Face tensor cut into maxshard `part`s (MLA's kv_b_proj: each head's key, then value rows), read
-    whole: one layer's latent up-projection."""
+def _joined(reader: orbax_io.Reader, parts: list[layout.Param], at: tuple[int, ...], target: np.dtype,
+            adapters: lora.Adapters | None = None) -> Iterator[np.ndarray]:
+    """One Hugging Face tensor cut into maxshard `part`s (MLA's kv_b_proj: each head's key, then value rows; gated
+    DeltaNet's in_proj_qkvz), read whole: one layer's projection, each adapted part with its LoRA update merged."""
     ordered = sorted(parts, key=lambda p: p.entry.part)
     arrays = [reader.read(*locate(reader, p, at)) for p in ordered]
+    if adapters is not None:
+        arrays = [lora.merged(a, adapters.delta(p, at)) if adapters.has(p) else a for p, a in zip(ordered, arrays)]
     yield names.join_parts(ordered[0].entry, arrays, [p.entry for p in ordered]).astype(target, copy=False)
 
 
@@ -134,7 +136,7 @@ def _tensors(reader: orbax_io.Reader, params: list[layout.Param], family: Family
         spec = safetensors_io.TensorSpec(names.hf_name(entry, at), names.hf_shape(entry, param.layer_shape), target)
         if entry.part:
             parts = [p for p in params if (p.stack, p.first, p.entry.hf) == (param.stack, param.first, entry.hf)]
-            produce = functools.partial(_joined, reader, parts, at, target)
+            produce = functools.partial(_joined, reader, parts, at, target, adapters)
         elif adapters is not None and adapters.has(param):
             produce = functools.partial(_merged, reader, adapters, param, at, target)
         else:
