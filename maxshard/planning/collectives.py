@@ -139,7 +139,7 @@ def _counted_trips(instr: _Instr, comp: _Computation, comps: dict[str, _Computat
     """Trip count of `while (i < N)` started from a constant i, for HLO without `known_trip_count` (XLA:TPU).
 
     The condition's root must be `compare(get-tuple-element(param, index=k), constant(N)), direction=LT` (or
-    `compare(%param#k, constant(N))`, as jax 0.12's XLA prints it), and element k of the while's initial tuple a
+    `compare(%param#k, constant(N))`, as newer XLA prints it), and element k of the while's initial tuple a
     constant.
     """
     condition = _CONDITION.search(instr.rest)
