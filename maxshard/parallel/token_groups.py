@@ -4,8 +4,8 @@ reduction across devices at every piece.
 The output head runs over pieces of the sequence in a scan (training/loss.py). Its weights are sharded like every
 parameter (fsdp), and the tokens of each piece are spread over the batch's and the length's mesh axes. Left to XLA,
 each piece gathers the head whole (in its forward and again in its recomputed backward) and reduces its gradient
-across those devices: for an 8B model at 64 pieces, 188 GiB of collectives per device a step, 4.4x the rest of the
-step (benchmarks/README.md, "MaxText side by side").
+across those devices: at many pieces most of the step's collective bytes (benchmarks/README.md, "MaxText's
+`train_compile` vs maxshard, same XLA:TPU").
 
 Here the tokens of a piece [batch, length, ...] are regrouped [groups, batch / b, length / l, ...], one group per
 device of the b batch and l length shards, and the head is broadcast to [groups, ...] with the group dimension over

@@ -3,11 +3,10 @@
 Why. XLA:TPU lowers `jax.lax.ragged_dot` (the dropless MoE's grouped matmul on TPU, `moe_dropless_impl: ragged_dot`)
 either to its Mosaic ragged-dot kernel, which computes each row against its own group's weights only, or to a dense
 convolution over every group, which computes every row against every expert and holds a [groups, rows, width]
-product: groups x the FLOPs and the memory. libtpu 0.0.42.1 and 0.0.50.1 (what the project installs) take the
-kernel by default; 0.0.52 (what `maxtext[tpu]` installs) takes the dense form on v5e and v6e (v5p keeps the
-kernel), measured ahead of time on 8 groups of [1024, 256] x [256, 512] (`cost_analysis()`: 8.0x the FLOPs; at 64
-groups a bf16[64, 4096, 1024] product). `xla_tpu_enable_ragged_dot_kernel` asks for the kernel; all three releases
-know the option and compile the kernel with it (benchmarks/README.md, "The ragged-dot kernel").
+product: groups x the FLOPs and the memory. Which one a program gets by default depends on the libtpu release and
+the chip, so it is not left to the default: `xla_tpu_enable_ragged_dot_kernel` asks for the kernel, and every release
+the project meets knows the option and compiles the kernel with it (the releases and chips compared:
+benchmarks/README.md, "The ragged-dot kernel").
 
 Other platforms get no options (XLA:CPU and XLA:GPU refuse options they do not know).
 """
