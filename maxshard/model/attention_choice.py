@@ -6,12 +6,12 @@
                   length, and the key block must be a multiple of 128)
     NVIDIA GPU    tokamax on Hopper/Blackwell where the package is installed (`.[cuda]` installs it) and the
                   config suits its kernel, else cudnn when the compute dtype is bfloat16/float16 and head_dim suits
-                  cuDNN, else blockwise. Measured on an H200 (benchmarks/README.md): tokamax's Mosaic GPU kernel
-                  takes the documents as key offsets and skips the blocks before a document, where cuDNN gets a
-                  dense mask: forward + backward at 8k 0.51x cudnn's time, the 1b step at 8k 1.08x faster
+                  cuDNN, else blockwise. tokamax's Mosaic GPU kernel takes the documents as key offsets and skips
+                  the blocks before a document, where cuDNN gets a dense mask, so it is the faster of the two
+                  (benchmarks/README.md, "On one H200: tokamax and 8-bit dots, and the accelerator tests")
     CPU, other    blockwise when the length exceeds one block (max of attention_block_q/kv), dot_product up to
-                  one block, where both hold the same [length, length] scores (measured: equal temporaries at
-                  512 tokens with 512-token blocks, blockwise 3.3x smaller at 1024; benchmarks/README.md)
+                  one block, where both hold the same [length, length] scores (benchmarks/README.md, "Attention
+                  memory")
 
 An explicit kernel of an accelerator runs on CPU through its stand-in (attention_kinds.py `cpu_stand_in`, the
 startup line): splash in Pallas interpret mode, tokamax's XLA reference, cudnn's call through XLA; so a TPU or GPU
