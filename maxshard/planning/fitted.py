@@ -129,8 +129,8 @@ class Fitted:
     heap_share: float = 1.0
 
 
-# By compiler. XLA:CPU: the additive model of memory.py's docstring, its constants fitted there. XLA:TPU: XLA_TPU_WORKING
-# (XLA:CPU's rows but one), and what its programs do that XLA:CPU's do not, each found term by term in its buffer
+# By compiler. XLA:CPU: the additive model of memory.py's docstring, its constants fitted there. XLA:TPU:
+# XLA_TPU_WORKING (XLA:CPU's rows but one), and what its programs do that XLA:CPU's do not, each found term by term in its buffer
 # assignment (benchmarks/README.md, "The planner against XLA:TPU at mid-size shapes" and "Local/global models on
 # XLA:TPU"):
 #   head_apart          the chunked loss and the decoder's backward run one after the other, never together: the peak

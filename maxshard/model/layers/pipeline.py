@@ -146,9 +146,9 @@ def _finished(buffer: jax.Array) -> jax.Array:
     """[stages, M, mb, length, embed] -> [M, mb, length, embed]: stage 0's slot, where the finished microbatches
     are kept, as a sum over the stages with the others' slots masked to zero (exact). Taken as `buffer[0]`, XLA's
     partitioner sent stage 0's whole slot to every stage before cutting it to the batch's sharding: the whole
-    batch's output live on every device (1 GiB at Llama-3-70B widths, 8 stages, 16 microbatches of 4096 tokens);
-    as a sum, only stage 0's term is nonzero and XLA sends each stage its own share (collective permutes of M / S
-    microbatches): 1.4 GiB off that step's compiled peak (tests/test_pipeline_tpu.py, benchmarks/README.md)."""
+    batch's output live on every device; as a sum, only stage 0's term is nonzero and XLA sends each stage its own
+    share (collective permutes of M / S microbatches; tests/test_pipeline_tpu.py; what it saves: benchmarks/README.md,
+    "Pipeline schedules: in-flight activations")."""
     first = (jnp.arange(buffer.shape[0]) == 0)[:, None, None, None, None]
     return jnp.sum(jnp.where(first, buffer, jnp.zeros_like(buffer)), axis=0)
 
@@ -156,7 +156,7 @@ def _finished(buffer: jax.Array) -> jax.Array:
 def _zero_bubbles(x: jax.Array, valid: jax.Array) -> jax.Array:
     """Stages in a bubble get zeros. Called inside the iteration's checkpoint: outside it the backward would keep
     the mask broadcast to the stage input's shape for every iteration (a bool per element, half a bf16 stage input
-    per iteration: 0.7 GiB per device at Llama-3-70B widths, 8 stages, 16 microbatches); inside, the checkpoint
+    per iteration; benchmarks/README.md, "Pipeline schedules: in-flight activations"); inside, the checkpoint
     keeps `valid` [stages] and broadcasts it again in the backward."""
     return jnp.where(valid[:, None, None, None], x, jnp.zeros_like(x))
 

@@ -92,9 +92,9 @@ def run(table: Table, first_fn: FirstFn, stage_fn: StageFn, last_fn: LastFn, sta
     Why the specs: a stage's weight gradient is computed from its gathered weights, one layer at a time in the
     backward of the layer scan. Without a constraint XLA:TPU's sharding propagation does not reach that scan
     through the tick loop, the switch and the vjp, and the scan accumulates the stage's gradient whole (every fsdp
-    shard of every layer, float32) before reducing it once: 6.9 GiB per device for two 70B-width layers, above
-    what the in-flight activations save. Pinned to the state's sharding, each layer's gradient is reduce-scattered
-    inside the scan, as `jax.grad` of the circular pipeline does (benchmarks/README.md, pipeline schedules)."""
+    shard of every layer, float32) before reducing it once: at large widths more than the in-flight activations
+    save. Pinned to the state's sharding, each layer's gradient is reduce-scattered inside the scan, as `jax.grad`
+    of the circular pipeline does (benchmarks/README.md, "Pipeline schedules: in-flight activations")."""
     s, j_last = table.stages, table.virtual * table.stages - 1
     branch = np.zeros(5, np.int32)
     branch[[IDLE, F, F_LAST, B, W]] = [0, 1, 1, 2, 3]  # the switch's branches: F and F_LAST share one
@@ -127,7 +127,7 @@ def _ticks(table: Table, columns: tuple, first_fn: FirstFn, stage_fn: StageFn, l
 
     def zero() -> jax.Array:
         """A stage input of zeros, made in each branch that sends nothing: one array made once outside the tick loop
-        is held for the whole step (a stage input's bytes, 64 MiB per device at Llama-3-70B widths)."""
+        is held for the whole step (a stage input's bytes)."""
         return jnp.zeros(x_shape.shape, x_shape.dtype)
 
     microbatches = jax.tree.leaves(aux)[0].shape[0]
@@ -149,8 +149,8 @@ def _ticks(table: Table, columns: tuple, first_fn: FirstFn, stage_fn: StageFn, l
         a_m = _at(aux, m)
 
         # The tick's stage input is read inside the branches that use it: read before the switch it was a copy of a
-        # stage input live through every tick's work (64 MiB per device at Llama-3-70B widths; benchmarks/README.md,
-        # pipeline schedules). The output cotangent is read before: the fused W writes the input gradient to its
+        # stage input live through every tick's work (benchmarks/README.md, "Pipeline schedules: in-flight
+        # activations"). The output cotangent is read before: the fused W writes the input gradient to its
         # slot, and with the read inside, XLA:CPU copies the whole cotangent buffer first (M stage inputs in gpipe).
         def x_kept(c: dict) -> jax.Array:
             return c["stash"][ss]
