@@ -1,7 +1,7 @@
 """`python -m maxshard.launch slurm` against a real SLURM: a one-node cluster on localhost (tests/slurm_cluster.py;
 the packages are installed when missing and this is root, as on CI), jobs submitted through the CLI.
 
-- the generated scripts (one job, several tasks, an array) pass `sbatch --test-only`;
+- the scripts the CLI wrote and submitted (one task, two tasks with every flag, an array) pass `sbatch --test-only`;
 - a 2-task job trains the tiny model with 2 processes (SLURM's task ids and nodelist wired into jax.distributed)
   and logs the losses of the 1-process run, step by step;
 - `scancel --signal=TERM` mid-run: the run saves and stops, the job requeues itself, the next start resumes from
@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 ONE = [*TINY, "cpu_device_count=8", "ici_fsdp_parallelism=8", "learning_rate_schedule_steps=100",
        "checkpoint_period=100000", "enable_tensorboard=false"]
 TWO = ["cpu_device_count=4", "num_slices=2", "dcn_data_parallelism=2", "ici_fsdp_parallelism=4"]
-STEPS = 120  # the straight run; the preempted one is signalled after its first step
+STEPS = 50  # the straight run; the preempted one is signalled after its first step
 JOB_TIMEOUT_S = 240
 
 
@@ -68,6 +68,12 @@ def submit(cluster, base: Path, name: str, overrides: list[str], *flags: str) ->
     job_id = launch(cluster, *argv, "--job-name", name, *flags, "--submit").stdout.strip()
     assert job_id.isdigit(), job_id
     return job_id
+
+
+def passes_test_only(cluster, script: Path) -> None:
+    """sbatch accepts the script as it is (`--test-only`: checked and scheduled, not run)."""
+    done = cluster.run("sbatch", "--test-only", str(script), check=False)
+    assert done.returncode == 0 and "to start at" in done.stderr, done.stderr
 
 
 def finished(cluster, base: Path, name: str, job_id: str) -> tuple[int, str, str]:
@@ -118,24 +124,10 @@ def straight(sweep) -> list[float]:
     return result
 
 
-def test_generated_scripts_pass_sbatch_test_only(cluster, tmp_path):
-    flags = ["--log-dir", str(tmp_path), "--partition", slurm_cluster.PARTITION, "--time", "10:00",
-             "--account", "research"]
-    script = tmp_path / "job.sbatch"
-    launch(cluster, "configs/base.yml", *TINY, "--tasks-per-node", str(cluster.cpus), *flags, "--script", str(script))
-    done = cluster.run("sbatch", "--test-only", str(script), check=False)
-    assert done.returncode == 0 and "to start at" in done.stderr, done.stderr
-    from benchmarks import sweep_slurm
-
-    sweep_file = tmp_path / "two.yml"
-    sweep_file.write_text("base_config: configs/base.yml\nfixed: {steps: 2}\npoints: [{name: a}, {name: b}]\n")
-    assert sweep_slurm.main([str(sweep_file), "--out", str(tmp_path / "sweep")]) == 0  # writes, submits nothing
-    done = cluster.run("sbatch", "--test-only", str(tmp_path / "sweep" / "slurm" / "two.sbatch"), check=False)
-    assert done.returncode == 0 and "to start at" in done.stderr, done.stderr
-
-
 def test_two_task_job_equals_the_one_process_run(cluster, straight, tmp_path):
-    job_id = submit(cluster, tmp_path, "two", [*ONE, *TWO, "steps=4"], "--tasks-per-node", "2")
+    flags = ["--tasks-per-node", "2", "--partition", slurm_cluster.PARTITION, "--time", "10:00", "--account", "lab"]
+    job_id = submit(cluster, tmp_path, "two", [*ONE, *TWO, "steps=4"], *flags)
+    passes_test_only(cluster, tmp_path / "two" / "two.sbatch")
     code, out, err = finished(cluster, tmp_path, "two", job_id)
     assert code == 0, err[-3000:]
     assert "requeueing" not in err  # a run that completed is not requeued: one start
@@ -146,6 +138,7 @@ def test_two_task_job_equals_the_one_process_run(cluster, straight, tmp_path):
 
 def test_sigterm_saves_requeues_and_resumes_bit_exactly(cluster, straight, tmp_path):
     job_id = submit(cluster, tmp_path, "preempted", [*ONE, f"steps={STEPS}"])
+    passes_test_only(cluster, tmp_path / "preempted" / "preempted.sbatch")
     metrics = tmp_path / "preempted" / "metrics.jsonl"
     deadline = time.monotonic() + JOB_TIMEOUT_S
     while not (metrics.exists() and '"loss"' in metrics.read_text()):
@@ -163,12 +156,13 @@ def test_sigterm_saves_requeues_and_resumes_bit_exactly(cluster, straight, tmp_p
     assert losses(tmp_path / "preempted") == straight  # steps 1..N, then N+1..STEPS after the requeue
 
 
-def test_a_sweep_runs_as_one_job_array(sweep, straight):
+def test_a_sweep_runs_as_one_job_array(cluster, sweep, straight):
     out, rows = sweep
     assert [(r["name"], r["status"]) for r in rows] == [("straight", "ok"), ("four", "ok"), ("bad", "skipped")]
     assert "emb_dim" in rows[2]["error"]
     assert [r["steps"] for r in rows[:2]] == [STEPS, 4] and rows[1]["final_loss"] == straight[3]
     assert losses(out / "runs" / "pair-01-four") == straight[:4]  # the same run, bit for bit, for 4 steps
+    passes_test_only(cluster, out / "slurm" / "pair.sbatch")
     script = (out / "slurm" / "pair.sbatch").read_text()
     assert "#SBATCH --array=0-1" in script and "#SBATCH --output=" + str(out / "slurm") + "/slurm-%A_%a.out" in script
 
