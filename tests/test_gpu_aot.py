@@ -52,8 +52,8 @@ out = {"described": {}}
 for name, nodes in (("h100-80gb-8", 2), ("h200-141gb-8", 1)):
     devices = gpu_compile.abstract_devices(topologies.parse(name, nodes))
     out["described"][name] = [len(devices), sorted({d.device_kind for d in devices}), sorted({d.platform for d in devices})]
-TINY = ["configs/base.yml", "model_name=tiny", "--topology", "h100-80gb-8", "--compile", "--json"]
-for run, extra in (("blockwise", ["attention=blockwise"]), ("auto", [])):
+TINY = ["configs/base.yml", "model_name=tiny", "--topology", "h100-80gb-8", "--json"]
+for run, extra in (("blockwise", ["attention=blockwise"]), ("auto", ["--compile"]), ("auto, not asked", [])):
     printed, errors = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(errors):
         code = plan.main([*TINY, *extra])
@@ -78,25 +78,34 @@ def test_the_cuda_plugin_describes_gpu_nodes_as_jax_sees_them(planned: dict) -> 
 
 
 def test_plan_compiles_the_train_step_for_an_h100_node(planned: dict) -> None:
-    """The CLI's verdict comes from XLA:GPU's program for the node: its peak holds at least the state each device
-    keeps (parameters, optimizer moments, step: the plan's exact bytes of named arrays) and fits the H100."""
+    """Where the plugin is installed the CLI's verdict comes from XLA:GPU's program for the node, without --compile:
+    its peak holds the state each device keeps (parameters, optimizer moments and step: the plan's exact bytes of
+    named arrays, which the split's state rows are) and fits the H100."""
     run = planned["blockwise"]
     assert run["code"] == 0, run
     out = json.loads(run["stdout"])
     compiled, memory = out["compiled"], out["bytes_per_device"]
-    assert compiled["fits"] is True and compiled["init_peak"] > 0, compiled
-    assert memory["params"] + memory["optimizer"] <= compiled["step_peak"] < compiled["usable_bytes"], out
+    assert out["answer"] == "compiled" and compiled["fits"] is True and compiled["init_peak"] > 0, compiled
+    step = compiled["step"]
+    assert (step["params"], step["optimizer"]) == (memory["params"], memory["optimizer"] + 4), step
+    assert step["params"] + step["optimizer"] + step["batch"] + step["temporaries"] <= step["peak"], step
+    assert step["peak"] == compiled["step_peak"] < compiled["usable_bytes"], out
     assert "compiling the train step for h100-80gb-8 with JAX's CUDA plugin" in run["stderr"], run["stderr"]
 
 
 def test_cudnn_attention_without_the_cudnn_library_is_one_line(planned: dict) -> None:
     """`attention: auto` takes cuDNN's fused attention on an H100; with the plugin but not NVIDIA's wheels, tracing
     it fails, and the plan says why in one line instead of a traceback."""
+    why = ("cannot compile attention=cudnn for h100-80gb-8 here: tracing cuDNN's fused attention needs the cuDNN "
+           'library: pip install -e ".[gpu-aot]"')
     run = planned["auto"]
     assert run["code"] == 2, run
-    assert run["stderr"].strip().splitlines()[-1] == (
-        "plan: error: cannot compile attention=cudnn for h100-80gb-8 here: tracing cuDNN's fused attention needs "
-        'the cuDNN library: pip install -e ".[gpu-aot]"'), run["stderr"]
+    assert run["stderr"].strip().splitlines()[-1] == f"plan: error: {why}", run["stderr"]
+    # not asked to compile: the formula's answer, saying why it is not the compiler's
+    run = planned["auto, not asked"]
+    assert run["code"] == 0, run
+    out = json.loads(run["stdout"])
+    assert out["answer"] == "estimate" and out["estimate"]["reason"] == why and out["fit"]["fits"], out
 
 
 def test_every_gpu_node_type_has_a_target_description() -> None:
