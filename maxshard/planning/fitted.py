@@ -130,9 +130,9 @@ class Fitted:
 
 
 # By compiler. XLA:CPU: the additive model of memory.py's docstring, its constants fitted there. XLA:TPU:
-# XLA_TPU_WORKING (XLA:CPU's rows but one), and what its programs do that XLA:CPU's do not, each found term by term in its buffer
-# assignment (benchmarks/README.md, "The planner against XLA:TPU at mid-size shapes" and "Local/global models on
-# XLA:TPU"):
+# XLA_TPU_WORKING (XLA:CPU's rows but one), and what its programs do that XLA:CPU's do not, each found term by term
+# in its buffer assignment (benchmarks/README.md, "The planner against XLA:TPU at mid-size shapes" and "Local/global
+# models on XLA:TPU"):
 #   head_apart          the chunked loss and the decoder's backward run one after the other, never together: the peak
 #                       stops falling with the logits once they are in pieces, and it lies inside the loss
 #   weight_cast         the stacked weights are cast to the compute dtype once, before the layer loop, and live
