@@ -4,8 +4,9 @@ chosen experts (the all-experts path, `moe_dropless_impl=dense`, computes num_ex
 
 Grouped matmul, `x [rows, embed] @ w[expert of the row]`, with rows sorted by expert and `sizes [experts]` rows each:
   ragged_dot  `jax.lax.ragged_dot`: XLA's ragged-dot instruction. On CPU, jax lowers it to a dense dot over every
-              group with the other groups' rows masked to zero, so it costs experts x the FLOPs; on an H100 (jax
-              0.11.2) its kernels are dense GEMMs too (1.5x tiled's step time with 8 experts, 3.3x with 32).
+              group with the other groups' rows masked to zero, so it costs experts x the FLOPs; on an H100 its
+              kernels are dense GEMMs too, slower than tiled and more so with more experts (benchmarks/README.md,
+              "Dropless MoE: ragged_dot vs tiled").
   tiled       any backend, FLOPs close to the rows': every expert's rows are padded to whole tiles of b rows, and
               each tile is one [b, embed] @ [embed, mlp] matmul against its expert's kernel (gathered per tile).
               With rows R and E experts, sum_e ceil(n_e / b) <= (R + E (b - 1)) // b tiles, a static bound for any
@@ -26,8 +27,8 @@ holding their experts, in one of two ways (`moe_exchange`, resolved by `spec/mod
               computes a buffer of ~`moe_ragged_buffer_factor` x T x k rows; rows over it are dropped and counted:
               `moe_ragged.py`. On a CPU mesh the collective is emulated (`ragged_all_to_all.py`, the same contract):
               the tests, and a TPU or GPU config asking for it explicitly, compute it there.
-  all_to_all  (auto on CPU: jax 0.10.2's XLA:CPU has no ragged all-to-all, "HLO opcode `ragged-all-to-all` is not
-              supported by XLA:CPU ThunkEmitter") a fixed buffer, never overflowing, described below.
+  all_to_all  (auto on CPU: XLA:CPU has no ragged all-to-all, "HLO opcode `ragged-all-to-all` is not supported by
+              XLA:CPU ThunkEmitter") a fixed buffer, never overflowing, described below.
 
 The fixed exchange is an `all_to_all` of a buffer [P, slots, embed] with
 

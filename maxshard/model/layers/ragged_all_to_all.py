@@ -1,7 +1,7 @@
 """`jax.lax.ragged_all_to_all` where XLA has it, and an emulation from fixed-size collectives where it does not.
 
 Why. The ragged MoE exchange (`moe_ragged.py`) moves only the rows routed, with XLA's ragged-all-to-all. XLA:TPU and
-XLA:GPU compile it; jax 0.10.2's XLA:CPU does not ("UNIMPLEMENTED: HLO opcode ragged-all-to-all"), so without an
+XLA:GPU compile it; XLA:CPU does not ("UNIMPLEMENTED: HLO opcode ragged-all-to-all"), so without an
 emulation the ragged path never computes a number on CPU, where the tests run. The emulation has the collective's
 contract, argument for argument, so the code around it is the code that runs on the accelerators.
 
@@ -25,7 +25,7 @@ and its pieces transpose to exactly that: the scatter into `output` to a gather 
 `output`'s cotangent with those rows zeroed, the all_to_all to the all_to_all back, the sender's gather to a
 scatter-add into the rows it read (tests/test_ragged_all_to_all.py checks it against the rule). No custom_vjp: one
 whose backward is traced apart from its forward loses, under the pipeline's stage vmap (spmd_axis_name), the stage
-axis of the values it makes itself (jax 0.10.2: "Primitive ge requires varying manual axes to match"), so pipeline x
+axis of the values it makes itself (jax: "Primitive ge requires varying manual axes to match"), so pipeline x
 expert with the ragged exchange would not run on CPU; plain autodiff traces the backward with the forward's values.
 """
 
