@@ -55,7 +55,7 @@ class RecordDocuments(Sequence):
     """The records of several shards as one sequence; shard readers open lazily (and again in each worker)."""
 
     def __init__(self, paths: Sequence[str], counts: Sequence[int]) -> None:
-        import grain  # deferred: importing grain costs ~0.5 s, only record corpora need it here
+        import grain  # deferred: only record corpora need it here (benchmarks/README.md, "Deferred imports")
 
         self.paths = tuple(paths)
         self._ends = list(np.cumsum(counts))

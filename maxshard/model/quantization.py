@@ -37,9 +37,9 @@ with or without quantization, and generation and checkpoint conversion run the m
 Peaks. MFU and the planner's compute time (`peak_flops`) measure a quantized run against the chip's 8-bit peak (from
 the device registry, `maxshard/devices.py`) for the quantized share of the FLOPs (`quantized_share`: 72% for the
 125m preset at 2048 tokens) and its bf16 peak for the rest. A chip without a peak for the mode's type counts those
-matmuls at bf16: fp8 on TPU v4, v5e, v5p and v6e, whose programs XLA:TPU compiles (checked ahead of time with libtpu
-0.0.42.1, the dots keep their e4m3/e5m2 operands) but for which Google's tables give no fp8 rate. fp8 on an A100
-(no fp8 tensor cores) is refused (`check`).
+matmuls at bf16: fp8 on TPU v4, v5e, v5p and v6e, whose programs XLA:TPU compiles with the dots keeping
+their e4m3/e5m2 operands (benchmarks/README.md, "Quantized training") but for which Google's tables give no fp8
+rate. fp8 on an A100 (no fp8 tensor cores) is refused (`check`).
 """
 
 from __future__ import annotations
@@ -95,7 +95,9 @@ def quantize(model: Any, mode: str) -> Any:
         return model
     if mode not in RECIPES:
         raise ValueError(f"quantization must be one of {', '.join(MODES)}, got {mode!r}")
-    from maxshard.model import qwix_training  # qwix only where a run quantizes: 0.4 s of every CLI start
+    # qwix only where a run quantizes: its import is a noticeable part of a CLI start (benchmarks/README.md,
+    # "Deferred imports")
+    from maxshard.model import qwix_training
 
     return qwix_training.quantize(model, mode)
 
