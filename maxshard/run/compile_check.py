@@ -1,10 +1,11 @@
 """The fit check that trusts the compiler: the train step is compiled before the first step, and XLA's own peak per
 device decides whether the remat policy fits.
 
-The plan (`planning/fit.py`) chooses before anything compiles, from a memory model checked within 15% of XLA on
-CPU; on an H100 it was 13-25% conservative for most policies and 4-6% low for `none`. The compiled program's
-`memory_analysis()` (arguments + temporaries + outputs - donated, `planning/compiled.peak_bytes`; on the H100 equal
-to the allocator's peak to the byte) is exact, and the step compiles anyway, so it has the last word:
+The plan (`planning/fit.py`) chooses before anything compiles, from a memory model fitted on XLA:CPU and XLA:TPU
+programs, which another compiler may hold differently (an H100's: benchmarks/README.md, "Remat policies: planned vs
+compiled vs allocator peak, and their cost"). The compiled program's `memory_analysis()` (arguments + temporaries +
+outputs - donated, `planning/compiled.peak_bytes`; on a GPU equal to the allocator's peak, the same section) is
+exact, and the step compiles anyway, so it has the last word:
 
     remat_policy: auto   the plan's choice is compiled; if its peak exceeds the usable memory, the next policy with
                          less memory (planning/memory.policies, as the compiler runs them) is compiled instead,
