@@ -145,8 +145,8 @@ def check(mode: str, dtype: str, device_kind: str) -> None:
     """ConfigError (one line, before anything is traced) for a combination qwix cannot train:
 
     - compute dtype float16: qwix computes its scales in the compute dtype and takes a scale under sqrt(float16's
-      smallest normal) ~ 0.0078 as 1, so int8 rounds weights of ordinary size to 0 (the tiny model's loss after 40
-      steps: 4.14 against 2.44 unquantized) and fp8's dots fail to trace (float16 meets float32);
+      smallest normal) ~ 0.0078 as 1, so int8 rounds weights of ordinary size to 0 (the model stops learning:
+      benchmarks/README.md, "Quantized training") and fp8's dots fail to trace (float16 meets float32);
     - fp8 on an NVIDIA GPU whose row in the device registry (`maxshard/devices.py`) has a bf16 peak and no fp8 one
       (A100: fp8 matmuls need compute capability 8.9, Ada or Hopper); int8 runs there.
     """

@@ -64,7 +64,7 @@ def _for_the_platform(*args: jax.Array, axis_name: AxisName) -> jax.Array:
 def _varying(output: jax.Array, operand: jax.Array, axis_name: AxisName) -> jax.Array:
     """`output` typed as varying over the exchange's axes and the operand's, as the result is.
 
-    jax (0.10.2) types the real op's result as its `output` argument. Zeros made inside shard_map are invariant, so
+    jax types the real op's result as its `output` argument. Zeros made inside shard_map are invariant, so
     the result would claim to be the same on every device; where it then meets a varying value, jax inserts a
     pvary, whose transpose sums the cotangent over the axes (psum_invariant): every device would send back the
     sum of all devices' cotangents, a wrong gradient. The emulation's result is varying anyway (it comes out of an
