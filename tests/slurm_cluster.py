@@ -26,6 +26,7 @@ from pathlib import Path
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 BINARIES = ("sbatch", "srun", "scontrol", "squeue", "sinfo", "scancel", "slurmctld", "slurmd", "munged", "mungekey")
 PARTITION = "maxshard"
+NODE = "localhost"  # the node's name, which jobs see in $SLURM_JOB_NODELIST: one that resolves on any machine
 
 
 def install() -> str | None:
@@ -86,7 +87,7 @@ ReturnToService=2
 KillWait=5
 MinJobAge=60
 InactiveLimit=0
-NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN
+NodeName={NODE} NodeHostname={host} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN
 PartitionName={PARTITION} Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
 
@@ -150,7 +151,7 @@ def start(root: Path, environ: dict[str, str] | None = None) -> Cluster:
     _wait_for("munged's socket", (root / "munge" / "socket").exists, 10, cluster)
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "env": env}
     cluster.daemons.append(subprocess.Popen(["slurmctld", "-D", "-i", "-f", str(conf)], **quiet))
-    cluster.daemons.append(subprocess.Popen(["slurmd", "-D", "-f", str(conf)], **quiet))
+    cluster.daemons.append(subprocess.Popen(["slurmd", "-D", "-N", NODE, "-f", str(conf)], **quiet))
 
     def idle() -> bool:
         return cluster.run("sinfo", "-h", "-o", "%T", check=False).stdout.strip() == "idle"

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -44,13 +46,15 @@ def merged(*items: str) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def cluster(tmp_path_factory, env):
+def cluster(env):
     reason = slurm_cluster.install()
     if reason is not None:
         pytest.skip(reason)
-    started = slurm_cluster.start(tmp_path_factory.mktemp("slurm"), process_env(env))
+    root = Path(tempfile.mkdtemp(prefix="maxshard-slurm-"))  # short: munged's socket path has a length limit
+    started = slurm_cluster.start(root, process_env(env))
     yield started
     slurm_cluster.stop(started)
+    shutil.rmtree(root, ignore_errors=True)
 
 
 def launch(cluster, *args: str, check: bool = True) -> subprocess.CompletedProcess:
