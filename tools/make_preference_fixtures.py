@@ -8,8 +8,9 @@ Run once, by hand, in a venv of its own: torch, transformers and trl are never d
         safetensors==0.8.0 tokenizers==0.23.3 numpy==2.4.6
     /work/trlvenv/bin/python tools/make_preference_fixtures.py
     /work/trlvenv/bin/python tools/make_preference_fixtures.py --only grpo.dapo_t07,grpo.gspo   # those cases only
+    /work/trlvenv/bin/python tools/make_preference_fixtures.py --only kto
 
-`--only` recomputes the named GRPO cases and writes them into the cases.json already there (each with the versions
+`--only` recomputes the named GRPO cases (and `kto`) and writes them into the cases.json already there (each with the versions
 that computed it) and their gradients, leaving every other file byte-identical: another torch build moves the
 log-probs in their last bits (2.13 against 2.14: 5e-7), so a whole rerun there would rewrite every file.
 
@@ -41,6 +42,10 @@ builds the batch, and `trainer.compute_loss` gives the loss (then `loss.backward
               with one change each: "dr_grpo" (losses and metrics only), "dapo_t07" (temperature 0.7: old,
               reference and policy log-probs all from logits / 0.7), "dapo_eps_high" (epsilon_high 0.28) and
               "gspo" (importance_sampling_level "sequence"), with gradients.
+  kto         KTOTrainer (loss_type "kto", beta 0.5, desirable_weight 1.0, undesirable_weight 1.5) on 5 unpaired
+              records {prompt, completion, label} (3 desirable, 2 undesirable) in one batch of 5, the reference
+              model of dpo: TRL tokenizes them, builds the KL sequences by rotating the completions by one within
+              the batch (example i's KL completion is example i - 1's, the first takes the last) and pads both.
 
 See tests/fixtures/preference/README.md for the file format and each loss's exact convention.
 """
@@ -63,7 +68,7 @@ import trl
 from datasets import Dataset
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer
+from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, KTOConfig, KTOTrainer
 from trl.experimental.cpo import CPOConfig, CPOTrainer
 from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
@@ -101,6 +106,15 @@ GRPO_COMPLETIONS = [
 ]
 GRPO_EOS = [[True, True, False, True], [True, False, True, True]]  # whether the rollout ended on <|endoftext|>
 GRPO_REWARDS = [[1.0, 0.0, 0.5, 2.0], [-1.0, 0.25, 0.25, 3.0]]
+# KTO: unpaired records, the pairs' completions each with its own label (3 desirable, 2 undesirable), one batch
+KTO_RECORDS = [
+    {"prompt": RECORDS[0]["prompt"], "completion": RECORDS[0]["chosen"], "label": True},
+    {"prompt": RECORDS[1]["prompt"], "completion": RECORDS[1]["rejected"], "label": False},
+    {"prompt": RECORDS[2]["prompt"], "completion": RECORDS[2]["chosen"], "label": True},
+    {"prompt": RECORDS[3]["prompt"], "completion": RECORDS[3]["rejected"], "label": False},
+    {"prompt": RECORDS[1]["prompt"], "completion": RECORDS[1]["chosen"], "label": True},
+]
+KTO_CONFIG = {"beta": 0.5, "desirable_weight": 1.0, "undesirable_weight": 1.5}
 # GRPO cases kept without gradients (280 KiB each): their per-token terms are another case's, only weighted otherwise
 # (dapo_k3, dr_grpo_k3: grpo_k3's; dr_grpo: dapo's times num_items_in_batch / (completions x max_completion_length))
 GRPO_LOSS_ONLY = ("dapo_k3", "dr_grpo_k3", "dr_grpo")
@@ -388,6 +402,52 @@ def grpo_case(loss_type: str, bias_corrected_kl: bool, reference_weights: dict, 
     return record, g, rollouts
 
 
+# ----------------------------------------------------------------------------------------------------------- KTO
+def kto_case(policy, reference) -> tuple[dict, dict]:
+    """KTOTrainer (loss_type "kto") on KTO_RECORDS in one batch: TRL tokenizes them, rotates the completions by one
+    within the batch for the KL sequences, and its collator pads both."""
+    args = KTOConfig(**common_args(per_device_train_batch_size=len(KTO_RECORDS), max_length=None,
+                                   precompute_ref_log_probs=False, disable_dropout=True, loss_type="kto",
+                                   **KTO_CONFIG))
+    trainer = KTOTrainer(model=policy, ref_model=reference, args=args, train_dataset=Dataset.from_list(KTO_RECORDS),
+                         processing_class=tokenizer())
+    ds = trainer.train_dataset
+    examples = [{k: (list(ds[i][k]) if k.endswith("_ids") else ds[i][k])
+                 for k in ("prompt_ids", "completion_ids", "KL_completion_ids", "label")} for i in range(len(ds))]
+    model = trainer.model
+    model.train()
+    batch = trainer._prepare_inputs(trainer.data_collator([ds[i] for i in range(len(ds))]))
+    for store in trainer._metrics.values():
+        store.clear()
+    model.zero_grad(set_to_none=True)
+    loss = trainer.compute_loss(model, batch)
+    loss.backward()
+    g = grads(model)
+    metrics = last_metrics(trainer._metrics["train"])
+    logps, kl_logps = trainer.compute_ref_log_probs(model, batch)
+    ref_logps, ref_kl_logps = trainer.compute_ref_log_probs(trainer.ref_model, batch)
+    record = {
+        "trainer": "trl.KTOTrainer", "loss_function": "trl.trainer.kto_trainer.KTOTrainer._compute_loss",
+        "config": {"loss_type": trainer.loss_type, "beta": trainer.beta,
+                   "desirable_weight": trainer.desirable_weight, "undesirable_weight": trainer.undesirable_weight,
+                   "max_length": trainer.args.max_length,
+                   "per_device_train_batch_size": trainer.args.per_device_train_batch_size,
+                   "train_sampling_strategy": trainer.args.train_sampling_strategy,
+                   "precompute_ref_log_probs": trainer.args.precompute_ref_log_probs, "reference": "reference/"},
+        "records": KTO_RECORDS,
+        "examples": examples,
+        "loss": loss.item(),
+        "metrics": metrics,
+        "policy_logps": floats(logps), "reference_logps": floats(ref_logps),
+        "policy_kl_logps": floats(kl_logps), "reference_kl_logps": floats(ref_kl_logps),
+    }
+    kl = (kl_logps - ref_kl_logps).mean().clamp(min=0).item()
+    np.testing.assert_allclose(metrics["kl"], kl, rtol=1e-6, atol=1e-6)
+    assert kl > 0, "the fixture's KL reference point is clamped to 0: it would not test the KL term"
+    model.zero_grad(set_to_none=True)
+    return record, g
+
+
 # ---------------------------------------------------------------------------------------------------------- main
 def grpo_cases(reference_weights: dict, old_weights: dict, all_grads: dict) -> tuple[dict, dict]:
     """Every GRPO case (name -> record; their gradients into `all_grads`) and the rollouts they share."""
@@ -410,21 +470,29 @@ def grpo_cases(reference_weights: dict, old_weights: dict, all_grads: dict) -> t
 
 
 def main_only(names: list[str], ref_dir: pathlib.Path) -> None:
-    """The GRPO cases `names` only, from the reference model already in `ref_dir` (write_only)."""
-    reference_weights = weights(AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32))
-    old_weights = weights(perturb(load_policy(), OLD_SEED, PERTURBATION))
-    all_grads = {}
-    grpo, rollouts = grpo_cases(reference_weights, old_weights, all_grads)
-    write_only(names, grpo, rollouts, all_grads)
+    """The GRPO cases `names` (and `kto`) only, from the reference model already in `ref_dir` (write_only)."""
+    all_grads, grpo, rollouts, kto = {}, {}, None, None
+    if "kto" in names:
+        reference = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
+        kto, all_grads["kto"] = kto_case(load_policy(), reference)
+    if any(name.startswith("grpo.") for name in names):
+        reference_weights = weights(AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32))
+        old_weights = weights(perturb(load_policy(), OLD_SEED, PERTURBATION))
+        grpo, rollouts = grpo_cases(reference_weights, old_weights, all_grads)
+    write_only(names, grpo, rollouts, all_grads, kto)
 
 
-def write_only(names: list[str], grpo: dict, rollouts: dict, all_grads: dict) -> None:
-    """`--only grpo.NAME,...`: adds (or replaces) those GRPO cases in the cases.json already there, each with the
+def write_only(names: list[str], grpo: dict, rollouts: dict | None, all_grads: dict,
+               kto: dict | None = None) -> None:
+    """`--only grpo.NAME,...,kto`: adds (or replaces) those cases in the cases.json already there, each with the
     versions that computed it, and writes their gradients; every other file stays as it is, byte for byte (another
     torch build moves the log-probs in their last bits)."""
     fixture = json.loads((OUT / "cases.json").read_text())
-    assert fixture["grpo"]["rollouts"] == rollouts, "the stored rollouts are not the ones this script makes"
-    for name in names:
+    assert rollouts is None or fixture["grpo"]["rollouts"] == rollouts, "the stored rollouts are not this script's"
+    if kto is not None:
+        fixture["kto"] = {**kto, "versions": versions()}
+        save_file(all_grads["kto"], str(OUT / "kto_grads.safetensors"), metadata={"format": "pt"})
+    for name in (n for n in names if n != "kto"):
         case = name.removeprefix("grpo.")
         fixture["grpo"][case] = {**grpo[case], "versions": versions()}
         if f"grpo_{case}" in all_grads:
@@ -478,6 +546,7 @@ def main() -> None:
 
     grpo, rollouts = grpo_cases(reference_weights, old_weights, all_grads)
     conversational = chat_ids(load_policy(), ref_model())
+    kto, all_grads["kto"] = kto_case(load_policy(), ref_model())
 
     for name, g in all_grads.items():
         save_file(g, str(OUT / f"{name}_grads.safetensors"), metadata={"format": "pt"})
@@ -490,6 +559,7 @@ def main() -> None:
         "conversational": {"chat_template": CHAT_TEMPLATE, "records": CHAT_RECORDS, "pairs": conversational},
         "preference": cases,
         "grpo": {"rollouts": rollouts, "old_policy": {"seed": OLD_SEED, "scale": PERTURBATION}, **grpo},
+        "kto": kto,
     }
     (OUT / "cases.json").write_text(json.dumps(fixture, indent=1) + "\n")
     total = sum(p.stat().st_size for p in OUT.rglob("*") if p.is_file())
