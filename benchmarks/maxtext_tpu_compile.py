@@ -14,8 +14,8 @@ keeps the same tensors in host memory (`offload_qkv_out_proj`: layer input, q, k
 identically (a per-layer slope and a constant come from two depths).
 
 Both need one venv holding both packages, so that jax and libtpu are the same: MaxText from PyPI needs Python 3.12
-(`python3.12 -m venv V && V/bin/pip install "maxtext[tpu]" && V/bin/pip install --no-deps -e .`; README.md, "Which
-Python gives which toolchain"). Each system runs in its own process (one full-depth compile at a time is what a
+(`python3.12 -m venv V && V/bin/pip install "maxtext[tpu]" && V/bin/pip install --no-deps -e .`; docs/toolchains.md,
+"Which Python gives which toolchain"). Each system runs in its own process (one full-depth compile at a time is what a
 24 GiB machine holds).
 
 MaxText's program is the one its `train_compile.main` compiles (its config, mesh, shardings): the module function

@@ -3,10 +3,10 @@ compiled program's per-device memory and collectives, as one JSON line (and a be
 
     flock /tmp/tpu_compile.lock python benchmarks/toolchain_compile.py [--topology v6e-256] [key=value ...]
 
-Run it with each interpreter whose pip resolves a different jax / libtpu (README.md, "Which Python gives which
-toolchain") to see what the toolchain alone changes: the config, the code and the target are the same, only
+Run it with each interpreter whose pip resolves a different jax / libtpu (docs/toolchains.md, "Which Python gives
+which toolchain") to see what the toolchain alone changes: the config, the code and the target are the same, only
 XLA:TPU differs. The default is the 8b preset (Llama-3.1-8B shape) at Llama 3's v6e recipe, 4 x 8192 tokens per
-chip with `remat_policy: full` (what `auto` picks there), as README.md's `maxshard.plan --compile` example.
+chip with `remat_policy: full` (what `auto` picks there), as docs/planning.md's `maxshard.plan --compile` example.
 
 Peak is `planning/compiled.py`'s (arguments + temporaries + outputs - donated); collective bytes are per device
 per step with a scanned loop's body counted once per layer (`planning/collectives.py`). Nothing is allocated and no

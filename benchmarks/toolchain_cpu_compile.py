@@ -1,6 +1,6 @@
 """XLA:CPU compile cost of a small train step on whichever toolchain runs this script: what the test suite, which is
-bound by compiling small programs on the CPU, pays for the jax that the interpreter's pip resolves (README.md,
-"Which Python gives which toolchain").
+bound by compiling small programs on the CPU, pays for the jax that the interpreter's pip resolves
+(docs/toolchains.md, "Which Python gives which toolchain").
 
     XLA_FLAGS="--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false" python benchmarks/toolchain_cpu_compile.py
 

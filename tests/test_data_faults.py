@@ -1,5 +1,5 @@
 """Bad data, nothing silent: every fault of every reader ends in one ConfigError line or in counted BadRecord skips,
-never a traceback and never a silently shorter corpus where the format can tell (README.md, "Data faults: what
+never a traceback and never a silently shorter corpus where the format can tell (docs/data.md, "Data faults: what
 each gets").
 
 `outcome` runs what a training run does with a config's data: the preflight (`data/preflight.py`, before the model

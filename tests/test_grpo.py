@@ -294,7 +294,7 @@ def test_a_pipeline_samples_and_trains_as_one_device(env, tmp_path):
     assert sorted(piped) == sorted(one_device) == [1, 2, 3]
     # The KL is the policy's drift from the reference, so it carries what float32 reassociation leaves in the
     # parameters after two updates; measured at step 3: 2.5e-6 on jax 0.10.2, 1.5e-5 on jax 0.12 (its XLA:CPU
-    # fusion emitters round otherwise; README, "Which Python gives which toolchain"). The rest stays within 1e-5.
+    # fusion emitters round otherwise; docs/toolchains.md, "Which Python gives which toolchain"). The rest: within 1e-5.
     for step in (1, 2, 3):
         for key in ("loss", "reward/mean", "kl", "completion_length"):
             bound = 5e-5 if key == "kl" and JAX_0_12 else 1e-5

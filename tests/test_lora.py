@@ -193,7 +193,8 @@ def test_adapters_only_export_of_latent_attention_is_the_merged_update(tmp_path)
 
 def test_adapters_only_export_is_peft_s_layout_of_the_same_update(lora_run, tmp_path, monkeypatch):
     """--adapters-only writes PEFT's files; lora_alpha / r * lora_B @ lora_A of every module equals the merged
-    export's change of that weight. (The merged export is given a relative step directory, as README's command.)"""
+    export's change of that weight. (The merged export is given a relative step directory, as docs/fine-tuning.md's
+    command.)"""
     root, _, _ = lora_run
     monkeypatch.chdir(root)
     assert convert_cli.main(["to_hf", str(_step_dir(root).relative_to(root)), str(tmp_path / "merged")]) == 0

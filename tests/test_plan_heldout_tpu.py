@@ -40,7 +40,7 @@ libtpu 0.0.52 its loss holds three copies of that table (planning/fitted.py `XLA
 planned, 1.078 with three. 0.0.52 reports its temporaries as the HBM heap, where the releases the constants were
 fitted on add the heap's fragmentation again, so the pipeline and context shapes planned 1.18 and 1.28 of its
 figures; with its heap share (`Fitted.heap_share`, fitted on another shape) pipeline 1.063, context 1.064, LoRA
-0.959 (README.md, "Which Python gives which toolchain"). One
+0.959 (docs/toolchains.md, "Which Python gives which toolchain"). One
 compile serves both claims (~100 CPU s, where a separate 125m offload compile took ~75 more). The context shape's program also shows ring attention on XLA:TPU, its steps passing K/V around the
 ring (collective-permute), which tests/test_tpu_aot.py compiled as a layout of its own before (~40 CPU s).
 """
