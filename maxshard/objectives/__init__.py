@@ -24,6 +24,7 @@ import jax
 
 from maxshard.objectives import kinds
 from maxshard.objectives.grpo import GRPO
+from maxshard.objectives.kto import KTO
 from maxshard.objectives.lm import LanguageModel
 from maxshard.objectives.preference import DPO, ORPO, SimPO
 
@@ -55,6 +56,8 @@ def of(cfg: Any) -> Objective:
         return SimPO(cfg.simpo_beta, cfg.simpo_gamma)
     if name == "orpo":
         return ORPO(cfg.orpo_lambda)
+    if name == "kto":
+        return KTO(cfg.kto_beta, cfg.kto_desirable_weight, cfg.kto_undesirable_weight)
     if name == "grpo":
         return GRPO(cfg.grpo_epsilon, cfg.grpo_kl_beta, cfg.grpo_loss_type, cfg.grpo_max_new_tokens,
                     cfg.grpo_epsilon_high, cfg.grpo_kl_estimator, cfg.grpo_importance_sampling,

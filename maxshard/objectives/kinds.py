@@ -13,6 +13,10 @@ differs is what a row holds:
     pairs       preference pairs, each whole in one row: pair p of a row is its segments 2p - 1 (the chosen reply
                 with its prompt) and 2p (the rejected one); loss_weights is 1 on reply targets only, so the prompt
                 counts in neither half (`data/preference.py` writes such rows, `data/synthetic.py` makes them)
+    unpaired    unpaired examples (KTO), each whole in one row: example e of a row is its segments 2e - 1 (a
+                completion with its prompt) and 2e (the same prompt with another record's completion, for the KL
+                reference point); loss_weights is the label on the completion's targets (+1 desirable, -1
+                undesirable), 1 on the other completion's, 0 on prompts (`data/preference.py` writes such rows)
     rollouts    sampled completions of prompts, one a row (`generation/rollouts.py`): loss_weights is 1 on the
                 completion's targets, beside the rollout policy's log-probabilities and the completion's advantage
 """
@@ -48,7 +52,7 @@ class Kind:
     """One objective (module docstring)."""
 
     name: str
-    rows: str  # "documents", "pairs" or "rollouts": what a batch row holds
+    rows: str  # "documents", "pairs", "unpaired" or "rollouts": what a batch row holds
     reference: bool  # it compares with a reference model's log-probabilities
     keys: tuple[str, ...]  # its config keys
     summary: str
@@ -67,6 +71,16 @@ class Kind:
         return self.rows == "pairs"
 
     @property
+    def unpaired(self) -> bool:
+        """Its rows hold unpaired examples, each with its KL completion (KTO)."""
+        return self.rows == "unpaired"
+
+    @property
+    def preference(self) -> bool:
+        """Its rows are made of preference records (dataset_type preference): pairs or unpaired examples."""
+        return self.pairs or self.unpaired
+
+    @property
     def documents(self) -> bool:
         """Its rows hold packed documents."""
         return self.rows == "documents"
@@ -81,6 +95,9 @@ KINDS = (
          "SimPO: length-normalised log-probabilities with a target margin, no reference"),
     Kind("orpo", "pairs", False, ("orpo_lambda",),
          "ORPO: the chosen reply's cross-entropy plus a log-odds-ratio term, no reference"),
+    Kind("kto", "unpaired", True, ("kto_beta", "kto_desirable_weight", "kto_undesirable_weight"),
+         "KTO: unpaired completions labelled desirable or not, each log-ratio to the reference against a KL "
+         "reference point from mismatched prompts and completions (objectives/kto.py)"),
     Kind("grpo", "rollouts", True, ("grpo_group_size", "grpo_updates_per_rollout", "grpo_kl_beta", "grpo_epsilon",
                                     "grpo_temperature", "grpo_top_p", "grpo_max_new_tokens", "reward",
                                     "grpo_loss_type", "grpo_kl_estimator", "grpo_epsilon_high",

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from maxshard.objectives import kinds
-from maxshard.objectives.segments import segment_sums
+from maxshard.objectives.segments import halves
 
 __all__ = ["Pairs", "pairs_of", "DPO", "SimPO", "ORPO"]
 
@@ -60,19 +60,11 @@ class Pairs(NamedTuple):
                 self.rejected / jnp.maximum(self.rejected_tokens, 1.0))
 
 
-def _by_segment(values: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """[batch, length] -> (sums over odd segments, sums over even segments), [batch, slots] each, slot p - 1 for
-    segments 2p - 1 and 2p."""
-    slots = (values.shape[1] + 1) // 2  # a segment holds a token at least: segment ids <= length <= 2 x slots
-    summed = segment_sums(values, segment_ids, 2 * slots)  # [batch, 2 x slots]: segments 1, 2, 3, ...
-    return summed[:, 0::2], summed[:, 1::2]
-
-
 def pairs_of(logps: jax.Array, batch: Batch) -> Pairs:
     """Per-pair log-probabilities and reply lengths of log-probabilities [batch, length] (reply targets only)."""
     weights = batch["loss_weights"].astype(jnp.float32)
-    chosen, rejected = _by_segment(logps * weights, batch["segment_ids"])
-    chosen_tokens, rejected_tokens = _by_segment(weights, batch["segment_ids"])
+    chosen, rejected = halves(logps * weights, batch["segment_ids"])
+    chosen_tokens, rejected_tokens = halves(weights, batch["segment_ids"])
     return Pairs(chosen, rejected, chosen_tokens, rejected_tokens)
 
 
@@ -167,7 +159,7 @@ class SimPO:
 
 def _chosen_halves(values: jax.Array, batch: Batch) -> jax.Array:
     """Sums of `values` [batch, length] over every target of each chosen half, prompt included: [batch, slots]."""
-    return _by_segment(values, batch["segment_ids"])[0]
+    return halves(values, batch["segment_ids"])[0]
 
 
 @dataclasses.dataclass(frozen=True)
