@@ -63,8 +63,8 @@ from maxshard.spec.blocks import Layer
 from maxshard.model.layers import rope
 from maxshard.spec.model_config import ModelConfig
 
-__all__ = ["Entry", "MIXERS", "GLOBAL", "ATTENTION", "QK_NORM", "MLP_NORM", "SANDWICH_NORMS", "MLP", "HEAD", "IGNORED", "MTP",
-           "MTP_COPIES", "mtp_layer", "mtp_copies", "per_layer", "hf_name",
+__all__ = ["Entry", "MIXERS", "GLOBAL", "ATTENTION", "QK_NORM", "MLP_NORM", "SANDWICH_NORMS", "MLP", "HEAD", "IGNORED",
+           "MTP", "MTP_COPIES", "mtp_layer", "mtp_copies", "per_layer", "hf_name",
            "hf_shape", "row_axis", "hf_rows_per_row", "whole_rows", "to_maxshard", "to_hf", "join_parts"]
 
 
