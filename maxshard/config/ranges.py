@@ -69,15 +69,20 @@ def _check_objective(cfg: Config) -> None:
         raise ConfigError(f"dpo_label_smoothing must be in [0, 0.5), got {cfg.dpo_label_smoothing}")
     if cfg.orpo_lambda < 0:
         raise ConfigError(f"orpo_lambda must be >= 0, got {cfg.orpo_lambda}")
+    if not cfg.kto_beta > 0:
+        raise ConfigError(f"kto_beta must be > 0, got {cfg.kto_beta}")
+    for key in ("kto_desirable_weight", "kto_undesirable_weight"):
+        if not getattr(cfg, key) > 0:
+            raise ConfigError(f"{key} must be > 0, got {getattr(cfg, key)}")
     objective = objective_kinds.kind(cfg.objective)
     pair_data = cfg.dataset_type in PAIR_DATASETS and not cfg.dataset_mixture
-    if objective.pairs and not pair_data:
-        raise ConfigError(f"objective={cfg.objective} trains on preference pairs: set dataset_type to one of "
+    if objective.preference and not pair_data:
+        raise ConfigError(f"objective={cfg.objective} trains on preference records: set dataset_type to one of "
                           f"{', '.join(PAIR_DATASETS)} (dataset_type={cfg.dataset_type}"
                           f"{', with a dataset_mixture' if cfg.dataset_mixture else ''})")
     if objective.documents and cfg.dataset_type in PAIR_DATASETS[1:]:
-        raise ConfigError(f"dataset_type={cfg.dataset_type} holds preference pairs: set objective to one of "
-                          f"{', '.join(objective_kinds.names_where('pairs'))} (objective={cfg.objective})")
+        raise ConfigError(f"dataset_type={cfg.dataset_type} holds preference records: set objective to one of "
+                          f"{', '.join(objective_kinds.names_where('preference'))} (objective={cfg.objective})")
     source, key = objective_kinds.reference_source(cfg), objective.reference_key
     if source == "frozen" and cfg.lora_rank:
         raise ConfigError(f"{key}=frozen with lora_rank > 0 would keep a second copy of the frozen base: use "

@@ -165,6 +165,9 @@ class Config(ModelKeys):
     simpo_beta: float = 2.0
     simpo_gamma: float = 0.5
     orpo_lambda: float = 0.1
+    kto_beta: float = 0.1
+    kto_desirable_weight: float = 1.0
+    kto_undesirable_weight: float = 1.0
 
     # ---- grpo (objective grpo): rollouts from dataset_type prompts, scored by `reward` (maxshard/rewards.py)
     grpo_group_size: int = 4
