@@ -82,14 +82,20 @@ def collect(sweep: Sweep, out: str, job: slurm.Job, points: Sequence[Point], job
     return rows
 
 
-def wait_for(job_id: str, run: Callable[..., subprocess.CompletedProcess], poll_s: float = 1.0) -> None:
-    """Until no index of the array is in the queue (pending, running or requeued). Not `sbatch --wait`: it polls
-    ever more rarely, and lags a short job by tens of seconds."""
+def wait_for(job_id: str, run: Callable[..., subprocess.CompletedProcess], poll_s: float = 1.0,
+             failures: int = 60) -> None:
+    """Until no index of the array is in the queue (pending, running or requeued); SweepError after `failures`
+    squeue calls in a row that could not ask the controller. Not `sbatch --wait`: it polls ever more rarely, and
+    lags a short job by tens of seconds."""
+    failed = 0
     while True:
         done = run(["squeue", "-h", "-j", job_id, "-o", "%i"], capture_output=True, text=True, check=False)
         if (done.returncode == 0 and not done.stdout.strip()) or "Invalid job id" in done.stderr:
             return  # ended (an ended job is forgotten after the cluster's MinJobAge)
-        time.sleep(poll_s)  # queued, or squeue could not reach the controller this time
+        failed = 0 if done.returncode == 0 else failed + 1
+        if failed >= failures:
+            raise SweepError(f"squeue failed {failed} times in a row: {done.stderr.strip()}")
+        time.sleep(poll_s)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -134,7 +140,11 @@ def main(argv: Sequence[str] | None = None, run: Callable[..., subprocess.Comple
         print(f"sweep: error: {e} {done.stderr.strip()}", file=sys.stderr)
         return 1
     print(f"submitted job array {job_id} ({len(points)} indices); waiting for all of them", flush=True)
-    wait_for(job_id, run)
+    try:
+        wait_for(job_id, run)
+    except SweepError as e:
+        print(f"sweep: error: {e}; job array {job_id} may still be running", file=sys.stderr)
+        return 1
     rows = sorted(collect(sweep, out, job, points, job_id) + skipped, key=lambda r: r["index"])
     for row in rows:
         print(describe(row), flush=True)

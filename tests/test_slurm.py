@@ -15,13 +15,14 @@ conftest's compilation cache (sbatch passes the environment on to the jobs).
 
 from __future__ import annotations
 
+import functools
 import json
-import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -95,61 +96,84 @@ def losses(run_dir: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in lines if "loss" in json.loads(line)]
 
 
-@pytest.fixture(scope="session")
-def sweep(cluster, tmp_path_factory) -> tuple[Path, list[dict]]:
-    """A sweep of two points as one job array (benchmarks/sweep_slurm.py, in this process): `straight`, the
-    uninterrupted 1-process run of STEPS steps that the other tests compare with, and `four`, the same for 4 steps;
-    and a third point the trainer's config parser rejects. Returns the results directory and its rows."""
+def run_sweep(cluster, out: Path) -> list[dict]:
+    """A sweep of two points as one job array (benchmarks/sweep_slurm.py, in this process, submitting and waiting
+    through the cluster's environment): `straight`, the uninterrupted 1-process run of STEPS steps that the other
+    tests compare with, and `four`, the same for 4 steps; and a point the trainer's config parser rejects."""
     from benchmarks import sweep_slurm
 
-    out = tmp_path_factory.mktemp("sweep")
-    fixed = "".join(f"  {key}: {value}\n" for key, value in (item.split("=", 1) for item in ONE) if key != "steps")
+    items = (item.split("=", 1) for item in [*ONE, "enable_checkpointing=false"])  # these runs need no save
+    fixed = "".join(f"  {key}: {value}\n" for key, value in items if key != "steps")
     sweep_file = out / "pair.yml"
     sweep_file.write_text(f"base_config: configs/base.yml\nfixed:\n{fixed}points: [{{name: straight, steps: {STEPS}}}, "
                           "{name: four, steps: 4}, {name: bad, emb_dim: x}]\n")
-    old = os.environ.copy()
-    os.environ.update(cluster.env)  # sbatch and squeue, run by the sweep in this process, find the test cluster
-    try:
-        code = sweep_slurm.main([str(sweep_file), "--out", str(out), "--submit"])
-    finally:
-        os.environ.clear()
-        os.environ.update(old)
+    code = sweep_slurm.main([str(sweep_file), "--out", str(out), "--submit"],
+                            run=functools.partial(subprocess.run, env=cluster.env))
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert code == 0, rows
-    return out, rows
+    return rows
 
 
-@pytest.fixture(scope="session")
-def straight(sweep) -> list[float]:
-    """The uninterrupted 1-process run's losses, STEPS of them (array index 0 of the sweep)."""
-    out, _ = sweep
-    result = losses(out / "runs" / "pair-00-straight")
-    assert len(result) == STEPS
-    return result
-
-
-def test_two_task_job_equals_the_one_process_run(cluster, straight, tmp_path):
-    flags = ["--tasks-per-node", "2", "--partition", slurm_cluster.PARTITION, "--time", "10:00", "--account", "lab"]
-    job_id = submit(cluster, tmp_path, "two", [*ONE, *TWO, "steps=4"], *flags)
-    passes_test_only(cluster, tmp_path / "two" / "two.sbatch")
-    code, out, err = finished(cluster, tmp_path, "two", job_id)
-    assert code == 0, err[-3000:]
-    assert "requeueing" not in err  # a run that completed is not requeued: one start
-    assert out.count("resuming from step") == 0 and len(losses(tmp_path / "two")) == 4
-    np_close = [abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses(tmp_path / "two"), straight[:4])]
-    assert all(np_close), (losses(tmp_path / "two"), straight[:4])
-
-
-def test_sigterm_saves_requeues_and_resumes_bit_exactly(cluster, straight, tmp_path):
-    job_id = submit(cluster, tmp_path, "preempted", [*ONE, f"steps={STEPS}"])
-    passes_test_only(cluster, tmp_path / "preempted" / "preempted.sbatch")
-    metrics = tmp_path / "preempted" / "metrics.jsonl"
+def signal_after_first_step(cluster, base: Path, name: str, job_id: str) -> None:
+    """`scancel --signal=TERM` as soon as the run logged its first step."""
+    metrics = base / name / "metrics.jsonl"
     deadline = time.monotonic() + JOB_TIMEOUT_S
     while not (metrics.exists() and '"loss"' in metrics.read_text()):
         assert time.monotonic() < deadline and slurm_cluster.job_states(cluster, job_id), "training never started"
         time.sleep(0.1)
     cluster.run("scancel", "--signal=TERM", job_id)
-    code, out, err = finished(cluster, tmp_path, "preempted", job_id)
+
+
+@pytest.fixture(scope="session")
+def jobs(cluster, tmp_path_factory) -> dict[str, Future]:
+    """Every training job of the file, queued at once from threads: the sweep's array first (its `straight` run
+    compiles what the preempted run then loads from the cache), then through the CLI the 2-task job and the job to
+    preempt, which gets its SIGTERM once it logged a step. SLURM runs them one after the other as the node's CPUs
+    free up, and each CLI start (seconds: it imports JAX) overlaps a running job instead of following it."""
+    base = tmp_path_factory.mktemp("jobs")
+    sweep_pool, cli_pool = ThreadPoolExecutor(1), ThreadPoolExecutor(1)
+    (base / "sweep").mkdir()
+    futures = {"sweep": sweep_pool.submit(run_sweep, cluster, base / "sweep")}
+    deadline = time.monotonic() + 60
+    while not cluster.run("squeue", "-h", check=False).stdout.strip() and not futures["sweep"].done():
+        assert time.monotonic() < deadline, "the sweep submitted nothing"
+        time.sleep(0.1)
+    flags = ["--tasks-per-node", "2", "--partition", slurm_cluster.PARTITION, "--time", "10:00", "--account", "lab"]
+    futures["two"] = cli_pool.submit(submit, cluster, base, "two", [*ONE, *TWO, "steps=4",
+                                                                    "enable_checkpointing=false"], *flags)
+    futures["preempted"] = cli_pool.submit(submit, cluster, base, "preempted", [*ONE, f"steps={STEPS}"])
+    futures["signalled"] = cli_pool.submit(lambda: signal_after_first_step(cluster, base, "preempted",
+                                                                           futures["preempted"].result()))
+    yield {"base": base, **futures}
+    for pool in (sweep_pool, cli_pool):
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+@pytest.fixture(scope="session")
+def straight(jobs) -> list[float]:
+    """The uninterrupted 1-process run's losses, STEPS of them (array index 0 of the sweep)."""
+    jobs["sweep"].result()
+    result = losses(jobs["base"] / "sweep" / "runs" / "pair-00-straight")
+    assert len(result) == STEPS
+    return result
+
+
+def test_two_task_job_equals_the_one_process_run(cluster, jobs, straight):
+    base, job_id = jobs["base"], jobs["two"].result()
+    passes_test_only(cluster, base / "two" / "two.sbatch")
+    code, out, err = finished(cluster, base, "two", job_id)
+    assert code == 0, err[-3000:]
+    assert "requeueing" not in err  # a run that completed is not requeued: one start
+    assert out.count("resuming from step") == 0 and len(losses(base / "two")) == 4
+    np_close = [abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses(base / "two"), straight[:4])]
+    assert all(np_close), (losses(base / "two"), straight[:4])
+
+
+def test_sigterm_saves_requeues_and_resumes_bit_exactly(cluster, jobs, straight):
+    base, job_id = jobs["base"], jobs["preempted"].result()
+    passes_test_only(cluster, base / "preempted" / "preempted.sbatch")
+    jobs["signalled"].result()
+    code, out, err = finished(cluster, base, "preempted", job_id)
     assert code == 0, err[-3000:]
     stops = [line for line in out.splitlines() if line.startswith("preempted: stopping after step")]
     assert len(stops) == 1, out[-3000:]
@@ -157,11 +181,11 @@ def test_sigterm_saves_requeues_and_resumes_bit_exactly(cluster, straight, tmp_p
     assert 0 < stopped < STEPS
     assert f"requeueing job {job_id} (restart 0)" in err
     assert f"resuming from step {stopped} " in out
-    assert losses(tmp_path / "preempted") == straight  # steps 1..N, then N+1..STEPS after the requeue
+    assert losses(base / "preempted") == straight  # steps 1..N, then N+1..STEPS after the requeue
 
 
-def test_a_sweep_runs_as_one_job_array(cluster, sweep, straight):
-    out, rows = sweep
+def test_a_sweep_runs_as_one_job_array(cluster, jobs, straight):
+    out, rows = jobs["base"] / "sweep", jobs["sweep"].result()
     assert [(r["name"], r["status"]) for r in rows] == [("straight", "ok"), ("four", "ok"), ("bad", "skipped")]
     assert "emb_dim" in rows[2]["error"]
     assert [r["steps"] for r in rows[:2]] == [STEPS, 4] and rows[1]["final_loss"] == straight[3]
