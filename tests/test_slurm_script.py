@@ -177,3 +177,26 @@ def test_an_array_runs_the_line_of_its_index(tmp_path):
     assert "  1) trainer=(echo 'one $(x)') ;;" in text
     assert 'printf "%s\\n" "$rc" > ' + str(tmp_path) + '/"slurm-${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}.exit"' \
         in text
+
+
+def test_the_coordinator_is_where_jaxs_own_slurm_detection_puts_it(monkeypatch):
+    from jax._src.clusters import slurm_cluster
+
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_STEP_NODELIST", "node[7-8]")
+    assert slurm_cluster.SlurmCluster.get_coordinator_address(None, None) == "node7:61586"  # as the script exports
+
+
+def test_a_sweep_becomes_one_array_of_its_valid_points(tmp_path, capsys):
+    from benchmarks import sweep_slurm
+
+    sweep_file = tmp_path / "s.yml"
+    sweep_file.write_text("base_config: configs/base.yml\nfixed: {steps: 2}\n"
+                          "points: [{name: a}, {name: bad, emb_dim: x}, {name: b, steps: 3}]\n")
+    assert sweep_slurm.main([str(sweep_file), "--out", str(tmp_path / "out"), "--nodes", "2"]) == 0
+    assert capsys.readouterr().out.startswith("# skipped bad: emb_dim")
+    text = (tmp_path / "out" / "slurm" / "s.sbatch").read_text()
+    assert "#SBATCH --array=0-1" in text and "#SBATCH --nodes=2" in text
+    runs = tmp_path / "out" / "runs"
+    assert f"run_name=s-00-a base_output_directory={runs} log_period=1 num_slices=2) ;;" in text
+    assert f"steps=3 run_name=s-02-b base_output_directory={runs} log_period=1 num_slices=2) ;;" in text

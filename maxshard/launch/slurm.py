@@ -9,7 +9,7 @@ What the script does, and why:
   id), `JAX_PROCESS_COUNT` (`$SLURM_NTASKS`) and, per task, `JAX_PROCESS_ID` (`$SLURM_PROCID`), which
   `maxshard.launch.distributed` reads. JAX's detection (`jax._src.clusters.slurm_cluster`) would find the same three
   facts, but it also pins each process to the one device `$SLURM_LOCALID` names, which hides all but one GPU from a
-  task-per-node process and all but one simulated CPU device: so the facts are handed over explicitly.
+  process that drives a whole node: so the facts are handed over explicitly (the address as JAX would derive it).
 - Preemption: `--signal=TERM@LEAD` asks SLURM for SIGTERM on the job's steps LEAD seconds before the time limit
   (`scancel --signal=TERM JOB` sends the same). The trainer saves and exits 0 on it; the per-task wrapper below knows
   a signal came and exits PREEMPTED_EXIT instead, and the batch script then requeues the job (`--requeue`,
