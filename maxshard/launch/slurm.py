@@ -43,6 +43,8 @@ from maxshard.launch import xpk
 
 __all__ = [
     "PREEMPTED_EXIT",
+    "DEFAULT_SIGNAL_LEAD_S",
+    "TASK_WRAPPER",
     "Resources",
     "Job",
     "check_directive_value",
@@ -50,6 +52,9 @@ __all__ = [
     "check_resources",
     "check_env",
     "prepare_trainer_argv",
+    "default_log_dir",
+    "directives",
+    "trainer_lines",
     "render",
     "write_script",
     "sbatch_argv",
