@@ -7,7 +7,8 @@ by default), compiles and warms up the train step, then traces `--steps` steps w
 create_perfetto_trace=True)` and reads the trace's complete events ("ph": "X") on the device's streams. Each kernel
 is put in one kind by its name (matmul, attention, collective, copy, other fusion) and the table gives each kind's
 share of the summed kernel time, then the `--top` kernels by time. The per-step device time is compared with the
-wall time of the same steps: a gap means the device waited (host, launch or input).
+wall time of the same steps: a gap means the device waited (host, launch or input). The last line, `RESULT {...}`,
+holds the same figures as JSON for `gpu_suite.py`, which collects the runs into one table.
 """
 
 from __future__ import annotations
@@ -63,6 +64,17 @@ def device_kernels(trace: dict, device_pattern: str) -> list[tuple[str, float]]:
         events = [e for e in events if (e["pid"], e.get("tid")) in streams]
     print(f"device lines read: {sorted({threads.get(k, '?') for k in (streams or threads)})[:8]}", file=sys.stderr)
     return [(e["name"], float(e.get("dur", 0))) for e in events]
+
+
+MARK = "RESULT "  # the prefix of the JSON line gpu_suite.py reads
+
+
+def kinds_ms(kernels: list[tuple[str, float]], steps: int) -> dict[str, float]:
+    """Milliseconds per step of each kind (only the kinds present)."""
+    by_kind: dict[str, float] = collections.Counter()
+    for name, dur in kernels:
+        by_kind[kind_of(name)] += dur
+    return {kind: dur / steps / 1e3 for kind, dur in by_kind.items()}
 
 
 def report(kernels: list[tuple[str, float]], steps: int, wall_s: float, top: int) -> str:
@@ -125,6 +137,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"no events on processes matching {args.device_pattern!r}; processes: {processes}", file=sys.stderr)
         return 1
     print(report(kernels, args.steps, wall, args.top))
+    result = {"device": cfg.device_kind, "attention": cfg.model.attention, "remat": cfg.remat_policy,
+              "quantization": cfg.quantization, "peak": quantization.peak_precision(cfg), **figures,
+              "kernel_ms": sum(d for _, d in kernels) / args.steps / 1e3, "kinds_ms": kinds_ms(kernels, args.steps)}
+    print(MARK + json.dumps(result), flush=True)
     return 0
 
 
