@@ -31,16 +31,19 @@ exits 2. `--json` prints one object: the plan, `answer` ("compiled" or "estimate
 `--search` asks that question for every sensible layout instead (`maxshard/run/search.py`: mesh knobs,
 remat_policy, pipeline microbatches; never the model or the global batch), by the formulas: it keeps those whose
 planned peak fits HBM x (1 - `--headroom`), and prints the `--top` K by planned step time, each with the `key=value`
-overrides to append to the same command (keys given on the command line are kept, so none is given twice); run the
-plan on a layout it prints to have the compiler's word on it:
+overrides to append to the same command (keys given on the command line are kept, so none is given twice).
+`--search --compile` then compiles the train step of each of those K layouts for the target (the target's compiler
+must be installed): a layout whose compiled peak does not fit leaves the ranking, the others keep their order, and a
+line for each says what it compiled to:
 
     python -m maxshard.plan configs/base.yml model_name=8b --search --topology h100-80gb-8
     python -m maxshard.plan configs/base.yml model_name=8b --search --topology v5p-256 --json
+    python -m maxshard.plan configs/base.yml model_name=8b --search --topology v6e-256 --top 3 --compile
     python -m maxshard.plan configs/base.yml model_name=8b --search --topology h100-80gb-8 --num-slices 2 \
         --sweep-out plan_8b.yml      # then: python benchmarks/sweep.py plan_8b.yml --xpk ...
 
-It exits 0 when some layout fits, 1 when none does (one line: the closest layout and by how much it misses), and 2
-for a mistake. A progress line goes to stderr every 100 candidates.
+It exits 0 when some layout fits, 1 when none does (one line: the closest layout and by how much it misses, by its
+compiled peak under --compile), and 2 for a mistake. A progress line goes to stderr every 100 candidates.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ import json
 import os
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # planning needs no accelerator (and an installed libtpu is not one)
 
@@ -61,7 +64,7 @@ from maxshard.planning import fit
 from maxshard.planning.estimate import Plan, make_plan
 from maxshard.planning.printout import estimate_notice, format_compiled, format_plan, plan_json
 from maxshard.planning import gpu_compile, tpu_compile
-from maxshard.planning.tpu_compile import TpuOutOfMemory, compile_run
+from maxshard.planning.tpu_compile import TpuOutOfMemory, compile_run, compile_step
 from maxshard.run import search
 from maxshard.run.search_printout import format_search, nothing_fits, search_json, sweep_yaml
 from maxshard.run.target import load_for_target, target_capacity
@@ -110,24 +113,92 @@ def _base_config(path: str) -> str:
 
 
 def _search(args: argparse.Namespace, raw_argv: Sequence[str]) -> int:
-    """0 when some layout fits, 1 when none does (one line), ConfigError for a mistake."""
+    """0 when some layout fits, 1 when none does (one line), ConfigError for a mistake. With --compile the `--top`
+    layouts the formulas rank best are compiled for the target: those whose compiled train step does not fit the
+    search's capacity leave the ranking (the others keep the formulas' order, ahead of the layouts not compiled),
+    and 0 needs one that does."""
     if args.top < 1:
         raise ConfigError(f"--top must be >= 1, got {args.top}")
     argv = [args.config, *args.overrides]
     target = topologies.parse(args.topology, args.num_slices)
-    result = search.search(argv, target, args.headroom, args.max_candidates,
-                           progress=lambda line: print(line, file=sys.stderr, flush=True))
+    compiler = _compiler(target, asked=True) if args.compile else None  # no compiler: one line before the search
+    progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    result = search.search(argv, target, args.headroom, args.max_candidates, progress=progress)
+    checked: list[_Checked] = []
+    if compiler is not None and result.fitting:
+        checked = [_check(c, result, compiler, progress) for c in result.fitting[:args.top]]
+        confirmed = [k.candidate for k in checked if k.fits]
+        result = dataclasses.replace(result, fitting=confirmed and confirmed + result.fitting[args.top:])
     if args.sweep_out and result.fitting:
         command = shlex.join(["python", "-m", "maxshard.plan", *raw_argv])
         with open(args.sweep_out, "w", encoding="utf-8") as f:
             f.write(sweep_yaml(result, _base_config(args.config), args.overrides, args.top, command))
     if args.json:
-        print(json.dumps(search_json(result, args.top)))
+        print(json.dumps({**search_json(result, args.top),
+                          **({"compiled": [k.as_json() for k in checked]} if compiler is not None else {})}))
+    elif checked and not result.fitting:
+        print(_none_compiles(checked, result.capacity))
     elif not result.fitting:
         print(nothing_fits(result))
     else:
         print(format_search(result, argv, args.top))
+        if checked:
+            print("\n".join([f"compiled with {compiler.xla}, the {len(checked)} best by planned step time (a layout "
+                              f"whose train step does not fit {format_bytes(result.capacity)} left the ranking):",
+                              *(k.line() for k in checked)]))
     return 0 if result.fitting else 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _Checked:
+    """A layout of the search with its compiled train step's peak (None: XLA:TPU found it over the chip)."""
+
+    candidate: search.Candidate
+    peak: int | None
+    capacity: float
+    error: str = ""
+
+    @property
+    def fits(self) -> bool:
+        return self.peak is not None and self.peak <= self.capacity
+
+    def line(self) -> str:
+        c = self.candidate
+        compiled = self.error if self.peak is None else (
+            f"train step {format_bytes(self.peak)} per device (planned {format_bytes(c.peak)}), "
+            f"{'fits' if self.fits else 'does NOT fit'}")
+        return f"  {c.layout.label}: {compiled}"
+
+    def as_json(self) -> dict:
+        return {"layout": self.candidate.layout.label, "overrides": list(self.candidate.overrides),
+                "planned_peak": self.candidate.peak, "step_peak": self.peak, "fits": self.fits,
+                "error": self.error or None}
+
+
+def _check(c: search.Candidate, result: search.SearchResult, compiler: _Compiler,
+           progress: Callable[[str], None]) -> _Checked:
+    """`c`'s train step compiled for the search's target (no init: the step is what must fit)."""
+    try:
+        step, _ = compile_step(c.plan.cfg, result.target, compiler.devices, progress, compiler.name)
+    except TpuOutOfMemory as e:
+        return _Checked(c, None, result.capacity, str(e))
+    except Exception as e:
+        reason = gpu_compile.why_not_compiled(e) if result.target.accelerator == "gpu" else None
+        if reason is None:
+            raise
+        raise ConfigError(f"cannot compile {c.layout.label} for {result.target.name} here: {reason}") from None
+    return _Checked(c, step.peak, result.capacity)
+
+
+def _none_compiles(checked: list[_Checked], capacity: float) -> str:
+    """One line: none of the layouts compiled fits, and the closest by its compiled peak."""
+    best = min((k for k in checked if k.peak is not None), key=lambda k: k.peak, default=None)
+    if best is None:
+        return f"plan: none of the {len(checked)} best layouts compiles within the chip: {checked[0].error}"
+    pasted = " ".join(best.candidate.overrides) or "the config as given"
+    return (f"plan: none of the {len(checked)} best layouts compiles within {format_bytes(capacity)} per device; the "
+            f"closest, {best.candidate.layout.label} ({pasted}), compiles to {format_bytes(best.peak)}: "
+            f"{format_bytes(best.peak - capacity)} over")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -138,16 +209,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError("--sweep-out writes the layouts of --search; add --search")
         if args.compile and args.estimate:
             raise ConfigError("--compile and --estimate ask for opposite answers; give one")
-        if args.compile and args.search:
-            raise ConfigError("--compile compiles one layout; run it on a layout --search printed")
         if args.search:
             return _search(args, raw_argv)
         plan = plan_for([args.config, *args.overrides], args.topology, args.num_slices)
         if args.estimate:
-            missing = _module(plan).missing()
-            exact = "this command without --estimate" if missing is None else _after_install(_module(plan).INSTALL)
-            return _verdict(plan, args.json, "--estimate", None if missing is None else _module(plan).INSTALL, exact)
-        compiler = _compiler(plan, asked=args.compile)
+            module = _module(plan.target)
+            missing = module.missing()
+            exact = "this command without --estimate" if missing is None else _after_install(module.INSTALL)
+            return _verdict(plan, args.json, "--estimate", None if missing is None else module.INSTALL, exact)
+        compiler = _compiler(plan.target, asked=args.compile)
         if isinstance(compiler, _NoCompiler):
             return _verdict(plan, args.json, compiler.reason, compiler.command, compiler.exact)
         return _compiled(plan, args.json, compiler, asked=args.compile)
@@ -174,25 +244,25 @@ class _NoCompiler:
     exact: str  # for a person: what gives the compiler's answer
 
 
-def _module(plan: Plan):  # noqa: ANN202 (a module)
+def _module(target: topologies.Target):  # noqa: ANN202 (a module)
     """The module that compiles for the target's accelerator: planning/gpu_compile.py or planning/tpu_compile.py."""
-    return gpu_compile if plan.target.accelerator == "gpu" else tpu_compile
+    return gpu_compile if target.accelerator == "gpu" else tpu_compile
 
 
 def _after_install(command: str) -> str:
     return f"{command}, then this command again"
 
 
-def _compiler(plan: Plan, asked: bool) -> _Compiler | _NoCompiler:
+def _compiler(target: topologies.Target, asked: bool) -> _Compiler | _NoCompiler:
     """The target's compiler: libtpu's devices for a TPU slice, JAX's CUDA plugin's for a GPU node. Where it is not
     installed or cannot describe the target: ConfigError (one line) when `--compile` asked for it, else why not."""
-    module = _module(plan)
+    module = _module(target)
     name, xla = ("JAX's CUDA plugin", "XLA:GPU") if module is gpu_compile else ("libtpu", "XLA:TPU")
     missing = module.missing()
     if missing is not None and not asked:
         return _NoCompiler(f"{missing}, which is not installed here", module.INSTALL, _after_install(module.INSTALL))
     try:
-        return _Compiler(module.abstract_devices(plan.target), name, xla)
+        return _Compiler(module.abstract_devices(target), name, xla)
     except ConfigError as e:
         if asked:
             raise

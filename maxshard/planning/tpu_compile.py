@@ -13,6 +13,7 @@ collective timing. v4 chips are described as one device each (megacore), as JAX 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import os
@@ -29,7 +30,8 @@ from maxshard.launch.topologies import Target
 if TYPE_CHECKING:
     from maxshard.planning.compiled import StepMemory
 
-__all__ = ["INSTALL", "CompiledRun", "TpuOutOfMemory", "missing", "topology_name", "abstract_devices", "compile_run"]
+__all__ = ["INSTALL", "CompiledRun", "TpuOutOfMemory", "missing", "topology_name", "abstract_devices", "compile_run",
+           "compile_step"]
 
 INSTALL = 'pip install -e ".[tpu-aot]"'
 
@@ -143,26 +145,45 @@ def compile_run(cfg: Config, target: Target, devices: list[Any],
     module's `abstract_devices`, or `planning/gpu_compile.py`'s for a GPU node; `compiler` names what compiles them in
     the progress lines); TpuOutOfMemory (one line) when XLA:TPU finds a program over the chip's memory."""
     from maxshard.parallel import mesh
-    from maxshard.planning.compiled import compile_init, compile_step_memory, peak_bytes
+    from maxshard.planning.compiled import compile_init, peak_bytes
 
     run_mesh = mesh.build(cfg, devices)
-    peaks, seconds, split = {}, {}, None
-    for name in ("init", "train step"):
-        progress(f"compiling the {name} for {target.name} with {compiler} ...")
-        started = time.perf_counter()
-        try:
-            if name == "init":
-                peaks[name] = peak_bytes(compile_init(cfg, run_mesh).memory_analysis())
-            else:
-                split = compile_step_memory(cfg, run_mesh)[1]
-        except Exception as e:
-            message = str(e)
-            if "RESOURCE_EXHAUSTED" not in message:
-                raise
-            raise TpuOutOfMemory(f"XLA:TPU cannot fit the {name} on {target.name}: {_first_oom_line(message)}") from None
-        seconds[name] = time.perf_counter() - started
-        progress(f"compiled the {name} in {seconds[name]:.1f}s")
-    return CompiledRun(peaks["init"], seconds["init"], seconds["train step"], split)
+    progress(f"compiling the init for {target.name} with {compiler} ...")
+    started = time.perf_counter()
+    with _over_the_chip("init", target):
+        init_peak = peak_bytes(compile_init(cfg, run_mesh).memory_analysis())
+    init_seconds = time.perf_counter() - started
+    progress(f"compiled the init in {init_seconds:.1f}s")
+    step, step_seconds = compile_step(cfg, target, devices, progress, compiler)
+    return CompiledRun(init_peak, init_seconds, step_seconds, step)
+
+
+def compile_step(cfg: Config, target: Target, devices: list[Any], progress: Callable[[str], None] = lambda line: None,
+                 compiler: str = "libtpu") -> tuple[StepMemory, float]:
+    """(the train step's peak split, its compile seconds) of `cfg` compiled for `target` on `devices`, as
+    `compile_run` compiles it, without the init."""
+    from maxshard.parallel import mesh
+    from maxshard.planning.compiled import compile_step_memory
+
+    progress(f"compiling the train step for {target.name} with {compiler} ...")
+    started = time.perf_counter()
+    with _over_the_chip("train step", target):
+        step = compile_step_memory(cfg, mesh.build(cfg, devices))[1]
+    seconds = time.perf_counter() - started
+    progress(f"compiled the train step in {seconds:.1f}s")
+    return step, seconds
+
+
+@contextlib.contextmanager
+def _over_the_chip(name: str, target: Target) -> Iterator[None]:
+    """XLA:TPU's RESOURCE_EXHAUSTED at compile as TpuOutOfMemory, one line with its figures."""
+    try:
+        yield
+    except Exception as e:
+        message = str(e)
+        if "RESOURCE_EXHAUSTED" not in message:
+            raise
+        raise TpuOutOfMemory(f"XLA:TPU cannot fit the {name} on {target.name}: {_first_oom_line(message)}") from None
 
 
 def _first_oom_line(message: str) -> str:
