@@ -268,3 +268,51 @@ def test_lora_on_cut_tensors_exports_merged_and_as_peft(converted, name, tmp_pat
     scale = settings["alpha_pattern"][fused] / settings["rank_pattern"][fused]
     got = scale * written[f"{stem}.lora_B.weight"] @ written[f"{stem}.lora_A.weight"]
     np.testing.assert_allclose(got, update, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------- multi-token prediction
+
+
+def with_mtp(tmp_path: Path) -> tuple[Path, dict[str, np.ndarray]]:
+    """The qwen3_next fixture with a multi-token prediction module as Qwen3-Next checkpoints keep it (mtp.fc,
+    mtp.pre_fc_norm_embedding/hidden, mtp.layers.0 = a full-attention MoE layer, mtp.norm: vLLM's names), random."""
+    directory = tmp_path / "qwen3_next_mtp"
+    shutil.copytree(FIXTURES / "qwen3_next", directory)
+    tensors = load_file(str(directory / "model.safetensors"))
+    rng = np.random.default_rng(0)
+    mtp = {name.replace("model.layers.3.", "mtp.layers.0."): rng.normal(size=t.shape).astype(t.dtype)
+           for name, t in tensors.items() if name.startswith("model.layers.3.")}
+    embed = tensors["model.embed_tokens.weight"]
+    mtp |= {"mtp.fc.weight": rng.normal(size=(embed.shape[1], 2 * embed.shape[1])).astype(embed.dtype),
+            **{f"mtp.{n}.weight": rng.normal(size=embed.shape[1:]).astype(embed.dtype)
+               for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}}
+    save_file({**tensors, **mtp}, str(directory / "model.safetensors"))
+    return directory, mtp
+
+
+def test_qwen3_next_mtp_module_converts_both_ways(tmp_path):
+    """A Qwen3-Next checkpoint's multi-token prediction module (which transformers does not load) becomes maxshard's
+    mtp_1 (mtp_depth 1: eh_proj from mtp.fc, its layer from mtp.layers.0) and goes back bit for bit; the main
+    model's tensors are the fixture's. Qwen3.5's family has no such table: its mtp.* are left out (test above)."""
+    directory, mtp = with_mtp(tmp_path)
+    assert cli.main(["from_hf", str(directory), str(tmp_path / "out")]) == 0
+    assert "mtp_depth: 1" in (tmp_path / "out" / "config.yml").read_text()
+    source_config = hf_config.read(str(directory))
+    keys = {**hf_config.model_keys(source_config), "mtp_depth": 1}
+    params = {p.path: p for p in layout.params_of(layout.model_config(keys), hf_config.family(source_config))}
+    assert params["mtp_1", "eh_proj", "kernel"].entry.hf == "mtp.fc.weight"
+    assert names.hf_name(params["mtp_1", "layer", "attention", "query", "kernel"].entry, (0,)) == \
+        "mtp.layers.0.self_attn.q_proj.weight"
+    assert cli.main(["to_hf", str(tmp_path / "out" / "checkpoints" / "0"), str(tmp_path / "hf")]) == 0
+    source, back = read_all(directory), read_all(tmp_path / "hf")
+    assert sorted(back) == sorted(source) and set(mtp) < set(back)
+    assert all(back[k].dtype == v.dtype and back[k].tobytes() == v.tobytes() for k, v in source.items())
+
+
+def test_mtp_a_family_cannot_keep_is_refused_on_export():
+    keys = {**hf_config.model_keys(hf_config.read(str(FIXTURES / "qwen3_5_text"))), "mtp_depth": 1}
+    with pytest.raises(ConfigError, match="mtp_depth=1 cannot be written as Qwen3_5ForCausalLM"):
+        hf_config.to_hf(keys, "float32", hf_config.read(str(FIXTURES / "qwen3_5_text")))
+    qwen3_next = hf_config.read(str(FIXTURES / "qwen3_next"))
+    with pytest.raises(ConfigError, match="mtp_depth=2 cannot be written as Qwen3NextForCausalLM"):
+        hf_config.to_hf({**hf_config.model_keys(qwen3_next), "mtp_depth": 2}, "float32", qwen3_next)

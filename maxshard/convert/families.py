@@ -69,7 +69,11 @@ class Family:
         (Qwen3-Next: in_proj_qkvz, in_proj_ba) or "split" (Qwen3.5: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a);
         "" for families without. Their config.json's layer_types become the `layer_types` key as they are.
     left_out: {prefix: what it is} of tensors a checkpoint carries that transformers' model of the family does
-        not load (Qwen3-Next's multi-token prediction head `mtp.*`): from_hf leaves them out and says so.
+        not load (Qwen3.5's multi-token prediction head `mtp.*`): from_hf leaves them out and says so.
+    mtp_prefix: where the checkpoint keeps its multi-token prediction module when not as DeepSeek's decoder layer
+        num_layers (names.MTP): Qwen3-Next's "mtp" (mtp.fc, mtp.pre_fc_norm_embedding/hidden, mtp.layers.0,
+        mtp.norm: vLLM's Qwen3NextMultiTokenPredictor, which transformers does not load); its presence sets
+        mtp_depth 1 (names.QWEN_MTP).
     """
 
     architecture: str
@@ -109,6 +113,7 @@ class Family:
     shared_width_field: str | None = None
     linear_attention: str = ""
     left_out: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    mtp_prefix: str = ""
 
     @property
     def is_moe(self) -> bool:
@@ -192,19 +197,19 @@ _QWEN3_NEXT_DEFAULTS = {"head_dim": 256, "partial_rotary_factor": 0.25, "linear_
 _QWEN_MOE = dict(moe_prefix="mlp", experts_fields=("num_experts",), expert_width_field="moe_intermediate_size",
                  shared_experts="shared_expert", shared_expert_gate="shared_expert_gate",
                  shared_width_field="shared_expert_intermediate_size")
-_HYBRID = dict(qk_norm=True, fields=_LINEAR_FIELDS, carries=("partial_rotary_factor", "layer_types"),
-               left_out={"mtp.": "the multi-token prediction head, which transformers does not load either"})
+_HYBRID = dict(qk_norm=True, fields=_LINEAR_FIELDS, carries=("partial_rotary_factor", "layer_types"))
+_MTP_LEFT_OUT = {"mtp.": "the multi-token prediction head, which transformers does not load either"}
 FAMILIES += (
-    Family("Qwen3NextForCausalLM", "qwen3_next", **_QWEN_MOE, **_HYBRID, linear_attention="fused",
+    Family("Qwen3NextForCausalLM", "qwen3_next", **_QWEN_MOE, **_HYBRID, linear_attention="fused", mtp_prefix="mtp",
            renormalize_field="norm_topk_prob", renormalize_default=True,
            keys={**_QWEN3_NEXT_KEYS, "shared_expert_gate": True}, defaults=_QWEN3_NEXT_DEFAULTS,
            must_equal={"decoder_sparse_step": 1, "mlp_only_layers": []},
            export={"attention_bias": False, "decoder_sparse_step": 1, "mlp_only_layers": []}),
     Family("Qwen3_5ForCausalLM", "qwen3_5_text", **_HYBRID, linear_attention="split", keys=_QWEN3_NEXT_KEYS,
-           defaults=_QWEN3_NEXT_DEFAULTS, export={"attention_bias": False}),
+           defaults=_QWEN3_NEXT_DEFAULTS, export={"attention_bias": False}, left_out=_MTP_LEFT_OUT),
     Family("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", **_QWEN_MOE, **_HYBRID, linear_attention="split",
            keys={**_QWEN3_NEXT_KEYS, "shared_expert_gate": True}, defaults=_QWEN3_NEXT_DEFAULTS,
-           export={"attention_bias": False}),
+           export={"attention_bias": False}, left_out=_MTP_LEFT_OUT),
 )
 
 

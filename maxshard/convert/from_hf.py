@@ -89,7 +89,7 @@ def _tensor_plan(cfg: ModelConfig, family: Family, tensors: Mapping[str, safeten
             infos.append(info)
             used.add(name)
         plan.append((param, infos))
-    used |= {name for name, _ in names.mtp_copies(cfg)}  # copies of the shared embedding and head: kept once
+    used |= {name for name, _ in names.mtp_copies(cfg, family)}  # copies of the shared embedding and head: kept once
     extra = sorted(n for n in tensors if n not in used and not names.IGNORED.fullmatch(n)
                    and not (cfg.logits_via_embedding and n == names.HEAD.hf))
     if extra:
@@ -98,10 +98,28 @@ def _tensor_plan(cfg: ModelConfig, family: Family, tensors: Mapping[str, safeten
     return plan
 
 
-def _without_absent_mtp(keys: dict[str, Any], tensors: Mapping[str, Any]) -> dict[str, Any]:
+def _qwen_mtp(keys: dict[str, Any], tensors: Mapping[str, Any], family: Family) -> dict[str, Any]:
+    """`keys` with mtp_depth 1 when the checkpoint holds Qwen3-Next's multi-token prediction module
+    (`Family.mtp_prefix`: config.json does not say; vLLM reads the tensors), 0 without; its one fc shared by
+    several layers (mtp.layers.1, ...) has no maxshard counterpart (one eh_proj per module), refused."""
+    fc = names.QWEN_MTP[2].hf
+    if fc not in tensors:
+        return keys
+    stem = f"{family.mtp_prefix}.layers."
+    layers = {name[len(stem):].split(".")[0] for name in tensors if name.startswith(stem)}
+    if layers != {"0"}:
+        raise ConfigError(f"{fc} with layers {sorted(layers)} under {stem}*: maxshard converts Qwen3-Next's "
+                          "multi-token prediction module with its one layer, mtp.layers.0")
+    return {**keys, "mtp_depth": 1}
+
+
+def _without_absent_mtp(keys: dict[str, Any], tensors: Mapping[str, Any], family: Family) -> dict[str, Any]:
     """`keys` with mtp_depth 0 when config.json names multi-token prediction layers (DeepSeek's
     num_nextn_predict_layers) that the checkpoint does not hold: transformers drops them when it loads, so a
-    checkpoint it saved (a fine-tune, our fixtures) keeps the field and loses the layers. Noted on stderr."""
+    checkpoint it saved (a fine-tune, our fixtures) keeps the field and loses the layers. Noted on stderr. A family
+    that keeps its module elsewhere (`Family.mtp_prefix`) has it when the checkpoint does (`_qwen_mtp`)."""
+    if family.mtp_prefix:
+        return _qwen_mtp(keys, tensors, family)
     depth = keys.get("mtp_depth", 0)
     if depth and names.hf_name(names.MTP[0], (keys["num_layers"],)) not in tensors:
         print(f"note: config.json names {depth} multi-token prediction layer(s) the checkpoint does not hold "
@@ -205,7 +223,7 @@ def convert(hf_dir: str, out_dir: str, base_config: str | None = None, adapters:
             print(f"note: {wrapper.architecture}: converting its language model as {arch}; {left_out} tensors of "
                   "the vision tower and projector are left out (maxshard trains text models)", file=sys.stderr)
         tensors = _without_left_out(tensors, family)
-        keys = _without_absent_mtp(keys, tensors)
+        keys = _without_absent_mtp(keys, tensors, family)
         plan = _tensor_plan(layout.model_config(keys), family, tensors, hf_dir)
         adapter_arrays = peft.adapter_arrays(lora, [p for p, _ in plan], family) if lora else []
         if lora and keys.get("moe_router_bias"):

@@ -327,6 +327,18 @@ def _check_family(keys: Mapping[str, Any], fam: Family) -> None:
     for key, (have, need) in wants.items():
         if have != need:
             raise ConfigError(f"{key}={have} cannot be written as {fam.architecture} (which has {key}={need})")
+    depth, most = keys.get("mtp_depth", 0), _mtp_modules(fam)
+    if depth > most:
+        raise ConfigError(f"mtp_depth={depth} cannot be written as {fam.architecture} (which keeps "
+                          f"{most or 'no'} multi-token prediction module{'' if most == 1 else 's'})")
+
+
+def _mtp_modules(fam: Family) -> int | float:
+    """How many multi-token prediction modules a family's checkpoints keep: DeepSeek's any number
+    (num_nextn_predict_layers), Qwen3-Next's one (`Family.mtp_prefix`), none for the others."""
+    if "num_nextn_predict_layers" in fam.fields:
+        return float("inf")
+    return 1 if fam.mtp_prefix else 0
 
 
 def _moe_fields(keys: Mapping[str, Any], fam: Family, template: Mapping[str, Any]) -> dict[str, Any]:

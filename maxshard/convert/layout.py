@@ -98,15 +98,13 @@ def params_of(cfg: ModelConfig, family: Family) -> list[Param]:
         stacks[stack.name] = [({e.path: e for e in names.per_layer(family, cfg, layer)}, first + j, len(stack.unit))
                               for j, layer in enumerate(stack.unit)]
         first += stack.num_layers
-    last_kind = blocks.main_stack(cfg).unit[-1]
-    mtp_tables = {**{("layer", *e.path): e for e in names.per_layer(family, cfg, last_kind)},
-                  **{e.path: e for e in names.MTP}}
+    mtp_tables = dict(names.mtp_rows(family, cfg))
     leaves, _ = jax.tree_util.tree_flatten_with_path(nn.unbox(model.abstract_params(cfg)))
     out = []
     for key_path, leaf in leaves:
         path = tuple(_key(k) for k in key_path)
         stacked = path[0] == "decoder" and path[1] in stacks
-        mtp_layer = names.mtp_layer(cfg, path[0])
+        mtp_layer = names.mtp_layer(cfg, path[0], family)
         if mtp_layer is not None:  # a multi-token prediction module: one decoder layer and its own rows
             entry = mtp_tables.get(path[1:])
             if entry is None:

@@ -59,12 +59,12 @@ import numpy as np
 
 from maxshard.convert.families import Family
 from maxshard.errors import ConfigError
-from maxshard.spec.blocks import Layer
+from maxshard.spec.blocks import Layer, main_stack
 from maxshard.model.layers import rope
 from maxshard.spec.model_config import ModelConfig
 
 __all__ = ["Entry", "MIXERS", "GLOBAL", "ATTENTION", "QK_NORM", "MLP_NORM", "SANDWICH_NORMS", "MLP", "HEAD", "IGNORED",
-           "MTP", "MTP_COPIES", "mtp_layer", "mtp_copies", "per_layer", "hf_name",
+           "MTP", "MTP_COPIES", "QWEN_MTP", "mtp_rows", "mtp_layer", "mtp_copies", "per_layer", "hf_name",
            "hf_shape", "row_axis", "hf_rows_per_row", "whole_rows", "to_maxshard", "to_hf", "join_parts"]
 
 
@@ -271,15 +271,41 @@ MTP = (
 MTP_COPIES = (("model.layers.{i}.embed_tokens.weight", GLOBAL[0]), ("model.layers.{i}.shared_head.head.weight", HEAD))
 
 
-def mtp_layer(cfg: ModelConfig, module: str) -> int | None:
-    """Hugging Face's layer index of the MTP module named `module` ("mtp_<k>"), None for another name."""
+# Qwen3-Next's one MTP module (`Family.mtp_prefix`, vLLM's Qwen3NextMultiTokenPredictor: the same function as
+# layers/mtp.py's module 1): its decoder layer is mtp.layers.0 (the layer's rows with that prefix), and these.
+QWEN_MTP = (
+    Entry("mtp.pre_fc_norm_embedding.weight", ("embed_norm", "scale"), "same"),
+    Entry("mtp.pre_fc_norm_hidden.weight", ("hidden_norm", "scale"), "same"),
+    Entry("mtp.fc.weight", ("eh_proj", "kernel"), "linear", num_in=2),  # in: [embedding; hidden]
+    Entry("mtp.norm.weight", ("head_norm", "scale"), "same"),
+)
+
+
+def mtp_rows(family: Family, cfg: ModelConfig) -> list[tuple[tuple[str, ...], Entry]]:
+    """(path inside the module "mtp_<k>", row) of one MTP module: its decoder layer of the main stack's last kind
+    (under "layer") and its own rows, as DeepSeek (MTP) or Qwen3-Next (QWEN_MTP) keeps them."""
+    layer = per_layer(family, cfg, main_stack(cfg).unit[-1])
+    if not family.mtp_prefix:
+        return [(("layer", *e.path), e) for e in layer] + [(e.path, e) for e in MTP]
+    stem = f"{family.mtp_prefix}.layers.{{i}}."
+    return ([(("layer", *e.path), dataclasses.replace(e, hf=e.hf.replace("model.layers.{i}.", stem))) for e in layer]
+            + [(e.path, e) for e in QWEN_MTP])
+
+
+def mtp_layer(cfg: ModelConfig, module: str, family: Family) -> int | None:
+    """Hugging Face's layer index of the MTP module named `module` ("mtp_<k>"), None for another name: DeepSeek's
+    decoder layer num_layers + k - 1, or under `Family.mtp_prefix` its own layer k - 1."""
     found = re.fullmatch(r"mtp_(\d+)", module)
-    return cfg.num_layers + int(found.group(1)) - 1 if found else None
+    if not found:
+        return None
+    return int(found.group(1)) - 1 + (0 if family.mtp_prefix else cfg.num_layers)
 
 
-def mtp_copies(cfg: ModelConfig) -> list[tuple[str, Entry]]:
-    """(Hugging Face name, the shared tensor it copies) of every MTP module's embedding and head copy; the head is
-    the embedding in a tied model."""
+def mtp_copies(cfg: ModelConfig, family: Family) -> list[tuple[str, Entry]]:
+    """(Hugging Face name, the shared tensor it copies) of every MTP module's embedding and head copy (DeepSeek's;
+    Qwen3-Next keeps none); the head is the embedding in a tied model."""
+    if family.mtp_prefix:
+        return []
     return [(name.format(i=cfg.num_layers + k), entry if entry is GLOBAL[0] or not cfg.logits_via_embedding
              else GLOBAL[0]) for k in range(cfg.mtp_depth) for name, entry in MTP_COPIES]
 

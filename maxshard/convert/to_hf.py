@@ -94,13 +94,13 @@ def _order(params: list[layout.Param], family: Family, cfg: ModelConfig
                     order += ([(param, (i, e)) for e in range(param.shape[1])] if entry.per_expert
                               else [(param, (i,))])
                 i += 1
-    for k in range(1, cfg.mtp_depth + 1):  # multi-token prediction modules: layers after the last (names.MTP)
+    for k in range(1, cfg.mtp_depth + 1):  # multi-token prediction modules: layers after the last (names.mtp_rows)
         module = f"mtp_{k}"
-        for entry in (*names.per_layer(family, cfg, blocks.main_stack(cfg).unit[-1]), *names.MTP):
+        at = names.mtp_layer(cfg, module, family)
+        for _, entry in names.mtp_rows(family, cfg):
             if not (entry.part and entry.part[0]):
-                param = by_entry[module, i, entry]
-                order += [(param, (i, e)) for e in range(param.shape[0])] if entry.per_expert else [(param, (i,))]
-        i += 1
+                param = by_entry[module, at, entry]
+                order += [(param, (at, e)) for e in range(param.shape[0])] if entry.per_expert else [(param, (at,))]
     return order + [(by_entry["", 0, e], ()) for e in (*names.GLOBAL[1:], names.HEAD) if ("", 0, e) in by_entry]
 
 
@@ -143,7 +143,7 @@ def _tensors(reader: orbax_io.Reader, params: list[layout.Param], family: Family
             produce = functools.partial(_blocks, reader, path, index, entry, param.layer_shape, target)
         out.append((spec, produce))
     shared = {p.entry: p for p in params if not p.stacked and p.layer is None}
-    for name, entry in names.mtp_copies(cfg):  # the MTP modules' copies of the shared embedding and head
+    for name, entry in names.mtp_copies(cfg, family):  # the MTP modules' copies of the shared embedding and head
         param = shared[entry]
         target = DTYPES[dtype] if dtype else np.dtype(reader.arrays[param.path].dtype)
         spec = safetensors_io.TensorSpec(name, names.hf_shape(entry, param.layer_shape), target)
