@@ -4,7 +4,9 @@ transformers', the round trip is bit for bit, and what maxshard cannot compute i
 The fixtures (tests/fixtures/qwen3_next/, tools/make_qwen3_next_fixtures.py with transformers 5.24) are 4-layer
 hybrids, 3 gated DeltaNet layers then 1 gated full-attention layer (layer_types), partial rotary 0.25, (1 + w)
 norms; the MoE ones route top-2 of 4 with a sigmoid-gated shared expert twice an expert's width. Logits are taken
-with delta_chunk_size 4, so the 12-token text crosses chunk boundaries (transformers' chunks are 64 wide).
+with delta_chunk_size 4, so the 12-token text crosses chunk boundaries (transformers' chunks are 64 wide). Also: the
+presets against transformers' config defaults, LoRA exports of the tensors DeltaNet's kernels are cut from, and
+Qwen3-Next's multi-token prediction module both ways.
 """
 
 from __future__ import annotations
