@@ -449,6 +449,22 @@ def test_the_compiled_split_is_exact_where_it_can_be(tiny_on_v5e: dict, capsys: 
     assert printed["compiled"]["fits"] and step["peak"] <= printed["compiled"]["usable_bytes"]
 
 
+def test_the_plans_peak_is_the_trainers_compiled_step(tiny_on_v5e: dict) -> None:
+    """The peak the plan printed is `memory_analysis()` of the train step the trainer's compile check compiles on the
+    slice before its first step (maxshard/run/compile_check.py: the same program at XLA's default effort), to the
+    byte."""
+    from maxshard import data
+    from maxshard.parallel import mesh
+    from maxshard.planning.tpu_compile import abstract_devices
+    from maxshard.run.compile_check import compile_step
+    from maxshard.training.step import Trainer
+
+    plan = _plan_tool().plan_for(TINY_TPU[:2], "v5litepod-8")
+    trainer = Trainer(plan.cfg, mesh.build(plan.cfg, abstract_devices(plan.target)))
+    checked = compile_step(trainer, data.batch_sharding(plan.cfg, trainer.mesh))
+    assert checked.peak_bytes == tiny_on_v5e["run"].step_peak
+
+
 def _faked_run(step_peak: int):
     """A compiled run with these peaks, for the verdict's tests (nothing compiled)."""
     from maxshard.planning.compiled import StepMemory
