@@ -285,8 +285,8 @@ def test_the_last_line_is_a_verdict_and_a_run_that_does_not_fit_exits_1(capsys: 
     assert tool.main([*argv, "per_device_batch_size=4"]) == 0
     notice, last = capsys.readouterr().out.splitlines()[-2:]
     assert re.fullmatch(r"fit: yes, \d+\.\d GiB of 28\.1 GiB usable \(full\)", last), last
-    assert notice.startswith("estimate: the formula plan, checked within 15% of XLA's compiled peaks, not a compile "
-                             "(--estimate); the exact answer: "), notice
+    assert notice.startswith("estimate: the formula plan, checked within 15% of XLA's compiled peaks on the tests' "
+                             "shapes, not a compile (--estimate); the exact answer: "), notice
     assert tool.main([*argv, "per_device_batch_size=4", "remat_policy=none"]) == 1
     last = capsys.readouterr().out.splitlines()[-1]
     assert re.fullmatch(r"fit: no, \d+\.\d GiB over the 28\.1 GiB usable \(none plans \d+\.\d GiB\); "
@@ -520,9 +520,9 @@ def test_without_the_targets_compiler_the_plan_says_it_is_an_estimate(capsys: py
         assert tool.main(argv) == 0
         notice, last = capsys.readouterr().out.splitlines()[-2:]
         assert last.startswith("fit: yes, "), last
-        assert notice == (f"estimate: the formula plan, checked within 15% of XLA's compiled peaks, not a compile "
-                          f"({needs}, which is not installed here); the exact answer: {install}, then this command "
-                          f"again"), notice
+        assert notice == (f"estimate: the formula plan, checked within 15% of XLA's compiled peaks on the tests' "
+                          f"shapes, not a compile ({needs}, which is not installed here); the exact answer: "
+                          f"{install}, then this command again"), notice
         assert tool.main([*argv, "--json"]) == 0
         printed = json.loads(capsys.readouterr().out)
         assert printed["answer"] == "estimate" and printed["fit"]["fits"] and "compiled" not in printed

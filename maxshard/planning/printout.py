@@ -241,5 +241,5 @@ def estimate_notice(reason: str, exact: str, error: float) -> str:
     """The line that says the plan is the formula estimate, why it is not a compile, how close the estimate is
     checked to be, and `exact`: what gives the compiler's answer (an install line, or the command without
     --estimate)."""
-    return (f"estimate: the formula plan, checked within {error:.0%} of XLA's compiled peaks, not a compile "
-            f"({reason}); the exact answer: {exact}")
+    return (f"estimate: the formula plan, checked within {error:.0%} of XLA's compiled peaks on the tests' shapes, "
+            f"not a compile ({reason}); the exact answer: {exact}")
