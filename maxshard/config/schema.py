@@ -36,6 +36,7 @@ RematPolicy = Literal[("auto", *remat.NAMES)]  # maxshard/spec/remat.py: the tab
 PipelineSchedule = Literal[pipeline_schedule.NAMES]  # maxshard/spec/pipeline_schedule.py, pipeline_tables.py
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 Quantization = Literal["none", "int8", "fp8"]  # maxshard/model/quantization.py
+XlaGpuOptions = Literal["default", "tuned"]  # maxshard/parallel/xla_options.py: the GPU option tables
 LogicalRules = tuple[tuple[str, tuple[str, ...]], ...]
 MeshRules = tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]
 ObjectiveName = Literal[objective_kinds.NAMES]  # maxshard/objectives/kinds.py: the objectives
@@ -136,6 +137,7 @@ class Config(ModelKeys):
     dtype: DType = "auto"
     weight_dtype: DType = "float32"
     quantization: Quantization = "none"
+    xla_gpu_options: XlaGpuOptions = "default"
     remat_policy: RematPolicy = "auto"
     memory_headroom: float = 0.1
     device_memory_gb: float = 0.0
