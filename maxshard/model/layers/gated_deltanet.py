@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from maxshard.model.layers import kv_cache
+from maxshard.model.layers import delta_rule_context, kv_cache
 from maxshard.model.layers.delta_rule import chunked_gated_delta_rule, recurrent_gated_delta_rule
 from maxshard.model.layers.linears import DenseGeneral
 from maxshard.model.layers.norms import RMSNorm
@@ -52,15 +52,19 @@ def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
-def causal_conv(x: jax.Array, kernel: jax.Array, history: jax.Array, segment_ids: jax.Array | None = None
-                ) -> tuple[jax.Array, jax.Array]:
+def causal_conv(x: jax.Array, kernel: jax.Array, history: jax.Array, segment_ids: jax.Array | None = None,
+                history_segments: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """silu of the causal depthwise convolution of x [b, T, heads, dim] with kernel [width, heads, dim] (kernel[-1]
     multiplies the token itself, as torch's conv1d with width - 1 left padding), the window extended to the left by
-    `history` [b, width - 1, heads, dim] (zeros in training). With `segment_ids` [b, T] a token reads no input of
-    another document. Returns (out [b, T, heads, dim], the window of width - 1 inputs as `history` is)."""
+    `history` [b, width - 1, heads, dim] (zeros in training; the previous shard's inputs with the length sharded:
+    layers/delta_rule_context.py). With `segment_ids` [b, T] a token reads no input of another document;
+    `history_segments` [b, width - 1] are the history's (None: the first token's). Returns (out [b, T, heads, dim],
+    the window of width - 1 inputs as `history` is)."""
     width, length = kernel.shape[0], x.shape[1]
     full = jnp.concatenate([history.astype(x.dtype), x], axis=1)  # [b, width - 1 + T, heads, dim]
-    if segment_ids is not None:
+    if segment_ids is not None and history_segments is not None:
+        seg = jnp.concatenate([history_segments.astype(segment_ids.dtype), segment_ids], axis=1)
+    elif segment_ids is not None:
         seg = jnp.pad(segment_ids, [(0, 0), (width - 1, 0)], mode="edge")  # the zero history needs no mask
     out = jnp.zeros(x.shape, jnp.promote_types(x.dtype, kernel.dtype))
     for i in range(width):
@@ -152,6 +156,8 @@ class GatedDeltaNet(nn.Module):
     def _train(self, projected: dict[str, jax.Array], kernels: dict[str, jax.Array], g: jax.Array,
                beta: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
         """Training (and any call without a cache): the conv from zeros and the chunked rule, per document."""
+        if delta_rule_context.length_axes():  # the length sharded: each device its own tokens, states passed
+            return self._train_sharded(projected, kernels, g, beta, segment_ids)
         width = self.cfg.linear_conv_kernel_dim
         mixed = {}
         for name, t in projected.items():
@@ -159,6 +165,20 @@ class GatedDeltaNet(nn.Module):
             mixed[name] = causal_conv(t, kernels[name], history, segment_ids)[0]
         out, _ = chunked_gated_delta_rule(l2_normalize(mixed["query"]), l2_normalize(mixed["key"]), mixed["value"],
                                           g, beta, chunk_size=self.cfg.delta_chunk_size, segment_ids=segment_ids)
+        return out
+
+    def _train_sharded(self, projected: dict[str, jax.Array], kernels: dict[str, jax.Array], g: jax.Array,
+                       beta: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+        """`_train` with the length sharded (context or sequence parallelism, in whatever order the sequence
+        arrives): the conv's halo and the rule's chunk states cross devices (layers/delta_rule_context.py)."""
+        if segment_ids is None:
+            segment_ids = jnp.zeros(projected["value"].shape[:2], jnp.int32)
+        layouts = dict(query=ax.KEY_VALUE, key=ax.KEY_VALUE, value=ax.QUERY)
+        mixed = {name: delta_rule_context.sharded_causal_conv(t, kernels[name], segment_ids, layouts[name])
+                 for name, t in projected.items()}
+        out, _ = delta_rule_context.sharded_gated_delta_rule(
+            l2_normalize(mixed["query"]), l2_normalize(mixed["key"]), mixed["value"], g, beta,
+            chunk_size=self.cfg.delta_chunk_size, segment_ids=segment_ids)
         return out
 
     def _decode(self, projected: dict[str, jax.Array], kernels: dict[str, jax.Array], g: jax.Array,
