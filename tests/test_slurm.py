@@ -165,8 +165,8 @@ def test_two_task_job_equals_the_one_process_run(cluster, jobs, straight):
     assert code == 0, err[-3000:]
     assert "requeueing" not in err  # a run that completed is not requeued: one start
     assert out.count("resuming from step") == 0 and len(losses(base / "two")) == 4
-    np_close = [abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses(base / "two"), straight[:4])]
-    assert all(np_close), (losses(base / "two"), straight[:4])
+    close = [abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses(base / "two"), straight[:4])]
+    assert all(close), (losses(base / "two"), straight[:4])
 
 
 def test_sigterm_saves_requeues_and_resumes_bit_exactly(cluster, jobs, straight):
