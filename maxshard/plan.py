@@ -213,10 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _search(args, raw_argv)
         plan = plan_for([args.config, *args.overrides], args.topology, args.num_slices)
         if args.estimate:
-            module = _module(plan.target)
-            missing = module.missing()
-            exact = "this command without --estimate" if missing is None else _after_install(module.INSTALL)
-            return _verdict(plan, args.json, "--estimate", None if missing is None else module.INSTALL, exact)
+            return _estimate(plan, args.json)
         compiler = _compiler(plan.target, asked=args.compile)
         if isinstance(compiler, _NoCompiler):
             return _verdict(plan, args.json, compiler.reason, compiler.command, compiler.exact)
@@ -241,7 +238,7 @@ class _NoCompiler:
 
     reason: str
     command: str | None
-    exact: str  # for a person: what gives the compiler's answer
+    exact: str | None  # for a person: what gives the compiler's answer (None: the reason says it)
 
 
 def _module(target: topologies.Target):  # noqa: ANN202 (a module)
@@ -266,10 +263,20 @@ def _compiler(target: topologies.Target, asked: bool) -> _Compiler | _NoCompiler
     except ConfigError as e:
         if asked:
             raise
-        return _NoCompiler(str(e), None, "none on this machine")
+        return _NoCompiler(str(e), None, None)
 
 
-def _verdict(plan: Plan, as_json: bool, reason: str, command: str | None, exact: str, printed: bool = False) -> int:
+def _estimate(plan: Plan, as_json: bool) -> int:
+    """The formula's answer, asked for with --estimate: the exact one is this command without it, or after the
+    target's compiler is installed."""
+    module = _module(plan.target)
+    if module.missing() is None:
+        return _verdict(plan, as_json, "--estimate", None, "this command without --estimate")
+    return _verdict(plan, as_json, "--estimate", module.INSTALL, _after_install(module.INSTALL))
+
+
+def _verdict(plan: Plan, as_json: bool, reason: str, command: str | None, exact: str | None,
+             printed: bool = False) -> int:
     """The plan, the line that says it is an estimate, why, and what gives the exact answer (`command`: an install
     line, or None), and its one verdict line against the target's usable memory (last): 0 when it fits, 1 when not.
     `printed`: the plan's text is already out."""
@@ -306,8 +313,7 @@ def _compiled(plan: Plan, as_json: bool, compiler: _Compiler, asked: bool) -> in
         why = f"cannot compile attention={plan.cfg.model.attention} for {plan.target.name} here: {reason}"
         if asked:
             raise ConfigError(why) from None
-        return _verdict(plan, as_json, why, None, "a compile on the GPU itself (the trainer's compile check)",
-                        printed=not as_json)
+        return _verdict(plan, as_json, why, None, None, printed=not as_json)
     usable, source = _usable(plan)
     fits = run.step_peak <= usable
     if as_json:

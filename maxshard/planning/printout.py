@@ -237,9 +237,10 @@ def format_compiled(plan: Plan, run: CompiledRun, xla: str, usable: int, source:
             *(f"  {name:<16} {format_bytes(size):>11}{'  ' + what if what else ''}" for name, size, what in rows)]
 
 
-def estimate_notice(reason: str, exact: str, error: float) -> str:
+def estimate_notice(reason: str, exact: str | None, error: float) -> str:
     """The line that says the plan is the formula estimate, why it is not a compile, how close the estimate is
     checked to be, and `exact`: what gives the compiler's answer (an install line, or the command without
-    --estimate)."""
+    --estimate; None where `reason` says it)."""
+    then = "" if exact is None else f"; the exact answer: {exact}"
     return (f"estimate: the formula plan, checked within {error:.0%} of XLA's compiled peaks on the tests' shapes, "
-            f"not a compile ({reason}); the exact answer: {exact}")
+            f"not a compile ({reason}){then}")
