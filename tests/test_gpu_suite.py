@@ -1,0 +1,67 @@
+"""benchmarks/gpu_suite.py, the GPU measurements of issue 72 as one command: its dry run, on CPU, lists every
+measurement, and each is a run config that loads for the GPU it is meant for (nothing is trained or compiled)."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))  # the suite imports its sibling scripts as the scripts do
+
+import gpu_suite  # noqa: E402
+
+from maxshard.run.target import load_for_target  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def printed() -> tuple[int, list[str]]:
+    """(the deepest 8B depth the planner fits on one H200, the dry run's lines)."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert gpu_suite.main(["--dry-run"]) == 0
+    return gpu_suite.largest_depth("h200-141gb-8"), out.getvalue().splitlines()
+
+
+def test_the_dry_run_lists_every_measurement_as_a_command(printed: tuple[int, list[str]]) -> None:
+    depth, lines = printed
+    suite = gpu_suite.measurements(depth, 3)
+    assert lines[0].startswith(f"# the 8B widths at {depth} layers"), lines[0]
+    assert lines[1:] == [f"{m.name}: {shlex.join(['python', *m.command])}" for m in suite]
+    names = {m.name for m in suite}
+    assert {"cli", "attention", "remat-8b"} <= names
+    for model in ("1b", "8b"):  # bf16 vs 8-bit, default vs tuned XLA:GPU options, for both models
+        assert {f"kernels-{model}-{v}" for v in ("bf16", "int8", "fp8", "tuned")} <= names, names
+
+
+def test_every_measurement_loads_as_the_run_it_measures_on_an_h200(printed: tuple[int, list[str]]) -> None:
+    """Each command's key=value overrides are the config it measures, and that config is valid for one H200: the
+    CLI run is the trainer's own command line, and the 8B rows are at the depth whose planned peak fits."""
+    depth, _ = printed
+    target = gpu_suite.gpu_target("h200-141gb-8")
+    for m in gpu_suite.measurements(depth, 3):
+        overrides = [word for word in m.command if "=" in word and not word.startswith("-")]
+        assert set(overrides) <= set(m.config), (m.name, set(overrides) - set(m.config))
+        cfg = load_for_target(["configs/base.yml", *m.config], target)
+        assert cfg.max_target_length == 8192, m.name
+        if m.name.startswith("kernels-8b"):
+            assert (cfg.model.num_layers, cfg.model.emb_dim, cfg.model.mlp_dim) == (depth, 4096, 14336), m.name
+            assert cfg.memory_fit.fits, (m.name, cfg.memory_fit)
+        expected = {"int8": "int8", "fp8": "fp8"}.get(m.name.split("-")[-1], "none")
+        assert cfg.quantization == expected, m.name
+        assert cfg.xla_gpu_options == ("tuned" if m.name.endswith("tuned") else "default"), m.name
+    deeper = load_for_target(["configs/base.yml", *gpu_suite.EIGHT_B, f"num_layers={depth + 4}"], target)
+    assert depth == 32 or not deeper.memory_fit.fits, "the depth is the deepest that fits"
+
+
+def test_without_a_gpu_the_suite_says_so_in_one_line(monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(gpu_suite, "has_gpu", lambda: False)
+    assert gpu_suite.main(["--only", "cli"]) == 2
+    assert capsys.readouterr().err.strip().startswith("gpu_suite.py needs an NVIDIA GPU")
