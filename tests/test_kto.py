@@ -6,8 +6,8 @@ reader turns TRL's records into TRL's token ids and KL pairs; and `objective=kto
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import math
 from pathlib import Path
 
 import jax
@@ -16,10 +16,17 @@ import pytest
 from helpers import max_relative_difference
 from test_objectives import CASES, LAYOUTS, LENGTH, TOLERANCE, import_fixtures, start
 
-from maxshard import data, train
+from maxshard import config, data
+from maxshard.data import make_input, packing, preference
+from maxshard.data.chat import WEIGHT
+from maxshard.data.sources import BadRecord, ReadOptions
+from maxshard.data.tokenizer import load_hf_tokenizer
+from maxshard.parallel import mesh as mesh_lib
 from maxshard.training.step import mesh_context
+from tests.test_data import BASE
 
 KTO = CASES["kto"]
+QWEN = Path(__file__).resolve().parent / "fixtures" / "hf" / "qwen3" / "tokenizer.json"
 ROWS = ((0, 1), (2,), (), (3, 4), (), (), (), ())  # which examples each row of the batch of 8 holds, in order
 KEYS = ("objective=kto", f"kto_beta={KTO['config']['beta']}",
         f"kto_desirable_weight={KTO['config']['desirable_weight']}",
@@ -96,3 +103,90 @@ def test_fsdp4_tensor2_equals_one_device(runs):
     assert max_relative_difference(grads, one_grads) < 1e-5
     for name, value in one_metrics.items():
         assert float(metrics[name]) == pytest.approx(float(value), abs=1e-5), name
+
+
+# ------------------------------------------------------------------ the reader: TRL's records -> TRL's ids and KL pairs
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def halves_of(example: dict[str, np.ndarray]) -> list[tuple[list[int], list[float]]]:
+    """(tokens, weights of each target) of the example's two halves."""
+    out = []
+    for half in (1, 2):
+        mine = example[packing.HALF] == half
+        out.append(([*example["inputs"][mine].tolist(), int(example["targets"][mine][-1])],
+                    example[WEIGHT][mine].tolist()))
+    return out
+
+
+def test_the_reader_gives_trl_ids_and_kl_sequences(tmp_path):
+    """TRL's records through `dataset_type: preference` give, with the same tokenizer, TRL's token ids: each example's
+    first half is prompt_ids + completion_ids, weighted +1 (desirable) or -1 on the completion's ids, its second
+    prompt_ids + KL_completion_ids, weighted 1 there: TRL's rotation, for a source that is one batch."""
+    path = write_jsonl(tmp_path / "kto.jsonl", KTO["records"])
+    corpus = preference.open_source(str(path), "dataset_path", False, ReadOptions("", "text", "messages", "train",
+                                                                                   "", "never"))
+    encoder = preference.PreferenceEncoder(load_hf_tokenizer(str(QWEN)), None, 4096)
+    assert len(corpus.documents) == len(KTO["examples"])
+    for index, trl in enumerate(KTO["examples"]):
+        (tokens, weights), (kl_tokens, kl_weights) = halves_of(encoder(corpus.documents[index], f"record {index}"))
+        prompt = len(trl["prompt_ids"]) - 1  # targets before the completion's first
+        assert tokens == trl["prompt_ids"] + trl["completion_ids"]
+        assert kl_tokens == trl["prompt_ids"] + trl["KL_completion_ids"]
+        sign = 1.0 if trl["label"] else -1.0
+        assert weights == [0.0] * prompt + [sign] * len(trl["completion_ids"])
+        assert kl_weights == [0.0] * prompt + [1.0] * len(trl["KL_completion_ids"])
+
+
+def test_bad_records_are_skipped_and_a_kl_completion_comes_from_the_nearest_good_record():
+    records = [preference.as_unpaired(r, f"line {i}") for i, r in enumerate([
+        {"prompt": "a", "completion": " b", "label": True},
+        {"prompt": "c", "completion": " d", "label": "yes"},
+        {"prompt": "e", "completion": " f"},
+        {"prompt": [{"role": "user", "content": "g"}], "completion": " h", "label": False},
+        {"prompt": "i", "completion": " j", "label": False}])]
+    assert [r.reason if isinstance(r, BadRecord) else r.label for r in records] == [
+        True, "label not a boolean", "missing field", "text mixed with messages", False]
+    documents = preference.KlCompletions(records)
+    assert documents[4].rejected == " b" and documents[0].rejected == " j"
+    assert documents[1] is records[1]
+    alone = preference.KlCompletions(records[:1])
+    assert alone[0].reason == "no record nearby for its KL completion"
+
+
+def test_rows_hold_whole_examples_with_their_labels(tmp_path):
+    """Through make_input (objective kto, dataset_type preference): a row's segments 2e - 1 and 2e are an example's
+    own and KL sequences with the same prompt; the own completion weighs its label, the KL one 1."""
+    records = [{"prompt": f"q{i}:", "completion": " yes" if i % 2 else " no no", "label": bool(i % 2)}
+               for i in range(12)]
+    path = write_jsonl(tmp_path / "kto.jsonl", records)
+    cfg = config.load([BASE, "dataset_type=preference", "objective=kto", f"dataset_path={path}",
+                       "per_device_batch_size=1", "max_target_length=32", "eval_fraction=0"])
+    batch = jax.device_get(next(make_input(cfg, mesh_lib.build(cfg))))
+    labels = 0
+    for row in range(batch["segment_ids"].shape[0]):
+        segments, weights = batch["segment_ids"][row], batch["loss_weights"][row]
+        for e in range(1, int(segments.max()) // 2 + 1):
+            own, kl = weights[segments == 2 * e - 1], weights[segments == 2 * e]
+            sign = set(own[own != 0].tolist())
+            assert sign in ({1.0}, {-1.0}) and set(kl[kl != 0].tolist()) == {1.0}
+            prompt = int(np.argmax(own != 0))
+            assert (batch["inputs"][row][segments == 2 * e - 1][:prompt + 1]
+                    == batch["inputs"][row][segments == 2 * e][:prompt + 1]).all()
+            labels += sign == {1.0}
+    assert labels > 0 and (batch["segment_ids"] > 0).any()
+
+
+def test_an_encoder_told_its_objective_skips_records_of_the_other_kind():
+    encoder = preference.PreferenceEncoder(load_hf_tokenizer(str(QWEN)), None, 4096, unpaired=True)
+    pair = preference.as_preference(CASES["records"][0], "pair")
+    example = preference.KlCompletions([preference.as_preference(r, "x") for r in KTO["records"]])[1]
+    assert encoder(pair, "pair").reason == "a pair, not an unpaired record"
+    assert not isinstance(encoder(example, "x"), BadRecord)
+    pairs_only = dataclasses.replace(encoder, unpaired=False)
+    assert pairs_only(example, "x").reason == "an unpaired record, not a pair"
+    assert not isinstance(pairs_only(pair, "pair"), BadRecord)
