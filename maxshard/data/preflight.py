@@ -80,8 +80,15 @@ def _check_exists(spec: catalog.SourceSpec) -> None:
 
 
 def _check_preference(path: str, key: str, chat: bool, options: ReadOptions) -> None:
-    """Preference records: JSONL or a Hugging Face dataset with `chosen` (as `preference.open_source` reads them)."""
-    _check_records(path, key, options, ("chosen",))
+    """Preference records: JSONL or a Hugging Face dataset with `chosen`, else `completion` (unpaired records, KTO),
+    as `preference.open_source` reads them; the error names `chosen` when it has neither."""
+    try:
+        _check_records(path, key, options, ("chosen",))
+    except ConfigError as no_pairs:
+        try:
+            _check_records(path, key, options, ("completion",))
+        except ConfigError:
+            raise no_pairs from None
 
 
 def _check_prompts(path: str, key: str, chat: bool, options: ReadOptions) -> None:
