@@ -100,7 +100,7 @@ LONGEST_FILES = ("test_plan_heldout_tpu.py", "test_tpu_aot.py", "test_multiproce
                  "test_moe_routing.py", "test_elastic.py",
                  "test_eval.py", "test_pipeline_runner.py", "test_mtp.py", "test_blocks.py", "test_peft.py",
                  "test_checkpoint_layouts.py", "test_same_model.py", "test_store.py", "test_convert_gemma.py",
-                 "test_convert_gpt_oss.py", "test_pipeline_runner_moe.py", "test_pipeline_tpu.py")
+                 "test_convert_gpt_oss.py", "test_pipeline_runner_moe.py", "test_pipeline_tpu.py", "test_slurm.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
