@@ -21,6 +21,7 @@ from maxshard.data import make_input, packing, preference
 from maxshard.data.chat import WEIGHT
 from maxshard.data.sources import BadRecord, ReadOptions
 from maxshard.data.tokenizer import load_hf_tokenizer
+from maxshard.errors import ConfigError
 from maxshard.parallel import mesh as mesh_lib
 from maxshard.training.step import mesh_context
 from tests.test_data import BASE
@@ -190,3 +191,20 @@ def test_an_encoder_told_its_objective_skips_records_of_the_other_kind():
     pairs_only = dataclasses.replace(encoder, unpaired=False)
     assert pairs_only(example, "x").reason == "an unpaired record, not a pair"
     assert not isinstance(pairs_only(pair, "pair"), BadRecord)
+
+
+def test_hugging_face_rows_map_style_and_streamed(tmp_path):
+    """A save_to_disk directory of unpaired rows reads as JSONL does (each with the previous row's completion); a
+    streamed one is refused in one line (its records have no neighbours to take a KL completion from)."""
+    import datasets
+
+    datasets.Dataset.from_list(KTO["records"]).save_to_disk(str(tmp_path / "kto"))
+    options = ReadOptions("", "text", "messages", "train", "", "never")
+    documents = preference.open_source(str(tmp_path / "kto"), "dataset_path", False, options).documents
+    assert [(d.chosen, d.rejected, d.label) for d in documents] == [
+        (r["completion"], KTO["records"][i - 1]["completion"], r["label"]) for i, r in enumerate(KTO["records"])]
+    (tmp_path / "parquet").mkdir()
+    datasets.Dataset.from_list(KTO["records"]).to_parquet(str(tmp_path / "parquet" / "a.parquet"))
+    streamed = dataclasses.replace(options, hf_streaming="always")
+    with pytest.raises(ConfigError, match=r"^dataset_path=\S+: unpaired records .* set hf_streaming=never$"):
+        preference.open_source(f"{tmp_path}/parquet/*.parquet", "dataset_path", False, streamed)
