@@ -1,7 +1,8 @@
-"""SimPO, ORPO and KTO through `maxshard.train` (the CLI's entry point, in this process) on a preference JSONL: the tiny
-preset, byte-level tokenizer, a few steps. Their math against TRL is test_objectives.py's; here the path a user runs:
-the keys parse, the reader packs the pairs (KTO: unpaired records), the step trains, and the metrics each objective reports reach
-metrics.jsonl with a finite loss that moves. DPO's CLI run is test_objectives.py's."""
+"""SimPO, ORPO and KTO through `maxshard.train` (the CLI's entry point, in this process) on a preference JSONL: the
+tiny preset, byte-level tokenizer, a few steps. Their math against TRL is test_objectives.py's (KTO's test_kto.py's);
+here the path a user runs: the keys parse, the reader packs the pairs (KTO: unpaired records), the step trains, and
+the metrics each objective reports reach metrics.jsonl with a finite loss that moves. DPO's CLI run is
+test_objectives.py's."""
 
 from __future__ import annotations
 
