@@ -18,6 +18,11 @@ and prints the tables in the layout of benchmarks/README.md's "On one H200" sect
 driver (nvidia-smi) and the package versions. `--dry-run` prints the commands instead, on any machine: each is
 also a run config that `tests/test_gpu_suite.py` loads. `--only` runs the measurements whose names start with one
 of the given words (a lease too short for all of them).
+
+`--hlo key=value ...` needs no GPU but JAX's CUDA plugin (`pip install -e ".[gpu-aot]"`): it compiles the run's train
+step with XLA:GPU for one GPU of `--device-type` (planning/gpu_compile.py) and prints, as JSON, what the program
+holds: its fusions, those that transpose, its copies and its GEMMs with 8-bit operands. That is compile-level
+evidence of a program's structure (XLA:GPU without a device picks its GEMMs without autotuning), not of speed.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import shlex
 import statistics
 import subprocess
@@ -191,6 +197,35 @@ def cli_figures(out_dir: str, name: str) -> dict:
             "mfu": median["mfu"], "startup": startup}
 
 
+def hlo_counts(text: str) -> dict[str, int]:
+    """What a compiled program (`compiled.as_text()`) holds: fusion instructions, those whose fused computation
+    transposes, copy instructions, and GEMMs (XLA's gemm fusions and cuBLAS calls) with an 8-bit float operand.
+    Each is counted once in the text: a scanned layer's body once, however many layers run it."""
+    computations = {m.group(1): m.group(0) for m in re.finditer(r"^(%\S+) \(.*?\n}", text, re.M | re.S)}
+    fusions = re.findall(r"^\s*(?:ROOT )?%\S+ = .*? fusion\(.*?calls=(%[\w.\-]+)", text, re.M)
+    gemms = [computations.get(c, "") for c in fusions if "gemm" in c]
+    cublas = re.findall(r'custom_call_target="__cublas\$lt\$matmul(\$f8)?"', text)
+    f8 = re.compile(r"f8e\d")
+    return {"fusions": len(fusions),
+            "transposing fusions": sum(" transpose(" in computations.get(c, "") for c in fusions),
+            "copies": len(re.findall(r"^\s*(?:ROOT )?%\S+ = \S+ copy\(", text, re.M)),
+            "GEMMs": len(gemms) + len(cublas),
+            "8-bit GEMMs": sum(bool(f8.search(g.split("\n", 1)[0])) for g in gemms) + sum(map(bool, cublas))}
+
+
+def compile_hlo(device_type: str, overrides: Sequence[str]) -> dict[str, int]:
+    """`hlo_counts` of the train step of configs/base.yml + `overrides`, compiled for one GPU of `device_type`
+    without one."""
+    from maxshard.parallel import mesh
+    from maxshard.planning import gpu_compile
+    from maxshard.planning.compiled import compile_train_step
+    from maxshard.run.target import load_for_target
+
+    target = gpu_target(device_type)
+    cfg = load_for_target(["configs/base.yml", *overrides], target)
+    return hlo_counts(compile_train_step(cfg, mesh.build(cfg, gpu_compile.abstract_devices(target))).as_text())
+
+
 def _mfu(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"
 
@@ -238,7 +273,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", default=(), help="the measurements whose names start with these")
     parser.add_argument("--device-type", default="h200-141gb-8", help="the GPU node type the 8B depth is planned for")
     parser.add_argument("--steps", type=int, default=3, help="traced steps of each gpu_kernels.py run")
+    parser.add_argument("--hlo", nargs="*", metavar="KEY=VALUE", help="compile without a GPU and count (see above)")
     args = parser.parse_args(argv)
+    if args.hlo is not None:
+        print(json.dumps(compile_hlo(args.device_type, args.hlo)))
+        return 0
     depth = largest_depth(args.device_type)
     chosen = [m for m in measurements(depth, args.steps) if not args.only or m.name.startswith(tuple(args.only))]
     if args.dry_run:
