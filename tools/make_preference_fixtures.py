@@ -1,5 +1,5 @@
-"""Writes tests/fixtures/preference/: TRL's own losses, metrics, log-probs and gradients for DPO, SimPO, ORPO and GRPO
-on the tests/fixtures/hf/qwen3 model, the reference for maxshard's preference objectives.
+"""Writes tests/fixtures/preference/: TRL's own losses, metrics, log-probs and gradients for DPO, SimPO, ORPO, GRPO
+and KTO on the tests/fixtures/hf/qwen3 model, the reference for maxshard's preference objectives.
 
 Run once, by hand, in a venv of its own: torch, transformers and trl are never dependencies of maxshard or its CI.
 
