@@ -25,10 +25,10 @@ import pytest
 from maxshard.model.layers import delta_rule_context, ring_attention
 from maxshard.model.layers.delta_rule import chunked_gated_delta_rule
 from maxshard.model.layers.gated_deltanet import GatedDeltaNet, causal_conv
-from maxshard.parallel import axis_names as ax
 from maxshard.parallel import sharding
-from maxshard.training.step import mesh_context
+from maxshard.training.step import Trainer, mesh_context
 from tests.helpers import max_relative_difference, mesh_for, tiny_config
+from tests.test_pipeline import loss_and_grads, packed_batch, random_params
 
 TOLERANCE = 1e-5
 BATCH, LENGTH, KEY_HEADS, VALUE_HEADS, DK, DV = 2, 32, 2, 4, 8, 8
@@ -179,3 +179,22 @@ def test_layer_under_context_parallelism_equals_one_device() -> None:
         (_, got), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
     assert max_relative_difference(got, want) < TOLERANCE
     assert max_relative_difference(grads, want_grads) < TOLERANCE
+
+
+# a hybrid read from `layer_types` at the tiny preset's widths: one DeltaNet layer, then one attention layer
+HYBRID = ("emb_dim=64", "num_heads=4", "num_kv_heads=4", "head_dim=16", "mlp_dim=256", "num_layers=2",
+          "layer_types=linear_attention,full_attention", "linear_num_key_heads=2", "linear_num_value_heads=4",
+          "linear_key_head_dim=16", "linear_value_head_dim=16", "delta_chunk_size=2", "attention=dot_product")
+
+
+def test_hybrid_model_under_context_parallelism_gives_one_devices_loss_and_gradients() -> None:
+    """Packed rows (tests/test_pipeline.py's batch: a document boundary at a different place in every row, on and
+    inside the 4-token pieces), float32, each gradient leaf within 1e-5 of its own largest value."""
+    cfg = tiny_config(*HYBRID, num_devices=1)
+    trainer = Trainer(cfg, mesh_for(cfg))
+    params, batch = random_params(trainer), packed_batch(cfg, trainer.mesh)
+    ref_loss, ref_grads = loss_and_grads(cfg, params, batch)
+    loss, grads = loss_and_grads(tiny_config(*HYBRID, *LAYOUTS["context4_fsdp2"]), params, batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=TOLERANCE)
+    assert max_relative_difference(grads, ref_grads) < TOLERANCE
+    assert all(np.any(g) for g in jax.tree.leaves(ref_grads["decoder"]["layers"]["layer_0"]["linear_attention"]))
