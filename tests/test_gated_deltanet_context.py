@@ -168,8 +168,8 @@ def test_layer_under_context_parallelism_equals_one_device() -> None:
     x = jnp.asarray(rng.normal(size=(BATCH, LENGTH, cfg.emb_dim)), jnp.float32)
     segments = jnp.asarray(SEGMENTS)
     positions = jnp.asarray(np.broadcast_to(np.arange(LENGTH), (BATCH, LENGTH)), jnp.int32)  # the layer reads none
-    params = nn.unbox(layer.init(jax.random.key(0), x, segments, positions)["params"])
-    params = jax.tree.map(lambda p: p + 0.1 * jnp.asarray(rng.normal(size=p.shape), p.dtype), params)
+    shapes = nn.unbox(jax.eval_shape(layer.init, jax.random.key(0), x, segments, positions)["params"])
+    params = jax.tree.map(lambda p: jnp.asarray(rng.normal(0.0, 0.3, p.shape), jnp.float32), shapes)
     w = jnp.asarray(rng.normal(size=x.shape), jnp.float32)
     loss = _layer_loss(layer, x, segments, positions, w)
     (_, want), want_grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)

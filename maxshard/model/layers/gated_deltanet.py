@@ -16,6 +16,10 @@ heads. The convolution's kernel is kept per projection ([width, heads, dim]), so
 Packed documents: the convolution reads no token of another document and the rule's state restarts at each
 document (segment_ids), so each document computes as if alone.
 
+The length sharded (context or sequence parallelism; under context in ring attention's balanced order): each
+device convolves and runs the chunked rule on its own tokens, the conv's halo and the rule's chunk states passed
+between the shards (layers/delta_rule_context.py); the same numbers as one device, nothing gathers the sequence.
+
 Generation ("cache" collection mutable, as Attention decides it): the cache holds, per sequence, the conv's last
 width - 1 inputs of q, k and v ([batch, width - 1, heads, dim]) and the rule's state ([batch, value_heads, dk, dv],
 float32). A call of one token steps the recurrent form; a longer call (the prefill) runs the chunked form from the
