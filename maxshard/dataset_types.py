@@ -59,8 +59,9 @@ READERS = (
            "assistant turns (data/chat.py)"),
     Reader("preference", "maxshard.data.preference:open_source", "pairs",
            ("chat_template", "hf_split", "hf_streaming", "data_cache_dir"),
-           "preference pairs (prompt, chosen, rejected: text or conversations) for DPO, SimPO, ORPO, from JSONL or a "
-           "Hugging Face dataset; each pair whole in one row, loss weights on the completions (data/preference.py)"),
+           "preference pairs (prompt, chosen, rejected: text or conversations) for DPO, SimPO, ORPO, or unpaired "
+           "records (prompt, completion, label) for KTO, from JSONL or a Hugging Face dataset; each pair (example) "
+           "whole in one row, loss weights on the completions (data/preference.py)"),
     Reader("prompts", "maxshard.data.prompts:open_source", "prompts",
            ("chat_template", "tokenizer_path", "hf_split", "hf_streaming", "data_cache_dir"),
            "prompts for GRPO's rollouts (text, or a conversation ending with a user turn) with any other fields, which "
