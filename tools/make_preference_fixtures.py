@@ -8,9 +8,9 @@ Run once, by hand, in a venv of its own: torch, transformers and trl are never d
         safetensors==0.8.0 tokenizers==0.23.3 numpy==2.4.6
     /work/trlvenv/bin/python tools/make_preference_fixtures.py
     /work/trlvenv/bin/python tools/make_preference_fixtures.py --only grpo.dapo_t07,grpo.gspo   # those cases only
-    /work/trlvenv/bin/python tools/make_preference_fixtures.py --only kto
+    /work/trlvenv/bin/python tools/make_preference_fixtures.py --only kto,reward
 
-`--only` recomputes the named GRPO cases (and `kto`) and writes them into the cases.json already there (each with
+`--only` recomputes the named GRPO cases (and `kto`, `reward`) and writes them into the cases.json already there (each with
 the versions that computed it) and their gradients, leaving every other file byte-identical: another torch build
 moves the log-probs in their last bits (2.13 against 2.14: 5e-7), so a whole rerun there would rewrite every file.
 
@@ -46,6 +46,9 @@ builds the batch, and `trainer.compute_loss` gives the loss (then `loss.backward
               records {prompt, completion, label} (3 desirable, 2 undesirable) in one batch of 5, the reference
               model of dpo: TRL tokenizes them, builds the KL sequences by rotating the completions by one within
               the batch (example i's KL completion is example i - 1's, the first takes the last) and pads both.
+  reward      RewardTrainer on the 4 pairs (Bradley-Terry, no margin, no centring), qwen3 loaded as a
+              sequence-classification model (num_labels 1) whose score head is drawn after torch.manual_seed(2)
+              (its weight is stored); TRL scores the last token that is not the pad id, which here is the EOS.
 
 See tests/fixtures/preference/README.md for the file format and each loss's exact convention.
 """
@@ -67,8 +70,8 @@ import transformers
 import trl
 from datasets import Dataset
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
-from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, KTOConfig, KTOTrainer
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, KTOConfig, KTOTrainer, RewardConfig, RewardTrainer
 from trl.experimental.cpo import CPOConfig, CPOTrainer
 from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
@@ -115,6 +118,7 @@ KTO_RECORDS = [
     {"prompt": RECORDS[1]["prompt"], "completion": RECORDS[1]["chosen"], "label": True},
 ]
 KTO_CONFIG = {"beta": 0.5, "desirable_weight": 1.0, "undesirable_weight": 1.5}
+REWARD_SEED = 2  # torch.manual_seed before the sequence-classification model draws its score head
 # GRPO cases kept without gradients (280 KiB each): their per-token terms are another case's, only weighted otherwise
 # (dapo_k3, dr_grpo_k3: grpo_k3's; dr_grpo: dapo's times num_items_in_batch / (completions x max_completion_length))
 GRPO_LOSS_ONLY = ("dapo_k3", "dr_grpo_k3", "dr_grpo")
@@ -448,6 +452,48 @@ def kto_case(policy, reference) -> tuple[dict, dict]:
     return record, g
 
 
+# -------------------------------------------------------------------------------------------------- reward model
+def reward_case() -> tuple[dict, dict]:
+    """RewardTrainer (Bradley-Terry: -logsigmoid(r_chosen - r_rejected), no margin, no centring) on RECORDS in one
+    batch, the policy loaded as a sequence-classification model whose score head (hidden -> 1, no bias) is drawn
+    after torch.manual_seed(REWARD_SEED)."""
+    torch.manual_seed(REWARD_SEED)
+    model = AutoModelForSequenceClassification.from_pretrained(POLICY, num_labels=1, dtype=torch.float32)
+    score = floats(model.score.weight[0])
+    args = RewardConfig(**common_args(per_device_train_batch_size=len(RECORDS), max_length=None,
+                                      disable_dropout=True, center_rewards_coefficient=None))
+    trainer = RewardTrainer(model=model, args=args, train_dataset=Dataset.from_list(RECORDS),
+                            processing_class=tokenizer())
+    ds = trainer.train_dataset
+    pairs = [{k: list(ds[i][k]) for k in ("chosen_ids", "rejected_ids")} for i in range(len(ds))]
+    model = trainer.model
+    model.train()
+    batch = trainer._prepare_inputs(trainer.data_collator([ds[i] for i in range(len(ds))]))
+    for store in trainer._metrics.values():
+        store.clear()
+    model.zero_grad(set_to_none=True)
+    loss = trainer.compute_loss(model, batch)
+    loss.backward()
+    g = grads(model)
+    with torch.no_grad():
+        rewards = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.squeeze(-1)
+    n = len(pairs)
+    record = {
+        "trainer": "trl.RewardTrainer", "loss_function": "trl.trainer.reward_trainer.RewardTrainer.compute_loss",
+        "model": "AutoModelForSequenceClassification(tests/fixtures/hf/qwen3, num_labels=1)",
+        "config": {"center_rewards_coefficient": args.center_rewards_coefficient, "max_length": args.max_length,
+                   "pad_token_id": model.config.get_text_config().pad_token_id, "score_seed": REWARD_SEED},
+        "score_weight": score,
+        "pairs": pairs,
+        "loss": loss.item(),
+        "metrics": last_metrics(trainer._metrics["train"]),
+        "rewards_chosen": floats(rewards[:n]), "rewards_rejected": floats(rewards[n:]),
+        "scored_position": "the last token that is not the pad id (pad = EOS = 0 here: the token before the EOS)",
+    }
+    model.zero_grad(set_to_none=True)
+    return record, g
+
+
 # ---------------------------------------------------------------------------------------------------------- main
 def grpo_cases(reference_weights: dict, old_weights: dict, all_grads: dict) -> tuple[dict, dict]:
     """Every GRPO case (name -> record; their gradients into `all_grads`) and the rollouts they share."""
@@ -475,16 +521,19 @@ def main_only(names: list[str], ref_dir: pathlib.Path) -> None:
     if "kto" in names:
         reference = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
         kto, all_grads["kto"] = kto_case(load_policy(), reference)
+    reward = None
+    if "reward" in names:
+        reward, all_grads["reward"] = reward_case()
     if any(name.startswith("grpo.") for name in names):
         reference_weights = weights(AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32))
         old_weights = weights(perturb(load_policy(), OLD_SEED, PERTURBATION))
         grpo, rollouts = grpo_cases(reference_weights, old_weights, all_grads)
-    write_only(names, grpo, rollouts, all_grads, kto)
+    write_only(names, grpo, rollouts, all_grads, kto, reward)
 
 
 def write_only(names: list[str], grpo: dict, rollouts: dict | None, all_grads: dict,
-               kto: dict | None = None) -> None:
-    """`--only grpo.NAME,...,kto`: adds (or replaces) those cases in the cases.json already there, each with the
+               kto: dict | None = None, reward: dict | None = None) -> None:
+    """`--only grpo.NAME,...,kto,reward`: adds (or replaces) those cases in the cases.json already there, each with the
     versions that computed it, and writes their gradients; every other file stays as it is, byte for byte (another
     torch build moves the log-probs in their last bits)."""
     fixture = json.loads((OUT / "cases.json").read_text())
@@ -492,7 +541,10 @@ def write_only(names: list[str], grpo: dict, rollouts: dict | None, all_grads: d
     if kto is not None:
         fixture["kto"] = {**kto, "versions": versions()}
         save_file(all_grads["kto"], str(OUT / "kto_grads.safetensors"), metadata={"format": "pt"})
-    for name in (n for n in names if n != "kto"):
+    if reward is not None:
+        fixture["reward"] = {**reward, "versions": versions()}
+        save_file(all_grads["reward"], str(OUT / "reward_grads.safetensors"), metadata={"format": "pt"})
+    for name in (n for n in names if n not in ("kto", "reward")):
         case = name.removeprefix("grpo.")
         fixture["grpo"][case] = {**grpo[case], "versions": versions()}
         if f"grpo_{case}" in all_grads:
@@ -547,6 +599,7 @@ def main() -> None:
     grpo, rollouts = grpo_cases(reference_weights, old_weights, all_grads)
     conversational = chat_ids(load_policy(), ref_model())
     kto, all_grads["kto"] = kto_case(load_policy(), ref_model())
+    reward, all_grads["reward"] = reward_case()
 
     for name, g in all_grads.items():
         save_file(g, str(OUT / f"{name}_grads.safetensors"), metadata={"format": "pt"})
@@ -560,6 +613,7 @@ def main() -> None:
         "preference": cases,
         "grpo": {"rollouts": rollouts, "old_policy": {"seed": OLD_SEED, "scale": PERTURBATION}, **grpo},
         "kto": kto,
+        "reward": reward,
     }
     (OUT / "cases.json").write_text(json.dumps(fixture, indent=1) + "\n")
     total = sum(p.stat().st_size for p in OUT.rglob("*") if p.is_file())
