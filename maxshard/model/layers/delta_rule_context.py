@@ -15,8 +15,9 @@ The chunk state. The rule is affine in its initial state, column by column of dv
 S_in -> A S_in + B (A [heads, dk, dk], B [heads, dk, dv]) and outputs o = o_0 + q~ . S_in, where o_0 and B are the
 piece's result from a zero state and q~_t = (M_t ... M_1)^T (scale q_t) with M_t = (I - beta_t k_t k_t^T) exp(g_t)
 (zero at a document's first token). One chunked call per device computes all of them: its value columns extended by
-dk zero columns, its initial state [0 | I] (the extension's state evolves as A, its outputs are q~), so the cost is
-the rule's state matmuls at width dv + dk instead of dv, and no second pass. The pieces' (A, B) are all-gathered and
+dk zero columns, its initial state [0 | I] (the extension's state evolves as A, its outputs are q~): one pass, its
+value width dv + dk instead of dv (the triangular solve's right-hand side, the state and output matmuls; the [C, C]
+blocks unchanged). The pieces' (A, B) are all-gathered and
 composed in token order on every device (a few small matmuls); a piece whose first token starts a document gets a
 zero state. Each piece adds q~ . S_in to its outputs. Everything is float32, and exact: only the chunk boundaries
 differ from one device's, so results agree to float32 rounding. Gradients flow through the same collectives.
