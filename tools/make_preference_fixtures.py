@@ -11,8 +11,9 @@ Run once, by hand, in a venv of its own: torch, transformers and trl are never d
     /work/trlvenv/bin/python tools/make_preference_fixtures.py --only kto,reward
 
 `--only` recomputes the named GRPO cases (and `kto`, `reward`) and writes them into the cases.json already there
-(each with the versions that computed it) and their gradients, leaving every other file byte-identical: another torch build
-moves the log-probs in their last bits (2.13 against 2.14: 5e-7), so a whole rerun there would rewrite every file.
+(each with the versions that computed it) and their gradients, leaving every other file byte-identical: another
+torch build moves the log-probs in their last bits (2.13 against 2.14: 5e-7), so a whole rerun would rewrite every
+file.
 
 Everything runs on CPU in float32 with dropout off, no truncation (max lengths far above the batch), no padding-free
 batches, no packing, no liger kernels and no precomputed reference log-probs. Every number comes out of TRL's own code
