@@ -208,3 +208,17 @@ def test_hugging_face_rows_map_style_and_streamed(tmp_path):
     streamed = dataclasses.replace(options, hf_streaming="always")
     with pytest.raises(ConfigError, match=r"^dataset_path=\S+: unpaired records .* set hf_streaming=never$"):
         preference.open_source(f"{tmp_path}/parquet/*.parquet", "dataset_path", False, streamed)
+
+
+@pytest.mark.parametrize(("key", "message"), [
+    ("kto_beta=0", "^kto_beta must be > 0, got 0"),
+    ("kto_desirable_weight=0", "^kto_desirable_weight must be > 0, got 0"),
+    ("kto_undesirable_weight=-1", "^kto_undesirable_weight must be > 0, got -1"),
+    ("dataset_type=jsonl", "^objective=kto trains on preference records: set dataset_type to one of synthetic, "
+                           "preference"),
+])
+def test_config_errors_are_one_line(key, message):
+    with pytest.raises(ConfigError, match=message) as error:
+        config.load([BASE, "objective=kto", *(() if key.startswith("dataset_type") else ("dataset_type=synthetic",)),
+                     key])
+    assert "\n" not in str(error.value)
