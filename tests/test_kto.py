@@ -2,7 +2,8 @@
 1.16's KTOTrainer): on the imported qwen3 fixture, maxshard's loss, logged metrics and the gradient w.r.t. every
 parameter equal TRL's within 1e-5, with the examples packed into rows as the preference reader packs them (two
 examples in a row, rows left empty; each example's KL sequence beside it); the same under fsdp=4 x tensor=2; the
-reader turns TRL's records into TRL's token ids and KL pairs; and `objective=kto` trains through the CLI."""
+reader turns TRL's records (JSONL, Hugging Face rows) into TRL's token ids and KL sequences, skips bad records and
+packs whole examples; KTO's config errors are one line. Its CLI run is test_preference_cli.py's."""
 
 from __future__ import annotations
 
