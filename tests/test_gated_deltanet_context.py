@@ -3,7 +3,7 @@
 The rule: `sharded_gated_delta_rule` on 8 simulated devices, the length over context = 4 (ring attention's balanced
 order, two pieces a device), context = 2 x tensor = 2 (the heads split too), context = 2 x sequence = 2 and
 sequence = 4 (token order, one piece a device), against `chunked_gated_delta_rule` on one device: outputs, final
-state and the gradients of all five inputs within 1e-5 (float32), with one document and with packed documents whose
+state and the gradients of all five inputs within 1e-5 (float32; from a given initial state), with one document and with packed documents whose
 boundaries fall on a shard boundary, inside a shard, on a device's second piece, and a segment id that returns after
 another (the conv compares ids, the rule adjacent tokens; both as one device does). The conv: `sharded_causal_conv`
 equals `causal_conv` where a piece is shorter than the window (context = 8: two tokens a piece, width 4), so a window
@@ -67,14 +67,19 @@ def _weights() -> tuple[jax.Array, jax.Array]:
             jnp.asarray(rng.normal(size=(BATCH, VALUE_HEADS, DK, DV)), jnp.float32))
 
 
+# an incoming state (a prefill's cache), continued by each row's first document
+INITIAL = np.random.default_rng(4).normal(size=(BATCH, VALUE_HEADS, DK, DV)).astype(np.float32)
+
+
 def _one_device_rule(q, k, v, g, beta, segments):
-    return chunked_gated_delta_rule(q, k, v, g, beta, chunk_size=4, segment_ids=segments)
+    return chunked_gated_delta_rule(q, k, v, g, beta, chunk_size=4, segment_ids=segments, initial_state=INITIAL)
 
 
 def _sharded_rule(q, k, v, g, beta, segments):
     """The sharded rule on token-order arrays: balanced (a no-op without context) in, back to token order out."""
     q, k, v, g, beta, segments = (ring_attention.to_balanced(x) for x in (q, k, v, g, beta, segments))
-    out, state = delta_rule_context.sharded_gated_delta_rule(q, k, v, g, beta, chunk_size=4, segment_ids=segments)
+    out, state = delta_rule_context.sharded_gated_delta_rule(q, k, v, g, beta, chunk_size=4, segment_ids=segments,
+                                                             initial_state=INITIAL)
     return ring_attention.from_balanced(out), state
 
 

@@ -94,8 +94,8 @@ def _merge(x: jax.Array) -> jax.Array:
     return jnp.moveaxis(x, 0, 1).reshape(b, pieces * piece, *rest)
 
 
-def _mine(table: np.ndarray, axes: tuple[str, ...], pieces: int) -> jax.Array:
-    """This device's rows of a per-piece constant table (device d's pieces are d R .. d R + R - 1)."""
+def _mine(table: np.ndarray | jax.Array, axes: tuple[str, ...], pieces: int) -> jax.Array:
+    """This device's rows of a per-piece table [P, ...] (device d's pieces are d R .. d R + R - 1)."""
     index = jax.lax.axis_index(axes)
     return jax.lax.dynamic_slice_in_dim(jnp.asarray(table), index * pieces, pieces)
 
@@ -168,6 +168,23 @@ def _compose(a: jax.Array, b: jax.Array, first: jax.Array, previous: np.ndarray,
     return jnp.stack(incoming), state
 
 
+def _from_zero(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, seg: jax.Array,
+               pieces: int, chunk_size: int, scale: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One device's pieces, each from a zero state, in one chunked call (module docstring): (o_0 [R, b, piece, h,
+    dv], q~ [R, b, piece, h, dk], the final states [R, b, h, dk, dv + dk]: B | A)."""
+    b, _, heads, dv = v.shape
+    dk = k.shape[-1]
+    q, k, v, g, beta, seg = (_split(x, pieces).reshape(pieces * b, -1, *x.shape[2:])  # the pieces into the batch
+                             for x in (q, k, v, g, beta, seg))
+    v = jnp.concatenate([jnp.asarray(v, jnp.float32), jnp.zeros((*v.shape[:3], dk), jnp.float32)], -1)
+    eye = jnp.broadcast_to(jnp.eye(dk, dtype=jnp.float32), (pieces * b, heads, dk, dk))
+    start = jnp.concatenate([jnp.zeros((pieces * b, heads, dk, dv), jnp.float32), eye], -1)
+    out, final = chunked_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size, segment_ids=seg,
+                                          initial_state=start, scale=scale)
+    out, final = out.reshape(pieces, b, *out.shape[1:]), final.reshape(pieces, b, *final.shape[1:])
+    return out[..., :dv], out[..., dv:], final
+
+
 def sharded_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
                              chunk_size: int, segment_ids: jax.Array | None = None,
                              initial_state: jax.Array | None = None, scale: float | None = None
@@ -190,26 +207,14 @@ def sharded_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Ar
     scale = dk ** -0.5 if scale is None else scale
 
     def local(q, k, v, g, beta, seg, initial):
-        b, local_heads = v.shape[0], v.shape[2]
-        split = [_split(x, pieces) for x in (q, k, v, g, beta, seg)]
-        folded = [x.reshape(pieces * b, *x.shape[2:]) for x in split]  # pieces into the batch
-        q_, k_, v_, g_, beta_, seg_ = folded
-        v_ext = jnp.concatenate([jnp.asarray(v_, jnp.float32), jnp.zeros((*v_.shape[:3], dk), jnp.float32)], -1)
-        eye = jnp.broadcast_to(jnp.eye(dk, dtype=jnp.float32), (pieces * b, local_heads, dk, dk))
-        start = jnp.concatenate([jnp.zeros((pieces * b, local_heads, dk, dv), jnp.float32), eye], -1)
-        out, final = chunked_gated_delta_rule(q_, k_, v_ext, g_, beta_, chunk_size=chunk_size, segment_ids=seg_,
-                                              initial_state=start, scale=scale)
-        out, final = out.reshape(pieces, b, *out.shape[1:]), final.reshape(pieces, b, *final.shape[1:])
-        out0, q_read = out[..., :dv], out[..., dv:]  # [R, b, piece, h, dv], [R, b, piece, h, dk]
-        maps = jnp.concatenate([final[..., dv:], final[..., :dv]], -1)  # [R, b, h, dk, dk + dv]: A | B
-        ends = jnp.stack([split[5][:, :, 0], split[5][:, :, -1]], -1)  # [R, b, 2]: first and last segment
-        all_maps, all_ends = _gather(maps, axes), _gather(ends, axes)
-        first_continues = all_ends[:, :, 0] == all_ends[np.maximum(previous, 0), :, 1]  # [P, b]
-        incoming, last = _compose(all_maps[..., :dk], all_maps[..., dk:], first_continues, previous, initial)
-        mine = _mine(np.arange(len(previous)), axes, pieces)
-        s_in = jnp.take(incoming, mine, axis=0)  # [R, b, h, dk, dv]
-        out = out0 + _einsum("rbthk,rbhkv->rbthv", q_read, s_in)
-        return _merge(out), last
+        out0, q_read, final = _from_zero(q, k, v, g, beta, seg, pieces, chunk_size, scale)
+        seg = _split(seg, pieces)
+        ends = _gather(jnp.stack([seg[:, :, 0], seg[:, :, -1]], -1), axes)  # [P, b, 2]: first and last segment
+        continues = ends[:, :, 0] == ends[np.maximum(previous, 0), :, 1]  # [P, b]
+        maps = _gather(final, axes)  # [P, b, h, dk, dv + dk]: B | A
+        incoming, last = _compose(maps[..., dv:], maps[..., :dv], continues, previous, initial)
+        s_in = _mine(incoming, axes, pieces)  # [R, b, h, dk, dv]
+        return _merge(out0 + _einsum("rbthk,rbhkv->rbthv", q_read, s_in)), last
 
     mapped = jax.shard_map(local, in_specs=(kv_spec, kv_spec, q_spec, head_spec, head_spec, seg_spec, state_spec),
                            out_specs=(q_spec, state_spec), check_vma=False)
