@@ -2,14 +2,15 @@
 
 The rule: `sharded_gated_delta_rule` on 8 simulated devices, the length over context = 4 (ring attention's balanced
 order, two pieces a device), context = 2 x tensor = 2 (the heads split too), context = 2 x sequence = 2 and
-sequence = 4 (token order, one piece a device), against `chunked_gated_delta_rule` on one device: outputs, final
-state and the gradients of all five inputs within 1e-5 (float32; from a given initial state), with one document and with packed documents whose
-boundaries fall on a shard boundary, inside a shard, on a device's second piece, and a segment id that returns after
-another (the conv compares ids, the rule adjacent tokens; both as one device does). The conv: `sharded_causal_conv`
-equals `causal_conv` where a piece is shorter than the window (context = 8: two tokens a piece, width 4), so a window
-reaches back two pieces. The layer: `GatedDeltaNet` on its balanced inputs under context = 4 x fsdp = 2, output and
-parameter gradients within 1e-5 of one device. The model: a hybrid (three DeltaNet layers, one attention layer, from
-`layer_types`) under context = 4 x fsdp = 2 gives one device's loss and gradients.
+sequence = 4 (token order, one piece a device), against `chunked_gated_delta_rule` on one device, both from a given
+initial state: outputs, final state and the gradients of all five inputs within 1e-5 (float32), with one document
+and with packed documents whose boundaries fall on a shard boundary, inside a shard, on a device's second piece, and
+a segment id that returns after another (the conv compares ids, the rule adjacent tokens; both as one device does).
+The conv: `sharded_causal_conv` equals `causal_conv` where a piece is shorter than the window (context = 8: two
+tokens a piece, width 4), so a window reaches back two pieces. The layer: `GatedDeltaNet` on its balanced inputs
+under context = 4 x fsdp = 2, output and parameter gradients within 1e-5 of one device. The model: a hybrid (a
+DeltaNet layer, then an attention layer, from `layer_types`) under context = 4 x fsdp = 2 gives one device's loss
+and gradients.
 """
 
 from __future__ import annotations
