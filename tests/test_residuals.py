@@ -20,6 +20,7 @@ MOE = {"num_experts": 4, "num_experts_per_tok": 2}
 LLAMA3 = {"rope_scaling_type": "llama3"}
 MLA = {"attention_type": "mla"}
 YARN = {"rope_scaling_type": "yarn"}
+HYBRID = {"layer_types": ("linear_attention", "full_attention") * 2}
 
 # Every field that is not COUNTED: (what it needs besides TINY, a value other than its default). A field added to
 # ModelConfig fails test_every_field_is_classified until it is named here, and the test below then says whether it
@@ -73,6 +74,13 @@ PROBES = {
     "attention_output_gate": ({}, True),  # the gate's half of the query projection and its sigmoid
     "partial_rotary_factor": ({}, 0.5),  # the rotated part and the part passed through
     "shared_expert_gate": ({**MOE, "num_shared_experts": 1}, True),
+    # gated DeltaNet's widths, in a model that has its layers
+    "linear_num_key_heads": (HYBRID, 2),
+    "linear_num_value_heads": (HYBRID, 8),
+    "linear_key_head_dim": (HYBRID, 16),
+    "linear_value_head_dim": (HYBRID, 16),
+    "linear_conv_kernel_dim": (HYBRID, 2),
+    "delta_chunk_size": (HYBRID, 8),
 }
 
 
