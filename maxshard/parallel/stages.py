@@ -54,7 +54,7 @@ def pipeline_shape(cfg: Config, stages: int) -> PipelineShape:
         if getattr(cfg, key) == 0 or getattr(cfg, key) < -1:
             raise ConfigError(f"{key} must be >= 1 or -1 (derived), got {getattr(cfg, key)}")
     units = num_units(cfg.num_layers, cfg.num_experts, cfg.moe_layer_interval, cfg.first_k_dense_replace,
-                      len(cfg.attention_pattern))
+                      cfg.pattern_length)
     repeats = _repeats(cfg, units, stages)
     microbatches = stages if cfg.num_pipeline_microbatches == -1 else cfg.num_pipeline_microbatches
     shape = PipelineShape(stages, cfg.num_layers_per_pipeline_stage, repeats, microbatches, cfg.pipeline_schedule)
@@ -85,7 +85,7 @@ def _left_over_layers(cfg: Config) -> int:
     """How many layers the main stack's unit leaves over (spec/blocks.py's last stack): the runner computes
     them per microbatch on the last stage, where the circular pipeline runs them on the whole batch."""
     body = cfg.num_layers - (cfg.first_k_dense_replace if cfg.num_experts > 1 else 0)
-    return body % math.lcm(len(cfg.attention_pattern), cfg.moe_layer_interval if cfg.num_experts > 1 else 1)
+    return body % math.lcm(cfg.pattern_length, cfg.moe_layer_interval if cfg.num_experts > 1 else 1)
 
 
 def _after_the_pipeline(cfg: Config) -> str:
