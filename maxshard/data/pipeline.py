@@ -65,6 +65,7 @@ from maxshard.data.mixture import RECORDS, SKIPPED, SOURCE, TokenMixIterDataset
 from maxshard.data.shuffle import BlockShuffleMapDataset
 from maxshard.data.sources import BadRecord
 from maxshard.data.tokenizer import Tokenizer, make_tokenizer
+from maxshard.objectives import kinds as objective_kinds
 from maxshard.errors import ConfigError
 
 __all__ = ["PipelineOptions", "SourceStream", "StreamedSource", "local_batches", "mixed_batches", "GlobalBatchIterator",
@@ -379,7 +380,8 @@ def make_grain_input(cfg: Config, sharding: NamedSharding, split: str, batch_siz
     specs = catalog.source_specs(cfg)
     template = chat.run_template(cfg)
     pairs = cfg.dataset_type == "preference"  # the config refuses it in a mixture
-    encoder = (preference.PreferenceEncoder(tokenizer, template, cfg.max_target_length) if pairs
+    unpaired = objective_kinds.kind(cfg.objective).unpaired  # KTO reads unpaired records, DPO & co. pairs
+    encoder = (preference.PreferenceEncoder(tokenizer, template, cfg.max_target_length, unpaired) if pairs
                else None if template is None else chat.ChatEncoder(template, tokenizer, cfg.max_target_length))
     streams: list[SourceStream | StreamedSource] = []
     for spec in specs:
