@@ -199,18 +199,18 @@ def cli_figures(out_dir: str, name: str) -> dict:
 
 def hlo_counts(text: str) -> dict[str, int]:
     """What a compiled program (`compiled.as_text()`) holds: fusion instructions, those whose fused computation
-    transposes, copy instructions, and GEMMs (XLA's gemm fusions and cuBLAS calls) with an 8-bit float operand.
+    transposes, copy instructions, and GEMMs (XLA's gemm fusions and cuBLAS calls) with an 8-bit operand.
     Each is counted once in the text: a scanned layer's body once, however many layers run it."""
     computations = {m.group(1): m.group(0) for m in re.finditer(r"^(%\S+) \(.*?\n}", text, re.M | re.S)}
     fusions = re.findall(r"^\s*(?:ROOT )?%\S+ = .*? fusion\(.*?calls=(%[\w.\-]+)", text, re.M)
     gemms = [computations.get(c, "") for c in fusions if "gemm" in c]
     cublas = re.findall(r'custom_call_target="__cublas\$lt\$matmul(\$f8)?"', text)
-    f8 = re.compile(r"f8e\d")
+    eight_bit = re.compile(r"\b(f8e\w+|s8)\[")
     return {"fusions": len(fusions),
             "transposing fusions": sum(" transpose(" in computations.get(c, "") for c in fusions),
             "copies": len(re.findall(r"^\s*(?:ROOT )?%\S+ = \S+ copy\(", text, re.M)),
             "GEMMs": len(gemms) + len(cublas),
-            "8-bit GEMMs": sum(bool(f8.search(g.split("\n", 1)[0])) for g in gemms) + sum(map(bool, cublas))}
+            "8-bit GEMMs": sum(bool(eight_bit.search(g.split("\n", 1)[0])) for g in gemms) + sum(map(bool, cublas))}
 
 
 def compile_hlo(device_type: str, overrides: Sequence[str]) -> dict[str, int]:
@@ -242,7 +242,8 @@ def kernel_table(rows: list[tuple[Measurement, dict]]) -> str:
             continue
         kinds, total = r.get("kinds_ms", {}), r.get("kernel_ms") or 1.0
         attention = kinds.get("attention", 0.0)
-        cells = [f"{m.row} ({r['attention']}, remat {r['remat']})", f"{r['step_ms']:.1f} ms ({first / r['step_ms']:.2f}x)",
+        cells = [f"{m.row} ({r['attention']}, remat {r['remat']})",
+                 f"{r['step_ms']:.1f} ms ({first / r['step_ms']:.2f}x)",
                  f"{r['tokens_per_sec']:,.0f}", f"{_mfu(r['mfu'])} ({r['peak'].split(' (')[0]})",
                  f"{attention:.1f} ms ({100 * attention / total:.1f}%)",
                  *(f"{kinds.get(kind, 0.0):.1f}" for kind in ("matmul", "other fusion", "copy"))]

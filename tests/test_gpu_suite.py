@@ -65,3 +65,21 @@ def test_without_a_gpu_the_suite_says_so_in_one_line(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(gpu_suite, "has_gpu", lambda: False)
     assert gpu_suite.main(["--only", "cli"]) == 2
     assert capsys.readouterr().err.strip().startswith("gpu_suite.py needs an NVIDIA GPU")
+
+
+def test_the_kernel_rows_are_printed_in_the_h200_tables_layout(printed: tuple[int, list[str]]) -> None:
+    """gpu_kernels.py's RESULT line becomes one row (speed against the table's first row); a failed run says why."""
+    depth, _ = printed
+    suite = {m.name: m for m in gpu_suite.measurements(depth, 3)}
+    bf16 = {"attention": "tokamax", "remat": "none", "peak": "bf16", "step_ms": 400.0, "tokens_per_sec": 40960.0,
+            "mfu": 0.4, "kernel_ms": 380.0, "kinds_ms": {"attention": 95.0, "matmul": 190.0, "other fusion": 85.0,
+                                                        "copy": 10.0}}
+    fp8 = {**bf16, "peak": "fp8 for 75% of the FLOPs, bf16 for the rest", "step_ms": 320.0}
+    text = gpu_suite.report([(suite["kernels-1b-bf16"], bf16), (suite["kernels-1b-fp8"], fp8),
+                             (suite["kernels-1b-int8"], {"error": "exit 1: out of memory"})], depth)
+    lines = text.splitlines()
+    assert lines[0] == "1b preset, 8,192 x 2 tokens:" and lines[2].startswith("| run | step | tokens/s/device | MFU |")
+    assert lines[4] == ("| bf16, attention auto (tokamax, remat none) | 400.0 ms (1.00x) | 40,960 | 40.0% (bf16) | "
+                        "95.0 ms (25.0%) | 190.0 | 85.0 | 10.0 |")
+    assert lines[5].startswith("| fp8, attention auto (tokamax, remat none) | 320.0 ms (1.25x) | 40,960 | 40.0% (fp8 ")
+    assert lines[6] == "| int8, attention auto | exit 1: out of memory | | | | | | |"
