@@ -15,15 +15,32 @@ from qwix._src.utils import flax_util  # private: which parameter of the current
 from maxshard.model.layers import lora, moe
 from maxshard.model.quantization import MOE_PATH, RECIPES, RULES
 
-__all__ = ["ENTRY_POINTS", "Provider", "quantize", "rules"]
+__all__ = ["ENTRY_POINTS", "Provider", "backward_residuals", "quantize", "rules"]
 
 
 def rules(mode: str) -> list[qwix.QtRule]:
-    """qwix's quantized-training rules of `mode` ('int8' or 'fp8')."""
+    """qwix's quantized-training rules of `mode` ('int8' or 'fp8'), with the backward's residuals quantized again
+    from the original operands (`backward_residuals`)."""
     recipe = RECIPES[mode]
     return [qwix.QtRule(module_path=path, op_names=ops, weight_qtype=recipe.forward, act_qtype=recipe.forward,
-                        bwd_qtype=recipe.gradient)
+                        bwd_qtype=recipe.gradient, additional_qt_config=backward_residuals(recipe.forward))
             for path, ops in RULES]
+
+
+def backward_residuals(qtype: Any) -> dict[str, Any]:
+    """qwix's dot_general settings that make the backward quantize the original operands (the weight and the
+    activation the forward read) in `qtype` itself, each for the GEMM it feeds, instead of reusing the forward's
+    8-bit copies.
+
+    Why. An 8-bit GEMM on a GPU reads both operands with the contracted dimension minor, and the forward's copy of
+    each operand is quantized and laid out for the forward's contraction. Reused (qwix's default when both passes
+    are quantized), those copies are kept from the forward scan and laid out again for the backward's contractions,
+    the weight's across every layer, and the incoming gradient is multiplied by the forward copy's scales (the
+    scales of the other contraction). Quantized again, each backward operand is written once, by the fusion that
+    quantizes it, in the layout its GEMM reads, with scales of the backward's own contraction; the forward's 8-bit
+    copies are not kept. The copies this removes from the compiled program: benchmarks/README.md, "The fp8
+    backward's copies"."""
+    return {"use_original_residuals": True, "dlhs_residual_qtype": qtype, "drhs_residual_qtype": qtype}
 
 
 class Provider(qwix.QtProvider):
