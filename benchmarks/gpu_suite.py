@@ -277,7 +277,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--hlo", nargs="*", metavar="KEY=VALUE", help="compile without a GPU and count (see above)")
     args = parser.parse_args(argv)
     if args.hlo is not None:
-        print(json.dumps(compile_hlo(args.device_type, args.hlo)))
+        from maxshard.errors import ConfigError
+
+        try:
+            print(json.dumps(compile_hlo(args.device_type, args.hlo)))
+        except ConfigError as e:  # no CUDA plugin, or a bad key: one line
+            print(f"gpu_suite.py: error: {e}", file=sys.stderr)
+            return 2
         return 0
     depth = largest_depth(args.device_type)
     chosen = [m for m in measurements(depth, args.steps) if not args.only or m.name.startswith(tuple(args.only))]
