@@ -64,6 +64,8 @@ PROBES = {
     "attention_bias": ({}, True),
     "norm_unit_offset": ({}, True),
     "post_norms": ({}, True),
+    "pre_norms": ({"post_norms": True}, False),  # OLMo 3: the norms before attention and the MLP, and what they keep
+    "qk_norm_all_heads": ({"qk_norm": True}, True),  # one norm's statistics over all heads instead of one a head
     "mlp_activation": ({}, "gelu_tanh"),
     "swiglu_limit": ({"mlp_activation": "clamped_swiglu"}, 5.0),
     "swiglu_alpha": ({"mlp_activation": "clamped_swiglu"}, 1.5),

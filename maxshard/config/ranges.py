@@ -275,6 +275,10 @@ def _check_rope(cfg: Config) -> None:
     if cfg.attention_type == "mla" and cfg.qk_norm:
         raise ConfigError("qk_norm normalises grouped-query heads; attention_type=mla normalises its latents: "
                           "set qk_norm=false")
+    if cfg.qk_norm_all_heads and not cfg.qk_norm:
+        raise ConfigError("qk_norm_all_heads says how qk_norm normalises: set qk_norm=true or qk_norm_all_heads=false")
+    if not cfg.pre_norms and not cfg.post_norms:
+        raise ConfigError("pre_norms=false leaves a layer without norms unless post_norms=true: set one of them")
     rotary = cfg.head_dim * cfg.partial_rotary_factor
     if not 0 < cfg.partial_rotary_factor <= 1 or rotary != int(rotary) or int(rotary) % 2:
         raise ConfigError(f"partial_rotary_factor={cfg.partial_rotary_factor} must be in (0, 1] with head_dim x it "

@@ -55,6 +55,9 @@ class Family:
         sliding_window_pattern).
     rope_per_layer_type: RoPE settings per layer type (Gemma 3: rope_parameters.{full_attention,
         sliding_attention}; 4.x: rope_theta + rope_scaling for global layers, rope_local_base_freq for local ones).
+    local_base_field, local_base_default: the 4.x field of the local layers' RoPE base and its default; "" where
+        the family has none (OLMo 3: transformers 5 gives a 4.x config's rope_theta and rope_scaling to the full
+        layers only, its sliding layers Olmo3Config's default_theta, so such a family exports rope_parameters).
     carries: the layer options (hf_config.LAYER_OPTIONS) the family's config.json can give any value besides
         those `keys` fixes; every other option must be at its default for a model to be written as the family.
     null_when_zero: `fields` written as null when the key is 0 (a soft-cap of 0 means none; transformers reads
@@ -106,6 +109,8 @@ class Family:
     pattern_period: int = 0
     pattern_period_field: str | None = None
     rope_per_layer_type: bool = False
+    local_base_field: str = "rope_local_base_freq"
+    local_base_default: float = 10000.0
     carries: tuple[str, ...] = ()
     null_when_zero: tuple[str, ...] = ()
     refuse_set: tuple[str, ...] = ()
@@ -210,6 +215,22 @@ FAMILIES += (
     Family("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", **_QWEN_MOE, **_HYBRID, linear_attention="split",
            keys={**_QWEN3_NEXT_KEYS, "shared_expert_gate": True}, defaults=_QWEN3_NEXT_DEFAULTS,
            export={"attention_bias": False}, left_out=_MTP_LEFT_OUT),
+)
+
+# OLMo 3: no norms before attention and the MLP, one after each (pre_norms false, post_norms), q/k normalised over
+# all heads at once, three sliding-window layers then a full one (layer_types; transformers' rule without them),
+# RoPE per layer type (rope_parameters; the sliding layers unscaled). Olmo3Config's defaults where they differ
+# from Llama's.
+_OLMO3_DEFAULTS = {"vocab_size": 50304, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+                   "num_attention_heads": 32, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+                   "rope_theta": 500000.0, "sliding_window": 4096}
+FAMILIES += (
+    Family("Olmo3ForCausalLM", "olmo3", qk_norm=True, keys={"pre_norms": False, "post_norms": True,
+                                                            "qk_norm_all_heads": True},
+           defaults=_OLMO3_DEFAULTS, local_global=True, pattern_period=4, rope_per_layer_type=True,
+           local_base_field="", local_base_default=500000.0,
+           carries=("sliding_window", "attention_pattern", "rope_local_max_timescale"),
+           export={"attention_bias": False}),
 )
 
 

@@ -4,7 +4,8 @@ A converted model must compute exactly what it computed in transformers, so ever
 function and that maxshard has no key for (biases, a sliding window, another RoPE scaling, another activation,
 quantisation) is one ConfigError naming the field, never dropped. Both spellings of the RoPE settings are read:
 top-level `rope_theta` + `rope_scaling` (transformers 4.x, what most published checkpoints carry) and
-`rope_parameters` (transformers 5.x, `rope_theta` inside). Exports use the 4.x spelling, which both versions read.
+`rope_parameters` (transformers 5.x, `rope_theta` inside). Exports use the 4.x spelling, which both versions read,
+but for a family whose local layers no 4.x field reaches (OLMo 3: rope_parameters per layer type).
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ _REPLACED = ("rope_parameters", "rope_scaling", "rope_theta", "torch_dtype", "dt
 LAYER_OPTIONS = ("sliding_window", "attention_pattern", "rope_local_max_timescale", "attn_logit_softcapping",
                  "final_logit_softcapping", "query_pre_attn_scalar", "attention_sinks", "attention_bias",
                  "norm_unit_offset", "post_norms", "mlp_activation", "embed_scale", "moe_bias",
-                 "attention_output_gate", "partial_rotary_factor", "shared_expert_gate", "layer_types")
+                 "attention_output_gate", "partial_rotary_factor", "shared_expert_gate", "layer_types",
+                 "pre_norms", "qk_norm_all_heads")
 # The hybrids' (Qwen3-Next, Qwen3.5) layer_types without the field: transformers' rule, every n-th layer full
 # attention (config.json's full_attention_interval, default 4), the others linear attention, in config.json's words
 HYBRID_INTERVAL = ("full_attention_interval", 4)
@@ -259,7 +261,7 @@ def model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
         "logits_via_embedding": bool(hf.get("tie_word_embeddings", False)),  # Llama/Mistral default: untied
         "norm_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
         "qk_norm": fam.qk_norm,
-        **(hf_local_global.rope_keys(hf, lambda h: rope_keys(h, linear=True)) if fam.rope_per_layer_type
+        **(hf_local_global.rope_keys(hf, lambda h: rope_keys(h, linear=True), fam) if fam.rope_per_layer_type
            else rope_keys(hf, linear=fam.local_global)),
         **(_moe_keys(hf, fam) if fam.is_moe else {}),
         **_family_fields(hf, fam),
@@ -292,6 +294,8 @@ def default_max_position(keys: Mapping[str, Any]) -> int:
 def family_of_keys(keys: Mapping[str, Any]) -> Family:
     """The family to export as when there is no template: the plainest row that computes these model keys."""
     moe, qk_norm = keys.get("num_experts", 1) > 1, bool(keys.get("qk_norm", False))
+    if not keys.get("pre_norms", True):  # norms after attention and the MLP only
+        return by_architecture("Olmo3ForCausalLM")
     if keys.get("post_norms"):
         return by_architecture("Gemma3ForCausalLM" if qk_norm else "Gemma2ForCausalLM")
     if keys.get("attention_type", "gqa") == "mla":
@@ -390,6 +394,10 @@ def to_hf(keys: Mapping[str, Any], dtype: str, template: Mapping[str, Any] | Non
         out[field] = keys[key] if keys.get(key) or field != "q_lora_rank" else None  # DeepSeek writes null
     if fam.local_global:
         out.update(hf_local_global.export_fields(keys, fam, out))
+    if "rope_parameters" in out:  # per layer type (OLMo 3): the global layers' settings beside the local ones'
+        out["rope_parameters"][hf_local_global.GLOBAL] = {
+            "rope_type": "default", **(_rope_scaling(keys) or {}), "rope_theta": out.pop("rope_theta")}
+        del out["rope_scaling"]
     if fam.linear_attention:
         out["layer_types"] = list(keys["layer_types"])
     if "partial_rotary_factor" in fam.carries:  # 4.x spelling, beside rope_theta; transformers 5 reads it too

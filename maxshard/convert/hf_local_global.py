@@ -1,11 +1,12 @@
-"""config.json <-> model keys of local/global families (Gemma 2 and 3): layer types, the window, RoPE per layer type.
+"""config.json <-> model keys of local/global families (Gemma 2 and 3, OLMo 3): layer types, the window, RoPE per layer type.
 
 transformers describes each layer by `layer_types[i]` ("sliding_attention" or "full_attention", the former seeing
 the last `sliding_window` tokens, its own included: the same window as maxshard's `sliding_window`); maxshard by a
 repeating `attention_pattern` (layer i is pattern[i % length], spec/blocks.py). Import takes the shortest period
 that reproduces every layer's type, so the model computes exactly the listed layers (Gemma 3 27B: 62 layers, a
 period of 6); export writes the list back out in full. Gemma 3 gives its global layers `rope_theta` and their
-scaling, its local ones `rope_local_base_freq` unscaled: maxshard's `rope_local_max_timescale`.
+scaling, its local ones `rope_local_base_freq` unscaled: maxshard's `rope_local_max_timescale`; OLMo 3 gives them
+rope_parameters.sliding_attention (written in that spelling, which transformers 5 reads for both layer types).
 
 hf_config.py calls these for families with `local_global` / `rope_per_layer_type` (families.py); every value
 maxshard cannot compute is a ConfigError naming the field.
@@ -85,9 +86,16 @@ def layer_types(keys: Mapping[str, Any]) -> list[str]:
     return [LOCAL if pattern[i % len(pattern)] == "local" else GLOBAL for i in range(keys["num_layers"])]
 
 
-def rope_keys(hf: Mapping[str, Any], parse: Callable[[Mapping[str, Any]], dict[str, Any]]) -> dict[str, Any]:
-    """Gemma 3's RoPE: the global layers' settings through `parse` (hf_config.rope_keys: base and scaling), the
-    local layers' base as rope_local_max_timescale; a local layer with scaling of its own is refused."""
+def _local_base(hf: Mapping[str, Any], fam: Family) -> float:
+    """The local layers' RoPE base a config.json without one in rope_parameters means (`Family.local_base_field`)."""
+    return hf.get(fam.local_base_field, fam.local_base_default) if fam.local_base_field else fam.local_base_default
+
+
+def rope_keys(hf: Mapping[str, Any], parse: Callable[[Mapping[str, Any]], dict[str, Any]],
+              fam: Family) -> dict[str, Any]:
+    """Gemma 3's and OLMo 3's RoPE: the global layers' settings through `parse` (hf_config.rope_keys: base and
+    scaling), the local layers' base as rope_local_max_timescale; a local layer with scaling of its own is
+    refused."""
     params = hf.get("rope_parameters")
     if params is not None:
         unknown = sorted(set(params) - {GLOBAL, LOCAL})
@@ -96,7 +104,7 @@ def rope_keys(hf: Mapping[str, Any], parse: Callable[[Mapping[str, Any]], dict[s
         full = dict(params.get(GLOBAL) or {})
         full.setdefault("rope_theta", hf.get("rope_theta", 1e6))
         local = dict(params.get(LOCAL) or {})
-        local_theta = local.get("rope_theta", hf.get("rope_local_base_freq", 1e4))
+        local_theta = local.get("rope_theta", _local_base(hf, fam))
         kind = local.get("rope_type", local.get("type", "default"))
         if kind != "default":
             raise _refuse(f"rope_parameters.{LOCAL}.rope_type", kind,
@@ -104,7 +112,7 @@ def rope_keys(hf: Mapping[str, Any], parse: Callable[[Mapping[str, Any]], dict[s
         keys = parse({"rope_parameters": full})
     else:  # transformers 4.x: rope_theta + rope_scaling (global layers), rope_local_base_freq (local)
         keys = parse({"rope_theta": hf.get("rope_theta", 1e6), "rope_scaling": hf.get("rope_scaling")})
-        local_theta = hf.get("rope_local_base_freq", 1e4)
+        local_theta = _local_base(hf, fam)
     return {**keys, "rope_local_max_timescale": float(local_theta)}
 
 
@@ -131,5 +139,8 @@ def export_fields(keys: Mapping[str, Any], fam: Family, out: Mapping[str, Any]) 
                 raise ConfigError(f"rope_local_max_timescale=0 with rope_scaling_type={keys['rope_scaling_type']} "
                                   f"cannot be written as {fam.architecture} (its local layers' RoPE is unscaled)")
             local = keys["rope_max_timescale"]
-        fields["rope_local_base_freq"] = local
+        if fam.local_base_field:
+            fields[fam.local_base_field] = local
+        else:  # no 4.x field reaches the local layers: both layer types in rope_parameters (hf_config.to_hf)
+            fields["rope_parameters"] = {LOCAL: {"rope_type": "default", "rope_theta": local}}
     return fields

@@ -45,7 +45,8 @@ dim]; such tensors move whole (`Entry.whole`), one layer's projection at a time:
 
 The table of a layer is `per_layer(family, cfg, layer)`: Llama's rows, plus q/k norms with `qk_norm`, with the MLP
 replaced by the router and experts in the MoE layers (spec/blocks.py says which layers those are); Gemma's four
-norms a layer (`SANDWICH_NORMS`) in families with `post_norms`. A stack whose unit is several layers (Gemma 3's five
+norms a layer (`SANDWICH_NORMS`) in families with `post_norms`; OLMo 3's two after (`pre_norms` false: the rows
+without `PRE_NORMS`), its q/k norms over all heads "flat" (q_norm.weight [heads * head_dim] -> [heads, head_dim]). A stack whose unit is several layers (Gemma 3's five
 local and one global) holds each as layer_<slot> (convert/layout.py maps Hugging Face layer i to its unit and slot).
 """
 
@@ -63,7 +64,7 @@ from maxshard.spec.blocks import Layer, main_stack
 from maxshard.model.layers import rope
 from maxshard.spec.model_config import ModelConfig
 
-__all__ = ["Entry", "MIXERS", "GLOBAL", "ATTENTION", "QK_NORM", "MLP_NORM", "SANDWICH_NORMS", "MLP", "HEAD", "IGNORED",
+__all__ = ["Entry", "MIXERS", "GLOBAL", "ATTENTION", "QK_NORM", "MLP_NORM", "SANDWICH_NORMS", "QK_NORM_ALL_HEADS", "PRE_NORMS", "MLP", "HEAD", "IGNORED",
            "MTP", "MTP_COPIES", "QWEN_MTP", "mtp_rows", "mtp_layer", "mtp_copies", "per_layer", "hf_name",
            "hf_shape", "row_axis", "hf_rows_per_row", "whole_rows", "to_maxshard", "to_hf", "join_parts"]
 
@@ -110,6 +111,10 @@ QK_NORM = (
     Entry("model.layers.{i}.self_attn.q_norm.weight", ("attention", "query_norm", "scale"), "same"),
     Entry("model.layers.{i}.self_attn.k_norm.weight", ("attention", "key_norm", "scale"), "same"),
 )
+# OLMo 2/3 (`qk_norm_all_heads`): one norm over all heads, weight [heads * head_dim] -> scale [heads, head_dim]
+QK_NORM_ALL_HEADS = tuple(dataclasses.replace(e, layout="flat") for e in QK_NORM)
+# The norms before attention and before the MLP, which a family without them (`pre_norms` false: OLMo 3) lacks.
+PRE_NORMS = (("attention_norm", "scale"), ("mlp_norm", "scale"))
 MLP_NORM = Entry("model.layers.{i}.post_attention_layernorm.weight", ("mlp_norm", "scale"), "same")
 # Gemma 2/3 (`post_norms`): a norm before and after each of attention and MLP; the name Llama gives its MLP's norm
 # is Gemma's norm after attention.
@@ -197,7 +202,8 @@ def _attention_extras(cfg: ModelConfig, family: Family) -> tuple[Entry, ...]:
 def _grouped_attention(family: Family, cfg: ModelConfig, layer: Layer) -> tuple[Entry, ...]:
     """Grouped-query attention (a gated one's q_proj is its query kernel as it is), with the q/k norms of
     qk_norm families."""
-    return (*ATTENTION, *(QK_NORM if family.qk_norm else ()))
+    qk_norm = (QK_NORM_ALL_HEADS if cfg.qk_norm_all_heads else QK_NORM) if family.qk_norm else ()
+    return (*ATTENTION, *qk_norm)
 
 
 def _cut(hf: str, scope: str, cuts: tuple[tuple[str, int, int], ...], width: int, layout: str = "linear",
@@ -255,7 +261,8 @@ def per_layer(family: Family, cfg: ModelConfig, layer: Layer) -> tuple[Entry, ..
     attention = mixer(family, cfg, layer)
     mlp = (_fused_moe(family) if family.fused_experts else _moe(family, cfg)) if layer.routed else MLP
     norms = SANDWICH_NORMS if family.keys.get("post_norms") else (MLP_NORM,)
-    return (*attention, *_attention_extras(cfg, family), *norms, *mlp)
+    rows = (*attention, *_attention_extras(cfg, family), *norms, *mlp)
+    return rows if cfg.pre_norms else tuple(e for e in rows if e.path not in PRE_NORMS)
 
 
 # A multi-token prediction module (layers/mtp.py, DeepSeek-V3's `num_nextn_predict_layers`) is Hugging Face's layer

@@ -109,6 +109,7 @@ class ModelKeys:
     logits_via_embedding: bool = False
     norm_epsilon: float = 1e-6
     qk_norm: bool = False  # RMSNorm over head_dim of each query and key head before RoPE (Qwen3)
+    qk_norm_all_heads: bool = False  # with qk_norm: one RMSNorm over all heads of q (and of k) instead (OLMo 2/3)
     # the query projection also gives each head a gate: attention output x sigmoid(gate) before the output
     # projection (Qwen3-Next, Qwen3.5; layers/attention.py)
     attention_output_gate: bool = False
@@ -145,6 +146,7 @@ class ModelKeys:
     attention_bias: bool = False  # biases on the query, key, value and output projections (GPT-OSS)
     norm_unit_offset: bool = False  # RMSNorm scales by (1 + weight), the weight starting at 0 (Gemma)
     post_norms: bool = False  # RMSNorm on the attention's and the MLP's outputs before each residual add (Gemma 2/3)
+    pre_norms: bool = True  # RMSNorm on each layer's input to attention and to the MLP; false: post_norms only (OLMo 2/3)
     # gated MLP: silu (SwiGLU), gelu_tanh (GeGLU), clamped_swiglu (GPT-OSS)
     mlp_activation: Literal["silu", "gelu_tanh", "clamped_swiglu"] = "silu"
     swiglu_limit: float = 7.0  # clamped_swiglu: gate clamped to <= limit, up to [-limit, limit]

@@ -2,7 +2,9 @@
 
 Shapes: x [batch, length, embed]; q [batch, length, heads, head_dim]; k, v [batch, length, kv_heads, head_dim].
 Query heads are grouped over kv heads: heads = kv_heads * group. With `qk_norm` (Qwen3) each query and key head is
-RMS-normalised over head_dim (one learned [head_dim] scale each) before RoPE. Logits and softmax are float32. The score,
+RMS-normalised over head_dim (one learned [head_dim] scale each) before RoPE; with `qk_norm_all_heads` (OLMo 2/3) the
+whole query [heads x head_dim] and the whole key [kv_heads x head_dim] are each one RMSNorm (scales [heads, head_dim]
+and [kv_heads, head_dim]), as transformers' q_norm over q_proj's output. Logits and softmax are float32. The score,
 softmax and value math is `attention_ops.attend`, one of several implementations (the `attention` key).
 For generation (the "cache" collection mutable in an apply) k/v go to the KV cache and the queries attend over it
 (layers/kv_cache.py); otherwise, as in training, over this call's own k/v.
@@ -93,9 +95,8 @@ class Attention(nn.Module):
         q, gate = self._query(x)
         k = constrain(self._proj(x, kv_heads, ax.KV_HEADS, "key", "k"), ax.KEY_VALUE)
         v = constrain(self._proj(x, kv_heads, ax.KV_HEADS, "value", "v"), ax.KEY_VALUE)
-        if cfg.qk_norm:  # Qwen3: each head normalised over head_dim, before RoPE
-            q = RMSNorm(cfg.norm_epsilon, self.dtype, self.weight_dtype, cfg.norm_unit_offset, name="query_norm")(q)
-            k = RMSNorm(cfg.norm_epsilon, self.dtype, self.weight_dtype, cfg.norm_unit_offset, name="key_norm")(k)
+        if cfg.qk_norm:  # Qwen3: each head normalised over head_dim (OLMo: all heads at once), before RoPE
+            q, k = self._qk_norm(q, "query_norm", ax.HEADS), self._qk_norm(k, "key_norm", ax.KV_HEADS)
         inv_freq, cos_sin = self._rope()
         q = rope.apply_rope(q, positions, inv_freq, cos_sin) * self._scale()
         k = rope.apply_rope(k, positions, inv_freq, cos_sin)
@@ -109,6 +110,13 @@ class Attention(nn.Module):
         out = attend(q, k, v, segment_ids, segment_ids, cfg.attention, *self._blocks(), window=self.window,
                      softcap=softcap, sinks=sinks)
         return self._output(out, gate)
+
+    def _qk_norm(self, x: jax.Array, name: str, heads_axis: str) -> jax.Array:
+        """q or k [batch, length, heads, head_dim] RMS-normalised per head, or over all heads with
+        `qk_norm_all_heads`."""
+        cfg = self.cfg
+        axes = (heads_axis, ax.KV) if cfg.qk_norm_all_heads else (ax.NORM,)
+        return RMSNorm(cfg.norm_epsilon, self.dtype, self.weight_dtype, cfg.norm_unit_offset, axes, name=name)(x)
 
     def _query(self, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
         """(q [batch, length, heads, head_dim], the output gate of the same shape or None): with

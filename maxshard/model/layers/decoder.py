@@ -71,7 +71,8 @@ def mixer_module(row: mixer_kinds.Mixer) -> type[nn.Module]:
 
 class DecoderLayer(nn.Module):
     """One decoder layer: x + attn(norm(x)), then x + mlp(norm(x)); with `post_norms` (Gemma 2/3) each branch's
-    output is normalised again before its residual add. Returns (x, None) so `nn.scan` can carry x.
+    output is normalised again before its residual add; with `pre_norms` false (OLMo 2/3) only that way:
+    x + norm(attn(x)), then x + norm(mlp(x)). Returns (x, None) so `nn.scan` can carry x.
 
     Its kinds are layer `index` of the unit of stack `stack` (spec/blocks.py): the token mixer of its row
     (spec/mixer_kinds.py: its module, under its scope, local or global), and a dense MLP ("mlp") or a routed
@@ -89,12 +90,12 @@ class DecoderLayer(nn.Module):
         cfg, dt, wdt = self.cfg, self.dtype, self.weight_dtype
         kinds = blocks.stack_named(cfg, self.stack).unit[self.index]
         x = checkpoint_name(constrain(x, ax.RESIDUAL), remat.LAYER_INPUT)  # what an offload policy moves to host
-        h = norm(self._norm("attention_norm"), x)
+        h = norm(self._norm("attention_norm"), x) if cfg.pre_norms else x
         mixer = mixer_module(kinds.mixer)
         local = {"local": True} if kinds.local else {}
         h = mixer(cfg, dt, wdt, **local, name=kinds.mixer.scope)(h, segment_ids, positions)
         x = x + (norm(self._norm("post_attention_norm"), h) if cfg.post_norms else h)
-        h = norm(self._norm("mlp_norm"), x)
+        h = norm(self._norm("mlp_norm"), x) if cfg.pre_norms else x
         if kinds.routed:
             h = MoEBlock(cfg, dt, wdt, name="moe")(h, segment_ids)
         else:

@@ -1,7 +1,9 @@
 """RMSNorm with a learned scale named ("norm",). Statistics in float32 whatever the compute dtype.
 
 With `unit_offset` (Gemma) the normalised value is multiplied by (1 + scale), the scale starting at 0: the same
-function at init, and the parameter Gemma's checkpoints store."""
+function at init, and the parameter Gemma's checkpoints store. `axes` names the scale's logical axes and so how many
+trailing dims the statistics run over: one by default (("norm",)); OLMo 2/3's q/k norm runs over all heads of a
+[batch, length, heads, head_dim] tensor, a scale [heads, head_dim] sharded as the heads are."""
 
 from __future__ import annotations
 
@@ -19,12 +21,15 @@ class RMSNorm(nn.Module):
     dtype: jnp.dtype = jnp.float32
     weight_dtype: jnp.dtype = jnp.float32
     unit_offset: bool = False
+    axes: tuple[str, ...] = (ax.NORM,)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         init = nn.initializers.zeros if self.unit_offset else nn.initializers.ones
-        scale = self.param("scale", nn.with_logical_partitioning(init, (ax.NORM,)), (x.shape[-1],), self.weight_dtype)
+        dims = tuple(range(-len(self.axes), 0))
+        shape = x.shape[-len(self.axes):]
+        scale = self.param("scale", nn.with_logical_partitioning(init, self.axes), shape, self.weight_dtype)
         x32 = jnp.asarray(x, jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.epsilon)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=dims, keepdims=True) + self.epsilon)
         scale32 = jnp.asarray(scale, jnp.float32)
         return jnp.asarray(normed * (1.0 + scale32 if self.unit_offset else scale32), self.dtype)
