@@ -12,6 +12,8 @@ its own), the existing scripts:
   bf16, int8 and fp8, and the XLA:GPU options table (`xla_gpu_options=tuned`) against the default; each row its
   untraced step time, tokens/s, MFU and the step's device time by kernel kind;
 - `attention_gpu.py --tokamax` (the attention kernels alone, 8k, and the 1b preset per attention);
+- the 8B widths at that depth through the CLI for 200 steps in bf16, int8 and fp8: step time, tokens/s and the mean
+  loss of the last quarter of the logged steps against bf16's (the 8-bit loss curves);
 - `remat_gpu.py` for the 8B widths at that depth (planned vs compiled vs allocator peak per policy);
 
 and prints the tables in the layout of benchmarks/README.md's "On one H200" section, headed by the device, the
@@ -59,6 +61,7 @@ ONE_B = gpu_kernels.MODEL  # the 1b preset, batch 2 x 8,192, bfloat16
 EIGHT_B = ("model_name=8b", "override_model_config=true", "dataset_type=synthetic", "dtype=bfloat16",
            "max_target_length=8192", "per_device_batch_size=1", "eval_period=0", "enable_tensorboard=false")
 CLI_STEPS = ("steps=12", "log_period=4", "enable_checkpointing=false")
+LOSS_STEPS = ("steps=200", "log_period=10", "enable_checkpointing=false")  # the 8-bit loss curves against bf16's
 DEPTHS = (32, 28, 24, 20, 16, 12, 8, 4)  # the 8B widths' depths tried, deepest first
 VARIANTS = (("bf16", ()), ("int8", ("quantization=int8",)), ("fp8", ("quantization=fp8",)),
             ("bf16, xla_gpu_options=tuned", ("xla_gpu_options=tuned",)))
@@ -131,6 +134,10 @@ def measurements(depth: int, steps: int) -> list[Measurement]:
                            merged(("model_name=1b", "override_model_config=true", "dataset_type=synthetic",
                                    "dtype=bfloat16", "per_device_batch_size=1", "eval_period=0"),
                                   ["max_target_length=8192", "attention=tokamax"])))
+    for label, extra in VARIANTS[:3]:
+        out.append(Measurement(f"loss-8b-{label}", "cli", f"8B widths, {depth} layers, {label}, 200 steps",
+                               ("-m", "maxshard.train", "configs/base.yml", *eight_b, *extra, *LOSS_STEPS),
+                               (*eight_b, *extra, *LOSS_STEPS)))
     remat = ("auto", "minimal", "full")
     out.append(Measurement("remat-8b", "verbatim", f"8B widths, {depth} layers: remat policies",
                            ("benchmarks/remat_gpu.py", "--model", "8b", "--policies", ",".join(remat), "--steps",
@@ -193,8 +200,10 @@ def cli_figures(out_dir: str, name: str) -> dict:
         return {"error": "no step records"}
     median = {key: statistics.median(r[key] for r in steps if key in r) if any(key in r for r in steps) else None
               for key in ("step_time", "tokens_per_sec_per_device", "mfu")}
+    losses = [r["loss"] for r in records if "loss" in r]
+    tail = losses[-max(1, len(losses) // 4):]  # the last quarter of the logged losses
     return {"step_ms": median["step_time"] * 1e3, "tokens_per_sec": median["tokens_per_sec_per_device"],
-            "mfu": median["mfu"], "startup": startup}
+            "mfu": median["mfu"], "loss_tail": statistics.mean(tail) if losses else None, "startup": startup}
 
 
 def hlo_counts(text: str) -> dict[str, int]:
@@ -254,11 +263,14 @@ def kernel_table(rows: list[tuple[Measurement, dict]]) -> str:
 def report(results: list[tuple[Measurement, dict]], depth: int) -> str:
     """Every table of the suite, in the README's layout."""
     parts = []
+    reference = next((r.get("loss_tail") for m, r in results if m.name == "loss-8b-bf16"), None)
     for m, r in results:
         if m.table == "cli":
+            loss = "" if r.get("loss_tail") is None else f", loss (last quarter) {r['loss_tail']:.4f}" + (
+                f" ({r['loss_tail'] / reference:.4f} of bf16's)" if reference else "")
             parts.append(f"Through the CLI, {m.row}: " + (r["error"] if "error" in r else
                          f"{r['step_ms']:.1f} ms per step, {r['tokens_per_sec']:,.0f} tokens/s per device, MFU "
-                         f"{_mfu(r['mfu'])}; startup {json.dumps(r['startup'])[:300]}"))
+                         f"{_mfu(r['mfu'])}{loss}; startup {json.dumps(r['startup'])[:300]}"))
     for table, title in (("kernels-1b", "1b preset, 8,192 x 2 tokens"),
                          ("kernels-8b", f"Llama-3.1-8B widths, {depth} layers, 8,192 tokens")):
         rows = [(m, r) for m, r in results if m.table == table]

@@ -3,6 +3,7 @@ measurement, and each is a run config that loads for the GPU it is meant for (no
 
 from __future__ import annotations
 
+import json
 import shlex
 import sys
 from pathlib import Path
@@ -38,6 +39,7 @@ def test_the_dry_run_lists_every_measurement_as_a_command(printed: tuple[int, li
     assert {"cli", "attention", "remat-8b"} <= names
     for model in ("1b", "8b"):  # bf16 vs 8-bit, default vs tuned XLA:GPU options, for both models
         assert {f"kernels-{model}-{v}" for v in ("bf16", "int8", "fp8", "tuned")} <= names, names
+    assert {f"loss-8b-{v}" for v in ("bf16", "int8", "fp8")} <= names, names  # the 8-bit loss curves, 200 steps
 
 
 def test_every_measurement_loads_as_the_run_it_measures_on_an_h200(printed: tuple[int, list[str]]) -> None:
@@ -83,3 +85,17 @@ def test_the_kernel_rows_are_printed_in_the_h200_tables_layout(printed: tuple[in
                         "95.0 ms (25.0%) | 190.0 | 85.0 | 10.0 |")
     assert lines[5].startswith("| fp8, attention auto (tokamax, remat none) | 320.0 ms (1.25x) | 40,960 | 40.0% (fp8 ")
     assert lines[6] == "| int8, attention auto | exit 1: out of memory | | | | | | |"
+
+
+def test_a_cli_run_is_read_from_its_metrics_file(tmp_path: Path) -> None:
+    """Medians of the logged steps after the first period (which holds the compile), the last quarter's mean loss."""
+    run = tmp_path / "loss-8b-fp8"
+    run.mkdir()
+    records = [{"step": 0, "startup": {"attention": "tokamax"}}] + [
+        {"step": 10 * i, "loss": 10.0 - i, "step_time": 9.0 if i == 1 else 0.5 + 0.1 * i,
+         "tokens_per_sec_per_device": 1000.0 * i, "mfu": 0.1 * i} for i in range(1, 9)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    figures = gpu_suite.cli_figures(str(tmp_path), "loss-8b-fp8")
+    assert figures["step_ms"] == pytest.approx(1000 * (0.5 + 0.5))  # the median of steps 2..8, not step 1's 9 s
+    assert figures["tokens_per_sec"] == 5000.0 and figures["mfu"] == pytest.approx(0.5)
+    assert figures["loss_tail"] == pytest.approx(2.5) and figures["startup"] == {"attention": "tokamax"}
