@@ -7,7 +7,8 @@ run, qwix intercepts `jax.lax.dot_general`, `jnp.einsum` and `jax.lax.ragged_dot
 and name match a rule below becomes qwix's quantized-training dot. Both operands are quantized in the forward pass
 (absmax scales per channel of the non-contracted dimensions, computed from the values of this step: dynamic
 scaling, no state), the dot runs on the 8-bit values, and in the backward pass the incoming gradient is quantized
-too, so all three matmuls of a projection (forward, input gradient, weight gradient) take 8-bit operands. Gradients
+too, so all three matmuls of a projection (forward, input gradient, weight gradient) take 8-bit operands; the
+backward quantizes the forward's operands again for its own contractions (`qwix_training.backward_residuals`). Gradients
 reach the float parameters straight through the rounding. The layers are untouched and never see the run config.
 
 What is quantized, by module path (scanned, unrolled and pipelined stacks alike, under every pipeline schedule; the
