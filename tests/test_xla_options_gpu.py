@@ -45,9 +45,10 @@ target = topologies.parse("h100-80gb-8", 1)
 cfg = load_for_target(["configs/base.yml", "model_name=tiny", "attention=blockwise", "xla_gpu_options=tuned"], target)
 mesh = meshes.build(cfg, gpu_compile.abstract_devices(target))
 out = {"tuned": xla_options.for_mesh(mesh, cfg.xla_gpu_options), "default": xla_options.for_mesh(mesh)}
-out["compiled"] = "while" in compile_train_step(cfg, mesh, out["tuned"]).as_text()
-try:
-    compile_train_step(cfg, mesh, {"xla_gpu_no_such_option": True})
+out["compiled"] = "while" in compile_train_step(cfg, mesh).as_text()  # the trainer's own jit options
+xla_options.GPU["tuned"] = {**xla_options.GPU["tuned"], "xla_gpu_no_such_option": True}
+try:  # the run's table reaches the train step's jit: an option XLA does not know there fails its compile
+    compile_train_step(cfg, mesh)
     out["unknown"] = "compiled"
 except Exception as e:
     out["unknown"] = str(e).splitlines()[0]
@@ -56,8 +57,8 @@ print(json.dumps(out))
 
 
 def test_xla_gpu_compiles_the_train_step_with_the_tuned_table(cuda_plugin: Path) -> None:  # noqa: F811
-    """The tuned table reaches a GPU mesh's programs and XLA:GPU accepts every option in it, where it refuses one it
-    does not know: the table holds no name that a jax upgrade dropped."""
+    """`xla_gpu_options=tuned` reaches the trainer's train step on a GPU mesh, and XLA:GPU accepts every option in
+    the table, where it refuses one it does not know: the table holds no name that a jax upgrade dropped."""
     run = _with_plugin(cuda_plugin, SCRIPT)
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])

@@ -325,7 +325,7 @@ class Trainer:
             in_shardings=(self.state_shardings, self.batch_shardings(batch_sharding)),
             out_shardings=(self.state_shardings, replicated),
             donate_argnums=0,
-            compiler_options=xla_options.for_mesh(self.mesh),
+            compiler_options=xla_options.for_mesh(self.mesh, self.cfg.xla_gpu_options),
         )
         return self._in_context(step)
 
@@ -337,7 +337,7 @@ class Trainer:
             in_shardings=(self.state_shardings.params, self.batch_shardings(batch_sharding),
                           self.state_shardings.reference),
             out_shardings=replicated,
-            compiler_options=xla_options.for_mesh(self.mesh),
+            compiler_options=xla_options.for_mesh(self.mesh, self.cfg.xla_gpu_options),
         )
         return self._in_context(step)
 
