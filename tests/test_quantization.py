@@ -32,7 +32,7 @@ from maxshard.planning.compiled import abstract_inputs
 from maxshard.run import loading
 from maxshard.run.target import load_for_target
 from maxshard.training.step import Trainer, abstract_state
-from tests.test_gpu_aot import cuda_plugin  # noqa: F401 (a fixture: JAX's CUDA plugin for subprocesses)
+from tests.cuda_plugin import cuda_plugin, with_plugin  # noqa: F401 (cuda_plugin: a fixture)
 
 # The projections by module path; the routed experts by qwix's QtProvider.ragged_dot in the call stack (jax lowers a
 # ragged_dot on CPU to a dense dot without the module's name).
@@ -289,13 +289,12 @@ print(json.dumps({mode: gpu_suite.compile_hlo("h100-80gb-8", ["model_name=tiny",
 
 def test_xla_gpu_runs_the_fp8_matmuls_on_8_bit_operands_without_adding_copies(cuda_plugin) -> None:
     """Compiled with XLA:GPU for an H100 without one (JAX's CUDA plugin in a directory only the subprocess sees,
-    tests/test_gpu_aot.py): the fp8 step's GEMMs take 8-bit operands, and it holds no more copies than the
+    tests/cuda_plugin.py): the fp8 step's GEMMs take 8-bit operands, and it holds no more copies than the
     unquantized step. With the forward's 8-bit copies reused in the backward (qwix's default) it held more: 64
     against 62 here, 61 against 42 for two layers of the 1b preset (benchmarks/README.md, "The fp8 backward's
     copies"); the backward quantizing its own operands (`qwix_training.backward_residuals`) holds 53."""
-    from tests.test_gpu_aot import _with_plugin
 
-    run = _with_plugin(cuda_plugin, GPU_PROGRAMS)
+    run = with_plugin(cuda_plugin, GPU_PROGRAMS)
     assert run.returncode == 0, run.stderr[-3000:]
     counts = json.loads(run.stdout.strip().splitlines()[-1])
     assert counts["none"]["8-bit GEMMs"] == 0 and counts["fp8"]["8-bit GEMMs"] >= 12, counts

@@ -17,7 +17,7 @@ from maxshard import config
 from maxshard.config.schema import Config
 from maxshard.errors import ConfigError
 from maxshard.parallel import xla_options
-from tests.test_gpu_aot import _with_plugin, cuda_plugin  # noqa: F401 (cuda_plugin: a fixture)
+from tests.cuda_plugin import cuda_plugin, with_plugin  # noqa: F401 (cuda_plugin: a fixture)
 
 
 def test_the_config_names_the_tables_and_refuses_others_in_one_line() -> None:
@@ -59,7 +59,7 @@ print(json.dumps(out))
 def test_xla_gpu_compiles_the_train_step_with_the_tuned_table(cuda_plugin: Path) -> None:  # noqa: F811
     """`xla_gpu_options=tuned` reaches the trainer's train step on a GPU mesh, and XLA:GPU accepts every option in
     the table, where it refuses one it does not know: the table holds no name that a jax upgrade dropped."""
-    run = _with_plugin(cuda_plugin, SCRIPT)
+    run = with_plugin(cuda_plugin, SCRIPT)
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert out["tuned"] == xla_options.GPU["tuned"] and out["default"] is None, out
