@@ -1,7 +1,7 @@
 """YAML as maxshard reads it: PyYAML's safe loader (plain data, never Python objects), parsed by libyaml's C parser
 where PyYAML was built with it (its wheels are), else by the pure-Python one. The two give the same values (one
-resolver decides what a scalar is) and raise the same `yaml.YAMLError`s; the C parser is ~10x faster (configs/base.yml:
-60 -> 5 ms), which a run pays once and a tool or test suite that loads configs hundreds of times pays each time."""
+resolver decides what a scalar is) and raise the same `yaml.YAMLError`s; the C parser is an order of magnitude
+faster, which a run pays once and a tool or test suite that loads configs hundreds of times pays each time."""
 
 from __future__ import annotations
 

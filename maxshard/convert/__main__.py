@@ -101,9 +101,8 @@ def return_large_frees_to_the_os() -> None:
     """Pins glibc's mmap threshold at 1 MiB, so every freed block buffer goes straight back to the OS.
 
     By default glibc raises the threshold to the size of the first large buffer freed; later block-sized buffers
-    then come from the heap, and interleaved with tensorstore's own allocations they fragment it: from_hf of a
-    311 MB model (4 MiB blocks read with safetensors' get_slice) peaked at 95 MiB of anonymous memory above the
-    fixed cost with this off, 24-36 MiB with it on (benchmarks/convert_memory.py). Only the command line does this;
+    then come from the heap, and interleaved with tensorstore's own allocations they fragment it, so from_hf's
+    memory grew several-fold with this off (benchmarks/README.md, "Conversion memory"). Only the command line does this;
     importing the package changes nothing. Without glibc, nothing to do.
     """
     try:

@@ -38,8 +38,8 @@ def resolve_dtype(name: str, platform: str) -> str:
 
 def resolve_moe_impl(name: str, device_kind: str) -> str:
     """'auto' is XLA's ragged_dot on TPU and the tiled grouped matmul elsewhere: jax lowers ragged_dot to a masked
-    dense dot over every expert on CPU, and on an H100 (jax 0.11.2) it was 1.5x (8 experts) to 3.3x (32 experts)
-    slower than tiled (benchmarks/README.md, "On one H100"; see `layers/moe_grouped.py`)."""
+    dense dot over every expert on CPU, and on an H100 it was slower than tiled, more so with more experts
+    (benchmarks/README.md, "On one H100"; see `layers/moe_grouped.py`)."""
     if name == "auto":
         return "ragged_dot" if device_kind.strip().lower().startswith("tpu") else "tiled"
     return name

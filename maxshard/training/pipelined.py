@@ -92,7 +92,7 @@ def _join_stack(stack: Any, rest: Any) -> Any:
 
 def _token_logps(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """`loss.token_logps` without a gather: XLA's SPMD partitioner aborts on the target gather from vocab-sharded
-    logits inside a partially manual shard_map (jax 0.10.2, tensor > 1), so the target's logit is a masked sum."""
+    logits inside a partially manual shard_map (tensor > 1), so the target's logit is a masked sum."""
     hit = jnp.arange(logits.shape[-1]) == targets[..., None]
     return jnp.sum(jnp.where(hit, logits, 0.0), axis=-1) - jax.nn.logsumexp(logits, axis=-1)
 
@@ -103,7 +103,7 @@ _LOOKUP_TOKENS = 1024  # tokens per piece of the one-hot lookup (bounds its [tok
 def _embed(module: Any, inputs: jax.Array) -> jax.Array:
     """The token embedding of one microbatch on stage 0, as one-hot matmuls over pieces of the sequence: XLA's SPMD
     partitioner aborts on the embedding's gather inside a partially manual shard_map once the table is split over
-    two mesh axes (jax 0.10.2, tensor > 1), while a matmul partitions under any layout. Exact: each output is one
+    two mesh axes (tensor > 1), while a matmul partitions under any layout. Exact: each output is one
     table row times 1.0 plus zeros. Its gradient is a matmul too (no scatter)."""
     embed = module.token_embed
     table = jnp.asarray(embed.embedding, embed.dtype)
