@@ -85,3 +85,15 @@ def test_a_gated_shared_expert_hybrid_moe_under_expert_x_fsdp_gives_one_devices_
     for layer in ("layer_0", "layer_3"):  # every layer routes, and its shared expert's gate is trained
         moe = unit[layer]["moe"]
         assert all(np.any(g) for g in jax.tree.leaves(moe)), (layer, jax.tree.map(np.any, moe))
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (("ici_pipeline_parallelism=4", "ici_fsdp_parallelism=2"),
+     "2 blocks of 4 layers (layer_types' period 4) is not divisible by pipeline stages"),
+    (("ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4", "num_pipeline_repeats=2"),
+     "2 blocks of 4 layers (layer_types' period 4) must equal pipeline stages x"),
+])
+def test_a_pipeline_that_would_split_a_hybrid_unit_is_a_one_line_error(overrides, fragment):
+    with pytest.raises(ConfigError, match=re.escape(fragment)) as error:
+        tiny_config(*HYBRID, *overrides)
+    assert "\n" not in str(error.value)

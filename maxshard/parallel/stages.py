@@ -25,12 +25,18 @@ __all__ = ["pipeline_shape", "resolve"]
 
 
 def _units_text(cfg: Config, units: int) -> str:
+    """The pipeline's units in words: layers, or blocks of the layers that repeat (the mixers' period, that of
+    layer_types or attention_pattern, and the MoE interval), with the dense first layers that run before them."""
     if units == cfg.num_layers:
         return f"num_layers={units}"
-    if cfg.first_k_dense_replace:
-        return (f"(num_layers - first_k_dense_replace) / moe_layer_interval = {units} blocks (the dense first layers"
-                " run before the pipeline)")
-    return f"num_layers / moe_layer_interval = {units} blocks"
+    moe = cfg.num_experts > 1
+    mixers = "layer_types' period" if cfg.layer_types else "attention_pattern's length"
+    periods = {mixers: cfg.pattern_length, "moe_layer_interval": cfg.moe_layer_interval if moe else 1}
+    named = ", ".join(f"{name} {size}" for name, size in periods.items() if size > 1)
+    dense = (f" after first_k_dense_replace={cfg.first_k_dense_replace} dense layers (they run before the pipeline)"
+             if moe and cfg.first_k_dense_replace else "")
+    block = math.lcm(*periods.values())
+    return f"{units} blocks of {block} layers ({named}){dense}"
 
 
 def _repeats(cfg: Config, units: int, stages: int) -> int:
