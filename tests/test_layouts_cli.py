@@ -9,7 +9,8 @@ step after the first depends on the gradients and the optimizer update, so those
 
 The dense model has 8 layers and 8 heads so that every axis can take all 8 devices alone (the pipeline needs a
 layer per stage, sequence and the tensor axes a head per device); the MoE model routes top-2 of 8 experts dropless,
-which computes the same function under any expert layout.
+which computes the same function under any expert layout; the 3:1 DeltaNet/attention hybrid (layer_types) has 8
+layers, two units, so that a pipeline of two stages holds one unit each.
 """
 
 from __future__ import annotations
@@ -38,6 +39,13 @@ RUN = (
 MODELS = {
     "dense": ("num_layers=8",),
     "moe": ("num_layers=2", "num_experts=8", "num_experts_per_tok=2", "moe_layer_interval=2", "capacity_factor=-1"),
+    # Qwen3-Next's unit from layer_types: 3 gated DeltaNet layers, then 1 full-attention layer; 2 units. Its float32
+    # gradients at init move by orders of magnitude more under rounding than an attention model's (one device against
+    # itself: tests/test_hybrid_deltanet.py), and Adam's first steps turn a near-zero gradient's rounding into a whole
+    # learning rate; a smaller rate and a larger eps keep what rounding moves in the later losses within 1e-5
+    "hybrid": ("num_layers=8", "layer_types=" + ",".join((["linear_attention"] * 3 + ["full_attention"]) * 2),
+               "linear_num_key_heads=2", "linear_num_value_heads=4", "linear_key_head_dim=8",
+               "linear_value_head_dim=8", "delta_chunk_size=8", "adam_eps=1e-3", "learning_rate=5e-4"),
 }
 # name -> (model, knobs); every knob not named is 1. Of the pairs, context x fsdp and expert x fsdp are held to one
 # device in-process (tests/test_objectives.py context2_fsdp4, tests/test_parity.py expert2_fsdp4).
@@ -56,6 +64,10 @@ LAYOUTS = {
     "context x tensor": ("dense", ["ici_context_parallelism=2", "ici_tensor_parallelism=2", "ici_fsdp_parallelism=2"]),
     "pipeline x fsdp": ("dense", ["ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4"]),
     "pipeline x tensor_sequence": ("dense", ["ici_pipeline_parallelism=2", "ici_tensor_sequence_parallelism=4"]),
+    # the hybrid's heads (DeltaNet's and attention's) over tensor, and a pipeline of one hybrid unit a stage (in-process
+    # parity with gradients: tests/test_hybrid_deltanet.py, tests/test_hybrid_layouts.py)
+    "hybrid fsdp x tensor": ("hybrid", ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"]),
+    "hybrid pipeline x fsdp": ("hybrid", ["ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4"]),
 }
 
 
