@@ -1,46 +1,21 @@
 """`python -m maxshard.plan ... --topology <GPU node> --compile`: XLA:GPU compiles the run's real init and train step
 for NVIDIA GPUs on this CPU-only machine (maxshard/planning/gpu_compile.py), through JAX's CUDA plugin.
 
-The plugin is installed for these tests only, into a directory of its own that only their subprocesses see
-(PYTHONPATH): where it is installed, every JAX process prints a line at startup that it found no CUDA driver, which
-the rest of the suite (exact stderr of the CLIs) must not see. It matches the installed jax exactly, as
-`jax[cuda12-local]` pins it.
+The plugin lives in a directory only these tests' subprocesses see (tests/cuda_plugin.py says why).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-import jax
 import pytest
 
 from maxshard.devices import CHIPS, H100_PCIE
 from maxshard.errors import ConfigError
 from maxshard.launch import topologies
 from maxshard.planning import gpu_compile
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def cuda_plugin(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A directory holding JAX's CUDA plugin for the installed jax (from the package registry, once per run)."""
-    target = tmp_path_factory.mktemp("cuda_plugin")
-    version = jax.__version__
-    install = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
-         f"jax-cuda12-plugin=={version}", f"jax-cuda12-pjrt=={version}"], capture_output=True, text=True, timeout=600)
-    assert install.returncode == 0, install.stderr[-2000:]
-    return target
-
-
-def _with_plugin(plugin: Path, code: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(plugin), str(REPO)]), "JAX_PLATFORMS": "cpu"}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
+from tests.cuda_plugin import cuda_plugin, with_plugin  # noqa: F401 (cuda_plugin: a fixture)
 
 
 SCRIPT = """
@@ -66,7 +41,7 @@ print(json.dumps(out))
 def planned(cuda_plugin: Path) -> dict:
     """What one process with the plugin printed: the devices it describes, then `maxshard.plan --compile --json`
     for the tiny preset on an H100 node with XLA's own attention and with `attention: auto`."""
-    run = _with_plugin(cuda_plugin, SCRIPT)
+    run = with_plugin(cuda_plugin, SCRIPT)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 

@@ -51,7 +51,7 @@ def test_the_plan_counts_local_layers_in_model_flops_and_prints_their_share(
     saved = 3 * 3 * 2 * (flops.keys_seen(256) - flops.keys_seen(256, 32)) * m.num_heads * 2 * m.head_dim
     assert full.model_flops - local.model_flops == pytest.approx(saved * tokens)
     assert local.compute_s < full.compute_s
-    assert plan_cli.main(["configs/base.yml", *keys, "--topology", "v5litepod-8"]) == 0
+    assert plan_cli.main(["configs/base.yml", *keys, "--topology", "v5litepod-8", "--estimate"]) == 0
     out = capsys.readouterr().out
     assert ("attention: 3 local layers (window 32 of 256 tokens: 23% of a global layer's score and value FLOPs) "
             "+ 1 global\n") in out, out
