@@ -1,5 +1,6 @@
 """A 3:1 gated DeltaNet / attention hybrid (Qwen3-Next's unit, from `layer_types`) through the layouts beyond
-fsdp x tensor (tests/test_hybrid_deltanet.py): the circular pipeline and a table schedule over hybrid units, and a
+fsdp x tensor (tests/test_hybrid_deltanet.py): the circular pipeline and a table schedule over hybrid units (and
+DeltaNet layers left over after 1f1b's stages), and a
 Qwen3.5-MoE-like hybrid (every layer MoE, a sigmoid-gated shared expert) under expert x fsdp. Each equals one
 device: the loss within 1e-5, the gradients within the bound tests/test_hybrid_deltanet.py measures (how far
 float32 rounding of the parameters moves them on one device, on the same compiled step), or 1e-5 where larger.
@@ -20,6 +21,7 @@ import pytest
 
 from maxshard.errors import ConfigError
 from maxshard.model.layers import pipeline
+from maxshard.spec import blocks
 from maxshard.training.step import Trainer, mesh_context
 from tests.helpers import max_relative_difference, mesh_for, tiny_config
 from tests.test_hybrid_deltanet import HYBRID
@@ -73,6 +75,22 @@ def test_a_pipeline_over_hybrid_units_gives_one_devices_loss_and_gradients(dense
     unit = grads["decoder"]["layers"]
     for layer, scope in (("layer_0", "linear_attention"), ("layer_3", "attention")):  # both kinds are trained
         assert all(np.any(g) for g in jax.tree.leaves(unit[layer][scope])), scope
+
+
+def test_the_deltanet_layers_a_hybrid_leaves_after_1f1b_s_stages_give_one_devices_loss_and_gradients():
+    """10 layers: two units through the stages and two DeltaNet layers left over, which the runner's last part runs
+    per microbatch on the last stage (training/pipelined.py), where the circular pipeline runs them on the
+    whole batch."""
+    layer_types = (["linear_attention"] * 3 + ["full_attention"]) * 2 + ["linear_attention"] * 2
+    model = (*HYBRID, "num_layers=10", "layer_types=" + ",".join(layer_types))
+    params, batch, ref_loss, ref_grads, noise = _reference(*model)
+    cfg = tiny_config(*model, "pipeline_schedule=1f1b", "ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4",
+                      "num_pipeline_microbatches=2")
+    assert [s.name for s in blocks.stacks(cfg.model)] == ["layers", "last_layers"]
+    loss, grads = loss_and_grads(cfg, pipeline.from_scanned(params, cfg.model.pipeline), batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=TOLERANCE)
+    assert max_relative_difference(pipeline.to_scanned(grads), ref_grads) < max(TOLERANCE, 2 * noise)
+    assert all(np.any(g) for g in jax.tree.leaves(grads["decoder"]["last_layers"]))
 
 
 def test_a_gated_shared_expert_hybrid_moe_under_expert_x_fsdp_gives_one_devices_loss_and_gradients():
