@@ -1,9 +1,9 @@
 """A 3:1 gated DeltaNet / attention hybrid (Qwen3-Next's unit, from `layer_types`) through the layouts beyond
 fsdp x tensor (tests/test_hybrid_deltanet.py): the circular pipeline and a table schedule over hybrid units (and
-DeltaNet layers left over after 1f1b's stages), and a
-Qwen3.5-MoE-like hybrid (every layer MoE, a sigmoid-gated shared expert) under expert x fsdp. Each equals one
-device: the loss within 1e-5, the gradients within the bound tests/test_hybrid_deltanet.py measures (how far
-float32 rounding of the parameters moves them on one device, on the same compiled step), or 1e-5 where larger.
+DeltaNet layers left over after 1f1b's stages), and a Qwen3.5-MoE-like hybrid (every layer MoE, a sigmoid-gated
+shared expert) under expert x fsdp. Each equals one device: the loss within 1e-5, the gradients within the bound
+tests/test_hybrid_deltanet.py measures (how far float32 rounding of the parameters moves them on one device, on the
+same compiled step), or 1e-5 where larger.
 
 A pipeline stage holds whole units (parallel/stages.py counts `pattern_length`), so a stage that split a unit, or
 a repeat that ran another unit's DeltaNet weights, would change the loss by orders of magnitude more. Batches are
