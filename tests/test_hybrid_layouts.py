@@ -22,10 +22,9 @@ import pytest
 from maxshard.errors import ConfigError
 from maxshard.model.layers import pipeline
 from maxshard.spec import blocks
-from maxshard.training.step import Trainer, mesh_context
-from tests.helpers import max_relative_difference, mesh_for, tiny_config
-from tests.test_hybrid_deltanet import HYBRID
-from tests.test_pipeline import TOLERANCE, compile_fast, loss_and_grads, packed_batch, random_params
+from tests.helpers import max_relative_difference, tiny_config
+from tests.test_hybrid_deltanet import HYBRID, one_device_reference as _reference
+from tests.test_pipeline import TOLERANCE, loss_and_grads, packed_batch
 
 # Qwen3.5-MoE's options on the hybrid: every layer an MoE (dropless, top-2 of 4) with one sigmoid-gated shared expert
 MOE = ("num_experts=4", "num_experts_per_tok=2", "capacity_factor=-1", "num_shared_experts=1",
@@ -38,23 +37,6 @@ PIPELINES = {
     "1f1b_pipeline2_fsdp2_tensor2": ("pipeline_schedule=1f1b", "ici_pipeline_parallelism=2", "ici_fsdp_parallelism=2",
                                      "ici_tensor_parallelism=2", "num_pipeline_microbatches=2"),
 }
-
-
-def _reference(*model: str) -> tuple:
-    """`model` on one device: host parameters, a packed batch, the loss and gradients, and the gradients' change when
-    every parameter moves by a relative 1e-7 (the same compiled step run twice)."""
-    cfg = tiny_config(*model, num_devices=1)
-    trainer = Trainer(cfg, mesh_for(cfg))
-    params, batch = random_params(trainer), packed_batch(cfg, trainer.mesh)
-    rng = np.random.default_rng(1)
-    nudged = jax.tree.map(lambda p: (p * (1 + 1e-7 * rng.standard_normal(p.shape))).astype(p.dtype), params)
-    placed = [jax.device_put(p, trainer.state_shardings.params) for p in (params, nudged)]
-    with mesh_context(trainer.mesh, trainer.rules):
-        grads_fn = compile_fast(jax.jit(trainer._grads), placed[0], batch)
-        (grads, sums), (nudged_grads, _) = (jax.device_get(grads_fn(p, batch)) for p in placed)
-    noise = max_relative_difference(nudged_grads, grads)
-    assert 0 < noise < 1e-2  # float32 rounding, not a broken step
-    return params, batch, float(sums["loss_sum"] / sums["weight_sum"]), grads, noise
 
 
 @pytest.fixture(scope="module")
