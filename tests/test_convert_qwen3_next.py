@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 from test_convert import LAYOUTS, REPO, TOLERANCE, apply, read_all, start_from_converted
+from test_lora import _RandomAdapters
 
 from maxshard import config, generate
 from maxshard.convert import __main__ as cli
@@ -217,9 +218,10 @@ def test_presets_are_transformers_configs_of_the_published_sizes(preset, model_t
 # --------------------------------------------------------------------------------------------- LoRA out
 
 
-class RandomAdapters:
-    """A LoRA run's adapters stand-in: random (A, B) pairs of rank 2 on the attention's and gated DeltaNet's query,
-    key, value and output kernels (what lora_targets q, k, v, o adapt in both mixers)."""
+class RandomAdapters(_RandomAdapters):
+    """A LoRA run's adapters stand-in (tests/test_lora.py's, drawn the same way): random (A, B) pairs of rank 2 on the
+    attention's and gated DeltaNet's query, key, value and output kernels (what lora_targets q, k, v, o adapt in both
+    mixers)."""
 
     rank, alpha = 2, 1.0
     scale = alpha / rank
@@ -227,16 +229,6 @@ class RandomAdapters:
 
     def has(self, param: layout.Param) -> bool:
         return param.path[-1] == "kernel" and param.path[-2] in self.targets and param.stacked
-
-    def pair(self, param: layout.Param, at: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-        rng = np.random.default_rng(abs(hash((param.path, at))) % 2**32)
-        shape, num_in = param.layer_shape, param.entry.num_in
-        return (rng.normal(size=(*shape[:num_in], self.rank)).astype(np.float32),
-                rng.normal(size=(self.rank, *shape[num_in:])).astype(np.float32))
-
-    def delta(self, param: layout.Param, at: tuple[int, ...]) -> np.ndarray:
-        a, b = self.pair(param, at)
-        return self.scale * np.tensordot(a, b, axes=1)
 
 
 @pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5_text"])
