@@ -270,9 +270,9 @@ def _check_rope(cfg: Config) -> None:
     if cfg.yarn_mscale < 0 or cfg.yarn_mscale_all_dim < 0:
         raise ConfigError(f"yarn_mscale and yarn_mscale_all_dim must be >= 0 (0: unset), got {cfg.yarn_mscale} and "
                           f"{cfg.yarn_mscale_all_dim}")
-    if cfg.attention_type == "mla" and cfg.qk_rope_head_dim % 2:
+    if mixer_kinds.latent(cfg.attention_type) and cfg.qk_rope_head_dim % 2:
         raise ConfigError(f"qk_rope_head_dim must be even (RoPE rotates pairs), got {cfg.qk_rope_head_dim}")
-    if cfg.attention_type == "mla" and cfg.qk_norm:
+    if mixer_kinds.latent(cfg.attention_type) and cfg.qk_norm:
         raise ConfigError("qk_norm normalises grouped-query heads; attention_type=mla normalises its latents: "
                           "set qk_norm=false")
     if cfg.qk_norm_all_heads and not cfg.qk_norm:
@@ -283,7 +283,7 @@ def _check_rope(cfg: Config) -> None:
     if not 0 < cfg.partial_rotary_factor <= 1 or rotary != int(rotary) or int(rotary) % 2:
         raise ConfigError(f"partial_rotary_factor={cfg.partial_rotary_factor} must be in (0, 1] with head_dim x it "
                           f"an even whole number (RoPE rotates pairs), head_dim={cfg.head_dim}")
-    if cfg.partial_rotary_factor != 1 and cfg.attention_type == "mla":
+    if cfg.partial_rotary_factor != 1 and mixer_kinds.latent(cfg.attention_type):
         raise ConfigError("partial_rotary_factor applies to grouped-query heads; attention_type=mla has its own RoPE "
                           "part (qk_rope_head_dim): set partial_rotary_factor=1")
 
@@ -332,7 +332,7 @@ def _check_local_global(cfg: Config) -> None:
         where = "layer_types" if cfg.layer_types else f"attention_pattern={list(pattern)}"
         raise ConfigError(f"sliding_window={cfg.sliding_window} with {where}: local layers need a sliding_window > 0, "
                           "and a window needs a local layer")
-    if "local" in pattern and cfg.attention_type == "mla":
+    if "local" in pattern and mixer_kinds.latent(cfg.attention_type):
         raise ConfigError("attention_pattern with local layers needs attention_type=gqa (latent attention has no "
                           "sliding window)")
     for key in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from maxshard.spec.model_config import ModelConfig
 
 __all__ = ["CACHES", "Mixer", "MLP", "KINDS", "MLP_KINDS", "AttentionWidths", "keys_seen",
-           "kind", "kinds", "mlp_kind", "register", "unregister", "resolve", "spellings"]
+           "kind", "kinds", "latent", "mlp_kind", "register", "unregister", "resolve", "spellings"]
 
 # What a layer keeps for generation (layers/kv_cache.py): keys and values per position, a compressed latent per
 # position (latent attention), or one state per sequence whatever its length (a linear recurrence)
@@ -183,6 +183,12 @@ KINDS = _BUILT_IN  # the built-in rows; `kinds()` adds the registered ones
 def kind(name: str) -> Mixer:
     """The mixer row called `name` (KeyError for an unknown one: the config checks admit only `spellings()`)."""
     return _KINDS[name]
+
+
+def latent(name: str) -> bool:
+    """Whether mixer `name` attends through a compressed latent (its decode cache is "latent"): the kind whose
+    heads carry qk_nope/qk_rope/v widths instead of head_dim, and which takes no per-head q/k norm."""
+    return kind(name).cache == "latent"
 
 
 def kinds() -> tuple[Mixer, ...]:
