@@ -52,7 +52,7 @@ def main() -> None:
     print(f"live at instruction {peak}: {sum(v[0] for v in live) / 2**30:.2f} GiB in {len(live)} values, of a "
           f"{allocated / 2**30:.2f} GiB temporary allocation")
     # libtpu before 0.0.52 reports the heap plus what its log calls the heap's fragmentation as its temporaries;
-    # 0.0.52 the heap (benchmarks/README.md, "libtpu 0.0.52: the same heap, reported once")
+    # 0.0.52 the heap (benchmarks/README.md, "The same heap, reported once")
     on_heap = compiled - temp + allocated
     print(f"reported temporaries {temp / 2**30:.3f} GiB, the heap {allocated / 2**30:.3f} GiB: the peak on the heap "
           f"{on_heap / 2**30:.3f} GiB (planned / that {planned / on_heap:.3f})")

@@ -2,7 +2,7 @@
 
 Why. `memory_analysis()` gives totals, and its temporaries are not the same figure on every libtpu release (some
 report the heap, older ones add what their log calls the heap's fragmentation a second time: benchmarks/README.md,
-"libtpu 0.0.52: the same heap, reported once"). The buffer assignment XLA writes under
+"The same heap, reported once"). The buffer assignment XLA writes under
 `--xla_dump_to` (`OPTIONS`, passed as compile options) holds the heap itself, the largest `preallocated-temp`
 allocation of the default memory space, and every value in it with its size; the live-range dump says when each
 is live. The bytes of the buffers live at one instruction are below the heap by its gaps: what XLA's placement of

@@ -108,14 +108,14 @@ class Fitted:
     # float32 (read off the all-gathers of a LoRA step on each; benchmarks/README.md, "Held-out shapes")
     frozen_head_cast: bool = False
     # copies of that frozen head, gathered, live together in the loss (a release whose loss holds more than one:
-    # XLA_TPU_BY_LIBTPU; benchmarks/README.md, "libtpu 0.0.52: the same heap, reported once")
+    # XLA_TPU_BY_LIBTPU; benchmarks/README.md, "The same heap, reported once")
     frozen_head_copies: int = 1
     # what a layer keeps for its backward without remat, as (E-wide values in float32, E-wide in the compute dtype,
     # Q-wide, K-wide) per token beside its 6 F-wide (planning/widths.py `Widths.kept_bytes`), where the compiler keeps
     # other values than `dense` counts (None: `dense`, read off XLA:CPU, whose deduplication is not XLA:TPU's).
     # XLA:TPU keeps the norms' inputs in float32, q in two layouts and four K-wide values: counted from the saved
-    # stacks of the layer scan in its buffer assignment, to the byte at three widths (benchmarks/README.md, "libtpu
-    # 0.0.52: the same heap, reported once")
+    # stacks of the layer scan in its buffer assignment, to the byte at three widths (benchmarks/README.md, "The same
+    # heap, reported once")
     kept_without_remat: tuple[int, int, int, int] | None = None
     # the share of the terms fitted to the compiled totals that is the HBM heap (memory.py `on_the_heap`). Older
     # libtpu releases report their temporaries as the heap plus the heap's fragmentation counted a second time, and
@@ -125,7 +125,7 @@ class Fitted:
     # the rest (the backward working sets, the logits, the fsdp gathers, the cast weights, the MoE terms) were fitted
     # to the totals and take the share. A single share on every temporary could not hold shapes whose heaps have
     # different shares of gaps. Fitted on one shape, held out on the shapes of tests/test_plan_heldout_tpu.py and
-    # tests/test_tpu_aot.py (benchmarks/README.md, "libtpu 0.0.52: the same heap, reported once")
+    # tests/test_tpu_aot.py (benchmarks/README.md, "The same heap, reported once")
     heap_share: float = 1.0
 
 
@@ -164,7 +164,7 @@ FITTED = {
 
 # XLA:TPU's entries by the first libtpu release whose programs they were measured on, newest first; FITTED's holds
 # before them. Each changes what that release's programs hold differently, and how it reports them
-# (`Fitted.heap_share`); the releases compared are in benchmarks/README.md, "libtpu 0.0.52: the same heap, reported
+# (`Fitted.heap_share`); the releases compared are in benchmarks/README.md, "The same heap, reported
 # once".
 XLA_TPU_BY_LIBTPU: tuple[tuple[tuple[int, ...], Fitted], ...] = (
     # its loss holds three copies of a frozen head; without remat a layer keeps one more Q-wide value (q twice where

@@ -110,8 +110,8 @@ s = the compute dtype's itemsize:
                 loss without them under-planned; benchmarks/README.md, "Held-out shapes")
 
     heap share  a libtpu release that reports its temporaries as the HBM heap, where the releases XLA:TPU's
-                constants were fitted on add the heap's fragmentation again (benchmarks/README.md, "libtpu 0.0.52:
-                the same heap, reported once"), has the terms fitted to those totals take `Fitted.heap_share`;
+                constants were fitted on add the heap's fragmentation again (benchmarks/README.md, "The same
+                heap, reported once"), has the terms fitted to those totals take `Fitted.heap_share`;
                 what was counted value by value (saved stacks, kept stage inputs, the running gradient sum, the
                 kernels' score blocks, the head's gathered table) keeps its bytes (`on_the_heap`)
 
