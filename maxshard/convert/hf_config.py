@@ -298,7 +298,7 @@ def family_of_keys(keys: Mapping[str, Any]) -> Family:
         return by_architecture("Olmo3ForCausalLM")
     if keys.get("post_norms"):
         return by_architecture("Gemma3ForCausalLM" if qk_norm else "Gemma2ForCausalLM")
-    if keys.get("attention_type", "gqa") == "mla":
+    if mixer_kinds.latent(keys.get("attention_type", ModelConfig.attention_type)):
         return by_architecture("DeepseekV3ForCausalLM")
     if keys.get("moe_bias") or keys.get("attention_sinks"):
         return by_architecture("GptOssForCausalLM")
@@ -313,7 +313,7 @@ def _check_family(keys: Mapping[str, Any], fam: Family) -> None:
     """The model keys must be what the family computes; otherwise transformers would load a different function."""
     experts = keys.get("num_experts", 1)
     wants = {"qk_norm": (bool(keys.get("qk_norm", False)), fam.qk_norm), "num_experts > 1": (experts > 1, fam.is_moe)}
-    wants["attention_type"] = (keys.get("attention_type", "gqa"), fam.attention)
+    wants["attention_type"] = (keys.get("attention_type", ModelConfig.attention_type), fam.attention)
     for key, value in fam.keys.items():
         wants[key] = (keys.get(key), value)
     if fam.is_moe:

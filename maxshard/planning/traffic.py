@@ -150,7 +150,7 @@ def geometry(cfg: Config, sizes: Mapping[str, int], compute_itemsize: int) -> Ge
     stacks = blocks.stacks(cfg.model)
     main = blocks.main_stack(cfg.model)
     extra = sum(s.num_layers for s in stacks if s.name != blocks.MAIN_STACK) + cfg.model.mtp_depth
-    extra_moe = cfg.model.mtp_depth if main.unit[-1].mlp == "moe" else 0
+    extra_moe = cfg.model.mtp_depth if main.unit[-1].routed else 0
     return Geometry(
         tokens=batch * length,
         outer_tokens=outer * outer_length,

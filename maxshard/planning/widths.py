@@ -18,7 +18,7 @@ from maxshard.parallel import axis_names as ax
 from maxshard.planning import splash_outputs
 from maxshard.planning.axes import rule_axes
 from maxshard.planning.fitted import compiler, fitted
-from maxshard.spec import attention_kinds, remat
+from maxshard.spec import attention_kinds, mixer_kinds, remat
 
 __all__ = ["Widths", "widths", "split", "latent_query_pad"]
 
@@ -187,7 +187,7 @@ def latent_query_pad(cfg: Config, heads: int, tile: tuple[int, int] | None) -> i
     features beyond a grouped-query head (its elements, unpadded); the tile pads n + p to whole lanes, 128 + 64 ->
     256 for DeepSeek-V3 and Moonlight, as the moonlight_16b preset's saved query in XLA:TPU's buffer assignment
     shows (benchmarks/README.md, "DeepSeek-style on XLA:TPU")."""
-    if tile is None or cfg.attention_type != "mla":
+    if tile is None or not mixer_kinds.latent(cfg.attention_type):
         return 0
     width = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     return heads * (-(-width // tile[1]) * tile[1] - width)

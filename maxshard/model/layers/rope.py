@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from maxshard.spec import mixer_kinds
 from maxshard.spec.model_config import ModelConfig
 
 __all__ = ["Llama3Scaling", "YarnScaling", "LinearScaling", "inverse_frequencies", "llama3_scaled", "yarn_scaled",
@@ -139,7 +140,7 @@ def rotary_dim(cfg: ModelConfig) -> int:
     """How many features of a head RoPE rotates: the whole head, its first head_dim x `partial_rotary_factor`
     (Qwen3-Next; transformers' int(head_dim * partial_rotary_factor), config/ranges.py keeps it even and whole),
     or latent attention's RoPE part."""
-    if cfg.attention_type == "mla":
+    if mixer_kinds.latent(cfg.attention_type):
         return cfg.qk_rope_head_dim
     return int(cfg.head_dim * cfg.partial_rotary_factor)
 
