@@ -131,18 +131,6 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
                         f"pytest -m {marker})")
 
 
-@pytest.fixture(scope="module")
-def planned_for_libtpu_0_0_42():
-    """XLA:TPU planned with the constants of libtpu 0.0.42.1 (CI's release) whatever libtpu is installed
-    (planning/fitted.py `XLA_TPU_BY_LIBTPU`): for plan-only tests whose figures were measured on it. Those that
-    compile compare with the installed release and plan for it."""
-    from maxshard.planning import fitted
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(fitted, "libtpu_release", lambda: (0, 0, 42, 1))
-        yield
-
-
 @pytest.fixture(scope="session")
 def env() -> dict[str, str]:
     """The environment of training subprocesses: on the CPU, with the run's persistent compilation cache (above)."""

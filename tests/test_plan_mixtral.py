@@ -28,11 +28,10 @@ from maxshard.run.target import target_capacity
 
 MIXTRAL = ["configs/base.yml", "model_name=mixtral_8x7b", "per_device_batch_size=12"]
 TARGET = "v6e-256"
-pytestmark = pytest.mark.usefixtures("planned_for_libtpu_0_0_42")  # the figures above
 
 
 @pytest.fixture(scope="module")
-def plan(planned_for_libtpu_0_0_42):
+def plan():
     return plan_cli.plan_for(MIXTRAL, TARGET)
 
 

@@ -70,7 +70,6 @@ def test_grpos_sampling_cache_keeps_a_window_of_keys_in_local_layers() -> None:
     assert cfg.num_layers == 2 and plan.rollout_cache == per_slot * (8 + 32)
 
 
-@pytest.mark.usefixtures("planned_for_libtpu_0_0_42")
 def test_on_xla_tpu_a_pattern_unit_gathers_one_layer_and_the_loss_holds_the_tied_table() -> None:
     """On a TPU target the layer being differentiated holds its gathered weights and their whole gradient: two copies
     of one layer's weights in bfloat16, not of the whole 4-layer unit (fitted.py, seen in the gemma3_27b preset's

@@ -1,22 +1,23 @@
-"""What each compiler does with a train step, as measured on its programs: the constants the memory plan takes
+"""What each compiler does with a train step, as measured on its programs: the constants the memory estimate takes
 (`memory.py`), kept as data by compiler ("xla:cpu", "xla:tpu"; XLA:GPU takes XLA:CPU's), and which remat policies
 a compiler really offloads.
+
+One entry per compiler, whichever release is installed: the estimate only ranks layouts and policies, and where the
+target's compiler is installed the plan is its compile (planning/compiled.py), so no release's report needs
+constants of its own.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import importlib.metadata
-import re
 from collections.abc import Mapping
 
 from maxshard.config import Config
 from maxshard.spec import remat
 from maxshard.model.attention_choice import platform_of
 
-__all__ = ["OFFLOADING", "Fitted", "FITTED", "XLA_CPU_WORKING", "XLA_TPU_WORKING", "XLA_TPU_BY_LIBTPU", "compiler",
-           "policies", "effective_policy", "fitted", "libtpu_release", "described"]
+__all__ = ["OFFLOADING", "Fitted", "FITTED", "XLA_CPU_WORKING", "XLA_TPU_WORKING", "compiler", "policies",
+           "effective_policy", "fitted", "described"]
 
 # The compiler of a device kind (attention_choice.platform_of), whose measured constants the plan uses.
 _COMPILERS = {"tpu": "xla:tpu", "nvidia": "xla:gpu", "cpu": "xla:cpu"}
@@ -107,9 +108,6 @@ class Fitted:
     # dtype: XLA:TPU casts the table before it gathers it where no float32 gradient is taken; XLA:CPU gathers it in
     # float32 (read off the all-gathers of a LoRA step on each; benchmarks/README.md, "Held-out shapes")
     frozen_head_cast: bool = False
-    # copies of that frozen head, gathered, live together in the loss (a release whose loss holds more than one:
-    # XLA_TPU_BY_LIBTPU; benchmarks/README.md, "The same heap, reported once")
-    frozen_head_copies: int = 1
     # what a layer keeps for its backward without remat, as (E-wide values in float32, E-wide in the compute dtype,
     # Q-wide, K-wide) per token beside its 6 F-wide (planning/widths.py `Widths.kept_bytes`), where the compiler keeps
     # other values than `dense` counts (None: `dense`, read off XLA:CPU, whose deduplication is not XLA:TPU's).
@@ -117,16 +115,6 @@ class Fitted:
     # stacks of the layer scan in its buffer assignment, to the byte at three widths (benchmarks/README.md, "The same
     # heap, reported once")
     kept_without_remat: tuple[int, int, int, int] | None = None
-    # the share of the terms fitted to the compiled totals that is the HBM heap (memory.py `on_the_heap`). Older
-    # libtpu releases report their temporaries as the heap plus the heap's fragmentation counted a second time, and
-    # the constants above were fitted to that report (1.0); a release that reports the heap alone takes a share below
-    # 1. The values counted one by one (the saved stacks, a pipeline's kept stage inputs, the fused kernels' score
-    # blocks, the output head's gathered table, the running gradient sum) are the heap's own and keep their bytes;
-    # the rest (the backward working sets, the logits, the fsdp gathers, the cast weights, the MoE terms) were fitted
-    # to the totals and take the share. A single share on every temporary could not hold shapes whose heaps have
-    # different shares of gaps. Fitted on one shape, held out on the shapes of tests/test_plan_heldout_tpu.py and
-    # tests/test_tpu_aot.py (benchmarks/README.md, "The same heap, reported once")
-    heap_share: float = 1.0
 
 
 # By compiler. XLA:CPU: the additive model of memory.py's docstring, its constants fitted there. XLA:TPU:
@@ -162,47 +150,14 @@ FITTED = {
 }
 
 
-# XLA:TPU's entries by the first libtpu release whose programs they were measured on, newest first; FITTED's holds
-# before them. Each changes what that release's programs hold differently, and how it reports them
-# (`Fitted.heap_share`); the releases compared are in benchmarks/README.md, "The same heap, reported
-# once".
-XLA_TPU_BY_LIBTPU: tuple[tuple[tuple[int, ...], Fitted], ...] = (
-    # its loss holds three copies of a frozen head; without remat a layer keeps one more Q-wide value (q twice where
-    # the releases before keep it once); it reports the heap, once
-    ((0, 0, 52), dataclasses.replace(FITTED["xla:tpu"], frozen_head_copies=3, kept_without_remat=(6, 2, 6, 4),
-                                     heap_share=0.66)),
-)
-
-
-@functools.cache
-def libtpu_release() -> tuple[int, ...] | None:
-    """The installed libtpu's release as numbers ((0, 0, 52)), or None where libtpu is not installed: the
-    compiler a TPU plan is for is the one this environment compiles with (on a TPU VM, the one that runs)."""
-    try:
-        version = importlib.metadata.version("libtpu")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:4])
-
 
 def described(compiler_name: str) -> str:
-    """Whose programs the memory plan is for, for a person: the compiler and, for XLA:TPU, the libtpu release whose
-    constants it takes (a plan made where libtpu is absent takes the releases' before the first entry, which may not
-    be what the TPU will run)."""
-    if compiler_name != "xla:tpu":
-        return "XLA:CPU" if compiler_name == "xla:cpu" else f"{compiler_name.upper()}, with XLA:CPU's constants"
-    release, dotted = libtpu_release(), lambda numbers: ".".join(map(str, numbers))  # noqa: E731
-    if release is None:
-        return f"XLA:TPU as libtpu before {dotted(XLA_TPU_BY_LIBTPU[-1][0])} compiles (libtpu is not installed here)"
-    return f"XLA:TPU as the installed libtpu {dotted(release)} compiles"
+    """Whose programs the memory estimate's constants were measured on, for a person."""
+    if compiler_name in FITTED:
+        return compiler_name.upper()
+    return f"{compiler_name.upper()}, with XLA:CPU's constants"
 
 
 def fitted(compiler_name: str) -> Fitted:
-    """FITTED's entry for `compiler_name` (XLA:TPU's for the installed libtpu release: XLA_TPU_BY_LIBTPU), or
-    XLA:CPU's."""
-    if compiler_name == "xla:tpu":
-        release = libtpu_release()
-        for first, entry in XLA_TPU_BY_LIBTPU:
-            if release is not None and release >= first:
-                return entry
+    """FITTED's entry for `compiler_name`, or XLA:CPU's."""
     return FITTED.get(compiler_name, FITTED["xla:cpu"])

@@ -84,7 +84,7 @@ def grouped_head_bytes(cfg: Config, report: Report, sizes: Mapping[str, int], ge
     """(weights, gradient): what the output head holds when the loss pieces group it (training/loss.py
     `grouped_token_logps`). Its weights whole over the token axes in their own dtype, during the loss (for a tied
     table, in place of `gathered_head_bytes`'s copies), or in the compute dtype where they are frozen and the
-    compiler casts before it gathers (`Fitted.frozen_head_cast`), `Fitted.frozen_head_copies` times; and their
+    compiler casts before it gathers (`Fitted.frozen_head_cast`), once; and their
     gradient, whole until its one reduction, less the gradient's shard (counted with the gradients; a frozen head
     has none); both during the loss alone (its backward reduces the gradient before the layers' backward starts,
     training/loss.py). Under a table pipeline schedule the last stage groups each pipeline microbatch's tokens over
@@ -110,8 +110,7 @@ def grouped_head_bytes(cfg: Config, report: Report, sizes: Mapping[str, int], ge
             if trainable.is_trainable(cfg.model, p.name):
                 weights += p.bytes_per_device * shards
                 gradient += p.bytes_per_device * (shards - 1)
-            else:  # a frozen table (LoRA's base): no gradient, gathered cast where the compiler casts first, in
-                # as many copies as the compiler's loss holds
+            else:  # a frozen table (LoRA's base): no gradient, gathered cast where the compiler casts first
                 copy = _cast_bytes(p, geo) if f.frozen_head_cast else p.bytes_per_device
-                weights += copy * shards * f.frozen_head_copies
+                weights += copy * shards
     return weights, gradient

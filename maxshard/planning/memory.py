@@ -21,8 +21,8 @@ s = the compute dtype's itemsize:
     what a policy saves per layer and token (maxshard/spec/remat.py names what each keeps):
         none               dense + attention; on XLA:TPU with a fused kernel what it keeps instead
                            (`Fitted.kept_without_remat`, widths.py `kept_bytes`): the norms' inputs as six float32
-                           and two compute-dtype E-wide values, 5 Q-wide, 4 K-wide (by libtpu release:
-                           `fitted.XLA_TPU_BY_LIBTPU`), 6F, and the float32 log-sum-exp
+                           and two compute-dtype E-wide values, 5 Q-wide, 4 K-wide, 6F, and the float32
+                           log-sum-exp
         minimal            matmul outputs: (2E / r + 2Q + 2K + 2F) x s + float32 scores 4 A (fused: log-sum-exp 4 H)
         save_qkv_out_proj  layer input + q, k, v + output projection: (E / r + E + Q + 2K) x s
         save_qkv_proj      (E / r + Q + 2K) x s
@@ -109,12 +109,6 @@ s = the compute dtype's itemsize:
                 it: since the loss groups its head, XLA:TPU's heap holds them at the loss-phase peak (planning the
                 loss without them under-planned; benchmarks/README.md, "Held-out shapes")
 
-    heap share  a libtpu release that reports its temporaries as the HBM heap, where the releases XLA:TPU's
-                constants were fitted on add the heap's fragmentation again (benchmarks/README.md, "The same
-                heap, reported once"), has the terms fitted to those totals take `Fitted.heap_share`;
-                what was counted value by value (saved stacks, kept stage inputs, the running gradient sum, the
-                kernels' score blocks, the head's gathered table) keeps its bytes (`on_the_heap`)
-
 What the plan leaves out (a few % of XLA:CPU's temporaries in the grid of tests/test_plan_memory.py): the
 embedding's gradient buffers, loss reductions and XLA's fusion scratch; and what layer options add to one layer's
 working set, which is no fixed share of what they add to `dense`, so no formula on the traced residuals holds it
@@ -135,11 +129,11 @@ from maxshard.spec import blocks, remat
 from maxshard.parallel import axis_names as ax
 from maxshard.planning import moe_memory
 from maxshard.planning.axes import rule_axes
-from maxshard.planning.fitted import Fitted, compiler, effective_policy, fitted, policies
+from maxshard.planning.fitted import compiler, effective_policy, fitted, policies
 from maxshard.planning.traffic import Geometry, geometry
 from maxshard.planning.widths import Widths, split, widths
 
-__all__ = ["ActivationTerms", "gathered_bytes", "activation_terms", "on_the_heap", "compiler", "policies",
+__all__ = ["ActivationTerms", "gathered_bytes", "activation_terms", "compiler", "policies",
            "effective_policy", "logits_bytes", "auto_loss_chunks"]
 
 # `loss_chunks: 0` (auto) splits the loss until one piece's float32 logits per device fit this (training/loss.py).
@@ -248,7 +242,7 @@ def activation_terms(cfg: Config, sizes: Mapping[str, int], geo: Geometry, gathe
                   gaps=moe_stack * fitted(target).moe_stack_gaps, moe_stack=moe_stack)
     if geo.stages > 1 or geo.microbatches > 1:
         terms = _pipeline_terms(cfg, w, geo, tokens, per_layer, moe_per_layer * moe_share, common)
-        return on_the_heap(terms, fitted(target))
+        return terms
     frozen = _frozen_share(cfg)
     moe_dots = moe_memory.matmul_bytes(cfg, w, sizes, size)
     moe_saved = {"everything": moe_per_layer, "dots": moe_dots}.get(policy.keeps, 0.0)
@@ -270,21 +264,7 @@ def activation_terms(cfg: Config, sizes: Mapping[str, int], geo: Geometry, gathe
         host=geo.layers * tokens * w.host_bytes(policy, size),
         **common,
     )
-    return on_the_heap(terms, fitted(target))
-
-
-def on_the_heap(terms: ActivationTerms, f: Fitted) -> ActivationTerms:
-    """`terms` as the compiler's heap holds them where its report no longer counts the heap's fragmentation twice
-    (`Fitted.heap_share`): the terms fitted to the older report's totals take the share; the values counted one by
-    one (the saved stacks, the pipeline's kept inputs, the running gradient sum, the kernels' score blocks, the
-    head's gathered table: its grouped copies or the tied table's copies) keep their bytes."""
-    share = f.heap_share
-    if share == 1.0:
-        return terms
-    table = terms.head_grouped[0] + terms.head_table * f.head_weights
-    fitted_terms = ("working", "gathered", "moe", "cast", "gaps")
-    return dataclasses.replace(terms, head=table + (terms.head - table) * share,
-                               **{name: getattr(terms, name) * share for name in fitted_terms})
+    return terms
 
 
 def _stage_working(cfg: Config, w: Widths, policy: remat.Policy, itemsize: int, stage_layers: int) -> float:
