@@ -19,7 +19,10 @@ into parameters, optimizer state, batch (their shards' exact bytes), XLA's tempo
 usable memory (HBM less `memory_headroom`, what the trainer checks the compiled step against on the target); the
 last line is the verdict, `compiled: yes, fits ...` or `compiled: no, ...` with exit code 1, also when XLA:TPU
 finds a program over the chip (one line, XLA's own figures). This takes the compile's time (minutes for a large
-model: benchmarks/README.md); `--estimate` gives the formula's answer in seconds.
+model: benchmarks/README.md); `--estimate` gives the formula's answer in seconds. Under `remat_policy: auto` the
+compile also picks the policy: the estimate ranks them and prunes those it plans beyond its stated error over the
+usable memory, and the others are compiled in auto's order until one fits (`planning/auto_compile.py`; a line for
+each that did not).
 
 Where no compiler for the target is installed (or `--estimate` asks), the line before the last says the plan is an
 estimate, how close the formulas are checked to be (`fit.PLAN_ERROR`), and the one command that gives the exact
@@ -63,8 +66,8 @@ from maxshard.launch import topologies
 from maxshard.planning import fit
 from maxshard.planning.estimate import Plan, make_plan
 from maxshard.planning.printout import estimate_notice, format_compiled, format_plan, plan_json
-from maxshard.planning import gpu_compile, tpu_compile
-from maxshard.planning.tpu_compile import TpuOutOfMemory, compile_run, compile_step
+from maxshard.planning import auto_compile, gpu_compile, tpu_compile
+from maxshard.planning.tpu_compile import CompiledRun, TpuOutOfMemory, compile_run, compile_step
 from maxshard.run import search
 from maxshard.run.search_printout import format_search, nothing_fits, search_json, sweep_yaml
 from maxshard.run.target import load_for_target, target_capacity
@@ -300,8 +303,7 @@ def _compiled(plan: Plan, as_json: bool, compiler: _Compiler, asked: bool) -> in
     if not as_json:
         print(format_plan(plan), flush=True)
     try:
-        run = compile_run(plan.cfg, plan.target, compiler.devices,
-                          progress=lambda line: print(line, file=sys.stderr, flush=True), compiler=compiler.name)
+        plan, run = _compile_deciding(plan, compiler, as_json)
     except TpuOutOfMemory as e:
         print(json.dumps({**plan_json(plan), "answer": "compiled", "compiled": {"fits": False, "error": str(e)}})
               if as_json else f"compiled: no, {e}")
@@ -326,6 +328,44 @@ def _compiled(plan: Plan, as_json: bool, compiler: _Compiler, asked: bool) -> in
     print(f"compiled: {verdict} the {format_bytes(usable)} usable ({source}): the train step needs "
           f"{run.step_peak / plan.link.hbm:.0%} of {format_bytes(plan.link.hbm)} HBM{refused}")
     return 0 if fits else 1
+
+
+def _compile_deciding(plan: Plan, compiler: _Compiler, as_json: bool) -> tuple[Plan, CompiledRun]:
+    """(the plan of the policy the compile decides on, its compiled run). `remat_policy: auto` compiles the
+    policies the estimate does not rule out in auto's order and takes the first that fits (planning/auto_compile.py),
+    a line for each that did not; another policy, or none left to compile, is compiled as planned. TpuOutOfMemory
+    where the last compiled is over the chip."""
+    progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    fit_record, (usable, _) = plan.cfg.memory_fit, _usable(plan)
+    if fit_record is None or fit_record.requested != "auto":
+        return plan, compile_run(plan.cfg, plan.target, compiler.devices, progress=progress, compiler=compiler.name)
+    outcomes: dict[str, CompiledRun | TpuOutOfMemory] = {}
+
+    def compile_peak(policy: str) -> int | None:
+        try:
+            outcomes[policy] = compile_run(auto_compile.with_policy(plan.cfg, policy), plan.target, compiler.devices,
+                                           progress=progress, compiler=compiler.name)
+        except TpuOutOfMemory as e:
+            outcomes[policy] = e
+            return None
+        return outcomes[policy].step_peak
+
+    chosen, tried = auto_compile.choose(plan.cfg, usable, compile_peak)
+    for t in tried[:-1] if chosen is not None else tried:
+        over = (f"over the chip ({outcomes[t.policy]})" if t.peak is None else
+                f"{format_bytes(t.peak)} per device, over the {format_bytes(usable)} usable")
+        if not as_json:
+            print(f"remat_policy={t.policy} compiles to {over}")
+    if chosen is None:  # nothing fits: the estimate's own pick is the answer to show
+        last = outcomes.get(plan.cfg.remat_policy) or compile_run(plan.cfg, plan.target, compiler.devices,
+                                                                     progress=progress, compiler=compiler.name)
+        if isinstance(last, TpuOutOfMemory):
+            raise last
+        return plan, last
+    if not as_json:
+        print(f"remat_policy: auto chose {chosen} by compile ({len(tried)} compiled; the estimate chose "
+              f"{plan.cfg.remat_policy})")
+    return make_plan(auto_compile.with_policy(plan.cfg, chosen), plan.target), outcomes[chosen]
 
 
 def _usable(plan: Plan) -> tuple[int, str]:

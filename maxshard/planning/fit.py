@@ -49,7 +49,7 @@ from maxshard.spec import remat
 from maxshard.planning import estimate, memory
 from maxshard.units import format_bytes
 
-__all__ = ["Capacity", "cheapest", "configured_capacity", "local_capacity", "peaks_by_policy", "planned_peak",
+__all__ = ["Capacity", "by_preference", "cheapest", "configured_capacity", "local_capacity", "peaks_by_policy", "planned_peak",
            "decide", "usable", "verdict", "check_host_memory", "host_by_policy"]
 
 _GB = 1e9
@@ -185,6 +185,12 @@ def _planned_names(cfg: Config) -> tuple[str, ...]:
 def _candidates(cfg: Config) -> tuple[str, ...]:
     """The policies `auto` chooses from, most device memory first: the compiler's (`memory.policies`)."""
     return memory.policies(memory.compiler(cfg))
+
+
+def by_preference(cfg: Config) -> tuple[str, ...]:
+    """The policies `auto` chooses from in the order it prefers them (`_cost`: on the device first, then the fewest
+    FLOPs re-run; of equal cost, more device memory first)."""
+    return tuple(sorted(_candidates(cfg), key=_cost(cfg)))
 
 
 def decide(cfg: Config, capacity: Capacity, strict: bool = True) -> MemoryFit:

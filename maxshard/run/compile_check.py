@@ -27,9 +27,9 @@ from jax.sharding import NamedSharding
 
 from maxshard.config import Config
 from maxshard.errors import ConfigError
-from maxshard.planning import fit, memory
+from maxshard.planning import memory
+from maxshard.planning.auto_compile import with_policy
 from maxshard.planning.compiled import abstract_inputs, peak_bytes
-from maxshard.run import loading
 from maxshard.training.step import Trainer
 from maxshard.units import format_bytes
 
@@ -69,7 +69,7 @@ def compile_step(trainer: Trainer, batch_sharding: NamedSharding) -> CompiledSte
             raise ConfigError(_refusal(trainer.cfg, peak, usable))
         print(f"remat_policy={trainer.cfg.remat_policy} compiled to a peak of {format_bytes(peak)} per device, over "
               f"the {format_bytes(usable)} usable; compiling remat_policy={following} instead", flush=True)
-        trainer = Trainer(_with_policy(trainer.cfg, following), trainer.mesh)
+        trainer = Trainer(with_policy(trainer.cfg, following), trainer.mesh)
 
 
 def _compiled(trainer: Trainer, batch_sharding: NamedSharding) -> tuple[Any, int | None]:
@@ -89,14 +89,6 @@ def _next_policy(cfg: Config) -> str | None:
         return None
     position = order.index(cfg.remat_policy)
     return order[position + 1] if position + 1 < len(order) else None
-
-
-def _with_policy(cfg: Config, policy: str) -> Config:
-    """`cfg` with `policy` in place of the one that did not fit; its fit record keeps the request (`auto`)."""
-    changed = loading.replace(cfg, remat_policy=policy)
-    planned = fit.planned_peak(changed, policy)
-    return dataclasses.replace(changed, memory_fit=dataclasses.replace(cfg.memory_fit, policy=policy,
-                                                                       planned_bytes=planned, fits=True))
 
 
 def _refusal(cfg: Config, peak: int, usable: int) -> str:
