@@ -36,11 +36,9 @@ q, k and v [.., 12 heads, 64] move to host memory, q, k and v stored as the tile
 the compile (libtpu 0.0.42.1; 1.09 at 4 x 1024 under full), 1.217 of libtpu 0.0.50.1's; since the splash kernel's
 block term is read off the installed kernel (planning/splash_outputs.py: jax 0.12's keeps its accumulators in
 scratch) and a frozen table is planned gathered in bfloat16 (`Fitted.frozen_head_cast`), 1.072 and 1.001. Under
-libtpu 0.0.52 its loss holds three copies of that table (planning/fitted.py `XLA_TPU_BY_LIBTPU`): 0.768 with one
-planned, 1.078 with three. 0.0.52 reports its temporaries as the HBM heap, where the releases the constants were
-fitted on add the heap's fragmentation again, so the pipeline and context shapes planned 1.18 and 1.28 of its
-figures; with its heap share (`Fitted.heap_share`, fitted on another shape) pipeline 1.063, context 1.064, LoRA
-0.959 (docs/toolchains.md, "Which Python gives which toolchain"). One
+libtpu 0.0.52 its loss holds three copies of that table and the report leaves out the heap's fragmentation, which
+the one set of constants does not follow: there the compile is the plan (benchmarks/README.md, "One set of XLA:TPU
+constants"). One
 compile serves both claims (~100 CPU s, where a separate 125m offload compile took ~75 more). The context shape's program also shows ring attention on XLA:TPU, its steps passing K/V around the
 ring (collective-permute), which tests/test_tpu_aot.py compiled as a layout of its own before (~40 CPU s).
 """
