@@ -21,7 +21,7 @@ last line is the verdict, `compiled: yes, fits ...` or `compiled: no, ...` with 
 finds a program over the chip (one line, XLA's own figures). This takes the compile's time (minutes for a large
 model: benchmarks/README.md); `--estimate` gives the formula's answer in seconds. Under `remat_policy: auto` the
 compile also picks the policy: the estimate ranks them and prunes those it plans beyond its stated error over the
-usable memory, and the others are compiled in auto's order until one fits (`planning/auto_compile.py`; a line for
+usable memory, and the others are compiled in auto's order until one fits (`run/auto_compile.py`; a line for
 each that did not).
 
 Where no compiler for the target is installed (or `--estimate` asks), the line before the last says the plan is an
@@ -66,7 +66,8 @@ from maxshard.launch import topologies
 from maxshard.planning import fit
 from maxshard.planning.estimate import Plan, make_plan
 from maxshard.planning.printout import estimate_notice, format_compiled, format_plan, plan_json
-from maxshard.planning import auto_compile, gpu_compile, tpu_compile
+from maxshard.planning import gpu_compile, tpu_compile
+from maxshard.run import auto_compile
 from maxshard.planning.tpu_compile import CompiledRun, TpuOutOfMemory, compile_run, compile_step
 from maxshard.run import search
 from maxshard.run.search_printout import format_search, nothing_fits, search_json, sweep_yaml
@@ -332,7 +333,7 @@ def _compiled(plan: Plan, as_json: bool, compiler: _Compiler, asked: bool) -> in
 
 def _compile_deciding(plan: Plan, compiler: _Compiler, as_json: bool) -> tuple[Plan, CompiledRun]:
     """(the plan of the policy the compile decides on, its compiled run). `remat_policy: auto` compiles the
-    policies the estimate does not rule out in auto's order and takes the first that fits (planning/auto_compile.py),
+    policies the estimate does not rule out in auto's order and takes the first that fits (run/auto_compile.py),
     a line for each that did not; another policy, or none left to compile, is compiled as planned. TpuOutOfMemory
     where the last compiled is over the chip."""
     progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731

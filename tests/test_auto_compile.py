@@ -1,4 +1,4 @@
-"""`remat_policy: auto` decided by compiles (planning/auto_compile.py, what `maxshard.plan` runs where the target's
+"""`remat_policy: auto` decided by compiles (run/auto_compile.py, what `maxshard.plan` runs where the target's
 compiler is installed): policies in auto's order of preference, those the estimate plans beyond its stated error
 over the usable memory never compiled, the first whose compiled peak fits taken. The compiles here are stand-ins
 that say which policy fits, so the test is about the order and the pruning; tests/test_plan.py compiles the tiny
@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 from maxshard.launch import topologies
-from maxshard.planning import auto_compile, fit
+from maxshard.planning import fit
+from maxshard.run import auto_compile
 from maxshard.run.target import load_for_target
 
 USABLE = 10 * 2**20

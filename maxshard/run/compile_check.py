@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding
 from maxshard.config import Config
 from maxshard.errors import ConfigError
 from maxshard.planning import memory
-from maxshard.planning.auto_compile import with_policy
+from maxshard.run.auto_compile import with_policy
 from maxshard.planning.compiled import abstract_inputs, peak_bytes
 from maxshard.training.step import Trainer
 from maxshard.units import format_bytes
