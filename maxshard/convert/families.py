@@ -77,6 +77,8 @@ class Family:
         num_layers (names.MTP): Qwen3-Next's "mtp" (mtp.fc, mtp.pre_fc_norm_embedding/hidden, mtp.layers.0,
         mtp.norm: vLLM's Qwen3NextMultiTokenPredictor, which transformers does not load); its presence sets
         mtp_depth 1 (names.QWEN_MTP).
+    rotary_dim_field: a config.json field giving RoPE's share of each head as a number of features (MiniMax-M2's
+        released rotary_dim, which transformers reads as rotary_dim / head_dim) where partial_rotary_factor is absent.
     """
 
     architecture: str
@@ -119,6 +121,7 @@ class Family:
     linear_attention: str = ""
     left_out: Mapping[str, str] = dataclasses.field(default_factory=dict)
     mtp_prefix: str = ""
+    rotary_dim_field: str = ""
 
     @property
     def is_moe(self) -> bool:
@@ -231,6 +234,21 @@ FAMILIES += (
            local_base_field="", local_base_default=500000.0,
            carries=("sliding_window", "attention_pattern", "rope_local_max_timescale"),
            export={"attention_bias": False}),
+)
+
+# MiniMax-M2: Mixtral's layer and tensor names, experts routed by sigmoid scores with a selection bias
+# (block_sparse_moe.e_score_correction_bias) and always renormalised, q/k normalised over all heads at once, RoPE on
+# part of each head (the release's rotary_dim). MiniMaxM2Config's defaults where they differ from Llama's.
+_MINIMAX_M2_DEFAULTS = {"vocab_size": 200064, "hidden_size": 3072, "intermediate_size": 1536, "num_hidden_layers": 62,
+                        "num_attention_heads": 48, "num_key_value_heads": 8, "head_dim": 128,
+                        "max_position_embeddings": 196608, "rms_norm_eps": 1e-6, "rope_theta": 5000000.0,
+                        "num_local_experts": 256, "num_experts_per_tok": 8}
+FAMILIES += (
+    Family("MiniMaxM2ForCausalLM", "minimax_m2", qk_norm=True, moe_prefix="block_sparse_moe",
+           expert_projections=("w1", "w3", "w2"), experts_fields=("num_local_experts",),
+           router_bias="e_score_correction_bias", sigmoid_router=True, rotary_dim_field="rotary_dim",
+           keys={"qk_norm_all_heads": True, "moe_router": "sigmoid", "moe_router_bias": True},
+           defaults=_MINIMAX_M2_DEFAULTS, carries=("partial_rotary_factor",), export={"attention_bias": False}),
 )
 
 

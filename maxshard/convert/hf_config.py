@@ -146,9 +146,13 @@ def hybrid_layer_types(hf: Mapping[str, Any]) -> list[str]:
 
 def partial_rotary(hf: Mapping[str, Any], fam: Family) -> float:
     """The share of each head RoPE turns: rope_parameters' partial_rotary_factor (transformers 5.x), the top-level
-    field (4.x), else the family's default (Qwen3-Next's 0.25; 1 for the others)."""
+    field (4.x), the family's count of rotated features over head_dim (MiniMax-M2's rotary_dim), else the family's
+    default (Qwen3-Next's 0.25; 1 for the others)."""
     params = hf.get("rope_parameters") or {}
-    value = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    value = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if value is None and fam.rotary_dim_field and hf.get(fam.rotary_dim_field) is not None:
+        value = hf[fam.rotary_dim_field] / (hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
+    value = 1.0 if value is None else value
     if not isinstance(value, (int, float)) or not 0 < value <= 1:
         raise _refuse("partial_rotary_factor", value, "needs a number in (0, 1]")
     if value != 1 and "partial_rotary_factor" not in fam.carries:
@@ -292,21 +296,17 @@ def default_max_position(keys: Mapping[str, Any]) -> int:
 
 
 def family_of_keys(keys: Mapping[str, Any]) -> Family:
-    """The family to export as when there is no template: the plainest row that computes these model keys."""
-    moe, qk_norm = keys.get("num_experts", 1) > 1, bool(keys.get("qk_norm", False))
-    if not keys.get("pre_norms", True):  # norms after attention and the MLP only
-        return by_architecture("Olmo3ForCausalLM")
-    if keys.get("post_norms"):
-        return by_architecture("Gemma3ForCausalLM" if qk_norm else "Gemma2ForCausalLM")
-    if mixer_kinds.latent(keys.get("attention_type", ModelConfig.attention_type)):
-        return by_architecture("DeepseekV3ForCausalLM")
-    if keys.get("moe_bias") or keys.get("attention_sinks"):
-        return by_architecture("GptOssForCausalLM")
-    if keys.get("attention_output_gate"):  # the hybrids' gated attention
-        return by_architecture("Qwen3NextForCausalLM" if moe else "Qwen3_5ForCausalLM")
-    if not moe:
-        return by_architecture("Qwen3ForCausalLM" if qk_norm else "LlamaForCausalLM")
-    return by_architecture("Qwen3MoeForCausalLM" if qk_norm else "MixtralForCausalLM")
+    """The family to export as when there is no template: the first row of FAMILIES (the plainest first) that
+    computes these model keys, so a new row needs no rule here."""
+    refusals = []
+    for fam in FAMILIES:
+        try:
+            _check_family(keys, fam)
+        except ConfigError as refusal:
+            refusals.append(str(refusal))
+            continue
+        return fam
+    raise ConfigError(f"no Hugging Face family computes these model keys (the first row's refusal: {refusals[0]})")
 
 
 def _check_family(keys: Mapping[str, Any], fam: Family) -> None:
