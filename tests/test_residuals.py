@@ -62,6 +62,7 @@ PROBES = {
     "query_pre_attn_scalar": ({}, 64.0),
     "attention_sinks": ({}, True),
     "attention_bias": ({}, True),
+    "qkv_bias": ({}, True),
     "norm_unit_offset": ({}, True),
     "post_norms": ({}, True),
     "pre_norms": ({"post_norms": True}, False),  # OLMo 3: the norms before attention and the MLP, and what they keep

@@ -275,6 +275,9 @@ def _check_rope(cfg: Config) -> None:
     if mixer_kinds.latent(cfg.attention_type) and cfg.qk_norm:
         raise ConfigError("qk_norm normalises grouped-query heads; attention_type=mla normalises its latents: "
                           "set qk_norm=false")
+    if cfg.qkv_bias and cfg.attention_bias:
+        raise ConfigError("qkv_bias: attention_bias already biases the query, key and value projections (and the "
+                          "output); set one of them")
     if cfg.qk_norm_all_heads and not cfg.qk_norm:
         raise ConfigError("qk_norm_all_heads says how qk_norm normalises: set qk_norm=true or qk_norm_all_heads=false")
     if not cfg.pre_norms and not cfg.post_norms:

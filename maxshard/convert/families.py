@@ -41,6 +41,8 @@ class Family:
     fused_experts: the experts are stacked tensors under `experts` (GPT-OSS): gate_up_proj [experts, embed,
         2 x mlp] with the gate and up columns interleaved, down_proj [experts, mlp, embed], each with a bias.
     biases: q/k/v/o, router and expert biases (config.json's attention_bias; `attention_bias`, `moe_bias`).
+    qkv_bias: config.json's attention_bias puts biases on q, k and v only, not the output (GLM-4.5: `qkv_bias`;
+        the field maps to the key in `fields`).
     sinks: a learned softmax-denominator logit per head, `self_attn.sinks` (`attention_sinks`).
     quantized_experts: quantization_config.quant_method values whose expert tensors from_hf dequantizes
         (GPT-OSS's released "mxfp4": convert/mxfp4.py).
@@ -103,6 +105,7 @@ class Family:
     fused_experts: bool = False
     biases: bool = False
     sinks: bool = False
+    qkv_bias: bool = False
     quantized_experts: tuple[str, ...] = ()
     defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     activation_field: str = "hidden_act"
@@ -249,6 +252,31 @@ FAMILIES += (
            router_bias="e_score_correction_bias", sigmoid_router=True, rotary_dim_field="rotary_dim",
            keys={"qk_norm_all_heads": True, "moe_router": "sigmoid", "moe_router_bias": True},
            defaults=_MINIMAX_M2_DEFAULTS, carries=("partial_rotary_factor",), export={"attention_bias": False}),
+)
+
+# GLM-4.5 / 4.6 (Glm4MoeForCausalLM): DeepSeek-V3's routing and tensor names (dense first layers, grouped top-k by
+# sigmoid scores with a selection bias, routed scaling, shared experts) under grouped-query attention with biases
+# on q, k and v only (attention_bias) and RoPE on half of each head. Glm4MoeConfig's defaults where they differ from
+# Llama's; its q/k norms (use_qk_norm, off in the releases) are refused.
+_GLM4_MOE_DEFAULTS = {"vocab_size": 151552, "hidden_size": 4096, "intermediate_size": 10944, "num_hidden_layers": 46,
+                      "num_attention_heads": 96, "num_key_value_heads": 8, "max_position_embeddings": 131072,
+                      "rms_norm_eps": 1e-5, "moe_intermediate_size": 1408, "num_experts_per_tok": 8,
+                      "n_shared_experts": 1, "n_routed_experts": 128, "routed_scaling_factor": 1.0, "n_group": 1,
+                      "topk_group": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
+                      "partial_rotary_factor": 0.5, "attention_bias": False, "num_nextn_predict_layers": 1}
+FAMILIES += (
+    Family("Glm4MoeForCausalLM", "glm4_moe", moe_prefix="mlp", experts_fields=("n_routed_experts",),
+           expert_width_field="moe_intermediate_size", renormalize_field="norm_topk_prob",
+           shared_experts="shared_experts", router_bias="gate.e_score_correction_bias", sigmoid_router=True,
+           qkv_bias=True,
+           fields={"first_k_dense_replace": "first_k_dense_replace", "n_group": "moe_n_group",
+                   "topk_group": "moe_topk_group", "routed_scaling_factor": "moe_routed_scaling_factor",
+                   "n_shared_experts": "num_shared_experts", "moe_intermediate_size": "moe_mlp_dim",
+                   "intermediate_size": "mlp_dim", "num_nextn_predict_layers": "mtp_depth",
+                   "attention_bias": "qkv_bias"},
+           keys={"moe_router": "sigmoid", "moe_router_bias": True}, defaults=_GLM4_MOE_DEFAULTS,
+           must_equal={"use_qk_norm": False}, carries=("partial_rotary_factor", "qkv_bias"),
+           export={"use_qk_norm": False}),
 )
 
 

@@ -38,7 +38,7 @@ _REPLACED = ("rope_parameters", "rope_scaling", "rope_theta", "torch_dtype", "dt
 # Model keys that change the function and that only some families' config.json can express (families.py `keys` and
 # `carries`): a model with any other value than the default cannot be written as a family that has neither.
 LAYER_OPTIONS = ("sliding_window", "attention_pattern", "rope_local_max_timescale", "attn_logit_softcapping",
-                 "final_logit_softcapping", "query_pre_attn_scalar", "attention_sinks", "attention_bias",
+                 "final_logit_softcapping", "query_pre_attn_scalar", "attention_sinks", "attention_bias", "qkv_bias",
                  "norm_unit_offset", "post_norms", "mlp_activation", "embed_scale", "moe_bias",
                  "attention_output_gate", "partial_rotary_factor", "shared_expert_gate", "layer_types",
                  "pre_norms", "qk_norm_all_heads")
@@ -89,7 +89,7 @@ def _check_window(hf: Mapping[str, Any], fam: Family) -> None:
 
 def _check_representable(hf: Mapping[str, Any], fam: Family) -> None:
     """Fields that change the function in ways maxshard's decoder cannot reproduce."""
-    for field in ("mlp_bias",) if fam.biases else ("attention_bias", "mlp_bias"):
+    for field in ("mlp_bias",) if fam.biases or fam.qkv_bias else ("attention_bias", "mlp_bias"):
         if hf.get(field):
             raise _refuse(field, hf[field], "maxshard's projections have no biases")
     act = hf.get(fam.activation_field, fam.activation)

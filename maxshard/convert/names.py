@@ -190,11 +190,15 @@ def _fused_moe(family: Family) -> tuple[Entry, ...]:
 
 
 def _attention_extras(cfg: ModelConfig, family: Family) -> tuple[Entry, ...]:
-    """q/k/v/o biases (`attention_bias`) and sinks (`attention_sinks`) of the families that have them."""
+    """q/k/v/o biases (`attention_bias`), q/k/v ones (`qkv_bias`) and sinks (`attention_sinks`) of the families
+    that have them."""
     attn = "model.layers.{i}.self_attn"
-    biases = tuple(Entry(f"{attn}.{hf}.bias", ("attention", name, "bias"), "flat")
-                   for hf, name in (("q_proj", "query"), ("k_proj", "key"), ("v_proj", "value"), ("o_proj", "out"))
-                   ) if family.biases and cfg.attention_bias else ()
+    projections = (("q_proj", "query"), ("k_proj", "key"), ("v_proj", "value"))
+    if family.biases and cfg.attention_bias:
+        projections += (("o_proj", "out"),)
+    elif not (family.qkv_bias and cfg.qkv_bias):
+        projections = ()
+    biases = tuple(Entry(f"{attn}.{hf}.bias", ("attention", name, "bias"), "flat") for hf, name in projections)
     sinks = (Entry(f"{attn}.sinks", ("attention", "sinks"), "same"),) if family.sinks and cfg.attention_sinks else ()
     return biases + sinks
 

@@ -68,7 +68,7 @@ VALUES = frozenset({"norm_epsilon", "rope_max_timescale", "rope_scaling_type", "
                     # which experts a token chooses: indices, no gradient, nothing kept (tests/test_residuals.py)
                     "moe_n_group", "moe_topk_group", "moe_router_bias",
                     # biases, scales and constants of the local/global families: elementwise on what is kept anyway
-                    "attention_bias", "moe_bias", "embed_scale", "final_logit_softcapping", "norm_unit_offset",
+                    "attention_bias", "qkv_bias", "moe_bias", "embed_scale", "final_logit_softcapping", "norm_unit_offset",
                     "query_pre_attn_scalar", "rope_local_max_timescale", "swiglu_alpha", "swiglu_limit",
                     # modules after the last layer (layers/mtp.py): the stack's unit is unchanged
                     "mtp_depth"})

@@ -144,6 +144,7 @@ class ModelKeys:
     query_pre_attn_scalar: float = 0.0  # softmax scale this ** -0.5 (Gemma); 0: the query/key head width
     attention_sinks: bool = False  # a learned logit per query head in the softmax's denominator (GPT-OSS)
     attention_bias: bool = False  # biases on the query, key, value and output projections (GPT-OSS)
+    qkv_bias: bool = False  # biases on the query, key and value projections only (GLM-4.5)
     norm_unit_offset: bool = False  # RMSNorm scales by (1 + weight), the weight starting at 0 (Gemma)
     post_norms: bool = False  # RMSNorm on the attention's and the MLP's outputs before each residual add (Gemma 2/3)
     pre_norms: bool = True  # RMSNorm on each layer's input to attention and to the MLP; false: post_norms only (OLMo 2/3)

@@ -13,7 +13,7 @@ Local/global models (spec/blocks.py): a `local` layer sees only the last `slidin
 `rope_local_max_timescale`, unscaled, when set: Gemma 3); `attn_logit_softcapping` caps the scaled logits (Gemma 2);
 `query_pre_attn_scalar` replaces head_dim in the softmax scale (Gemma); `attention_sinks` adds a learned logit per
 query head, "sinks" [heads], to each softmax's denominator (GPT-OSS); `attention_bias` puts biases on q, k, v and
-the output (GPT-OSS).
+the output (GPT-OSS), `qkv_bias` on q, k and v only (GLM-4.5).
 
 Qwen3-Next / Qwen3.5: with `attention_output_gate` the query projection is twice as wide, each head's
 [query (head_dim), gate (head_dim)] side by side as transformers' q_proj rows hold them (one kernel
@@ -58,7 +58,7 @@ class Attention(nn.Module):
         default), named for the remat policies."""
         dense = DenseGeneral((heads, width or self.cfg.head_dim), (ax.EMBED, heads_axis, ax.KV), 1, self.dtype,
                              self.weight_dtype, self.cfg.lora_rank_of(target), self.cfg.lora_scale,
-                             self.cfg.attention_bias, name=name)
+                             self.cfg.attention_bias or self.cfg.qkv_bias, name=name)
         return checkpoint_name(dense(x), f"{name}_proj")
 
     @property

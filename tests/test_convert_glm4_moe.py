@@ -1,0 +1,171 @@
+"""GLM-4.5 through the Hugging Face converter: logits and greedy tokens equal transformers', a layout of experts,
+tensor and FSDP equals one device, the round trip is bit for bit, and the preset is the published shape.
+
+The fixture (tests/fixtures/glm4_moe/glm4_moe, tools/make_glm4_moe_fixtures.py with transformers 5.24) has one dense
+layer then two MoE layers of 8 experts in 2 groups (the best group kept), top-2 by sigmoid scores plus a random
+selection bias, renormalised and scaled by 2.5, beside a shared expert; biases on q, k and v but not the output
+(`qkv_bias`), RoPE on half of each head. Its config.json names a multi-token prediction layer that transformers
+neither builds nor saves, so it converts without one. Every piece but `qkv_bias` is a switch the model had: the
+family is one row of convert/families.py.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from test_convert import REPO, TOLERANCE, apply, read_all, start_from_converted
+
+from maxshard import config, generate
+from maxshard.convert import __main__ as cli
+from maxshard.convert import hf_config, layout
+from maxshard.errors import ConfigError
+from maxshard.model import transformer as model
+from maxshard.run import loading
+from maxshard.spec.model_config import architecture_keys
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "glm4_moe"
+SOURCE = FIXTURES / "glm4_moe"
+EXTRA = ("remat_policy=full",)  # the function is under test, which no remat policy changes
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("converted") / "glm4_moe"
+    assert cli.main(["from_hf", str(SOURCE), str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_device(converted, tmp_path_factory):
+    return start_from_converted(converted, tmp_path_factory.mktemp("run"), *EXTRA)
+
+
+def reference() -> tuple[np.ndarray, np.ndarray]:
+    return np.load(SOURCE / "tokens.npy"), np.load(SOURCE / "logits.npy")
+
+
+def _zeroed(params, leaf: str):
+    return jax.tree_util.tree_map_with_path(lambda p, x: x * 0 if leaf in jax.tree_util.keystr(p) else x, params)
+
+
+# --------------------------------------------------------------------------------------------- import
+
+
+def test_logits_match_transformers(one_device):
+    trainer, state = one_device
+    tokens, want = reference()
+    assert np.std(want) > 0.5  # logits of a useful scale
+    np.testing.assert_allclose(apply(trainer, state.params, tokens), want, rtol=0, atol=TOLERANCE)
+
+
+def test_restores_under_expert_tensor_and_fsdp_with_one_devices_logits(converted, one_device, tmp_path):
+    """expert=2 x tensor=2 x fsdp=2: the experts and their selection biases split over expert, the heads and their
+    q/k/v biases over tensor; equal to one device within 1e-5 and to transformers within 1e-4."""
+    extra = ("ici_expert_parallelism=2", "ici_tensor_parallelism=2", "ici_fsdp_parallelism=2")
+    trainer, state = start_from_converted(converted, tmp_path, *extra, *EXTRA, num_devices=8)
+    tokens, want = reference()
+    got = apply(trainer, state.params, np.tile(tokens, (4, 1)))  # a batch of 8 rows over the 8 devices
+    single = apply(*one_device[:1], one_device[1].params, tokens)
+    np.testing.assert_allclose(got, np.tile(single, (4, 1, 1)), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(got, np.tile(want, (4, 1, 1)), rtol=0, atol=TOLERANCE)
+
+
+def test_the_qkv_biases_and_the_selection_bias_are_needed_for_those_logits(one_device):
+    """Zeroing the q/k/v biases, or the selection biases (other experts chosen), moves the logits far beyond the
+    tolerance; the output projection has no bias to zero."""
+    trainer, state = one_device
+    tokens, want = reference()
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state.params)[0]]
+    assert any("'query'" in p and "'bias'" in p for p in paths)
+    assert not any("'out'" in p and "'bias'" in p for p in paths)
+    for leaf in ("'bias'", "router_bias"):
+        assert np.max(np.abs(apply(trainer, _zeroed(state.params, leaf), tokens) - want)) > 100 * TOLERANCE, leaf
+
+
+def test_greedy_generation_gives_transformers_tokens(converted, tmp_path):
+    """from_hf -> maxshard.generate temperature=0: transformers' 16 greedy tokens, decoded one at a time from the KV
+    cache, each step routed as transformers routes it."""
+    want = json.loads((SOURCE / "generate.json").read_text())
+    assert want["max_new_tokens"] == 16
+    out = tmp_path / "out.jsonl"
+    argv = [str(converted / "config.yml"), f"base_output_directory={tmp_path}", f"prompt={want['prompt']}",
+            f"max_new_tokens={want['max_new_tokens']}", "temperature=0", f"generate_output={out}", *EXTRA]
+    assert generate.main(argv) == 0
+    assert json.loads(out.read_text())["tokens"] == want["new_tokens"]
+
+
+def test_keys_and_tensors_are_the_checkpoints():
+    """DeepSeek-V3's routing keys and names, q/k/v biases without an output bias, half-turned heads."""
+    keys = hf_config.model_keys(hf_config.read(str(SOURCE)))
+    assert (keys["moe_router"], keys["moe_router_bias"], keys["moe_n_group"], keys["moe_topk_group"],
+            keys["moe_routed_scaling_factor"], keys["first_k_dense_replace"], keys["num_shared_experts"],
+            keys["qkv_bias"], keys["partial_rotary_factor"]) == ("sigmoid", True, 2, 1, 2.5, 1, 1, True, 0.5)
+    family = hf_config.family({"architectures": ["Glm4MoeForCausalLM"]})
+    hf_names = {p.entry.hf for p in layout.params_of(layout.model_config(keys), family)}
+    assert {"model.layers.{i}.self_attn.q_proj.bias", "model.layers.{i}.self_attn.v_proj.bias",
+            "model.layers.{i}.mlp.gate.e_score_correction_bias",
+            "model.layers.{i}.mlp.shared_experts.gate_proj.weight"} <= hf_names
+    assert "model.layers.{i}.self_attn.o_proj.bias" not in hf_names
+
+
+def test_q_k_norms_are_refused_in_one_line(tmp_path, capsys):
+    directory = tmp_path / "glm4_moe"
+    shutil.copytree(SOURCE, directory)
+    cfg = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**cfg, "use_qk_norm": True}))
+    assert cli.main(["from_hf", str(directory), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("maxshard: error: config.json: use_qk_norm=") and err.count("\n") == 1, err
+
+
+def test_qkv_bias_beside_attention_bias_is_one_line():
+    base = str(REPO / "configs" / "base.yml")
+    with pytest.raises(ConfigError, match="qkv_bias: attention_bias already biases"):
+        config.finalize(config.parse([base, "model_name=tiny", "qkv_bias=true", "attention_bias=true"]), 1)
+
+
+# --------------------------------------------------------------------------------------------- export
+
+
+def test_round_trip_is_bit_identical(converted, tmp_path):
+    out = tmp_path / "hf"
+    assert cli.main(["to_hf", str(converted / "checkpoints" / "0"), str(out)]) == 0
+    source, back = read_all(SOURCE), read_all(out)
+    assert sorted(back) == sorted(source)
+    for tensor, array in source.items():
+        assert back[tensor].dtype == array.dtype and back[tensor].tobytes() == array.tobytes(), tensor
+    exported = json.loads((out / "config.json").read_text())
+    assert hf_config.model_keys(exported) == hf_config.model_keys(hf_config.read(str(SOURCE)))  # the template's
+    # multi-token prediction layer count is kept, as the source names one it does not hold
+    for field in ("architectures", "model_type", "n_routed_experts", "attention_bias", "first_k_dense_replace"):
+        assert exported[field] == hf_config.read(str(SOURCE))[field], field
+
+
+def test_export_without_a_template_is_glm4_moe():
+    keys = {**hf_config.model_keys(hf_config.read(str(SOURCE))), "mtp_depth": 0}
+    exported = hf_config.to_hf(keys, "float32")
+    assert exported["architectures"] == ["Glm4MoeForCausalLM"] and hf_config.model_keys(exported) == keys
+
+
+# --------------------------------------------------------------------------------------------- preset
+
+
+def test_preset_is_the_published_shape():
+    """configs/models/glm4_5_air.yml is the network of Glm4MoeConfig() (tests/fixtures/glm4_moe/defaults/) with
+    the GLM-4.5-Air release's head_dim 128, attention_bias and RoPE base, every architecture key alike but the
+    multi-token prediction layer (left to the run), ~106B parameters (eval_shape only)."""
+    cfg = loading.model_config(config.finalize(config.parse([str(REPO / "configs" / "base.yml"),
+                                                             "model_name=glm4_5_air"]), 1))
+    released = {**json.loads((FIXTURES / "defaults" / "glm4_moe.json").read_text()),
+                "architectures": ["Glm4MoeForCausalLM"], "head_dim": 128, "attention_bias": True,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5}}
+    want = layout.model_config(hf_config.model_keys(released))
+    for key in architecture_keys():
+        if key not in ("max_target_length", "mtp_depth"):
+            assert getattr(cfg, key) == getattr(want, key), key
+    assert 1.0e11 <= model.param_count(cfg) <= 1.12e11
