@@ -127,6 +127,8 @@ def test_qkv_bias_beside_attention_bias_is_one_line():
     base = str(REPO / "configs" / "base.yml")
     with pytest.raises(ConfigError, match="qkv_bias: attention_bias already biases"):
         config.finalize(config.parse([base, "model_name=tiny", "qkv_bias=true", "attention_bias=true"]), 1)
+    with pytest.raises(ConfigError, match="attention_type=mla has none"):
+        config.finalize(config.parse([base, "model_name=tiny", "qkv_bias=true", "attention_type=mla"]), 1)
 
 
 # --------------------------------------------------------------------------------------------- export

@@ -275,6 +275,9 @@ def _check_rope(cfg: Config) -> None:
     if mixer_kinds.latent(cfg.attention_type) and cfg.qk_norm:
         raise ConfigError("qk_norm normalises grouped-query heads; attention_type=mla normalises its latents: "
                           "set qk_norm=false")
+    if mixer_kinds.latent(cfg.attention_type) and (cfg.qkv_bias or cfg.attention_bias):
+        raise ConfigError("attention_bias and qkv_bias bias grouped-query projections; attention_type=mla has none: "
+                          "set them false")
     if cfg.qkv_bias and cfg.attention_bias:
         raise ConfigError("qkv_bias: attention_bias already biases the query, key and value projections (and the "
                           "output); set one of them")
