@@ -20,21 +20,25 @@ from maxshard.errors import ConfigError  # noqa: E402
 
 __all__ = ["main", "parser"]
 
+FAMILY_HELP = ("a YAML family row for an architecture maxshard has no row for, built from kinds it has "
+               "(convert/family_file.py: architecture, model_type, like: a row to start from, the fields that differ)")
+
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m maxshard.convert",
-                                description="Convert Llama, Mistral, Qwen3, Qwen3-MoE and Mixtral checkpoints between "
-                                            "Hugging Face and maxshard.")
+                                description="Convert checkpoints of the Hugging Face families maxshard has rows for "
+                                            "(docs/models-and-conversion.md), or of one a --family file describes, "
+                                            "between Hugging Face and maxshard.")
     sub = p.add_subparsers(dest="command", required=True)
     a = sub.add_parser("from_hf", help="Hugging Face directory -> OUT_DIR/config.yml + orbax checkpoint",
-                       description="Reads config.json and *.safetensors of a LlamaForCausalLM, MistralForCausalLM, "
-                                   "Qwen3ForCausalLM, Qwen3MoeForCausalLM or MixtralForCausalLM "
+                       description="Reads config.json and *.safetensors of a supported family's model "
                                    "and writes OUT_DIR/config.yml (a CONFIG for maxshard.train), "
                                    "OUT_DIR/checkpoints/0 (the parameters) and OUT_DIR/hf (tokenizer, config).")
     a.add_argument("hf_dir", metavar="HF_DIR")
     a.add_argument("out_dir", metavar="OUT_DIR")
     a.add_argument("--base-config", default=None,
                    help="the base config config.yml extends (default: this repository's configs/base.yml)")
+    a.add_argument("--family", default=None, metavar="FILE", help=FAMILY_HELP)
     a.add_argument("--adapters", default=None, metavar="PEFT_DIR",
                    help="a PEFT LoRA directory (adapter_config.json, adapter_model.safetensors) saved on this model: "
                         "imported as OUT_DIR/adapters/0, a LoRA step that config.yml's run starts from")
@@ -51,6 +55,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--template", default=None,
                    help="a Hugging Face directory whose config.json and tokenizer to reuse (default: the hf/ "
                         "directory from_hf wrote, found through the checkpoint's tokenizer_path)")
+    b.add_argument("--family", default=None, metavar="FILE", help=FAMILY_HELP)
     b.add_argument("--max-position-embeddings", type=int, default=None,
                    help="override max_position_embeddings in config.json")
     b.add_argument("--adapters-only", action="store_true",
@@ -60,6 +65,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> None:
+    if args.family:
+        from maxshard.convert import family_file
+
+        family_file.register_file(args.family)
     if args.command == "from_hf":
         from maxshard.convert import hf_config, multimodal
 

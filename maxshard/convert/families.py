@@ -4,7 +4,8 @@ A family says how its config.json and tensor names differ from Llama's, nothing 
 pre-norm decoder (RMSNorm, rotate-half RoPE, grouped-query attention, SwiGLU), and the differences are switches
 the model already has (`qk_norm`, MoE routing, latent attention) or names. A new family that needs nothing new in the
 model is a new row; one that does (Gemma 3's sandwich norms) is a model key first, then a row that names its fields
-and tensors.
+and tensors. A user adds a row without Python through a family file (convert/family_file.py), registered for the
+process.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["Family", "FAMILIES", "by_architecture", "by_model_type"]
+from maxshard.errors import ConfigError
+
+__all__ = ["Family", "FAMILIES", "by_architecture", "by_model_type", "register", "rows"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,9 +283,32 @@ FAMILIES += (
 )
 
 
+# Rows added for this process by `register` (a family file given to `maxshard.convert --family FILE`), after the
+# built-in ones.
+_REGISTERED: list[Family] = []
+
+
+def rows() -> tuple[Family, ...]:
+    """Every family row: the built-in ones (the plainest first), then the registered ones."""
+    return (*FAMILIES, *_REGISTERED)
+
+
+def register(family: Family) -> None:
+    """Adds a row for this process; a name another row already has is refused, so a file cannot change a built-in
+    row (the same row again is a no-op)."""
+    if family in _REGISTERED:
+        return
+    for known in rows():
+        for field in ("architecture", "model_type"):
+            if getattr(known, field) == getattr(family, field):
+                raise ConfigError(f"family {field}={getattr(family, field)!r} is already a row; give the new "
+                                  "family its own name")
+    _REGISTERED.append(family)
+
+
 def by_architecture(name: str) -> Family | None:
-    return next((f for f in FAMILIES if f.architecture == name), None)
+    return next((f for f in rows() if f.architecture == name), None)
 
 
 def by_model_type(kind: str) -> Family | None:
-    return next((f for f in FAMILIES if f.model_type == kind), None)
+    return next((f for f in rows() if f.model_type == kind), None)

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from maxshard.convert import hf_local_global, names
-from maxshard.convert.families import FAMILIES, Family, by_architecture, by_model_type
+from maxshard.convert.families import Family, by_architecture, by_model_type, rows
 from maxshard.errors import ConfigError
 from maxshard.spec import mixer_kinds
 from maxshard.spec.model_config import ModelConfig
@@ -60,7 +60,7 @@ def read(directory: str) -> dict[str, Any]:
 def family(hf: Mapping[str, Any]) -> Family:
     """The family row of the one class a config.json's `architectures` names (its `model_type` when that list is
     missing); a ConfigError naming the field when maxshard has no such row."""
-    names, supported = hf.get("architectures") or [], ", ".join(f.architecture for f in FAMILIES)
+    names, supported = hf.get("architectures") or [], ", ".join(f.architecture for f in rows())
     if not names:
         found = by_model_type(hf.get("model_type"))
         if found is None:
@@ -296,10 +296,10 @@ def default_max_position(keys: Mapping[str, Any]) -> int:
 
 
 def family_of_keys(keys: Mapping[str, Any]) -> Family:
-    """The family to export as when there is no template: the first row of FAMILIES (the plainest first) that
-    computes these model keys, so a new row needs no rule here."""
+    """The family to export as when there is no template: the first row (the plainest first) that computes these
+    model keys, so a new row needs no rule here."""
     refusals = []
-    for fam in FAMILIES:
+    for fam in rows():
         try:
             _check_family(keys, fam)
         except ConfigError as refusal:
