@@ -295,6 +295,19 @@ def test_the_last_line_is_a_verdict_and_a_run_that_does_not_fit_exits_1(capsys: 
     assert not printed["fit"]["fits"] and "no remat policy fits" in printed["fit"]["line"]
 
 
+def test_the_total_is_a_share_of_the_memory_the_verdict_checks(capsys: pytest.CaptureFixture[str]) -> None:
+    """With device_memory_gb set, the total line is a share of that memory (the one the verdict checks against),
+    not of the chip's HBM; without it, of the HBM."""
+    tool, argv = _plan_tool(), ["configs/base.yml", "model_name=1b", "per_device_batch_size=1", "--topology",
+                                "v6e-8", "--estimate"]
+    assert tool.main([*argv, "device_memory_gb=8"]) == 0
+    total = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("total"))
+    assert re.search(r"of 7\.5 GiB \(device_memory_gb=8; \d+%\)$", total), total
+    assert tool.main(argv) == 0
+    total = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("total"))
+    assert re.search(r"of 31\.2 GiB HBM \(\d+%\)$", total), total
+
+
 def test_gpu_nodes_put_the_dcn_axis_on_the_network(capsys: pytest.CaptureFixture[str]) -> None:
     tool = _plan_tool()
     assert tool.main(["configs/base.yml", "model_name=8b", "--topology", "h100-80gb-8", "--num-slices", "2",

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from maxshard.model import flops, quantization
 from maxshard.spec import blocks, pipeline_schedule, remat
 from maxshard.planning.estimate import AxisTime, Plan
+from maxshard.planning.fit import configured_capacity
 from maxshard.planning.fitted import described
 from maxshard.planning.memory import ActivationTerms, compiler, effective_policy
 from maxshard.planning.widths import Widths, widths
@@ -68,10 +69,19 @@ def _layers_line(model: Any) -> list[str]:
             f"layer's score and value FLOPs) + {model.num_layers - local} global"]
 
 
+def _share_of_memory(plan: Plan) -> str:
+    """" of <memory> (<share>)" for the total: of device_memory_gb where it is set (the memory the verdict checks
+    against), else of the chip's HBM; "" where neither is known (CPU)."""
+    configured = configured_capacity(plan.cfg)
+    if configured is not None:
+        return f" of {format_bytes(configured.bytes)} ({configured.source}; {plan.peak_bytes / configured.bytes:.0%})"
+    hbm = plan.link.hbm if plan.link is not None else None
+    return "" if hbm is None else f" of {format_bytes(hbm)} HBM ({plan.peak_bytes / hbm:.0%})"
+
+
 def _memory(plan: Plan) -> list[str]:
     total = plan.peak_bytes
-    hbm = plan.link.hbm if plan.link is not None else None
-    fits = "" if hbm is None else f" of {format_bytes(hbm)} HBM ({total / hbm:.0%})"
+    fits = _share_of_memory(plan)
     rule = effective_policy(plan.cfg.remat_policy, compiler(plan.cfg)).summary
     w = widths(plan.cfg, plan.mesh)
     lines = [
