@@ -60,7 +60,8 @@ def test_the_reference_source_comes_from_the_kind_row(keys, source):
 
 def test_the_kind_properties():
     assert kinds.names_where("samples") == ("grpo",)
-    assert kinds.names_where("pairs") == ("dpo", "simpo", "orpo")
+    assert kinds.names_where("pairs") == ("dpo", "simpo", "orpo", "reward_model")
+    assert kinds.names_where("scores") == ("reward_model",)
     assert kinds.names_where("documents") == ("lm",)
     assert set(kinds.rollout_fields()) == {*kinds.FIELDS, "old_logps", "advantages"}
     for kind in kinds.KINDS:  # the keys a row names are config keys of that objective

@@ -158,8 +158,11 @@ def _config_text(keys: Mapping[str, Any], paths: Mapping[str, str], arch: str, h
              f"base_config: {_scalar(paths['base_config'])}", "", "# ---- model (from config.json)"]
     for key, value in keys.items():
         lines.append(f"{key}: {_scalar(value)}" + (f"  # {comments[key]}" if key in comments else ""))
-    lines += ["scan_layers: true  # the converted parameters are stacked [layers, ...]", "",
-              "# ---- data and parameters"]
+    lines += ["scan_layers: true  # the converted parameters are stacked [layers, ...]", ""]
+    if keys.get("score_head"):  # a reward model (objectives/reward.py) trains on preference pairs
+        lines += ["# ---- a reward model: trained on preference records (dataset_path: a JSONL of prompt, chosen, "
+                  "rejected)", "objective: reward_model", "dataset_type: preference", ""]
+    lines += ["# ---- data and parameters"]
     tokenizer = paths["tokenizer_path"]
     lines.append(f"tokenizer_path: {_scalar(tokenizer)}" + ("" if tokenizer else
                                                             "  # the source has none: set one before training on text"))

@@ -67,10 +67,31 @@ def family(hf: Mapping[str, Any]) -> Family:
             raise ConfigError(f"config.json: model_type={hf.get('model_type')!r} is not supported "
                               f"(maxshard converts {supported})")
         return found
-    found = by_architecture(names[0]) if len(names) == 1 else None
+    found = by_architecture(_causal(names[0])) if len(names) == 1 else None
     if found is None:
         raise ConfigError(f"config.json: architectures={names} is not supported (maxshard converts {supported})")
     return found
+
+
+# A reward model's class: the family's causal LM with a score head (`score_head`) for one label in place of lm_head.
+SCORING, CAUSAL = "ForSequenceClassification", "ForCausalLM"
+
+
+def _causal(architecture: str) -> str:
+    """The family's causal-LM class of a reward model's class name (the name itself otherwise)."""
+    return architecture.removesuffix(SCORING) + CAUSAL if architecture.endswith(SCORING) else architecture
+
+
+def _score_head(hf: Mapping[str, Any]) -> bool:
+    """Whether config.json is a reward model's (a family's ForSequenceClassification with one label)."""
+    names = hf.get("architectures") or []
+    if not (len(names) == 1 and names[0].endswith(SCORING)):
+        return False
+    labels = len(hf.get("id2label") or {"0": "LABEL_0"})
+    if labels != 1:
+        raise _refuse("id2label", hf.get("id2label"), f"maxshard converts {names[0]} as a reward model, one label "
+                      f"(num_labels 1), not {labels}")
+    return True
 
 
 def _refuse(field: str, value: Any, why: str) -> ConfigError:
@@ -272,6 +293,7 @@ def model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
         **(hf_local_global.pattern_keys(hf, fam) if fam.local_global else {}),
         **({"layer_types": hybrid_layer_types(hf)} if fam.linear_attention else {}),
         **({"partial_rotary_factor": rot} if (rot := partial_rotary(hf, fam)) != 1 else {}),
+        **({"score_head": True} if _score_head(hf) else {}),
     }
 
 
@@ -366,8 +388,9 @@ def to_hf(keys: Mapping[str, Any], dtype: str, template: Mapping[str, Any] | Non
     out = {k: v for k, v in (template or {}).items() if k not in _REPLACED}
     fam = family(out) if out.get("architectures") or out.get("model_type") else family_of_keys(keys)
     _check_family(keys, fam)
+    scoring = keys.get("score_head", False)
     out.update({
-        "architectures": [fam.architecture],
+        "architectures": [fam.architecture.removesuffix(CAUSAL) + SCORING if scoring else fam.architecture],
         "model_type": fam.model_type,
         "vocab_size": keys["vocab_size"],
         "hidden_size": keys["emb_dim"],
@@ -402,6 +425,8 @@ def to_hf(keys: Mapping[str, Any], dtype: str, template: Mapping[str, Any] | Non
         out["layer_types"] = list(keys["layer_types"])
     if "partial_rotary_factor" in fam.carries:  # 4.x spelling, beside rope_theta; transformers 5 reads it too
         out["partial_rotary_factor"] = keys.get("partial_rotary_factor", 1.0)
+    if scoring:  # one label, as transformers writes num_labels
+        out.update(id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
     for field, value in (token_ids or {}).items():
         out.setdefault(field, value)
     return out

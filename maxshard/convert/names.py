@@ -64,7 +64,7 @@ from maxshard.spec.blocks import Layer, main_stack
 from maxshard.model.layers import rope
 from maxshard.spec.model_config import ModelConfig
 
-__all__ = ["Entry", "MIXERS", "GLOBAL", "ATTENTION", "QK_NORM", "MLP_NORM", "SANDWICH_NORMS", "QK_NORM_ALL_HEADS", "PRE_NORMS", "MLP", "HEAD", "IGNORED",
+__all__ = ["Entry", "MIXERS", "GLOBAL", "ATTENTION", "QK_NORM", "MLP_NORM", "SANDWICH_NORMS", "QK_NORM_ALL_HEADS", "PRE_NORMS", "MLP", "HEAD", "SCORE", "IGNORED",
            "MTP", "MTP_COPIES", "QWEN_MTP", "mtp_rows", "mtp_layer", "mtp_copies", "per_layer", "hf_name",
            "hf_shape", "row_axis", "hf_rows_per_row", "whole_rows", "to_maxshard", "to_hf", "join_parts"]
 
@@ -98,6 +98,7 @@ GLOBAL = (
     Entry("model.norm.weight", ("final_norm", "scale"), "same"),
 )
 HEAD = Entry("lm_head.weight", ("logits", "kernel"), "linear")  # absent with tie_word_embeddings
+SCORE = Entry("score.weight", ("score", "kernel"), "linear")  # a reward model's head ([1, embed]; `score_head`)
 # Each layer's rows, in Hugging Face's order: attention (with q/k norms in qk_norm families), then the MLP's norm
 # and the MLP (or the MoE).
 ATTENTION = (

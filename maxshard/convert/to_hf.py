@@ -101,7 +101,8 @@ def _order(params: list[layout.Param], family: Family, cfg: ModelConfig
             if not (entry.part and entry.part[0]):
                 param = by_entry[module, at, entry]
                 order += [(param, (at, e)) for e in range(param.shape[0])] if entry.per_expert else [(param, (at,))]
-    return order + [(by_entry["", 0, e], ()) for e in (*names.GLOBAL[1:], names.HEAD) if ("", 0, e) in by_entry]
+    return order + [(by_entry["", 0, e], ()) for e in (*names.GLOBAL[1:], names.HEAD, names.SCORE)
+                   if ("", 0, e) in by_entry]
 
 
 def _merged(reader: orbax_io.Reader, adapters: lora.Adapters, param: layout.Param, at: tuple[int, ...],

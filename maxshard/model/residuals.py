@@ -50,7 +50,7 @@ __all__ = ["COUNTED", "VALUES", "OPTIONS", "defaults", "at_defaults", "traced_by
 COUNTED = frozenset({
     # the dimensions of the formula (planning/widths.py Widths) and the head
     "vocab_size", "emb_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim", "max_target_length",
-    "logits_via_embedding",
+    "logits_via_embedding", "score_head",
     # dtypes, remat, attention, the stack: knobs the formula takes
     "dtype", "weight_dtype", "remat_policy", "attention", "attention_block_q", "attention_block_kv", "scan_layers",
     "pipeline",

@@ -3,6 +3,9 @@
     inputs [batch, length] -> embed [batch, length, embed] (x sqrt(embed) with `embed_scale`) -> decoder blocks
         -> final RMSNorm -> logits [batch, length, vocab] (float32), through a separate head or the tied embedding,
         soft-capped with `final_logit_softcapping`.
+
+A reward model (`score_head`) ends in one score per token instead, [batch, length] (float32), through a [embed, 1]
+kernel `score` (Hugging Face's ForSequenceClassification head with one label); it has no logits head of its own.
 """
 
 from __future__ import annotations
@@ -55,7 +58,9 @@ class Transformer(nn.Module):
         self.decoder = Decoder(cfg, dt, wdt)
         self.final_norm = RMSNorm(cfg.norm_epsilon, dt, wdt, cfg.norm_unit_offset)
         self.mtp = [mtp.PredictionModule(cfg, k, dt, wdt, name=f"mtp_{k}") for k in range(1, cfg.mtp_depth + 1)]
-        if not cfg.logits_via_embedding:
+        if cfg.score_head:
+            self.score = DenseGeneral((1,), (ax.EMBED, ax.NORM), 1, dt, wdt)
+        elif not cfg.logits_via_embedding:
             self.logits = DenseGeneral((cfg.vocab_size,), (ax.EMBED, ax.VOCAB), 1, dt, wdt)
 
     def __call__(self, inputs: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
@@ -84,9 +89,14 @@ class Transformer(nn.Module):
         return hidden, predicted
 
     def everything(self, inputs: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
-        """The logits, having run every module once (the prediction modules too): what init traces, so every
-        parameter is created."""
-        return self.head(self.hidden_with_mtp(inputs, segment_ids, positions)[0])
+        """The logits (a reward model's scores), having run every module once (the prediction modules too): what
+        init traces, so every parameter is created."""
+        hidden = self.hidden_with_mtp(inputs, segment_ids, positions)[0]
+        return self.scores(hidden) if self.cfg.score_head else self.head(hidden)
+
+    def scores(self, x: jax.Array) -> jax.Array:
+        """A reward model's head: [batch, tokens, embed] -> one score per token [batch, tokens] (float32)."""
+        return jnp.asarray(self.score(x)[..., 0], jnp.float32)
 
     def _stream(self, inputs: jax.Array, segment_ids: jax.Array, positions: jax.Array
                 ) -> tuple[jax.Array, jax.Array]:

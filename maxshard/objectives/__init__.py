@@ -2,7 +2,8 @@
 
 An objective (`Objective`) is one module; its row in `kinds.py` names it, says what a batch row holds and whether it
 needs a reference model. The train step (`training/step.py`) runs the model to per-token log-probabilities of the
-targets [batch, length] and hands them over with the batch:
+targets [batch, length] (a reward model's per-token scores, for an objective whose kind `scores`) and hands them
+over with the batch:
 
     totals(batch)                          normalisers over the whole global batch (before gradient accumulation
                                            splits it), from the batch fields alone
@@ -27,6 +28,7 @@ from maxshard.objectives.grpo import GRPO
 from maxshard.objectives.kto import KTO
 from maxshard.objectives.lm import LanguageModel
 from maxshard.objectives.preference import DPO, ORPO, SimPO
+from maxshard.objectives.reward import RewardModel
 
 __all__ = ["Objective", "of", "Batch"]
 
@@ -56,6 +58,8 @@ def of(cfg: Any) -> Objective:
         return SimPO(cfg.simpo_beta, cfg.simpo_gamma)
     if name == "orpo":
         return ORPO(cfg.orpo_lambda)
+    if name == "reward_model":
+        return RewardModel()
     if name == "kto":
         return KTO(cfg.kto_beta, cfg.kto_desirable_weight, cfg.kto_undesirable_weight)
     if name == "grpo":

@@ -59,6 +59,7 @@ class Kind:
     extra: tuple[str, ...] = ()  # float32 [batch, length] batch fields beyond FIELDS
     reference_key: str = ""  # the config key saying where the reference comes from (one of REFERENCES); "": auto
     reference_weight_key: str = ""  # a config key whose 0 keeps no reference at all
+    scores: bool = False  # it reads the score head's per-token scores (a reward model, `score_head`), not log-probs
 
     @property
     def samples(self) -> bool:
@@ -95,6 +96,9 @@ KINDS = (
          "SimPO: length-normalised log-probabilities with a target margin, no reference"),
     Kind("orpo", "pairs", False, ("orpo_lambda",),
          "ORPO: the chosen reply's cross-entropy plus a log-odds-ratio term, no reference"),
+    Kind("reward_model", "pairs", False, (),
+         "a reward model: the Bradley-Terry loss on the scores of each pair's chosen and rejected replies "
+         "(objectives/reward.py; needs score_head)", scores=True),
     Kind("kto", "unpaired", True, ("kto_beta", "kto_desirable_weight", "kto_undesirable_weight"),
          "KTO: unpaired completions labelled desirable or not, each log-ratio to the reference against a KL "
          "reference point from mismatched prompts and completions (objectives/kto.py)"),

@@ -107,6 +107,7 @@ class ModelKeys:
     mlp_dim: int = 512
     max_target_length: int = 128
     logits_via_embedding: bool = False
+    score_head: bool = False  # the head gives one score per token (a reward model), not logits
     norm_epsilon: float = 1e-6
     qk_norm: bool = False  # RMSNorm over head_dim of each query and key head before RoPE (Qwen3)
     qk_norm_all_heads: bool = False  # with qk_norm: one RMSNorm over all heads of q (and of k) instead (OLMo 2/3)

@@ -182,6 +182,9 @@ class Trainer:
         """(float32 log-probabilities of the targets [batch, length], MoE router statistics and, when the step
         trains them, the prediction modules' sums `mtp.loss_sums`)."""
         inputs = (batch["inputs"], batch["segment_ids"], batch["positions"])
+        if self.objective.kind.scores:  # a reward model: one score per token (objectives/reward.py)
+            hidden, stats = apply_with_stats(self.model, params, *inputs, method="hidden")
+            return self.model.apply({"params": params}, hidden, method="scores"), stats
         if self.cfg.loss_chunks > 1 or self.trains_mtp:  # the head over pieces of the sequence (training/loss.py)
             method = "hidden_with_mtp" if self.trains_mtp else "hidden"
             out, stats = apply_with_stats(self.model, params, *inputs, method=method)
