@@ -5,6 +5,8 @@ config key `reward`.
                        stripped, else 0.0. The answer is the whole stripped completion, or with `reward_answer_regex`
                        the regex's first match in it (`re.search`): its group 1 if it has groups, else the match; no
                        match scores 0.0.
+    model:STEP_DIR     a trained reward model's checkpoint step (generation/reward_model.py, which GRPO's rollouts
+                       build on the policy's mesh; `load_reward` leaves it to them)
     PATH.py:function   a function in a Python file of your own (relative paths resolved against the working
                        directory when the config is loaded, as path keys are), loaded once with importlib; it gets
                        the prompt as rendered text, the completion's text and the prompt's whole record.
@@ -37,7 +39,9 @@ from maxshard.config import Config
 from maxshard.data.prompts import Prompt
 from maxshard.errors import ConfigError
 
-__all__ = ["RewardError", "Reward", "ExactMatch", "load_reward", "score"]
+__all__ = ["RewardError", "Reward", "ExactMatch", "MODEL_PREFIX", "load_reward", "score"]
+
+MODEL_PREFIX = "model:"  # reward=model:STEP_DIR (generation/reward_model.py)
 
 Reward = Callable[[str, str, dict], float]
 _MESSAGE_CHARS = 160  # of a reward's or a reward file's own error text
@@ -87,6 +91,9 @@ class _Named:
 
 def load_reward(cfg: Config) -> Reward:
     """The reward `cfg.reward` names (module docstring); every failure is one ConfigError line naming `reward`."""
+    if cfg.reward.startswith(MODEL_PREFIX):
+        raise ConfigError(f"reward={cfg.reward}: a reward model is loaded with the policy's mesh "
+                          "(generation/reward_model.py), not as a function")
     if cfg.reward == "exact_match":
         try:
             re.compile(cfg.reward_answer_regex)
@@ -96,7 +103,8 @@ def load_reward(cfg: Config) -> Reward:
         return _Named(ExactMatch(cfg.reward_answer_field, cfg.reward_answer_regex), "reward=exact_match")
     path, _, name = cfg.reward.rpartition(":")
     if not (path.endswith(".py") and name.isidentifier()):
-        raise ConfigError(f"reward={cfg.reward}: exact_match, or PATH.py:function (a Python file and a function in it)")
+        raise ConfigError(f"reward={cfg.reward}: exact_match, model:STEP_DIR (a reward model's checkpoint step), or "
+                          "PATH.py:function (a Python file and a function in it)")
     module = _load_file(os.path.abspath(os.path.expanduser(path)), cfg.reward)
     function = getattr(module, name, None)
     if function is None:
@@ -139,9 +147,12 @@ def _load_file(path: str, setting: str) -> Any:
 
 def score(reward: Reward, prompts: Sequence[Prompt], completions: Sequence[str]) -> np.ndarray:
     """float32 [n]: `reward(prompt.text, completion, prompt.record)` of each pair, in order; `RewardError` naming
-    the record's index when the reward fails on one (module docstring)."""
+    the record's index when the reward fails on one (module docstring). A reward with a `batch(prompts, completions)`
+    method (a reward model, generation/reward_model.py) scores them all in one call."""
     if len(prompts) != len(completions):
         raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
+    if hasattr(reward, "batch"):
+        return np.asarray(reward.batch(prompts, completions), np.float32)
     name = getattr(reward, "name", None) or f"reward {getattr(reward, '__name__', type(reward).__name__)}"
     rewards = np.zeros(len(prompts), np.float32)
     for i, (prompt, completion) in enumerate(zip(prompts, completions)):

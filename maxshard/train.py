@@ -22,7 +22,7 @@ from maxshard.checkpoint import emergency
 from maxshard.checkpoint import manager as checkpoint
 from maxshard.config import Config
 from maxshard.data import chat, preflight
-from maxshard.generation import rollouts
+from maxshard.generation import reward_model, rollouts
 from maxshard.errors import ConfigError
 from maxshard.evaluation.in_training import TaskEvaluation
 from maxshard.model import trainable
@@ -207,7 +207,10 @@ def run(argv: Sequence[str]) -> int:
     cfg = loading.load_run(argv, join_processes=True, resume=True)
     preflight.check(cfg)  # the inputs, before the model is built
     if objective_kinds.kind(cfg.objective).samples:
-        rewards.load_reward(cfg)  # and the reward that scores them (imported once per process)
+        if reward_model.is_model_reward(cfg):  # and the reward that scores them (imported once per process)
+            reward_model.check(cfg)
+        else:
+            rewards.load_reward(cfg)
     run_lock = lock.hold(cfg.run_dir, jax.process_index() == 0, jax.process_count())  # before anything is written
     try:
         return train(cfg, started)

@@ -333,8 +333,8 @@ def test_a_failing_reward_stops_with_one_line_naming_the_record(tmp_path, return
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (("reward=exact",), "reward=exact: exact_match, or PATH.py:function"),
-    (("reward=x.py:not-a-name",), "reward=x.py:not-a-name: exact_match, or PATH.py:function"),
+    (("reward=exact",), "reward=exact: exact_match, model:STEP_DIR"),
+    (("reward=x.py:not-a-name",), "reward=x.py:not-a-name: exact_match, model:STEP_DIR"),
     (("reward_answer_regex=(",), "reward_answer_regex='(' is not a regular expression: missing ), unterminated"),
     (("reward_answer_field=",), "reward_answer_field must name a record field"),
     (("grpo_group_size=1",), "grpo_group_size must be >= 2, got 1"),

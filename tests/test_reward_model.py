@@ -4,7 +4,8 @@ head drawn by TRL's script) gives TRL's Bradley-Terry loss, logged metrics and e
 fixture's pairs, packed into rows as the preference reader packs them, on one device and under fsdp=4 x tensor=2;
 the reward model converts from and to Hugging Face's Qwen3ForSequenceClassification bit for bit (its config.yml
 says objective=reward_model); and a fresh run through `maxshard.train` learns to score the chosen style above the
-other. What remains of the issue: GRPO reading a trained reward model as its reward.
+other; GRPO rewarded by such a trained reward model (reward=model:STEP_DIR) scores each completion as the reward
+model scored its training replies, and trains through the CLI.
 
 The fixture's reward model is a Hugging Face checkpoint written here: the policy's config.json as a
 Qwen3ForSequenceClassification with one label, its tensors and the stored score.weight. TRL's gradients come in
@@ -19,15 +20,22 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers import max_relative_difference
+from helpers import max_relative_difference, mesh_for
 from safetensors.numpy import load_file, save_file
 from test_convert import read_all, start_from_converted
 from test_objectives import CASES, FIXTURE, LAYOUTS, LENGTH, POLICY, TOLERANCE, pair_rows, style_pairs
 
-from maxshard import config, data, train
+from maxshard import config, data, rewards, train
 from maxshard.convert import __main__ as convert_cli
 from maxshard.convert import hf_config
+from maxshard.data.prompts import Prompt
+from maxshard.data.tokenizer import make_tokenizer
 from maxshard.errors import ConfigError
+from maxshard.generation.reward_model import ModelReward
+from maxshard.model.transformer import Transformer
+from maxshard.objectives.reward import last_reply_position
+from maxshard.parallel import sharding
+from maxshard.run import loading
 from maxshard.training.step import mesh_context
 
 WANT = CASES["reward"]
@@ -122,18 +130,81 @@ def test_mistakes_are_one_line():
 
 
 
-def test_a_run_through_the_cli_learns_to_score_the_chosen_style_higher(tmp_path):
-    """A fresh tiny reward model (its score head initialised by the run) on preference JSONL through
-    `maxshard.train`: rewards/accuracy reaches 0.95 with a positive margin."""
-    pairs = tmp_path / "pairs.jsonl"
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A fresh tiny reward model (its score head initialised by the run) trained through `maxshard.train` on
+    preference JSONL of style pairs: the run directory."""
+    root = tmp_path_factory.mktemp("trained")
+    pairs = root / "pairs.jsonl"
     pairs.write_text("".join(json.dumps(r) + "\n" for r in style_pairs(64, seed=1)))
     argv = ["configs/base.yml", "model_name=tiny", "objective=reward_model", "score_head=true",
             "dataset_type=preference", f"dataset_path={pairs}", "learning_rate=3e-3", "steps=30",
-            "checkpoint_period=30", f"base_output_directory={tmp_path}", "run_name=rm", "log_period=1",
+            "checkpoint_period=30", f"base_output_directory={root}", "run_name=rm", "log_period=1",
             "eval_period=0", "max_target_length=64", "warmup_steps_fraction=0.1", "eval_fraction=0",
             "enable_tensorboard=false"]
     assert train.main(argv) == 0
-    records = [json.loads(line) for line in (tmp_path / "rm" / "metrics.jsonl").read_text().splitlines()]
+    return root / "rm"
+
+
+def test_a_run_through_the_cli_learns_to_score_the_chosen_style_higher(trained):
+    records = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "rewards/accuracy" in r]
     assert len(steps) == 30
     assert steps[-1]["rewards/accuracy"] >= 0.95 and steps[-1]["rewards/margin"] > 0, steps[-1]
+
+
+def _model_reward(trained: Path, tmp_path: Path):
+    argv = ["configs/base.yml", "model_name=tiny", "objective=grpo", "dataset_type=prompts", "dataset_path=x.jsonl",
+            "grpo_group_size=2",
+            f"reward=model:{trained / 'checkpoints' / '30'}", f"base_output_directory={tmp_path}"]
+    cfg = loading.complete(config.finalize(config.parse(argv), 1))
+    return cfg, ModelReward(cfg, mesh_for(cfg), sharding.flax_rules(cfg))
+
+
+def test_grpo_s_model_reward_is_the_reward_models_score_of_the_completion(trained, tmp_path):
+    """reward=model:STEP scores each completion as the reward model scored the replies it was trained on (the
+    score at the reply's last token of [BOS] prompt reply EOS, objectives/reward.py), and prefers the style it
+    learned on pairs it never saw."""
+    cfg, reward = _model_reward(trained, tmp_path)
+    pairs = style_pairs(8, seed=7)
+    asked = [Prompt((), r["prompt"], r) for r in pairs for _ in range(2)]
+    completions = [c for r in pairs for c in (r["chosen"], r["rejected"])]
+    got = rewards.score(reward, asked, completions)
+    assert np.mean(got[0::2] > got[1::2]) >= 0.85, got
+    tokenizer = make_tokenizer(cfg)
+    start = [] if tokenizer.start_id is None else [tokenizer.start_id]
+    for i in (0, 1, 5):  # the objective's own reading of one reply's reward, on the same parameters
+        prompt = start + list(tokenizer.encode_array(asked[i].text))
+        tokens = np.array(prompt + list(tokenizer.encode_array(completions[i])) + [tokenizer.eos_id], np.int32)
+        n = len(tokens) - 1
+        row = {"inputs": tokens[None, :-1], "segment_ids": np.ones((1, n), np.int32),
+               "loss_weights": (np.arange(1, n + 1) >= len(prompt)).astype(np.float32)[None]}
+        scores = Transformer(reward_cfg(cfg)).apply({"params": reward.params}, row["inputs"], row["segment_ids"],
+                                                     np.arange(n)[None], method="everything")
+        want = float(np.sum(np.asarray(scores) * np.asarray(last_reply_position(row))))
+        assert got[i] == pytest.approx(want, abs=1e-5), i
+
+
+def reward_cfg(cfg):
+    from maxshard.generation import inference
+    from maxshard.checkpoint import format as checkpoint_format
+
+    return inference.with_saved_model(cfg, checkpoint_format.read_config(cfg.reward[len("model:"):]),
+                                      command_line_wins=False).model
+
+
+def test_grpo_trains_on_a_reward_models_scores_through_the_cli(trained, tmp_path, capsys):
+    """A GRPO run rewarded by the trained reward model runs through `maxshard.train` and logs its rewards; a path
+    that is no step, or a step without a score head, is one line before anything trains."""
+    from test_grpo import grpo_argv, logged
+
+    step = trained / "checkpoints" / "30"
+    assert train.main(grpo_argv(tmp_path, "run_name=rm_reward", f"reward=model:{step}", "steps=2",
+                                "log_period=1", "checkpoint_period=2")) == 0
+    assert sorted(logged(tmp_path / "rm_reward")) == [1, 2]
+    capsys.readouterr()
+    lm_step = tmp_path / "rm_reward" / "checkpoints" / "2"
+    for path, says in ((tmp_path / "nowhere", "is not a maxshard checkpoint step"), (lm_step, "no score head")):
+        assert train.main(grpo_argv(tmp_path, "run_name=bad", f"reward=model:{path}")) == 2
+        err = capsys.readouterr().err
+        assert says in err and err.count("\n") == 1, err

@@ -114,11 +114,11 @@ def _check_grpo(cfg: Config) -> None:
         raise ConfigError(f"grpo_epsilon_high must be >= 0 (0: grpo_epsilon), got {cfg.grpo_epsilon_high}")
     if not 0 < cfg.grpo_top_p <= 1:
         raise ConfigError(f"grpo_top_p must be in (0, 1] (1: off), got {cfg.grpo_top_p}")
-    if cfg.reward != "exact_match":
+    if cfg.reward != "exact_match" and not cfg.reward.startswith("model:"):
         path, _, function = cfg.reward.rpartition(":")
         if not (path.endswith(".py") and function.isidentifier()):
-            raise ConfigError(f"reward={cfg.reward}: exact_match, or PATH.py:function (a Python file and a function "
-                              "in it)")
+            raise ConfigError(f"reward={cfg.reward}: exact_match, model:STEP_DIR (a reward model's checkpoint step), "
+                              "or PATH.py:function (a Python file and a function in it)")
     if not cfg.reward_answer_field:
         raise ConfigError("reward_answer_field must name a record field, got an empty string")
     try:

@@ -65,9 +65,11 @@ def _latest_step(cfg: Config) -> str:
     return str(directory / str(max(steps))) if steps else ""
 
 
-def with_saved_model(cfg: Config, saved: dict[str, Any]) -> Config:
-    """`cfg` with the model keys and tokenizer of the checkpoint's config, except keys given on the command line."""
-    keys = [key for key in _FROM_CHECKPOINT if key in saved and key not in cfg.explicit_keys]
+def with_saved_model(cfg: Config, saved: dict[str, Any], command_line_wins: bool = True) -> Config:
+    """`cfg` with the model keys and tokenizer of the checkpoint's config, except keys given on the command line
+    (unless not `command_line_wins`: another model's checkpoint, GRPO's reward model, takes all of its own)."""
+    given = cfg.explicit_keys if command_line_wins else ()
+    keys = [key for key in _FROM_CHECKPOINT if key in saved and key not in given]
     changes = {key: _from_json(saved[key]) for key in keys}
     return loading.replace(cfg, **changes)
 

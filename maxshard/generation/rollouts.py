@@ -36,6 +36,7 @@ from maxshard.data import prompts as prompt_data
 from maxshard.data.tokenizer import Tokenizer, make_tokenizer
 from maxshard.errors import ConfigError
 from maxshard.generation.decode import Engine
+from maxshard.generation.reward_model import ModelReward, is_model_reward
 from maxshard.generation.sampling import Sampling, allowed_tokens
 from maxshard.objectives import kinds
 from maxshard.parallel import xla_options
@@ -96,7 +97,8 @@ class Rollouts:
         check(cfg)
         self.cfg, self.trainer, self.sharding = cfg, trainer, batch_sharding
         self.prompts = prompt_data.make_prompts(cfg, "train", cfg.grpo_max_prompt_length)
-        self.reward = rewards.load_reward(cfg)
+        self.reward = (ModelReward(cfg, trainer.mesh, trainer.rules) if is_model_reward(cfg)
+                       else rewards.load_reward(cfg))
         self.tokenizer: Tokenizer = make_tokenizer(cfg)
         self.step, self._batch, self._engine = 0, None, None
         self._stats: dict[str, float] = {}
