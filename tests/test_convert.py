@@ -280,6 +280,31 @@ def read_all(directory: Path) -> dict[str, np.ndarray]:
         return {name: source.read(info) for name, info in source.tensors.items()}
 
 
+def greedy_tokens_equal_transformers(converted: Path, source: Path, tmp_path: Path, *extra: str) -> None:
+    """from_hf -> maxshard.generate temperature=0 gives the fixture's generate.json tokens (transformers' greedy
+    ones, decoded one at a time from the KV cache)."""
+    want = json.loads((source / "generate.json").read_text())
+    out = tmp_path / "out.jsonl"
+    argv = [str(converted / "config.yml"), f"base_output_directory={tmp_path}", f"prompt={want['prompt']}",
+            f"max_new_tokens={want['max_new_tokens']}", "temperature=0", f"generate_output={out}", *extra]
+    assert generate.main(argv) == 0
+    assert json.loads(out.read_text())["tokens"] == want["new_tokens"]
+
+
+def exports_bit_for_bit(converted: Path, source: Path, tmp_path: Path) -> tuple[dict, dict]:
+    """to_hf of the converted step writes every tensor of `source` with its dtype and bytes; (the exported
+    config.json, the source's), whose model keys agree."""
+    out = tmp_path / "hf"
+    assert cli.main(["to_hf", str(converted / "checkpoints" / "0"), str(out)]) == 0
+    original, back = read_all(source), read_all(out)
+    assert sorted(back) == sorted(original)
+    for tensor, array in original.items():
+        assert back[tensor].dtype == array.dtype and back[tensor].tobytes() == array.tobytes(), tensor
+    exported, config_json = json.loads((out / "config.json").read_text()), hf_config.read(str(source))
+    assert hf_config.model_keys(exported) == hf_config.model_keys(config_json)
+    return exported, config_json
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_round_trip_is_bit_identical(converted, name, tmp_path):
     out = tmp_path / "hf"

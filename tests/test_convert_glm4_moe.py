@@ -18,9 +18,10 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from test_convert import REPO, TOLERANCE, apply, read_all, start_from_converted
+from test_convert import (REPO, TOLERANCE, apply, exports_bit_for_bit, greedy_tokens_equal_transformers,
+                          start_from_converted)
 
-from maxshard import config, generate
+from maxshard import config
 from maxshard.convert import __main__ as cli
 from maxshard.convert import hf_config, layout
 from maxshard.errors import ConfigError
@@ -88,15 +89,9 @@ def test_the_qkv_biases_and_the_selection_bias_are_needed_for_those_logits(one_d
 
 
 def test_greedy_generation_gives_transformers_tokens(converted, tmp_path):
-    """from_hf -> maxshard.generate temperature=0: transformers' 16 greedy tokens, decoded one at a time from the KV
-    cache, each step routed as transformers routes it."""
-    want = json.loads((SOURCE / "generate.json").read_text())
-    assert want["max_new_tokens"] == 16
-    out = tmp_path / "out.jsonl"
-    argv = [str(converted / "config.yml"), f"base_output_directory={tmp_path}", f"prompt={want['prompt']}",
-            f"max_new_tokens={want['max_new_tokens']}", "temperature=0", f"generate_output={out}", *EXTRA]
-    assert generate.main(argv) == 0
-    assert json.loads(out.read_text())["tokens"] == want["new_tokens"]
+    """transformers' 16 greedy tokens, each decode step routed as transformers routes it."""
+    assert json.loads((SOURCE / "generate.json").read_text())["max_new_tokens"] == 16
+    greedy_tokens_equal_transformers(converted, SOURCE, tmp_path, *EXTRA)
 
 
 def test_keys_and_tensors_are_the_checkpoints():
@@ -135,17 +130,11 @@ def test_qkv_bias_beside_attention_bias_is_one_line():
 
 
 def test_round_trip_is_bit_identical(converted, tmp_path):
-    out = tmp_path / "hf"
-    assert cli.main(["to_hf", str(converted / "checkpoints" / "0"), str(out)]) == 0
-    source, back = read_all(SOURCE), read_all(out)
-    assert sorted(back) == sorted(source)
-    for tensor, array in source.items():
-        assert back[tensor].dtype == array.dtype and back[tensor].tobytes() == array.tobytes(), tensor
-    exported = json.loads((out / "config.json").read_text())
-    assert hf_config.model_keys(exported) == hf_config.model_keys(hf_config.read(str(SOURCE)))  # the template's
-    # multi-token prediction layer count is kept, as the source names one it does not hold
-    for field in ("architectures", "model_type", "n_routed_experts", "attention_bias", "first_k_dense_replace"):
-        assert exported[field] == hf_config.read(str(SOURCE))[field], field
+    """The template's multi-token prediction layer count is kept, as the source names one it does not hold."""
+    exported, original = exports_bit_for_bit(converted, SOURCE, tmp_path)
+    for field in ("architectures", "model_type", "n_routed_experts", "attention_bias", "first_k_dense_replace",
+                  "num_nextn_predict_layers"):
+        assert exported[field] == original[field], field
 
 
 def test_export_without_a_template_is_glm4_moe():

@@ -16,9 +16,10 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from test_convert import REPO, TOLERANCE, apply, read_all, start_from_converted
+from test_convert import (REPO, TOLERANCE, apply, exports_bit_for_bit, greedy_tokens_equal_transformers,
+                          start_from_converted)
 
-from maxshard import config, generate
+from maxshard import config
 from maxshard.convert import __main__ as cli
 from maxshard.convert import hf_config, layout
 from maxshard.model import transformer as model
@@ -94,15 +95,9 @@ def test_selection_bias_norm_scope_and_partial_rope_are_needed_for_those_logits(
 
 
 def test_greedy_generation_gives_transformers_tokens(converted, tmp_path):
-    """from_hf -> maxshard.generate temperature=0: transformers' 16 greedy tokens, decoded one at a time from the KV
-    cache, each step routed as transformers routes it."""
-    want = json.loads((SOURCE / "generate.json").read_text())
-    assert want["max_new_tokens"] == 16
-    out = tmp_path / "out.jsonl"
-    argv = [str(converted / "config.yml"), f"base_output_directory={tmp_path}", f"prompt={want['prompt']}",
-            f"max_new_tokens={want['max_new_tokens']}", "temperature=0", f"generate_output={out}", *EXTRA]
-    assert generate.main(argv) == 0
-    assert json.loads(out.read_text())["tokens"] == want["new_tokens"]
+    """transformers' 16 greedy tokens, each decode step routed as transformers routes it."""
+    assert json.loads((SOURCE / "generate.json").read_text())["max_new_tokens"] == 16
+    greedy_tokens_equal_transformers(converted, SOURCE, tmp_path, *EXTRA)
 
 
 def test_keys_and_tensors_are_the_checkpoints():
@@ -131,14 +126,7 @@ def test_the_released_rotary_dim_reads_as_its_share_of_the_head():
 
 
 def test_round_trip_is_bit_identical(converted, tmp_path):
-    out = tmp_path / "hf"
-    assert cli.main(["to_hf", str(converted / "checkpoints" / "0"), str(out)]) == 0
-    source, back = read_all(SOURCE), read_all(out)
-    assert sorted(back) == sorted(source)
-    for tensor, array in source.items():
-        assert back[tensor].dtype == array.dtype and back[tensor].tobytes() == array.tobytes(), tensor
-    exported, original = json.loads((out / "config.json").read_text()), hf_config.read(str(SOURCE))
-    assert hf_config.model_keys(exported) == hf_config.model_keys(original)
+    exported, original = exports_bit_for_bit(converted, SOURCE, tmp_path)
     for field in ("architectures", "model_type", "num_local_experts", "tie_word_embeddings"):
         assert exported[field] == original[field], field
 

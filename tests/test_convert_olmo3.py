@@ -15,9 +15,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_convert import LAYOUTS, REPO, TOLERANCE, apply, read_all, start_from_converted
+from test_convert import (LAYOUTS, REPO, TOLERANCE, apply, exports_bit_for_bit, greedy_tokens_equal_transformers,
+                          start_from_converted)
 
-from maxshard import config, generate
+from maxshard import config
 from maxshard.convert import __main__ as cli
 from maxshard.convert import hf_config, layout, names
 from maxshard.errors import ConfigError
@@ -80,15 +81,10 @@ def test_window_norm_scope_and_local_rope_are_needed_for_those_logits(one_device
 
 
 def test_greedy_generation_past_the_window_gives_transformers_tokens(converted, tmp_path):
-    """from_hf -> maxshard.generate temperature=0: transformers' 16 greedy tokens, decoded one at a time, the KV
-    cache masking what the sliding layers no longer see."""
+    """transformers' 16 greedy tokens, the KV cache masking what the sliding layers no longer see."""
     want = json.loads((SOURCE / "generate.json").read_text())
     assert len(want["input_ids"]) + want["max_new_tokens"] > 2 * 4 and want["max_new_tokens"] == 16
-    out = tmp_path / "out.jsonl"
-    argv = [str(converted / "config.yml"), f"base_output_directory={tmp_path}", f"prompt={want['prompt']}",
-            f"max_new_tokens={want['max_new_tokens']}", "temperature=0", f"generate_output={out}", *EXTRA]
-    assert generate.main(argv) == 0
-    assert json.loads(out.read_text())["tokens"] == want["new_tokens"]
+    greedy_tokens_equal_transformers(converted, SOURCE, tmp_path, *EXTRA)
 
 
 def test_keys_and_tensors_are_the_checkpoints():
@@ -134,14 +130,7 @@ def test_both_rope_spellings_and_export_without_a_template():
 
 
 def test_round_trip_is_bit_identical(converted, tmp_path):
-    out = tmp_path / "hf"
-    assert cli.main(["to_hf", str(converted / "checkpoints" / "0"), str(out)]) == 0
-    source, back = read_all(SOURCE), read_all(out)
-    assert sorted(back) == sorted(source)
-    for tensor, array in source.items():
-        assert back[tensor].dtype == array.dtype and back[tensor].tobytes() == array.tobytes(), tensor
-    exported, original = json.loads((out / "config.json").read_text()), hf_config.read(str(SOURCE))
-    assert hf_config.model_keys(exported) == hf_config.model_keys(original)
+    exported, original = exports_bit_for_bit(converted, SOURCE, tmp_path)
     for field in ("architectures", "model_type", "layer_types", "sliding_window", "tie_word_embeddings"):
         assert exported[field] == original[field], field
     local = "sliding_attention"  # the full layers' YaRN is written with its constants spelled out
