@@ -23,15 +23,12 @@ the logits.
 from __future__ import annotations
 
 import pathlib
-import shutil
 import sys
 
-import numpy as np
-import torch
-from transformers import AutoModelForCausalLM, Glm4MoeConfig, Glm4MoeForCausalLM
+from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from make_hf_fixtures import correction_biases, greedy, qwen_tokenizer, redraw, reference  # noqa: E402
+from make_hf_fixtures import correction_biases, family_fixture, fresh, redraw, run_builders  # noqa: E402
 
 OUT = pathlib.Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "glm4_moe"
 SHAPE = dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
@@ -42,35 +39,18 @@ SHAPE = dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermedi
              rope_parameters={"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.5})
 
 
-def fresh(name: str) -> pathlib.Path:
-    directory = OUT / name
-    shutil.rmtree(directory, ignore_errors=True)
-    directory.mkdir(parents=True)
-    return directory
-
-
 def glm4_moe() -> None:
     """The model's weights and correction biases redrawn, its reference logits, its files, a tokenizer and 16
     greedy tokens."""
     model = Glm4MoeForCausalLM(Glm4MoeConfig(**SHAPE)).eval()
-    directory = fresh("glm4_moe")
+    directory = fresh(OUT / "glm4_moe")
     redraw(model, seed=67, bf16=False)
     correction_biases(model, 71)
-    reference(model, directory)
-    model.save_pretrained(directory)
-    tok = qwen_tokenizer()
-    tok.save_pretrained(directory)
-    model.generation_config.eos_token_id, model.generation_config.pad_token_id = 0, 0
-    model.generation_config.save_pretrained(directory)
-    reloaded = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    with torch.no_grad():
-        again = reloaded(torch.from_numpy(np.load(directory / "tokens.npy").astype(np.int64))).logits.numpy()
-    np.testing.assert_array_equal(again, np.load(directory / "logits.npy"))  # what was saved is what was run
-    greedy(reloaded, tok, directory)
+    family_fixture(model, directory)
 
 
 def defaults() -> None:
-    directory = fresh("defaults")
+    directory = fresh(OUT / "defaults")
     (directory / "glm4_moe.json").write_text(Glm4MoeConfig().to_json_string())
 
 
@@ -78,9 +58,7 @@ BUILDERS = {"glm4_moe": glm4_moe, "defaults": defaults}
 
 
 def main(names: list[str]) -> None:
-    for name in names or list(BUILDERS):
-        BUILDERS[name]()
-        print(f"wrote {OUT / name}")
+    run_builders(BUILDERS, OUT, names)
 
 
 if __name__ == "__main__":

@@ -186,6 +186,37 @@ def greedy(model: torch.nn.Module, tok: object, directory: pathlib.Path) -> None
     (directory / "generate.json").write_text(json.dumps(record) + "\n")
 
 
+def fresh(directory: pathlib.Path) -> pathlib.Path:
+    """An empty directory (an older fixture there removed)."""
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True)
+    return directory
+
+
+def family_fixture(model: torch.nn.Module, directory: pathlib.Path) -> None:
+    """A one-family fixture of a model whose weights are drawn: its reference logits, save_pretrained's files, the
+    Qwen-style tokenizer, a generation config (EOS = pad = 0), a check that the saved model computes those logits,
+    and 16 greedy tokens (tools/make_olmo3_fixtures.py and its siblings)."""
+    reference(model, directory)
+    model.save_pretrained(directory)
+    tok = qwen_tokenizer()
+    tok.save_pretrained(directory)
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = 0, 0
+    model.generation_config.save_pretrained(directory)
+    reloaded = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with torch.no_grad():
+        again = reloaded(torch.from_numpy(np.load(directory / "tokens.npy").astype(np.int64))).logits.numpy()
+    np.testing.assert_array_equal(again, np.load(directory / "logits.npy"))  # what was saved is what was run
+    greedy(reloaded, tok, directory)
+
+
+def run_builders(builders: dict, out: pathlib.Path, names: list[str]) -> None:
+    """Runs the named builders (all when none is named), a line for each."""
+    for name in names or list(builders):
+        builders[name]()
+        print(f"wrote {out / name}")
+
+
 def with_tokenizer(model: torch.nn.Module, tok: object, directory: pathlib.Path, eos: list[int]) -> None:
     """Saves the tokenizer and a generation_config.json naming the EOS ids, then the greedy reference, computed
     from the stored (possibly bfloat16-rounded) weights in float32."""

@@ -21,15 +21,12 @@ the logits.
 from __future__ import annotations
 
 import pathlib
-import shutil
 import sys
 
-import numpy as np
-import torch
-from transformers import AutoModelForCausalLM, MiniMaxM2Config, MiniMaxM2ForCausalLM
+from transformers import MiniMaxM2Config, MiniMaxM2ForCausalLM
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from make_hf_fixtures import correction_biases, greedy, qwen_tokenizer, redraw, reference  # noqa: E402
+from make_hf_fixtures import correction_biases, family_fixture, fresh, redraw, run_builders  # noqa: E402
 
 OUT = pathlib.Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "minimax_m2"
 SHAPE = dict(vocab_size=128, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
@@ -39,35 +36,18 @@ SHAPE = dict(vocab_size=128, hidden_size=32, intermediate_size=24, num_hidden_la
              rope_parameters={"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.5})
 
 
-def fresh(name: str) -> pathlib.Path:
-    directory = OUT / name
-    shutil.rmtree(directory, ignore_errors=True)
-    directory.mkdir(parents=True)
-    return directory
-
-
 def minimax_m2() -> None:
     """The model's weights and correction biases redrawn, its reference logits, its files, a tokenizer and 16
     greedy tokens."""
     model = MiniMaxM2ForCausalLM(MiniMaxM2Config(**SHAPE)).eval()
-    directory = fresh("minimax_m2")
+    directory = fresh(OUT / "minimax_m2")
     redraw(model, seed=59, bf16=False)
     correction_biases(model, 61)
-    reference(model, directory)
-    model.save_pretrained(directory)
-    tok = qwen_tokenizer()
-    tok.save_pretrained(directory)
-    model.generation_config.eos_token_id, model.generation_config.pad_token_id = 0, 0
-    model.generation_config.save_pretrained(directory)
-    reloaded = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    with torch.no_grad():
-        again = reloaded(torch.from_numpy(np.load(directory / "tokens.npy").astype(np.int64))).logits.numpy()
-    np.testing.assert_array_equal(again, np.load(directory / "logits.npy"))  # what was saved is what was run
-    greedy(reloaded, tok, directory)
+    family_fixture(model, directory)
 
 
 def defaults() -> None:
-    directory = fresh("defaults")
+    directory = fresh(OUT / "defaults")
     (directory / "minimax_m2.json").write_text(MiniMaxM2Config().to_json_string())
 
 
@@ -75,9 +55,7 @@ BUILDERS = {"minimax_m2": minimax_m2, "defaults": defaults}
 
 
 def main(names: list[str]) -> None:
-    for name in names or list(BUILDERS):
-        BUILDERS[name]()
-        print(f"wrote {OUT / name}")
+    run_builders(BUILDERS, OUT, names)
 
 
 if __name__ == "__main__":

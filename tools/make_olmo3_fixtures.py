@@ -22,15 +22,12 @@ from __future__ import annotations
 
 import json
 import pathlib
-import shutil
 import sys
 
-import numpy as np
-import torch
-from transformers import AutoModelForCausalLM, Olmo3Config, Olmo3ForCausalLM
+from transformers import Olmo3Config, Olmo3ForCausalLM
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from make_hf_fixtures import NEW_TOKENS, greedy, qwen_tokenizer, redraw, reference  # noqa: E402
+from make_hf_fixtures import NEW_TOKENS, family_fixture, fresh, redraw, run_builders  # noqa: E402
 
 OUT = pathlib.Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "olmo3"
 ROPE = {"full_attention": {"rope_type": "yarn", "rope_theta": 1000.0, "factor": 4.0,
@@ -41,37 +38,20 @@ SHAPE = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_la
              rope_parameters=ROPE, tie_word_embeddings=False, bos_token_id=None, eos_token_id=0, pad_token_id=0)
 
 
-def fresh(name: str) -> pathlib.Path:
-    directory = OUT / name
-    shutil.rmtree(directory, ignore_errors=True)
-    directory.mkdir(parents=True)
-    return directory
-
-
 def olmo3() -> None:
     """The model's weights redrawn, its reference logits, its files, a tokenizer and 16 greedy tokens."""
     config = Olmo3Config(**SHAPE)
     assert config.layer_types == ["sliding_attention"] * 3 + ["full_attention"]
     model = Olmo3ForCausalLM(config).eval()
-    directory = fresh("olmo3")
+    directory = fresh(OUT / "olmo3")
     redraw(model, seed=53, bf16=False)
-    reference(model, directory)
-    model.save_pretrained(directory)
-    tok = qwen_tokenizer()
-    tok.save_pretrained(directory)
-    model.generation_config.eos_token_id, model.generation_config.pad_token_id = 0, 0
-    model.generation_config.save_pretrained(directory)
-    reloaded = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    with torch.no_grad():
-        again = reloaded(torch.from_numpy(np.load(directory / "tokens.npy").astype(np.int64))).logits.numpy()
-    np.testing.assert_array_equal(again, np.load(directory / "logits.npy"))  # what was saved is what was run
-    greedy(reloaded, tok, directory)
+    family_fixture(model, directory)
     record = json.loads((directory / "generate.json").read_text())
     assert len(record["input_ids"]) + NEW_TOKENS > 2 * SHAPE["sliding_window"]  # generation runs past the window
 
 
 def defaults() -> None:
-    directory = fresh("defaults")
+    directory = fresh(OUT / "defaults")
     (directory / "olmo3.json").write_text(Olmo3Config().to_json_string())
 
 
@@ -79,9 +59,7 @@ BUILDERS = {"olmo3": olmo3, "defaults": defaults}
 
 
 def main(names: list[str]) -> None:
-    for name in names or list(BUILDERS):
-        BUILDERS[name]()
-        print(f"wrote {OUT / name}")
+    run_builders(BUILDERS, OUT, names)
 
 
 if __name__ == "__main__":
