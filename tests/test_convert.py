@@ -280,6 +280,31 @@ def read_all(directory: Path) -> dict[str, np.ndarray]:
         return {name: source.read(info) for name, info in source.tensors.items()}
 
 
+def family_fixtures(source: Path, *extra: str) -> tuple[Any, Any]:
+    """Module fixtures (converted, one_device) of one family's fixture directory: its from_hf output, and that
+    output started as a one-device run (`extra` keys on top), for the family test files."""
+
+    @pytest.fixture(scope="module")
+    def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+        out = tmp_path_factory.mktemp("converted") / source.name
+        assert cli.main(["from_hf", str(source), str(out)]) == 0
+        return out
+
+    @pytest.fixture(scope="module")
+    def one_device(converted: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Trainer, Any]:
+        return start_from_converted(converted, tmp_path_factory.mktemp("run"), *extra)
+
+    return converted, one_device
+
+
+def logits_match_transformers(one_device: tuple[Trainer, Any], source: Path) -> None:
+    """The one-device run's logits of the fixture's tokens are transformers' within TOLERANCE (of a useful scale)."""
+    trainer, state = one_device
+    tokens, want = np.load(source / "tokens.npy"), np.load(source / "logits.npy")
+    assert np.std(want) > 0.5
+    np.testing.assert_allclose(apply(trainer, state.params, tokens), want, rtol=0, atol=TOLERANCE)
+
+
 def greedy_tokens_equal_transformers(converted: Path, source: Path, tmp_path: Path, *extra: str) -> None:
     """from_hf -> maxshard.generate temperature=0 gives the fixture's generate.json tokens (transformers' greedy
     ones, decoded one at a time from the KV cache)."""

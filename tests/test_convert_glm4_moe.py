@@ -18,7 +18,8 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from test_convert import (REPO, TOLERANCE, apply, exports_bit_for_bit, greedy_tokens_equal_transformers,
+from test_convert import (REPO, TOLERANCE, apply, exports_bit_for_bit, family_fixtures,
+                          greedy_tokens_equal_transformers, logits_match_transformers,
                           start_from_converted)
 
 from maxshard import config
@@ -34,16 +35,7 @@ SOURCE = FIXTURES / "glm4_moe"
 EXTRA = ("remat_policy=full",)  # the function is under test, which no remat policy changes
 
 
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("converted") / "glm4_moe"
-    assert cli.main(["from_hf", str(SOURCE), str(out)]) == 0
-    return out
-
-
-@pytest.fixture(scope="module")
-def one_device(converted, tmp_path_factory):
-    return start_from_converted(converted, tmp_path_factory.mktemp("run"), *EXTRA)
+converted, one_device = family_fixtures(SOURCE, *EXTRA)
 
 
 def reference() -> tuple[np.ndarray, np.ndarray]:
@@ -58,10 +50,7 @@ def _zeroed(params, leaf: str):
 
 
 def test_logits_match_transformers(one_device):
-    trainer, state = one_device
-    tokens, want = reference()
-    assert np.std(want) > 0.5  # logits of a useful scale
-    np.testing.assert_allclose(apply(trainer, state.params, tokens), want, rtol=0, atol=TOLERANCE)
+    logits_match_transformers(one_device, SOURCE)
 
 
 def test_restores_under_expert_tensor_and_fsdp_with_one_devices_logits(converted, one_device, tmp_path):

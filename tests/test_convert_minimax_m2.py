@@ -15,12 +15,11 @@ from pathlib import Path
 
 import jax
 import numpy as np
-import pytest
-from test_convert import (REPO, TOLERANCE, apply, exports_bit_for_bit, greedy_tokens_equal_transformers,
+from test_convert import (REPO, TOLERANCE, apply, exports_bit_for_bit, family_fixtures,
+                          greedy_tokens_equal_transformers, logits_match_transformers,
                           start_from_converted)
 
 from maxshard import config
-from maxshard.convert import __main__ as cli
 from maxshard.convert import hf_config, layout
 from maxshard.model import transformer as model
 from maxshard.run import loading
@@ -32,16 +31,7 @@ SOURCE = FIXTURES / "minimax_m2"
 EXTRA = ("remat_policy=full",)  # the function is under test, which no remat policy changes
 
 
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("converted") / "minimax_m2"
-    assert cli.main(["from_hf", str(SOURCE), str(out)]) == 0
-    return out
-
-
-@pytest.fixture(scope="module")
-def one_device(converted, tmp_path_factory):
-    return start_from_converted(converted, tmp_path_factory.mktemp("run"), *EXTRA)
+converted, one_device = family_fixtures(SOURCE, *EXTRA)
 
 
 def reference() -> tuple[np.ndarray, np.ndarray]:
@@ -52,10 +42,7 @@ def reference() -> tuple[np.ndarray, np.ndarray]:
 
 
 def test_logits_match_transformers(one_device):
-    trainer, state = one_device
-    tokens, want = reference()
-    assert np.std(want) > 0.5  # logits of a useful scale
-    np.testing.assert_allclose(apply(trainer, state.params, tokens), want, rtol=0, atol=TOLERANCE)
+    logits_match_transformers(one_device, SOURCE)
 
 
 def test_restores_under_expert_tensor_and_fsdp_with_one_devices_logits(converted, one_device, tmp_path):
@@ -109,8 +96,8 @@ def test_keys_and_tensors_are_the_checkpoints():
             keys["capacity_factor"]) == ("sigmoid", True, True, 8, 2, True, 0.5, -1.0)
     family = hf_config.family({"architectures": ["MiniMaxM2ForCausalLM"]})
     hf_names = {p.entry.hf for p in layout.params_of(layout.model_config(keys), family)}
-    assert {"model.layers.{i}.block_sparse_moe.e_score_correction_bias", "model.layers.{i}.block_sparse_moe.gate.weight",
-            "model.layers.{i}.self_attn.q_norm.weight"} <= hf_names
+    assert {"model.layers.{i}.block_sparse_moe.e_score_correction_bias",
+            "model.layers.{i}.block_sparse_moe.gate.weight", "model.layers.{i}.self_attn.q_norm.weight"} <= hf_names
 
 
 def test_the_released_rotary_dim_reads_as_its_share_of_the_head():
