@@ -179,18 +179,10 @@ def test_grpo_s_model_reward_is_the_reward_models_score_of_the_completion(traine
         n = len(tokens) - 1
         row = {"inputs": tokens[None, :-1], "segment_ids": np.ones((1, n), np.int32),
                "loss_weights": (np.arange(1, n + 1) >= len(prompt)).astype(np.float32)[None]}
-        scores = Transformer(reward_cfg(cfg)).apply({"params": reward.params}, row["inputs"], row["segment_ids"],
+        scores = Transformer(reward.model_cfg.model).apply({"params": reward.params}, row["inputs"], row["segment_ids"],
                                                      np.arange(n)[None], method="everything")
         want = float(np.sum(np.asarray(scores) * np.asarray(last_reply_position(row))))
         assert got[i] == pytest.approx(want, abs=1e-5), i
-
-
-def reward_cfg(cfg):
-    from maxshard.generation import inference
-    from maxshard.checkpoint import format as checkpoint_format
-
-    return inference.with_saved_model(cfg, checkpoint_format.read_config(cfg.reward[len("model:"):]),
-                                      command_line_wins=False).model
 
 
 def test_grpo_trains_on_a_reward_models_scores_through_the_cli(trained, tmp_path, capsys):

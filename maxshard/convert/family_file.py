@@ -34,7 +34,7 @@ _MODEL_KEYS = frozenset(f.name for f in dataclasses.fields(ModelConfig))
 
 def _typed(path: str, name: str, value: Any, like: Any) -> Any:
     """`value` as the type of the field's value in the row it starts from (lists become tuples)."""
-    if isinstance(like, bool) or isinstance(like, str):
+    if isinstance(like, (bool, str)):
         ok = isinstance(value, type(like))
     elif isinstance(like, (int, float)):
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -64,7 +64,7 @@ class ModelReward:
     def __post_init__(self) -> None:
         self.step_dir = self.cfg.reward[len(PREFIX):]
         self.name = f"reward={self.cfg.reward}"
-        model_cfg = inference.with_saved_model(self.cfg, check(self.cfg), command_line_wins=False)
+        self.model_cfg = model_cfg = inference.with_saved_model(self.cfg, check(self.cfg), command_line_wins=False)
         self.length = model_cfg.max_target_length
         self.tokenizer = make_tokenizer(model_cfg)
         self.params = inference.restore_params(self.step_dir, model_cfg, self.mesh, self.rules)
