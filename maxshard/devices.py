@@ -28,9 +28,9 @@ Units: FLOP/s (an int8 multiply-add counts 2, as a FLOP does), bytes, bytes/s. T
              there; None where no source was found (that host memory is not checked)
 
 Sources are vendor pages; "assumed" marks a figure no vendor page states for this use. Shared by several rows:
-  TPU HBM  XLA:TPU's own figure (ahead of time; the release is in benchmarks/README.md): compiling a program too large for one chip says
-           "exceeds available HBM (X)": v4 30.75 GiB (of 32), v5e 15.75 GiB (of 16), v5p 95.74 GiB, v6e 31.25 GiB
-           (of 32). The vendor pages print 16 GB / 32 GB / 95 GiB for the same chips.
+  TPU HBM  XLA:TPU's own figure (ahead of time; the release is in benchmarks/README.md): compiling a program too
+           large for one chip says "exceeds available HBM (X)": v4 30.75 GiB (of 32), v5e 15.75 GiB (of 16),
+           v5p 95.74 GiB, v6e 31.25 GiB (of 32). The vendor pages print 16 GB / 32 GB / 95 GiB for the same chips.
   GPU HBM  measured on an H100 80GB (nvidia-smi: 81559 MiB): JAX's allocator limit was 59.4 GiB at its default 75%,
            so 79.2 GiB allocatable, 458 MiB under the card's total. H200 (143771 MiB) and A100 40GB (40960 MiB)
            derived with the same reserve; H100 96GB assumed as 96 GiB less that reserve.
