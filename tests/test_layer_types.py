@@ -112,16 +112,17 @@ HYBRID_KEYS = ["num_layers=4", f"layer_types={','.join(HYBRID)}"]
 
 @pytest.mark.parametrize("keys, message", [
     (["num_layers=3", f"layer_types={','.join(HYBRID)}"], "layer_types has 4 entries and num_layers=3: one a layer, "
-                                                          "each one of full_attention, sliding_attention, gqa,"),
-    (["num_layers=2", "layer_types=full_attention,chunked_attention"],
-     "layer_types[1]='chunked_attention': expected one of full_attention, sliding_attention, gqa, mla, "
-     "linear_attention, gated_deltanet"),
+                                                          "each one of full_attention, sliding_attention, "
+                                                          "chunked_attention, gqa,"),
+    (["num_layers=2", "layer_types=full_attention,windowed_attention"],
+     "layer_types[1]='windowed_attention': expected one of full_attention, sliding_attention, chunked_attention, "
+     "gqa, mla, linear_attention, gated_deltanet"),
     (["num_layers=2", "layer_types=mla,full_attention"], "layer_types[0]='mla' is mla attention with "
                                                          "attention_type=gqa: set attention_type=mla"),
     ([*HYBRID_KEYS, "attention_pattern=local,global", "sliding_window=4"], "attention_pattern=['local', 'global'] "
                                                                             "with layer_types: layer_types says"),
-    (["num_layers=2", "layer_types=sliding_attention,full_attention"], "sliding_window=0 with layer_types: local "
-                                                                       "layers need a sliding_window > 0"),
+    (["num_layers=2", "layer_types=sliding_attention,full_attention"], "layer_types[0]='sliding_attention' needs "
+                                                                       "sliding_window > 0"),
 ])
 def test_a_layer_types_mistake_is_one_line_naming_the_key(keys, message) -> None:
     with pytest.raises(ConfigError) as e:

@@ -26,7 +26,7 @@ from maxshard.config import files, yaml_text
 from maxshard.config.files import reading_files_once  # re-exported: config.reading_files_once
 from maxshard.config.ranges import check_group_batch, check_ranges
 from maxshard.config.schema import MESH_AXES, Config, knob_name, path_keys
-from maxshard.config.structures import parse_logical_rules, parse_mixture, parse_names
+from maxshard.config.structures import parse_flags, parse_logical_rules, parse_mixture, parse_names
 from maxshard.errors import ConfigError
 
 __all__ = ["Config", "MESH_AXES", "knob_name", "load", "parse", "finalize", "user_keys", "resolve_path",
@@ -138,7 +138,8 @@ def _parse_mesh_rules(value: Any, source: str) -> tuple[tuple[str, tuple[tuple[s
 _SPECIAL_PARSERS = {"logical_axis_rules": parse_logical_rules, "mesh_rules": _parse_mesh_rules,
                     "dataset_mixture": parse_mixture, "lora_targets": parse_names,
                     "attention_pattern": lambda value, source: parse_names(value, source, "attention_pattern"),
-                    "layer_types": lambda value, source: parse_names(value, source, "layer_types")}
+                    "layer_types": lambda value, source: parse_names(value, source, "layer_types"),
+                    "rope_layers": lambda value, source: parse_flags(value, source, "rope_layers")}
 
 
 def _parse_override(token: str) -> tuple[str, Any]:

@@ -10,6 +10,7 @@ import os
 import re
 import typing
 
+from maxshard.config import attention_ranges
 from maxshard.config.schema import MESH_AXES, Config, knob_name
 from maxshard.errors import ConfigError
 from maxshard.spec import mixer_kinds
@@ -41,8 +42,9 @@ def check_ranges(cfg: Config) -> Config:
         raise ConfigError(f"run_name must be a non-empty name without '/', got {cfg.run_name!r}")
     _check_data(cfg)
     _check_rope(cfg)
-    _check_layer_types(cfg)
-    _check_local_global(cfg)
+    attention_ranges.check_layer_types(cfg)
+    attention_ranges.check_local_global(cfg)
+    attention_ranges.check_positions(cfg)
     _check_deltanet(cfg)
     for axis in MESH_AXES:
         for family in ("ici", "dcn"):
@@ -180,6 +182,10 @@ def _check_moe(cfg: Config) -> None:
         if not getattr(cfg, key) >= 0:
             raise ConfigError(f"{key} must be >= 0, got {getattr(cfg, key)}")
     _check_routing(cfg)
+    if cfg.moe_weights_on_input and (cfg.num_experts_per_tok != 1 or cfg.moe_bias):
+        raise ConfigError(f"moe_weights_on_input scales each token by its one expert's weight (top-1 routing, no "
+                          f"expert biases): set num_experts_per_tok=1 (got {cfg.num_experts_per_tok}) and "
+                          f"moe_bias=false")
 
 
 def _check_routing(cfg: Config) -> None:
@@ -306,58 +312,6 @@ def _check_deltanet(cfg: Config) -> None:
     if cfg.linear_num_value_heads % cfg.linear_num_key_heads:
         raise ConfigError(f"linear_num_value_heads={cfg.linear_num_value_heads} must be a multiple of "
                           f"linear_num_key_heads={cfg.linear_num_key_heads} (each key head serves whole value heads)")
-
-
-def _check_layer_types(cfg: Config) -> None:
-    """layer_types (spec/mixer_kinds.py): one known mixer a layer; an attention entry is attention_type's kind (the
-    attention keys configure every attention layer); which layers are local is its to say, so attention_pattern
-    stays [global] beside it."""
-    types = cfg.layer_types
-    if not types:
-        return
-    allowed = ", ".join(mixer_kinds.spellings())
-    if len(types) != cfg.num_layers:
-        raise ConfigError(f"layer_types has {len(types)} entries and num_layers={cfg.num_layers}: one a layer, each "
-                          f"one of {allowed}")
-    for i, entry in enumerate(types):
-        try:
-            row, _ = mixer_kinds.resolve(entry)
-        except KeyError:
-            raise ConfigError(f"layer_types[{i}]={entry!r}: expected one of {allowed}") from None
-        if row.attention and row.name != cfg.attention_type:
-            raise ConfigError(f"layer_types[{i}]={entry!r} is {row.name} attention with attention_type="
-                              f"{cfg.attention_type}: set attention_type={row.name} (one attention kind a model)")
-    if tuple(cfg.attention_pattern) != ("global",):
-        raise ConfigError(f"attention_pattern={list(cfg.attention_pattern)} with layer_types: layer_types says which "
-                          "layers are local (sliding_attention); leave attention_pattern at [global]")
-
-
-def _check_local_global(cfg: Config) -> None:
-    """The local/global attention keys (Gemma 2/3, GPT-OSS): a pattern of known kinds, a window for its local layers,
-    caps and scales that are unset (0) or positive."""
-    pattern = cfg.attention_pattern
-    if not pattern or any(kind not in ("local", "global") for kind in pattern):
-        raise ConfigError(f"attention_pattern={list(pattern)}: a non-empty list of local and global")
-    if cfg.sliding_window < 0:
-        raise ConfigError(f"sliding_window must be >= 0 (0: no local layers), got {cfg.sliding_window}")
-    local = any(mixer_kinds.resolve(e)[1] for e in cfg.layer_types) if cfg.layer_types else "local" in pattern
-    if local != (cfg.sliding_window > 0):
-        where = "layer_types" if cfg.layer_types else f"attention_pattern={list(pattern)}"
-        raise ConfigError(f"sliding_window={cfg.sliding_window} with {where}: local layers need a sliding_window > 0, "
-                          "and a window needs a local layer")
-    if "local" in pattern and mixer_kinds.latent(cfg.attention_type):
-        raise ConfigError("attention_pattern with local layers needs attention_type=gqa (latent attention has no "
-                          "sliding window)")
-    for key in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
-        if not getattr(cfg, key) >= 0:
-            raise ConfigError(f"{key} must be >= 0 (0: unset), got {getattr(cfg, key)}")
-    if cfg.rope_local_max_timescale and not cfg.rope_local_max_timescale > 1:
-        raise ConfigError(f"rope_local_max_timescale must be 0 (as global layers) or > 1, got "
-                          f"{cfg.rope_local_max_timescale}")
-    if cfg.mtp_depth < 0 or cfg.mtp_loss_weight < 0:
-        raise ConfigError(f"mtp_depth and mtp_loss_weight must be >= 0, got {cfg.mtp_depth} and {cfg.mtp_loss_weight}")
-    if cfg.mlp_activation == "clamped_swiglu" and not (cfg.swiglu_limit > 0 and cfg.swiglu_alpha > 0):
-        raise ConfigError(f"swiglu_limit and swiglu_alpha must be > 0, got {cfg.swiglu_limit} and {cfg.swiglu_alpha}")
 
 
 _POSITIVE_INTS = {

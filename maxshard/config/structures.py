@@ -16,7 +16,7 @@ from maxshard.config import yaml_text
 from maxshard.config.schema import MESH_AXES
 from maxshard.errors import ConfigError
 
-__all__ = ["parse_logical_rules", "parse_mixture", "parse_names"]
+__all__ = ["parse_logical_rules", "parse_mixture", "parse_names", "parse_flags"]
 
 
 def parse_logical_rules(value: Any, source: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
@@ -78,3 +78,14 @@ def parse_names(value: Any, source: str, key: str = "lora_targets") -> tuple[str
     if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) and i.strip() for i in items):
         raise ConfigError(f"{key} expects a list of names like [a, b] or a,b, got {value!r} (from {source})")
     return tuple(i.strip() for i in items)
+
+
+def parse_flags(value: Any, source: str, key: str) -> tuple[int, ...]:
+    """rope_layers: one 0 or 1 a layer, from YAML (`[1, 1, 0]`) or a command line (`1,1,0`)."""
+    items = value.split(",") if isinstance(value, str) else value
+    if isinstance(items, (list, tuple)):
+        items = [i.strip() if isinstance(i, str) else i for i in items]
+        flags = [{"0": 0, "1": 1}.get(i, i) if isinstance(i, str) else i for i in items]
+        if all(f in (0, 1) and not isinstance(f, (bool, float)) for f in flags):
+            return tuple(int(f) for f in flags)
+    raise ConfigError(f"{key} expects a list of 0 and 1 like [1, 1, 1, 0] or 1,1,1,0, got {value!r} (from {source})")

@@ -2,14 +2,16 @@
 
 A family is described by the model keys, read here once into data:
 
-    Layer(attention, mlp, local) one decoder layer's kinds: its token mixer `attention`, a row of
+    Layer(attention, mlp, local, rope) one decoder layer's kinds: its token mixer `attention`, a row of
                               spec/mixer_kinds.py ("gqa" grouped-query, "mla" multi-head latent, "gated_deltanet"
                               linear attention, ...), its MLP ("dense": one gated MLP of mlp_dim, "moe": routed
-                              experts of expert_dim; mixer_kinds.MLP_KINDS), and whether its mixer is local (the
-                              last `sliding_window` keys) or global
+                              experts of expert_dim; mixer_kinds.MLP_KINDS), whether its mixer is local (the
+                              last `sliding_window` keys, or its chunk of `attention_chunk_size`) or global, and
+                              whether it rotates its queries and keys (`rope_layers`; NoPE where not)
     Stack(name, unit, repeats) a unit of layers repeated `repeats` times: one nn.scan (or one pipeline) each
 
 Llama:                 Stack("layers", (gqa+dense,), num_layers)
+Llama 4 Maverick:      Stack("layers", (chunked gqa+dense, chunked gqa+moe, chunked gqa+dense, NoPE gqa+moe), 12)
 Mixtral, Qwen3-MoE:    Stack("layers", (gqa+moe,), num_layers)
 an MoE every 2nd layer: Stack("layers", (gqa+dense, gqa+moe), num_layers / 2)
 DeepSeek-V3:           Stack("dense_layers", (mla+dense,), 3), Stack("layers", (mla+moe,), 58)
@@ -67,7 +69,8 @@ def unit_layer_index(name: str) -> int | None:
 class Layer:
     attention: str  # its token mixer: a row of spec/mixer_kinds.py
     mlp: str  # a row of mixer_kinds.MLP_KINDS
-    local: bool = False  # sliding-window attention over the last `sliding_window` keys (else global)
+    local: bool = False  # attention over the last `sliding_window` keys or within its chunk (else global)
+    rope: bool = True  # its queries and keys are rotated (False: NoPE)
 
     @property
     def mixer(self) -> mixer_kinds.Mixer:
@@ -108,8 +111,8 @@ def stacks(cfg: ModelConfig) -> tuple[Stack, ...]:
     if first:
         unit = period if first % period == 0 else first
         out.append(Stack("dense_layers", tuple(kinds[:unit]), first // unit))
-    unit = math.lcm(period, cfg.moe_layer_interval if cfg.is_moe else 1)
     body = kinds[first:]
+    unit = min(math.lcm(period, cfg.moe_layer_interval if cfg.is_moe else 1), len(body))  # a longer unit: no repeat
     repeats, left = divmod(len(body), unit)
     out.append(Stack(MAIN_STACK, tuple(body[:unit]), repeats))
     if left:
@@ -119,15 +122,16 @@ def stacks(cfg: ModelConfig) -> tuple[Stack, ...]:
 
 def _layer(cfg: ModelConfig, i: int) -> Layer:
     """Layer i's kinds: MoE for the last of every `moe_layer_interval` layers after the dense first ones; its mixer
-    and locality from layer_types[i], or attention_type and the attention pattern."""
+    and locality from layer_types[i], or attention_type and the attention pattern; RoPE unless rope_layers[i] is 0."""
     first, n = cfg.first_k_dense_replace, cfg.moe_layer_interval
     moe = cfg.is_moe and i >= first and (i - first) % n == n - 1
     mlp = "moe" if moe else "dense"
+    rope = not cfg.rope_layers or bool(cfg.rope_layers[i])
     if cfg.layer_types:
         row, local = mixer_kinds.resolve(cfg.layer_types[i])
-        return Layer(row.name, mlp, local and cfg.sliding_window > 0)
+        return Layer(row.name, mlp, local and cfg.local_span > 0, rope)
     local = cfg.has_local_layers and cfg.attention_pattern[i % len(cfg.attention_pattern)] == "local"
-    return Layer(cfg.attention_type, mlp, local)
+    return Layer(cfg.attention_type, mlp, local, rope)
 
 
 def main_stack(cfg: ModelConfig) -> Stack:

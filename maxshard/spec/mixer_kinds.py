@@ -5,11 +5,12 @@ spelling: "full_attention", "sliding_attention", "linear_attention", or a row's 
 A row declares everything the rest of the code reads about its kind:
 
     module         the Flax module, "package.module:Class", imported by the decoder when it builds a layer
-                   (layers/decoder.py), called as Module(cfg, dtype, weight_dtype[, local=True], name=scope) on
+                   (layers/decoder.py), called as Module(cfg, dtype, weight_dtype[, local=True][, rope=False],
+                   name=scope) on
                    (x [batch, length, embed], segment_ids, positions) -> [batch, length, embed]
     scope          the name of its parameters in a layer: "decoder/<stack>/<layer>/<scope>/..."
     cache          what generation keeps per layer (CACHES): keys and values, a latent, or a recurrent state
-    hf, hf_local   its `layer_types` spellings: a global layer's, and a local (sliding-window) layer's
+    hf, hf_local   its `layer_types` spellings: a global layer's, and a local (sliding-window or chunked) layer's
     params         matmul parameters per token by remat part ("qkv": the input projections, "out": the output one)
     lora           in + out width of each projection a LoRA adapter takes, by `lora_targets` name (q, k, v, o)
     flops          forward FLOPs per token beyond those matmuls (attention's scores and values, a recurrence)
@@ -165,8 +166,9 @@ def _deltanet_flops(cfg: ModelConfig, window: int) -> float:
 _QKV_OUT = ("query_proj", "key_proj", "value_proj", "out_proj")
 _BUILT_IN = (
     Mixer("gqa", "maxshard.model.layers.attention:Attention", "attention", "kv",
-          summary="grouped-query softmax attention; a local layer sees the last sliding_window keys",
-          hf=("full_attention",), hf_local=("sliding_attention",), remat_names=_QKV_OUT, attention=True,
+          summary="grouped-query softmax attention; a local layer sees the last sliding_window keys, or its chunk",
+          hf=("full_attention",), hf_local=("sliding_attention", "chunked_attention"), remat_names=_QKV_OUT,
+          attention=True,
           lora=_gqa_lora, **_attention_row(_gqa_widths)),
     Mixer("mla", "maxshard.model.layers.mla:LatentAttention", "attention", "latent",
           summary="multi-head latent attention (DeepSeek-V2/V3): keys and values from one cached latent",

@@ -64,11 +64,11 @@ def num_units(num_layers: int, num_experts: int, moe_layer_interval: int, first_
     nn.scan and the pipeline need identical iterations, so an MoE model that mixes dense and MoE layers, or a model
     with local and global layers, repeats blocks of layers rather than single layers."""
     moe = num_experts > 1
-    unit = math.lcm(moe_layer_interval if moe else 1, pattern_length)
-    return (num_layers - (first_k_dense_replace if moe else 0)) // unit
+    body = num_layers - (first_k_dense_replace if moe else 0)
+    return body // min(math.lcm(moe_layer_interval if moe else 1, pattern_length), body)  # at least one unit
 
 
-def shortest_period(items: tuple[str, ...]) -> int:
+def shortest_period(items: tuple) -> int:
     """The smallest p with items[i] == items[i % p] for every i (len(items) when nothing shorter repeats)."""
     return next(p for p in range(1, len(items) + 1) if all(x == items[i % p] for i, x in enumerate(items)))
 
@@ -139,6 +139,17 @@ class ModelKeys:
     # "sliding_attention", "linear_attention") or a row's name (spec/mixer_kinds.py); empty: attention_type and
     # attention_pattern decide every layer
     layer_types: tuple[str, ...] = ()
+    # Llama 4: local layers attend within chunks of this many positions (query p sees the keys of its own chunk
+    # p // size, up to p) instead of a sliding window; 0: none
+    attention_chunk_size: int = 0
+    # One entry a layer: 1 rotates its q and k (RoPE), 0 leaves them unrotated (NoPE, Llama 4); empty: every layer
+    rope_layers: tuple[int, ...] = ()
+    # NoPE layers' query temperature log(floor((p + 1) / floor) + 1) x scale + 1 at position p (Llama 4's
+    # attn_scale and floor_scale); scale 0: none
+    nope_temperature_scale: float = 0.0
+    nope_temperature_floor: int = 8192
+    # q and k divided by their RMS over head_dim after RoPE, no learned scale, on the RoPE layers (Llama 4)
+    qk_l2_norm: bool = False
     rope_local_max_timescale: float = 0.0  # RoPE base of local layers, unscaled (Gemma 3: 10000); 0: as global ones
     attn_logit_softcapping: float = 0.0  # scaled logits -> c * tanh(logits / c) before the softmax (Gemma 2); 0: none
     final_logit_softcapping: float = 0.0  # the output logits capped the same way (Gemma 2); 0: none
@@ -186,14 +197,25 @@ class ModelKeys:
     moe_topk_group: int = 1
     moe_routed_scaling_factor: float = 1.0  # the routed experts' output is scaled by this (DeepSeek-V3: 2.5)
     moe_router_bias: bool = False  # a per-expert bias added to the scores for selection only (aux-loss-free)
+    moe_weights_on_input: bool = False  # the router weight scales the expert's input, not its output (Llama 4)
     lora_rank: int = 0  # LoRA adapters of this rank on the `lora_targets` projections (0: none; layers/lora.py)
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] = ("q", "k", "v", "o")
 
     @property
     def pattern_length(self) -> int:
-        """The period of the layers' mixers (spec/blocks.py): layer_types' shortest, else attention_pattern's length."""
-        return shortest_period(self.layer_types) if self.layer_types else len(self.attention_pattern)
+        """The period of the layers' mixers (spec/blocks.py): layer_types' shortest, else attention_pattern's length;
+        with `rope_layers` the shortest period of both together."""
+        if self.layer_types and self.rope_layers:
+            return shortest_period(tuple(zip(self.layer_types, self.rope_layers)))
+        mixers = shortest_period(self.layer_types) if self.layer_types else len(self.attention_pattern)
+        return math.lcm(mixers, shortest_period(self.rope_layers)) if self.rope_layers else mixers
+
+    @property
+    def local_span(self) -> int:
+        """What a local layer sees: the last `sliding_window` keys, or its chunk of `attention_chunk_size`
+        positions (one of the two is set where a model has local layers; 0: neither)."""
+        return self.sliding_window or self.attention_chunk_size
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -215,7 +237,7 @@ class ModelConfig(ModelKeys):
     pipeline: PipelineShape | None = None
 
     def __post_init__(self) -> None:
-        for name in ("attention_pattern", "lora_targets", "layer_types"):  # lists from JSON/YAML: hashable too
+        for name in ("attention_pattern", "lora_targets", "layer_types", "rope_layers"):  # lists: hashable too
             object.__setattr__(self, name, tuple(getattr(self, name)))
 
     @property
@@ -243,7 +265,7 @@ class ModelConfig(ModelKeys):
 
     @property
     def has_local_layers(self) -> bool:
-        return self.sliding_window > 0 and "local" in self.attention_pattern
+        return self.local_span > 0 and "local" in self.attention_pattern
 
     def lora_rank_of(self, target: str) -> int:
         """The adapter rank of one projection ("q", "k", "v", "o", "gate", "up", "down"); 0 when it has none."""

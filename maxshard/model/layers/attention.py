@@ -15,6 +15,12 @@ Local/global models (spec/blocks.py): a `local` layer sees only the last `slidin
 query head, "sinks" [heads], to each softmax's denominator (GPT-OSS); `attention_bias` puts biases on q, k, v and
 the output (GPT-OSS), `qkv_bias` on q, k and v only (GLM-4.5).
 
+Llama 4: a local layer with `attention_chunk_size` attends within its chunk (query p sees keys of positions
+p // size x size .. p), the chunk boundaries cutting the packed documents' segments (`chunked_segments`), so every
+kernel applies it as it applies documents; a layer with `rope=False` (`rope_layers`) rotates nothing and, with
+`nope_temperature_scale`, scales its queries by a temperature that grows with the position (`nope_temperature`);
+`qk_l2_norm` divides the rotated q and k of the RoPE layers by their RMS over head_dim, without a scale.
+
 Qwen3-Next / Qwen3.5: with `attention_output_gate` the query projection is twice as wide, each head's
 [query (head_dim), gate (head_dim)] side by side as transformers' q_proj rows hold them (one kernel
 [embed, heads, 2 x head_dim], so a checkpoint's q_proj maps as it is and a LoRA on "q" adapts both halves, as PEFT's
@@ -34,11 +40,11 @@ from maxshard.spec.model_config import ModelConfig
 from maxshard.model.layers import kv_cache, rope
 from maxshard.model.layers.attention_ops import attend
 from maxshard.model.layers.linears import DenseGeneral
-from maxshard.model.layers.norms import RMSNorm
+from maxshard.model.layers.norms import RMSNorm, rms_normalized
 from maxshard.parallel import axis_names as ax
 from maxshard.parallel.sharding import constrain
 
-__all__ = ["Attention", "local_block"]
+__all__ = ["Attention", "local_block", "chunked_segments", "nope_temperature"]
 
 
 def local_block(window: int) -> int:
@@ -47,11 +53,27 @@ def local_block(window: int) -> int:
     return max(128, 1 << max((window // 8).bit_length() - 1, 0))
 
 
+def chunked_segments(segment_ids: jax.Array, positions: jax.Array, chunk: int) -> jax.Array:
+    """[batch, length] segment ids that also differ across chunk boundaries: (document, position // chunk) as one
+    int32 id, so "same segment" is "same document and same chunk". Positions restart with each document, so a
+    packed document is chunked as it would be alone."""
+    chunks = segment_ids.shape[1] // chunk + 1  # positions stay below the row's length
+    return segment_ids.astype(jnp.int32) * chunks + positions.astype(jnp.int32) // chunk
+
+
+def nope_temperature(positions: jax.Array, scale: float, floor: int) -> jax.Array:
+    """[batch, length, 1, 1] float32: log(floor((p + 1) / floor) + 1) x scale + 1 at each position p, the factor on
+    a NoPE layer's queries (1 up to position floor - 2, then growing slowly)."""
+    steps = jnp.floor((positions.astype(jnp.float32) + 1.0) / floor)
+    return (jnp.log1p(steps) * scale + 1.0)[..., None, None]
+
+
 class Attention(nn.Module):
     cfg: ModelConfig
     dtype: jnp.dtype
     weight_dtype: jnp.dtype
-    local: bool = False  # a sliding-window layer (spec/blocks.py)
+    local: bool = False  # a sliding-window or chunked layer (spec/blocks.py)
+    rope: bool = True  # rotates its queries and keys (False: NoPE, `rope_layers`)
 
     def _proj(self, x: jax.Array, heads: int, heads_axis: str, name: str, target: str, width: int = 0) -> jax.Array:
         """One of the q/k/v projections (`target`: its lora_targets name) to heads of `width` (head_dim by
@@ -64,6 +86,10 @@ class Attention(nn.Module):
     @property
     def window(self) -> int:
         return self.cfg.sliding_window if self.local else 0
+
+    @property
+    def chunk(self) -> int:
+        return self.cfg.attention_chunk_size if self.local else 0
 
     def _blocks(self) -> tuple[int, int]:
         """(block_q, block_kv) of the blockwise and splash kernels. A local layer's blocks shrink to
@@ -97,19 +123,36 @@ class Attention(nn.Module):
         v = constrain(self._proj(x, kv_heads, ax.KV_HEADS, "value", "v"), ax.KEY_VALUE)
         if cfg.qk_norm:  # Qwen3: each head normalised over head_dim (OLMo: all heads at once), before RoPE
             q, k = self._qk_norm(q, "query_norm", ax.HEADS), self._qk_norm(k, "key_norm", ax.KV_HEADS)
-        inv_freq, cos_sin = self._rope()
-        q = rope.apply_rope(q, positions, inv_freq, cos_sin) * self._scale()
-        k = rope.apply_rope(k, positions, inv_freq, cos_sin)
+        q, k = self._positioned(q, k, positions)
+        q = q * self._scale()
         sinks = self._sinks() if cfg.attention_sinks else None
         softcap = cfg.attn_logit_softcapping
 
         if kv_cache.decoding(self):  # generation: this call's k/v join the cache; queries attend over it
-            keys, values, mask = kv_cache.KVCache(self.dtype, self.window, name="cache")(k, v, positions)
+            cache = kv_cache.KVCache(self.dtype, self.window or self.chunk, self.chunk, name="cache")
+            keys, values, mask = cache(k, v, positions)
             return self._output(kv_cache.attend(q, keys, values, mask, self.dtype, softcap, sinks), gate)
 
+        if self.chunk:
+            segment_ids = chunked_segments(segment_ids, positions, self.chunk)
         out = attend(q, k, v, segment_ids, segment_ids, cfg.attention, *self._blocks(), window=self.window,
                      softcap=softcap, sinks=sinks)
         return self._output(out, gate)
+
+    def _positioned(self, q: jax.Array, k: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """q and k with their positions applied: rotated (then L2-normalised with `qk_l2_norm`), or in a NoPE layer
+        unrotated, the queries scaled by `nope_temperature` where it is set."""
+        cfg = self.cfg
+        if not self.rope:
+            if not cfg.nope_temperature_scale:
+                return q, k
+            temperature = nope_temperature(positions, cfg.nope_temperature_scale, cfg.nope_temperature_floor)
+            return jnp.asarray(q * temperature, q.dtype), k
+        inv_freq, cos_sin = self._rope()
+        q, k = rope.apply_rope(q, positions, inv_freq, cos_sin), rope.apply_rope(k, positions, inv_freq, cos_sin)
+        if cfg.qk_l2_norm:
+            q, k = rms_normalized(q, cfg.norm_epsilon), rms_normalized(k, cfg.norm_epsilon)
+        return q, k
 
     def _qk_norm(self, x: jax.Array, name: str, heads_axis: str) -> jax.Array:
         """q or k [batch, length, heads, head_dim] RMS-normalised per head, or over all heads with

@@ -75,8 +75,8 @@ class DecoderLayer(nn.Module):
     x + norm(attn(x)), then x + norm(mlp(x)). Returns (x, None) so `nn.scan` can carry x.
 
     Its kinds are layer `index` of the unit of stack `stack` (spec/blocks.py): the token mixer of its row
-    (spec/mixer_kinds.py: its module, under its scope, local or global), and a dense MLP ("mlp") or a routed
-    MoEBlock ("moe").
+    (spec/mixer_kinds.py: its module, under its scope, local or global, with RoPE or without), and a dense MLP
+    ("mlp") or a routed MoEBlock ("moe").
     """
 
     cfg: ModelConfig
@@ -92,8 +92,8 @@ class DecoderLayer(nn.Module):
         x = checkpoint_name(constrain(x, ax.RESIDUAL), remat.LAYER_INPUT)  # what an offload policy moves to host
         h = norm(self._norm("attention_norm"), x) if cfg.pre_norms else x
         mixer = mixer_module(kinds.mixer)
-        local = {"local": True} if kinds.local else {}
-        h = mixer(cfg, dt, wdt, **local, name=kinds.mixer.scope)(h, segment_ids, positions)
+        options = {**({"local": True} if kinds.local else {}), **({} if kinds.rope else {"rope": False})}
+        h = mixer(cfg, dt, wdt, **options, name=kinds.mixer.scope)(h, segment_ids, positions)
         x = x + (norm(self._norm("post_attention_norm"), h) if cfg.post_norms else h)
         h = norm(self._norm("mlp_norm"), x) if cfg.pre_norms else x
         if kinds.routed:

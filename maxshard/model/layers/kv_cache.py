@@ -1,5 +1,5 @@
 """The KV cache of generation: each global attention layer keeps the keys and values of every position it has
-seen; each local (sliding-window) layer only those of the last `window` positions, in a ring.
+seen; each local (sliding-window or chunked) layer only those of the last `window` positions, in a ring.
 
 Layout. One layer's cache is keys and values of [batch, kv_heads, slots, head_dim], named
 ("cache_batch", "cache_kv_heads", "cache_length", "cache_kv") so `logical_axis_rules` lay it out like the
@@ -28,6 +28,9 @@ written up to position `last` slot s holds last - ((last - s) mod slots), or not
 - a prompt longer than the window overwrites, in the ring, keys that its own earlier queries still see, so a call of
   more than one token attends over the ring as it was before the call plus its own k/v (slots + T keys), and only
   then is written; a decode step (T = 1) attends over the ring as written (`window` keys).
+
+Chunked layers (Llama 4) are rings of `chunk` slots: a query at position p sees the keys from p // chunk x chunk
+to p, all within the last `chunk` positions, so the ring holds them and the mask also keeps the query's own chunk.
 
 Why a masked write over the whole cache and not a dynamic slice: sequences are at different positions, so the
 write index differs per row; `where(slot takes a new token)` is elementwise, needs no scatter and partitions under
@@ -104,6 +107,7 @@ class KVCache(nn.Module):
 
     dtype: jnp.dtype
     window: int = 0  # a local layer: queries see only the last `window` positions (attention_ops.scores_mask)
+    chunk: int = 0  # a chunked layer (window = chunk): queries see only the keys of their own chunk
 
     @nn.compact
     def __call__(
@@ -148,6 +152,8 @@ class KVCache(nn.Module):
             key_positions = jnp.concatenate([before, jnp.where(positions >= 0, positions, -1)], axis=1)
         query, key = positions[:, :, None], key_positions[:, None, :]
         mask = (key >= 0) & (key <= query) & (key > query - self.window)  # [b, T, S]: causal and inside the window
+        if self.chunk:
+            mask &= key // self.chunk == query // self.chunk
         return held[0].transpose(0, 2, 1, 3), held[1].transpose(0, 2, 1, 3), mask[:, None, None]
 
 

@@ -64,6 +64,11 @@ SwiGLUs, and one wider matmul beats n narrow ones. With `shared_expert_gate` (Qw
 is multiplied per token by sigmoid(x @ w), w [embed, 1] ("shared_gate", transformers' shared_expert_gate), before it
 joins the routed experts'.
 
+Weights on the input (`moe_weights_on_input`, Llama 4, top-1 routing): each token goes into its expert already
+multiplied by its router weight, and the expert's output joins unweighted (transformers' Llama4TextMoe); the gated
+MLP is not linear in its input, so this is another function than weighting the output. Every path takes it by
+the same exchange of weights (`_weighed`): the scaled tokens, and a routing whose weights are 1.
+
 Biases (`moe_bias`, GPT-OSS): the router's logits gain a bias `gate/bias` [experts] (it moves the choice and the
 weights alike, unlike DeepSeek's selection bias), and every expert's gate, up and down projections gain biases
 `bi_0`, `bi_1` [experts, mlp] and `bo` [experts, embed]; an expert's output (its `bo` included) is weighted by the
@@ -256,7 +261,7 @@ class MoEBlock(nn.Module):
         scoring, k = Scoring.of(cfg), cfg.num_experts_per_tok
         if cfg.capacity_factor <= 0:
             routing = route(logits, k, length, mask, scoring=scoring, bias=bias)
-            y, unsent = self._dropless(x, routing)
+            y, unsent = self._dropless(*self._weighed(x, routing))
             self._sow(logits, routing, mask, batch, bias, unsent)
             return y
         g = group_size(length, cfg.moe_group_size)
@@ -265,7 +270,17 @@ class MoEBlock(nn.Module):
         routing = route(logits, k, capacity(g, k, cfg.num_experts, cfg.capacity_factor), mask, scoring=scoring,
                         bias=bias)
         self._sow(logits, routing, mask, batch, bias)
-        return self._dropping(x, routing).reshape(batch, length, embed)
+        return self._dropping(*self._weighed(x, routing)).reshape(batch, length, embed)
+
+    def _weighed(self, x: jax.Array, routing: Routing) -> tuple[jax.Array, Routing]:
+        """(x, routing) as the experts take them: unchanged, or with `moe_weights_on_input` (Llama 4, top-1) each
+        token scaled by its router weight on the way in and the experts' outputs combined with weight 1."""
+        if not self.cfg.moe_weights_on_input:
+            return x, routing
+        weight = routing.top_weights[..., :1]  # [..., tokens, 1]: k = 1 (config/ranges.py); 0 for padding
+        real = (routing.top_experts[..., :1] < self.cfg.num_experts).astype(routing.top_weights.dtype)
+        ones = routing._replace(combine=routing.dispatch, weights=routing.chosen, top_weights=real)
+        return x * weight.astype(x.dtype), ones
 
     def _sow(self, logits: jax.Array, routing: Routing, mask: jax.Array, batch: int, bias: jax.Array | None,
              unsent: jax.Array | float = 0.0) -> None:
