@@ -82,6 +82,13 @@ class Family:
         num_layers (names.MTP): Qwen3-Next's "mtp" (mtp.fc, mtp.pre_fc_norm_embedding/hidden, mtp.layers.0,
         mtp.norm: vLLM's Qwen3NextMultiTokenPredictor, which transformers does not load); its presence sets
         mtp_depth 1 (names.QWEN_MTP).
+    gate_up_halves: with fused_experts, gate_up_proj holds the gate columns then the up columns (Llama 4), not
+        interleaved, and the experts have no biases.
+    interleaved_rope: q_proj and k_proj rows rotate interleaved pairs (Llama 4's complex RoPE), reordered per head
+        into the half layout (names.py).
+    mlp_prefix: the module of a dense layer's gate, up and down projections ("mlp"; Llama 4: "feed_forward").
+    per_layer_positions: config.json's layer_types (chunked_attention / full_attention), no_rope_layers,
+        attention_chunk_size, the NoPE temperature and use_qk_norm become the Llama 4 keys (hf_positions.py).
     rotary_dim_field: a config.json field giving RoPE's share of each head as a number of features (MiniMax-M2's
         released rotary_dim, which transformers reads as rotary_dim / head_dim) where partial_rotary_factor is absent.
     """
@@ -128,6 +135,10 @@ class Family:
     left_out: Mapping[str, str] = dataclasses.field(default_factory=dict)
     mtp_prefix: str = ""
     rotary_dim_field: str = ""
+    gate_up_halves: bool = False
+    interleaved_rope: bool = False
+    mlp_prefix: str = "mlp"
+    per_layer_positions: bool = False
 
     @property
     def is_moe(self) -> bool:
@@ -280,6 +291,31 @@ FAMILIES += (
            keys={"moe_router": "sigmoid", "moe_router_bias": True}, defaults=_GLM4_MOE_DEFAULTS,
            must_equal={"use_qk_norm": False}, carries=("partial_rotary_factor", "qkv_bias"),
            export={"use_qk_norm": False}),
+)
+
+# Llama 4 text (Llama4ForCausalLM, model_type llama4_text): chunked attention with RoPE (interleaved pairs) and
+# L2-normalised q/k in most layers, global NoPE layers with a query temperature in the others (layer_types,
+# no_rope_layers), MoE every interleave_moe_layer_step layers: top-1 by sigmoid score, the score on the expert's
+# input, stacked experts (gate then up) beside one shared expert; the dense layers' MLP is intermediate_size_mlp
+# wide. Llama4TextConfig's defaults where they differ from Llama's (Llama 4 Scout's shape).
+_LLAMA4_DEFAULTS = {"vocab_size": 202048, "hidden_size": 5120, "intermediate_size": 8192,
+                    "intermediate_size_mlp": 16384, "num_hidden_layers": 48, "num_attention_heads": 40,
+                    "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 131072,
+                    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "num_local_experts": 16, "num_experts_per_tok": 1,
+                    "interleave_moe_layer_step": 1, "use_qk_norm": True, "attention_chunk_size": 8192,
+                    "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1,
+                    "no_rope_layer_interval": 4}
+FAMILIES += (
+    Family("Llama4ForCausalLM", "llama4_text", moe_prefix="feed_forward", experts_fields=("num_local_experts",),
+           router="router", fused_experts=True, gate_up_halves=True, shared_experts="shared_expert",
+           sigmoid_router=True, renormalize_default=False, interleaved_rope=True, mlp_prefix="feed_forward",
+           per_layer_positions=True,
+           fields={"intermediate_size": "moe_mlp_dim", "intermediate_size_mlp": "mlp_dim",
+                   "interleave_moe_layer_step": "moe_layer_interval"},
+           keys={"moe_router": "sigmoid", "moe_weights_on_input": True, "num_shared_experts": 1},
+           defaults=_LLAMA4_DEFAULTS,
+           carries=("layer_types", "attention_chunk_size", "rope_layers", "nope_temperature_scale", "qk_l2_norm"),
+           export={"attention_bias": False, "moe_layers": None}),
 )
 
 

@@ -16,7 +16,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from maxshard.convert import hf_local_global, names
+from maxshard.convert import hf_local_global, hf_positions, names
 from maxshard.convert.families import Family, by_architecture, by_model_type, rows
 from maxshard.errors import ConfigError
 from maxshard.spec import mixer_kinds
@@ -41,7 +41,8 @@ LAYER_OPTIONS = ("sliding_window", "attention_pattern", "rope_local_max_timescal
                  "final_logit_softcapping", "query_pre_attn_scalar", "attention_sinks", "attention_bias", "qkv_bias",
                  "norm_unit_offset", "post_norms", "mlp_activation", "embed_scale", "moe_bias",
                  "attention_output_gate", "partial_rotary_factor", "shared_expert_gate", "layer_types",
-                 "pre_norms", "qk_norm_all_heads")
+                 "pre_norms", "qk_norm_all_heads", "attention_chunk_size", "rope_layers", "nope_temperature_scale",
+                 "qk_l2_norm", "moe_weights_on_input")
 # The hybrids' (Qwen3-Next, Qwen3.5) layer_types without the field: transformers' rule, every n-th layer full
 # attention (config.json's full_attention_interval, default 4), the others linear attention, in config.json's words
 HYBRID_INTERVAL = ("full_attention_interval", 4)
@@ -121,6 +122,8 @@ def _check_representable(hf: Mapping[str, Any], fam: Family) -> None:
     elif fam.linear_attention:
         _check_window(hf, fam)
         hybrid_layer_types(hf)
+    elif fam.per_layer_positions:
+        hf_positions.check(hf)
     else:
         _check_window(hf, fam)
         kinds = sorted(set(hf.get("layer_types") or ["full_attention"]) - {"full_attention"})
@@ -292,6 +295,7 @@ def model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
         **_family_fields(hf, fam),
         **(hf_local_global.pattern_keys(hf, fam) if fam.local_global else {}),
         **({"layer_types": hybrid_layer_types(hf)} if fam.linear_attention else {}),
+        **(hf_positions.model_keys(hf) if fam.per_layer_positions else {}),
         **({"partial_rotary_factor": rot} if (rot := partial_rotary(hf, fam)) != 1 else {}),
         **({"score_head": True} if _score_head(hf) else {}),
     }
@@ -338,8 +342,9 @@ def _check_family(keys: Mapping[str, Any], fam: Family) -> None:
     wants["attention_type"] = (keys.get("attention_type", ModelConfig.attention_type), fam.attention)
     for key, value in fam.keys.items():
         wants[key] = (keys.get(key), value)
-    if fam.is_moe:
+    if fam.is_moe and "moe_layer_interval" not in fam.fields.values():
         wants["moe_layer_interval"] = (keys.get("moe_layer_interval", 1), 1)
+    if fam.is_moe:
         if not fam.shared_experts:
             wants["num_shared_experts"] = (keys.get("num_shared_experts", 0), 0)
         if fam.renormalize_field is None:
@@ -414,6 +419,9 @@ def to_hf(keys: Mapping[str, Any], dtype: str, template: Mapping[str, Any] | Non
     for field, key in fam.fields.items():
         if field == "num_nextn_predict_layers" and not keys.get(key) and out.get(field):
             continue  # a template's MTP layers that its checkpoint did not hold (from_hf `_without_absent_mtp`)
+        if key == "moe_mlp_dim":  # 0: the experts are mlp_dim wide
+            out[field] = keys.get(key) or keys["mlp_dim"]
+            continue
         out[field] = keys[key] if keys.get(key) or field != "q_lora_rank" else None  # DeepSeek writes null
     if fam.local_global:
         out.update(hf_local_global.export_fields(keys, fam, out))
@@ -423,6 +431,8 @@ def to_hf(keys: Mapping[str, Any], dtype: str, template: Mapping[str, Any] | Non
         del out["rope_scaling"]
     if fam.linear_attention:
         out["layer_types"] = list(keys["layer_types"])
+    if fam.per_layer_positions:
+        out.update(hf_positions.export_fields(keys, out))
     if "partial_rotary_factor" in fam.carries:  # 4.x spelling, beside rope_theta; transformers 5 reads it too
         out["partial_rotary_factor"] = keys.get("partial_rotary_factor", 1.0)
     if scoring:  # one label, as transformers writes num_labels

@@ -10,7 +10,8 @@ Hugging Face stores a linear layer as `weight[out_features, in_features]` (torch
 
 so a linear weight maps by a transpose then a reshape, and back by a reshape then a transpose; embeddings and norm
 scales have the same layout on both sides. Rows of q/k need no permutation: Hugging Face's rotate-half RoPE pairs
-(i, i + head_dim/2) exactly as maxshard does (layers/rope.py). Per-layer tensors become one stacked parameter
+(i, i + head_dim/2) exactly as maxshard does (layers/rope.py); the families that rotate interleaved pairs (DeepSeek's
+RoPE columns, Llama 4's heads) are reordered (`Entry.rope_tail`). Per-layer tensors become one stacked parameter
 [layers, ...] under decoder/layers (scan_layers=true).
 
 MoE families store each expert's projections as their own tensors ("{e}": expert index); maxshard stacks them
@@ -46,8 +47,17 @@ dim]; such tensors move whole (`Entry.whole`), one layer's projection at a time:
 The table of a layer is `per_layer(family, cfg, layer)`: Llama's rows, plus q/k norms with `qk_norm`, with the MLP
 replaced by the router and experts in the MoE layers (spec/blocks.py says which layers those are); Gemma's four
 norms a layer (`SANDWICH_NORMS`) in families with `post_norms`; OLMo 3's two after (`pre_norms` false: the rows
-without `PRE_NORMS`), its q/k norms over all heads "flat" (q_norm.weight [heads * head_dim] -> [heads, head_dim]). A stack whose unit is several layers (Gemma 3's five
-local and one global) holds each as layer_<slot> (convert/layout.py maps Hugging Face layer i to its unit and slot).
+without `PRE_NORMS`), its q/k norms over all heads "flat" (q_norm.weight [heads * head_dim] -> [heads, head_dim]).
+
+Llama 4 (`Family.gate_up_halves`, `interleaved_rope`, `mlp_prefix`): its MoE layers' experts stacked as GPT-OSS's
+but gate then up ("halves") with no biases, beside `shared_expert`; its dense layers' MLP under feed_forward; its
+q and k rows in interleaved pairs, reordered per head as DeepSeek's RoPE columns are ("rope_tail"):
+
+    feed_forward.experts.gate_up_proj [experts, embed, 2 mlp]  -> moe/wi_0 = [..., :mlp], moe/wi_1 = [..., mlp:]
+    feed_forward.router.weight [experts, embed]                -> moe/gate/kernel
+
+A stack whose unit is several layers (Gemma 3's five local and one global) holds each as layer_<slot>
+(convert/layout.py maps Hugging Face layer i to its unit and slot).
 """
 
 from __future__ import annotations
@@ -76,7 +86,7 @@ class Entry:
 
     hf: str
     path: tuple[str, ...]
-    # "same", "linear", "flat" (a 1-D tensor of maxshard's shape), "interleaved" (with `part`) or "conv" (a
+    # "same", "linear", "flat" (a 1-D tensor of maxshard's shape), "interleaved" or "halves" (with `part`), "conv" (a
     # depthwise conv1d weight [channels, 1, width], read as the linear weight [channels, width])
     layout: str
     num_in: int = 1
@@ -85,7 +95,8 @@ class Entry:
     # (MLA's kv_b_proj holds each head's key rows, then its value rows; the groups are as many as the part's rows
     # make of maxshard's output: one per head there, one per key head for Qwen3-Next's in_proj_qkvz, one in all
     # for Qwen3.5's in_proj_qkv). "interleaved": every width-th column of the last dim from `start` (GPT-OSS's
-    # gate_up_proj: gate (0, 1, 2), up (1, 2, 2)).
+    # gate_up_proj: gate (0, 1, 2), up (1, 2, 2)); "halves": the index-th of `width` equal blocks of the last dim
+    # (Llama 4's gate_up_proj: the gate columns, then the up columns).
     part: tuple[int, int, int] | None = None
     # The last `rope_tail` features of maxshard's last dim are a RoPE part that Hugging Face stores in interleaved
     # pairs (DeepSeek): they are reordered into the half layout (layers/rope.py `deinterleaved`) on the way in.
@@ -151,13 +162,10 @@ def _latent_attention(cfg: ModelConfig) -> tuple[Entry, ...]:
     )
 
 
-def _moe(family: Family, cfg: ModelConfig) -> tuple[Entry, ...]:
-    prefix, (gate, up, down) = family.moe_prefix, family.expert_projections
-    experts = f"model.layers.{{i}}.{prefix}.experts.{{e}}"
-    router = (Entry(f"model.layers.{{i}}.{prefix}.gate.weight", ("moe", "gate", "kernel"), "linear"),)
-    if family.router_bias:
-        router += (Entry(f"model.layers.{{i}}.{prefix}.{family.router_bias}", ("moe", "router_bias"), "same"),)
-    shared = ()
+def _shared(family: Family, cfg: ModelConfig) -> tuple[Entry, ...]:
+    """The shared experts (one gated MLP under `Family.shared_experts`) and their sigmoid gate, where the model has
+    them."""
+    prefix, shared = family.moe_prefix, ()
     if family.shared_experts and cfg.num_shared_experts:
         stem = f"model.layers.{{i}}.{prefix}.{family.shared_experts}"
         shared = tuple(Entry(f"{stem}.{hf}.weight", ("moe", "shared", name, "kernel"), "linear")
@@ -165,27 +173,43 @@ def _moe(family: Family, cfg: ModelConfig) -> tuple[Entry, ...]:
     if family.shared_expert_gate and cfg.shared_expert_gate:
         shared += (Entry(f"model.layers.{{i}}.{prefix}.{family.shared_expert_gate}.weight",
                          ("moe", "shared_gate", "kernel"), "linear"),)
+    return shared
+
+
+def _moe(family: Family, cfg: ModelConfig) -> tuple[Entry, ...]:
+    prefix, (gate, up, down) = family.moe_prefix, family.expert_projections
+    experts = f"model.layers.{{i}}.{prefix}.experts.{{e}}"
+    router = (Entry(f"model.layers.{{i}}.{prefix}.gate.weight", ("moe", "gate", "kernel"), "linear"),)
+    if family.router_bias:
+        router += (Entry(f"model.layers.{{i}}.{prefix}.{family.router_bias}", ("moe", "router_bias"), "same"),)
     return (
         *router,
         Entry(f"{experts}.{gate}.weight", ("moe", "wi_0"), "linear", per_expert=True),
         Entry(f"{experts}.{up}.weight", ("moe", "wi_1"), "linear", per_expert=True),
         Entry(f"{experts}.{down}.weight", ("moe", "wo"), "linear", per_expert=True),
-        *shared,
+        *_shared(family, cfg),
     )
 
 
-def _fused_moe(family: Family) -> tuple[Entry, ...]:
-    """GPT-OSS's MoE: a router with a bias, each layer's experts stacked, gate and up interleaved, with biases."""
+def _fused_moe(family: Family, cfg: ModelConfig) -> tuple[Entry, ...]:
+    """Each layer's experts stacked: GPT-OSS's (a router with a bias, gate and up interleaved, with biases) or
+    Llama 4's (`Family.gate_up_halves`: the gate columns then the up columns, no biases, a shared expert)."""
     stem = f"model.layers.{{i}}.{family.moe_prefix}"
     router, experts = f"{stem}.{family.router}", f"{stem}.experts"
+    layout = "halves" if family.gate_up_halves else "interleaved"
+    gate_up = (Entry(f"{experts}.gate_up_proj", ("moe", "wi_0"), layout, part=(0, 1, 2)),
+               Entry(f"{experts}.gate_up_proj", ("moe", "wi_1"), layout, part=(1, 2, 2)))
+    down = (Entry(f"{experts}.down_proj", ("moe", "wo"), "same"),)
+    if not family.biases:
+        return (Entry(f"{router}.weight", ("moe", "gate", "kernel"), "linear"), *gate_up, *down,
+                *_shared(family, cfg))
     return (
         Entry(f"{router}.weight", ("moe", "gate", "kernel"), "linear"),
         Entry(f"{router}.bias", ("moe", "gate", "bias"), "same"),
-        Entry(f"{experts}.gate_up_proj", ("moe", "wi_0"), "interleaved", part=(0, 1, 2)),
-        Entry(f"{experts}.gate_up_proj", ("moe", "wi_1"), "interleaved", part=(1, 2, 2)),
-        Entry(f"{experts}.gate_up_proj_bias", ("moe", "bi_0"), "interleaved", part=(0, 1, 2)),
-        Entry(f"{experts}.gate_up_proj_bias", ("moe", "bi_1"), "interleaved", part=(1, 2, 2)),
-        Entry(f"{experts}.down_proj", ("moe", "wo"), "same"),
+        *gate_up,
+        Entry(f"{experts}.gate_up_proj_bias", ("moe", "bi_0"), layout, part=(0, 1, 2)),
+        Entry(f"{experts}.gate_up_proj_bias", ("moe", "bi_1"), layout, part=(1, 2, 2)),
+        *down,
         Entry(f"{experts}.down_proj_bias", ("moe", "bo"), "same"),
     )
 
@@ -206,9 +230,16 @@ def _attention_extras(cfg: ModelConfig, family: Family) -> tuple[Entry, ...]:
 
 def _grouped_attention(family: Family, cfg: ModelConfig, layer: Layer) -> tuple[Entry, ...]:
     """Grouped-query attention (a gated one's q_proj is its query kernel as it is), with the q/k norms of
-    qk_norm families."""
+    qk_norm families; a family that rotates interleaved pairs (`Family.interleaved_rope`, Llama 4) has each
+    q and k head's rows reordered into the half layout (every layer alike: q.k is the same under one order of
+    both, so NoPE layers may take it too)."""
     qk_norm = (QK_NORM_ALL_HEADS if cfg.qk_norm_all_heads else QK_NORM) if family.qk_norm else ()
-    return (*ATTENTION, *qk_norm)
+    attention = ATTENTION
+    if family.interleaved_rope:
+        tail = rope.rotary_dim(cfg)
+        attention = tuple(dataclasses.replace(e, rope_tail=tail) if e.path[1] in ("query", "key") else e
+                          for e in ATTENTION)
+    return (*attention, *qk_norm)
 
 
 def _cut(hf: str, scope: str, cuts: tuple[tuple[str, int, int], ...], width: int, layout: str = "linear",
@@ -248,6 +279,13 @@ def _gated_deltanet(family: Family, cfg: ModelConfig, layer: Layer) -> tuple[Ent
     )
 
 
+def _mlp(family: Family) -> tuple[Entry, ...]:
+    """A dense layer's MLP rows, under the family's module name for it (Llama 4's feed_forward)."""
+    if family.mlp_prefix == "mlp":
+        return MLP
+    return tuple(dataclasses.replace(e, hf=e.hf.replace(".mlp.", f".{family.mlp_prefix}.")) for e in MLP)
+
+
 # Each token mixer's rows, by its row of spec/mixer_kinds.py: a new mixer kind that converts is one more entry.
 MIXERS = {
     "gqa": _grouped_attention,
@@ -264,7 +302,7 @@ def per_layer(family: Family, cfg: ModelConfig, layer: Layer) -> tuple[Entry, ..
     if mixer is None:
         raise ConfigError(f"{family.architecture} has no tensors for token mixer {layer.attention!r}")
     attention = mixer(family, cfg, layer)
-    mlp = (_fused_moe(family) if family.fused_experts else _moe(family, cfg)) if layer.routed else MLP
+    mlp = (_fused_moe(family, cfg) if family.fused_experts else _moe(family, cfg)) if layer.routed else _mlp(family)
     norms = SANDWICH_NORMS if family.keys.get("post_norms") else (MLP_NORM,)
     rows = (*attention, *_attention_extras(cfg, family), *norms, *mlp)
     return rows if cfg.pre_norms else tuple(e for e in rows if e.path not in PRE_NORMS)
@@ -340,7 +378,7 @@ def hf_shape(entry: Entry, maxshard_shape: tuple[int, ...]) -> tuple[int, ...]:
         return maxshard_shape
     if entry.layout == "flat":
         return (math.prod(maxshard_shape),)
-    if entry.layout == "interleaved":
+    if entry.layout in ("interleaved", "halves"):
         return (*maxshard_shape[:-1], maxshard_shape[-1] * entry.part[2])
     inputs, outputs = maxshard_shape[: entry.num_in], maxshard_shape[entry.num_in :]
     rows = _groups(entry, outputs) * entry.part[2] if entry.part else math.prod(outputs)
@@ -393,6 +431,10 @@ def to_maxshard(entry: Entry, array: np.ndarray, maxshard_shape: tuple[int, ...]
     if entry.layout == "interleaved":
         start, _, width = entry.part
         return array[..., start::width].reshape(maxshard_shape)
+    if entry.layout == "halves":
+        index, _, count = entry.part
+        size = array.shape[-1] // count
+        return array[..., index * size:(index + 1) * size].reshape(maxshard_shape)
     if entry.layout == "conv":  # [channels, 1, width] -> the [channels, width] of a linear weight
         array = array[:, 0, :]
     if entry.part:
@@ -423,6 +465,8 @@ def join_parts(entry: Entry, parts: list[np.ndarray], entries: list[Entry] | Non
     if entry.layout == "interleaved":  # column j of part p is column j * width + p
         stacked = np.stack(parts, axis=-1)
         return stacked.reshape(*stacked.shape[:-2], -1)
+    if entry.layout == "halves":  # the parts' columns one after the other
+        return np.concatenate(parts, axis=-1)
     entries = entries or [entry] * len(parts)
     grouped = [p.reshape(*p.shape[: e.num_in], _groups(e, p.shape[e.num_in :]), -1) for p, e in zip(parts, entries)]
     whole = np.concatenate(grouped, axis=-1)
