@@ -131,3 +131,15 @@ def test_the_llama4_layers_under_a_layout_give_one_devices_loss_and_gradients(on
 def test_the_llama4_keys_refuse_what_they_cannot_mean_in_one_line(keys, message) -> None:
     with pytest.raises(ConfigError, match=message):
         config.parse(["configs/base.yml", "num_layers=2", *keys])
+
+
+@pytest.mark.parametrize("length,chunk", [(12, 4), (13, 4), (8192, 8192), (1000, 2048)])
+def test_a_chunked_layer_counts_the_keys_of_its_chunk(length: int, chunk: int) -> None:
+    """Model FLOPs (MFU's count) of a chunked layer: a query at p sees p mod chunk + 1 keys, its own counted half as
+    the causal convention does; a chunk as long as the sequence is a global layer."""
+    from maxshard.spec import mixer_kinds
+
+    brute = sum(p % chunk + 0.5 for p in range(length)) / length
+    assert mixer_kinds.keys_in_chunk(length, chunk) == pytest.approx(brute)
+    if chunk >= length:
+        assert mixer_kinds.keys_in_chunk(length, chunk) == pytest.approx(mixer_kinds.keys_seen(length))

@@ -32,7 +32,8 @@ from collections.abc import Callable
 
 from maxshard.spec.model_config import ModelConfig
 
-__all__ = ["CACHES", "Mixer", "MLP", "KINDS", "MLP_KINDS", "AttentionWidths", "keys_seen",
+__all__ = ["CACHES", "Mixer", "MLP", "KINDS", "MLP_KINDS", "AttentionWidths", "keys_seen", "keys_in_chunk",
+           "local_keys_seen",
            "kind", "kinds", "latent", "mlp_kind", "register", "unregister", "resolve", "spellings"]
 
 # What a layer keeps for generation (layers/kv_cache.py): keys and values per position, a compressed latent per
@@ -49,7 +50,7 @@ class Mixer:
     scope: str
     cache: str  # of CACHES
     params: Callable[[ModelConfig], dict[str, int]]  # {"qkv": .., "out": ..} matmul parameters per token
-    flops: Callable[[ModelConfig, int], float]  # (cfg, window: 0 global) -> forward FLOPs per token, not matmuls
+    flops: Callable[[ModelConfig, bool], float]  # (cfg, local) -> forward FLOPs per token, not matmuls
     summary: str
     hf: tuple[str, ...] = ()
     hf_local: tuple[str, ...] = ()
@@ -90,6 +91,22 @@ def keys_seen(length: int, window: int = 0) -> float:
     return seen - seen * seen / (2 * length)
 
 
+def keys_in_chunk(length: int, chunk: int) -> float:
+    """Keys one query sees, on average, when each attends within its chunk of `chunk` positions (Llama 4): a
+    triangle of chunk^2 / 2 per whole chunk and one of the rest, over `length` queries (length / 2 once the chunk
+    reaches the length, as a global layer)."""
+    whole, rest = divmod(length, chunk)
+    return (whole * chunk * chunk + rest * rest) / (2 * length)
+
+
+def local_keys_seen(cfg: ModelConfig, local: bool) -> float:
+    """Keys one query of a layer sees at max_target_length: a local layer's window or chunk, or every earlier key."""
+    length = cfg.max_target_length
+    if local and cfg.attention_chunk_size:
+        return keys_in_chunk(length, cfg.attention_chunk_size)
+    return keys_seen(length, cfg.sliding_window if local else 0)
+
+
 def _gqa_widths(cfg: ModelConfig) -> AttentionWidths:
     e, h = cfg.emb_dim, cfg.num_heads
     q, kv = h * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -109,15 +126,15 @@ def _mla_widths(cfg: ModelConfig) -> AttentionWidths:
 
 def _attention_row(widths: Callable[[ModelConfig], AttentionWidths]) -> dict:
     """params and flops of a softmax-attention row from its widths: q.k is 2 x keys x heads x qk_head_dim and p.v
-    2 x keys x heads x v_head_dim per token, keys the ones a query sees (`keys_seen` at max_target_length)."""
+    2 x keys x heads x v_head_dim per token, keys the ones a query sees (`local_keys_seen`)."""
 
     def params(cfg: ModelConfig) -> dict[str, int]:
         w = widths(cfg)
         return {"qkv": w.qkv, "out": w.out}
 
-    def flops(cfg: ModelConfig, window: int) -> float:
+    def flops(cfg: ModelConfig, local: bool) -> float:
         w = widths(cfg)
-        return 2 * keys_seen(cfg.max_target_length, window) * w.heads * (w.qk_head_dim + w.v_head_dim)
+        return 2 * local_keys_seen(cfg, local) * w.heads * (w.qk_head_dim + w.v_head_dim)
 
     return {"params": params, "flops": flops}
 
@@ -153,7 +170,7 @@ def _deltanet_params(cfg: ModelConfig) -> dict[str, int]:
     return {"qkv": e * (2 * key + 2 * value + 2 * cfg.linear_num_value_heads), "out": value * e}
 
 
-def _deltanet_flops(cfg: ModelConfig, window: int) -> float:
+def _deltanet_flops(cfg: ModelConfig, local: bool) -> float:
     """Gated DeltaNet's forward FLOPs per token beyond its projections, as the chunked form computes them: the
     depthwise causal convolution over q, k and v (2 x kernel x their width), and per value head the state's three
     products (q.S, k.S and the rank-1 write: 6 x dk x dv) plus the chunk's causal q.k^T and k.k^T (chunk / 2 keys of
