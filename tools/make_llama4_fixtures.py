@@ -11,6 +11,8 @@ Run once, by hand, in the reference venv (torch and transformers are never depen
                score, the score multiplying the expert's input) beside a shared expert, the others a dense MLP
                of intermediate_size_mlp; untied head, float32, a byte-level BPE Qwen-style tokenizer;
                generate.json: 16 greedy tokens, past several chunk boundaries.
+  llama4_mm/   llama4's text model inside Llama4ForConditionalGeneration (a 1-layer vision tower beside it), as
+               Meta publishes Llama 4: the same weights, so the same text-only logits.
   defaults/    Llama4TextConfig's config.json at transformers' defaults (Llama 4 Scout's shape), which the
                configs/models/llama4_scout.yml preset is checked against.
 
@@ -23,12 +25,15 @@ gate columns then the up columns, down_proj) plus tokens.npy (int32 [2, 12]) and
 from __future__ import annotations
 
 import pathlib
+import shutil
 import sys
 
-from transformers import Llama4ForCausalLM, Llama4TextConfig
+import numpy as np
+import torch
+from transformers import Llama4Config, Llama4ForCausalLM, Llama4ForConditionalGeneration, Llama4TextConfig
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from make_hf_fixtures import family_fixture, fresh, redraw, run_builders  # noqa: E402
+from make_hf_fixtures import family_fixture, fresh, redraw, reference, run_builders  # noqa: E402
 
 OUT = pathlib.Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "llama4"
 SHAPE = dict(vocab_size=128, hidden_size=32, intermediate_size=16, intermediate_size_mlp=48, num_hidden_layers=4,
@@ -48,12 +53,34 @@ def llama4() -> None:
     family_fixture(model, directory)
 
 
+def llama4_multimodal() -> None:
+    """llama4's text model in the multimodal wrapper, which holds it as language_model.*."""
+    text = Llama4ForCausalLM.from_pretrained(OUT / "llama4", dtype=torch.float32).eval()
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)
+    text_config = {k: v for k, v in text.config.to_dict().items() if k not in ("architectures", "_name_or_path")}
+    model = Llama4ForConditionalGeneration(Llama4Config(text_config=text_config, vision_config=vision)).eval()
+    with torch.no_grad():
+        model.language_model.load_state_dict(text.state_dict())
+    directory = fresh(OUT / "llama4_mm")
+    # transformers 5.24's wrapper forward fails on text alone (it reads image_outputs from the language model's
+    # output), so the reference is its language model's, which that forward returns for text
+    logits = reference(model.language_model, directory)
+    np.testing.assert_allclose(logits, np.load(OUT / "llama4" / "logits.npy"), rtol=0, atol=1e-5)  # same model
+    model.save_pretrained(directory)
+    reloaded = Llama4ForConditionalGeneration.from_pretrained(directory, dtype=torch.float32).eval()
+    for name, tensor in text.state_dict().items():  # what was saved is the text model, under the wrapper
+        assert torch.equal(reloaded.language_model.state_dict()[name], tensor), name
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copyfile(OUT / "llama4" / name, directory / name)
+
+
 def defaults() -> None:
     directory = fresh(OUT / "defaults")
     (directory / "llama4_text.json").write_text(Llama4TextConfig().to_json_string())
 
 
-BUILDERS = {"llama4": llama4, "defaults": defaults}
+BUILDERS = {"llama4": llama4, "llama4_mm": llama4_multimodal, "defaults": defaults}
 
 
 def main(names: list[str]) -> None:
