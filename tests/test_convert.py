@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import yaml
 import cli_processes
 from helpers import mesh_for
 from safetensors import safe_open
@@ -295,6 +295,12 @@ def family_fixtures(source: Path, *extra: str) -> tuple[Any, Any]:
         return start_from_converted(converted, tmp_path_factory.mktemp("run"), *extra)
 
     return converted, one_device
+
+
+def training_keys(out_dir: Path) -> dict[str, Any]:
+    """A converted config.yml's keys but its paths."""
+    keys = yaml.safe_load((out_dir / "config.yml").read_text())
+    return {k: v for k, v in keys.items() if not k.endswith("_path") and k != "base_config"}
 
 
 def logits_match_transformers(one_device: tuple[Trainer, Any], source: Path) -> None:

@@ -16,9 +16,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-import yaml
 from safetensors.numpy import save_file
-from test_convert import FIXTURES, REPO, TOLERANCE, apply, convert_all, read_all, reference, starter
+from test_convert import FIXTURES, REPO, TOLERANCE, apply, convert_all, read_all, reference, starter, training_keys
 
 from maxshard import config, generate
 from maxshard.checkpoint import manager as checkpoint
@@ -135,12 +134,6 @@ def test_to_hf_from_a_training_checkpoint(started, tmp_path):
     source, back = read_all(FIXTURES / "gemma3"), read_all(out)
     assert sorted(back) == sorted(source)
     assert all(back[name].tobytes() == array.tobytes() for name, array in source.items())
-
-
-def training_keys(out_dir: Path) -> dict[str, Any]:
-    """A converted config.yml's keys but its paths."""
-    keys = yaml.safe_load((out_dir / "config.yml").read_text())
-    return {k: v for k, v in keys.items() if not k.endswith("_path") and k != "base_config"}
 
 
 def test_the_multimodal_release_converts_its_language_model(converted, tmp_path, capsys):

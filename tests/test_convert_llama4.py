@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_convert import (REPO, TOLERANCE, apply, exports_bit_for_bit, family_fixtures,
-                          greedy_tokens_equal_transformers, logits_match_transformers,
-                          start_from_converted)
+from test_convert import (REPO, TOLERANCE, apply, cli, exports_bit_for_bit, family_fixtures,
+                          greedy_tokens_equal_transformers, logits_match_transformers, read_all,
+                          start_from_converted, training_keys)
 
 from maxshard import config
 from maxshard.convert import hf_config, layout
@@ -144,3 +144,18 @@ def test_preset_is_the_published_shape():
         if key != "max_target_length":  # the context trained at is the run's choice
             assert getattr(cfg, key) == getattr(want, key), key
     assert 1.0e11 <= model.param_count(cfg) <= 1.2e11
+
+
+def test_the_multimodal_release_converts_its_language_model(converted, tmp_path, capsys):
+    """Llama4ForConditionalGeneration, as Meta publishes Llama 4 (the language model under language_model.*, a
+    vision model and projector beside it), around llama4's text model: from_hf converts the language model to
+    llama4's keys and parameters and says what it left out; to_hf writes Llama4ForCausalLM whose tensors are
+    llama4's bit for bit."""
+    out = tmp_path / "mm"
+    assert cli.main(["from_hf", str(FIXTURES / "llama4_mm"), str(out)]) == 0
+    assert "Llama4ForConditionalGeneration: converting its language model as Llama4ForCausalLM" in capsys.readouterr().err
+    assert training_keys(out) == training_keys(converted)
+    assert cli.main(["to_hf", str(out / "checkpoints" / "0"), str(tmp_path / "hf")]) == 0
+    back, text = read_all(tmp_path / "hf"), read_all(SOURCE)
+    assert sorted(back) == sorted(text) and all(back[k].tobytes() == v.tobytes() for k, v in text.items())
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["Llama4ForCausalLM"]

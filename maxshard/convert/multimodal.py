@@ -1,7 +1,8 @@
 """Multimodal checkpoints whose language model is a family maxshard converts: the text model alone.
 
 Qwen3.5 (`Qwen3_5ForConditionalGeneration`, `Qwen3_5MoeForConditionalGeneration`) is published the same way, its
-language model under `model.language_model.*` beside the vision tower's `model.visual.*`.
+language model under `model.language_model.*` beside the vision tower's `model.visual.*`; Llama 4
+(`Llama4ForConditionalGeneration`) under `language_model.*` beside `vision_model.*` and `multi_modal_projector.*`.
 
 Google publishes Gemma 3 4B, 12B and 27B as `Gemma3ForConditionalGeneration`: config.json nests the language
 model's fields in `text_config` (sparse, transformers' Gemma3TextConfig defaults filling the rest) beside a vision
@@ -40,6 +41,11 @@ WRAPPERS = (
                      ("model.language_model.", "model."), ("lm_head.", "lm_head.")),
             left_out=("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
                       "model.multi_modal_projector.")),
+    # Llama 4 (Scout, Maverick) as Meta publishes it: the language model under language_model.*, the vision model
+    # and its projector beside it
+    Wrapper("Llama4ForConditionalGeneration", "Llama4ForCausalLM",
+            renames=(("language_model.model.", "model."), ("language_model.lm_head.", "lm_head.")),
+            left_out=("vision_model.", "multi_modal_projector.")),
     # Qwen3.5 (dense and MoE) as Qwen publishes it: the language model under model.language_model.*, the vision
     # tower under model.visual.*; the multi-token prediction head (mtp.*) passes to the text family, which leaves
     # it out as transformers does
