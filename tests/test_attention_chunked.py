@@ -5,8 +5,8 @@ mapping through XLA, tokamax's XLA path, splash in Pallas interpret mode) given 
 softmax over exactly the keys of the query's document and chunk, causal (a numpy reference written from that rule);
 packed documents are chunked from their own first position. A model of chunked RoPE layers with L2 q/k norms, NoPE
 layers with the query temperature and a top-1 MoE with the weight on the expert's input (`LLAMA4`) has one device's
-loss and gradients under fsdp x tensor and under context x fsdp (ring attention over the chunked segments), on a
-packed batch. The config keys refuse what they cannot mean in one line.
+loss and gradients under fsdp x tensor, context x fsdp (ring attention over the chunked segments), sequence x
+fsdp and a 2-stage pipeline of its 4-layer units, on a packed batch. The config keys refuse what they cannot mean in one line.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import pytest
 from maxshard import config
 from maxshard.errors import ConfigError
 from maxshard.model.layers import attention_ops as ops
+from maxshard.model.layers import pipeline
 from maxshard.model.layers.attention import chunked_segments, nope_temperature
 from tests.helpers import max_relative_difference, tiny_config
 from tests.test_pipeline import TOLERANCE, loss_and_grads, packed_batch, random_params
@@ -89,13 +90,15 @@ def test_the_temperature_is_one_until_the_first_floor_then_grows_as_a_log() -> N
     assert got[2] == 1.0 and got[3] > 1.0
 
 
-# configs/models/tiny.yml's widths, Llama 4's layer unit at a chunk shorter than the packed documents: chunked RoPE
-# layers (dense, then MoE), a global NoPE layer (dense), a chunked MoE layer
-LLAMA4 = ("num_layers=4", "layer_types=chunked_attention,chunked_attention,full_attention,chunked_attention",
-          "rope_layers=1,1,0,1", f"attention_chunk_size={CHUNK}", "nope_temperature_scale=0.5",
+# configs/models/tiny.yml's widths, two of Llama 4's layer units at a chunk shorter than the packed documents:
+# chunked RoPE layers (dense, then MoE), a global NoPE layer (dense), a chunked MoE layer
+UNIT = ["chunked_attention", "chunked_attention", "full_attention", "chunked_attention"]
+LLAMA4 = ("num_layers=8", "layer_types=" + ",".join(UNIT * 2),
+          "rope_layers=1,1,0,1,1,1,0,1", f"attention_chunk_size={CHUNK}", "nope_temperature_scale=0.5",
           "nope_temperature_floor=8", "qk_l2_norm=true", "num_experts=4", "num_experts_per_tok=1",
           "moe_layer_interval=2", "moe_router=sigmoid", "moe_renormalize_top_k=false", "moe_weights_on_input=true",
-          "num_shared_experts=1", "moe_mlp_dim=64", "capacity_factor=-1", "attention=dot_product")
+          "num_shared_experts=1", "moe_mlp_dim=64", "capacity_factor=-1", "attention=dot_product",
+          "load_balance_loss_weight=0")  # a batch's balance, not a sum over the pipeline's microbatches
 
 
 @pytest.fixture(scope="module")
@@ -111,12 +114,19 @@ def one_device():
 @pytest.mark.parametrize("layout", [
     ("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"),
     ("ici_context_parallelism=2", "ici_fsdp_parallelism=4", "attention=blockwise"),
+    ("ici_sequence_parallelism=2", "ici_fsdp_parallelism=4"),
+    ("ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4", "num_pipeline_microbatches=4"),
 ])
 def test_the_llama4_layers_under_a_layout_give_one_devices_loss_and_gradients(one_device, layout) -> None:
     params, batch, ref_loss, ref_grads = one_device
-    loss, grads = loss_and_grads(tiny_config(*LLAMA4, *layout), params, batch)
+    cfg = tiny_config(*LLAMA4, *layout)
+    shape = cfg.model.pipeline
+    if shape is not None:  # one 4-layer unit a stage, its parameters in the pipeline's layout
+        assert (shape.stages, shape.layers_per_stage, shape.repeats) == (2, 1, 1)
+        params = pipeline.from_scanned(params, shape)
+    loss, grads = loss_and_grads(cfg, params, batch)
     np.testing.assert_allclose(loss, ref_loss, rtol=TOLERANCE)
-    assert max_relative_difference(grads, ref_grads) < TOLERANCE
+    assert max_relative_difference(pipeline.to_scanned(grads) if shape else grads, ref_grads) < TOLERANCE
 
 
 @pytest.mark.parametrize("keys,message", [

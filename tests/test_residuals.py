@@ -84,6 +84,13 @@ PROBES = {
     "linear_value_head_dim": (HYBRID, 16),
     "linear_conv_kernel_dim": (HYBRID, 2),
     "delta_chunk_size": (HYBRID, 8),
+    # Llama 4's: chunked local layers, NoPE layers and their temperature, the L2 q/k norm, the router on the input
+    "attention_chunk_size": ({"layer_types": ("chunked_attention", "full_attention") * 2}, 4),
+    "rope_layers": ({}, (1, 0, 1, 0)),
+    "nope_temperature_scale": ({"rope_layers": (1, 0, 1, 0)}, 0.5),
+    "nope_temperature_floor": ({"rope_layers": (1, 0, 1, 0), "nope_temperature_scale": 0.5}, 4),
+    "qk_l2_norm": ({}, True),
+    "moe_weights_on_input": ({**MOE, "num_experts_per_tok": 1}, True),
 }
 
 

@@ -71,7 +71,10 @@ VALUES = frozenset({"norm_epsilon", "rope_max_timescale", "rope_scaling_type", "
                     "attention_bias", "qkv_bias", "moe_bias", "embed_scale", "final_logit_softcapping", "norm_unit_offset",
                     "query_pre_attn_scalar", "rope_local_max_timescale", "swiglu_alpha", "swiglu_limit",
                     # modules after the last layer (layers/mtp.py): the stack's unit is unchanged
-                    "mtp_depth"})
+                    "mtp_depth",
+                    # a chunk cuts the segment ids (int, no gradient): the kernels keep what a global layer keeps;
+                    # the temperature's floor is a constant of it
+                    "attention_chunk_size", "nope_temperature_floor"})
 OPTIONS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in COUNTED | VALUES)
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name in OPTIONS}
 _VALUE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name in VALUES}
@@ -89,12 +92,12 @@ def at_defaults(model: ModelConfig) -> bool:
 
 def _unit(model: ModelConfig) -> ModelConfig:
     """One unit of `model`'s main stack, alone: no dense first layers (the formula counts their dense MLPs), no scan,
-    no pipeline, no vocabulary to speak of; its layer_types the unit's own."""
+    no pipeline, no vocabulary to speak of; its layer_types and rope_layers the unit's own."""
     layers = len(blocks.main_stack(dataclasses.replace(model, pipeline=None)).unit)
     first = model.first_k_dense_replace if model.is_moe else 0
-    types = model.layer_types[first:first + layers]
+    types, rope = model.layer_types[first:first + layers], model.rope_layers[first:first + layers]
     return dataclasses.replace(model, num_layers=layers, scan_layers=False, pipeline=None, vocab_size=1,
-                               first_k_dense_replace=0, layer_types=types)
+                               first_k_dense_replace=0, layer_types=types, rope_layers=rope)
 
 
 @functools.lru_cache(maxsize=512)
