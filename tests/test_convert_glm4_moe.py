@@ -6,20 +6,20 @@ layer then two MoE layers of 8 experts in 2 groups (the best group kept), top-2 
 selection bias, renormalised and scaled by 2.5, beside a shared expert; biases on q, k and v but not the output
 (`qkv_bias`), RoPE on half of each head. Its config.json names a multi-token prediction layer that transformers
 neither builds nor saves, so it converts without one. Every piece but `qkv_bias` is a switch the model had: the
-family is one row of convert/families.py.
+family is one row of convert/families.py. The optional q/k norms (use_qk_norm) are checked on a second fixture,
+glm4_moe_qk_norm.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 from test_convert import (REPO, TOLERANCE, apply, exports_bit_for_bit, family_fixtures,
-                          greedy_tokens_equal_transformers, logits_match_transformers,
+                          greedy_tokens_equal_transformers, logits_match_transformers, read_all,
                           start_from_converted)
 
 from maxshard import config
@@ -97,14 +97,21 @@ def test_keys_and_tensors_are_the_checkpoints():
     assert "model.layers.{i}.self_attn.o_proj.bias" not in hf_names
 
 
-def test_q_k_norms_are_refused_in_one_line(tmp_path, capsys):
-    directory = tmp_path / "glm4_moe"
-    shutil.copytree(SOURCE, directory)
-    cfg = json.loads((directory / "config.json").read_text())
-    (directory / "config.json").write_text(json.dumps({**cfg, "use_qk_norm": True}))
-    assert cli.main(["from_hf", str(directory), str(tmp_path / "out")]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("maxshard: error: config.json: use_qk_norm=") and err.count("\n") == 1, err
+def test_the_optional_q_k_norms_convert_to_transformers_logits_and_back(tmp_path):
+    """use_qk_norm (off in the releases): an RMSNorm over head_dim on each q and k head before RoPE, maxshard's
+    qk_norm with the per-head scales self_attn.q_norm / k_norm; the glm4_moe_qk_norm fixture's logits within 1e-4
+    and its tensors back bit for bit, config.json's use_qk_norm with them."""
+    source = FIXTURES / "glm4_moe_qk_norm"
+    out = tmp_path / "converted"
+    assert cli.main(["from_hf", str(source), str(out)]) == 0
+    assert hf_config.model_keys(hf_config.read(str(source)))["qk_norm"] is True
+    tokens, want = np.load(source / "tokens.npy"), np.load(source / "logits.npy")
+    trainer, state = start_from_converted(out, tmp_path / "run", *EXTRA)
+    np.testing.assert_allclose(apply(trainer, state.params, tokens), want, rtol=0, atol=TOLERANCE)
+    assert cli.main(["to_hf", str(out / "checkpoints" / "0"), str(tmp_path / "hf")]) == 0
+    back, original = read_all(tmp_path / "hf"), read_all(source)
+    assert sorted(back) == sorted(original) and all(back[k].tobytes() == v.tobytes() for k, v in original.items())
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["use_qk_norm"] is True
 
 
 def test_qkv_bias_beside_attention_bias_is_one_line():

@@ -11,8 +11,10 @@ Run once, by hand, in the reference venv (torch and transformers are never depen
                untied head, float32, a byte-level BPE Qwen-style tokenizer; generate.json: 16 greedy tokens.
                config.json names one multi-token prediction layer (transformers' default), which transformers
                neither builds nor saves.
-  defaults/    Glm4MoeConfig's config.json at transformers' defaults (its docstring's GLM-4.5-Air-style shape), which the
-               configs/models/glm4_5_air.yml preset is checked against.
+  glm4_moe_qk_norm  glm4_moe's shape in 2 layers with use_qk_norm (an RMSNorm over head_dim on each q and k head before
+               RoPE, off in the releases): its files and logits only.
+  defaults/    Glm4MoeConfig's config.json at transformers' defaults (its docstring's GLM-4.5-Air-style shape),
+               which the configs/models/glm4_5_air.yml preset is checked against.
 
 The model directory holds what `save_pretrained` writes (experts one by one under mlp.experts, as released)
 plus tokens.npy (int32 [2, 12]) and logits.npy (float32 [2, 12, vocab], positions 0..11, no padding). Weights are
@@ -28,7 +30,7 @@ import sys
 from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from make_hf_fixtures import correction_biases, family_fixture, fresh, redraw, run_builders  # noqa: E402
+from make_hf_fixtures import correction_biases, family_fixture, fresh, redraw, reference, run_builders  # noqa: E402
 
 OUT = pathlib.Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "glm4_moe"
 SHAPE = dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
@@ -49,12 +51,22 @@ def glm4_moe() -> None:
     family_fixture(model, directory)
 
 
+def glm4_moe_qk_norm() -> None:
+    """The q/k norms on: weights redrawn (the norm scales 1 +- 0.1), the reference logits, the files."""
+    model = Glm4MoeForCausalLM(Glm4MoeConfig(**{**SHAPE, "num_hidden_layers": 2, "use_qk_norm": True})).eval()
+    directory = fresh(OUT / "glm4_moe_qk_norm")
+    redraw(model, seed=79, bf16=False)
+    correction_biases(model, 83)
+    reference(model, directory)
+    model.save_pretrained(directory)
+
+
 def defaults() -> None:
     directory = fresh(OUT / "defaults")
     (directory / "glm4_moe.json").write_text(Glm4MoeConfig().to_json_string())
 
 
-BUILDERS = {"glm4_moe": glm4_moe, "defaults": defaults}
+BUILDERS = {"glm4_moe": glm4_moe, "glm4_moe_qk_norm": glm4_moe_qk_norm, "defaults": defaults}
 
 
 def main(names: list[str]) -> None:

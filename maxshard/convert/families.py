@@ -82,6 +82,8 @@ class Family:
         num_layers (names.MTP): Qwen3-Next's "mtp" (mtp.fc, mtp.pre_fc_norm_embedding/hidden, mtp.layers.0,
         mtp.norm: vLLM's Qwen3NextMultiTokenPredictor, which transformers does not load); its presence sets
         mtp_depth 1 (names.QWEN_MTP).
+    qk_norm_field: a config.json switch of the per-head q/k RMSNorm (`qk_norm`) in a family where it is optional
+        (GLM-4.5's use_qk_norm); "" where `qk_norm` says whether the family always or never has it.
     gate_up_halves: with fused_experts, gate_up_proj holds the gate columns then the up columns (Llama 4), not
         interleaved, and the experts have no biases.
     interleaved_rope: q_proj and k_proj rows rotate interleaved pairs (Llama 4's complex RoPE), reordered per head
@@ -135,6 +137,7 @@ class Family:
     left_out: Mapping[str, str] = dataclasses.field(default_factory=dict)
     mtp_prefix: str = ""
     rotary_dim_field: str = ""
+    qk_norm_field: str = ""
     gate_up_halves: bool = False
     interleaved_rope: bool = False
     mlp_prefix: str = "mlp"
@@ -271,7 +274,7 @@ FAMILIES += (
 # GLM-4.5 / 4.6 (Glm4MoeForCausalLM): DeepSeek-V3's routing and tensor names (dense first layers, grouped top-k by
 # sigmoid scores with a selection bias, routed scaling, shared experts) under grouped-query attention with biases
 # on q, k and v only (attention_bias) and RoPE on half of each head. Glm4MoeConfig's defaults where they differ from
-# Llama's; its q/k norms (use_qk_norm, off in the releases) are refused.
+# Llama's; its per-head q/k norms (use_qk_norm, off in the releases) are `qk_norm`.
 _GLM4_MOE_DEFAULTS = {"vocab_size": 151552, "hidden_size": 4096, "intermediate_size": 10944, "num_hidden_layers": 46,
                       "num_attention_heads": 96, "num_key_value_heads": 8, "max_position_embeddings": 131072,
                       "rms_norm_eps": 1e-5, "moe_intermediate_size": 1408, "num_experts_per_tok": 8,
@@ -289,8 +292,7 @@ FAMILIES += (
                    "intermediate_size": "mlp_dim", "num_nextn_predict_layers": "mtp_depth",
                    "attention_bias": "qkv_bias"},
            keys={"moe_router": "sigmoid", "moe_router_bias": True}, defaults=_GLM4_MOE_DEFAULTS,
-           must_equal={"use_qk_norm": False}, carries=("partial_rotary_factor", "qkv_bias"),
-           export={"use_qk_norm": False}),
+           qk_norm_field="use_qk_norm", carries=("partial_rotary_factor", "qkv_bias")),
 )
 
 # Llama 4 text (Llama4ForCausalLM, model_type llama4_text): chunked attention with RoPE (interleaved pairs) and

@@ -288,7 +288,7 @@ def model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
         "max_target_length": min(max_position, MAX_TARGET_LENGTH),
         "logits_via_embedding": bool(hf.get("tie_word_embeddings", False)),  # Llama/Mistral default: untied
         "norm_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
-        "qk_norm": fam.qk_norm,
+        "qk_norm": fam.qk_norm or bool(fam.qk_norm_field and hf.get(fam.qk_norm_field)),
         **(hf_local_global.rope_keys(hf, lambda h: rope_keys(h, linear=True), fam) if fam.rope_per_layer_type
            else rope_keys(hf, linear=fam.local_global)),
         **(_moe_keys(hf, fam) if fam.is_moe else {}),
@@ -338,7 +338,9 @@ def family_of_keys(keys: Mapping[str, Any]) -> Family:
 def _check_family(keys: Mapping[str, Any], fam: Family) -> None:
     """The model keys must be what the family computes; otherwise transformers would load a different function."""
     experts = keys.get("num_experts", 1)
-    wants = {"qk_norm": (bool(keys.get("qk_norm", False)), fam.qk_norm), "num_experts > 1": (experts > 1, fam.is_moe)}
+    qk_norm = bool(keys.get("qk_norm", False))
+    wants = {"qk_norm": (qk_norm, qk_norm if fam.qk_norm_field else fam.qk_norm),
+             "num_experts > 1": (experts > 1, fam.is_moe)}
     wants["attention_type"] = (keys.get("attention_type", ModelConfig.attention_type), fam.attention)
     for key, value in fam.keys.items():
         wants[key] = (keys.get(key), value)
@@ -433,6 +435,8 @@ def to_hf(keys: Mapping[str, Any], dtype: str, template: Mapping[str, Any] | Non
         out["layer_types"] = list(keys["layer_types"])
     if fam.per_layer_positions:
         out.update(hf_positions.export_fields(keys, out))
+    if fam.qk_norm_field:
+        out[fam.qk_norm_field] = bool(keys.get("qk_norm", False))
     if "partial_rotary_factor" in fam.carries:  # 4.x spelling, beside rope_theta; transformers 5 reads it too
         out["partial_rotary_factor"] = keys.get("partial_rotary_factor", 1.0)
     if scoring:  # one label, as transformers writes num_labels

@@ -233,7 +233,8 @@ def _grouped_attention(family: Family, cfg: ModelConfig, layer: Layer) -> tuple[
     qk_norm families; a family that rotates interleaved pairs (`Family.interleaved_rope`, Llama 4) has each
     q and k head's rows reordered into the half layout (every layer alike: q.k is the same under one order of
     both, so NoPE layers may take it too)."""
-    qk_norm = (QK_NORM_ALL_HEADS if cfg.qk_norm_all_heads else QK_NORM) if family.qk_norm else ()
+    has_norms = family.qk_norm or (family.qk_norm_field and cfg.qk_norm)
+    qk_norm = (QK_NORM_ALL_HEADS if cfg.qk_norm_all_heads else QK_NORM) if has_norms else ()
     attention = ATTENTION
     if family.interleaved_rope:
         tail = rope.rotary_dim(cfg)
