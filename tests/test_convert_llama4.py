@@ -48,19 +48,9 @@ def test_logits_match_transformers(one_device):
 
 def test_restores_under_expert_tensor_and_fsdp_with_one_devices_logits(converted, one_device, tmp_path):
     """expert=2 x tensor=2 x fsdp=2: the experts split over expert, the heads over tensor; equal to one device
-    within 1e-5 and to transformers within 1e-4."""
-    _layout_matches(converted, one_device, tmp_path, "ici_expert_parallelism=2", "ici_tensor_parallelism=2",
-                    "ici_fsdp_parallelism=2")
-
-
-def test_restores_under_context_tensor_and_fsdp_with_one_devices_logits(converted, one_device, tmp_path):
-    """context=2 x tensor=2 x fsdp=2: ring attention over the chunked layers' segments (each chunk boundary a
-    segment boundary), blockwise in each shard; equal to one device within 1e-5."""
-    _layout_matches(converted, one_device, tmp_path, "ici_context_parallelism=2", "ici_tensor_parallelism=2",
-                    "ici_fsdp_parallelism=2", "attention=blockwise")
-
-
-def _layout_matches(converted, one_device, tmp_path, *layout: str) -> None:
+    within 1e-5 and to transformers within 1e-4. The chunked and NoPE layers' gradients under fsdp x tensor,
+    context, sequence and a pipeline: tests/test_attention_chunked.py; through the CLI: tests/test_layouts_cli.py."""
+    layout = ("ici_expert_parallelism=2", "ici_tensor_parallelism=2", "ici_fsdp_parallelism=2")
     trainer, state = start_from_converted(converted, tmp_path, *layout, *EXTRA, num_devices=8)
     tokens, want = reference()
     got = apply(trainer, state.params, np.tile(tokens, (4, 1)))  # a batch of 8 rows over the 8 devices

@@ -10,7 +10,8 @@ step after the first depends on the gradients and the optimizer update, so those
 The dense model has 8 layers and 8 heads so that every axis can take all 8 devices alone (the pipeline needs a
 layer per stage, sequence and the tensor axes a head per device); the MoE model routes top-2 of 8 experts dropless,
 which computes the same function under any expert layout; the 3:1 DeltaNet/attention hybrid (layer_types) has 8
-layers, two units, so that a pipeline of two stages holds one unit each.
+layers, two units, so that a pipeline of two stages holds one unit each; Llama 4's unit (chunked and NoPE layers,
+top-1 experts on the input) runs twice.
 """
 
 from __future__ import annotations
@@ -46,6 +47,14 @@ MODELS = {
     "hybrid": ("num_layers=8", "layer_types=" + ",".join((["linear_attention"] * 3 + ["full_attention"]) * 2),
                "linear_num_key_heads=2", "linear_num_value_heads=4", "linear_key_head_dim=8",
                "linear_value_head_dim=8", "delta_chunk_size=8", "adam_eps=1e-3", "learning_rate=5e-4"),
+    # Llama 4's unit twice: chunked RoPE layers with L2 q/k norms (chunks of 8 of the 32 tokens), a global NoPE layer
+    # with the query temperature, every 2nd layer top-1 of 4 experts on the input beside a shared expert
+    "llama4": ("num_layers=8", "layer_types=" + ",".join(["chunked_attention", "chunked_attention", "full_attention",
+                                                          "chunked_attention"] * 2),
+               "rope_layers=1,1,0,1,1,1,0,1", "attention_chunk_size=8", "nope_temperature_scale=0.5",
+               "nope_temperature_floor=8", "qk_l2_norm=true", "num_experts=4", "num_experts_per_tok=1",
+               "moe_layer_interval=2", "moe_router=sigmoid", "moe_renormalize_top_k=false",
+               "moe_weights_on_input=true", "num_shared_experts=1", "capacity_factor=-1"),
 }
 # name -> (model, knobs); every knob not named is 1. Of the pairs, context x fsdp and expert x fsdp are held to one
 # device in-process (tests/test_objectives.py context2_fsdp4, tests/test_parity.py expert2_fsdp4).
@@ -64,10 +73,13 @@ LAYOUTS = {
     "context x tensor": ("dense", ["ici_context_parallelism=2", "ici_tensor_parallelism=2", "ici_fsdp_parallelism=2"]),
     "pipeline x fsdp": ("dense", ["ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4"]),
     "pipeline x tensor_sequence": ("dense", ["ici_pipeline_parallelism=2", "ici_tensor_sequence_parallelism=4"]),
-    # the hybrid's heads (DeltaNet's and attention's) over tensor, and a pipeline of one hybrid unit a stage (in-process
-    # parity with gradients: tests/test_hybrid_deltanet.py, tests/test_hybrid_layouts.py)
-    "hybrid fsdp x tensor": ("hybrid", ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"]),
+    # a pipeline of one hybrid unit a stage (in-process parity with gradients, fsdp x tensor included:
+    # tests/test_hybrid_deltanet.py, tests/test_hybrid_layouts.py)
     "hybrid pipeline x fsdp": ("hybrid", ["ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4"]),
+    # ring attention over the chunked layers' segments, the heads over tensor (in-process parity with gradients under
+    # more layouts: tests/test_attention_chunked.py)
+    "llama4 context x tensor x fsdp": ("llama4", ["ici_context_parallelism=2", "ici_tensor_parallelism=2",
+                                                  "ici_fsdp_parallelism=2"]),
 }
 
 
