@@ -11,6 +11,7 @@ from helpers import tiny_config
 
 from maxshard import plan as plan_cli
 from maxshard.model import flops
+from maxshard.spec import mixer_kinds
 from maxshard.spec.model_config import ModelConfig
 from maxshard.planning import estimate
 from maxshard.planning.printout import format_plan
@@ -86,3 +87,20 @@ def test_on_xla_tpu_a_pattern_unit_gathers_one_layer_and_the_loss_holds_the_tied
     tokens = plan.cfg.global_batch_size * 256 // 8
     logits = 2 * tokens * 512 * 4 / max(plan.cfg.loss_chunks, 1)
     assert terms.head == pytest.approx(logits + 2 * 512 * m.emb_dim * 2)
+
+
+def test_the_plan_counts_chunked_layers_by_their_chunk_and_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    """Llama 4's chunked layers (layer_types, attention_chunk_size): the model FLOPs drop by what a query does not
+    see beyond its chunk (`keys_in_chunk`), and the printout names the chunks."""
+    types = "layer_types=chunked_attention,chunked_attention,chunked_attention,full_attention"
+    keys = ("model_name=tiny", "override_model_config=true", "num_layers=4", "max_target_length=256",
+            "attention=dot_product", types, "attention_chunk_size=64")
+    chunked = plan_cli.plan_for(["configs/base.yml", *keys], "v5litepod-8")
+    full = plan_cli.plan_for(["configs/base.yml", *keys[:-2]], "v5litepod-8")
+    m, tokens = chunked.cfg.model, chunked.cfg.global_batch_size * 256 / 8
+    saved = 3 * 3 * 2 * (flops.keys_seen(256) - mixer_kinds.keys_in_chunk(256, 64)) * m.num_heads * 2 * m.head_dim
+    assert full.model_flops - chunked.model_flops == pytest.approx(saved * tokens)
+    assert plan_cli.main(["configs/base.yml", *keys, "--topology", "v5litepod-8", "--estimate"]) == 0
+    out = capsys.readouterr().out
+    assert ("attention: 3 local layers (chunks of 64 of 256 tokens: 25% of a global layer's score and value FLOPs) "
+            "+ 1 global\n") in out, out

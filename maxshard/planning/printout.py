@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from maxshard.model import flops, quantization
-from maxshard.spec import blocks, pipeline_schedule, remat
+from maxshard.spec import blocks, mixer_kinds, pipeline_schedule, remat
 from maxshard.planning.estimate import AxisTime, Plan
 from maxshard.planning.fit import configured_capacity
 from maxshard.planning.fitted import described
@@ -59,13 +59,15 @@ def _header(plan: Plan) -> list[str]:
 
 
 def _layers_line(model: Any) -> list[str]:
-    """A local/global model's attention: how many layers are local, what they see, and what that saves."""
-    if not model.has_local_layers:
-        return []
+    """A local/global model's attention: how many layers are local, what they see (a window or a chunk), and what
+    that saves."""
     local = sum(layer.local for layer in blocks.layers(model))
-    window, length = model.sliding_window, model.max_target_length
-    share = flops.keys_seen(length, window) / flops.keys_seen(length)
-    return [f"attention: {_plural(local, 'local layer')} (window {window} of {length} tokens: {share:.0%} of a global "
+    if not local:
+        return []
+    length = model.max_target_length
+    share = mixer_kinds.local_keys_seen(model, True) / flops.keys_seen(length)
+    sees = f"chunks of {model.attention_chunk_size}" if model.attention_chunk_size else f"window {model.sliding_window}"
+    return [f"attention: {_plural(local, 'local layer')} ({sees} of {length} tokens: {share:.0%} of a global "
             f"layer's score and value FLOPs) + {model.num_layers - local} global"]
 
 
