@@ -1,9 +1,10 @@
 """Llama 4's pieces of attention and routing, at the model's seams, against references that do not share their code.
 
 Chunked attention (a local layer with `attention_chunk_size`): every kernel (dot_product, blockwise, the cudnn
-mapping through XLA, tokamax's XLA path, splash in Pallas interpret mode) given `chunked_segments` computes a
-softmax over exactly the keys of the query's document and chunk, causal (a numpy reference written from that rule);
-packed documents are chunked from their own first position. A model of chunked RoPE layers with L2 q/k norms, NoPE
+mapping through XLA, tokamax's XLA path, splash in Pallas interpret mode) given `chunked_segments`, alone and with
+the chunk-sized window the layer adds so the kernels skip the blocks before it, computes a softmax over exactly the
+keys of the query's document and chunk, causal (a numpy reference written from that rule); packed documents are
+chunked from their own first position. A model of chunked RoPE layers with L2 q/k norms, NoPE
 layers with the query temperature and a top-1 MoE with the weight on the expert's input (`LLAMA4`) has one device's
 loss and gradients under fsdp x tensor, context x fsdp (ring attention over the chunked segments), sequence x
 fsdp and a 2-stage pipeline of its 4-layer units, on a packed batch. The config keys refuse what they cannot mean in one line.
@@ -57,10 +58,10 @@ def _reference(q, k, v, segments, positions) -> np.ndarray:
 
 
 KERNELS = {
-    "dot_product": lambda *a: ops.dot_product(*a),
-    "blockwise": lambda *a: ops.blockwise(*a, block_q=8, block_kv=16),
-    "cudnn": lambda *a: ops.cudnn(*a, implementation="xla"),
-    "tokamax": lambda *a: ops.tokamax(*a, implementation="xla"),
+    "dot_product": lambda *a, **o: ops.dot_product(*a, **o),
+    "blockwise": lambda *a, **o: ops.blockwise(*a, block_q=8, block_kv=16, **o),
+    "cudnn": lambda *a, **o: ops.cudnn(*a, implementation="xla", **o),
+    "tokamax": lambda *a, **o: ops.tokamax(*a, implementation="xla", **o),
 }
 
 
@@ -71,15 +72,17 @@ def test_every_kernel_attends_within_the_chunk_given_chunked_segments(kernel: st
     if kernel == "splash":
         pytest.importorskip("jax.experimental.pallas.ops.tpu.splash_attention")
         q, k, v, segments, positions = _inputs(256, heads=2, kv_heads=1, batch=1, dim=128)
-        run = lambda *a: ops.splash(*a, block_q=128, block_kv=128, interpret=True)  # noqa: E731
+        run = lambda *a, **o: ops.splash(*a, block_q=128, block_kv=128, interpret=True, **o)  # noqa: E731
     else:
         q, k, v, segments, positions = _inputs(40)
         run = KERNELS[kernel]
     ids = chunked_segments(jnp.asarray(segments), jnp.asarray(positions), CHUNK)
-    got = jax.jit(run)(jnp.asarray(q) * q.shape[-1] ** -0.5, k, v, ids, ids)
+    scaled = jnp.asarray(q) * q.shape[-1] ** -0.5
     want = _reference(q * q.shape[-1] ** -0.5, k, v, segments, positions)
-    assert max_relative_difference(np.asarray(got), want) < TOLERANCE
-    whole = jax.jit(run)(jnp.asarray(q) * q.shape[-1] ** -0.5, k, v, segments, segments)
+    for window in (0, CHUNK):  # the cut segments alone, and with the chunk-sized window the layer adds for skipping
+        got = jax.jit(lambda *a: run(*a, window=window))(scaled, k, v, ids, ids)
+        assert max_relative_difference(np.asarray(got), want) < TOLERANCE, window
+    whole = jax.jit(run)(scaled, k, v, segments, segments)
     assert max_relative_difference(np.asarray(whole), want) > 1e-2  # the chunks are what made it so
 
 

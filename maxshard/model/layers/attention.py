@@ -17,7 +17,8 @@ the output (GPT-OSS), `qkv_bias` on q, k and v only (GLM-4.5).
 
 Llama 4: a local layer with `attention_chunk_size` attends within its chunk (query p sees keys of positions
 p // size x size .. p), the chunk boundaries cutting the packed documents' segments (`chunked_segments`), so every
-kernel applies it as it applies documents; a layer with `rope=False` (`rope_layers`) rotates nothing and, with
+kernel applies it as it applies documents, and a window of the chunk's size (a superset of it) lets each kernel
+skip the key blocks before it; a layer with `rope=False` (`rope_layers`) rotates nothing and, with
 `nope_temperature_scale`, scales its queries by a temperature that grows with the position (`nope_temperature`);
 `qk_l2_norm` divides the rotated q and k of the RoPE layers by their RMS over head_dim, without a scale.
 
@@ -91,15 +92,22 @@ class Attention(nn.Module):
     def chunk(self) -> int:
         return self.cfg.attention_chunk_size if self.local else 0
 
+    @property
+    def span(self) -> int:
+        """The keys a query may see, its own included: the window, or the chunk (a query's chunk lies within its
+        last `chunk` positions, so a chunked layer is also a window of that size, which lets every kernel skip the
+        key blocks before it; the cut segments keep the chunk exact); 0 for a global layer."""
+        return self.window or self.chunk
+
     def _blocks(self) -> tuple[int, int]:
         """(block_q, block_kv) of the blockwise and splash kernels. A local layer's blocks shrink to
         `local_block(window)` when that is smaller: a query block needs the window plus its own length of keys, in
         whole key blocks, so blocks of B cost about (window + B) / window of the window-proportional ideal (1.5x at
         a 1k window with 512-token blocks, 1.125x with 128: benchmarks/attention_window.py)."""
         q, kv = self.cfg.attention_block_q, self.cfg.attention_block_kv
-        if not self.window:
+        if not self.span:
             return q, kv
-        small = local_block(self.window)
+        small = local_block(self.span)
         fits = self.cfg.max_target_length % small == 0
         return (min(q, small), min(kv, small)) if fits else (q, kv)
 
@@ -135,7 +143,7 @@ class Attention(nn.Module):
 
         if self.chunk:
             segment_ids = chunked_segments(segment_ids, positions, self.chunk)
-        out = attend(q, k, v, segment_ids, segment_ids, cfg.attention, *self._blocks(), window=self.window,
+        out = attend(q, k, v, segment_ids, segment_ids, cfg.attention, *self._blocks(), window=self.span,
                      softcap=softcap, sinks=sinks)
         return self._output(out, gate)
 
