@@ -33,7 +33,7 @@ from maxshard.checkpoint import format as checkpoint_format
 from maxshard.checkpoint import manager as checkpoint
 from maxshard.checkpoint import orbax_io
 from maxshard.convert import __main__ as cli
-from maxshard.convert import families, hf_config, layout, safetensors_io, to_hf
+from maxshard.convert import families, hf_config, layout, safetensors_io
 from maxshard.convert.locate import locate
 from maxshard.data import pipeline
 from maxshard.data.tokenizer import ByteTokenizer, load_hf_tokenizer, make_tokenizer, resolve_vocab
@@ -295,6 +295,18 @@ def family_fixtures(source: Path, *extra: str) -> tuple[Any, Any]:
         return start_from_converted(converted, tmp_path_factory.mktemp("run"), *extra)
 
     return converted, one_device
+
+
+def layout_matches_one_device(converted: Path, one_device: tuple[Trainer, Any], source: Path, tmp_path: Path,
+                              *keys: str) -> None:
+    """The converted step restored on 8 devices under the layout in `keys`: the logits of 8 rows of the fixture's
+    tokens equal the one-device run's within 1e-5 and transformers' within TOLERANCE."""
+    trainer, state = start_from_converted(converted, tmp_path, *keys, num_devices=8)
+    tokens, want = np.load(source / "tokens.npy"), np.load(source / "logits.npy")
+    got = apply(trainer, state.params, np.tile(tokens, (4, 1)))  # a batch of 8 rows over the 8 devices
+    single = apply(one_device[0], one_device[1].params, tokens)
+    np.testing.assert_allclose(got, np.tile(single, (4, 1, 1)), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(got, np.tile(want, (4, 1, 1)), rtol=0, atol=TOLERANCE)
 
 
 def training_keys(out_dir: Path) -> dict[str, Any]:

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from test_convert import (REPO, TOLERANCE, apply, cli, exports_bit_for_bit, family_fixtures,
-                          greedy_tokens_equal_transformers, logits_match_transformers, read_all,
-                          start_from_converted, training_keys)
+                          greedy_tokens_equal_transformers, layout_matches_one_device, logits_match_transformers,
+                          read_all, training_keys)
 
 from maxshard import config
 from maxshard.convert import hf_config, layout
@@ -51,12 +51,7 @@ def test_restores_under_expert_tensor_and_fsdp_with_one_devices_logits(converted
     within 1e-5 and to transformers within 1e-4. The chunked and NoPE layers' gradients under fsdp x tensor,
     context, sequence and a pipeline: tests/test_attention_chunked.py; through the CLI: tests/test_layouts_cli.py."""
     layout = ("ici_expert_parallelism=2", "ici_tensor_parallelism=2", "ici_fsdp_parallelism=2")
-    trainer, state = start_from_converted(converted, tmp_path, *layout, *EXTRA, num_devices=8)
-    tokens, want = reference()
-    got = apply(trainer, state.params, np.tile(tokens, (4, 1)))  # a batch of 8 rows over the 8 devices
-    single = apply(*one_device[:1], one_device[1].params, tokens)
-    np.testing.assert_allclose(got, np.tile(single, (4, 1, 1)), rtol=0, atol=1e-5)
-    np.testing.assert_allclose(got, np.tile(want, (4, 1, 1)), rtol=0, atol=TOLERANCE)
+    layout_matches_one_device(converted, one_device, SOURCE, tmp_path, *layout, *EXTRA)
 
 
 @pytest.mark.parametrize("key,value", [("attention_chunk_size", 16), ("nope_temperature_scale", 0.0),

@@ -16,8 +16,7 @@ from pathlib import Path
 import jax
 import numpy as np
 from test_convert import (REPO, TOLERANCE, apply, exports_bit_for_bit, family_fixtures,
-                          greedy_tokens_equal_transformers, logits_match_transformers,
-                          start_from_converted)
+                          greedy_tokens_equal_transformers, layout_matches_one_device, logits_match_transformers)
 
 from maxshard import config
 from maxshard.convert import hf_config, layout
@@ -49,12 +48,7 @@ def test_restores_under_expert_tensor_and_fsdp_with_one_devices_logits(converted
     """expert=2 x tensor=2 x fsdp=2: the experts and their selection biases split over expert, the heads (and the
     all-heads q/k norm scales) over tensor; equal to one device within 1e-5 and to transformers within 1e-4."""
     extra = ("ici_expert_parallelism=2", "ici_tensor_parallelism=2", "ici_fsdp_parallelism=2")
-    trainer, state = start_from_converted(converted, tmp_path, *extra, *EXTRA, num_devices=8)
-    tokens, want = reference()
-    got = apply(trainer, state.params, np.tile(tokens, (4, 1)))  # a batch of 8 rows over the 8 devices
-    single = apply(*one_device[:1], one_device[1].params, tokens)
-    np.testing.assert_allclose(got, np.tile(single, (4, 1, 1)), rtol=0, atol=1e-5)
-    np.testing.assert_allclose(got, np.tile(want, (4, 1, 1)), rtol=0, atol=TOLERANCE)
+    layout_matches_one_device(converted, one_device, SOURCE, tmp_path, *extra, *EXTRA)
 
 
 def _with_norm_scales(params, scale):

@@ -16,8 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from test_convert import (LAYOUTS, REPO, TOLERANCE, apply, exports_bit_for_bit, family_fixtures,
-                          greedy_tokens_equal_transformers, logits_match_transformers,
-                          start_from_converted)
+                          greedy_tokens_equal_transformers, layout_matches_one_device, logits_match_transformers)
 
 from maxshard import config
 from maxshard.convert import __main__ as cli
@@ -50,13 +49,8 @@ def test_logits_match_transformers(one_device):
 def test_restores_under_fsdp_and_tensor_with_one_devices_logits(converted, one_device, tmp_path):
     """fsdp=4 x tensor=2: the heads (and the all-heads q/k norm scales [heads, head_dim]) split over tensor, the
     norm's statistics summed across them; equal to one device within 1e-5 and to transformers within 1e-4."""
-    extra, devices = LAYOUTS["fsdp4xtensor2"]
-    trainer, state = start_from_converted(converted, tmp_path, *extra, *EXTRA, num_devices=devices)
-    tokens, want = reference()
-    got = apply(trainer, state.params, np.tile(tokens, (4, 1)))  # a batch of 8 rows over the 8 devices
-    single = apply(*one_device[:1], one_device[1].params, tokens)
-    np.testing.assert_allclose(got, np.tile(single, (4, 1, 1)), rtol=0, atol=1e-5)
-    np.testing.assert_allclose(got, np.tile(want, (4, 1, 1)), rtol=0, atol=TOLERANCE)
+    extra, _ = LAYOUTS["fsdp4xtensor2"]
+    layout_matches_one_device(converted, one_device, SOURCE, tmp_path, *extra, *EXTRA)
 
 
 def test_window_norm_scope_and_local_rope_are_needed_for_those_logits(one_device):
