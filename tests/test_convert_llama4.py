@@ -144,3 +144,24 @@ def test_the_multimodal_release_converts_its_language_model(converted, tmp_path,
     back, text = read_all(tmp_path / "hf"), read_all(SOURCE)
     assert sorted(back) == sorted(text) and all(back[k].tobytes() == v.tobytes() for k, v in text.items())
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["Llama4ForCausalLM"]
+
+
+def test_llama3_scaling_with_equal_factors_is_transformers_step():
+    """Llama 4 Scout's release scales RoPE with low_freq_factor equal to high_freq_factor: no blended band, the
+    frequencies beyond the original context divided by the factor (transformers warns and computes them so). The
+    keys convert, the run config takes them, and the frequencies are transformers' (tests/fixtures/llama4/
+    rope_step.json) within float32 rounding."""
+    from maxshard.model.layers import rope
+
+    step = json.loads((FIXTURES / "rope_step.json").read_text())
+    keys = hf_config.model_keys({**hf_config.read(str(SOURCE)), "head_dim": step["head_dim"],
+                                 "rope_parameters": step["rope_parameters"]})
+    assert keys["rope_low_freq_factor"] == keys["rope_high_freq_factor"] == 1.0
+    cfg = layout.model_config(keys)
+    want = np.asarray(step["inv_freq"])
+    np.testing.assert_allclose(rope.frequencies_for(cfg), want, rtol=1e-6)
+    assert np.sum(rope.frequencies_for(cfg) < rope.inverse_frequencies(128, 500000.0) * 0.5) > 0  # some divided
+    run = config.finalize(config.parse([str(REPO / "configs" / "base.yml"), "model_name=llama4_scout",
+                                        "rope_scaling_type=llama3", "rope_scaling_factor=16",
+                                        "rope_high_freq_factor=1", "override_model_config=true"]), 1)
+    assert run.rope_high_freq_factor == run.rope_low_freq_factor

@@ -13,6 +13,8 @@ Run once, by hand, in the reference venv (torch and transformers are never depen
                generate.json: 16 greedy tokens, past several chunk boundaries.
   llama4_mm/   llama4's text model inside Llama4ForConditionalGeneration (a 1-layer vision tower beside it), as
                Meta publishes Llama 4: the same weights, so the same text-only logits.
+  rope_step.json  transformers' llama3-scaled inverse frequencies at equal low and high frequency factors (no
+               blended band, a step at the original context) for a 128-wide head, the parameters beside them.
   defaults/    Llama4TextConfig's config.json at transformers' defaults (Llama 4 Scout's shape), which the
                configs/models/llama4_scout.yml preset is checked against.
 
@@ -24,6 +26,7 @@ gate columns then the up columns, down_proj) plus tokens.npy (int32 [2, 12]) and
 
 from __future__ import annotations
 
+import json
 import pathlib
 import shutil
 import sys
@@ -75,12 +78,26 @@ def llama4_multimodal() -> None:
         shutil.copyfile(OUT / "llama4" / name, directory / name)
 
 
+ROPE_STEP = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0, "low_freq_factor": 1.0,
+             "high_freq_factor": 1.0, "original_max_position_embeddings": 8192}
+
+
+def rope_step() -> None:
+    """transformers' frequencies for ROPE_STEP (it warns that high should exceed low, and computes them)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = Llama4TextConfig(head_dim=128, rope_parameters=dict(ROPE_STEP))
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    record = {"rope_parameters": ROPE_STEP, "head_dim": 128, "inv_freq": inv_freq.double().tolist()}
+    (OUT / "rope_step.json").write_text(json.dumps(record) + "\n")
+
+
 def defaults() -> None:
     directory = fresh(OUT / "defaults")
     (directory / "llama4_text.json").write_text(Llama4TextConfig().to_json_string())
 
 
-BUILDERS = {"llama4": llama4, "llama4_mm": llama4_multimodal, "defaults": defaults}
+BUILDERS = {"llama4": llama4, "llama4_mm": llama4_multimodal, "rope_step": rope_step, "defaults": defaults}
 
 
 def main(names: list[str]) -> None:

@@ -267,16 +267,17 @@ def _check_data(cfg: Config) -> None:
 
 
 def _check_rope(cfg: Config) -> None:
-    """RoPE base and Llama-3 scaling: the blend divides by (high - low), and a factor < 1 would shorten wavelengths;
+    """RoPE base and Llama-3 scaling: the blend runs from low to high (equal: a step, as Llama 4 Scout sets them),
+    and a factor < 1 would shorten wavelengths;
     YaRN's ramp runs from beta_fast down to beta_slow turns (equal: a step, as Kimi-K2 sets them); latent attention's
     RoPE part rotates pairs."""
     if not cfg.rope_max_timescale > 1:
         raise ConfigError(f"rope_max_timescale must be > 1, got {cfg.rope_max_timescale}")
     if not cfg.rope_scaling_factor >= 1:
         raise ConfigError(f"rope_scaling_factor must be >= 1, got {cfg.rope_scaling_factor}")
-    if not 0 < cfg.rope_low_freq_factor < cfg.rope_high_freq_factor:
-        raise ConfigError(f"rope_low_freq_factor and rope_high_freq_factor must satisfy 0 < low < high, got "
-                          f"{cfg.rope_low_freq_factor} and {cfg.rope_high_freq_factor}")
+    if not 0 < cfg.rope_low_freq_factor <= cfg.rope_high_freq_factor:
+        raise ConfigError(f"rope_low_freq_factor and rope_high_freq_factor must satisfy 0 < low <= high (equal: a "
+                          f"step, no blended band), got {cfg.rope_low_freq_factor} and {cfg.rope_high_freq_factor}")
     if cfg.rope_scaling_type == "yarn" and not 0 < cfg.yarn_beta_slow <= cfg.yarn_beta_fast:
         raise ConfigError(f"yarn_beta_slow and yarn_beta_fast must satisfy 0 < slow <= fast (equal: Kimi-K2's step "
                           f"from kept to interpolated), got {cfg.yarn_beta_slow} and {cfg.yarn_beta_fast}")

@@ -86,12 +86,13 @@ def llama3_scaled(inv_freq: np.ndarray, s: Llama3Scaling) -> np.ndarray:
 
     Wavelengths shorter than original_max_position / high_freq_factor (local detail) are kept; wavelengths longer
     than original_max_position / low_freq_factor are divided in frequency by `factor`; the band between blends the
-    two linearly in original_max_position / wavelength.
+    two linearly in original_max_position / wavelength (with equal factors there is no band: a step).
     """
     wavelength = 2 * math.pi / inv_freq
     short = s.original_max_position / s.high_freq_factor
     long = s.original_max_position / s.low_freq_factor
-    blend = (s.original_max_position / wavelength - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    band = s.high_freq_factor - s.low_freq_factor  # 0: no band between, a step at the original context (Llama 4)
+    blend = (s.original_max_position / wavelength - s.low_freq_factor) / band if band else np.ones_like(inv_freq)
     between = (1 - blend) * inv_freq / s.factor + blend * inv_freq
     return np.where(wavelength < short, inv_freq, np.where(wavelength > long, inv_freq / s.factor, between))
 
