@@ -32,6 +32,7 @@ from maxshard.data.prompts import Prompt
 from maxshard.data.tokenizer import make_tokenizer
 from maxshard.errors import ConfigError
 from maxshard.generation.reward_model import ModelReward
+from maxshard.model.layers import pipeline
 from maxshard.model.transformer import Transformer
 from maxshard.objectives.reward import last_reply_position
 from maxshard.parallel import sharding
@@ -66,7 +67,8 @@ def imported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def step(imported, tmp_path, layout: str) -> tuple[float, dict, object]:
-    """(loss, metrics, gradients per pair) of maxshard's reward-model step on the fixture's pairs."""
+    """(loss, metrics, gradients per pair, in the scanned layout) of maxshard's reward-model step on the fixture's
+    pairs."""
     knobs, devices = LAYOUTS[layout]
     trainer, state = start_from_converted(imported["model"], tmp_path / layout, f"max_target_length={LENGTH}",
                                           *knobs, num_devices=devices)
@@ -74,9 +76,11 @@ def step(imported, tmp_path, layout: str) -> tuple[float, dict, object]:
     with mesh_context(trainer.mesh, trainer.rules):
         grads, sums = jax.jit(trainer._grads)(state.params, batch, None, None)
         metrics = jax.jit(trainer.objective.metrics)(sums)
-    pairs = float(sums["weight_sum"])
-    return (float(sums["loss_sum"]) / pairs, jax.device_get(metrics),
-            jax.tree.map(lambda g: np.asarray(g) / pairs, jax.device_get(grads)))
+    pairs, grads = float(sums["weight_sum"]), jax.device_get(grads)
+    if trainer.cfg.model.pipeline is not None:  # [repeats, stages, layers per stage, ...] -> [layers, ...]
+        grads = pipeline.to_scanned(grads)
+    return (float(sums["loss_sum"]) / pairs, jax.device_get(metrics), jax.tree.map(lambda g: np.asarray(g) / pairs,
+                                                                                   grads))
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +101,11 @@ def test_loss_metrics_and_gradients_equal_trl(imported, one_device, tmp_path):
     assert max_relative_difference(grads, trl_grads) < TOLERANCE
 
 
-def test_fsdp_x_tensor_equals_one_device(imported, one_device, tmp_path):
-    loss, metrics, grads = step(imported, tmp_path, "fsdp4_tensor2")
+@pytest.mark.parametrize("layout", ["fsdp4_tensor2", "pipeline2_fsdp4", "pipeline2_fsdp4_1f1b"])
+def test_layouts_equal_one_device(imported, one_device, tmp_path, layout):
+    """fsdp x tensor, and a pipeline of two stages, circular and 1F1B (the score head on the last stage's
+    outputs, per microbatch in the table runner): loss, accuracy and every gradient as one device."""
+    loss, metrics, grads = step(imported, tmp_path, layout)
     assert loss == pytest.approx(one_device[0], abs=1e-6)
     assert float(metrics["rewards/accuracy"]) == float(one_device[1]["rewards/accuracy"])
     assert max_relative_difference(grads, one_device[2]) < TOLERANCE
@@ -121,9 +128,7 @@ def test_mistakes_are_one_line():
                               "id2label": {"0": "bad", "1": "good"}})
     base = str(Path(__file__).resolve().parent.parent / "configs" / "base.yml")
     for keys, says in ((("objective=reward_model", "dataset_type=synthetic"), "needs score_head=true"),
-                       (("score_head=true",), "score_head=true with objective=lm"),
-                       (("objective=reward_model", "score_head=true", "dataset_type=synthetic",
-                         "ici_pipeline_parallelism=2"), "does not run under a pipeline")):
+                       (("score_head=true",), "score_head=true with objective=lm")):
         with pytest.raises(ConfigError, match=says):
             config.finalize(config.parse([base, "model_name=tiny", *keys]), 2)
 

@@ -89,9 +89,6 @@ def _check_objective(cfg: Config) -> None:
         scorers = ", ".join(objective_kinds.names_where("scores"))
         raise ConfigError(f"score_head={str(cfg.score_head).lower()} with objective={cfg.objective}: a model with a "
                           f"score head trains with objective={scorers}, and that objective needs score_head=true")
-    if objective.scores and cfg.ici_pipeline_parallelism * cfg.dcn_pipeline_parallelism != 1:
-        raise ConfigError(f"objective={cfg.objective} does not run under a pipeline yet: set "
-                          "ici_pipeline_parallelism and dcn_pipeline_parallelism to 1")
     source, key = objective_kinds.reference_source(cfg), objective.reference_key
     if source == "frozen" and cfg.lora_rank:
         raise ConfigError(f"{key}=frozen with lora_rank > 0 would keep a second copy of the frozen base: use "

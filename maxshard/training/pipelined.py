@@ -236,6 +236,10 @@ def value_and_grad(trainer: Any) -> Callable[..., tuple[tuple[jax.Array, dict], 
             hidden = model.apply(params, y, method=_hidden_out)
         # the MoE layers' statistics, as this microbatch's part of the whole batch's
         router = moe_stats.scaled(moe.collect_stats(sown), *mb[_LAST_PARTS]) if last_moe else {}
+        if objective.kind.scores:  # a reward model: the score head's per-token scores, as Trainer._token_logps
+            loss_sum, sums = objective.sums(model.apply(params, hidden, method="scores"), _fields(mb), totals,
+                                            mb.get(_REFERENCE))
+            return _with_router(loss_sum, sums, router, mb)
         head = trainer._head(params["params"], hidden.shape[0], _last_stage_groups(trainer))
         # as Trainer._token_logps: grouped over the microbatch's token shards, or over pieces (one without loss_chunks)
         logps_of = functools.partial(head_token_logps, chunks=max(cfg.loss_chunks, 1), logps=_token_logps)
@@ -245,10 +249,15 @@ def value_and_grad(trainer: Any) -> Callable[..., tuple[tuple[jax.Array, dict], 
         if predicted:
             sums = {**sums, **mtp.loss_sums(head, predicted, mb, logps_of)}
             loss_sum = loss_sum + mtp.objective(sums, cfg.mtp_loss_weight)  # linear in each microbatch's sums
-        if router:  # their router losses, each layer one entry of the mean as the stages' layers are
-            loss_sum = loss_sum + moe.objective(moe.loss_sums(router, mb[_LAST_SHARE]), *router_weights)
-            sums = {**sums, _LAST_ROUTER: router}
-        return loss_sum, sums
+        return _with_router(loss_sum, sums, router, mb)
+
+    def _with_router(loss_sum: jax.Array, sums: dict, router: dict, mb: dict) -> tuple[jax.Array, dict]:
+        """The last part's loss with its MoE layers' router losses, each layer one entry of the mean as the stages'
+        layers are."""
+        if not router:
+            return loss_sum, sums
+        loss_sum = loss_sum + moe.objective(moe.loss_sums(router, mb[_LAST_SHARE]), *router_weights)
+        return loss_sum, {**sums, _LAST_ROUTER: router}
 
     def first_fn(ot: Any, of: Any, mb: dict) -> jax.Array:
         params = {"params": trainable.merge(ot, of)}
