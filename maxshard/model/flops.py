@@ -60,9 +60,9 @@ def attention_flops(cfg: ModelConfig) -> int:
     """Forward FLOPs per token of the token mixers beyond their matmuls, over the stack: each row's `flops`
     (spec/mixer_kinds.py). For softmax attention, its scores and values: q.k is 2 x keys x heads x qk_head_dim and
     p.v 2 x keys x heads x v_head_dim, where keys are the ones a query sees (`keys_seen`: length / 2 causal, about the
-    window in a local layer, half the chunk in a chunked one). What the model needs, as MFU counts it, not what a kernel executes: dot_product
-    computes the whole [length, length] scores and masks them, for a window as for causality. The multi-token
-    prediction modules' layers (`blocks.mtp_layers`) count as decoder layers."""
+    window in a local layer, half the chunk in a chunked one). What the model needs, as MFU counts it, not what a
+    kernel executes: dot_product computes the whole [length, length] scores and masks them, for a window as for
+    causality. The multi-token prediction modules' layers (`blocks.mtp_layers`) count as decoder layers."""
     total = 0.0
     for layer in (*blocks.layers(cfg), *blocks.mtp_layers(cfg)):
         total += layer.mixer.flops(cfg, layer.local)
