@@ -197,20 +197,17 @@ def _fused_moe(family: Family, cfg: ModelConfig) -> tuple[Entry, ...]:
     stem = f"model.layers.{{i}}.{family.moe_prefix}"
     router, experts = f"{stem}.{family.router}", f"{stem}.experts"
     layout = "halves" if family.gate_up_halves else "interleaved"
-    gate_up = (Entry(f"{experts}.gate_up_proj", ("moe", "wi_0"), layout, part=(0, 1, 2)),
-               Entry(f"{experts}.gate_up_proj", ("moe", "wi_1"), layout, part=(1, 2, 2)))
-    down = (Entry(f"{experts}.down_proj", ("moe", "wo"), "same"),)
-    if not family.biases:
-        return (Entry(f"{router}.weight", ("moe", "gate", "kernel"), "linear"), *gate_up, *down,
-                *_shared(family, cfg))
+    biased = family.biases  # GPT-OSS: the router's and every expert's projections
     return (
         Entry(f"{router}.weight", ("moe", "gate", "kernel"), "linear"),
-        Entry(f"{router}.bias", ("moe", "gate", "bias"), "same"),
-        *gate_up,
-        Entry(f"{experts}.gate_up_proj_bias", ("moe", "bi_0"), layout, part=(0, 1, 2)),
-        Entry(f"{experts}.gate_up_proj_bias", ("moe", "bi_1"), layout, part=(1, 2, 2)),
-        *down,
-        Entry(f"{experts}.down_proj_bias", ("moe", "bo"), "same"),
+        *((Entry(f"{router}.bias", ("moe", "gate", "bias"), "same"),) if biased else ()),
+        Entry(f"{experts}.gate_up_proj", ("moe", "wi_0"), layout, part=(0, 1, 2)),
+        Entry(f"{experts}.gate_up_proj", ("moe", "wi_1"), layout, part=(1, 2, 2)),
+        *((Entry(f"{experts}.gate_up_proj_bias", ("moe", "bi_0"), layout, part=(0, 1, 2)),
+           Entry(f"{experts}.gate_up_proj_bias", ("moe", "bi_1"), layout, part=(1, 2, 2))) if biased else ()),
+        Entry(f"{experts}.down_proj", ("moe", "wo"), "same"),
+        *((Entry(f"{experts}.down_proj_bias", ("moe", "bo"), "same"),) if biased else ()),
+        *_shared(family, cfg),
     )
 
 

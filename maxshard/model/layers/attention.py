@@ -85,19 +85,16 @@ class Attention(nn.Module):
         return checkpoint_name(dense(x), f"{name}_proj")
 
     @property
-    def window(self) -> int:
-        return self.cfg.sliding_window if self.local else 0
-
-    @property
     def chunk(self) -> int:
         return self.cfg.attention_chunk_size if self.local else 0
 
     @property
     def span(self) -> int:
-        """The keys a query may see, its own included: the window, or the chunk (a query's chunk lies within its
-        last `chunk` positions, so a chunked layer is also a window of that size, which lets every kernel skip the
-        key blocks before it; the cut segments keep the chunk exact); 0 for a global layer."""
-        return self.window or self.chunk
+        """The last keys a query may see, its own included (`ModelConfig.local_span`: the window, or the chunk,
+        which lies within a query's last `chunk` positions, so a chunked layer is also a window of that size, which
+        lets every kernel skip the key blocks before it; the cut segments keep the chunk exact); 0 for a global
+        layer."""
+        return self.cfg.local_span if self.local else 0
 
     def _blocks(self) -> tuple[int, int]:
         """(block_q, block_kv) of the blockwise and splash kernels. A local layer's blocks shrink to
@@ -137,7 +134,7 @@ class Attention(nn.Module):
         softcap = cfg.attn_logit_softcapping
 
         if kv_cache.decoding(self):  # generation: this call's k/v join the cache; queries attend over it
-            cache = kv_cache.KVCache(self.dtype, self.window or self.chunk, self.chunk, name="cache")
+            cache = kv_cache.KVCache(self.dtype, self.span, self.chunk, name="cache")
             keys, values, mask = cache(k, v, positions)
             return self._output(kv_cache.attend(q, keys, values, mask, self.dtype, softcap, sinks), gate)
 
