@@ -11,7 +11,7 @@ The dense model has 8 layers and 8 heads so that every axis can take all 8 devic
 layer per stage, sequence and the tensor axes a head per device); the MoE model routes top-2 of 8 experts dropless,
 which computes the same function under any expert layout; the 3:1 DeltaNet/attention hybrid (layer_types) has 8
 layers, two units, so that a pipeline of two stages holds one unit each; Llama 4's unit (chunked and NoPE layers,
-top-1 experts on the input) runs twice.
+top-1 experts on the input) runs twice, as does Gemma 4's (its second unit reusing the first's keys and values).
 """
 
 from __future__ import annotations
@@ -55,6 +55,11 @@ MODELS = {
                "nope_temperature_floor=8", "qk_l2_norm=true", "num_experts=4", "num_experts_per_tok=1",
                "moe_layer_interval=2", "moe_router=sigmoid", "moe_renormalize_top_k=false",
                "moe_weights_on_input=true", "num_shared_experts=1", "capacity_factor=-1"),
+    # Gemma 4's unit twice, the second reusing the first's keys and values, each layer with its per-layer input,
+    # its fixed scalar (1 at init), the value norm and proportional RoPE on the full layers
+    "gemma4": ("num_layers=4", "layer_types=" + ",".join(["sliding_attention", "full_attention"] * 2),
+               "sliding_window=8", "kv_shared_layers=2", "per_layer_input_dim=16", "value_norm=true",
+               "layer_scalar=true", "qk_norm=true", "post_norms=true", "embed_scale=true", "rope_proportion=0.5"),
 }
 # name -> (model, knobs); every knob not named is 1. Of the pairs, context x fsdp and expert x fsdp are held to one
 # device in-process (tests/test_objectives.py context2_fsdp4, tests/test_parity.py expert2_fsdp4).
@@ -80,6 +85,9 @@ LAYOUTS = {
     # more layouts: tests/test_attention_chunked.py)
     "llama4 context x tensor x fsdp": ("llama4", ["ici_context_parallelism=2", "ici_tensor_parallelism=2",
                                                   "ici_fsdp_parallelism=2"]),
+    # the shared layers' keys and values from the layer before, per-layer inputs sliced by stack (in-process parity
+    # with gradients under more layouts: tests/test_kv_sharing.py)
+    "gemma4 fsdp x tensor": ("gemma4", ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"]),
 }
 
 

@@ -10,7 +10,7 @@ import os
 import re
 import typing
 
-from maxshard.config import attention_ranges
+from maxshard.config import attention_ranges, layer_sharing_ranges
 from maxshard.config.schema import MESH_AXES, Config, knob_name
 from maxshard.errors import ConfigError
 from maxshard.spec import mixer_kinds
@@ -45,6 +45,9 @@ def check_ranges(cfg: Config) -> Config:
     attention_ranges.check_layer_types(cfg)
     attention_ranges.check_local_global(cfg)
     attention_ranges.check_positions(cfg)
+    layer_sharing_ranges.check_kv_sharing(cfg)
+    layer_sharing_ranges.check_per_layer_inputs(cfg)
+    layer_sharing_ranges.check_rope_proportion(cfg)
     _check_deltanet(cfg)
     for axis in MESH_AXES:
         for family in ("ici", "dcn"):

@@ -32,10 +32,13 @@ class Matmuls:
     shared_experts: int
     router: int
     head: int  # the output projection (tied to the embedding or not), and each MTP module's eh_proj and head
+    # Gemma 4's per-layer inputs: each layer's gate [embed, P] and projection back [P, embed] (with its MLP, what a
+    # remat policy recomputes of the layer), and the embedded tokens' projection [embed, layers x P] once
+    per_layer_inputs: int = 0
 
     @property
     def mlp(self) -> int:
-        return self.dense_mlp + self.routed_experts + self.shared_experts + self.router
+        return self.dense_mlp + self.routed_experts + self.shared_experts + self.router + self.per_layer_inputs
 
     @property
     def total(self) -> int:
@@ -47,10 +50,12 @@ def matmuls(cfg: ModelConfig) -> Matmuls:
     (layers/mtp.py: a layer of the main stack's last kind each) and the heads."""
     parts = dict.fromkeys(("qkv", "out", "dense_mlp", "routed_experts", "shared_experts", "router"), 0)
     for layer in (*blocks.layers(cfg), *blocks.mtp_layers(cfg)):
+        reused = layer.mixer.reused(cfg) if layer.kv_shared else {}  # a KV-shared layer projects no keys or values
         for part, params in (*layer.mixer.params(cfg).items(), *blocks.mlp_params(cfg, layer.mlp).items()):
-            parts[part] += params
+            parts[part] += params - reused.get(part, 0)
     mtp = cfg.mtp_depth * 2 * cfg.emb_dim * cfg.emb_dim  # eh_proj: [2, embed] -> embed
-    return Matmuls(**parts, head=(1 + cfg.mtp_depth) * cfg.emb_dim * cfg.vocab_size + mtp)
+    per_layer = 3 * cfg.num_layers * cfg.emb_dim * cfg.per_layer_input_dim  # gate and out each layer, the projection
+    return Matmuls(**parts, head=(1 + cfg.mtp_depth) * cfg.emb_dim * cfg.vocab_size + mtp, per_layer_inputs=per_layer)
 
 
 keys_seen = mixer_kinds.keys_seen  # one home (spec/mixer_kinds.py): the attention rows' FLOPs read it there
@@ -91,6 +96,8 @@ def lora_matmul_params(cfg: ModelConfig) -> int:
     total = 0
     for layer in blocks.layers(cfg):
         widths = {**layer.mixer.lora(cfg), **({} if layer.routed else dense)}
+        if layer.kv_shared:  # no key or value projection to adapt
+            widths = {k: v for k, v in widths.items() if k not in ("k", "v")}
         total += sum(widths.get(target, 0) for target in cfg.lora_targets)
     return cfg.lora_rank * total
 

@@ -59,6 +59,9 @@ COUNTED = frozenset({
     "moe_dropless_impl", "moe_exchange", "moe_ragged_buffer_factor", "moe_mlp_dim", "first_k_dense_replace",
     # which layers are local and what they see: the attention terms (spec/blocks.py, planning/memory.py)
     "sliding_window", "attention_pattern",
+    # which layers reuse earlier keys and values (Gemma 4): the stacks; every layer is planned as one of the main
+    # stack, which keeps more than a KV-shared layer (no key/value projections): the safe side
+    "kv_shared_layers",
 })
 VALUES = frozenset({"norm_epsilon", "rope_max_timescale", "rope_scaling_type", "rope_scaling_factor",
                     "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position", "lora_alpha",
@@ -74,7 +77,10 @@ VALUES = frozenset({"norm_epsilon", "rope_max_timescale", "rope_scaling_type", "
                     "mtp_depth",
                     # a chunk cuts the segment ids (int, no gradient): the kernels keep what a global layer keeps;
                     # the temperature's floor is a constant of it
-                    "attention_chunk_size", "nope_temperature_floor"})
+                    "attention_chunk_size", "nope_temperature_floor",
+                    # Gemma 4's: pairs left unrotated (the same rotation's shapes), the per-layer table's rows (read
+                    # before the layers), a constant scale of each layer's output
+                    "rope_proportion", "per_layer_vocab_size", "layer_scalar"})
 OPTIONS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in COUNTED | VALUES)
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name in OPTIONS}
 _VALUE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name in VALUES}
@@ -92,12 +98,13 @@ def at_defaults(model: ModelConfig) -> bool:
 
 def _unit(model: ModelConfig) -> ModelConfig:
     """One unit of `model`'s main stack, alone: no dense first layers (the formula counts their dense MLPs), no scan,
-    no pipeline, no vocabulary to speak of; its layer_types and rope_layers the unit's own."""
+    no pipeline, no vocabulary to speak of, no KV-shared layers (COUNTED); its layer_types and rope_layers the unit's
+    own."""
     layers = len(blocks.main_stack(dataclasses.replace(model, pipeline=None)).unit)
     first = model.first_k_dense_replace if model.is_moe else 0
     types, rope = model.layer_types[first:first + layers], model.rope_layers[first:first + layers]
     return dataclasses.replace(model, num_layers=layers, scan_layers=False, pipeline=None, vocab_size=1,
-                               first_k_dense_replace=0, layer_types=types, rope_layers=rope)
+                               first_k_dense_replace=0, layer_types=types, rope_layers=rope, kv_shared_layers=0)
 
 
 @functools.lru_cache(maxsize=512)
@@ -125,14 +132,18 @@ def _unit_loss(model: ModelConfig, sequences: int) -> tuple[Callable[..., jax.Ar
         shape = (sequences, model.max_target_length)
         x = jax.ShapeDtypeStruct((*shape, model.emb_dim), dtype)
         ids = jax.ShapeDtypeStruct(shape, jnp.int32)  # segment ids and positions: inputs of the step, as there
-        params = nn.unbox(jax.eval_shape(unit.init, jax.random.key(0), x, ids, ids))["params"]
+        # Gemma 4: the unit's layers' per-layer inputs [sequences, length, unit, P], computed before the layers
+        extra = (jax.ShapeDtypeStruct((*shape, model.num_layers, model.per_layer_input_dim), dtype),) if (
+            model.per_layer_input_dim) else ()
+        params = nn.unbox(jax.eval_shape(unit.init, jax.random.key(0), x, ids, ids, *extra))["params"]
 
-        def loss(params: dict, x: jax.Array, segments: jax.Array, positions: jax.Array) -> jax.Array:
+        def loss(params: dict, x: jax.Array, segments: jax.Array, positions: jax.Array, *extra: jax.Array
+                 ) -> jax.Array:
             trained, frozen = trainable.split(params, model)
             whole = trainable.merge(trained, jax.lax.stop_gradient(frozen))
-            return jnp.sum(unit.apply({"params": whole}, x, segments, positions)[0].astype(jnp.float32))
+            return jnp.sum(unit.apply({"params": whole}, x, segments, positions, *extra)[0].astype(jnp.float32))
 
-        args = (params, x, ids, ids)
+        args = (params, x, ids, ids, *extra)
         traced = jax.make_jaxpr(loss)(*args)
     run = jax.extend.core.jaxpr_as_fun(traced)
     return (lambda *flat: run(*flat)[0]), tuple(jax.tree.leaves(args))

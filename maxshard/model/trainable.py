@@ -1,5 +1,6 @@
 """Which parameters train: every one, or with LoRA (`lora_rank` > 0) only the adapters; never the parameters the
-train step itself moves (MoE's selection bias, `router_bias`: layers/moe.py).
+train step itself moves (MoE's selection bias, `router_bias`: layers/moe.py) or the fixed ones (Gemma 4's
+`layer_scalar`).
 
 The one place that answers it. The train step takes gradients of the trainable subset alone (the frozen rest
 enters the loss as a constant, so XLA computes no weight gradient for it), the optimizer holds moments for that
@@ -19,12 +20,16 @@ from flax import traverse_util
 from maxshard.spec.model_config import ModelConfig
 from maxshard.model.layers.lora import ADAPTER_PARAMS
 from maxshard.model.layers.moe import BIAS_PARAM
+from maxshard.model.layers.per_layer_inputs import LAYER_SCALAR
 
-__all__ = ["MOVED_PARAMS", "trains_everything", "is_trainable", "split", "merge", "trainable_subset",
+__all__ = ["MOVED_PARAMS", "FIXED_PARAMS", "trains_everything", "is_trainable", "split", "merge", "trainable_subset",
            "frozen_subset", "saved_subset", "without_adapters"]
 
 # Parameters no gradient or optimizer touches: the train step moves them itself (`moe.move_bias`).
 MOVED_PARAMS = (BIAS_PARAM,)
+# Parameters nothing moves: constants a checkpoint carries (Gemma 4's per-layer output scalar, a buffer in
+# transformers), held as they were loaded or initialised.
+FIXED_PARAMS = (LAYER_SCALAR,)
 
 
 def trains_everything(model: ModelConfig) -> bool:
@@ -33,7 +38,7 @@ def trains_everything(model: ModelConfig) -> bool:
 
 
 def _trains(model: ModelConfig, last: str) -> bool:
-    return last not in MOVED_PARAMS and (trains_everything(model) or last in ADAPTER_PARAMS)
+    return last not in MOVED_PARAMS + FIXED_PARAMS and (trains_everything(model) or last in ADAPTER_PARAMS)
 
 
 def is_trainable(model: ModelConfig, name: str) -> bool:
@@ -51,7 +56,7 @@ def _partition(params: Any, keep: Any) -> tuple[Any, Any]:
 
 def split(params: Any, model: ModelConfig) -> tuple[Any, Any]:
     """(trainable, frozen): two nested dicts that `merge` joins again; frozen is {} when everything trains."""
-    if trains_everything(model) and not model.moe_router_bias:  # nothing frozen: the tree as it is
+    if trains_everything(model) and not (model.moe_router_bias or model.layer_scalar):  # nothing frozen: as it is
         return params, {}
     return _partition(params, lambda last: _trains(model, last))
 

@@ -1,8 +1,9 @@
 """The decoder-only Transformer, assembled from layers, plus its parameter and FLOP counts.
 
     inputs [batch, length] -> embed [batch, length, embed] (x sqrt(embed) with `embed_scale`) -> decoder blocks
-        -> final RMSNorm -> logits [batch, length, vocab] (float32), through a separate head or the tied embedding,
-        soft-capped with `final_logit_softcapping`.
+        (with Gemma 4's per-layer inputs beside them, layers/per_layer_inputs.py) -> final RMSNorm
+        -> logits [batch, length, vocab] (float32), through a separate head or the tied embedding, soft-capped
+        with `final_logit_softcapping`.
 
 A reward model (`score_head`) ends in one score per token instead, [batch, length] (float32), through a [embed, 1]
 kernel `score` (Hugging Face's ForSequenceClassification head with one label); it has no logits head of its own.
@@ -26,6 +27,7 @@ from maxshard.model.layers.decoder import Decoder
 from maxshard.model.layers.embeddings import Embed
 from maxshard.model.layers.linears import DenseGeneral
 from maxshard.model.layers.norms import RMSNorm
+from maxshard.model.layers.per_layer_inputs import PerLayerEmbed
 from maxshard.parallel import axis_names as ax
 from maxshard.parallel.sharding import constrain
 
@@ -55,6 +57,8 @@ class Transformer(nn.Module):
         dt, wdt = cfg.compute_dtype, cfg.param_dtype
         self.token_embed = Embed(cfg.vocab_size, cfg.emb_dim, dt, wdt,
                                  init_stddev=cfg.emb_dim**-0.5 if cfg.logits_via_embedding else 1.0)
+        if cfg.per_layer_input_dim:  # Gemma 4
+            self.per_layer_embed = PerLayerEmbed(cfg, dt, wdt)
         self.decoder = Decoder(cfg, dt, wdt)
         self.final_norm = RMSNorm(cfg.norm_epsilon, dt, wdt, cfg.norm_unit_offset)
         self.mtp = [mtp.PredictionModule(cfg, k, dt, wdt, name=f"mtp_{k}") for k in range(1, cfg.mtp_depth + 1)]
@@ -102,9 +106,13 @@ class Transformer(nn.Module):
                 ) -> tuple[jax.Array, jax.Array]:
         """(the token embeddings, the last residual stream before the final norm), both in token order."""
         embedded = constrain(scale_embedded(self.token_embed(inputs), self.cfg), ax.EMBEDDED)
+        per_layer = self.per_layer_embed(inputs, embedded) if self.cfg.per_layer_input_dim else None
         # context parallelism: one early and one late chunk of the sequence per device (layers/ring_attention.py)
         x, segment_ids, positions = (ring_attention.to_balanced(a) for a in (embedded, segment_ids, positions))
-        x = self.decoder(x, segment_ids, positions)
+        if per_layer is None:
+            x = self.decoder(x, segment_ids, positions)
+        else:
+            x = self.decoder(x, segment_ids, positions, ring_attention.to_balanced(per_layer))
         return embedded, ring_attention.from_balanced(x)
 
     def head(self, x: jax.Array) -> jax.Array:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from maxshard.config import Config
+from maxshard.config import Config, layer_sharing_ranges
 from maxshard.errors import ConfigError
 from maxshard.objectives import kinds as objective_kinds
 from maxshard.spec import pipeline_schedule
@@ -126,6 +126,10 @@ def resolve(cfg: Config, mesh_sizes: Mapping[str, int]) -> PipelineShape | None:
         return None
     if not cfg.scan_layers:
         raise ConfigError("pipeline parallelism needs scan_layers=true (each stage scans its layers)")
+    tied = layer_sharing_ranges.across_stages(cfg)
+    if tied:
+        raise ConfigError(f"pipeline parallelism with {tied}: the stages would need keys, values or per-layer inputs "
+                          "from the embedding or another stage; run it without stages (ici_stage_parallelism=1)")
     shape = pipeline_shape(cfg, stages)
     _check_runner(cfg)
     if cfg.global_batch_size:

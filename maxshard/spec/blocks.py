@@ -18,6 +18,8 @@ DeepSeek-V3:           Stack("dense_layers", (mla+dense,), 3), Stack("layers", (
 GPT-OSS-20B:           Stack("layers", (local gqa+moe, gqa+moe), 12)
 Gemma 3 27B:           Stack("layers", (5 x local gqa+dense, gqa+dense), 10), Stack("last_layers", (2 x local ..,), 1)
 Qwen3-Next (3:1):      Stack("layers", (3 x gated_deltanet+moe, gqa+moe), 12)
+Gemma 4 E4B-like:      Stack("layers", (5 x local, global), 3), Stack("kv_layers", (5 x local, global), 1),
+                       Stack("shared_layers", (5 x KV-shared local, KV-shared global), 3)
 
 Each layer's mixer comes from `layer_types` where the model has one (an entry a layer, Hugging Face's spelling,
 resolved by `mixer_kinds.resolve`), else from `attention_type` (every layer) and `attention_pattern` (local or
@@ -44,12 +46,14 @@ import re
 from maxshard.spec import mixer_kinds
 from maxshard.spec.model_config import ModelConfig
 
-__all__ = ["Layer", "Stack", "MAIN_STACK", "LAST_STACK", "stacks", "layers", "main_stack", "stack_named",
-           "mtp_layers", "moe_layers", "mlp_params", "unit_layer_name",
+__all__ = ["Layer", "Stack", "MAIN_STACK", "LAST_STACK", "KV_STACK", "SHARED_STACK", "stacks", "layers", "main_stack",
+           "stack_named", "mtp_layers", "moe_layers", "mlp_params", "unit_layer_name",
            "unit_layer_index"]
 
 MAIN_STACK = "layers"  # the stack every model has (and the one a pipeline runs); its params' name since v1
 LAST_STACK = "last_layers"  # the layers left over when the main stack's unit does not divide them (runs once)
+KV_STACK = "kv_layers"  # the last unit before KV-shared layers, whose keys and values they reuse (Gemma 4)
+SHARED_STACK = "shared_layers"  # the KV-shared layers (`kv_shared_layers`)
 _UNIT_LAYER = re.compile(r"layer_(\d+)")
 
 
@@ -71,6 +75,13 @@ class Layer:
     mlp: str  # a row of mixer_kinds.MLP_KINDS
     local: bool = False  # attention over the last `sliding_window` keys or within its chunk (else global)
     rope: bool = True  # its queries and keys are rotated (False: NoPE)
+    kv_shared: bool = False  # attends over the keys and values of the last earlier layer of its kind (Gemma 4)
+
+    @property
+    def kv_kind(self) -> str:
+        """What a KV-shared layer reuses the keys and values of: the last earlier layer of the same key ("local" or
+        "global"; `kv_shared_layers`)."""
+        return "local" if self.local else "global"
 
     @property
     def mixer(self) -> mixer_kinds.Mixer:
@@ -90,6 +101,12 @@ class Stack:
     name: str
     unit: tuple[Layer, ...]
     repeats: int
+    gives_kv: bool = False  # its last unit's layers hand their keys and values to the KV-shared stack after it
+
+    @property
+    def reuses_kv(self) -> bool:
+        """Its layers attend over keys and values a `gives_kv` stack handed on (`kv_shared_layers`)."""
+        return self.unit[0].kv_shared
 
     @property
     def num_layers(self) -> int:
@@ -113,10 +130,27 @@ def stacks(cfg: ModelConfig) -> tuple[Stack, ...]:
         out.append(Stack("dense_layers", tuple(kinds[:unit]), first // unit))
     body = kinds[first:]
     unit = min(math.lcm(period, cfg.moe_layer_interval if cfg.is_moe else 1), len(body))  # a longer unit: no repeat
+    if cfg.kv_shared_layers:
+        return (*out, *_kv_sharing_stacks(body, unit, cfg.kv_shared_layers))
     repeats, left = divmod(len(body), unit)
     out.append(Stack(MAIN_STACK, tuple(body[:unit]), repeats))
     if left:
         out.append(Stack(LAST_STACK, tuple(body[repeats * unit:]), 1))
+    return tuple(out)
+
+
+def _kv_sharing_stacks(body: list[Layer], unit: int, shared: int) -> tuple[Stack, ...]:
+    """Gemma 4's stacks: the layers with keys and values of their own, their last unit (where the last layer of
+    each kind lies) a stack of its own that hands its keys and values on ("kv_layers"; the main stack itself when
+    it is the only unit), then the KV-shared layers (`SHARED_STACK`, in units where they divide). config/ranges.py
+    keeps the own layers a whole number of at least one unit."""
+    own, reusing = body[:len(body) - shared], body[len(body) - shared:]
+    repeats = len(own) // unit
+    head = tuple(own[:unit])
+    out = [Stack(MAIN_STACK, head, repeats - 1), Stack(KV_STACK, head, 1, gives_kv=True)] if repeats > 1 else [
+        Stack(MAIN_STACK, head, 1, gives_kv=True)]
+    width = unit if len(reusing) % unit == 0 else len(reusing)
+    out.append(Stack(SHARED_STACK, tuple(reusing[:width]), len(reusing) // width))
     return tuple(out)
 
 
@@ -127,11 +161,12 @@ def _layer(cfg: ModelConfig, i: int) -> Layer:
     moe = cfg.is_moe and i >= first and (i - first) % n == n - 1
     mlp = "moe" if moe else "dense"
     rope = not cfg.rope_layers or bool(cfg.rope_layers[i])
+    shared = i >= cfg.num_layers - cfg.kv_shared_layers
     if cfg.layer_types:
         row, local = mixer_kinds.resolve(cfg.layer_types[i])
-        return Layer(row.name, mlp, local and cfg.local_span > 0, rope)
+        return Layer(row.name, mlp, local and cfg.local_span > 0, rope, shared)
     local = cfg.has_local_layers and cfg.attention_pattern[i % len(cfg.attention_pattern)] == "local"
-    return Layer(cfg.attention_type, mlp, local, rope)
+    return Layer(cfg.attention_type, mlp, local, rope, shared)
 
 
 def main_stack(cfg: ModelConfig) -> Stack:

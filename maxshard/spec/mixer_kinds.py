@@ -15,6 +15,7 @@ A row declares everything the rest of the code reads about its kind:
     lora           in + out width of each projection a LoRA adapter takes, by `lora_targets` name (q, k, v, o)
     flops          forward FLOPs per token beyond those matmuls (attention's scores and values, a recurrence)
     remat_names    the `checkpoint_name`s its module gives its projections (spec/remat.py's policies keep them)
+    reused         the matmul parameters per token a KV-shared layer of the kind skips (`kv_shared_layers`)
     attention      softmax attention over keys: the row `attention_type` names, read by the attention keys
                    (rope, `attention`, the kernels), so a layer_types entry of an attention row must be that row
 
@@ -56,6 +57,8 @@ class Mixer:
     hf_local: tuple[str, ...] = ()
     remat_names: tuple[str, ...] = ()
     attention: bool = False
+    # the matmul parameters a KV-shared layer of this kind does not meet (its key and value projections; Gemma 4)
+    reused: Callable[[ModelConfig], dict[str, int]] = lambda cfg: {}
     lora: Callable[[ModelConfig], dict[str, int]] = lambda cfg: {}  # a row's default: no projection takes adapters
 
 
@@ -185,7 +188,7 @@ _BUILT_IN = (
     Mixer("gqa", "maxshard.model.layers.attention:Attention", "attention", "kv",
           summary="grouped-query softmax attention; a local layer sees the last sliding_window keys, or its chunk",
           hf=("full_attention",), hf_local=("sliding_attention", "chunked_attention"), remat_names=_QKV_OUT,
-          attention=True,
+          attention=True, reused=lambda cfg: {"qkv": 2 * cfg.emb_dim * cfg.num_kv_heads * cfg.head_dim},
           lora=_gqa_lora, **_attention_row(_gqa_widths)),
     Mixer("mla", "maxshard.model.layers.mla:LatentAttention", "attention", "latent",
           summary="multi-head latent attention (DeepSeek-V2/V3): keys and values from one cached latent",

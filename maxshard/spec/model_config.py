@@ -151,10 +151,22 @@ class ModelKeys:
     # q and k divided by their RMS over head_dim after RoPE, no learned scale, on the RoPE layers (Llama 4)
     qk_l2_norm: bool = False
     rope_local_max_timescale: float = 0.0  # RoPE base of local layers, unscaled (Gemma 3: 10000); 0: as global ones
+    # Proportional RoPE (Gemma 4's global layers): only the first head_dim / 2 x this pairs (x[i], x[i + head_dim/2])
+    # turn, at rope_max_timescale ** (-2i / head_dim) over the whole head; the other pairs pass unrotated. 1: all
+    rope_proportion: float = 1.0
     attn_logit_softcapping: float = 0.0  # scaled logits -> c * tanh(logits / c) before the softmax (Gemma 2); 0: none
     final_logit_softcapping: float = 0.0  # the output logits capped the same way (Gemma 2); 0: none
     query_pre_attn_scalar: float = 0.0  # softmax scale this ** -0.5 (Gemma); 0: the query/key head width
     attention_sinks: bool = False  # a learned logit per query head in the softmax's denominator (GPT-OSS)
+    value_norm: bool = False  # each value head RMS-normalised over head_dim, no learned scale (Gemma 4)
+    # Gemma 4: the last this many layers reuse the keys and values of the last earlier layer of their own kind
+    # (local or global) and have no key/value projections or cache of their own (spec/blocks.py); 0: none
+    kv_shared_layers: int = 0
+    # Gemma 4's per-layer input embeddings: each layer adds gelu(x @ gate) x its own [this] slice of a second
+    # embedding of the tokens, projected back to embed and normalised (layers/per_layer_inputs.py); 0: none
+    per_layer_input_dim: int = 0
+    per_layer_vocab_size: int = 0  # the per-layer embedding's rows (0: vocab_size)
+    layer_scalar: bool = False  # each layer's output x a fixed scalar of its own (Gemma 4's layer_scalar; no gradient)
     attention_bias: bool = False  # biases on the query, key, value and output projections (GPT-OSS)
     qkv_bias: bool = False  # biases on the query, key and value projections only (GLM-4.5)
     norm_unit_offset: bool = False  # RMSNorm scales by (1 + weight), the weight starting at 0 (Gemma)

@@ -75,6 +75,7 @@ class Attention(nn.Module):
     weight_dtype: jnp.dtype
     local: bool = False  # a sliding-window or chunked layer (spec/blocks.py)
     rope: bool = True  # rotates its queries and keys (False: NoPE, `rope_layers`)
+    gives_kv: bool = False  # also returns its keys and values, for the KV-shared layers after it (Gemma 4)
 
     def _proj(self, x: jax.Array, heads: int, heads_axis: str, name: str, target: str, width: int = 0) -> jax.Array:
         """One of the q/k/v projections (`target`: its lora_targets name) to heads of `width` (head_dim by
@@ -120,33 +121,52 @@ class Attention(nn.Module):
         return cfg.query_pre_attn_scalar**-0.5 if cfg.query_pre_attn_scalar else rope.softmax_scale(cfg, cfg.head_dim)
 
     @nn.compact
-    def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array, shared_kv: tuple | None = None
+                 ) -> jax.Array | tuple[jax.Array, tuple]:
+        """[batch, length, embed] -> [batch, length, embed]. A KV-shared layer (`shared_kv`: what the layer it
+        reuses gave) projects only its queries; with `gives_kv` the output comes with (keys, values, mask): this
+        call's keys and values (mask None), or in generation the cache's with their mask."""
         cfg = self.cfg
-        kv_heads = cfg.num_kv_heads
         q, gate = self._query(x)
-        k = constrain(self._proj(x, kv_heads, ax.KV_HEADS, "key", "k"), ax.KEY_VALUE)
-        v = constrain(self._proj(x, kv_heads, ax.KV_HEADS, "value", "v"), ax.KEY_VALUE)
         if cfg.qk_norm:  # Qwen3: each head normalised over head_dim (OLMo: all heads at once), before RoPE
-            q, k = self._qk_norm(q, "query_norm", ax.HEADS), self._qk_norm(k, "key_norm", ax.KV_HEADS)
-        q, k = self._positioned(q, k, positions)
+            q = self._qk_norm(q, "query_norm", ax.HEADS)
+        q, k = self._positioned(q, None if shared_kv else self._key(x), positions)
         q = q * self._scale()
+        if shared_kv:
+            return self._attend(q, gate, *shared_kv, segment_ids, positions)
+        v = constrain(self._proj(x, cfg.num_kv_heads, ax.KV_HEADS, "value", "v"), ax.KEY_VALUE)
+        if cfg.value_norm:  # Gemma 4: each value head over head_dim, no scale
+            v = rms_normalized(v, cfg.norm_epsilon)
+        mask = None
+        if kv_cache.decoding(self):  # generation: this call's k/v join the cache; queries attend over it
+            k, v, mask = kv_cache.KVCache(self.dtype, self.span, self.chunk, name="cache")(k, v, positions)
+        out = self._attend(q, gate, k, v, mask, segment_ids, positions)
+        return (out, (k, v, mask)) if self.gives_kv else out
+
+    def _key(self, x: jax.Array) -> jax.Array:
+        """k [batch, length, kv_heads, head_dim], with its q/k norm, before RoPE."""
+        k = constrain(self._proj(x, self.cfg.num_kv_heads, ax.KV_HEADS, "key", "k"), ax.KEY_VALUE)
+        return self._qk_norm(k, "key_norm", ax.KV_HEADS) if self.cfg.qk_norm else k
+
+    def _attend(self, q: jax.Array, gate: jax.Array | None, k: jax.Array, v: jax.Array, mask: jax.Array | None,
+                segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
+        """The attention of the rotated, scaled q over k and v: the cache's under `mask` in generation, else this
+        call's (its kernel, `attention`) -> the output projection."""
+        cfg = self.cfg
         sinks = self._sinks() if cfg.attention_sinks else None
         softcap = cfg.attn_logit_softcapping
-
-        if kv_cache.decoding(self):  # generation: this call's k/v join the cache; queries attend over it
-            cache = kv_cache.KVCache(self.dtype, self.span, self.chunk, name="cache")
-            keys, values, mask = cache(k, v, positions)
-            return self._output(kv_cache.attend(q, keys, values, mask, self.dtype, softcap, sinks), gate)
-
+        if mask is not None:
+            return self._output(kv_cache.attend(q, k, v, mask, self.dtype, softcap, sinks), gate)
         if self.chunk:
             segment_ids = chunked_segments(segment_ids, positions, self.chunk)
         out = attend(q, k, v, segment_ids, segment_ids, cfg.attention, *self._blocks(), window=self.span,
                      softcap=softcap, sinks=sinks)
         return self._output(out, gate)
 
-    def _positioned(self, q: jax.Array, k: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """q and k with their positions applied: rotated (then L2-normalised with `qk_l2_norm`), or in a NoPE layer
-        unrotated, the queries scaled by `nope_temperature` where it is set."""
+    def _positioned(self, q: jax.Array, k: jax.Array | None, positions: jax.Array
+                    ) -> tuple[jax.Array, jax.Array | None]:
+        """q and k (None in a KV-shared layer) with their positions applied: rotated (then L2-normalised with
+        `qk_l2_norm`), or in a NoPE layer unrotated, the queries scaled by `nope_temperature` where it is set."""
         cfg = self.cfg
         if not self.rope:
             if not cfg.nope_temperature_scale:
@@ -154,9 +174,9 @@ class Attention(nn.Module):
             temperature = nope_temperature(positions, cfg.nope_temperature_scale, cfg.nope_temperature_floor)
             return jnp.asarray(q * temperature, q.dtype), k
         inv_freq, cos_sin = self._rope()
-        q, k = rope.apply_rope(q, positions, inv_freq, cos_sin), rope.apply_rope(k, positions, inv_freq, cos_sin)
+        q, k = (None if a is None else rope.apply_rope(a, positions, inv_freq, cos_sin) for a in (q, k))
         if cfg.qk_l2_norm:
-            q, k = rms_normalized(q, cfg.norm_epsilon), rms_normalized(k, cfg.norm_epsilon)
+            q, k = (None if a is None else rms_normalized(a, cfg.norm_epsilon) for a in (q, k))
         return q, k
 
     def _qk_norm(self, x: jax.Array, name: str, heads_axis: str) -> jax.Array:

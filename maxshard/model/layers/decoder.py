@@ -23,6 +23,7 @@ from maxshard.model.layers import kv_cache
 from maxshard.model.layers.mlp import MLP, activation
 from maxshard.model.layers.moe import MoEBlock
 from maxshard.model.layers.norms import RMSNorm
+from maxshard.model.layers.per_layer_inputs import PerLayerInput, scaled_by_layer
 from maxshard.model.layers.pipeline import Pipeline
 from maxshard.parallel import axis_names as ax
 from maxshard.parallel.sharding import constrain
@@ -86,14 +87,25 @@ class DecoderLayer(nn.Module):
     index: int = 0
 
     @nn.compact
-    def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> tuple[jax.Array, None]:
+    def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array, layer_input: jax.Array | None = None,
+                 shared: dict | None = None) -> tuple[jax.Array, dict | None]:
+        """x [batch, length, embed] -> (x, what it gives the KV-shared layers: {its kv_kind: (k, v, mask)} in a
+        `gives_kv` stack, else None). `layer_input`: its per-layer input [batch, length, P] (per_layer_input_dim);
+        `shared`: in a KV-shared layer, the keys and values the last earlier layer of each kind gave."""
         cfg, dt, wdt = self.cfg, self.dtype, self.weight_dtype
-        kinds = blocks.stack_named(cfg, self.stack).unit[self.index]
+        stack = blocks.stack_named(cfg, self.stack)
+        kinds = stack.unit[self.index]
         x = checkpoint_name(constrain(x, ax.RESIDUAL), remat.LAYER_INPUT)  # what an offload policy moves to host
         h = norm(self._norm("attention_norm"), x) if cfg.pre_norms else x
         mixer = mixer_module(kinds.mixer)
-        options = {**({"local": True} if kinds.local else {}), **({} if kinds.rope else {"rope": False})}
-        h = mixer(cfg, dt, wdt, **options, name=kinds.mixer.scope)(h, segment_ids, positions)
+        options = {**({"local": True} if kinds.local else {}), **({} if kinds.rope else {"rope": False}),
+                   **({"gives_kv": True} if stack.gives_kv else {})}
+        reused = {"shared_kv": shared[kinds.kv_kind]} if kinds.kv_shared else {}
+        h = mixer(cfg, dt, wdt, **options, name=kinds.mixer.scope)(h, segment_ids, positions, **reused)
+        given = None
+        if stack.gives_kv:
+            h, kv = h
+            given = {kinds.kv_kind: kv}
         x = x + (norm(self._norm("post_attention_norm"), h) if cfg.post_norms else h)
         h = norm(self._norm("mlp_norm"), x) if cfg.pre_norms else x
         if kinds.routed:
@@ -102,7 +114,11 @@ class DecoderLayer(nn.Module):
             ranks = (cfg.lora_rank_of("gate"), cfg.lora_rank_of("up"), cfg.lora_rank_of("down"))
             h = MLP(cfg.mlp_dim, dt, wdt, ranks, cfg.lora_scale, activation(cfg), name="mlp")(h)
         x = x + (norm(self._norm("post_mlp_norm"), h) if cfg.post_norms else h)
-        return constrain(x, ax.RESIDUAL), None
+        if cfg.per_layer_input_dim:  # Gemma 4 (layers/per_layer_inputs.py)
+            x = PerLayerInput(cfg, dt, wdt, name="per_layer_input")(x, layer_input)
+        if cfg.layer_scalar:
+            x = scaled_by_layer(self, x)
+        return constrain(x, ax.RESIDUAL), given
 
     def _norm(self, name: str) -> RMSNorm:
         return RMSNorm(self.cfg.norm_epsilon, self.dtype, self.weight_dtype, self.cfg.norm_unit_offset, name=name)
@@ -122,11 +138,16 @@ class DecoderBlock(nn.Module):
     stack: str = blocks.MAIN_STACK
 
     @nn.compact
-    def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> tuple[jax.Array, None]:
+    def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array, unit_inputs: jax.Array | None = None,
+                 shared: dict | None = None) -> tuple[jax.Array, dict | None]:
+        """x -> (x, what the unit gives the KV-shared layers: each kind's last layer's, or None). `unit_inputs`:
+        the per-layer inputs of its layers [batch, length, unit, P]."""
+        given: dict = {}
         for i in range(len(blocks.stack_named(self.cfg, self.stack).unit)):
             layer = DecoderLayer(self.cfg, self.dtype, self.weight_dtype, self.stack, i, name=blocks.unit_layer_name(i))
-            x, _ = layer(x, segment_ids, positions)
-        return x, None
+            x, gave = layer(x, segment_ids, positions, None if unit_inputs is None else unit_inputs[:, :, i], shared)
+            given.update(gave or {})
+        return x, given or None
 
 
 def stack_unit(cfg: ModelConfig, stack: blocks.Stack | None = None) -> type[nn.Module]:
@@ -134,7 +155,8 @@ def stack_unit(cfg: ModelConfig, stack: blocks.Stack | None = None) -> type[nn.M
     else DecoderBlock (the unit's layers `layer_0 ..`; also for one MoE layer, as checkpoints name it). Built with
     `stack=<its name>` (the main stack's by default, which is what a pipeline runs)."""
     stack = stack or blocks.main_stack(cfg)
-    return DecoderBlock if stack.has_moe or len(stack.unit) > 1 else DecoderLayer
+    whole = stack.has_moe or len(stack.unit) > 1 or cfg.per_layer_input_dim or cfg.kv_shared_layers
+    return DecoderBlock if whole else DecoderLayer
 
 
 def rematted(cfg: ModelConfig, unit: type[nn.Module]) -> type[nn.Module]:
@@ -144,15 +166,16 @@ def rematted(cfg: ModelConfig, unit: type[nn.Module]) -> type[nn.Module]:
     return nn.remat(unit, policy=remat_policy(cfg.remat_policy), prevent_cse=not cfg.scan_layers)
 
 
-def scanned_stack(stack: blocks.Stack, layer: type[nn.Module]) -> type[nn.Module]:
+def scanned_stack(stack: blocks.Stack, layer: type[nn.Module], per_layer: bool = False) -> type[nn.Module]:
     """`layer` (a stack's unit, rematted) scanned over the stack's repeats, its parameters stacked on the layers axis:
     how the decoder runs a scanned stack, and how the table pipelines' runner runs the stacks outside the pipeline
-    (training/pipelined.py)."""
+    (training/pipelined.py). With `per_layer` (Gemma 4) it also takes each unit's per-layer inputs (scanned) and the
+    keys and values a KV-shared stack reuses (the same for every unit)."""
     return nn.scan(
         layer,
         variable_axes={"params": 0, "intermediates": 0, kv_cache.COLLECTION: 0},
         split_rngs={"params": True},
-        in_axes=(nn.broadcast, nn.broadcast),
+        in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast) if per_layer else (nn.broadcast, nn.broadcast),
         length=stack.repeats,
         metadata_params={nn.PARTITION_NAME: ax.LAYERS if stack.name == blocks.MAIN_STACK else ax.UNSTAGED_LAYERS},
     )
@@ -170,26 +193,43 @@ class Decoder(nn.Module):
     weight_dtype: jnp.dtype
 
     @nn.compact
-    def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array,
+                 per_layer_inputs: jax.Array | None = None) -> jax.Array:
+        """x [batch, length, embed] -> the last residual stream; `per_layer_inputs` [batch, length, layers, P]
+        (Gemma 4, layers/per_layer_inputs.py), each stack reading its layers' slice."""
         cfg = self.cfg
+        first, given = 0, None
         for stack in blocks.stacks(cfg):
             unit = stack_unit(cfg, stack)
+            extras = _stack_inputs(per_layer_inputs, first, stack)
+            first += stack.num_layers
+            if extras is not None:
+                extras = (*extras, given if stack.reuses_kv else None)
             if stack.name == blocks.MAIN_STACK and cfg.pipeline is not None:  # layers/pipeline.py
                 pipeline = Pipeline(cfg, unit, self.dtype, self.weight_dtype, remat_policy(cfg.remat_policy),
                                     name="pipeline")
                 x = pipeline(x, segment_ids, positions)
             elif cfg.scan_layers:
-                x = self._scanned(stack, rematted(cfg, unit), x, segment_ids, positions)
+                scanned = scanned_stack(stack, rematted(cfg, unit), per_layer=extras is not None)
+                x, gave = scanned(cfg, self.dtype, self.weight_dtype, stack=stack.name, name=stack.name)(
+                    x, segment_ids, positions, *(extras or ()))
+                given = jax.tree.map(lambda a: a[-1], gave) if stack.gives_kv else given
             else:
                 layer = rematted(cfg, unit)
                 for i in range(stack.repeats):
                     block = layer(cfg, self.dtype, self.weight_dtype, stack=stack.name, name=f"{stack.name}_{i}")
-                    x, _ = block(x, segment_ids, positions)
+                    args = () if extras is None else (None if extras[0] is None else extras[0][i], extras[1])
+                    x, gave = block(x, segment_ids, positions, *args)
+                    given = gave if stack.gives_kv else given
         return x
 
-    def _scanned(self, stack: blocks.Stack, layer: type[nn.Module], x: jax.Array, segment_ids: jax.Array,
-                 positions: jax.Array) -> jax.Array:
-        scanned = scanned_stack(stack, layer)
-        x, _ = scanned(self.cfg, self.dtype, self.weight_dtype, stack=stack.name, name=stack.name)(x, segment_ids,
-                                                                                                 positions)
-        return x
+
+def _stack_inputs(per_layer_inputs: jax.Array | None, first: int, stack: blocks.Stack) -> tuple | None:
+    """The per-layer inputs of a stack's layers, one [batch, length, unit, P] a repeat stacked first
+    ([repeats, batch, length, unit, P]; (None,) in a model with KV sharing but none), or None in a model with
+    neither (its stacks take no more than x, the segments and positions)."""
+    if per_layer_inputs is None:
+        return (None,) if stack.gives_kv or stack.reuses_kv else None
+    batch, length, _, width = per_layer_inputs.shape
+    mine = per_layer_inputs[:, :, first:first + stack.num_layers]
+    return (jnp.moveaxis(mine.reshape(batch, length, stack.repeats, len(stack.unit), width), 2, 0),)

@@ -147,8 +147,13 @@ def rotary_dim(cfg: ModelConfig) -> int:
 
 
 def frequencies_for(cfg: ModelConfig) -> np.ndarray:
-    """Inverse frequencies of a model config (`cfg.model` of a run), over its `rotary_dim`."""
-    return inverse_frequencies(rotary_dim(cfg), cfg.rope_max_timescale, scaling_from(cfg))
+    """Inverse frequencies of a model config (`cfg.model` of a run), over its `rotary_dim`; with proportional RoPE
+    (`rope_proportion` < 1, Gemma 4) the pairs past head_dim / 2 x the proportion at frequency 0, so they pass
+    unrotated."""
+    inv_freq = inverse_frequencies(rotary_dim(cfg), cfg.rope_max_timescale, scaling_from(cfg))
+    if cfg.rope_proportion < 1:
+        inv_freq = np.where(np.arange(len(inv_freq)) < int(cfg.rope_proportion * len(inv_freq)), inv_freq, 0.0)
+    return inv_freq
 
 
 def cos_sin_scale(cfg: ModelConfig) -> float:
