@@ -93,6 +93,8 @@ class Family:
         attention_chunk_size, the NoPE temperature and use_qk_norm become the Llama 4 keys (hf_positions.py).
     rotary_dim_field: a config.json field giving RoPE's share of each head as a number of features (MiniMax-M2's
         released rotary_dim, which transformers reads as rotary_dim / head_dim) where partial_rotary_factor is absent.
+    per_layer_dims: config.json may give some layers other head shapes (Gemma 4's per_layer_config,
+        global_head_dim), accepted where they equal the others' (hf_layer_dims.py).
     """
 
     architecture: str
@@ -137,6 +139,7 @@ class Family:
     left_out: Mapping[str, str] = dataclasses.field(default_factory=dict)
     mtp_prefix: str = ""
     rotary_dim_field: str = ""
+    per_layer_dims: bool = False
     qk_norm_field: str = ""
     gate_up_halves: bool = False
     interleaved_rope: bool = False
@@ -318,6 +321,33 @@ FAMILIES += (
            defaults=_LLAMA4_DEFAULTS,
            carries=("layer_types", "attention_chunk_size", "rope_layers", "nope_temperature_scale", "qk_l2_norm"),
            export={"attention_bias": False, "moe_layers": None}),
+)
+
+# Gemma 4 text (Gemma4ForCausalLM, model_type gemma4_text): Gemma's sandwich norms (multiplying by the weight, not
+# 1 + weight), GeGLU, embeddings x sqrt(width), local and global layers (layer_types; 5 : 1 without them), q/k norms
+# with a scale and a value norm without one, softmax scale 1, proportional RoPE in the global layers, per-layer input
+# embeddings, the last layers reusing earlier keys and values, a fixed scalar a layer. Gemma4TextConfig's defaults.
+_GEMMA4_DEFAULTS = {"vocab_size": 262144, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 30,
+                    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                    "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+                    "sliding_window": 512, "final_logit_softcapping": None, "hidden_activation": "gelu_pytorch_tanh",
+                    "hidden_size_per_layer_input": 256, "vocab_size_per_layer_input": 262144,
+                    "num_kv_shared_layers": 0, "attention_k_eq_v": False, "enable_moe_block": False,
+                    "use_double_wide_mlp": False}
+FAMILIES += (
+    Family("Gemma4ForCausalLM", "gemma4_text", qk_norm=True,
+           fields={"final_logit_softcapping": "final_logit_softcapping",
+                   "hidden_size_per_layer_input": "per_layer_input_dim",
+                   "vocab_size_per_layer_input": "per_layer_vocab_size", "num_kv_shared_layers": "kv_shared_layers"},
+           keys={**_GEMMA_KEYS, "norm_unit_offset": False, "query_pre_attn_scalar": 1.0, "value_norm": True,
+                 "layer_scalar": True},
+           defaults=_GEMMA4_DEFAULTS, activation_field="hidden_activation", activation="gelu_pytorch_tanh",
+           local_global=True, pattern_period=6, rope_per_layer_type=True, local_base_field="",
+           local_base_default=10000.0, per_layer_dims=True,
+           must_equal={"attention_k_eq_v": False, "enable_moe_block": False, "use_double_wide_mlp": False},
+           carries=("sliding_window", "attention_pattern", "rope_local_max_timescale", "final_logit_softcapping",
+                    "rope_proportion", "kv_shared_layers", "per_layer_input_dim", "per_layer_vocab_size"),
+           null_when_zero=("final_logit_softcapping",), export={"attention_bias": False}),
 )
 
 

@@ -16,7 +16,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from maxshard.convert import hf_local_global, hf_positions, names
+from maxshard.convert import hf_layer_dims, hf_local_global, hf_positions, names
 from maxshard.convert.families import Family, by_architecture, by_model_type, rows
 from maxshard.errors import ConfigError
 from maxshard.spec import mixer_kinds
@@ -42,7 +42,8 @@ LAYER_OPTIONS = ("sliding_window", "attention_pattern", "rope_local_max_timescal
                  "norm_unit_offset", "post_norms", "mlp_activation", "embed_scale", "moe_bias",
                  "attention_output_gate", "partial_rotary_factor", "shared_expert_gate", "layer_types",
                  "pre_norms", "qk_norm_all_heads", "attention_chunk_size", "rope_layers", "nope_temperature_scale",
-                 "qk_l2_norm", "moe_weights_on_input")
+                 "qk_l2_norm", "moe_weights_on_input", "rope_proportion", "value_norm", "kv_shared_layers",
+                 "per_layer_input_dim", "per_layer_vocab_size", "layer_scalar")
 # The hybrids' (Qwen3-Next, Qwen3.5) layer_types without the field: transformers' rule, every n-th layer full
 # attention (config.json's full_attention_interval, default 4), the others linear attention, in config.json's words
 HYBRID_INTERVAL = ("full_attention_interval", 4)
@@ -129,6 +130,8 @@ def _check_representable(hf: Mapping[str, Any], fam: Family) -> None:
         kinds = sorted(set(hf.get("layer_types") or ["full_attention"]) - {"full_attention"})
         if kinds:
             raise _refuse("layer_types", kinds, "maxshard attends over the whole context in every layer")
+    if fam.per_layer_dims:
+        hf_layer_dims.check(hf)
     for field, value in fam.must_equal.items():
         if field in hf and hf[field] != value:
             raise _refuse(field, hf[field], f"maxshard converts {fam.architecture} only with {field}={value}")
@@ -206,8 +209,15 @@ def rope_keys(hf: Mapping[str, Any], linear: bool = False) -> dict[str, Any]:
         if "factor" not in params:
             raise ConfigError(f"config.json: {where} has rope_type linear but no factor")
         return {**keys, "rope_scaling_type": "linear", "rope_scaling_factor": float(params["factor"])}
+    if kind == "proportional":  # Gemma 4's global layers: pairs over the whole head, the first share turning
+        factor = float(params.get("factor", 1.0))
+        share = params.get("partial_rotary_factor", 1.0)
+        if not isinstance(share, (int, float)) or not 0 < share <= 1:
+            raise _refuse(f"{where}.partial_rotary_factor", share, "needs a number in (0, 1]")
+        scaled = {"rope_scaling_type": "linear", "rope_scaling_factor": factor} if factor != 1 else {}
+        return {**keys, **scaled, "rope_proportion": float(share)}
     if kind != "llama3":
-        raise _refuse(f"{where}.rope_type", kind, "maxshard implements default, llama3 and yarn RoPE")
+        raise _refuse(f"{where}.rope_type", kind, "maxshard implements default, llama3, yarn and proportional RoPE")
     for field, key in _LLAMA3.items():
         if field not in params:
             raise ConfigError(f"config.json: {where} has rope_type llama3 but no {field}")
@@ -303,6 +313,10 @@ def model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
 
 def _rope_scaling(keys: Mapping[str, Any]) -> dict[str, Any] | None:
     kind = keys.get("rope_scaling_type", "none")
+    share = keys.get("rope_proportion", 1.0)
+    if share != 1:  # proportional RoPE, with its factor where positions are scaled linearly
+        factor = {"factor": keys["rope_scaling_factor"]} if kind == "linear" else {}
+        return {"rope_type": "proportional", "partial_rotary_factor": share, **factor}
     if kind == "none":
         return None
     if kind == "yarn":
@@ -437,6 +451,8 @@ def to_hf(keys: Mapping[str, Any], dtype: str, template: Mapping[str, Any] | Non
         out.update(hf_positions.export_fields(keys, out))
     if fam.qk_norm_field:
         out[fam.qk_norm_field] = bool(keys.get("qk_norm", False))
+    if fam.per_layer_dims:
+        out.update(hf_layer_dims.export_fields())
     if "partial_rotary_factor" in fam.carries:  # 4.x spelling, beside rope_theta; transformers 5 reads it too
         out["partial_rotary_factor"] = keys.get("partial_rotary_factor", 1.0)
     if scoring:  # one label, as transformers writes num_labels

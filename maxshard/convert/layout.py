@@ -88,7 +88,7 @@ def _key(entry: Any) -> str:
 
 def params_of(cfg: ModelConfig, family: Family) -> list[Param]:
     """Every parameter of the model in tree order; a leaf the family's table does not know is an error."""
-    by_path = {e.path: e for e in (*names.GLOBAL, names.HEAD, names.SCORE)}
+    by_path = {e.path: e for e in (*names.global_rows(cfg), names.HEAD, names.SCORE)}
     stacks, first = {}, 0
     for stack in blocks.stacks(cfg):  # each unit layer's table (its kinds) and first Hugging Face layer
         stacks[stack.name] = [({e.path: e for e in names.per_layer(family, cfg, layer)}, first + j, len(stack.unit))

@@ -74,7 +74,9 @@ from maxshard.spec.blocks import Layer, main_stack
 from maxshard.model.layers import rope
 from maxshard.spec.model_config import ModelConfig
 
-__all__ = ["Entry", "MIXERS", "GLOBAL", "ATTENTION", "QK_NORM", "MLP_NORM", "SANDWICH_NORMS", "QK_NORM_ALL_HEADS", "PRE_NORMS", "MLP", "HEAD", "SCORE", "IGNORED",
+__all__ = ["Entry", "MIXERS", "GLOBAL", "PER_LAYER_EMBED", "PER_LAYER_INPUT", "LAYER_SCALAR", "global_rows",
+           "ATTENTION", "QK_NORM", "MLP_NORM", "SANDWICH_NORMS", "QK_NORM_ALL_HEADS", "PRE_NORMS", "MLP", "HEAD",
+           "SCORE", "IGNORED",
            "MTP", "MTP_COPIES", "QWEN_MTP", "mtp_rows", "mtp_layer", "mtp_copies", "per_layer", "hf_name",
            "hf_shape", "row_axis", "hf_rows_per_row", "whole_rows", "to_maxshard", "to_hf", "join_parts"]
 
@@ -108,6 +110,19 @@ GLOBAL = (
     Entry("model.embed_tokens.weight", ("token_embed", "embedding"), "same"),
     Entry("model.norm.weight", ("final_norm", "scale"), "same"),
 )
+# Gemma 4's per-layer input embeddings (`per_layer_input_dim`, layers/per_layer_inputs.py): the second table, the
+# projection of the embedded tokens and its norm, then in each layer its gate, projection back and norm
+PER_LAYER_EMBED = (
+    Entry("model.embed_tokens_per_layer.weight", ("per_layer_embed", "table", "embedding"), "same"),
+    Entry("model.per_layer_model_projection.weight", ("per_layer_embed", "projection", "kernel"), "linear"),
+    Entry("model.per_layer_projection_norm.weight", ("per_layer_embed", "norm", "scale"), "same"),
+)
+PER_LAYER_INPUT = (
+    Entry("model.layers.{i}.per_layer_input_gate.weight", ("per_layer_input", "gate", "kernel"), "linear"),
+    Entry("model.layers.{i}.per_layer_projection.weight", ("per_layer_input", "out", "kernel"), "linear"),
+    Entry("model.layers.{i}.post_per_layer_input_norm.weight", ("per_layer_input", "norm", "scale"), "same"),
+)
+LAYER_SCALAR = Entry("model.layers.{i}.layer_scalar", ("layer_scalar",), "same")  # Gemma 4 (`layer_scalar`)
 HEAD = Entry("lm_head.weight", ("logits", "kernel"), "linear")  # absent with tie_word_embeddings
 SCORE = Entry("score.weight", ("score", "kernel"), "linear")  # a reward model's head ([1, embed]; `score_head`)
 # Each layer's rows, in Hugging Face's order: attention (with q/k norms in qk_norm families), then the MLP's norm
@@ -237,7 +252,10 @@ def _grouped_attention(family: Family, cfg: ModelConfig, layer: Layer) -> tuple[
         tail = rope.rotary_dim(cfg)
         attention = tuple(dataclasses.replace(e, rope_tail=tail) if e.path[1] in ("query", "key") else e
                           for e in ATTENTION)
-    return (*attention, *qk_norm)
+    rows = (*attention, *qk_norm)
+    if layer.kv_shared:  # Gemma 4: it reuses an earlier layer's keys and values, so it has no projections for them
+        return tuple(e for e in rows if e.path[1] not in ("key", "value", "key_norm"))
+    return rows
 
 
 def _cut(hf: str, scope: str, cuts: tuple[tuple[str, int, int], ...], width: int, layout: str = "linear",
@@ -302,8 +320,15 @@ def per_layer(family: Family, cfg: ModelConfig, layer: Layer) -> tuple[Entry, ..
     attention = mixer(family, cfg, layer)
     mlp = (_fused_moe(family, cfg) if family.fused_experts else _moe(family, cfg)) if layer.routed else _mlp(family)
     norms = SANDWICH_NORMS if family.keys.get("post_norms") else (MLP_NORM,)
-    rows = (*attention, *_attention_extras(cfg, family), *norms, *mlp)
+    rows = (*attention, *_attention_extras(cfg, family), *norms, *mlp,
+            *(PER_LAYER_INPUT if cfg.per_layer_input_dim else ()), *((LAYER_SCALAR,) if cfg.layer_scalar else ()))
     return rows if cfg.pre_norms else tuple(e for e in rows if e.path not in PRE_NORMS)
+
+
+def global_rows(cfg: ModelConfig) -> tuple[Entry, ...]:
+    """The tensors outside the layers before the head: the embedding (and Gemma 4's per-layer embedding rows)
+    first, the final norm last."""
+    return (GLOBAL[0], *(PER_LAYER_EMBED if cfg.per_layer_input_dim else ()), *GLOBAL[1:])
 
 
 # A multi-token prediction module (layers/mtp.py, DeepSeek-V3's `num_nextn_predict_layers`) is Hugging Face's layer

@@ -82,7 +82,8 @@ def _order(params: list[layout.Param], family: Family, cfg: ModelConfig
     """Every Hugging Face tensor as (parameter, index), in Hugging Face's usual order: embeddings, each layer's
     tensors (each expert's inside its layer), final norm, head."""
     by_entry = {(p.stack, p.first, p.entry): p for p in params}
-    order = [(by_entry["", 0, e], ()) for e in names.GLOBAL[:1]]
+    rows = names.global_rows(cfg)
+    order = [(by_entry["", 0, e], ()) for e in rows[:-1]]
     i = 0
     for stack in blocks.stacks(cfg):
         for r in range(stack.repeats):
@@ -101,7 +102,7 @@ def _order(params: list[layout.Param], family: Family, cfg: ModelConfig
             if not (entry.part and entry.part[0]):
                 param = by_entry[module, at, entry]
                 order += [(param, (at, e)) for e in range(param.shape[0])] if entry.per_expert else [(param, (at,))]
-    return order + [(by_entry["", 0, e], ()) for e in (*names.GLOBAL[1:], names.HEAD, names.SCORE)
+    return order + [(by_entry["", 0, e], ()) for e in (rows[-1], names.HEAD, names.SCORE)
                    if ("", 0, e) in by_entry]
 
 

@@ -1,0 +1,139 @@
+"""Gemma 4 text through the Hugging Face converter: logits and greedy tokens equal transformers', layouts equal one
+device, the round trip is bit for bit.
+
+The fixture (tests/fixtures/gemma4/gemma4, tools/make_gemma4_fixtures.py with transformers 5.24) has 8 layers
+alternating sliding (window 4) and full attention; per-layer input embeddings of 8 features a layer; the last 4
+layers reuse the keys and values of the last earlier layer of their kind and have no K/V projections; q/k norms,
+a value norm without a scale, softmax scale 1, proportional RoPE in the full layers, a fixed scalar a layer drawn
+away from 1, logits soft-capped at 15. The 12 reference tokens cross the window twice.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_convert import (TOLERANCE, apply, exports_bit_for_bit, family_fixtures, greedy_tokens_equal_transformers,
+                          layout_matches_one_device, logits_match_transformers)
+
+from maxshard.convert import hf_config, layout
+from maxshard.errors import ConfigError
+from maxshard.run import loading
+from maxshard.spec import blocks
+from maxshard.training.step import Trainer
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "gemma4"
+SOURCE = FIXTURES / "gemma4"
+EXTRA = ("remat_policy=full",)  # the function is under test, which no remat policy changes
+
+
+converted, one_device = family_fixtures(SOURCE, *EXTRA)
+
+
+def reference() -> tuple[np.ndarray, np.ndarray]:
+    return np.load(SOURCE / "tokens.npy"), np.load(SOURCE / "logits.npy")
+
+
+# --------------------------------------------------------------------------------------------- import
+
+
+def test_logits_match_transformers(one_device):
+    logits_match_transformers(one_device, SOURCE)
+
+
+def test_keys_stacks_and_tensors_are_the_checkpoints():
+    """The per-layer inputs, KV sharing, value norm, layer scalar and proportional RoPE are read from config.json;
+    the decoder is 2 layers of its own, the 2 whose keys and values the last 4 reuse, then those 4, which have no
+    K/V tensors."""
+    keys = hf_config.model_keys(hf_config.read(str(SOURCE)))
+    assert (keys["per_layer_input_dim"], keys["per_layer_vocab_size"], keys["kv_shared_layers"], keys["value_norm"],
+            keys["layer_scalar"], keys["rope_proportion"], keys["query_pre_attn_scalar"],
+            keys["rope_local_max_timescale"], keys["rope_max_timescale"]) == (8, 128, 4, True, True, 0.5, 1.0,
+                                                                             10000.0, 1000000.0)
+    cfg = layout.model_config(keys)
+    assert [(s.name, len(s.unit), s.repeats, s.gives_kv, s.reuses_kv) for s in blocks.stacks(cfg)] == [
+        ("layers", 2, 1, False, False), ("kv_layers", 2, 1, True, False), ("shared_layers", 2, 2, False, True)]
+    family = hf_config.family({"architectures": ["Gemma4ForCausalLM"]})
+    params = layout.params_of(cfg, family)
+    shared = {p.entry.hf for p in params if p.path[1] == "shared_layers"}
+    assert "model.layers.{i}.self_attn.q_proj.weight" in shared
+    assert not shared & {"model.layers.{i}.self_attn.k_proj.weight", "model.layers.{i}.self_attn.v_proj.weight",
+                         "model.layers.{i}.self_attn.k_norm.weight"}
+    assert {"model.embed_tokens_per_layer.weight", "model.per_layer_model_projection.weight",
+            "model.layers.{i}.per_layer_input_gate.weight", "model.layers.{i}.layer_scalar"} <= {
+        p.entry.hf for p in params}
+
+
+@pytest.mark.parametrize("key,value", [("per_layer_input_dim", 0), ("value_norm", False),
+                                       ("layer_scalar", False), ("rope_proportion", 1.0)])
+def test_each_gemma4_piece_is_needed_for_those_logits(one_device, key, value):
+    """Without the per-layer inputs, the value norm, the layer scalars or proportional RoPE the logits move far
+    beyond the tolerance (the parameters a piece adds dropped). KV sharing is the checkpoint's shape: the shared
+    layers have no K/V tensors to compute without it."""
+    trainer, state = one_device
+    tokens, want = reference()
+    changed = Trainer(loading.replace(trainer.cfg, **{key: value}), trainer.mesh)
+    params = _without(state.params, key)
+    assert np.max(np.abs(apply(changed, params, tokens) - want)) > 100 * TOLERANCE
+
+
+def _without(params, key: str):
+    """params without the parameters a piece adds (per-layer inputs, layer scalars); as they are otherwise."""
+    from flax import traverse_util
+
+    drop = {"per_layer_input_dim": ("per_layer_embed", "per_layer_input"), "layer_scalar": ("layer_scalar",)}
+    flat = traverse_util.flatten_dict(params)
+    return traverse_util.unflatten_dict({k: v for k, v in flat.items() if not set(drop.get(key, ())) & set(k)})
+
+
+def test_greedy_generation_gives_transformers_tokens(converted, tmp_path):
+    """transformers' 16 greedy tokens past several window boundaries: the KV-shared layers attend over the cache of
+    the layer they reuse (a ring of the window for the sliding ones), with no cache of their own."""
+    assert json.loads((SOURCE / "generate.json").read_text())["max_new_tokens"] == 16
+    greedy_tokens_equal_transformers(converted, SOURCE, tmp_path, *EXTRA)
+
+
+def test_restores_under_tensor_and_fsdp_with_one_devices_logits(converted, one_device, tmp_path):
+    """tensor=2 x fsdp=4: the heads over tensor, the per-layer table and projection over fsdp and tensor; equal to
+    one device within 1e-5 and to transformers within 1e-4. Gradients under fsdp x tensor, context and sequence:
+    tests/test_kv_sharing.py."""
+    layout_matches_one_device(converted, one_device, SOURCE, tmp_path, "ici_tensor_parallelism=2",
+                              "ici_fsdp_parallelism=4", *EXTRA)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("attention_k_eq_v", True, "attention_k_eq_v=true is not supported"),
+    ("enable_moe_block", True, "enable_moe_block=true is not supported"),
+    ("per_layer_config", {"1": {"head_dim": 16}}, r"per_layer_config.1.head_dim=16 is not supported"),
+    ("use_bidirectional_attention", "all", "use_bidirectional_attention=\"all\" is not supported"),
+])
+def test_what_maxshard_cannot_compute_is_one_line(field, value, message):
+    with pytest.raises(ConfigError, match=message):
+        hf_config.model_keys({**hf_config.read(str(SOURCE)), field: value})
+
+
+def test_a_release_without_per_layer_config_has_global_heads_of_512():
+    """Without per_layer_config transformers gives the full layers global_head_dim (512 by default): refused
+    unless it is head_dim."""
+    source = {k: v for k, v in hf_config.read(str(SOURCE)).items() if k != "per_layer_config"}
+    with pytest.raises(ConfigError, match="global_head_dim=512 is not supported"):
+        hf_config.model_keys(source)
+    assert hf_config.model_keys({**source, "global_head_dim": 8}) == hf_config.model_keys(hf_config.read(str(SOURCE)))
+
+
+# --------------------------------------------------------------------------------------------- export
+
+
+def test_round_trip_is_bit_identical(converted, tmp_path):
+    exported, original = exports_bit_for_bit(converted, SOURCE, tmp_path)
+    for field in ("architectures", "model_type", "layer_types", "num_kv_shared_layers", "hidden_size_per_layer_input",
+                  "vocab_size_per_layer_input", "rope_parameters", "per_layer_config"):
+        assert exported[field] == original[field], field
+
+
+def test_export_without_a_template_is_gemma4():
+    keys = hf_config.model_keys(hf_config.read(str(SOURCE)))
+    exported = hf_config.to_hf(keys, "float32")
+    assert exported["architectures"] == ["Gemma4ForCausalLM"] and hf_config.model_keys(exported) == keys

@@ -1,0 +1,76 @@
+"""Writes tests/fixtures/gemma4/: a tiny random Gemma 4 text model and what transformers computes for it.
+
+Run once, by hand, in the reference venv (torch and transformers are never dependencies of maxshard or its CI):
+
+    /work/refvenv/bin/python tools/make_gemma4_fixtures.py [NAME ...]
+
+  gemma4       Gemma4ForCausalLM (model_type gemma4_text), width 32, 8 layers alternating sliding (window 4) and
+               full attention; per-layer input embeddings of 8 features a layer; the last 4 layers reuse the keys
+               and values of the last earlier layer of their type (num_kv_shared_layers) and have no K/V
+               projections; q/k norms with a scale, a value norm without one, softmax scale 1; sandwich norms
+               that multiply by their weight; a scalar a layer (the layer_scalar buffer, drawn away from 1); the
+               full layers' proportional RoPE (half of each head's pairs rotate, the base 1e6 over the whole head);
+               logits soft-capped at 15; tied head, float32, a byte-level BPE Qwen-style tokenizer;
+               generate.json: 16 greedy tokens, past several window boundaries.
+  defaults/    Gemma4TextConfig's config.json at transformers' defaults.
+
+The model directory holds what `save_pretrained` writes plus tokens.npy (int32 [2, 12]) and logits.npy (float32
+[2, 12, vocab], positions 0..11, no padding). Weights are redrawn larger than transformers' init (std 0.15, norms
+1 +- 0.1), so every piece moves the logits.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import torch
+from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from make_hf_fixtures import family_fixture, fresh, redraw, run_builders  # noqa: E402
+
+OUT = pathlib.Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "gemma4"
+SHAPE = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=8, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=8, global_head_dim=8, max_position_embeddings=256,
+             layer_types=["sliding_attention", "full_attention"] * 4, sliding_window=4,
+             final_logit_softcapping=15.0, hidden_size_per_layer_input=8, vocab_size_per_layer_input=128,
+             num_kv_shared_layers=4, rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=None,
+             eos_token_id=0, pad_token_id=0,
+             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                              "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5,
+                                                 "rope_theta": 1000000.0}})
+
+
+def layer_scalars(model: torch.nn.Module, seed: int) -> None:
+    """Each layer's layer_scalar buffer 0.5 .. 1.5: a buffer, so `redraw` leaves it at 1, where it would not be
+    checked."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.layer_scalar.copy_(0.5 + torch.rand(1, generator=gen))
+
+
+def gemma4() -> None:
+    """The model's weights redrawn, its reference logits, its files, a tokenizer and 16 greedy tokens."""
+    model = Gemma4ForCausalLM(Gemma4TextConfig(**SHAPE)).eval()
+    directory = fresh(OUT / "gemma4")
+    redraw(model, seed=79, bf16=False)
+    layer_scalars(model, seed=75)
+    family_fixture(model, directory)
+
+
+def defaults() -> None:
+    directory = fresh(OUT / "defaults")
+    (directory / "gemma4_text.json").write_text(Gemma4TextConfig().to_json_string())
+
+
+BUILDERS = {"gemma4": gemma4, "defaults": defaults}
+
+
+def main(names: list[str]) -> None:
+    run_builders(BUILDERS, OUT, names)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
