@@ -15,8 +15,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_convert import (TOLERANCE, apply, exports_bit_for_bit, family_fixtures, greedy_tokens_equal_transformers,
-                          layout_matches_one_device, logits_match_transformers)
+from test_convert import (TOLERANCE, apply, cli, exports_bit_for_bit, family_fixtures,
+                          greedy_tokens_equal_transformers, layout_matches_one_device, logits_match_transformers,
+                          read_all, training_keys)
 
 from maxshard.convert import hf_config, layout
 from maxshard.errors import ConfigError
@@ -121,6 +122,22 @@ def test_a_release_without_per_layer_config_has_global_heads_of_512():
     with pytest.raises(ConfigError, match="global_head_dim=512 is not supported"):
         hf_config.model_keys(source)
     assert hf_config.model_keys({**source, "global_head_dim": 8}) == hf_config.model_keys(hf_config.read(str(SOURCE)))
+
+
+def test_the_multimodal_release_converts_its_language_model(converted, tmp_path, capsys):
+    """Gemma4ForConditionalGeneration, as Google publishes Gemma 4 (the language model under
+    model.language_model.*, a vision tower and its embedder beside it; tests/fixtures/gemma4/gemma4_mm), around
+    gemma4's text model: from_hf converts the language model to gemma4's keys and parameters and says what it left
+    out; to_hf writes Gemma4ForCausalLM whose tensors are gemma4's bit for bit."""
+    out = tmp_path / "mm"
+    assert cli.main(["from_hf", str(FIXTURES / "gemma4_mm"), str(out)]) == 0
+    assert "Gemma4ForConditionalGeneration: converting its language model as Gemma4ForCausalLM" in (
+        capsys.readouterr().err)
+    assert training_keys(out) == training_keys(converted)
+    assert cli.main(["to_hf", str(out / "checkpoints" / "0"), str(tmp_path / "hf")]) == 0
+    back, text = read_all(tmp_path / "hf"), read_all(SOURCE)
+    assert sorted(back) == sorted(text) and all(back[k].tobytes() == v.tobytes() for k, v in text.items())
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["Gemma4ForCausalLM"]
 
 
 # --------------------------------------------------------------------------------------------- export

@@ -12,6 +12,8 @@ Run once, by hand, in the reference venv (torch and transformers are never depen
                full layers' proportional RoPE (half of each head's pairs rotate, the base 1e6 over the whole head);
                logits soft-capped at 15; tied head, float32, a byte-level BPE Qwen-style tokenizer;
                generate.json: 16 greedy tokens, past several window boundaries.
+  gemma4_mm/   gemma4's text model inside Gemma4ForConditionalGeneration (a 1-layer vision tower beside it, no
+               audio tower), as Google publishes Gemma 4: the same weights, so the same text-only logits.
   defaults/    Gemma4TextConfig's config.json at transformers' defaults.
 
 The model directory holds what `save_pretrained` writes plus tokens.npy (int32 [2, 12]) and logits.npy (float32
@@ -22,13 +24,15 @@ The model directory holds what `save_pretrained` writes plus tokens.npy (int32 [
 from __future__ import annotations
 
 import pathlib
+import shutil
 import sys
 
+import numpy as np
 import torch
-from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+from transformers import Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4TextConfig
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from make_hf_fixtures import family_fixture, fresh, redraw, run_builders  # noqa: E402
+from make_hf_fixtures import family_fixture, fresh, redraw, reference, run_builders  # noqa: E402
 
 OUT = pathlib.Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "gemma4"
 SHAPE = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=8, num_attention_heads=4,
@@ -60,12 +64,35 @@ def gemma4() -> None:
     family_fixture(model, directory)
 
 
+def gemma4_multimodal() -> None:
+    """gemma4's text model in the multimodal wrapper, which holds it as model.language_model.*."""
+    text = Gemma4ForCausalLM.from_pretrained(OUT / "gemma4", dtype=torch.float32).eval()
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=8, patch_size=4, position_embedding_size=64, pooling_kernel_size=2)
+    text_config = {k: v for k, v in text.config.to_dict().items() if k not in ("architectures", "_name_or_path")}
+    model = Gemma4ForConditionalGeneration(Gemma4Config(text_config=text_config, vision_config=vision,
+                                                        audio_config=None)).eval()
+    with torch.no_grad():
+        model.model.language_model.load_state_dict(
+            {k.removeprefix("model."): v for k, v in text.state_dict().items() if k.startswith("model.")})
+    directory = fresh(OUT / "gemma4_mm")
+    logits = reference(model, directory)
+    np.testing.assert_allclose(logits, np.load(OUT / "gemma4" / "logits.npy"), rtol=0, atol=1e-5)  # same model
+    model.save_pretrained(directory)
+    reloaded = Gemma4ForConditionalGeneration.from_pretrained(directory, dtype=torch.float32).eval()
+    for name, tensor in text.state_dict().items():  # what was saved is the text model, under the wrapper
+        if name.startswith("model."):
+            assert torch.equal(reloaded.model.language_model.state_dict()[name.removeprefix("model.")], tensor), name
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copyfile(OUT / "gemma4" / name, directory / name)
+
+
 def defaults() -> None:
     directory = fresh(OUT / "defaults")
     (directory / "gemma4_text.json").write_text(Gemma4TextConfig().to_json_string())
 
 
-BUILDERS = {"gemma4": gemma4, "defaults": defaults}
+BUILDERS = {"gemma4": gemma4, "gemma4_mm": gemma4_multimodal, "defaults": defaults}
 
 
 def main(names: list[str]) -> None:

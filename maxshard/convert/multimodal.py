@@ -2,7 +2,8 @@
 
 Qwen3.5 (`Qwen3_5ForConditionalGeneration`, `Qwen3_5MoeForConditionalGeneration`) is published the same way, its
 language model under `model.language_model.*` beside the vision tower's `model.visual.*`; Llama 4
-(`Llama4ForConditionalGeneration`) under `language_model.*` beside `vision_model.*` and `multi_modal_projector.*`.
+(`Llama4ForConditionalGeneration`) under `language_model.*` beside `vision_model.*` and `multi_modal_projector.*`;
+Gemma 4 (`Gemma4ForConditionalGeneration`) under `model.language_model.*` beside its vision and audio towers.
 
 Google publishes Gemma 3 4B, 12B and 27B as `Gemma3ForConditionalGeneration`: config.json nests the language
 model's fields in `text_config` (sparse, transformers' Gemma3TextConfig defaults filling the rest) beside a vision
@@ -46,6 +47,11 @@ WRAPPERS = (
     Wrapper("Llama4ForConditionalGeneration", "Llama4ForCausalLM",
             renames=(("language_model.model.", "model."), ("language_model.lm_head.", "lm_head.")),
             left_out=("vision_model.", "multi_modal_projector.")),
+    # Gemma 4 as Google publishes it: the language model under model.language_model.*, the vision and audio towers
+    # and their embedders beside it (the head tied to the embedding)
+    Wrapper("Gemma4ForConditionalGeneration", "Gemma4ForCausalLM",
+            renames=(("model.language_model.", "model."), ("lm_head.", "lm_head.")),
+            left_out=("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")),
     # Qwen3.5 (dense and MoE) as Qwen publishes it: the language model under model.language_model.*, the vision
     # tower under model.visual.*; the multi-token prediction head (mtp.*) passes to the text family, which leaves
     # it out as transformers does
