@@ -3,7 +3,8 @@ device, the round trip is bit for bit.
 
 The fixture (tests/fixtures/gemma4/gemma4, tools/make_gemma4_fixtures.py with transformers 5.24) has 8 layers
 alternating sliding (window 4) and full attention; per-layer input embeddings of 8 features a layer; the last 4
-layers reuse the keys and values of the last earlier layer of their kind and have no K/V projections; q/k norms,
+layers reuse the keys and values of the last earlier layer of their kind and have no K/V projections; the full
+layers' heads are 16 wide beside the sliding layers' 8 (global_head_dim, per_layer_config); q/k norms,
 a value norm without a scale, softmax scale 1, proportional RoPE in the full layers, a fixed scalar a layer drawn
 away from 1, logits soft-capped at 15. The 12 reference tokens cross the window twice.
 """
@@ -107,7 +108,9 @@ def test_restores_under_tensor_and_fsdp_with_one_devices_logits(converted, one_d
 @pytest.mark.parametrize("field,value,message", [
     ("attention_k_eq_v", True, "attention_k_eq_v=true is not supported"),
     ("enable_moe_block", True, "enable_moe_block=true is not supported"),
-    ("per_layer_config", {"1": {"head_dim": 16}}, r"per_layer_config.1.head_dim=16 is not supported"),
+    ("per_layer_config", {"0": {"head_dim": 16}}, "per_layer_config.0=.* maxshard's sliding_attention layers share"),
+    ("per_layer_config", {"1": {"head_dim": 16}}, "the full_attention layers 2 head shapes"),
+    ("per_layer_config", {str(i): {"sliding_window": 2} for i in range(1, 8, 2)}, r"per_layer_config.1=\["),
     ("use_bidirectional_attention", "all", "use_bidirectional_attention=\"all\" is not supported"),
 ])
 def test_what_maxshard_cannot_compute_is_one_line(field, value, message):
@@ -115,13 +118,16 @@ def test_what_maxshard_cannot_compute_is_one_line(field, value, message):
         hf_config.model_keys({**hf_config.read(str(SOURCE)), field: value})
 
 
-def test_a_release_without_per_layer_config_has_global_heads_of_512():
-    """Without per_layer_config transformers gives the full layers global_head_dim (512 by default): refused
-    unless it is head_dim."""
+def test_the_full_layers_head_shape_comes_from_per_layer_config_or_global_head_dim():
+    """The fixture's full layers have heads 16 wide beside the sliding layers' 8 (transformers wrote them as
+    per_layer_config): global_head_dim=16. Without per_layer_config transformers gives the full layers
+    global_head_dim, 512 when the file has none either; equal to head_dim, no key."""
+    keys = hf_config.model_keys(hf_config.read(str(SOURCE)))
+    assert (keys["head_dim"], keys["global_head_dim"], keys.get("global_num_kv_heads")) == (8, 16, None)
     source = {k: v for k, v in hf_config.read(str(SOURCE)).items() if k != "per_layer_config"}
-    with pytest.raises(ConfigError, match="global_head_dim=512 is not supported"):
-        hf_config.model_keys(source)
-    assert hf_config.model_keys({**source, "global_head_dim": 8}) == hf_config.model_keys(hf_config.read(str(SOURCE)))
+    assert hf_config.model_keys(source)["global_head_dim"] == 512
+    assert hf_config.model_keys({**source, "global_head_dim": 16}) == keys
+    assert "global_head_dim" not in hf_config.model_keys({**source, "global_head_dim": 8})
 
 
 def test_the_multimodal_release_converts_its_language_model(converted, tmp_path, capsys):

@@ -1,10 +1,12 @@
 """Gemma 4's layer pieces at the model's seams: KV-shared layers, per-layer input embeddings, the value norm, the
-fixed layer scalar and proportional RoPE (their numbers against transformers: tests/test_convert_gemma4.py).
+fixed layer scalar, proportional RoPE and the global layers' own head shape (their numbers against transformers:
+tests/test_convert_gemma4.py).
 
-A tiny model of them (`GEMMA4`: 3 units of a sliding and a full layer, the last unit reusing the keys and values
-of the unit before it) has one device's loss and gradients under fsdp x tensor, context x fsdp and sequence x fsdp
-on a packed batch, and unrolled as scanned; the shared layers hold no key/value parameters and no cache; the FLOP
-inventory is the real model's kernels; the keys refuse what they cannot mean in one line.
+A tiny model of them (`GEMMA4`: 3 units of a sliding and a full layer, the full layers' heads twice as wide and
+half as many key/value heads, the last unit reusing the keys and values of the unit before it) has one device's
+loss and gradients under fsdp x tensor, context x fsdp and sequence x fsdp on a packed batch, and unrolled as
+scanned; the shared layers hold no key/value parameters and no cache; the FLOP inventory is the real model's
+kernels; the keys refuse what they cannot mean in one line.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ GEMMA4 = ("num_layers=6", "layer_types=" + ",".join(["sliding_attention", "full_
           "kv_shared_layers=2", "per_layer_input_dim=16", "value_norm=true", "layer_scalar=true", "qk_norm=true",
           "post_norms=true", "embed_scale=true", "rope_proportion=0.5",
           "rope_local_max_timescale=10000", "rope_max_timescale=1000000", "mlp_activation=gelu_tanh",
-          "attention=dot_product")
+          "global_head_dim=16", "global_num_kv_heads=4", "attention=dot_product")
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +90,9 @@ def test_shared_layers_have_no_key_value_parameters_or_cache(one_device) -> None
     shared = one_device[1]["decoder"]["shared_layers"]
     for layer in ("layer_0", "layer_1"):
         assert sorted(shared[layer]["attention"]) == ["out", "query", "query_norm"]
+    own = one_device[1]["decoder"]["kv_layers"]  # [repeats, embed, kv heads, head width]: the global layer's own
+    assert [own[f"layer_{i}"]["attention"]["key"]["kernel"].shape[-2:] for i in (0, 1)] == [(8, 8), (4, 16)]
+    assert shared["layer_1"]["attention"]["query"]["kernel"].shape[-2:] == (8, 16)
     params = model.abstract_params(cfg)
     cache = model.abstract_cache(cfg, params, batch=2, length=16)
     assert sorted(cache["decoder"]) == ["kv_layers", "layers"]
@@ -104,7 +109,9 @@ def test_matmul_params_are_the_kernels_of_the_real_model(one_device) -> None:
 
 
 def test_proportional_rope_turns_the_first_share_of_the_pairs_at_whole_head_frequencies(one_device) -> None:
-    cfg = one_device[0].model
+    """In the global layers, at their own head width (global_head_dim=16, the local layers' 8)."""
+    cfg = blocks.mixer_config(one_device[0].model, blocks.layers(one_device[0].model)[1])
+    assert (cfg.head_dim, cfg.num_kv_heads) == (16, 4)
     freqs = rope.frequencies_for(cfg)
     half = cfg.head_dim // 2
     np.testing.assert_allclose(freqs[:half // 2], rope.inverse_frequencies(cfg.head_dim, 1e6)[:half // 2])

@@ -97,6 +97,8 @@ PROBES = {
     "per_layer_vocab_size": ({"per_layer_input_dim": 8}, 4),
     "layer_scalar": ({}, True),
     "rope_proportion": ({}, 0.5),
+    "global_head_dim": ({"sliding_window": 4, "attention_pattern": ("local", "global")}, 16),
+    "global_num_kv_heads": ({"sliding_window": 4, "attention_pattern": ("local", "global")}, 4),
 }
 
 

@@ -72,6 +72,21 @@ def check_local_global(cfg: Config) -> None:
         raise ConfigError(f"swiglu_limit and swiglu_alpha must be > 0, got {cfg.swiglu_limit} and {cfg.swiglu_alpha}")
 
 
+def check_global_heads(cfg: Config) -> None:
+    """The global layers' own head shape (Gemma 4): grouped-query attention, whole groups of query heads, an even
+    width under RoPE."""
+    width, kv_heads = cfg.global_head_dim, cfg.global_num_kv_heads
+    if not (width or kv_heads):
+        return
+    if mixer_kinds.latent(cfg.attention_type):
+        raise ConfigError(f"global_head_dim={width}, global_num_kv_heads={kv_heads} shape grouped-query heads: set "
+                          "attention_type=gqa or both to 0")
+    if kv_heads and cfg.num_heads % kv_heads:
+        raise ConfigError(f"global_num_kv_heads={kv_heads} must divide num_heads={cfg.num_heads} (0: num_kv_heads)")
+    if width % 2:
+        raise ConfigError(f"global_head_dim={width} must be even (RoPE rotates pairs; 0: head_dim)")
+
+
 def _check_local_spelling(cfg: Config) -> None:
     """A layer_types entry that says how its layer is local (sliding_attention, chunked_attention) agrees with the
     key that is set."""

@@ -45,6 +45,7 @@ def check_ranges(cfg: Config) -> Config:
     attention_ranges.check_layer_types(cfg)
     attention_ranges.check_local_global(cfg)
     attention_ranges.check_positions(cfg)
+    attention_ranges.check_global_heads(cfg)
     layer_sharing_ranges.check_kv_sharing(cfg)
     layer_sharing_ranges.check_per_layer_inputs(cfg)
     layer_sharing_ranges.check_rope_proportion(cfg)
@@ -328,6 +329,8 @@ _POSITIVE_INTS = {
     "num_heads": 1,
     "num_kv_heads": 1,
     "head_dim": 1,
+    "global_head_dim": 0,
+    "global_num_kv_heads": 0,
     "q_lora_rank": 0,
     "kv_lora_rank": 1,
     "qk_nope_head_dim": 1,

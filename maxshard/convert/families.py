@@ -93,8 +93,8 @@ class Family:
         attention_chunk_size, the NoPE temperature and use_qk_norm become the Llama 4 keys (hf_positions.py).
     rotary_dim_field: a config.json field giving RoPE's share of each head as a number of features (MiniMax-M2's
         released rotary_dim, which transformers reads as rotary_dim / head_dim) where partial_rotary_factor is absent.
-    per_layer_dims: config.json may give some layers other head shapes (Gemma 4's per_layer_config,
-        global_head_dim), accepted where they equal the others' (hf_layer_dims.py).
+    per_layer_dims: config.json may give the full-attention layers a head shape of their own (Gemma 4's
+        per_layer_config, global_head_dim): global_head_dim and global_num_kv_heads (hf_layer_dims.py).
     """
 
     architecture: str
@@ -346,7 +346,8 @@ FAMILIES += (
            local_base_default=10000.0, per_layer_dims=True,
            must_equal={"attention_k_eq_v": False, "enable_moe_block": False, "use_double_wide_mlp": False},
            carries=("sliding_window", "attention_pattern", "rope_local_max_timescale", "final_logit_softcapping",
-                    "rope_proportion", "kv_shared_layers", "per_layer_input_dim", "per_layer_vocab_size"),
+                    "rope_proportion", "kv_shared_layers", "per_layer_input_dim", "per_layer_vocab_size",
+                    "global_head_dim", "global_num_kv_heads"),
            null_when_zero=("final_logit_softcapping",), export={"attention_bias": False}),
 )
 

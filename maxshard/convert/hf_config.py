@@ -43,7 +43,8 @@ LAYER_OPTIONS = ("sliding_window", "attention_pattern", "rope_local_max_timescal
                  "attention_output_gate", "partial_rotary_factor", "shared_expert_gate", "layer_types",
                  "pre_norms", "qk_norm_all_heads", "attention_chunk_size", "rope_layers", "nope_temperature_scale",
                  "qk_l2_norm", "moe_weights_on_input", "rope_proportion", "value_norm", "kv_shared_layers",
-                 "per_layer_input_dim", "per_layer_vocab_size", "layer_scalar")
+                 "per_layer_input_dim", "per_layer_vocab_size", "layer_scalar", "global_head_dim",
+                 "global_num_kv_heads")
 # The hybrids' (Qwen3-Next, Qwen3.5) layer_types without the field: transformers' rule, every n-th layer full
 # attention (config.json's full_attention_interval, default 4), the others linear attention, in config.json's words
 HYBRID_INTERVAL = ("full_attention_interval", 4)
@@ -130,8 +131,6 @@ def _check_representable(hf: Mapping[str, Any], fam: Family) -> None:
         kinds = sorted(set(hf.get("layer_types") or ["full_attention"]) - {"full_attention"})
         if kinds:
             raise _refuse("layer_types", kinds, "maxshard attends over the whole context in every layer")
-    if fam.per_layer_dims:
-        hf_layer_dims.check(hf)
     for field, value in fam.must_equal.items():
         if field in hf and hf[field] != value:
             raise _refuse(field, hf[field], f"maxshard converts {fam.architecture} only with {field}={value}")
@@ -306,6 +305,7 @@ def model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
         **(hf_local_global.pattern_keys(hf, fam) if fam.local_global else {}),
         **({"layer_types": hybrid_layer_types(hf)} if fam.linear_attention else {}),
         **(hf_positions.model_keys(hf) if fam.per_layer_positions else {}),
+        **(hf_layer_dims.model_keys(hf, hf_local_global.types_of(hf, fam)) if fam.per_layer_dims else {}),
         **({"partial_rotary_factor": rot} if (rot := partial_rotary(hf, fam)) != 1 else {}),
         **({"score_head": True} if _score_head(hf) else {}),
     }
@@ -452,7 +452,7 @@ def to_hf(keys: Mapping[str, Any], dtype: str, template: Mapping[str, Any] | Non
     if fam.qk_norm_field:
         out[fam.qk_norm_field] = bool(keys.get("qk_norm", False))
     if fam.per_layer_dims:
-        out.update(hf_layer_dims.export_fields())
+        out.update(hf_layer_dims.export_fields(keys, hf_local_global.layer_types(keys)))
     if "partial_rotary_factor" in fam.carries:  # 4.x spelling, beside rope_theta; transformers 5 reads it too
         out["partial_rotary_factor"] = keys.get("partial_rotary_factor", 1.0)
     if scoring:  # one label, as transformers writes num_labels

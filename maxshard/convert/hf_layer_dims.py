@@ -1,53 +1,71 @@
-"""config.json's per-layer head shapes (Gemma 4): maxshard's attention layers share one head_dim and one number of
-key/value heads, so a checkpoint whose full-attention layers have others is refused with the field that says so.
+"""config.json's per-layer head shapes (Gemma 4): the full-attention layers may have a head width and key/value
+heads of their own, which become `global_head_dim` and `global_num_kv_heads` (spec/blocks.py `mixer_config`).
 
 transformers' Gemma4TextConfig gives the full-attention layers `global_head_dim` (512 when the file has no such
-field) and `num_global_key_value_heads` (with `attention_k_eq_v`), unless the file carries `per_layer_config`, which
-then says each layer's overrides by index and wins; transformers writes that field on save.
+field) and, with `attention_k_eq_v`, `num_global_key_value_heads`, unless the file carries `per_layer_config`,
+which then says each layer's overrides by index and wins; transformers writes that field on save. maxshard's
+layers take one shape for the sliding layers and one for the full ones, so overrides are accepted where every full
+layer has the same ones and no sliding layer has any; anything else is refused with the field that says so.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from maxshard.convert.hf_local_global import GLOBAL
 from maxshard.errors import ConfigError
 
-__all__ = ["GLOBAL_HEAD_DIM_DEFAULT", "check", "export_fields"]
+__all__ = ["GLOBAL_HEAD_DIM_DEFAULT", "model_keys", "export_fields"]
 
 GLOBAL_HEAD_DIM_DEFAULT = 512  # Gemma4TextConfig's global_head_dim when config.json has neither field
+_SHAPES = {"head_dim": "global_head_dim", "num_key_value_heads": "global_num_kv_heads"}
 
 
-def check(hf: Mapping[str, Any]) -> None:
-    """A ConfigError naming the field whose per-layer head shape differs from head_dim / num_key_value_heads."""
+def model_keys(hf: Mapping[str, Any], types: Sequence[str]) -> dict[str, Any]:
+    """global_head_dim and global_num_kv_heads where the full layers (`types`: each layer's type) have another head
+    shape than head_dim / num_key_value_heads; a ConfigError naming the field a shape maxshard cannot take."""
     head_dim, kv_heads = hf["head_dim"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
     overrides = hf.get("per_layer_config")
     if overrides is None:
-        wanted = {"global_head_dim": (hf.get("global_head_dim", GLOBAL_HEAD_DIM_DEFAULT), head_dim)}
+        shape = {"head_dim": hf.get("global_head_dim", GLOBAL_HEAD_DIM_DEFAULT)}
         if hf.get("attention_k_eq_v") and hf.get("num_global_key_value_heads") is not None:
-            wanted["num_global_key_value_heads"] = (hf["num_global_key_value_heads"], kv_heads)
-        for field, (value, need) in wanted.items():
-            if value != need:
-                raise _refuse(field, value, f"maxshard's layers share one shape (needs {need}, as the others)")
-        return
+            shape["num_key_value_heads"] = hf["num_global_key_value_heads"]
+    else:
+        shape = _full_layers_shape(overrides, types)
+    base = {"head_dim": head_dim, "num_key_value_heads": kv_heads}
+    return {_SHAPES[field]: value for field, value in shape.items() if value != base[field]}
+
+
+def _full_layers_shape(overrides: Any, types: Sequence[str]) -> dict[str, Any]:
+    """The one set of overrides every full layer has in per_layer_config ({} for none)."""
     if not isinstance(overrides, Mapping):
         raise _refuse("per_layer_config", overrides, "needs a mapping of layer index to overrides")
-    for layer, fields in overrides.items():
-        for field, need in (("head_dim", head_dim), ("num_key_value_heads", kv_heads)):
-            if field in fields and fields[field] != need:
-                raise _refuse(f"per_layer_config.{layer}.{field}", fields[field],
-                              f"maxshard's layers share one shape ({field} {need})")
-        unknown = sorted(set(fields) - {"head_dim", "num_key_value_heads"})
+    shapes = set()
+    for i, kind in enumerate(types):
+        fields = overrides.get(str(i), overrides.get(i, {}))
+        unknown = sorted(set(fields) - set(_SHAPES))
         if unknown:
-            raise _refuse(f"per_layer_config.{layer}", unknown, "maxshard converts head_dim and "
-                          "num_key_value_heads overrides equal to the model's")
+            raise _refuse(f"per_layer_config.{i}", unknown, f"maxshard converts {' and '.join(_SHAPES)} overrides")
+        if kind != GLOBAL and fields:
+            raise _refuse(f"per_layer_config.{i}", fields, f"maxshard's {kind} layers share the model's head shape")
+        if kind == GLOBAL:
+            shapes.add(json.dumps(fields, sort_keys=True))
+    extra = sorted(set(map(str, overrides)) - {str(i) for i in range(len(types))})
+    if extra:
+        raise _refuse("per_layer_config", extra, f"layer indices past num_hidden_layers={len(types)}")
+    if len(shapes) > 1:
+        raise ConfigError(f"config.json: per_layer_config gives the {GLOBAL} layers {len(shapes)} head shapes "
+                          f"({' and '.join(sorted(shapes))}): maxshard's {GLOBAL} layers share one")
+    return json.loads(shapes.pop()) if shapes else {}
 
 
-def export_fields() -> dict[str, Any]:
-    """What to_hf writes so that transformers gives every layer the one shape: no overrides (without the field it
-    would give the full layers GLOBAL_HEAD_DIM_DEFAULT)."""
-    return {"per_layer_config": {}}
+def export_fields(keys: Mapping[str, Any], types: Sequence[str]) -> dict[str, Any]:
+    """per_layer_config as transformers writes it: the full layers' (`types`) own head shape where the model has
+    one, else {} (without the field transformers would give the full layers GLOBAL_HEAD_DIM_DEFAULT)."""
+    shape = {field: keys[key] for field, key in _SHAPES.items() if keys.get(key)}
+    return {"per_layer_config": {str(i): dict(shape) for i, kind in enumerate(types) if kind == GLOBAL and shape}}
 
 
 def _refuse(field: str, value: Any, why: str) -> ConfigError:

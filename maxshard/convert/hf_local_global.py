@@ -21,7 +21,7 @@ from typing import Any
 from maxshard.convert.families import Family
 from maxshard.errors import ConfigError
 
-__all__ = ["LOCAL", "GLOBAL", "check", "pattern_keys", "shortest_period", "layer_types", "rope_keys",
+__all__ = ["LOCAL", "GLOBAL", "check", "types_of", "pattern_keys", "shortest_period", "layer_types", "rope_keys",
            "export_fields"]
 
 LOCAL, GLOBAL = "sliding_attention", "full_attention"
@@ -43,7 +43,7 @@ def check(hf: Mapping[str, Any], fam: Family) -> None:
                           "does not guess whether the checkpoint needs it")
 
 
-def _types(hf: Mapping[str, Any], fam: Family) -> list[str]:
+def types_of(hf: Mapping[str, Any], fam: Family) -> list[str]:
     """layer_types, or transformers' rule without it: layer i is local unless (i + 1) % period == 0."""
     n = hf["num_hidden_layers"]
     types = hf.get("layer_types")
@@ -68,7 +68,7 @@ def shortest_period(kinds: list[str]) -> int:
 
 def pattern_keys(hf: Mapping[str, Any], fam: Family) -> dict[str, Any]:
     """attention_pattern and sliding_window of the layer types and window config.json describes."""
-    kinds = [_KINDS[t] for t in _types(hf, fam)]
+    kinds = [_KINDS[t] for t in types_of(hf, fam)]
     pattern = kinds[: shortest_period(kinds)]
     if "local" not in pattern:
         return {"attention_pattern": pattern, "sliding_window": 0}

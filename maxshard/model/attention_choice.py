@@ -91,10 +91,13 @@ def _splash_problem(cfg: Config) -> str:
 
 def _head_width(cfg: Config) -> tuple[int, str]:
     """(the head width a kernel sees, the keys that set it): head_dim, or under latent attention the query/key
-    heads' qk_nope_head_dim + qk_rope_head_dim, which `attention_ops.one_width` pads the value heads to when wider."""
+    heads' qk_nope_head_dim + qk_rope_head_dim, which `attention_ops.one_width` pads the value heads to when wider;
+    the widest of head_dim and the global layers' global_head_dim (Gemma 4)."""
     if mixer_kinds.latent(cfg.attention_type):
         width = max(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim)
         return width, "attention_type=mla's max(qk_nope_head_dim + qk_rope_head_dim, v_head_dim)"
+    if cfg.global_head_dim > cfg.head_dim:
+        return cfg.global_head_dim, "global_head_dim"
     return cfg.head_dim, "head_dim"
 
 
@@ -193,6 +196,7 @@ def _check_layout(cfg: Config, sizes: Mapping[str, int]) -> None:
     heads = _head_shards(cfg, sizes, ax.ATTN_HEADS, ax.ATTN_QUERY)
     kv_heads = _head_shards(cfg, sizes, ax.ATTN_KV_HEADS, ax.ATTN_KEY_VALUE)
     num_kv_heads = cfg.num_heads if mixer_kinds.latent(cfg.attention_type) else cfg.num_kv_heads  # mla: a k/v head per head
+    num_kv_heads = math.gcd(num_kv_heads, cfg.global_num_kv_heads or num_kv_heads)  # both kinds' (Gemma 4)
     if sizes.get("sequence", 1) > 1 and (num_kv_heads % kv_heads or cfg.num_heads % heads):
         ways = f"{heads}" if heads == kv_heads else f"{heads} and {kv_heads}"
         raise ConfigError(

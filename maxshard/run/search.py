@@ -115,6 +115,7 @@ def _check_even(cfg: Config) -> None:
     dims = (
         ("num_heads", cfg.num_heads, ax.ACT_HEADS),
         ("num_kv_heads", cfg.num_kv_heads, ax.ACT_KV_HEADS),
+        ("global_num_kv_heads", cfg.global_num_kv_heads or cfg.num_kv_heads, ax.ACT_KV_HEADS),
         ("mlp_dim", cfg.mlp_dim, ax.ACT_MLP),
         ("vocab_size", cfg.vocab_size, ax.ACT_VOCAB),
         ("max_target_length", cfg.max_target_length, ax.LENGTH),

@@ -47,7 +47,7 @@ from maxshard.spec import mixer_kinds
 from maxshard.spec.model_config import ModelConfig
 
 __all__ = ["Layer", "Stack", "MAIN_STACK", "LAST_STACK", "KV_STACK", "SHARED_STACK", "stacks", "layers", "main_stack",
-           "stack_named", "mtp_layers", "moe_layers", "mlp_params", "unit_layer_name",
+           "mixer_config", "stack_named", "mtp_layers", "moe_layers", "mlp_params", "unit_layer_name",
            "unit_layer_index"]
 
 MAIN_STACK = "layers"  # the stack every model has (and the one a pipeline runs); its params' name since v1
@@ -167,6 +167,23 @@ def _layer(cfg: ModelConfig, i: int) -> Layer:
         return Layer(row.name, mlp, local and cfg.local_span > 0, rope, shared)
     local = cfg.has_local_layers and cfg.attention_pattern[i % len(cfg.attention_pattern)] == "local"
     return Layer(cfg.attention_type, mlp, local, rope, shared)
+
+
+def mixer_config(cfg: ModelConfig, layer: Layer) -> ModelConfig:
+    """The model config a layer's mixer is built, converted and counted with: `cfg`, or for a global attention
+    layer of a model whose global layers have heads of their own (`global_head_dim`, `global_num_kv_heads`; Gemma 4)
+    `cfg` with those as head_dim and num_kv_heads. One home for the swap: the layer, its KV cache, its RoPE, its
+    checkpoint tensors and its FLOPs all read the shape from here."""
+    if layer.local or not layer.mixer.attention or not (cfg.global_head_dim or cfg.global_num_kv_heads):
+        return cfg
+    return _global_heads(cfg)
+
+
+@functools.lru_cache(maxsize=64)
+def _global_heads(cfg: ModelConfig) -> ModelConfig:
+    return dataclasses.replace(cfg, head_dim=cfg.global_head_dim or cfg.head_dim,
+                               num_kv_heads=cfg.global_num_kv_heads or cfg.num_kv_heads, global_head_dim=0,
+                               global_num_kv_heads=0)
 
 
 def main_stack(cfg: ModelConfig) -> Stack:

@@ -159,6 +159,10 @@ class ModelKeys:
     query_pre_attn_scalar: float = 0.0  # softmax scale this ** -0.5 (Gemma); 0: the query/key head width
     attention_sinks: bool = False  # a learned logit per query head in the softmax's denominator (GPT-OSS)
     value_norm: bool = False  # each value head RMS-normalised over head_dim, no learned scale (Gemma 4)
+    # the global attention layers' own head width and key/value heads (Gemma 4's global_head_dim: 512 beside the
+    # local layers' 256); 0: head_dim and num_kv_heads, as every layer (spec/blocks.py `mixer_config`)
+    global_head_dim: int = 0
+    global_num_kv_heads: int = 0
     # Gemma 4: the last this many layers reuse the keys and values of the last earlier layer of their own kind
     # (local or global) and have no key/value projections or cache of their own (spec/blocks.py); 0: none
     kv_shared_layers: int = 0

@@ -101,7 +101,8 @@ class DecoderLayer(nn.Module):
         options = {**({"local": True} if kinds.local else {}), **({} if kinds.rope else {"rope": False}),
                    **({"gives_kv": True} if stack.gives_kv else {})}
         reused = {"shared_kv": shared[kinds.kv_kind]} if kinds.kv_shared else {}
-        h = mixer(cfg, dt, wdt, **options, name=kinds.mixer.scope)(h, segment_ids, positions, **reused)
+        h = mixer(blocks.mixer_config(cfg, kinds), dt, wdt, **options, name=kinds.mixer.scope)(h, segment_ids,
+                                                                                              positions, **reused)
         given = None
         if stack.gives_kv:
             h, kv = h
