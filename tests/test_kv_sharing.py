@@ -3,10 +3,10 @@ fixed layer scalar, proportional RoPE and the global layers' own head shape (the
 tests/test_convert_gemma4.py).
 
 A tiny model of them (`GEMMA4`: 3 units of a sliding and a full layer, the full layers' heads twice as wide and
-half as many key/value heads, the last unit reusing the keys and values of the unit before it) has one device's
-loss and gradients under fsdp x tensor, context x fsdp and sequence x fsdp on a packed batch, and unrolled as
-scanned; the shared layers hold no key/value parameters and no cache; the FLOP inventory is the real model's
-kernels; the keys refuse what they cannot mean in one line.
+half as many key/value heads, the last unit reusing the keys and values of the unit before it, its MLPs twice as
+wide) has one device's loss and gradients under fsdp x tensor, context x fsdp and sequence x fsdp on a packed
+batch, and unrolled as scanned; the shared layers hold no key/value parameters and no cache; the FLOP inventory is
+the real model's kernels; the keys refuse what they cannot mean in one line.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from tests.helpers import max_relative_difference, tiny_config
 from tests.test_pipeline import TOLERANCE, loss_and_grads, packed_batch, random_params
 
 GEMMA4 = ("num_layers=6", "layer_types=" + ",".join(["sliding_attention", "full_attention"] * 3), "sliding_window=8",
-          "kv_shared_layers=2", "per_layer_input_dim=16", "value_norm=true", "layer_scalar=true", "qk_norm=true",
+          "kv_shared_layers=2", "per_layer_input_dim=32", "value_norm=true", "layer_scalar=true", "qk_norm=true",
           "post_norms=true", "embed_scale=true", "rope_proportion=0.5",
           "rope_local_max_timescale=10000", "rope_max_timescale=1000000", "mlp_activation=gelu_tanh",
-          "global_head_dim=16", "global_num_kv_heads=4", "attention=dot_product")
+          "global_head_dim=16", "global_num_kv_heads=4", "kv_shared_mlp_dim=256", "attention=dot_product")
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +93,8 @@ def test_shared_layers_have_no_key_value_parameters_or_cache(one_device) -> None
     own = one_device[1]["decoder"]["kv_layers"]  # [repeats, embed, kv heads, head width]: the global layer's own
     assert [own[f"layer_{i}"]["attention"]["key"]["kernel"].shape[-2:] for i in (0, 1)] == [(8, 8), (4, 16)]
     assert shared["layer_1"]["attention"]["query"]["kernel"].shape[-2:] == (8, 16)
+    wide, plain = (stack["layer_0"]["mlp"]["wo"]["kernel"].shape[-2] for stack in (shared, own))
+    assert (wide, plain) == (256, 128)  # the shared layers' MLP, kv_shared_mlp_dim
     params = model.abstract_params(cfg)
     cache = model.abstract_cache(cfg, params, batch=2, length=16)
     assert sorted(cache["decoder"]) == ["kv_layers", "layers"]
@@ -110,7 +112,7 @@ def test_matmul_params_are_the_kernels_of_the_real_model(one_device) -> None:
 
 def test_proportional_rope_turns_the_first_share_of_the_pairs_at_whole_head_frequencies(one_device) -> None:
     """In the global layers, at their own head width (global_head_dim=16, the local layers' 8)."""
-    cfg = blocks.mixer_config(one_device[0].model, blocks.layers(one_device[0].model)[1])
+    cfg = blocks.layer_config(one_device[0].model, blocks.layers(one_device[0].model)[1])
     assert (cfg.head_dim, cfg.num_kv_heads) == (16, 4)
     freqs = rope.frequencies_for(cfg)
     half = cfg.head_dim // 2
@@ -124,15 +126,16 @@ def test_proportional_rope_turns_the_first_share_of_the_pairs_at_whole_head_freq
     (("num_experts=4",), "runs with dense layers"),
     (("per_layer_vocab_size=100000",), r"per_layer_vocab_size in \[0, vocab_size"),
     (("rope_proportion=1.5",), r"rope_proportion must be in \(0, 1\]"),
+    (("kv_shared_layers=0", "kv_shared_mlp_dim=64"), "kv_shared_mlp_dim=64 widens"),
     (("rope_proportion=0.5", "partial_rotary_factor=0.5"), "set partial_rotary_factor=1"),
-    (("mtp_depth=1", "kv_shared_layers=0"), "per_layer_input_dim=16 with mtp_depth=1"),
+    (("mtp_depth=1", "kv_shared_layers=0", "kv_shared_mlp_dim=0"), "per_layer_input_dim=32 with mtp_depth=1"),
 ])
 def test_the_gemma4_keys_refuse_what_they_cannot_mean_in_one_line(keys, message) -> None:
     with pytest.raises(ConfigError, match=message):
         tiny_config(*GEMMA4, *keys, num_devices=1)
 
 
-@pytest.mark.parametrize("tied", ["kv_shared_layers=2", "kv_shared_layers=0"])
+@pytest.mark.parametrize("tied", [("kv_shared_layers=2",), ("kv_shared_layers=0", "kv_shared_mlp_dim=0")])
 def test_a_pipeline_is_refused_in_one_line(tied) -> None:
-    with pytest.raises(ConfigError, match="pipeline parallelism with (kv_shared_layers=2|per_layer_input_dim=16)"):
-        tiny_config(*GEMMA4, tied, "ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4")
+    with pytest.raises(ConfigError, match="pipeline parallelism with (kv_shared_layers=2|per_layer_input_dim=32)"):
+        tiny_config(*GEMMA4, *tied, "ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4")

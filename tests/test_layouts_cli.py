@@ -55,13 +55,13 @@ MODELS = {
                "nope_temperature_floor=8", "qk_l2_norm=true", "num_experts=4", "num_experts_per_tok=1",
                "moe_layer_interval=2", "moe_router=sigmoid", "moe_renormalize_top_k=false",
                "moe_weights_on_input=true", "num_shared_experts=1", "capacity_factor=-1"),
-    # Gemma 4's unit twice, the second reusing the first's keys and values, each layer with its per-layer input,
-    # its fixed scalar (1 at init), the value norm; the full layers with proportional RoPE on heads of their own
-    # (twice as wide, half as many key/value heads)
+    # Gemma 4's unit twice, the second reusing the first's keys and values (its MLPs twice as wide), each layer with
+    # its per-layer input, its fixed scalar (1 at init), the value norm; the full layers with proportional RoPE on
+    # heads of their own (twice as wide, half as many key/value heads)
     "gemma4": ("num_layers=4", "layer_types=" + ",".join(["sliding_attention", "full_attention"] * 2),
                "sliding_window=8", "kv_shared_layers=2", "per_layer_input_dim=16", "value_norm=true",
                "layer_scalar=true", "qk_norm=true", "post_norms=true", "embed_scale=true", "rope_proportion=0.5",
-               "global_head_dim=8", "global_num_kv_heads=4"),
+               "global_head_dim=8", "global_num_kv_heads=4", "kv_shared_mlp_dim=128"),
 }
 # name -> (model, knobs); every knob not named is 1. Of the pairs, context x fsdp and expert x fsdp are held to one
 # device in-process (tests/test_objectives.py context2_fsdp4, tests/test_parity.py expert2_fsdp4).

@@ -6,13 +6,14 @@ Run once, by hand, in the reference venv (torch and transformers are never depen
 
   gemma4       Gemma4ForCausalLM (model_type gemma4_text), width 32, 8 layers alternating sliding (window 4) and
                full attention; per-layer input embeddings of 8 features a layer; the last 4 layers reuse the keys
-               and values of the last earlier layer of their type (num_kv_shared_layers) and have no K/V
-               projections; the full layers' heads 16 wide (global_head_dim, written as per_layer_config)
-               beside the sliding layers' 8; q/k norms with a scale, a value norm without one, softmax scale 1;
-               sandwich norms that multiply by their weight; a scalar a layer (the layer_scalar buffer, drawn away
-               from 1); the full layers' proportional RoPE (half of each head's pairs rotate, the base 1e6 over
-               the whole head); logits soft-capped at 15; tied head, float32, a byte-level BPE Qwen-style tokenizer;
-               generate.json: 16 greedy tokens, past several window boundaries.
+               and values of the last earlier layer of their type (num_kv_shared_layers), have no K/V
+               projections and an MLP twice as wide (use_double_wide_mlp); the full layers' heads 16 wide
+               (global_head_dim, written as per_layer_config) beside the sliding layers' 8; q/k norms with a
+               scale, a value norm without one, softmax scale 1; sandwich norms that multiply by their weight;
+               a scalar a layer (the layer_scalar buffer, drawn away from 1); the full layers' proportional RoPE
+               (half of each head's pairs rotate, the base 1e6 over the whole head); logits soft-capped at 15;
+               tied head, float32, a byte-level BPE Qwen-style tokenizer; generate.json: 16 greedy tokens, past
+               several window boundaries.
   gemma4_mm/   gemma4's text model inside Gemma4ForConditionalGeneration (a 1-layer vision tower beside it, no
                audio tower), as Google publishes Gemma 4: the same weights, so the same text-only logits.
   defaults/    Gemma4TextConfig's config.json at transformers' defaults.
@@ -40,8 +41,8 @@ SHAPE = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_la
              num_key_value_heads=2, head_dim=8, global_head_dim=16, max_position_embeddings=256,
              layer_types=["sliding_attention", "full_attention"] * 4, sliding_window=4,
              final_logit_softcapping=15.0, hidden_size_per_layer_input=8, vocab_size_per_layer_input=128,
-             num_kv_shared_layers=4, rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=None,
-             eos_token_id=0, pad_token_id=0,
+             num_kv_shared_layers=4, use_double_wide_mlp=True, rms_norm_eps=1e-6, tie_word_embeddings=True,
+             bos_token_id=None, eos_token_id=0, pad_token_id=0,
              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                               "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5,
                                                  "rope_theta": 1000000.0}})

@@ -19,6 +19,9 @@ def check_kv_sharing(cfg: Config) -> None:
     pattern's period: spec/blocks.py), every layer grouped-query attention, and no MoE or prediction layers."""
     shared = cfg.kv_shared_layers
     if not shared:
+        if cfg.kv_shared_mlp_dim:
+            raise ConfigError(f"kv_shared_mlp_dim={cfg.kv_shared_mlp_dim} widens the KV-shared layers' MLP: set "
+                              "kv_shared_layers > 0, or kv_shared_mlp_dim=0")
         return
     own = cfg.num_layers - shared
     period = cfg.pattern_length

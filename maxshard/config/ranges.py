@@ -331,6 +331,7 @@ _POSITIVE_INTS = {
     "head_dim": 1,
     "global_head_dim": 0,
     "global_num_kv_heads": 0,
+    "kv_shared_mlp_dim": 0,
     "q_lora_rank": 0,
     "kv_lora_rank": 1,
     "qk_nope_head_dim": 1,

@@ -344,10 +344,10 @@ FAMILIES += (
            defaults=_GEMMA4_DEFAULTS, activation_field="hidden_activation", activation="gelu_pytorch_tanh",
            local_global=True, pattern_period=6, rope_per_layer_type=True, local_base_field="",
            local_base_default=10000.0, per_layer_dims=True,
-           must_equal={"attention_k_eq_v": False, "enable_moe_block": False, "use_double_wide_mlp": False},
+           must_equal={"attention_k_eq_v": False, "enable_moe_block": False},
            carries=("sliding_window", "attention_pattern", "rope_local_max_timescale", "final_logit_softcapping",
                     "rope_proportion", "kv_shared_layers", "per_layer_input_dim", "per_layer_vocab_size",
-                    "global_head_dim", "global_num_kv_heads"),
+                    "global_head_dim", "global_num_kv_heads", "kv_shared_mlp_dim"),
            null_when_zero=("final_logit_softcapping",), export={"attention_bias": False}),
 )
 

@@ -1,5 +1,6 @@
-"""config.json's per-layer head shapes (Gemma 4): the full-attention layers may have a head width and key/value
-heads of their own, which become `global_head_dim` and `global_num_kv_heads` (spec/blocks.py `mixer_config`).
+"""config.json's per-layer shapes (Gemma 4): the full-attention layers may have a head width and key/value heads of
+their own, which become `global_head_dim` and `global_num_kv_heads`, and the KV-shared layers an MLP twice as wide
+(`use_double_wide_mlp`), which becomes `kv_shared_mlp_dim` (spec/blocks.py `layer_config`).
 
 transformers' Gemma4TextConfig gives the full-attention layers `global_head_dim` (512 when the file has no such
 field) and, with `attention_k_eq_v`, `num_global_key_value_heads`, unless the file carries `per_layer_config`,
@@ -35,7 +36,10 @@ def model_keys(hf: Mapping[str, Any], types: Sequence[str]) -> dict[str, Any]:
     else:
         shape = _full_layers_shape(overrides, types)
     base = {"head_dim": head_dim, "num_key_value_heads": kv_heads}
-    return {_SHAPES[field]: value for field, value in shape.items() if value != base[field]}
+    keys = {_SHAPES[field]: value for field, value in shape.items() if value != base[field]}
+    if hf.get("use_double_wide_mlp") and hf.get("num_kv_shared_layers"):  # transformers widens only shared layers
+        keys["kv_shared_mlp_dim"] = 2 * hf["intermediate_size"]
+    return keys
 
 
 def _full_layers_shape(overrides: Any, types: Sequence[str]) -> dict[str, Any]:
@@ -63,9 +67,15 @@ def _full_layers_shape(overrides: Any, types: Sequence[str]) -> dict[str, Any]:
 
 def export_fields(keys: Mapping[str, Any], types: Sequence[str]) -> dict[str, Any]:
     """per_layer_config as transformers writes it: the full layers' (`types`) own head shape where the model has
-    one, else {} (without the field transformers would give the full layers GLOBAL_HEAD_DIM_DEFAULT)."""
+    one, else {} (without the field transformers would give the full layers GLOBAL_HEAD_DIM_DEFAULT); and
+    use_double_wide_mlp, the one KV-shared MLP width Gemma 4's config.json can say besides mlp_dim."""
     shape = {field: keys[key] for field, key in _SHAPES.items() if keys.get(key)}
-    return {"per_layer_config": {str(i): dict(shape) for i, kind in enumerate(types) if kind == GLOBAL and shape}}
+    wide = keys.get("kv_shared_mlp_dim", 0)
+    if wide not in (0, 2 * keys["mlp_dim"]):
+        raise ConfigError(f"kv_shared_mlp_dim={wide}: Gemma 4's config.json can give the KV-shared layers mlp_dim or "
+                          f"twice it ({2 * keys['mlp_dim']}, use_double_wide_mlp), nothing else")
+    return {"per_layer_config": {str(i): dict(shape) for i, kind in enumerate(types) if kind == GLOBAL and shape},
+            "use_double_wide_mlp": bool(wide)}
 
 
 def _refuse(field: str, value: Any, why: str) -> ConfigError:

@@ -70,7 +70,7 @@ import numpy as np
 
 from maxshard.convert.families import Family
 from maxshard.errors import ConfigError
-from maxshard.spec.blocks import Layer, main_stack, mixer_config
+from maxshard.spec.blocks import Layer, layer_config, main_stack
 from maxshard.model.layers import rope
 from maxshard.spec.model_config import ModelConfig
 
@@ -317,7 +317,7 @@ def per_layer(family: Family, cfg: ModelConfig, layer: Layer) -> tuple[Entry, ..
     mixer = MIXERS.get(layer.attention)
     if mixer is None:
         raise ConfigError(f"{family.architecture} has no tensors for token mixer {layer.attention!r}")
-    attention = mixer(family, mixer_config(cfg, layer), layer)  # at the layer's own head shape
+    attention = mixer(family, layer_config(cfg, layer), layer)  # at the layer's own head shape
     mlp = (_fused_moe(family, cfg) if family.fused_experts else _moe(family, cfg)) if layer.routed else _mlp(family)
     norms = SANDWICH_NORMS if family.keys.get("post_norms") else (MLP_NORM,)
     rows = (*attention, *_attention_extras(cfg, family), *norms, *mlp,

@@ -50,9 +50,9 @@ def matmuls(cfg: ModelConfig) -> Matmuls:
     (layers/mtp.py: a layer of the main stack's last kind each) and the heads."""
     parts = dict.fromkeys(("qkv", "out", "dense_mlp", "routed_experts", "shared_experts", "router"), 0)
     for layer in (*blocks.layers(cfg), *blocks.mtp_layers(cfg)):
-        heads = blocks.mixer_config(cfg, layer)  # its own head shape (a global layer's, global_head_dim)
-        reused = layer.mixer.reused(heads) if layer.kv_shared else {}  # a KV-shared layer projects no keys or values
-        for part, params in (*layer.mixer.params(heads).items(), *blocks.mlp_params(cfg, layer.mlp).items()):
+        own = blocks.layer_config(cfg, layer)  # its own head shape and MLP width (Gemma 4)
+        reused = layer.mixer.reused(own) if layer.kv_shared else {}  # a KV-shared layer projects no keys or values
+        for part, params in (*layer.mixer.params(own).items(), *blocks.mlp_params(own, layer.mlp).items()):
             parts[part] += params - reused.get(part, 0)
     mtp = cfg.mtp_depth * 2 * cfg.emb_dim * cfg.emb_dim  # eh_proj: [2, embed] -> embed
     per_layer = 3 * cfg.num_layers * cfg.emb_dim * cfg.per_layer_input_dim  # gate and out each layer, the projection
@@ -71,7 +71,7 @@ def attention_flops(cfg: ModelConfig) -> int:
     causality. The multi-token prediction modules' layers (`blocks.mtp_layers`) count as decoder layers."""
     total = 0.0
     for layer in (*blocks.layers(cfg), *blocks.mtp_layers(cfg)):
-        total += layer.mixer.flops(blocks.mixer_config(cfg, layer), layer.local)
+        total += layer.mixer.flops(blocks.layer_config(cfg, layer), layer.local)
     return round(total)
 
 
@@ -92,11 +92,12 @@ def lora_matmul_params(cfg: ModelConfig) -> int:
     (experts take none)."""
     if not cfg.lora_rank:
         return 0
-    e, f = cfg.emb_dim, cfg.mlp_dim
-    dense = {"gate": e + f, "up": e + f, "down": f + e}
     total = 0
     for layer in blocks.layers(cfg):
-        widths = {**layer.mixer.lora(blocks.mixer_config(cfg, layer)), **({} if layer.routed else dense)}
+        own = blocks.layer_config(cfg, layer)  # its own head shape and MLP width (Gemma 4)
+        e, f = own.emb_dim, own.mlp_dim
+        dense = {"gate": e + f, "up": e + f, "down": f + e}
+        widths = {**layer.mixer.lora(own), **({} if layer.routed else dense)}
         if layer.kv_shared:  # no key or value projection to adapt
             widths = {k: v for k, v in widths.items() if k not in ("k", "v")}
         total += sum(widths.get(target, 0) for target in cfg.lora_targets)

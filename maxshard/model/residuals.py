@@ -60,8 +60,9 @@ COUNTED = frozenset({
     # which layers are local and what they see: the attention terms (spec/blocks.py, planning/memory.py)
     "sliding_window", "attention_pattern",
     # which layers reuse earlier keys and values (Gemma 4): the stacks; every layer is planned as one of the main
-    # stack, which keeps more than a KV-shared layer (no key/value projections): the safe side
-    "kv_shared_layers",
+    # stack, which keeps more than a KV-shared layer (no key/value projections), unless kv_shared_mlp_dim widens
+    # their MLP: that the formula does not count (a compiled plan does)
+    "kv_shared_layers", "kv_shared_mlp_dim",
 })
 VALUES = frozenset({"norm_epsilon", "rope_max_timescale", "rope_scaling_type", "rope_scaling_factor",
                     "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position", "lora_alpha",

@@ -47,7 +47,7 @@ from maxshard.spec import mixer_kinds
 from maxshard.spec.model_config import ModelConfig
 
 __all__ = ["Layer", "Stack", "MAIN_STACK", "LAST_STACK", "KV_STACK", "SHARED_STACK", "stacks", "layers", "main_stack",
-           "mixer_config", "stack_named", "mtp_layers", "moe_layers", "mlp_params", "unit_layer_name",
+           "layer_config", "stack_named", "mtp_layers", "moe_layers", "mlp_params", "unit_layer_name",
            "unit_layer_index"]
 
 MAIN_STACK = "layers"  # the stack every model has (and the one a pipeline runs); its params' name since v1
@@ -169,21 +169,26 @@ def _layer(cfg: ModelConfig, i: int) -> Layer:
     return Layer(cfg.attention_type, mlp, local, rope, shared)
 
 
-def mixer_config(cfg: ModelConfig, layer: Layer) -> ModelConfig:
-    """The model config a layer's mixer is built, converted and counted with: `cfg`, or for a global attention
-    layer of a model whose global layers have heads of their own (`global_head_dim`, `global_num_kv_heads`; Gemma 4)
-    `cfg` with those as head_dim and num_kv_heads. One home for the swap: the layer, its KV cache, its RoPE, its
-    checkpoint tensors and its FLOPs all read the shape from here."""
-    if layer.local or not layer.mixer.attention or not (cfg.global_head_dim or cfg.global_num_kv_heads):
-        return cfg
-    return _global_heads(cfg)
+def layer_config(cfg: ModelConfig, layer: Layer) -> ModelConfig:
+    """The model config a layer is built, converted and counted with (Gemma 4): `cfg`, with a global attention
+    layer's heads of their own (`global_head_dim`, `global_num_kv_heads`) as head_dim and num_kv_heads, and a
+    KV-shared layer's MLP width (`kv_shared_mlp_dim`) as mlp_dim. One home for the swap: the layer, its KV cache, its
+    RoPE, its checkpoint tensors and its FLOPs all read the shape from here."""
+    heads = layer.mixer.attention and not layer.local and bool(cfg.global_head_dim or cfg.global_num_kv_heads)
+    wide = layer.kv_shared and bool(cfg.kv_shared_mlp_dim)
+    return _own_shape(cfg, heads, wide) if heads or wide else cfg
 
 
 @functools.lru_cache(maxsize=64)
-def _global_heads(cfg: ModelConfig) -> ModelConfig:
-    return dataclasses.replace(cfg, head_dim=cfg.global_head_dim or cfg.head_dim,
-                               num_kv_heads=cfg.global_num_kv_heads or cfg.num_kv_heads, global_head_dim=0,
-                               global_num_kv_heads=0)
+def _own_shape(cfg: ModelConfig, heads: bool, wide: bool) -> ModelConfig:
+    changes = {}
+    if heads:
+        changes.update(head_dim=cfg.global_head_dim or cfg.head_dim,
+                       num_kv_heads=cfg.global_num_kv_heads or cfg.num_kv_heads, global_head_dim=0,
+                       global_num_kv_heads=0)
+    if wide:
+        changes.update(mlp_dim=cfg.kv_shared_mlp_dim, kv_shared_mlp_dim=0)
+    return dataclasses.replace(cfg, **changes)
 
 
 def main_stack(cfg: ModelConfig) -> Stack:

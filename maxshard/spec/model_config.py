@@ -160,12 +160,14 @@ class ModelKeys:
     attention_sinks: bool = False  # a learned logit per query head in the softmax's denominator (GPT-OSS)
     value_norm: bool = False  # each value head RMS-normalised over head_dim, no learned scale (Gemma 4)
     # the global attention layers' own head width and key/value heads (Gemma 4's global_head_dim: 512 beside the
-    # local layers' 256); 0: head_dim and num_kv_heads, as every layer (spec/blocks.py `mixer_config`)
+    # local layers' 256); 0: head_dim and num_kv_heads, as every layer (spec/blocks.py `layer_config`)
     global_head_dim: int = 0
     global_num_kv_heads: int = 0
     # Gemma 4: the last this many layers reuse the keys and values of the last earlier layer of their own kind
     # (local or global) and have no key/value projections or cache of their own (spec/blocks.py); 0: none
     kv_shared_layers: int = 0
+    kv_shared_mlp_dim: int = 0  # the KV-shared layers' MLP width (Gemma 4's use_double_wide_mlp: 2 x mlp_dim); 0: as
+    # every layer
     # Gemma 4's per-layer input embeddings: each layer adds gelu(x @ gate) x its own [this] slice of a second
     # embedding of the tokens, projected back to embed and normalised (layers/per_layer_inputs.py); 0: none
     per_layer_input_dim: int = 0

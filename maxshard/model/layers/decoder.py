@@ -101,8 +101,8 @@ class DecoderLayer(nn.Module):
         options = {**({"local": True} if kinds.local else {}), **({} if kinds.rope else {"rope": False}),
                    **({"gives_kv": True} if stack.gives_kv else {})}
         reused = {"shared_kv": shared[kinds.kv_kind]} if kinds.kv_shared else {}
-        h = mixer(blocks.mixer_config(cfg, kinds), dt, wdt, **options, name=kinds.mixer.scope)(h, segment_ids,
-                                                                                              positions, **reused)
+        own = blocks.layer_config(cfg, kinds)  # its own head shape and MLP width (Gemma 4)
+        h = mixer(own, dt, wdt, **options, name=kinds.mixer.scope)(h, segment_ids, positions, **reused)
         given = None
         if stack.gives_kv:
             h, kv = h
@@ -113,7 +113,7 @@ class DecoderLayer(nn.Module):
             h = MoEBlock(cfg, dt, wdt, name="moe")(h, segment_ids)
         else:
             ranks = (cfg.lora_rank_of("gate"), cfg.lora_rank_of("up"), cfg.lora_rank_of("down"))
-            h = MLP(cfg.mlp_dim, dt, wdt, ranks, cfg.lora_scale, activation(cfg), name="mlp")(h)
+            h = MLP(own.mlp_dim, dt, wdt, ranks, cfg.lora_scale, activation(cfg), name="mlp")(h)
         x = x + (norm(self._norm("post_mlp_norm"), h) if cfg.post_norms else h)
         if cfg.per_layer_input_dim:  # Gemma 4 (layers/per_layer_inputs.py)
             x = PerLayerInput(cfg, dt, wdt, name="per_layer_input")(x, layer_input)
