@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from test_convert import (TOLERANCE, apply, cli, exports_bit_for_bit, family_fixtures,
                           greedy_tokens_equal_transformers, layout_matches_one_device, logits_match_transformers,
-                          read_all, training_keys)
+                          read_all, start_from_converted, training_keys)
 
 from maxshard.convert import hf_config, layout
 from maxshard.errors import ConfigError
@@ -111,7 +111,6 @@ def test_restores_under_tensor_and_fsdp_with_one_devices_logits(converted, one_d
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("attention_k_eq_v", True, "attention_k_eq_v=true is not supported"),
     ("enable_moe_block", True, "enable_moe_block=true is not supported"),
     ("per_layer_config", {"0": {"head_dim": 16}}, "per_layer_config.0=.* maxshard's sliding_attention layers share"),
     ("per_layer_config", {"1": {"head_dim": 16}}, "the full_attention layers 2 head shapes"),
@@ -150,6 +149,38 @@ def test_the_multimodal_release_converts_its_language_model(converted, tmp_path,
     back, text = read_all(tmp_path / "hf"), read_all(SOURCE)
     assert sorted(back) == sorted(text) and all(back[k].tobytes() == v.tobytes() for k, v in text.items())
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["Gemma4ForCausalLM"]
+
+
+# The shape of the releases without per-layer inputs (tests/fixtures/gemma4/gemma4_dense): 5 sliding layers per full
+# one by transformers' rule, the full layer's values its key projection (attention_k_eq_v) over one key/value head
+# 16 wide, no KV sharing
+DENSE = FIXTURES / "gemma4_dense"
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory) -> tuple[Path, tuple]:
+    """(the dense fixture's from_hf output, it started as a one-device run)."""
+    out = tmp_path_factory.mktemp("dense") / "gemma4_dense"
+    assert cli.main(["from_hf", str(DENSE), str(out)]) == 0
+    return out, start_from_converted(out, tmp_path_factory.mktemp("dense_run"), *EXTRA)
+
+
+def test_values_from_keys_match_transformers(dense, tmp_path):
+    """attention_k_eq_v reads as global_values_from_keys: the full layer has no value projection and takes its
+    values from the key projection before its norm and RoPE; its heads 16 wide over one key/value head. Logits
+    within 1e-4, 16 greedy tokens as transformers', the round trip bit for bit."""
+    converted, one_device = dense
+    keys = hf_config.model_keys(hf_config.read(str(DENSE)))
+    assert (keys["global_values_from_keys"], keys["global_head_dim"], keys["global_num_kv_heads"]) == (True, 16, 1)
+    assert keys["attention_pattern"] == ["local"] * 5 + ["global"] and keys["per_layer_input_dim"] == 0
+    attention = one_device[1].params["decoder"]["layers"]["layer_5"]["attention"]
+    assert "value" not in attention and attention["key"]["kernel"].shape[-2:] == (1, 16)
+    logits_match_transformers(one_device, DENSE)
+    (tmp_path / "generate").mkdir()
+    greedy_tokens_equal_transformers(converted, DENSE, tmp_path / "generate", *EXTRA)
+    exported, original = exports_bit_for_bit(converted, DENSE, tmp_path)
+    for field in ("attention_k_eq_v", "per_layer_config", "layer_types", "hidden_size_per_layer_input"):
+        assert exported[field] == original[field], field
 
 
 # --------------------------------------------------------------------------------------------- export

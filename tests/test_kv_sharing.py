@@ -3,10 +3,10 @@ fixed layer scalar, proportional RoPE and the global layers' own head shape (the
 tests/test_convert_gemma4.py).
 
 A tiny model of them (`GEMMA4`: 3 units of a sliding and a full layer, the full layers' heads twice as wide and
-half as many key/value heads, the last unit reusing the keys and values of the unit before it, its MLPs twice as
-wide) has one device's loss and gradients under fsdp x tensor, context x fsdp and sequence x fsdp on a packed
-batch, and unrolled as scanned; the shared layers hold no key/value parameters and no cache; the FLOP inventory is
-the real model's kernels; the keys refuse what they cannot mean in one line.
+half as many key/value heads and their values from the key projection, the last unit reusing the keys and values
+of the unit before it, its MLPs twice as wide) has one device's loss and gradients under fsdp x tensor, context x
+fsdp and sequence x fsdp on a packed batch, and unrolled as scanned; the shared layers hold no key/value parameters
+and no cache; the FLOP inventory is the real model's kernels; the keys refuse what they cannot mean in one line.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ GEMMA4 = ("num_layers=6", "layer_types=" + ",".join(["sliding_attention", "full_
           "kv_shared_layers=2", "per_layer_input_dim=32", "value_norm=true", "layer_scalar=true", "qk_norm=true",
           "post_norms=true", "embed_scale=true", "rope_proportion=0.5",
           "rope_local_max_timescale=10000", "rope_max_timescale=1000000", "mlp_activation=gelu_tanh",
-          "global_head_dim=16", "global_num_kv_heads=4", "kv_shared_mlp_dim=256", "attention=dot_product")
+          "global_head_dim=16", "global_num_kv_heads=4", "kv_shared_mlp_dim=256", "global_values_from_keys=true",
+          "attention=dot_product")
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +93,7 @@ def test_shared_layers_have_no_key_value_parameters_or_cache(one_device) -> None
         assert sorted(shared[layer]["attention"]) == ["out", "query", "query_norm"]
     own = one_device[1]["decoder"]["kv_layers"]  # [repeats, embed, kv heads, head width]: the global layer's own
     assert [own[f"layer_{i}"]["attention"]["key"]["kernel"].shape[-2:] for i in (0, 1)] == [(8, 8), (4, 16)]
+    assert "value" in own["layer_0"]["attention"] and "value" not in own["layer_1"]["attention"]  # values from keys
     assert shared["layer_1"]["attention"]["query"]["kernel"].shape[-2:] == (8, 16)
     wide, plain = (stack["layer_0"]["mlp"]["wo"]["kernel"].shape[-2] for stack in (shared, own))
     assert (wide, plain) == (256, 128)  # the shared layers' MLP, kv_shared_mlp_dim

@@ -99,6 +99,7 @@ PROBES = {
     "rope_proportion": ({}, 0.5),
     "global_head_dim": ({"sliding_window": 4, "attention_pattern": ("local", "global")}, 16),
     "global_num_kv_heads": ({"sliding_window": 4, "attention_pattern": ("local", "global")}, 4),
+    "global_values_from_keys": ({"sliding_window": 4, "attention_pattern": ("local", "global")}, True),
 }
 
 

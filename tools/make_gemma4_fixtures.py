@@ -14,6 +14,10 @@ Run once, by hand, in the reference venv (torch and transformers are never depen
                (half of each head's pairs rotate, the base 1e6 over the whole head); logits soft-capped at 15;
                tied head, float32, a byte-level BPE Qwen-style tokenizer; generate.json: 16 greedy tokens, past
                several window boundaries.
+  gemma4_dense/  the shape of the releases without per-layer inputs: 6 layers, 5 sliding ones per full one by
+               transformers' rule (config.json without layer_types), the full layer's values its key projection
+               (attention_k_eq_v) over one key/value head 16 wide (global_head_dim, num_global_key_value_heads),
+               no per-layer inputs or KV sharing; otherwise as gemma4.
   gemma4_mm/   gemma4's text model inside Gemma4ForConditionalGeneration (a 1-layer vision tower beside it, no
                audio tower), as Google publishes Gemma 4: the same weights, so the same text-only logits.
   defaults/    Gemma4TextConfig's config.json at transformers' defaults.
@@ -66,6 +70,24 @@ def gemma4() -> None:
     family_fixture(model, directory)
 
 
+# The shape of the releases without per-layer inputs (31B-like): 5 sliding layers per full one by transformers' rule
+# (no layer_types given), the full layers' values their key projection (attention_k_eq_v) over one key/value head
+# 16 wide (global_head_dim, num_global_key_value_heads), no KV sharing
+DENSE = {**{k: v for k, v in SHAPE.items() if k not in ("layer_types", "num_kv_shared_layers", "use_double_wide_mlp")},
+         "num_hidden_layers": 6, "hidden_size_per_layer_input": 0, "attention_k_eq_v": True,
+         "num_global_key_value_heads": 1}
+
+
+def gemma4_dense() -> None:
+    model = Gemma4ForCausalLM(Gemma4TextConfig(**DENSE)).eval()
+    assert model.config.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
+    assert model.model.layers[5].self_attn.v_proj is None and model.model.layers[5].self_attn.k_proj.out_features == 16
+    directory = fresh(OUT / "gemma4_dense")
+    redraw(model, seed=81, bf16=False)
+    layer_scalars(model, seed=77)
+    family_fixture(model, directory)
+
+
 def gemma4_multimodal() -> None:
     """gemma4's text model in the multimodal wrapper, which holds it as model.language_model.*."""
     text = Gemma4ForCausalLM.from_pretrained(OUT / "gemma4", dtype=torch.float32).eval()
@@ -94,7 +116,7 @@ def defaults() -> None:
     (directory / "gemma4_text.json").write_text(Gemma4TextConfig().to_json_string())
 
 
-BUILDERS = {"gemma4": gemma4, "gemma4_mm": gemma4_multimodal, "defaults": defaults}
+BUILDERS = {"gemma4": gemma4, "gemma4_dense": gemma4_dense, "gemma4_mm": gemma4_multimodal, "defaults": defaults}
 
 
 def main(names: list[str]) -> None:

@@ -73,14 +73,15 @@ def check_local_global(cfg: Config) -> None:
 
 
 def check_global_heads(cfg: Config) -> None:
-    """The global layers' own head shape (Gemma 4): grouped-query attention, whole groups of query heads, an even
-    width under RoPE."""
+    """The global layers' own head shape and values (Gemma 4): grouped-query attention, whole groups of query heads,
+    an even width under RoPE."""
     width, kv_heads = cfg.global_head_dim, cfg.global_num_kv_heads
-    if not (width or kv_heads):
+    if not (width or kv_heads or cfg.global_values_from_keys):
         return
     if mixer_kinds.latent(cfg.attention_type):
-        raise ConfigError(f"global_head_dim={width}, global_num_kv_heads={kv_heads} shape grouped-query heads: set "
-                          "attention_type=gqa or both to 0")
+        raise ConfigError(f"global_head_dim={width}, global_num_kv_heads={kv_heads}, global_values_from_keys="
+                          f"{str(cfg.global_values_from_keys).lower()} shape grouped-query heads: set "
+                          "attention_type=gqa, or 0, 0 and false")
     if kv_heads and cfg.num_heads % kv_heads:
         raise ConfigError(f"global_num_kv_heads={kv_heads} must divide num_heads={cfg.num_heads} (0: num_kv_heads)")
     if width % 2:

@@ -326,7 +326,8 @@ FAMILIES += (
 # Gemma 4 text (Gemma4ForCausalLM, model_type gemma4_text): Gemma's sandwich norms (multiplying by the weight, not
 # 1 + weight), GeGLU, embeddings x sqrt(width), local and global layers (layer_types; 5 : 1 without them), q/k norms
 # with a scale and a value norm without one, softmax scale 1, proportional RoPE in the global layers, per-layer input
-# embeddings, the last layers reusing earlier keys and values, a fixed scalar a layer. Gemma4TextConfig's defaults.
+# embeddings, the last layers reusing earlier keys and values, a fixed scalar a layer; the global layers' own head
+# shape and values, the shared layers' MLP width (hf_layer_dims.py). Gemma4TextConfig's defaults.
 _GEMMA4_DEFAULTS = {"vocab_size": 262144, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 30,
                     "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
                     "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
@@ -344,10 +345,10 @@ FAMILIES += (
            defaults=_GEMMA4_DEFAULTS, activation_field="hidden_activation", activation="gelu_pytorch_tanh",
            local_global=True, pattern_period=6, rope_per_layer_type=True, local_base_field="",
            local_base_default=10000.0, per_layer_dims=True,
-           must_equal={"attention_k_eq_v": False, "enable_moe_block": False},
+           must_equal={"enable_moe_block": False},
            carries=("sliding_window", "attention_pattern", "rope_local_max_timescale", "final_logit_softcapping",
                     "rope_proportion", "kv_shared_layers", "per_layer_input_dim", "per_layer_vocab_size",
-                    "global_head_dim", "global_num_kv_heads", "kv_shared_mlp_dim"),
+                    "global_head_dim", "global_num_kv_heads", "kv_shared_mlp_dim", "global_values_from_keys"),
            null_when_zero=("final_logit_softcapping",), export={"attention_bias": False}),
 )
 

@@ -44,7 +44,7 @@ LAYER_OPTIONS = ("sliding_window", "attention_pattern", "rope_local_max_timescal
                  "pre_norms", "qk_norm_all_heads", "attention_chunk_size", "rope_layers", "nope_temperature_scale",
                  "qk_l2_norm", "moe_weights_on_input", "rope_proportion", "value_norm", "kv_shared_layers",
                  "per_layer_input_dim", "per_layer_vocab_size", "layer_scalar", "global_head_dim",
-                 "global_num_kv_heads", "kv_shared_mlp_dim")
+                 "global_num_kv_heads", "kv_shared_mlp_dim", "global_values_from_keys")
 # The hybrids' (Qwen3-Next, Qwen3.5) layer_types without the field: transformers' rule, every n-th layer full
 # attention (config.json's full_attention_interval, default 4), the others linear attention, in config.json's words
 HYBRID_INTERVAL = ("full_attention_interval", 4)

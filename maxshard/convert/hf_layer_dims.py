@@ -1,6 +1,7 @@
 """config.json's per-layer shapes (Gemma 4): the full-attention layers may have a head width and key/value heads of
-their own, which become `global_head_dim` and `global_num_kv_heads`, and the KV-shared layers an MLP twice as wide
-(`use_double_wide_mlp`), which becomes `kv_shared_mlp_dim` (spec/blocks.py `layer_config`).
+their own, which become `global_head_dim` and `global_num_kv_heads`, values that are their key projection
+(`attention_k_eq_v`: `global_values_from_keys`), and the KV-shared layers an MLP twice as wide
+(`use_double_wide_mlp`: `kv_shared_mlp_dim`) (spec/blocks.py `layer_config`).
 
 transformers' Gemma4TextConfig gives the full-attention layers `global_head_dim` (512 when the file has no such
 field) and, with `attention_k_eq_v`, `num_global_key_value_heads`, unless the file carries `per_layer_config`,
@@ -39,6 +40,8 @@ def model_keys(hf: Mapping[str, Any], types: Sequence[str]) -> dict[str, Any]:
     keys = {_SHAPES[field]: value for field, value in shape.items() if value != base[field]}
     if hf.get("use_double_wide_mlp") and hf.get("num_kv_shared_layers"):  # transformers widens only shared layers
         keys["kv_shared_mlp_dim"] = 2 * hf["intermediate_size"]
+    if hf.get("attention_k_eq_v"):  # the full layers' values are their key projection (no v_proj)
+        keys["global_values_from_keys"] = True
     return keys
 
 
@@ -75,7 +78,7 @@ def export_fields(keys: Mapping[str, Any], types: Sequence[str]) -> dict[str, An
         raise ConfigError(f"kv_shared_mlp_dim={wide}: Gemma 4's config.json can give the KV-shared layers mlp_dim or "
                           f"twice it ({2 * keys['mlp_dim']}, use_double_wide_mlp), nothing else")
     return {"per_layer_config": {str(i): dict(shape) for i, kind in enumerate(types) if kind == GLOBAL and shape},
-            "use_double_wide_mlp": bool(wide)}
+            "use_double_wide_mlp": bool(wide), "attention_k_eq_v": bool(keys.get("global_values_from_keys"))}
 
 
 def _refuse(field: str, value: Any, why: str) -> ConfigError:

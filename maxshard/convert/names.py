@@ -253,6 +253,8 @@ def _grouped_attention(family: Family, cfg: ModelConfig, layer: Layer) -> tuple[
         attention = tuple(dataclasses.replace(e, rope_tail=tail) if e.path[1] in ("query", "key") else e
                           for e in ATTENTION)
     rows = (*attention, *qk_norm)
+    if cfg.global_values_from_keys:  # Gemma 4's attention_k_eq_v: the values are the key projection's
+        rows = tuple(e for e in rows if e.path[1] != "value")
     if layer.kv_shared:  # Gemma 4: it reuses an earlier layer's keys and values, so it has no projections for them
         return tuple(e for e in rows if e.path[1] not in ("key", "value", "key_norm"))
     return rows

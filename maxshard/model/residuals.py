@@ -81,7 +81,9 @@ VALUES = frozenset({"norm_epsilon", "rope_max_timescale", "rope_scaling_type", "
                     "attention_chunk_size", "nope_temperature_floor",
                     # Gemma 4's: pairs left unrotated (the same rotation's shapes), the per-layer table's rows (read
                     # before the layers), a constant scale of each layer's output
-                    "rope_proportion", "per_layer_vocab_size", "layer_scalar"})
+                    "rope_proportion", "per_layer_vocab_size", "layer_scalar",
+                    # the global layers' values from the key projection: a tensor of the values' shape in their place
+                    "global_values_from_keys"})
 OPTIONS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in COUNTED | VALUES)
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name in OPTIONS}
 _VALUE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name in VALUES}

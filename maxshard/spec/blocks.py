@@ -172,16 +172,19 @@ def _layer(cfg: ModelConfig, i: int) -> Layer:
 def layer_config(cfg: ModelConfig, layer: Layer) -> ModelConfig:
     """The model config a layer is built, converted and counted with (Gemma 4): `cfg`, with a global attention
     layer's heads of their own (`global_head_dim`, `global_num_kv_heads`) as head_dim and num_kv_heads, and a
-    KV-shared layer's MLP width (`kv_shared_mlp_dim`) as mlp_dim. One home for the swap: the layer, its KV cache, its
-    RoPE, its checkpoint tensors and its FLOPs all read the shape from here."""
-    heads = layer.mixer.attention and not layer.local and bool(cfg.global_head_dim or cfg.global_num_kv_heads)
+    KV-shared layer's MLP width (`kv_shared_mlp_dim`) as mlp_dim; `global_values_from_keys` true in the global
+    attention layers only. One home for the swap: the layer, its KV cache, its RoPE, its checkpoint tensors and its
+    FLOPs all read the shape from here."""
+    is_global = layer.mixer.attention and not layer.local
+    heads = is_global and bool(cfg.global_head_dim or cfg.global_num_kv_heads)
     wide = layer.kv_shared and bool(cfg.kv_shared_mlp_dim)
-    return _own_shape(cfg, heads, wide) if heads or wide else cfg
+    values = cfg.global_values_from_keys and not is_global  # not this layer's
+    return _own_shape(cfg, heads, wide, values) if heads or wide or values else cfg
 
 
 @functools.lru_cache(maxsize=64)
-def _own_shape(cfg: ModelConfig, heads: bool, wide: bool) -> ModelConfig:
-    changes = {}
+def _own_shape(cfg: ModelConfig, heads: bool, wide: bool, values: bool) -> ModelConfig:
+    changes = {"global_values_from_keys": False} if values else {}
     if heads:
         changes.update(head_dim=cfg.global_head_dim or cfg.head_dim,
                        num_kv_heads=cfg.global_num_kv_heads or cfg.num_kv_heads, global_head_dim=0,

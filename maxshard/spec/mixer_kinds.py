@@ -114,7 +114,13 @@ def _gqa_widths(cfg: ModelConfig) -> AttentionWidths:
     e, h = cfg.emb_dim, cfg.num_heads
     q, kv = h * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     gate = q if cfg.attention_output_gate else 0  # the query projection's per-head gate
-    return AttentionWidths(e * (q + gate + 2 * kv), q * e, h, cfg.head_dim, cfg.head_dim)
+    return AttentionWidths(e * (q + gate + _kv_projections(cfg) * kv), q * e, h, cfg.head_dim, cfg.head_dim)
+
+
+def _kv_projections(cfg: ModelConfig) -> int:
+    """Key and value projections of a grouped-query layer (its own config: spec/blocks.py `layer_config`): one
+    where the values are the keys' projection (`global_values_from_keys`)."""
+    return 1 if cfg.global_values_from_keys else 2
 
 
 def _mla_widths(cfg: ModelConfig) -> AttentionWidths:
@@ -145,7 +151,8 @@ def _attention_row(widths: Callable[[ModelConfig], AttentionWidths]) -> dict:
 def _gqa_lora(cfg: ModelConfig) -> dict[str, int]:
     e, q, kv = cfg.emb_dim, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     gate = q if cfg.attention_output_gate else 0  # the gate shares the query's projection, so its adapter
-    return {"q": e + q + gate, "k": e + kv, "v": e + kv, "o": q + e}
+    values = {} if cfg.global_values_from_keys else {"v": e + kv}  # none: the values are the key projection's
+    return {"q": e + q + gate, "k": e + kv, **values, "o": q + e}
 
 
 def _mla_lora(cfg: ModelConfig) -> dict[str, int]:
@@ -188,7 +195,8 @@ _BUILT_IN = (
     Mixer("gqa", "maxshard.model.layers.attention:Attention", "attention", "kv",
           summary="grouped-query softmax attention; a local layer sees the last sliding_window keys, or its chunk",
           hf=("full_attention",), hf_local=("sliding_attention", "chunked_attention"), remat_names=_QKV_OUT,
-          attention=True, reused=lambda cfg: {"qkv": 2 * cfg.emb_dim * cfg.num_kv_heads * cfg.head_dim},
+          attention=True,
+          reused=lambda cfg: {"qkv": _kv_projections(cfg) * cfg.emb_dim * cfg.num_kv_heads * cfg.head_dim},
           lora=_gqa_lora, **_attention_row(_gqa_widths)),
     Mixer("mla", "maxshard.model.layers.mla:LatentAttention", "attention", "latent",
           summary="multi-head latent attention (DeepSeek-V2/V3): keys and values from one cached latent",

@@ -163,6 +163,9 @@ class ModelKeys:
     # local layers' 256); 0: head_dim and num_kv_heads, as every layer (spec/blocks.py `layer_config`)
     global_head_dim: int = 0
     global_num_kv_heads: int = 0
+    # the global attention layers take their values from the key projection, before its norm and RoPE, and have no
+    # value projection (Gemma 4's attention_k_eq_v); in a layer's own config (spec/blocks.py) true only in those
+    global_values_from_keys: bool = False
     # Gemma 4: the last this many layers reuse the keys and values of the last earlier layer of their own kind
     # (local or global) and have no key/value projections or cache of their own (spec/blocks.py); 0: none
     kv_shared_layers: int = 0

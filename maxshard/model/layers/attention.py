@@ -130,11 +130,17 @@ class Attention(nn.Module):
         q, gate = self._query(x)
         if cfg.qk_norm:  # Qwen3: each head normalised over head_dim (OLMo: all heads at once), before RoPE
             q = self._qk_norm(q, "query_norm", ax.HEADS)
-        q, k = self._positioned(q, None if shared_kv else self._key(x), positions)
+        projected = None if shared_kv else constrain(self._proj(x, cfg.num_kv_heads, ax.KV_HEADS, "key", "k"),
+                                                     ax.KEY_VALUE)
+        k = self._qk_norm(projected, "key_norm", ax.KV_HEADS) if cfg.qk_norm and not shared_kv else projected
+        q, k = self._positioned(q, k, positions)
         q = q * self._scale()
         if shared_kv:
             return self._attend(q, gate, *shared_kv, segment_ids, positions)
-        v = constrain(self._proj(x, cfg.num_kv_heads, ax.KV_HEADS, "value", "v"), ax.KEY_VALUE)
+        if cfg.global_values_from_keys:  # Gemma 4's attention_k_eq_v (this config is the layer's own: spec/blocks.py)
+            v = projected
+        else:
+            v = constrain(self._proj(x, cfg.num_kv_heads, ax.KV_HEADS, "value", "v"), ax.KEY_VALUE)
         if cfg.value_norm:  # Gemma 4: each value head over head_dim, no scale
             v = rms_normalized(v, cfg.norm_epsilon)
         mask = None
@@ -142,11 +148,6 @@ class Attention(nn.Module):
             k, v, mask = kv_cache.KVCache(self.dtype, self.span, self.chunk, name="cache")(k, v, positions)
         out = self._attend(q, gate, k, v, mask, segment_ids, positions)
         return (out, (k, v, mask)) if self.gives_kv else out
-
-    def _key(self, x: jax.Array) -> jax.Array:
-        """k [batch, length, kv_heads, head_dim], with its q/k norm, before RoPE."""
-        k = constrain(self._proj(x, self.cfg.num_kv_heads, ax.KV_HEADS, "key", "k"), ax.KEY_VALUE)
-        return self._qk_norm(k, "key_norm", ax.KV_HEADS) if self.cfg.qk_norm else k
 
     def _attend(self, q: jax.Array, gate: jax.Array | None, k: jax.Array, v: jax.Array, mask: jax.Array | None,
                 segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
