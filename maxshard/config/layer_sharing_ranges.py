@@ -5,8 +5,6 @@ parallel/stages.py."""
 
 from __future__ import annotations
 
-import math
-
 from maxshard.config.schema import Config
 from maxshard.errors import ConfigError
 from maxshard.spec import mixer_kinds
@@ -25,7 +23,7 @@ def check_kv_sharing(cfg: Config) -> None:
         return
     own = cfg.num_layers - shared
     period = cfg.pattern_length
-    if shared < 0 or own < period or own % period:
+    if own < period or own % period:
         raise ConfigError(f"kv_shared_layers={shared} must leave the first num_layers - it layers a whole number "
                           f"(>= 1) of the layer pattern's period {period} (num_layers={cfg.num_layers}): they hold "
                           "the keys and values the shared layers reuse")
@@ -39,21 +37,21 @@ def check_kv_sharing(cfg: Config) -> None:
 
 
 def check_per_layer_inputs(cfg: Config) -> None:
-    """A width >= 0, a table of at most the vocabulary's rows, and no prediction modules (which have no per-layer
-    input)."""
+    """A table of at most the vocabulary's rows, and no prediction modules (which have no per-layer input); both
+    keys >= 0 (config/ranges.py `_POSITIVE_INTS`)."""
     width, rows = cfg.per_layer_input_dim, cfg.per_layer_vocab_size
-    if width < 0 or rows < 0 or rows > cfg.vocab_size:
-        raise ConfigError(f"per_layer_input_dim must be >= 0 and per_layer_vocab_size in [0, vocab_size="
-                          f"{cfg.vocab_size}] (0: vocab_size), got {width} and {rows}")
+    if rows > cfg.vocab_size:
+        raise ConfigError(f"per_layer_vocab_size in [0, vocab_size={cfg.vocab_size}] is the per-layer table's rows "
+                          f"(0: vocab_size), got {rows}")
     if width and cfg.mtp_depth:
         raise ConfigError(f"per_layer_input_dim={width} with mtp_depth={cfg.mtp_depth}: the prediction modules' "
                           "layers have no per-layer input; set mtp_depth=0")
 
 
 def check_rope_proportion(cfg: Config) -> None:
-    """Proportional RoPE turns a share in (0, 1] of each grouped-query head's pairs."""
+    """Proportional RoPE turns a share in (0, 1] of each grouped-query head's pairs (finite: config/ranges.py)."""
     share = cfg.rope_proportion
-    if not 0 < share <= 1 or not math.isfinite(share):
+    if not 0 < share <= 1:
         raise ConfigError(f"rope_proportion must be in (0, 1] (1: every rotary pair turns), got {share}")
     if share != 1 and (mixer_kinds.latent(cfg.attention_type) or cfg.partial_rotary_factor != 1):
         raise ConfigError(f"rope_proportion={share} turns pairs of whole grouped-query heads: set "

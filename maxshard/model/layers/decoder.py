@@ -29,7 +29,7 @@ from maxshard.parallel import axis_names as ax
 from maxshard.parallel.sharding import constrain
 
 __all__ = ["mixer_module", "DecoderLayer", "DecoderBlock", "Decoder", "scanned_stack", "norm", "remat_policy",
-           "rematted", "stack_unit"]
+           "rematted", "stack_unit", "ties_layers"]
 
 
 def remat_policy(name: str) -> Any:
@@ -156,8 +156,13 @@ def stack_unit(cfg: ModelConfig, stack: blocks.Stack | None = None) -> type[nn.M
     else DecoderBlock (the unit's layers `layer_0 ..`; also for one MoE layer, as checkpoints name it). Built with
     `stack=<its name>` (the main stack's by default, which is what a pipeline runs)."""
     stack = stack or blocks.main_stack(cfg)
-    whole = stack.has_moe or len(stack.unit) > 1 or cfg.per_layer_input_dim or cfg.kv_shared_layers
-    return DecoderBlock if whole else DecoderLayer
+    return DecoderBlock if stack.has_moe or len(stack.unit) > 1 or ties_layers(cfg) else DecoderLayer
+
+
+def ties_layers(cfg: ModelConfig) -> bool:
+    """Whether every unit takes two more arguments, its layers' per-layer inputs and the keys and values a KV-shared
+    stack reuses (Gemma 4: `per_layer_input_dim`, `kv_shared_layers`; either may be None in a unit)."""
+    return bool(cfg.per_layer_input_dim or cfg.kv_shared_layers)
 
 
 def rematted(cfg: ModelConfig, unit: type[nn.Module]) -> type[nn.Module]:
@@ -198,39 +203,37 @@ class Decoder(nn.Module):
                  per_layer_inputs: jax.Array | None = None) -> jax.Array:
         """x [batch, length, embed] -> the last residual stream; `per_layer_inputs` [batch, length, layers, P]
         (Gemma 4, layers/per_layer_inputs.py), each stack reading its layers' slice."""
-        cfg = self.cfg
-        first, given = 0, None
+        cfg, tied = self.cfg, ties_layers(self.cfg)
+        first, given = 0, None  # the first layer of the stack; the keys and values the last gives_kv stack gave
         for stack in blocks.stacks(cfg):
             unit = stack_unit(cfg, stack)
-            extras = _stack_inputs(per_layer_inputs, first, stack)
+            inputs = _stack_inputs(per_layer_inputs, first, stack)
+            shared = given if stack.reuses_kv else None
             first += stack.num_layers
-            if extras is not None:
-                extras = (*extras, given if stack.reuses_kv else None)
             if stack.name == blocks.MAIN_STACK and cfg.pipeline is not None:  # layers/pipeline.py
                 pipeline = Pipeline(cfg, unit, self.dtype, self.weight_dtype, remat_policy(cfg.remat_policy),
                                     name="pipeline")
                 x = pipeline(x, segment_ids, positions)
             elif cfg.scan_layers:
-                scanned = scanned_stack(stack, rematted(cfg, unit), per_layer=extras is not None)
+                scanned = scanned_stack(stack, rematted(cfg, unit), per_layer=tied)
                 x, gave = scanned(cfg, self.dtype, self.weight_dtype, stack=stack.name, name=stack.name)(
-                    x, segment_ids, positions, *(extras or ()))
+                    x, segment_ids, positions, *((inputs, shared) if tied else ()))
                 given = jax.tree.map(lambda a: a[-1], gave) if stack.gives_kv else given
             else:
                 layer = rematted(cfg, unit)
                 for i in range(stack.repeats):
                     block = layer(cfg, self.dtype, self.weight_dtype, stack=stack.name, name=f"{stack.name}_{i}")
-                    args = () if extras is None else (None if extras[0] is None else extras[0][i], extras[1])
+                    args = (None if inputs is None else inputs[i], shared) if tied else ()
                     x, gave = block(x, segment_ids, positions, *args)
                     given = gave if stack.gives_kv else given
         return x
 
 
-def _stack_inputs(per_layer_inputs: jax.Array | None, first: int, stack: blocks.Stack) -> tuple | None:
+def _stack_inputs(per_layer_inputs: jax.Array | None, first: int, stack: blocks.Stack) -> jax.Array | None:
     """The per-layer inputs of a stack's layers, one [batch, length, unit, P] a repeat stacked first
-    ([repeats, batch, length, unit, P]; (None,) in a model with KV sharing but none), or None in a model with
-    neither (its stacks take no more than x, the segments and positions)."""
+    ([repeats, batch, length, unit, P]), or None in a model without them."""
     if per_layer_inputs is None:
-        return (None,) if stack.gives_kv or stack.reuses_kv else None
+        return None
     batch, length, _, width = per_layer_inputs.shape
     mine = per_layer_inputs[:, :, first:first + stack.num_layers]
-    return (jnp.moveaxis(mine.reshape(batch, length, stack.repeats, len(stack.unit), width), 2, 0),)
+    return jnp.moveaxis(mine.reshape(batch, length, stack.repeats, len(stack.unit), width), 2, 0)
