@@ -111,7 +111,7 @@ def test_restores_under_tensor_and_fsdp_with_one_devices_logits(converted, one_d
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("enable_moe_block", True, "enable_moe_block=true is not supported"),
+    ("enable_moe_block", True, "num_experts=null is not supported: enable_moe_block=true needs >= 2 experts"),
     ("per_layer_config", {"0": {"head_dim": 16}}, "per_layer_config.0=.* maxshard's sliding_attention layers share"),
     ("per_layer_config", {"1": {"head_dim": 16}}, "the full_attention layers 2 head shapes"),
     ("per_layer_config", {str(i): {"sliding_window": 2} for i in range(1, 8, 2)}, r"per_layer_config.1=\["),
@@ -181,6 +181,67 @@ def test_values_from_keys_match_transformers(dense, tmp_path):
     exported, original = exports_bit_for_bit(converted, DENSE, tmp_path)
     for field in ("attention_k_eq_v", "per_layer_config", "layer_types", "hidden_size_per_layer_input"):
         assert exported[field] == original[field], field
+
+
+# gemma4_dense with the MoE block (tests/fixtures/gemma4/gemma4_moe, enable_moe_block): beside every layer's MLP 4
+# experts 16 wide, 2 a token; the router's scale about 1, its per-expert scale in 0.5..1.5
+MOE = FIXTURES / "gemma4_moe"
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory) -> tuple[Path, tuple]:
+    """(the MoE fixture's from_hf output, it started as a one-device run)."""
+    out = tmp_path_factory.mktemp("moe") / "gemma4_moe"
+    assert cli.main(["from_hf", str(MOE), str(out)]) == 0
+    return out, start_from_converted(out, tmp_path_factory.mktemp("moe_run"), *EXTRA)
+
+
+def test_the_moe_block_matches_transformers(moe, tmp_path):
+    """enable_moe_block reads as moe_beside_mlp: each layer keeps its dense MLP (intermediate_size) and runs the
+    dropless experts (moe_intermediate_size) beside it, with their own norms, the router's norm and scale and the
+    per-expert scale. Logits within 1e-4, 16 greedy tokens as transformers', the round trip bit for bit."""
+    converted, one_device = moe
+    keys = hf_config.model_keys(hf_config.read(str(MOE)))
+    assert (keys["moe_beside_mlp"], keys["num_experts"], keys["num_experts_per_tok"], keys["moe_mlp_dim"],
+            keys["mlp_dim"], keys["capacity_factor"]) == (True, 4, 2, 16, 48, -1.0)
+    layer = one_device[1].params["decoder"]["layers"]["layer_0"]
+    assert {"mlp", "moe", "moe_norm", "post_dense_norm", "post_moe_norm"} <= set(layer)
+    assert layer["moe"]["wi_0"].shape[-3:] == (4, 32, 16) and layer["moe"]["expert_scale"].shape[-1] == 4
+    logits_match_transformers(one_device, MOE)
+    (tmp_path / "generate").mkdir()
+    greedy_tokens_equal_transformers(converted, MOE, tmp_path / "generate", *EXTRA)
+    exported, original = exports_bit_for_bit(converted, MOE, tmp_path)
+    for field in ("enable_moe_block", "num_experts", "top_k_experts", "moe_intermediate_size", "intermediate_size"):
+        assert exported[field] == original[field], field
+
+
+@pytest.mark.parametrize("param", ["expert_scale", "router_norm"])
+def test_each_piece_of_the_router_is_needed_for_those_logits(moe, param):
+    """At 1 (the per-expert scale, the router norm's scale) the logits move far beyond the tolerance."""
+    from flax import traverse_util
+
+    trainer, state = moe[1]
+    tokens, want = np.load(MOE / "tokens.npy"), np.load(MOE / "logits.npy")
+    flat = traverse_util.flatten_dict(state.params)
+    ones = {k: np.ones_like(v) if param in k else v for k, v in flat.items()}
+    assert np.max(np.abs(apply(trainer, traverse_util.unflatten_dict(ones), tokens) - want)) > 100 * TOLERANCE
+
+
+def test_the_moe_block_restores_under_expert_and_fsdp_with_one_devices_logits(moe, tmp_path):
+    """expert=2 x fsdp=4: the experts over expert, the rest over fsdp (the full layer's one key/value head allows
+    no tensor parallelism; the block under tensor: tests/test_moe_beside_mlp.py)."""
+    converted, one_device = moe
+    layout_matches_one_device(converted, one_device, MOE, tmp_path, "ici_expert_parallelism=2",
+                              "ici_fsdp_parallelism=4", *EXTRA, atol=LAYOUT_ATOL)
+
+
+def test_the_moe_block_refuses_what_maxshard_cannot_compute_in_one_line():
+    source = hf_config.read(str(MOE))
+    with pytest.raises(ConfigError, match="top_k_experts=5 is not supported: needs 1..4"):
+        hf_config.model_keys({**source, "top_k_experts": 5})
+    keys = hf_config.model_keys(source)
+    with pytest.raises(ConfigError, match="num_shared_experts=1 cannot be written as Gemma4ForCausalLM"):
+        hf_config.to_hf({**keys, "num_shared_experts": 1}, "float32", template=source)
 
 
 # --------------------------------------------------------------------------------------------- export

@@ -91,6 +91,7 @@ PROBES = {
     "nope_temperature_floor": ({"rope_layers": (1, 0, 1, 0), "nope_temperature_scale": 0.5}, 4),
     "qk_l2_norm": ({}, True),
     "moe_weights_on_input": ({**MOE, "num_experts_per_tok": 1}, True),
+    "moe_beside_mlp": (MOE, True),  # Gemma 4: the dense MLP beside the experts, their norms, the router's norm
     # Gemma 4's: the value norm, each layer's per-layer input, its table's rows, the fixed scalar, proportional RoPE
     "value_norm": ({}, True),
     "per_layer_input_dim": ({}, 8),

@@ -18,6 +18,8 @@ Run once, by hand, in the reference venv (torch and transformers are never depen
                transformers' rule (config.json without layer_types), the full layer's values its key projection
                (attention_k_eq_v) over one key/value head 16 wide (global_head_dim, num_global_key_value_heads),
                no per-layer inputs or KV sharing; otherwise as gemma4.
+  gemma4_moe/  gemma4_dense's shape with the MoE block (enable_moe_block): beside each layer's MLP 4 experts 16 wide,
+               2 a token, the router's scale drawn about 1 and its per-expert scale in 0.5..1.5.
   gemma4_mm/   gemma4's text model inside Gemma4ForConditionalGeneration (a 1-layer vision tower beside it, no
                audio tower), as Google publishes Gemma 4: the same weights, so the same text-only logits.
   defaults/    Gemma4TextConfig's config.json at transformers' defaults.
@@ -88,6 +90,24 @@ def gemma4_dense() -> None:
     family_fixture(model, directory)
 
 
+# gemma4_dense with the MoE block beside every layer's MLP (26B-A4B-like)
+MOE = {**DENSE, "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 16}
+
+
+def gemma4_moe() -> None:
+    model = Gemma4ForCausalLM(Gemma4TextConfig(**MOE)).eval()
+    assert model.model.layers[0].experts.gate_up_proj.shape == (4, 32, 32)  # [experts, 2 x 16, hidden]
+    directory = fresh(OUT / "gemma4_moe")
+    redraw(model, seed=83, bf16=False)
+    layer_scalars(model, seed=85)
+    gen = torch.Generator().manual_seed(87)
+    with torch.no_grad():  # redraw gives them kernels' scale; as trained they are about 1 (scale) and positive
+        for layer in model.model.layers:
+            layer.router.scale.copy_(1 + 0.1 * torch.randn(layer.router.scale.shape, generator=gen))
+            layer.router.per_expert_scale.copy_(0.5 + torch.rand(layer.router.per_expert_scale.shape, generator=gen))
+    family_fixture(model, directory)
+
+
 def gemma4_multimodal() -> None:
     """gemma4's text model in the multimodal wrapper, which holds it as model.language_model.*."""
     text = Gemma4ForCausalLM.from_pretrained(OUT / "gemma4", dtype=torch.float32).eval()
@@ -116,7 +136,8 @@ def defaults() -> None:
     (directory / "gemma4_text.json").write_text(Gemma4TextConfig().to_json_string())
 
 
-BUILDERS = {"gemma4": gemma4, "gemma4_dense": gemma4_dense, "gemma4_mm": gemma4_multimodal, "defaults": defaults}
+BUILDERS = {"gemma4": gemma4, "gemma4_dense": gemma4_dense, "gemma4_moe": gemma4_moe, "gemma4_mm": gemma4_multimodal,
+            "defaults": defaults}
 
 
 def main(names: list[str]) -> None:

@@ -187,6 +187,10 @@ def _check_moe(cfg: Config) -> None:
         raise ConfigError(f"moe_weights_on_input scales each token by its one expert's weight (top-1 routing, no "
                           f"expert biases): set num_experts_per_tok=1 (got {cfg.num_experts_per_tok}) and "
                           f"moe_bias=false")
+    if cfg.moe_beside_mlp and not (cfg.num_experts > 1 and cfg.pre_norms):
+        raise ConfigError(f"moe_beside_mlp runs routed experts beside each MoE layer's dense MLP, the router "
+                          f"reading the residual before the MLP's norm: it needs num_experts > 1 (got "
+                          f"{cfg.num_experts}) and pre_norms=true (got {str(cfg.pre_norms).lower()})")
 
 
 def _check_routing(cfg: Config) -> None:
@@ -227,7 +231,8 @@ def _check_lora(cfg: Config) -> None:
     unknown = [t for t in cfg.lora_targets if t not in LORA_TARGETS]
     if unknown or not cfg.lora_targets:
         raise ConfigError(f"lora_targets={list(cfg.lora_targets)}: names from {', '.join(LORA_TARGETS)}, at least one")
-    dense_mlps = cfg.num_experts == 1 or cfg.moe_layer_interval > 1 or cfg.first_k_dense_replace > 0
+    dense_mlps = (cfg.num_experts == 1 or cfg.moe_layer_interval > 1 or cfg.first_k_dense_replace > 0
+                  or cfg.moe_beside_mlp)
     mlp_targets = [t for t in cfg.lora_targets if t in ("gate", "up", "down")]
     if cfg.lora_rank and mlp_targets and not dense_mlps:
         raise ConfigError(f"lora_targets={list(cfg.lora_targets)}: {', '.join(mlp_targets)} adapt dense MLPs, and "

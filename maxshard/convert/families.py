@@ -95,6 +95,8 @@ class Family:
         released rotary_dim, which transformers reads as rotary_dim / head_dim) where partial_rotary_factor is absent.
     per_layer_dims: config.json may give the full-attention layers a head shape of their own (Gemma 4's
         per_layer_config, global_head_dim): global_head_dim and global_num_kv_heads (hf_layer_dims.py).
+    moe_block_field: a config.json switch of routed experts beside every layer's dense MLP in a family whose layers
+        are dense without it (Gemma 4's enable_moe_block: `moe_beside_mlp`, hf_moe_block.py); "" for none.
     """
 
     architecture: str
@@ -140,6 +142,7 @@ class Family:
     mtp_prefix: str = ""
     rotary_dim_field: str = ""
     per_layer_dims: bool = False
+    moe_block_field: str = ""
     qk_norm_field: str = ""
     gate_up_halves: bool = False
     interleaved_rope: bool = False
@@ -327,7 +330,8 @@ FAMILIES += (
 # 1 + weight), GeGLU, embeddings x sqrt(width), local and global layers (layer_types; 5 : 1 without them), q/k norms
 # with a scale and a value norm without one, softmax scale 1, proportional RoPE in the global layers, per-layer input
 # embeddings, the last layers reusing earlier keys and values, a fixed scalar a layer; the global layers' own head
-# shape and values, the shared layers' MLP width (hf_layer_dims.py). Gemma4TextConfig's defaults.
+# shape and values, the shared layers' MLP width (hf_layer_dims.py); with enable_moe_block routed experts beside every
+# layer's MLP (hf_moe_block.py). Gemma4TextConfig's defaults.
 _GEMMA4_DEFAULTS = {"vocab_size": 262144, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 30,
                     "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
                     "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
@@ -344,11 +348,11 @@ FAMILIES += (
                  "layer_scalar": True},
            defaults=_GEMMA4_DEFAULTS, activation_field="hidden_activation", activation="gelu_pytorch_tanh",
            local_global=True, pattern_period=6, rope_per_layer_type=True, local_base_field="",
-           local_base_default=10000.0, per_layer_dims=True,
-           must_equal={"enable_moe_block": False},
+           local_base_default=10000.0, per_layer_dims=True, moe_block_field="enable_moe_block",
            carries=("sliding_window", "attention_pattern", "rope_local_max_timescale", "final_logit_softcapping",
                     "rope_proportion", "kv_shared_layers", "per_layer_input_dim", "per_layer_vocab_size",
-                    "global_head_dim", "global_num_kv_heads", "kv_shared_mlp_dim", "global_values_from_keys"),
+                    "global_head_dim", "global_num_kv_heads", "kv_shared_mlp_dim", "global_values_from_keys",
+                    "moe_beside_mlp"),
            null_when_zero=("final_logit_softcapping",), export={"attention_bias": False}),
 )
 

@@ -16,7 +16,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from maxshard.convert import hf_layer_dims, hf_local_global, hf_positions, names
+from maxshard.convert import hf_layer_dims, hf_local_global, hf_moe_block, hf_positions, names
 from maxshard.convert.families import Family, by_architecture, by_model_type, rows
 from maxshard.errors import ConfigError
 from maxshard.spec import mixer_kinds
@@ -44,7 +44,7 @@ LAYER_OPTIONS = ("sliding_window", "attention_pattern", "rope_local_max_timescal
                  "pre_norms", "qk_norm_all_heads", "attention_chunk_size", "rope_layers", "nope_temperature_scale",
                  "qk_l2_norm", "moe_weights_on_input", "rope_proportion", "value_norm", "kv_shared_layers",
                  "per_layer_input_dim", "per_layer_vocab_size", "layer_scalar", "global_head_dim",
-                 "global_num_kv_heads", "kv_shared_mlp_dim", "global_values_from_keys")
+                 "global_num_kv_heads", "kv_shared_mlp_dim", "global_values_from_keys", "moe_beside_mlp")
 # The hybrids' (Qwen3-Next, Qwen3.5) layer_types without the field: transformers' rule, every n-th layer full
 # attention (config.json's full_attention_interval, default 4), the others linear attention, in config.json's words
 HYBRID_INTERVAL = ("full_attention_interval", 4)
@@ -306,6 +306,7 @@ def model_keys(hf: Mapping[str, Any]) -> dict[str, Any]:
         **({"layer_types": hybrid_layer_types(hf)} if fam.linear_attention else {}),
         **(hf_positions.model_keys(hf) if fam.per_layer_positions else {}),
         **(hf_layer_dims.model_keys(hf, hf_local_global.types_of(hf, fam)) if fam.per_layer_dims else {}),
+        **(hf_moe_block.model_keys(hf, fam.moe_block_field) if fam.moe_block_field else {}),
         **({"partial_rotary_factor": rot} if (rot := partial_rotary(hf, fam)) != 1 else {}),
         **({"score_head": True} if _score_head(hf) else {}),
     }
@@ -353,8 +354,9 @@ def _check_family(keys: Mapping[str, Any], fam: Family) -> None:
     """The model keys must be what the family computes; otherwise transformers would load a different function."""
     experts = keys.get("num_experts", 1)
     qk_norm = bool(keys.get("qk_norm", False))
+    block = bool(fam.moe_block_field and keys.get("moe_beside_mlp"))  # Gemma 4's experts beside the MLP
     wants = {"qk_norm": (qk_norm, qk_norm if fam.qk_norm_field else fam.qk_norm),
-             "num_experts > 1": (experts > 1, fam.is_moe)}
+             "num_experts > 1": (experts > 1, fam.is_moe or block)}
     wants["attention_type"] = (keys.get("attention_type", ModelConfig.attention_type), fam.attention)
     for key, value in fam.keys.items():
         wants[key] = (keys.get(key), value)
@@ -366,6 +368,7 @@ def _check_family(keys: Mapping[str, Any], fam: Family) -> None:
         if fam.renormalize_field is None:
             wants["moe_renormalize_top_k"] = (bool(keys.get("moe_renormalize_top_k", True)), fam.renormalize_default)
     defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    wants.update(hf_moe_block.wants(keys, defaults) if block else {})
     for key in LAYER_OPTIONS:
         if key not in fam.keys and key not in fam.carries:
             have = keys.get(key, defaults[key])
@@ -453,6 +456,8 @@ def to_hf(keys: Mapping[str, Any], dtype: str, template: Mapping[str, Any] | Non
         out[fam.qk_norm_field] = bool(keys.get("qk_norm", False))
     if fam.per_layer_dims:
         out.update(hf_layer_dims.export_fields(keys, hf_local_global.layer_types(keys)))
+    if fam.moe_block_field:
+        out.update(hf_moe_block.export_fields(keys, fam.moe_block_field))
     if "partial_rotary_factor" in fam.carries:  # 4.x spelling, beside rope_theta; transformers 5 reads it too
         out["partial_rotary_factor"] = keys.get("partial_rotary_factor", 1.0)
     if scoring:  # one label, as transformers writes num_labels

@@ -89,7 +89,9 @@ class Entry:
     hf: str
     path: tuple[str, ...]
     # "same", "linear", "flat" (a 1-D tensor of maxshard's shape), "interleaved" or "halves" (with `part`), "conv" (a
-    # depthwise conv1d weight [channels, 1, width], read as the linear weight [channels, width])
+    # depthwise conv1d weight [channels, 1, width], read as the linear weight [channels, width]), "expert_linear"
+    # (stacked torch Linear weights [experts, out, in] -> [experts, in, out]; with `part` the index-th of `width`
+    # equal blocks of the out rows: Gemma 4's gate_up_proj)
     layout: str
     num_in: int = 1
     per_expert: bool = False  # one Hugging Face tensor per expert ("{e}"), stacked along maxshard's experts dim
@@ -149,6 +151,20 @@ SANDWICH_NORMS = (
     Entry("model.layers.{i}.post_attention_layernorm.weight", ("post_attention_norm", "scale"), "same"),
     Entry("model.layers.{i}.pre_feedforward_layernorm.weight", ("mlp_norm", "scale"), "same"),
     Entry("model.layers.{i}.post_feedforward_layernorm.weight", ("post_mlp_norm", "scale"), "same"),
+)
+# Gemma 4's MoE block (`moe_beside_mlp`): beside the MLP, the experts' own norm and one after each of the two
+# outputs; the router (its input norm's scale, its kernel, the weights' per-expert scale); the experts stacked as
+# torch Linear weights [experts, out, in], the gate rows then the up rows ("expert_linear")
+MOE_BLOCK = (
+    Entry("model.layers.{i}.pre_feedforward_layernorm_2.weight", ("moe_norm", "scale"), "same"),
+    Entry("model.layers.{i}.post_feedforward_layernorm_1.weight", ("post_dense_norm", "scale"), "same"),
+    Entry("model.layers.{i}.post_feedforward_layernorm_2.weight", ("post_moe_norm", "scale"), "same"),
+    Entry("model.layers.{i}.router.scale", ("moe", "router_norm", "scale"), "same"),
+    Entry("model.layers.{i}.router.proj.weight", ("moe", "gate", "kernel"), "linear"),
+    Entry("model.layers.{i}.router.per_expert_scale", ("moe", "expert_scale"), "same"),
+    Entry("model.layers.{i}.experts.gate_up_proj", ("moe", "wi_0"), "expert_linear", part=(0, 1, 2)),
+    Entry("model.layers.{i}.experts.gate_up_proj", ("moe", "wi_1"), "expert_linear", part=(1, 2, 2)),
+    Entry("model.layers.{i}.experts.down_proj", ("moe", "wo"), "expert_linear"),
 )
 MLP = (
     Entry("model.layers.{i}.mlp.gate_proj.weight", ("mlp", "wi_0", "kernel"), "linear"),
@@ -321,6 +337,8 @@ def per_layer(family: Family, cfg: ModelConfig, layer: Layer) -> tuple[Entry, ..
         raise ConfigError(f"{family.architecture} has no tensors for token mixer {layer.attention!r}")
     attention = mixer(family, layer_config(cfg, layer), layer)  # at the layer's own head shape
     mlp = (_fused_moe(family, cfg) if family.fused_experts else _moe(family, cfg)) if layer.routed else _mlp(family)
+    if layer.routed and layer.has_dense_mlp:  # Gemma 4's MoE block beside the MLP
+        mlp = (*_mlp(family), *MOE_BLOCK)
     norms = SANDWICH_NORMS if family.keys.get("post_norms") else (MLP_NORM,)
     rows = (*attention, *_attention_extras(cfg, family), *norms, *mlp,
             *(PER_LAYER_INPUT if cfg.per_layer_input_dim else ()), *((LAYER_SCALAR,) if cfg.layer_scalar else ()))
@@ -405,6 +423,9 @@ def hf_shape(entry: Entry, maxshard_shape: tuple[int, ...]) -> tuple[int, ...]:
         return (math.prod(maxshard_shape),)
     if entry.layout in ("interleaved", "halves"):
         return (*maxshard_shape[:-1], maxshard_shape[-1] * entry.part[2])
+    if entry.layout == "expert_linear":
+        experts, inputs, outputs = maxshard_shape
+        return (experts, outputs * (entry.part[2] if entry.part else 1), inputs)
     inputs, outputs = maxshard_shape[: entry.num_in], maxshard_shape[entry.num_in :]
     rows = _groups(entry, outputs) * entry.part[2] if entry.part else math.prod(outputs)
     return (rows, 1, math.prod(inputs)) if entry.layout == "conv" else (rows, math.prod(inputs))
@@ -460,6 +481,12 @@ def to_maxshard(entry: Entry, array: np.ndarray, maxshard_shape: tuple[int, ...]
         index, _, count = entry.part
         size = array.shape[-1] // count
         return array[..., index * size:(index + 1) * size].reshape(maxshard_shape)
+    if entry.layout == "expert_linear":  # [experts, out, in], or a block of its experts
+        if entry.part:
+            index, _, count = entry.part
+            size = array.shape[1] // count
+            array = array[:, index * size:(index + 1) * size]
+        return array.transpose(0, 2, 1).reshape(maxshard_shape)
     if entry.layout == "conv":  # [channels, 1, width] -> the [channels, width] of a linear weight
         array = array[:, 0, :]
     if entry.part:
@@ -477,6 +504,8 @@ def to_hf(entry: Entry, array: np.ndarray) -> np.ndarray:
         return array
     if entry.layout == "flat":
         return array.reshape(-1)
+    if entry.layout == "expert_linear":
+        return array.transpose(0, 2, 1)
     if entry.rope_tail:
         array = array[..., _rope_order(entry, array.shape[-1], inverse=True)]
     inputs = math.prod(array.shape[: entry.num_in])
@@ -492,6 +521,8 @@ def join_parts(entry: Entry, parts: list[np.ndarray], entries: list[Entry] | Non
         return stacked.reshape(*stacked.shape[:-2], -1)
     if entry.layout == "halves":  # the parts' columns one after the other
         return np.concatenate(parts, axis=-1)
+    if entry.layout == "expert_linear":  # each expert's parts' rows one after the other
+        return np.concatenate([p.transpose(0, 2, 1) for p in parts], axis=1)
     entries = entries or [entry] * len(parts)
     grouped = [p.reshape(*p.shape[: e.num_in], _groups(e, p.shape[e.num_in :]), -1) for p, e in zip(parts, entries)]
     whole = np.concatenate(grouped, axis=-1)

@@ -89,7 +89,7 @@ def matmul_params(cfg: ModelConfig) -> int:
 def lora_matmul_params(cfg: ModelConfig) -> int:
     """LoRA adapter parameters that take part in a matmul per token: rank x (in + out) per targeted projection of
     every layer, the mixer's as its row declares them (spec/mixer_kinds.py `lora`), a dense MLP's gate, up and down
-    (experts take none)."""
+    (also beside the experts of Gemma 4's MoE block; experts take none)."""
     if not cfg.lora_rank:
         return 0
     total = 0
@@ -97,7 +97,7 @@ def lora_matmul_params(cfg: ModelConfig) -> int:
         own = blocks.layer_config(cfg, layer)  # its own head shape and MLP width (Gemma 4)
         e, f = own.emb_dim, own.mlp_dim
         dense = {"gate": e + f, "up": e + f, "down": f + e}
-        widths = {**layer.mixer.lora(own), **({} if layer.routed else dense)}
+        widths = {**layer.mixer.lora(own), **(dense if layer.has_dense_mlp else {})}
         if layer.kv_shared:  # no key or value projection to adapt
             widths = {k: v for k, v in widths.items() if k not in ("k", "v")}
         total += sum(widths.get(target, 0) for target in cfg.lora_targets)

@@ -5,7 +5,8 @@ A family is described by the model keys, read here once into data:
     Layer(attention, mlp, local, rope) one decoder layer's kinds: its token mixer `attention`, a row of
                               spec/mixer_kinds.py ("gqa" grouped-query, "mla" multi-head latent, "gated_deltanet"
                               linear attention, ...), its MLP ("dense": one gated MLP of mlp_dim, "moe": routed
-                              experts of expert_dim; mixer_kinds.MLP_KINDS), whether its mixer is local (the
+                              experts of expert_dim, "moe_beside_dense": both, Gemma 4's MoE block;
+                              mixer_kinds.MLP_KINDS), whether its mixer is local (the
                               last `sliding_window` keys, or its chunk of `attention_chunk_size`) or global, and
                               whether it rotates its queries and keys (`rope_layers`; NoPE where not)
     Stack(name, unit, repeats) a unit of layers repeated `repeats` times: one nn.scan (or one pipeline) each
@@ -93,6 +94,11 @@ class Layer:
         """Whether its MLP is routed experts (an MoE layer)."""
         return mixer_kinds.mlp_kind(self.mlp).routed
 
+    @property
+    def has_dense_mlp(self) -> bool:
+        """Whether it has a dense MLP: a dense layer, or an MoE one that keeps it beside its experts (Gemma 4)."""
+        return mixer_kinds.mlp_kind(self.mlp).has_dense
+
 
 @dataclasses.dataclass(frozen=True)
 class Stack:
@@ -159,7 +165,7 @@ def _layer(cfg: ModelConfig, i: int) -> Layer:
     and locality from layer_types[i], or attention_type and the attention pattern; RoPE unless rope_layers[i] is 0."""
     first, n = cfg.first_k_dense_replace, cfg.moe_layer_interval
     moe = cfg.is_moe and i >= first and (i - first) % n == n - 1
-    mlp = "moe" if moe else "dense"
+    mlp = ("moe_beside_dense" if cfg.moe_beside_mlp else "moe") if moe else "dense"
     rope = not cfg.rope_layers or bool(cfg.rope_layers[i])
     shared = i >= cfg.num_layers - cfg.kv_shared_layers
     if cfg.layer_types:

@@ -64,13 +64,20 @@ class Mixer:
 
 @dataclasses.dataclass(frozen=True)
 class MLP:
-    """One MLP kind: `routed` experts (layers/moe.py MoEBlock, parameters under "moe") or one gated MLP
-    (layers/mlp.py, under "mlp"); `params` its matmul parameters per token by part (model/flops.py Matmuls)."""
+    """One MLP kind: `routed` experts (layers/moe.py MoEBlock, parameters under "moe"), one gated MLP
+    (layers/mlp.py, under "mlp"), or with `dense` both side by side (Gemma 4's MoE block); `params` its matmul
+    parameters per token by part (model/flops.py Matmuls)."""
 
     name: str
     routed: bool
     params: Callable[[ModelConfig], dict[str, int]]
     summary: str
+    dense: bool = False  # a routed kind that keeps the dense MLP beside its experts
+
+    @property
+    def has_dense(self) -> bool:
+        """Whether its layer has the dense MLP ("mlp"): a dense kind, or a routed one beside it."""
+        return self.dense or not self.routed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,7 +280,9 @@ def _moe(cfg: ModelConfig) -> dict[str, int]:
 
 
 MLP_KINDS = (MLP("dense", False, _dense, "one gated MLP of mlp_dim"),
-             MLP("moe", True, _moe, "routed experts of expert_dim, shared experts and a router"))
+             MLP("moe", True, _moe, "routed experts of expert_dim, shared experts and a router"),
+             MLP("moe_beside_dense", True, lambda cfg: {**_dense(cfg), **_moe(cfg)},
+                 "the dense MLP and beside it routed experts with their router (Gemma 4's MoE block)", dense=True))
 _MLPS = {m.name: m for m in MLP_KINDS}
 
 

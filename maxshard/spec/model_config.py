@@ -219,6 +219,7 @@ class ModelKeys:
     moe_routed_scaling_factor: float = 1.0  # the routed experts' output is scaled by this (DeepSeek-V3: 2.5)
     moe_router_bias: bool = False  # a per-expert bias added to the scores for selection only (aux-loss-free)
     moe_weights_on_input: bool = False  # the router weight scales the expert's input, not its output (Llama 4)
+    moe_beside_mlp: bool = False  # Gemma 4's MoE block: the routed experts beside the MoE layers' dense MLP
     lora_rank: int = 0  # LoRA adapters of this rank on the `lora_targets` projections (0: none; layers/lora.py)
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] = ("q", "k", "v", "o")

@@ -77,7 +77,7 @@ class DecoderLayer(nn.Module):
 
     Its kinds are layer `index` of the unit of stack `stack` (spec/blocks.py): the token mixer of its row
     (spec/mixer_kinds.py: its module, under its scope, local or global, with RoPE or without), and a dense MLP
-    ("mlp") or a routed MoEBlock ("moe").
+    ("mlp"), a routed MoEBlock ("moe"), or both side by side (Gemma 4's MoE block, `_mlp`).
     """
 
     cfg: ModelConfig
@@ -109,17 +109,30 @@ class DecoderLayer(nn.Module):
             given = {kinds.kv_kind: kv}
         x = x + (norm(self._norm("post_attention_norm"), h) if cfg.post_norms else h)
         h = norm(self._norm("mlp_norm"), x) if cfg.pre_norms else x
-        if kinds.routed:
-            h = MoEBlock(cfg, dt, wdt, name="moe")(h, segment_ids)
-        else:
-            ranks = (cfg.lora_rank_of("gate"), cfg.lora_rank_of("up"), cfg.lora_rank_of("down"))
-            h = MLP(own.mlp_dim, dt, wdt, ranks, cfg.lora_scale, activation(cfg), name="mlp")(h)
+        h = self._mlp(x, h, segment_ids, own, kinds)
         x = x + (norm(self._norm("post_mlp_norm"), h) if cfg.post_norms else h)
         if cfg.per_layer_input_dim:  # Gemma 4 (layers/per_layer_inputs.py)
             x = PerLayerInput(cfg, dt, wdt, name="per_layer_input")(x, layer_input)
         if cfg.layer_scalar:
             x = scaled_by_layer(self, x)
         return constrain(x, ax.RESIDUAL), given
+
+    def _mlp(self, x: jax.Array, h: jax.Array, segment_ids: jax.Array, own: ModelConfig,
+             kinds: blocks.Layer) -> jax.Array:
+        """The MLP's output of `h` (the normalised stream): the dense MLP, the routed experts, or (Gemma 4's MoE
+        block, `moe_beside_mlp`) both: the experts read their own norm of the residual `x` and the router `x`
+        itself, and each output is normalised before the two are added."""
+        cfg, dt, wdt = self.cfg, self.dtype, self.weight_dtype
+        dense = None
+        if kinds.has_dense_mlp:
+            ranks = (cfg.lora_rank_of("gate"), cfg.lora_rank_of("up"), cfg.lora_rank_of("down"))
+            dense = MLP(own.mlp_dim, dt, wdt, ranks, cfg.lora_scale, activation(cfg), name="mlp")(h)
+        if not kinds.routed:
+            return dense
+        if dense is None:
+            return MoEBlock(cfg, dt, wdt, name="moe")(h, segment_ids)
+        routed = MoEBlock(cfg, dt, wdt, name="moe")(norm(self._norm("moe_norm"), x), segment_ids, residual=x)
+        return norm(self._norm("post_dense_norm"), dense) + norm(self._norm("post_moe_norm"), routed)
 
     def _norm(self, name: str) -> RMSNorm:
         return RMSNorm(self.cfg.norm_epsilon, self.dtype, self.weight_dtype, self.cfg.norm_unit_offset, name=name)

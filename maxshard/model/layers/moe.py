@@ -75,6 +75,12 @@ weights alike, unlike DeepSeek's selection bias), and every expert's gate, up an
 router, as transformers' GptOssExperts computes it. Every path (dropping, dropless grouped and dense, under expert
 parallelism) applies them, and the experts' activation is the model's (`mlp_activation`: GPT-OSS's clamped SwiGLU).
 
+Beside the MLP (`moe_beside_mlp`, Gemma 4's MoE block): the layer keeps its dense MLP and the experts run beside
+it (layers/decoder.py adds their outputs). The experts read their own norm of the layer's residual stream; the
+router reads the residual itself, normalised without a weight, times a learned scale ("router_norm") and
+embed^-1/2, and the renormalised top-k weights are multiplied by a learned per-expert scale ("expert_scale"
+[experts]), as transformers' Gemma4TextRouter computes them.
+
 Router losses, per MoE layer, over the non-padding tokens T:
     load balance  num_experts * sum_i f_i * P_i, f_i = share of the T * k assignments that chose expert i (before
                   drops), P_i = mean normalised score of expert i (the softmax; sigmoid scores divided by their
@@ -100,6 +106,7 @@ from maxshard.spec.model_config import ModelConfig
 from maxshard.model.layers import moe_grouped
 from maxshard.model.layers.linears import DenseGeneral
 from maxshard.model.layers.mlp import MLP, activation
+from maxshard.model.layers.norms import RMSNorm
 from maxshard.model.layers.moe_routing import (Routing, Scoring, route, router_losses, router_scores,
                                                 sequence_balance_loss)
 from maxshard.model.layers.moe_stats import (BIAS_LOAD, BIAS_PARAM, LOAD_STAT, STATS_COLLECTION, STATS_NAME,
@@ -113,6 +120,7 @@ __all__ = [
     "Routing",
     "Scoring",
     "BIAS_PARAM",
+    "EXPERT_SCALE",
     "capacity",
     "group_size",
     "route",
@@ -127,6 +135,9 @@ __all__ = [
     "STATS_COLLECTION",
 ]
 
+
+
+EXPERT_SCALE = "expert_scale"  # Gemma 4's per-expert scale of the router weights (`moe_beside_mlp`)
 
 
 # --------------------------------------------------------------------------------------------- capacity
@@ -254,13 +265,14 @@ class MoEBlock(nn.Module):
         out = self._experts(x, "gcm", ax.LENGTH)  # [e, g, s, m]
         return jnp.einsum("egsm,gse->gsm", out, routing.weights.astype(self.dtype)), 0.0
 
-    def _routed(self, x: jax.Array, logits: jax.Array, mask: jax.Array, bias: jax.Array | None) -> jax.Array:
+    def _routed(self, x: jax.Array, logits: jax.Array, mask: jax.Array, bias: jax.Array | None,
+                expert_scale: jax.Array | None) -> jax.Array:
         """The routed experts' output [batch, length, embed]; sows the router statistics (and, with a selection
         bias, the load beside it)."""
         cfg, (batch, length, embed) = self.cfg, x.shape
         scoring, k = Scoring.of(cfg), cfg.num_experts_per_tok
         if cfg.capacity_factor <= 0:
-            routing = route(logits, k, length, mask, scoring=scoring, bias=bias)
+            routing = route(logits, k, length, mask, scoring=scoring, bias=bias, expert_scale=expert_scale)
             y, unsent = self._dropless(*self._weighed(x, routing))
             self._sow(logits, routing, mask, batch, bias, unsent)
             return y
@@ -268,7 +280,7 @@ class MoEBlock(nn.Module):
         groups = batch * length // g
         x, logits, mask = x.reshape(groups, g, embed), logits.reshape(groups, g, -1), mask.reshape(groups, g)
         routing = route(logits, k, capacity(g, k, cfg.num_experts, cfg.capacity_factor), mask, scoring=scoring,
-                        bias=bias)
+                        bias=bias, expert_scale=expert_scale)
         self._sow(logits, routing, mask, batch, bias)
         return self._dropping(*self._weighed(x, routing)).reshape(batch, length, embed)
 
@@ -290,19 +302,32 @@ class MoEBlock(nn.Module):
             self.sow(STATS_COLLECTION, BIAS_LOAD, stats[LOAD_STAT])
 
     @nn.compact
-    def __call__(self, x: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, segment_ids: jax.Array, residual: jax.Array | None = None) -> jax.Array:
+        """x [batch, length, embed] -> the experts' output. `residual`: with `moe_beside_mlp` (Gemma 4) the
+        layer's residual stream, which the router reads through its own norm (x is the experts' norm of it)."""
         cfg = self.cfg
         x = constrain(jnp.asarray(x, self.dtype), ax.TOKENS)
         router = DenseGeneral((cfg.num_experts,), (ax.EMBED, None), 1, jnp.float32, self.weight_dtype,
                               use_bias=cfg.moe_bias, name="gate")  # GPT-OSS's router has a bias
-        logits = router(x.astype(jnp.float32))  # [batch, length, experts] float32
+        logits = router(self._router_input(x, residual))  # [batch, length, experts] float32
         # float32 whatever weight_dtype: steps of moe_bias_update_rate (DeepSeek-V3: 0.001) vanish in bfloat16.
         bias = self.param(BIAS_PARAM, nn.with_logical_partitioning(nn.initializers.zeros_init(), (None,)),
                           (cfg.num_experts,), jnp.float32) if cfg.moe_router_bias else None
-        y = self._routed(x, logits, segment_ids != 0, bias)
+        expert_scale = self.param(EXPERT_SCALE, nn.with_logical_partitioning(nn.initializers.ones_init(), (None,)),
+                                  (cfg.num_experts,), self.weight_dtype) if cfg.moe_beside_mlp else None
+        y = self._routed(x, logits, segment_ids != 0, bias, expert_scale)
         if cfg.num_shared_experts > 0:
             y = y + self._shared(x)
         return constrain(y, ax.TOKENS)
+
+    def _router_input(self, x: jax.Array, residual: jax.Array | None) -> jax.Array:
+        """What the router reads, in float32: x, or with `moe_beside_mlp` the residual normalised without a weight,
+        times a learned scale (not 1 + scale) and embed^-1/2 (Gemma 4)."""
+        if not self.cfg.moe_beside_mlp:
+            return x.astype(jnp.float32)
+        residual = constrain(jnp.asarray(residual, jnp.float32), ax.TOKENS)
+        norm = RMSNorm(self.cfg.norm_epsilon, jnp.float32, self.weight_dtype, name="router_norm")
+        return norm(residual) * self.cfg.emb_dim ** -0.5
 
     def _shared(self, x: jax.Array) -> jax.Array:
         """The shared experts' output [batch, length, embed]; with `shared_expert_gate` scaled per token by

@@ -73,11 +73,12 @@ def _group_limited(choice: jax.Array, n_group: int, topk_group: int) -> jax.Arra
     return jnp.where(jnp.repeat(kept, per_group, axis=-1), choice, -jnp.inf)
 
 
-def _top_k(scores: jax.Array, k: int, token_mask: jax.Array, scoring: Scoring, bias: jax.Array | None
-           ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Top-k weights [group, tokens, k] (the chosen scores, renormalised or not, times the scale), their experts
-    [group, tokens, k] (num_experts for padding) and one-hot choices [group, tokens, k, experts]. The bias and the
-    group limit decide which experts; the weights are the unbiased scores."""
+def _top_k(scores: jax.Array, k: int, token_mask: jax.Array, scoring: Scoring, bias: jax.Array | None,
+           expert_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Top-k weights [group, tokens, k] (the chosen scores, renormalised or not, times the scale and each chosen
+    expert's `expert_scale`), their experts [group, tokens, k] (num_experts for padding) and one-hot choices
+    [group, tokens, k, experts]. The bias and the group limit decide which experts; the weights are the unbiased
+    scores."""
     choice = scores if bias is None else scores + jax.lax.stop_gradient(bias).astype(jnp.float32)
     if scoring.n_group > 1 and scoring.topk_group < scoring.n_group:
         choice = _group_limited(choice, scoring.n_group, scoring.topk_group)
@@ -87,6 +88,8 @@ def _top_k(scores: jax.Array, k: int, token_mask: jax.Array, scoring: Scoring, b
         top_weights = top_weights / (jnp.sum(top_weights, axis=-1, keepdims=True) + 1e-20)
     if scoring.scale != 1.0:
         top_weights = top_weights * scoring.scale
+    if expert_scale is not None:  # Gemma 4's learned per-expert scale, after the renormalisation
+        top_weights = top_weights * jnp.take(expert_scale.astype(jnp.float32), top_experts)
     choices = jax.nn.one_hot(top_experts, scores.shape[-1], dtype=jnp.int32)  # [g, s, k, e]
     real = token_mask[:, :, None]
     top_experts = jnp.where(real, top_experts, scores.shape[-1]).astype(jnp.int32)
@@ -102,11 +105,14 @@ def _slots(choices: jax.Array) -> jax.Array:
 
 
 def route(logits: jax.Array, k: int, slots_per_expert: int, token_mask: jax.Array, renormalize: bool = True,
-          scoring: Scoring | None = None, bias: jax.Array | None = None) -> Routing:
+          scoring: Scoring | None = None, bias: jax.Array | None = None, expert_scale: jax.Array | None = None
+          ) -> Routing:
     """Top-k routing of logits [group, tokens, experts] with `slots_per_expert` slots (dropless: tokens).
-    `scoring` (default: a softmax with `renormalize`) and the selection `bias` [experts] as the module docstring."""
+    `scoring` (default: a softmax with `renormalize`), the selection `bias` [experts] and the weights' per-expert
+    `expert_scale` [experts] (Gemma 4) as layers/moe.py's docstring."""
     scoring = scoring or Scoring(renormalize=renormalize)
-    top_weights, top_experts, choices = _top_k(router_scores(logits, scoring.kind), k, token_mask, scoring, bias)
+    scores = router_scores(logits, scoring.kind)
+    top_weights, top_experts, choices = _top_k(scores, k, token_mask, scoring, bias, expert_scale)
     slots = _slots(choices)  # [g, s, k, e]
     keep = choices * (slots < slots_per_expert)  # [g, s, k, e]
     # An expert appears at most once among a token's k choices, so summing over k loses nothing.
