@@ -254,6 +254,47 @@ def test_round_trip_is_bit_identical(converted, tmp_path):
         assert exported[field] == original[field], field
 
 
+# The releases' config.json text_config fields that differ from Gemma4TextConfig's defaults (google/gemma-4-26B-A4B,
+# google/gemma-4-31B), the parameters Google publishes for them, and what of them a token meets (26B-A4B: 3.8B)
+_RELEASE = {"final_logit_softcapping": 30.0, "sliding_window": 1024, "hidden_size_per_layer_input": 0,
+            "attention_k_eq_v": True, "max_position_embeddings": 262144,
+            "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                   "rope_theta": 1000000.0}}}
+RELEASES = {
+    "gemma4_26b_a4b": ({**_RELEASE, "hidden_size": 2816, "intermediate_size": 2112, "num_hidden_layers": 30,
+                        "num_attention_heads": 16, "num_key_value_heads": 8, "num_global_key_value_heads": 2,
+                        "enable_moe_block": True, "num_experts": 128, "top_k_experts": 8,
+                        "moe_intermediate_size": 704}, 25.2e9, 3.8e9),
+    "gemma4_31b": ({**_RELEASE, "hidden_size": 5376, "intermediate_size": 21504, "num_hidden_layers": 60,
+                    "num_attention_heads": 32, "num_key_value_heads": 16, "num_global_key_value_heads": 4},
+                   30.7e9, 30.7e9),
+}
+
+
+@pytest.mark.parametrize("name", list(RELEASES))
+def test_presets_are_the_released_shapes(name):
+    """configs/models/<name>.yml is the network the converter reads from the release's config.json (every
+    architecture key alike; transformers' 5 : 1 rule for the layers), with the parameters Google publishes, in all
+    and per token (eval_shape only)."""
+    from maxshard import config
+    from maxshard.model import flops, transformer as model
+    from maxshard.spec.model_config import architecture_keys
+    from test_convert import REPO
+
+    fields, total, active = RELEASES[name]
+    cfg = loading.model_config(config.finalize(config.parse([str(REPO / "configs" / "base.yml"),
+                                                             f"model_name={name}"]), 1))
+    defaults = {k: v for k, v in json.loads((FIXTURES / "defaults" / "gemma4_text.json").read_text()).items()
+                if k not in ("layer_types", "per_layer_config")}  # the default's 30 layers' own; derived again
+    want = layout.model_config(hf_config.model_keys({**defaults, **fields, "architectures": ["Gemma4ForCausalLM"]}))
+    for key in architecture_keys():
+        if key not in ("max_target_length", "per_layer_vocab_size"):  # the run's context; no per-layer inputs
+            assert getattr(cfg, key) == getattr(want, key), key
+    met = flops.matmul_params(cfg)  # the head is the tied embedding, whose row a token also meets
+    assert abs(model.param_count(cfg) - total) < 0.01 * total and abs(met - active) < 0.01 * active
+
+
 def test_export_without_a_template_is_gemma4():
     keys = hf_config.model_keys(hf_config.read(str(SOURCE)))
     exported = hf_config.to_hf(keys, "float32")
