@@ -122,6 +122,16 @@ def test_what_maxshard_cannot_compute_is_one_line(field, value, message):
         hf_config.model_keys({**hf_config.read(str(SOURCE)), field: value})
 
 
+def test_the_last_layer_is_full_attention_whatever_layer_types_says():
+    """transformers' Gemma4TextConfig makes the last layer full attention (with a warning) when layer_types or its
+    5 : 1 rule says sliding: so does the converter, and the model computes what transformers loads."""
+    source = {k: v for k, v in hf_config.read(str(DENSE)).items() if k not in ("layer_types", "per_layer_config")}
+    keys = hf_config.model_keys({**source, "num_hidden_layers": 8})  # the rule: 5 sliding, 1 full, 2 sliding
+    assert keys["attention_pattern"] == ["local"] * 5 + ["global", "local", "global"]
+    listed = hf_config.model_keys({**source, "layer_types": ["full_attention", "sliding_attention"] * 3})
+    assert listed["attention_pattern"] == ["global", "local"] * 2 + ["global"]  # period 5: layer 5 is global
+
+
 def test_the_full_layers_head_shape_comes_from_per_layer_config_or_global_head_dim():
     """The fixture's full layers have heads 16 wide beside the sliding layers' 8 (transformers wrote them as
     per_layer_config): global_head_dim=16. Without per_layer_config transformers gives the full layers

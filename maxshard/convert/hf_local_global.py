@@ -44,7 +44,13 @@ def check(hf: Mapping[str, Any], fam: Family) -> None:
 
 
 def types_of(hf: Mapping[str, Any], fam: Family) -> list[str]:
-    """layer_types, or transformers' rule without it: layer i is local unless (i + 1) % period == 0."""
+    """layer_types, or transformers' rule without it: layer i is local unless (i + 1) % period == 0; in a family
+    whose last layer is always global (Gemma 4: transformers forces it, whatever the file says), so."""
+    types = _listed_types(hf, fam)
+    return [*types[:-1], GLOBAL] if fam.last_layer_global and types else types
+
+
+def _listed_types(hf: Mapping[str, Any], fam: Family) -> list[str]:
     n = hf["num_hidden_layers"]
     types = hf.get("layer_types")
     if types is None:
