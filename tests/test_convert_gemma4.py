@@ -122,6 +122,13 @@ def test_what_maxshard_cannot_compute_is_one_line(field, value, message):
         hf_config.model_keys({**hf_config.read(str(SOURCE)), field: value})
 
 
+def test_bidirectional_attention_over_images_only_converts_the_causal_text_model():
+    """The multimodal releases' use_bidirectional_attention="vision" lets image tokens see each other; text tokens
+    attend causally, so the text model converts as without it ("all" is refused above)."""
+    source = hf_config.read(str(SOURCE))
+    assert hf_config.model_keys({**source, "use_bidirectional_attention": "vision"}) == hf_config.model_keys(source)
+
+
 def test_the_last_layer_is_full_attention_whatever_layer_types_says():
     """transformers' Gemma4TextConfig makes the last layer full attention (with a warning) when layer_types or its
     5 : 1 rule says sliding: so does the converter, and the model computes what transformers loads."""

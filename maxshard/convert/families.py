@@ -97,6 +97,8 @@ class Family:
         per_layer_config, global_head_dim): global_head_dim and global_num_kv_heads (hf_layer_dims.py).
     last_layer_global: the last layer is a full-attention one whatever layer_types says (transformers' Gemma 4
         config forces it, with a warning), so a converted model computes what transformers loads.
+    bidirectional_images: the use_bidirectional_attention value under which only image tokens see each other
+        (Gemma 4's "vision", as its multimodal releases ship): text attends causally, so a text model converts.
     moe_block_field: a config.json switch of routed experts beside every layer's dense MLP in a family whose layers
         are dense without it (Gemma 4's enable_moe_block: `moe_beside_mlp`, hf_moe_block.py); "" for none.
     """
@@ -146,6 +148,7 @@ class Family:
     per_layer_dims: bool = False
     moe_block_field: str = ""
     last_layer_global: bool = False
+    bidirectional_images: str = ""
     qk_norm_field: str = ""
     gate_up_halves: bool = False
     interleaved_rope: bool = False
@@ -352,6 +355,7 @@ FAMILIES += (
            defaults=_GEMMA4_DEFAULTS, activation_field="hidden_activation", activation="gelu_pytorch_tanh",
            local_global=True, pattern_period=6, rope_per_layer_type=True, local_base_field="",
            local_base_default=10000.0, per_layer_dims=True, moe_block_field="enable_moe_block", last_layer_global=True,
+           bidirectional_images="vision",
            carries=("sliding_window", "attention_pattern", "rope_local_max_timescale", "final_logit_softcapping",
                     "rope_proportion", "kv_shared_layers", "per_layer_input_dim", "per_layer_vocab_size",
                     "global_head_dim", "global_num_kv_heads", "kv_shared_mlp_dim", "global_values_from_keys",

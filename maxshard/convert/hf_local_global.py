@@ -34,7 +34,8 @@ def _refuse(field: str, value: Any, why: str) -> ConfigError:
 
 def check(hf: Mapping[str, Any], fam: Family) -> None:
     """Fields of these families that change the function in ways maxshard cannot compute."""
-    if hf.get("use_bidirectional_attention"):
+    mode = hf.get("use_bidirectional_attention")
+    if mode and mode != fam.bidirectional_images:
         raise _refuse("use_bidirectional_attention", hf["use_bidirectional_attention"],
                       "maxshard's decoder attends causally")
     for field in fam.refuse_set:

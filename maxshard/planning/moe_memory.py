@@ -82,7 +82,8 @@ def working_bytes(cfg: Config, w: Widths, sizes: Mapping[str, int], itemsize: in
     MoE backward as a phase of its own (module docstring): the unit holds the larger of its layer's working set
     without the dense MLP's share (`dense_working`: the policy's row of `Fitted.working`, whose fraction of `dense`
     and mlp widths hold 6F and F of the dense MLP, which the MoE layer has in its place) and the measured rows, so
-    the term is max(rows - `layer_working`, - that share); `layer_working`: one layer's working set per token
+    the term is max(rows - `layer_working`, - that share), never below 0 where the layer keeps its dense MLP
+    beside the experts (`moe_beside_mlp`); `layer_working`: one layer's working set per token
     (`Widths.working_bytes`)."""
     if not cfg.model.is_moe:
         return 0.0
@@ -95,7 +96,8 @@ def working_bytes(cfg: Config, w: Widths, sizes: Mapping[str, int], itemsize: in
     e, f = measured[path]
     dense_share = (dense_working[0] * 6 + dense_working[2]) * w.mlp * itemsize
     moe = rows(cfg, sizes) * (e * w.embed + f * w.expert) * itemsize
-    return max(moe - layer_working, -dense_share)
+    kept = 0.0 if cfg.model.moe_beside_mlp else -dense_share  # Gemma 4's MoE layers keep the dense MLP beside
+    return max(moe - layer_working, kept)
 
 
 def matmul_bytes(cfg: Config, w: Widths, sizes: Mapping[str, int], itemsize: int) -> float:
