@@ -287,29 +287,60 @@ RELEASES = {
                     "num_attention_heads": 32, "num_key_value_heads": 16, "num_global_key_value_heads": 4},
                    30.7e9, 30.7e9),
 }
+# The E sizes, with per-layer inputs: what Google publishes is the "effective" count, without the per-layer table;
+# E4B's 4.5B is 3% below what its config.json's fields make (4.64B), so it is held to 4%
+_SMALL = {**_RELEASE, "sliding_window": 512, "attention_k_eq_v": False, "hidden_size_per_layer_input": 256,
+          "max_position_embeddings": 131072}
+EFFECTIVE = {
+    "gemma4_e2b": ({**_SMALL, "hidden_size": 1536, "intermediate_size": 6144, "num_hidden_layers": 35,
+                    "num_attention_heads": 8, "num_key_value_heads": 1, "num_kv_shared_layers": 20,
+                    "use_double_wide_mlp": True, "layer_types": (["sliding_attention"] * 4 + ["full_attention"]) * 7},
+                   2.3e9, 0.01),
+    "gemma4_e4b": ({**_SMALL, "hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 42,
+                    "num_attention_heads": 8, "num_key_value_heads": 2, "num_kv_shared_layers": 18},
+                   4.5e9, 0.04),
+}
 
 
-@pytest.mark.parametrize("name", list(RELEASES))
-def test_presets_are_the_released_shapes(name):
-    """configs/models/<name>.yml is the network the converter reads from the release's config.json (every
-    architecture key alike; transformers' 5 : 1 rule for the layers), with the parameters Google publishes, in all
-    and per token (eval_shape only)."""
+def _preset_and_release(name: str, fields: dict):
+    """(configs/models/<name>.yml's network, the one the converter reads from the release's config.json fields,
+    transformers' 5 : 1 rule for the layers where they give no layer_types), every architecture key alike."""
     from maxshard import config
-    from maxshard.model import flops, transformer as model
     from maxshard.spec.model_config import architecture_keys
     from test_convert import REPO
 
-    fields, total, active = RELEASES[name]
     cfg = loading.model_config(config.finalize(config.parse([str(REPO / "configs" / "base.yml"),
                                                              f"model_name={name}"]), 1))
     defaults = {k: v for k, v in json.loads((FIXTURES / "defaults" / "gemma4_text.json").read_text()).items()
                 if k not in ("layer_types", "per_layer_config")}  # the default's 30 layers' own; derived again
     want = layout.model_config(hf_config.model_keys({**defaults, **fields, "architectures": ["Gemma4ForCausalLM"]}))
+    unread = {"max_target_length"} | ({"per_layer_vocab_size"} if not cfg.per_layer_input_dim else set())
     for key in architecture_keys():
-        if key not in ("max_target_length", "per_layer_vocab_size"):  # the run's context; no per-layer inputs
+        if key not in unread:  # the context trained at is the run's choice; a table's rows without the table
             assert getattr(cfg, key) == getattr(want, key), key
+    return cfg
+
+
+@pytest.mark.parametrize("name", list(RELEASES))
+def test_presets_are_the_released_shapes(name):
+    """The preset is the release's network, with the parameters Google publishes, in all and per token
+    (eval_shape only)."""
+    from maxshard.model import flops, transformer as model
+
+    fields, total, active = RELEASES[name]
+    cfg = _preset_and_release(name, fields)
     met = flops.matmul_params(cfg)  # the head is the tied embedding, whose row a token also meets
     assert abs(model.param_count(cfg) - total) < 0.01 * total and abs(met - active) < 0.01 * active
+
+
+@pytest.mark.parametrize("name", list(EFFECTIVE))
+def test_the_e_presets_are_the_released_shapes(name):
+    from maxshard.model import transformer as model
+
+    fields, effective, within = EFFECTIVE[name]
+    cfg = _preset_and_release(name, fields)
+    table = cfg.per_layer_vocab_size * cfg.num_layers * cfg.per_layer_input_dim
+    assert abs(model.param_count(cfg) - table - effective) < within * effective
 
 
 def test_export_without_a_template_is_gemma4():
