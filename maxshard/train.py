@@ -108,7 +108,7 @@ def start(cfg: Config, trainer: Trainer, ckpt: checkpoint.Checkpoints, clock: go
 
 
 def train_input(cfg: Config, trainer: Trainer, state: TrainState) -> Any:
-    """The train batches: the data pipeline's (with DPO's precomputed reference beside them, scored first from the
+    """The train batches: the data pipeline's (with a precomputed reference beside them, scored first from the
     starting parameters if not yet stored), or GRPO's rollouts sampled from the state being trained."""
     sharding = data.batch_sharding(cfg, trainer.mesh)
     if objective_kinds.kind(cfg.objective).samples:

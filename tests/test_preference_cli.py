@@ -64,7 +64,8 @@ def unpaired(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_kto_trains_through_the_cli_and_writes_its_metrics(tmp_path, unpaired):
     """A fresh KTO run's policy is its (frozen) reference: every log-ratio and the KL point are 0, so the first loss
-    is 1 - sigmoid(0) = 0.5; then it falls, desirable rewards rise above undesirable ones, and kl is reported."""
+    is 1 - sigmoid(0) = 0.5; then it falls, desirable rewards rise above undesirable ones, and kl is reported; with
+    the reference precomputed the losses are the same."""
     argv = ["configs/base.yml", "model_name=tiny", "dataset_type=preference", f"dataset_path={unpaired}",
             "objective=kto", "kto_beta=0.5", "kto_undesirable_weight=1.5", f"steps={STEPS}", "log_period=1",
             "eval_period=0", "eval_fraction=0", f"checkpoint_period={STEPS}", "per_device_batch_size=1",
@@ -80,3 +81,10 @@ def test_kto_trains_through_the_cli_and_writes_its_metrics(tmp_path, unpaired):
         assert all(math.isfinite(record[name]) for name in ("rewards/chosen", "rewards/rejected", "rewards/margin",
                                                             "logps/chosen", "logps/rejected", "kl")), sorted(record)
     assert steps[0]["kl"] == 0.0 and steps[-1]["rewards/margin"] > steps[0]["rewards/margin"]
+    # kto_reference=precomputed: a first pass scores every train batch's completions and KL completions with the
+    # starting model, and the run keeps no reference, yet trains as the frozen one
+    stored = [*argv[:-2], "run_name=stored", "kto_reference=precomputed", argv[-1]]
+    assert train.main(stored) == 0
+    again = [json.loads(line) for line in (tmp_path / "stored" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in again if "loss" in r and "step" in r] == pytest.approx(losses, abs=1e-6)
+    assert len(list((tmp_path / "stored" / "reference_logps").glob("*.npy"))) == STEPS

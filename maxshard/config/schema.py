@@ -40,7 +40,7 @@ XlaGpuOptions = Literal["default", "tuned"]  # maxshard/parallel/xla_options.py:
 LogicalRules = tuple[tuple[str, tuple[str, ...]], ...]
 MeshRules = tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]
 ObjectiveName = Literal[objective_kinds.NAMES]  # maxshard/objectives/kinds.py: the objectives
-DpoReference = Literal[objective_kinds.REFERENCES]
+ReferenceSource = Literal[objective_kinds.REFERENCES]
 GrpoLossType = Literal[objective_kinds.GRPO_LOSS_TYPES]
 GrpoKlEstimator = Literal[objective_kinds.GRPO_KL_ESTIMATORS]
 GrpoImportanceSampling = Literal[objective_kinds.GRPO_IMPORTANCE_SAMPLING]
@@ -163,13 +163,14 @@ class Config(ModelKeys):
     objective: ObjectiveName = "lm"
     dpo_beta: float = 0.1
     dpo_label_smoothing: float = 0.0
-    dpo_reference: DpoReference = "auto"
+    dpo_reference: ReferenceSource = "auto"
     simpo_beta: float = 2.0
     simpo_gamma: float = 0.5
     orpo_lambda: float = 0.1
     kto_beta: float = 0.1
     kto_desirable_weight: float = 1.0
     kto_undesirable_weight: float = 1.0
+    kto_reference: ReferenceSource = "auto"
 
     # ---- grpo (objective grpo): rollouts from dataset_type prompts, scored by `reward` (maxshard/rewards.py)
     grpo_group_size: int = 4

@@ -34,8 +34,8 @@ __all__ = ["FIELDS", "Kind", "KINDS", "NAMES", "kind", "fields", "rollout_fields
 FIELDS = {"inputs": "int32", "targets": "int32", "segment_ids": "int32", "positions": "int32",
           "loss_weights": "float32"}
 
-# dpo_reference: where the reference log-probabilities come from (`auto`: lora_base with LoRA, else frozen;
-# `precomputed`: a first pass writes them, training reads them as the batch field REFERENCE_FIELD)
+# dpo_reference, kto_reference: where the reference log-probabilities come from (`auto`: lora_base with LoRA, else
+# frozen; `precomputed`: a first pass writes them, training reads them as the batch field REFERENCE_FIELD)
 REFERENCES = ("auto", "frozen", "lora_base", "precomputed")
 REFERENCE_FIELD = "reference_logps"
 
@@ -99,9 +99,9 @@ KINDS = (
     Kind("reward_model", "pairs", False, (),
          "a reward model: the Bradley-Terry loss on the scores of each pair's chosen and rejected replies "
          "(objectives/reward.py; needs score_head)", scores=True),
-    Kind("kto", "unpaired", True, ("kto_beta", "kto_desirable_weight", "kto_undesirable_weight"),
+    Kind("kto", "unpaired", True, ("kto_beta", "kto_desirable_weight", "kto_undesirable_weight", "kto_reference"),
          "KTO: unpaired completions labelled desirable or not, each log-ratio to the reference against a KL "
-         "reference point from mismatched prompts and completions (objectives/kto.py)"),
+         "reference point from mismatched prompts and completions (objectives/kto.py)", reference_key="kto_reference"),
     Kind("grpo", "rollouts", True, ("grpo_group_size", "grpo_updates_per_rollout", "grpo_kl_beta", "grpo_epsilon",
                                     "grpo_temperature", "grpo_top_p", "grpo_max_new_tokens", "reward",
                                     "grpo_loss_type", "grpo_kl_estimator", "grpo_epsilon_high",

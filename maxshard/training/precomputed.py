@@ -1,11 +1,13 @@
-"""DPO's `precomputed` reference: the reference log-probabilities of every train batch, computed in a first pass.
+"""The `precomputed` reference (DPO's `dpo_reference`, KTO's `kto_reference`): the reference log-probabilities of
+every train batch, computed in a first pass.
 
-With `dpo_reference: precomputed` the run keeps no reference model at all (no second copy of the parameters, no
+With `<objective>_reference: precomputed` the run keeps no reference model at all (no second copy of the parameters, no
 second forward pass per step): before the first step, the starting parameters score the train batches of steps
 0 .. steps - 1, and their per-token log-probabilities are written to `run_dir/reference_logps/`, one float32 file
 [global batch, length] per step, plus `complete.json` once all are written. Training reads step i's file beside the
 data pipeline's batch i (`WithReference`), as the batch's `reference_logps` field. The data stream is a pure
-function of the config (data/pipeline.py), so batch i of the pass is batch i of training.
+function of the config (data/pipeline.py), so batch i of the pass is batch i of training. Per-token log-probabilities cover whatever a row holds: DPO's
+pairs, KTO's completions and the KL completions beside them.
 
 A resumed run finds the files and goes on; a run whose files are incomplete (a pass that was killed) computes them
 again only at step 0, while the starting parameters still exist: later it stops with one line. A changed global
@@ -27,7 +29,7 @@ from jax.experimental import multihost_utils
 from maxshard import data
 from maxshard.config import Config
 from maxshard.errors import ConfigError
-from maxshard.objectives.kinds import FIELDS
+from maxshard.objectives.kinds import FIELDS, kind
 from maxshard.objectives.kinds import REFERENCE_FIELD as FIELD
 from maxshard.parallel import xla_options
 from maxshard.training.step import Trainer, mesh_context
@@ -45,6 +47,11 @@ def _identity(cfg: Config) -> dict[str, Any]:
     return {"steps": cfg.steps, "global_batch_size": cfg.global_batch_size, "max_target_length": cfg.max_target_length}
 
 
+def _key(cfg: Config) -> str:
+    """The config key that asked for the store (the objective's reference key), for messages."""
+    return kind(cfg.objective).reference_key
+
+
 def ensure(cfg: Config, trainer: Trainer, params: Any, step: int) -> None:
     """The store complete for this run: found, or written now from `params` (the starting parameters, step 0)."""
     directory = store_dir(cfg)
@@ -53,11 +60,11 @@ def ensure(cfg: Config, trainer: Trainer, params: Any, step: int) -> None:
         with open(done, encoding="utf-8") as f:
             saved = json.load(f)
         if saved != _identity(cfg):
-            raise ConfigError(f"dpo_reference=precomputed: {directory} was computed for {saved}, this run has "
+            raise ConfigError(f"{_key(cfg)}=precomputed: {directory} was computed for {saved}, this run has "
                               f"{_identity(cfg)}; start a new run_name")
         return
     if step > 0:
-        raise ConfigError(f"dpo_reference=precomputed: {directory} is incomplete and the run is at step {step}, "
+        raise ConfigError(f"{_key(cfg)}=precomputed: {directory} is incomplete and the run is at step {step}, "
                           "past its starting parameters; start a new run_name")
     _write(cfg, trainer, params, directory)
 
@@ -70,7 +77,7 @@ def _write(cfg: Config, trainer: Trainer, params: Any, directory: str) -> None:
                     in_shardings=(trainer.state_shardings.params, dict.fromkeys(FIELDS, sharding)),
                     out_shardings=sharding, compiler_options=xla_options.for_mesh(trainer.mesh))
     batches, started = data.make_input(cfg, trainer.mesh, "train"), time.perf_counter()
-    print(f"dpo_reference=precomputed: scoring the train batches of {cfg.steps} steps with the starting parameters "
+    print(f"{_key(cfg)}=precomputed: scoring the train batches of {cfg.steps} steps with the starting parameters "
           f"into {directory}", flush=True)
     for step in range(cfg.steps):
         with mesh_context(trainer.mesh, trainer.rules):
