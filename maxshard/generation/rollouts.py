@@ -35,14 +35,14 @@ from maxshard.config import Config
 from maxshard.data import prompts as prompt_data
 from maxshard.data.tokenizer import Tokenizer, make_tokenizer
 from maxshard.errors import ConfigError
-from maxshard.generation.decode import Engine
+from maxshard.generation.decode import Engine, Result
 from maxshard.generation.reward_model import ModelReward, is_model_reward
 from maxshard.generation.sampling import Sampling, allowed_tokens
 from maxshard.objectives import kinds
 from maxshard.parallel import xla_options
 from maxshard.training.step import Trainer, TrainState, mesh_context
 
-__all__ = ["Rollouts", "advantages", "rows", "logps_of", "next_batch", "check"]
+__all__ = ["Rollouts", "advantages", "throughput", "rows", "logps_of", "next_batch", "check"]
 
 _SHOWN_SAMPLES = 2  # completions printed (with their rewards) every log_period steps
 
@@ -64,6 +64,15 @@ def advantages(scores: np.ndarray, group: int) -> np.ndarray:
     grouped = scores.reshape(-1, group).astype(np.float64)
     centred = grouped - grouped.mean(axis=1, keepdims=True)
     return (centred / (grouped.std(axis=1, ddof=1, keepdims=True) + 1e-4)).reshape(-1).astype(np.float32)
+
+
+def throughput(completions: Sequence[Sequence[int]], timing: Result) -> dict[str, float]:
+    """A rollout's speed, logged beside the step (metrics and console): its wall time without compiles (prefill
+    and decode), the completion tokens it sampled per second, their mean length and the decode steps it ran."""
+    seconds = timing.prefill_seconds + timing.decode_seconds
+    tokens = sum(len(c) for c in completions)
+    return {"rollout/seconds": seconds, "rollout/tokens_per_sec": tokens / max(seconds, 1e-9),
+            "rollout/completion_tokens": tokens / max(len(completions), 1), "rollout/decode_steps": timing.decode_steps}
 
 
 def rows(prompt_ids: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], advantage: np.ndarray,
@@ -117,7 +126,7 @@ class Rollouts:
         cfg, group = self.cfg, self.cfg.grpo_group_size
         chosen = self.prompts.next_prompts(cfg.global_batch_size // group)
         asked = [p for p in chosen for _ in range(group)]
-        completions = self._sample(params, [list(p.ids) for p in asked], index)
+        completions, timing = self._sample(params, [list(p.ids) for p in asked], index)
         texts = [self.tokenizer.decode([t for t in c if t not in self.tokenizer.stop_ids]) for c in completions]
         scores = rewards.score(self.reward, asked, texts)
         host = rows([p.ids for p in asked], completions, advantages(scores, group), cfg.max_target_length)
@@ -125,23 +134,27 @@ class Rollouts:
         with mesh_context(self.trainer.mesh, self.trainer.rules):
             batch["old_logps"] = self._logps(params, batch)
         self._stats = {"reward/mean": float(scores.mean()), "reward/std": float(scores.std()),
-                       "reward/min": float(scores.min()), "reward/max": float(scores.max())}
+                       "reward/min": float(scores.min()), "reward/max": float(scores.max()),
+                       **throughput(completions, timing)}
         self._samples = [(p.text, t, float(s)) for p, t, s in zip(asked[:_SHOWN_SAMPLES], texts, scores)]
         return batch
 
-    def _sample(self, params: Any, prompt_ids: list[list[int]], index: int) -> list[list[int]]:
-        """Completions (ids, ending with a stop id where one stopped them) of each prompt, from `params`."""
+    def _sample(self, params: Any, prompt_ids: list[list[int]], index: int) -> tuple[list[list[int]], Result]:
+        """(completions: ids, ending with a stop id where one stopped them, of each prompt, from `params`; the
+        generation's result, for its timing)."""
         if self._engine is None:
             allowed = allowed_tokens(self.cfg.model.vocab_size, self.tokenizer.vocab_size,
                                      self.tokenizer.never_generated)
             self._engine = Engine(self.cfg.model, self.trainer.mesh, self.trainer.rules, params, allowed)
-        self._engine.params = params
+        # The last step's update is still running (dispatch is asynchronous) and the prefill needs it: wait here,
+        # so that the rollout's own time (`throughput`) does not hold the step's
+        self._engine.params = jax.block_until_ready(params)
         sampling = Sampling(self.cfg.grpo_temperature, 0, self.cfg.grpo_top_p)
         seed = (self.cfg.seed * 1_000_003 + index) % (2**31 - 1)
         result = self._engine.generate(prompt_ids, self.cfg.grpo_max_new_tokens, self.tokenizer.stop_ids,
                                        self.tokenizer.pad_id, sampling, seed,
                                        prompt_length=self.cfg.grpo_max_prompt_length)
-        return result.tokens
+        return result.tokens, result
 
     def _global(self, host: np.ndarray) -> jax.Array:
         return jax.make_array_from_callback(host.shape, self.sharding, lambda index: host[index])

@@ -239,6 +239,9 @@ class StepLogger:
                          f" | expert load max {record['moe/expert_load_max']:.2f}")
         if "rewards/accuracy" in record:  # a preference objective (maxshard/objectives/preference.py)
             progress += f" | reward accuracy {record['rewards/accuracy']:.2f} margin {record['rewards/margin']:.3f}"
+        if "rollout/seconds" in record:  # GRPO: the last rollout's reward and speed (generation/rollouts.py)
+            progress += (f" | reward {record['reward/mean']:.3f} | rollout {record['rollout/seconds']:.2f}s "
+                         f"{record['rollout/tokens_per_sec']:,.0f} tok/s")
         print(progress, flush=True)
         self._report_skipped(record)
 
