@@ -174,12 +174,16 @@ def test_the_multimodal_release_converts_its_language_model(converted, tmp_path,
 DENSE = FIXTURES / "gemma4_dense"
 
 
+def converted_and_started(factory: pytest.TempPathFactory, source: Path) -> tuple[Path, tuple]:
+    """(a fixture directory's from_hf output, it started as a one-device run)."""
+    out = factory.mktemp(source.name) / source.name
+    assert cli.main(["from_hf", str(source), str(out)]) == 0
+    return out, start_from_converted(out, factory.mktemp(f"{source.name}_run"), *EXTRA)
+
+
 @pytest.fixture(scope="module")
 def dense(tmp_path_factory) -> tuple[Path, tuple]:
-    """(the dense fixture's from_hf output, it started as a one-device run)."""
-    out = tmp_path_factory.mktemp("dense") / "gemma4_dense"
-    assert cli.main(["from_hf", str(DENSE), str(out)]) == 0
-    return out, start_from_converted(out, tmp_path_factory.mktemp("dense_run"), *EXTRA)
+    return converted_and_started(tmp_path_factory, DENSE)
 
 
 def test_values_from_keys_match_transformers(dense, tmp_path):
@@ -207,10 +211,7 @@ MOE = FIXTURES / "gemma4_moe"
 
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory) -> tuple[Path, tuple]:
-    """(the MoE fixture's from_hf output, it started as a one-device run)."""
-    out = tmp_path_factory.mktemp("moe") / "gemma4_moe"
-    assert cli.main(["from_hf", str(MOE), str(out)]) == 0
-    return out, start_from_converted(out, tmp_path_factory.mktemp("moe_run"), *EXTRA)
+    return converted_and_started(tmp_path_factory, MOE)
 
 
 def test_the_moe_block_matches_transformers(moe, tmp_path):

@@ -22,7 +22,7 @@ from maxshard.model import transformer as model
 from maxshard.model.layers import rope
 from maxshard.spec import blocks
 from tests.helpers import max_relative_difference, tiny_config
-from tests.test_pipeline import TOLERANCE, loss_and_grads, packed_batch, random_params
+from tests.test_pipeline import TOLERANCE, loss_and_grads, one_device_run
 
 GEMMA4 = ("num_layers=6", "layer_types=" + ",".join(["sliding_attention", "full_attention"] * 3), "sliding_window=8",
           "kv_shared_layers=2", "per_layer_input_dim=32", "value_norm=true", "layer_scalar=true", "qk_norm=true",
@@ -34,12 +34,7 @@ GEMMA4 = ("num_layers=6", "layer_types=" + ",".join(["sliding_attention", "full_
 
 @pytest.fixture(scope="module")
 def one_device():
-    cfg = tiny_config(*GEMMA4, num_devices=1)
-    from maxshard.training.step import Trainer
-    from tests.helpers import mesh_for
-    trainer = Trainer(cfg, mesh_for(cfg))
-    params, batch = with_unit_scalars(random_params(trainer)), packed_batch(cfg, trainer.mesh)
-    return cfg, params, batch, *loss_and_grads(cfg, params, batch)
+    return one_device_run(*GEMMA4, adjust=with_unit_scalars)
 
 
 def with_unit_scalars(params: dict) -> dict:

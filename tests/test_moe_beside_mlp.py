@@ -12,14 +12,13 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from flax import traverse_util
 
 from maxshard.errors import ConfigError
 from maxshard.model import flops as model_flops
 from maxshard.model.layers import pipeline
 from maxshard.spec import blocks
-from tests.helpers import max_relative_difference, mesh_for, tiny_config
-from tests.test_pipeline import TOLERANCE, loss_and_grads, packed_batch, random_params
+from tests.helpers import max_relative_difference, tiny_config
+from tests.test_pipeline import TOLERANCE, loss_and_grads, one_device_run
 
 # The router losses are not linear in the batch (a pipeline's microbatches each see their own balance): off, so
 # that every layout computes the one function
@@ -30,20 +29,9 @@ BLOCK = ("num_layers=4", "num_experts=4", "num_experts_per_tok=2", "moe_mlp_dim=
 
 @pytest.fixture(scope="module")
 def one_device():
-    from maxshard.training.step import Trainer
-
-    cfg = tiny_config(*BLOCK, num_devices=1)
-    trainer = Trainer(cfg, mesh_for(cfg))
-    params, batch = _unit_scales(random_params(trainer)), packed_batch(cfg, trainer.mesh)
-    return cfg, params, batch, *loss_and_grads(cfg, params, batch)
-
-
-def _unit_scales(params: dict) -> dict:
-    """params with every norm scale and per-expert scale 1 + its draw (random_params draws them near 0, where the
-    norms, which multiply by their weight, would zero the stream)."""
-    flat = traverse_util.flatten_dict(params)
-    return traverse_util.unflatten_dict({k: v + 1.0 if k[-1] in ("scale", "expert_scale") else v
-                                         for k, v in flat.items()})
+    """The block's one-device reference; random_params draws every scale (the norms', the router norm's, the
+    per-expert one) about 1."""
+    return one_device_run(*BLOCK)
 
 
 @pytest.mark.parametrize("layout", [

@@ -77,6 +77,15 @@ def loss_and_grads(cfg, params, batch) -> tuple[float, dict]:
     return float(sums["loss_sum"] / sums["weight_sum"]), grads
 
 
+def one_device_run(*keys: str, adjust=lambda params: params) -> tuple:
+    """(cfg, params, batch, loss, gradients) of the tiny model with `keys` on one device: parameters drawn on the
+    host (`random_params`, then `adjust`), a packed batch: the reference a layout's run is held to."""
+    cfg = tiny_config(*keys, num_devices=1)
+    trainer = Trainer(cfg, mesh_for(cfg))
+    params, batch = adjust(random_params(trainer)), packed_batch(cfg, trainer.mesh)
+    return cfg, params, batch, *loss_and_grads(cfg, params, batch)
+
+
 def sums_and_grads(cfg, params, batch) -> tuple[dict, dict]:
     """The step's loss sums (loss, weight, MoE statistics) and summed gradients, on the host."""
     trainer = Trainer(cfg, mesh_for(cfg))
