@@ -5,10 +5,11 @@
 Each model trains `--steps` GRPO steps (`maxshard.train`, one rollout a step: grpo_updates_per_rollout 1) on byte
 prompts with a reward that asks for digits, logging every step. From metrics.jsonl, over the steps after the first
 (which compiles) and before the last (timed without a rollout after it): the median iteration time
-(`step_time`: the rollout, the old log-probabilities' pass and the train step), the median rollout wall time (`rollout/seconds`: prefill and decode, no compile), the share of the
-iteration the rollout takes, and the completion tokens sampled per second (`rollout/tokens_per_sec`). A rollout
-decodes every row until the longest completion of its batch ends (`rollout/decode_steps`), so its share grows with
-`--new-tokens` and with how unevenly completions end.
+(`step_time`: the rollout, the old log-probabilities' pass and the train step), the median rollout wall time
+(`rollout/seconds`: prefill and decode, no compile), the share of the iteration the rollout takes, and the
+completion tokens sampled per second (`rollout/tokens_per_sec`). A rollout
+decodes every row until the longest completion of its batch ends (`rollout/decode_steps`), so its share grows
+with `--new-tokens` and with how unevenly completions end.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models.split(","):
             rows[model] = run(Path(tmp), model, args.steps, args.new_tokens, args.overrides)
-    print(f"\n| model | step (s) | rollout (s) | rollout share | completion tok/s | decode steps |")
+    print("\n| model | step (s) | rollout (s) | rollout share | completion tok/s | decode steps |")
     print("|---|---|---|---|---|---|")
     for model, r in rows.items():
         print(f"| {model} | {r['step']:.3f} | {r['rollout']:.3f} | {r['share']:.0%} | {r['tokens_per_sec']:,.0f} "

@@ -199,15 +199,15 @@ def logged(run_dir: Path) -> dict[int, dict]:
 def test_grpo_through_the_cli_learns_what_the_reward_asks(tmp_path, capsys):
     """Acceptance: a tiny byte-level model, prompts from JSONL, a reward function from a file: the untrained
     model's mean reward is below 0.3, GRPO brings it to at least 0.8; the KL at the first step is 0. Each logged
-    step carries its rollout's speed (completion tokens per second of its wall time, their mean length, the decode
-    steps), also on the console line."""
+    step carries its rollout's speed (completion tokens per second of its wall time, the decode steps), also on the
+    console line."""
     assert train.main(grpo_argv(tmp_path, "run_name=grpo", "steps=40", "log_period=5", "checkpoint_period=40")) == 0
     steps = list(logged(tmp_path / "grpo").values())
     assert steps[0]["reward/mean"] < 0.3 and steps[0]["kl"] == pytest.approx(0.0, abs=1e-6)
     assert max(r["reward/mean"] for r in steps[-3:]) >= 0.8, [round(r["reward/mean"], 2) for r in steps]
-    for r in steps:
-        assert 0 < r["rollout/completion_tokens"] <= 4 and 0 <= r["rollout/decode_steps"] < 4
-        assert r["rollout/tokens_per_sec"] == pytest.approx(32 * r["rollout/completion_tokens"] / r["rollout/seconds"])
+    for r in steps:  # 32 completions a rollout, of at most 4 tokens
+        assert 0 < r["completion_length"] <= 4 and 0 <= r["rollout/decode_steps"] < 4
+        assert r["rollout/tokens_per_sec"] == pytest.approx(32 * r["completion_length"] / r["rollout/seconds"])
     assert re.search(r"step 40/40 .* \| reward [\d.]+ \| rollout [\d.]+s [\d,]+ tok/s", capsys.readouterr().out)
 
 

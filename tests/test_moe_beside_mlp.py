@@ -17,6 +17,7 @@ from maxshard.errors import ConfigError
 from maxshard.model import flops as model_flops
 from maxshard.model.layers import pipeline
 from maxshard.spec import blocks
+from maxshard.training import optim
 from tests.helpers import max_relative_difference, tiny_config
 from tests.test_pipeline import TOLERANCE, loss_and_grads, one_device_run
 
@@ -55,6 +56,8 @@ def test_both_halves_the_router_norm_and_the_expert_scale_are_trained(one_device
         assert all(np.any(g) for g in jax.tree.leaves(layer[part])), part
     assert np.any(layer["moe"]["router_norm"]["scale"]) and np.any(layer["moe"]["expert_scale"])
     assert [layer.mlp for layer in blocks.layers(cfg.model)] == ["moe_beside_dense"] * 4
+    decays = optim.decay_mask(grads)["decoder"]["layers"]["layer_0"]["moe"]  # a gain is not decayed toward 0
+    assert decays["wi_0"] and not decays["expert_scale"] and not decays["router_norm"]["scale"]
 
 
 def test_the_flop_inventory_counts_the_dense_mlp_beside_the_experts(one_device) -> None:

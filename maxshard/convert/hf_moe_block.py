@@ -9,14 +9,17 @@ scale and the per-expert scale of the weights come with the switch (layers/moe.p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from typing import Any
 
 from maxshard.errors import ConfigError
+from maxshard.spec.model_config import ModelConfig
 
 __all__ = ["FIELDS", "model_keys", "wants", "export_fields"]
 
+_MODEL_FIELDS = frozenset(f.name for f in dataclasses.fields(ModelConfig))
 # config.json's fields of the block's shape: {field: model key}
 FIELDS = {"num_experts": "num_experts", "top_k_experts": "num_experts_per_tok", "moe_intermediate_size": "moe_mlp_dim"}
 # How transformers routes in the block, as maxshard's keys: what a model must have to be written with the switch on
@@ -47,11 +50,12 @@ def wants(keys: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, tup
 
 
 def export_fields(keys: Mapping[str, Any], switch: str) -> dict[str, Any]:
-    """The switch and, where it is on, the block's shape."""
-    if not keys.get("moe_beside_mlp"):
+    """The switch and, where it is on, the block's shape, read off the keys' network (its expert width included)."""
+    model = ModelConfig(**{k: v for k, v in keys.items() if k in _MODEL_FIELDS})
+    if not model.moe_beside_mlp:
         return {switch: False}
-    return {switch: True, "num_experts": keys["num_experts"], "top_k_experts": keys.get("num_experts_per_tok", 1),
-            "moe_intermediate_size": keys.get("moe_mlp_dim") or keys["mlp_dim"]}
+    return {switch: True, "num_experts": model.num_experts, "top_k_experts": model.num_experts_per_tok,
+            "moe_intermediate_size": model.expert_dim}
 
 
 def _refuse(field: str, value: Any, why: str) -> ConfigError:

@@ -45,7 +45,10 @@ dim]; such tensors move whole (`Entry.whole`), one layer's projection at a time:
     mlp.shared_expert_gate.weight [1, embed]               -> moe/shared_gate/kernel [embed, 1]
 
 The table of a layer is `per_layer(family, cfg, layer)`: Llama's rows, plus q/k norms with `qk_norm`, with the MLP
-replaced by the router and experts in the MoE layers (spec/blocks.py says which layers those are); Gemma's four
+replaced by the router and experts in the MoE layers (spec/blocks.py says which layers those are), or kept beside
+them (Gemma 4's MoE block: `MOE_BLOCK`, its experts stacked as torch Linear weights, "expert_linear":
+experts.gate_up_proj [experts, 2 mlp, embed] -> moe/wi_0, moe/wi_1 transposed, down_proj [experts, embed, mlp] ->
+moe/wo); Gemma's four
 norms a layer (`SANDWICH_NORMS`) in families with `post_norms`; OLMo 3's two after (`pre_norms` false: the rows
 without `PRE_NORMS`), its q/k norms over all heads "flat" (q_norm.weight [heads * head_dim] -> [heads, head_dim]).
 
@@ -100,7 +103,8 @@ class Entry:
     # make of maxshard's output: one per head there, one per key head for Qwen3-Next's in_proj_qkvz, one in all
     # for Qwen3.5's in_proj_qkv). "interleaved": every width-th column of the last dim from `start` (GPT-OSS's
     # gate_up_proj: gate (0, 1, 2), up (1, 2, 2)); "halves": the index-th of `width` equal blocks of the last dim
-    # (Llama 4's gate_up_proj: the gate columns, then the up columns).
+    # (Llama 4's gate_up_proj: the gate columns, then the up columns); "expert_linear": the index-th of `width` equal
+    # blocks of each expert's rows (Gemma 4's gate_up_proj [experts, 2 mlp, embed]).
     part: tuple[int, int, int] | None = None
     # The last `rope_tail` features of maxshard's last dim are a RoPE part that Hugging Face stores in interleaved
     # pairs (DeepSeek): they are reordered into the half layout (layers/rope.py `deinterleaved`) on the way in.
@@ -328,17 +332,26 @@ MIXERS = {
 }
 
 
+def _mlp_rows(family: Family, cfg: ModelConfig, layer: Layer) -> tuple[Entry, ...]:
+    """The dense MLP, the routed experts with their router, or (Gemma 4's MoE block) both, of `layer`'s kind."""
+    if not layer.routed:
+        return _mlp(family)
+    if layer.has_dense_mlp:
+        if not family.moe_block_field:
+            raise ConfigError(f"{family.architecture} has no tensors for experts beside the MLP (moe_beside_mlp)")
+        return (*_mlp(family), *MOE_BLOCK)
+    return _fused_moe(family, cfg) if family.fused_experts else _moe(family, cfg)
+
+
 def per_layer(family: Family, cfg: ModelConfig, layer: Layer) -> tuple[Entry, ...]:
     """The rows of one layer of `layer`'s kinds (spec/blocks.py): its token mixer (MIXERS: attention with the q/k
     norms of qk_norm families, latent attention's own rows, gated DeltaNet's), then the MLP's norm and the dense
-    MLP or the MoE (router, its selection bias, experts, shared experts and their gate)."""
+    MLP or the MoE (router, its selection bias, experts, shared experts and their gate), or both (`_mlp_rows`)."""
     mixer = MIXERS.get(layer.attention)
     if mixer is None:
         raise ConfigError(f"{family.architecture} has no tensors for token mixer {layer.attention!r}")
     attention = mixer(family, layer_config(cfg, layer), layer)  # at the layer's own head shape
-    mlp = (_fused_moe(family, cfg) if family.fused_experts else _moe(family, cfg)) if layer.routed else _mlp(family)
-    if layer.routed and layer.has_dense_mlp:  # Gemma 4's MoE block beside the MLP
-        mlp = (*_mlp(family), *MOE_BLOCK)
+    mlp = _mlp_rows(family, cfg, layer)
     norms = SANDWICH_NORMS if family.keys.get("post_norms") else (MLP_NORM,)
     rows = (*attention, *_attention_extras(cfg, family), *norms, *mlp,
             *(PER_LAYER_INPUT if cfg.per_layer_input_dim else ()), *((LAYER_SCALAR,) if cfg.layer_scalar else ()))

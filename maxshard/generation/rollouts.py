@@ -68,11 +68,12 @@ def advantages(scores: np.ndarray, group: int) -> np.ndarray:
 
 def throughput(completions: Sequence[Sequence[int]], timing: Result) -> dict[str, float]:
     """A rollout's speed, logged beside the step (metrics and console): its wall time without compiles (prefill
-    and decode), the completion tokens it sampled per second, their mean length and the decode steps it ran."""
+    and decode), the completion tokens it sampled per second and the decode steps it ran (their mean length is the
+    step's `completion_length`)."""
     seconds = timing.prefill_seconds + timing.decode_seconds
     tokens = sum(len(c) for c in completions)
     return {"rollout/seconds": seconds, "rollout/tokens_per_sec": tokens / max(seconds, 1e-9),
-            "rollout/completion_tokens": tokens / max(len(completions), 1), "rollout/decode_steps": timing.decode_steps}
+            "rollout/decode_steps": timing.decode_steps}
 
 
 def rows(prompt_ids: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], advantage: np.ndarray,

@@ -23,7 +23,7 @@ class Matmuls:
     """Parameters per token that take part in a matmul, summed over the decoder stack, by part (x 2 = forward FLOPs).
 
     An MoE layer's MLP is the k routed experts a token visits, its shared experts and the router [embed, experts];
-    a dense layer's is one MLP (gate, up, down)."""
+    a dense layer's is one MLP (gate, up, down); Gemma 4's MoE layers (`moe_beside_dense`) have both."""
 
     qkv: int
     out: int

@@ -79,10 +79,11 @@ s = the compute dtype's itemsize:
     MoE layer   (kept per layer by none; by minimal only its matmul outputs, r (2E + 2F) x s)
                 with token dropping, per token: the dispatch and combine masks, 2 g k c float32 (g tokens per
                 group, c = capacity_factor), and the expert activations k c (2E + 3F) x s in place of the dense
-                MLP's; dropless (grouped matmuls), the rows each device computes, r = k, or p x min(k, experts per
-                device) with expert parallelism over p devices (the fixed exchange buffer; the ragged one's is
-                min(that, k x moe_ragged_buffer_factor)), each held as sorted, sent, received and returned copies
-                and through the tiled SwiGLU: r (6E + 7F) x s (measured on the fixed exchange)
+                MLP's (beside it with `moe_beside_mlp`); dropless (grouped matmuls), the rows each device
+                computes, r = k, or p x min(k, experts per device) with expert parallelism over p devices (the
+                fixed exchange buffer; the ragged one's is min(that, k x moe_ragged_buffer_factor)), each held as
+                sorted, sent, received and returned copies and through the tiled SwiGLU: r (6E + 7F) x s
+                (measured on the fixed exchange)
                 XLA:TPU differentiates the MoE layer as a phase of its own: the unit holds the larger of its
                 measured rows and the layer's working set less the dense MLP's share (planning/moe_memory.py
                 `working_bytes`, `Fitted.moe_rows`)

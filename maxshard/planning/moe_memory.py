@@ -6,7 +6,8 @@ layer's backward is a phase of its own (`Fitted.moe_rows`): the buffers live at 
 backward's (the recomputed gate and up projections, the SwiGLU backward's fusions, the dispatched rows and their
 gradient, two gathered expert kernels), no attention buffer, so the plan counts a number of (embed, expert width)
 values per routed row, and the unit holds the larger of that and its layer's working set without the dense MLP's
-share. The one-hot masks are fused into the dispatch and combine einsums, never stored. Each path has its row:
+share (with it, where the layer keeps its dense MLP beside the experts: `moe_beside_mlp`). The one-hot masks are
+fused into the dispatch and combine einsums, never stored. Each path has its row:
 dropping, dropless with the experts unsplit (ragged_dot), and dropless with the experts split over an expert axis
 (the rows of the exchange's worst-case buffer). The rows were read off whole train steps, not one MoE layer alone
 (benchmarks/moe_layer_tpu.py, `sum` of the output as its loss): a constant output gradient that XLA folds is not what

@@ -225,5 +225,5 @@ def mtp_layers(cfg: ModelConfig) -> tuple[Layer, ...]:
 
 def mlp_params(cfg: ModelConfig, kind: str) -> dict[str, int]:
     """One MLP's matmul parameters per token by part: a dense SwiGLU, or the k routed experts a token visits, the
-    shared experts and the router."""
+    shared experts and the router, or both (`moe_beside_dense`)."""
     return mixer_kinds.mlp_kind(kind).params(cfg)

@@ -1,4 +1,4 @@
-"""The optimizer: warmup + cosine schedule, global-norm clipping, AdamW without decay on norms and biases."""
+"""The optimizer: warmup + cosine schedule, global-norm clipping, AdamW without decay on gains and biases."""
 
 from __future__ import annotations
 
@@ -8,11 +8,13 @@ import jax
 import optax
 
 from maxshard.config import Config
+from maxshard.model.layers.moe import EXPERT_SCALE
 from maxshard.parallel.sharding import path_name
 
 __all__ = ["learning_rate_schedule", "decay_mask", "make_optimizer"]
 
-_NO_DECAY = ("scale", "bias")
+# Gains (norm scales, Gemma 4's per-expert scale of the router weights: decay would pull a multiplier to 0) and biases
+_NO_DECAY = ("scale", EXPERT_SCALE, "bias")
 
 
 def learning_rate_schedule(cfg: Config) -> optax.Schedule:
@@ -27,7 +29,7 @@ def learning_rate_schedule(cfg: Config) -> optax.Schedule:
 
 
 def decay_mask(params: Any) -> Any:
-    """True for parameters that get weight decay: every kernel and embedding, not norm scales or biases."""
+    """True for parameters that get weight decay: every kernel and embedding, not gains or biases."""
 
     def decays(path: tuple, _: Any) -> bool:
         return not any(part in _NO_DECAY for part in path_name(path).split("/"))

@@ -6,8 +6,8 @@ second forward pass per step): before the first step, the starting parameters sc
 0 .. steps - 1, and their per-token log-probabilities are written to `run_dir/reference_logps/`, one float32 file
 [global batch, length] per step, plus `complete.json` once all are written. Training reads step i's file beside the
 data pipeline's batch i (`WithReference`), as the batch's `reference_logps` field. The data stream is a pure
-function of the config (data/pipeline.py), so batch i of the pass is batch i of training. Per-token log-probabilities cover whatever a row holds: DPO's
-pairs, KTO's completions and the KL completions beside them.
+function of the config (data/pipeline.py), so batch i of the pass is batch i of training. Per-token
+log-probabilities cover whatever a row holds: DPO's pairs, KTO's completions and the KL completions beside them.
 
 A resumed run finds the files and goes on; a run whose files are incomplete (a pass that was killed) computes them
 again only at step 0, while the starting parameters still exist: later it stops with one line. A changed global

@@ -14,9 +14,10 @@ MoE models add their router losses (weighted by `load_balance_loss_weight` / `ro
 report them with drop and load metrics; with `moe_bias_update_rate` the step then moves each layer's selection bias
 toward equal load, from the loads of all its microbatches (`moe.move_bias`; the bias takes no gradient).
 
-A reference model (DPO) is either a frozen copy of the starting parameters kept in the state (`reference`: sharded
-like `params`, no gradient, no optimizer moments, saved in checkpoints) or, with LoRA, the base with its adapters
-off (`lora_base`: nothing kept).
+A reference model (DPO, KTO, GRPO) is a frozen copy of the starting parameters kept in the state (`reference`:
+sharded like `params`, no gradient, no optimizer moments, saved in checkpoints), with LoRA the base with its
+adapters off (`lora_base`: nothing kept), or log-probabilities scored in a first pass (`precomputed`:
+training/precomputed.py).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class TrainState:
     step: jax.Array
     params: Any
     opt_state: Any
-    reference: Any = None  # DPO's frozen reference parameters (`reference_kind` "frozen"), else None
+    reference: Any = None  # the frozen reference parameters (DPO, KTO, GRPO: `reference_kind` "frozen"), else None
 
 
 @contextlib.contextmanager

@@ -21,10 +21,10 @@ class Routing(NamedTuple):
 
     dispatch: jax.Array  # [group, tokens, experts, capacity] 1 where the token sits in that slot
     combine: jax.Array  # [group, tokens, experts, capacity] the token's router weight at that slot
-    weights: jax.Array  # [group, tokens, experts] renormalised top-k weight, 0 for experts not chosen
+    weights: jax.Array  # [group, tokens, experts] top-k weight (`_top_k`'s), 0 for experts not chosen
     chosen: jax.Array  # [group, tokens, experts] 1 where a real token chose the expert (before drops)
     kept: jax.Array  # [group, tokens, experts] 1 where that choice got a slot
-    top_weights: jax.Array  # [group, tokens, k] renormalised weights of the k choices, 0 for padding
+    top_weights: jax.Array  # [group, tokens, k] weights of the k choices (`_top_k`'s), 0 for padding
     top_experts: jax.Array  # [group, tokens, k] int32 expert of each choice; num_experts (none) for padding
 
 
