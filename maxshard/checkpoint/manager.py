@@ -155,6 +155,15 @@ def load_parameters(path: str, trainer: Trainer) -> TrainState:
     return trainer.state_from(params)
 
 
+
+def _close(manager: ocp.CheckpointManager, step: int | None) -> None:
+    """Closes orbax's manager; a background commit that failed after the last wait surfaces here, as SaveFailed."""
+    try:
+        manager.close()
+    except Exception as e:  # noqa: BLE001 - whatever broke the save, the run must stop naming it
+        raise SaveFailed(step if step is not None else -1, e) from e
+
+
 def _manager(cfg: Config) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(
         max_to_keep=cfg.max_checkpoints_to_keep or None,
@@ -176,6 +185,7 @@ class Checkpoints:
         self.cfg, self.trainer = cfg, trainer
         self.manager = _manager(cfg) if cfg.enable_checkpointing else None
         self._pending: int | None = None  # the step of the last save not yet known to be committed
+        self._last_save: int | None = None  # the step of the last save begun, for a failure only close reports
         self._quiet = QuietBackground().__enter__()
 
     def __enter__(self) -> Checkpoints:
@@ -184,19 +194,22 @@ class Checkpoints:
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         try:
             self.close()
-        except CheckpointError:
-            if exc_type is None:  # else the error on its way out is the story; a second one would only hide it
+        except Exception:  # noqa: BLE001 - see below
+            # The error on its way out (a failed save's one line, say) is the story: orbax's close may raise that
+            # save's background failure a second time, in its own words, which would only hide it
+            if exc_type is None:
                 raise
 
     def close(self) -> None:
-        """Waits for a save in flight: a run never exits with its last checkpoint half written (raises SaveFailed)."""
+        """Waits for a save in flight: a run never exits with its last checkpoint half written (raises SaveFailed,
+        also where orbax's own close is what reports the failed commit)."""
         try:
             self.wait()
         finally:
             manager, self.manager = self.manager, None
             try:
                 if manager is not None:
-                    manager.close()
+                    _close(manager, self._last_save)
             finally:
                 self._quiet.__exit__()
 
@@ -331,7 +344,7 @@ class Checkpoints:
         if data_state.get(checkpoint_format.BATCH) is not None:
             items[checkpoint_format.BATCH] = ocp.args.StandardSave(data_state[checkpoint_format.BATCH])
         args = ocp.args.Composite(**items)
-        self._pending = step
+        self._pending = self._last_save = step
         self._finish(lambda: self.manager.save(step, args=args, force=True))
 
     def raise_if_save_failed(self) -> None:
