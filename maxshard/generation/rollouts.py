@@ -127,7 +127,8 @@ class Rollouts:
         cfg, group = self.cfg, self.cfg.grpo_group_size
         chosen = self.prompts.next_prompts(cfg.global_batch_size // group)
         asked = [p for p in chosen for _ in range(group)]
-        completions, timing = self._sample(params, [list(p.ids) for p in asked], index)
+        sampled = self._sample(params, [list(p.ids) for p in asked], index)
+        completions = sampled.tokens
         texts = [self.tokenizer.decode([t for t in c if t not in self.tokenizer.stop_ids]) for c in completions]
         scores = rewards.score(self.reward, asked, texts)
         host = rows([p.ids for p in asked], completions, advantages(scores, group), cfg.max_target_length)
@@ -136,13 +137,13 @@ class Rollouts:
             batch["old_logps"] = self._logps(params, batch)
         self._stats = {"reward/mean": float(scores.mean()), "reward/std": float(scores.std()),
                        "reward/min": float(scores.min()), "reward/max": float(scores.max()),
-                       **throughput(completions, timing)}
+                       **throughput(completions, sampled)}
         self._samples = [(p.text, t, float(s)) for p, t, s in zip(asked[:_SHOWN_SAMPLES], texts, scores)]
         return batch
 
-    def _sample(self, params: Any, prompt_ids: list[list[int]], index: int) -> tuple[list[list[int]], Result]:
-        """(completions: ids, ending with a stop id where one stopped them, of each prompt, from `params`; the
-        generation's result, for its timing)."""
+    def _sample(self, params: Any, prompt_ids: list[list[int]], index: int) -> Result:
+        """The generation of each prompt's completion from `params` (its `tokens` end with a stop id where one
+        stopped them; its timings are the rollout's)."""
         if self._engine is None:
             allowed = allowed_tokens(self.cfg.model.vocab_size, self.tokenizer.vocab_size,
                                      self.tokenizer.never_generated)
@@ -152,10 +153,9 @@ class Rollouts:
         self._engine.params = jax.block_until_ready(params)
         sampling = Sampling(self.cfg.grpo_temperature, 0, self.cfg.grpo_top_p)
         seed = (self.cfg.seed * 1_000_003 + index) % (2**31 - 1)
-        result = self._engine.generate(prompt_ids, self.cfg.grpo_max_new_tokens, self.tokenizer.stop_ids,
-                                       self.tokenizer.pad_id, sampling, seed,
-                                       prompt_length=self.cfg.grpo_max_prompt_length)
-        return result.tokens, result
+        return self._engine.generate(prompt_ids, self.cfg.grpo_max_new_tokens, self.tokenizer.stop_ids,
+                                     self.tokenizer.pad_id, sampling, seed,
+                                     prompt_length=self.cfg.grpo_max_prompt_length)
 
     def _global(self, host: np.ndarray) -> jax.Array:
         return jax.make_array_from_callback(host.shape, self.sharding, lambda index: host[index])
