@@ -39,7 +39,8 @@ from maxshard.config import Config
 from maxshard.data.prompts import Prompt
 from maxshard.errors import ConfigError
 
-__all__ = ["RewardError", "Reward", "ExactMatch", "MODEL_PREFIX", "load_reward", "score"]
+__all__ = ["RewardError", "Reward", "ExactMatch", "MODEL_PREFIX", "load_reward", "load_function", "score",
+           "describe"]
 
 MODEL_PREFIX = "model:"  # reward=model:STEP_DIR (generation/reward_model.py)
 
@@ -101,28 +102,37 @@ def load_reward(cfg: Config) -> Reward:
             raise ConfigError(f"reward_answer_regex={cfg.reward_answer_regex!r} is not a regular expression: {e}") \
                 from None
         return _Named(ExactMatch(cfg.reward_answer_field, cfg.reward_answer_regex), "reward=exact_match")
-    path, _, name = cfg.reward.rpartition(":")
+    return _Named(load_function(cfg.reward, "reward", "exact_match, model:STEP_DIR (a reward model's checkpoint "
+                                                      "step), or "), f"reward={cfg.reward}")
+
+
+def load_function(value: str, key: str, choices: str = "") -> Callable[..., Any]:
+    """The function a `PATH.py:function` value of config key `key` names, its file imported once while unchanged
+    (module docstring); every failure is one ConfigError line naming `key`. `choices`: the key's other values, for
+    the message."""
+    path, _, name = value.rpartition(":")
     if not (path.endswith(".py") and name.isidentifier()):
-        raise ConfigError(f"reward={cfg.reward}: exact_match, model:STEP_DIR (a reward model's checkpoint step), or "
-                          "PATH.py:function (a Python file and a function in it)")
-    module = _load_file(os.path.abspath(os.path.expanduser(path)), cfg.reward)
+        raise ConfigError(f"{key}={value}: {choices}PATH.py:function (a Python file and a function in it)")
+    setting = f"{key}={value}"
+    module = _load_file(os.path.abspath(os.path.expanduser(path)), setting)
     function = getattr(module, name, None)
     if function is None:
         defined = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")]
-        raise ConfigError(f"reward={cfg.reward}: {path} has no function {name} "
+        raise ConfigError(f"{setting}: {path} has no function {name} "
                           f"(it defines: {', '.join(defined[:12]) or 'none'})")
     if not callable(function):
         kind = type(function).__name__
         article = "an" if kind[0] in "aeiou" else "a"
-        raise ConfigError(f"reward={cfg.reward}: {name} in {path} is not callable ({article} {kind})")
-    return _Named(function, f"reward={cfg.reward}")
+        raise ConfigError(f"{setting}: {name} in {path} is not callable ({article} {kind})")
+    return function
 
 
 def _load_file(path: str, setting: str) -> Any:
-    """The module of a reward file, imported under a name of its own (registered while it runs, as dataclasses and
-    pickling need); any failure of the file itself is one line with its error."""
+    """The module of a user's Python file (`setting`: the `key=value` naming it, for messages), imported under a
+    name of its own (registered while it runs, as dataclasses and pickling need); any failure of the file itself is
+    one line with its error."""
     if not os.path.isfile(path):
-        raise ConfigError(f"reward={setting}: no such file {path}")
+        raise ConfigError(f"{setting}: no such file {path}")
     stat = os.stat(path)
     version = (stat.st_size, stat.st_mtime_ns)
     if path in _IMPORTED and _IMPORTED[path][0] == version:
@@ -130,17 +140,17 @@ def _load_file(path: str, setting: str) -> Any:
     module_name = "maxshard_reward_" + hashlib.sha256(path.encode()).hexdigest()[:12]
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
-        raise ConfigError(f"reward={setting}: cannot import {path} as a Python file")
+        raise ConfigError(f"{setting}: cannot import {path} as a Python file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)
     except SyntaxError as e:
         sys.modules.pop(module_name, None)
-        raise ConfigError(f"reward={setting}: {path} line {e.lineno}: SyntaxError: {e.msg}") from None
+        raise ConfigError(f"{setting}: {path} line {e.lineno}: SyntaxError: {e.msg}") from None
     except (Exception, SystemExit) as e:  # noqa: BLE001 - whatever the file does on import is its own error
         sys.modules.pop(module_name, None)
-        raise ConfigError(f"reward={setting}: importing {path} failed: {_describe(e)}") from None
+        raise ConfigError(f"{setting}: importing {path} failed: {describe(e)}") from None
     _IMPORTED[path] = (version, module)
     return module
 
@@ -161,7 +171,7 @@ def score(reward: Reward, prompts: Sequence[Prompt], completions: Sequence[str])
         except RewardError as e:
             raise RewardError(f"{name}: record {i}: {e}") from None
         except Exception as e:  # noqa: BLE001 - a user's reward may raise anything; it stops the run in one line
-            raise RewardError(f"{name}: record {i}: the reward raised {_describe(e)}") from None
+            raise RewardError(f"{name}: record {i}: the reward raised {describe(e)}") from None
         rewards[i] = _as_number(value, name, i)
     return rewards
 
@@ -177,7 +187,7 @@ def _as_number(value: Any, name: str, index: int) -> float:
     return number
 
 
-def _describe(error: BaseException) -> str:
+def describe(error: BaseException) -> str:
     """`Type: first line of the message`, shortened."""
     text = str(error).strip().splitlines()[0] if str(error).strip() else ""
     return f"{type(error).__name__}: {_shorten(text, _MESSAGE_CHARS)}" if text else type(error).__name__

@@ -211,6 +211,8 @@ def run(argv: Sequence[str]) -> int:
             reward_model.check(cfg)
         else:
             rewards.load_reward(cfg)
+        if cfg.grpo_environment:  # a multi-turn run's environment, as its reward
+            rewards.load_function(cfg.grpo_environment, "grpo_environment")
     run_lock = lock.hold(cfg.run_dir, jax.process_index() == 0, jax.process_count())  # before anything is written
     try:
         return train(cfg, started)

@@ -258,13 +258,19 @@ def _resolve_source(source: str) -> str:
 
 
 def resolve_paths(cfg: Config) -> Config:
-    """Every path key (`schema.path_keys`), mixture source and reward file (`PATH.py:function`) resolved with
-    `resolve_path` (`hf:NAME` sources name a dataset, not necessarily a path, and stay as written, as do prefixes)."""
+    """Every path key (`schema.path_keys`), mixture source, reward and environment file (`PATH.py:function`)
+    resolved with `resolve_path` (`hf:NAME` sources name a dataset, not necessarily a path, and stay as written, as
+    do prefixes)."""
     mixture = tuple((_resolve_source(s), w) for s, w in cfg.dataset_mixture)
-    file, _, function = cfg.reward.rpartition(":")
-    reward = f"{resolve_path(file)}:{function}" if file.endswith(".py") else cfg.reward
-    return dataclasses.replace(cfg, dataset_mixture=mixture, reward=reward, **{key: resolve_path(getattr(cfg, key))
-                                                                               for key in path_keys()})
+    functions = {key: _resolve_function(getattr(cfg, key)) for key in ("reward", "grpo_environment")}
+    return dataclasses.replace(cfg, dataset_mixture=mixture, **functions,
+                               **{key: resolve_path(getattr(cfg, key)) for key in path_keys()})
+
+
+def _resolve_function(value: str) -> str:
+    """A `PATH.py:function` value with its path resolved; any other value as it is."""
+    file, _, function = value.rpartition(":")
+    return f"{resolve_path(file)}:{function}" if file.endswith(".py") else value
 
 
 def _apply_mesh_rules(cfg: Config, detected: str) -> Config:

@@ -105,6 +105,22 @@ def _check_objective(cfg: Config) -> None:
                           "off): use frozen (or auto)")
 
 
+def _check_environment(cfg: Config) -> None:
+    """grpo_environment's form, and what it excludes: a second reward, and several turns without it."""
+    if not cfg.grpo_environment:
+        if cfg.grpo_max_turns > 1:
+            raise ConfigError(f"grpo_max_turns={cfg.grpo_max_turns} needs grpo_environment (PATH.py:function), "
+                              "which answers the model's turns")
+        return
+    path, _, function = cfg.grpo_environment.rpartition(":")
+    if not (path.endswith(".py") and function.isidentifier()):
+        raise ConfigError(f"grpo_environment={cfg.grpo_environment}: PATH.py:function (a Python file and a "
+                          "function in it), or \"\" for one completion per prompt")
+    if cfg.reward != "exact_match":
+        raise ConfigError(f"grpo_environment rewards each episode itself: leave reward at exact_match "
+                          f"(reward={cfg.reward} would score it a second time)")
+
+
 def _check_grpo(cfg: Config) -> None:
     """GRPO's sampling and loss keys, its reward, and its data: prompts are only read by an objective that samples
     (its Kind's `samples`)."""
@@ -122,6 +138,7 @@ def _check_grpo(cfg: Config) -> None:
         if not (path.endswith(".py") and function.isidentifier()):
             raise ConfigError(f"reward={cfg.reward}: exact_match, model:STEP_DIR (a reward model's checkpoint step), "
                               "or PATH.py:function (a Python file and a function in it)")
+    _check_environment(cfg)
     if not cfg.reward_answer_field:
         raise ConfigError("reward_answer_field must name a record field, got an empty string")
     try:
@@ -375,6 +392,7 @@ _POSITIVE_INTS = {
     "grpo_updates_per_rollout": 1,
     "grpo_max_new_tokens": 1,
     "grpo_max_prompt_length": 1,
+    "grpo_max_turns": 1,
     "eval_tasks_period": 0,
     "eval_tasks_limit": 0,
     "eval_batch_size": 1,

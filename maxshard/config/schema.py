@@ -185,6 +185,8 @@ class Config(ModelKeys):
     grpo_kl_estimator: GrpoKlEstimator = "bias_corrected"
     grpo_epsilon_high: float = 0.0
     grpo_importance_sampling: GrpoImportanceSampling = "token"
+    grpo_environment: str = ""
+    grpo_max_turns: int = 1
     reward: str = "exact_match"
     reward_answer_field: str = "answer"
     reward_answer_regex: str = ""

@@ -6,7 +6,8 @@ holding `prompt` (text) or `messages` (a conversation ending with a user turn), 
 answer, an id, test cases), all kept in `Prompt.record` for the reward. A prompt becomes the ids generation starts from:
 
     text       `tokenizer.encode_prompt(prompt)`, as `maxshard.generate` encodes a prompt (BOS where the tokenizer
-               adds one)
+               adds one); with `grpo_environment` a conversation of one user turn, rendered as messages are, since
+               a multi-turn episode continues it with the chat template
     messages   the conversation rendered with the run's chat template and `add_generation_prompt=True`, tokenized as
                SFT tokenizes a rendered conversation (`chat.encode_rendered`: the template writes BOS and the turn
                markers), so the model continues with the assistant's reply
@@ -63,6 +64,7 @@ class Prompt:
     ids: tuple[int, ...]  # the prompt's token ids as generation starts them (BOS where the tokenizer adds one)
     text: str  # the prompt as rendered text (a conversation: the chat template's output)
     record: dict  # the whole record (all fields), for the reward; shared by a group's completions: do not mutate
+    messages: tuple[dict[str, Any], ...] = ()  # the conversation `ids` render (empty: a text prompt, not rendered)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,14 +133,18 @@ class PromptEncoder:
     tokenizer: Any
     template: ChatTemplate  # the run's chat template (conversations)
     max_length: int  # max_prompt_length: a longer prompt is skipped
+    as_chat: bool = False  # a text prompt as a conversation of one user turn (multi-turn rollouts continue it)
 
     def __call__(self, record: PromptRecord, where: str = "") -> Prompt | BadRecord:
         """`where`: unused (the record names itself); there for the stream's `encode(record, where)`."""
+        messages: tuple[dict[str, Any], ...] = ()
         try:
-            if isinstance(record.prompt, str):
+            if isinstance(record.prompt, str) and not self.as_chat:
                 text, ids = record.prompt, list(self.tokenizer.encode_prompt(record.prompt))
             else:
-                text = self.template.render([dict(m) for m in record.prompt.messages], add_generation_prompt=True)
+                messages = (tuple(dict(m) for m in record.prompt.messages) if isinstance(record.prompt, Conversation)
+                            else ({"role": "user", "content": record.prompt},))
+                text = self.template.render([dict(m) for m in messages], add_generation_prompt=True)
                 ids = encode_rendered(text, self.tokenizer).tolist()
         except TemplateError as e:  # the reason stays fixed (counted by kind); the template's words go to `where`
             return BadRecord("template refused it", f"{record.where} ({str(e)[:80]})")
@@ -148,7 +154,7 @@ class PromptEncoder:
             return BadRecord("no tokens", record.where)
         if len(ids) > self.max_length:
             return BadRecord("longer than max_prompt_length", record.where)
-        return Prompt(tuple(int(i) for i in ids), text, record.record)
+        return Prompt(tuple(int(i) for i in ids), text, record.record, messages)
 
 
 # --------------------------------------------------------------------------------------------- the stream
@@ -320,7 +326,7 @@ def make_prompts(cfg: Config, split: str, max_prompt_length: int) -> PromptItera
     options = ReadOptions(tokenizer.fingerprint(), cfg.text_field, cfg.messages_field, cfg.hf_split,
                           cfg.data_cache_dir, cfg.hf_streaming)
     corpus = open_source(cfg.dataset_path, "dataset_path", False, options)
-    encoder = PromptEncoder(tokenizer, template, max_prompt_length)
+    encoder = PromptEncoder(tokenizer, template, max_prompt_length, as_chat=bool(cfg.grpo_environment))
     examples = bad_records.examples_path(cfg.run_dir, jax.process_index() == 0) if split == "train" else None
     if not isinstance(corpus, Corpus):  # a streamed Hugging Face dataset
         return _streamed(corpus, cfg, split, encoder, examples)

@@ -33,8 +33,11 @@ from maxshard import rewards
 from maxshard.checkpoint import format as checkpoint_format
 from maxshard.config import Config
 from maxshard.data import prompts as prompt_data
+from maxshard.data.chat import load_template
+from maxshard.data.prompts import Prompt
 from maxshard.data.tokenizer import Tokenizer, make_tokenizer
 from maxshard.errors import ConfigError
+from maxshard.generation import environments
 from maxshard.generation.decode import Engine, Result
 from maxshard.generation.reward_model import ModelReward, is_model_reward
 from maxshard.generation.sampling import Sampling, allowed_tokens
@@ -42,7 +45,7 @@ from maxshard.objectives import kinds
 from maxshard.parallel import xla_options
 from maxshard.training.step import Trainer, TrainState, mesh_context
 
-__all__ = ["Rollouts", "advantages", "throughput", "rows", "logps_of", "next_batch", "check"]
+__all__ = ["Rollouts", "advantages", "throughput", "rows", "sequence_rows", "logps_of", "next_batch", "check"]
 
 _SHOWN_SAMPLES = 2  # completions printed (with their rewards) every log_period steps
 
@@ -66,27 +69,32 @@ def advantages(scores: np.ndarray, group: int) -> np.ndarray:
     return (centred / (grouped.std(axis=1, ddof=1, keepdims=True) + 1e-4)).reshape(-1).astype(np.float32)
 
 
-def throughput(completions: Sequence[Sequence[int]], timing: Result) -> dict[str, float]:
+def throughput(sampled_tokens: int, timings: Sequence[Result]) -> dict[str, float]:
     """A rollout's speed, logged beside the step (metrics and console): its wall time without compiles (prefill
-    and decode), the completion tokens it sampled per second and the decode steps it ran (their mean length is the
-    step's `completion_length`)."""
-    seconds = timing.prefill_seconds + timing.decode_seconds
-    tokens = sum(len(c) for c in completions)
-    return {"rollout/seconds": seconds, "rollout/tokens_per_sec": tokens / max(seconds, 1e-9),
-            "rollout/decode_steps": timing.decode_steps}
+    and decode, every turn's), the tokens it sampled per second and the decode steps it ran (the mean sampled
+    tokens per completion is the step's `completion_length`)."""
+    seconds = sum(t.prefill_seconds + t.decode_seconds for t in timings)
+    return {"rollout/seconds": seconds, "rollout/tokens_per_sec": sampled_tokens / max(seconds, 1e-9),
+            "rollout/decode_steps": sum(t.decode_steps for t in timings)}
 
 
 def rows(prompt_ids: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], advantage: np.ndarray,
          length: int) -> dict[str, np.ndarray]:
     """The batch rows [n, length] of prompt + completion pairs (module docstring), old_logps still zero."""
-    n = len(prompt_ids)
-    out = {k: np.zeros((n, length), np.dtype(dtype)) for k, dtype in kinds.rollout_fields().items()}
-    for i, (prompt, completion) in enumerate(zip(prompt_ids, completions)):
-        tokens = np.asarray([*prompt, *completion], np.int32)
-        used = len(tokens) - 1
+    return sequence_rows([([*p, *c], [False] * len(p) + [True] * len(c)) for p, c in zip(prompt_ids, completions)],
+                         advantage, length)
+
+
+def sequence_rows(sequences: Sequence[tuple[Sequence[int], Sequence[bool]]], advantage: np.ndarray,
+                  length: int) -> dict[str, np.ndarray]:
+    """The batch rows [n, length] of token sequences, each with a flag per token: sampled by the model (its
+    target takes loss) or not (the prompt's, a multi-turn environment's); old_logps still zero."""
+    out = {k: np.zeros((len(sequences), length), np.dtype(dtype)) for k, dtype in kinds.rollout_fields().items()}
+    for i, (ids, sampled) in enumerate(sequences):
+        tokens, used = np.asarray(ids, np.int32), len(ids) - 1
         out["inputs"][i, :used], out["targets"][i, :used] = tokens[:-1], tokens[1:]
         out["segment_ids"][i, :used], out["positions"][i, :used] = 1, np.arange(used)
-        out["loss_weights"][i, :used] = np.arange(1, used + 1) >= len(prompt)
+        out["loss_weights"][i, :used] = np.asarray(sampled[1:], bool)
         out["advantages"][i, :used] = advantage[i]
     return out
 
@@ -110,6 +118,10 @@ class Rollouts:
         self.reward = (ModelReward(cfg, trainer.mesh, trainer.rules) if is_model_reward(cfg)
                        else rewards.load_reward(cfg))
         self.tokenizer: Tokenizer = make_tokenizer(cfg)
+        self.episodes = (environments.Episodes(cfg.grpo_environment, load_template(cfg.tokenizer_path,
+                                                                                   cfg.chat_template),
+                                               self.tokenizer, cfg.grpo_max_turns, cfg.grpo_max_new_tokens,
+                                               cfg.max_target_length + 1) if cfg.grpo_environment else None)
         self.step, self._batch, self._engine = 0, None, None
         self._stats: dict[str, float] = {}
         self._samples: list[tuple[str, str, float]] = []
@@ -127,23 +139,48 @@ class Rollouts:
         cfg, group = self.cfg, self.cfg.grpo_group_size
         chosen = self.prompts.next_prompts(cfg.global_batch_size // group)
         asked = [p for p in chosen for _ in range(group)]
-        sampled = self._sample(params, [list(p.ids) for p in asked], index)
-        completions = sampled.tokens
-        texts = [self.tokenizer.decode([t for t in c if t not in self.tokenizer.stop_ids]) for c in completions]
-        scores = rewards.score(self.reward, asked, texts)
-        host = rows([p.ids for p in asked], completions, advantages(scores, group), cfg.max_target_length)
+        sequences, scores, texts, timings, extra = (self._single_turn(params, asked, index) if self.episodes is None
+                                                    else self._episodes(params, asked, index))
+        host = sequence_rows(sequences, advantages(scores, group), cfg.max_target_length)
         batch = {k: self._global(v) for k, v in host.items()}
         with mesh_context(self.trainer.mesh, self.trainer.rules):
             batch["old_logps"] = self._logps(params, batch)
         self._stats = {"reward/mean": float(scores.mean()), "reward/std": float(scores.std()),
                        "reward/min": float(scores.min()), "reward/max": float(scores.max()),
-                       **throughput(completions, sampled)}
+                       **throughput(sum(sum(m) for _, m in sequences), timings), **extra}
         self._samples = [(p.text, t, float(s)) for p, t, s in zip(asked[:_SHOWN_SAMPLES], texts, scores)]
         return batch
 
-    def _sample(self, params: Any, prompt_ids: list[list[int]], index: int) -> Result:
-        """The generation of each prompt's completion from `params` (its `tokens` end with a stop id where one
-        stopped them; its timings are the rollout's)."""
+    def _single_turn(self, params: Any, asked: list[Prompt], index: int) -> tuple[list, np.ndarray, list[str],
+                                                                                 list[Result], dict[str, float]]:
+        """(sequences with their sampled flags, rewards, completion texts, timings, extra stats) of one completion
+        per prompt, scored by the run's reward."""
+        sampled = self._sample(params, [list(p.ids) for p in asked], index, 0, self.cfg.grpo_max_prompt_length)
+        completions = sampled.tokens
+        texts = [self.tokenizer.decode([t for t in c if t not in self.tokenizer.stop_ids]) for c in completions]
+        scores = rewards.score(self.reward, asked, texts)
+        sequences = [([*p.ids, *c], [False] * len(p.ids) + [True] * len(c)) for p, c in zip(asked, completions)]
+        return sequences, scores, texts, [sampled], {}
+
+    def _episodes(self, params: Any, asked: list[Prompt], index: int) -> tuple[list, np.ndarray, list[str],
+                                                                               list[Result], dict[str, float]]:
+        """As `_single_turn`, of an episode per prompt played with the environment (generation/environments.py),
+        its reward the environment's; the text shown is all that followed the prompt."""
+        episodes, timings = self.episodes.play(
+            asked, lambda contexts, length, turn: self._sample(params, contexts, index, turn, length),
+            self.cfg.grpo_max_prompt_length)
+        scores = np.asarray([e.reward for e in episodes], np.float32)
+        texts = [self.tokenizer.decode(e.tokens[e.prompt_tokens:]) for e in episodes]
+        n = len(episodes)
+        extra = {"rollout/turns": sum(e.turns for e in episodes) / n,
+                 "rollout/tool_calls": sum(e.tool_calls for e in episodes) / n,
+                 "rollout/episodes_cut": sum(e.ended != "done" for e in episodes) / n}
+        return [(e.tokens, e.sampled) for e in episodes], scores, texts, timings, extra
+
+    def _sample(self, params: Any, prompt_ids: list[list[int]], index: int, turn: int, prompt_length: int
+                ) -> Result:
+        """The generation of each prompt's continuation from `params` (its `tokens` end with a stop id where one
+        stopped them; its timings are the rollout's); `turn` of a multi-turn episode keys its own samples."""
         if self._engine is None:
             allowed = allowed_tokens(self.cfg.model.vocab_size, self.tokenizer.vocab_size,
                                      self.tokenizer.never_generated)
@@ -152,10 +189,9 @@ class Rollouts:
         # so that the rollout's own time (`throughput`) does not hold the step's
         self._engine.params = jax.block_until_ready(params)
         sampling = Sampling(self.cfg.grpo_temperature, 0, self.cfg.grpo_top_p)
-        seed = (self.cfg.seed * 1_000_003 + index) % (2**31 - 1)
+        seed = (self.cfg.seed * 1_000_003 + index + turn * 7_919_083) % (2**31 - 1)
         return self._engine.generate(prompt_ids, self.cfg.grpo_max_new_tokens, self.tokenizer.stop_ids,
-                                     self.tokenizer.pad_id, sampling, seed,
-                                     prompt_length=self.cfg.grpo_max_prompt_length)
+                                     self.tokenizer.pad_id, sampling, seed, prompt_length=prompt_length)
 
     def _global(self, host: np.ndarray) -> jax.Array:
         return jax.make_array_from_callback(host.shape, self.sharding, lambda index: host[index])

@@ -63,7 +63,8 @@ def of(cfg: Any) -> Objective:
     if name == "kto":
         return KTO(cfg.kto_beta, cfg.kto_desirable_weight, cfg.kto_undesirable_weight)
     if name == "grpo":
-        return GRPO(cfg.grpo_epsilon, cfg.grpo_kl_beta, cfg.grpo_loss_type, cfg.grpo_max_new_tokens,
-                    cfg.grpo_epsilon_high, cfg.grpo_kl_estimator, cfg.grpo_importance_sampling,
-                    cfg.grpo_temperature)
+        # dr_grpo's constant length: the most tokens the model samples in an episode (every turn's)
+        episode_tokens = cfg.grpo_max_new_tokens * cfg.grpo_max_turns
+        return GRPO(cfg.grpo_epsilon, cfg.grpo_kl_beta, cfg.grpo_loss_type, episode_tokens, cfg.grpo_epsilon_high,
+                    cfg.grpo_kl_estimator, cfg.grpo_importance_sampling, cfg.grpo_temperature)
     raise KeyError(name)

@@ -18,7 +18,8 @@ completion token t:
     loss     = the per-token losses pg_t + beta kl_t made one by `grpo_loss_type`, as TRL's `loss_type` of the name:
         dapo     sum over all completion tokens / their number                 (TRL 1.16's default)
         grpo     mean over completions of (sum_t / the completion's tokens)
-        dr_grpo  sum over all completion tokens / (completions x grpo_max_new_tokens)   (no length bias)
+        dr_grpo  sum over all completion tokens / (completions x grpo_max_new_tokens x grpo_max_turns)
+                 (no length bias; a multi-turn completion is every model turn of its episode)
 
 All three are one global sum over one global count (loss_sum / weight_sum), so no layout and no gradient
 accumulation changes them. TRL's `bnpo` divides by the tokens of one device's batch, a layout's quantity: over the
@@ -63,7 +64,7 @@ class GRPO:
     epsilon: float
     kl_beta: float
     loss_type: str = "dapo"  # kinds.GRPO_LOSS_TYPES
-    max_new_tokens: int = 1  # dr_grpo's constant length
+    max_new_tokens: int = 1  # dr_grpo's constant length (an episode's: every turn's new tokens)
     epsilon_high: float = 0.0  # the clip's upper side; 0: epsilon
     kl_estimator: str = "bias_corrected"  # kinds.GRPO_KL_ESTIMATORS
     importance_sampling: str = "token"  # kinds.GRPO_IMPORTANCE_SAMPLING

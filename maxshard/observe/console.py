@@ -242,6 +242,9 @@ class StepLogger:
         if "rollout/seconds" in record:  # GRPO: the last rollout's reward and speed (generation/rollouts.py)
             progress += (f" | reward {record['reward/mean']:.3f} | rollout {record['rollout/seconds']:.2f}s "
                          f"{record['rollout/tokens_per_sec']:,.0f} tok/s")
+        if "rollout/turns" in record:  # multi-turn episodes (generation/environments.py)
+            progress += (f" | {record['rollout/turns']:.1f} turns {record['rollout/tool_calls']:.1f} tool calls, "
+                         f"{record['rollout/episodes_cut']:.0%} cut")
         print(progress, flush=True)
         self._report_skipped(record)
 

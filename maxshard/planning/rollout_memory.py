@@ -33,6 +33,8 @@ def rollout_cache_bytes(cfg: Config, sizes: Mapping[str, int]) -> int:
         shards *= sizes.get(axis, 1)
     rows = -(-cfg.global_batch_size // shards) * shards  # the engine pads the batch to the cache's batch shards
     length = cfg.grpo_max_prompt_length + cfg.grpo_max_new_tokens
+    if cfg.grpo_max_turns > 1:  # a later turn's context is padded to the longest whose reply fits the row
+        length = max(length, cfg.max_target_length + 1)  # (generation/environments.py `context_limit`)
     model = dataclasses.replace(cfg.model, pipeline=None)
     with transformer.without_layout():
         params = transformer.abstract_params(model)
