@@ -57,8 +57,9 @@ def scripted(*turns: list[str | list[int]]):
     return sample, asked
 
 
-def episodes(setting: str = EXAMPLE, max_turns: int = 3, max_new_tokens: int = 48, row_tokens: int = 512) -> Episodes:
-    return Episodes(setting, TEMPLATE, TOKENIZER, max_turns, max_new_tokens, row_tokens)
+def episodes(setting: str = EXAMPLE, max_turns: int = 3, max_new_tokens: int = 48, row_tokens: int = 512,
+             refilled: bool = False) -> Episodes:
+    return Episodes(setting, TEMPLATE, TOKENIZER, max_turns, max_new_tokens, row_tokens, refilled)
 
 
 def whole(conversation: list[dict]) -> list[int]:
@@ -92,6 +93,13 @@ def test_a_tool_call_is_answered_by_the_tool_and_the_row_is_the_rendered_convers
     # the second turn continued each going episode's context as it stood after the first
     going = asked[1][0]
     assert going[0] == tool.tokens[: len(going[0])] and going[2] == wrong.tokens[: len(going[2])]
+
+
+def test_with_refilled_rows_only_the_episodes_going_on_are_asked():
+    sample, asked = scripted(["3", "9"], ["no idea"])
+    played, _ = episodes(refilled=True).play([prompt("1+2=", "3"), prompt("1+2=", "3")], sample, 32)
+    assert [len(contexts) for contexts, _ in asked] == [2, 1] and asked[1][0][0] == played[1].tokens[:-8]
+    assert [e.reward for e in played] == [1.0, pytest.approx(0.5 / 4)]
 
 
 def test_a_reply_cut_at_the_token_limit_is_closed_and_the_episode_goes_on():

@@ -132,6 +132,46 @@ def test_generation_stops_at_any_of_several_eos_ids(dense):
     assert len(result.tokens[0]) <= 3 and len(result.tokens[1]) <= 2
 
 
+# --------------------------------------------------------------------------------------------- refilled rows
+
+
+def _many_prompts(count: int = 10) -> list[list[int]]:
+    rng = np.random.default_rng(3)
+    return [[1, *rng.integers(3, 259, int(n)).tolist()] for n in rng.integers(2, 9, count)]
+
+
+def test_refilled_rows_give_every_prompt_the_tokens_of_one_batch(dense):
+    """`rows=4` for 10 prompts: finished rows take waiting prompts, and each prompt's greedy tokens are those of
+    all 10 in one batch, with sequences ending early (stop ids the one-batch run chose at different steps) and at
+    the token limit; the decode steps are fewer than three rounds of four prompts would take."""
+    _, _, engine, _ = dense
+    prompts, new = _many_prompts(), 10
+    whole = engine.generate(prompts, new, EOS, PAD)
+    stops = (whole.tokens[0][1], whole.tokens[3][4], whole.tokens[7][6])
+    reference = engine.generate(prompts, new, stops, PAD)
+    lengths = sorted(len(t) for t in reference.tokens)
+    assert lengths[0] <= 3 and lengths[-1] == new  # early stops and the limit both happen
+    refilled = engine.generate(prompts, new, stops, PAD, rows=4)
+    assert refilled.tokens == reference.tokens
+    rounds = sum(max(len(t) for t in reference.tokens[i: i + 4]) - 1 for i in range(0, len(prompts), 4))
+    assert refilled.decode_steps < rounds and refilled.prefill_seconds > 0
+    hot = Sampling(temperature=1.0)
+    assert (engine.generate(prompts, new, stops, PAD, hot, seed=5, rows=4).tokens
+            == engine.generate(prompts, new, stops, PAD, hot, seed=5, rows=4).tokens)
+    one = engine.generate(prompts, 1, stops, PAD, rows=4)
+    assert one.tokens == [t[:1] for t in reference.tokens] and one.decode_steps == 0
+    with pytest.raises(ValueError, match="keep_logits"):
+        engine.generate(prompts, new, stops, PAD, rows=4, keep_logits=True)
+
+
+def test_refilled_rows_split_over_fsdp_give_one_device_s_tokens(dense):
+    _, params, engine, _ = dense
+    prompts = _many_prompts()
+    stops = tuple(engine.generate(prompts, 10, EOS, PAD).tokens[i][i % 5] for i in (0, 4, 8))
+    split = _engine(_config("dense", "ici_fsdp_parallelism=4"), params)
+    assert split.generate(prompts, 10, stops, PAD, rows=4).tokens == engine.generate(prompts, 10, stops, PAD).tokens
+
+
 # --------------------------------------------------------------------------------------------- layouts
 
 

@@ -198,15 +198,17 @@ def logged(run_dir: Path) -> dict[int, dict]:
 
 def test_grpo_through_the_cli_learns_what_the_reward_asks(tmp_path, capsys):
     """Acceptance: a tiny byte-level model, prompts from JSONL, a reward function from a file: the untrained
-    model's mean reward is below 0.3, GRPO brings it to at least 0.8; the KL at the first step is 0. Each logged
+    model's mean reward is below 0.3, GRPO brings it to at least 0.8; the KL at the first step is 0. The rollouts
+    decode 16 rows at once for the 32 completions, refilling finished rows (generation/refill.py). Each logged
     step carries its rollout's speed (completion tokens per second of its wall time, the decode steps), also on the
     console line."""
-    assert train.main(grpo_argv(tmp_path, "run_name=grpo", "steps=40", "log_period=5", "checkpoint_period=40")) == 0
+    assert train.main(grpo_argv(tmp_path, "run_name=grpo", "steps=40", "log_period=5", "checkpoint_period=40",
+                                "grpo_rollout_rows=16")) == 0
     steps = list(logged(tmp_path / "grpo").values())
     assert steps[0]["reward/mean"] < 0.3 and steps[0]["kl"] == pytest.approx(0.0, abs=1e-6)
     assert max(r["reward/mean"] for r in steps[-3:]) >= 0.8, [round(r["reward/mean"], 2) for r in steps]
-    for r in steps:  # 32 completions a rollout, of at most 4 tokens
-        assert 0 < r["completion_length"] <= 4 and 0 <= r["rollout/decode_steps"] < 4
+    for r in steps:  # 32 completions a rollout, of at most 4 tokens, in 16 rows: 3 steps each row, twice at most
+        assert 0 < r["completion_length"] <= 4 and 0 < r["rollout/decode_steps"] <= 6
         assert r["rollout/tokens_per_sec"] == pytest.approx(32 * r["completion_length"] / r["rollout/seconds"])
     assert re.search(r"step 40/40 .* \| reward [\d.]+ \| rollout [\d.]+s [\d,]+ tok/s", capsys.readouterr().out)
 
@@ -239,14 +241,15 @@ def test_a_resumed_grpo_run_samples_and_trains_as_the_uninterrupted_one(tmp_path
 def test_the_plan_counts_the_sampling_cache_as_generation_lays_it_out():
     """GRPO's plan holds the KV cache of the whole global batch's sampling, per device as the engine shards it
     (keys and values: layers x 2 x kv_heads x (prompt + new tokens) x head_dim per sequence), and its peak takes the
-    larger of that cache and the step's gradients and activations."""
+    larger of that cache and the step's gradients and activations; refilled rows hold fewer sequences, and a
+    multi-turn run's later turns the whole row."""
     from helpers import tiny_config
 
     from maxshard.planning import estimate
 
-    cfg = tiny_config("objective=grpo", "dataset_type=prompts", "grpo_max_prompt_length=24",
-                      "grpo_max_new_tokens=8", "grpo_group_size=4", "ici_fsdp_parallelism=4",
-                      "ici_tensor_parallelism=2")
+    keys = ("objective=grpo", "dataset_type=prompts", "grpo_max_prompt_length=24", "grpo_max_new_tokens=8",
+            "grpo_group_size=4", "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2")
+    cfg = tiny_config(*keys)
     plan = estimate.make_plan(cfg)
     rows_per_device = cfg.global_batch_size // 4  # the cache's batch over fsdp; its kv heads over tensor
     per_device = cfg.num_layers * 2 * rows_per_device * (cfg.num_kv_heads // 2) * 32 * cfg.head_dim * 4
@@ -255,6 +258,13 @@ def test_the_plan_counts_the_sampling_cache_as_generation_lays_it_out():
     assert plan.peak_bytes == state + max(plan.gradients + plan.activations, plan.rollout_cache)
     lm = estimate.make_plan(tiny_config("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"))
     assert lm.rollout_cache == 0 and lm.peak_bytes == lm.params + lm.optimizer + lm.gradients + lm.activations
+    # refilled rows (generation/refill.py): the cache holds grpo_rollout_rows, rounded up to the batch's shards
+    refilled = estimate.make_plan(tiny_config(*keys, "grpo_rollout_rows=6"))
+    assert refilled.rollout_cache == per_device * 8 // cfg.global_batch_size
+    # several turns (generation/environments.py): later turns' contexts reach the whole row
+    turns = estimate.make_plan(tiny_config(*keys, "grpo_max_turns=2", "max_target_length=63",
+                                           f"grpo_environment={REPO / 'examples' / 'arithmetic_env.py'}:drill"))
+    assert turns.rollout_cache == per_device * 64 // 32
 
 
 def test_with_lora_the_reference_is_the_base_and_the_adapters_learn(imported, tmp_path):

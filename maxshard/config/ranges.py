@@ -393,6 +393,7 @@ _POSITIVE_INTS = {
     "grpo_max_new_tokens": 1,
     "grpo_max_prompt_length": 1,
     "grpo_max_turns": 1,
+    "grpo_rollout_rows": 0,
     "eval_tasks_period": 0,
     "eval_tasks_limit": 0,
     "eval_batch_size": 1,

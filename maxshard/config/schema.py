@@ -187,6 +187,7 @@ class Config(ModelKeys):
     grpo_importance_sampling: GrpoImportanceSampling = "token"
     grpo_environment: str = ""
     grpo_max_turns: int = 1
+    grpo_rollout_rows: int = 0
     reward: str = "exact_match"
     reward_answer_field: str = "answer"
     reward_answer_regex: str = ""

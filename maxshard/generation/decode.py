@@ -147,6 +147,7 @@ class Engine:
         self._compiled: dict[tuple[int, int, int], tuple[Any, Any, Any]] = {}
         self._decode_steps: dict[tuple[int, int], tuple[Any, Any]] = {}
         self._layouts: dict[tuple[int, int], tuple[Any, Any, Any]] = {}
+        self._refills: dict[tuple[int, int, int], Any] = {}  # generation/refill.py's steps
 
     # ------------------------------------------------------------------ the steps
 
@@ -244,10 +245,19 @@ class Engine:
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_id: int | Sequence[int],
                  pad_id: int, sampling: Sampling = Sampling(), seed: int = 0, keep_logits: bool = False,
-                 prompt_length: int = 0) -> Result:
+                 prompt_length: int = 0, rows: int = 0) -> Result:
         """Each prompt (token ids, as the tokenizer starts them) continued by up to `max_new_tokens` tokens; a
         sequence stops at the first of its EOS id(s) (`eos_id`: one id or several, e.g. Qwen's two). Prompts are
-        padded to at least `prompt_length`, so calls with shorter prompts reuse one compilation."""
+        padded to at least `prompt_length`, so calls with shorter prompts reuse one compilation. `rows` > 0 and
+        fewer than the prompts: that many rows decode at once, each finished row taking the next waiting prompt
+        (generation/refill.py; no logits kept)."""
+        if 0 < rows < len(prompts):
+            from maxshard.generation import refill  # deferred: it builds on this module
+
+            if keep_logits:
+                raise ValueError("keep_logits keeps every step's logits of one batch: not with rows (refilled)")
+
+            return refill.generate(self, prompts, max_new_tokens, eos_id, pad_id, sampling, seed, rows, prompt_length)
         multiple = batch_multiple(self.mesh, self.rules)
         rows = -(-len(prompts) // multiple) * multiple
         padded = list(prompts) + [list(prompts[0][:1])] * (rows - len(prompts))  # dummy rows: a 1-token prompt

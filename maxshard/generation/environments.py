@@ -27,9 +27,10 @@ A reply that reaches grpo_max_new_tokens without a stop is closed by the tokeniz
 environment's tokens, as the template closes a turn. The row keeps every token as the model saw it (its own turns as
 sampled, never re-tokenized), and only the model's sampled tokens take loss. An episode ends when step says done,
 after grpo_max_turns model turns, or when the next turn would not fit the row (max_target_length + 1 tokens);
-`rollout/episodes_cut` counts those that did not end by done. Every turn of
-every episode is sampled together, the finished ones' rows filled with a one-token dummy, so the engine compiles
-one shape for the first turn and one for the later ones.
+`rollout/episodes_cut` counts those that did not end by done. Every turn of every episode is sampled together, the
+finished ones' rows filled with a one-token dummy, so the engine compiles one shape for the first turn and one for
+the later ones; with grpo_rollout_rows the engine's rows are fixed and refilled (generation/refill.py), and only the
+episodes going on are asked.
 
 Strict, as rewards are: an environment (or its factory) that raises, returns the wrong type or a reward that is not
 a finite number stops the run with one line naming `grpo_environment`, the record's index and the turn
@@ -106,9 +107,11 @@ class Episodes:
     """Plays a rollout's episodes (module docstring)."""
 
     def __init__(self, setting: str, template: ChatTemplate, tokenizer: Any, max_turns: int, max_new_tokens: int,
-                 row_tokens: int) -> None:
-        """`setting`: grpo_environment's value; `row_tokens`: max_target_length + 1."""
-        self.setting, self.factory = setting, load_factory(setting)
+                 row_tokens: int, refilled: bool = False) -> None:
+        """`setting`: grpo_environment's value; `row_tokens`: max_target_length + 1; `refilled`: the sampler
+        decodes a fixed number of rows, refilling them (grpo_rollout_rows), so only the episodes going on are
+        asked to continue."""
+        self.setting, self.factory, self.refilled = setting, load_factory(setting), refilled
         self.template, self.tokenizer = template, tokenizer
         self.max_turns, self.max_new_tokens, self.row_tokens = max_turns, max_new_tokens, row_tokens
 
@@ -122,13 +125,15 @@ class Episodes:
             going = [i for i, e in enumerate(episodes) if not e.ended]
             if not going:
                 break
+            asked = going if self.refilled else range(len(episodes))
             dummy = episodes[going[0]].tokens[:1]
-            contexts = [e.tokens if not e.ended else dummy for e in episodes]
+            contexts = [episodes[i].tokens if not episodes[i].ended else dummy for i in asked]
             length = first_length if turn == 0 else context_limit(self.row_tokens - 1, self.max_new_tokens)
             result = sample(contexts, length, turn)
             turns.append(result)
+            replies = dict(zip(asked, result.tokens))
             for i in going:
-                self._answer(episodes[i], list(result.tokens[i]), i, turn)
+                self._answer(episodes[i], list(replies[i]), i, turn)
         for e in episodes:
             e.ended = e.ended or "turns"
         return episodes, turns

@@ -12,7 +12,12 @@ reward against its group's (`objectives/grpo.py`). The rows the step trains on, 
                  the logits / grpo_temperature as the step's (`logps_of`)
     advantages   the completion's advantage, on every token of its row
 
-The sampling key of rollout r is derived from `seed` and r alone, and the prompts' position is saved with every
+With `grpo_rollout_rows` the engine decodes that many rows at once, each finished row taking the next waiting
+completion (generation/refill.py): the cache holds those rows, not the global batch, and a rollout does not wait
+for the longest completion of a round. With `grpo_environment` each row is a multi-turn episode
+(generation/environments.py): the model's turns take loss, the environment's tokens between them do not.
+
+The sampling key of rollout r is derived from `seed` and r alone (and the turn), and the prompts' position is saved with every
 checkpoint, so a resumed run samples what the uninterrupted one did. Between the updates of one rollout
 (`grpo_updates_per_rollout` > 1) the batch itself is saved too (the checkpoint's `batch` item, each process writing
 its shards; its reward figures and shown samples ride in the JSON state): the parameters that sampled it are gone
@@ -107,6 +112,14 @@ def logps_of(trainer: Trainer, batch_sharding: jax.sharding.NamedSharding) -> Ca
                    out_shardings=batch_sharding, compiler_options=xla_options.for_mesh(trainer.mesh))
 
 
+def _episodes(cfg: Config, tokenizer: Tokenizer) -> environments.Episodes:
+    """The player of a multi-turn run's episodes (generation/environments.py)."""
+    template = load_template(cfg.tokenizer_path, cfg.chat_template)
+    return environments.Episodes(cfg.grpo_environment, template, tokenizer, cfg.grpo_max_turns,
+                                 cfg.grpo_max_new_tokens, cfg.max_target_length + 1,
+                                 refilled=cfg.grpo_rollout_rows > 0)
+
+
 class Rollouts:
     """The GRPO run's batches: `next_for(state)` samples, scores and lays out a rollout every
     `grpo_updates_per_rollout` calls and returns it each time; get_state/set_state as the data iterators'."""
@@ -118,10 +131,7 @@ class Rollouts:
         self.reward = (ModelReward(cfg, trainer.mesh, trainer.rules) if is_model_reward(cfg)
                        else rewards.load_reward(cfg))
         self.tokenizer: Tokenizer = make_tokenizer(cfg)
-        self.episodes = (environments.Episodes(cfg.grpo_environment, load_template(cfg.tokenizer_path,
-                                                                                   cfg.chat_template),
-                                               self.tokenizer, cfg.grpo_max_turns, cfg.grpo_max_new_tokens,
-                                               cfg.max_target_length + 1) if cfg.grpo_environment else None)
+        self.episodes = _episodes(cfg, self.tokenizer) if cfg.grpo_environment else None
         self.step, self._batch, self._engine = 0, None, None
         self._stats: dict[str, float] = {}
         self._samples: list[tuple[str, str, float]] = []
@@ -191,7 +201,8 @@ class Rollouts:
         sampling = Sampling(self.cfg.grpo_temperature, 0, self.cfg.grpo_top_p)
         seed = (self.cfg.seed * 1_000_003 + index + turn * 7_919_083) % (2**31 - 1)
         return self._engine.generate(prompt_ids, self.cfg.grpo_max_new_tokens, self.tokenizer.stop_ids,
-                                     self.tokenizer.pad_id, sampling, seed, prompt_length=prompt_length)
+                                     self.tokenizer.pad_id, sampling, seed, prompt_length=prompt_length,
+                                     rows=self.cfg.grpo_rollout_rows)
 
     def _global(self, host: np.ndarray) -> jax.Array:
         return jax.make_array_from_callback(host.shape, self.sharding, lambda index: host[index])

@@ -105,7 +105,8 @@ KINDS = (
     Kind("grpo", "rollouts", True, ("grpo_group_size", "grpo_updates_per_rollout", "grpo_kl_beta", "grpo_epsilon",
                                     "grpo_temperature", "grpo_top_p", "grpo_max_new_tokens", "reward",
                                     "grpo_loss_type", "grpo_kl_estimator", "grpo_epsilon_high",
-                                    "grpo_importance_sampling", "grpo_environment", "grpo_max_turns"),
+                                    "grpo_importance_sampling", "grpo_environment", "grpo_max_turns",
+                                    "grpo_rollout_rows"),
          "GRPO: completions sampled from the current model, rewarded, advantages normalised within each prompt's "
          "group, a clipped ratio and a KL term to the reference (objectives/grpo.py)",
          extra=("old_logps", "advantages"), reference_weight_key="grpo_kl_beta"),

@@ -23,7 +23,8 @@ __all__ = ["rollout_cache_bytes"]
 
 
 def rollout_cache_bytes(cfg: Config, sizes: Mapping[str, int]) -> int:
-    """Bytes per device of the KV cache GRPO's sampling keeps for the global batch (0 for other objectives)."""
+    """Bytes per device of the KV cache GRPO's sampling keeps for the rows it decodes at once (the global batch,
+    or grpo_rollout_rows of it; 0 for other objectives)."""
     if not objective_kinds.kind(cfg.objective).samples:
         return 0
     rules = sharding.flax_rules(cfg)
@@ -31,7 +32,8 @@ def rollout_cache_bytes(cfg: Config, sizes: Mapping[str, int]) -> int:
     shards = 1
     for axis in (spec[0],) if isinstance(spec[0], str) else (spec[0] or ()):
         shards *= sizes.get(axis, 1)
-    rows = -(-cfg.global_batch_size // shards) * shards  # the engine pads the batch to the cache's batch shards
+    rows = min(cfg.grpo_rollout_rows or cfg.global_batch_size, cfg.global_batch_size)  # generation/refill.py
+    rows = -(-rows // shards) * shards  # the engine pads the batch to the cache's batch shards
     length = cfg.grpo_max_prompt_length + cfg.grpo_max_new_tokens
     if cfg.grpo_max_turns > 1:  # a later turn's context is padded to the longest whose reply fits the row
         length = max(length, cfg.max_target_length + 1)  # (generation/environments.py `context_limit`)
