@@ -22,6 +22,7 @@ from helpers import tiny_config
 
 from maxshard import train
 from maxshard.data.chat import encode_rendered, load_template
+from maxshard.data.chat_template import ChatTemplate
 from maxshard.data.prompts import Prompt
 from maxshard.data.tokenizer import ByteTokenizer
 from maxshard.errors import ConfigError
@@ -100,6 +101,40 @@ def test_with_refilled_rows_only_the_episodes_going_on_are_asked():
     played, _ = episodes(refilled=True).play([prompt("1+2=", "3"), prompt("1+2=", "3")], sample, 32)
     assert [len(contexts) for contexts, _ in asked] == [2, 1] and asked[1][0][0] == played[1].tokens[:-8]
     assert [e.reward for e in played] == [1.0, pytest.approx(0.5 / 4)]
+
+
+def test_tools_are_listed_to_the_model_as_the_template_lists_them():
+    """A template that lists `tools` (as Qwen's does, in its system turn): an episode with tools starts from its
+    prompt rendered with their JSON schemas, each turn after it renders with them too, and a prompt that no
+    longer fits grpo_max_prompt_length with them is one line."""
+    schema = environments.tool_schema("calculate", arithmetic().calculate)
+    assert schema == {"type": "function", "function": {
+        "name": "calculate",
+        "description": "The value of an expression of integers with +, - and * (parsed, never evaluated as Python).",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                       "required": ["expression"]}}}
+    listing = "{% if tools %}<|system|>\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}{% endif %}"
+    template = ChatTemplate(TEMPLATE.source.replace("{{ bos_token }}", "{{ bos_token }}" + listing), "listing",
+                            TEMPLATE.special_tokens)
+    sample, asked = scripted(["9"], ["7"])
+    player = Episodes(EXAMPLE, template, TOKENIZER, 3, 48, 1024)
+    (e,), _ = player.play([prompt("3+4=", "7")], sample, 512)
+    conversation = [e.messages[0], {"role": "assistant", "content": "9"}, e.messages[2],
+                    {"role": "assistant", "content": "7"}]
+    assert TOKENIZER.decode(asked[0][0][0]).startswith('<|system|>\n{"type": "function", "function": {"name": '
+                                                        '"calculate"')
+    assert e.tokens == encode_rendered(template.render(conversation, tools=[schema]).rstrip(), TOKENIZER).tolist()
+    with pytest.raises(EnvironmentFailed, match="record 0: the prompt with its tools listed is 3.. tokens, more "
+                                                "than grpo_max_prompt_length=64"):
+        player.play([prompt("3+4=", "7")], sample, 64)
+
+
+def arithmetic():
+    """The example environment's module, as the run imports it."""
+    import sys
+
+    environments.load_factory(EXAMPLE)
+    return next(m for m in sys.modules.values() if getattr(m, "__file__", None) == EXAMPLE.rpartition(":")[0])
 
 
 def test_a_reply_cut_at_the_token_limit_is_closed_and_the_episode_goes_on():

@@ -8,8 +8,9 @@ environment, so the text is the one `tokenizer.apply_chat_template(messages, tok
   its inputs; `trim_blocks` and `lstrip_blocks` on (the whitespace rules template authors write for);
 - `raise_exception(message)` (templates refuse conversations they cannot render: a `TemplateError` here, which the
   pipeline turns into a skipped record), `strftime_now(format)`, a `tojson` filter that keeps non-ASCII text;
-- the template's variables: `messages`, `add_generation_prompt`, and every special token of
-  `tokenizer_config.json` (`bos_token`, `eos_token`, ...), as text;
+- the template's variables: `messages`, `add_generation_prompt`, `tools` (None unless a caller lists functions the
+  model may call, as JSON schemas), and every special token of `tokenizer_config.json` (`bos_token`,
+  `eos_token`, ...), as text;
 - the `{% generation %} ... {% endgeneration %}` tag: its output is the text of an assistant turn, recorded as a
   character span (transformers' `return_assistant_tokens_mask`).
 
@@ -132,9 +133,11 @@ class ChatTemplate:
     def digest(self) -> str:
         return hashlib.sha256(self.source.encode()).hexdigest()[:12]
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
-        """The text `apply_chat_template(messages, tokenize=False, add_generation_prompt=...)` gives."""
-        return self._render(messages, add_generation_prompt)[0]
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
+               tools: list[dict[str, Any]] | None = None) -> str:
+        """The text `apply_chat_template(messages, tokenize=False, add_generation_prompt=..., tools=...)` gives
+        (`tools`: JSON schemas of the functions the model may call, as the template lists them)."""
+        return self._render(messages, add_generation_prompt, tools)[0]
 
     def render_with_spans(self, messages: list[dict[str, Any]]) -> tuple[str, list[tuple[int, int]]]:
         """The whole conversation's text and the character spans [start, end) of its assistant turns."""
@@ -143,11 +146,11 @@ class ChatTemplate:
             return text, spans
         return text, self._prefix_spans(messages, text)
 
-    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool
-                ) -> tuple[str, list[tuple[int, int]]]:
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                tools: list[dict[str, Any]] | None = None) -> tuple[str, list[tuple[int, int]]]:
         tracker: dict[str, list[Any]] = {"chunks": [], "spans": []}
         variables = {**self.special_tokens, "messages": messages, "add_generation_prompt": add_generation_prompt,
-                     "_tracker": tracker}
+                     "tools": tools, "_tracker": tracker}
         try:
             for chunk in self._template.generate(**variables):
                 tracker["chunks"].append(chunk)

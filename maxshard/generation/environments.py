@@ -14,7 +14,10 @@ A reply holding tool calls, `<tool_call>{"name": ..., "arguments": {...}}</tool_
 most open models' chat templates write), is answered by the tools and not by `step`: each call's result (str() of
 what the tool returned) becomes a `tool` message. A call the model got wrong (not JSON, an unknown tool, arguments
 the tool refuses) is answered with an error text the model reads, as a tool would answer it, since it is the
-model's mistake, not the run's. An episode's reward is the sum of its steps' rewards.
+model's mistake, not the run's. An episode's reward is the sum of its steps' rewards. The tools are listed to the
+model as the chat template lists them: the template's `tools` variable holds each one's JSON schema (`tool_schema`:
+its name, its docstring's first paragraph, its parameters' types from their annotations), so an episode with tools
+starts from its prompt rendered again with them (within grpo_max_prompt_length).
 
 An episode starts from the prompt's ids (a text prompt is a conversation of one user turn) and alternates:
 
@@ -42,10 +45,12 @@ environment is itself deterministic.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import math
 import numbers
 import re
+import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -58,7 +63,8 @@ from maxshard.data.prompts import Prompt
 from maxshard.errors import ConfigError
 from maxshard.generation.decode import Result
 
-__all__ = ["EnvironmentFailed", "Episode", "Episodes", "ENDINGS", "tool_calls", "context_limit", "load_factory"]
+__all__ = ["EnvironmentFailed", "Episode", "Episodes", "ENDINGS", "tool_calls", "tool_schema", "context_limit",
+           "load_factory"]
 
 ENDINGS = ("done", "turns", "length")  # why an episode ended (module docstring)
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -88,6 +94,7 @@ class Episode:
 
     environment: Any
     tools: dict[str, Callable[..., Any]]
+    schemas: list[dict[str, Any]] | None  # the tools as the template lists them (None: no tools)
     messages: list[dict[str, Any]]  # the conversation so far, as the chat template renders it
     tokens: list[int]
     sampled: list[bool]  # per token: the model's (the loss's) or the prompt's and the environment's
@@ -96,6 +103,32 @@ class Episode:
     turns: int = 0  # model turns taken
     tool_calls: int = 0
     ended: str = ""  # "" while it goes on, else one of ENDINGS
+
+
+_JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
+
+
+def tool_schema(name: str, function: Callable[..., Any]) -> dict[str, Any]:
+    """The JSON schema a chat template lists a tool by (`tools` of `apply_chat_template`): its name, its
+    docstring's first paragraph, and its parameters with their JSON types (from the annotations: str, int, float,
+    bool, list, dict; any other: no type) and which have no default."""
+    signature = inspect.signature(function)
+    try:
+        hints = typing.get_type_hints(function)
+    except (TypeError, NameError):  # a partial, a callable object, an annotation that names nothing importable
+        hints = {}
+    properties, required = {}, []
+    for parameter in signature.parameters.values():
+        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            continue
+        kind = _JSON_TYPES.get(typing.get_origin(hints.get(parameter.name)) or hints.get(parameter.name))
+        properties[parameter.name] = {"type": kind} if kind else {}
+        if parameter.default is parameter.empty:
+            required.append(parameter.name)
+    description = (inspect.getdoc(function) or "").split("\n\n")[0].replace("\n", " ")
+    return {"type": "function", "function": {"name": name, "description": description,
+                                             "parameters": {"type": "object", "properties": properties,
+                                                            "required": required}}}
 
 
 def tool_calls(reply: str) -> list[str]:
@@ -119,7 +152,7 @@ class Episodes:
                                                                                          list[Result]]:
         """Every prompt's episode, and each turn's generation (its timings); `first_length`: the first turn's
         padded prompt length (grpo_max_prompt_length)."""
-        episodes = [self._start(i, p) for i, p in enumerate(prompts)]
+        episodes = [self._start(i, p, first_length) for i, p in enumerate(prompts)]
         turns: list[Result] = []
         for turn in range(self.max_turns):
             going = [i for i, e in enumerate(episodes) if not e.ended]
@@ -142,7 +175,7 @@ class Episodes:
         at = f"record {index}" if turn is None else f"record {index}, turn {turn + 1}"
         return EnvironmentFailed(f"grpo_environment={self.setting}: {at}: {what}")
 
-    def _start(self, index: int, prompt: Prompt) -> Episode:
+    def _start(self, index: int, prompt: Prompt, first_length: int) -> Episode:
         try:
             environment = self.factory(prompt.record)
         except ConfigError:
@@ -153,8 +186,24 @@ class Episodes:
             raise self._fail(index, None, f"the function returned {type(environment).__name__}, which has no "
                                           "step(reply) method")
         messages = [dict(m) for m in prompt.messages] or [{"role": "user", "content": prompt.text}]
-        return Episode(environment, self._tools(environment, index), messages, list(prompt.ids),
-                       [False] * len(prompt.ids), len(prompt.ids))
+        tools = self._tools(environment, index)
+        schemas = [tool_schema(name, function) for name, function in tools.items()] or None
+        ids = list(prompt.ids) if schemas is None else self._with_tools(messages, schemas, index, first_length)
+        return Episode(environment, tools, schemas, messages, ids, [False] * len(ids), len(ids))
+
+    def _with_tools(self, messages: list[dict[str, Any]], schemas: list[dict[str, Any]], index: int,
+                    first_length: int) -> list[int]:
+        """The prompt's ids rendered again with its tools listed, as the template lists them."""
+        try:
+            text = self.template.render(messages, add_generation_prompt=True, tools=schemas)
+        except TemplateError as e:
+            raise self._fail(index, None, f"chat_template {self.template.name} refused the tools "
+                                          f"({str(e)[:80]})") from None
+        ids = encode_rendered(text, self.tokenizer).tolist()
+        if len(ids) > first_length:
+            raise self._fail(index, None, f"the prompt with its tools listed is {len(ids)} tokens, more than "
+                                          f"grpo_max_prompt_length={first_length}")
+        return ids
 
     def _tools(self, environment: Any, index: int) -> dict[str, Callable[..., Any]]:
         tools = getattr(environment, "tools", None) or {}
@@ -186,7 +235,7 @@ class Episodes:
             return
         assistant = {"role": "assistant", "content": reply}
         closing = [] if stopped else [self.tokenizer.stop_ids[0]]  # a reply cut at grpo_max_new_tokens
-        glue = closing + self._glue(episode.messages + [assistant], answers, index, turn)
+        glue = closing + self._glue(episode.messages + [assistant], answers, episode.schemas, index, turn)
         if len(episode.tokens) + len(glue) + self.max_new_tokens > self.row_tokens:
             episode.ended = "length"
             return
@@ -231,12 +280,12 @@ class Episodes:
             return {"role": "tool", "name": name, "content": f"error: {rewards.describe(e)}"}
         return {"role": "tool", "name": name, "content": str(result)}
 
-    def _glue(self, conversation: list[dict[str, Any]], answers: list[dict[str, Any]], index: int,
-              turn: int) -> list[int]:
+    def _glue(self, conversation: list[dict[str, Any]], answers: list[dict[str, Any]],
+              schemas: list[dict[str, Any]] | None, index: int, turn: int) -> list[int]:
         """The tokens the chat template writes between the model's turn and its next one (module docstring)."""
         try:
-            upto = self.template.render(conversation)
-            after = self.template.render(conversation + answers, add_generation_prompt=True)
+            upto = self.template.render(conversation, tools=schemas)
+            after = self.template.render(conversation + answers, add_generation_prompt=True, tools=schemas)
         except TemplateError as e:
             raise self._fail(index, turn, f"chat_template {self.template.name} refused the conversation "
                                           f"({str(e)[:80]})") from None
