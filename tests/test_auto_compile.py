@@ -29,7 +29,7 @@ def _planned(order: tuple[str, ...]) -> dict[str, int]:
 
 
 def test_the_first_policy_whose_compile_fits_wins_and_the_pruned_one_is_not_compiled(cfg, monkeypatch):
-    order = fit.by_preference(cfg)
+    order = fit.by_preference(cfg, fit.peaks_by_policy(cfg))
     assert order[0] == "none" and order.index("full") < order.index("offload_full")  # on the device first
     monkeypatch.setattr(fit, "peaks_by_policy", lambda _: _planned(order))
     compiled = {order[1]: USABLE - 1, order[2]: USABLE // 3}  # the estimate was high for order[1]
@@ -39,7 +39,7 @@ def test_the_first_policy_whose_compile_fits_wins_and_the_pruned_one_is_not_comp
 
 
 def test_over_the_chip_moves_on_and_nothing_fitting_is_none(cfg, monkeypatch):
-    order = fit.by_preference(cfg)
+    order = fit.by_preference(cfg, fit.peaks_by_policy(cfg))
     monkeypatch.setattr(fit, "peaks_by_policy", lambda _: _planned(order))
     calls = []
     chosen, tried = auto_compile.choose(cfg, USABLE, lambda p: calls.append(p) or (None if p == order[1] else
@@ -55,3 +55,18 @@ def test_a_policy_chosen_keeps_the_request_and_plans_its_own_peak(cfg):
     assert cfg.memory_fit.requested == changed.memory_fit.requested == "auto"
     assert changed.remat_policy == changed.memory_fit.policy == "full"
     assert changed.memory_fit.planned_bytes == fit.planned_peak(changed, "full") != cfg.memory_fit.planned_bytes
+
+
+def test_of_policies_that_recompute_alike_the_smaller_plan_is_compiled_first():
+    """On XLA:CPU without a fused kernel, none and minimal re-run no matmul (equal cost): the one planned smaller
+    comes first, as the estimate's own pick takes it (`fit.cheapest`), so with room for every policy the first one
+    compiled is the estimate's pick, on any capacity that fits it."""
+    from tests.helpers import tiny_config
+
+    cfg = tiny_config("remat_policy=auto")
+    peaks = fit.peaks_by_policy(cfg)
+    order = fit.by_preference(cfg, peaks)
+    assert set(order[:2]) == {"none", "minimal"} and peaks[order[0]] < peaks[order[1]], (order, peaks)
+    for usable in (peaks[order[0]] * 1.01, max(peaks.values()) * 2):
+        capacity = fit.Capacity(int(usable / (1 - cfg.memory_headroom)) + 1, "test")
+        assert fit.decide(cfg, capacity).policy == order[0]

@@ -79,3 +79,20 @@ def test_a_plan_far_over_still_refuses_before_compiling():
         loading.check_memory(cfg, fit.Capacity(int(planned / (1 + fit.PLAN_ERROR) / 0.9 * 0.95), "test"))
     slightly_over = fit.Capacity(int(planned / 0.9 / 1.05), "test")  # 5% over: left to the compiled step
     assert loading.check_memory(cfg, slightly_over).memory_fit.fits is False
+
+
+def test_auto_compiles_a_policy_the_plan_put_just_over_and_takes_it_when_it_fits(monkeypatch, tmp_path, capsys):
+    """Compiles decide, in the trainer as in `maxshard.plan` (run/auto_compile.py): a plan that puts the two
+    policies that re-run nothing just over the usable memory (within its error) picks a costlier one, but the
+    trainer compiles those first and runs the first that fits; its record keeps the request."""
+    usable = 0.9e9  # device_memory_gb=1 less the 10% headroom
+    over = int(usable * (1 + fit.PLAN_ERROR / 2))
+    monkeypatch.setattr(fit, "_planned", lambda cfg: ({p: over if p in ("none", "minimal") else 1 for p in NAMES},
+                                                      dict.fromkeys(NAMES, 0)))
+    argv = [BASE, *RUN, "remat_policy=auto", "device_memory_gb=1", f"base_output_directory={tmp_path}"]
+    assert train.main(argv) == 0
+    out = capsys.readouterr().out
+    estimated = out.split("remat: auto -> ")[1].split(",")[0]
+    assert estimated not in ("none", "minimal"), out
+    assert "compiled the train step in " in out and "(remat_policy=none): peak" in out, out
+    assert "compiling remat_policy=" not in out  # none, the first compiled, fits

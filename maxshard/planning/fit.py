@@ -187,10 +187,12 @@ def _candidates(cfg: Config) -> tuple[str, ...]:
     return memory.policies(memory.compiler(cfg))
 
 
-def by_preference(cfg: Config) -> tuple[str, ...]:
+def by_preference(cfg: Config, peaks: Mapping[str, int]) -> tuple[str, ...]:
     """The policies `auto` chooses from in the order it prefers them (`_cost`: on the device first, then the fewest
-    FLOPs re-run; of equal cost, more device memory first)."""
-    return tuple(sorted(_candidates(cfg), key=_cost(cfg)))
+    FLOPs re-run; of equal cost, the smaller planned peak in `peaks`, as `cheapest` picks), the order in which
+    compiles decide (`run/auto_compile.py`)."""
+    cost = _cost(cfg)
+    return tuple(sorted(_candidates(cfg), key=lambda policy: (cost(policy), peaks[policy])))
 
 
 def decide(cfg: Config, capacity: Capacity, strict: bool = True) -> MemoryFit:

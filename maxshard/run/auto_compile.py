@@ -1,10 +1,11 @@
-"""`remat_policy: auto` decided by compiles, where the target's compiler is installed (`maxshard.plan`): the
-estimate ranks the policies in auto's order of preference (`fit.by_preference`: on the device first, then the fewest
-FLOPs re-run) and prunes those planned beyond what a compile could overturn (over the usable memory by more than
-`fit.PLAN_ERROR`); the others are compiled in that order and the first whose compiled peak fits is the answer. The
-estimate's own pick is one of them, so a plan whose estimate is conservative for a compiler release gets the policy
-with less recomputation that the compile shows fitting, and one whose estimate is low gets the next that compiles
-within the chip.
+"""`remat_policy: auto` decided by compiles, by the planner where the target's compiler is installed
+(`maxshard.plan`) and by the trainer before its first step (`run/compile_check.py`) alike: the estimate ranks the
+policies in auto's order of preference (`fit.by_preference`: on the device first, then the fewest FLOPs re-run,
+then the smaller planned peak) and prunes those planned beyond what a compile could overturn (over the usable
+memory by more than `fit.PLAN_ERROR`); the others are compiled in that order and the first whose compiled peak fits
+is the answer. The estimate's own pick is one of them, so a plan whose estimate is conservative for a compiler
+release gets the policy with less recomputation that the compile shows fitting, and one whose estimate is low gets
+the next that compiles within the chip.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def choose(cfg: Config, usable: int, compile_peak: Callable[[str], int | None]) 
     estimate plans over `usable` by more than PLAN_ERROR is not compiled."""
     planned, bound = fit.peaks_by_policy(cfg), usable * (1 + fit.PLAN_ERROR)
     tried = []
-    for policy in fit.by_preference(cfg):
+    for policy in fit.by_preference(cfg, planned):
         if planned[policy] > bound:
             continue
         tried.append(Tried(policy, compile_peak(policy)))

@@ -7,9 +7,12 @@ compiled vs allocator peak, and their cost"). The compiled program's `memory_ana
 outputs - donated, `planning/compiled.peak_bytes`; on a GPU equal to the allocator's peak, the same section) is
 exact, and the step compiles anyway, so it has the last word:
 
-    remat_policy: auto   the plan's choice is compiled; if its peak exceeds the usable memory, the next policy with
-                         less memory (planning/memory.policies, as the compiler runs them) is compiled instead,
-                         until one fits
+    remat_policy: auto   the policies are compiled in auto's order of preference (`fit.by_preference`: on the
+                         device first, then the fewest FLOPs re-run, then the smaller planned peak), skipping those
+                         the plan puts beyond what a compile could overturn, until one fits
+                         (`run/auto_compile.py`, the same decision `maxshard.plan` makes for a target). The plan's
+                         own choice is among them; a policy it prefers but plans just over the usable memory
+                         (within its error) is compiled first, one compile more where the plan was right
     an explicit policy   used as given when its compiled peak fits; otherwise one error line (exit 2) with the
                          compiled peak, before the first step
 
@@ -28,7 +31,7 @@ from jax.sharding import NamedSharding
 from maxshard.config import Config
 from maxshard.errors import ConfigError
 from maxshard.planning import memory
-from maxshard.run.auto_compile import with_policy
+from maxshard.run.auto_compile import choose, with_policy
 from maxshard.planning.compiled import abstract_inputs, peak_bytes
 from maxshard.training.step import Trainer
 from maxshard.units import format_bytes
@@ -56,20 +59,43 @@ class CompiledStep:
 
 
 def compile_step(trainer: Trainer, batch_sharding: NamedSharding) -> CompiledStep:
-    """The train step compiled for `trainer`'s policy, or for the first policy after it that fits (auto)."""
+    """The train step compiled for `trainer`'s policy; under `auto`, for the first policy in auto's order whose
+    compile fits (`auto_compile.choose`, as `maxshard.plan` decides it for a target)."""
     started = time.perf_counter()
-    requested = trainer.cfg.memory_fit.requested if trainer.cfg.memory_fit is not None else trainer.cfg.remat_policy
-    while True:
+    cfg = trainer.cfg
+    usable = cfg.memory_fit.usable_bytes if cfg.memory_fit is not None else None
+    if usable is None or cfg.memory_fit.requested != "auto":
         step, peak = _compiled(trainer, batch_sharding)
-        usable = trainer.cfg.memory_fit.usable_bytes if trainer.cfg.memory_fit is not None else None
-        if peak is None or usable is None or peak <= usable:
-            return CompiledStep(trainer, step, peak, time.perf_counter() - started)
-        following = _next_policy(trainer.cfg)
-        if requested != "auto" or following is None:
-            raise ConfigError(_refusal(trainer.cfg, peak, usable))
-        print(f"remat_policy={trainer.cfg.remat_policy} compiled to a peak of {format_bytes(peak)} per device, over "
-              f"the {format_bytes(usable)} usable; compiling remat_policy={following} instead", flush=True)
-        trainer = Trainer(with_policy(trainer.cfg, following), trainer.mesh)
+        if peak is not None and usable is not None and peak > usable:
+            raise ConfigError(_refusal(cfg, peak, usable))
+        return CompiledStep(trainer, step, peak, time.perf_counter() - started)
+    return _compile_auto(trainer, batch_sharding, usable, started)
+
+
+def _compile_auto(trainer: Trainer, batch_sharding: NamedSharding, usable: int, started: float) -> CompiledStep:
+    """`auto` decided by compiles: each policy compiled in auto's order until one fits, a line for each that did
+    not; where the backend has no memory analysis, the first compiled is used unchecked. ConfigError (one line)
+    when none fits."""
+    compiled: list[tuple[Trainer, Any, int | None]] = []
+
+    def compile_peak(policy: str) -> int | None:
+        if compiled:
+            last, _, peak = compiled[-1]
+            print(f"remat_policy={last.cfg.remat_policy} compiled to a peak of {format_bytes(peak)} per device, over "
+                  f"the {format_bytes(usable)} usable; compiling remat_policy={policy} instead", flush=True)
+        candidate = Trainer(with_policy(trainer.cfg, policy), trainer.mesh)
+        compiled.append((candidate, *_compiled(candidate, batch_sharding)))
+        peak = compiled[-1][2]
+        return usable if peak is None else peak  # no memory analysis: nothing to check it against
+
+    chosen, _ = choose(trainer.cfg, usable, compile_peak)
+    if chosen is None:
+        if not compiled:  # every policy planned beyond what a compile could overturn (loading.check_memory refuses)
+            raise ConfigError(f"remat_policy=auto: every policy is planned over the {format_bytes(usable)} usable")
+        last, _, peak = compiled[-1]
+        raise ConfigError(_refusal(last.cfg, peak, usable, auto=True))
+    candidate, step, peak = compiled[-1]
+    return CompiledStep(candidate, step, peak, time.perf_counter() - started)
 
 
 def _compiled(trainer: Trainer, batch_sharding: NamedSharding) -> tuple[Any, int | None]:
@@ -91,8 +117,10 @@ def _next_policy(cfg: Config) -> str | None:
     return order[position + 1] if position + 1 < len(order) else None
 
 
-def _refusal(cfg: Config, peak: int, usable: int) -> str:
-    following = _next_policy(cfg)
+def _refusal(cfg: Config, peak: int, usable: int, auto: bool = False) -> str:
+    """The one line for a compiled step over the usable memory: `cfg`'s policy as given, or the last `auto`
+    compiled."""
+    following = None if auto else _next_policy(cfg)
     advice = (f"try remat_policy={following} or auto" if following is not None else
               "shard more (ici_fsdp_parallelism, ici_tensor_parallelism) or lower per_device_batch_size")
     return (f"remat_policy={cfg.remat_policy} compiles to a peak of {format_bytes(peak)} per device (XLA's memory "
