@@ -4,6 +4,7 @@ roofline step time.
     python -m maxshard.plan configs/base.yml model_name=8b per_device_batch_size=4 --topology v6e-256
     python -m maxshard.plan configs/base.yml model_name=1b max_target_length=8192 --topology h200-141gb-8
     python -m maxshard.plan configs/base.yml model_name=8b --topology v5p-1024 --num-slices 4 --estimate
+    python -m maxshard.plan configs/base.yml --topology cpu-8      # this machine, as cpu_device_count=8 runs
 
 The config is validated as the launcher validates it for the target (`maxshard.launch.xpk`): the device count,
 device kind and host count of `--topology` x `--num-slices` (TPU slices, or GPU nodes), `num_slices` set to match.
@@ -13,10 +14,12 @@ traffic.py): per-device memory, the collectives of a step per mesh axis, the bub
 The answer to "does it fit" is the compiler's wherever the target's compiler is installed on this machine: the
 run's fresh-run init and train step are compiled ahead of time for the target, with no accelerator, XLA:TPU through
 libtpu for a TPU slice (`pip install -e ".[tpu-aot]"`; `maxshard/planning/tpu_compile.py`), XLA:GPU through JAX's
-CUDA plugin for a GPU node (`pip install -e ".[gpu-aot]"`; `maxshard/planning/gpu_compile.py`). It prints the train
-step's peak per device (`planning/compiled.peak_bytes`, the one definition the trainer's compile check uses) split
-into parameters, optimizer state, batch (their shards' exact bytes), XLA's temporaries and the rest, against the
-usable memory (HBM less `memory_headroom`, what the trainer checks the compiled step against on the target); the
+CUDA plugin for a GPU node (`pip install -e ".[gpu-aot]"`; `maxshard/planning/gpu_compile.py`), XLA:CPU (always
+installed) for `cpu-N`, N simulated CPU devices of this machine (`maxshard/planning/cpu_compile.py`). It prints
+the train step's peak per device (`planning/compiled.peak_bytes`, the one definition the trainer's compile check
+uses) split into parameters, optimizer state, batch (their shards' exact bytes), XLA's temporaries and the rest,
+against the usable memory (HBM, or on cpu-N a device's share of the host's available memory, less
+`memory_headroom`: what the trainer checks the compiled step against on the target); the
 last line is the verdict, `compiled: yes, fits ...` or `compiled: no, ...` with exit code 1, also when XLA:TPU
 finds a program over the chip (one line, XLA's own figures). This takes the compile's time (minutes for a large
 model: benchmarks/README.md); `--estimate` gives the formula's answer in seconds. Under `remat_policy: auto` the
@@ -66,7 +69,7 @@ from maxshard.launch import topologies
 from maxshard.planning import fit
 from maxshard.planning.estimate import Plan, make_plan
 from maxshard.planning.printout import estimate_notice, format_compiled, format_plan, plan_json
-from maxshard.planning import gpu_compile, tpu_compile
+from maxshard.planning import cpu_compile, gpu_compile, tpu_compile
 from maxshard.run import auto_compile
 from maxshard.planning.tpu_compile import CompiledRun, TpuOutOfMemory, compile_run, compile_step
 from maxshard.run import search
@@ -81,8 +84,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # sweep file
 
 
 def plan_for(config_argv: Sequence[str], topology: str, num_slices: int = 1) -> Plan:
-    """The plan of a config on `num_slices` x `topology`; ConfigError (one line) for any mistake."""
-    target = topologies.parse(topology, num_slices)
+    """The plan of a config on `num_slices` x `topology`; ConfigError (one line) for any mistake. A cpu-N target's
+    devices are made first, before the plan starts JAX's backend (`planning/cpu_compile.py`)."""
+    target = topologies.parse(topology, num_slices, cpu=True)
+    if target.accelerator == "cpu":
+        cpu_compile.abstract_devices(target)
     return make_plan(load_for_target(config_argv, target), target)
 
 
@@ -90,7 +96,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("config", help="a YAML config, e.g. configs/base.yml")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, as for maxshard.train")
-    parser.add_argument("--topology", required=True, help="XPK device type: v5p-1024, v6e-256, h100-80gb-8, ...")
+    parser.add_argument("--topology", required=True, help="XPK device type: v5p-1024, v6e-256, h100-80gb-8, ...; "
+                        "or cpu-N, N simulated CPU devices here")
     parser.add_argument("--num-slices", type=int, default=1, help="TPU slices or GPU nodes (default 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     parser.add_argument("--compile", action="store_true", help="compile init and train step for the target, or "
@@ -124,7 +131,10 @@ def _search(args: argparse.Namespace, raw_argv: Sequence[str]) -> int:
     if args.top < 1:
         raise ConfigError(f"--top must be >= 1, got {args.top}")
     argv = [args.config, *args.overrides]
-    target = topologies.parse(args.topology, args.num_slices)
+    target = topologies.parse(args.topology, args.num_slices, cpu=True)
+    if target.accelerator == "cpu":
+        raise ConfigError(f"--search ranks layouts by their roofline step time, and {target.name} has no peak "
+                          "FLOP/s or link figures to price one; plan each layout without --search")
     compiler = _compiler(target, asked=True) if args.compile else None  # no compiler: one line before the search
     progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     result = search.search(argv, target, args.headroom, args.max_candidates, progress=progress)
@@ -245,9 +255,14 @@ class _NoCompiler:
     exact: str | None  # for a person: what gives the compiler's answer (None: the reason says it)
 
 
+# what compiles for each accelerator, and its names for a person: (module, who builds the devices, the XLA backend)
+_COMPILERS = {"tpu": (tpu_compile, "libtpu", "XLA:TPU"), "gpu": (gpu_compile, "JAX's CUDA plugin", "XLA:GPU"),
+              "cpu": (cpu_compile, "jaxlib", "XLA:CPU")}
+
+
 def _module(target: topologies.Target):  # noqa: ANN202 (a module)
-    """The module that compiles for the target's accelerator: planning/gpu_compile.py or planning/tpu_compile.py."""
-    return gpu_compile if target.accelerator == "gpu" else tpu_compile
+    """The module that compiles for the target's accelerator: planning/{tpu,gpu,cpu}_compile.py."""
+    return _COMPILERS[target.accelerator][0]
 
 
 def _after_install(command: str) -> str:
@@ -257,8 +272,7 @@ def _after_install(command: str) -> str:
 def _compiler(target: topologies.Target, asked: bool) -> _Compiler | _NoCompiler:
     """The target's compiler: libtpu's devices for a TPU slice, JAX's CUDA plugin's for a GPU node. Where it is not
     installed or cannot describe the target: ConfigError (one line) when `--compile` asked for it, else why not."""
-    module = _module(target)
-    name, xla = ("JAX's CUDA plugin", "XLA:GPU") if module is gpu_compile else ("libtpu", "XLA:TPU")
+    module, name, xla = _COMPILERS[target.accelerator]
     missing = module.missing()
     if missing is not None and not asked:
         return _NoCompiler(f"{missing}, which is not installed here", module.INSTALL, _after_install(module.INSTALL))
@@ -326,8 +340,9 @@ def _compiled(plan: Plan, as_json: bool, compiler: _Compiler, asked: bool) -> in
     print("\n".join(format_compiled(plan, run, compiler.xla, usable, source)))
     verdict = "yes, fits" if fits else "no, does NOT fit"
     refused = "" if fits else f"; the trainer's compile check would not run remat_policy={plan.cfg.remat_policy}"
+    memory, which = _device_memory(plan)
     print(f"compiled: {verdict} the {format_bytes(usable)} usable ({source}): the train step needs "
-          f"{run.step_peak / plan.link.hbm:.0%} of {format_bytes(plan.link.hbm)} HBM{refused}")
+          f"{run.step_peak / memory:.0%} of {format_bytes(memory)} {which}{refused}")
     return 0 if fits else 1
 
 
@@ -369,12 +384,21 @@ def _compile_deciding(plan: Plan, compiler: _Compiler, as_json: bool) -> tuple[P
     return make_plan(auto_compile.with_policy(plan.cfg, chosen), plan.target), outcomes[chosen]
 
 
+def _device_memory(plan: Plan) -> tuple[float, str]:
+    """(bytes, what they are) of one device's memory on the target: the chip's HBM, or a cpu-N device's share of
+    this host's available memory."""
+    if plan.link is not None:
+        return plan.link.hbm, "HBM"
+    return target_capacity(plan.cfg, plan.target).bytes, "host memory share"
+
+
 def _usable(plan: Plan) -> tuple[int, str]:
     """(bytes, where they come from) of the memory the trainer lets a compiled step use on the target: HBM less
     `memory_headroom`, as `maxshard/run/compile_check.py` checks it before the first step."""
     memory_fit = plan.cfg.memory_fit
     if memory_fit is None:
-        return plan.link.hbm, f"{plan.target.name} HBM"
+        memory, which = _device_memory(plan)
+        return int(memory), f"{plan.target.name} {which}"
     return memory_fit.usable_bytes, f"{memory_fit.capacity_source}, memory_headroom={plan.cfg.memory_headroom:g}"
 
 

@@ -477,6 +477,66 @@ def test_the_plans_peak_is_the_trainers_compiled_step(tiny_on_v5e: dict) -> None
     assert checked.peak_bytes == tiny_on_v5e["run"].step_peak
 
 
+# ------------------------------------------------------------------------- a CPU mesh: this machine's devices
+
+CPU_RUN = ("configs/base.yml", "dataset_type=synthetic", "emb_dim=64", "num_layers=2", "num_heads=4",
+           "num_kv_heads=4", "head_dim=16", "mlp_dim=256", "max_target_length=64", "per_device_batch_size=2",
+           "steps=1", "eval_period=0", "enable_checkpointing=false", "enable_tensorboard=false")
+
+
+def _cpu_plan(capsys: pytest.CaptureFixture[str], *overrides: str) -> dict:
+    """`maxshard.plan CPU_RUN overrides --topology cpu-8 --json`, as a user runs it: its printed object."""
+    assert _plan_tool().main([*CPU_RUN, *overrides, "--topology", "cpu-8", "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _trained_policy_and_peak(tmp_path: Path, capsys: pytest.CaptureFixture[str], *overrides: str) -> tuple[str, int]:
+    """One step of CPU_RUN through `maxshard.train` on this process's 8 devices: the remat policy its compile check
+    chose (its console line) and the compiled peak it recorded."""
+    from maxshard import train
+
+    assert train.main([*CPU_RUN, *overrides, f"base_output_directory={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if line.startswith("compiled the train step in "))
+    records = [json.loads(line) for line in (tmp_path / "default" / "metrics.jsonl").read_text().splitlines()]
+    peak = next(r["memory/compiled_peak_bytes"] for r in records if "memory/compiled_peak_bytes" in r)
+    return line.split("(remat_policy=")[1].split(")")[0], peak
+
+
+def test_a_cpu_mesh_plan_is_the_step_the_trainer_compiles(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """cpu-8 plans the run `cpu_device_count=8` trains here, by compile (XLA:CPU is always installed): remat auto
+    chooses what the trainer's compile check chooses, and the plan's peak is the compiled peak the trainer records,
+    to the byte. Twice: with the host's memory (XLA:CPU ties none and minimal in recomputation, and both take the
+    smaller), and with the usable memory set just under that policy's compiled peak (both fall back alike)."""
+    ample = _cpu_plan(capsys, "remat_policy=auto")
+    assert ample["answer"] == "compiled" and ample["target"] == "cpu-8" and ample["mesh"]["fsdp"] == 8
+    assert ample["compiled"]["fits"]
+    tight = f"device_memory_gb={(ample['compiled']['step_peak'] - 1000) / 0.9 / 1e9:.12f}"
+    fallen = _cpu_plan(capsys, "remat_policy=auto", tight)
+    assert fallen["remat_policy"] != ample["remat_policy"] and fallen["compiled"]["fits"]
+    for planned, overrides in ((ample, ()), (fallen, (tight,))):
+        trained = _trained_policy_and_peak(tmp_path / str(len(overrides)), capsys, "remat_policy=auto", *overrides)
+        assert trained == (planned["remat_policy"], planned["compiled"]["step_peak"])
+
+
+def test_a_cpu_mesh_target_is_refused_where_it_cannot_mean_this_machine(capsys: pytest.CaptureFixture[str]) -> None:
+    """One line each: a cpu_device_count that is not the target's, a search (no peak FLOP/s to rank by), several
+    slices; and XPK, which submits to clusters, does not take cpu-N."""
+    from maxshard.errors import ConfigError
+    from maxshard.launch import topologies
+
+    tool = _plan_tool()
+    for extra, words in ((["cpu_device_count=4"], "cpu_device_count=4 does not match the target's 8 devices"),
+                         (["--search"], "--search ranks layouts by their roofline step time"),
+                         (["--num-slices", "2"], "--num-slices=2: cpu-N is one process's simulated devices")):
+        assert tool.main([*CPU_RUN, *extra, "--topology", "cpu-8"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("plan: error: ") and words in err[0], err
+    with pytest.raises(ConfigError, match="unknown device type 'cpu-8'"):
+        topologies.parse("cpu-8")
+    assert "cpu-N" not in topologies.accepted_forms() and "cpu-N" in topologies.accepted_forms(cpu=True)
+
+
 def _faked_run(step_peak: int):
     """A compiled run with these peaks, for the verdict's tests (nothing compiled)."""
     from maxshard.planning.compiled import StepMemory

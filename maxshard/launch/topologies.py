@@ -12,6 +12,9 @@ TPU names count differently per generation, as Cloud TPU and XPK spell them:
                              machine types), larger slices use hosts of 4 chips: v5litepod-16 = 4 hosts
 
 A GPU "slice" is one node of 8 GPUs; `--num-slices` then counts nodes, and each node is one JAX process.
+
+The planner also takes `cpu-N` (`parse(..., cpu=True)`): N simulated CPU devices on this machine, as the trainer
+runs with `cpu_device_count=N`. No launcher submits it; it plans the run a laptop simulates, compiled by XLA:CPU.
 """
 
 from __future__ import annotations
@@ -65,8 +68,8 @@ GPU_TYPES: dict[str, GpuType] = {
 class Target:
     """`num_slices` slices (TPU) or nodes (GPU) of one device type, as the trainer will see them."""
 
-    name: str  # XPK's --device-type value
-    accelerator: Literal["tpu", "gpu"]
+    name: str  # XPK's --device-type value (cpu-N: this machine's simulated devices)
+    accelerator: Literal["tpu", "gpu", "cpu"]
     device_kind: str
     chips_per_slice: int
     hosts_per_slice: int
@@ -86,27 +89,39 @@ class Target:
         return self.hosts_per_slice * self.num_slices
 
 
-def accepted_forms() -> str:
-    """The accepted device types, for error messages."""
+def accepted_forms(cpu: bool = False) -> str:
+    """The accepted device types, for error messages (`cpu`: the planner's cpu-N too)."""
     tpu = ", ".join(
         f"{'/'.join(n + '-N' for n in f.names)} ({'N cores' if f.cores_per_unit > 1 else 'N chips'}: "
         f"{', '.join(map(str, f.sizes)) if f.sizes else 'a multiple of 8'})"
         for f in TPU_FAMILIES
     )
-    return f"{tpu}; GPU nodes: {', '.join(GPU_TYPES)}"
+    local = "; cpu-N (N simulated CPU devices on this machine)" if cpu else ""
+    return f"{tpu}; GPU nodes: {', '.join(GPU_TYPES)}{local}"
 
 
-def _tpu(family: TpuFamily, n: int, num_slices: int, text: str) -> Target:
+def _tpu(family: TpuFamily, n: int, num_slices: int, text: str, cpu: bool) -> Target:
     valid = n in family.sizes if family.sizes else n >= 8 and n % 8 == 0
     if not valid:
-        raise ConfigError(f"device type {text!r}: N={n} is not a {family.names[0]} slice size; {accepted_forms()}")
+        raise ConfigError(f"device type {text!r}: N={n} is not a {family.names[0]} slice size; "
+                          f"{accepted_forms(cpu)}")
     chips = n // family.cores_per_unit
     hosts = 1 if chips <= family.one_host_up_to else chips // family.chips_per_host
     return Target(f"{family.names[0]}-{n}", "tpu", family.device_kind, chips, hosts, num_slices)
 
 
-def parse(device_type: str, num_slices: int = 1) -> Target:
-    """'v5p-256', 2 -> Target(128 chips and 32 hosts per slice, 2 slices); ConfigError listing accepted forms."""
+def _cpu(n: int, num_slices: int, text: str) -> Target:
+    """N simulated CPU devices of one process: one host, one slice (simulated devices have no slices to span)."""
+    if n < 1:
+        raise ConfigError(f"device type {text!r}: cpu-N needs N >= 1 simulated devices")
+    if num_slices != 1:
+        raise ConfigError(f"--num-slices={num_slices}: cpu-N is one process's simulated devices, one slice")
+    return Target(f"cpu-{n}", "cpu", "cpu", n, 1, 1)
+
+
+def parse(device_type: str, num_slices: int = 1, cpu: bool = False) -> Target:
+    """'v5p-256', 2 -> Target(128 chips and 32 hosts per slice, 2 slices); with `cpu` (the planner) also 'cpu-8';
+    ConfigError listing accepted forms."""
     if num_slices < 1:
         raise ConfigError(f"--num-slices must be >= 1, got {num_slices}")
     text = device_type.strip().lower()
@@ -114,8 +129,10 @@ def parse(device_type: str, num_slices: int = 1) -> Target:
         gpu = GPU_TYPES[text]
         return Target(text, "gpu", gpu.device_kind, gpu.gpus_per_node, 1, num_slices)
     match = re.fullmatch(r"([a-z0-9]+)-(\d+)", text)
+    if match and cpu and match.group(1) == "cpu":
+        return _cpu(int(match.group(2)), num_slices, device_type)
     if match:
         for family in TPU_FAMILIES:
             if match.group(1) in family.names:
-                return _tpu(family, int(match.group(2)), num_slices, device_type)
-    raise ConfigError(f"unknown device type {device_type!r}; accepted: {accepted_forms()}")
+                return _tpu(family, int(match.group(2)), num_slices, device_type, cpu)
+    raise ConfigError(f"unknown device type {device_type!r}; accepted: {accepted_forms(cpu)}")

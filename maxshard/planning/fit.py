@@ -49,8 +49,8 @@ from maxshard.spec import remat
 from maxshard.planning import estimate, memory
 from maxshard.units import format_bytes
 
-__all__ = ["Capacity", "by_preference", "cheapest", "configured_capacity", "local_capacity", "peaks_by_policy", "planned_peak",
-           "decide", "usable", "verdict", "check_host_memory", "host_by_policy"]
+__all__ = ["Capacity", "by_preference", "cheapest", "configured_capacity", "host_share", "local_capacity",
+           "peaks_by_policy", "planned_peak", "decide", "usable", "verdict", "check_host_memory", "host_by_policy"]
 
 _GB = 1e9
 # How far over the usable memory a plan may be before it alone refuses a policy: the bound within which the planner
@@ -98,12 +98,18 @@ def local_capacity(cfg: Config) -> Capacity:
         return configured
     devices = jax.local_devices()
     stats = devices[0].memory_stats() if devices[0].platform != "cpu" else None
-    available = _host_available()
-    per_device = _agreed(available // len(devices))
     if stats and stats.get("bytes_limit"):  # an accelerator: the host's memory is what offloading may use
-        return Capacity(_agreed(int(stats["bytes_limit"])), f"{devices[0].device_kind} allocator limit", per_device)
-    shared = f" / {len(devices)} devices" if len(devices) > 1 else ""
-    return Capacity(per_device, f"host available memory {format_bytes(available)}{shared}")
+        return Capacity(_agreed(int(stats["bytes_limit"])), f"{devices[0].device_kind} allocator limit",
+                        _agreed(_host_available() // len(devices)))
+    return host_share(len(devices))
+
+
+def host_share(devices: int) -> Capacity:
+    """One of `devices` CPU devices' memory: this host's available memory shared by them, the smallest share of any
+    process (the capacity of a CPU run, and of the planner's cpu-N target)."""
+    available = _host_available()
+    shared = f" / {devices} devices" if devices > 1 else ""
+    return Capacity(_agreed(available // devices), f"host available memory {format_bytes(available)}{shared}")
 
 
 def usable(cfg: Config, capacity: Capacity) -> int:

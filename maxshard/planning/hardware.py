@@ -21,8 +21,9 @@ import os
 
 from maxshard import devices
 from maxshard.errors import ConfigError
+from maxshard.launch.topologies import Target
 
-__all__ = ["Interconnect", "interconnect", "device_memory", "JAX_GPU_FRACTION"]
+__all__ = ["Interconnect", "interconnect", "target_link", "device_memory", "JAX_GPU_FRACTION"]
 
 JAX_GPU_FRACTION = 0.75  # the share of a GPU's memory JAX's allocator takes unless XLA_PYTHON_CLIENT_MEM_FRACTION says
 
@@ -51,6 +52,14 @@ def interconnect(device_type: str) -> Interconnect:
         known = ", ".join(node.names[0] for _, node in devices.nodes())
         raise ConfigError(f"no interconnect figures for device type {device_type!r}; known: {known}")
     return _figures(*found)
+
+
+def target_link(target: Target | None) -> Interconnect | None:
+    """The figures of `target`'s devices; None for no target or for this machine's simulated CPU devices (cpu-N),
+    which have no datasheet: their memory is the host's (`planning/fit.host_share`), their links memory copies."""
+    if target is None or target.accelerator == "cpu":
+        return None
+    return interconnect(target.name)
 
 
 def device_memory(device_type: str) -> tuple[float, str]:

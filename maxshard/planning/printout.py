@@ -45,7 +45,9 @@ def _count(n: int) -> str:
 def _header(plan: Plan) -> list[str]:
     cfg, t = plan.cfg, plan.target
     where = "no target (memory and bytes only)"
-    if t is not None:
+    if t is not None and t.accelerator == "cpu":
+        where = f"{t.name} = {_plural(t.num_devices, 'simulated CPU device')} of this machine (cpu_device_count)"
+    elif t is not None:
         unit = "slice" if t.accelerator == "tpu" else "node"
         where = (f"{t.name} x {_plural(t.num_slices, unit)} = {t.num_devices} devices ({t.device_kind!r}, "
                  f"{t.chips_per_slice} per {unit}, {_plural(t.num_hosts, 'host')})")
