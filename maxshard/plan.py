@@ -32,7 +32,9 @@ estimate, how close the formulas are checked to be (`fit.PLAN_ERROR`), and the o
 answer; the last line is the formula verdict against the same usable memory: `fit: yes, <planned> of <usable>
 (<policy>)`, or `fit: no, <by how much> ...; <what would fit>` with exit code 1. `--compile` insists on the compile:
 without the target's compiler it is one error line. A configuration mistake prints one line, `plan: error: ...`, and
-exits 2. `--json` prints one object: the plan, `answer` ("compiled" or "estimate") and the verdict's figures.
+exits 2. `--json` prints one object: the plan, `answer` ("compiled" or "estimate") and the verdict's figures;
+under `remat_policy: auto`, `compiled.auto` is the trail of the compiles that decided (each policy in order, its
+peak and whether it fit; the estimate's choice and the compile's).
 
 `--search` asks that question for every sensible layout instead (`maxshard/run/search.py`: mesh knobs,
 remat_policy, pipeline microbatches; never the model or the global batch), by the formulas: it keeps those whose
@@ -318,7 +320,7 @@ def _compiled(plan: Plan, as_json: bool, compiler: _Compiler, asked: bool) -> in
     if not as_json:
         print(format_plan(plan), flush=True)
     try:
-        plan, run = _compile_deciding(plan, compiler, as_json)
+        plan, run, trail = _compile_deciding(plan, compiler, as_json)
     except TpuOutOfMemory as e:
         print(json.dumps({**plan_json(plan), "answer": "compiled", "compiled": {"fits": False, "error": str(e)}})
               if as_json else f"compiled: no, {e}")
@@ -334,8 +336,9 @@ def _compiled(plan: Plan, as_json: bool, compiler: _Compiler, asked: bool) -> in
     usable, source = _usable(plan)
     fits = run.step_peak <= usable
     if as_json:
+        auto = {} if trail is None else {"auto": trail}
         print(json.dumps({**plan_json(plan), "answer": "compiled",
-                          "compiled": {"fits": fits, "usable_bytes": usable, **run.as_json()}}))
+                          "compiled": {"fits": fits, "usable_bytes": usable, **run.as_json(), **auto}}))
         return 0 if fits else 1
     print("\n".join(format_compiled(plan, run, compiler.xla, usable, source)))
     verdict = "yes, fits" if fits else "no, does NOT fit"
@@ -346,15 +349,19 @@ def _compiled(plan: Plan, as_json: bool, compiler: _Compiler, asked: bool) -> in
     return 0 if fits else 1
 
 
-def _compile_deciding(plan: Plan, compiler: _Compiler, as_json: bool) -> tuple[Plan, CompiledRun]:
-    """(the plan of the policy the compile decides on, its compiled run). `remat_policy: auto` compiles the
-    policies the estimate does not rule out in auto's order and takes the first that fits (run/auto_compile.py),
-    a line for each that did not; another policy, or none left to compile, is compiled as planned. TpuOutOfMemory
-    where the last compiled is over the chip."""
+def _compile_deciding(plan: Plan, compiler: _Compiler,
+                      as_json: bool) -> tuple[Plan, CompiledRun, dict | None]:
+    """(the plan of the policy the compile decides on, its compiled run, auto's trail). `remat_policy: auto`
+    compiles the policies the estimate does not rule out in auto's order and takes the first that fits
+    (run/auto_compile.py), a line for each that did not; the trail (for --json, None without auto) holds the
+    estimate's choice, the compile's (None: none fits) and each policy compiled in order with its train step's peak
+    (None and XLA's line where it is over the chip). Another policy, or none left to compile, is compiled as
+    planned. TpuOutOfMemory where the last compiled is over the chip."""
     progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     fit_record, (usable, _) = plan.cfg.memory_fit, _usable(plan)
     if fit_record is None or fit_record.requested != "auto":
-        return plan, compile_run(plan.cfg, plan.target, compiler.devices, progress=progress, compiler=compiler.name)
+        return plan, compile_run(plan.cfg, plan.target, compiler.devices, progress=progress,
+                                 compiler=compiler.name), None
     outcomes: dict[str, CompiledRun | TpuOutOfMemory] = {}
 
     def compile_peak(policy: str) -> int | None:
@@ -367,6 +374,9 @@ def _compile_deciding(plan: Plan, compiler: _Compiler, as_json: bool) -> tuple[P
         return outcomes[policy].step_peak
 
     chosen, tried = auto_compile.choose(plan.cfg, usable, compile_peak)
+    trail = {"estimate_chose": plan.cfg.remat_policy, "chose": chosen,
+             "compiled": [{"policy": t.policy, "step_peak": t.peak, "fits": t.fits(usable),
+                           "error": str(outcomes[t.policy]) if t.peak is None else None} for t in tried]}
     for t in tried[:-1] if chosen is not None else tried:
         over = (f"over the chip ({outcomes[t.policy]})" if t.peak is None else
                 f"{format_bytes(t.peak)} per device, over the {format_bytes(usable)} usable")
@@ -377,11 +387,11 @@ def _compile_deciding(plan: Plan, compiler: _Compiler, as_json: bool) -> tuple[P
                                                                      progress=progress, compiler=compiler.name)
         if isinstance(last, TpuOutOfMemory):
             raise last
-        return plan, last
+        return plan, last, trail
     if not as_json:
         print(f"remat_policy: auto chose {chosen} by compile ({len(tried)} compiled; the estimate chose "
               f"{plan.cfg.remat_policy})")
-    return make_plan(auto_compile.with_policy(plan.cfg, chosen), plan.target), outcomes[chosen]
+    return make_plan(auto_compile.with_policy(plan.cfg, chosen), plan.target), outcomes[chosen], trail
 
 
 def _device_memory(plan: Plan) -> tuple[float, str]:

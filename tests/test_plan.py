@@ -514,6 +514,10 @@ def test_a_cpu_mesh_plan_is_the_step_the_trainer_compiles(tmp_path: Path, capsys
     tight = f"device_memory_gb={(ample['compiled']['step_peak'] - 1000) / 0.9 / 1e9:.12f}"
     fallen = _cpu_plan(capsys, "remat_policy=auto", tight)
     assert fallen["remat_policy"] != ample["remat_policy"] and fallen["compiled"]["fits"]
+    trail = fallen["compiled"]["auto"]  # the compiles that decided, in order: the first over, the last chosen
+    assert trail["chose"] == fallen["remat_policy"] and trail["compiled"][0] == {
+        "policy": ample["remat_policy"], "step_peak": ample["compiled"]["step_peak"], "fits": False, "error": None}
+    assert trail["compiled"][-1]["policy"] == trail["chose"] and trail["compiled"][-1]["fits"]
     for planned, overrides in ((ample, ()), (fallen, (tight,))):
         trained = _trained_policy_and_peak(tmp_path / str(len(overrides)), capsys, "remat_policy=auto", *overrides)
         assert trained == (planned["remat_policy"], planned["compiled"]["step_peak"])
@@ -558,6 +562,9 @@ def test_compile_verdict_is_the_trainers_check(capsys: pytest.CaptureFixture[str
         assert verdict.startswith("compiled: yes, fits the" if code == 0 else "compiled: no, does NOT fit the"), verdict
         assert tool.main([*TINY_TPU, "--json"]) == code
         compiled = json.loads(capsys.readouterr().out)["compiled"]
+        trail = compiled.pop("auto")  # tiny plans auto: every compile faked to this peak
+        assert trail["chose"] == ("none" if code == 0 else None) and trail["estimate_chose"] == "none"
+        assert all(t["step_peak"] == step_peak and t["fits"] == (code == 0) for t in trail["compiled"])
         assert compiled == {"fits": code == 0, "usable_bytes": usable, "init_peak": 1, "step_peak": step_peak,
                             "init_seconds": 0.1, "step_seconds": 0.2, "step_host": 0,
                             "step": {"params": 10, "optimizer": 20, "reference": 0, "batch": 5,
