@@ -83,7 +83,8 @@ def _compile_auto(trainer: Trainer, batch_sharding: NamedSharding, usable: int, 
             last, _, peak = compiled[-1]
             print(f"remat_policy={last.cfg.remat_policy} compiled to a peak of {format_bytes(peak)} per device, over "
                   f"the {format_bytes(usable)} usable; compiling remat_policy={policy} instead", flush=True)
-        candidate = Trainer(with_policy(trainer.cfg, policy), trainer.mesh)
+        same = policy == trainer.cfg.remat_policy  # the plan's own choice: the trainer as it was built
+        candidate = trainer if same else Trainer(with_policy(trainer.cfg, policy), trainer.mesh)
         compiled.append((candidate, *_compiled(candidate, batch_sharding)))
         peak = compiled[-1][2]
         return usable if peak is None else peak  # no memory analysis: nothing to check it against
