@@ -30,7 +30,6 @@ import importlib.util
 import json
 import math
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
