@@ -406,9 +406,9 @@ def _usable(plan: Plan) -> tuple[int, str]:
     """(bytes, where they come from) of the memory the trainer lets a compiled step use on the target: HBM less
     `memory_headroom`, as `maxshard/run/compile_check.py` checks it before the first step."""
     memory_fit = plan.cfg.memory_fit
-    if memory_fit is None:
-        memory, which = _device_memory(plan)
-        return int(memory), f"{plan.target.name} {which}"
+    if memory_fit is None:  # an explicit policy: the trainer's check_memory records the same capacity, less headroom
+        capacity = target_capacity(plan.cfg, plan.target)
+        return fit.usable(plan.cfg, capacity), f"{capacity.source}, memory_headroom={plan.cfg.memory_headroom:g}"
     return memory_fit.usable_bytes, f"{memory_fit.capacity_source}, memory_headroom={plan.cfg.memory_headroom:g}"
 
 

@@ -569,6 +569,10 @@ def test_compile_verdict_is_the_trainers_check(capsys: pytest.CaptureFixture[str
                             "step": {"params": 10, "optimizer": 20, "reference": 0, "batch": 5,
                                      "temporaries": step_peak - 35, "other": 0, "peak": step_peak, "host": 0}}
     assert verdict.endswith("HBM; the trainer's compile check would not run remat_policy=none"), verdict
+    # an explicit policy is checked against the same usable memory, HBM less memory_headroom, as auto and the trainer
+    monkeypatch.setattr(tool, "compile_run", lambda *args, **kwargs: _faked_run(usable + 1))
+    assert tool.main([*TINY_TPU, "remat_policy=full", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["compiled"]["usable_bytes"] == usable
 
 
 def test_compile_reports_a_program_over_the_chip_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
