@@ -30,7 +30,7 @@ from maxshard.config.structures import parse_flags, parse_logical_rules, parse_m
 from maxshard.errors import ConfigError
 
 __all__ = ["Config", "MESH_AXES", "knob_name", "load", "parse", "finalize", "user_keys", "resolve_path",
-           "resolve_paths", "load_parsed", "reading_files_once"]
+           "resolve_paths", "load_parsed", "reading_files_once", "simulate_cpu_devices"]
 
 _HINTS = typing.get_type_hints(Config)
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
@@ -293,14 +293,14 @@ def load_parsed(cfg: Config, num_devices: int | None = None, device_kind: str | 
         import jax  # deferred: parsing alone must not start a backend
 
         if cfg.cpu_device_count > 0:
-            _simulate_cpu_devices(jax, cfg.cpu_device_count)
+            simulate_cpu_devices(jax, cfg.cpu_device_count)
         num_devices = jax.device_count()
         device_kind = jax.devices()[0].device_kind
         return finalize(cfg, num_devices, device_kind, jax.process_count())
     return finalize(cfg, num_devices, device_kind or "cpu")
 
 
-def _simulate_cpu_devices(jax: Any, count: int) -> None:
+def simulate_cpu_devices(jax: Any, count: int) -> None:
     """Applies `cpu_device_count`; it only works before JAX starts a backend.
 
     Simulated CPU devices make this a CPU run: unless JAX_PLATFORMS says otherwise, JAX is told so, and does not

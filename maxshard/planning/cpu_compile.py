@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from maxshard.errors import ConfigError
 from maxshard.launch.topologies import Target
 
 __all__ = ["INSTALL", "missing", "abstract_devices"]
@@ -27,17 +26,11 @@ def missing() -> str | None:
 
 
 def abstract_devices(target: Target) -> list[Any]:
-    """The first `target.num_devices` CPU devices of this process, simulated now if JAX has not started its
-    backend; ConfigError (one line) where it started with fewer."""
+    """This process's `target.num_devices` CPU devices, simulated as `cpu_device_count` makes them
+    (`config.loader.simulate_cpu_devices`: ConfigError, one line, where JAX already started with another count)."""
     import jax
 
-    try:
-        jax.config.update("jax_num_cpu_devices", target.num_devices)
-    except RuntimeError:  # the backend is up: its devices are the ones there are
-        pass
-    cpus = jax.devices("cpu")
-    if len(cpus) < target.num_devices:
-        raise ConfigError(f"--topology {target.name} needs {target.num_devices} CPU devices, but JAX started this "
-                          f"process with {len(cpus)}; plan it in a process of its own")
-    return cpus[:target.num_devices]
+    from maxshard.config.loader import simulate_cpu_devices
 
+    simulate_cpu_devices(jax, target.num_devices)
+    return jax.devices("cpu")

@@ -197,8 +197,7 @@ def by_preference(cfg: Config, peaks: Mapping[str, int]) -> tuple[str, ...]:
     """The policies `auto` chooses from in the order it prefers them (`_cost`: on the device first, then the fewest
     FLOPs re-run; of equal cost, the smaller planned peak in `peaks`, as `cheapest` picks), the order in which
     compiles decide (`run/auto_compile.py`)."""
-    cost = _cost(cfg)
-    return tuple(sorted(_candidates(cfg), key=lambda policy: (cost(policy), peaks[policy])))
+    return tuple(sorted(_candidates(cfg), key=_preference(cfg, peaks)))
 
 
 def decide(cfg: Config, capacity: Capacity, strict: bool = True) -> MemoryFit:
@@ -256,10 +255,15 @@ def _cheapest_fitting(cfg: Config, peaks: Mapping[str, int], hosts: Mapping[str,
     return None
 
 
+def _preference(cfg: Config, peaks: Mapping[str, int]) -> Callable[[str], tuple[tuple[bool, float], int]]:
+    """auto's order of policies (the sort key of `by_preference` and `cheapest`): `_cost`, then the planned peak."""
+    cost = _cost(cfg)
+    return lambda policy: (cost(policy), peaks[policy])
+
+
 def cheapest(cfg: Config, fitting: list[str], peaks: Mapping[str, int]) -> str:
     """Of the policies that fit, the one of least `_cost`; of equal ones, the smallest."""
-    cost = _cost(cfg)
-    return min(fitting, key=lambda policy: (cost(policy), peaks[policy]))
+    return min(fitting, key=_preference(cfg, peaks))
 
 
 _SHARD_MORE = "shard more (ici_fsdp_parallelism, ici_tensor_parallelism) or lower per_device_batch_size"
