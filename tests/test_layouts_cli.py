@@ -11,7 +11,8 @@ The dense model has 8 layers and 8 heads so that every axis can take all 8 devic
 layer per stage, sequence and the tensor axes a head per device); the MoE model routes top-2 of 8 experts dropless,
 which computes the same function under any expert layout; the 3:1 DeltaNet/attention hybrid (layer_types) has 8
 layers, two units, so that a pipeline of two stages holds one unit each; Llama 4's unit (chunked and NoPE layers,
-top-1 experts on the input) runs twice, as does Gemma 4's (its second unit reusing the first's keys and values).
+top-1 experts on the input) runs twice, as does Gemma 4's (its second unit reusing the first's keys and values);
+Gemma 4's MoE block runs its experts beside each layer's dense MLP.
 """
 
 from __future__ import annotations
@@ -62,6 +63,10 @@ MODELS = {
                "sliding_window=8", "kv_shared_layers=2", "per_layer_input_dim=16", "value_norm=true",
                "layer_scalar=true", "qk_norm=true", "post_norms=true", "embed_scale=true", "rope_proportion=0.5",
                "global_head_dim=8", "global_num_kv_heads=4", "kv_shared_mlp_dim=128"),
+    # Gemma 4's MoE block (the 26B-A4B release): every layer's dense MLP with top-2 of 8 dropless experts beside it,
+    # their own norms, the router's norm and the per-expert scale
+    "gemma4_moe": ("num_layers=2", "num_experts=8", "num_experts_per_tok=2", "moe_mlp_dim=32", "capacity_factor=-1",
+                   "moe_beside_mlp=true", "post_norms=true", "moe_layer_interval=1"),
 }
 # name -> (model, knobs); every knob not named is 1. Of the pairs, context x fsdp and expert x fsdp are held to one
 # device in-process (tests/test_objectives.py context2_fsdp4, tests/test_parity.py expert2_fsdp4).
@@ -90,6 +95,9 @@ LAYOUTS = {
     # the shared layers' keys and values from the layer before, per-layer inputs sliced by stack (in-process parity
     # with gradients under more layouts: tests/test_kv_sharing.py)
     "gemma4 fsdp x tensor": ("gemma4", ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"]),
+    # the experts split over expert beside the dense MLP over fsdp (in-process parity with gradients under expert x
+    # fsdp x tensor and a pipeline: tests/test_moe_beside_mlp.py)
+    "gemma4 moe block expert x fsdp": ("gemma4_moe", ["ici_expert_parallelism=4", "ici_fsdp_parallelism=2"]),
 }
 
 

@@ -274,7 +274,9 @@ def _qk_norm_config(qk_norm: bool, layers: int = 4, policy: str = "none") -> obj
 def test_qk_norm_adds_its_traced_residuals_to_what_each_layer_saves(policy: str) -> None:
     """What the planner adds for qk_norm (model/residuals.py): per layer and token, the residuals traced from the
     layer with its norms less without them (fsdp=8: the whole widths); none keeps the norms' values, 4 x (3 (Q + K)
-    + 2 (heads + kv heads)) bytes, minimal (matmul outputs) and full (the layer input) nothing more."""
+    + 2 (heads + kv heads)) bytes, minimal (matmul outputs) and full (the layer input) nothing more. What they do
+    not save, the backward re-runs and holds for the layer being differentiated: the working set grows by it, and by
+    nothing under none (memory.py `_recomputed_option_bytes`)."""
     plain, qk = (estimate.make_plan(_qk_norm_config(on, policy=policy)) for on in (False, True))
     cfg = qk.cfg
     traced = residuals.option_bytes(dataclasses.replace(cfg.model, remat_policy=policy))
@@ -283,7 +285,10 @@ def test_qk_norm_adds_its_traced_residuals_to_what_each_layer_saves(policy: str)
     tokens = cfg.global_batch_size // 8 * cfg.max_target_length
     assert traced == expected
     assert qk.activation_terms.saved - plain.activation_terms.saved == cfg.num_layers * tokens * traced
-    assert qk.activation_terms.working == plain.activation_terms.working  # not planned: memory.py's docstring
+    everything = residuals.option_bytes(dataclasses.replace(cfg.model, remat_policy="none"))
+    recomputed = 0 if policy == "none" else everything - traced
+    assert recomputed >= 0 and (policy == "none" or recomputed > 0)
+    assert qk.activation_terms.working - plain.activation_terms.working == pytest.approx(tokens * recomputed)
 
 
 @pytest.fixture(scope="module")

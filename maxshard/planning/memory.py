@@ -37,7 +37,10 @@ s = the compute dtype's itemsize:
                            kv heads and mlp (blockwise attention for a fused kernel), less the same unit's with the
                            options at their defaults (0 then, and nothing traced). XLA:CPU keeps what is traced;
                            XLA:TPU keeps more under none, as its tiles store values (benchmarks/README.md, "Layer
-                           options in the activation plan")
+                           options in the activation plan"). What the options add without remat less what
+                           the policy saves of them is what the unit's backward re-runs: it joins the working set,
+                           per layer of the unit (a layer kind such as gated DeltaNet is an option, traced against
+                           the attention layer it replaces: its scores leave the working set, its own values join)
 
     the backward of one layer (its working set, while the layer is recomputed and differentiated) is measured, not
     derived: XLA fuses and frees its pieces in an order no formula follows. XLA_CPU_WORKING holds, per policy, the
@@ -257,7 +260,8 @@ def activation_terms(cfg: Config, sizes: Mapping[str, int], geo: Geometry, gathe
         modules = (cfg.model.mtp_depth - 1) * f.mtp_working_sets + f.mtp_first_working.get(policy.name, 0.0)
     terms = ActivationTerms(
         saved=geo.layers * tokens * (w.saved_bytes(policy, size) + _option_bytes(cfg, w, policy)),
-        working=tokens * (w.unit_working_bytes(policy, size, target, per_layer) + modules * layer_working) * frozen,
+        working=tokens * max(w.unit_working_bytes(policy, size, target, per_layer) + modules * layer_working
+                             + per_layer * _recomputed_option_bytes(cfg, w, policy), 0.0) * frozen,
         moe=geo.moe_layers * tokens * moe_saved + tokens * moe_memory.working_bytes(
             cfg, w, sizes, size, target, fitted(target).working[remat.on_device(policy).name], layer_working),
         pipeline=0.0,
@@ -290,6 +294,17 @@ def _option_bytes(cfg: Config, w: Widths, policy: remat.Policy) -> float:
                                 attention="blockwise" if w.fused else "dot_product",
                                 remat_policy=remat.on_device(policy).name)
     return residuals.option_bytes(local)
+
+
+def _recomputed_option_bytes(cfg: Config, w: Widths, policy: remat.Policy) -> float:
+    """What the layer options add, per token and layer, to what the unit's backward re-runs and holds under
+    `policy`: their residuals without remat less what the policy saves of them (traced, `_option_bytes`). A layer
+    kind the formula does not count (gated DeltaNet's chunked delta rule, a test's toy) is such an option: traced
+    against the standard layer it replaces, so what it re-runs is counted from its own trace and the attention
+    scores it does not compute leave the working set (the term is negative then), with no constant of the kind's."""
+    if policy.keeps == "everything":
+        return 0.0
+    return _option_bytes(cfg, w, remat.policy("none")) - _option_bytes(cfg, w, policy)
 
 
 def _frozen_share(cfg: Config) -> float:
