@@ -141,6 +141,7 @@ def _search(args: argparse.Namespace, raw_argv: Sequence[str]) -> int:
     progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     result = search.search(argv, target, args.headroom, args.max_candidates, progress=progress)
     checked: list[_Checked] = []
+    untried = max(len(result.fitting) - args.top, 0)  # layouts the formulas say fit, past the compiled ones
     if compiler is not None and result.fitting:
         checked = [_check(c, result, compiler, progress) for c in result.fitting[:args.top]]
         confirmed = [k.candidate for k in checked if k.fits]
@@ -153,7 +154,7 @@ def _search(args: argparse.Namespace, raw_argv: Sequence[str]) -> int:
         print(json.dumps({**search_json(result, args.top),
                           **({"compiled": [k.as_json() for k in checked]} if compiler is not None else {})}))
     elif checked and not result.fitting:
-        print(_none_compiles(checked, result.capacity))
+        print(_none_compiles(checked, result.capacity, untried))
     elif not result.fitting:
         print(nothing_fits(result))
     else:
@@ -206,15 +207,17 @@ def _check(c: search.Candidate, result: search.SearchResult, compiler: _Compiler
     return _Checked(c, step.peak, result.capacity)
 
 
-def _none_compiles(checked: list[_Checked], capacity: float) -> str:
-    """One line: none of the layouts compiled fits, and the closest by its compiled peak."""
+def _none_compiles(checked: list[_Checked], capacity: float, untried: int) -> str:
+    """One line: none of the layouts compiled fits, the closest by its compiled peak, and how to compile more of the
+    ranking where the formulas put `untried` more layouts within the capacity."""
     best = min((k for k in checked if k.peak is not None), key=lambda k: k.peak, default=None)
+    more = f"; {untried} more layouts plan within it: --top {2 * len(checked)} compiles more of them" if untried else ""
     if best is None:
-        return f"plan: none of the {len(checked)} best layouts compiles within the chip: {checked[0].error}"
+        return f"plan: none of the {len(checked)} best layouts compiles within the chip: {checked[0].error}{more}"
     pasted = " ".join(best.candidate.overrides) or "the config as given"
     return (f"plan: none of the {len(checked)} best layouts compiles within {format_bytes(capacity)} per device; the "
             f"closest, {best.candidate.layout.label} ({pasted}), compiles to {format_bytes(best.peak)}: "
-            f"{format_bytes(best.peak - capacity)} over")
+            f"{format_bytes(best.peak - capacity)} over{more}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -50,6 +50,8 @@ def test_a_layout_whose_compiled_step_does_not_fit_leaves_the_ranking(capsys: py
     line = capsys.readouterr().out
     assert line.count("\n") == 1 and line.startswith("plan: none of the 2 best layouts compiles within "), line
     assert f"the closest, {layouts[0]} " in line
+    untried = formula["fitting"] - 2
+    assert line.rstrip().endswith(f"; {untried} more layouts plan within it: --top 4 compiles more of them"), line
 
 
 def test_the_best_layout_compiles_for_the_slice(capsys: pytest.CaptureFixture[str]) -> None:
