@@ -258,10 +258,11 @@ def activation_terms(cfg: Config, sizes: Mapping[str, int], geo: Geometry, gathe
     if cfg.model.mtp_depth and policy.keeps != "everything":
         f = fitted(target)
         modules = (cfg.model.mtp_depth - 1) * f.mtp_working_sets + f.mtp_first_working.get(policy.name, 0.0)
+    options = _option_bytes(cfg, w, policy)
     terms = ActivationTerms(
-        saved=geo.layers * tokens * (w.saved_bytes(policy, size) + _option_bytes(cfg, w, policy)),
+        saved=geo.layers * tokens * (w.saved_bytes(policy, size) + options),
         working=tokens * max(w.unit_working_bytes(policy, size, target, per_layer) + modules * layer_working
-                             + per_layer * _recomputed_option_bytes(cfg, w, policy), 0.0) * frozen,
+                             + per_layer * _recomputed_option_bytes(cfg, w, policy, options), 0.0) * frozen,
         moe=geo.moe_layers * tokens * moe_saved + tokens * moe_memory.working_bytes(
             cfg, w, sizes, size, target, fitted(target).working[remat.on_device(policy).name], layer_working),
         pipeline=0.0,
@@ -296,15 +297,16 @@ def _option_bytes(cfg: Config, w: Widths, policy: remat.Policy) -> float:
     return residuals.option_bytes(local)
 
 
-def _recomputed_option_bytes(cfg: Config, w: Widths, policy: remat.Policy) -> float:
+def _recomputed_option_bytes(cfg: Config, w: Widths, policy: remat.Policy, saved: float) -> float:
     """What the layer options add, per token and layer, to what the unit's backward re-runs and holds under
-    `policy`: their residuals without remat less what the policy saves of them (traced, `_option_bytes`). A layer
+    `policy`: their residuals without remat less what the policy saves of them (`saved`, `_option_bytes` under
+    `policy`; both traced). A layer
     kind the formula does not count (gated DeltaNet's chunked delta rule, a test's toy) is such an option: traced
     against the standard layer it replaces, so what it re-runs is counted from its own trace and the attention
     scores it does not compute leave the working set (the term is negative then), with no constant of the kind's."""
     if policy.keeps == "everything":
         return 0.0
-    return _option_bytes(cfg, w, remat.policy("none")) - _option_bytes(cfg, w, policy)
+    return _option_bytes(cfg, w, remat.policy("none")) - saved
 
 
 def _frozen_share(cfg: Config) -> float:
